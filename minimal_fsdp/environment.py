@@ -1,0 +1,148 @@
+"""Who am I, how many are we, and which device is mine: launch discovery and process-group setup.
+
+Works under any MPI (mpiexec from the `mpich` wheel, Open MPI, Cray MPICH on PBS), under torchrun, and as a
+plain `python basic_training.py` (world size 1). Under MPI, rank 0 picks the rendezvous address and port and
+broadcasts them, so no launcher-specific environment variables are needed.
+"""
+import datetime
+import os
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+# Variables that MPI launchers set in every rank: MPICH/Hydra, Open MPI, PMIx, Cray PALS.
+MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "PMI_SIZE")
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    num_nodes: int
+    device: torch.device
+    backend: str
+    launcher: str
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _count_pbs_nodes():
+    nodefile = os.environ.get("PBS_NODEFILE")
+    if not nodefile or not os.path.exists(nodefile):
+        raise ConfigError("--environment pbs needs PBS_NODEFILE (run inside a PBS job, or use --environment local)")
+    with open(nodefile) as f:
+        return len({line.strip() for line in f if line.strip()})
+
+
+def _discover_mpi():
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    num_nodes = world.allreduce(1 if node.Get_rank() == 0 else 0)
+    rendezvous = None
+    if world.Get_rank() == 0:
+        addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if num_nodes == 1 else socket.gethostname())
+        rendezvous = (addr, os.environ.get("MASTER_PORT") or str(_free_port()))
+    addr, port = world.bcast(rendezvous, root=0)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
+    return world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), num_nodes
+
+
+def _discover(environment):
+    """Returns (rank, world, local_rank, local_world, num_nodes, launcher)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:  # torchrun, Kubernetes PyTorchJob
+        world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+        return (int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world,
+                max(1, world // local_world), "torchrun")
+    if any(v in env for v in MPI_RANK_VARIABLES):
+        return (*_discover_mpi(), "mpi")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(_free_port()))
+    return 0, 1, 0, 1, 1, "single"
+
+
+def setup(cfg):
+    """Discover the layout, pick the device, and initialize torch.distributed (always, even for one rank,
+    so every code path below is the same FSDP path)."""
+    rank, world, local_rank, local_world, num_nodes, launcher = _discover(cfg.environment)
+    if cfg.environment == "pbs":
+        num_nodes = _count_pbs_nodes()
+        local_world = max(1, world // num_nodes)
+    if launcher == "mpi":
+        install_abort_on_exception()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        # Ranks on one host share its cores; without this each would start a thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.collective_timeout),
+                            device_id=device if backend == "nccl" else None)
+    return DistEnv(rank, world, local_rank, local_world, num_nodes, device, backend, launcher)
+
+
+def teardown():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def install_abort_on_exception():
+    """An uncaught exception on one rank must end the whole MPI job, not leave the others in a collective."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.flush()
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+
+
+def run_on_main(fn, *args):
+    """Run fn on rank 0 only (e.g. preparing data) while the others wait; every rank returns its result or
+    raises its error, so a failure on rank 0 can never leave the others waiting forever."""
+    outcome = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = fn(*args)
+        except ConfigError as e:
+            outcome[1] = str(e)
+        except Exception as e:  # report unexpected failures the same way, with the traceback on rank 0
+            traceback.print_exc()
+            outcome[1] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise ConfigError(outcome[1])
+    return outcome[0]
+
+
+def rank_hint():
+    """This process's global rank, also before (or without) torch.distributed: for printing errors once."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0

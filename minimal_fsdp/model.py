@@ -1,0 +1,157 @@
+"""A GPT-2-style decoder: pre-LayerNorm blocks, GELU MLP, tied embeddings, causal SDPA attention.
+
+Only the math lives here; how it is sharded, checkpointed and compiled lives in parallelize.py.
+Shapes: B batch, T time, C embed_size, H heads, D = C // H.
+"""
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 65
+    seq_length: int = 128  # the context: positions the model has embeddings for
+    num_layers: int = 4
+    num_heads: int = 4
+    embed_size: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+
+    def to_dict(self):
+        return asdict(self)
+
+
+# The OpenAI GPT-2 shapes (vocab 50257, 1024 positions) and a tiny one that trains on a laptop CPU.
+PRESETS = {
+    "tiny": dict(num_layers=4, num_heads=4, embed_size=128, seq_length=128, dropout=0.0),
+    "gpt2": dict(num_layers=12, num_heads=12, embed_size=768, seq_length=1024, vocab_size=50257, dropout=0.0),
+    "gpt2-medium": dict(num_layers=24, num_heads=16, embed_size=1024, seq_length=1024, vocab_size=50257, dropout=0.0),
+    "gpt2-large": dict(num_layers=36, num_heads=20, embed_size=1280, seq_length=1024, vocab_size=50257, dropout=0.0),
+    "gpt2-xl": dict(num_layers=48, num_heads=25, embed_size=1600, seq_length=1024, vocab_size=50257, dropout=0.0),
+}
+
+
+class KVCache:
+    """Keys and values of every layer for positions [0, pos); preallocated for the whole context."""
+
+    def __init__(self, config, batch_size, device, dtype):
+        shape = (batch_size, config.num_heads, config.seq_length, config.embed_size // config.num_heads)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.pos = 0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.embed_size, 3 * config.embed_size, bias=config.bias)
+        self.proj = nn.Linear(config.embed_size, config.embed_size, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cache=None, layer=0):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:  # write this step's keys/values, attend over everything so far
+            start = cache.pos
+            cache.k[layer][:, :, start:start + T] = k
+            cache.v[layer][:, :, start:start + T] = v
+            k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
+        # A prefill (T > 1) starts at position 0 and is causal; a single new token sees every cached one.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.fc = nn.Linear(config.embed_size, 4 * config.embed_size, bias=config.bias)
+        self.proj = nn.Linear(4 * config.embed_size, config.embed_size, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """The unit of sharding and activation checkpointing."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.embed_size, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.embed_size, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None, layer=0):
+        x = x + self.attn(self.ln_1(x), cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    block_type = Block
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.embed_size)
+        self.wpe = nn.Embedding(config.seq_length, config.embed_size)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.embed_size, bias=config.bias)
+        self.checkpoint_blocks = False  # set by parallelize for activation checkpointing
+
+    def forward(self, idx, targets=None, cache=None):
+        """Returns the mean cross-entropy if targets are given, else the logits of the last position."""
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for layer, block in enumerate(self.blocks):
+            if self.checkpoint_blocks and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, cache, layer)
+        x = self.ln_f(x)
+        if cache is not None:
+            cache.pos += T
+        if targets is None:
+            return F.linear(x[:, -1], self.wte.weight)  # tied output embedding
+        logits = F.linear(x, self.wte.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def initial_value(self, name, shape, generator, device):
+        """The initial value of parameter `name`, a pure function of (name, seeded generator), so eager init
+        and meta-device init of one shard at a time give identical weights."""
+        if name.endswith("bias"):
+            return torch.zeros(shape, device=device)
+        if "ln_" in name:
+            return torch.ones(shape, device=device)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * layers) so the residual stream stays O(1).
+        std = 0.02 / math.sqrt(2 * self.config.num_layers) if name.endswith("proj.weight") else 0.02
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def flops_per_token(self):
+        """Training FLOPs per token: 6N for the matmuls plus attention (PaLM's count, as nanoGPT does)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.num_layers * c.embed_size * c.seq_length
+
+
+def make_config(preset, **overrides):
+    """A preset's shape with any explicitly given (non-None) fields replacing it."""
+    fields = dict(PRESETS[preset])
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return GPTConfig(**fields)

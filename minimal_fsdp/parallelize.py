@@ -1,0 +1,70 @@
+"""How a model is sharded, initialized, checkpointed and compiled: FSDP2 `fully_shard` over a DeviceMesh.
+
+Strategies map onto FSDP2 as:
+  full-shard          1-D mesh, params resharded after forward (ZeRO-3)
+  grad-shard          1-D mesh, params kept gathered from forward to backward (ZeRO-2-like)
+  no-shard            2-D mesh (world x 1): replicate everywhere, shard over one rank (DDP semantics)
+  hybrid-*-shard      2-D mesh (nodes x shard_group_size): replicate across groups, shard inside one
+"""
+import zlib
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def build_mesh(cfg, env):
+    kind = env.device.type
+    if cfg.sharding in ("full-shard", "grad-shard"):
+        return init_device_mesh(kind, (env.world_size,), mesh_dim_names=("shard",))
+    group = 1 if cfg.sharding == "no-shard" else (cfg.shard_group_size or env.local_world_size)
+    return init_device_mesh(kind, (env.world_size // group, group), mesh_dim_names=("replicate", "shard"))
+
+
+def shard(model, mesh, cfg):
+    """fully_shard each block (the unit that is gathered, freed and overlapped), then the root for the rest."""
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cfg.precision == "bf16" else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
+    reshard = cfg.sharding in ("full-shard", "hybrid-full-shard")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
+    return model
+
+
+@torch.no_grad()
+def init_weights(model, seed, device):
+    """Give every parameter its initial value, one full parameter at a time on `device`.
+
+    Each parameter is drawn from its own generator seeded by (seed, name), so the values do not depend on
+    the world size, the sharding, or whether the model was built on the meta device. A sharded (DTensor)
+    parameter keeps only its local slice: no rank ever holds more than one full parameter.
+    """
+    for name, param in model.named_parameters():
+        generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        value = model.initial_value(name, param.shape, generator, device)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(value)
+
+
+def build_model(model_cls, model_config, cfg, env, mesh):
+    """Build, initialize and shard a model as the flags say; returns it ready for training or generation."""
+    with torch.device("meta" if cfg.meta_init else env.device):
+        model = model_cls(model_config)
+    model.checkpoint_blocks = cfg.activation_checkpoints
+    if cfg.compile:
+        for block in model.blocks:
+            # Compiling forward (not the module) keeps FSDP's hooks outside the graph and state-dict keys unchanged.
+            block.forward = torch.compile(block.forward)
+    if not cfg.meta_init:
+        init_weights(model, cfg.seed, env.device)
+    shard(model, mesh, cfg)
+    if cfg.meta_init:
+        model.to_empty(device="cpu" if cfg.cpu_offload else env.device)
+        init_weights(model, cfg.seed, env.device)
+    return model
