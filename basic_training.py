@@ -45,6 +45,9 @@ def main(argv=None):
             raise ConfigError(f"--max_epochs -1 generates from a checkpoint, but {run_dir} has none: "
                               "train first or pass --restart_checkpoint_file")
         model_config = GPTConfig(**checkpoint.read_meta(start)["model"])
+        if cfg.seq_length and cfg.seq_length > model_config.seq_length:
+            raise ConfigError(f"--seq_length {cfg.seq_length} is larger than the model's context of "
+                              f"{model_config.seq_length} tokens in {start}")
         model = build_model(GPT, model_config, cfg, env, mesh)
         checkpoint.load(start, model)
         tokenizer = load_tokenizer(start)

@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -135,5 +136,7 @@ def load_full_model_state(path):
     state = {key: torch.empty(md.size, dtype=md.properties.dtype)
              for key, md in metadata.state_dict_metadata.items() if key.startswith("model.")}
     nested = {"model": {key[len("model."):]: t for key, t in state.items()}}
-    dcp.load(nested, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(nested, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return nested["model"]

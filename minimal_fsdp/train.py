@@ -97,7 +97,7 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
     tokens_per_step = env.world_size * cfg.batch_size * cfg.grad_accum_steps * seq_length
     peak = PEAK_FLOPS[cfg.precision] * env.world_size if env.device.type == "cuda" else None
     log = MetricsLog(cfg, env)
-    bar = tqdm(total=last, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="train")
+    bar = tqdm(total=last, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="train", mininterval=1.0)
     model.train()
     loss_sum, timed_steps, t0 = 0.0, 0, time.perf_counter()
     step = start_step

@@ -1,0 +1,53 @@
+"""Shared test helpers: a tiny corpus, and launching the real entry point under mpiexec."""
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY = ROOT / "basic_training.py"
+# Small enough to train in seconds on one core, big enough to exercise sharding (uneven shards included).
+TINY_MODEL = ["--num_layers", "2", "--num_heads", "2", "--embed_size", "32", "--seq_length", "32",
+              "--batch_size", "4", "--eval_batches", "2", "--num_tokens", "0"]
+
+
+def mpiexec():
+    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
+    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec (pip install -e '.[dev]' installs the mpich wheel)")
+    return found
+
+
+def launch(args, ranks=2, cwd=None, timeout=300, env=None, check=True):
+    """Run basic_training.py on `ranks` MPI ranks; returns the CompletedProcess.
+    The timeout only guards against a hang; no test asserts on time."""
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(ENTRY), *map(str, args)]
+    environment = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environment)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def make_text(n_chars=60_000, seed=0):
+    """Pseudo-English from a fixed word list: learnable structure, no dependency on real data."""
+    rng = random.Random(seed)
+    words = ("the king queen lord lady good night sweet love death fair heart come go speak hear thou thee "
+             "my our your sword crown night day blood tears").split()
+    lines = []
+    while sum(map(len, lines)) < n_chars:
+        speaker = rng.choice(["ROMEO", "JULIET", "KING", "NURSE"])
+        lines.append(f"{speaker}:\n" + " ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) + ".\n\n")
+    return "".join(lines)[:n_chars]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(make_text())
+    return path

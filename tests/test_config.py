@@ -1,0 +1,41 @@
+import pytest
+
+from minimal_fsdp.config import ConfigError, build_parser, parse_args, validate_world
+
+
+def test_defaults_parse():
+    cfg = parse_args([])
+    assert cfg.sharding == "full-shard" and cfg.precision == "float32" and not cfg.generate_only
+
+
+def test_every_flag_has_help():
+    for action in build_parser()._actions:
+        assert action.help, action.dest
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sharding", "half-shard"], "invalid choice"),
+    (["--precision", "fp8"], "invalid choice"),
+    (["--batch_size", "0"], "--batch_size must be positive"),
+    (["--batch_size", "-3"], "--batch_size must be positive"),
+    (["--dataset", "text"], "--input_file"),
+    (["--tokenizer", "sentencepiece"], "--vocab_size"),
+    (["--embed_size", "30", "--num_heads", "4"], "divisible"),
+    (["--no_such_flag"], "unrecognized"),
+])
+def test_bad_flags_are_one_line_errors(argv, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        parse_args(argv)
+    assert "\n" not in str(e.value)
+
+
+def test_hybrid_needs_divisible_world():
+    cfg = parse_args(["--sharding", "hybrid-full-shard", "--shard_group_size", "4"])
+    with pytest.raises(ConfigError, match="divisible by --shard_group_size \\(got 6 and 4\\)"):
+        validate_world(cfg, 6, 6)
+    validate_world(cfg, 8, 4)
+
+
+def test_boolean_flags_toggle():
+    cfg = parse_args(["--cpu_offload", "--meta_init", "--activation_checkpoints", "--compile"])
+    assert cfg.cpu_offload and cfg.meta_init and cfg.activation_checkpoints and cfg.compile

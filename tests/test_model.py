@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from minimal_fsdp.model import GPT, GPTConfig, KVCache, PRESETS, make_config
+from minimal_fsdp.parallelize import init_weights
+
+
+def tiny(**kw):
+    return GPTConfig(**dict(dict(vocab_size=50, seq_length=16, num_layers=2, num_heads=2, embed_size=32), **kw))
+
+
+def test_kv_cache_decoding_matches_full_forward():
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    init_weights(model, 0, torch.device("cpu"))
+    idx = torch.randint(0, 50, (1, 12))
+    cache = KVCache(model.config, 1, "cpu", torch.float32)
+    with torch.no_grad():
+        incremental = [model(idx[:, :5], cache=cache)]  # prefill, then one token at a time
+        incremental += [model(idx[:, t:t + 1], cache=cache) for t in range(5, 12)]
+        full = [model(idx[:, :t + 1]) for t in range(4, 12)]
+    for a, b in zip(incremental, full):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_init_is_a_function_of_seed_only():
+    a, b, c = GPT(tiny()), GPT(tiny()), GPT(tiny())
+    init_weights(a, 1, torch.device("cpu"))
+    init_weights(b, 1, torch.device("cpu"))
+    init_weights(c, 2, torch.device("cpu"))
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if name.endswith("weight") and "ln_" not in name:
+            assert not torch.equal(pa, pc), name
+    std = a.blocks[0].mlp.fc.weight.std().item()
+    assert 0.015 < std < 0.025  # GPT-2's N(0, 0.02)
+
+
+@pytest.mark.parametrize("preset,params", [("gpt2", 124_439_808), ("gpt2-medium", 354_823_168),
+                                           ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])
+def test_gpt2_presets_have_openai_parameter_counts(preset, params):
+    with torch.device("meta"):
+        model = GPT(make_config(preset))
+    assert model.num_params(non_embedding=False) == params
+
+
+def test_explicit_flags_override_the_preset():
+    config = make_config("gpt2", num_layers=3, vocab_size=None)
+    assert (config.num_layers, config.embed_size, config.vocab_size) == (3, 768, PRESETS["gpt2"]["vocab_size"])
+
+
+def test_loss_is_cross_entropy_of_the_logits():
+    model = GPT(tiny()).eval()
+    init_weights(model, 0, torch.device("cpu"))
+    x, y = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        loss = model(x, y)
+        last_logits = model(x)
+        full_loss_last = torch.nn.functional.cross_entropy(last_logits, y[:, -1])
+    assert 3.0 < loss.item() < 5.0  # about ln(50) at init
+    assert torch.isfinite(full_loss_last)

@@ -1,0 +1,84 @@
+"""Every sharding strategy (and offload, activation checkpointing, meta init) trains exactly like one process
+holding the whole model and the whole global batch: same losses, same parameters."""
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_MODEL, launch
+
+sys.path.insert(0, str(ROOT))
+from basic_training import model_config_for  # noqa: E402
+from minimal_fsdp import checkpoint  # noqa: E402
+from minimal_fsdp.config import parse_args  # noqa: E402
+from minimal_fsdp.data import TokenData, dataset_dir  # noqa: E402
+from minimal_fsdp.model import GPT  # noqa: E402
+from minimal_fsdp.parallelize import init_weights  # noqa: E402
+from minimal_fsdp.train import build_optimizer, lr_at, steps_per_epoch, total_steps  # noqa: E402
+
+STEPS = 6
+
+
+def train_args(corpus, run_name, extra=()):
+    work = corpus.parent
+    return ["--dataset", "text", "--input_file", corpus, "--data_dir", work / "data", "--log_dir", work / "logs",
+            "--checkpoint_dir", work / "checkpoints", *TINY_MODEL, "--max_steps", STEPS, "--log_interval", 1,
+            "--eval_interval", 0, "--run_name", run_name, "--lr", "3e-3", "--warmup_steps", 2,
+            "--dropout", "0.0", *extra]
+
+
+def reference(args, world):
+    """The same training, written plainly: one process, whole model, all ranks' batches concatenated."""
+    cfg = parse_args([str(a) for a in args])
+    data = TokenData(dataset_dir(cfg))
+    model_config = model_config_for(cfg, data)
+    model = GPT(model_config)
+    init_weights(model, cfg.seed, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg)
+    seq = model_config.seq_length
+    last = total_steps(cfg, steps_per_epoch(cfg, world, data.num_tokens("train"), seq))
+    losses = []
+    for step in range(STEPS):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg, last)
+        batches = [data.get_batch("train", step, r, cfg.batch_size, seq, cfg.seed) for r in range(world)]
+        loss = model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def logged_losses(cwd, run_name):
+    rows = [json.loads(line) for line in (cwd / "logs" / run_name / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+CASES = [
+    (2, ["--sharding", "full-shard"]),
+    (2, ["--sharding", "grad-shard"]),
+    (2, ["--sharding", "no-shard"]),
+    (4, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2]),
+    (4, ["--sharding", "hybrid-grad-shard", "--shard_group_size", 2]),
+    (2, ["--sharding", "full-shard", "--cpu_offload"]),
+    (2, ["--sharding", "full-shard", "--activation_checkpoints"]),
+    (2, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2, "--meta_init"]),
+]
+
+
+@pytest.mark.parametrize("ranks,extra", CASES, ids=[" ".join(map(str, e)) for _, e in CASES])
+def test_strategy_matches_single_process(tmp_path, corpus, ranks, extra):
+    args = train_args(corpus, "run", extra)
+    launch(args, ranks=ranks, cwd=tmp_path)
+    losses = logged_losses(tmp_path, "run")
+    ref_losses, ref_state = reference(args, ranks)
+    assert len(losses) == STEPS
+    assert losses == pytest.approx(ref_losses, abs=2e-5), (losses, ref_losses)
+    assert ref_losses[-1] < ref_losses[0]  # it learned something, so the comparison is not vacuous
+    saved = checkpoint.load_full_model_state(checkpoint.latest(tmp_path / "checkpoints" / "run"))
+    assert saved.keys() == ref_state.keys()
+    for name, value in ref_state.items():
+        torch.testing.assert_close(saved[name], value, atol=2e-5, rtol=1e-4, msg=name)
