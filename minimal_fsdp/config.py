@@ -64,11 +64,12 @@ class Config:
     val_fraction: float = flag(0.1, "tail fraction of the text held out for validation", section="data")
 
     # training
-    max_epochs: int = flag(2, "passes over the training tokens; -1 skips training and only generates")
-    max_steps: int = flag(None, "stop after this many optimizer steps (overrides epochs when smaller)")
+    max_epochs: int = flag(1, "passes over the training tokens; -1 skips training and only generates")
+    max_steps: int = flag(600, "stop after this many optimizer steps if that comes before --max_epochs "
+                               "(the default keeps the first run to minutes on a laptop; 0: no cap)")
     batch_size: int = flag(16, "sequences per rank per micro-step")
     grad_accum_steps: int = flag(1, "micro-steps per optimizer step")
-    lr: float = flag(1e-3, "peak learning rate")
+    lr: float = flag(3e-3, "peak learning rate (the default suits the tiny preset; GPT-2 sizes want ~6e-4)")
     min_lr: float = flag(None, "final learning rate of the cosine decay (default lr/10)")
     warmup_steps: int = flag(50, "linear warmup steps")
     weight_decay: float = flag(0.1, "AdamW weight decay on matrices")
@@ -127,11 +128,14 @@ def validate(cfg):
     """Checks that need only the flags. Checks that need the world size, data or checkpoints live where
     those are known, and run before the first collective that could hang."""
     positive = ["batch_size", "grad_accum_steps", "num_layers", "num_heads", "embed_size", "seq_length",
-                "vocab_size", "max_steps", "shard_group_size"]
+                "vocab_size", "shard_group_size", "log_interval", "eval_batches"]
     for name in positive:
         value = getattr(cfg, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name} must be positive (got {value})")
+    for name in ("max_steps", "num_tokens", "checkpoint_interval", "eval_interval", "warmup_steps"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be 0 or positive (got {getattr(cfg, name)})")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr must be positive (got {cfg.lr})")
     if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
