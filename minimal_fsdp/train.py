@@ -11,7 +11,15 @@ from tqdm import tqdm
 
 from . import checkpoint
 
-PEAK_FLOPS = {"bf16": 989e12, "float32": 494e12}  # H100 SXM dense; MFU is only reported on CUDA
+# Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops(device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
 def build_optimizer(model, cfg):
@@ -88,58 +96,67 @@ def _to_device(batch, device):
     return batch
 
 
+def train_step(model, optimizer, micro_batches, grad_clip, device):
+    """One optimizer step over a list of (inputs, targets) micro-batches; returns the mean loss (a device
+    tensor, so the host does not wait for it) and the global grad norm."""
+    loss_sum = 0.0
+    for i, batch in enumerate(micro_batches):
+        x, y = _to_device(batch, device)
+        # Reduce gradients only on the last micro-step of an accumulation.
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        loss = model(x, y) / len(micro_batches)
+        loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
 def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
     """Train from start_step to the end; saves at every epoch end (and every --checkpoint_interval).
     Returns the final step."""
-    seq_length = model.config.seq_length if cfg.seq_length is None else cfg.seq_length
+    seq_length = model.config.seq_length
     per_epoch = steps_per_epoch(cfg, env.world_size, data.num_tokens("train"), seq_length)
     last = total_steps(cfg, per_epoch)
     tokens_per_step = env.world_size * cfg.batch_size * cfg.grad_accum_steps * seq_length
-    peak = PEAK_FLOPS[cfg.precision] * env.world_size if env.device.type == "cuda" else None
+    peak = peak_flops(env.device)
     log = MetricsLog(cfg, env)
-    bar = tqdm(total=last, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="train", mininterval=1.0)
+    bar = tqdm(total=last, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="train",
+               mininterval=1.0)
     model.train()
-    loss_sum, timed_steps, t0 = 0.0, 0, time.perf_counter()
-    step = start_step
+    loss_sum, steps_since_log, t0 = 0.0, 0, time.perf_counter()
     for step in range(start_step, last):
         lr = lr_at(step, cfg, last)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        for micro in range(cfg.grad_accum_steps):
-            x, y = data.get_batch("train", step * cfg.grad_accum_steps + micro, env.rank,
-                                  cfg.batch_size, seq_length, cfg.seed)
-            x, y = _to_device((x, y), env.device)
-            # Reduce gradients only on the last micro-step of an accumulation.
-            model.set_requires_gradient_sync(micro == cfg.grad_accum_steps - 1)
-            loss = model(x, y) / cfg.grad_accum_steps
-            loss.backward()
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        timed_steps += 1
+        micro_batches = [data.get_batch("train", step * cfg.grad_accum_steps + micro, env.rank,
+                                        cfg.batch_size, seq_length, cfg.seed) for micro in range(cfg.grad_accum_steps)]
+        loss, grad_norm = train_step(model, optimizer, micro_batches, cfg.grad_clip, env.device)
+        loss_sum += loss
+        steps_since_log += 1
         bar.update(1)
         done = step + 1
         if done % cfg.log_interval == 0 or done == last:
-            loss_avg = mean_across_ranks(loss_sum / timed_steps, env.device)  # also syncs the device
+            loss_avg = mean_across_ranks(loss_sum / steps_since_log, env.device)  # also waits for the device
             elapsed = time.perf_counter() - t0
-            tok_s = tokens_per_step * timed_steps / elapsed
-            row = dict(step=done, loss=loss_avg, lr=lr, grad_norm=float(_full(grad_norm)),
-                       tokens_per_s=tok_s, step_time=elapsed / timed_steps, peak_mem_gb=peak_memory_gb(env.device))
+            tok_s = tokens_per_step * steps_since_log / elapsed
+            row = dict(step=done, loss=loss_avg, lr=lr, grad_norm=float(_full(grad_norm)), tokens_per_s=tok_s,
+                       step_time=elapsed / steps_since_log, peak_mem_gb=peak_memory_gb(env.device))
             if peak:
-                row["mfu"] = model.flops_per_token() * tok_s / peak
+                row["mfu"] = model.flops_per_token() * tok_s / (peak * env.world_size)
             log.write(**row)
             bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tok_s:,.0f}")
-            loss_sum, timed_steps, t0 = 0.0, 0, time.perf_counter()
+            loss_sum, steps_since_log = 0.0, 0
         if cfg.eval_interval and done % cfg.eval_interval == 0 or done == last:
             val = evaluate(model, data, cfg, env, seq_length)
             log.write(step=done, val_loss=val)
             if env.is_main:
                 bar.write(f"step {done}: val loss {val:.4f}")
-        epoch_end = done % per_epoch == 0 or done == last
-        if epoch_end or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0:
-            checkpoint.save(run_dir, done, model, optimizer, dict(meta, epoch=done // per_epoch),
-                            data.directory)
+        if done % per_epoch == 0 or done == last or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0:
+            checkpoint.save(run_dir, done, model, optimizer, dict(meta, epoch=done // per_epoch), data.directory)
+        if steps_since_log == 0:
+            t0 = time.perf_counter()  # throughput counts training steps, not evaluation or saving
     bar.close()
     return last
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call for the core issue: environment report, the gpu-marked tests (NCCL vs CPU reference),
+# the default run on 2 GPUs, and 1/2-GPU throughput rows. Logs go to $OUT (or ./gpu_out).
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput ...]
+set -u
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_hwloc_base_binding_policy=none
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+MPI="mpiexec --oversubscribe"
+parts=${*:-tests default throughput}
+
+{ nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } | tee "$OUT/env.txt"
+
+for part in $parts; do case $part in
+tests)
+  timeout 420 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+default)
+  # The README's two commands, on 2 GPUs with NCCL (data/shakespeare/input.txt carried along).
+  timeout 240 $MPI -n 2 python3 basic_training.py --max_steps 300 --run_name gpu_default 2>&1 | tr '\r' '\n' \
+    | grep -v '^train:' > "$OUT/default.log"; tail -12 "$OUT/default.log"
+  timeout 120 $MPI -n 1 python3 basic_training.py --max_epochs -1 --run_name gpu_default --num_tokens 100 2>&1 | tail -5 ;;
+throughput)
+  B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --warmup 8 --steps 20 --out $OUT/throughput.jsonl"
+  for args in "--batch_size 16" "--batch_size 16 --compile" "--batch_size 32 --compile"; do
+    timeout 200 $MPI -n 1 $B $args 2>&1 | tail -1
+  done
+  for s in full-shard grad-shard no-shard; do
+    timeout 200 $MPI -n 2 $B --batch_size 16 --compile --sharding $s 2>&1 | tail -1
+  done ;;
+esac; done

@@ -1,0 +1,114 @@
+"""Training throughput on synthetic tokens, through the same build_model/train_step as real training.
+
+    mpiexec -n 1 python benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --batch_size 16 \
+        --precision bf16 --compile
+Prints one markdown row: model, world, sharding, precision, batch, seq, tokens/s (total and per GPU), MFU,
+median step time, peak memory. MFU = (6N + attention) FLOPs per token x tokens/s / (peak x GPUs), with the
+dense bf16 peak of the card (989 TFLOP/s for H100 SXM). --out FILE appends the row as JSON too.
+"""
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minimal_fsdp import environment  # noqa: E402
+from minimal_fsdp.config import Config, build_parser, validate, validate_world  # noqa: E402
+from minimal_fsdp.model import GPT, make_config  # noqa: E402
+from minimal_fsdp.parallelize import build_mesh, build_model  # noqa: E402
+from minimal_fsdp.train import build_optimizer, peak_flops, peak_memory_gb, train_step  # noqa: E402
+
+HEADER = ("| model | GPUs | sharding | precision | options | batch/GPU | seq | tok/s | tok/s/GPU | MFU | step ms | "
+          "peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def parse():
+    parser = build_parser()
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps (compilation, allocator warm-up)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported")
+    parser.add_argument("--out", default=None, help="append the result as a JSON line to this file")
+    parser.add_argument("--label", default="", help="free text for the options column")
+    args = vars(parser.parse_args())
+    bench = {k: args.pop(k) for k in ("warmup", "steps", "out", "label")}
+    cfg = Config(**args)
+    validate(cfg)
+    return cfg, bench
+
+
+def step_times(model, optimizer, cfg, env, seq, vocab, n):
+    """Run n steps; return each one's time in seconds (device events on CUDA)."""
+    generator = torch.Generator(device=env.device).manual_seed(cfg.seed + env.rank)
+    times = []
+    for _ in range(n):
+        batches = []
+        for _ in range(cfg.grad_accum_steps):
+            tokens = torch.randint(vocab, (cfg.batch_size, seq + 1), device=env.device, generator=generator)
+            batches.append((tokens[:, :-1], tokens[:, 1:]))
+        if env.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            train_step(model, optimizer, batches, cfg.grad_clip, env.device)
+            end.record()
+            times.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            train_step(model, optimizer, batches, cfg.grad_clip, env.device)
+            times.append(time.perf_counter() - t0)
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) / 1000 for s, e in times]
+    return times
+
+
+def main():
+    cfg, bench = parse()
+    env = environment.setup(cfg)
+    validate_world(cfg, env.world_size, env.local_world_size)
+    model_config = make_config(cfg.model_preset, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+                               embed_size=cfg.embed_size, seq_length=cfg.seq_length, dropout=cfg.dropout,
+                               vocab_size=cfg.vocab_size)
+    model = build_model(GPT, model_config, cfg, env, build_mesh(cfg, env))
+    optimizer = build_optimizer(model, cfg)
+    seq, vocab = model_config.seq_length, model_config.vocab_size
+    step_times(model, optimizer, cfg, env, seq, vocab, bench["warmup"])
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = step_times(model, optimizer, cfg, env, seq, vocab, bench["steps"])
+    median = statistics.median(times)
+    tokens = cfg.batch_size * cfg.grad_accum_steps * seq * env.world_size
+    tok_s = tokens / median
+    peak = peak_flops(env.device)
+    mfu = model.flops_per_token() * tok_s / (peak * env.world_size) if peak else float("nan")
+    memory = peak_memory_gb(env.device)
+    memory = max(environment_all_ranks(memory, env))
+    options = bench["label"] or " ".join(o for o in ("compile", "activation_checkpoints", "cpu_offload", "meta_init")
+                                         if getattr(cfg, o)) or "-"
+    row = dict(model=f"{cfg.model_preset}({model.num_params(non_embedding=False) / 1e6:.0f}M)",
+               gpus=env.world_size, sharding=cfg.sharding, precision=cfg.precision, options=options,
+               batch=cfg.batch_size * cfg.grad_accum_steps, seq=seq, tok_s=tok_s, tok_s_gpu=tok_s / env.world_size,
+               mfu=mfu, step_ms=median * 1000, peak_gb=memory,
+               device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
+               torch=torch.__version__)
+    if env.is_main:
+        print(HEADER)
+        print(f"| {row['model']} | {row['gpus']} | {row['sharding']} | {row['precision']} | {options} | {row['batch']} | "
+              f"{seq} | {tok_s:,.0f} | {row['tok_s_gpu']:,.0f} | {mfu:.1%} | {row['step_ms']:.1f} | {memory:.1f} |",
+              flush=True)
+        if bench["out"]:
+            with open(bench["out"], "a") as f:
+                f.write(json.dumps(row) + "\n")
+    environment.teardown()
+
+
+def environment_all_ranks(value, env):
+    """Every rank's value (e.g. peak memory), gathered to all."""
+    out = [None] * env.world_size
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+if __name__ == "__main__":
+    main()

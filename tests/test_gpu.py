@@ -1,0 +1,52 @@
+"""GPU checks (marked gpu: skipped without CUDA, never run in CI). Run on the GPU machine with
+`pytest -m gpu tests/test_gpu.py`: NCCL runs of every strategy against the CPU single-process reference."""
+import pytest
+import torch
+
+from conftest import launch
+from test_parallelize import logged_losses, reference, train_args
+from test_end_to_end import sample_of
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+STRATEGIES = [["--sharding", "full-shard"], ["--sharding", "grad-shard"], ["--sharding", "no-shard"],
+              ["--sharding", "hybrid-full-shard", "--shard_group_size", 1],
+              ["--sharding", "hybrid-grad-shard", "--shard_group_size", 1]]
+OPTIONS = [["--cpu_offload"], ["--meta_init"], ["--activation_checkpoints"], ["--compile"]]
+# fp32 differs from the CPU only by kernel summation order; bf16 rounds every matmul input.
+TOLERANCE = {"float32": dict(abs=2e-4), "bf16": dict(rel=2e-2)}
+
+
+def check_against_reference(tmp_path, corpus, extra, precision, run_name="run"):
+    args = train_args(corpus, run_name, [*extra, "--precision", precision])
+    launch(args, ranks=2, cwd=tmp_path)
+    losses = logged_losses(corpus.parent, run_name)
+    ref_losses, _ = reference(args, world=2)
+    assert losses == pytest.approx(ref_losses, **TOLERANCE[precision]), (losses, ref_losses)
+    return losses
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: " ".join(map(str, s)))
+def test_nccl_strategy_matches_cpu_reference(tmp_path, corpus, strategy, precision):
+    check_against_reference(tmp_path, corpus, strategy, precision)
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: o[0])
+def test_nccl_options_match_cpu_reference(tmp_path, corpus, option):
+    check_against_reference(tmp_path, corpus, option, "bf16")
+
+
+def test_compile_on_and_off_agree(tmp_path, corpus):
+    off = check_against_reference(tmp_path, corpus, [], "float32", run_name="eager")
+    on = check_against_reference(tmp_path, corpus, ["--compile"], "float32", run_name="compiled")
+    assert on == pytest.approx(off, abs=2e-4)
+
+
+def test_generation_only_on_one_and_two_gpus(tmp_path, corpus):
+    launch(train_args(corpus, "shakespeare", ["--precision", "bf16"]), ranks=2, cwd=tmp_path)
+    gen = ["--max_epochs", -1, "--checkpoint_dir", tmp_path / "checkpoints", "--num_tokens", 64, "--seed", 5]
+    one = sample_of(launch(gen, ranks=1, cwd=tmp_path).stdout)
+    two = sample_of(launch([*gen, "--sharding", "grad-shard"], ranks=2, cwd=tmp_path).stdout)
+    assert len(one) == len("ROMEO:") + 64 and one == two
