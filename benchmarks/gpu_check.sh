@@ -14,7 +14,8 @@ parts=${*:-tests default throughput}
 
 for part in $parts; do case $part in
 tests)
-  timeout 420 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+  timeout 420 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -15 ;;
 default)
   # The README's two commands, on 2 GPUs with NCCL (data/shakespeare/input.txt carried along).
   timeout 240 $MPI -n 2 python3 basic_training.py --max_steps 300 --run_name gpu_default 2>&1 | tr '\r' '\n' \
@@ -23,9 +24,10 @@ default)
 throughput)
   B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --warmup 8 --steps 20 --out $OUT/throughput.jsonl"
   for args in "--batch_size 16" "--batch_size 16 --compile" "--batch_size 32 --compile"; do
-    timeout 200 $MPI -n 1 $B $args 2>&1 | tail -1
+    timeout 200 $MPI -n 1 $B $args >> "$OUT/throughput.log" 2>&1; tail -1 "$OUT/throughput.log"
   done
   for s in full-shard grad-shard no-shard; do
-    timeout 200 $MPI -n 2 $B --batch_size 16 --compile --sharding $s 2>&1 | tail -1
+    timeout 200 $MPI -n 2 $B --batch_size 16 --compile --sharding $s >> "$OUT/throughput.log" 2>&1
+    tail -1 "$OUT/throughput.log"
   done ;;
 esac; done

@@ -8,6 +8,7 @@ import datetime
 import os
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -91,14 +92,14 @@ def setup(cfg):
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "cpu:gloo,cuda:nccl"  # gloo serves CPU tensors, e.g. grad norms of CPU-offloaded shards
     else:
         device, backend = torch.device("cpu"), "gloo"
         # Ranks on one host share its cores; without this each would start a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg.collective_timeout),
-                            device_id=device if backend == "nccl" else None)
+                            device_id=device if device.type == "cuda" else None)
     return DistEnv(rank, world, local_rank, local_world, num_nodes, device, backend, launcher)
 
 
@@ -114,6 +115,7 @@ def install_abort_on_exception():
     def hook(kind, value, tb):
         previous(kind, value, tb)
         sys.stderr.flush()
+        time.sleep(1)  # let the launcher forward the traceback before Abort tears the job down
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(1)
 

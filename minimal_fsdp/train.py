@@ -91,8 +91,9 @@ class MetricsLog:
 
 
 def _to_device(batch, device):
+    """Host batches go through pinned memory so the copy overlaps with compute."""
     if device.type == "cuda":
-        return [t.pin_memory().to(device, non_blocking=True) for t in batch]
+        return [t.pin_memory().to(device, non_blocking=True) if t.device.type == "cpu" else t for t in batch]
     return batch
 
 

@@ -1,5 +1,6 @@
 """GPU checks (marked gpu: skipped without CUDA, never run in CI). Run on the GPU machine with
-`pytest -m gpu tests/test_gpu.py`: NCCL runs of every strategy against the CPU single-process reference."""
+`pytest -m gpu tests/test_gpu.py`: NCCL runs of every strategy against a single-process fp32 reference
+on one GPU (same initial weights: the init generator runs on the training device)."""
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ def check_against_reference(tmp_path, corpus, extra, precision, run_name="run"):
     args = train_args(corpus, run_name, [*extra, "--precision", precision])
     launch(args, ranks=2, cwd=tmp_path)
     losses = logged_losses(corpus.parent, run_name)
-    ref_losses, _ = reference(args, world=2)
+    ref_losses, _ = reference(args, world=2, device="cuda")
     assert losses == pytest.approx(ref_losses, **TOLERANCE[precision]), (losses, ref_losses)
     return losses
 

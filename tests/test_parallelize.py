@@ -28,13 +28,15 @@ def train_args(corpus, run_name, extra=()):
             "--dropout", "0.0", *extra]
 
 
-def reference(args, world):
-    """The same training, written plainly: one process, whole model, all ranks' batches concatenated."""
+def reference(args, world, device="cpu"):
+    """The same training, written plainly: one process, whole model, all ranks' batches concatenated.
+    Initial weights are drawn on `device` (CPU and CUDA generators differ), so compare on the same kind."""
     cfg = parse_args([str(a) for a in args])
     data = TokenData(dataset_dir(cfg))
     model_config = model_config_for(cfg, data)
-    model = GPT(model_config)
-    init_weights(model, cfg.seed, torch.device("cpu"))
+    device = torch.device(device)
+    model = GPT(model_config).to(device)
+    init_weights(model, cfg.seed, device)
     optimizer = build_optimizer(model, cfg)
     seq = model_config.seq_length
     last = total_steps(cfg, steps_per_epoch(cfg, world, data.num_tokens("train"), seq))
@@ -43,13 +45,13 @@ def reference(args, world):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg, last)
         batches = [data.get_batch("train", step, r, cfg.batch_size, seq, cfg.seed) for r in range(world)]
-        loss = model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        loss = model(torch.cat([b[0] for b in batches]).to(device), torch.cat([b[1] for b in batches]).to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, model.state_dict()
+    return losses, {k: v.cpu() for k, v in model.state_dict().items()}
 
 
 def logged_losses(cwd, run_name):
