@@ -36,6 +36,11 @@ PRESETS = {
 }
 
 
+def cross_entropy(logits, targets):
+    """Mean next-token loss, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class KVCache:
     """Keys and values of every layer for positions [0, pos); preallocated for the whole context."""
 
@@ -109,6 +114,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.embed_size, bias=config.bias)
         self.checkpoint_blocks = False  # set by parallelize for activation checkpointing
+        self.loss = cross_entropy  # parallelize may swap in a compiled version
 
     def forward(self, idx, targets=None, cache=None):
         """Returns the mean cross-entropy if targets are given, else the logits of the last position."""
@@ -126,8 +132,7 @@ class GPT(nn.Module):
             cache.pos += T
         if targets is None:
             return F.linear(x[:, -1], self.wte.weight)  # tied output embedding
-        logits = F.linear(x, self.wte.weight)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return self.loss(F.linear(x, self.wte.weight), targets)
 
     def initial_value(self, name, shape, generator, device):
         """The initial value of parameter `name`, a pure function of (name, seeded generator), so eager init

@@ -61,6 +61,9 @@ def build_model(model_cls, model_config, cfg, env, mesh):
         for block in model.blocks:
             # Compiling forward (not the module) keeps FSDP's hooks outside the graph and state-dict keys unchanged.
             block.forward = torch.compile(block.forward)
+        # Compiled, the fp32 upcast, log-softmax and its backward fuse into a few passes over the bf16 logits
+        # instead of materializing fp32 logits (the largest tensor of a GPT-2 step).
+        model.loss = torch.compile(model.loss)
     if not cfg.meta_init:
         init_weights(model, cfg.seed, env.device)
     shard(model, mesh, cfg)
