@@ -79,7 +79,8 @@ def _discover_srun(env):
     num_nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
     env.setdefault("MASTER_ADDR", "127.0.0.1" if num_nodes == 1 else first_host(nodelist))
-    job, step = int(env.get("SLURM_JOB_ID", "0")), int(env.get("SLURM_STEP_ID", "0") or 0)
+    job, step = (env.get(name, "0") for name in ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+    job, step = (int(v) if v.isdigit() else 0 for v in (job, step))
     env.setdefault("MASTER_PORT", str(20000 + (job * 16 + step) % 12000))  # below Linux's ephemeral range
     world = int(env["SLURM_STEP_NUM_TASKS"])
     local_world = tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(world)), int(env.get("SLURM_NODEID", "0")))
