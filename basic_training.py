@@ -15,6 +15,7 @@ from minimal_fsdp import checkpoint, environment
 from minimal_fsdp.config import ConfigError, parse_args, validate_world
 from minimal_fsdp.data import TokenData, prepare
 from minimal_fsdp.generate import generate
+from minimal_fsdp.metrics import banner
 from minimal_fsdp.model import GPT, GPTConfig, make_config
 from minimal_fsdp.parallelize import build_mesh, build_model
 from minimal_fsdp.tokenizer import load_tokenizer
@@ -51,6 +52,8 @@ def main(argv=None):
         model = build_model(GPT, model_config, cfg, env, mesh)
         checkpoint.load(start, model)
         tokenizer = load_tokenizer(start)
+        if env.is_main:
+            print(banner(cfg, env, mesh, model, start, training=False), flush=True)
     else:
         data = TokenData(environment.run_on_main(prepare, cfg))
         model_config = model_config_for(cfg, data)
@@ -66,9 +69,7 @@ def main(argv=None):
         if start is not None:
             checkpoint.load(start, model, optimizer)
         if env.is_main:
-            print(f"{env.world_size} rank(s) on {env.num_nodes} node(s), {env.backend}, mesh {tuple(mesh.shape)}; "
-                  f"{model.num_params() / 1e6:.2f}M parameters; "
-                  + (f"resuming from {start}" if start else "starting fresh"), flush=True)
+            print(banner(cfg, env, mesh, model, start), flush=True)
         meta = {"model": model_config.to_dict(), "config": dataclasses.asdict(cfg)}
         train(model, optimizer, data, cfg, env, run_dir, meta, start_step)
         tokenizer = data.tokenizer

@@ -10,10 +10,14 @@ setup(
     description="Pre-train GPT-2 and Llama-style models with PyTorch FSDP2, launched by mpiexec anywhere.",
     packages=find_packages(include=["minimal_fsdp", "minimal_fsdp.*"]),
     python_requires=">=3.10",
-    install_requires=[r for r in requirements if r],
+    # tomllib (for --config) is in the standard library from Python 3.11 on.
+    install_requires=[r for r in requirements if r] + ['tomli>=1.1; python_version < "3.11"'],
     extras_require={
         # MPI from wheels: no compiler or system MPI needed (on a cluster, build mpi4py against the system MPI).
         "mpi": ["mpi4py>=4", "mpich"],
-        "dev": ["mpi4py>=4", "mpich", "pytest"],
+        "wandb": ["wandb"],  # --wandb
+        "plot": ["matplotlib"],  # python -m minimal_fsdp.plot
+        "debug": ["debugpy"],  # attaching VS Code to one rank (.vscode/launch.json)
+        "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml"],  # pyyaml: the Kubernetes manifest test
     },
 )

@@ -1,10 +1,16 @@
-"""One config object for a run: built from command-line flags, validated once, passed down explicitly.
+"""One config object for a run: built from command-line flags (and an optional TOML file), validated once,
+passed down explicitly.
 
 Every flag is a field of `Config`; its help text lives beside it, so `basic_training.py --help`
-and this file never disagree.
+and this file never disagree. A `--config run.toml` file sets the same names, grouped by each field's
+section; flags given on the command line override it.
 """
 import argparse
 import dataclasses
+import difflib
+import importlib.util
+import json
+import sys
 from dataclasses import dataclass, field
 
 
@@ -23,8 +29,10 @@ PRECISION = ("float32", "bf16")
 @dataclass
 class Config:
     # launch
-    environment: str = flag("auto", "how ranks are discovered: auto detects MPI/torchrun/SLURM/PBS",
-                            ("auto", "local", "pbs"), "launch")
+    config: str = flag(None, "TOML file of flag values, in sections as configs/*.toml; command-line flags "
+                             "override it", section="launch")
+    environment: str = flag("auto", "how ranks are discovered: auto detects torchrun, MPI (mpiexec) and srun; "
+                            "pbs also counts nodes from PBS_NODEFILE", ("auto", "local", "pbs"), "launch")
     run_name: str = flag("shakespeare", "labels checkpoints and logs", section="launch")
     seed: int = flag(1337, "seeds init, data order, dropout and sampling", section="launch")
     collective_timeout: float = flag(300.0, "seconds a collective may wait before the run fails",
@@ -80,13 +88,20 @@ class Config:
     eval_batches: int = flag(10, "batches per rank in each evaluation")
     log_interval: int = flag(10, "average and log the loss every N steps")
 
-    # checkpoints and logs
+    # checkpoints
     checkpoint_dir: str = flag("checkpoints", "checkpoints go to <checkpoint_dir>/<run_name>/step_<N>",
                                section="checkpoint")
     restart_checkpoint_file: str = flag(None, "a checkpoint directory to start from (default: the run's latest)",
                                         section="checkpoint")
     checkpoint_interval: int = flag(0, "also save every N steps (0: only at epoch ends)", section="checkpoint")
-    log_dir: str = flag("logs", "metrics go to <log_dir>/<run_name>/metrics.jsonl", section="checkpoint")
+
+    # logs
+    log_dir: str = flag("logs", "metrics.jsonl, TensorBoard events and config.toml go to <log_dir>/<run_name>/",
+                        section="log")
+    tensorboard: bool = flag(True, "write TensorBoard scalars (tensorboard --logdir <log_dir>)", section="log")
+    wandb: bool = flag(False, "also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works "
+                              "without network)", section="log")
+    wandb_project: str = flag("minimal_fsdp", "wandb project for --wandb", section="log")
 
     # generation
     prompt: str = flag("ROMEO:", "text to continue after training or with --max_epochs -1", section="generate")
@@ -119,9 +134,87 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    cfg = Config(**vars(build_parser().parse_args(argv)))
+    """Defaults < --config file < command line. The command line is read twice: once for --config, then in
+    full with the file's values as the defaults."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    parser = build_parser()
+    config_file = parser.parse_known_args(argv)[0].config
+    if config_file:
+        parser.set_defaults(**load_config_file(config_file))
+    cfg = Config(**vars(parser.parse_args(argv)))
     validate(cfg)
     return cfg
+
+
+SECTIONS = tuple(dict.fromkeys(f.metadata["section"] for f in dataclasses.fields(Config)))
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _read_toml(path):
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise ConfigError("--config needs tomli on Python < 3.11: pip install tomli") from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: {e}") from None
+
+
+def load_config_file(path):
+    """{flag name: value} from a TOML file whose tables are Config's sections and whose keys are its flags.
+    Unknown or misplaced keys and wrong types are one-line errors that name section.key."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    values = {}
+    for section, table in _read_toml(path).items():
+        if not isinstance(table, dict):
+            home = fields[section].metadata["section"] if section in fields else None
+            where = f"put it under [{home}]" if home else "sections are " + ", ".join(SECTIONS)
+            raise ConfigError(f"--config {path}: '{section}' is outside any section; {where}")
+        if section not in SECTIONS:
+            raise ConfigError(f"--config {path}: unknown section [{section}]; sections are {', '.join(SECTIONS)}")
+        for key, value in table.items():
+            f = fields.get(key)
+            if f is None or key == "config":
+                close = difflib.get_close_matches(key, [n for n in fields if n != "config"], n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(f"--config {path}: unknown key {section}.{key}{hint}")
+            if f.metadata["section"] != section:
+                raise ConfigError(f"--config {path}: {section}.{key} belongs in [{f.metadata['section']}]")
+            values[key] = _checked(f, value, f"--config {path}: {section}.{key}")
+    return values
+
+
+def _checked(f, value, where):
+    ok = isinstance(value, f.type) and not (f.type is int and isinstance(value, bool))
+    if f.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True  # TOML writes 1 for 1.0
+    if not ok:
+        raise ConfigError(f"{where} must be {_TYPE_NAMES[f.type]} (got {value!r})")
+    choices = f.metadata["choices"]
+    if choices and value not in choices:
+        raise ConfigError(f"{where} must be one of {', '.join(choices)} (got {value!r})")
+    return value
+
+
+def to_toml(cfg):
+    """The resolved config as a file --config accepts. Unset (None) values are left out: TOML has no null."""
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(cfg):
+            value = getattr(cfg, f.name)
+            if f.metadata["section"] == section and f.name != "config" and value is not None:
+                text = json.dumps(value, ensure_ascii=False) if isinstance(value, (str, bool)) else repr(value)
+                lines.append(f"{f.name} = {text}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def validate(cfg):
@@ -148,6 +241,9 @@ def validate(cfg):
         raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
     if cfg.embed_size and cfg.num_heads and cfg.embed_size % cfg.num_heads:
         raise ConfigError(f"--embed_size must be divisible by --num_heads (got {cfg.embed_size} and {cfg.num_heads})")
+    for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        if getattr(cfg, name) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--{name} needs the {package} package: pip install {package}")
 
 
 def validate_world(cfg, world_size, local_world_size):

@@ -1,11 +1,17 @@
 """Who am I, how many are we, and which device is mine: launch discovery and process-group setup.
 
-Works under any MPI (mpiexec from the `mpich` wheel, Open MPI, Cray MPICH on PBS), under torchrun, and as a
-plain `python basic_training.py` (world size 1). Under MPI, rank 0 picks the rendezvous address and port and
-broadcasts them, so no launcher-specific environment variables are needed.
+Works under any MPI (mpiexec from the `mpich` wheel, Open MPI, Cray MPICH on PBS), under torchrun (and a
+Kubernetes PyTorchJob, which starts torchrun), under SLURM's srun, and as a plain `python basic_training.py`
+(world size 1). Under MPI, rank 0 picks the rendezvous address and port and broadcasts them, so no
+launcher-specific environment variables are needed.
+
+Detection order: torchrun's variables, then MPI's, then srun's. MPI comes before srun because an mpiexec
+started inside a SLURM job inherits SLURM_* variables that describe the job (or Hydra's per-node proxies),
+not the MPI ranks.
 """
 import datetime
 import os
+import re
 import socket
 import sys
 import time
@@ -66,6 +72,42 @@ def _discover_mpi():
     return world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), num_nodes
 
 
+def _discover_srun(env):
+    """Rank and layout from srun's task variables. Every task computes the same rendezvous without talking:
+    the step's first node (127.0.0.1 on one node) and a port derived from the job and step ids; an exported
+    MASTER_ADDR or MASTER_PORT wins."""
+    num_nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    env.setdefault("MASTER_ADDR", "127.0.0.1" if num_nodes == 1 else first_host(nodelist))
+    job, step = (env.get(name, "0") for name in ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+    job, step = (int(v) if v.isdigit() else 0 for v in (job, step))
+    env.setdefault("MASTER_PORT", str(20000 + (job * 16 + step) % 12000))  # below Linux's ephemeral range
+    world = int(env["SLURM_STEP_NUM_TASKS"])
+    local_world = tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(world)), int(env.get("SLURM_NODEID", "0")))
+    return int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", "0")), local_world, num_nodes
+
+
+def first_host(nodelist):
+    """The first host of a SLURM nodelist: 'gpu[07-09,12],cpu1' -> 'gpu07', 'r[1-2]-n[3-4]' -> 'r1-n3'."""
+    first, depth = "", 0
+    for ch in nodelist:
+        if ch == "," and depth == 0:
+            break
+        depth += (ch == "[") - (ch == "]")
+        first += ch
+    # Each bracketed range list contributes its first value, zero padding kept.
+    return re.sub(r"\[([^],-]+)[^]]*\]", r"\1", first)
+
+
+def tasks_on_node(tasks_per_node, node_id):
+    """SLURM's compressed per-node task counts, '4(x2),3' = 4,4,3, read at this node's index."""
+    counts = []
+    for item in tasks_per_node.split(","):
+        count, _, repeat = item.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
 def _discover(environment):
     """Returns (rank, world, local_rank, local_world, num_nodes, launcher)."""
     env = os.environ
@@ -75,6 +117,10 @@ def _discover(environment):
                 max(1, world // local_world), "torchrun")
     if any(v in env for v in MPI_RANK_VARIABLES):
         return (*_discover_mpi(), "mpi")
+    # srun sets SLURM_STEP_NUM_TASKS for the tasks it starts; a batch script also has SLURM_PROCID=0 and
+    # SLURM_NTASKS, but is one process, so without the step variables it is a single rank.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        return (*_discover_srun(env), "srun")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", str(_free_port()))
     return 0, 1, 0, 1, 1, "single"
@@ -144,7 +190,7 @@ def rank_hint():
     """This process's global rank, also before (or without) torch.distributed: for printing errors once."""
     if dist.is_initialized():
         return dist.get_rank()
-    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID"):
+    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID"):
         if name in os.environ:
             return int(os.environ[name])
     return 0

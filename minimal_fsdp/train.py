@@ -1,15 +1,14 @@
 """The training loop: AdamW, warmup + cosine schedule, clipping, accumulation, evaluation, logging, saving."""
-import json
 import math
 import resource
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from . import checkpoint
+from .metrics import Metrics
 
 # Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -74,22 +73,6 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # host RSS (KB on Linux)
 
 
-class MetricsLog:
-    """Rank 0 appends one JSON object per log line to <log_dir>/<run_name>/metrics.jsonl."""
-
-    def __init__(self, cfg, env):
-        self.file = None
-        if env.is_main:
-            path = Path(cfg.log_dir) / cfg.run_name / "metrics.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a")
-
-    def write(self, **row):
-        if self.file:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-
-
 def _to_device(batch, device):
     """Host batches go through pinned memory so the copy overlaps with compute."""
     if device.type == "cuda":
@@ -122,7 +105,7 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
     last = total_steps(cfg, per_epoch)
     tokens_per_step = env.world_size * cfg.batch_size * cfg.grad_accum_steps * seq_length
     peak = peak_flops(env.device)
-    log = MetricsLog(cfg, env)
+    metrics = Metrics(cfg)
     bar = tqdm(total=last, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="train",
                mininterval=1.0)
     model.train()
@@ -146,12 +129,12 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
                        step_time=elapsed / steps_since_log, peak_mem_gb=peak_memory_gb(env.device))
             if peak:
                 row["mfu"] = model.flops_per_token() * tok_s / (peak * env.world_size)
-            log.write(**row)
+            metrics.log(**row)
             bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tok_s:,.0f}")
             loss_sum, steps_since_log = 0.0, 0
         if cfg.eval_interval and done % cfg.eval_interval == 0 or done == last:
             val = evaluate(model, data, cfg, env, seq_length)
-            log.write(step=done, val_loss=val)
+            metrics.log(step=done, val_loss=val)
             if env.is_main:
                 bar.write(f"step {done}: val loss {val:.4f}")
         if done % per_epoch == 0 or done == last or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0:
@@ -159,6 +142,7 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
         if steps_since_log == 0:
             t0 = time.perf_counter()  # throughput counts training steps, not evaluation or saving
     bar.close()
+    metrics.close()
     return last
 
 

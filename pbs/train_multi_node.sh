@@ -1,0 +1,19 @@
+#!/bin/bash
+# Train on several Polaris nodes with hybrid sharding: parameters are sharded over the 4 GPUs of a node and
+# replicated across nodes, so the big all-gathers stay on NVLink. Submit from the minimal_fsdp checkout:
+#   qsub -A PROJECT -l select=4:system=polaris pbs/train_multi_node.sh
+#   qsub -A PROJECT -v ARGS="--model_preset gpt2-xl --precision bf16 --activation_checkpoints" pbs/train_multi_node.sh
+# Settings you can pass with -v are listed in pbs/common.sh.
+#PBS -N minimal_fsdp
+#PBS -l select=2:system=polaris
+#PBS -l place=scatter
+#PBS -l walltime=01:00:00
+#PBS -l filesystems=home:eagle
+#PBS -q debug-scaling
+#PBS -j oe
+
+REPO=${REPO:-${PBS_O_WORKDIR:-$PWD}}
+cd "${PBS_O_WORKDIR:-$PWD}"  # data/, checkpoints/ and logs/ go where qsub ran
+source "$REPO/pbs/common.sh" || { echo "error: pbs/common.sh not found in $REPO: qsub from the checkout or pass -v REPO=..." >&2; exit 2; }
+
+launch --sharding hybrid-full-shard

@@ -1,0 +1,18 @@
+#!/bin/bash
+# Train on one Polaris node (4 GPUs). Submit from the minimal_fsdp checkout:
+#   qsub -A PROJECT pbs/train_single_node.sh
+#   qsub -A PROJECT -v ARGS="--model_preset gpt2 --tokenizer gpt2 --precision bf16" pbs/train_single_node.sh
+# Settings you can pass with -v are listed in pbs/common.sh.
+#PBS -N minimal_fsdp
+#PBS -l select=1:system=polaris
+#PBS -l place=scatter
+#PBS -l walltime=01:00:00
+#PBS -l filesystems=home:eagle
+#PBS -q debug
+#PBS -j oe
+
+REPO=${REPO:-${PBS_O_WORKDIR:-$PWD}}
+cd "${PBS_O_WORKDIR:-$PWD}"  # data/, checkpoints/ and logs/ go where qsub ran
+source "$REPO/pbs/common.sh" || { echo "error: pbs/common.sh not found in $REPO: qsub from the checkout or pass -v REPO=..." >&2; exit 2; }
+
+launch --sharding full-shard

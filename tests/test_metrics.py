@@ -1,0 +1,145 @@
+"""Metrics: a tiny training run (in this process, one rank) leaves the same numbers in metrics.jsonl and in
+TensorBoard's event file, a loadable config.toml, and a startup banner; wandb works offline; plots."""
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from conftest import ROOT, TINY_MODEL
+from minimal_fsdp import environment
+from minimal_fsdp.config import ConfigError, parse_args
+from minimal_fsdp.metrics import TAGS, Metrics, state_bytes_per_rank
+from minimal_fsdp.plot import main as plot_main
+from minimal_fsdp.plot import read_metrics
+
+sys.path.insert(0, str(ROOT))
+import basic_training  # noqa: E402
+
+FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time", "peak_mem_gb"}
+
+
+@pytest.fixture
+def one_rank(monkeypatch, tmp_path):
+    """A world of one: what launching with no launcher gives. The rendezvous stays out of os.environ."""
+    for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", *environment.MPI_RANK_VARIABLES]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(environment._free_port()))
+    monkeypatch.chdir(tmp_path)
+    yield
+    environment.teardown()
+
+
+def rows_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_writes_jsonl_tensorboard_config_and_banner(one_rank, tmp_path, corpus, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 6, "--log_interval", 2,
+            "--eval_interval", 3, "--run_name", "tb"]
+    basic_training.main([str(a) for a in args])
+    banner = capsys.readouterr().out
+    assert "launch: 1 rank(s) = 1 node(s) x 1 rank(s)/node, started by single, gloo on cpu; mesh shard=1" in banner
+    assert "M parameters; params + grads + AdamW take" in banner and "starting fresh" in banner
+    assert "[train] max_epochs = 1, max_steps = 6, batch_size = 4," in banner
+
+    run_dir = tmp_path / "logs" / "tb"
+    rows = rows_of(run_dir)
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [2, 4, 6] and all(FIELDS <= set(r) for r in train_rows)
+    assert [(r["step"], set(r)) for r in rows if "val_loss" in r] == [(3, {"step", "val_loss"}),
+                                                                      (6, {"step", "val_loss"})]
+
+    events = list(run_dir.glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    scalars = EventAccumulator(str(run_dir)).Reload()
+    for name in FIELDS - {"step"} | {"val_loss"}:
+        logged = [(r["step"], r[name]) for r in rows if name in r]
+        board = [(e.step, e.value) for e in scalars.Scalars(TAGS[name])]
+        assert [s for s, _ in board] == [s for s, _ in logged], name
+        assert [v for _, v in board] == pytest.approx([v for _, v in logged], rel=1e-6), name
+
+    saved = parse_args(["--config", run_dir / "config.toml"])  # the resolved config, reloadable
+    assert (saved.max_steps, saved.eval_interval, saved.embed_size, saved.input_file) == (6, 3, 32, str(corpus))
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_no_tensorboard_writes_only_jsonl(process_group, tmp_path):
+    cfg = parse_args(["--log_dir", tmp_path, "--run_name", "quiet", "--no-tensorboard"])
+    metrics = Metrics(cfg)
+    metrics.log(1, loss=2.5)
+    metrics.close()
+    assert rows_of(tmp_path / "quiet") == [{"step": 1, "loss": 2.5}]
+    assert not list((tmp_path / "quiet").glob("events.out.tfevents.*"))
+
+
+def test_resumed_run_appends(process_group, tmp_path):
+    cfg = parse_args(["--log_dir", tmp_path, "--run_name", "twice", "--no-tensorboard"])
+    for step in (1, 2):
+        metrics = Metrics(cfg)
+        metrics.log(step, loss=float(step))
+        metrics.close()
+    assert [r["step"] for r in rows_of(tmp_path / "twice")] == [1, 2]
+
+
+def test_wandb_offline(process_group, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = parse_args(["--log_dir", tmp_path, "--run_name", "wb", "--wandb", "--no-tensorboard"])
+    metrics = Metrics(cfg)
+    metrics.log(1, loss=2.0, lr=1e-3)
+    metrics.close()
+    offline_runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1 and list(offline_runs[0].glob("*.wandb"))
+
+
+def test_wandb_missing_is_a_flag_error(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="--wandb needs the wandb package: pip install wandb"):
+        parse_args(["--wandb"])
+
+
+def test_state_estimate():
+    assert state_bytes_per_rank(1000, 4) == 4000  # fp32 params + grads + two AdamW moments, over 4 ranks
+    assert state_bytes_per_rank(1000, 1, training=False) == 4000
+
+
+def write_jsonl(run_dir, rows):
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_read_metrics_merges_rows_and_resumes(tmp_path):
+    write_jsonl(tmp_path / "run", [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "val_loss": 2.5},
+                                   {"step": 2, "loss": 1.9}, {"step": 3, "loss": 1.5}])
+    series = read_metrics(tmp_path / "run")
+    assert series["loss"] == ([1, 2, 3], [3.0, 1.9, 1.5]) and series["val_loss"] == ([2], [2.5])
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_jsonl(tmp_path / "run", [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0, "val_loss": 2.4}])
+    plot_main([str(tmp_path / "run")])
+    assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, capsys):
+    write_jsonl(tmp_path / "run", [{"step": 1, "loss": 3.0}])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    with pytest.raises(SystemExit) as e:
+        plot_main([str(tmp_path / "run")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: plotting needs matplotlib: pip install matplotlib "
+                                               "(or pip install -e '.[plot]')")
