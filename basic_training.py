@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from minimal_fsdp import checkpoint, environment
+from minimal_fsdp import checkpoint, environment, resilience
 from minimal_fsdp.config import ConfigError, parse_args, validate_world
 from minimal_fsdp.data import TokenData, prepare
 from minimal_fsdp.generate import generate
@@ -34,12 +34,13 @@ def model_config_for(cfg, data):
 
 def main(argv=None):
     cfg = parse_args(argv)
+    stop = resilience.StopRequests(cfg.time_limit_seconds)  # --time_limit counts from here
     env = environment.setup(cfg)
     validate_world(cfg, env.world_size, env.local_world_size)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
     mesh = build_mesh(cfg, env)
-    start = checkpoint.find(cfg)
+    start = environment.run_on_main(checkpoint.find, cfg)  # rank 0 checks the files; all load the same one
 
     if cfg.generate_only:
         if start is None:
@@ -57,22 +58,26 @@ def main(argv=None):
     else:
         data = TokenData(environment.run_on_main(prepare, cfg))
         model_config = model_config_for(cfg, data)
-        start_step = 0
+        saved = None
         if start is not None:
             saved = checkpoint.read_meta(start)
             if saved["model"] != model_config.to_dict():
                 raise ConfigError(f"{start} holds a different model ({saved['model']}): "
                                   "use another --run_name or --checkpoint_dir")
-            start_step = saved["step"]
         model = build_model(GPT, model_config, cfg, env, mesh)
         optimizer = build_optimizer(model, cfg)
         if start is not None:
             checkpoint.load(start, model, optimizer)
+            checkpoint.restore_rng(start, env.rank, env.world_size, cfg.seed)
         if env.is_main:
             print(banner(cfg, env, mesh, model, start), flush=True)
         meta = {"model": model_config.to_dict(), "config": dataclasses.asdict(cfg)}
-        train(model, optimizer, data, cfg, env, run_dir, meta, start_step)
+        with stop.listening():
+            train(model, optimizer, data, cfg, env, run_dir, meta, saved, stop)
         tokenizer = data.tokenizer
+        if stop.reason:  # preempted: the checkpoint is saved, exit 0 so a requeued job resumes
+            environment.teardown()
+            return
 
     if cfg.num_tokens > 0:
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
@@ -86,8 +91,8 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except ConfigError as e:
+    except (ConfigError, resilience.Diverged) as e:  # raised alike on every rank: one line, clean exit
         if environment.rank_hint() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         environment.teardown()
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)

@@ -35,8 +35,12 @@ class Config:
                             "pbs also counts nodes from PBS_NODEFILE", ("auto", "local", "pbs"), "launch")
     run_name: str = flag("shakespeare", "labels checkpoints and logs", section="launch")
     seed: int = flag(1337, "seeds init, data order, dropout and sampling", section="launch")
-    collective_timeout: float = flag(300.0, "seconds a collective may wait before the run fails",
+    collective_timeout: float = flag(300.0, "seconds a collective may wait before the run fails, so a dead or "
+                                            "hung rank ends the job instead of idling until walltime",
                                      section="launch")
+    time_limit: str = flag(None, "HH:MM:SS after the start at which every rank saves a checkpoint at the next step "
+                                 "and exits 0; set it below the job's walltime by one save's duration",
+                           section="launch")
 
     # model
     model_preset: str = flag("tiny", "model shape; explicit model flags override it",
@@ -83,17 +87,27 @@ class Config:
     weight_decay: float = flag(0.1, "AdamW weight decay on matrices")
     beta1: float = flag(0.9, "AdamW beta1")
     beta2: float = flag(0.95, "AdamW beta2")
+    lr_decay_steps: int = flag(None, "steps the warmup + cosine schedule spans (default: the first launch's "
+                                     "--max_epochs/--max_steps length, kept on resume); set it to stop early with "
+                                     "--max_steps and continue later on the same schedule")
     grad_clip: float = flag(1.0, "clip the global grad norm to this (0 disables)")
-    eval_interval: int = flag(200, "evaluate on the val split every N steps (0: only at the end)")
+    skip_nonfinite: int = flag(0, "skip up to N optimizer steps whose grad norm is NaN/Inf before stopping "
+                                  "(0: stop at the first)")
+    eval_interval: int = flag(200, "evaluate on the val split every N steps (0: only at checkpoints and the end)")
     eval_batches: int = flag(10, "batches per rank in each evaluation")
     log_interval: int = flag(10, "average and log the loss every N steps")
 
     # checkpoints
     checkpoint_dir: str = flag("checkpoints", "checkpoints go to <checkpoint_dir>/<run_name>/step_<N>",
                                section="checkpoint")
-    restart_checkpoint_file: str = flag(None, "a checkpoint directory to start from (default: the run's latest)",
-                                        section="checkpoint")
+    restart_checkpoint_file: str = flag(None, "a checkpoint directory (or a run's `latest`/`best` marker) to start "
+                                              "from, overriding --resume", section="checkpoint")
+    resume: str = flag("auto", "auto: continue from the run's newest complete checkpoint, if any; never: start "
+                               "fresh, refusing a run directory that already holds checkpoints",
+                       ("auto", "never"), "checkpoint")
     checkpoint_interval: int = flag(0, "also save every N steps (0: only at epoch ends)", section="checkpoint")
+    keep_last: int = flag(0, "keep the newest K checkpoints of the run, plus the `best` one (0: keep all)",
+                          section="checkpoint")
 
     # logs
     log_dir: str = flag("logs", "metrics.jsonl, TensorBoard events and config.toml go to <log_dir>/<run_name>/",
@@ -112,6 +126,24 @@ class Config:
     @property
     def generate_only(self):
         return self.max_epochs < 0
+
+    @property
+    def time_limit_seconds(self):
+        return parse_duration(self.time_limit) if self.time_limit else None
+
+
+def parse_duration(text):
+    """'HH:MM:SS' (also 'MM:SS' or 'SS', as PBS and SLURM write walltimes) -> seconds."""
+    try:
+        parts = [int(p) for p in text.split(":")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts):
+        raise ConfigError(f"--time_limit must look like HH:MM:SS (got {text!r})")
+    seconds = 0
+    for p in parts:
+        seconds = seconds * 60 + p
+    return seconds
 
 
 class _Parser(argparse.ArgumentParser):
@@ -221,14 +253,17 @@ def validate(cfg):
     """Checks that need only the flags. Checks that need the world size, data or checkpoints live where
     those are known, and run before the first collective that could hang."""
     positive = ["batch_size", "grad_accum_steps", "num_layers", "num_heads", "embed_size", "seq_length",
-                "vocab_size", "shard_group_size", "log_interval", "eval_batches"]
+                "vocab_size", "shard_group_size", "log_interval", "eval_batches", "lr_decay_steps"]
     for name in positive:
         value = getattr(cfg, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name} must be positive (got {value})")
-    for name in ("max_steps", "num_tokens", "checkpoint_interval", "eval_interval", "warmup_steps"):
+    for name in ("max_steps", "num_tokens", "checkpoint_interval", "eval_interval", "warmup_steps", "keep_last",
+                 "skip_nonfinite"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be 0 or positive (got {getattr(cfg, name)})")
+    if cfg.time_limit:
+        parse_duration(cfg.time_limit)
     if cfg.lr <= 0:
         raise ConfigError(f"--lr must be positive (got {cfg.lr})")
     if cfg.dropout is not None and not 0 <= cfg.dropout < 1:

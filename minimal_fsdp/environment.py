@@ -133,8 +133,6 @@ def setup(cfg):
     if cfg.environment == "pbs":
         num_nodes = _count_pbs_nodes()
         local_world = max(1, world // num_nodes)
-    if launcher == "mpi":
-        install_abort_on_exception()
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -146,6 +144,10 @@ def setup(cfg):
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg.collective_timeout),
                             device_id=device if device.type == "cuda" else None)
+    if launcher == "mpi":
+        # Installed after init_process_group, so that torch's hook (which buffers the traceback to prefix it
+        # with the rank) runs inside ours and has written it before Abort ends the process.
+        install_abort_on_exception()
     return DistEnv(rank, world, local_rank, local_world, num_nodes, device, backend, launcher)
 
 
@@ -160,6 +162,9 @@ def install_abort_on_exception():
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
+        if "timed out" in str(value).lower():
+            print(f"error: rank {rank_hint()} waited longer than --collective_timeout in a collective: another rank "
+                  "has died or hangs", file=sys.stderr)
         sys.stderr.flush()
         time.sleep(1)  # let the launcher forward the traceback before Abort tears the job down
         from mpi4py import MPI

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .metrics import Metrics
+from .resilience import NonFiniteGuard
 
 # Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -30,13 +31,13 @@ def build_optimizer(model, cfg):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=on_cuda)
 
 
-def lr_at(step, cfg, total_steps):
-    """Linear warmup to --lr, then cosine decay to --min_lr at the last step. A pure function of the step,
-    so a resumed run needs nothing but the step to continue the schedule."""
+def lr_at(step, cfg, decay_steps):
+    """Linear warmup to --lr, then cosine decay to --min_lr at step decay_steps (then flat). A pure function of
+    the step, so a resumed run needs only the step and the horizon, which the checkpoint keeps."""
     min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps)
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
@@ -80,9 +81,10 @@ def _to_device(batch, device):
     return batch
 
 
-def train_step(model, optimizer, micro_batches, grad_clip, device):
+def train_step(model, optimizer, micro_batches, grad_clip, device, skip_nonfinite=False):
     """One optimizer step over a list of (inputs, targets) micro-batches; returns the mean loss (a device
-    tensor, so the host does not wait for it) and the global grad norm."""
+    tensor) and the global grad norm. With skip_nonfinite, an update with a NaN/Inf grad norm is not applied
+    (it would poison every weight); the norm is all-reduced, so every rank skips the same steps."""
     loss_sum = 0.0
     for i, batch in enumerate(micro_batches):
         x, y = _to_device(batch, device)
@@ -92,36 +94,54 @@ def train_step(model, optimizer, micro_batches, grad_clip, device):
         loss.backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
-    optimizer.step()
+    if not skip_nonfinite or torch.isfinite(_full(grad_norm)):  # the check waits for the device: only if asked
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
 
-def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
-    """Train from start_step to the end; saves at every epoch end (and every --checkpoint_interval).
-    Returns the final step."""
+def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None):
+    """Train to the end, from the start or from `saved` (a checkpoint's meta.json). Saves at every epoch end,
+    every --checkpoint_interval, at the end, and when `stop` (resilience.StopRequests) says all ranks agreed
+    to stop (a signal or --time_limit). Returns the last step done."""
     seq_length = model.config.seq_length
     per_epoch = steps_per_epoch(cfg, env.world_size, data.num_tokens("train"), seq_length)
     last = total_steps(cfg, per_epoch)
+    saved = saved or {}
+    start_step = saved.get("step", 0)
+    # The schedule belongs to the run, not to one launch: a resumed run keeps the horizon it started with,
+    # even when --max_steps or the world size (hence the steps per epoch) changed.
+    decay_steps = cfg.lr_decay_steps or saved.get("lr_decay_steps") or last
+    if env.is_main and not cfg.lr_decay_steps and decay_steps != last:
+        print(f"the LR schedule spans {decay_steps} steps, as when the run began (--lr_decay_steps changes it); "
+              f"this launch stops at step {last}", flush=True)
+    # Micro-batches drawn per rank so far: batches are a pure function of this index, so data order resumes.
+    first_batch = saved.get("train_batches", start_step * cfg.grad_accum_steps)
     tokens_per_step = env.world_size * cfg.batch_size * cfg.grad_accum_steps * seq_length
     peak = peak_flops(env.device)
     metrics = Metrics(cfg)
     bar = tqdm(total=last, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="train",
                mininterval=1.0)
+    nonfinite = NonFiniteGuard(cfg.skip_nonfinite, bar if env.is_main else None)
     model.train()
     loss_sum, steps_since_log, t0 = 0.0, 0, time.perf_counter()
+    done = start_step
     for step in range(start_step, last):
-        lr = lr_at(step, cfg, last)
+        lr = lr_at(step, cfg, decay_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        micro_batches = [data.get_batch("train", step * cfg.grad_accum_steps + micro, env.rank,
-                                        cfg.batch_size, seq_length, cfg.seed) for micro in range(cfg.grad_accum_steps)]
-        loss, grad_norm = train_step(model, optimizer, micro_batches, cfg.grad_clip, env.device)
-        loss_sum += loss
-        steps_since_log += 1
-        bar.update(1)
+        batch = first_batch + (step - start_step) * cfg.grad_accum_steps
+        micro_batches = [data.get_batch("train", batch + micro, env.rank, cfg.batch_size, seq_length, cfg.seed)
+                         for micro in range(cfg.grad_accum_steps)]
+        loss, grad_norm = train_step(model, optimizer, micro_batches, cfg.grad_clip, env.device,
+                                     skip_nonfinite=cfg.skip_nonfinite > 0)
         done = step + 1
-        if done % cfg.log_interval == 0 or done == last:
+        if nonfinite.check(done, _full(grad_norm), loss):
+            loss_sum += loss
+            steps_since_log += 1
+        bar.update(1)
+        if steps_since_log and (done % cfg.log_interval == 0 or done == last):
+            nonfinite.flush()
             loss_avg = mean_across_ranks(loss_sum / steps_since_log, env.device)  # also waits for the device
             elapsed = time.perf_counter() - t0
             tok_s = tokens_per_step * steps_since_log / elapsed
@@ -132,18 +152,31 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
             metrics.log(**row)
             bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tok_s:,.0f}")
             loss_sum, steps_since_log = 0.0, 0
-        if cfg.eval_interval and done % cfg.eval_interval == 0 or done == last:
-            val = evaluate(model, data, cfg, env, seq_length)
-            metrics.log(step=done, val_loss=val)
+        scheduled_save = (done % per_epoch == 0 or done == last
+                          or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0)
+        val_loss = None
+        # Every scheduled checkpoint carries its val loss, so `best` can be chosen among them.
+        if cfg.eval_interval and done % cfg.eval_interval == 0 or done == last or scheduled_save:
+            val_loss = evaluate(model, data, cfg, env, seq_length)
+            metrics.log(step=done, val_loss=val_loss)
             if env.is_main:
-                bar.write(f"step {done}: val loss {val:.4f}")
-        if done % per_epoch == 0 or done == last or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0:
-            checkpoint.save(run_dir, done, model, optimizer, dict(meta, epoch=done // per_epoch), data.directory)
+                bar.write(f"step {done}: val loss {val_loss:.4f}")
+        stop_reason = stop.agreed() if stop else None  # collective: all ranks stop at the same step
+        if scheduled_save or stop_reason:
+            nonfinite.flush()  # never save a model that a NaN update has poisoned
+            progress = dict(epoch=done // per_epoch, lr_decay_steps=decay_steps, val_loss=val_loss,
+                            train_batches=batch + cfg.grad_accum_steps)
+            checkpoint.save(run_dir, done, model, optimizer, dict(meta, **progress), data.directory, cfg.keep_last)
+        if stop_reason:
+            if env.is_main:
+                bar.write(f"step {done}: {stop_reason}; saved a checkpoint and stopping. Run the same command "
+                          "again to resume.")
+            break
         if steps_since_log == 0:
             t0 = time.perf_counter()  # throughput counts training steps, not evaluation or saving
     bar.close()
     metrics.close()
-    return last
+    return done
 
 
 def _full(t):

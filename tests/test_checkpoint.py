@@ -1,10 +1,20 @@
+"""checkpoint.py: what a save writes, what survives damage, what a resume picks, and that loading runs no code."""
 import os
 import pickle
+import random
 
+import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 
 from conftest import TINY_MODEL, launch
 from minimal_fsdp import checkpoint
+from minimal_fsdp.config import ConfigError, parse_args
+from minimal_fsdp.environment import DistEnv
+from minimal_fsdp.model import GPT, GPTConfig
+from minimal_fsdp.parallelize import build_mesh, build_model
+from minimal_fsdp.train import build_optimizer
 
 
 class Exploit:
@@ -26,10 +36,12 @@ def test_save_writes_complete_checkpoint_and_latest(tmp_path, corpus):
     launch(["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 4, "--checkpoint_interval", 2,
             "--eval_interval", 0], ranks=2, cwd=tmp_path)
     run = tmp_path / "checkpoints" / "shakespeare"
-    assert sorted(p.name for p in run.iterdir()) == ["latest", "step_2", "step_4"]  # no temporary leftovers
+    assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2", "step_4"]  # no temporary leftovers
     assert checkpoint.latest(run) == run / "step_4"
     meta = checkpoint.read_meta(run / "step_4")
     assert meta["step"] == 4 and meta["model"]["num_layers"] == 2 and meta["config"]["max_steps"] == 4
+    assert meta["world_size"] == 2 and meta["lr_decay_steps"] == 4 and meta["train_batches"] == 4
+    assert {"rng_0.pt", "rng_1.pt"} <= {p.name for p in (run / "step_4").iterdir()}
     assert (run / "step_4" / "tokenizer.json").exists()
     state = checkpoint.load_full_model_state(run / "step_4")
     assert state["wte.weight"].shape == (meta["model"]["vocab_size"], 32)
@@ -43,3 +55,74 @@ def test_resume_continues_from_latest(tmp_path, corpus):
     steps = [line for line in (tmp_path / "logs" / "shakespeare" / "metrics.jsonl").read_text().splitlines()
              if '"loss"' in line]
     assert [int(s.split('"step": ')[1].split(",")[0]) for s in steps] == [1, 2, 3, 4, 5]
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-rank process group in this process and a tiny sharded model: enough to save, damage and load."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    cfg = parse_args([])
+    env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
+    config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
+    model = build_model(GPT, config, cfg, env, build_mesh(cfg, env))
+    yield model, build_optimizer(model, cfg)
+    dist.destroy_process_group()
+
+
+def save_steps(run, model, optimizer, val_losses, keep_last=0):
+    for step, val_loss in enumerate(val_losses, start=1):
+        checkpoint.save(run, step, model, optimizer, {"val_loss": val_loss}, keep_last=keep_last)
+
+
+def test_keep_last_prunes_older_checkpoints_but_spares_best(one_rank, tmp_path):
+    run = tmp_path / "run"
+    save_steps(run, *one_rank, [3.0, 2.0, 2.5, None, 2.7], keep_last=2)
+    assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2", "step_4", "step_5"]
+    assert (run / "latest").read_text().strip() == "step_5" and (run / "best").read_text().strip() == "step_2"
+    assert checkpoint.resolve(run / "best") == run / "step_2"
+    assert checkpoint.find(parse_args(["--restart_checkpoint_file", str(run / "best")])) == run / "step_2"
+
+
+def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_path, capsys):
+    run = tmp_path / "run"
+    save_steps(run, *one_rank, [None] * 5)
+    (run / ".tmp-step_6").mkdir()  # a save that died before its rename
+    (run / ".tmp-step_6" / "__0_0.distcp").write_bytes(b"half")
+    rng = run / "step_5" / "rng_0.pt"
+    rng.write_bytes(rng.read_bytes()[:1000])
+    shard = run / "step_4" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    metadata = run / "step_3" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:50])
+    (run / "step_2" / "meta.json").write_text('{"step": 2, "mod')
+    capsys.readouterr()
+    cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--run_name", "run"])
+    assert checkpoint.find(cfg) == run / "step_1"
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 4, lines
+    assert "step_5: rng_0.pt is missing or unreadable" in lines[0]
+    assert "step_4: __0_0.distcp is truncated (100 of" in lines[1]
+    assert "step_3: .metadata is missing or unreadable" in lines[2]
+    assert "step_2: meta.json is missing or unreadable" in lines[3]
+    with pytest.raises(ConfigError, match="--restart_checkpoint_file .*step_4 is not a complete checkpoint"):
+        checkpoint.find(parse_args(["--restart_checkpoint_file", str(run / "step_4")]))
+
+
+def test_rng_states_come_back(one_rank, tmp_path):
+    run = tmp_path / "run"
+    save_steps(run, *one_rank, [None])
+    expected = (torch.rand(4), np.random.rand(4), random.random())
+    assert checkpoint.restore_rng(run / "step_1", rank=0, world_size=1, seed=0)
+    again = (torch.rand(4), np.random.rand(4), random.random())
+    assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
+    # Written by one rank, resumed on two: no stream is "this rank's", so reseed rather than replay.
+    assert not checkpoint.restore_rng(run / "step_1", rank=0, world_size=2, seed=0)
+    assert not torch.equal(torch.rand(4), expected[0])
+
+
+def test_resume_never_refuses_a_run_that_has_checkpoints(tmp_path):
+    args = ["--checkpoint_dir", str(tmp_path), "--run_name", "run", "--resume", "never"]
+    assert checkpoint.find(parse_args(args)) is None
+    (tmp_path / "run" / "step_3").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="--resume never, but .*run already holds checkpoints"):
+        checkpoint.find(parse_args(args))

@@ -1,0 +1,107 @@
+"""Ending a run on purpose: preemption signals and --time_limit become one agreed stop, and a diverged
+loss stops the run with the step that broke it.
+
+PBS and SLURM send SIGTERM (or SIGUSR1, e.g. SLURM's --signal=USR1@120) some time before they kill a job,
+not necessarily to every rank. A handler just records the signal; at every step boundary
+all ranks combine what they know in one tiny all_reduce(MAX), so they stop together at the same step,
+save a checkpoint and exit 0. A rank never stops alone, so no rank is left waiting in a collective.
+"""
+import math
+import signal
+import sys
+from contextlib import contextmanager
+from time import monotonic
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_TIME_LIMIT = 1000  # above every signal number, so MAX of the codes stays meaningful
+
+
+class Diverged(RuntimeError):
+    """The loss blew up. Raised on every rank at the same step: the grad norm it is decided on is all-reduced."""
+
+
+class StopRequests:
+    """Created when the run starts (the --time_limit clock starts then); `agreed()` is called once per step."""
+
+    def __init__(self, time_limit_seconds=None):
+        self.start = monotonic()
+        self.time_limit_seconds = time_limit_seconds
+        self.received = 0
+        self.reason = None  # set once every rank has agreed to stop
+
+    @contextmanager
+    def listening(self):
+        """Catch the stop signals only while training: elsewhere there is nothing to save, and the default
+        action (exit) is the right one."""
+        previous = {sig: signal.signal(sig, self._record) for sig in STOP_SIGNALS}
+        for sig in STOP_SIGNALS:
+            signal.siginterrupt(sig, False)  # restart interrupted system calls (a collective's socket waits)
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _record(self, signum, frame):
+        self.received = signum  # only a flag: the step in flight finishes, then all ranks decide together
+
+    def agreed(self):
+        """Collective: the reason every rank stops after this step, or None to go on."""
+        code = self.received
+        if not code and self.time_limit_seconds is not None and monotonic() - self.start >= self.time_limit_seconds:
+            code = _TIME_LIMIT
+        flag = torch.tensor([code], dtype=torch.int32)  # a CPU tensor (gloo): no wait for the GPU
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        code = int(flag.item())
+        if code == _TIME_LIMIT:
+            self.reason = f"--time_limit of {self.time_limit_seconds}s reached"
+        elif code:
+            self.reason = signal.Signals(code).name + " received"
+        return self.reason
+
+
+class NonFiniteGuard:
+    """Stops the run at a NaN/Inf grad norm, naming the step.
+
+    With --skip_nonfinite N > 0 every step is checked before its update (train_step skips a non-finite one),
+    which makes the host wait for the device once per step. With N = 0 (the default) the check is deferred:
+    grad norms stay on the device and are looked at whenever the loop syncs anyway (logging) and before any
+    checkpoint is written, so a poisoned model is never saved and the hot path never waits."""
+
+    def __init__(self, allowed, bar=None):
+        self.allowed = allowed
+        self.bar = bar  # rank 0's progress bar: messages go around it
+        self.skipped = 0
+        self.pending = []  # (step, grad norm on the device, loss) not yet looked at
+
+    def check(self, step, grad_norm, loss):
+        """True if the step's update counts. grad_norm is the all-reduced one, so every rank agrees."""
+        if not self.allowed:
+            self.pending.append((step, grad_norm, loss))
+            return True
+        return self._verdict(step, float(grad_norm), loss)
+
+    def flush(self):
+        """Look at the deferred grad norms (one wait for the device); raises Diverged at the first bad one."""
+        pending, self.pending = self.pending, []
+        if pending and not bool(torch.stack([torch.as_tensor(n).float() for _, n, _ in pending]).isfinite().all()):
+            for step, norm, loss in pending:
+                self._verdict(step, float(norm), loss)
+
+    def _verdict(self, step, grad_norm, loss):
+        if math.isfinite(grad_norm):
+            return True
+        self.skipped += 1
+        if self.skipped > self.allowed:
+            if self.bar:
+                self.bar.close()  # so the error starts on a line of its own
+            raise Diverged(f"step {step}: the grad norm is {grad_norm} (loss {float(loss):.4g} on rank 0): the run "
+                           "diverged and stops here; its last checkpoint is untouched. Lower --lr or raise "
+                           "--warmup_steps, or let --skip_nonfinite N skip up to N such steps")
+        if self.bar:
+            self.bar.write(f"warning: step {step}: grad norm {grad_norm}; update skipped "
+                           f"({self.skipped} of --skip_nonfinite {self.allowed})", file=sys.stderr)
+        return False

@@ -1,0 +1,128 @@
+"""basic_training.py with faults injected at chosen steps, for the resilience tests.
+
+    MINIMAL_FSDP_FAULTS="sigterm@10:1,nan@7" mpiexec -n 2 python tests/faults.py <basic_training flags>
+
+Each fault is KIND@STEP[:RANK] (every rank if RANK is left out); STEP is the optimizer step being done,
+counted from 1 as in the logs. Kinds:
+  sigterm, sigusr1   this rank receives that signal during the step
+  clock              from this step on, this rank's clock says --time_limit has passed
+  nan                this rank's loss is NaN
+  kill               this rank is SIGKILLed during the step
+  hang               this rank stops responding during the step
+  kill_in_save       this rank is SIGKILLed while it writes its shard of this step's checkpoint
+MINIMAL_FSDP_CHECK_LOAD=report.json: right after a checkpoint is loaded, compare every model and optimizer
+tensor of the live sharded model with the checkpoint's files (read in one process) and write the verdict.
+"""
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint import state_dict as dcp_state_dict  # noqa: E402
+
+from minimal_fsdp import checkpoint, model, resilience, train  # noqa: E402
+
+
+def parse(spec):
+    faults = []
+    for item in filter(None, spec.split(",")):
+        kind, _, where = item.partition("@")
+        step, _, rank = where.partition(":")
+        faults.append((kind, int(step), int(rank) if rank else None))
+    return faults
+
+
+FAULTS = parse(os.environ.get("MINIMAL_FSDP_FAULTS", ""))
+now = {"step": 0}  # the optimizer step in progress, counted from 1
+
+
+def due(kind, from_step_on=False):
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return any(k == kind and (now["step"] >= s if from_step_on else now["step"] == s) and r in (None, rank)
+               for k, s, r in FAULTS)
+
+
+def install_faults():
+    lr_at, train_step, forward, save, monotonic = (train.lr_at, train.train_step, model.GPT.forward, dcp.save,
+                                                   resilience.monotonic)
+
+    def tracking_lr_at(step, cfg, decay_steps):  # called once at the start of every step
+        now["step"] = step + 1
+        return lr_at(step, cfg, decay_steps)
+
+    def faulty_train_step(*args, **kwargs):
+        if due("kill"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if due("hang"):
+            time.sleep(3600)
+        for name in ("sigterm", "sigusr1"):
+            if due(name):
+                os.kill(os.getpid(), getattr(signal, name.upper()))
+        return train_step(*args, **kwargs)
+
+    def faulty_forward(self, idx, targets=None, cache=None):
+        out = forward(self, idx, targets, cache)
+        return out * float("nan") if targets is not None and self.training and due("nan") else out
+
+    def faulty_save(*args, **kwargs):
+        if due("kill_in_save"):  # DCP fsyncs each shard file right after writing it
+            os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+        return save(*args, **kwargs)
+
+    train.lr_at, train.train_step, model.GPT.forward, dcp.save = (tracking_lr_at, faulty_train_step, faulty_forward,
+                                                                  faulty_save)
+    resilience.monotonic = lambda: monotonic() + (10**7 if due("clock", from_step_on=True) else 0)
+
+
+def install_load_check(report):
+    load = checkpoint.load
+
+    def checked_load(path, model, optimizer=None):
+        load(path, model, optimizer)
+        full = dcp_state_dict.StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0
+        live = {"model." + k: v for k, v in dcp_state_dict.get_model_state_dict(model, options=full).items()}
+        optim = dcp_state_dict.get_optimizer_state_dict(model, optimizer, options=full)
+        live.update({f"optim.state.{fqn}.{key}": v for fqn, state in optim.get("state", {}).items()
+                     for key, v in state.items()})
+        if dist.get_rank() == 0:
+            saved = {"model." + k: v for k, v in checkpoint.load_full_model_state(path).items()}
+            names = [name for name, _, _ in checkpoint.tensor_names(path, "optim.state.")]
+            optim_saved = checkpoint.read_tensors(path, names, "optim.state.")
+            saved.update({"optim.state." + k: v for k, v in optim_saved.items()})
+            Path(report).write_text(json.dumps({
+                "checked": len(saved), "only_live": sorted(live.keys() - saved.keys()),
+                "only_saved": sorted(saved.keys() - live.keys()),
+                "different": sorted(k for k in saved.keys() & live.keys() if not saved[k].equal(live[k]))}))
+
+    checkpoint.load = checked_load
+
+
+def launch_with_faults(args, faults="", ranks=2, cwd=None, timeout=300, env=None, check=True, check_load=None):
+    """Like conftest.launch, through this script."""
+    from conftest import mpiexec
+
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, __file__, *map(str, args)]
+    extra = {"MINIMAL_FSDP_FAULTS": faults, **({"MINIMAL_FSDP_CHECK_LOAD": str(check_load)} if check_load else {})}
+    environment = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra, **(env or {}))
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environment)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{faults} {' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-5000:]}")
+    return result
+
+
+if __name__ == "__main__":
+    install_faults()
+    if os.environ.get("MINIMAL_FSDP_CHECK_LOAD"):
+        install_load_check(os.environ["MINIMAL_FSDP_CHECK_LOAD"])
+    sys.argv[0] = str(ROOT / "basic_training.py")
+    runpy.run_path(sys.argv[0], run_name="__main__")

@@ -1,0 +1,148 @@
+"""Runs that end early and come back. A run stopped (by --max_steps, SIGTERM, --time_limit, a crash mid-save)
+and resumed computes bitwise the same losses as one that never stopped, dropout included; a checkpoint
+loads on another number of ranks with another sharding with every tensor equal; a dead, hung or diverged
+rank ends the job instead of hanging it."""
+import json
+import math
+import signal
+
+import pytest
+import torch.distributed as dist
+
+from conftest import TINY_MODEL, make_text
+from faults import launch_with_faults
+from minimal_fsdp import checkpoint
+from minimal_fsdp.config import ConfigError, parse_duration
+from minimal_fsdp.resilience import StopRequests
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("resume")
+    (work / "corpus.txt").write_text(make_text())
+    return work
+
+
+def args(run_name, *extra):
+    """Flags of a 20-step run; `extra` comes last, so it overrides (argparse keeps a flag's last value).
+    --lr_decay_steps fixes the LR schedule's horizon: a launch stopped early by --max_steps 5 is on the
+    same schedule as the uninterrupted 20-step run."""
+    return ["--dataset", "text", "--input_file", "corpus.txt", *TINY_MODEL, "--dropout", 0.1, "--log_interval", 1,
+            "--eval_interval", 0, "--warmup_steps", 2, "--lr_decay_steps", STEPS, "--max_steps", STEPS,
+            "--run_name", run_name, *extra]
+
+
+def losses(work, run_name):
+    """Every logged (step, loss), in order, across all launches of the run."""
+    rows = [json.loads(line) for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def straight(work):
+    """The uninterrupted reference: 2 ranks, 20 steps, dropout on, a checkpoint at step 10."""
+    launch_with_faults(args("straight", "--checkpoint_interval", 10), cwd=work)
+    return dict(losses(work, "straight"))
+
+
+def test_stopped_runs_resume_bitwise(work, straight):
+    run = work / "checkpoints" / "chain"
+    first = launch_with_faults(args("chain", "--max_steps", 5), cwd=work)
+    assert "starting fresh" in first.stdout and checkpoint.latest(run) == run / "step_5"
+
+    # A signal reaches one rank only; both stop at the step boundary, save, and exit 0.
+    term = launch_with_faults(args("chain"), faults="sigterm@10:1", cwd=work)
+    assert "step 10: SIGTERM received; saved a checkpoint" in term.stdout
+    assert checkpoint.latest(run) == run / "step_10" and not (run / "step_20").exists()
+
+    timed = launch_with_faults(args("chain", "--time_limit", "1:00:00"), faults="clock@15:0", cwd=work)
+    assert "step 15: --time_limit of 3600s reached" in timed.stdout and checkpoint.latest(run) == run / "step_15"
+
+    # Killed while writing its shard of step 20: step_15 stays the newest complete checkpoint.
+    crashed = launch_with_faults(args("chain"), faults="kill_in_save@20:1", cwd=work, check=False)
+    assert crashed.returncode != 0
+    assert not (run / "step_20").exists() and (run / ".tmp-step_20").exists()
+    assert checkpoint.latest(run) == run / "step_15"
+
+    final = launch_with_faults(args("chain"), cwd=work)
+    assert "resuming from checkpoints/chain/step_15" in final.stdout
+    assert checkpoint.latest(run) == run / "step_20" and not list(run.glob(".tmp-*"))
+
+    chain = losses(work, "chain")
+    assert sorted({step for step, _ in chain}) == list(range(1, STEPS + 1))
+    for step, loss in chain:  # every launch's losses, those of the crashed one included
+        assert loss == straight[step], (step, loss, straight[step])
+    assert straight[STEPS] < straight[1]
+
+
+# (ranks, sharding) in order: each loads the checkpoint the one before wrote. The first loads the straight
+# run's (2 ranks, full-shard), so the chain covers 2->4, full->hybrid, 4->1, hybrid->full, 1->2, full->no-shard.
+ELASTIC = [(4, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2]),
+           (1, ["--sharding", "full-shard"]),
+           (2, ["--sharding", "no-shard"])]
+
+
+def test_checkpoints_load_on_other_world_sizes_and_shardings(work, straight):
+    source = work / "checkpoints" / "straight" / "step_10"
+    for i, (ranks, sharding) in enumerate(ELASTIC):
+        step = 10 + 2 * (i + 1)
+        restart = ["--restart_checkpoint_file", source] if i == 0 else []
+        report = work / f"load_{i}.json"
+        launch_with_faults(args("elastic", *sharding, *restart, "--max_steps", step), ranks=ranks, cwd=work,
+                           check_load=report)
+        verdict = json.loads(report.read_text())
+        assert verdict["checked"] > 50, verdict  # model and AdamW tensors
+        assert verdict["only_live"] == verdict["only_saved"] == verdict["different"] == [], (ranks, sharding, verdict)
+        trained = losses(work, "elastic")
+        assert [s for s, _ in trained[-2:]] == [step - 1, step] and all(math.isfinite(loss) for _, loss in trained)
+        source = work / "checkpoints" / "elastic" / f"step_{step}"
+        assert checkpoint.read_meta(source)["world_size"] == ranks
+
+
+def test_diverged_run_names_the_step_and_keeps_the_last_checkpoint(work):
+    result = launch_with_faults(args("nan", "--checkpoint_interval", 2, "--skip_nonfinite", 1, "--max_steps", 8),
+                                faults="nan@3:1,nan@5:1", cwd=work, check=False)
+    assert result.returncode == 1
+    assert "warning: step 3: grad norm nan; update skipped (1 of --skip_nonfinite 1)" in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: step 5: the grad norm is nan"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    run = work / "checkpoints" / "nan"
+    assert checkpoint.latest(run) == run / "step_4"  # step 4 came after the skipped step 3, with finite weights
+    assert all(t.isfinite().all() for t in checkpoint.load_full_model_state(run / "step_4").values())
+
+
+@pytest.mark.parametrize("fault", ["kill@3:1", "hang@3:1"])
+def test_a_dead_or_hung_rank_ends_the_job(work, fault):
+    # The launch timeout (not an assertion on time) is what would catch a job left hanging.
+    result = launch_with_faults(args("fail_" + fault[:4], "--collective_timeout", 5, "--max_steps", 6),
+                                faults=fault, cwd=work, check=False, timeout=240)
+    assert result.returncode != 0
+    if fault.startswith("hang"):
+        assert "waited longer than --collective_timeout" in result.stderr
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_stop_requests_agree_on_signals_and_time_limit(one_rank):
+    stop = StopRequests(time_limit_seconds=3600)
+    with stop.listening():
+        assert stop.agreed() is None
+        signal.raise_signal(signal.SIGUSR1)
+        assert stop.agreed() == "SIGUSR1 received"
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # only caught while training
+    assert StopRequests(time_limit_seconds=0).agreed() == "--time_limit of 0s reached"
+
+
+def test_time_limit_format():
+    assert parse_duration("01:30:00") == 5400 and parse_duration("45:00") == 2700 and parse_duration("90") == 90
+    for bad in ("1h", "1:2:3:4", "-1:00"):
+        with pytest.raises(ConfigError, match="--time_limit must look like HH:MM:SS"):
+            parse_duration(bad)
