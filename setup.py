@@ -14,6 +14,9 @@ setup(
     extras_require={
         # MPI from wheels: no compiler or system MPI needed (on a cluster, build mpi4py against the system MPI).
         "mpi": ["mpi4py>=4", "mpich"],
-        "dev": ["mpi4py>=4", "mpich", "pytest"],
+        # --hf_model with a hub name (a local directory needs nothing extra).
+        "hf": ["huggingface_hub"],
+        # transformers only checks our Hugging Face import/export in the tests; it is never imported at run time.
+        "dev": ["mpi4py>=4", "mpich", "pytest", "transformers", "huggingface_hub"],
     },
 )
