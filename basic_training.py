@@ -40,7 +40,8 @@ def model_config_for(cfg, data, hf_dir=None):
         model_config = hf_model_config(cfg, hf_dir)[1]
     else:
         shape = dict(num_layers=cfg.num_layers, num_heads=cfg.num_heads, embed_size=cfg.embed_size,
-                     seq_length=cfg.seq_length, dropout=cfg.dropout, vocab_size=cfg.vocab_size or data.meta["vocab_size"])
+                     seq_length=cfg.seq_length, dropout=cfg.dropout,
+                     vocab_size=cfg.vocab_size or data.meta["vocab_size"])
         if model_family(cfg) == "llama":
             model_config = make_llama_config(cfg.model_preset, num_kv_heads=cfg.num_kv_heads,
                                              intermediate_size=cfg.intermediate_size, **shape)
@@ -50,8 +51,8 @@ def model_config_for(cfg, data, hf_dir=None):
     if c.embed_size % c.num_heads:
         raise ConfigError(f"embed size {c.embed_size} is not divisible by {c.num_heads} heads")
     if c.model_type == "llama" and (c.num_heads % c.num_kv_heads or c.embed_size // c.num_heads % 2):
-        raise ConfigError(f"llama needs --num_heads divisible by --num_kv_heads and an even head size "
-                          f"(got {c.num_heads} heads, {c.num_kv_heads} kv heads, head size {c.embed_size // c.num_heads})")
+        raise ConfigError(f"llama needs --num_heads divisible by --num_kv_heads and an even head size (got "
+                          f"{c.num_heads} heads, {c.num_kv_heads} kv heads, head size {c.embed_size // c.num_heads})")
     data.check(c.seq_length, c.vocab_size)
     return model_config
 

@@ -78,7 +78,7 @@ def resolve(name_or_dir):
         raise ConfigError(f"--hf_model {name_or_dir} is not a local directory, and fetching it from the Hugging "
                           "Face hub needs huggingface_hub: pip install huggingface_hub "
                           "(or download the model elsewhere and pass its directory)") from None
-    patterns = ["config.json", "tokenizer.model", "*.safetensors", "model.safetensors.index.json",
+    patterns = ["config.json", "tokenizer.model", "model*.safetensors", "model.safetensors.index.json",
                 "pytorch_model*.bin", "pytorch_model.bin.index.json"]
     try:  # downloaded before: no network needed
         return snapshot_download(name_or_dir, allow_patterns=patterns, local_files_only=True)
@@ -303,16 +303,22 @@ def save_hf(state_dict, model_meta, out_dir, tokenizer_dir=None, max_shard_bytes
         shards[-1][name] = t
         size += nbytes
     if len(shards) == 1:
+        written = ["model.safetensors"]
         _write(out / "model.safetensors", lambda p: save_file(shards[0], p, metadata={"format": "pt"}))
     else:
-        weight_map = {}
+        written, weight_map = ["model.safetensors.index.json"], {}
         for i, shard in enumerate(shards, 1):
             file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             _write(out / file, lambda p: save_file(shard, p, metadata={"format": "pt"}))
             weight_map.update(dict.fromkeys(shard, file))
+            written.append(file)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write(out / "model.safetensors.index.json", lambda p: p.write_text(json.dumps(index, indent=1)))
+    # Weights of an earlier export to the same directory would otherwise be found instead of these.
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json", *out.glob("pytorch_model*")]:
+        if stale.exists() and stale.name not in written:
+            stale.unlink()
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.model").exists():
         _write(out / "tokenizer.model", lambda p: shutil.copy(Path(tokenizer_dir) / "tokenizer.model", p))
     config_json = json.dumps(hf_config(model_type, config), indent=1)

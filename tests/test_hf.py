@@ -151,7 +151,9 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, model_type)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(theirs).__name__ == {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[model_type]
     assert_same_logits(ours, theirs, 53, 24)
-    # ... and it comes back in unchanged.
+    # ... and it comes back in unchanged, also after a second export to the same directory as one file.
+    hf.save_hf(ours.state_dict(), meta, tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
     again = ours_from(tmp_path / "out")
     for name, value in ours.state_dict().items():
         assert torch.equal(again.state_dict()[name], value), name
