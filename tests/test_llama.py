@@ -101,13 +101,14 @@ def test_kv_heads_must_divide_heads(corpus):
         model_config_for(cfg, TokenData(dataset_dir(cfg)))
 
 
-def reference(args, world):
+def reference(args, world, device="cpu"):
     """One process, whole model, all ranks' batches concatenated (test_parallelize's reference, for any model)."""
     cfg = parse_args([str(a) for a in args])
     data = TokenData(dataset_dir(cfg))
     model_config = model_config_for(cfg, data)
-    model = MODELS[model_config.model_type][0](model_config)
-    init_weights(model, cfg.seed, torch.device("cpu"))
+    device = torch.device(device)
+    model = MODELS[model_config.model_type][0](model_config).to(device)
+    init_weights(model, cfg.seed, device)
     optimizer = build_optimizer(model, cfg)
     seq = model_config.seq_length
     last = total_steps(cfg, steps_per_epoch(cfg, world, data.num_tokens("train"), seq))
@@ -116,21 +117,33 @@ def reference(args, world):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg, last)
         batches = [data.get_batch("train", step, r, cfg.batch_size, seq, cfg.seed) for r in range(world)]
-        loss = model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        loss = model(torch.cat([b[0] for b in batches]).to(device), torch.cat([b[1] for b in batches]).to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, model.state_dict()
+    return losses, {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+def train_args(corpus, extra):
+    work = corpus.parent
+    return ["--dataset", "text", "--input_file", corpus, "--data_dir", work / "data", "--log_dir", work / "logs",
+            "--checkpoint_dir", work / "checkpoints", *LLAMA_ARGS, "--max_steps", STEPS, "--log_interval", 1,
+            "--eval_interval", 0, "--run_name", "run", "--warmup_steps", 2, *extra]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_llama_bf16_compiled_on_two_gpus_matches_fp32_reference(tmp_path, corpus):
+    args = train_args(corpus, ["--precision", "bf16", "--compile", "--activation_checkpoints", "--meta_init"])
+    launch(args, ranks=2, cwd=tmp_path)
+    ref_losses, _ = reference(args, world=2, device="cuda")
+    assert logged_losses(tmp_path, "run") == pytest.approx(ref_losses, rel=2e-2)
 
 
 def test_llama_full_shard_matches_single_process_then_generates(tmp_path, corpus):
-    work = corpus.parent
-    args = ["--dataset", "text", "--input_file", corpus, "--data_dir", work / "data", "--log_dir", work / "logs",
-            "--checkpoint_dir", work / "checkpoints", *LLAMA_ARGS, "--max_steps", STEPS, "--log_interval", 1,
-            "--eval_interval", 0, "--run_name", "run", "--warmup_steps", 2,
-            "--sharding", "full-shard", "--meta_init", "--activation_checkpoints"]
+    args = train_args(corpus, ["--sharding", "full-shard", "--meta_init", "--activation_checkpoints"])
     launch(args, ranks=2, cwd=tmp_path)
     losses = logged_losses(tmp_path, "run")
     ref_losses, ref_state = reference(args, world=2)
