@@ -1,7 +1,8 @@
-"""Train a GPT with FSDP2, then generate from a prompt.
+"""Train a GPT or Llama with FSDP2, then generate from a prompt.
 
     mpiexec -n 2 python basic_training.py                       # train on Shakespeare, print a sample
     mpiexec -n 2 python basic_training.py --max_epochs -1 --prompt "ROMEO:"   # generate from the last checkpoint
+    mpiexec -n 2 python basic_training.py --hf_model DIR        # start from a Hugging Face GPT-2 or Llama
 
 Flags -> Config -> the package's functions; nothing else happens here.
 """
@@ -11,25 +12,55 @@ from pathlib import Path
 
 import torch
 
-from minimal_fsdp import checkpoint, environment, resilience
-from minimal_fsdp.config import ConfigError, parse_args, validate_world
+from minimal_fsdp import checkpoint, environment, hf, resilience
+from minimal_fsdp.config import ConfigError, model_family, parse_args, validate_world
 from minimal_fsdp.data import TokenData, prepare
 from minimal_fsdp.generate import generate
 from minimal_fsdp.metrics import banner
-from minimal_fsdp.model import GPT, GPTConfig, make_config
+from minimal_fsdp.llama import Llama, LlamaConfig, make_config as make_llama_config
+from minimal_fsdp.model import GPT, GPTConfig, make_config as make_gpt_config
 from minimal_fsdp.parallelize import build_mesh, build_model
 from minimal_fsdp.tokenizer import load_tokenizer
 from minimal_fsdp.train import build_optimizer, train
 
+# model type (--model; "model_type" in a checkpoint's meta.json) -> (model class, its config class)
+MODELS = {"gpt": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}
 
-def model_config_for(cfg, data):
-    model_config = make_config(cfg.model_preset, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-                               embed_size=cfg.embed_size, seq_length=cfg.seq_length, dropout=cfg.dropout,
-                               vocab_size=cfg.vocab_size or data.meta["vocab_size"])
-    if model_config.embed_size % model_config.num_heads:
-        raise ConfigError(f"embed size {model_config.embed_size} is not divisible by {model_config.num_heads} heads")
-    data.check(model_config.seq_length, model_config.vocab_size)
+
+def hf_model_config(cfg, hf_dir):
+    """(model type, config) of the --hf_model checkpoint, with --seq_length and --dropout applied."""
+    model_type, model_config = hf.read_config(hf_dir, cfg.seq_length, cfg.dropout)
+    if cfg.model and cfg.model != model_type:
+        raise ConfigError(f"--model {cfg.model}, but --hf_model {cfg.hf_model} is a {model_type} model: drop --model")
+    return model_type, model_config
+
+
+def model_config_for(cfg, data, hf_dir=None):
+    """The model's shape: a Hugging Face checkpoint's, or --model_preset's with the explicit flags applied."""
+    if hf_dir:
+        model_config = hf_model_config(cfg, hf_dir)[1]
+    else:
+        shape = dict(num_layers=cfg.num_layers, num_heads=cfg.num_heads, embed_size=cfg.embed_size,
+                     seq_length=cfg.seq_length, dropout=cfg.dropout,
+                     vocab_size=cfg.vocab_size or data.meta["vocab_size"])
+        if model_family(cfg) == "llama":
+            model_config = make_llama_config(cfg.model_preset, num_kv_heads=cfg.num_kv_heads,
+                                             intermediate_size=cfg.intermediate_size, **shape)
+        else:
+            model_config = make_gpt_config(cfg.model_preset, **shape)
+    c = model_config
+    if c.embed_size % c.num_heads:
+        raise ConfigError(f"embed size {c.embed_size} is not divisible by {c.num_heads} heads")
+    if c.model_type == "llama" and (c.num_heads % c.num_kv_heads or c.embed_size // c.num_heads % 2):
+        raise ConfigError(f"llama needs --num_heads divisible by --num_kv_heads and an even head size (got "
+                          f"{c.num_heads} heads, {c.num_kv_heads} kv heads, head size {c.embed_size // c.num_heads})")
+    data.check(c.seq_length, c.vocab_size)
     return model_config
+
+
+def prepare_data(cfg, hf_dir=None):
+    """Tokenize the dataset (once, on rank 0), with a Hugging Face model's own tokenizer if there is one."""
+    return prepare(cfg, hf.load_tokenizer(hf_dir) if hf_dir else None)
 
 
 def main(argv=None):
@@ -42,36 +73,51 @@ def main(argv=None):
     mesh = build_mesh(cfg, env)
     start = environment.run_on_main(checkpoint.find, cfg)  # rank 0 checks the files; all load the same one
 
-    if cfg.generate_only:
+    hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None  # rank 0 downloads
+    # A model that gets Hugging Face weights is built on the meta device (as --meta_init), so no rank ever
+    # holds more than its shard of it.
+    build_cfg = dataclasses.replace(cfg, meta_init=True) if hf_dir else cfg
+
+    if cfg.generate_only and hf_dir:  # straight from the Hugging Face model, no checkpoint involved
+        model_type, model_config = hf_model_config(cfg, hf_dir)
+        model = build_model(MODELS[model_type][0], model_config, build_cfg, env, mesh)
+        hf.load_weights(model, hf_dir, model_type)
+        tokenizer = hf.load_tokenizer(hf_dir)
+    elif cfg.generate_only:
         if start is None:
             raise ConfigError(f"--max_epochs -1 generates from a checkpoint, but {run_dir} has none: "
                               "train first or pass --restart_checkpoint_file")
-        model_config = GPTConfig(**checkpoint.read_meta(start)["model"])
+        meta = checkpoint.read_meta(start)
+        model_cls, config_cls = MODELS[meta.get("model_type", "gpt")]  # checkpoints from before Llama are GPTs
+        model_config = config_cls(**meta["model"])
         if cfg.seq_length and cfg.seq_length > model_config.seq_length:
             raise ConfigError(f"--seq_length {cfg.seq_length} is larger than the model's context of "
                               f"{model_config.seq_length} tokens in {start}")
-        model = build_model(GPT, model_config, cfg, env, mesh)
+        model = build_model(model_cls, model_config, cfg, env, mesh)
         checkpoint.load(start, model)
         tokenizer = load_tokenizer(start)
         if env.is_main:
             print(banner(cfg, env, mesh, model, start, training=False), flush=True)
     else:
-        data = TokenData(environment.run_on_main(prepare, cfg))
-        model_config = model_config_for(cfg, data)
+        data = TokenData(environment.run_on_main(prepare_data, cfg, hf_dir))
+        model_config = model_config_for(cfg, data, hf_dir)
         saved = None
         if start is not None:
             saved = checkpoint.read_meta(start)
-            if saved["model"] != model_config.to_dict():
-                raise ConfigError(f"{start} holds a different model ({saved['model']}): "
-                                  "use another --run_name or --checkpoint_dir")
-        model = build_model(GPT, model_config, cfg, env, mesh)
+            if saved.get("model_type", "gpt") != model_config.model_type or saved["model"] != model_config.to_dict():
+                raise ConfigError(f"{start} holds a different model ({saved.get('model_type', 'gpt')} "
+                                  f"{saved['model']}): use another --run_name or --checkpoint_dir")
+        model = build_model(MODELS[model_config.model_type][0], model_config, build_cfg, env, mesh)
         optimizer = build_optimizer(model, cfg)
         if start is not None:
-            checkpoint.load(start, model, optimizer)
+            checkpoint.load(start, model, optimizer)  # a resumed run continues from its own weights
             checkpoint.restore_rng(start, env.rank, env.world_size, cfg.seed)
+        elif hf_dir:
+            hf.load_weights(model, hf_dir, model_config.model_type)
         if env.is_main:
             print(banner(cfg, env, mesh, model, start), flush=True)
-        meta = {"model": model_config.to_dict(), "config": dataclasses.asdict(cfg)}
+        meta = {"model": model_config.to_dict(), "model_type": model_config.model_type,
+                "config": dataclasses.asdict(cfg)}
         with stop.listening():
             train(model, optimizer, data, cfg, env, run_dir, meta, saved, stop)
         tokenizer = data.tokenizer

@@ -18,6 +18,10 @@ setup(
         "wandb": ["wandb"],  # --wandb
         "plot": ["matplotlib"],  # python -m minimal_fsdp.plot
         "debug": ["debugpy"],  # attaching VS Code to one rank (.vscode/launch.json)
-        "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml"],  # pyyaml: the Kubernetes manifest test
+        # --hf_model with a hub name (a local directory needs nothing extra).
+        "hf": ["huggingface_hub"],
+        # pyyaml: the Kubernetes manifest test; transformers only checks our Hugging Face import/export in the
+        # tests, it is never imported at run time.
+        "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub"],
     },
 )

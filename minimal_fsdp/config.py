@@ -22,6 +22,10 @@ def flag(default, help, choices=None, section="train"):
     return field(default=default, metadata={"help": help, "choices": choices, "section": section})
 
 
+# Preset names of each --model (shapes in model.PRESETS and llama.PRESETS); "tiny" exists in both.
+MODEL_PRESETS = {"gpt": ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"),
+                 "llama": ("tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b")}
+SHAPE_FLAGS = ("num_layers", "num_heads", "embed_size", "vocab_size", "num_kv_heads", "intermediate_size")
 SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
 PRECISION = ("float32", "bf16")
 
@@ -43,14 +47,23 @@ class Config:
                            section="launch")
 
     # model
+    model: str = flag(None, "architecture: gpt (GPT-2) or llama; default: the family of --model_preset "
+                            "(tiny: gpt)", ("gpt", "llama"), "model")
     model_preset: str = flag("tiny", "model shape; explicit model flags override it",
-                             ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), "model")
+                             tuple(dict.fromkeys(n for names in MODEL_PRESETS.values() for n in names)), "model")
+    hf_model: str = flag(None, "start from a Hugging Face GPT-2 or Llama checkpoint: a local directory "
+                               "(config.json + safetensors or .bin) or a hub name (fetched if the hub is "
+                               "reachable); its shape and tokenizer replace --model_preset and --tokenizer",
+                         section="model")
     num_layers: int = flag(None, "transformer blocks", section="model")
     num_heads: int = flag(None, "attention heads", section="model")
     embed_size: int = flag(None, "model width", section="model")
     seq_length: int = flag(None, "tokens per training sequence (and the model's context)", section="model")
     vocab_size: int = flag(None, "embedding rows; default: the tokenizer's vocabulary", section="model")
     dropout: float = flag(None, "dropout probability", section="model")
+    num_kv_heads: int = flag(None, "llama: heads with their own keys and values (grouped-query attention)",
+                             section="model")
+    intermediate_size: int = flag(None, "llama: hidden width of the SwiGLU MLP", section="model")
 
     # parallelism
     sharding: str = flag("full-shard", "FSDP sharding strategy", SHARDING, "parallel")
@@ -253,7 +266,8 @@ def validate(cfg):
     """Checks that need only the flags. Checks that need the world size, data or checkpoints live where
     those are known, and run before the first collective that could hang."""
     positive = ["batch_size", "grad_accum_steps", "num_layers", "num_heads", "embed_size", "seq_length",
-                "vocab_size", "shard_group_size", "log_interval", "eval_batches", "lr_decay_steps"]
+                "vocab_size", "shard_group_size", "log_interval", "eval_batches", "lr_decay_steps", "num_kv_heads",
+                "intermediate_size"]
     for name in positive:
         value = getattr(cfg, name)
         if value is not None and value <= 0:
@@ -279,6 +293,28 @@ def validate(cfg):
     for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
         if getattr(cfg, name) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"--{name} needs the {package} package: pip install {package}")
+    if cfg.hf_model:
+        given = [name for name in SHAPE_FLAGS if getattr(cfg, name) is not None]
+        if given:
+            raise ConfigError(f"--{given[0]} cannot change the shape of --hf_model {cfg.hf_model} "
+                              "(only --seq_length, to shorten the context, and --dropout apply)")
+        if cfg.generate_only and cfg.restart_checkpoint_file:
+            raise ConfigError("--max_epochs -1 with --hf_model generates from the Hugging Face model: "
+                              "drop --restart_checkpoint_file, or drop --hf_model to generate from the checkpoint")
+    elif model_family(cfg) == "gpt":
+        for name in ("num_kv_heads", "intermediate_size"):
+            if getattr(cfg, name) is not None:
+                raise ConfigError(f"--{name} is a llama flag: add --model llama, or drop it")
+
+
+def model_family(cfg):
+    """--model, or else the family --model_preset belongs to ("tiny" is gpt's unless --model llama)."""
+    if cfg.model is None:
+        return next(family for family, presets in MODEL_PRESETS.items() if cfg.model_preset in presets)
+    if cfg.model_preset not in MODEL_PRESETS[cfg.model]:
+        raise ConfigError(f"--model_preset {cfg.model_preset} is not a {cfg.model} preset (those are "
+                          f"{', '.join(MODEL_PRESETS[cfg.model])}): drop --model or pick one of them")
+    return cfg.model
 
 
 def validate_world(cfg, world_size, local_world_size):

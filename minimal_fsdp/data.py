@@ -1,4 +1,5 @@
 """Text -> token memmaps (train.bin, val.bin, meta.json), and deterministic per-rank batches from them."""
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -11,11 +12,17 @@ from .sources import SourceError, fetch_shakespeare
 from .tokenizer import load_tokenizer, train_tokenizer
 
 
-def dataset_dir(cfg):
-    """data/<dataset>/<tokenizer>: one text, prepared once per tokenizer."""
+def dataset_dir(cfg, tokenizer=None):
+    """data/<dataset>/<tokenizer>: one text, prepared once per tokenizer. A given tokenizer (a --hf_model's)
+    names the directory by its kind, and a sentencepiece one also by its model file's hash."""
     name = "shakespeare" if cfg.dataset == "shakespeare" else Path(cfg.input_file).stem
-    tokenizer = cfg.tokenizer + (f"-{cfg.vocab_size}" if cfg.tokenizer == "sentencepiece" else "")
-    return Path(cfg.data_dir) / name / tokenizer
+    if tokenizer is not None:
+        label = tokenizer.kind
+        if tokenizer.kind == "sentencepiece":
+            label += "-" + hashlib.sha1(tokenizer.model_proto).hexdigest()[:12]
+    else:
+        label = cfg.tokenizer + (f"-{cfg.vocab_size}" if cfg.tokenizer == "sentencepiece" else "")
+    return Path(cfg.data_dir) / name / label
 
 
 def _read_text(cfg):
@@ -44,10 +51,11 @@ def _write_atomic(path, write):
     os.replace(tmp, path)
 
 
-def prepare(cfg):
+def prepare(cfg, tokenizer=None):
     """Tokenize the dataset into flat memmaps unless that was done already; returns the dataset directory.
+    Uses `tokenizer` if given, else builds the --tokenizer kind from the text.
     Runs on rank 0 only; meta.json is written last, so its presence means the bins are complete."""
-    out = dataset_dir(cfg)
+    out = dataset_dir(cfg, tokenizer)
     if (out / "meta.json").exists():
         return str(out)
     text = _read_text(cfg)
@@ -55,7 +63,10 @@ def prepare(cfg):
     out.mkdir(parents=True, exist_ok=True)
     # Characters come from the whole text so val never holds an unknown one; BPE learns from train only.
     fit_on = text if cfg.tokenizer == "char" else text[:split]
-    tokenizer = train_tokenizer(cfg.tokenizer, fit_on, cfg.vocab_size, out)
+    if tokenizer is None:
+        tokenizer = train_tokenizer(cfg.tokenizer, fit_on, cfg.vocab_size, out)
+    else:
+        tokenizer.save(out)
     ids = {"train": tokenizer.encode(text[:split]), "val": tokenizer.encode(text[split:])}
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     for split_name, tokens in ids.items():

@@ -61,15 +61,9 @@ def export(ckpt, out, dtype=None, fmt="safetensors"):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
-        try:
-            from .hf import save_hf
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.hf":
-                raise
-            raise ConfigError("--format hf needs minimal_fsdp/hf.py, which this version does not have; "
-                              "use --format safetensors") from None
+        from .hf import save_hf
         state = checkpoint.load_full_model_state(path)
-        save_hf({k: v.to(dtype) if dtype else v for k, v in state.items()}, meta["model"], out)
+        save_hf({k: v.to(dtype) if dtype else v for k, v in state.items()}, meta, out, tokenizer_dir=path)
         return out
     specs = [(name, shape, dtype or saved) for name, shape, saved in checkpoint.tensor_names(path)]
     weights = out / "model.safetensors"

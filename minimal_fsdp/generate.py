@@ -3,8 +3,6 @@ broadcasts it, so ranks never disagree and nobody waits on a rank that skipped a
 import torch
 import torch.distributed as dist
 
-from .model import KVCache
-
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt, num_tokens, temperature=0.8, top_k=50, seed=0,
@@ -21,7 +19,7 @@ def generate(model, tokenizer, prompt, num_tokens, temperature=0.8, top_k=50, se
             # (Re)fill the cache; when the context is full, keep its newer half and continue from there.
             if cache is not None:
                 context = context[-(config.seq_length // 2):]
-            cache = KVCache(config, 1, device, dtype)
+            cache = model.new_cache(1, device, dtype)
             logits = model(torch.tensor([context], device=device), cache=cache)
         else:
             logits = model(torch.tensor([[context[-1]]], device=device), cache=cache)

@@ -5,6 +5,7 @@ Shapes: B batch, T time, C embed_size, H heads, D = C // H.
 """
 import math
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -14,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclass
 class GPTConfig:
+    model_type: ClassVar[str] = "gpt"  # recorded in checkpoints, so generation rebuilds the right model
     vocab_size: int = 65
     seq_length: int = 128  # the context: positions the model has embeddings for
     num_layers: int = 4
@@ -42,10 +44,12 @@ def cross_entropy(logits, targets):
 
 
 class KVCache:
-    """Keys and values of every layer for positions [0, pos); preallocated for the whole context."""
+    """Keys and values of every layer for positions [0, pos); preallocated for the whole context.
+    num_kv_heads: heads that have their own keys and values (fewer than num_heads under grouped-query attention)."""
 
-    def __init__(self, config, batch_size, device, dtype):
-        shape = (batch_size, config.num_heads, config.seq_length, config.embed_size // config.num_heads)
+    def __init__(self, config, batch_size, device, dtype, num_kv_heads=None):
+        heads = num_kv_heads or config.num_heads
+        shape = (batch_size, heads, config.seq_length, config.embed_size // config.num_heads)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.pos = 0
@@ -133,6 +137,10 @@ class GPT(nn.Module):
         if targets is None:
             return F.linear(x[:, -1], self.wte.weight)  # tied output embedding
         return self.loss(F.linear(x, self.wte.weight), targets)
+
+    def new_cache(self, batch_size, device, dtype):
+        """An empty KV cache for generation."""
+        return KVCache(self.config, batch_size, device, dtype)
 
     def initial_value(self, name, shape, generator, device):
         """The initial value of parameter `name`, a pure function of (name, seeded generator), so eager init

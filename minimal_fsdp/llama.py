@@ -1,0 +1,211 @@
+"""A Llama-style decoder: pre-RMSNorm blocks, rotary positions, grouped-query attention, SwiGLU MLP,
+untied output head. The same surface as model.GPT, so parallelize, train and generate take either.
+
+Only the math lives here. Rotary embeddings follow the Hugging Face layout (dimension i pairs with
+i + D/2), so Hugging Face Llama weights load without permuting q and k.
+Shapes: B batch, T time, C embed_size, H heads, K kv heads, D = C // H head size, I intermediate_size.
+"""
+import math
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .model import KVCache
+
+
+@dataclass
+class LlamaConfig:
+    model_type: ClassVar[str] = "llama"  # recorded in checkpoints, so generation rebuilds the right model
+    vocab_size: int = 32000
+    seq_length: int = 128  # the context: positions the rotary tables and the KV cache cover
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2  # grouped-query attention: every num_heads // num_kv_heads query heads share one k, v
+    embed_size: int = 128
+    intermediate_size: int = 384
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict = None  # Llama 3.1's long-context frequency scaling ({"rope_type": "llama3", ...}) or None
+    dropout: float = 0.0
+
+    def to_dict(self):
+        return asdict(self)
+
+
+# Llama 2 shapes from the paper (and the reference's table), Llama 3 8B from Meta's release; tiny for laptops.
+PRESETS = {
+    "tiny": dict(num_layers=4, num_heads=4, num_kv_heads=2, embed_size=128, intermediate_size=384, seq_length=128),
+    "llama2-7b": dict(num_layers=32, num_heads=32, num_kv_heads=32, embed_size=4096, intermediate_size=11008,
+                      seq_length=4096, vocab_size=32000),
+    "llama2-13b": dict(num_layers=40, num_heads=40, num_kv_heads=40, embed_size=5120, intermediate_size=13824,
+                       seq_length=4096, vocab_size=32000),
+    "llama2-70b": dict(num_layers=80, num_heads=64, num_kv_heads=8, embed_size=8192, intermediate_size=28672,
+                       seq_length=4096, vocab_size=32000),
+    "llama3-8b": dict(num_layers=32, num_heads=32, num_kv_heads=8, embed_size=4096, intermediate_size=14336,
+                      seq_length=8192, vocab_size=128256, rope_theta=500000.0),
+}
+
+
+def rotary_frequencies(config):
+    """Angle per position step of each of the D/2 rotating pairs: theta^(-2i/D), optionally Llama-3-scaled."""
+    head_size = config.embed_size // config.num_heads
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    scaling = config.rope_scaling
+    if scaling and scaling.get("rope_type") == "llama3":
+        # Llama 3.1: slow frequencies (wavelength beyond the original context) are divided by `factor`, fast
+        # ones kept, and the band in between blended, so long contexts reuse the angles seen in training.
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original = scaling["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / inv_freq
+        blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+        inv_freq = (1 - blend) * inv_freq / factor + blend * inv_freq
+    return inv_freq
+
+
+def rotary_tables(config, start, length, device):
+    """cos and sin of every (position, dimension) for positions [start, start + length): (T, D) each.
+    Computed per forward from the config (cheap next to the model), so there is no buffer for meta-device
+    init, sharding or checkpoints to handle."""
+    inv_freq = rotary_frequencies(config).to(device)
+    positions = torch.arange(start, start + length, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate each pair (x_i, x_{i+D/2}) of x (B, H, T, D) by its position's angle."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_size = config.embed_size // config.num_heads
+        self.dropout = config.dropout
+        self.q_proj = nn.Linear(config.embed_size, config.num_heads * self.head_size, bias=False)
+        self.k_proj = nn.Linear(config.embed_size, config.num_kv_heads * self.head_size, bias=False)
+        self.v_proj = nn.Linear(config.embed_size, config.num_kv_heads * self.head_size, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * self.head_size, config.embed_size, bias=False)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_size).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_size).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_size).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:  # write this step's keys/values, attend over everything so far
+            start = cache.pos
+            cache.k[layer][:, :, start:start + T] = k
+            cache.v[layer][:, :, start:start + T] = v
+            k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
+        if self.num_kv_heads != self.num_heads:
+            # Give each query head its group's k, v. (SDPA's enable_gqa would skip the copy, but only its flash
+            # kernel supports it: fp32 on GPU would fall back to the math kernel and its T x T matrix.)
+            groups = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # A prefill (T > 1) starts at position 0 and is causal; a single new token sees every cached one.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.o_proj(y))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.embed_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.embed_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.embed_size, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class Block(nn.Module):
+    """The unit of sharding and activation checkpointing."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.embed_size, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = nn.RMSNorm(config.embed_size, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    block_type = Block
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.embed_size)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.embed_size, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.embed_size, config.vocab_size, bias=False)
+        self.checkpoint_blocks = False  # set by parallelize for activation checkpointing
+
+    def forward(self, idx, targets=None, cache=None):
+        """Returns the mean cross-entropy if targets are given, else the logits of the last position."""
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        cos, sin = rotary_tables(self.config, start, T, idx.device)
+        x = self.drop(self.wte(idx))
+        for layer, block in enumerate(self.blocks):
+            if self.checkpoint_blocks and self.training:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, cache, layer)
+        x = self.norm(x)
+        if cache is not None:
+            cache.pos += T
+        if targets is None:
+            return self.lm_head(x[:, -1])
+        logits = self.lm_head(x)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def new_cache(self, batch_size, device, dtype):
+        """An empty KV cache for generation: num_kv_heads keys and values per layer, not num_heads."""
+        return KVCache(self.config, batch_size, device, dtype, num_kv_heads=self.config.num_kv_heads)
+
+    def initial_value(self, name, shape, generator, device):
+        """The initial value of parameter `name`, a pure function of (name, seeded generator), so eager init
+        and meta-device init of one shard at a time give identical weights."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device=device)
+        # As GPT-2: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers) so the residual stream stays O(1).
+        residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+        std = 0.02 / math.sqrt(2 * self.config.num_layers) if residual else 0.02
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+
+    def num_params(self, non_embedding=True):
+        """Parameters; non_embedding leaves out the input embedding (a lookup, not a matmul)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wte.weight.numel() if non_embedding else n
+
+    def flops_per_token(self):
+        """Training FLOPs per token: 6N for the matmuls plus attention (PaLM's count, as for GPT)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.num_layers * c.embed_size * c.seq_length
+
+
+def make_config(preset, **overrides):
+    """A preset's shape with any explicitly given (non-None) fields replacing it."""
+    fields = dict(PRESETS[preset])
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return LlamaConfig(**fields)

@@ -1,0 +1,194 @@
+"""How big is a model, and will it train here? Parameters, checkpoint size, and the per-GPU and per-node host
+memory of every sharding strategy x activation checkpointing x CPU offload.
+
+    python -m minimal_fsdp.model_size --model_preset llama2-70b --gpus 16 --gpus_per_node 4 \\
+        --gpu_memory 40GB --seq_length 4096 --batch_size 1
+
+The estimate is analytic: every term below is a tensor that FSDP2, autograd or AdamW keeps alive at the
+moment memory peaks, counted in bytes. It ignores what it cannot know (allocator fragmentation, the CUDA
+context, NCCL buffers), which the fit check leaves room for.
+"""
+import argparse
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from .config import MODEL_PRESETS, SHARDING, ConfigError, model_family
+from .hf import read_config as read_hf_config
+from .llama import Llama
+from .llama import make_config as make_llama_config
+from .model import GPT
+from .model import make_config as make_gpt_config
+
+GiB = 2**30
+MODELS = {"gpt": GPT, "llama": Llama}
+# A GPU "fits" when the estimate leaves this fraction free for the CUDA context, cuBLAS/NCCL workspaces and
+# allocator fragmentation (none of which torch.cuda.max_memory_allocated counts).
+GPU_HEADROOM = 0.15
+# Host memory of one training process besides offloaded state: Python, torch and CUDA libraries, data.
+HOST_PER_PROCESS = 3 * GiB
+
+
+@dataclasses.dataclass
+class Sizes:
+    """Parameter counts, from the model built on the meta device (no memory, exact numbers)."""
+    total: int
+    per_block: int
+    root: int  # everything outside the blocks: embeddings, final norm, output head (FSDP's root unit)
+
+
+def count_parameters(model_type, config):
+    with torch.device("meta"):  # one block is enough: the others are the same
+        model = MODELS[model_type](dataclasses.replace(config, num_layers=1))
+    per_block = sum(p.numel() for p in model.blocks[0].parameters())
+    root = sum(p.numel() for p in model.parameters()) - per_block
+    return Sizes(root + per_block * config.num_layers, per_block, root)
+
+
+def activations_per_token(model_type, config, device_type="cuda"):
+    """Elements that autograd saves for backward per token in one block (what checkpointing recomputes).
+
+    GPT:   LayerNorm input (1), qkv input (1), q/k/v (3), attention output (1; SDPA writes it in the layout
+           the out-projection reads, so no copy), LayerNorm input + MLP input (2), GELU input (4), proj input (4) = 16 C
+    Llama: q, k, v (k and v repeated to all heads), attention output (4 C); per RMSNorm its input and output
+           (2 C; CPU's unfused RMSNorm also keeps the normalized input, +1 C), twice; SwiGLU: gate, silu(gate),
+           up, their product (4 I).
+    """
+    c = config
+    if model_type == "gpt":
+        return 16 * c.embed_size
+    norm = 2 if device_type == "cuda" else 3
+    return (4 + 2 * norm) * c.embed_size + 4 * c.intermediate_size
+
+
+def estimate(model_type, config, batch_size, sharding, world_size, shard_group_size, activation_checkpoints,
+             cpu_offload, precision, device_type="cuda"):
+    """Peak bytes on one GPU and in one rank's host memory for one training step (one micro-batch per step)."""
+    sizes = count_parameters(model_type, config)
+    shards = {"full-shard": world_size, "grad-shard": world_size, "no-shard": 1}.get(sharding, shard_group_size)
+    keep_gathered = sharding in ("grad-shard", "no-shard", "hybrid-grad-shard")  # no reshard after forward
+    compute = 2 if precision == "bf16" else 4  # bytes of a gathered param, an activation, an unsharded grad
+    tokens = batch_size * config.seq_length
+    L = config.num_layers
+
+    # Sharded state, fp32 whatever the compute precision: master params (4), AdamW's two moments (8), and the
+    # gradients (4) that exist from backward to the optimizer step. CPU offload keeps all of it on the host.
+    params_and_optimizer = 12 * sizes.total / shards
+    grads = 4 * sizes.total / shards
+    on_gpu = 0 if cpu_offload else 1
+
+    # Gathered (unsharded) params in the compute dtype: the root unit is never resharded; blocks are gathered
+    # one at a time plus one prefetched, or all of them from forward to backward without resharding.
+    gathered = compute * (sizes.root + (L if keep_gathered else 2) * sizes.per_block)
+    # Unsharded grads before their reduce-scatter: the root's (reduced last) and ~2 blocks' in flight; with bf16
+    # compute each also gets an fp32 copy to reduce in.
+    unsharded_grads = (compute + (4 if precision == "bf16" else 0)) * (sizes.root + 2 * sizes.per_block)
+
+    layer = tokens * activations_per_token(model_type, config, device_type) * compute
+    saved = L * (tokens * config.embed_size * compute if activation_checkpoints else layer)
+    final_norm = tokens * config.embed_size * compute * (2 if model_type == "gpt" or device_type == "cuda" else 3)
+    # Cross-entropy in fp32: the saved log-softmax, its gradient and the logits' gradient coexist at the start
+    # of backward (4 bytes each per logit).
+    logits = 12 * tokens * config.vocab_size
+
+    static = on_gpu * params_and_optimizer + gathered
+    loss_backward = static + saved + final_norm + logits + unsharded_grads
+    # With checkpointing, a block's activations are rebuilt during backward, once gradients have started to land.
+    recompute = static + saved + layer + unsharded_grads + on_gpu * grads if activation_checkpoints else 0
+    optimizer_step = on_gpu * (params_and_optimizer + grads)
+    gpu = max(loss_backward, recompute, optimizer_step)
+    host = HOST_PER_PROCESS + (params_and_optimizer + grads) * (1 - on_gpu)
+    return {"gpu": gpu, "host": host, "state": on_gpu * (params_and_optimizer + grads),
+            "activations": saved + final_norm + logits, "gathered": gathered}
+
+
+def parse_memory(text, flag):
+    """'40GB', '80GiB', '512G' -> bytes. Binary units either way: a "40GB" GPU holds 40 GiB."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"--{flag} {text!r} is not a size like 40GB or 80GiB")
+    return float(match[1]) * 1024 ** " KMGT".index(match[2].upper() or " ")
+
+
+def model_config(args):
+    """(model type, config, name) from --hf_model's config.json or from --model / --model_preset."""
+    if args.hf_model:
+        if not (Path(args.hf_model) / "config.json").exists():
+            raise ConfigError(f"--hf_model {args.hf_model} has no config.json (the planner reads local directories)")
+        model_type, config = read_hf_config(args.hf_model, args.seq_length)
+        return model_type, config, args.hf_model
+    family = model_family(args)
+    make = make_llama_config if family == "llama" else make_gpt_config
+    return family, make(args.model_preset, seq_length=args.seq_length, vocab_size=args.vocab_size), args.model_preset
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like basic_training's errors
+        raise ConfigError(message)
+
+
+def build_parser():
+    p = _Parser(prog="python -m minimal_fsdp.model_size", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model_preset", default="tiny", choices=sorted({n for v in MODEL_PRESETS.values() for n in v}))
+    p.add_argument("--model", choices=tuple(MODEL_PRESETS), help="default: the family of --model_preset")
+    p.add_argument("--hf_model", help="plan for a local Hugging Face GPT-2 or Llama directory (its config.json)")
+    p.add_argument("--vocab_size", type=int, help="default: the preset's (tiny: GPT 65, Llama 32000)")
+    p.add_argument("--seq_length", type=int, help="tokens per sequence (default: the preset's context)")
+    p.add_argument("--batch_size", type=int, default=1, help="sequences per GPU per micro-step")
+    p.add_argument("--precision", choices=("float32", "bf16"), default="float32", help="as in training")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
+    p.add_argument("--gpus_per_node", type=int, help="default: min(--gpus, 8)")
+    p.add_argument("--shard_group_size", type=int, help="hybrid sharding's group (default: --gpus_per_node)")
+    p.add_argument("--gpu_memory", default="80GB", help="memory of one GPU, e.g. 40GB")
+    p.add_argument("--host_memory", help="memory of one node, e.g. 512GB (to check CPU offload fits)")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    gpus_per_node = args.gpus_per_node or min(args.gpus, 8)
+    group = args.shard_group_size or gpus_per_node
+    for name in ("gpus", "batch_size", "seq_length", "vocab_size", "gpus_per_node", "shard_group_size"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ConfigError(f"--{name} must be positive")
+    if args.gpus % gpus_per_node or args.gpus % group:
+        raise ConfigError(f"--gpus {args.gpus} must be divisible by --gpus_per_node and --shard_group_size "
+                          f"(got {gpus_per_node} and {group})")
+    gpu_memory = parse_memory(args.gpu_memory, "gpu_memory")
+    host_memory = parse_memory(args.host_memory, "host_memory") if args.host_memory else None
+    family, config, name = model_config(args)
+    sizes = count_parameters(family, config)
+
+    print(f"{family} {name}: {sizes.total:,} parameters ({sizes.total / 1e9:.2f} B); "
+          f"{config.num_layers} blocks of {sizes.per_block:,}, {sizes.root:,} outside them")
+    print(f"checkpoint: {12 * sizes.total / GiB:.1f} GiB with optimizer state (fp32 params + AdamW moments), "
+          f"{4 * sizes.total / GiB:.1f} GiB model only in fp32, {2 * sizes.total / GiB:.1f} GiB in bf16")
+    print(f"{args.gpus} GPU(s) of {gpu_memory / GiB:.0f} GiB, {gpus_per_node} per node; batch {args.batch_size} x "
+          f"{config.seq_length} tokens per GPU; {args.precision}; fits = estimate within "
+          f"{1 - GPU_HEADROOM:.0%} of the GPU" + (f" and of {host_memory / GiB:.0f} GiB host" if host_memory else ""))
+    header = f"{'sharding':<19}{'act. ckpt':<11}{'offload':<9}{'state':>9}{'activ.':>9}{'GPU GiB':>9}" \
+             f"{'host GiB/node':>15}  fits"
+    print(header + "\n" + "-" * len(header))
+    for sharding in SHARDING:
+        for checkpointing in (False, True):
+            for offload in (False, True):
+                e = estimate(family, config, args.batch_size, sharding, args.gpus, group, checkpointing, offload,
+                             args.precision)
+                host = e["host"] * gpus_per_node
+                fits = e["gpu"] <= (1 - GPU_HEADROOM) * gpu_memory and (host_memory is None or host <= host_memory)
+                print(f"{sharding:<19}{'yes' if checkpointing else 'no':<11}{'yes' if offload else 'no':<9}"
+                      f"{e['state'] / GiB:>9.1f}{e['activations'] / GiB:>9.1f}{e['gpu'] / GiB:>9.1f}"
+                      f"{host / GiB:>15.1f}  {'yes' if fits else 'no'}")
+    print(f"state: sharded fp32 params, grads and AdamW moments on the GPU; activ.: saved activations and the loss's "
+          f"fp32 logits; GPU: estimated peak; host: per node, {HOST_PER_PROCESS / GiB:.0f} GiB per process included")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,146 @@
+"""The memory planner: parameter counts are exact, and its per-GPU estimate is within 25% of the peak memory a
+real training step allocates (on the CPU here, one rank in-process; on a GPU with `pytest -m gpu`)."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from minimal_fsdp import model_size
+from minimal_fsdp.config import Config, ConfigError
+from minimal_fsdp.llama import Llama, LlamaConfig, make_config as make_llama
+from minimal_fsdp.model import GPT, GPTConfig, make_config as make_gpt
+from minimal_fsdp.parallelize import build_mesh, build_model
+from minimal_fsdp.train import build_optimizer, train_step
+
+MODELS = {"gpt": GPT, "llama": Llama}
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A world of one rank in this process, so FSDP2 runs exactly as in training."""
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the cores are shared with other tests: oversubscribing them is slow
+    yield
+    torch.set_num_threads(threads)
+    dist.destroy_process_group()
+
+
+def train_two_steps(model_type, config, batch_size, sharding, checkpointing, precision, device):
+    cfg = Config(sharding=sharding, activation_checkpoints=checkpointing, precision=precision, meta_init=True)
+    env = SimpleNamespace(device=torch.device(device), world_size=1, local_world_size=1)
+    model = build_model(MODELS[model_type], config, cfg, env, build_mesh(cfg, env))
+    optimizer = build_optimizer(model, cfg)
+    for step in range(2):  # the second step has the optimizer state of a steady run
+        x = torch.randint(0, config.vocab_size, (batch_size, config.seq_length), device=device)
+        train_step(model, optimizer, [(x, x)], 1.0, env.device)
+
+
+def cpu_peak(run, tmp_path):
+    """Peak bytes the CPU allocator handed out during run(): torch's profiler tracks a running total of CPU
+    allocations; the running total counts from its value before the first allocation it saw."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = [e["args"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+              if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
+    start = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - start
+
+
+SMALL = {"gpt": GPTConfig(vocab_size=2048, seq_length=128, num_layers=2, num_heads=4, embed_size=128),
+         "llama": LlamaConfig(vocab_size=2048, seq_length=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                              embed_size=128, intermediate_size=352)}
+CPU_CASES = [("gpt", "full-shard", False), ("gpt", "grad-shard", True), ("llama", "full-shard", False),
+             ("llama", "no-shard", True)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU measurement; GPUs have their own test")
+@pytest.mark.parametrize("model_type,sharding,checkpointing", CPU_CASES)
+def test_estimate_within_25_percent_of_cpu_peak(one_rank, tmp_path, model_type, sharding, checkpointing):
+    config = SMALL[model_type]
+    torch.manual_seed(0)
+    measured = cpu_peak(lambda: train_two_steps(model_type, config, 8, sharding, checkpointing, "float32", "cpu"),
+                        tmp_path)
+    estimated = model_size.estimate(model_type, config, 8, sharding, 1, 1, checkpointing, False, "float32",
+                                    device_type="cpu")["gpu"]
+    assert measured > 20e6  # the measurement saw the model's memory, not just a few bookkeeping allocations
+    assert estimated == pytest.approx(measured, rel=0.25), (estimated / 1e6, measured / 1e6)
+
+
+GPU_CASES = [("gpt", make_gpt("gpt2", vocab_size=50304), 4, "full-shard", False),
+             ("llama", make_llama("tiny", vocab_size=32000, num_layers=8, embed_size=1024, num_heads=16,
+                                  num_kv_heads=4, intermediate_size=2816, seq_length=1024), 4, "grad-shard", True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_type,config,batch_size,sharding,checkpointing", GPU_CASES,
+                         ids=["gpt2-full-shard", "llama-grad-shard-ckpt"])
+def test_estimate_within_25_percent_of_cuda_peak(one_rank, model_type, config, batch_size, sharding, checkpointing):
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    train_two_steps(model_type, config, batch_size, sharding, checkpointing, "bf16", "cuda")
+    measured = torch.cuda.max_memory_allocated() - before
+    estimated = model_size.estimate(model_type, config, batch_size, sharding, 1, 1, checkpointing, False, "bf16")["gpu"]
+    assert estimated == pytest.approx(measured, rel=0.25), (estimated / 2**30, measured / 2**30)
+
+
+@pytest.mark.parametrize("model_type,preset", [("gpt", "gpt2-xl"), ("llama", "llama2-70b"), ("llama", "llama3-8b")])
+def test_parameter_counts_match_the_built_model(model_type, preset):
+    config = (make_llama if model_type == "llama" else make_gpt)(preset)
+    sizes = model_size.count_parameters(model_type, config)
+    with torch.device("meta"):
+        model = MODELS[model_type](config)
+    assert sizes.total == sum(p.numel() for p in model.parameters())
+    assert sizes.per_block == sum(p.numel() for p in model.blocks[-1].parameters())
+
+
+def test_sharding_checkpointing_and_offload_move_memory_where_expected():
+    config = make_llama("llama2-7b")
+    e = lambda sharding, ckpt=False, offload=False, world=8: model_size.estimate(  # noqa: E731
+        "llama", config, 1, sharding, world, 4, ckpt, offload, "bf16")
+    assert e("full-shard", world=16)["state"] == pytest.approx(e("full-shard", world=8)["state"] / 2)
+    assert e("full-shard")["gpu"] < e("grad-shard")["gpu"] < e("no-shard")["gpu"]
+    assert e("full-shard", ckpt=True)["activations"] < e("full-shard")["activations"] / 5
+    offloaded = e("full-shard", offload=True)
+    assert offloaded["state"] == 0 and offloaded["host"] - model_size.HOST_PER_PROCESS == pytest.approx(
+        16 * model_size.count_parameters("llama", config).total / 8)
+
+
+def test_cli_prints_every_combination_and_marks_fits(capsys):
+    model_size.main(["--model_preset", "llama2-70b", "--gpus", "16", "--gpus_per_node", "4", "--gpu_memory", "40GB",
+                     "--seq_length", "4096", "--batch_size", "1"])
+    out = capsys.readouterr().out
+    assert "68,976,648,192 parameters" in out and "770.9 GiB with optimizer state" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in
+            ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")]
+    assert len(rows) == 5 * 2 * 2
+    fits = {(r[0], r[1], r[2]): r[-1] == "yes" for r in rows}
+    assert fits[("full-shard", "yes", "yes")]  # 70B over 16 x 40 GB: shard everything, checkpoint, offload
+    assert not fits[("full-shard", "no", "no")] and not any(f for (s, _, _), f in fits.items() if s == "no-shard")
+
+
+def test_cli_plans_for_a_hugging_face_directory(tmp_path, capsys):
+    config = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model_size.main(["--hf_model", str(tmp_path), "--seq_length", "2048"])
+    out = capsys.readouterr().out
+    assert "6,738,415,616 parameters" in out and "batch 1 x 2048 tokens" in out  # Llama 2 7B's shape
+
+
+def test_cli_errors_name_the_flag():
+    with pytest.raises(ConfigError, match="--gpu_memory"):
+        model_size.main(["--gpu_memory", "forty"])
+    with pytest.raises(ConfigError, match="--gpus 6 must be divisible"):
+        model_size.main(["--gpus", "6", "--gpus_per_node", "4"])
+    with pytest.raises(ConfigError, match="invalid choice: 'llama9'"):
+        model_size.main(["--model_preset", "llama9"])
+    assert model_size.parse_memory("80GiB", "x") == model_size.parse_memory("80GB", "x") == 80 * 2**30
