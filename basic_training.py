@@ -60,13 +60,19 @@ def main(argv=None):
             if saved["model"] != model_config.to_dict():
                 raise ConfigError(f"{start} holds a different model ({saved['model']}): "
                                   "use another --run_name or --checkpoint_dir")
+            trained_with = saved["config"].get("data_parallel", "allreduce")
+            if trained_with != cfg.data_parallel:  # AdamW and AccumAdamW keep different optimizer state
+                raise ConfigError(f"{start} was trained with --data_parallel {trained_with}: resume it the same way, "
+                                  "or start another --run_name")
             start_step = saved["step"]
         model = build_model(GPT, model_config, cfg, env, mesh)
         optimizer = build_optimizer(model, cfg)
         if start is not None:
-            checkpoint.load(start, model, optimizer)
+            load = checkpoint.load_replicas if cfg.data_parallel == "decentralized" else checkpoint.load
+            load(start, model, optimizer)
         if env.is_main:
-            print(f"{env.world_size} rank(s) on {env.num_nodes} node(s), {env.backend}, mesh {tuple(mesh.shape)}; "
+            layout = f"mesh {tuple(mesh.shape)}" if mesh is not None else f"decentralized, {cfg.topology} topology"
+            print(f"{env.world_size} rank(s) on {env.num_nodes} node(s), {env.backend}, {layout}; "
                   f"{model.num_params() / 1e6:.2f}M parameters; "
                   + (f"resuming from {start}" if start else "starting fresh"), flush=True)
         meta = {"model": model_config.to_dict(), "config": dataclasses.asdict(cfg)}

@@ -66,15 +66,16 @@ def _state(model, optimizer):
     return state
 
 
-def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None):
-    """Collective: every rank writes its shards; rank 0 finishes the directory and renames it into place."""
+def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, state=None):
+    """Collective: every rank writes its shards; rank 0 finishes the directory and renames it into place.
+    `state` replaces the model and optimizer state when given (decentralized replicas: save_replicas)."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step_{step}", run_dir / f".tmp-step_{step}"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))
+    dcp.save(_state(model, optimizer) if state is None else state, checkpoint_id=str(tmp))
     if dist.get_rank() == 0:
         (tmp / "meta.json").write_text(json.dumps(dict(meta, step=step), indent=1))
         if tokenizer_dir is not None:
@@ -140,3 +141,45 @@ def load_full_model_state(path):
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(nested, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return nested["model"]
+
+
+# Decentralized training: every rank holds a different replica, so a checkpoint keeps them apart by rank.
+
+def _network_average(tree):
+    """The same nested state with every floating-point tensor averaged over all ranks (collective)."""
+    if isinstance(tree, dict):
+        return {key: _network_average(value) for key, value in tree.items()}
+    if isinstance(tree, torch.Tensor) and tree.is_floating_point():
+        total = tree.detach().clone()
+        dist.all_reduce(total)  # SUM: gloo has no AVG
+        return total.div_(dist.get_world_size())
+    return tree
+
+
+def save_replicas(run_dir, step, model, optimizer, meta, tokenizer_dir=None, average_only=False):
+    """Collective. `model` and `optim` hold the network average of the replicas and their optimizer states,
+    an ordinary checkpoint that generation, export and all-reduce runs read as usual; `replicas.<rank>` holds
+    each rank's own model and optimizer state for an exact resume (left out with average_only)."""
+    own = _state(model, optimizer)
+    state = _network_average(own)
+    if not average_only:
+        state["replicas"] = {str(dist.get_rank()): own}
+    replicas = 0 if average_only else dist.get_world_size()
+    return save(run_dir, step, model, optimizer, dict(meta, replicas=replicas), tokenizer_dir, state=state)
+
+
+def load_replicas(path, model, optimizer=None):
+    """Collective. Each rank resumes its own replica when the checkpoint holds one per rank of this world;
+    otherwise (average-only, or another world size) every rank starts from the network average."""
+    saved, world = read_meta(path).get("replicas", 0), dist.get_world_size()
+    if saved != world:
+        if saved and dist.get_rank() == 0:
+            print(f"{path} holds {saved} replicas and this run has {world} ranks: "
+                  "every rank starts from their average", flush=True)
+        return load(path, model, optimizer)
+    rank = str(dist.get_rank())
+    state = {"replicas": {rank: _state(model, optimizer)}}
+    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+    set_model_state_dict(model, state["replicas"][rank]["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["replicas"][rank]["optim"])

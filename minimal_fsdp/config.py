@@ -17,6 +17,8 @@ def flag(default, help, choices=None, section="train"):
 
 
 SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
+DATA_PARALLEL = ("allreduce", "decentralized")
+TOPOLOGY = ("complete", "ring", "exp", "alternating-exp-ring")
 PRECISION = ("float32", "bf16")
 
 
@@ -54,6 +56,18 @@ class Config:
                            section="parallel")
     compile: bool = flag(False, "torch.compile each transformer block", section="parallel")
 
+    # decentralized data parallel (gossip.py, accum_adamw.py)
+    data_parallel: str = flag("allreduce", "allreduce: one model, gradients averaged over all ranks (FSDP); "
+                              "decentralized: every rank trains its own whole replica and averages parameters "
+                              "with its --topology neighbours each step (no sharding)", DATA_PARALLEL,
+                              "decentralized")
+    topology: str = flag("alternating-exp-ring", "decentralized: whom each rank averages with: complete (all), "
+                         "ring (two neighbours), exp (one peer at distance 1, 2, 4, ... in turn), "
+                         "alternating-exp-ring (exp and ring steps in turn)", TOPOLOGY, "decentralized")
+    accum_steps: int = flag(1, "decentralized (AccumAdamW): Adam's moments take the mean gradient of this many "
+                            "steps, while parameters still move every step (unlike --grad_accum_steps)",
+                            section="decentralized")
+
     # data
     dataset: str = flag("shakespeare", "shakespeare (fetched on first run) or text (--input_file)",
                         ("shakespeare", "text"), "data")
@@ -74,7 +88,7 @@ class Config:
     warmup_steps: int = flag(50, "linear warmup steps")
     weight_decay: float = flag(0.1, "AdamW weight decay on matrices")
     beta1: float = flag(0.9, "AdamW beta1")
-    beta2: float = flag(0.95, "AdamW beta2")
+    beta2: float = flag(None, "AdamW beta2 (default 0.95; 0.98 with --data_parallel decentralized)")
     grad_clip: float = flag(1.0, "clip the global grad norm to this (0 disables)")
     eval_interval: int = flag(200, "evaluate on the val split every N steps (0: only at the end)")
     eval_batches: int = flag(10, "batches per rank in each evaluation")
@@ -86,6 +100,8 @@ class Config:
     restart_checkpoint_file: str = flag(None, "a checkpoint directory to start from (default: the run's latest)",
                                         section="checkpoint")
     checkpoint_interval: int = flag(0, "also save every N steps (0: only at epoch ends)", section="checkpoint")
+    save_average: bool = flag(False, "decentralized: checkpoints keep only the average of the replicas, "
+                              "not each rank's own", section="checkpoint")
     log_dir: str = flag("logs", "metrics go to <log_dir>/<run_name>/metrics.jsonl", section="checkpoint")
 
     # generation
@@ -128,7 +144,7 @@ def validate(cfg):
     """Checks that need only the flags. Checks that need the world size, data or checkpoints live where
     those are known, and run before the first collective that could hang."""
     positive = ["batch_size", "grad_accum_steps", "num_layers", "num_heads", "embed_size", "seq_length",
-                "vocab_size", "shard_group_size", "log_interval", "eval_batches"]
+                "vocab_size", "shard_group_size", "log_interval", "eval_batches", "accum_steps"]
     for name in positive:
         value = getattr(cfg, name)
         if value is not None and value <= 0:
@@ -148,6 +164,20 @@ def validate(cfg):
         raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
     if cfg.embed_size and cfg.num_heads and cfg.embed_size % cfg.num_heads:
         raise ConfigError(f"--embed_size must be divisible by --num_heads (got {cfg.embed_size} and {cfg.num_heads})")
+    validate_decentralized(cfg)
+
+
+def validate_decentralized(cfg):
+    if cfg.data_parallel != "decentralized":
+        for name, unset in (("accum_steps", 1), ("save_average", False)):
+            if getattr(cfg, name) != unset:
+                raise ConfigError(f"--{name} applies to --data_parallel decentralized only")
+        return
+    if cfg.sharding not in ("full-shard", "no-shard"):  # full-shard: the default, i.e. not asked for
+        raise ConfigError(f"--data_parallel decentralized keeps a whole replica on every rank: "
+                          f"drop --sharding {cfg.sharding}")
+    if cfg.cpu_offload:
+        raise ConfigError("--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it")
 
 
 def validate_world(cfg, world_size, local_world_size):

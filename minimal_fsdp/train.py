@@ -10,6 +10,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from . import checkpoint
+from .accum_adamw import AccumAdamW
+from .gossip import Gossip
 
 # Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -23,12 +25,17 @@ def peak_flops(device):
 
 
 def build_optimizer(model, cfg):
-    """AdamW with decay on matrices only (not biases, norms); fused kernels on CUDA."""
+    """AdamW with decay on matrices only (not biases, norms); fused kernels on CUDA. Decentralized runs use
+    AccumAdamW and beta2 0.98 by default, as the decentralized GPT-2 reference does."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    decentralized = cfg.data_parallel == "decentralized"
+    betas = (cfg.beta1, cfg.beta2 if cfg.beta2 is not None else 0.98 if decentralized else 0.95)
+    if decentralized:
+        return AccumAdamW(groups, lr=cfg.lr, betas=betas, accum_steps=cfg.accum_steps)
     on_cuda = params[0].device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=on_cuda)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=on_cuda)
 
 
 def lr_at(step, cfg, total_steps):
@@ -97,17 +104,22 @@ def _to_device(batch, device):
     return batch
 
 
-def train_step(model, optimizer, micro_batches, grad_clip, device):
+def train_step(model, optimizer, micro_batches, grad_clip, device, gossip=None, step=0):
     """One optimizer step over a list of (inputs, targets) micro-batches; returns the mean loss (a device
-    tensor, so the host does not wait for it) and the global grad norm."""
+    tensor, so the host does not wait for it) and the global grad norm (a decentralized replica's own)."""
+    if gossip is not None:
+        gossip.start(step)  # parameters travel to the neighbours while forward and backward run
     loss_sum = 0.0
     for i, batch in enumerate(micro_batches):
         x, y = _to_device(batch, device)
-        # Reduce gradients only on the last micro-step of an accumulation.
-        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP; a decentralized replica never reduces grads
+            # Reduce gradients only on the last micro-step of an accumulation.
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         loss = model(x, y) / len(micro_batches)
         loss.backward()
         loss_sum += loss.detach()
+    if gossip is not None:
+        gossip.finish()  # parameters <- the neighbours' weighted average; this step's update lands on it
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -125,6 +137,7 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
     log = MetricsLog(cfg, env)
     bar = tqdm(total=last, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="train",
                mininterval=1.0)
+    gossip = Gossip(model, cfg.topology) if cfg.data_parallel == "decentralized" else None
     model.train()
     loss_sum, steps_since_log, t0 = 0.0, 0, time.perf_counter()
     for step in range(start_step, last):
@@ -133,7 +146,7 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
             group["lr"] = lr
         micro_batches = [data.get_batch("train", step * cfg.grad_accum_steps + micro, env.rank,
                                         cfg.batch_size, seq_length, cfg.seed) for micro in range(cfg.grad_accum_steps)]
-        loss, grad_norm = train_step(model, optimizer, micro_batches, cfg.grad_clip, env.device)
+        loss, grad_norm = train_step(model, optimizer, micro_batches, cfg.grad_clip, env.device, gossip, step)
         loss_sum += loss
         steps_since_log += 1
         bar.update(1)
@@ -146,6 +159,8 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
                        step_time=elapsed / steps_since_log, peak_mem_gb=peak_memory_gb(env.device))
             if peak:
                 row["mfu"] = model.flops_per_token() * tok_s / (peak * env.world_size)
+            if gossip is not None:
+                row["consensus"] = gossip.consensus_distance()  # mean squared distance of replicas to their mean
             log.write(**row)
             bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tok_s:,.0f}")
             loss_sum, steps_since_log = 0.0, 0
@@ -155,7 +170,11 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
             if env.is_main:
                 bar.write(f"step {done}: val loss {val:.4f}")
         if done % per_epoch == 0 or done == last or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0:
-            checkpoint.save(run_dir, done, model, optimizer, dict(meta, epoch=done // per_epoch), data.directory)
+            if gossip is not None:
+                checkpoint.save_replicas(run_dir, done, model, optimizer, dict(meta, epoch=done // per_epoch),
+                                         data.directory, cfg.save_average)
+            else:
+                checkpoint.save(run_dir, done, model, optimizer, dict(meta, epoch=done // per_epoch), data.directory)
         if steps_since_log == 0:
             t0 = time.perf_counter()  # throughput counts training steps, not evaluation or saving
     bar.close()
