@@ -107,10 +107,15 @@ def main(argv=None):
             if saved.get("model_type", "gpt") != model_config.model_type or saved["model"] != model_config.to_dict():
                 raise ConfigError(f"{start} holds a different model ({saved.get('model_type', 'gpt')} "
                                   f"{saved['model']}): use another --run_name or --checkpoint_dir")
+            trained_with = saved["config"].get("data_parallel", "allreduce")
+            if trained_with != cfg.data_parallel:  # AdamW and AccumAdamW keep different optimizer state
+                raise ConfigError(f"{start} was trained with --data_parallel {trained_with}: resume it the same way, "
+                                  "or start another --run_name")
         model = build_model(MODELS[model_config.model_type][0], model_config, build_cfg, env, mesh)
         optimizer = build_optimizer(model, cfg)
         if start is not None:
-            checkpoint.load(start, model, optimizer)  # a resumed run continues from its own weights
+            load = checkpoint.load_replicas if cfg.data_parallel == "decentralized" else checkpoint.load
+            load(start, model, optimizer)  # a resumed run continues from its own weights
             checkpoint.restore_rng(start, env.rank, env.world_size, cfg.seed)
         elif hf_dir:
             hf.load_weights(model, hf_dir, model_config.model_type)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the core issue: environment report, the gpu-marked tests (NCCL vs CPU reference),
 # the default run on 2 GPUs, and 1/2-GPU throughput rows. Logs go to $OUT (or ./gpu_out).
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip ...]
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -30,4 +30,9 @@ throughput)
     timeout 200 $MPI -n 2 $B --batch_size 16 --compile --sharding $s >> "$OUT/throughput.log" 2>&1
     tail -1 "$OUT/throughput.log"
   done ;;
+gossip)
+  # Needs 4 GPUs: NCCL gossip against the mixing matrices, then step time and bytes sent per step of every
+  # topology against all-reduce (GPT-2 124M, bf16); the table rows are printed for benchmarks/RESULTS.md.
+  timeout 900 python3 -m pytest -m gpu tests/test_decentralized.py -q -s -p no:cacheprovider 2>&1 \
+    | tee "$OUT/gossip.log" | grep -E '^\||passed|failed|Error' ;;
 esac; done

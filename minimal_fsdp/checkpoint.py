@@ -77,9 +77,10 @@ def _state(model, optimizer):
 
 # ---- saving ----
 
-def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0):
+def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, state=None):
     """Collective: every rank writes its shards and RNG states; rank 0 finishes the directory, renames it
-    into place, then moves `latest` (and `best`) and prunes to --keep_last."""
+    into place, then moves `latest` (and `best`) and prunes to --keep_last. `state` replaces the model and
+    optimizer state when given (decentralized replicas: save_replicas)."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step_{step}", run_dir / f".tmp-step_{step}"
     rank = dist.get_rank()
@@ -89,7 +90,7 @@ def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0)
         tmp.mkdir(parents=True)
     dist.barrier()
     _write_durably(tmp / _rng_file(rank), _rng_bytes())
-    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))  # ends with a gather: every rank has written
+    dcp.save(_state(model, optimizer) if state is None else state, checkpoint_id=str(tmp))  # ends with a gather: every rank has written
     if rank == 0:
         meta = dict(meta, step=step, world_size=dist.get_world_size())
         _write_durably(tmp / "meta.json", json.dumps(meta, indent=1).encode())
@@ -331,3 +332,45 @@ def read_tensors(path, names, prefix="model."):
 def load_full_model_state(path):
     """The whole model state dict as plain tensors (for tests, export and inspection)."""
     return read_tensors(path, [name for name, _, _ in tensor_names(path)])
+
+
+# Decentralized training: every rank holds a different replica, so a checkpoint keeps them apart by rank.
+
+def _network_average(tree):
+    """The same nested state with every floating-point tensor averaged over all ranks (collective)."""
+    if isinstance(tree, dict):
+        return {key: _network_average(value) for key, value in tree.items()}
+    if isinstance(tree, torch.Tensor) and tree.is_floating_point():
+        total = tree.detach().clone()
+        dist.all_reduce(total)  # SUM: gloo has no AVG
+        return total.div_(dist.get_world_size())
+    return tree
+
+
+def save_replicas(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, average_only=False):
+    """Collective. `model` and `optim` hold the network average of the replicas and their optimizer states,
+    an ordinary checkpoint that generation, export and all-reduce runs read as usual; `replicas.<rank>` holds
+    each rank's own model and optimizer state for an exact resume (left out with average_only)."""
+    own = _state(model, optimizer)
+    state = _network_average(own)
+    if not average_only:
+        state["replicas"] = {str(dist.get_rank()): own}
+    replicas = 0 if average_only else dist.get_world_size()
+    return save(run_dir, step, model, optimizer, dict(meta, replicas=replicas), tokenizer_dir, keep_last, state=state)
+
+
+def load_replicas(path, model, optimizer=None):
+    """Collective. Each rank resumes its own replica when the checkpoint holds one per rank of this world;
+    otherwise (average-only, or another world size) every rank starts from the network average."""
+    saved, world = read_meta(path).get("replicas", 0), dist.get_world_size()
+    if saved != world:
+        if saved and dist.get_rank() == 0:
+            print(f"{path} holds {saved} replicas and this run has {world} ranks: "
+                  "every rank starts from their average", flush=True)
+        return load(path, model, optimizer)
+    rank = str(dist.get_rank())
+    state = {"replicas": {rank: _state(model, optimizer)}}
+    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+    set_model_state_dict(model, state["replicas"][rank]["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["replicas"][rank]["optim"])

@@ -27,6 +27,8 @@ MODEL_PRESETS = {"gpt": ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
                  "llama": ("tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b")}
 SHAPE_FLAGS = ("num_layers", "num_heads", "embed_size", "vocab_size", "num_kv_heads", "intermediate_size")
 SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
+DATA_PARALLEL = ("allreduce", "decentralized")
+TOPOLOGY = ("complete", "ring", "exp", "alternating-exp-ring")
 PRECISION = ("float32", "bf16")
 
 
@@ -79,6 +81,18 @@ class Config:
                            section="parallel")
     compile: bool = flag(False, "torch.compile each transformer block", section="parallel")
 
+    # decentralized data parallel (gossip.py, accum_adamw.py)
+    data_parallel: str = flag("allreduce", "allreduce: one model, gradients averaged over all ranks (FSDP); "
+                              "decentralized: every rank trains its own whole replica and averages parameters "
+                              "with its --topology neighbours each step (no sharding)", DATA_PARALLEL,
+                              "decentralized")
+    topology: str = flag("alternating-exp-ring", "decentralized: whom each rank averages with: complete (all), "
+                         "ring (two neighbours), exp (one peer at distance 1, 2, 4, ... in turn), "
+                         "alternating-exp-ring (exp and ring steps in turn)", TOPOLOGY, "decentralized")
+    accum_steps: int = flag(1, "decentralized (AccumAdamW): Adam's moments take the mean gradient of this many "
+                            "steps, while parameters still move every step (unlike --grad_accum_steps)",
+                            section="decentralized")
+
     # data
     dataset: str = flag("shakespeare", "shakespeare (fetched on first run) or text (--input_file)",
                         ("shakespeare", "text"), "data")
@@ -99,7 +113,7 @@ class Config:
     warmup_steps: int = flag(50, "linear warmup steps")
     weight_decay: float = flag(0.1, "AdamW weight decay on matrices")
     beta1: float = flag(0.9, "AdamW beta1")
-    beta2: float = flag(0.95, "AdamW beta2")
+    beta2: float = flag(None, "AdamW beta2 (default 0.95; 0.98 with --data_parallel decentralized)")
     lr_decay_steps: int = flag(None, "steps the warmup + cosine schedule spans (default: the first launch's "
                                      "--max_epochs/--max_steps length, kept on resume); set it to stop early with "
                                      "--max_steps and continue later on the same schedule")
@@ -121,6 +135,9 @@ class Config:
     checkpoint_interval: int = flag(0, "also save every N steps (0: only at epoch ends)", section="checkpoint")
     keep_last: int = flag(0, "keep the newest K checkpoints of the run, plus the `best` one (0: keep all)",
                           section="checkpoint")
+
+    save_average: bool = flag(False, "decentralized: checkpoints keep only the average of the replicas, "
+                              "not each rank's own", section="checkpoint")
 
     # logs
     log_dir: str = flag("logs", "metrics.jsonl, TensorBoard events and config.toml go to <log_dir>/<run_name>/",
@@ -267,7 +284,7 @@ def validate(cfg):
     those are known, and run before the first collective that could hang."""
     positive = ["batch_size", "grad_accum_steps", "num_layers", "num_heads", "embed_size", "seq_length",
                 "vocab_size", "shard_group_size", "log_interval", "eval_batches", "lr_decay_steps", "num_kv_heads",
-                "intermediate_size"]
+                "intermediate_size", "accum_steps"]
     for name in positive:
         value = getattr(cfg, name)
         if value is not None and value <= 0:
@@ -305,6 +322,7 @@ def validate(cfg):
         for name in ("num_kv_heads", "intermediate_size"):
             if getattr(cfg, name) is not None:
                 raise ConfigError(f"--{name} is a llama flag: add --model llama, or drop it")
+    validate_decentralized(cfg)
 
 
 def model_family(cfg):
@@ -315,6 +333,19 @@ def model_family(cfg):
         raise ConfigError(f"--model_preset {cfg.model_preset} is not a {cfg.model} preset (those are "
                           f"{', '.join(MODEL_PRESETS[cfg.model])}): drop --model or pick one of them")
     return cfg.model
+
+
+def validate_decentralized(cfg):
+    if cfg.data_parallel != "decentralized":
+        for name, unset in (("accum_steps", 1), ("save_average", False)):
+            if getattr(cfg, name) != unset:
+                raise ConfigError(f"--{name} applies to --data_parallel decentralized only")
+        return
+    if cfg.sharding not in ("full-shard", "no-shard"):  # full-shard: the default, i.e. not asked for
+        raise ConfigError(f"--data_parallel decentralized keeps a whole replica on every rank: "
+                          f"drop --sharding {cfg.sharding}")
+    if cfg.cpu_offload:
+        raise ConfigError("--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it")
 
 
 def validate_world(cfg, world_size, local_world_size):

@@ -79,10 +79,11 @@ def _readable(num_bytes):
 def banner(cfg, env, mesh, model, resume_from=None, training=True):
     """Rank 0's startup summary: layout, model size, a memory estimate, and every resolved flag."""
     num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
-    shard_size = mesh.shape[-1]
+    shard_size = mesh.shape[-1] if mesh is not None else 1  # no mesh: decentralized, a whole replica per rank
     state = _readable(state_bytes_per_rank(num_params, shard_size, training))
     where = "CPU memory (--cpu_offload)" if cfg.cpu_offload else f"{env.device.type} memory"
-    mesh_text = " x ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
+    mesh_text = (" x ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
+                 if mesh is not None else f"none (decentralized, {cfg.topology} topology)")
     lines = [
         f"launch: {env.world_size} rank(s) = {env.num_nodes} node(s) x {env.local_world_size} rank(s)/node, "
         f"started by {env.launcher}, {env.backend} on {env.device.type}; mesh {mesh_text} ({cfg.sharding})",

@@ -5,6 +5,8 @@ Strategies map onto FSDP2 as:
   grad-shard          1-D mesh, params kept gathered from forward to backward (ZeRO-2-like)
   no-shard            2-D mesh (world x 1): replicate everywhere, shard over one rank (DDP semantics)
   hybrid-*-shard      2-D mesh (nodes x shard_group_size): replicate across groups, shard inside one
+With --data_parallel decentralized there is no FSDP at all: each rank holds a plain, whole replica that
+trains on its own and is averaged with its neighbours' by gossip.py.
 """
 import zlib
 
@@ -15,6 +17,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def build_mesh(cfg, env):
+    if cfg.data_parallel == "decentralized":
+        return None  # replicas are plain modules; gossip talks to peers directly
     kind = env.device.type
     if cfg.sharding in ("full-shard", "grad-shard"):
         return init_device_mesh(kind, (env.world_size,), mesh_dim_names=("shard",))
@@ -64,10 +68,23 @@ def build_model(model_cls, model_config, cfg, env, mesh):
         # Compiled, the fp32 upcast, log-softmax and its backward fuse into a few passes over the bf16 logits
         # instead of materializing fp32 logits (the largest tensor of a GPT-2 step).
         model.loss = torch.compile(model.loss)
+    if cfg.data_parallel == "decentralized":
+        return replica(model, cfg, env)
     if not cfg.meta_init:
         init_weights(model, cfg.seed, env.device)
     shard(model, mesh, cfg)
     if cfg.meta_init:
         model.to_empty(device="cpu" if cfg.cpu_offload else env.device)
         init_weights(model, cfg.seed, env.device)
+    return model
+
+
+def replica(model, cfg, env):
+    """A whole, unsharded model for decentralized training. init_weights depends only on the seed and names,
+    so every rank starts from the same replica. bf16 runs under autocast: fp32 weights, bf16 matmuls."""
+    if cfg.meta_init:
+        model.to_empty(device=env.device)
+    init_weights(model, cfg.seed, env.device)
+    if cfg.precision == "bf16":
+        model.forward = torch.autocast(env.device.type, dtype=torch.bfloat16)(model.forward)
     return model

@@ -10,6 +10,8 @@ from tqdm import tqdm
 from . import checkpoint
 from .metrics import Metrics
 from .resilience import NonFiniteGuard
+from .accum_adamw import AccumAdamW
+from .gossip import Gossip
 
 # Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -23,12 +25,17 @@ def peak_flops(device):
 
 
 def build_optimizer(model, cfg):
-    """AdamW with decay on matrices only (not biases, norms); fused kernels on CUDA."""
+    """AdamW with decay on matrices only (not biases, norms); fused kernels on CUDA. Decentralized runs use
+    AccumAdamW and beta2 0.98 by default, as the decentralized GPT-2 reference does."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    decentralized = cfg.data_parallel == "decentralized"
+    betas = (cfg.beta1, cfg.beta2 if cfg.beta2 is not None else 0.98 if decentralized else 0.95)
+    if decentralized:
+        return AccumAdamW(groups, lr=cfg.lr, betas=betas, accum_steps=cfg.accum_steps)
     on_cuda = params[0].device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=on_cuda)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=on_cuda)
 
 
 def lr_at(step, cfg, decay_steps):
@@ -81,18 +88,24 @@ def _to_device(batch, device):
     return batch
 
 
-def train_step(model, optimizer, micro_batches, grad_clip, device, skip_nonfinite=False):
+def train_step(model, optimizer, micro_batches, grad_clip, device, skip_nonfinite=False, gossip=None, step=0):
     """One optimizer step over a list of (inputs, targets) micro-batches; returns the mean loss (a device
-    tensor) and the global grad norm. With skip_nonfinite, an update with a NaN/Inf grad norm is not applied
-    (it would poison every weight); the norm is all-reduced, so every rank skips the same steps."""
+    tensor) and the global grad norm (a decentralized replica's own). With skip_nonfinite, an update with a
+    NaN/Inf grad norm is not applied (it would poison every weight); the norm is all-reduced, so every rank
+    skips the same steps."""
+    if gossip is not None:
+        gossip.start(step)  # parameters travel to the neighbours while forward and backward run
     loss_sum = 0.0
     for i, batch in enumerate(micro_batches):
         x, y = _to_device(batch, device)
-        # Reduce gradients only on the last micro-step of an accumulation.
-        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP; a decentralized replica never reduces grads
+            # Reduce gradients only on the last micro-step of an accumulation.
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         loss = model(x, y) / len(micro_batches)
         loss.backward()
         loss_sum += loss.detach()
+    if gossip is not None:
+        gossip.finish()  # parameters <- the neighbours' weighted average; this step's update lands on it
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
     if not skip_nonfinite or torch.isfinite(_full(grad_norm)):  # the check waits for the device: only if asked
         optimizer.step()
@@ -123,6 +136,7 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
     bar = tqdm(total=last, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="train",
                mininterval=1.0)
     nonfinite = NonFiniteGuard(cfg.skip_nonfinite, bar if env.is_main else None)
+    gossip = Gossip(model, cfg.topology) if cfg.data_parallel == "decentralized" else None
     model.train()
     loss_sum, steps_since_log, t0 = 0.0, 0, time.perf_counter()
     done = start_step
@@ -134,9 +148,13 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
         micro_batches = [data.get_batch("train", batch + micro, env.rank, cfg.batch_size, seq_length, cfg.seed)
                          for micro in range(cfg.grad_accum_steps)]
         loss, grad_norm = train_step(model, optimizer, micro_batches, cfg.grad_clip, env.device,
-                                     skip_nonfinite=cfg.skip_nonfinite > 0)
+                                     skip_nonfinite=cfg.skip_nonfinite > 0, gossip=gossip, step=step)
         done = step + 1
-        if nonfinite.check(done, _full(grad_norm), loss):
+        norm = _full(grad_norm)
+        if gossip is not None:  # each replica has its own norm: a sum is non-finite if any is, so ranks agree
+            norm = norm.detach().clone()
+            dist.all_reduce(norm)
+        if nonfinite.check(done, norm, loss):
             loss_sum += loss
             steps_since_log += 1
         bar.update(1)
@@ -149,6 +167,8 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
                        step_time=elapsed / steps_since_log, peak_mem_gb=peak_memory_gb(env.device))
             if peak:
                 row["mfu"] = model.flops_per_token() * tok_s / (peak * env.world_size)
+            if gossip is not None:
+                row["consensus"] = gossip.consensus_distance()  # mean squared distance of replicas to their mean
             metrics.log(**row)
             bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tok_s:,.0f}")
             loss_sum, steps_since_log = 0.0, 0
@@ -166,7 +186,12 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
             nonfinite.flush()  # never save a model that a NaN update has poisoned
             progress = dict(epoch=done // per_epoch, lr_decay_steps=decay_steps, val_loss=val_loss,
                             train_batches=batch + cfg.grad_accum_steps)
-            checkpoint.save(run_dir, done, model, optimizer, dict(meta, **progress), data.directory, cfg.keep_last)
+            if gossip is not None:
+                checkpoint.save_replicas(run_dir, done, model, optimizer, dict(meta, **progress), data.directory,
+                                         cfg.keep_last, cfg.save_average)
+            else:
+                checkpoint.save(run_dir, done, model, optimizer, dict(meta, **progress), data.directory,
+                                cfg.keep_last)
         if stop_reason:
             if env.is_main:
                 bar.write(f"step {done}: {stop_reason}; saved a checkpoint and stopping. Run the same command "

@@ -58,7 +58,8 @@ def test_missing_file(tmp_path):
 
 
 def test_sections_are_the_fields_sections():
-    assert SECTIONS == ("launch", "model", "parallel", "data", "train", "checkpoint", "log", "generate")
+    assert SECTIONS == ("launch", "model", "parallel", "decentralized", "data", "train", "checkpoint", "log",
+                        "generate")
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)

@@ -1,0 +1,113 @@
+"""Decentralized (gossip) against all-reduce training: step time and bytes each GPU sends per step, through the
+same build_model/build_optimizer/train_step as real training, on synthetic tokens.
+
+    mpiexec -n 4 python benchmarks/gossip_bench.py --model_preset gpt2 --vocab_size 50304 --batch_size 16 \
+        --precision bf16 --out gossip.jsonl
+Runs, in one launch: all-reduce (FSDP --sharding no-shard, i.e. DDP: gradients all-reduced in fp32), then
+--data_parallel decentralized with each topology. Prints one markdown row per mode. Bytes: for gossip, the
+payload the Gossip object posted (counted); for all-reduce, a ring all-reduce's 2(n-1)/n x gradient bytes
+(computed: NCCL does not report what it sends). Step time: median of --steps steps (CUDA events).
+"""
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minimal_fsdp import environment  # noqa: E402
+from minimal_fsdp.config import TOPOLOGY, Config, build_parser, validate  # noqa: E402
+from minimal_fsdp.gossip import Gossip  # noqa: E402
+from minimal_fsdp.model import GPT, make_config  # noqa: E402
+from minimal_fsdp.parallelize import build_mesh, build_model  # noqa: E402
+from minimal_fsdp.train import build_optimizer, train_step  # noqa: E402
+
+HEADER = ("| mode | topology | GPUs | model | precision | batch/GPU | step ms | MB sent/step/GPU | bytes are |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+
+
+def parse():
+    parser = build_parser()
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported")
+    parser.add_argument("--out", default=None, help="append each row as a JSON line to this file")
+    args = vars(parser.parse_args())
+    bench = {k: args.pop(k) for k in ("warmup", "steps", "out")}
+    cfg = Config(**args)
+    validate(cfg)
+    return cfg, bench
+
+
+def timed_steps(model, optimizer, gossip, cfg, env, seq, vocab, first_step, n):
+    generator = torch.Generator(device=env.device).manual_seed(cfg.seed + env.rank)
+    times = []
+    for step in range(first_step, first_step + n):
+        tokens = torch.randint(vocab, (cfg.batch_size, seq + 1), device=env.device, generator=generator)
+        batches = [(tokens[:, :-1], tokens[:, 1:])]
+        if env.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip, step)
+            end.record()
+            times.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip, step)
+            times.append(time.perf_counter() - t0)
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) / 1000 for s, e in times]
+    return times
+
+
+def measure(cfg, env, bench, model_config):
+    model = build_model(GPT, model_config, cfg, env, build_mesh(cfg, env))
+    optimizer = build_optimizer(model, cfg)
+    gossip = Gossip(model, cfg.topology) if cfg.data_parallel == "decentralized" else None
+    seq, vocab = model_config.seq_length, model_config.vocab_size
+    timed_steps(model, optimizer, gossip, cfg, env, seq, vocab, 0, bench["warmup"])
+    sent_before = gossip.bytes_sent if gossip else 0
+    times = timed_steps(model, optimizer, gossip, cfg, env, seq, vocab, bench["warmup"], bench["steps"])
+    params = sum(p.numel() for p in model.parameters())  # FSDP: this rank's shard; no-shard: all of them
+    if gossip is not None:
+        sent, counted = (gossip.bytes_sent - sent_before) / bench["steps"], "counted"
+    else:
+        sent, counted = 2 * (env.world_size - 1) / env.world_size * params * 4, "ring formula"
+    del model, optimizer, gossip
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+    decentralized = cfg.data_parallel == "decentralized"
+    return dict(mode=cfg.data_parallel, topology=cfg.topology if decentralized else "-", gpus=env.world_size, params=params, precision=cfg.precision,
+                batch=cfg.batch_size, step_ms=statistics.median(times) * 1000, bytes_per_step=sent, bytes_are=counted,
+                device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
+                torch=torch.__version__)
+
+
+def main():
+    cfg, bench = parse()
+    env = environment.setup(cfg)
+    model_config = make_config(cfg.model_preset, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+                               embed_size=cfg.embed_size, seq_length=cfg.seq_length, dropout=cfg.dropout,
+                               vocab_size=cfg.vocab_size)
+    modes = [dataclasses.replace(cfg, data_parallel="allreduce", sharding="no-shard", accum_steps=1)]
+    modes += [dataclasses.replace(cfg, data_parallel="decentralized", sharding="no-shard", topology=t)
+              for t in TOPOLOGY]
+    if env.is_main:
+        print(HEADER, flush=True)
+    for mode in modes:
+        row = measure(mode, env, bench, model_config)
+        if env.is_main:
+            print(f"| {row['mode']} | {row['topology']} | {row['gpus']} | {cfg.model_preset}({row['params'] / 1e6:.0f}M) | "
+                  f"{row['precision']} | {row['batch']} | {row['step_ms']:.1f} | {row['bytes_per_step'] / 1e6:.1f} | "
+                  f"{row['bytes_are']} |", flush=True)
+            if bench["out"]:
+                with open(bench["out"], "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    environment.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Decentralized training end to end: it learns as well as all-reduce on the same tokens, checkpoints keep each
+rank's replica and resume exactly, bad flag combinations stop before training; on GPUs (marked gpu): gossip
+over NCCL, and the bytes/step-time benchmark against all-reduce."""
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
+from test_gossip import check_mixing, check_quadratic, run_gossip_ranks
+
+sys.path.insert(0, str(ROOT))
+from basic_training import model_config_for  # noqa: E402
+from minimal_fsdp import checkpoint  # noqa: E402
+from minimal_fsdp.accum_adamw import AccumAdamW  # noqa: E402
+from minimal_fsdp.config import ConfigError, parse_args  # noqa: E402
+from minimal_fsdp.data import TokenData, dataset_dir  # noqa: E402
+from minimal_fsdp.gossip import TOPOLOGIES  # noqa: E402
+from minimal_fsdp.model import GPT, GPTConfig  # noqa: E402
+from minimal_fsdp.parallelize import init_weights  # noqa: E402
+from minimal_fsdp.train import build_optimizer, lr_at, steps_per_epoch, total_steps  # noqa: E402
+
+DECENTRALIZED = ["--data_parallel", "decentralized", "--topology", "alternating-exp-ring"]
+
+
+def common_args(corpus, extra=()):
+    work = corpus.parent
+    return ["--dataset", "text", "--input_file", corpus, "--data_dir", work / "data", "--log_dir", work / "logs",
+            "--checkpoint_dir", work / "checkpoints", *TINY_MODEL, "--dropout", "0.0", *extra]
+
+
+def metrics(work, run_name):
+    return [json.loads(line) for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()]
+
+
+def allreduce_val_loss(args, world):
+    """All-reduce training written plainly: one process, the whole model, every rank's batch of each step
+    concatenated (test_parallelize shows the FSDP runs equal this), then the val loss over every rank's
+    val batches, as evaluate() averages it."""
+    cfg = parse_args([str(a) for a in args])
+    data = TokenData(dataset_dir(cfg))
+    model = GPT(model_config_for(cfg, data))
+    init_weights(model, cfg.seed, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg)
+    seq = model.config.seq_length
+    last = total_steps(cfg, steps_per_epoch(cfg, world, data.num_tokens("train"), seq))
+    for step in range(last):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg, last)
+        batches = [data.get_batch("train", step, r, cfg.batch_size, seq, cfg.seed) for r in range(world)]
+        model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        losses = [model(*data.get_batch("val", i, r, cfg.batch_size, seq, cfg.seed)).item()
+                  for r in range(world) for i in range(cfg.eval_batches)]
+    return sum(losses) / len(losses), last
+
+
+def checkpoint_tensors(path, prefix):
+    """Every tensor whose key starts with `prefix` in a checkpoint, read in this process."""
+    reader = checkpoint.SafeReader(str(path))
+    metadata = reader.read_metadata()
+    state = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        if state:
+            dcp.load(state, storage_reader=reader, planner=checkpoint.SafeLoadPlanner(), no_dist=True)
+    return state
+
+
+def test_val_loss_within_3_percent_of_allreduce(tmp_path):
+    """4 ranks, same tokens: alternating-exp-ring gossip with AccumAdamW against all-reduce with AdamW."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(250_000))
+    args = common_args(corpus, ["--eval_batches", 8, "--max_epochs", 2, "--max_steps", 600, "--lr", "6e-3",
+                                "--warmup_steps", 20, "--log_interval", 100, "--eval_interval", 0])
+    launch([*args, *DECENTRALIZED, "--accum_steps", 4, "--save_average", "--run_name", "dec"], ranks=4,
+           cwd=tmp_path)
+    rows = metrics(tmp_path, "dec")
+    decentralized = [r["val_loss"] for r in rows if "val_loss" in r][-1]
+    allreduce, steps = allreduce_val_loss(args, world=4)
+    assert steps == 600 and allreduce < 1.0  # both learned far from the untrained ~ln(vocab) = 3.4
+    assert abs(decentralized - allreduce) <= 0.03 * allreduce, (decentralized, allreduce)
+
+    consensus = [r["consensus"] for r in rows if "consensus" in r]
+    assert len(consensus) == 6 and all(0 < c < 1 and math.isfinite(c) for c in consensus)
+    final = checkpoint.latest(tmp_path / "checkpoints" / "dec")
+    assert checkpoint.read_meta(final)["replicas"] == 0  # --save_average: the average only
+    assert not checkpoint_tensors(final, "replicas.") and checkpoint_tensors(final, "model.")
+
+
+def test_checkpoint_keeps_each_replica_and_resumes_exactly(tmp_path, corpus):
+    """3 ranks (exp distances 1 and 2 on a non-power-of-two world); stop mid accumulation window, resume."""
+    plain = common_args(corpus, ["--max_steps", 6, "--eval_interval", 0, "--log_interval", 1])
+    args = [*plain, *DECENTRALIZED, "--accum_steps", 2]
+    launch([*args, "--run_name", "whole", "--checkpoint_interval", 3], ranks=3, cwd=tmp_path)
+    whole = tmp_path / "checkpoints" / "whole"
+    out = launch([*args, "--run_name", "resumed", "--restart_checkpoint_file", whole / "step_3"], ranks=3,
+                 cwd=tmp_path)
+    assert "resuming from" in out.stdout
+
+    resumed = tmp_path / "checkpoints" / "resumed" / "step_6"
+    assert checkpoint.read_meta(resumed)["replicas"] == 3
+    for rank in range(3):  # model and optimizer state (moments, accumulated gradient, step) of every replica
+        expected = checkpoint_tensors(whole / "step_6", f"replicas.{rank}.")
+        got = checkpoint_tensors(resumed, f"replicas.{rank}.")
+        assert expected.keys() == got.keys() and any("accum_grad" in key for key in got)
+        for key in expected:
+            assert torch.equal(expected[key], got[key]), key
+    losses = [r["loss"] for r in metrics(tmp_path, "whole") if "loss" in r]
+    assert [r["loss"] for r in metrics(tmp_path, "resumed") if "loss" in r] == losses[3:]
+
+    mixed = launch([*plain, "--run_name", "whole"], ranks=1, cwd=tmp_path, check=False)  # all-reduce: AdamW
+    assert mixed.returncode == 2 and "trained with --data_parallel decentralized" in mixed.stderr
+
+    replicas = [checkpoint_tensors(whole / "step_6", f"replicas.{rank}.model.") for rank in range(3)]
+    average = checkpoint.load_full_model_state(whole / "step_6")
+    assert not torch.equal(replicas[0]["replicas.0.model.wte.weight"], replicas[1]["replicas.1.model.wte.weight"])
+    for name, value in average.items():
+        mean = sum(r[f"replicas.{rank}.model.{name}"] for rank, r in enumerate(replicas)) / 3
+        torch.testing.assert_close(value, mean, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data_parallel", "decentralized", "--sharding", "hybrid-full-shard"], "drop --sharding hybrid-full-shard"),
+    (["--data_parallel", "decentralized", "--cpu_offload"], "--cpu_offload"),
+    (["--accum_steps", "4"], "--accum_steps applies to --data_parallel decentralized"),
+    (["--save_average"], "--save_average applies to --data_parallel decentralized"),
+    (["--data_parallel", "decentralized", "--accum_steps", "0"], "--accum_steps must be positive"),
+    (["--data_parallel", "decentralized", "--topology", "star"], "invalid choice: 'star'"),
+])
+def test_bad_flag_combinations(args, message):
+    with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
+        parse_args(args)
+
+
+def test_mode_defaults():
+    model = GPT(GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8))
+    decentralized = build_optimizer(model, parse_args(["--data_parallel", "decentralized"]))
+    assert isinstance(decentralized, AccumAdamW) and decentralized.defaults["betas"] == (0.9, 0.98)
+    allreduce = build_optimizer(model, parse_args([]))
+    assert isinstance(allreduce, torch.optim.AdamW) and allreduce.defaults["betas"] == (0.9, 0.95)
+
+
+# GPU (run on the GPU machine with `pytest -m gpu tests/test_decentralized.py`).
+needs_four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+
+
+@pytest.fixture(scope="module")
+def nccl_result(tmp_path_factory):
+    result = run_gossip_ranks(4, tmp_path_factory.mktemp("nccl") / "result.json")
+    assert result["device"] == "cuda"
+    return result
+
+
+@pytest.mark.gpu
+@needs_four_gpus
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_nccl_gossip_applies_mixing_matrices(nccl_result, topology):
+    check_mixing(nccl_result, topology)
+    if topology in ("ring", "exp"):
+        check_quadratic(nccl_result, topology)
+
+
+@pytest.mark.gpu
+@needs_four_gpus
+def test_gpu_benchmark_bytes_and_step_time(tmp_path):
+    """GPT-2 124M on 4 GPUs, all-reduce and every topology; the printed rows go to benchmarks/RESULTS.md."""
+    out = tmp_path / "gossip.jsonl"
+    cmd = [mpiexec(), "-n", "4", sys.executable, str(ROOT / "benchmarks" / "gossip_bench.py"), "--model_preset",
+           "gpt2", "--vocab_size", "50304", "--batch_size", "16", "--precision", "bf16", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NCCL_NVLS_ENABLE="0")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-5000:]
+    print(result.stdout)
+    rows = {r["topology"]: r for r in map(json.loads, out.read_text().splitlines())}
+    params = rows["ring"]["params"]
+    assert rows["ring"]["bytes_per_step"] == 2 * 4 * params  # two neighbours, fp32
+    assert rows["exp"]["bytes_per_step"] == 4 * params  # one peer
+    assert rows["-"]["bytes_per_step"] == pytest.approx(2 * 3 / 4 * 4 * params)  # ring all-reduce, fp32 grads
+    assert all(r["step_ms"] > 0 for r in rows.values())
