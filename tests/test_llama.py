@@ -8,17 +8,16 @@ import torch
 
 from conftest import ROOT, launch
 from test_end_to_end import sample_of
-from test_parallelize import logged_losses
+from test_parallelize import logged_losses, reference
 
 sys.path.insert(0, str(ROOT))
-from basic_training import MODELS, model_config_for  # noqa: E402
+from basic_training import model_config_for  # noqa: E402
 from minimal_fsdp import checkpoint  # noqa: E402
 from minimal_fsdp.config import MODEL_PRESETS, ConfigError, model_family, parse_args  # noqa: E402
 from minimal_fsdp.data import TokenData, dataset_dir, prepare  # noqa: E402
 from minimal_fsdp.llama import PRESETS, Llama, LlamaConfig, make_config  # noqa: E402
 from minimal_fsdp.model import PRESETS as GPT_PRESETS  # noqa: E402
 from minimal_fsdp.parallelize import init_weights  # noqa: E402
-from minimal_fsdp.train import build_optimizer, lr_at, steps_per_epoch, total_steps  # noqa: E402
 
 STEPS = 5
 # 6 heads sharing 2 kv heads; the MLP's 51 rows split unevenly over 2 ranks.
@@ -101,31 +100,6 @@ def test_kv_heads_must_divide_heads(corpus):
         model_config_for(cfg, TokenData(dataset_dir(cfg)))
 
 
-def reference(args, world, device="cpu"):
-    """One process, whole model, all ranks' batches concatenated (test_parallelize's reference, for any model)."""
-    cfg = parse_args([str(a) for a in args])
-    data = TokenData(dataset_dir(cfg))
-    model_config = model_config_for(cfg, data)
-    device = torch.device(device)
-    model = MODELS[model_config.model_type][0](model_config).to(device)
-    init_weights(model, cfg.seed, device)
-    optimizer = build_optimizer(model, cfg)
-    seq = model_config.seq_length
-    last = total_steps(cfg, steps_per_epoch(cfg, world, data.num_tokens("train"), seq))
-    losses = []
-    for step in range(STEPS):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg, last)
-        batches = [data.get_batch("train", step, r, cfg.batch_size, seq, cfg.seed) for r in range(world)]
-        loss = model(torch.cat([b[0] for b in batches]).to(device), torch.cat([b[1] for b in batches]).to(device))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.cpu() for k, v in model.state_dict().items()}
-
-
 def train_args(corpus, extra):
     work = corpus.parent
     return ["--dataset", "text", "--input_file", corpus, "--data_dir", work / "data", "--log_dir", work / "logs",
@@ -138,7 +112,7 @@ def train_args(corpus, extra):
 def test_llama_bf16_compiled_on_two_gpus_matches_fp32_reference(tmp_path, corpus):
     args = train_args(corpus, ["--precision", "bf16", "--compile", "--activation_checkpoints", "--meta_init"])
     launch(args, ranks=2, cwd=tmp_path)
-    ref_losses, _ = reference(args, world=2, device="cuda")
+    ref_losses, _ = reference(args, world=2, device="cuda", steps=STEPS)
     assert logged_losses(tmp_path, "run") == pytest.approx(ref_losses, rel=2e-2)
 
 
@@ -146,7 +120,7 @@ def test_llama_full_shard_matches_single_process_then_generates(tmp_path, corpus
     args = train_args(corpus, ["--sharding", "full-shard", "--meta_init", "--activation_checkpoints"])
     launch(args, ranks=2, cwd=tmp_path)
     losses = logged_losses(tmp_path, "run")
-    ref_losses, ref_state = reference(args, world=2)
+    ref_losses, ref_state = reference(args, world=2, steps=STEPS)
     assert losses == pytest.approx(ref_losses, abs=2e-5), (losses, ref_losses)
     assert ref_losses[-1] < ref_losses[0]
     last = checkpoint.latest(tmp_path / "checkpoints" / "run")

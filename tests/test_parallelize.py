@@ -9,11 +9,10 @@ import torch
 from conftest import ROOT, TINY_MODEL, launch
 
 sys.path.insert(0, str(ROOT))
-from basic_training import model_config_for  # noqa: E402
+from basic_training import MODELS, model_config_for  # noqa: E402
 from minimal_fsdp import checkpoint  # noqa: E402
 from minimal_fsdp.config import parse_args  # noqa: E402
 from minimal_fsdp.data import TokenData, dataset_dir  # noqa: E402
-from minimal_fsdp.model import GPT  # noqa: E402
 from minimal_fsdp.parallelize import init_weights  # noqa: E402
 from minimal_fsdp.train import build_optimizer, lr_at, steps_per_epoch, total_steps  # noqa: E402
 
@@ -28,20 +27,20 @@ def train_args(corpus, run_name, extra=()):
             "--dropout", "0.0", *extra]
 
 
-def reference(args, world, device="cpu"):
+def reference(args, world, device="cpu", steps=STEPS):
     """The same training, written plainly: one process, whole model, all ranks' batches concatenated.
     Initial weights are drawn on `device` (CPU and CUDA generators differ), so compare on the same kind."""
     cfg = parse_args([str(a) for a in args])
     data = TokenData(dataset_dir(cfg))
     model_config = model_config_for(cfg, data)
     device = torch.device(device)
-    model = GPT(model_config).to(device)
+    model = MODELS[model_config.model_type][0](model_config).to(device)
     init_weights(model, cfg.seed, device)
     optimizer = build_optimizer(model, cfg)
     seq = model_config.seq_length
     last = total_steps(cfg, steps_per_epoch(cfg, world, data.num_tokens("train"), seq))
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg, last)
         batches = [data.get_batch("train", step, r, cfg.batch_size, seq, cfg.seed) for r in range(world)]
