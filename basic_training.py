@@ -17,6 +17,7 @@ from minimal_fsdp.data import TokenData, prepare
 from minimal_fsdp.generate import generate
 from minimal_fsdp.model import GPT, GPTConfig, make_config
 from minimal_fsdp.parallelize import build_mesh, build_model
+from minimal_fsdp.streaming import StreamingData
 from minimal_fsdp.tokenizer import load_tokenizer
 from minimal_fsdp.train import build_optimizer, train
 
@@ -52,7 +53,10 @@ def main(argv=None):
         checkpoint.load(start, model)
         tokenizer = load_tokenizer(start)
     else:
-        data = TokenData(environment.run_on_main(prepare, cfg))
+        if cfg.streaming:
+            data = StreamingData.open(cfg, env)
+        else:
+            data = TokenData(environment.run_on_main(prepare, cfg))
         model_config = model_config_for(cfg, data)
         start_step = 0
         if start is not None:
@@ -61,6 +65,7 @@ def main(argv=None):
                 raise ConfigError(f"{start} holds a different model ({saved['model']}): "
                                   "use another --run_name or --checkpoint_dir")
             start_step = saved["step"]
+            data.restore(saved.get("data_position"), start_step * cfg.grad_accum_steps)
         model = build_model(GPT, model_config, cfg, env, mesh)
         optimizer = build_optimizer(model, cfg)
         if start is not None:

@@ -14,6 +14,8 @@ setup(
     extras_require={
         # MPI from wheels: no compiler or system MPI needed (on a cluster, build mpi4py against the system MPI).
         "mpi": ["mpi4py>=4", "mpich"],
-        "dev": ["mpi4py>=4", "mpich", "pytest"],
+        # Hugging Face datasets: openwebtext/hub/save_to_disk sources for preparation and --streaming
+        "data": ["datasets"],
+        "dev": ["mpi4py>=4", "mpich", "pytest", "datasets"],
     },
 )

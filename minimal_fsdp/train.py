@@ -47,6 +47,8 @@ def steps_per_epoch(cfg, world_size, train_tokens, seq_length):
 
 
 def total_steps(cfg, per_epoch):
+    if per_epoch is None:  # a stream of unknown length: --max_steps alone sets the run's length
+        return cfg.max_steps
     steps = cfg.max_epochs * per_epoch
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
@@ -62,7 +64,7 @@ def evaluate(model, data, cfg, env, seq_length):
     model.eval()
     losses = []
     for i in range(cfg.eval_batches):
-        x, y = data.get_batch("val", i, env.rank, cfg.batch_size, seq_length, cfg.seed)
+        x, y = data.get_batch("val", i, env.rank, env.world_size, cfg.batch_size, seq_length, cfg.seed)
         losses.append(model(x.to(env.device), y.to(env.device)).item())
     model.train()
     return mean_across_ranks(sum(losses) / len(losses), env.device)
@@ -118,7 +120,8 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
     """Train from start_step to the end; saves at every epoch end (and every --checkpoint_interval).
     Returns the final step."""
     seq_length = model.config.seq_length
-    per_epoch = steps_per_epoch(cfg, env.world_size, data.num_tokens("train"), seq_length)
+    train_tokens = data.num_tokens("train")  # None for a stream
+    per_epoch = None if train_tokens is None else steps_per_epoch(cfg, env.world_size, train_tokens, seq_length)
     last = total_steps(cfg, per_epoch)
     tokens_per_step = env.world_size * cfg.batch_size * cfg.grad_accum_steps * seq_length
     peak = peak_flops(env.device)
@@ -131,7 +134,7 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
         lr = lr_at(step, cfg, last)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        micro_batches = [data.get_batch("train", step * cfg.grad_accum_steps + micro, env.rank,
+        micro_batches = [data.get_batch("train", step * cfg.grad_accum_steps + micro, env.rank, env.world_size,
                                         cfg.batch_size, seq_length, cfg.seed) for micro in range(cfg.grad_accum_steps)]
         loss, grad_norm = train_step(model, optimizer, micro_batches, cfg.grad_clip, env.device)
         loss_sum += loss
@@ -154,8 +157,12 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, start_step=0):
             log.write(step=done, val_loss=val)
             if env.is_main:
                 bar.write(f"step {done}: val loss {val:.4f}")
-        if done % per_epoch == 0 or done == last or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0:
-            checkpoint.save(run_dir, done, model, optimizer, dict(meta, epoch=done // per_epoch), data.directory)
+        epoch_end = per_epoch and done % per_epoch == 0
+        if epoch_end or done == last or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0:
+            data_position = data.position(done * cfg.grad_accum_steps, env.world_size, cfg.batch_size)
+            epoch = done // per_epoch if per_epoch else None
+            checkpoint.save(run_dir, done, model, optimizer, dict(meta, epoch=epoch, data_position=data_position),
+                            data.directory)
         if steps_since_log == 0:
             t0 = time.perf_counter()  # throughput counts training steps, not evaluation or saving
     bar.close()
