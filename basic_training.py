@@ -20,6 +20,7 @@ from minimal_fsdp.metrics import banner
 from minimal_fsdp.llama import Llama, LlamaConfig, make_config as make_llama_config
 from minimal_fsdp.model import GPT, GPTConfig, make_config as make_gpt_config
 from minimal_fsdp.parallelize import build_mesh, build_model
+from minimal_fsdp.streaming import StreamingData
 from minimal_fsdp.tokenizer import load_tokenizer
 from minimal_fsdp.train import build_optimizer, train
 
@@ -99,7 +100,10 @@ def main(argv=None):
         if env.is_main:
             print(banner(cfg, env, mesh, model, start, training=False), flush=True)
     else:
-        data = TokenData(environment.run_on_main(prepare_data, cfg, hf_dir))
+        if cfg.streaming:
+            data = StreamingData.open(cfg, env)
+        else:
+            data = TokenData(environment.run_on_main(prepare_data, cfg, hf_dir))
         model_config = model_config_for(cfg, data, hf_dir)
         saved = None
         if start is not None:
@@ -111,6 +115,8 @@ def main(argv=None):
             if trained_with != cfg.data_parallel:  # AdamW and AccumAdamW keep different optimizer state
                 raise ConfigError(f"{start} was trained with --data_parallel {trained_with}: resume it the same way, "
                                   "or start another --run_name")
+            # Continue the data stream where the checkpoint left it (also on another world or batch size).
+            data.restore(saved.get("data_position"), saved.get("train_batches", saved["step"] * cfg.grad_accum_steps))
         model = build_model(MODELS[model_config.model_type][0], model_config, build_cfg, env, mesh)
         optimizer = build_optimizer(model, cfg)
         if start is not None:

@@ -22,6 +22,8 @@ setup(
         "hf": ["huggingface_hub"],
         # pyyaml: the Kubernetes manifest test; transformers only checks our Hugging Face import/export in the
         # tests, it is never imported at run time.
-        "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub"],
+        # Hugging Face datasets: openwebtext/hub/save_to_disk sources for preparation and --streaming
+        "data": ["datasets"],
+        "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub", "datasets"],
     },
 )

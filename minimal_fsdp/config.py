@@ -96,11 +96,21 @@ class Config:
     # data
     dataset: str = flag("shakespeare", "shakespeare (fetched on first run) or text (--input_file)",
                         ("shakespeare", "text"), "data")
-    input_file: str = flag(None, "UTF-8 text file for --dataset text", section="data")
+    input_file: str = flag(None, "for --dataset text: a UTF-8 text file, a .jsonl file of {\"text\": ...} lines, "
+                                 "or a directory of .txt/.jsonl files", section="data")
+    dataset_path: str = flag(None, "instead of --dataset: a directory written by `python -m minimal_fsdp.data "
+                                   "prepare`; with --streaming, a .jsonl/.txt file or directory, a Hugging Face "
+                                   "dataset saved with save_to_disk, or a hub dataset (NAME or NAME:CONFIG)",
+                             section="data")
+    streaming: bool = flag(False, "tokenize --dataset_path on the fly instead of preparing it; rank r reads every "
+                                  "world-size-th document; needs --max_steps", section="data")
+    tokenizer_dir: str = flag(None, "with --streaming: use the tokenizer saved in this directory (a prepared "
+                                    "dataset or a checkpoint) instead of --tokenizer", section="data")
     data_dir: str = flag("data", "where prepared datasets live", section="data")
     tokenizer: str = flag("char", "char works offline; gpt2 needs tiktoken's encoding file",
                           ("char", "gpt2", "sentencepiece"), "data")
-    val_fraction: float = flag(0.1, "tail fraction of the text held out for validation", section="data")
+    val_fraction: float = flag(0.1, "share held out for validation: documents picked by --seed, or the tail of a "
+                                    "single text", section="data")
 
     # training
     max_epochs: int = flag(1, "passes over the training tokens; -1 skips training and only generates")
@@ -303,7 +313,13 @@ def validate(cfg):
         raise ConfigError(f"--val_fraction must be in (0, 1) (got {cfg.val_fraction})")
     if cfg.dataset == "text" and not cfg.input_file:
         raise ConfigError("--dataset text needs --input_file PATH")
-    if cfg.tokenizer == "sentencepiece" and cfg.vocab_size is None:
+    if cfg.streaming and not cfg.dataset_path:
+        raise ConfigError("--streaming needs --dataset_path (the documents to stream)")
+    if cfg.streaming and not cfg.max_steps:
+        raise ConfigError("--streaming needs --max_steps: a stream's length is unknown, so epochs cannot end the run")
+    if cfg.tokenizer_dir and not cfg.streaming:
+        raise ConfigError("--tokenizer_dir is for --streaming (a prepared --dataset_path carries its tokenizer)")
+    if cfg.tokenizer == "sentencepiece" and cfg.vocab_size is None and not cfg.dataset_path:
         raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
     if cfg.embed_size and cfg.num_heads and cfg.embed_size % cfg.num_heads:
         raise ConfigError(f"--embed_size must be divisible by --num_heads (got {cfg.embed_size} and {cfg.num_heads})")

@@ -1,86 +1,72 @@
-"""Text -> token memmaps (train.bin, val.bin, meta.json), and deterministic per-rank batches from them."""
+"""Prepared token memmaps (train.bin, val.bin, meta.json) and the sampler that reads batches from them.
+
+`python -m minimal_fsdp.data prepare ...` prepares a dataset ahead of training (see prepare.py); training
+prepares Shakespeare or one --input_file itself on first use.
+"""
+import functools
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .config import ConfigError
-from .sources import SourceError, fetch_shakespeare
-from .tokenizer import load_tokenizer, train_tokenizer
+from .documents import open_documents
+from .prepare import output_dir, prepare_bins, shakespeare_documents
+from .tokenizer import load_tokenizer
+
+TOKEN_DTYPES = ("uint16", "uint32")
 
 
 def dataset_dir(cfg, tokenizer=None):
-    """data/<dataset>/<tokenizer>: one text, prepared once per tokenizer. A given tokenizer (a --hf_model's)
-    names the directory by its kind, and a sentencepiece one also by its model file's hash."""
+    """--dataset_path, else data/<dataset>/<tokenizer>: one text, prepared once per tokenizer. A given
+    tokenizer (a --hf_model's) names the directory by its kind, and a sentencepiece one also by its model
+    file's hash."""
+    if cfg.dataset_path:
+        return Path(cfg.dataset_path)
     name = "shakespeare" if cfg.dataset == "shakespeare" else Path(cfg.input_file).stem
-    if tokenizer is not None:
-        label = tokenizer.kind
-        if tokenizer.kind == "sentencepiece":
-            label += "-" + hashlib.sha1(tokenizer.model_proto).hexdigest()[:12]
-    else:
-        label = cfg.tokenizer + (f"-{cfg.vocab_size}" if cfg.tokenizer == "sentencepiece" else "")
+    if tokenizer is None:
+        return output_dir(cfg.data_dir, name, cfg.tokenizer, cfg.vocab_size)
+    label = tokenizer.kind
+    if tokenizer.kind == "sentencepiece":
+        label += "-" + hashlib.sha1(tokenizer.model_proto).hexdigest()[:12]
     return Path(cfg.data_dir) / name / label
-
-
-def _read_text(cfg):
-    if cfg.dataset == "shakespeare":
-        path = Path(cfg.data_dir) / "shakespeare" / "input.txt"
-        try:
-            fetch_shakespeare(path)
-        except SourceError as e:
-            raise ConfigError(str(e)) from None
-    else:
-        path = Path(cfg.input_file)
-        if not path.is_file():
-            raise ConfigError(f"--input_file {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not UTF-8 text") from None
-    if len(text) < 100:
-        raise ConfigError(f"{path} holds {len(text)} characters: too little text to train on")
-    return text
-
-
-def _write_atomic(path, write):
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def prepare(cfg, tokenizer=None):
     """Tokenize the dataset into flat memmaps unless that was done already; returns the dataset directory.
-    Uses `tokenizer` if given, else builds the --tokenizer kind from the text.
-    Runs on rank 0 only; meta.json is written last, so its presence means the bins are complete."""
+    Uses `tokenizer` if given, else builds the --tokenizer kind from the text. Runs on rank 0 only
+    (big datasets: prepare them ahead with `python -m minimal_fsdp.data prepare`)."""
     out = dataset_dir(cfg, tokenizer)
     if (out / "meta.json").exists():
         return str(out)
-    text = _read_text(cfg)
-    split = int(len(text) * (1 - cfg.val_fraction))
-    out.mkdir(parents=True, exist_ok=True)
-    # Characters come from the whole text so val never holds an unknown one; BPE learns from train only.
-    fit_on = text if cfg.tokenizer == "char" else text[:split]
-    if tokenizer is None:
-        tokenizer = train_tokenizer(cfg.tokenizer, fit_on, cfg.vocab_size, out)
+    if cfg.dataset_path:
+        raise ConfigError(f"--dataset_path {out} has no meta.json: prepare it first (python -m minimal_fsdp.data "
+                          f"prepare --dataset text --input SOURCE --output {out}), or add --streaming to read "
+                          "a .jsonl/Hugging Face dataset directly")
+    if cfg.dataset == "shakespeare":
+        documents = shakespeare_documents(cfg.data_dir)
     else:
-        tokenizer.save(out)
-    ids = {"train": tokenizer.encode(text[:split]), "val": tokenizer.encode(text[split:])}
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    for split_name, tokens in ids.items():
-        _write_atomic(out / f"{split_name}.bin", lambda p: np.array(tokens, dtype=dtype).tofile(p))
-    meta = {"tokenizer": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name,
-            "train_tokens": len(ids["train"]), "val_tokens": len(ids["val"])}
-    _write_atomic(out / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
+        documents = open_documents(cfg.input_file, "--input_file", hub=False)
+    prepare_bins(documents, cfg.tokenizer, cfg.vocab_size, out, cfg.val_fraction, cfg.seed, tokenizer=tokenizer)
     return str(out)
+
+
+@functools.lru_cache(maxsize=4)  # a batch can straddle two epochs; evaluation reads val in between
+def epoch_order(seed, split, num_blocks, epoch):
+    """The order in which an epoch visits the blocks of a split: a permutation seeded by (seed, split, epoch)."""
+    return np.random.default_rng([seed % 2**63, split == "train", epoch]).permutation(num_blocks)
 
 
 class TokenData:
     """Read-only token memmaps plus the batch sampler.
 
-    A batch is a pure function of (seed, split, rank, step): ranks draw different sequences, a resumed run
+    A split of N tokens holds (N - 1) // seq_length blocks: block k is tokens[k*seq_length : (k+1)*seq_length + 1]
+    (inputs and their next-token targets), so each token is a target once per epoch. Each epoch visits all
+    blocks in its own seeded order; the global stream of block positions is dealt out in micro-batches,
+    rank by rank. So the ranks never share a block within an epoch, every block is seen once per epoch,
+    and a batch is a pure function of (seed, split, micro-batch index, rank, world size): a resumed run
     draws exactly what the uninterrupted one would have, and a test can rebuild any rank's batch.
     """
 
@@ -88,14 +74,27 @@ class TokenData:
         self.directory = Path(directory)
         self.meta = json.loads((self.directory / "meta.json").read_text())
         self.tokenizer = load_tokenizer(self.directory)
-        self.splits = {}
-        for split in ("train", "val"):
-            path = self.directory / f"{split}.bin"
-            tokens = np.memmap(path, dtype=self.meta["dtype"], mode="r")
-            if len(tokens) != self.meta[f"{split}_tokens"]:
-                raise ConfigError(f"{path} holds {len(tokens)} tokens but meta.json says "
-                                  f"{self.meta[f'{split}_tokens']}: delete {self.directory} to prepare it again")
-            self.splits[split] = tokens
+        # (micro-batch index, global block position) the train sampler counts from; moved by restore()
+        self.origin = (0, 0)
+        dtype = self.meta.get("dtype")
+        if dtype not in TOKEN_DTYPES or np.iinfo(dtype).max < self.meta["vocab_size"] - 1:
+            raise ConfigError(f"{self.directory}/meta.json says dtype {dtype!r}, which cannot hold "
+                              f"{self.meta['vocab_size']} token ids: delete {self.directory} to prepare it again")
+        self.splits = {split: self._open(split, dtype) for split in ("train", "val")}
+
+    def _open(self, split, dtype):
+        path = self.directory / f"{split}.bin"
+        expected = self.meta[f"{split}_tokens"]
+        size = path.stat().st_size if path.exists() else 0
+        if size != expected * np.dtype(dtype).itemsize:
+            hint = ""
+            for other in TOKEN_DTYPES:
+                if other != dtype and size == expected * np.dtype(other).itemsize:
+                    hint = f" (its size fits {expected} {other} tokens: was it written as {other}?)"
+            raise ConfigError(f"{path} holds {size} bytes but meta.json says {expected} {dtype} tokens "
+                              f"({expected * np.dtype(dtype).itemsize} bytes){hint}: delete {self.directory} "
+                              "to prepare it again")
+        return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
 
     def check(self, seq_length, vocab_size):
         """Same files and flags on every rank, so every rank reaches the same verdict before any collective."""
@@ -110,11 +109,35 @@ class TokenData:
     def num_tokens(self, split):
         return len(self.splits[split])
 
-    def get_batch(self, split, step, rank, batch_size, seq_length, seed):
+    def get_batch(self, split, index, rank, world_size, batch_size, seq_length, seed):
+        """Micro-batch `index` of `rank`: (inputs, targets), each batch_size x seq_length."""
         tokens = self.splits[split]
-        stream = ((seed * 2 + (split == "train")) * 1_000_003 + rank) * 1_000_000_007 + step
-        generator = torch.Generator().manual_seed(stream % 2**63)
-        starts = torch.randint(len(tokens) - seq_length, (batch_size,), generator=generator).tolist()
-        rows = np.stack([tokens[s:s + seq_length + 1] for s in starts]).astype(np.int64)
-        rows = torch.from_numpy(rows)
+        num_blocks = (len(tokens) - 1) // seq_length
+        first = self._block_position(split, index, world_size, batch_size) + rank * batch_size
+        rows = []
+        for position in range(first, first + batch_size):
+            epoch, k = divmod(position, num_blocks)
+            start = int(epoch_order(seed, split, num_blocks, epoch)[k]) * seq_length
+            rows.append(tokens[start:start + seq_length + 1])
+        rows = torch.from_numpy(np.stack(rows).astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
+
+    def _block_position(self, split, index, world_size, batch_size):
+        """Position in the global block stream where micro-batch `index` starts (rank 0's first block)."""
+        origin_index, origin_position = self.origin if split == "train" else (0, 0)
+        return origin_position + (index - origin_index) * world_size * batch_size
+
+    def position(self, index, world_size, batch_size):
+        """What a checkpoint saved before micro-batch `index` records: train blocks dealt out so far."""
+        return {"train_blocks_seen": self._block_position("train", index, world_size, batch_size)}
+
+    def restore(self, position, index):
+        """Continue the block stream where a checkpoint left it, even if the world size or batch size
+        changed since. Checkpoints without a position continue at `index` with today's layout."""
+        if position and "train_blocks_seen" in position:
+            self.origin = (index, position["train_blocks_seen"])
+
+
+if __name__ == "__main__":
+    from .prepare import main
+    main()

@@ -54,6 +54,8 @@ def steps_per_epoch(cfg, world_size, train_tokens, seq_length):
 
 
 def total_steps(cfg, per_epoch):
+    if per_epoch is None:  # a stream of unknown length: --max_steps alone sets the run's length
+        return cfg.max_steps
     steps = cfg.max_epochs * per_epoch
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
@@ -69,7 +71,7 @@ def evaluate(model, data, cfg, env, seq_length):
     model.eval()
     losses = []
     for i in range(cfg.eval_batches):
-        x, y = data.get_batch("val", i, env.rank, cfg.batch_size, seq_length, cfg.seed)
+        x, y = data.get_batch("val", i, env.rank, env.world_size, cfg.batch_size, seq_length, cfg.seed)
         losses.append(model(x.to(env.device), y.to(env.device)).item())
     model.train()
     return mean_across_ranks(sum(losses) / len(losses), env.device)
@@ -118,7 +120,8 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
     every --checkpoint_interval, at the end, and when `stop` (resilience.StopRequests) says all ranks agreed
     to stop (a signal or --time_limit). Returns the last step done."""
     seq_length = model.config.seq_length
-    per_epoch = steps_per_epoch(cfg, env.world_size, data.num_tokens("train"), seq_length)
+    train_tokens = data.num_tokens("train")  # None for a stream
+    per_epoch = None if train_tokens is None else steps_per_epoch(cfg, env.world_size, train_tokens, seq_length)
     last = total_steps(cfg, per_epoch)
     saved = saved or {}
     start_step = saved.get("step", 0)
@@ -145,7 +148,8 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = first_batch + (step - start_step) * cfg.grad_accum_steps
-        micro_batches = [data.get_batch("train", batch + micro, env.rank, cfg.batch_size, seq_length, cfg.seed)
+        micro_batches = [data.get_batch("train", batch + micro, env.rank, env.world_size, cfg.batch_size, seq_length,
+                                        cfg.seed)
                          for micro in range(cfg.grad_accum_steps)]
         loss, grad_norm = train_step(model, optimizer, micro_batches, cfg.grad_clip, env.device,
                                      skip_nonfinite=cfg.skip_nonfinite > 0, gossip=gossip, step=step)
@@ -172,7 +176,7 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
             metrics.log(**row)
             bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tok_s:,.0f}")
             loss_sum, steps_since_log = 0.0, 0
-        scheduled_save = (done % per_epoch == 0 or done == last
+        scheduled_save = (per_epoch and done % per_epoch == 0 or done == last
                           or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0)
         val_loss = None
         # Every scheduled checkpoint carries its val loss, so `best` can be chosen among them.
@@ -184,8 +188,10 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
         stop_reason = stop.agreed() if stop else None  # collective: all ranks stop at the same step
         if scheduled_save or stop_reason:
             nonfinite.flush()  # never save a model that a NaN update has poisoned
-            progress = dict(epoch=done // per_epoch, lr_decay_steps=decay_steps, val_loss=val_loss,
-                            train_batches=batch + cfg.grad_accum_steps)
+            next_batch = batch + cfg.grad_accum_steps
+            progress = dict(epoch=done // per_epoch if per_epoch else None, lr_decay_steps=decay_steps,
+                            val_loss=val_loss, train_batches=next_batch,
+                            data_position=data.position(next_batch, env.world_size, cfg.batch_size))
             if gossip is not None:
                 checkpoint.save_replicas(run_dir, done, model, optimizer, dict(meta, **progress), data.directory,
                                          cfg.keep_last, cfg.save_average)

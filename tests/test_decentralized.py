@@ -54,14 +54,14 @@ def allreduce_val_loss(args, world):
     for step in range(last):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg, last)
-        batches = [data.get_batch("train", step, r, cfg.batch_size, seq, cfg.seed) for r in range(world)]
+        batches = [data.get_batch("train", step, r, world, cfg.batch_size, seq, cfg.seed) for r in range(world)]
         model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
     with torch.no_grad():
-        losses = [model(*data.get_batch("val", i, r, cfg.batch_size, seq, cfg.seed)).item()
+        losses = [model(*data.get_batch("val", i, r, world, cfg.batch_size, seq, cfg.seed)).item()
                   for r in range(world) for i in range(cfg.eval_batches)]
     return sum(losses) / len(losses), last
 

@@ -193,7 +193,7 @@ def test_training_starts_from_the_hf_weights_and_tokenizer(tmp_path, corpus, lla
     # The first logged loss is that of the Hugging Face model on the first batches of both ranks.
     cfg = parse_args([str(a) for a in args])
     data = TokenData(dataset_dir(cfg, tokenizer))  # tokenized with the model's own tokenizer.model
-    x, y = (torch.cat(t) for t in zip(*(data.get_batch("train", 0, r, 2, 32, cfg.seed) for r in range(2))))
+    x, y = (torch.cat(t) for t in zip(*(data.get_batch("train", 0, r, 2, 2, 32, cfg.seed) for r in range(2))))
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(theirs(x).logits.reshape(-1, 301), y.reshape(-1)).item()
     assert logged_losses(tmp_path, "run")[0] == pytest.approx(expected, abs=1e-4)

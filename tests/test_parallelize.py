@@ -43,7 +43,7 @@ def reference(args, world, device="cpu", steps=STEPS):
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg, last)
-        batches = [data.get_batch("train", step, r, cfg.batch_size, seq, cfg.seed) for r in range(world)]
+        batches = [data.get_batch("train", step, r, world, cfg.batch_size, seq, cfg.seed) for r in range(world)]
         loss = model(torch.cat([b[0] for b in batches]).to(device), torch.cat([b[1] for b in batches]).to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

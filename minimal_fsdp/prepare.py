@@ -1,0 +1,241 @@
+"""Documents -> train.bin, val.bin (flat token memmaps), meta.json and the tokenizer's files.
+
+    python -m minimal_fsdp.data prepare --dataset openwebtext --tokenizer gpt2 --val_fraction 0.0005
+    python -m minimal_fsdp.data prepare --dataset text --input my_docs/ --tokenizer gpt2
+    python -m minimal_fsdp.data prepare --dataset hf --input ./saved_dataset --tokenizer sentencepiece --vocab_size 8000
+    python basic_training.py --dataset_path data/openwebtext/gpt2 ...
+
+Each document is tokenized and followed by the end-of-text token, in source order; a document goes to val.bin
+when documents.is_val says so. A source of exactly one document (a single text file, like Shakespeare) is
+instead split by characters: its last --val_fraction is val.
+"""
+import argparse
+import collections
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .config import ConfigError
+from .documents import OPENWEBTEXT, SEPARATOR_TEXT, FileDocuments, encode_document, is_val, open_documents
+from .sources import SourceError, fetch_shakespeare
+from .tokenizer import TOKENIZER_KINDS, load_tokenizer, train_tokenizer
+
+SENTENCEPIECE_SAMPLE_CHARS = 20_000_000  # BPE merges are learned from the first this many characters of train
+BATCH_DOCUMENTS = 256  # documents per task sent to a tokenizing worker
+
+
+def token_dtype(vocab_size):
+    """uint16 halves the files when every id fits in it (GPT-2's 50257 do)."""
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def output_dir(data_dir, name, tokenizer, vocab_size):
+    """<data_dir>/<name>/<tokenizer>: one source, prepared once per tokenizer."""
+    return Path(data_dir) / name / (tokenizer + (f"-{vocab_size}" if tokenizer == "sentencepiece" else ""))
+
+
+def shakespeare_documents(data_dir):
+    path = Path(data_dir) / "shakespeare" / "input.txt"
+    try:
+        fetch_shakespeare(path)
+    except SourceError as e:
+        raise ConfigError(str(e)) from None
+    return FileDocuments([path], "shakespeare", str(path))
+
+
+def write_atomic(path, write):
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def prepare_bins(documents, tokenizer_kind, vocab_size, out, val_fraction, seed, num_proc=1, tokenizer=None):
+    """Tokenize `documents` into `out`; returns the meta dict. meta.json is written last, so its presence
+    means the bins are complete. A given `tokenizer` (a --hf_model's) is used as it is instead of fitting one
+    of `tokenizer_kind`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    head = list(itertools.islice(documents.iter_from(0), 2))
+    if not head:
+        raise ConfigError(f"{documents.source} holds no documents")
+    if len(head) == 1:
+        return _prepare_one_text(head[0][1], documents.source, tokenizer_kind, vocab_size, out, val_fraction,
+                                 tokenizer)
+    if tokenizer is None:
+        tokenizer = _fit_tokenizer(tokenizer_kind, documents, vocab_size, out, val_fraction, seed)
+    else:
+        tokenizer.save(out)
+    dtype = token_dtype(tokenizer.vocab_size)
+    tokens, docs = {"train": 0, "val": 0}, {"train": 0, "val": 0}
+    tmp = {split: out / f"{split}.bin.tmp" for split in tokens}
+    try:
+        with open(tmp["train"], "wb") as train, open(tmp["val"], "wb") as val, \
+                tqdm(total=documents.count(), unit="doc", desc=f"tokenizing {documents.name}", mininterval=1.0) as bar:
+            files = {"train": train, "val": val}
+            for index, ids in _tokenize(documents, out, dtype, num_proc):
+                bar.update(1)
+                if len(ids):
+                    split = "val" if is_val(index, seed, val_fraction) else "train"
+                    files[split].write(ids.tobytes())
+                    tokens[split] += len(ids)
+                    docs[split] += 1
+        for split in tokens:
+            if not tokens[split]:
+                fix = "raise --val_fraction or add documents" if split == "val" else "lower --val_fraction"
+                raise ConfigError(f"no document of {documents.source} went to {split} ({sum(docs.values())} "
+                                  f"non-empty documents, --val_fraction {val_fraction}): {fix}")
+        for split in tokens:
+            os.replace(tmp[split], out / f"{split}.bin")
+    finally:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+    return _write_meta(out, tokenizer, dtype, tokens, source=documents.source, split="documents",
+                       val_fraction=val_fraction, seed=seed, train_documents=docs["train"], val_documents=docs["val"])
+
+
+def _prepare_one_text(text, source, tokenizer_kind, vocab_size, out, val_fraction, tokenizer=None):
+    if len(text) < 100:
+        raise ConfigError(f"{source} holds {len(text)} characters: too little text to train on")
+    split = int(len(text) * (1 - val_fraction))
+    # Characters come from the whole text so val never holds an unknown one; BPE learns from train only.
+    fit_on = text if tokenizer_kind == "char" else text[:split]
+    if tokenizer is None:
+        tokenizer = train_tokenizer(tokenizer_kind, fit_on, vocab_size, out)
+    else:
+        tokenizer.save(out)
+    dtype = token_dtype(tokenizer.vocab_size)
+    tokens = {}
+    for split_name, part in (("train", text[:split]), ("val", text[split:])):
+        ids = np.array(tokenizer.encode(part), dtype=dtype)
+        write_atomic(out / f"{split_name}.bin", ids.tofile)
+        tokens[split_name] = len(ids)
+    return _write_meta(out, tokenizer, dtype, tokens, source=source, split="characters", val_fraction=val_fraction)
+
+
+def _write_meta(out, tokenizer, dtype, tokens, **extra):
+    meta = {"tokenizer": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name,
+            "train_tokens": tokens["train"], "val_tokens": tokens["val"], **extra}
+    write_atomic(out / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
+    return meta
+
+
+def _fit_tokenizer(kind, documents, vocab_size, out, val_fraction, seed):
+    if kind == "char":
+        # every character of every document (val too, so val holds no unknown one) plus the separator's
+        chars = set(SEPARATOR_TEXT)
+        for _, text in tqdm(documents.iter_from(0), total=documents.count(), unit="doc", desc="characters",
+                            mininterval=1.0):
+            chars.update(text)
+        return train_tokenizer(kind, "".join(chars), vocab_size, out)
+    sample = []
+    if kind == "sentencepiece":
+        size = 0
+        for index, text in documents.iter_from(0):
+            if not is_val(index, seed, val_fraction):
+                sample.append(text)
+                size += len(text)
+                if size >= SENTENCEPIECE_SAMPLE_CHARS:
+                    break
+    return train_tokenizer(kind, "\n".join(sample), vocab_size, out)
+
+
+# Tokenizing workers rebuild the tokenizer from its saved files: tiktoken/sentencepiece objects don't pickle.
+_worker = {}
+
+
+def _start_worker(directory, dtype):
+    _worker["tokenizer"], _worker["dtype"] = load_tokenizer(directory), dtype
+
+
+def _encode_batch(batch):
+    return [(index, np.array(encode_document(_worker["tokenizer"], text), dtype=_worker["dtype"]))
+            for index, text in batch]
+
+
+def _tokenize(documents, directory, dtype, num_proc):
+    """(index, token array) per document, in order, tokenized by num_proc processes."""
+    texts = documents.iter_from(0)
+    batches = iter(lambda: list(itertools.islice(texts, BATCH_DOCUMENTS)), [])
+    if num_proc <= 1:
+        _start_worker(directory, dtype)
+        for batch in batches:
+            yield from _encode_batch(batch)
+        return
+    # A bounded window of tasks in flight: Pool.imap would read the whole source into its queue up front.
+    with multiprocessing.Pool(num_proc, initializer=_start_worker, initargs=(str(directory), dtype)) as pool:
+        pending = collections.deque()
+        for batch in batches:
+            pending.append(pool.apply_async(_encode_batch, (batch,)))
+            if len(pending) >= 4 * num_proc:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+
+# -----------------------------------------------------------------------------
+# the command line
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.data",
+                                     description="Prepare token bins for basic_training.py --dataset_path.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("prepare", help="tokenize a dataset into train.bin, val.bin and meta.json")
+    p.add_argument("--dataset", required=True, choices=("openwebtext", "shakespeare", "text", "hf"),
+                   help=f"openwebtext: {OPENWEBTEXT} from the hub (or --input, a local copy); shakespeare: fetched "
+                        "into <data_dir>/shakespeare; text: --input is a text/.jsonl file or a directory of "
+                        ".txt/.jsonl files; hf: --input is a hub dataset (NAME or NAME:CONFIG) or a save_to_disk "
+                        "directory")
+    p.add_argument("--input", help="the source for --dataset text and hf (see --dataset)")
+    p.add_argument("--tokenizer", default="gpt2", choices=TOKENIZER_KINDS,
+                   help="gpt2 needs tiktoken's encoding file; char and sentencepiece are fit on the data")
+    p.add_argument("--vocab_size", type=int, help="BPE vocabulary for --tokenizer sentencepiece")
+    p.add_argument("--val_fraction", type=float,
+                   help="share of documents held out for validation (default 0.0005 for openwebtext, else 0.1)")
+    p.add_argument("--seed", type=int, default=1337, help="picks which documents are held out")
+    p.add_argument("--data_dir", default="data", help="the output goes to <data_dir>/<name>/<tokenizer>")
+    p.add_argument("--output", help="write here instead of <data_dir>/<name>/<tokenizer>")
+    p.add_argument("--num_proc", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        out = run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    return out
+
+
+def run(args):
+    if args.dataset in ("text", "hf") and not args.input:
+        raise ConfigError(f"--dataset {args.dataset} needs --input PATH")
+    if args.tokenizer == "sentencepiece" and not args.vocab_size:
+        raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
+    val_fraction = args.val_fraction
+    if val_fraction is None:
+        val_fraction = 0.0005 if args.dataset == "openwebtext" else 0.1
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"--val_fraction must be in (0, 1) (got {val_fraction})")
+    if args.dataset == "shakespeare":
+        documents = shakespeare_documents(args.data_dir)
+    elif args.dataset == "openwebtext":
+        documents = open_documents(args.input or OPENWEBTEXT, "--input")
+    else:
+        documents = open_documents(args.input, "--input", hub=args.dataset == "hf")
+    name = "openwebtext" if args.dataset == "openwebtext" else documents.name
+    out = Path(args.output) if args.output else output_dir(args.data_dir, name, args.tokenizer, args.vocab_size)
+    if (out / "meta.json").exists():
+        print(f"{out} is prepared already (delete it to prepare again)")
+        return out
+    meta = prepare_bins(documents, args.tokenizer, args.vocab_size, out, val_fraction, args.seed, args.num_proc)
+    print(f"{out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({meta['dtype']}); "
+          f"train with: python basic_training.py --dataset_path {out}")
+    return out

@@ -1,0 +1,242 @@
+"""Train straight from documents (--dataset_path SOURCE --streaming): no preparation step.
+
+Rank r of W reads the documents with index % W == r (documents.py numbers them in source order), tokenizes
+them on the fly, and packs them, each followed by the end-of-text separator, into one endless stream of
+tokens, pass after pass. Batches take consecutive blocks of it, cut as TokenData cuts a split: block k is
+stream[k*seq_length : (k+1)*seq_length + 1]. A document goes to validation when documents.is_val says so,
+as in a prepared dataset, so a rank's stream equals the prepared train tokens of its documents.
+
+Train batches are read ahead on a thread, so tokenizing overlaps with the training step wherever the step
+waits on the device and the tokenizer lets go of the GIL. A stream cannot be indexed, so the position (pass,
+document, token offset) of every rank is saved in each checkpoint's meta.json, and a resumed run reopens each
+rank's stream there: it sees exactly the tokens the uninterrupted run would have seen. Resuming needs the
+same world size, which decides the sharding.
+"""
+import atexit
+import collections
+import queue
+import threading
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import environment
+from .config import ConfigError
+from .documents import encode_document, is_val, open_documents
+from .tokenizer import load_tokenizer, train_tokenizer
+
+
+class TokenStream:
+    """The tokens of the documents `select` picks, in order, pass after pass; resumable at any token."""
+
+    def __init__(self, documents, tokenizer, select, position=(0, 0, 0), what="documents"):
+        self.documents, self.tokenizer, self.select, self.what = documents, tokenizer, select, what
+        start_pass, start_document, self.offset = position
+        self.segments = collections.deque()  # (pass, document index, tokens): read, not fully consumed
+        self.available = 0  # tokens in segments
+        self.next_position = tuple(position)  # where reading resumes once segments are used up
+        self.reader = self._read(start_pass, start_document)
+
+    def _read(self, pass_number, start):
+        while True:
+            found = False
+            for index, text in self.documents.iter_from(start):
+                if self.select(index):
+                    tokens = encode_document(self.tokenizer, text)
+                    if tokens:
+                        found = True
+                        self.next_position = (pass_number, index + 1, 0)
+                        yield pass_number, index, np.array(tokens, dtype=np.int64)
+            if not found and start == 0:
+                raise ConfigError(f"{self.documents.source} holds no {self.what}")
+            pass_number, start = pass_number + 1, 0
+
+    def position(self):
+        """(pass, document index, tokens of that document already consumed) of the next token."""
+        if self.segments:
+            pass_number, index, _ = self.segments[0]
+            return pass_number, index, self.offset
+        return self.next_position
+
+    def take(self, length, advance):
+        """The next `length` tokens; then move on by `advance` (< length: blocks overlap by the difference)."""
+        while self.available - self.offset < length:
+            segment = next(self.reader)
+            self.segments.append(segment)
+            self.available += len(segment[2])
+        parts, need, skip = [], length, self.offset
+        for _, _, tokens in self.segments:
+            part = tokens[skip:skip + need]
+            parts.append(part)
+            need, skip = need - len(part), 0
+            if not need:
+                break
+        self.offset += advance
+        while self.segments and self.offset >= len(self.segments[0][2]):
+            finished = self.segments.popleft()[2]
+            self.offset -= len(finished)
+            self.available -= len(finished)
+        return np.concatenate(parts)
+
+
+def _take_batch(stream, batch_size, seq_length):
+    rows = torch.from_numpy(np.stack([stream.take(seq_length + 1, seq_length) for _ in range(batch_size)]))
+    return rows[:, :-1], rows[:, 1:]
+
+
+class Prefetcher:
+    """Takes a stream's next batches on a thread, each with the stream position right after it, so that a
+    checkpoint records what training consumed, not what was read ahead."""
+
+    def __init__(self, stream, batch_size, seq_length, depth=16):
+        self.shape = (batch_size, seq_length)
+        self.queue = queue.Queue(depth)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._fill, args=(stream,), daemon=True)
+        self.thread.start()
+        # A daemon thread killed inside a tokenizer's C++ code at interpreter exit aborts the process.
+        atexit.register(self.close)
+
+    def _fill(self, stream):
+        while not self.stopped.is_set():
+            try:
+                item = (_take_batch(stream, *self.shape), stream.position())
+            except Exception as e:  # handed to the training thread, which raises it
+                item = (e, None)
+            while not self.stopped.is_set():
+                try:
+                    self.queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
+            if item[1] is None:
+                return
+
+    def next(self):
+        batch, position = self.queue.get()
+        if position is None:
+            raise batch
+        return batch, position
+
+    def close(self):
+        self.stopped.set()
+        self.thread.join()
+        atexit.unregister(self.close)
+
+
+def _same_on_every_rank(fn, *args):
+    """Run fn on every rank; if it fails anywhere, every rank raises the first failure (so none is left
+    waiting in a later collective)."""
+    try:
+        outcome = (fn(*args), None)
+    except ConfigError as e:
+        outcome = (None, f"rank {dist.get_rank()}: {e}")
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, outcome[1])
+    first = next((f for f in failures if f is not None), None)
+    if first is not None:
+        raise ConfigError(first)
+    return outcome[0]
+
+
+def _save_gpt2_tokenizer(directory):
+    train_tokenizer("gpt2", "", None, directory)
+    return str(directory)
+
+
+class StreamingData:
+    """The same interface as data.TokenData (meta, tokenizer, directory, check, num_tokens, get_batch,
+    position, restore), read from a stream. Train batches must be asked for in order."""
+
+    def __init__(self, documents, tokenizer, tokenizer_dir, rank, world_size, val_fraction, seed):
+        self.documents, self.tokenizer, self.directory = documents, tokenizer, tokenizer_dir
+        self.rank, self.world_size, self.val_fraction, self.seed = rank, world_size, val_fraction, seed
+        self.meta = {"tokenizer": tokenizer.kind, "vocab_size": tokenizer.vocab_size}
+        self.train_position = (0, 0, 0)  # right after the last train batch handed out
+        self.prefetcher = None
+        self.next_index = 0  # the train micro-batch the stream is at
+        self.val_stream = None
+        self.val_batches = []  # evaluation always reads the same first val batches, so they are kept
+
+    @classmethod
+    def open(cls, cfg, env):
+        """Collective: every rank opens the source and the tokenizer, or every rank raises the same error."""
+        if cfg.tokenizer_dir:
+            tokenizer_dir = cfg.tokenizer_dir
+        elif cfg.tokenizer == "gpt2":  # saved once, so checkpoints carry it for generation
+            tokenizer_dir = environment.run_on_main(_save_gpt2_tokenizer, f"{cfg.data_dir}/streaming/gpt2")
+        else:
+            raise ConfigError(f"--streaming cannot fit a --tokenizer {cfg.tokenizer} on a stream: use --tokenizer "
+                              "gpt2, or --tokenizer_dir DIR with the tokenizer of a prepared dataset or checkpoint")
+        tokenizer = _same_on_every_rank(load_tokenizer, tokenizer_dir)
+        documents = _same_on_every_rank(open_documents, cfg.dataset_path, "--dataset_path", True)
+        return cls(documents, tokenizer, tokenizer_dir, env.rank, env.world_size, cfg.val_fraction, cfg.seed)
+
+    def _stream(self, split, position=(0, 0, 0)):
+        rank, world, seed, fraction = self.rank, self.world_size, self.seed, self.val_fraction
+        select = lambda index: index % world == rank and is_val(index, seed, fraction) == (split == "val")  # noqa: E731
+        what = (f"{split} documents for rank {rank} of {world} (a stream is split by documents: it needs at least "
+                f"as many as ranks, and --val_fraction {fraction} must leave some for {split}; or prepare it "
+                "with python -m minimal_fsdp.data prepare)")
+        return TokenStream(self.documents, self.tokenizer, select, position, what)
+
+    def check(self, seq_length, vocab_size):
+        """Collective: every rank's shard yields a train and a val block, or every rank raises."""
+        if self.meta["vocab_size"] > vocab_size:
+            raise ConfigError(f"the {self.meta['tokenizer']} tokenizer has {self.meta['vocab_size']} tokens but "
+                              f"--vocab_size is {vocab_size}: token ids would be out of range")
+        # A fresh stream per split, read until the first block: a source too small to fill one repeats its
+        # documents pass after pass, which is fine, but a rank with no document at all has nothing to repeat.
+        def first_blocks():
+            for split in ("train", "val"):
+                self._stream(split).take(seq_length + 1, seq_length)
+        _same_on_every_rank(first_blocks)
+
+    def num_tokens(self, split):
+        return None  # unknown: a stream's length is only known at its end
+
+    def get_batch(self, split, index, rank, world_size, batch_size, seq_length, seed):
+        if split == "val":
+            val = self.val_batches
+            if self.val_stream is None:
+                self.val_stream = self._stream("val")
+            while len(val) <= index:
+                val.append(_take_batch(self.val_stream, batch_size, seq_length))
+            return val[index]
+        if index != self.next_index:
+            raise RuntimeError(f"a stream is read in order: micro-batch {self.next_index} is next, not {index}")
+        if self.prefetcher is None or self.prefetcher.shape != (batch_size, seq_length):
+            self.close()
+            self.prefetcher = Prefetcher(self._stream("train", self.train_position), batch_size, seq_length)
+        batch, self.train_position = self.prefetcher.next()
+        self.next_index += 1
+        return batch
+
+    def close(self):
+        """Stop reading ahead (at the latest when the process exits)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+
+    def position(self, index, world_size, batch_size):
+        """Collective: every rank's stream position, for rank 0 to write into the checkpoint."""
+        if index != self.next_index:
+            raise RuntimeError(f"the stream is at micro-batch {self.next_index}, not {index}")
+        positions = [None] * world_size
+        dist.all_gather_object(positions, list(self.train_position))
+        return {"stream": positions}
+
+    def restore(self, position, index):
+        """Reopen this rank's stream where the checkpoint left it. Same flags and meta.json on every rank,
+        so every rank reaches the same verdict."""
+        if not position or "stream" not in position:
+            raise ConfigError("the checkpoint holds no stream position (it was not written by a --streaming run): "
+                              "use another --run_name, or --restart_checkpoint_file from a --streaming run")
+        saved = position["stream"]
+        if len(saved) != self.world_size:
+            raise ConfigError(f"this --streaming run was saved on {len(saved)} rank(s) and each rank's documents "
+                              f"depend on it: resume it on {len(saved)} rank(s), not {self.world_size}")
+        self.close()
+        self.train_position = tuple(saved[self.rank])
+        self.next_index = index

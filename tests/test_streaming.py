@@ -1,0 +1,172 @@
+"""--dataset_path SOURCE --streaming: the same tokens as prepared bins, sharded by document, resumable."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY_MODEL, launch
+from minimal_fsdp.config import ConfigError, parse_args
+from minimal_fsdp.data import TokenData
+from minimal_fsdp.documents import HFDocuments, encode_document, is_val, open_documents
+from minimal_fsdp.streaming import StreamingData
+from test_prepare import make_documents, run_cli, write_jsonl
+
+SEQ = 32
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    """200 documents as .jsonl files, and the same prepared with the char tokenizer."""
+    documents = make_documents()
+    source = write_jsonl(tmp_path / "docs", documents)
+    out = run_cli("--dataset", "text", "--input", source, "--tokenizer", "char", "--output", tmp_path / "prepared")
+    return documents, source, TokenData(out)
+
+
+def stream_for(source, data, rank, world, flag="--dataset_path"):
+    return StreamingData(open_documents(str(source), flag), data.tokenizer, data.directory, rank, world,
+                         val_fraction=0.1, seed=1337)
+
+
+def streamed_tokens(stream, batches, start=0, batch_size=4):
+    """The rank's token stream as the batches hold it: blocks overlap by the one token they share."""
+    blocks = [stream.get_batch("train", i, stream.rank, stream.world_size, batch_size, SEQ, 0)
+              for i in range(start, start + batches)]
+    return np.concatenate([x.reshape(-1, SEQ) for x, _ in blocks]).reshape(-1)
+
+
+def prepared_documents(documents, data):
+    """The prepared train bin cut back into its documents (their tokens, end-of-text included)."""
+    cut, offset = {}, 0
+    for i, text in enumerate(documents):
+        if not is_val(i, 1337, 0.1):
+            length = len(encode_document(data.tokenizer, text))
+            cut[i] = data.splits["train"][offset:offset + length]
+            offset += length
+    assert offset == data.num_tokens("train")
+    return cut
+
+
+def test_one_rank_streams_exactly_the_prepared_train_bin(prepared):
+    documents, source, data = prepared
+    stream = stream_for(source, data, 0, 1)
+    train = np.asarray(data.splits["train"], dtype=np.int64)
+    blocks = (len(train) - 1) // SEQ
+    tokens = streamed_tokens(stream, batches=blocks // 4 + 20)  # past the end: the second pass starts over
+    assert np.array_equal(tokens[:len(train)], train)
+    assert np.array_equal(tokens[len(train):len(train) + 500], train[:500])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_streams_the_prepared_tokens_of_its_documents(prepared, world):
+    documents, source, data = prepared
+    cut = prepared_documents(documents, data)
+    for rank in range(world):
+        expected = np.concatenate([tokens for i, tokens in cut.items() if i % world == rank]).astype(np.int64)
+        tokens = streamed_tokens(stream_for(source, data, rank, world), batches=len(expected) // (4 * SEQ))
+        assert len(tokens) > len(expected) - 4 * SEQ
+        assert np.array_equal(tokens, expected[:len(tokens)]), rank
+
+
+def test_val_batches_come_from_the_held_out_documents(prepared):
+    documents, source, data = prepared
+    stream = stream_for(source, data, 1, 2)
+    x, y = stream.get_batch("val", 0, 1, 2, 4, SEQ, 0)
+    val = np.concatenate([encode_document(data.tokenizer, d) for i, d in enumerate(documents)
+                          if i % 2 == 1 and is_val(i, 1337, 0.1)])
+    assert np.array_equal(x.reshape(-1)[:SEQ], val[:SEQ]) and torch.equal(x[:, 1:], y[:, :-1])
+    assert stream.get_batch("val", 0, 1, 2, 4, SEQ, 0) is stream.get_batch("val", 0, 1, 2, 4, SEQ, 0)  # cached
+
+
+def test_resume_mid_stream_sees_the_same_next_batch(prepared):
+    documents, source, data = prepared
+    world = 2
+    runs = [stream_for(source, data, rank, world) for rank in range(world)]
+    for index in range(7):
+        for run in runs:
+            run.get_batch("train", index, run.rank, world, 4, SEQ, 0)
+    saved = json.loads(json.dumps({"stream": [list(run.train_position) for run in runs]}))  # as meta.json holds it
+    expected = [[run.get_batch("train", index, run.rank, world, 4, SEQ, 0)[0] for index in (7, 8)] for run in runs]
+    for rank in range(world):
+        resumed = stream_for(source, data, rank, world)
+        resumed.restore(saved, 7)
+        assert resumed.train_position == tuple(saved["stream"][rank])  # saving again right away keeps it
+        for index, batch in zip((7, 8), expected[rank]):
+            assert torch.equal(resumed.get_batch("train", index, rank, world, 4, SEQ, 0)[0], batch)
+        fresh = stream_for(source, data, rank, world).get_batch("train", 0, rank, world, 4, SEQ, 0)[0]
+        assert not torch.equal(fresh, expected[rank][0])  # not vacuous: starting over would differ
+
+
+def test_resume_refuses_another_world_size_or_a_missing_position(prepared):
+    documents, source, data = prepared
+    stream = stream_for(source, data, 0, 3)
+    with pytest.raises(ConfigError, match="saved on 2 rank"):
+        stream.restore({"stream": [[0, 0, 0], [0, 1, 0]]}, 4)
+    with pytest.raises(ConfigError, match="holds no stream position"):
+        stream.restore({"train_blocks_seen": 40}, 4)
+    with pytest.raises(RuntimeError, match="read in order"):
+        stream.get_batch("train", 3, 0, 3, 4, SEQ, 0)
+
+
+def test_hugging_face_dataset_streams_like_jsonl(prepared, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    documents, source, data = prepared
+    dataset = datasets.Dataset.from_dict({"text": documents})
+    dataset.save_to_disk(str(tmp_path / "hf"))
+    hub_like = HFDocuments(dataset.to_iterable_dataset(num_shards=4), "iterable", "iterable")  # read as the hub streams
+    for rank in range(2):
+        from_jsonl = streamed_tokens(stream_for(source, data, rank, 2), batches=35)
+        from_disk = streamed_tokens(stream_for(tmp_path / "hf", data, rank, 2), batches=35)
+        assert np.array_equal(from_disk, from_jsonl)
+        streamed = StreamingData(hub_like, data.tokenizer, data.directory, rank, 2, val_fraction=0.1, seed=1337)
+        assert np.array_equal(streamed_tokens(streamed, batches=30), from_jsonl[:30 * 4 * SEQ])
+        positions = [None, None]
+        positions[rank] = list(streamed.train_position)
+        resumed = StreamingData(hub_like, data.tokenizer, data.directory, rank, 2, val_fraction=0.1, seed=1337)
+        resumed.restore({"stream": positions}, 30)  # skips ahead in the iterable dataset
+        assert np.array_equal(streamed_tokens(resumed, batches=5, start=30), from_jsonl[30 * 4 * SEQ:])
+
+
+def test_flags_that_cannot_stream_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--streaming needs --max_steps"):
+        parse_args(["--dataset_path", "x.jsonl", "--streaming", "--max_steps", "0"])
+    with pytest.raises(ConfigError, match="--streaming needs --dataset_path"):
+        parse_args(["--streaming"])
+    cfg = parse_args(["--dataset_path", "x.jsonl", "--streaming", "--tokenizer", "char"])
+    with pytest.raises(ConfigError, match="cannot fit a --tokenizer char on a stream"):
+        StreamingData.open(cfg, env=None)
+
+
+def stream_args(tmp_path, source, tokenizer_dir, run_name, *extra):
+    return ["--dataset_path", source, "--streaming", "--tokenizer_dir", tokenizer_dir, *TINY_MODEL,
+            "--dropout", "0.0", "--max_steps", 6, "--checkpoint_interval", 3, "--eval_interval", 3,
+            "--log_interval", 1, "--run_name", run_name, *extra]
+
+
+def logged(tmp_path, run_name):
+    rows = [json.loads(line) for line in (tmp_path / "logs" / run_name / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def test_streaming_trains_and_a_resumed_run_continues_exactly(prepared, tmp_path):
+    documents, source, data = prepared
+    launch(stream_args(tmp_path, source, data.directory, "whole"), ranks=2, cwd=tmp_path)
+    step_3 = tmp_path / "checkpoints" / "whole" / "step_3"
+    positions = json.loads((step_3 / "meta.json").read_text())["data_position"]["stream"]
+    assert len(positions) == 2 and positions[0] != positions[1]
+    launch(stream_args(tmp_path, source, data.directory, "resumed", "--restart_checkpoint_file", step_3),
+           ranks=2, cwd=tmp_path)
+    whole, resumed = logged(tmp_path, "whole"), logged(tmp_path, "resumed")
+    assert sorted(whole) == [1, 2, 3, 4, 5, 6] and sorted(resumed) == [4, 5, 6]
+    assert [resumed[s] for s in (4, 5, 6)] == pytest.approx([whole[s] for s in (4, 5, 6)], abs=1e-6)
+
+
+def test_a_rank_without_documents_stops_every_rank_with_one_error(tmp_path, prepared):
+    documents, source, data = prepared
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": documents[0]}) + "\n")
+    result = launch(stream_args(tmp_path, tmp_path / "one.jsonl", data.directory, "tiny"), ranks=2, cwd=tmp_path,
+                    timeout=120, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert "documents for rank" in errors[0] and "needs at least as many as ranks" in errors[0]
