@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call for the core issue: environment report, the gpu-marked tests (NCCL vs CPU reference),
-# the default run on 2 GPUs, and 1/2-GPU throughput rows. Logs go to $OUT (or ./gpu_out).
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip ...]
+# GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
+# Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
+# Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling ...]
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -14,8 +15,8 @@ parts=${*:-tests default throughput}
 
 for part in $parts; do case $part in
 tests)
-  timeout 420 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -15 ;;
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/test_gpu.py tests/test_llama.py tests/test_model_size.py \
+    -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
 default)
   # The README's two commands, on 2 GPUs with NCCL (data/shakespeare/input.txt carried along).
   timeout 240 $MPI -n 2 python3 basic_training.py --max_steps 300 --run_name gpu_default 2>&1 | tr '\r' '\n' \
@@ -33,6 +34,12 @@ throughput)
 gossip)
   # Needs 4 GPUs: NCCL gossip against the mixing matrices, then step time and bytes sent per step of every
   # topology against all-reduce (GPT-2 124M, bf16); the table rows are printed for benchmarks/RESULTS.md.
-  timeout 900 python3 -m pytest -m gpu tests/test_decentralized.py -q -s -p no:cacheprovider 2>&1 \
+  timeout ${GOSSIP_TIMEOUT:-900} python3 -m pytest -m gpu tests/test_decentralized.py -q -s -p no:cacheprovider 2>&1 \
     | tee "$OUT/gossip.log" | grep -E '^\||passed|failed|Error' ;;
+scaling)
+  # GPT-2 124M, full-shard, bf16, compile, batch 32 per GPU on 1, 2 and 4 GPUs: per-GPU tokens/s should hold.
+  B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --warmup 8 --steps 20 --batch_size 32 --out $OUT/scaling.jsonl"
+  for g in 1 2 4; do
+    timeout 150 $MPI -n $g $B >> "$OUT/scaling.log" 2>&1; tail -1 "$OUT/scaling.log"
+  done ;;
 esac; done
