@@ -50,12 +50,12 @@ def timed_steps(model, optimizer, gossip, cfg, env, seq, vocab, first_step, n):
         if env.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip, step)
+            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip=gossip, step=step)
             end.record()
             times.append((start, end))
         else:
             t0 = time.perf_counter()
-            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip, step)
+            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip=gossip, step=step)
             times.append(time.perf_counter() - t0)
     if env.device.type == "cuda":
         torch.cuda.synchronize()

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .model import KVCache
+from .model import KVCache, cross_entropy
 
 
 @dataclass
@@ -79,6 +79,7 @@ def rotary_tables(config, start, length, device):
 
 def apply_rotary(x, cos, sin):
     """Rotate each pair (x_i, x_{i+D/2}) of x (B, H, T, D) by its position's angle."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # as Hugging Face does: bf16 q, k stay bf16, like v
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
@@ -159,6 +160,7 @@ class Llama(nn.Module):
         self.norm = nn.RMSNorm(config.embed_size, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.embed_size, config.vocab_size, bias=False)
         self.checkpoint_blocks = False  # set by parallelize for activation checkpointing
+        self.loss = cross_entropy  # parallelize may swap in a compiled version
 
     def forward(self, idx, targets=None, cache=None):
         """Returns the mean cross-entropy if targets are given, else the logits of the last position."""
@@ -176,8 +178,7 @@ class Llama(nn.Module):
             cache.pos += T
         if targets is None:
             return self.lm_head(x[:, -1])
-        logits = self.lm_head(x)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return self.loss(self.lm_head(x), targets)
 
     def new_cache(self, batch_size, device, dtype):
         """An empty KV cache for generation: num_kv_heads keys and values per layer, not num_heads."""
