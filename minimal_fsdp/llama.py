@@ -79,7 +79,6 @@ def rotary_tables(config, start, length, device):
 
 def apply_rotary(x, cos, sin):
     """Rotate each pair (x_i, x_{i+D/2}) of x (B, H, T, D) by its position's angle."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # as Hugging Face does: bf16 q, k stay bf16, like v
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
@@ -168,6 +167,8 @@ class Llama(nn.Module):
         start = cache.pos if cache is not None else 0
         cos, sin = rotary_tables(self.config, start, T, idx.device)
         x = self.drop(self.wte(idx))
+        # In the compute dtype, as Hugging Face does (bf16 q, k stay bf16, like v); cast once, outside the blocks.
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, block in enumerate(self.blocks):
             if self.checkpoint_blocks and self.training:
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
