@@ -64,84 +64,91 @@ def prepare_data(cfg, hf_dir=None):
     return prepare(cfg, hf.load_tokenizer(hf_dir) if hf_dir else None)
 
 
+def model_for_generation(cfg, env, mesh, start, hf_dir):
+    """The model to sample from and its tokenizer: a Hugging Face model's, or the checkpoint's (whose
+    meta.json gives the shape, so no model flags are repeated)."""
+    if hf_dir:  # straight from the Hugging Face model, no checkpoint involved
+        model_type, model_config = hf_model_config(cfg, hf_dir)
+        model = build_model(MODELS[model_type][0], model_config, dataclasses.replace(cfg, meta_init=True), env, mesh)
+        hf.load_weights(model, hf_dir, model_type)
+        return model, hf.load_tokenizer(hf_dir)
+    if start is None:
+        raise ConfigError(f"--max_epochs -1 generates from a checkpoint, but {Path(cfg.checkpoint_dir) / cfg.run_name} "
+                          "has none: train first or pass --restart_checkpoint_file")
+    meta = checkpoint.read_meta(start)
+    model_cls, config_cls = MODELS[meta.get("model_type", "gpt")]  # checkpoints from before Llama are GPTs
+    model_config = config_cls(**meta["model"])
+    if cfg.seq_length and cfg.seq_length > model_config.seq_length:
+        raise ConfigError(f"--seq_length {cfg.seq_length} is larger than the model's context of "
+                          f"{model_config.seq_length} tokens in {start}")
+    model = build_model(model_cls, model_config, cfg, env, mesh)
+    checkpoint.load(start, model)
+    if env.is_main:
+        print(banner(cfg, env, mesh, model, start, training=False), flush=True)
+    return model, load_tokenizer(start)
+
+
+def train_model(cfg, env, mesh, start, hf_dir, stop):
+    """Prepare the data, build (or resume) the model and optimizer, and train; returns the model and the
+    data's tokenizer."""
+    if cfg.streaming:
+        data = StreamingData.open(cfg, env)
+    else:
+        data = TokenData(environment.run_on_main(prepare_data, cfg, hf_dir))
+    model_config = model_config_for(cfg, data, hf_dir)
+    saved = None
+    if start is not None:
+        saved = checkpoint.read_meta(start)
+        if saved.get("model_type", "gpt") != model_config.model_type or saved["model"] != model_config.to_dict():
+            raise ConfigError(f"{start} holds a different model ({saved.get('model_type', 'gpt')} "
+                              f"{saved['model']}): use another --run_name or --checkpoint_dir")
+        trained_with = saved["config"].get("data_parallel", "allreduce")
+        if trained_with != cfg.data_parallel:  # AdamW and AccumAdamW keep different optimizer state
+            raise ConfigError(f"{start} was trained with --data_parallel {trained_with}: resume it the same way, "
+                              "or start another --run_name")
+        # Continue the data stream where the checkpoint left it (also on another world or batch size).
+        data.restore(saved.get("data_position"), saved.get("train_batches", saved["step"] * cfg.grad_accum_steps))
+    # A model that gets Hugging Face weights is built on the meta device (as --meta_init), so no rank ever
+    # holds more than its shard of it.
+    build_cfg = dataclasses.replace(cfg, meta_init=True) if hf_dir else cfg
+    model = build_model(MODELS[model_config.model_type][0], model_config, build_cfg, env, mesh)
+    optimizer = build_optimizer(model, cfg)
+    if start is not None:
+        load = checkpoint.load_replicas if cfg.data_parallel == "decentralized" else checkpoint.load
+        load(start, model, optimizer)  # a resumed run continues from its own weights
+        checkpoint.restore_rng(start, env.rank, env.world_size, cfg.seed)
+    elif hf_dir:
+        hf.load_weights(model, hf_dir, model_config.model_type)
+    if env.is_main:
+        print(banner(cfg, env, mesh, model, start), flush=True)
+    meta = {"model": model_config.to_dict(), "model_type": model_config.model_type, "config": dataclasses.asdict(cfg)}
+    with stop.listening():
+        train(model, optimizer, data, cfg, env, Path(cfg.checkpoint_dir) / cfg.run_name, meta, saved, stop)
+    return model, data.tokenizer
+
+
 def main(argv=None):
     cfg = parse_args(argv)
     stop = resilience.StopRequests(cfg.time_limit_seconds)  # --time_limit counts from here
     env = environment.setup(cfg)
     validate_world(cfg, env.world_size, env.local_world_size)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
-    run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
     mesh = build_mesh(cfg, env)
     start = environment.run_on_main(checkpoint.find, cfg)  # rank 0 checks the files; all load the same one
-
     hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None  # rank 0 downloads
-    # A model that gets Hugging Face weights is built on the meta device (as --meta_init), so no rank ever
-    # holds more than its shard of it.
-    build_cfg = dataclasses.replace(cfg, meta_init=True) if hf_dir else cfg
 
-    if cfg.generate_only and hf_dir:  # straight from the Hugging Face model, no checkpoint involved
-        model_type, model_config = hf_model_config(cfg, hf_dir)
-        model = build_model(MODELS[model_type][0], model_config, build_cfg, env, mesh)
-        hf.load_weights(model, hf_dir, model_type)
-        tokenizer = hf.load_tokenizer(hf_dir)
-    elif cfg.generate_only:
-        if start is None:
-            raise ConfigError(f"--max_epochs -1 generates from a checkpoint, but {run_dir} has none: "
-                              "train first or pass --restart_checkpoint_file")
-        meta = checkpoint.read_meta(start)
-        model_cls, config_cls = MODELS[meta.get("model_type", "gpt")]  # checkpoints from before Llama are GPTs
-        model_config = config_cls(**meta["model"])
-        if cfg.seq_length and cfg.seq_length > model_config.seq_length:
-            raise ConfigError(f"--seq_length {cfg.seq_length} is larger than the model's context of "
-                              f"{model_config.seq_length} tokens in {start}")
-        model = build_model(model_cls, model_config, cfg, env, mesh)
-        checkpoint.load(start, model)
-        tokenizer = load_tokenizer(start)
-        if env.is_main:
-            print(banner(cfg, env, mesh, model, start, training=False), flush=True)
+    if cfg.generate_only:
+        model, tokenizer = model_for_generation(cfg, env, mesh, start, hf_dir)
     else:
-        if cfg.streaming:
-            data = StreamingData.open(cfg, env)
-        else:
-            data = TokenData(environment.run_on_main(prepare_data, cfg, hf_dir))
-        model_config = model_config_for(cfg, data, hf_dir)
-        saved = None
-        if start is not None:
-            saved = checkpoint.read_meta(start)
-            if saved.get("model_type", "gpt") != model_config.model_type or saved["model"] != model_config.to_dict():
-                raise ConfigError(f"{start} holds a different model ({saved.get('model_type', 'gpt')} "
-                                  f"{saved['model']}): use another --run_name or --checkpoint_dir")
-            trained_with = saved["config"].get("data_parallel", "allreduce")
-            if trained_with != cfg.data_parallel:  # AdamW and AccumAdamW keep different optimizer state
-                raise ConfigError(f"{start} was trained with --data_parallel {trained_with}: resume it the same way, "
-                                  "or start another --run_name")
-            # Continue the data stream where the checkpoint left it (also on another world or batch size).
-            data.restore(saved.get("data_position"), saved.get("train_batches", saved["step"] * cfg.grad_accum_steps))
-        model = build_model(MODELS[model_config.model_type][0], model_config, build_cfg, env, mesh)
-        optimizer = build_optimizer(model, cfg)
-        if start is not None:
-            load = checkpoint.load_replicas if cfg.data_parallel == "decentralized" else checkpoint.load
-            load(start, model, optimizer)  # a resumed run continues from its own weights
-            checkpoint.restore_rng(start, env.rank, env.world_size, cfg.seed)
-        elif hf_dir:
-            hf.load_weights(model, hf_dir, model_config.model_type)
-        if env.is_main:
-            print(banner(cfg, env, mesh, model, start), flush=True)
-        meta = {"model": model_config.to_dict(), "model_type": model_config.model_type,
-                "config": dataclasses.asdict(cfg)}
-        with stop.listening():
-            train(model, optimizer, data, cfg, env, run_dir, meta, saved, stop)
-        tokenizer = data.tokenizer
-        if stop.reason:  # preempted: the checkpoint is saved, exit 0 so a requeued job resumes
-            environment.teardown()
-            return
-
-    if cfg.num_tokens > 0:
+        model, tokenizer = train_model(cfg, env, mesh, start, hf_dir, stop)
+    # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes at once.
+    if cfg.num_tokens > 0 and not stop.reason:
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         text = generate(model, tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k,
                         cfg.seed, env.device, dtype)
         if env.is_main:
             print("-" * 40 + "\n" + text + "\n" + "-" * 40, flush=True)
+    del model  # FSDP state refers to the process group: let it go before the group is destroyed
     environment.teardown()
 
 
