@@ -31,18 +31,10 @@ def tiny(**kw):
                                    embed_size=32, intermediate_size=48), **kw))
 
 
-def test_kv_cache_decoding_matches_full_forward():
-    model = Llama(tiny()).eval()
-    init_weights(model, 0, torch.device("cpu"))
-    idx = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(0))
-    cache = model.new_cache(1, "cpu", torch.float32)
-    assert cache.k[0].shape == (1, 2, 16, 8)  # kv heads, not query heads
-    with torch.no_grad():
-        incremental = [model(idx[:, :5], cache=cache)]  # prefill, then one token at a time
-        incremental += [model(idx[:, t:t + 1], cache=cache) for t in range(5, 12)]
-        full = [model(idx[:, :t + 1]) for t in range(4, 12)]
-    for a, b in zip(incremental, full):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+def test_kv_cache_holds_kv_heads_not_query_heads():
+    # Decoding with the cache equals the full forward: tests/test_model.py checks that for both models.
+    cache = Llama(tiny()).new_cache(1, "cpu", torch.float32)
+    assert cache.k[0].shape == (1, 2, 16, 8)
 
 
 def test_positions_matter_and_grouped_heads_share_keys():

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from minimal_fsdp.model import GPT, GPTConfig, KVCache, PRESETS, make_config
+from minimal_fsdp.llama import Llama, LlamaConfig
+from minimal_fsdp.model import GPT, GPTConfig, PRESETS, make_config
 from minimal_fsdp.parallelize import init_weights
 
 
@@ -9,12 +10,17 @@ def tiny(**kw):
     return GPTConfig(**dict(dict(vocab_size=50, seq_length=16, num_layers=2, num_heads=2, embed_size=32), **kw))
 
 
-def test_kv_cache_decoding_matches_full_forward():
-    torch.manual_seed(0)
-    model = GPT(tiny()).eval()
+def llama_tiny():
+    return LlamaConfig(vocab_size=50, seq_length=16, num_layers=2, num_heads=4, num_kv_heads=2, embed_size=32,
+                       intermediate_size=48)
+
+
+@pytest.mark.parametrize("model_cls,config", [(GPT, tiny), (Llama, llama_tiny)], ids=["gpt", "llama"])
+def test_kv_cache_decoding_matches_full_forward(model_cls, config):
+    model = model_cls(config()).eval()
     init_weights(model, 0, torch.device("cpu"))
-    idx = torch.randint(0, 50, (1, 12))
-    cache = KVCache(model.config, 1, "cpu", torch.float32)
+    idx = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(1, "cpu", torch.float32)
     with torch.no_grad():
         incremental = [model(idx[:, :5], cache=cache)]  # prefill, then one token at a time
         incremental += [model(idx[:, t:t + 1], cache=cache) for t in range(5, 12)]
