@@ -10,7 +10,6 @@ written straight into the file, so memory holds one tensor at a time, not the mo
 import argparse
 import json
 import math
-import os
 import shutil
 import struct
 import sys
@@ -20,6 +19,7 @@ import torch
 
 from . import checkpoint
 from .config import ConfigError
+from .files import write_atomic
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
                       torch.int32: "I32", torch.uint8: "U8"}
@@ -40,15 +40,17 @@ def write_safetensors(path, specs, read, metadata):
     header["__metadata__"] = {key: str(value) for key, value in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format pads the header so the data starts 8-byte aligned
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name, shape, dtype in specs:
-            tensor = read(name).to(dtype).contiguous()
-            assert tuple(tensor.shape) == tuple(shape), name
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    os.replace(tmp, path)
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name, shape, dtype in specs:
+                tensor = read(name).to(dtype).contiguous()
+                assert tuple(tensor.shape) == tuple(shape), name
+                f.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    write_atomic(path, write)
 
 
 def export(ckpt, out, dtype=None, fmt="safetensors"):

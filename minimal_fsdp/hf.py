@@ -9,7 +9,6 @@ Out: save_hf(state_dict, model_meta, out_dir)   config.json + safetensors that t
 transformers itself is never imported: the formats are plain JSON and safetensors.
 """
 import json
-import os
 import shutil
 import urllib.error
 import urllib.request
@@ -21,6 +20,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Shard
 
 from .config import ConfigError
+from .files import write_atomic
 from .llama import LlamaConfig
 from .model import GPTConfig
 from .tokenizer import GPT2Tokenizer, load_sentencepiece
@@ -304,29 +304,23 @@ def save_hf(state_dict, model_meta, out_dir, tokenizer_dir=None, max_shard_bytes
         size += nbytes
     if len(shards) == 1:
         written = ["model.safetensors"]
-        _write(out / "model.safetensors", lambda p: save_file(shards[0], p, metadata={"format": "pt"}))
+        write_atomic(out / "model.safetensors", lambda p: save_file(shards[0], p, metadata={"format": "pt"}))
     else:
         written, weight_map = ["model.safetensors.index.json"], {}
         for i, shard in enumerate(shards, 1):
             file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            _write(out / file, lambda p: save_file(shard, p, metadata={"format": "pt"}))
+            write_atomic(out / file, lambda p: save_file(shard, p, metadata={"format": "pt"}))
             weight_map.update(dict.fromkeys(shard, file))
             written.append(file)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write(out / "model.safetensors.index.json", lambda p: p.write_text(json.dumps(index, indent=1)))
+        write_atomic(out / "model.safetensors.index.json", lambda p: p.write_text(json.dumps(index, indent=1)))
     # Weights of an earlier export to the same directory would otherwise be found instead of these.
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json", *out.glob("pytorch_model*")]:
         if stale.exists() and stale.name not in written:
             stale.unlink()
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.model").exists():
-        _write(out / "tokenizer.model", lambda p: shutil.copy(Path(tokenizer_dir) / "tokenizer.model", p))
+        write_atomic(out / "tokenizer.model", lambda p: shutil.copy(Path(tokenizer_dir) / "tokenizer.model", p))
     config_json = json.dumps(hf_config(model_type, config), indent=1)
-    _write(out / "config.json", lambda p: p.write_text(config_json))  # last: its presence means complete
+    write_atomic(out / "config.json", lambda p: p.write_text(config_json))  # last: its presence means complete
     return out
-
-
-def _write(path, write):
-    tmp = path.with_name(f".tmp-{path.name}")
-    write(tmp)
-    os.replace(tmp, path)

