@@ -12,7 +12,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +22,8 @@ from minimal_fsdp.config import TOPOLOGY, Config, build_parser, validate  # noqa
 from minimal_fsdp.gossip import Gossip  # noqa: E402
 from minimal_fsdp.model import GPT, make_config  # noqa: E402
 from minimal_fsdp.parallelize import build_mesh, build_model  # noqa: E402
-from minimal_fsdp.train import build_optimizer, train_step  # noqa: E402
+from minimal_fsdp.train import build_optimizer  # noqa: E402
+from throughput import step_times  # noqa: E402  (the same timed loop, in this folder)
 
 HEADER = ("| mode | topology | GPUs | model | precision | batch/GPU | step ms | MB sent/step/GPU | bytes are |\n"
           "|---|---|---|---|---|---|---|---|---|")
@@ -41,36 +41,14 @@ def parse():
     return cfg, bench
 
 
-def timed_steps(model, optimizer, gossip, cfg, env, seq, vocab, first_step, n):
-    generator = torch.Generator(device=env.device).manual_seed(cfg.seed + env.rank)
-    times = []
-    for step in range(first_step, first_step + n):
-        tokens = torch.randint(vocab, (cfg.batch_size, seq + 1), device=env.device, generator=generator)
-        batches = [(tokens[:, :-1], tokens[:, 1:])]
-        if env.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip=gossip, step=step)
-            end.record()
-            times.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip=gossip, step=step)
-            times.append(time.perf_counter() - t0)
-    if env.device.type == "cuda":
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) / 1000 for s, e in times]
-    return times
-
-
 def measure(cfg, env, bench, model_config):
     model = build_model(GPT, model_config, cfg, env, build_mesh(cfg, env))
     optimizer = build_optimizer(model, cfg)
     gossip = Gossip(model, cfg.topology) if cfg.data_parallel == "decentralized" else None
     seq, vocab = model_config.seq_length, model_config.vocab_size
-    timed_steps(model, optimizer, gossip, cfg, env, seq, vocab, 0, bench["warmup"])
+    step_times(model, optimizer, cfg, env, seq, vocab, bench["warmup"], gossip)
     sent_before = gossip.bytes_sent if gossip else 0
-    times = timed_steps(model, optimizer, gossip, cfg, env, seq, vocab, bench["warmup"], bench["steps"])
+    times = step_times(model, optimizer, cfg, env, seq, vocab, bench["steps"], gossip, bench["warmup"])
     params = sum(p.numel() for p in model.parameters())  # FSDP: this rank's shard; no-shard: all of them
     if gossip is not None:
         sent, counted = (gossip.bytes_sent - sent_before) / bench["steps"], "counted"

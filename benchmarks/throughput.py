@@ -38,11 +38,12 @@ def parse():
     return cfg, bench
 
 
-def step_times(model, optimizer, cfg, env, seq, vocab, n):
-    """Run n steps; return each one's time in seconds (device events on CUDA)."""
+def step_times(model, optimizer, cfg, env, seq, vocab, n, gossip=None, first_step=0):
+    """Run n steps (numbered from first_step: gossip topologies change with the step); return each one's time
+    in seconds (device events on CUDA)."""
     generator = torch.Generator(device=env.device).manual_seed(cfg.seed + env.rank)
     times = []
-    for _ in range(n):
+    for step in range(first_step, first_step + n):
         batches = []
         for _ in range(cfg.grad_accum_steps):
             tokens = torch.randint(vocab, (cfg.batch_size, seq + 1), device=env.device, generator=generator)
@@ -50,12 +51,12 @@ def step_times(model, optimizer, cfg, env, seq, vocab, n):
         if env.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            train_step(model, optimizer, batches, cfg.grad_clip, env.device)
+            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip=gossip, step=step)
             end.record()
             times.append((start, end))
         else:
             t0 = time.perf_counter()
-            train_step(model, optimizer, batches, cfg.grad_clip, env.device)
+            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip=gossip, step=step)
             times.append(time.perf_counter() - t0)
     if env.device.type == "cuda":
         torch.cuda.synchronize()
