@@ -36,19 +36,20 @@ def hf_model_config(cfg, hf_dir):
     return model_type, model_config
 
 
+def preset_config(cfg, vocab_size=None):
+    """--model_preset's shape with the explicit model flags applied (vocab: --vocab_size, else vocab_size,
+    else the preset's)."""
+    shape = dict(num_layers=cfg.num_layers, num_heads=cfg.num_heads, embed_size=cfg.embed_size,
+                 seq_length=cfg.seq_length, dropout=cfg.dropout, vocab_size=cfg.vocab_size or vocab_size)
+    if model_family(cfg) == "llama":
+        return make_llama_config(cfg.model_preset, num_kv_heads=cfg.num_kv_heads,
+                                 intermediate_size=cfg.intermediate_size, **shape)
+    return make_gpt_config(cfg.model_preset, **shape)
+
+
 def model_config_for(cfg, data, hf_dir=None):
     """The model's shape: a Hugging Face checkpoint's, or --model_preset's with the explicit flags applied."""
-    if hf_dir:
-        model_config = hf_model_config(cfg, hf_dir)[1]
-    else:
-        shape = dict(num_layers=cfg.num_layers, num_heads=cfg.num_heads, embed_size=cfg.embed_size,
-                     seq_length=cfg.seq_length, dropout=cfg.dropout,
-                     vocab_size=cfg.vocab_size or data.meta["vocab_size"])
-        if model_family(cfg) == "llama":
-            model_config = make_llama_config(cfg.model_preset, num_kv_heads=cfg.num_kv_heads,
-                                             intermediate_size=cfg.intermediate_size, **shape)
-        else:
-            model_config = make_gpt_config(cfg.model_preset, **shape)
+    model_config = hf_model_config(cfg, hf_dir)[1] if hf_dir else preset_config(cfg, data.meta["vocab_size"])
     c = model_config
     if c.embed_size % c.num_heads:
         raise ConfigError(f"embed size {c.embed_size} is not divisible by {c.num_heads} heads")

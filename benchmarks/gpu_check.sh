@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload ...]
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -41,5 +41,40 @@ scaling)
   B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --warmup 8 --steps 20 --batch_size 32 --out $OUT/scaling.jsonl"
   for g in 1 2 4; do
     timeout 150 $MPI -n $g $B >> "$OUT/scaling.log" 2>&1; tail -1 "$OUT/scaling.log"
+  done ;;
+strategies)
+  # GPT-2 124M at batch 32 per GPU: one GPU, then every other strategy on 4 GPUs (hybrid: 2 groups of 2).
+  B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --warmup 8 --steps 20 --batch_size 32 --out $OUT/strategies.jsonl"
+  for s in full-shard grad-shard; do  # at world size 1, grad-shard skips the pointless reshard after forward
+    timeout 150 $MPI -n 1 $B --sharding $s >> "$OUT/strategies.log" 2>&1; tail -1 "$OUT/strategies.log"
+  done
+  for s in grad-shard no-shard "hybrid-full-shard --shard_group_size 2"; do
+    timeout 150 $MPI -n 4 $B --sharding $s >> "$OUT/strategies.log" 2>&1; tail -1 "$OUT/strategies.log"
+  done ;;
+medium)
+  # GPT-2 medium (350M), full-shard, batch 32 per GPU, on 1, 2 and 4 GPUs.
+  B="python3 benchmarks/throughput.py --model_preset gpt2-medium --vocab_size 50304 --precision bf16 --compile --warmup 8 --steps 20 --batch_size 32 --out $OUT/medium.jsonl"
+  for g in 1 2 4; do
+    timeout 180 $MPI -n $g $B >> "$OUT/medium.log" 2>&1; tail -1 "$OUT/medium.log"
+  done ;;
+llama7b)
+  # Llama-2-7B shape, T=4096, bf16, full-shard over 4 GPUs, compiled blocks, meta init: full against selective
+  # recompute, and the batch each allows.
+  B="python3 benchmarks/throughput.py --model_preset llama2-7b --precision bf16 --compile --meta_init --warmup 4 --steps 8 --out $OUT/llama7b.jsonl"
+  IFS=';' read -ra variants <<< "${LLAMA_VARIANTS:---activation_checkpoints --batch_size 2;--activation_checkpoints --recompute selective --batch_size 2;--activation_checkpoints --batch_size 4}"
+  for args in "${variants[@]}"; do
+    timeout ${LLAMA_TIMEOUT:-200} $MPI -n 4 $B $args >> "$OUT/llama7b.log" 2>&1; grep -E '^\|' "$OUT/llama7b.log" | tail -1
+    grep -E 'OutOfMemory|Error' "$OUT/llama7b.log" | tail -2
+  done ;;
+offload)
+  # The largest Llama that trains on this 4-GPU machine with parameters, gradients and AdamW state in host
+  # memory (16 bytes a parameter): the Llama-2-70B block shape, cut to L blocks, T=4096, batch 1 per GPU.
+  free -g | tee "$OUT/free.txt"
+  export OMP_NUM_THREADS=$(( $(nproc) / 4 ))  # the CPU optimizer step: one share of the cores per rank
+  B="python3 benchmarks/throughput.py --model_preset llama2-70b --precision bf16 --cpu_offload --meta_init --activation_checkpoints --batch_size 1 --warmup 1 --steps 3 --collective_timeout 120 --out $OUT/offload.jsonl"
+  for layers in ${OFFLOAD_LAYERS:-35 32}; do
+    timeout ${OFFLOAD_TIMEOUT:-280} $MPI -n 4 $B --num_layers $layers >> "$OUT/offload.log" 2>&1; rc=$?
+    grep -E '^\||host memory' "$OUT/offload.log" | tail -2; echo "layers $layers: exit $rc"
+    [ $rc = 0 ] && break
   done ;;
 esac; done

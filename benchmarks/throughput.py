@@ -7,6 +7,7 @@ median step time, peak memory. MFU = (6N + attention) FLOPs per token x tokens/s
 dense bf16 peak of the card (989 TFLOP/s for H100 SXM). --out FILE appends the row as JSON too.
 """
 import json
+import resource
 import statistics
 import sys
 import time
@@ -15,9 +16,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from basic_training import MODELS, preset_config  # noqa: E402
 from minimal_fsdp import environment  # noqa: E402
 from minimal_fsdp.config import Config, build_parser, validate, validate_world  # noqa: E402
-from minimal_fsdp.model import GPT, make_config  # noqa: E402
 from minimal_fsdp.parallelize import build_mesh, build_model  # noqa: E402
 from minimal_fsdp.train import build_optimizer, peak_flops, peak_memory_gb, train_step  # noqa: E402
 
@@ -68,10 +69,8 @@ def main():
     cfg, bench = parse()
     env = environment.setup(cfg)
     validate_world(cfg, env.world_size, env.local_world_size)
-    model_config = make_config(cfg.model_preset, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-                               embed_size=cfg.embed_size, seq_length=cfg.seq_length, dropout=cfg.dropout,
-                               vocab_size=cfg.vocab_size)
-    model = build_model(GPT, model_config, cfg, env, build_mesh(cfg, env))
+    model_config = preset_config(cfg)
+    model = build_model(MODELS[model_config.model_type][0], model_config, cfg, env, build_mesh(cfg, env))
     optimizer = build_optimizer(model, cfg)
     seq, vocab = model_config.seq_length, model_config.vocab_size
     step_times(model, optimizer, cfg, env, seq, vocab, bench["warmup"])
@@ -83,17 +82,22 @@ def main():
     tok_s = tokens / median
     peak = peak_flops(env.device)
     mfu = model.flops_per_token() * tok_s / (peak * env.world_size) if peak else float("nan")
-    memory = peak_memory_gb(env.device)
-    memory = max(environment_all_ranks(memory, env))
+    memory = max(environment_all_ranks(peak_memory_gb(env.device), env))
+    host = max(environment_all_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, env))  # KB -> GB
     options = bench["label"] or " ".join(o for o in ("compile", "activation_checkpoints", "cpu_offload", "meta_init")
                                          if getattr(cfg, o)) or "-"
-    row = dict(model=f"{cfg.model_preset}({model.num_params(non_embedding=False) / 1e6:.0f}M)",
+    if cfg.activation_checkpoints and not bench["label"]:
+        options = options.replace("activation_checkpoints", f"ckpt:{cfg.recompute}")
+    n = model.num_params(non_embedding=False)
+    layers = f"·{cfg.num_layers}L" if cfg.num_layers else ""  # a preset cut to fewer or more blocks
+    row = dict(model=f"{cfg.model_preset}{layers}({n / 1e9:.1f}B)" if n >= 1e9 else f"{cfg.model_preset}({n / 1e6:.0f}M)",
                gpus=env.world_size, sharding=cfg.sharding, precision=cfg.precision, options=options,
                batch=cfg.batch_size * cfg.grad_accum_steps, seq=seq, tok_s=tok_s, tok_s_gpu=tok_s / env.world_size,
-               mfu=mfu, step_ms=median * 1000, peak_gb=memory,
+               mfu=mfu, step_ms=median * 1000, peak_gb=memory, host_rss_gb=host,
                device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
                torch=torch.__version__)
     if env.is_main:
+        print(f"host memory: peak RSS {host:.1f} GB on the largest rank", flush=True)
         print(HEADER)
         print(f"| {row['model']} | {row['gpus']} | {row['sharding']} | {row['precision']} | {options} | {row['batch']} | "
               f"{seq} | {tok_s:,.0f} | {row['tok_s_gpu']:,.0f} | {mfu:.1%} | {row['step_ms']:.1f} | {memory:.1f} |",

@@ -77,6 +77,9 @@ class Config:
                              section="parallel")
     activation_checkpoints: bool = flag(False, "recompute each block's activations in backward",
                                         section="parallel")
+    recompute: str = flag("full", "what --activation_checkpoints recomputes: full (the whole block from its "
+                          "input: least memory) or selective (norms and activations only: matmul and attention "
+                          "outputs are kept)", ("full", "selective"), "parallel")
     meta_init: bool = flag(False, "build on the meta device, shard, then initialize only the local shard",
                            section="parallel")
     compile: bool = flag(False, "torch.compile each transformer block", section="parallel")
@@ -321,6 +324,8 @@ def validate(cfg):
         raise ConfigError("--tokenizer_dir is for --streaming (a prepared --dataset_path carries its tokenizer)")
     if cfg.tokenizer == "sentencepiece" and cfg.vocab_size is None and not cfg.dataset_path:
         raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
+    if cfg.recompute != "full" and not cfg.activation_checkpoints:
+        raise ConfigError(f"--recompute {cfg.recompute} applies with --activation_checkpoints: add it")
     if cfg.embed_size and cfg.num_heads and cfg.embed_size % cfg.num_heads:
         raise ConfigError(f"--embed_size must be divisible by --num_heads (got {cfg.embed_size} and {cfg.num_heads})")
     for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):

@@ -12,7 +12,6 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from .model import KVCache, cross_entropy
 
@@ -158,7 +157,6 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.embed_size, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.embed_size, config.vocab_size, bias=False)
-        self.checkpoint_blocks = False  # set by parallelize for activation checkpointing
         self.loss = cross_entropy  # parallelize may swap in a compiled version
 
     def forward(self, idx, targets=None, cache=None):
@@ -170,10 +168,7 @@ class Llama(nn.Module):
         # In the compute dtype, as Hugging Face does (bf16 q, k stay bf16, like v); cast once, outside the blocks.
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, block in enumerate(self.blocks):
-            if self.checkpoint_blocks and self.training:
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, cache, layer)
+            x = block(x, cos, sin, cache, layer)
         x = self.norm(x)
         if cache is not None:
             cache.pos += T

@@ -10,7 +10,6 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -117,7 +116,6 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.embed_size, bias=config.bias)
-        self.checkpoint_blocks = False  # set by parallelize for activation checkpointing
         self.loss = cross_entropy  # parallelize may swap in a compiled version
 
     def forward(self, idx, targets=None, cache=None):
@@ -127,10 +125,7 @@ class GPT(nn.Module):
         pos = torch.arange(start, start + T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for layer, block in enumerate(self.blocks):
-            if self.checkpoint_blocks and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x, cache, layer)
+            x = block(x, cache, layer)
         x = self.ln_f(x)
         if cache is not None:
             cache.pos += T

@@ -8,12 +8,21 @@ Strategies map onto FSDP2 as:
 With --data_parallel decentralized there is no FSDP at all: each rank holds a plain, whole replica that
 trains on its own and is averaged with its neighbours' by gossip.py.
 """
+import functools
 import zlib
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+
+aten = torch.ops.aten
+# --recompute selective keeps what is costly to recompute (matmuls, attention) and recomputes the cheap,
+# memory-bound rest (norms, activations, residual adds), as torchtitan's op-level policy does.
+KEEP = {aten.mm.default, aten.addmm.default, aten.bmm.default,
+        aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
 def build_mesh(cfg, env):
@@ -56,15 +65,36 @@ def init_weights(model, seed, device):
             param.copy_(value)
 
 
+def keep_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recomputed(forward, policy):
+    """forward under activation checkpointing: only the block's input (full), or also its matmul and attention
+    outputs (selective), are kept for backward; the rest is recomputed there. Inside FSDP's hooks, so the
+    recompute runs on the parameters FSDP has already gathered for backward."""
+    context = functools.partial(create_selective_checkpoint_contexts, keep_matmuls) if policy == "selective" \
+        else noop_context_fn
+
+    @functools.wraps(forward)
+    def run(*args):
+        if not torch.is_grad_enabled():  # evaluation and generation keep nothing for backward anyway
+            return forward(*args)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context)
+    return run
+
+
 def build_model(model_cls, model_config, cfg, env, mesh):
     """Build, initialize and shard a model as the flags say; returns it ready for training or generation."""
     with torch.device("meta" if cfg.meta_init else env.device):
         model = model_cls(model_config)
-    model.checkpoint_blocks = cfg.activation_checkpoints
-    if cfg.compile:
-        for block in model.blocks:
-            # Compiling forward (not the module) keeps FSDP's hooks outside the graph and state-dict keys unchanged.
+    for block in model.blocks:
+        # Wrapping forward (not the module) keeps FSDP's hooks outside and state-dict keys unchanged.
+        if cfg.activation_checkpoints:
+            block.forward = recomputed(block.forward, cfg.recompute)
+        if cfg.compile:
             block.forward = torch.compile(block.forward)
+    if cfg.compile:
         # Compiled, the fp32 upcast, log-softmax and its backward fuse into a few passes over the bf16 logits
         # instead of materializing fp32 logits (the largest tensor of a GPT-2 step).
         model.loss = torch.compile(model.loss)

@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.gpu,
 STRATEGIES = [["--sharding", "full-shard"], ["--sharding", "grad-shard"], ["--sharding", "no-shard"],
               ["--sharding", "hybrid-full-shard", "--shard_group_size", 1],
               ["--sharding", "hybrid-grad-shard", "--shard_group_size", 1]]
-OPTIONS = [["--cpu_offload"], ["--meta_init"], ["--activation_checkpoints"], ["--compile"]]
+OPTIONS = [["--cpu_offload"], ["--meta_init"], ["--activation_checkpoints"], ["--compile"],
+           ["--compile", "--activation_checkpoints", "--recompute", "selective"]]
 # fp32 differs from the CPU only by kernel summation order; bf16 rounds every matmul input.
 TOLERANCE = {"float32": dict(abs=2e-4), "bf16": dict(rel=2e-2)}
 
@@ -34,7 +35,7 @@ def test_nccl_strategy_matches_cpu_reference(tmp_path, corpus, strategy, precisi
     check_against_reference(tmp_path, corpus, strategy, precision)
 
 
-@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: o[0])
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: " ".join(o))
 def test_nccl_options_match_cpu_reference(tmp_path, corpus, option):
     check_against_reference(tmp_path, corpus, option, "bf16")
 

@@ -101,8 +101,10 @@ def train_args(corpus, extra):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_llama_bf16_compiled_on_two_gpus_matches_fp32_reference(tmp_path, corpus):
-    args = train_args(corpus, ["--precision", "bf16", "--compile", "--activation_checkpoints", "--meta_init"])
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_llama_bf16_compiled_on_two_gpus_matches_fp32_reference(tmp_path, corpus, recompute):
+    args = train_args(corpus, ["--precision", "bf16", "--compile", "--activation_checkpoints", "--recompute", recompute,
+                               "--meta_init"])
     launch(args, ranks=2, cwd=tmp_path)
     ref_losses, _ = reference(args, world=2, device="cuda", steps=STEPS)
     assert logged_losses(tmp_path, "run") == pytest.approx(ref_losses, rel=2e-2)

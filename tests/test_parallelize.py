@@ -1,10 +1,12 @@
 """Every sharding strategy (and offload, activation checkpointing, meta init) trains exactly like one process
 holding the whole model and the whole global batch: same losses, same parameters."""
+import collections
 import json
 import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ROOT, TINY_MODEL, launch
 
@@ -13,7 +15,9 @@ from basic_training import MODELS, model_config_for  # noqa: E402
 from minimal_fsdp import checkpoint  # noqa: E402
 from minimal_fsdp.config import parse_args  # noqa: E402
 from minimal_fsdp.data import TokenData, dataset_dir  # noqa: E402
-from minimal_fsdp.parallelize import init_weights  # noqa: E402
+from minimal_fsdp.llama import Llama, make_config as make_llama_config  # noqa: E402
+from minimal_fsdp.model import GPT, make_config as make_gpt_config  # noqa: E402
+from minimal_fsdp.parallelize import init_weights, recomputed  # noqa: E402
 from minimal_fsdp.train import build_optimizer, lr_at, steps_per_epoch, total_steps  # noqa: E402
 
 STEPS = 6
@@ -66,6 +70,7 @@ CASES = [
     (4, ["--sharding", "hybrid-grad-shard", "--shard_group_size", 2]),
     (2, ["--sharding", "full-shard", "--cpu_offload"]),
     (2, ["--sharding", "full-shard", "--activation_checkpoints"]),
+    (2, ["--sharding", "grad-shard", "--activation_checkpoints", "--recompute", "selective"]),
     (2, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2, "--meta_init"]),
 ]
 
@@ -83,3 +88,41 @@ def test_strategy_matches_single_process(tmp_path, corpus, ranks, extra):
     assert saved.keys() == ref_state.keys()
     for name, value in ref_state.items():
         torch.testing.assert_close(saved[name], value, atol=2e-5, rtol=1e-4, msg=name)
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model_cls,make_config", [(GPT, make_gpt_config), (Llama, make_llama_config)])
+def test_recompute_policies_recompute_what_they_say(model_cls, make_config):
+    """Backward of a checkpointed block reruns forward ops: full reruns the matmuls too, selective only the
+    norms and activations. Gradients are the same in every case."""
+    torch.manual_seed(0)
+    model = model_cls(make_config("tiny"))
+    x, y = torch.randint(60, (2, 16)), torch.randint(60, (2, 16))
+    counts, grads = {}, {}
+    plain = [block.forward for block in model.blocks]
+    for policy in ("none", "full", "selective"):
+        for block, forward in zip(model.blocks, plain):
+            block.forward = forward if policy == "none" else recomputed(forward, policy)
+        model.zero_grad()
+        loss = model(x, y)
+        with CountOps() as ops:
+            loss.backward()
+        counts[policy], grads[policy] = ops.counts, [p.grad.clone() for p in model.parameters()]
+    for policy in ("full", "selective"):
+        for a, b in zip(grads["none"], grads[policy]):
+            torch.testing.assert_close(a, b)
+    norm = "native_layer_norm" if model_cls is GPT else "rsqrt"  # a forward-only op of each model's norm
+    assert counts["none"][norm] == 0
+    assert counts["full"][norm] > 0 and counts["selective"][norm] > 0
+    matmuls = {policy: c["mm"] + c["addmm"] for policy, c in counts.items()}
+    assert matmuls["selective"] == matmuls["none"]  # matmul outputs were kept
+    assert matmuls["full"] > matmuls["none"]  # ...and recomputed under full
