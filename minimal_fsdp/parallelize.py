@@ -15,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 aten = torch.ops.aten
 # --recompute selective keeps what is costly to recompute (matmuls, attention) and recomputes the cheap,
@@ -73,14 +73,15 @@ def recomputed(forward, policy):
     """forward under activation checkpointing: only the block's input (full), or also its matmul and attention
     outputs (selective), are kept for backward; the rest is recomputed there. Inside FSDP's hooks, so the
     recompute runs on the parameters FSDP has already gathered for backward."""
-    context = functools.partial(create_selective_checkpoint_contexts, keep_matmuls) if policy == "selective" \
-        else noop_context_fn
+    # (Full recompute passes no context_fn at all: torch.compile traces only the selective one.)
+    context = dict(context_fn=functools.partial(create_selective_checkpoint_contexts, keep_matmuls)) \
+        if policy == "selective" else {}
 
     @functools.wraps(forward)
     def run(*args):
         if not torch.is_grad_enabled():  # evaluation and generation keep nothing for backward anyway
             return forward(*args)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context)
+        return checkpoint(forward, *args, use_reentrant=False, **context)
     return run
 
 
