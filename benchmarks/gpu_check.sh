@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers ...]
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -48,7 +48,7 @@ strategies)
   for s in full-shard grad-shard; do  # at world size 1, grad-shard skips the pointless reshard after forward
     timeout 150 $MPI -n 1 $B --sharding $s >> "$OUT/strategies.log" 2>&1; tail -1 "$OUT/strategies.log"
   done
-  for s in grad-shard no-shard "hybrid-full-shard --shard_group_size 2"; do
+  for s in grad-shard no-shard "hybrid-full-shard --shard_group_size 2" "hybrid-grad-shard --shard_group_size 2"; do
     timeout 150 $MPI -n 4 $B --sharding $s >> "$OUT/strategies.log" 2>&1; tail -1 "$OUT/strategies.log"
   done ;;
 medium)
@@ -76,5 +76,14 @@ offload)
     timeout ${OFFLOAD_TIMEOUT:-280} $MPI -n 4 $B --num_layers $layers >> "$OUT/offload.log" 2>&1; rc=$?
     grep -E '^\||host memory' "$OUT/offload.log" | tail -2; echo "layers $layers: exit $rc"
     [ $rc = 0 ] && break
+  done ;;
+levers)
+  # GPT-2 124M on one GPU, batch 32: FSDP2 against no FSDP at all (a plain replica under autocast, as
+  # --data_parallel decentralized builds it), and inductor's tuning knobs.
+  B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --warmup 8 --steps 20 --batch_size 32 --out $OUT/levers.jsonl"
+  for args in "" "--data_parallel decentralized" "-x TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1" "-x TORCHINDUCTOR_MAX_AUTOTUNE=1"; do
+    mpi_env=${args%%--data_parallel*}; bench=${args#"$mpi_env"}  # -x VAR=1 goes to mpiexec, the rest to the script
+    timeout 300 $MPI $mpi_env -n 1 $B $bench --label "compile ${args:-(FSDP2)}" >> "$OUT/levers.log" 2>&1
+    grep '^|' "$OUT/levers.log" | tail -1
   done ;;
 esac; done

@@ -91,7 +91,8 @@ def main():
     n = model.num_params(non_embedding=False)
     layers = f"·{cfg.num_layers}L" if cfg.num_layers else ""  # a preset cut to fewer or more blocks
     row = dict(model=f"{cfg.model_preset}{layers}({n / 1e9:.1f}B)" if n >= 1e9 else f"{cfg.model_preset}({n / 1e6:.0f}M)",
-               gpus=env.world_size, sharding=cfg.sharding, precision=cfg.precision, options=options,
+               gpus=env.world_size, sharding="replica" if cfg.data_parallel == "decentralized" else cfg.sharding,
+               precision=cfg.precision, options=options,
                batch=cfg.batch_size * cfg.grad_accum_steps, seq=seq, tok_s=tok_s, tok_s_gpu=tok_s / env.world_size,
                mfu=mfu, step_ms=median * 1000, peak_gb=memory, host_rss_gb=host,
                device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",

@@ -40,9 +40,13 @@ def shard(model, mesh, cfg):
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cfg.precision == "bf16" else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
-    reshard = cfg.sharding in ("full-shard", "hybrid-full-shard")
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
+    # Resharding after forward frees gathered params until backward gathers them again: pointless over a shard
+    # group of one rank, and for the last block, whose backward comes right after forward.
+    shard_ranks = mesh["shard"].size() if mesh.ndim == 2 else mesh.size()
+    reshard = cfg.sharding in ("full-shard", "hybrid-full-shard") and shard_ranks > 1
+    for i, block in enumerate(model.blocks):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard and i < len(model.blocks) - 1, mp_policy=mixed,
+                    offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
     return model
 
