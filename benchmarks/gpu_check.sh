@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|loop ...]
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -86,4 +86,11 @@ levers)
     timeout 300 $MPI $mpi_env -n 1 $B $bench --label "compile ${args:-(FSDP2)}" >> "$OUT/levers.log" 2>&1
     grep '^|' "$OUT/levers.log" | tail -1
   done ;;
+loop)
+  # The real training loop (data, logging, stop agreement, eval and save at the end) beside the benchmark's
+  # row: GPT-2 124M shape on the Shakespeare characters (vocab padded to 50304), one GPU, batch 32.
+  timeout 240 $MPI -n 1 python3 basic_training.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile \
+    --batch_size 32 --max_steps 100 --log_interval 25 --eval_interval 0 --num_tokens 0 --run_name loop 2>&1 \
+    | tr '\r' '\n' | grep -v '^train:' > "$OUT/loop.log"
+  cp logs/loop/metrics.jsonl "$OUT/loop_metrics.jsonl"; cat "$OUT/loop_metrics.jsonl" ;;
 esac; done
