@@ -141,7 +141,7 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
     nonfinite = NonFiniteGuard(cfg.skip_nonfinite, bar if env.is_main else None)
     gossip = Gossip(model, cfg.topology) if cfg.data_parallel == "decentralized" else None
     model.train()
-    loss_sum, steps_since_log, t0 = 0.0, 0, time.perf_counter()
+    loss_sum, steps_since_log, t0, paused = 0.0, 0, time.perf_counter(), 0.0
     done = start_step
     for step in range(start_step, last):
         lr = lr_at(step, cfg, decay_steps)
@@ -165,7 +165,7 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
         if steps_since_log and (done % cfg.log_interval == 0 or done == last):
             nonfinite.flush()
             loss_avg = mean_across_ranks(loss_sum / steps_since_log, env.device)  # also waits for the device
-            elapsed = time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0 - paused  # training steps only: no evaluation or saving
             tok_s = tokens_per_step * steps_since_log / elapsed
             row = dict(step=done, loss=loss_avg, lr=lr, grad_norm=float(_full(grad_norm)), tokens_per_s=tok_s,
                        step_time=elapsed / steps_since_log, peak_mem_gb=peak_memory_gb(env.device))
@@ -179,14 +179,18 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
         scheduled_save = (per_epoch and done % per_epoch == 0 or done == last
                           or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0)
         val_loss = None
+        evaluate_now = cfg.eval_interval and done % cfg.eval_interval == 0 or done == last or scheduled_save
+        pause = _synced_clock(env.device) if evaluate_now else None
         # Every scheduled checkpoint carries its val loss, so `best` can be chosen among them.
-        if cfg.eval_interval and done % cfg.eval_interval == 0 or done == last or scheduled_save:
+        if evaluate_now:
             val_loss = evaluate(model, data, cfg, env, seq_length)
             metrics.log(step=done, val_loss=val_loss)
             if env.is_main:
                 bar.write(f"step {done}: val loss {val_loss:.4f}")
         stop_reason = stop.agreed() if stop else None  # collective: all ranks stop at the same step
         if scheduled_save or stop_reason:
+            if pause is None:
+                pause = _synced_clock(env.device)
             nonfinite.flush()  # never save a model that a NaN update has poisoned
             next_batch = batch + cfg.grad_accum_steps
             progress = dict(epoch=done // per_epoch if per_epoch else None, lr_decay_steps=decay_steps,
@@ -198,16 +202,26 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
             else:
                 checkpoint.save(run_dir, done, model, optimizer, dict(meta, **progress), data.directory,
                                 cfg.keep_last)
+        if pause is not None:
+            paused += time.perf_counter() - pause
         if stop_reason:
             if env.is_main:
                 bar.write(f"step {done}: {stop_reason}; saved a checkpoint and stopping. Run the same command "
                           "again to resume.")
             break
         if steps_since_log == 0:
-            t0 = time.perf_counter()  # throughput counts training steps, not evaluation or saving
+            t0, paused = time.perf_counter(), 0.0
     bar.close()
     metrics.close()
     return done
+
+
+def _synced_clock(device):
+    """The host clock once the device has finished the queued training steps: evaluation and saving are timed
+    apart from them, so logged tokens/s and MFU count training alone."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _full(t):

@@ -1,7 +1,10 @@
 """checkpoint.py: what a save writes, what survives damage, what a resume picks, and that loading runs no code."""
+import dataclasses
+import json
 import os
 import pickle
 import random
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.environment import DistEnv
 from minimal_fsdp.model import GPT, GPTConfig
 from minimal_fsdp.parallelize import build_mesh, build_model
+from minimal_fsdp import train as train_module
 from minimal_fsdp.train import build_optimizer
 
 
@@ -126,3 +130,33 @@ def test_resume_never_refuses_a_run_that_has_checkpoints(tmp_path):
     (tmp_path / "run" / "step_3").mkdir(parents=True)
     with pytest.raises(ConfigError, match="--resume never, but .*run already holds checkpoints"):
         checkpoint.find(parse_args(args))
+
+
+class SlowEvaluation:
+    """Random tokens for training; `evaluate` is patched to take a second."""
+    directory = None
+
+    def num_tokens(self, split):
+        return 10_000
+
+    def get_batch(self, split, index, rank, world_size, batch_size, seq_length, seed):
+        tokens = torch.randint(16, (batch_size, seq_length + 1), generator=torch.Generator().manual_seed(index))
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def position(self, index, world_size, batch_size):
+        return None
+
+
+def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, monkeypatch):
+    model, optimizer = one_rank
+    monkeypatch.setattr(train_module, "evaluate", lambda *args: time.sleep(1.0) or 1.0)
+    cfg = dataclasses.replace(parse_args(["--max_steps", "6", "--eval_interval", "1", "--log_interval", "2",
+                                          "--batch_size", "2", "--log_dir", str(tmp_path / "logs")]),
+                              tensorboard=False)
+    env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
+    train_module.train(model, optimizer, SlowEvaluation(), cfg, env, tmp_path / "run", {})
+    rows = [json.loads(line) for line in (tmp_path / "logs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time"] for r in rows if "step_time" in r]
+    assert len(times) == 3
+    # Every window of two steps had two one-second evaluations; a tiny model's step takes milliseconds.
+    assert max(times) < 0.5, times
