@@ -1,5 +1,5 @@
 """How big is a model, and will it train here? Parameters, checkpoint size, and the per-GPU and per-node host
-memory of every sharding strategy x activation checkpointing x CPU offload.
+memory of every sharding strategy x activation checkpointing (none, full, selective) x CPU offload.
 
     python -m minimal_fsdp.model_size --model_preset llama2-70b --gpus 16 --gpus_per_node 4 \\
         --gpu_memory 40GB --seq_length 4096 --batch_size 1
@@ -64,9 +64,24 @@ def activations_per_token(model_type, config, device_type="cuda"):
     return (4 + 2 * norm) * c.embed_size + 4 * c.intermediate_size
 
 
-def estimate(model_type, config, batch_size, sharding, world_size, shard_group_size, activation_checkpoints,
+def kept_per_token(model_type, config):
+    """Elements per token that --recompute selective keeps in one block: its input, and the outputs of every
+    matmul and of attention (eager count; compiled blocks drop the few that backward never reads).
+
+    GPT:   input (1), qkv (3), attention (1), its projection (1), fc (4), MLP projection (1) = 11 C
+    Llama: input (1), q, k, v ((H + 2K) D), attention (1), o (1), gate and up (2 I), down (1)
+    """
+    c = config
+    if model_type == "gpt":
+        return 11 * c.embed_size
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * (c.embed_size // c.num_heads)
+    return 4 * c.embed_size + qkv + 2 * c.intermediate_size
+
+
+def estimate(model_type, config, batch_size, sharding, world_size, shard_group_size, recompute,
              cpu_offload, precision, device_type="cuda"):
-    """Peak bytes on one GPU and in one rank's host memory for one training step (one micro-batch per step)."""
+    """Peak bytes on one GPU and in one rank's host memory for one training step (one micro-batch per step).
+    recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute)."""
     sizes = count_parameters(model_type, config)
     shards = {"full-shard": world_size, "grad-shard": world_size, "no-shard": 1}.get(sharding, shard_group_size)
     keep_gathered = sharding in ("grad-shard", "no-shard", "hybrid-grad-shard")  # no reshard after forward
@@ -88,7 +103,9 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     unsharded_grads = (compute + (4 if precision == "bf16" else 0)) * (sizes.root + 2 * sizes.per_block)
 
     layer = tokens * activations_per_token(model_type, config, device_type) * compute
-    saved = L * (tokens * config.embed_size * compute if activation_checkpoints else layer)
+    kept = {"none": layer, "full": tokens * config.embed_size * compute,
+            "selective": tokens * kept_per_token(model_type, config) * compute}[recompute]
+    saved = L * kept
     final_norm = tokens * config.embed_size * compute * (2 if model_type == "gpt" or device_type == "cuda" else 3)
     # Cross-entropy in fp32: the saved log-softmax, its gradient and the logits' gradient coexist at the start
     # of backward (4 bytes each per logit).
@@ -97,9 +114,9 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     static = on_gpu * params_and_optimizer + gathered
     loss_backward = static + saved + final_norm + logits + unsharded_grads
     # With checkpointing, a block's activations are rebuilt during backward, once gradients have started to land.
-    recompute = static + saved + layer + unsharded_grads + on_gpu * grads if activation_checkpoints else 0
+    rebuilt = static + saved + layer + unsharded_grads + on_gpu * grads if recompute != "none" else 0
     optimizer_step = on_gpu * (params_and_optimizer + grads)
-    gpu = max(loss_backward, recompute, optimizer_step)
+    gpu = max(loss_backward, rebuilt, optimizer_step)
     host = HOST_PER_PROCESS + (params_and_optimizer + grads) * (1 - on_gpu)
     return {"gpu": gpu, "host": host, "state": on_gpu * (params_and_optimizer + grads),
             "activations": saved + final_norm + logits, "gathered": gathered}
@@ -169,17 +186,17 @@ def main(argv=None):
     print(f"{args.gpus} GPU(s) of {gpu_memory / GiB:.0f} GiB, {gpus_per_node} per node; batch {args.batch_size} x "
           f"{config.seq_length} tokens per GPU; {args.precision}; fits = estimate within "
           f"{1 - GPU_HEADROOM:.0%} of the GPU" + (f" and of {host_memory / GiB:.0f} GiB host" if host_memory else ""))
-    header = f"{'sharding':<19}{'act. ckpt':<11}{'offload':<9}{'state':>9}{'activ.':>9}{'GPU GiB':>9}" \
+    header = f"{'sharding':<19}{'recompute':<11}{'offload':<9}{'state':>9}{'activ.':>9}{'GPU GiB':>9}" \
              f"{'host GiB/node':>15}  fits"
     print(header + "\n" + "-" * len(header))
     for sharding in SHARDING:
-        for checkpointing in (False, True):
+        for recompute in ("none", "full", "selective"):
             for offload in (False, True):
-                e = estimate(family, config, args.batch_size, sharding, args.gpus, group, checkpointing, offload,
+                e = estimate(family, config, args.batch_size, sharding, args.gpus, group, recompute, offload,
                              args.precision)
                 host = e["host"] * gpus_per_node
                 fits = e["gpu"] <= (1 - GPU_HEADROOM) * gpu_memory and (host_memory is None or host <= host_memory)
-                print(f"{sharding:<19}{'yes' if checkpointing else 'no':<11}{'yes' if offload else 'no':<9}"
+                print(f"{sharding:<19}{recompute:<11}{'yes' if offload else 'no':<9}"
                       f"{e['state'] / GiB:>9.1f}{e['activations'] / GiB:>9.1f}{e['gpu'] / GiB:>9.1f}"
                       f"{host / GiB:>15.1f}  {'yes' if fits else 'no'}")
     print(f"state: sharded fp32 params, grads and AdamW moments on the GPU; activ.: saved activations and the loss's "

@@ -30,8 +30,9 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def train_two_steps(model_type, config, batch_size, sharding, checkpointing, precision, device):
-    cfg = Config(sharding=sharding, activation_checkpoints=checkpointing, precision=precision, meta_init=True)
+def train_two_steps(model_type, config, batch_size, sharding, recompute, precision, device):
+    cfg = Config(sharding=sharding, activation_checkpoints=recompute != "none",
+                 recompute="full" if recompute == "none" else recompute, precision=precision, meta_init=True)
     env = SimpleNamespace(device=torch.device(device), world_size=1, local_world_size=1)
     model = build_model(MODELS[model_type], config, cfg, env, build_mesh(cfg, env))
     optimizer = build_optimizer(model, cfg)
@@ -55,39 +56,39 @@ def cpu_peak(run, tmp_path):
 SMALL = {"gpt": GPTConfig(vocab_size=2048, seq_length=128, num_layers=2, num_heads=4, embed_size=128),
          "llama": LlamaConfig(vocab_size=2048, seq_length=128, num_layers=2, num_heads=4, num_kv_heads=2,
                               embed_size=128, intermediate_size=352)}
-CPU_CASES = [("gpt", "full-shard", False), ("gpt", "grad-shard", True), ("llama", "full-shard", False),
-             ("llama", "no-shard", True)]
+CPU_CASES = [("gpt", "full-shard", "none"), ("gpt", "grad-shard", "full"), ("gpt", "full-shard", "selective"),
+             ("llama", "full-shard", "none"), ("llama", "no-shard", "full"), ("llama", "grad-shard", "selective")]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU measurement; GPUs have their own test")
-@pytest.mark.parametrize("model_type,sharding,checkpointing", CPU_CASES)
-def test_estimate_within_25_percent_of_cpu_peak(one_rank, tmp_path, model_type, sharding, checkpointing):
+@pytest.mark.parametrize("model_type,sharding,recompute", CPU_CASES)
+def test_estimate_within_25_percent_of_cpu_peak(one_rank, tmp_path, model_type, sharding, recompute):
     config = SMALL[model_type]
     torch.manual_seed(0)
-    measured = cpu_peak(lambda: train_two_steps(model_type, config, 8, sharding, checkpointing, "float32", "cpu"),
+    measured = cpu_peak(lambda: train_two_steps(model_type, config, 8, sharding, recompute, "float32", "cpu"),
                         tmp_path)
-    estimated = model_size.estimate(model_type, config, 8, sharding, 1, 1, checkpointing, False, "float32",
+    estimated = model_size.estimate(model_type, config, 8, sharding, 1, 1, recompute, False, "float32",
                                     device_type="cpu")["gpu"]
     assert measured > 20e6  # the measurement saw the model's memory, not just a few bookkeeping allocations
     assert estimated == pytest.approx(measured, rel=0.25), (estimated / 1e6, measured / 1e6)
 
 
-GPU_CASES = [("gpt", make_gpt("gpt2", vocab_size=50304), 4, "full-shard", False),
+GPU_CASES = [("gpt", make_gpt("gpt2", vocab_size=50304), 4, "full-shard", "none"),
              ("llama", make_llama("tiny", vocab_size=32000, num_layers=8, embed_size=1024, num_heads=16,
-                                  num_kv_heads=4, intermediate_size=2816, seq_length=1024), 4, "grad-shard", True)]
+                                  num_kv_heads=4, intermediate_size=2816, seq_length=1024), 4, "grad-shard", "full")]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("model_type,config,batch_size,sharding,checkpointing", GPU_CASES,
+@pytest.mark.parametrize("model_type,config,batch_size,sharding,recompute", GPU_CASES,
                          ids=["gpt2-full-shard", "llama-grad-shard-ckpt"])
-def test_estimate_within_25_percent_of_cuda_peak(one_rank, model_type, config, batch_size, sharding, checkpointing):
+def test_estimate_within_25_percent_of_cuda_peak(one_rank, model_type, config, batch_size, sharding, recompute):
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    train_two_steps(model_type, config, batch_size, sharding, checkpointing, "bf16", "cuda")
+    train_two_steps(model_type, config, batch_size, sharding, recompute, "bf16", "cuda")
     measured = torch.cuda.max_memory_allocated() - before
-    estimated = model_size.estimate(model_type, config, batch_size, sharding, 1, 1, checkpointing, False, "bf16")["gpu"]
+    estimated = model_size.estimate(model_type, config, batch_size, sharding, 1, 1, recompute, False, "bf16")["gpu"]
     assert estimated == pytest.approx(measured, rel=0.25), (estimated / 2**30, measured / 2**30)
 
 
@@ -103,11 +104,12 @@ def test_parameter_counts_match_the_built_model(model_type, preset):
 
 def test_sharding_checkpointing_and_offload_move_memory_where_expected():
     config = make_llama("llama2-7b")
-    e = lambda sharding, ckpt=False, offload=False, world=8: model_size.estimate(  # noqa: E731
+    e = lambda sharding, ckpt="none", offload=False, world=8: model_size.estimate(  # noqa: E731
         "llama", config, 1, sharding, world, 4, ckpt, offload, "bf16")
     assert e("full-shard", world=16)["state"] == pytest.approx(e("full-shard", world=8)["state"] / 2)
     assert e("full-shard")["gpu"] < e("grad-shard")["gpu"] < e("no-shard")["gpu"]
-    assert e("full-shard", ckpt=True)["activations"] < e("full-shard")["activations"] / 5
+    assert e("full-shard", ckpt="full")["activations"] < e("full-shard")["activations"] / 5
+    assert e("full-shard", ckpt="full")["gpu"] < e("full-shard", ckpt="selective")["gpu"] < e("full-shard")["gpu"]
     offloaded = e("full-shard", offload=True)
     assert offloaded["state"] == 0 and offloaded["host"] - model_size.HOST_PER_PROCESS == pytest.approx(
         16 * model_size.count_parameters("llama", config).total / 8)
@@ -120,10 +122,10 @@ def test_cli_prints_every_combination_and_marks_fits(capsys):
     assert "68,976,648,192 parameters" in out and "770.9 GiB with optimizer state" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in
             ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")]
-    assert len(rows) == 5 * 2 * 2
+    assert len(rows) == 5 * 3 * 2
     fits = {(r[0], r[1], r[2]): r[-1] == "yes" for r in rows}
-    assert fits[("full-shard", "yes", "yes")]  # 70B over 16 x 40 GB: shard everything, checkpoint, offload
-    assert not fits[("full-shard", "no", "no")] and not any(f for (s, _, _), f in fits.items() if s == "no-shard")
+    assert fits[("full-shard", "full", "yes")]  # 70B over 16 x 40 GB: shard everything, checkpoint, offload
+    assert not fits[("full-shard", "none", "no")] and not any(f for (s, _, _), f in fits.items() if s == "no-shard")
 
 
 def test_cli_plans_for_a_hugging_face_directory(tmp_path, capsys):
