@@ -77,7 +77,7 @@ def recomputed(forward, policy):
     """forward under activation checkpointing: only the block's input (full), or also its matmul and attention
     outputs (selective), are kept for backward; the rest is recomputed there. Inside FSDP's hooks, so the
     recompute runs on the parameters FSDP has already gathered for backward."""
-    # (Full recompute passes no context_fn at all: torch.compile traces only the selective one.)
+    # Full recompute passes no context_fn at all: torch.compile (2.11) refuses the default noop_context_fn.
     context = dict(context_fn=functools.partial(create_selective_checkpoint_contexts, keep_matmuls)) \
         if policy == "selective" else {}
 
