@@ -149,7 +149,9 @@ def main(argv=None):
                         cfg.seed, env.device, dtype)
         if env.is_main:
             print("-" * 40 + "\n" + text + "\n" + "-" * 40, flush=True)
-    del model  # FSDP state refers to the process group: let it go before the group is destroyed
+    # FSDP state and the device mesh refer to the process groups: let them go, so the groups (and gloo's worker
+    # threads) end inside teardown, not during interpreter shutdown, where that can abort the process.
+    del model, mesh
     environment.teardown()
 
 

@@ -106,6 +106,7 @@ def main():
         if bench["out"]:
             with open(bench["out"], "a") as f:
                 f.write(json.dumps(row) + "\n")
+    del model, optimizer  # release the sharded state before its process groups (see environment.teardown)
     environment.teardown()
 
 

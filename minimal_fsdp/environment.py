@@ -10,6 +10,7 @@ started inside a SLURM job inherits SLURM_* variables that describe the job (or 
 not the MPI ranks.
 """
 import datetime
+import gc
 import os
 import re
 import socket
@@ -43,6 +44,9 @@ class DistEnv:
         return self.rank == 0
 
 
+_store = None  # under MPI, when rank 0 picked the port: its rendezvous store, or another rank's client of it
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("", 0))
@@ -63,12 +67,21 @@ def _discover_mpi():
     world = MPI.COMM_WORLD
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     num_nodes = world.allreduce(1 if node.Get_rank() == 0 else 0)
+    global _store
     rendezvous = None
     if world.Get_rank() == 0:
         addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if num_nodes == 1 else socket.gethostname())
-        rendezvous = (addr, os.environ.get("MASTER_PORT") or str(_free_port()))
-    addr, port = world.bcast(rendezvous, root=0)
+        port = os.environ.get("MASTER_PORT")
+        if port is None:
+            # Rank 0 binds the rendezvous store to a free port itself and keeps it: a port found free and then
+            # released could be taken by another job before the store binds it.
+            _store = dist.TCPStore("0.0.0.0", 0, world.Get_size(), is_master=True, wait_for_workers=False)
+            port = str(_store.port)
+        rendezvous = (addr, port, _store is not None)
+    addr, port, own_store = world.bcast(rendezvous, root=0)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
+    if own_store and world.Get_rank() != 0:
+        _store = dist.TCPStore(addr, int(port), world.Get_size(), is_master=False)
     return world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), num_nodes
 
 
@@ -141,9 +154,10 @@ def setup(cfg):
         device, backend = torch.device("cpu"), "gloo"
         # Ranks on one host share its cores; without this each would start a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    store = dict(store=_store) if _store is not None else {}  # every rank passes one, or none does
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg.collective_timeout),
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" else None, **store)
     if launcher == "mpi":
         # Installed after init_process_group, so that torch's hook (which buffers the traceback to prefix it
         # with the rank) runs inside ours and has written it before Abort ends the process.
@@ -152,8 +166,14 @@ def setup(cfg):
 
 
 def teardown():
+    """Destroy every process group while the interpreter is fully alive; gc first, so that groups held only
+    by garbage (cycles through FSDP or DTensor state) are gone with them."""
+    global _store
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
+    _store = None
 
 
 def install_abort_on_exception():

@@ -188,3 +188,16 @@ def test_first_host_of_nodelist(nodelist, first):
 def test_tasks_on_node():
     assert [environment.tasks_on_node("4(x2),3", node) for node in range(3)] == [4, 4, 3]
     assert environment.tasks_on_node("2", 0) == 2
+
+
+def test_mpi_rendezvous_on_rank_0s_own_port_or_an_exported_one(tmp_path, corpus):
+    """Without MASTER_PORT, rank 0 binds the rendezvous store to a free port itself (no window in which another
+    job could take the port); with MASTER_PORT exported, every rank meets there instead."""
+    for run_name, env in (("own_port", {}), ("exported_port", {"MASTER_PORT": str(environment._free_port())})):
+        clean = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+        cmd = [mpiexec(), "-n", "2", sys.executable, str(ROOT / "basic_training.py"), *tiny_args(corpus, run_name, 2),
+               "--num_tokens", "0"]
+        result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                                env=dict(clean, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env))
+        assert result.returncode == 0, result.stderr[-3000:]
+        trained(tmp_path, run_name, steps=2)
