@@ -79,7 +79,7 @@ def kept_per_token(model_type, config):
 
 
 def estimate(model_type, config, batch_size, sharding, world_size, shard_group_size, recompute,
-             cpu_offload, precision, device_type="cuda"):
+             cpu_offload, precision, device_type="cuda", compile=False):
     """Peak bytes on one GPU and in one rank's host memory for one training step (one micro-batch per step).
     recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute)."""
     sizes = count_parameters(model_type, config)
@@ -108,8 +108,9 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     saved = L * kept
     final_norm = tokens * config.embed_size * compute * (2 if model_type == "gpt" or device_type == "cuda" else 3)
     # Cross-entropy in fp32: the saved log-softmax, its gradient and the logits' gradient coexist at the start
-    # of backward (4 bytes each per logit).
-    logits = 12 * tokens * config.vocab_size
+    # of backward (4 bytes each per logit). Compiled (--compile), it keeps only the logits in the compute dtype
+    # and their gradient.
+    logits = (2 * compute if compile else 12) * tokens * config.vocab_size
 
     static = on_gpu * params_and_optimizer + gathered
     loss_backward = static + saved + final_norm + logits + unsharded_grads
@@ -156,6 +157,7 @@ def build_parser():
     p.add_argument("--seq_length", type=int, help="tokens per sequence (default: the preset's context)")
     p.add_argument("--batch_size", type=int, default=1, help="sequences per GPU per micro-step")
     p.add_argument("--precision", choices=("float32", "bf16"), default="float32", help="as in training")
+    p.add_argument("--compile", action="store_true", help="as in training: the compiled loss keeps no fp32 logits")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
     p.add_argument("--gpus_per_node", type=int, help="default: min(--gpus, 8)")
     p.add_argument("--shard_group_size", type=int, help="hybrid sharding's group (default: --gpus_per_node)")
@@ -193,7 +195,7 @@ def main(argv=None):
         for recompute in ("none", "full", "selective"):
             for offload in (False, True):
                 e = estimate(family, config, args.batch_size, sharding, args.gpus, group, recompute, offload,
-                             args.precision)
+                             args.precision, compile=args.compile)
                 host = e["host"] * gpus_per_node
                 fits = e["gpu"] <= (1 - GPU_HEADROOM) * gpu_memory and (host_memory is None or host <= host_memory)
                 print(f"{sharding:<19}{recompute:<11}{'yes' if offload else 'no':<9}"

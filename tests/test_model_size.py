@@ -30,9 +30,10 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def train_two_steps(model_type, config, batch_size, sharding, recompute, precision, device):
+def train_two_steps(model_type, config, batch_size, sharding, recompute, precision, device, compile=False):
     cfg = Config(sharding=sharding, activation_checkpoints=recompute != "none",
-                 recompute="full" if recompute == "none" else recompute, precision=precision, meta_init=True)
+                 recompute="full" if recompute == "none" else recompute, precision=precision, meta_init=True,
+                 compile=compile)
     env = SimpleNamespace(device=torch.device(device), world_size=1, local_world_size=1)
     model = build_model(MODELS[model_type], config, cfg, env, build_mesh(cfg, env))
     optimizer = build_optimizer(model, cfg)
@@ -71,6 +72,20 @@ def test_estimate_within_25_percent_of_cpu_peak(one_rank, tmp_path, model_type, 
                                     device_type="cpu")["gpu"]
     assert measured > 20e6  # the measurement saw the model's memory, not just a few bookkeeping allocations
     assert estimated == pytest.approx(measured, rel=0.25), (estimated / 1e6, measured / 1e6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU measurement")
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_estimate_follows_the_compiled_loss(one_rank, tmp_path, compile):
+    """A large vocabulary makes the loss's tensors the largest term: eager keeps fp32 log-softmax tensors,
+    the compiled loss only the logits and their gradient; the estimate must tell the two apart."""
+    config = GPTConfig(vocab_size=16384, seq_length=128, num_layers=1, num_heads=2, embed_size=64)
+    torch.manual_seed(0)
+    measured = cpu_peak(lambda: train_two_steps("gpt", config, 8, "full-shard", "none", "float32", "cpu", compile),
+                        tmp_path)
+    estimated = model_size.estimate("gpt", config, 8, "full-shard", 1, 1, "none", False, "float32",
+                                    device_type="cpu", compile=compile)["gpu"]
+    assert estimated == pytest.approx(measured, rel=0.2), (estimated / 1e6, measured / 1e6)
 
 
 GPU_CASES = [("gpt", make_gpt("gpt2", vocab_size=50304), 4, "full-shard", "none"),
