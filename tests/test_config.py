@@ -22,6 +22,8 @@ def test_every_flag_has_help():
     (["--tokenizer", "sentencepiece"], "--vocab_size"),
     (["--embed_size", "30", "--num_heads", "4"], "divisible"),
     (["--no_such_flag"], "unrecognized"),
+    (["--recompute", "selective"], "--recompute selective applies with --activation_checkpoints"),
+    (["--activation_checkpoints", "--recompute", "some"], "invalid choice"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message):
     with pytest.raises(ConfigError, match=message) as e:
