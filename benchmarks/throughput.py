@@ -7,7 +7,6 @@ median step time, peak memory. MFU = (6N + attention) FLOPs per token x tokens/s
 dense bf16 peak of the card (989 TFLOP/s for H100 SXM). --out FILE appends the row as JSON too.
 """
 import json
-import resource
 import statistics
 import sys
 import time
@@ -20,7 +19,7 @@ from basic_training import MODELS, preset_config  # noqa: E402
 from minimal_fsdp import environment  # noqa: E402
 from minimal_fsdp.config import Config, build_parser, validate, validate_world  # noqa: E402
 from minimal_fsdp.parallelize import build_mesh, build_model  # noqa: E402
-from minimal_fsdp.train import build_optimizer, peak_flops, peak_memory_gb, train_step  # noqa: E402
+from minimal_fsdp.train import build_optimizer, host_peak_gb, peak_flops, peak_memory_gb, train_step  # noqa: E402
 
 HEADER = ("| model | GPUs | sharding | precision | options | batch/GPU | seq | tok/s | tok/s/GPU | MFU | step ms | "
           "peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -83,14 +82,15 @@ def main():
     peak = peak_flops(env.device)
     mfu = model.flops_per_token() * tok_s / (peak * env.world_size) if peak else float("nan")
     memory = max(environment_all_ranks(peak_memory_gb(env.device), env))
-    host = max(environment_all_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, env))  # KB -> GB
+    host = max(environment_all_ranks(host_peak_gb(), env))
     options = bench["label"] or " ".join(o for o in ("compile", "activation_checkpoints", "cpu_offload", "meta_init")
                                          if getattr(cfg, o)) or "-"
     if cfg.activation_checkpoints and not bench["label"]:
         options = options.replace("activation_checkpoints", f"ckpt:{cfg.recompute}")
     n = model.num_params(non_embedding=False)
     layers = f"·{cfg.num_layers}L" if cfg.num_layers else ""  # a preset cut to fewer or more blocks
-    row = dict(model=f"{cfg.model_preset}{layers}({n / 1e9:.1f}B)" if n >= 1e9 else f"{cfg.model_preset}({n / 1e6:.0f}M)",
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+    row = dict(model=f"{cfg.model_preset}{layers if n >= 1e9 else ''}({size})",
                gpus=env.world_size, sharding="replica" if cfg.data_parallel == "decentralized" else cfg.sharding,
                precision=cfg.precision, options=options,
                batch=cfg.batch_size * cfg.grad_accum_steps, seq=seq, tok_s=tok_s, tok_s_gpu=tok_s / env.world_size,

@@ -202,7 +202,7 @@ def main(argv=None):
                       f"{e['state'] / GiB:>9.1f}{e['activations'] / GiB:>9.1f}{e['gpu'] / GiB:>9.1f}"
                       f"{host / GiB:>15.1f}  {'yes' if fits else 'no'}")
     print(f"state: sharded fp32 params, grads and AdamW moments on the GPU; activ.: saved activations and the loss's "
-          f"fp32 logits; GPU: estimated peak; host: per node, {HOST_PER_PROCESS / GiB:.0f} GiB per process included")
+          f"logit tensors; GPU: estimated peak; host: per node, {HOST_PER_PROCESS / GiB:.0f} GiB per process included")
 
 
 if __name__ == "__main__":

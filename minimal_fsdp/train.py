@@ -77,10 +77,14 @@ def evaluate(model, data, cfg, env, seq_length):
     return mean_across_ranks(sum(losses) / len(losses), env.device)
 
 
+def host_peak_gb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # this process's peak RSS (KB on Linux)
+
+
 def peak_memory_gb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # host RSS (KB on Linux)
+    return host_peak_gb()
 
 
 def _to_device(batch, device):
