@@ -44,7 +44,7 @@ def preset_config(cfg, vocab_size=None):
     if model_family(cfg) == "llama":
         return make_llama_config(cfg.model_preset, num_kv_heads=cfg.num_kv_heads,
                                  intermediate_size=cfg.intermediate_size, **shape)
-    return make_gpt_config(cfg.model_preset, **shape)
+    return make_gpt_config(cfg.model_preset, bias=cfg.bias, **shape)
 
 
 def model_config_for(cfg, data, hf_dir=None):

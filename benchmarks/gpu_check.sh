@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|loop ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|attention|loop ...]
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -86,6 +86,21 @@ levers)
     timeout 300 $MPI $mpi_env -n 1 $B $bench --label "compile ${args:-(FSDP2)}" >> "$OUT/levers.log" 2>&1
     grep '^|' "$OUT/levers.log" | tail -1
   done ;;
+nobias)
+  # GPT-2 124M without biases (nanoGPT's benchmark setting), one GPU at batch 32, 64 and 96 beside the GPT-2
+  # shape with biases; then full-shard over every GPU of the machine at batch 32 (per-GPU scaling).
+  B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --warmup 8 --steps 20 --out $OUT/nobias.jsonl"
+  for args in "--batch_size 32" "--batch_size 32 --no-bias" "--batch_size 64 --no-bias" "--batch_size 96 --no-bias"; do
+    timeout 150 $MPI -n 1 $B $args --label "compile $args" >> "$OUT/nobias.log" 2>&1; grep '^|' "$OUT/nobias.log" | tail -1
+  done
+  gpus=$(nvidia-smi -L | wc -l)
+  for g in $(seq 2 $gpus); do
+    timeout 150 $MPI -n $g $B --batch_size 32 --no-bias --label "compile --batch_size 32 --no-bias" >> "$OUT/nobias.log" 2>&1
+    grep '^|' "$OUT/nobias.log" | tail -1
+  done ;;
+attention)
+  # Causal attention kernels at GPT-2's shape: cuDNN, flash, memory-efficient SDPA and FlexAttention.
+  timeout 150 python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | grep '^|' ;;
 loop)
   # The real training loop (data, logging, stop agreement, eval and save at the end) beside the benchmark's
   # row: GPT-2 124M shape on the Shakespeare characters (vocab padded to 50304), one GPU, batch 32.

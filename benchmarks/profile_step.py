@@ -1,9 +1,11 @@
 """Where does a training step's time go? torch.profiler over a few steps of the real train_step.
 
     mpiexec -n 1 python benchmarks/profile_step.py --model_preset gpt2 --vocab_size 50304 --precision bf16 \
-        --batch_size 16 [--compile] [--out DIR]
-Prints the host (CPU) time per step next to the device (CUDA) time per step, then the top operators by self
-CPU time and by device time. Host time above device time means the GPU waits on Python and launches.
+        --batch_size 32 --compile [--out DIR]
+Prints the host time to issue one step while the device is held busy (so the launch queue never fills and
+blocks the host), the wall time of a step, and the device time per step split into kinds of kernel (matmul,
+attention, fused element-wise, optimizer, copies), then the top kernels. Host time near or above device time
+means the GPU waits on Python and launches.
 """
 import sys
 import time
@@ -13,11 +15,26 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from basic_training import MODELS, preset_config  # noqa: E402
 from minimal_fsdp import environment  # noqa: E402
 from minimal_fsdp.config import Config, build_parser, validate  # noqa: E402
-from minimal_fsdp.model import GPT, make_config  # noqa: E402
 from minimal_fsdp.parallelize import build_mesh, build_model  # noqa: E402
 from minimal_fsdp.train import build_optimizer, train_step  # noqa: E402
+
+# Kernel name fragments -> kind; the first match wins.
+KINDS = [("attention", ("flash", "fmha", "attention", "cudnn")), ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet")),
+         ("optimizer", ("adam", "foreach", "norm_kernel")), ("copy/cast", ("copy", "memcpy", "cast", "fill")),
+         ("loss (compiled)", ("cross_entropy", "log_softmax", "nll")), ("compiled (triton)", ("triton",))]
+
+
+def annotation(name):
+    """Profiler ranges that the device timeline shows beside the kernels (compiled graphs, FSDP, optimizer)."""
+    return name.startswith("##") or (("::" in name or "#" in name) and not name.startswith("void"))
+
+
+def kind(name):
+    lower = name.lower()
+    return next((k for k, keys in KINDS if any(key in lower for key in keys)), "other")
 
 
 def main():
@@ -29,33 +46,48 @@ def main():
     cfg = Config(**args)
     validate(cfg)
     env = environment.setup(cfg)
-    config = make_config(cfg.model_preset, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-                         embed_size=cfg.embed_size, seq_length=cfg.seq_length, vocab_size=cfg.vocab_size)
-    model = build_model(GPT, config, cfg, env, build_mesh(cfg, env))
+    config = preset_config(cfg)
+    model = build_model(MODELS[config.model_type][0], config, cfg, env, build_mesh(cfg, env))
     optimizer = build_optimizer(model, cfg)
     tokens = torch.randint(config.vocab_size, (cfg.batch_size, config.seq_length + 1), device=env.device)
     batch = [(tokens[:, :-1], tokens[:, 1:])]
     for _ in range(5):
         train_step(model, optimizer, batch, cfg.grad_clip, env.device)
     torch.cuda.synchronize()
-    # Host time: how long Python takes to issue a step when it never waits for the device.
+    # Host time: a long sleep kernel keeps the device busy, so issuing one step never waits on it.
+    hosts = []
+    for _ in range(3):
+        torch.cuda._sleep(2_000_000_000)
+        t0 = time.perf_counter()
+        train_step(model, optimizer, batch, cfg.grad_clip, env.device)
+        hosts.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
         train_step(model, optimizer, batch, cfg.grad_clip, env.device)
-    host = (time.perf_counter() - t0) / steps
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(steps):
             train_step(model, optimizer, batch, cfg.grad_clip, env.device)
         torch.cuda.synchronize()
     if env.is_main:
-        events = prof.key_averages()
-        device_total = sum(e.self_device_time_total for e in events) / steps / 1e3
-        print(f"per step: host issue {host * 1e3:.1f} ms, wall {wall * 1e3:.1f} ms, "
+        kernels = [e for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not annotation(e.key)]
+        device_total = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+        print(f"per step: host issue {min(hosts) * 1e3:.1f} ms (device kept busy), wall {wall * 1e3:.1f} ms, "
               f"device busy {device_total:.1f} ms (sum of kernel times)")
-        print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-        print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
+        by_kind = {}
+        for e in kernels:
+            by_kind[kind(e.key)] = by_kind.get(kind(e.key), 0) + e.self_device_time_total / steps / 1e3
+        for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:18s} {ms:6.1f} ms")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+        # Which operator (and input shapes) launched the costliest kernels.
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by="device_time_total", row_limit=25,
+                                                                  max_name_column_width=40, max_shapes_column_width=70))
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]:
+            print(f"{e.self_device_time_total / steps / 1e3:7.2f} ms {e.count // steps:4d}x  [{kind(e.key)}] {e.key[:110]}")
         if out:
             prof.export_chrome_trace(str(Path(out) / "trace.json"))
     environment.teardown()

@@ -25,7 +25,7 @@ def flag(default, help, choices=None, section="train"):
 # Preset names of each --model (shapes in model.PRESETS and llama.PRESETS); "tiny" exists in both.
 MODEL_PRESETS = {"gpt": ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"),
                  "llama": ("tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b")}
-SHAPE_FLAGS = ("num_layers", "num_heads", "embed_size", "vocab_size", "num_kv_heads", "intermediate_size")
+SHAPE_FLAGS = ("num_layers", "num_heads", "embed_size", "vocab_size", "num_kv_heads", "intermediate_size", "bias")
 SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
 DATA_PARALLEL = ("allreduce", "decentralized")
 TOPOLOGY = ("complete", "ring", "exp", "alternating-exp-ring")
@@ -66,6 +66,8 @@ class Config:
     num_kv_heads: int = flag(None, "llama: heads with their own keys and values (grouped-query attention)",
                              section="model")
     intermediate_size: int = flag(None, "llama: hidden width of the SwiGLU MLP", section="model")
+    bias: bool = flag(None, "gpt: biases in the linear layers and LayerNorms (GPT-2 has them; --no-bias is "
+                            "nanoGPT's benchmark setting and a little faster)", section="model")
 
     # parallelism
     sharding: str = flag("full-shard", "FSDP sharding strategy", SHARDING, "parallel")
@@ -343,6 +345,8 @@ def validate(cfg):
         for name in ("num_kv_heads", "intermediate_size"):
             if getattr(cfg, name) is not None:
                 raise ConfigError(f"--{name} is a llama flag: add --model llama, or drop it")
+    elif cfg.bias is not None:
+        raise ConfigError("--bias/--no-bias is a gpt flag (llama has no biases): drop it")
     validate_decentralized(cfg)
 
 

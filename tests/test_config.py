@@ -1,6 +1,8 @@
 import pytest
 
+from basic_training import preset_config
 from minimal_fsdp.config import ConfigError, build_parser, parse_args, validate_world
+from minimal_fsdp.model import GPT
 
 
 def test_defaults_parse():
@@ -24,6 +26,8 @@ def test_every_flag_has_help():
     (["--no_such_flag"], "unrecognized"),
     (["--recompute", "selective"], "--recompute selective applies with --activation_checkpoints"),
     (["--activation_checkpoints", "--recompute", "some"], "invalid choice"),
+    (["--model_preset", "llama2-7b", "--no-bias"], "--bias/--no-bias is a gpt flag"),
+    (["--hf_model", "gpt2", "--no-bias"], "--bias cannot change the shape of --hf_model"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message):
     with pytest.raises(ConfigError, match=message) as e:
@@ -41,3 +45,11 @@ def test_hybrid_needs_divisible_world():
 def test_boolean_flags_toggle():
     cfg = parse_args(["--cpu_offload", "--meta_init", "--activation_checkpoints", "--compile"])
     assert cfg.cpu_offload and cfg.meta_init and cfg.activation_checkpoints and cfg.compile
+
+
+@pytest.mark.parametrize("flag,biases", [([], True), (["--bias"], True), (["--no-bias"], False)])
+def test_no_bias_builds_a_gpt_without_biases(flag, biases):
+    config = preset_config(parse_args(["--vocab_size", "65"] + flag))
+    names = [name for name, _ in GPT(config).named_parameters()]
+    assert any(name.endswith(".bias") for name in names) == biases
+    assert len(names) == (config.num_layers * 12 + 4 if biases else config.num_layers * 6 + 3)
