@@ -88,22 +88,26 @@ def test_estimate_follows_the_compiled_loss(one_rank, tmp_path, compile):
     assert estimated == pytest.approx(measured, rel=0.2), (estimated / 1e6, measured / 1e6)
 
 
-GPU_CASES = [("gpt", make_gpt("gpt2", vocab_size=50304), 4, "full-shard", "none"),
-             ("llama", make_llama("tiny", vocab_size=32000, num_layers=8, embed_size=1024, num_heads=16,
-                                  num_kv_heads=4, intermediate_size=2816, seq_length=1024), 4, "grad-shard", "full")]
+GPT2 = make_gpt("gpt2", vocab_size=50304)
+LLAMA = make_llama("tiny", vocab_size=32000, num_layers=8, embed_size=1024, num_heads=16, num_kv_heads=4,
+                   intermediate_size=2816, seq_length=1024)
+GPU_CASES = [("gpt", GPT2, 4, "full-shard", "none", False), ("gpt", GPT2, 8, "full-shard", "none", True),
+             ("llama", LLAMA, 4, "grad-shard", "full", False)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("model_type,config,batch_size,sharding,recompute", GPU_CASES,
-                         ids=["gpt2-full-shard", "llama-grad-shard-ckpt"])
-def test_estimate_within_25_percent_of_cuda_peak(one_rank, model_type, config, batch_size, sharding, recompute):
+@pytest.mark.parametrize("model_type,config,batch_size,sharding,recompute,compile", GPU_CASES,
+                         ids=["gpt2-full-shard", "gpt2-full-shard-compiled", "llama-grad-shard-ckpt"])
+def test_estimate_within_25_percent_of_cuda_peak(one_rank, model_type, config, batch_size, sharding, recompute,
+                                                 compile):
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    train_two_steps(model_type, config, batch_size, sharding, recompute, "bf16", "cuda")
+    train_two_steps(model_type, config, batch_size, sharding, recompute, "bf16", "cuda", compile)
     measured = torch.cuda.max_memory_allocated() - before
-    estimated = model_size.estimate(model_type, config, batch_size, sharding, 1, 1, recompute, False, "bf16")["gpu"]
+    estimated = model_size.estimate(model_type, config, batch_size, sharding, 1, 1, recompute, False, "bf16",
+                                    compile=compile)["gpu"]
     assert estimated == pytest.approx(measured, rel=0.25), (estimated / 2**30, measured / 2**30)
 
 
