@@ -87,10 +87,11 @@ levers)
     grep '^|' "$OUT/levers.log" | tail -1
   done ;;
 nobias)
-  # GPT-2 124M without biases (nanoGPT's benchmark setting), one GPU at batch 32, 64 and 96 beside the GPT-2
+  # GPT-2 124M without biases (nanoGPT's benchmark setting), one GPU at batch 32, 64, 96 and 128 beside the GPT-2
   # shape with biases; then full-shard over every GPU of the machine at batch 32 (per-GPU scaling).
   B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --warmup 8 --steps 20 --out $OUT/nobias.jsonl"
-  for args in "--batch_size 32" "--batch_size 32 --no-bias" "--batch_size 64 --no-bias" "--batch_size 96 --no-bias"; do
+  for args in "--batch_size 32" "--batch_size 32 --no-bias" "--batch_size 64 --no-bias" "--batch_size 96 --no-bias" \
+              "--batch_size 128 --no-bias"; do
     timeout 150 $MPI -n 1 $B $args --label "compile $args" >> "$OUT/nobias.log" 2>&1; grep '^|' "$OUT/nobias.log" | tail -1
   done
   gpus=$(nvidia-smi -L | wc -l)
