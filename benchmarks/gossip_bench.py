@@ -18,31 +18,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimal_fsdp import environment  # noqa: E402
-from minimal_fsdp.config import TOPOLOGY, Config, build_parser, validate  # noqa: E402
+from basic_training import MODELS, preset_config  # noqa: E402
+from minimal_fsdp.config import TOPOLOGY  # noqa: E402
 from minimal_fsdp.gossip import Gossip  # noqa: E402
-from minimal_fsdp.model import GPT, make_config  # noqa: E402
 from minimal_fsdp.parallelize import build_mesh, build_model  # noqa: E402
 from minimal_fsdp.train import build_optimizer  # noqa: E402
-from throughput import step_times  # noqa: E402  (the same timed loop, in this folder)
+from throughput import BENCH_OPTIONS, parse, step_times  # noqa: E402  (the same timed loop, in this folder)
 
 HEADER = ("| mode | topology | GPUs | model | precision | batch/GPU | step ms | MB sent/step/GPU | bytes are |\n"
           "|---|---|---|---|---|---|---|---|---|")
 
 
-def parse():
-    parser = build_parser()
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported")
-    parser.add_argument("--out", default=None, help="append each row as a JSON line to this file")
-    args = vars(parser.parse_args())
-    bench = {k: args.pop(k) for k in ("warmup", "steps", "out")}
-    cfg = Config(**args)
-    validate(cfg)
-    return cfg, bench
-
-
 def measure(cfg, env, bench, model_config):
-    model = build_model(GPT, model_config, cfg, env, build_mesh(cfg, env))
+    model = build_model(MODELS[model_config.model_type][0], model_config, cfg, env, build_mesh(cfg, env))
     optimizer = build_optimizer(model, cfg)
     gossip = Gossip(model, cfg.topology) if cfg.data_parallel == "decentralized" else None
     seq, vocab = model_config.seq_length, model_config.vocab_size
@@ -65,11 +53,9 @@ def measure(cfg, env, bench, model_config):
 
 
 def main():
-    cfg, bench = parse()
+    cfg, bench = parse({k: v for k, v in BENCH_OPTIONS.items() if k != "label"})
     env = environment.setup(cfg)
-    model_config = make_config(cfg.model_preset, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-                               embed_size=cfg.embed_size, seq_length=cfg.seq_length, dropout=cfg.dropout,
-                               vocab_size=cfg.vocab_size)
+    model_config = preset_config(cfg)
     modes = [dataclasses.replace(cfg, data_parallel="allreduce", sharding="no-shard", accum_steps=1)]
     modes += [dataclasses.replace(cfg, data_parallel="decentralized", sharding="no-shard", topology=t)
               for t in TOPOLOGY]

@@ -15,16 +15,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from basic_training import MODELS, preset_config  # noqa: E402
 from minimal_fsdp import environment  # noqa: E402
-from minimal_fsdp.config import Config, build_parser, validate  # noqa: E402
-from minimal_fsdp.parallelize import build_mesh, build_model  # noqa: E402
-from minimal_fsdp.train import build_optimizer, train_step  # noqa: E402
+from minimal_fsdp.train import train_step  # noqa: E402
+from throughput import build, parse  # noqa: E402  (flags and model as the throughput benchmark builds them)
 
 # Kernel name fragments -> kind; the first match wins.
 KINDS = [("attention", ("flash", "fmha", "attention", "cudnn")), ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet")),
-         ("optimizer", ("adam", "foreach", "norm_kernel")), ("copy/cast", ("copy", "memcpy", "cast", "fill")),
-         ("loss (compiled)", ("cross_entropy", "log_softmax", "nll")), ("compiled (triton)", ("triton",))]
+         ("optimizer", ("adam", "foreach", "norm_kernel")), ("loss", ("cross_entropy", "log_softmax", "nll")),
+         ("copy/cast", ("copy", "memcpy", "cast", "fill")), ("compiled (triton)", ("triton",))]
 
 
 def annotation(name):
@@ -38,17 +36,9 @@ def kind(name):
 
 
 def main():
-    parser = build_parser()
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--out", default=None, help="write a Chrome trace here")
-    args = vars(parser.parse_args())
-    steps, out = args.pop("steps"), args.pop("out")
-    cfg = Config(**args)
-    validate(cfg)
-    env = environment.setup(cfg)
-    config = preset_config(cfg)
-    model = build_model(MODELS[config.model_type][0], config, cfg, env, build_mesh(cfg, env))
-    optimizer = build_optimizer(model, cfg)
+    cfg, options = parse({"steps": (int, 6, "profiled steps"), "out": (str, None, "write a Chrome trace here")})
+    steps, out = options["steps"], options["out"]
+    env, config, model, optimizer = build(cfg)
     tokens = torch.randint(config.vocab_size, (cfg.batch_size, config.seq_length + 1), device=env.device)
     batch = [(tokens[:, :-1], tokens[:, 1:])]
     for _ in range(5):

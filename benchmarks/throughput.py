@@ -25,17 +25,31 @@ HEADER = ("| model | GPUs | sharding | precision | options | batch/GPU | seq | t
           "peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def parse():
+BENCH_OPTIONS = {"warmup": (int, 5, "untimed steps (compilation, allocator warm-up)"),
+                 "steps": (int, 20, "timed steps; the median is reported"),
+                 "out": (str, None, "append the result as a JSON line to this file"),
+                 "label": (str, "", "free text for the options column")}
+
+
+def parse(options):
+    """The training flags as a validated Config, plus a benchmark's own options {name: (type, default, help)}."""
     parser = build_parser()
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps (compilation, allocator warm-up)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported")
-    parser.add_argument("--out", default=None, help="append the result as a JSON line to this file")
-    parser.add_argument("--label", default="", help="free text for the options column")
+    for name, (kind, default, help) in options.items():
+        parser.add_argument(f"--{name}", type=kind, default=default, help=help)
     args = vars(parser.parse_args())
-    bench = {k: args.pop(k) for k in ("warmup", "steps", "out", "label")}
+    bench = {name: args.pop(name) for name in options}
     cfg = Config(**args)
     validate(cfg)
     return cfg, bench
+
+
+def build(cfg):
+    """Ranks, model and optimizer, built as basic_training.py builds them."""
+    env = environment.setup(cfg)
+    validate_world(cfg, env.world_size, env.local_world_size)
+    model_config = preset_config(cfg)
+    model = build_model(MODELS[model_config.model_type][0], model_config, cfg, env, build_mesh(cfg, env))
+    return env, model_config, model, build_optimizer(model, cfg)
 
 
 def step_times(model, optimizer, cfg, env, seq, vocab, n, gossip=None, first_step=0):
@@ -65,12 +79,8 @@ def step_times(model, optimizer, cfg, env, seq, vocab, n, gossip=None, first_ste
 
 
 def main():
-    cfg, bench = parse()
-    env = environment.setup(cfg)
-    validate_world(cfg, env.world_size, env.local_world_size)
-    model_config = preset_config(cfg)
-    model = build_model(MODELS[model_config.model_type][0], model_config, cfg, env, build_mesh(cfg, env))
-    optimizer = build_optimizer(model, cfg)
+    cfg, bench = parse(BENCH_OPTIONS)
+    env, model_config, model, optimizer = build(cfg)
     seq, vocab = model_config.seq_length, model_config.vocab_size
     step_times(model, optimizer, cfg, env, seq, vocab, bench["warmup"])
     if env.device.type == "cuda":
