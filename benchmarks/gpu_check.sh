@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|attention|loop ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|attention|loss|loop ...]
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -15,7 +15,7 @@ parts=${*:-tests default throughput}
 
 for part in $parts; do case $part in
 tests)
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/test_gpu.py tests/test_llama.py tests/test_model_size.py \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/test_gpu.py tests/test_llama.py tests/test_model_size.py tests/test_fused_loss.py \
     -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
 default)
   # The README's two commands, on 2 GPUs with NCCL (data/shakespeare/input.txt carried along).
@@ -87,11 +87,11 @@ levers)
     grep '^|' "$OUT/levers.log" | tail -1
   done ;;
 nobias)
-  # GPT-2 124M without biases (nanoGPT's benchmark setting), one GPU at batch 32, 64, 96 and 128 beside the GPT-2
+  # GPT-2 124M without biases (nanoGPT's benchmark setting), one GPU at batch 32 to 160 beside the GPT-2
   # shape with biases; then full-shard over every GPU of the machine at batch 32 (per-GPU scaling).
   B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --warmup 8 --steps 20 --out $OUT/nobias.jsonl"
   for args in "--batch_size 32" "--batch_size 32 --no-bias" "--batch_size 64 --no-bias" "--batch_size 96 --no-bias" \
-              "--batch_size 128 --no-bias"; do
+              "--batch_size 128 --no-bias" "--batch_size 160 --no-bias"; do
     timeout 150 $MPI -n 1 $B $args --label "compile $args" >> "$OUT/nobias.log" 2>&1; grep '^|' "$OUT/nobias.log" | tail -1
   done
   gpus=$(nvidia-smi -L | wc -l)
@@ -102,6 +102,9 @@ nobias)
 attention)
   # Causal attention kernels at GPT-2's shape: cuDNN, flash, memory-efficient SDPA and FlexAttention.
   timeout 150 python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | grep '^|' ;;
+loss)
+  # The loss head at GPT-2's shape: the fused Triton loss (a few block sizes) against the compiled PyTorch one.
+  timeout 150 python3 benchmarks/loss.py 2>&1 | tee "$OUT/loss.log" | grep -E '^\||^tokens' ;;
 loop)
   # The real training loop (data, logging, stop agreement, eval and save at the end) beside the benchmark's
   # row: GPT-2 124M shape on the Shakespeare characters (vocab padded to 50304), one GPU, batch 32.

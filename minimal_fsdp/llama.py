@@ -157,7 +157,7 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.embed_size, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.embed_size, config.vocab_size, bias=False)
-        self.loss = cross_entropy  # parallelize may swap in a compiled version
+        self.loss = cross_entropy  # parallelize may swap in a compiled or fused version
 
     def forward(self, idx, targets=None, cache=None):
         """Returns the mean cross-entropy if targets are given, else the logits of the last position."""
@@ -174,7 +174,7 @@ class Llama(nn.Module):
             cache.pos += T
         if targets is None:
             return self.lm_head(x[:, -1])
-        return self.loss(self.lm_head(x), targets)
+        return self.loss(x, self.lm_head.weight, targets)
 
     def new_cache(self, batch_size, device, dtype):
         """An empty KV cache for generation: num_kv_heads keys and values per layer, not num_heads."""

@@ -37,8 +37,10 @@ PRESETS = {
 }
 
 
-def cross_entropy(logits, targets):
-    """Mean next-token loss, computed in fp32 whatever the logits' dtype."""
+def cross_entropy(x, weight, targets):
+    """Mean next-token loss of the logits x @ weight.T, computed in fp32 whatever their dtype.
+    It takes the output projection, not the logits, so that fused_loss.py can replace it whole on CUDA."""
+    logits = F.linear(x, weight)
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
@@ -65,7 +67,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None, layer=0):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
+        # Three matmuls on slices of the one qkv weight (GPT-2's layout): backward then adds their input gradients
+        # instead of concatenating dq, dk and dv into one tensor for a single matmul.
+        biases = self.qkv.bias.split(C) if self.qkv.bias is not None else (None,) * 3
+        q, k, v = (F.linear(x, w, b) for w, b in zip(self.qkv.weight.split(C), biases))
         q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in (q, k, v))
         if cache is not None:  # write this step's keys/values, attend over everything so far
             start = cache.pos
@@ -116,7 +121,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.embed_size, bias=config.bias)
-        self.loss = cross_entropy  # parallelize may swap in a compiled version
+        self.loss = cross_entropy  # parallelize may swap in a compiled or fused version
 
     def forward(self, idx, targets=None, cache=None):
         """Returns the mean cross-entropy if targets are given, else the logits of the last position."""
@@ -131,7 +136,7 @@ class GPT(nn.Module):
             cache.pos += T
         if targets is None:
             return F.linear(x[:, -1], self.wte.weight)  # tied output embedding
-        return self.loss(F.linear(x, self.wte.weight), targets)
+        return self.loss(x, self.wte.weight, targets)  # tied output embedding
 
     def new_cache(self, batch_size, device, dtype):
         """An empty KV cache for generation."""

@@ -107,10 +107,11 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
             "selective": tokens * kept_per_token(model_type, config) * compute}[recompute]
     saved = L * kept
     final_norm = tokens * config.embed_size * compute * (2 if model_type == "gpt" or device_type == "cuda" else 3)
-    # Cross-entropy in fp32: the saved log-softmax, its gradient and the logits' gradient coexist at the start
-    # of backward (4 bytes each per logit). Compiled (--compile), it keeps only the logits in the compute dtype
-    # and their gradient.
-    logits = (2 * compute if compile else 12) * tokens * config.vocab_size
+    # The loss. On CUDA (fused_loss.py): the logits in the compute dtype, overwritten by their gradient. On the
+    # CPU in fp32: the saved log-softmax, its gradient and the logits' gradient coexist at the start of backward
+    # (4 bytes each per logit); compiled, only the logits in the compute dtype and their gradient.
+    per_logit = compute if device_type == "cuda" else 2 * compute if compile else 12
+    logits = per_logit * tokens * config.vocab_size
 
     static = on_gpu * params_and_optimizer + gathered
     loss_backward = static + saved + final_norm + logits + unsharded_grads
@@ -157,7 +158,6 @@ def build_parser():
     p.add_argument("--seq_length", type=int, help="tokens per sequence (default: the preset's context)")
     p.add_argument("--batch_size", type=int, default=1, help="sequences per GPU per micro-step")
     p.add_argument("--precision", choices=("float32", "bf16"), default="float32", help="as in training")
-    p.add_argument("--compile", action="store_true", help="as in training: the compiled loss keeps no fp32 logits")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
     p.add_argument("--gpus_per_node", type=int, help="default: min(--gpus, 8)")
     p.add_argument("--shard_group_size", type=int, help="hybrid sharding's group (default: --gpus_per_node)")
@@ -195,7 +195,7 @@ def main(argv=None):
         for recompute in ("none", "full", "selective"):
             for offload in (False, True):
                 e = estimate(family, config, args.batch_size, sharding, args.gpus, group, recompute, offload,
-                             args.precision, compile=args.compile)
+                             args.precision)
                 host = e["host"] * gpus_per_node
                 fits = e["gpu"] <= (1 - GPU_HEADROOM) * gpu_memory and (host_memory is None or host <= host_memory)
                 print(f"{sharding:<19}{recompute:<11}{'yes' if offload else 'no':<9}"

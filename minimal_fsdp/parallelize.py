@@ -99,8 +99,12 @@ def build_model(model_cls, model_config, cfg, env, mesh):
             block.forward = recomputed(block.forward, cfg.recompute)
         if cfg.compile:
             block.forward = torch.compile(block.forward)
-    if cfg.compile:
-        # Compiled, the fp32 upcast, log-softmax and its backward fuse into a few passes over the bf16 logits
+    if env.device.type == "cuda":
+        # One Triton kernel turns the logits into the loss and, in place, their gradient (fused_loss.py).
+        from .fused_loss import linear_cross_entropy
+        model.loss = linear_cross_entropy
+    elif cfg.compile:
+        # Compiled, the fp32 upcast, log-softmax and its backward fuse into a few passes over the logits
         # instead of materializing fp32 logits (the largest tensor of a GPT-2 step).
         model.loss = torch.compile(model.loss)
     if cfg.data_parallel == "decentralized":

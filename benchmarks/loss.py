@@ -1,0 +1,84 @@
+"""The loss head alone at GPT-2's shape: output projection + cross-entropy, forward and backward.
+
+    python benchmarks/loss.py [--tokens 32768] [--embed 768] [--vocab 50304]
+Compares the fused Triton loss (minimal_fsdp/fused_loss.py) over a few block sizes and warp counts with the
+compiled PyTorch loss that it replaced, each first checked against fp32 math. CUDA only.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minimal_fsdp import fused_loss  # noqa: E402
+from minimal_fsdp.model import cross_entropy  # noqa: E402
+
+
+def time_ms(fn, reps=20):
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--embed", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=50304)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    x = torch.randn(a.tokens, a.embed, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (0.02 * torch.randn(a.vocab, a.embed, device="cuda")).bfloat16().requires_grad_()
+    targets = torch.randint(0, a.vocab, (a.tokens,), device="cuda")
+
+    def ref():  # fp32 math on a slice of the tokens (the full fp32 logits would not fit comfortably)
+        n = 4096
+        xr, wr = x[:n].detach().float().requires_grad_(), w.detach().float().requires_grad_()
+        loss = torch.nn.functional.cross_entropy(xr @ wr.t(), targets[:n])
+        loss.backward()
+        return loss.item(), xr.grad
+    ref_loss, ref_dx = ref()
+
+    def run(loss_fn):
+        x.grad = w.grad = None
+        loss_fn(x, w, targets).backward()
+
+    def check(loss_fn):
+        x.grad = w.grad = None
+        loss = loss_fn(x[:4096], w, targets[:4096])
+        loss.backward()
+        return abs(loss.item() - ref_loss), ((x.grad[:4096].float() - ref_dx).norm() / ref_dx.norm()).item()
+
+    matmuls = 3 * 2 * a.tokens * a.embed * a.vocab
+    logits_gb = a.tokens * a.vocab * 2 / 1e9
+    print(f"tokens {a.tokens}, embed {a.embed}, vocab {a.vocab}: bf16 logits {logits_gb:.2f} GB; "
+          f"matmuls alone at 740 TFLOP/s would take {matmuls / 740e12 * 1e3:.2f} ms")
+    print("| loss | config | fwd+bwd ms | kernel alone ms | loss err | dx rel err |\n|---|---|---|---|---|---|")
+    compiled = torch.compile(cross_entropy)
+    err = check(compiled)
+    print(f"| compiled PyTorch | | {time_ms(lambda: run(compiled)):.2f} | | {err[0]:.1e} | {err[1]:.1e} |")
+    dlogits = torch.randn(a.tokens, a.vocab, device="cuda", dtype=torch.bfloat16)
+    xd, wd = x.detach(), w.detach()
+    ms = time_ms(lambda: (xd @ wd.t(), dlogits @ wd, dlogits.t() @ xd))
+    print(f"| the three matmuls only | | {ms:.2f} | | | |")
+    print(f"| one read + one write of the logits (mul_) | | | {time_ms(lambda: dlogits.mul_(1.0)):.2f} | | |")
+    losses = torch.empty(a.tokens, device="cuda")
+    for block in (4096, 8192, 16384):
+        for warps in (8, 16):
+            fused_loss.BLOCK, fused_loss.NUM_WARPS = block, warps
+            err = check(fused_loss.linear_cross_entropy)
+            ms = time_ms(lambda: run(fused_loss.linear_cross_entropy))
+            kernel = time_ms(lambda: fused_loss.loss_and_grad(dlogits, targets, losses))
+            print(f"| fused Triton | BLOCK {block}, {warps} warps | {ms:.2f} | {kernel:.2f} | {err[0]:.1e} | "
+                  f"{err[1]:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

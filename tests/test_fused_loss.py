@@ -1,0 +1,73 @@
+"""The fused Triton loss (CUDA only, marked gpu) against PyTorch's cross-entropy in fp32."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# bf16 logits are rounded to 8 bits of mantissa before the softmax; fp32 differs only in summation order.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+
+
+def reference(x, weight, targets, scale):
+    """Loss and gradients of scale * mean cross-entropy, in fp32 from the same (rounded) inputs."""
+    x, weight = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    loss = F.cross_entropy((x @ weight.t()).view(-1, weight.size(0)), targets.view(-1))
+    (scale * loss).backward()
+    return loss, x.grad, weight.grad
+
+
+def relative(a, b):
+    return ((a.float() - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("vocab", [50, 5003, 50304])  # below, across and many times the kernel's block
+def test_loss_and_gradients_match_pytorch(dtype, vocab):
+    from minimal_fsdp.fused_loss import linear_cross_entropy
+    torch.manual_seed(0)
+    x = torch.randn(3, 37, 64, device="cuda", dtype=dtype, requires_grad=True)
+    weight = (0.5 * torch.randn(vocab, 64, device="cuda")).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (3, 37), device="cuda")
+    targets[0, :3] = torch.tensor([0, vocab - 1, vocab // 2])  # the first and last columns too
+    scale = 0.25  # the 1 / accumulation steps training multiplies the loss by
+    loss = linear_cross_entropy(x, weight, targets)
+    (scale * loss).backward()
+    ref_loss, ref_dx, ref_dweight = reference(x, weight, targets, scale)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=TOLERANCE[dtype] / 10)
+    assert x.grad.dtype == dtype and x.grad.shape == x.shape
+    assert relative(x.grad, ref_dx) < TOLERANCE[dtype]
+    assert relative(weight.grad, ref_dweight) < TOLERANCE[dtype]
+
+
+def test_autocast_with_fp32_weights():
+    """Decentralized replicas keep fp32 weights and run under bf16 autocast: gradients come back in fp32."""
+    from minimal_fsdp.fused_loss import linear_cross_entropy
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, device="cuda", requires_grad=True)
+    weight = torch.randn(1000, 32, device="cuda", requires_grad=True)
+    targets = torch.randint(0, 1000, (64,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(x, weight, targets)
+    loss.backward()
+    ref_loss, ref_dx, ref_dweight = reference(x, weight, targets, 1.0)
+    assert x.grad.dtype == weight.grad.dtype == torch.float32
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=2e-2)
+    assert relative(x.grad, ref_dx) < 3e-2 and relative(weight.grad, ref_dweight) < 3e-2
+
+
+def test_models_on_cuda_use_it():
+    """build_model swaps the fused loss in on CUDA; the model's loss still equals PyTorch's."""
+    from types import SimpleNamespace
+    from minimal_fsdp.config import Config
+    from minimal_fsdp.fused_loss import linear_cross_entropy
+    from minimal_fsdp.model import GPT, GPTConfig, cross_entropy
+    from minimal_fsdp.parallelize import build_model
+    cfg = Config(data_parallel="decentralized", precision="float32")  # a plain replica: no process group needed
+    env = SimpleNamespace(device=torch.device("cuda"), world_size=1, local_world_size=1)
+    model = build_model(GPT, GPTConfig(vocab_size=300), cfg, env, None)
+    assert model.loss is linear_cross_entropy
+    x = torch.randint(0, 300, (2, 128), device="cuda")
+    fused = model(x, x)
+    model.loss = cross_entropy
+    assert fused.item() == pytest.approx(model(x, x).item(), rel=1e-5)
