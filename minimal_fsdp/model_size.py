@@ -98,25 +98,27 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     # Gathered (unsharded) params in the compute dtype: the root unit is never resharded; blocks are gathered
     # one at a time plus one prefetched, or all of them from forward to backward without resharding.
     gathered = compute * (sizes.root + (L if keep_gathered else 2) * sizes.per_block)
-    # Unsharded grads before their reduce-scatter: the root's (reduced last) and ~2 blocks' in flight; with bf16
-    # compute each also gets an fp32 copy to reduce in.
-    unsharded_grads = (compute + (4 if precision == "bf16" else 0)) * (sizes.root + 2 * sizes.per_block)
+    # Unsharded grads before their reduce-scatter: ~2 blocks' in flight, with bf16 compute each with an fp32 copy
+    # to reduce in; the root's wait in the compute dtype for the end of backward, when it is reduced last.
+    unsharded_grads = compute * sizes.root + (compute + (4 if precision == "bf16" else 0)) * 2 * sizes.per_block
 
     layer = tokens * activations_per_token(model_type, config, device_type) * compute
     kept = {"none": layer, "full": tokens * config.embed_size * compute,
             "selective": tokens * kept_per_token(model_type, config) * compute}[recompute]
     saved = L * kept
     final_norm = tokens * config.embed_size * compute * (2 if model_type == "gpt" or device_type == "cuda" else 3)
-    # The loss. On CUDA (fused_loss.py): the logits in the compute dtype, overwritten by their gradient. On the
-    # CPU in fp32: the saved log-softmax, its gradient and the logits' gradient coexist at the start of backward
-    # (4 bytes each per logit); compiled, only the logits in the compute dtype and their gradient.
-    per_logit = compute if device_type == "cuda" else 2 * compute if compile else 12
+    # The loss. Fused on CUDA (fused_loss.py) or compiled with its output matmul (--compile): one logits tensor
+    # in the compute dtype, then their gradient in its place. Eager in fp32: the saved log-softmax, its gradient
+    # and the logits' gradient coexist at the start of backward (4 bytes each per logit).
+    per_logit = compute if device_type == "cuda" or compile else 12
     logits = per_logit * tokens * config.vocab_size
 
     static = on_gpu * params_and_optimizer + gathered
     loss_backward = static + saved + final_norm + logits + unsharded_grads
-    # With checkpointing, a block's activations are rebuilt during backward, once gradients have started to land.
-    rebuilt = static + saved + layer + unsharded_grads + on_gpu * grads if recompute != "none" else 0
+    # With checkpointing, a block's activations are rebuilt during backward; the first block's last, when the
+    # other blocks' sharded gradients have landed (the root's land after it).
+    block_grads = grads * (L - 1) * sizes.per_block / sizes.total
+    rebuilt = static + saved + layer + unsharded_grads + on_gpu * block_grads if recompute != "none" else 0
     optimizer_step = on_gpu * (params_and_optimizer + grads)
     gpu = max(loss_backward, rebuilt, optimizer_step)
     host = HOST_PER_PROCESS + (params_and_optimizer + grads) * (1 - on_gpu)

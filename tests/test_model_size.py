@@ -78,8 +78,8 @@ def test_estimate_within_25_percent_of_cpu_peak(one_rank, tmp_path, model_type, 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_estimate_follows_the_compiled_loss(one_rank, tmp_path, compile):
     """A large vocabulary makes the loss's tensors the largest term: eager keeps fp32 log-softmax tensors,
-    the compiled loss only the logits and their gradient; the estimate must tell the two apart."""
-    config = GPTConfig(vocab_size=16384, seq_length=128, num_layers=1, num_heads=2, embed_size=64)
+    the compiled loss (with its output matmul) one logits tensor; the estimate must tell the two apart."""
+    config = GPTConfig(vocab_size=32768, seq_length=128, num_layers=1, num_heads=2, embed_size=64)
     torch.manual_seed(0)
     measured = cpu_peak(lambda: train_two_steps("gpt", config, 8, "full-shard", "none", "float32", "cpu", compile),
                         tmp_path)
