@@ -21,7 +21,8 @@ from throughput import build, parse  # noqa: E402  (flags and model as the throu
 
 # Kernel name fragments -> kind; the first match wins.
 KINDS = [("attention", ("flash", "fmha", "attention", "cudnn")), ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet")),
-         ("optimizer", ("adam", "foreach", "norm_kernel")), ("loss", ("cross_entropy", "log_softmax", "nll", "loss_and_grad")),
+         ("optimizer", ("adam", "foreach", "norm_kernel")),
+         ("loss", ("cross_entropy", "log_softmax", "nll", "loss_and_grad")),
          ("copy/cast", ("copy", "memcpy", "cast", "fill")), ("compiled (triton)", ("triton",))]
 
 
