@@ -2,7 +2,8 @@
 
     python benchmarks/loss.py [--tokens 32768] [--embed 768] [--vocab 50304]
 Compares the fused Triton loss (minimal_fsdp/fused_loss.py) over a few block sizes and warp counts with the
-compiled PyTorch loss that it replaced, each first checked against fp32 math. CUDA only.
+compiled PyTorch loss that it replaced, each first checked against fp32 math; median of 20 timed calls.
+CUDA only.
 """
 import argparse
 import sys
@@ -13,18 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimal_fsdp import fused_loss  # noqa: E402
 from minimal_fsdp.model import cross_entropy  # noqa: E402
-
-
-def time_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+from attention import time_ms  # noqa: E402  (median of timed calls, as the attention benchmark times)
 
 
 def main():
