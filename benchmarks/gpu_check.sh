@@ -37,8 +37,9 @@ gossip)
   timeout ${GOSSIP_TIMEOUT:-900} python3 -m pytest -m gpu tests/test_decentralized.py -q -s -p no:cacheprovider 2>&1 \
     | tee "$OUT/gossip.log" | grep -E '^\||passed|failed|Error' ;;
 scaling)
-  # GPT-2 124M, full-shard, bf16, compile, batch 32 per GPU on 1, 2 and 4 GPUs: per-GPU tokens/s should hold.
-  B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --warmup 8 --steps 20 --batch_size 32 --out $OUT/scaling.jsonl"
+  # GPT-2 124M, full-shard, bf16, compile, batch 32 per GPU (or SCALING_ARGS) on 1, 2 and 4 GPUs: per-GPU
+  # tokens/s should hold.
+  B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --warmup 8 --steps 20 ${SCALING_ARGS:---batch_size 32} --out $OUT/scaling.jsonl"
   for g in 1 2 4; do
     timeout 150 $MPI -n $g $B >> "$OUT/scaling.log" 2>&1; tail -1 "$OUT/scaling.log"
   done ;;

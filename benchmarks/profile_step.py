@@ -5,7 +5,8 @@
 Prints the host time to issue one step while the device is held busy (so the launch queue never fills and
 blocks the host), the wall time of a step, and the device time per step split into kinds of kernel (matmul,
 attention, fused element-wise, optimizer, copies), then the top kernels. Host time near or above device time
-means the GPU waits on Python and launches.
+means the GPU waits on Python and launches. Over several GPUs, communication kernels run on their own streams
+beside the compute, and their time includes waiting for the other ranks: it overlaps, it does not add up.
 """
 import sys
 import time
@@ -20,7 +21,8 @@ from minimal_fsdp.train import train_step  # noqa: E402
 from throughput import build, parse  # noqa: E402  (flags and model as the throughput benchmark builds them)
 
 # Kernel name fragments -> kind; the first match wins.
-KINDS = [("attention", ("flash", "fmha", "attention", "cudnn")), ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet")),
+KINDS = [("communication", ("nccldevkernel",)),
+         ("attention", ("flash", "fmha", "attention", "cudnn")), ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet")),
          ("optimizer", ("adam", "foreach", "norm_kernel")),
          ("loss", ("cross_entropy", "log_softmax", "nll", "loss_and_grad")),
          ("copy/cast", ("copy", "memcpy", "cast", "fill")), ("compiled (triton)", ("triton",))]
@@ -28,7 +30,7 @@ KINDS = [("attention", ("flash", "fmha", "attention", "cudnn")), ("matmul", ("ge
 
 def annotation(name):
     """Profiler ranges that the device timeline shows beside the kernels (compiled graphs, FSDP, optimizer)."""
-    return name.startswith("##") or (("::" in name or "#" in name) and not name.startswith("void"))
+    return name.startswith(("##", "nccl:")) or (("::" in name or "#" in name) and not name.startswith("void"))
 
 
 def kind(name):

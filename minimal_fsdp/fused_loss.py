@@ -6,7 +6,8 @@ Triton kernel reads each row, writes its loss, and overwrites the row with its o
 asks L2 to keep it, and the second walks it backwards, from the blocks read last. The compiled PyTorch loss it
 replaces makes three passes over memory and allocates a second buffer for the gradient. Backward is then just
 the two matmuls; it is linear in the gradient, so the upstream scale (1 / accumulation steps) goes on their
-small results, not on the logits. benchmarks/loss.py times it.
+small results, not on the logits. Without grad (evaluation) the kernel skips the second pass.
+benchmarks/loss.py times it.
 """
 import torch
 import triton
@@ -17,7 +18,8 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def loss_and_grad_kernel(logits_ptr, targets_ptr, losses_ptr, stride, vocab, inv_tokens, BLOCK: tl.constexpr):
+def loss_and_grad_kernel(logits_ptr, targets_ptr, losses_ptr, stride, vocab, inv_tokens, BLOCK: tl.constexpr,
+                         WITH_GRAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     ptr = logits_ptr + row * stride
     target = tl.load(targets_ptr + row)
@@ -33,20 +35,29 @@ def loss_and_grad_kernel(logits_ptr, targets_ptr, losses_ptr, stride, vocab, inv
         m = m_new
     lse = m + tl.log(s)
     tl.store(losses_ptr + row, lse - tl.load(ptr + target).to(tl.float32))
-    # Pass 2, last block first: the row again, replaced by d mean-loss / d logits.
-    blocks = tl.cdiv(vocab, BLOCK)
-    for i in range(0, blocks):
-        cols = (blocks - 1 - i) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(ptr + cols, mask=cols < vocab, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        grad = (tl.exp(x - lse) - (cols == target).to(tl.float32)) * inv_tokens
-        tl.store(ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < vocab, cache_modifier=".cs")
+    if WITH_GRAD:
+        # Pass 2, last block first: the row again, replaced by d mean-loss / d logits.
+        blocks = tl.cdiv(vocab, BLOCK)
+        for i in range(0, blocks):
+            cols = (blocks - 1 - i) * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(ptr + cols, mask=cols < vocab, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            grad = (tl.exp(x - lse) - (cols == target).to(tl.float32)) * inv_tokens
+            tl.store(ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < vocab, cache_modifier=".cs")
 
 
-def loss_and_grad(logits, targets, losses):
-    """Per-row losses into `losses`; `logits` (tokens x vocab, rows contiguous) become their gradient."""
+def loss_and_grad(logits, targets, losses, with_grad=True):
+    """Per-row losses into `losses`; with_grad, `logits` (tokens x vocab, rows contiguous) become their gradient."""
     tokens, vocab = logits.shape
     loss_and_grad_kernel[(tokens,)](logits, targets, losses, logits.stride(0), vocab, 1.0 / tokens,
-                                    BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                    BLOCK=BLOCK, WITH_GRAD=with_grad, num_warps=NUM_WARPS)
+
+
+def project_and_reduce(x, weight, targets, with_grad):
+    """The logits x @ weight.T (with_grad: turned into their gradient) and the mean loss."""
+    logits = x @ weight.t()
+    losses = torch.empty(logits.size(0), device=logits.device, dtype=torch.float32)
+    loss_and_grad(logits, targets, losses, with_grad)
+    return logits, losses.mean()
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -55,11 +66,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, targets):
         ctx.x_shape = x.shape
         x = x.reshape(-1, x.size(-1))
-        logits = x @ weight.t()
-        losses = torch.empty(logits.size(0), device=logits.device, dtype=torch.float32)
-        loss_and_grad(logits, targets.reshape(-1).contiguous(), losses)
-        ctx.save_for_backward(x, weight, logits)  # logits now hold their gradient
-        return losses.mean()
+        dlogits, loss = project_and_reduce(x, weight, targets.reshape(-1).contiguous(), with_grad=True)
+        ctx.save_for_backward(x, weight, dlogits)
+        return loss
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
@@ -72,4 +81,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(x, weight, targets):
     """Mean cross-entropy of the logits x @ weight.T against targets, as model.cross_entropy computes it."""
-    return LinearCrossEntropy.apply(x, weight, targets)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return LinearCrossEntropy.apply(x, weight, targets)
+    # Evaluation: the loss alone; the kernel skips the pass that writes the gradient.
+    return project_and_reduce(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1).contiguous(), False)[1]

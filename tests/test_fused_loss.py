@@ -71,3 +71,22 @@ def test_models_on_cuda_use_it():
     fused = model(x, x)
     model.loss = cross_entropy
     assert fused.item() == pytest.approx(model(x, x).item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
+def test_evaluation_computes_the_loss_without_the_gradient_pass(autocast):
+    """Under no_grad the loss is the same, and the kernel leaves the logits as they were (no gradient pass)."""
+    from minimal_fsdp.fused_loss import linear_cross_entropy, loss_and_grad
+    torch.manual_seed(0)
+    x = torch.randn(2, 50, 32, device="cuda", requires_grad=True)
+    weight = torch.randn(5003, 32, device="cuda", requires_grad=True)
+    targets = torch.randint(0, 5003, (2, 50), device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = linear_cross_entropy(x, weight, targets)
+    ref_loss = reference(x, weight, targets, 1.0)[0]
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=2e-2 if autocast else 1e-5)
+    logits = torch.randn(100, 5003, device="cuda")
+    kept, losses = logits.clone(), torch.empty(100, device="cuda")
+    loss_and_grad(logits, targets.view(-1), losses, with_grad=False)
+    assert torch.equal(logits, kept)
+    assert torch.allclose(losses, F.cross_entropy(kept, targets.view(-1), reduction="none"), rtol=1e-5)
