@@ -82,7 +82,8 @@ def main():
         print(prof.key_averages(group_by_input_shape=True).table(sort_by="device_time_total", row_limit=25,
                                                                   max_name_column_width=40, max_shapes_column_width=70))
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]:
-            print(f"{e.self_device_time_total / steps / 1e3:7.2f} ms {e.count // steps:4d}x  [{kind(e.key)}] {e.key[:110]}")
+            ms, count = e.self_device_time_total / steps / 1e3, e.count // steps
+            print(f"{ms:7.2f} ms {count:4d}x  [{kind(e.key)}] {e.key[:110]}")
         if out:
             prof.export_chrome_trace(str(Path(out) / "trace.json"))
     environment.teardown()

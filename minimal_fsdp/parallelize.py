@@ -48,6 +48,9 @@ def shard(model, mesh, cfg):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard and i < len(model.blocks) - 1, mp_policy=mixed,
                     offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
+    # Without resharding after forward every parameter is gathered from forward to backward anyway; train_step
+    # then keeps them gathered across the micro-steps of an accumulation too, instead of gathering them again.
+    model.stays_gathered = not reshard
     return model
 
 

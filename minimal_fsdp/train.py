@@ -105,8 +105,12 @@ def train_step(model, optimizer, micro_batches, grad_clip, device, skip_nonfinit
     for i, batch in enumerate(micro_batches):
         x, y = _to_device(batch, device)
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP; a decentralized replica never reduces grads
-            # Reduce gradients only on the last micro-step of an accumulation.
-            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            # Reduce gradients only on the last micro-step of an accumulation (and reshard only then, where
+            # parameters stay gathered from forward to backward: the next micro-step needs them again).
+            last = i == len(micro_batches) - 1
+            model.set_requires_gradient_sync(last)
+            if getattr(model, "stays_gathered", False):
+                model.set_reshard_after_backward(last)
         loss = model(x, y) / len(micro_batches)
         loss.backward()
         loss_sum += loss.detach()

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "basic_training.py"
@@ -51,3 +53,15 @@ def corpus(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text(make_text())
     return path
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A world of one rank in this process, so FSDP2 runs exactly as in training."""
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the cores are shared with other tests: oversubscribing them is slow
+    yield
+    torch.set_num_threads(threads)
+    dist.destroy_process_group()

@@ -5,7 +5,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from minimal_fsdp import model_size
@@ -16,18 +15,6 @@ from minimal_fsdp.parallelize import build_mesh, build_model
 from minimal_fsdp.train import build_optimizer, train_step
 
 MODELS = {"gpt": GPT, "llama": Llama}
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A world of one rank in this process, so FSDP2 runs exactly as in training."""
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the cores are shared with other tests: oversubscribing them is slow
-    yield
-    torch.set_num_threads(threads)
-    dist.destroy_process_group()
 
 
 def train_two_steps(model_type, config, batch_size, sharding, recompute, precision, device, compile=False):
@@ -63,7 +50,7 @@ CPU_CASES = [("gpt", "full-shard", "none"), ("gpt", "grad-shard", "full"), ("gpt
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU measurement; GPUs have their own test")
 @pytest.mark.parametrize("model_type,sharding,recompute", CPU_CASES)
-def test_estimate_within_25_percent_of_cpu_peak(one_rank, tmp_path, model_type, sharding, recompute):
+def test_estimate_within_25_percent_of_cpu_peak(one_rank_group, tmp_path, model_type, sharding, recompute):
     config = SMALL[model_type]
     torch.manual_seed(0)
     measured = cpu_peak(lambda: train_two_steps(model_type, config, 8, sharding, recompute, "float32", "cpu"),
@@ -76,7 +63,7 @@ def test_estimate_within_25_percent_of_cpu_peak(one_rank, tmp_path, model_type, 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU measurement")
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_estimate_follows_the_compiled_loss(one_rank, tmp_path, compile):
+def test_estimate_follows_the_compiled_loss(one_rank_group, tmp_path, compile):
     """A large vocabulary makes the loss's tensors the largest term: eager keeps fp32 log-softmax tensors,
     the compiled loss (with its output matmul) one logits tensor; the estimate must tell the two apart."""
     config = GPTConfig(vocab_size=32768, seq_length=128, num_layers=1, num_heads=2, embed_size=64)
@@ -99,7 +86,7 @@ GPU_CASES = [("gpt", GPT2, 4, "full-shard", "none", False), ("gpt", GPT2, 8, "fu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("model_type,config,batch_size,sharding,recompute,compile", GPU_CASES,
                          ids=["gpt2-full-shard", "gpt2-full-shard-compiled", "llama-grad-shard-ckpt"])
-def test_estimate_within_25_percent_of_cuda_peak(one_rank, model_type, config, batch_size, sharding, recompute,
+def test_estimate_within_25_percent_of_cuda_peak(one_rank_group, model_type, config, batch_size, sharding, recompute,
                                                  compile):
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()

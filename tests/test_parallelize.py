@@ -16,7 +16,7 @@ from minimal_fsdp import checkpoint  # noqa: E402
 from minimal_fsdp.config import parse_args  # noqa: E402
 from minimal_fsdp.data import TokenData, dataset_dir  # noqa: E402
 from minimal_fsdp.llama import Llama, make_config as make_llama_config  # noqa: E402
-from minimal_fsdp.model import GPT, make_config as make_gpt_config  # noqa: E402
+from minimal_fsdp.model import GPT, GPTConfig, make_config as make_gpt_config  # noqa: E402
 from minimal_fsdp.parallelize import init_weights, recomputed  # noqa: E402
 from minimal_fsdp.train import build_optimizer, lr_at, steps_per_epoch, total_steps  # noqa: E402
 
@@ -43,17 +43,22 @@ def reference(args, world, device="cpu", steps=STEPS):
     optimizer = build_optimizer(model, cfg)
     seq = model_config.seq_length
     last = total_steps(cfg, steps_per_epoch(cfg, world, data.num_tokens("train"), seq))
-    losses = []
+    losses, accum = [], cfg.grad_accum_steps
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg, last)
-        batches = [data.get_batch("train", step, r, world, cfg.batch_size, seq, cfg.seed) for r in range(world)]
-        loss = model(torch.cat([b[0] for b in batches]).to(device), torch.cat([b[1] for b in batches]).to(device))
-        loss.backward()
+        loss_sum = 0.0
+        for micro in range(accum):  # the micro-steps of one step, each over every rank's batch
+            batches = [data.get_batch("train", step * accum + micro, r, world, cfg.batch_size, seq, cfg.seed)
+                       for r in range(world)]
+            loss = model(torch.cat([b[0] for b in batches]).to(device),
+                         torch.cat([b[1] for b in batches]).to(device)) / accum
+            loss.backward()
+            loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss_sum)
     return losses, {k: v.cpu() for k, v in model.state_dict().items()}
 
 
@@ -72,6 +77,8 @@ CASES = [
     (2, ["--sharding", "full-shard", "--activation_checkpoints"]),
     (2, ["--sharding", "grad-shard", "--activation_checkpoints", "--recompute", "selective"]),
     (2, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2, "--meta_init"]),
+    (2, ["--sharding", "full-shard", "--grad_accum_steps", 2]),
+    (2, ["--sharding", "grad-shard", "--grad_accum_steps", 3]),  # parameters stay gathered between micro-steps
 ]
 
 
@@ -126,3 +133,31 @@ def test_recompute_policies_recompute_what_they_say(model_cls, make_config):
     matmuls = {policy: c["mm"] + c["addmm"] for policy, c in counts.items()}
     assert matmuls["selective"] == matmuls["none"]  # matmul outputs were kept
     assert matmuls["full"] > matmuls["none"]  # ...and recomputed under full
+
+
+@pytest.mark.parametrize("stays_gathered", [True, False])
+def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_group, stays_gathered):
+    """Over one rank nothing reshards after forward, so the micro-steps after the first find the parameters
+    still gathered; only the last micro-step reshards them for the optimizer. Turned off, every micro-step
+    gathers them again (the control that shows the test can see the difference)."""
+    from types import SimpleNamespace
+    from torch.distributed.tensor import DTensor
+    from minimal_fsdp.config import Config
+    from minimal_fsdp.parallelize import build_mesh, build_model
+    from minimal_fsdp.train import train_step
+    cfg = Config(sharding="full-shard")
+    env = SimpleNamespace(device=torch.device("cpu"), world_size=1, local_world_size=1)
+    config = GPTConfig(vocab_size=64, seq_length=16, num_layers=2, num_heads=2, embed_size=16)
+    model = build_model(GPT, config, cfg, env, build_mesh(cfg, env))
+    assert model.stays_gathered  # one rank: no reshard after forward
+    model.stays_gathered = stays_gathered
+    sharded_at_forward = []
+    for block in model.blocks:  # runs before FSDP's own pre-forward hook, which gathers
+        block.register_forward_pre_hook(
+            lambda module, args: sharded_at_forward.append(isinstance(module.attn.qkv.weight, DTensor)),
+            prepend=True)
+    x = torch.randint(0, 64, (2, 16))
+    train_step(model, build_optimizer(model, cfg), [(x, x)] * 3, 1.0, env.device)
+    first, later = sharded_at_forward[:2], sharded_at_forward[2:]
+    assert first == [True, True] and later == [not stays_gathered] * 4
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded after the last micro-step
