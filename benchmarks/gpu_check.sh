@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|attention|loss|loop ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|loop ...]
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -100,6 +100,12 @@ nobias)
     timeout 150 $MPI -n $g $B --batch_size 32 --no-bias --label "compile --batch_size 32 --no-bias" >> "$OUT/nobias.log" 2>&1
     grep '^|' "$OUT/nobias.log" | tail -1
   done ;;
+best)
+  # Target 1's setting: GPT-2 124M without biases, batch 160 x 2 micro-steps on one GPU; expandable segments,
+  # or the allocator's fragmentation makes batch 160 run out of memory.
+  timeout 200 $MPI -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -n 1 python3 benchmarks/throughput.py \
+    --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --warmup 6 --steps 12 --no-bias \
+    --batch_size 160 --grad_accum_steps 2 --out "$OUT/best.jsonl" 2>&1 | tee "$OUT/best.log" | grep '^|' | tail -1 ;;
 attention)
   # Causal attention kernels at GPT-2's shape: cuDNN, flash, memory-efficient SDPA and FlexAttention.
   timeout 150 python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | grep '^|' ;;

@@ -79,12 +79,13 @@ def kept_per_token(model_type, config):
 
 
 def estimate(model_type, config, batch_size, sharding, world_size, shard_group_size, recompute,
-             cpu_offload, precision, device_type="cuda", compile=False):
-    """Peak bytes on one GPU and in one rank's host memory for one training step (one micro-batch per step).
-    recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute)."""
+             cpu_offload, precision, device_type="cuda", compile=False, grad_accum_steps=1):
+    """Peak bytes on one GPU and in one rank's host memory for one training step of grad_accum_steps
+    micro-batches. recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute)."""
     sizes = count_parameters(model_type, config)
     shards = {"full-shard": world_size, "grad-shard": world_size, "no-shard": 1}.get(sharding, shard_group_size)
-    keep_gathered = sharding in ("grad-shard", "no-shard", "hybrid-grad-shard")  # no reshard after forward
+    # No reshard after forward (parallelize.shard): over one rank there is nothing to reshard.
+    keep_gathered = sharding in ("grad-shard", "no-shard", "hybrid-grad-shard") or shards == 1
     compute = 2 if precision == "bf16" else 4  # bytes of a gathered param, an activation, an unsharded grad
     tokens = batch_size * config.seq_length
     L = config.num_layers
@@ -113,7 +114,10 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     per_logit = compute if device_type == "cuda" or compile else 12
     logits = per_logit * tokens * config.vocab_size
 
-    static = on_gpu * params_and_optimizer + gathered
+    # Between the micro-steps of an accumulation FSDP2 keeps every parameter's unsharded gradient, in fp32
+    # (the reduce dtype) whatever the compute precision, and on the GPU even with CPU offload.
+    accumulated = 4 * sizes.total if grad_accum_steps > 1 else 0
+    static = on_gpu * params_and_optimizer + gathered + accumulated
     loss_backward = static + saved + final_norm + logits + unsharded_grads
     # With checkpointing, a block's activations are rebuilt during backward; the first block's last, when the
     # other blocks' sharded gradients have landed (the root's land after it).
@@ -159,6 +163,7 @@ def build_parser():
     p.add_argument("--vocab_size", type=int, help="default: the preset's (tiny: GPT 65, Llama 32000)")
     p.add_argument("--seq_length", type=int, help="tokens per sequence (default: the preset's context)")
     p.add_argument("--batch_size", type=int, default=1, help="sequences per GPU per micro-step")
+    p.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--precision", choices=("float32", "bf16"), default="float32", help="as in training")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
     p.add_argument("--gpus_per_node", type=int, help="default: min(--gpus, 8)")
@@ -172,7 +177,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     gpus_per_node = args.gpus_per_node or min(args.gpus, 8)
     group = args.shard_group_size or gpus_per_node
-    for name in ("gpus", "batch_size", "seq_length", "vocab_size", "gpus_per_node", "shard_group_size"):
+    for name in ("gpus", "batch_size", "grad_accum_steps", "seq_length", "vocab_size", "gpus_per_node",
+                 "shard_group_size"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ConfigError(f"--{name} must be positive")
     if args.gpus % gpus_per_node or args.gpus % group:
@@ -187,8 +193,9 @@ def main(argv=None):
           f"{config.num_layers} blocks of {sizes.per_block:,}, {sizes.root:,} outside them")
     print(f"checkpoint: {12 * sizes.total / GiB:.1f} GiB with optimizer state (fp32 params + AdamW moments), "
           f"{4 * sizes.total / GiB:.1f} GiB model only in fp32, {2 * sizes.total / GiB:.1f} GiB in bf16")
+    accumulation = f" x {args.grad_accum_steps} micro-steps" if args.grad_accum_steps > 1 else ""
     print(f"{args.gpus} GPU(s) of {gpu_memory / GiB:.0f} GiB, {gpus_per_node} per node; batch {args.batch_size} x "
-          f"{config.seq_length} tokens per GPU; {args.precision}; fits = estimate within "
+          f"{config.seq_length} tokens per GPU{accumulation}; {args.precision}; fits = estimate within "
           f"{1 - GPU_HEADROOM:.0%} of the GPU" + (f" and of {host_memory / GiB:.0f} GiB host" if host_memory else ""))
     header = f"{'sharding':<19}{'recompute':<11}{'offload':<9}{'state':>9}{'activ.':>9}{'GPU GiB':>9}" \
              f"{'host GiB/node':>15}  fits"
@@ -197,7 +204,7 @@ def main(argv=None):
         for recompute in ("none", "full", "selective"):
             for offload in (False, True):
                 e = estimate(family, config, args.batch_size, sharding, args.gpus, group, recompute, offload,
-                             args.precision)
+                             args.precision, grad_accum_steps=args.grad_accum_steps)
                 host = e["host"] * gpus_per_node
                 fits = e["gpu"] <= (1 - GPU_HEADROOM) * gpu_memory and (host_memory is None or host <= host_memory)
                 print(f"{sharding:<19}{recompute:<11}{'yes' if offload else 'no':<9}"
