@@ -146,7 +146,8 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_
     from minimal_fsdp.parallelize import build_mesh, build_model
     from minimal_fsdp.train import train_step
     cfg = Config(sharding="full-shard")
-    env = SimpleNamespace(device=torch.device("cpu"), world_size=1, local_world_size=1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the group is NCCL where CUDA is
+    env = SimpleNamespace(device=device, world_size=1, local_world_size=1)
     config = GPTConfig(vocab_size=64, seq_length=16, num_layers=2, num_heads=2, embed_size=16)
     model = build_model(GPT, config, cfg, env, build_mesh(cfg, env))
     assert model.stays_gathered  # one rank: no reshard after forward
@@ -156,7 +157,7 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_
         block.register_forward_pre_hook(
             lambda module, args: sharded_at_forward.append(isinstance(module.attn.qkv.weight, DTensor)),
             prepend=True)
-    x = torch.randint(0, 64, (2, 16))
+    x = torch.randint(0, 64, (2, 16), device=device)
     train_step(model, build_optimizer(model, cfg), [(x, x)] * 3, 1.0, env.device)
     first, later = sharded_at_forward[:2], sharded_at_forward[2:]
     assert first == [True, True] and later == [not stays_gathered] * 4
