@@ -22,6 +22,7 @@ from .llama import Llama
 from .llama import make_config as make_llama_config
 from .model import GPT
 from .model import make_config as make_gpt_config
+from .parallelize import reshards_after_forward
 
 GiB = 2**30
 MODELS = {"gpt": GPT, "llama": Llama}
@@ -84,8 +85,7 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     micro-batches. recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute)."""
     sizes = count_parameters(model_type, config)
     shards = {"full-shard": world_size, "grad-shard": world_size, "no-shard": 1}.get(sharding, shard_group_size)
-    # No reshard after forward (parallelize.shard): over one rank there is nothing to reshard.
-    keep_gathered = sharding in ("grad-shard", "no-shard", "hybrid-grad-shard") or shards == 1
+    keep_gathered = not reshards_after_forward(sharding, shards)
     compute = 2 if precision == "bf16" else 4  # bytes of a gathered param, an activation, an unsharded grad
     tokens = batch_size * config.seq_length
     L = config.num_layers

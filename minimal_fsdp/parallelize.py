@@ -35,15 +35,18 @@ def build_mesh(cfg, env):
     return init_device_mesh(kind, (env.world_size // group, group), mesh_dim_names=("replicate", "shard"))
 
 
+def reshards_after_forward(sharding, shard_ranks):
+    """Whether gathered params are freed after forward and gathered again in backward: pointless over a shard
+    group of one rank. The last block never reshards (its backward comes right after forward)."""
+    return sharding in ("full-shard", "hybrid-full-shard") and shard_ranks > 1
+
+
 def shard(model, mesh, cfg):
     """fully_shard each block (the unit that is gathered, freed and overlapped), then the root for the rest."""
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cfg.precision == "bf16" else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
-    # Resharding after forward frees gathered params until backward gathers them again: pointless over a shard
-    # group of one rank, and for the last block, whose backward comes right after forward.
-    shard_ranks = mesh["shard"].size() if mesh.ndim == 2 else mesh.size()
-    reshard = cfg.sharding in ("full-shard", "hybrid-full-shard") and shard_ranks > 1
+    reshard = reshards_after_forward(cfg.sharding, mesh["shard"].size() if mesh.ndim == 2 else mesh.size())
     for i, block in enumerate(model.blocks):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard and i < len(model.blocks) - 1, mp_policy=mixed,
                     offload_policy=offload)

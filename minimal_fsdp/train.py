@@ -109,7 +109,7 @@ def train_step(model, optimizer, micro_batches, grad_clip, device, skip_nonfinit
             # parameters stay gathered from forward to backward: the next micro-step needs them again).
             last = i == len(micro_batches) - 1
             model.set_requires_gradient_sync(last)
-            if getattr(model, "stays_gathered", False):
+            if model.stays_gathered:  # set by parallelize.shard
                 model.set_reshard_after_backward(last)
         loss = model(x, y) / len(micro_batches)
         loss.backward()
