@@ -65,7 +65,8 @@ def main():
             train_step(model, optimizer, batch, cfg.grad_clip, env.device)
         torch.cuda.synchronize()
     if env.is_main:
-        kernels = [e for e in prof.key_averages()
+        events = prof.key_averages()
+        kernels = [e for e in events
                    if e.device_type == torch.autograd.DeviceType.CUDA and not annotation(e.key)]
         device_total = sum(e.self_device_time_total for e in kernels) / steps / 1e3
         # A step that launches more kernels than the device's queue holds waits for the sleep to end.
@@ -74,10 +75,11 @@ def main():
               f"device busy {device_total:.1f} ms (sum of kernel times)")
         by_kind = {}
         for e in kernels:
-            by_kind[kind(e.key)] = by_kind.get(kind(e.key), 0) + e.self_device_time_total / steps / 1e3
+            k = kind(e.key)
+            by_kind[k] = by_kind.get(k, 0) + e.self_device_time_total / steps / 1e3
         for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
             print(f"  {k:18s} {ms:6.1f} ms")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+        print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
         # Which operator (and input shapes) launched the costliest kernels.
         print(prof.key_averages(group_by_input_shape=True).table(sort_by="device_time_total", row_limit=25,
                                                                   max_name_column_width=40, max_shapes_column_width=70))

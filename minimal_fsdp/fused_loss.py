@@ -53,10 +53,10 @@ def loss_and_grad(logits, targets, losses, with_grad=True):
 
 
 def project_and_reduce(x, weight, targets, with_grad):
-    """The logits x @ weight.T (with_grad: turned into their gradient) and the mean loss."""
-    logits = x @ weight.t()
+    """The logits of x (..., C) as rows, x @ weight.T (with_grad: turned into their gradient), and the mean loss."""
+    logits = x.reshape(-1, x.size(-1)) @ weight.t()
     losses = torch.empty(logits.size(0), device=logits.device, dtype=torch.float32)
-    loss_and_grad(logits, targets, losses, with_grad)
+    loss_and_grad(logits, targets.reshape(-1).contiguous(), losses, with_grad)
     return logits, losses.mean()
 
 
@@ -64,9 +64,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.bfloat16)  # under autocast (replicas): bf16
     def forward(ctx, x, weight, targets):
-        ctx.x_shape = x.shape
-        x = x.reshape(-1, x.size(-1))
-        dlogits, loss = project_and_reduce(x, weight, targets.reshape(-1).contiguous(), with_grad=True)
+        dlogits, loss = project_and_reduce(x, weight, targets, with_grad=True)
         ctx.save_for_backward(x, weight, dlogits)
         return loss
 
@@ -74,8 +72,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad):
         x, weight, dlogits = ctx.saved_tensors
-        dx = (dlogits @ weight).mul_(grad).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        dweight = (dlogits.t() @ x).mul_(grad) if ctx.needs_input_grad[1] else None
+        dx = (dlogits @ weight).mul_(grad).view_as(x) if ctx.needs_input_grad[0] else None
+        dweight = (dlogits.t() @ x.reshape(-1, x.size(-1))).mul_(grad) if ctx.needs_input_grad[1] else None
         return dx, dweight, None
 
 
@@ -84,4 +82,4 @@ def linear_cross_entropy(x, weight, targets):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return LinearCrossEntropy.apply(x, weight, targets)
     # Evaluation: the loss alone; the kernel skips the pass that writes the gradient.
-    return project_and_reduce(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1).contiguous(), False)[1]
+    return project_and_reduce(x, weight, targets, with_grad=False)[1]
