@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from minimal_fsdp import checkpoint, environment, hf, resilience
+from minimal_fsdp import checkpoint, environment, files, hf, resilience
 from minimal_fsdp.config import ConfigError, model_family, parse_args, validate_world
 from minimal_fsdp.data import TokenData, prepare
 from minimal_fsdp.generate import generate
@@ -135,13 +135,20 @@ def main(argv=None):
     validate_world(cfg, env.world_size, env.local_world_size)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     mesh = build_mesh(cfg, env)
-    start = environment.run_on_main(checkpoint.find, cfg)  # rank 0 checks the files; all load the same one
-    hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None  # rank 0 downloads
-
-    if cfg.generate_only:
-        model, tokenizer = model_for_generation(cfg, env, mesh, start, hf_dir)
-    else:
-        model, tokenizer = train_model(cfg, env, mesh, start, hf_dir, stop)
+    # One training run per run directory: rank 0 holds the lock until the end (generation only reads).
+    lock = files.RunLock({"--checkpoint_dir": Path(cfg.checkpoint_dir) / cfg.run_name,
+                          "--log_dir": Path(cfg.log_dir) / cfg.run_name})
+    if not cfg.generate_only:
+        environment.run_on_main(lock.acquire)
+    try:
+        start = checkpoint.find(cfg)  # rank 0 picks it, all ranks check it; all load the same one
+        hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None  # rank 0 downloads
+        if cfg.generate_only:
+            model, tokenizer = model_for_generation(cfg, env, mesh, start, hf_dir)
+        else:
+            model, tokenizer = train_model(cfg, env, mesh, start, hf_dir, stop)
+    finally:
+        lock.release()
     # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes at once.
     if cfg.num_tokens > 0 and not stop.reason:
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
@@ -158,7 +165,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, resilience.Diverged) as e:  # raised alike on every rank: one line, clean exit
+    except (ConfigError, resilience.Diverged, checkpoint.SaveError) as e:  # raised alike on every rank: one line
         if environment.rank_hint() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         environment.teardown()

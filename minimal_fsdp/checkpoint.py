@@ -1,24 +1,33 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP), written atomically, loaded without pickle.
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), written atomically, verified, loaded without pickle.
 
 Layout of <checkpoint_dir>/<run_name>/:
   step_<N>/   DCP shards (one file per rank) and .metadata; meta.json (step, epoch, model config, resolved
-              flags, LR horizon, data position, val loss, world size); rng_<rank>.pt (each rank's torch,
-              CUDA, numpy and python RNG states); the tokenizer's files
-  latest      names the newest complete checkpoint; best names the one with the lowest val loss
+              flags, LR horizon, data position, val loss, world size, and the size and CRC-32 of every other
+              file); rng_<rank>.pt (each rank's torch, CUDA, numpy and python RNG states); the tokenizer's files
+  latest      names the newest committed checkpoint; best names the one with the lowest val loss
+  .lock       held by the training run that uses the directory (files.RunLock)
 
-A checkpoint is written as .tmp-step_<N> and renamed only when every rank has finished, and `latest` moves
-only after the rename, so a crash mid-write leaves the previous checkpoint, and `latest`, untouched. A
-checkpoint that is damaged anyway (a truncated file, a missing shard) is detected by `verify` and skipped.
+A checkpoint is written as .tmp-step_<N> and renamed only when every rank has finished; moving `latest` to it
+commits it. A crash anywhere in a save leaves the previous checkpoint, and `latest`, untouched; a failed save
+(a full disk) is reported in one line on every rank, and its partial directory removed. Before a run loads a
+checkpoint every file is checked against its recorded size and checksum, the ranks sharing the reading; a
+damaged checkpoint is reported in one line and the previous complete one is used.
+
+Loading never runs code from the files: DCP's .metadata pickle is read by an unpickler that knows only the
+plain classes it is made of, and everything else with json or torch.load(weights_only=True).
 """
+import importlib
 import io
 import json
 import math
 import os
 import pickle
 import random
+import re
 import shutil
 import sys
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -26,35 +35,75 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from . import environment, files
 from .config import ConfigError
 
-_TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+STEP_NAME = re.compile(r"step_(\d+)")
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's .metadata file is a pickle; allow only the plain data classes it is made of, so a crafted
-    checkpoint cannot run code when loaded."""
+class SaveError(RuntimeError):
+    """A save failed (a full disk, a lost run lock). Raised alike on every rank; its text is one line."""
+
+
+# ---- reading DCP's .metadata without running code ----
+
+def _allowed_globals():
+    """Exactly the (module, name) pairs a DCP .metadata pickle refers to: DCP's metadata classes, a few
+    containers, and torch's dtype/layout/memory-format values. torch's own weights-only unpickler is private
+    and reads torch.save archives, not DCP's bare pickle, so we keep this small allow-list ourselves."""
+    allowed = {(dcp_metadata.__name__, name) for name, value in vars(dcp_metadata).items()
+               if isinstance(value, type) and value.__module__ == dcp_metadata.__name__}
+    allowed |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict"),
+                ("torch", "Size"), ("torch.serialization", "_get_layout"), ("builtins", "set"),
+                ("builtins", "frozenset"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath")}  # Python >= 3.13
+    allowed |= {("torch", name) for name, value in vars(torch).items()
+                if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))}
+    return frozenset(allowed)
+
+
+_ALLOWED = _allowed_globals()
+
+
+def _build(unpickler):
+    """BUILD that refuses to set attributes on a class (it would change that class for the whole process)."""
+    if isinstance(unpickler.stack[-2], type):
+        raise pickle.UnpicklingError("checkpoint metadata tries to modify a class")
+    pickle._Unpickler.dispatch[pickle.BUILD[0]](unpickler)
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler (its opcode table can be changed; the C one's cannot) with find_class limited
+    to _ALLOWED. A name is looked up as one attribute, never as a dotted path (protocol 4 would otherwise
+    walk 'filesystem' + 'os.system' to os.system), so nothing outside the list is reachable."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch[pickle.BUILD[0]] = _build
 
     def find_class(self, module, name):
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in (
-                ("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("builtins", "set"), ("builtins", "frozenset"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+        return getattr(importlib.import_module(module), name)
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("checkpoint metadata holds a persistent id, which is not allowed")
+
+
+def read_dcp_metadata(path):
+    """DCP's Metadata of a checkpoint directory (or of one of its per-rank metadata files)."""
+    with open(path, "rb") as f:
+        return _MetadataUnpickler(f).load()
 
 
 class SafeReader(FileSystemReader):
     def read_metadata(self, *args, rank=None, **kwargs):
-        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        metadata = read_dcp_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -78,38 +127,108 @@ def _state(model, optimizer):
 # ---- saving ----
 
 def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, state=None):
-    """Collective: every rank writes its shards and RNG states; rank 0 finishes the directory, renames it
-    into place, then moves `latest` (and `best`) and prunes to --keep_last. `state` replaces the model and
-    optimizer state when given (decentralized replicas: save_replicas)."""
+    """Collective: every rank writes its shards, its RNG states and their checksums; rank 0 finishes the
+    directory, renames it into place, then moves `latest` (the commit) and `best`, and prunes to --keep_last.
+    `state` replaces the model and optimizer state when given (decentralized replicas: save_replicas).
+    If any rank fails (a full disk, say), every rank raises SaveError and the partial directory is removed."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step_{step}", run_dir / f".tmp-step_{step}"
     rank = dist.get_rank()
+    error = None
     if rank == 0:
-        for leftover in run_dir.glob(".tmp-*"):  # of a save or a prune that crashed
-            shutil.rmtree(leftover, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    _write_durably(tmp / _rng_file(rank), _rng_bytes())
-    dcp.save(_state(model, optimizer) if state is None else state, checkpoint_id=str(tmp))  # ends with a gather: every rank has written
+        try:
+            files.check_lock(run_dir)
+            for leftover in run_dir.glob(".tmp-*"):  # of a save or a prune that crashed
+                shutil.rmtree(leftover, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except (OSError, files.LockError) as e:
+            error = e
+    _gather_or_fail(f"cannot start checkpoint {final}", error, tmp)  # the others wait here for the directory
+    try:
+        # DCP gathers the ranks' failures and raises them on every rank, so all reach the gather below.
+        dcp.save(_state(model, optimizer) if state is None else state, checkpoint_id=str(tmp))
+        _write_durably(tmp / _rng_file(rank), _rng_bytes())
+        mine = _checksums(tmp, [_rng_file(rank)] + sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp")))
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - a full disk, as OSError or inside DCP's
+        mine = e  # CheckpointException (a BaseException)
+    sums = _gather_or_fail(f"writing checkpoint {final} failed", mine, tmp)
+    error = None
     if rank == 0:
-        meta = dict(meta, step=step, world_size=dist.get_world_size())
-        _write_durably(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-        if tokenizer_dir is not None:
-            for f in Path(tokenizer_dir).glob("tokenizer.*"):
-                _write_durably(tmp / f.name, f.read_bytes())
-        replaced = run_dir / f".tmp-old-{final.name}"
-        if final.exists():  # saved again after resuming from an older checkpoint: never half-delete it
-            os.replace(final, replaced)
-        os.replace(tmp, final)
-        _sync_directory(run_dir)
-        _write_marker(run_dir, "latest", final)
-        shutil.rmtree(replaced, ignore_errors=True)
-        if meta.get("val_loss") is not None and meta["val_loss"] < _best_val_loss(run_dir):
-            _write_marker(run_dir, "best", final)
-        if keep_last:
-            _prune(run_dir, keep_last, step)
-    dist.barrier()
+        try:
+            _finish(run_dir, tmp, final, dict(meta, step=step, world_size=dist.get_world_size()),
+                    {name: v for rank_sums in sums for name, v in rank_sums.items()}, tokenizer_dir, keep_last)
+        except OSError as e:
+            error = e
+    _gather_or_fail(f"finishing checkpoint {final} failed", error, tmp)
     return final
+
+
+def _finish(run_dir, tmp, final, meta, checksums, tokenizer_dir, keep_last):
+    """Rank 0, once every rank has written: meta.json (with every file's checksum), the tokenizer, the rename
+    into place, then the commit (`latest`), `best`, and pruning."""
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).glob("tokenizer.*"):
+            _write_durably(tmp / f.name, f.read_bytes())
+    names = [".metadata"] + sorted(p.name for p in tmp.iterdir() if p.name.startswith("tokenizer."))
+    meta["files"] = dict(sorted({**checksums, **_checksums(tmp, names)}.items()))
+    _write_durably(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+    _publish(tmp, final)
+    _write_marker(run_dir, "latest", final)
+    if meta.get("val_loss") is not None and meta["val_loss"] < _best_val_loss(run_dir):
+        _write_marker(run_dir, "best", final)
+    if keep_last:
+        _prune(run_dir, keep_last, meta["step"])
+
+
+def _publish(tmp, final):
+    """Rename the finished directory into place. A step_<N> saved before (a run resumed from an older
+    checkpoint saves it again) is moved aside first and deleted only after, never half-deleted in place."""
+    replaced = final.parent / f".tmp-old-{final.name}"
+    if final.exists():
+        os.replace(final, replaced)
+    os.replace(tmp, final)
+    _sync_directory(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _gather_or_fail(what, outcome, tmp):
+    """Collective: every rank's outcome (a value, or the exception it hit). If any rank failed, every rank
+    raises SaveError naming the first failure, after rank 0 has removed the partial directory."""
+    failure = _failure(outcome, dist.get_rank()) if isinstance(outcome, BaseException) else None
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (failure, None if failure else outcome))
+    failures = sorted(f for f, _ in outcomes if f)
+    if not failures:
+        return [value for _, value in outcomes]
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rank, text = failures[0]
+    raise SaveError(f"{what} (rank {rank}: {text}); the previous checkpoint is untouched")
+
+
+def _failure(error, rank):
+    """(the rank that failed, one line of why). DCP reports every rank's exception in one CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        error = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+    if isinstance(error, OSError) and error.strerror:
+        return rank, error.strerror + (f": {error.filename}" if error.filename else "")
+    return rank, f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+def _checksums(directory, names):
+    """{file name: [size, CRC-32]}: CRC-32 (zlib) finds bit rot and overwritten blocks at about 1 GB/s; the files
+    are not secrets, and a forger could rewrite meta.json anyway, so a cryptographic hash would add only time."""
+    return {name: [os.path.getsize(Path(directory) / name), _crc32(Path(directory) / name)] for name in names}
+
+
+def _crc32(path, chunk=16 * 2**20):
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
 def _write_durably(path, data):
@@ -135,14 +254,27 @@ def _write_marker(run_dir, name, target):
     _sync_directory(run_dir)
 
 
-def _marker(run_dir, name):
-    """The checkpoint a marker (`latest`, `best`) names, or None if there is no marker."""
+def _marker(run_dir, name, warn=True):
+    """The checkpoint a marker (`latest`, `best`) names, or None if there is none. A marker that does not hold
+    exactly the name of a step_<N> beside it (damaged bytes, a path into another run) is reported and ignored."""
     marker = Path(run_dir) / name
-    return Path(run_dir) / marker.read_text().strip() if marker.is_file() else None
+    if not marker.is_file():
+        return None
+    try:
+        with open(marker, "rb") as f:
+            text = f.read(65).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    if not STEP_NAME.fullmatch(text):
+        if warn:
+            print(f"warning: ignoring {marker}: it does not name a step_<N> checkpoint of this run", file=sys.stderr,
+                  flush=True)
+        return None
+    return Path(run_dir) / text
 
 
 def _best_val_loss(run_dir):
-    best = _marker(run_dir, "best")
+    best = _marker(run_dir, "best", warn=False)
     try:
         value = read_meta(best).get("val_loss")
     except (TypeError, OSError, ValueError, AttributeError):  # no marker, or it names a damaged checkpoint
@@ -152,15 +284,19 @@ def _best_val_loss(run_dir):
 
 def step_dirs(run_dir):
     """The run's step_<N> directories, newest first."""
-    found = [p for p in Path(run_dir).glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+    found = [p for p in Path(run_dir).glob("step_*") if p.is_dir() and STEP_NAME.fullmatch(p.name)]
+    return sorted(found, key=_step_of, reverse=True)
+
+
+def _step_of(path):
+    return int(Path(path).name[5:])
 
 
 def _prune(run_dir, keep_last, step):
     """Delete all but the newest keep_last checkpoints up to `step`, sparing `best`. Checkpoints past `step`
     (left by a run that was restarted from an earlier one) are not this timeline's to delete."""
-    spared = {_marker(run_dir, "latest"), _marker(run_dir, "best")}
-    mine = [p for p in step_dirs(run_dir) if int(p.name[5:]) <= step]
+    spared = {_marker(run_dir, "latest", warn=False), _marker(run_dir, "best", warn=False)}
+    mine = [p for p in step_dirs(run_dir) if _step_of(p) <= step]
     for old in mine[keep_last:]:
         if old not in spared:
             doomed = run_dir / f".tmp-old-{old.name}"  # renamed first, so no half-deleted step_<N> is ever seen
@@ -215,10 +351,11 @@ def read_meta(path):
     return json.loads((Path(path) / "meta.json").read_text())
 
 
-def verify(path):
-    """Why `path` is not a complete checkpoint, or None if it is. Cheap checks only: meta.json parses, DCP's
-    .metadata loads (without running pickled code), every byte range it lists lies inside its shard file,
-    and every rank's RNG file loads."""
+def verify(path, checksums=True, share=(0, 1)):
+    """Why `path` is not a complete checkpoint, or None if it is: meta.json parses, DCP's .metadata loads
+    (without running code), every byte range it lists lies inside its shard file, every rank's RNG file loads,
+    and, with checksums, every file has the size and CRC-32 recorded at save (this caller's `share` of them,
+    (index, count), when several processes split the reading). Checkpoints from before checksums skip that."""
     path = Path(path)
     if not path.is_dir():
         return "no such directory"
@@ -226,15 +363,15 @@ def verify(path):
         meta = read_meta(path)
     except (OSError, ValueError):
         return "meta.json is missing or unreadable"
-    if not isinstance(meta, dict) or "step" not in meta:
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
         return "meta.json has no step"
     try:
-        metadata = SafeReader(str(path)).read_metadata()
+        metadata = read_dcp_metadata(path / ".metadata")
         needed = {}
         for info in metadata.storage_data.values():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    except Exception as e:  # a truncated pickle fails in many ways; all mean "unreadable"
-        return f".metadata is missing or unreadable ({type(e).__name__})"
+    except Exception as e:  # noqa: BLE001 - a truncated or hostile pickle fails in many ways; all mean "unusable"
+        return f".metadata is missing or unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
     for name, size in sorted(needed.items()):
         file = path / name
         if not file.is_file():
@@ -244,59 +381,118 @@ def verify(path):
     for rank in range(meta.get("world_size", 0)):
         try:
             torch.load(path / _rng_file(rank), weights_only=True)
-        except Exception as e:  # missing, truncated: a few KB each, so read them all
+        except Exception as e:  # noqa: BLE001 - missing, truncated: a few KB each, so read them all
             return f"{_rng_file(rank)} is missing or unreadable ({type(e).__name__})"
+    return _checksum_problem(path, meta.get("files") or {}, share) if checksums else None
+
+
+def _checksum_problem(path, recorded, share):
+    index, count = share
+    for name in sorted(recorded)[index::count]:
+        size, crc = recorded[name]
+        file = Path(path) / name
+        try:
+            if file.stat().st_size != size:
+                return f"{name} has {file.stat().st_size} bytes, {size} when saved"
+            if _crc32(file) != crc:
+                return f"{name} does not match its checksum: the file was damaged after it was saved"
+        except OSError as e:
+            return f"{name}: {e.strerror or e}"
     return None
 
 
-def newest_complete(run_dir):
-    """The checkpoint `latest` names if it is complete, else the newest complete step_<N>. Each one skipped
-    is reported in one line on stderr."""
+def candidates(run_dir):
+    """A run's checkpoints in the order to try them: the one `latest` names (the last commit), then older ones,
+    newest first, then newer ones (a save that crashed between its rename and its commit, or another
+    timeline's, when a run was restarted from an older checkpoint)."""
     run_dir = Path(run_dir)
     marked = _marker(run_dir, "latest")
-    candidates = ([marked] if marked else []) + [p for p in step_dirs(run_dir) if p != marked]
-    for path in candidates:
-        problem = verify(path)
+    others = [p for p in step_dirs(run_dir) if p != marked]
+    if marked is None:
+        return others
+    older = [p for p in others if _step_of(p) < _step_of(marked)]
+    return [marked] + older + [p for p in others if _step_of(p) > _step_of(marked)]
+
+
+def newest_complete(run_dir, checksums=True):
+    """The first complete checkpoint among candidates(run_dir), or None. Each one skipped is reported in one
+    line on stderr."""
+    for path in candidates(run_dir):
+        problem = verify(path, checksums)
         if problem is None:
             return path
-        print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
+        _skipping(path, problem)
     return None
+
+
+def _skipping(path, problem):
+    print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
 
 
 def latest(run_dir):
-    """The newest complete checkpoint of a run, or None."""
+    """The newest complete checkpoint of a run, or None (one process; training uses find)."""
     return newest_complete(run_dir)
 
 
 def resolve(path):
     """A checkpoint directory from what a user may pass: the directory itself, a `latest`/`best` marker, or a
-    run directory (its newest complete checkpoint)."""
+    run directory (its newest complete checkpoint, by the cheap checks; verify() the result)."""
     path = Path(path)
     if path.is_file():
-        return path.parent / path.read_text().strip()
+        target = _marker(path.parent, path.name, warn=False)
+        if target is None:
+            raise ConfigError(f"{path} is a file but not a checkpoint marker (one line naming a step_<N> directory "
+                              "beside it): pass a step_<N> directory, a run directory or its latest/best marker")
+        return target
     if path.is_dir() and not (path / "meta.json").exists() and ((path / "latest").exists() or step_dirs(path)):
-        return newest_complete(path) or path
+        return newest_complete(path, checksums=False) or path
     return path
 
 
 def find(cfg):
-    """The checkpoint a run starts from: --restart_checkpoint_file, else (--resume auto) the run's newest
-    complete one, else None. Reads the file system, so call it on rank 0 and share the answer
-    (environment.run_on_main): then every rank loads the same checkpoint even if files change meanwhile."""
+    """Collective. The checkpoint a run starts from: --restart_checkpoint_file, else (--resume auto) the run's
+    newest complete one, else None. Rank 0 looks at the files and passes its candidates to all (so every rank
+    loads the same checkpoint even if files change meanwhile); the ranks then share the checksum reading."""
+    together = dist.is_initialized()  # else one process (a tool, a test) does it all
+    rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+    for path in environment.run_on_main(_cheaply_complete, cfg) if together else _cheaply_complete(cfg):
+        problems = [verify(path, share=(rank, world))]
+        if together:
+            problems *= world
+            dist.all_gather_object(problems, problems[rank])
+        problem = next((p for p in problems if p), None)
+        if problem is None:
+            return Path(path)
+        if cfg.restart_checkpoint_file:
+            raise ConfigError(f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is damaged: {path}: {problem}")
+        if rank == 0:
+            _skipping(path, problem)
+    return None
+
+
+def _cheaply_complete(cfg):
+    """Rank 0: the checkpoints to try, in order, that pass verify's cheap checks (no checksums yet)."""
     if cfg.restart_checkpoint_file:
         path = resolve(cfg.restart_checkpoint_file)
-        problem = verify(path)
+        problem = verify(path, checksums=False)
         if problem:
             raise ConfigError(f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is not a complete "
                               f"checkpoint: {path}: {problem}")
-        return path
+        return [str(path)]
     run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
     if cfg.resume == "never" and not cfg.generate_only:
         if step_dirs(run_dir):
             raise ConfigError(f"--resume never, but {run_dir} already holds checkpoints: pick another --run_name, "
                               "move that directory away, or resume from it with --resume auto")
-        return None
-    return newest_complete(run_dir)
+        return []
+    found = []
+    for path in candidates(run_dir):
+        problem = verify(path, checksums=False)
+        if problem is None:
+            found.append(str(path))
+        else:
+            _skipping(path, problem)
+    return found
 
 
 # ---- loading ----
@@ -312,7 +508,7 @@ def load(path, model, optimizer=None):
 
 def tensor_names(path, prefix="model."):
     """Names, shapes and dtypes of the checkpoint's tensors under `prefix` (prefix stripped), in saved order."""
-    metadata = SafeReader(str(path)).read_metadata()
+    metadata = read_dcp_metadata(Path(path) / ".metadata")
     return [(key[len(prefix):], md.size, md.properties.dtype) for key, md in metadata.state_dict_metadata.items()
             if key.startswith(prefix) and hasattr(md, "size")]
 

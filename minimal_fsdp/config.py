@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -240,6 +241,8 @@ def _read_toml(path):
             return tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"--config {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path} is not a UTF-8 text file (TOML)") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: {e}") from None
 
@@ -310,12 +313,7 @@ def validate(cfg):
             raise ConfigError(f"--{name} must be 0 or positive (got {getattr(cfg, name)})")
     if cfg.time_limit:
         parse_duration(cfg.time_limit)
-    if cfg.lr <= 0:
-        raise ConfigError(f"--lr must be positive (got {cfg.lr})")
-    if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
-        raise ConfigError(f"--dropout must be in [0, 1) (got {cfg.dropout})")
-    if not 0 < cfg.val_fraction < 1:
-        raise ConfigError(f"--val_fraction must be in (0, 1) (got {cfg.val_fraction})")
+    validate_values(cfg)
     if cfg.dataset == "text" and not cfg.input_file:
         raise ConfigError("--dataset text needs --input_file PATH")
     if cfg.streaming and not cfg.dataset_path:
@@ -348,6 +346,40 @@ def validate(cfg):
     elif cfg.bias is not None:
         raise ConfigError("--bias/--no-bias is a gpt flag (llama has no biases): drop it")
     validate_decentralized(cfg)
+
+
+def _check_range(cfg, name, low, high=None, low_ok=True, note=""):
+    """--name, if set, must be a finite number >= low (> low unless low_ok) and, given high, < high."""
+    value = getattr(cfg, name)
+    if value is None:
+        return
+    if not (math.isfinite(value) and (value >= low if low_ok else value > low) and (high is None or value < high)):
+        opening = "[" if low_ok else "("
+        bounds = f"in {opening}{low:g}, {high:g})" if high is not None else f"{'>=' if low_ok else '>'} {low:g}"
+        raise ConfigError(f"--{name} must be a finite number {bounds} (got {value}){note}")
+
+
+def validate_values(cfg):
+    """Numbers that would silently corrupt training (a negative clip is gradient ascent, a negative min_lr a
+    negative learning rate), or fail deep inside torch with a traceback, are refused here in one line."""
+    _check_range(cfg, "lr", 0, low_ok=False)
+    _check_range(cfg, "min_lr", 0)
+    if cfg.min_lr is not None and cfg.min_lr > cfg.lr:
+        raise ConfigError(f"--min_lr {cfg.min_lr} is above --lr {cfg.lr}: the schedule decays from --lr to --min_lr")
+    _check_range(cfg, "beta1", 0, 1)
+    _check_range(cfg, "beta2", 0, 1)
+    _check_range(cfg, "weight_decay", 0)
+    _check_range(cfg, "grad_clip", 0, note=" (0 disables clipping)")
+    _check_range(cfg, "dropout", 0, 1)
+    _check_range(cfg, "val_fraction", 0, 1, low_ok=False)
+    _check_range(cfg, "temperature", 0, note=" (0: greedy)")
+    _check_range(cfg, "top_k", 0, note=" (0: all tokens)")
+    _check_range(cfg, "collective_timeout", 0, low_ok=False, note=" (seconds)")
+    if cfg.max_epochs == 0 or cfg.max_epochs < -1:
+        raise ConfigError(f"--max_epochs must be positive, or -1 to only generate (got {cfg.max_epochs})")
+    name = cfg.run_name
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or name != name.strip():
+        raise ConfigError(f"--run_name must be one plain directory name, without '/' (got {name!r})")
 
 
 def model_family(cfg):

@@ -1,6 +1,33 @@
-"""Writing a file so that no reader ever sees half of it: write a temporary sibling, then rename it over."""
+"""File-system safety: files written atomically, and one training run at a time per run directory.
+
+A run directory (<checkpoint_dir>/<run_name>, <log_dir>/<run_name>) holds one lock file, `.lock`, while a
+training run uses it: who holds it (host, pid, scheduler job) and a heartbeat (its modification time, touched
+every few seconds). A second run refuses to start, in one line. A lock whose holder is gone is taken over:
+at once when the holder ran on this host and its process has ended, or when the lock comes from this very
+scheduler job (a requeued job); otherwise once its heartbeat has been silent for STALE_AFTER seconds.
+Only O_EXCL file creation, rename and mtime are used, so it works on parallel file systems (Lustre, GPFS,
+NFSv4) where fcntl/flock locks are often disabled or local to a node.
+"""
+import datetime
+import json
 import os
+import socket
+import sys
+import threading
+import time
+import uuid
 from pathlib import Path
+
+from .config import ConfigError
+
+LOCK_NAME = ".lock"
+HEARTBEAT = 10.0  # seconds between touches of a held lock
+STALE_AFTER = 60.0  # a lock untouched this long belongs to a run that died
+_held = {}  # lock path -> token, for the locks this process holds
+
+
+class LockError(ConfigError):
+    """A run directory is in use, or cannot be written: one line for the user, as any bad input."""
 
 
 def write_atomic(path, write):
@@ -13,3 +40,160 @@ def write_atomic(path, write):
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _job_id():
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")
+
+
+def _read_holder(path):
+    """The lock's JSON, or {} if it cannot be read (being written, or damaged: then only its age counts)."""
+    try:
+        holder = json.loads(path.read_text(encoding="utf-8"))
+        return holder if isinstance(holder, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True  # someone else's process, or an unreadable pid: assume it runs
+    return True
+
+
+def _stale(path, holder):
+    """Whether the run that holds `path` is gone."""
+    try:
+        silent = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return True
+    if silent > STALE_AFTER:
+        return True
+    if holder.get("job") and holder.get("job") == _job_id():
+        return True  # this scheduler job started it: an earlier attempt of this job, requeued
+    return holder.get("host") == socket.gethostname() and not _pid_alive(holder.get("pid"))
+
+
+class RunLock:
+    """Held by rank 0 of a training run for the run's lifetime, over its checkpoint and log directories."""
+
+    def __init__(self, directories):
+        """directories: {what the user set, e.g. "--checkpoint_dir": the run directory under it}."""
+        self.flags = {}
+        for flag, directory in directories.items():
+            self.flags.setdefault(str(Path(directory) / LOCK_NAME), flag)
+        self.paths = [Path(path) for path in self.flags]
+        self.token = uuid.uuid4().hex
+        self.stopped = threading.Event()
+        self.thread = None
+
+    def acquire(self, wait=STALE_AFTER + 2 * HEARTBEAT):
+        """Take every lock, or raise LockError. A lock held from another host is waited on for up to `wait`
+        seconds (it may be a run that was killed a moment ago, whose heartbeat has not gone stale yet)."""
+        taken = []
+        try:
+            for path in self.paths:
+                self._take(path, time.monotonic() + wait)
+                taken.append(path)
+        except BaseException:
+            for path in taken:
+                self._drop(path)
+            raise
+        self.thread = threading.Thread(target=self._beat, daemon=True, name="run-lock-heartbeat")
+        self.thread.start()
+
+    def _take(self, path, deadline):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LockError(f"{self.flags[str(path)]}: cannot create the run directory {path.parent}: "
+                            f"{e.strerror or e}") from None
+        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(), "token": self.token,
+                           "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                           "command": " ".join(sys.argv)[:500]})
+        while True:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = _read_holder(path)
+                if _stale(path, holder):
+                    # Renamed, not deleted, so that of two runs taking it over at once usually only one
+                    # succeeds; in the microseconds where both can, the loser learns it at its first save
+                    # (check_lock).
+                    try:
+                        os.replace(path, path.with_name(f"{LOCK_NAME}.stale-{self.token}"))
+                        path.with_name(f"{LOCK_NAME}.stale-{self.token}").unlink()
+                        print(f"warning: {path.parent}: taking over the lock of a run that ended without releasing "
+                              f"it ({_describe(holder)})", file=sys.stderr, flush=True)
+                    except FileNotFoundError:
+                        pass
+                    continue
+                other_host = holder.get("host") not in (None, socket.gethostname())
+                if other_host and time.monotonic() < deadline:
+                    time.sleep(min(HEARTBEAT / 2, max(0.1, deadline - time.monotonic())))
+                    continue
+                raise LockError(f"{path.parent} is in use by another training run ({_describe(holder)}): give this "
+                                f"run another --run_name, or wait for that one to end (a run that died leaves "
+                                f"{path}, taken over once it has been untouched for {STALE_AFTER:.0f} s)") from None
+            except OSError as e:
+                raise LockError(f"{self.flags[str(path)]}: cannot write in the run directory {path.parent}: "
+                                f"{e.strerror or e}") from None
+            try:
+                os.write(fd, info.encode())
+                os.fsync(fd)
+            except OSError as e:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise LockError(f"{self.flags[str(path)]}: cannot write in the run directory {path.parent}: "
+                                f"{e.strerror or e}") from None
+            os.close(fd)
+            _held[str(path)] = self.token
+            return
+
+    def _beat(self):
+        while not self.stopped.wait(HEARTBEAT):
+            for path in self.paths:
+                try:
+                    if _read_holder(path).get("token") == self.token:
+                        os.utime(path)
+                except OSError:
+                    pass  # a file system hiccup: the next beat tries again
+
+    def _drop(self, path):
+        _held.pop(str(path), None)
+        if _read_holder(path).get("token") == self.token:
+            path.unlink(missing_ok=True)
+
+    def release(self):
+        """Give the locks back (a no-op where acquire did not succeed, e.g. on ranks other than 0)."""
+        if self.thread is None:
+            return
+        self.stopped.set()
+        self.thread.join()
+        self.thread = None
+        for path in self.paths:
+            try:
+                self._drop(path)
+            except OSError:
+                pass
+
+
+def _describe(holder):
+    if not holder:
+        return "unreadable lock file"
+    job = f", job {holder['job']}" if holder.get("job") else ""
+    return f"host {holder.get('host')}, pid {holder.get('pid')}{job}, started {holder.get('started')}"
+
+
+def check_lock(directory):
+    """Raise LockError if another run has taken over `directory`'s lock from this process (its heartbeat
+    stalled past STALE_AFTER): then this run must not write there any more. A directory this process never
+    locked (a test calling the saver directly) passes."""
+    path = Path(directory) / LOCK_NAME
+    token = _held.get(str(path))
+    if token is not None and _read_holder(path).get("token") != token:
+        raise LockError(f"another run took over {directory} (see {path}): this run stops without writing there")

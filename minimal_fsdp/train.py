@@ -151,76 +151,78 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
     model.train()
     loss_sum, steps_since_log, t0, paused = 0.0, 0, time.perf_counter(), 0.0
     done = start_step
-    for step in range(start_step, last):
-        lr = lr_at(step, cfg, decay_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = first_batch + (step - start_step) * cfg.grad_accum_steps
-        micro_batches = [data.get_batch("train", batch + micro, env.rank, env.world_size, cfg.batch_size, seq_length,
-                                        cfg.seed)
-                         for micro in range(cfg.grad_accum_steps)]
-        loss, grad_norm = train_step(model, optimizer, micro_batches, cfg.grad_clip, env.device,
-                                     skip_nonfinite=cfg.skip_nonfinite > 0, gossip=gossip, step=step)
-        done = step + 1
-        norm = _full(grad_norm)
-        if gossip is not None:  # each replica has its own norm: a sum is non-finite if any is, so ranks agree
-            norm = norm.detach().clone()
-            dist.all_reduce(norm)
-        if nonfinite.check(done, norm, loss):
-            loss_sum += loss
-            steps_since_log += 1
-        bar.update(1)
-        if steps_since_log and (done % cfg.log_interval == 0 or done == last):
-            nonfinite.flush()
-            loss_avg = mean_across_ranks(loss_sum / steps_since_log, env.device)  # also waits for the device
-            elapsed = time.perf_counter() - t0 - paused  # training steps only: no evaluation or saving
-            tok_s = tokens_per_step * steps_since_log / elapsed
-            row = dict(step=done, loss=loss_avg, lr=lr, grad_norm=float(_full(grad_norm)), tokens_per_s=tok_s,
-                       step_time=elapsed / steps_since_log, peak_mem_gb=peak_memory_gb(env.device))
-            if peak:
-                row["mfu"] = model.flops_per_token() * tok_s / (peak * env.world_size)
-            if gossip is not None:
-                row["consensus"] = gossip.consensus_distance()  # mean squared distance of replicas to their mean
-            metrics.log(**row)
-            bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tok_s:,.0f}")
-            loss_sum, steps_since_log = 0.0, 0
-        scheduled_save = (per_epoch and done % per_epoch == 0 or done == last
-                          or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0)
-        val_loss = None
-        evaluate_now = cfg.eval_interval and done % cfg.eval_interval == 0 or done == last or scheduled_save
-        pause = _synced_clock(env.device) if evaluate_now else None
-        # Every scheduled checkpoint carries its val loss, so `best` can be chosen among them.
-        if evaluate_now:
-            val_loss = evaluate(model, data, cfg, env, seq_length)
-            metrics.log(step=done, val_loss=val_loss)
-            if env.is_main:
-                bar.write(f"step {done}: val loss {val_loss:.4f}")
-        stop_reason = stop.agreed() if stop else None  # collective: all ranks stop at the same step
-        if scheduled_save or stop_reason:
-            if pause is None:
-                pause = _synced_clock(env.device)
-            nonfinite.flush()  # never save a model that a NaN update has poisoned
-            next_batch = batch + cfg.grad_accum_steps
-            progress = dict(epoch=done // per_epoch if per_epoch else None, lr_decay_steps=decay_steps,
-                            val_loss=val_loss, train_batches=next_batch,
-                            data_position=data.position(next_batch, env.world_size, cfg.batch_size))
-            if gossip is not None:
-                checkpoint.save_replicas(run_dir, done, model, optimizer, dict(meta, **progress), data.directory,
-                                         cfg.keep_last, cfg.save_average)
-            else:
-                checkpoint.save(run_dir, done, model, optimizer, dict(meta, **progress), data.directory,
-                                cfg.keep_last)
-        if pause is not None:
-            paused += time.perf_counter() - pause
-        if stop_reason:
-            if env.is_main:
-                bar.write(f"step {done}: {stop_reason}; saved a checkpoint and stopping. Run the same command "
-                          "again to resume.")
-            break
-        if steps_since_log == 0:
-            t0, paused = time.perf_counter(), 0.0
-    bar.close()
-    metrics.close()
+    try:  # the bar ends its line and the metrics files close, also when a step or a save fails
+        for step in range(start_step, last):
+            lr = lr_at(step, cfg, decay_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = first_batch + (step - start_step) * cfg.grad_accum_steps
+            micro_batches = [data.get_batch("train", batch + micro, env.rank, env.world_size, cfg.batch_size, seq_length,
+                                            cfg.seed)
+                             for micro in range(cfg.grad_accum_steps)]
+            loss, grad_norm = train_step(model, optimizer, micro_batches, cfg.grad_clip, env.device,
+                                         skip_nonfinite=cfg.skip_nonfinite > 0, gossip=gossip, step=step)
+            done = step + 1
+            norm = _full(grad_norm)
+            if gossip is not None:  # each replica has its own norm: a sum is non-finite if any is, so ranks agree
+                norm = norm.detach().clone()
+                dist.all_reduce(norm)
+            if nonfinite.check(done, norm, loss):
+                loss_sum += loss
+                steps_since_log += 1
+            bar.update(1)
+            if steps_since_log and (done % cfg.log_interval == 0 or done == last):
+                nonfinite.flush()
+                loss_avg = mean_across_ranks(loss_sum / steps_since_log, env.device)  # also waits for the device
+                elapsed = time.perf_counter() - t0 - paused  # training steps only: no evaluation or saving
+                tok_s = tokens_per_step * steps_since_log / elapsed
+                row = dict(step=done, loss=loss_avg, lr=lr, grad_norm=float(_full(grad_norm)), tokens_per_s=tok_s,
+                           step_time=elapsed / steps_since_log, peak_mem_gb=peak_memory_gb(env.device))
+                if peak:
+                    row["mfu"] = model.flops_per_token() * tok_s / (peak * env.world_size)
+                if gossip is not None:
+                    row["consensus"] = gossip.consensus_distance()  # mean squared distance of replicas to their mean
+                metrics.log(**row)
+                bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tok_s:,.0f}")
+                loss_sum, steps_since_log = 0.0, 0
+            scheduled_save = (per_epoch and done % per_epoch == 0 or done == last
+                              or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0)
+            val_loss = None
+            evaluate_now = cfg.eval_interval and done % cfg.eval_interval == 0 or done == last or scheduled_save
+            pause = _synced_clock(env.device) if evaluate_now else None
+            # Every scheduled checkpoint carries its val loss, so `best` can be chosen among them.
+            if evaluate_now:
+                val_loss = evaluate(model, data, cfg, env, seq_length)
+                metrics.log(step=done, val_loss=val_loss)
+                if env.is_main:
+                    bar.write(f"step {done}: val loss {val_loss:.4f}")
+            stop_reason = stop.agreed() if stop else None  # collective: all ranks stop at the same step
+            if scheduled_save or stop_reason:
+                if pause is None:
+                    pause = _synced_clock(env.device)
+                nonfinite.flush()  # never save a model that a NaN update has poisoned
+                next_batch = batch + cfg.grad_accum_steps
+                progress = dict(epoch=done // per_epoch if per_epoch else None, lr_decay_steps=decay_steps,
+                                val_loss=val_loss, train_batches=next_batch,
+                                data_position=data.position(next_batch, env.world_size, cfg.batch_size))
+                if gossip is not None:
+                    checkpoint.save_replicas(run_dir, done, model, optimizer, dict(meta, **progress), data.directory,
+                                             cfg.keep_last, cfg.save_average)
+                else:
+                    checkpoint.save(run_dir, done, model, optimizer, dict(meta, **progress), data.directory,
+                                    cfg.keep_last)
+            if pause is not None:
+                paused += time.perf_counter() - pause
+            if stop_reason:
+                if env.is_main:
+                    bar.write(f"step {done}: {stop_reason}; saved a checkpoint and stopping. Run the same command "
+                              "again to resume.")
+                break
+            if steps_since_log == 0:
+                t0, paused = time.perf_counter(), 0.0
+    finally:
+        bar.close()
+        metrics.close()
     return done
 
 

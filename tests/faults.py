@@ -9,10 +9,16 @@ counted from 1 as in the logs. Kinds:
   nan                this rank's loss is NaN
   kill               this rank is SIGKILLed during the step
   hang               this rank stops responding during the step
+  pause              this rank waits during the step until the file $MINIMAL_FSDP_RELEASE exists
   kill_in_save       this rank is SIGKILLed while it writes its shard of this step's checkpoint
+  enospc_in_save     this rank's writes of this step's checkpoint fail with "No space left on device"
+  kill_after_shards, kill_after_meta, kill_after_rename, kill_after_latest
+                     rank 0 is SIGKILLed inside this step's save: once every shard is written, once meta.json
+                     is written, once the directory is renamed into place, once `latest` names it
 MINIMAL_FSDP_CHECK_LOAD=report.json: right after a checkpoint is loaded, compare every model and optimizer
 tensor of the live sharded model with the checkpoint's files (read in one process) and write the verdict.
 """
+import errno
 import json
 import os
 import runpy
@@ -64,6 +70,10 @@ def install_faults():
             os.kill(os.getpid(), signal.SIGKILL)
         if due("hang"):
             time.sleep(3600)
+        if due("pause"):
+            deadline = time.monotonic() + 300
+            while not os.path.exists(os.environ["MINIMAL_FSDP_RELEASE"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
         for name in ("sigterm", "sigusr1"):
             if due(name):
                 os.kill(os.getpid(), getattr(signal, name.upper()))
@@ -76,10 +86,35 @@ def install_faults():
     def faulty_save(*args, **kwargs):
         if due("kill_in_save"):  # DCP fsyncs each shard file right after writing it
             os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
-        return save(*args, **kwargs)
+        if due("enospc_in_save"):
+            def full(fd):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            os.fsync = full
+        try:
+            result = save(*args, **kwargs)
+        finally:
+            os.fsync = fsync
+        kill_if_due("kill_after_shards")
+        return result
 
+    def kill_if_due(kind):
+        if due(kind) and dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after(function, kind, when=lambda *args: True):
+        def wrapped(*args, **kwargs):
+            result = function(*args, **kwargs)
+            if when(*args):
+                kill_if_due(kind)
+            return result
+        return wrapped
+
+    fsync = os.fsync
     train.lr_at, train.train_step, model.GPT.forward, dcp.save = (tracking_lr_at, faulty_train_step, faulty_forward,
                                                                   faulty_save)
+    checkpoint._write_durably = after(checkpoint._write_durably, "kill_after_meta", lambda path, data: path.name == "meta.json")
+    checkpoint._publish = after(checkpoint._publish, "kill_after_rename")
+    checkpoint._write_marker = after(checkpoint._write_marker, "kill_after_latest", lambda run_dir, name, target: name == "latest")
     resilience.monotonic = lambda: monotonic() + (10**7 if due("clock", from_step_on=True) else 0)
 
 

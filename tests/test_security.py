@@ -1,0 +1,353 @@
+"""What a hostile or damaged file, a second run, or a careless value can do: no code runs from a checkpoint,
+one run per run directory, damage is found before loading, every save failure and bad value is one line."""
+import copyreg
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+
+from conftest import ROOT, TINY_MODEL, launch, make_text
+from faults import launch_with_faults
+from minimal_fsdp import checkpoint, files
+from minimal_fsdp.config import ConfigError, parse_args
+
+
+# ---- a corpus of hostile pickles: none may run, every one is refused ----
+
+@pytest.fixture(scope="module")
+def real_metadata(tmp_path_factory):
+    """A genuine DCP checkpoint (tensors and a non-tensor entry), saved in this process."""
+    path = tmp_path_factory.mktemp("dcp")
+    state = {"model": {"w": torch.randn(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16)}, "optim": {"lr": 0.1}}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return path, checkpoint.read_dcp_metadata(path / ".metadata")
+
+
+class Reduce:
+    """Pickles as a call of `function(*args)`, whatever pickle protocol."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+def hostile(marker):
+    """(label, bytes) of pickles that try to run `touch marker`, each a different way in."""
+    cmd = f"touch {marker}"
+    text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()  # noqa: E731 - SHORT_BINUNICODE
+    payloads = []
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        for function, args in ((os.system, (cmd,)), (eval, (f"__import__('os').system({cmd!r})",)),
+                               (exec, (f"import os; os.system({cmd!r})",)), (subprocess.call, (cmd.split(),))):
+            payloads.append((f"REDUCE {function.__name__} p{protocol}", pickle.dumps(Reduce(function, *args),
+                                                                                   protocol=protocol)))
+    payloads += [
+        # The issue's payload: protocol 4 resolves a dotted name attribute by attribute.
+        ("STACK_GLOBAL dotted", b"\x80\x04" + text("torch.distributed.checkpoint.filesystem") + text("os.system")
+         + b"\x93" + text(cmd) + b"\x85R."),
+        ("STACK_GLOBAL dotted from an allowed class", b"\x80\x04" + text("torch.distributed.checkpoint.metadata")
+         + text("Metadata.__init__.__globals__") + b"\x93."),
+        ("GLOBAL dotted", f"ctorch.distributed.checkpoint.filesystem\nos.system\n(V{cmd}\ntR.".encode()),
+        ("GLOBAL getattr + __import__", f"cbuiltins\ngetattr\n(cbuiltins\n__import__\n(Vos\ntRVsystem\ntR(V{cmd}\ntR."
+         .encode()),
+        ("INST", f"(V{cmd}\nios\nsystem\n.".encode()),
+        ("OBJ", f"(cos\nsystem\nV{cmd}\no.".encode()),
+        ("NEWOBJ", b"\x80\x02cposix\nsystem\n)\x81."),
+        ("NEWOBJ_EX", b"\x80\x04" + text("subprocess") + text("Popen") + b"\x93)}\x92."),
+        ("BUILD on an allowed class", b"\x80\x04" + text("torch.distributed.checkpoint.metadata") + text("Metadata")
+         + b"\x93N}" + text("__eq__") + text("x") + b"s\x86b."),
+        ("REDUCE on an allowed class with junk", b"\x80\x04" + text("torch") + text("Size") + b"\x93" + text(cmd)
+         + b"\x85R."),
+        ("persistent id", b"Pos.system\n."),
+    ]
+    return payloads
+
+
+def test_hostile_pickles_never_run(tmp_path):
+    marker = tmp_path / "pwned"
+    copyreg.add_extension("os", "system", 0xF0)  # EXT opcodes reach find_class through the extension registry
+    try:
+        corpus = hostile(marker) + [("EXT1", b"\x80\x02\x82\xf0.")]
+        for label, payload in corpus:
+            path = tmp_path / "metadata"
+            path.write_bytes(payload)
+            with pytest.raises(Exception):  # noqa: B017 - refused in any way at all, never run
+                checkpoint.read_dcp_metadata(path)
+            assert not marker.exists(), label
+    finally:
+        copyreg.remove_extension("os", "system", 0xF0)
+    assert callable(dcp_metadata.Metadata.__eq__)  # BUILD could not set attributes on an allowed class
+
+
+def test_hostile_payload_nested_in_valid_metadata_is_refused(tmp_path, real_metadata):
+    """A real Metadata with a payload hidden inside it, pickled with every protocol."""
+    _, metadata = real_metadata
+    marker = tmp_path / "pwned"
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        tampered = pickle.loads(pickle.dumps(metadata))
+        tampered.planner_data = {"model.w": Reduce(os.system, f"touch {marker}")}
+        path = tmp_path / f"metadata{protocol}"
+        path.write_bytes(pickle.dumps(tampered, protocol=protocol))
+        with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+            checkpoint.read_dcp_metadata(path)
+        assert not marker.exists()
+
+
+def test_genuine_metadata_loads_in_every_protocol_from_2(tmp_path, real_metadata):
+    """DCP writes protocol 4 or 5 (pickle's default). Protocols 0 and 1 rebuild objects through
+    copyreg._reconstructor, which stays off the list."""
+    directory, metadata = real_metadata
+    for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        path = tmp_path / f"metadata{protocol}"
+        path.write_bytes(pickle.dumps(metadata, protocol=protocol))
+        assert checkpoint.read_dcp_metadata(path) == metadata
+    assert {"model.w", "model.b", "optim.lr"} <= set(metadata.state_dict_metadata)
+
+
+# ---- runs through the entry point ----
+
+def train(work, run_name="run", steps=4, ranks=2, extra=(), check=True, faults=None):
+    """A tiny run in `work` with checkpoints every 2 steps."""
+    args = ["--dataset", "text", "--input_file", "corpus.txt", *TINY_MODEL, "--max_steps", steps,
+            "--eval_interval", 0, "--log_interval", 1, "--checkpoint_interval", 2, "--run_name", run_name, *extra]
+    if faults:
+        return launch_with_faults(args, faults=faults, ranks=ranks, cwd=work, check=check, timeout=180)
+    return launch(args, ranks=ranks, cwd=work, check=check, timeout=180)
+
+
+def one_error(result, code=2):
+    assert result.returncode == code, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return errors[0]
+
+
+def plant_payload(step_dir, marker):
+    """The issue's attack: a dotted-name global prepended to a real .metadata."""
+    path = step_dir / ".metadata"
+    original = path.read_bytes()
+    text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()  # noqa: E731
+    path.write_bytes(b"\x80\x04" + text("torch.distributed.checkpoint.filesystem") + text("os.system") + b"\x93"
+                     + text(f"touch {marker}") + b"\x85R0" + original[2:])
+
+
+def losses(work, run_name):
+    rows = (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, rows) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """A 2-rank run of 6 steps with checkpoints at steps 2, 4 and 6, its prepared data and its logs."""
+    work = tmp_path_factory.mktemp("straight")
+    (work / "corpus.txt").write_text(make_text())
+    train(work, run_name="straight", steps=6)
+    return work
+
+
+@pytest.fixture
+def trained(tmp_path, straight):
+    """A copy of the straight run's first 4 steps as run "run" in tmp_path (`latest` names step_4)."""
+    for name in ("corpus.txt", "data"):
+        (shutil.copytree if (straight / name).is_dir() else shutil.copy)(straight / name, tmp_path / name)
+    run = tmp_path / "checkpoints" / "run"
+    run.mkdir(parents=True)
+    for step in (2, 4):
+        shutil.copytree(straight / "checkpoints" / "straight" / f"step_{step}", run / f"step_{step}")
+    (run / "latest").write_text("step_4\n")
+    return run
+
+
+def test_crafted_checkpoint_runs_nothing_anywhere(tmp_path, trained):
+    marker = tmp_path / "pwned"
+    plant_payload(trained / "step_4", marker)
+    export = subprocess.run([sys.executable, "-m", "minimal_fsdp.export", str(trained / "step_4"), str(tmp_path / "o")],
+                            cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert "not allowed" in one_error(export)
+    sample = launch(["--max_epochs", "-1", "--num_tokens", "5", "--run_name", "run"], cwd=tmp_path)
+    assert "generating from checkpoints/run/step_2" in sample.stdout
+    restart = launch(["--restart_checkpoint_file", trained / "step_4", "--max_steps", 6, "--run_name", "other"],
+                     cwd=tmp_path, check=False)
+    assert "not a complete checkpoint" in one_error(restart)
+    resumed = train(tmp_path, steps=6)
+    assert "resuming from checkpoints/run/step_2" in resumed.stdout
+    assert "skipping checkpoint checkpoints/run/step_4" in resumed.stderr
+    assert not marker.exists()
+
+
+def test_damaged_shard_is_found_before_loading(tmp_path, trained):
+    shard = trained / "step_4" / "__1_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:  # 64 KiB overwritten in place: the size stays, the bytes do not
+        f.seek(size // 3)
+        f.write(b"\0" * min(65536, size // 3))
+    assert shard.stat().st_size == size and checkpoint.verify(trained / "step_4", checksums=False) is None
+    restart = launch(["--restart_checkpoint_file", trained / "step_4", "--run_name", "other"], cwd=tmp_path, check=False)
+    assert "__1_0.distcp does not match its checksum" in one_error(restart)
+    resumed = train(tmp_path, steps=6)
+    assert "resuming from checkpoints/run/step_2" in resumed.stdout
+    assert "__1_0.distcp does not match its checksum" in resumed.stderr
+
+
+def test_markers_that_name_no_checkpoint_of_this_run_are_ignored(tmp_path, trained):
+    (trained / "latest").write_bytes(b"\xff\xfe\x00step_4")
+    result = train(tmp_path, steps=6)
+    assert "ignoring checkpoints/run/latest" in result.stderr
+    assert "resuming from checkpoints/run/step_4" in result.stdout
+    (trained / "latest").write_text(str(trained / "step_2") + "\n")  # an absolute path: not a name beside it
+    assert checkpoint.candidates(trained)[0] == trained / "step_6"
+    (trained / "latest").write_text("../other/step_6\n")
+    assert checkpoint.candidates(trained)[0] == trained / "step_6"
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\x00\xff" * 100)
+    result = launch(["--restart_checkpoint_file", binary, "--run_name", "other"], cwd=tmp_path, check=False)
+    assert "is a file but not a checkpoint marker" in one_error(result)
+
+
+def test_a_second_run_on_the_same_directory_refuses(tmp_path, corpus):
+    """The first run pauses at step 5 (tests/faults.py) until the second one has been refused, then finishes."""
+    args = [sys.executable, str(ROOT / "tests" / "faults.py"), "--dataset", "text", "--input_file", corpus,
+            *TINY_MODEL, "--eval_interval", 0, "--log_interval", 1, "--run_name", "shared", "--max_steps", 10]
+    release = tmp_path / "release"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MINIMAL_FSDP_FAULTS="pause@5",
+               MINIMAL_FSDP_RELEASE=str(release))
+    lock = tmp_path / "checkpoints" / "shared" / files.LOCK_NAME
+    first = subprocess.Popen([*map(str, args), "--checkpoint_interval", "3"], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "checkpoints" / "shared" / "step_3").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.2)
+        second = subprocess.run([*map(str, args), "--seed", "7"], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=120, env=dict(env, MINIMAL_FSDP_FAULTS=""))
+        assert "is in use by another training run" in one_error(second)
+        release.touch()
+        out, err = first.communicate(timeout=240)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "shared" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 11))  # the first run's alone, in order
+    assert (tmp_path / "checkpoints" / "shared" / "latest").read_text().strip() == "step_10"
+    assert not lock.exists() and not (tmp_path / "logs" / "shared" / files.LOCK_NAME).exists()
+
+
+def test_a_dead_runs_lock_is_taken_over(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / files.LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    lock = files.RunLock({"--checkpoint_dir": run_dir})
+    lock.acquire()
+    assert json.loads((run_dir / files.LOCK_NAME).read_text())["pid"] == os.getpid()
+    files.check_lock(run_dir)  # still ours
+    lock.release()
+    assert not (run_dir / files.LOCK_NAME).exists()
+
+
+def test_a_live_lock_from_another_host_is_waited_for_then_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "STALE_AFTER", 2.0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = run_dir / files.LOCK_NAME
+    path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "99"}))
+    with pytest.raises(files.LockError, match="in use by another training run"):
+        files.RunLock({"--checkpoint_dir": run_dir}).acquire(wait=0.5)  # its heartbeat is fresh
+    old = time.time() - 10
+    os.utime(path, (old, old))  # silent for longer than STALE_AFTER: its run died
+    lock = files.RunLock({"--checkpoint_dir": run_dir})
+    lock.acquire(wait=0.5)
+    path.write_text(json.dumps({"host": "elsewhere", "token": "theirs"}))  # someone took it over from us
+    with pytest.raises(files.LockError, match="another run took over"):
+        files.check_lock(run_dir)
+    lock.release()
+    assert path.exists()  # not ours any more: left alone
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint_dir", "--log_dir"])
+def test_unwritable_directories_are_found_at_startup(tmp_path, corpus, flag):
+    (tmp_path / "a_file").write_text("")
+    result = launch(["--dataset", "text", "--input_file", corpus, *TINY_MODEL, flag, tmp_path / "a_file"],
+                    cwd=tmp_path, check=False)
+    assert f"{flag}: cannot create the run directory" in one_error(result)
+    assert not (tmp_path / "checkpoints").exists() or flag == "--log_dir"
+
+
+def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(tmp_path, trained):
+    result = train(tmp_path, steps=8, faults="enospc_in_save@6:1", check=False)
+    line = one_error(result, code=1)
+    assert "checkpoint checkpoints/run/step_6" in line and "No space left on device" in line, line
+    assert "rank 1" in line and "the previous checkpoint is untouched" in line
+    assert (trained / "latest").read_text().strip() == "step_4" and checkpoint.verify(trained / "step_4") is None
+    assert not (trained / "step_6").exists() and not list(trained.glob(".tmp-*"))
+    assert "resuming from checkpoints/run/step_4" in train(tmp_path, steps=8).stdout
+
+
+@pytest.mark.parametrize("window,resumed", [("kill_after_shards", 2), ("kill_after_meta", 2),
+                                             ("kill_after_rename", 2), ("kill_after_latest", 4)])
+def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(tmp_path, straight, window, resumed):
+    """Killed inside step 4's save: `latest` always names a complete checkpoint, the run resumes from it, and
+    finishes with the same losses as a run that never crashed."""
+    shutil.copy(straight / "corpus.txt", tmp_path / "corpus.txt")
+    crashed = train(tmp_path, steps=6, faults=f"{window}@4", check=False)
+    assert crashed.returncode != 0
+    run = tmp_path / "checkpoints" / "run"
+    assert (run / "latest").read_text().strip() == f"step_{resumed}"
+    assert checkpoint.verify(run / f"step_{resumed}") is None
+    again = train(tmp_path, steps=6)
+    assert f"resuming from checkpoints/run/step_{resumed}" in again.stdout
+    assert losses(tmp_path, "run") == losses(straight, "straight")
+
+
+# ---- values ----
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr", "-1"], "--lr must be a finite number > 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--min_lr", "-0.003"], "--min_lr must be a finite number >= 0"),
+    (["--lr", "1e-3", "--min_lr", "2e-3"], "--min_lr 0.002 is above --lr 0.001"),
+    (["--grad_clip", "-1"], "--grad_clip must be a finite number >= 0"),
+    (["--beta1", "2"], "--beta1 must be a finite number in [0, 1)"),
+    (["--beta2", "1"], "--beta2 must be a finite number in [0, 1)"),
+    (["--weight_decay", "-0.1"], "--weight_decay must be a finite number >= 0"),
+    (["--dropout", "1.5"], "--dropout must be a finite number in [0, 1)"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--top_k", "-3"], "--top_k must be a finite number >= 0"),
+    (["--collective_timeout", "0"], "--collective_timeout must be a finite number > 0"),
+    (["--collective_timeout", "-5"], "--collective_timeout must be a finite number > 0"),
+    (["--max_epochs", "0"], "--max_epochs must be positive, or -1"),
+    (["--max_epochs", "-2"], "--max_epochs must be positive, or -1"),
+    (["--run_name", "../x"], "--run_name must be one plain directory name"),
+    (["--run_name", ""], "--run_name must be one plain directory name"),
+    (["--run_name", "a/b"], "--run_name must be one plain directory name"),
+])
+def test_values_that_would_corrupt_training_are_refused(flags, message):
+    with pytest.raises(ConfigError, match=None) as raised:
+        parse_args(flags)
+    assert message in str(raised.value)
+
+
+def test_a_binary_config_file_is_one_line(tmp_path):
+    (tmp_path / "bad.toml").write_bytes(b"\x00\xff\xfe\x80 binary")
+    with pytest.raises(ConfigError, match="is not a UTF-8 text file"):
+        parse_args(["--config", tmp_path / "bad.toml"])
+
+
+def test_refused_values_end_every_rank_with_one_line(tmp_path):
+    result = launch(["--grad_clip", "-1", "--run_name", "../escape"], cwd=tmp_path, check=False)
+    assert "--grad_clip must be a finite number >= 0" in one_error(result)
+    assert not any(tmp_path.parent.glob("escape"))
