@@ -263,7 +263,13 @@ def load_tokenizer(directory):
     A GPT-2 directory of weights alone gets tiktoken's GPT-2 BPE (from tiktoken's cache, or downloaded)."""
     model_type = tk._read_json(Path(directory) / "config.json").get("model_type")
     if model_type == "gpt2" and not tk.has_tokenizer(directory):
-        return tk.GPT2Tokenizer()
+        try:
+            return tk.GPT2Tokenizer()
+        except tk.TokenizerError:
+            raise tk.TokenizerError(f"--hf_model {directory} has no tokenizer files (tokenizer.json, or vocab.json + "
+                                    "merges.txt), and tiktoken's gpt2 files are not cached nor downloadable "
+                                    "(offline?): copy the model's tokenizer files into it, or pass "
+                                    "--tokenizer_dir DIR") from None
     try:
         return tk.load_tokenizer(directory)
     except tk.TokenizerError as e:
