@@ -241,3 +241,49 @@ def test_a_directory_without_a_tokenizer_or_with_a_bad_one(tmp_path, offline):
     (tmp_path / "tokenizer.model").write_text("not base64 at all\n")
     with pytest.raises(TokenizerError, match="cannot read sentencepiece model"):
         load_tokenizer(tmp_path)
+
+
+# -----------------------------------------------------------------------------
+# --tokenizer_dir: a directory's tokenizer for a fresh model, and for `python -m minimal_fsdp.data prepare`
+
+def test_tokenizer_dir_flag_rules():
+    from minimal_fsdp.config import ConfigError, parse_args
+    assert parse_args(["--tokenizer_dir", "some/dir"]).tokenizer_dir == "some/dir"
+    with pytest.raises(ConfigError, match="--tokenizer_dir replaces --tokenizer: drop --tokenizer gpt2"):
+        parse_args(["--tokenizer_dir", "some/dir", "--tokenizer", "gpt2"])
+    with pytest.raises(ConfigError, match="prepared --dataset_path carries its own tokenizer: drop --tokenizer_dir"):
+        parse_args(["--tokenizer_dir", "some/dir", "--dataset_path", "data/x"])
+
+
+def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
+    from conftest import TINY_MODEL, launch
+    from minimal_fsdp import checkpoint
+    from minimal_fsdp.data import TokenData
+    directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
+    offline = {"HF_HUB_OFFLINE": "1", "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache"),
+               "HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+    launch(["--tokenizer_dir", directory, "--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--model", "llama",
+            "--num_kv_heads", 1, "--max_steps", 2, "--eval_interval", 0], ranks=2, cwd=tmp_path, env=offline)
+    tokenizer = load_tokenizer(directory)
+    data = TokenData(tmp_path / "data" / "corpus" / tokenizer.label)  # named by the tokenizer's files
+    text = corpus.read_text()
+    assert data.tokenizer.kind == "tiktoken" and data.splits["train"][:500].tolist() == tokenizer.encode(text)[:500]
+    saved = checkpoint.latest(tmp_path / "checkpoints" / "shakespeare")
+    assert checkpoint.read_meta(saved)["model"]["vocab_size"] == num_ranks + 256  # the tokenizer's vocabulary
+    assert load_tokenizer(saved).encode(text[:1000]) == tokenizer.encode(text[:1000])  # the checkpoint carries it
+
+
+def test_prepare_with_a_tokenizer_dir(tmp_path, offline):
+    from minimal_fsdp import prepare
+    from minimal_fsdp.data import TokenData
+    from minimal_fsdp.documents import encode_document, is_val
+    directory = tokenizer_dirs.write_tokenizer_json(tmp_path / "hf")
+    tokenizer = load_tokenizer(directory)
+    documents = [sample_text(20, seed=i) + f"\ndocument {i} \u00e9\u00e8 \U0001F600" for i in range(40)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    out = prepare.main(["prepare", "--dataset", "text", "--input", str(tmp_path / "docs.jsonl"), "--tokenizer_dir",
+                        str(directory), "--data_dir", str(tmp_path / "data"), "--num_proc", "2"])
+    assert out == tmp_path / "data" / "docs" / tokenizer.label
+    data = TokenData(out)  # the workers tokenized with the tokenizer saved there
+    expected = [t for i, d in enumerate(documents) if not is_val(i, 1337, 0.1) for t in encode_document(tokenizer, d)]
+    assert data.splits["train"].tolist() == expected and tokenizer.eot_id in expected
