@@ -115,8 +115,9 @@ class Config:
                               section="data")
     data_dir: str = flag("data", "where prepared datasets live", section="data")
     tokenizer: str = flag("char", "char works offline; gpt2 needs tiktoken's encoding file; sentencepiece is "
-                                  "trained on the data (--vocab_size); for a Hugging Face model's tokenizer (Llama 3's, "
-                                  "say) pass --tokenizer_dir instead", ("char", "gpt2", "sentencepiece"), "data")
+                                  "trained on the data (--vocab_size); for a Hugging Face model's tokenizer "
+                                  "(Llama 3's, say) pass --tokenizer_dir instead", ("char", "gpt2", "sentencepiece"),
+                          "data")
     val_fraction: float = flag(0.1, "share held out for validation: documents picked by --seed, or the tail of a "
                                     "single text", section="data")
 

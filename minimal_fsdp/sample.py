@@ -4,7 +4,7 @@
     python -m minimal_fsdp.sample checkpoints/shakespeare/best --temperature 0      # greedy, from the best one
     python -m minimal_fsdp.sample exported/ --prompt "Once upon a time" --top_k 20  # an export, either --format
     python -m minimal_fsdp.sample ~/models/Llama-3.2-1B --prompt "The capital of France is" --num_tokens 20
-    mpiexec -n 4 python -m minimal_fsdp.sample ~/models/Llama-2-70b-hf --precision bf16   # sharded over 4 GPUs
+    mpiexec -n 4 python -m minimal_fsdp.sample ~/models/Llama-2-13b-hf --precision bf16   # sharded over 4 GPUs
 
 One process on the CPU or one GPU; under mpiexec (or torchrun, srun) the model is sharded over the ranks with
 FSDP2, as in training. The tokenizer is the one the source carries. The text goes to stdout, what was loaded
@@ -133,7 +133,7 @@ def build_parser():
     parser.add_argument("--top_k", type=int, default=defaults.top_k, help="sample from the k most likely (0: all)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="the same seed gives the same text")
     parser.add_argument("--precision", choices=("float32", "bf16"), default="float32",
-                        help="bf16 halves the memory of the weights (GPU)")
+                        help="bf16: matmuls in bf16 (fast on GPUs); the weights stay float32, sharded")
     return parser
 
 
