@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from minimal_fsdp import checkpoint, environment, files, hf, resilience
+from minimal_fsdp import checkpoint, environment, files, hf, resilience, sample
 from minimal_fsdp.config import ConfigError, model_family, parse_args, validate_world
 from minimal_fsdp.data import TokenData, prepare
 from minimal_fsdp.generate import generate
@@ -60,33 +60,30 @@ def model_config_for(cfg, data, hf_dir=None):
     return model_config
 
 
+def given_tokenizer(cfg, hf_dir=None):
+    """--tokenizer_dir's tokenizer, else the --hf_model's own, else None (a --tokenizer is fit on the data)."""
+    if cfg.tokenizer_dir:
+        return load_tokenizer(cfg.tokenizer_dir)
+    return hf.load_tokenizer(hf_dir) if hf_dir else None
+
+
 def prepare_data(cfg, hf_dir=None):
-    """Tokenize the dataset (once, on rank 0), with a Hugging Face model's own tokenizer if there is one."""
-    return prepare(cfg, hf.load_tokenizer(hf_dir) if hf_dir else None)
+    """Tokenize the dataset (once, on rank 0) with the given tokenizer, or one of --tokenizer's kind."""
+    return prepare(cfg, given_tokenizer(cfg, hf_dir))
 
 
 def model_for_generation(cfg, env, mesh, start, hf_dir):
-    """The model to sample from and its tokenizer: a Hugging Face model's, or the checkpoint's (whose
-    meta.json gives the shape, so no model flags are repeated)."""
-    if hf_dir:  # straight from the Hugging Face model, no checkpoint involved
-        model_type, model_config = hf_model_config(cfg, hf_dir)
-        model = build_model(MODELS[model_type][0], model_config, dataclasses.replace(cfg, meta_init=True), env, mesh)
-        hf.load_weights(model, hf_dir, model_type)
-        return model, hf.load_tokenizer(hf_dir)
-    if start is None:
+    """The model to sample from and its tokenizer: the --hf_model itself, or the checkpoint (whose meta.json
+    gives the shape, so no model flags are repeated)."""
+    if not hf_dir and start is None:
         raise ConfigError(f"--max_epochs -1 generates from a checkpoint, but {Path(cfg.checkpoint_dir) / cfg.run_name} "
                           "has none: train first or pass --restart_checkpoint_file")
-    meta = checkpoint.read_meta(start)
-    model_cls, config_cls = MODELS[meta.get("model_type", "gpt")]  # checkpoints from before Llama are GPTs
-    model_config = config_cls(**meta["model"])
-    if cfg.seq_length and cfg.seq_length > model_config.seq_length:
-        raise ConfigError(f"--seq_length {cfg.seq_length} is larger than the model's context of "
-                          f"{model_config.seq_length} tokens in {start}")
-    model = build_model(model_cls, model_config, cfg, env, mesh)
-    checkpoint.load(start, model)
+    source = environment.run_on_main(sample.open_source, str(hf_dir or start), cfg.seq_length)
+    tokenizer = given_tokenizer(cfg) or sample.source_tokenizer(source)
+    model = sample.load_model(source, cfg, env, mesh)
     if env.is_main:
-        print(banner(cfg, env, mesh, model, start, training=False), flush=True)
-    return model, load_tokenizer(start)
+        print(sample.describe(source, model, tokenizer, env), flush=True)
+    return model, tokenizer
 
 
 def train_model(cfg, env, mesh, start, hf_dir, stop):

@@ -110,11 +110,15 @@ class Config:
                              section="data")
     streaming: bool = flag(False, "tokenize --dataset_path on the fly instead of preparing it; rank r reads every "
                                   "world-size-th document; needs --max_steps", section="data")
-    tokenizer_dir: str = flag(None, "with --streaming: use the tokenizer saved in this directory (a prepared "
-                                    "dataset or a checkpoint) instead of --tokenizer", section="data")
+    tokenizer_dir: str = flag(None, "use the tokenizer in this directory instead of --tokenizer: a Hugging Face "
+                                    "model's (tokenizer.json, vocab.json + merges.txt, or tokenizer.model: GPT-2, "
+                                    "Llama 2 and 3), a prepared dataset's, a checkpoint's or an export's",
+                              section="data")
     data_dir: str = flag("data", "where prepared datasets live", section="data")
-    tokenizer: str = flag("char", "char works offline; gpt2 needs tiktoken's encoding file",
-                          ("char", "gpt2", "sentencepiece"), "data")
+    tokenizer: str = flag("char", "char works offline; gpt2 needs tiktoken's encoding file; sentencepiece is "
+                                  "trained on the data (--vocab_size); for a Hugging Face model's tokenizer "
+                                  "(Llama 3's, say) pass --tokenizer_dir instead", ("char", "gpt2", "sentencepiece"),
+                          "data")
     val_fraction: float = flag(0.1, "share held out for validation: documents picked by --seed, or the tail of a "
                                     "single text", section="data")
 
@@ -320,8 +324,10 @@ def validate(cfg):
         raise ConfigError("--streaming needs --dataset_path (the documents to stream)")
     if cfg.streaming and not cfg.max_steps:
         raise ConfigError("--streaming needs --max_steps: a stream's length is unknown, so epochs cannot end the run")
-    if cfg.tokenizer_dir and not cfg.streaming:
-        raise ConfigError("--tokenizer_dir is for --streaming (a prepared --dataset_path carries its tokenizer)")
+    if cfg.tokenizer_dir and cfg.dataset_path and not cfg.streaming:
+        raise ConfigError("a prepared --dataset_path carries its own tokenizer: drop --tokenizer_dir")
+    if cfg.tokenizer_dir and cfg.tokenizer != "char":  # char is the default: not asked for
+        raise ConfigError(f"--tokenizer_dir replaces --tokenizer: drop --tokenizer {cfg.tokenizer}")
     if cfg.tokenizer == "sentencepiece" and cfg.vocab_size is None and not cfg.dataset_path:
         raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
     if cfg.recompute != "full" and not cfg.activation_checkpoints:

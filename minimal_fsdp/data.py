@@ -4,7 +4,6 @@
 prepares Shakespeare or one --input_file itself on first use.
 """
 import functools
-import hashlib
 import json
 from pathlib import Path
 
@@ -21,17 +20,14 @@ TOKEN_DTYPES = ("uint16", "uint32")
 
 def dataset_dir(cfg, tokenizer=None):
     """--dataset_path, else data/<dataset>/<tokenizer>: one text, prepared once per tokenizer. A given
-    tokenizer (a --hf_model's) names the directory by its kind, and a sentencepiece one also by its model
-    file's hash."""
+    tokenizer (--tokenizer_dir's, a --hf_model's) names the directory by its label: its kind, and for
+    sentencepiece, Hugging Face and tiktoken ones also a hash of its files."""
     if cfg.dataset_path:
         return Path(cfg.dataset_path)
     name = "shakespeare" if cfg.dataset == "shakespeare" else Path(cfg.input_file).stem
     if tokenizer is None:
         return output_dir(cfg.data_dir, name, cfg.tokenizer, cfg.vocab_size)
-    label = tokenizer.kind
-    if tokenizer.kind == "sentencepiece":
-        label += "-" + hashlib.sha1(tokenizer.model_proto).hexdigest()[:12]
-    return Path(cfg.data_dir) / name / label
+    return Path(cfg.data_dir) / name / tokenizer.label
 
 
 def prepare(cfg, tokenizer=None):

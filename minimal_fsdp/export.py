@@ -1,56 +1,40 @@
-"""A checkpoint -> one consolidated model.safetensors plus config.json, for inference and sharing.
+"""A checkpoint -> one consolidated model.safetensors plus config.json and the tokenizer, for inference and sharing.
 
     python -m minimal_fsdp.export checkpoints/shakespeare/step_600 exported/
     python -m minimal_fsdp.export checkpoints/shakespeare exported/ --dtype bf16    # the run's newest
     python -m minimal_fsdp.export checkpoints/shakespeare/best exported/ --format hf
+
+--format safetensors keeps our parameter names, config.json is our model config, and the tokenizer files are
+the checkpoint's (python -m minimal_fsdp.sample reads it back). --format hf writes what transformers'
+AutoModelForCausalLM and AutoTokenizer read (see hf.py), which --hf_model also reads.
 
 Runs in one CPU process with no process group and no GPU. Each tensor is read from the DCP shards and
 written straight into the file, so memory holds one tensor at a time, not the model.
 """
 import argparse
 import json
-import math
-import shutil
-import struct
 import sys
 from pathlib import Path
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, hf
 from .config import ConfigError
-from .files import write_atomic
+from .tokenizer import has_tokenizer, load_tokenizer
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                      torch.int32: "I32", torch.uint8: "U8"}
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 
 
-def write_safetensors(path, specs, read, metadata):
-    """Write a .safetensors file one tensor at a time. `specs` lists (name, shape, dtype) in file order and
-    `read(name)` returns that tensor. safetensors' own save_file wants every tensor in memory at once; the
-    format (an 8-byte header size, a JSON header of dtypes, shapes and byte offsets, then the raw
-    little-endian bytes) lets us write the header first and stream the rest."""
-    header, offset = {}, 0
-    for name, shape, dtype in specs:
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    header["__metadata__"] = {key: str(value) for key, value in metadata.items()}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the format pads the header so the data starts 8-byte aligned
-
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for name, shape, dtype in specs:
-                tensor = read(name).to(dtype).contiguous()
-                assert tuple(tensor.shape) == tuple(shape), name
-                f.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-
-    write_atomic(path, write)
+def _tokenizer(path):
+    """The checkpoint's tokenizer, or None (with a warning) when it cannot be rebuilt here, e.g. gpt2 offline."""
+    if not has_tokenizer(path):
+        print(f"warning: {path} holds no tokenizer files: the export has none", file=sys.stderr, flush=True)
+        return None
+    try:
+        return load_tokenizer(path)
+    except ConfigError as e:
+        print(f"warning: the export has no tokenizer: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def export(ckpt, out, dtype=None, fmt="safetensors"):
@@ -62,18 +46,20 @@ def export(ckpt, out, dtype=None, fmt="safetensors"):
     meta = checkpoint.read_meta(path)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if fmt == "hf":
-        from .hf import save_hf
-        state = checkpoint.load_full_model_state(path)
-        save_hf({k: v.to(dtype) if dtype else v for k, v in state.items()}, meta, out, tokenizer_dir=path)
-        return out
     specs = [(name, shape, dtype or saved) for name, shape, saved in checkpoint.tensor_names(path)]
+
+    def read(name):
+        return checkpoint.read_tensors(path, [name])[name]
+
+    if fmt == "hf":
+        return hf.write_hf(out, meta, specs, read, _tokenizer(path))
     weights = out / "model.safetensors"
-    write_safetensors(weights, specs, lambda name: checkpoint.read_tensors(path, [name])[name],
-                      {"format": "pt", "step": meta["step"], "source": path})
-    (out / "config.json").write_text(json.dumps(meta["model"], indent=1) + "\n")
+    hf.write_safetensors(weights, specs, read, {"format": "pt", "step": meta["step"], "source": path,
+                                                "model_type": meta.get("model_type", "gpt")})
     for f in path.glob("tokenizer.*"):
-        shutil.copy(f, out / f.name)
+        hf.write_public(out / f.name, lambda p: p.write_bytes(f.read_bytes()))
+    config = json.dumps(meta["model"], indent=1) + "\n"
+    hf.write_public(out / "config.json", lambda p: p.write_text(config))
     return weights
 
 
@@ -83,7 +69,8 @@ def main(argv=None):
     parser.add_argument("out", help="directory for model.safetensors, config.json and the tokenizer's files")
     parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as saved)")
     parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                        help="safetensors: our names and config.json; hf: Hugging Face transformers layout")
+                        help="safetensors: our names and config.json; hf: Hugging Face transformers layout "
+                             "(config.json, safetensors, tokenizer.json)")
     args = parser.parse_args(argv)
     try:
         written = export(args.checkpoint, args.out, DTYPES.get(args.dtype), args.format)

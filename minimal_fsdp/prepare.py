@@ -189,6 +189,8 @@ def build_parser():
     p.add_argument("--input", help="the source for --dataset text and hf (see --dataset)")
     p.add_argument("--tokenizer", default="gpt2", choices=TOKENIZER_KINDS,
                    help="gpt2 needs tiktoken's encoding file; char and sentencepiece are fit on the data")
+    p.add_argument("--tokenizer_dir", help="use the tokenizer in this directory (replaces --tokenizer): a Hugging "
+                                           "Face model's (Llama 3's, say), a prepared dataset's or a checkpoint's")
     p.add_argument("--vocab_size", type=int, help="BPE vocabulary for --tokenizer sentencepiece")
     p.add_argument("--val_fraction", type=float,
                    help="share of documents held out for validation (default 0.0005 for openwebtext, else 0.1)")
@@ -212,7 +214,7 @@ def main(argv=None):
 def run(args):
     if args.dataset in ("text", "hf") and not args.input:
         raise ConfigError(f"--dataset {args.dataset} needs --input PATH")
-    if args.tokenizer == "sentencepiece" and not args.vocab_size:
+    if args.tokenizer == "sentencepiece" and not args.vocab_size and not args.tokenizer_dir:
         raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
     val_fraction = args.val_fraction
     if val_fraction is None:
@@ -226,11 +228,15 @@ def run(args):
     else:
         documents = open_documents(args.input, "--input", hub=args.dataset == "hf")
     name = "openwebtext" if args.dataset == "openwebtext" else documents.name
-    out = Path(args.output) if args.output else output_dir(args.data_dir, name, args.tokenizer, args.vocab_size)
+    given = load_tokenizer(args.tokenizer_dir) if args.tokenizer_dir else None
+    default_out = output_dir(args.data_dir, name, args.tokenizer, args.vocab_size) if given is None else \
+        Path(args.data_dir) / name / given.label
+    out = Path(args.output) if args.output else default_out
     if (out / "meta.json").exists():
         print(f"{out} is prepared already (delete it to prepare again)")
         return out
-    meta = prepare_bins(documents, args.tokenizer, args.vocab_size, out, val_fraction, args.seed, args.num_proc)
+    meta = prepare_bins(documents, args.tokenizer, args.vocab_size, out, val_fraction, args.seed, args.num_proc,
+                        tokenizer=given)
     print(f"{out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({meta['dtype']}); "
           f"train with: python basic_training.py --dataset_path {out}")
     return out

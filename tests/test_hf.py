@@ -1,14 +1,18 @@
 """Hugging Face in and out: tiny random GPT2LMHeadModel / LlamaForCausalLM built locally with transformers
 (no network), imported into our models, and ours exported and reloaded by transformers, each with the same
-logits (fp32, max abs diff < 1e-4). Then --hf_model on 2 ranks: training starts from the Hugging Face weights
-and tokenizer, and generation matches transformers' greedy decoding."""
+logits (fp32, max abs diff < 1e-4); exports carry a tokenizer.json that transformers' AutoTokenizer reads and
+that gives our token ids, for every kind of tokenizer. Then --hf_model on 2 ranks, offline: training starts
+from the Hugging Face weights and tokenizer, generation matches transformers' greedy decoding, and a Llama 3
+(tiktoken tokenizer, rope scaling, GQA) trains, samples, exports and comes back through --hf_model."""
 import json
+import os
 import shutil
 import sys
 
 import pytest
 import torch
 
+import tokenizer_dirs
 from conftest import ROOT, launch, make_text
 from test_end_to_end import sample_of
 from test_parallelize import logged_losses
@@ -16,7 +20,8 @@ from test_parallelize import logged_losses
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(ROOT))
 from basic_training import MODELS  # noqa: E402
-from minimal_fsdp import checkpoint, hf  # noqa: E402
+from minimal_fsdp import checkpoint, export, hf  # noqa: E402
+from minimal_fsdp import tokenizer as tk  # noqa: E402
 from minimal_fsdp.config import ConfigError, parse_args  # noqa: E402
 from minimal_fsdp.data import TokenData, dataset_dir  # noqa: E402
 from minimal_fsdp.llama import LlamaConfig  # noqa: E402
@@ -159,15 +164,92 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, model_type)
         assert torch.equal(again.state_dict()[name], value), name
 
 
-def test_export_of_a_checkpoint_without_model_type_is_a_gpt_and_brings_the_tokenizer(tmp_path):
+def test_export_of_a_checkpoint_without_model_type_is_a_gpt(tmp_path):
     config = GPTConfig(vocab_size=300, seq_length=16, num_layers=1, num_heads=2, embed_size=16)
     ours = MODELS["gpt"][0](config)
     init_weights(ours, 0, torch.device("cpu"))
-    tokenizer = train_tokenizer("sentencepiece", make_text(20_000), 300, tmp_path / "tok")
-    hf.save_hf(ours.state_dict(), {"model": config.to_dict()}, tmp_path / "out", tokenizer_dir=tmp_path / "tok")
+    hf.save_hf(ours.state_dict(), {"model": config.to_dict()}, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gpt2"
-    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == tokenizer.model_proto
-    assert not (tmp_path / "out" / "tokenizer.json").exists()  # ours is not Hugging Face's tokenizer.json
+
+
+def stub_gpt2(monkeypatch):
+    """A GPT2Tokenizer over a tiny tiktoken encoding with GPT-2's split pattern (no gpt2 files offline)."""
+    import tiktoken
+    ranks = tokenizer_dirs.tiktoken_ranks()
+    pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+    stub = tiktoken.Encoding(name="stub", pat_str=pattern, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": len(ranks)})
+    monkeypatch.setattr(tk, "gpt2_cached", lambda: True)
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: stub)
+    return tk.GPT2Tokenizer()
+
+
+def tokenizer_of_kind(kind, tmp_path, monkeypatch):
+    if kind == "char":
+        return tk.train_tokenizer("char", tokenizer_dirs.training_text() + "".join(tokenizer_dirs.MIXED), None,
+                                  tmp_path / "tok")
+    if kind == "sentencepiece":
+        return tk.load_tokenizer(tokenizer_dirs.write_sentencepiece(tmp_path / "tok"))
+    if kind == "hf":
+        return tk.load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "tok"))
+    if kind == "tiktoken":
+        return tk.load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tok")[0])
+    return stub_gpt2(monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["char", "sentencepiece", "hf", "tiktoken", "gpt2"])
+def test_export_carries_a_tokenizer_that_transformers_reads_as_ours(tmp_path, monkeypatch, kind):
+    tokenizer = tokenizer_of_kind(kind, tmp_path, monkeypatch)
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, seq_length=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                         embed_size=16, intermediate_size=32)
+    ours = MODELS["llama"][0](config)
+    init_weights(ours, 0, torch.device("cpu"))
+    hf.save_hf(ours.state_dict(), {"model": config.to_dict(), "model_type": "llama"}, tmp_path / "out", tokenizer)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in tokenizer_dirs.MIXED:
+        ids = tokenizer.encode(text)
+        assert theirs(text, add_special_tokens=False)["input_ids"] == ids, text
+        assert theirs.decode(ids) == tokenizer.decode(ids) == text
+    # bos/eos in config.json are ours, and are tokens of the vocabulary (or absent, for char)
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (saved["bos_token_id"], saved["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eot_id)
+    assert theirs.eos_token_id == tokenizer.eot_id and theirs.bos_token_id == tokenizer.bos_id
+    for i in (tokenizer.bos_id, tokenizer.eot_id):
+        assert i is None or i < tokenizer.vocab_size and theirs.convert_ids_to_tokens(i) is not None
+    if kind != "char":
+        assert tokenizer.eot_id is not None
+    # and --hf_model reads the export's tokenizer back, with the same ids
+    again = hf.load_tokenizer(tmp_path / "out")
+    assert all(again.encode(t) == tokenizer.encode(t) for t in tokenizer_dirs.MIXED)
+    assert again.eot_id == tokenizer.eot_id
+
+
+def test_export_dtype_and_file_permissions(tmp_path):
+    config = LlamaConfig(vocab_size=53, seq_length=16, num_layers=1, num_heads=2, num_kv_heads=1, embed_size=16,
+                         intermediate_size=32)
+    ours = MODELS["llama"][0](config)
+    init_weights(ours, 0, torch.device("cpu"))
+    state = {name: t.bfloat16() for name, t in ours.state_dict().items()}
+    tokenizer = tk.CharTokenizer("".join(chr(ord("a") + i) for i in range(26)) + " .")
+    hf.save_hf(state, {"model": config.to_dict(), "model_type": "llama"}, tmp_path / "out", tokenizer,
+               max_shard_bytes=2_000)
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["dtype"] == saved["torch_dtype"] == "bfloat16"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")
+    assert {p.dtype for p in theirs.parameters()} == {torch.bfloat16}
+    umask = os.umask(0)
+    os.umask(umask)
+    files = sorted((tmp_path / "out").iterdir())
+    assert len([f for f in files if f.suffix == ".safetensors"]) > 1 and (tmp_path / "out" / "tokenizer.json") in files
+    assert {f.name: f.stat().st_mode & 0o777 for f in files} == {f.name: 0o666 & ~umask for f in files}
+
+
+def test_gpt2_weights_without_tokenizer_files_offline_is_one_line(tmp_path, monkeypatch):
+    hf_gpt2(tmp_path)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(tk, "_can_download", lambda url, timeout=5.0: False)
+    with pytest.raises(ConfigError, match="has no tokenizer files .* --tokenizer_dir"):
+        hf.load_tokenizer(tmp_path)
 
 
 # -----------------------------------------------------------------------------
@@ -213,3 +295,79 @@ def test_generation_from_hf_model_matches_transformers_greedy(tmp_path, llama_di
         for _ in range(12):
             ids.append(theirs(torch.tensor([ids])).logits[0, -1].argmax().item())
     assert sample_of(out.stdout) == tokenizer.decode(ids)
+
+
+# -----------------------------------------------------------------------------
+# offline, end to end: a GPT-2 directory with its own tokenizer files, and a Llama 3
+
+def offline_env(tmp_path):
+    """No hub, an empty tiktoken cache, and a proxy that refuses at once: nothing may be fetched."""
+    refused = "http://127.0.0.1:9"
+    return {"HF_HUB_OFFLINE": "1", "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-tiktoken-cache"),
+            "HTTPS_PROXY": refused, "HTTP_PROXY": refused, "https_proxy": refused, "http_proxy": refused}
+
+
+def test_gpt2_directory_trains_and_samples_offline_with_its_own_tokenizer(tmp_path, corpus):
+    directory = tmp_path / "gpt2"
+    tokenizer_dirs.write_vocab_merges(directory)  # the older hub layout: vocab.json + merges.txt
+    vocab = len(json.loads((directory / "vocab.json").read_text()))
+    hf_gpt2(directory, vocab_size=vocab, bos_token_id=0, eos_token_id=0)  # <|endoftext|> is id 0 here
+    out = launch(["--hf_model", directory, "--dataset", "text", "--input_file", corpus, "--data_dir",
+                  tmp_path / "data", "--seq_length", 16, "--batch_size", 2, "--max_steps", 1, "--eval_interval", 0,
+                  "--eval_batches", 1, "--num_tokens", 6, "--run_name", "gpt2"], ranks=2, cwd=tmp_path,
+                 env=offline_env(tmp_path))
+    assert sample_of(out.stdout).startswith("ROMEO:")
+    prepared = list((tmp_path / "data" / "corpus").iterdir())
+    assert [p.name[:3] for p in prepared] == ["hf-"]  # tokenized with the directory's BPE, not tiktoken's
+    assert TokenData(prepared[0]).tokenizer.eot_id == 0
+
+
+@pytest.fixture
+def llama3_dir(tmp_path):
+    """A tiny random Llama 3.1: Llama 3's tiktoken-format tokenizer.model (Meta's 256 special tokens after
+    ~350 ranks), rope theta 500000 with Llama 3.1's scaling, grouped-query attention."""
+    directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
+    theirs = hf_llama(directory, vocab_size=num_ranks + 256, max_position_embeddings=64, initializer_range=0.2,
+                      rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=16),
+                      bos_token_id=num_ranks, eos_token_id=num_ranks + 1)
+    return directory, theirs, tk.load_tokenizer(directory)
+
+
+def test_llama3_trains_samples_exports_and_comes_back_offline(tmp_path, corpus, llama3_dir):
+    directory, theirs, tokenizer = llama3_dir
+    vocab = tokenizer.vocab_size
+    assert tokenizer.kind == "tiktoken" and theirs.config.vocab_size == vocab
+    assert_same_logits(ours_from(directory), theirs, vocab, 24)
+    args = ["--hf_model", directory, "--dataset", "text", "--input_file", corpus, "--data_dir", tmp_path / "data",
+            "--seq_length", 32, "--batch_size", 2, "--max_steps", 2, "--log_interval", 1, "--eval_interval", 0,
+            "--eval_batches", 1, "--num_tokens", 8, "--run_name", "llama3"]
+    out = launch(args, ranks=2, cwd=tmp_path, env=offline_env(tmp_path))
+    sample = sample_of(out.stdout)
+    assert sample.startswith("ROMEO:") and len(tokenizer.encode(sample)) >= len(tokenizer.encode("ROMEO:")) + 8 - 2
+    # The first loss is transformers' on the same batches, tokenized by the tiktoken tokenizer.
+    cfg = parse_args([str(a) for a in args])
+    data = TokenData(dataset_dir(cfg, tokenizer))
+    assert data.meta["tokenizer"] == "tiktoken"
+    x, y = (torch.cat(t) for t in zip(*(data.get_batch("train", 0, r, 2, 2, 32, cfg.seed) for r in range(2))))
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(theirs(x).logits.reshape(-1, vocab), y.reshape(-1)).item()
+    assert logged_losses(tmp_path, "llama3")[0] == pytest.approx(expected, abs=1e-4)
+
+    # Export the trained checkpoint: transformers gives our logits and our token ids.
+    saved = checkpoint.latest(tmp_path / "checkpoints" / "llama3")
+    export.main([str(saved), str(tmp_path / "export"), "--format", "hf"])
+    trained = MODELS["llama"][0](LlamaConfig(**checkpoint.read_meta(saved)["model"])).eval()
+    trained.load_state_dict(checkpoint.load_full_model_state(saved))
+    assert_same_logits(trained, transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval(),
+                       vocab, 24)
+    auto_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    for text in tokenizer_dirs.MIXED:
+        assert auto_tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text)
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["eos_token_id"] == tokenizer.eot_id and exported["rope_parameters"]["rope_type"] == "llama3"
+
+    # ... and --hf_model on the export trains and samples, offline.
+    out = launch(["--hf_model", tmp_path / "export", *args[2:-2], "--run_name", "again"], ranks=2, cwd=tmp_path,
+                 env=offline_env(tmp_path))
+    assert sample_of(out.stdout).startswith("ROMEO:")
+    assert logged_losses(tmp_path, "again")[0] < logged_losses(tmp_path, "llama3")[0]  # it starts trained

@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+import tokenizer_dirs
 from minimal_fsdp import tokenizer as tk
 from minimal_fsdp.tokenizer import (CharTokenizer, SentencePieceTokenizer, TokenizerError,
                                     load_sentencepiece, load_tokenizer, train_tokenizer)
@@ -148,3 +149,141 @@ def test_gpt2_wrapper_with_stub_encoding(tmp_path, monkeypatch):
     assert 256 not in ids and tok.decode(ids) == text
     assert json.loads((tmp_path / "tokenizer.json").read_text()) == {"kind": "gpt2", "vocab_size": 257}
     assert load_tokenizer(tmp_path).encode(text) == ids
+
+
+# -----------------------------------------------------------------------------
+# a Hugging Face directory's own tokenizer, offline: each kind loads, and encodes as transformers does
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """No hub, and an empty tiktoken cache: nothing may be fetched."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-tiktoken-cache"))
+    monkeypatch.setattr(tk.urllib.request, "urlopen", lambda *a, **k: pytest.fail("network used"))
+
+
+def auto_tokenizer(directory):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoTokenizer.from_pretrained(str(directory))
+
+
+def assert_encodes_like(ours, theirs, texts):
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs(text, add_special_tokens=False)["input_ids"], text
+        assert ours.decode(ids) == text
+
+
+def test_tokenizer_json(tmp_path, offline):
+    directory = tokenizer_dirs.write_tokenizer_json(tmp_path / "hf")
+    tok = load_tokenizer(directory)
+    assert tok.kind == "hf" and 300 <= tok.vocab_size <= 500
+    assert tok.eot_id == tok.tok.token_to_id("<|endoftext|>")  # named by tokenizer_config.json
+    assert_encodes_like(tok, auto_tokenizer(directory), tokenizer_dirs.MIXED)
+    # a special token's text in the data is ordinary text, as gpt2's encode_ordinary reads it
+    assert tok.eot_id not in tok.encode("a <|endoftext|> b")
+
+
+def test_vocab_json_and_merges_txt(tmp_path, offline):
+    directory = tokenizer_dirs.write_vocab_merges(tmp_path / "gpt2")
+    (directory / "config.json").write_text(json.dumps({"model_type": "gpt2", "eos_token_id": 0}))
+    tok = load_tokenizer(directory)
+    assert tok.kind == "hf" and tok.eot_id == 0  # <|endoftext|>, id 0 in this vocabulary
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    assert_encodes_like(tok, auto_tokenizer(directory), tokenizer_dirs.MIXED)
+
+
+def test_sentencepiece_tokenizer_model(tmp_path, offline):
+    directory = tokenizer_dirs.write_sentencepiece(tmp_path / "llama2")
+    tok = load_tokenizer(directory)
+    assert isinstance(tok, SentencePieceTokenizer) and tok.eot_id == 2 and tok.bos_id == 1
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    # transformers' (non-legacy) Llama tokenizer drops sentencepiece's dummy-prefix "▁" before a leading
+    # space; on text that starts with a letter the two agree
+    assert_encodes_like(tok, auto_tokenizer(directory), [t for t in tokenizer_dirs.MIXED if not t[0].isspace()])
+
+
+def test_llama3_tiktoken_tokenizer_model(tmp_path, offline):
+    directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
+    tok = load_tokenizer(directory)
+    assert tok.kind == "tiktoken" and tok.vocab_size == num_ranks + 256  # Meta's 256 special tokens follow
+    assert tok.bos_id == num_ranks and tok.eot_id == num_ranks + 1  # <|begin_of_text|>, <|end_of_text|>
+    assert tok.decode([num_ranks + 9]) == "<|eot_id|>"
+    # transformers converts a tiktoken file itself when told to build a fast tokenizer from it
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    assert_encodes_like(tok, auto_tokenizer(directory), tokenizer_dirs.MIXED)
+    # config.json's ids name the special tokens, as a Llama 3 checkpoint's do
+    (directory / "config.json").write_text(json.dumps({"eos_token_id": num_ranks + 9, "bos_token_id": num_ranks}))
+    (directory / "tokenizer_config.json").unlink()
+    assert load_tokenizer(directory).eot_id == num_ranks + 9
+
+
+@pytest.mark.parametrize("kind", ["hf", "tiktoken"])
+def test_directory_tokenizers_save_and_load_as_json(tmp_path, offline, monkeypatch, kind):
+    if kind == "hf":
+        directory = tokenizer_dirs.write_tokenizer_json(tmp_path / "source")
+    else:
+        directory, _ = tokenizer_dirs.write_tiktoken(tmp_path / "source")
+    tok = load_tokenizer(directory)
+    tok.save(tmp_path / "saved")  # what a prepared dataset (and so a checkpoint) keeps
+    assert json.loads((tmp_path / "saved" / "tokenizer.json").read_text())["kind"] == kind
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("pickle.load called"))
+    again = load_tokenizer(tmp_path / "saved")
+    assert (again.kind, again.vocab_size, again.eot_id, again.bos_id, again.label) == \
+        (tok.kind, tok.vocab_size, tok.eot_id, tok.bos_id, tok.label)
+    assert all(again.encode(t) == tok.encode(t) for t in tokenizer_dirs.MIXED)
+
+
+def test_a_directory_without_a_tokenizer_or_with_a_bad_one(tmp_path, offline):
+    with pytest.raises(TokenizerError, match="holds no tokenizer: expected tokenizer.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.model").write_text("not base64 at all\n")
+    with pytest.raises(TokenizerError, match="cannot read sentencepiece model"):
+        load_tokenizer(tmp_path)
+
+
+# -----------------------------------------------------------------------------
+# --tokenizer_dir: a directory's tokenizer for a fresh model, and for `python -m minimal_fsdp.data prepare`
+
+def test_tokenizer_dir_flag_rules():
+    from minimal_fsdp.config import ConfigError, parse_args
+    assert parse_args(["--tokenizer_dir", "some/dir"]).tokenizer_dir == "some/dir"
+    with pytest.raises(ConfigError, match="--tokenizer_dir replaces --tokenizer: drop --tokenizer gpt2"):
+        parse_args(["--tokenizer_dir", "some/dir", "--tokenizer", "gpt2"])
+    with pytest.raises(ConfigError, match="prepared --dataset_path carries its own tokenizer: drop --tokenizer_dir"):
+        parse_args(["--tokenizer_dir", "some/dir", "--dataset_path", "data/x"])
+
+
+def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
+    from conftest import TINY_MODEL, launch
+    from minimal_fsdp import checkpoint
+    from minimal_fsdp.data import TokenData
+    directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
+    offline = {"HF_HUB_OFFLINE": "1", "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache"),
+               "HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+    launch(["--tokenizer_dir", directory, "--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--model", "llama",
+            "--num_kv_heads", 1, "--max_steps", 2, "--eval_interval", 0], ranks=2, cwd=tmp_path, env=offline)
+    tokenizer = load_tokenizer(directory)
+    data = TokenData(tmp_path / "data" / "corpus" / tokenizer.label)  # named by the tokenizer's files
+    text = corpus.read_text()
+    assert data.tokenizer.kind == "tiktoken" and data.splits["train"][:500].tolist() == tokenizer.encode(text)[:500]
+    saved = checkpoint.latest(tmp_path / "checkpoints" / "shakespeare")
+    assert checkpoint.read_meta(saved)["model"]["vocab_size"] == num_ranks + 256  # the tokenizer's vocabulary
+    assert load_tokenizer(saved).encode(text[:1000]) == tokenizer.encode(text[:1000])  # the checkpoint carries it
+
+
+def test_prepare_with_a_tokenizer_dir(tmp_path, offline):
+    from minimal_fsdp import prepare
+    from minimal_fsdp.data import TokenData
+    from minimal_fsdp.documents import encode_document, is_val
+    directory = tokenizer_dirs.write_tokenizer_json(tmp_path / "hf")
+    tokenizer = load_tokenizer(directory)
+    documents = [sample_text(20, seed=i) + f"\ndocument {i} \u00e9\u00e8 \U0001F600" for i in range(40)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    out = prepare.main(["prepare", "--dataset", "text", "--input", str(tmp_path / "docs.jsonl"), "--tokenizer_dir",
+                        str(directory), "--data_dir", str(tmp_path / "data"), "--num_proc", "2"])
+    assert out == tmp_path / "data" / "docs" / tokenizer.label
+    data = TokenData(out)  # the workers tokenized with the tokenizer saved there
+    expected = [t for i, d in enumerate(documents) if not is_val(i, 1337, 0.1) for t in encode_document(tokenizer, d)]
+    assert data.splits["train"].tolist() == expected and tokenizer.eot_id in expected

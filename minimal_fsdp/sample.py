@@ -1,0 +1,170 @@
+"""Text from a trained model: a checkpoint, an export, or a Hugging Face model directory.
+
+    python -m minimal_fsdp.sample checkpoints/shakespeare --prompt "ROMEO:"        # the run's newest checkpoint
+    python -m minimal_fsdp.sample checkpoints/shakespeare/best --temperature 0      # greedy, from the best one
+    python -m minimal_fsdp.sample exported/ --prompt "Once upon a time" --top_k 20  # an export, either --format
+    python -m minimal_fsdp.sample ~/models/Llama-3.2-1B --prompt "The capital of France is" --num_tokens 20
+    mpiexec -n 4 python -m minimal_fsdp.sample ~/models/Llama-2-13b-hf --precision bf16   # sharded over 4 GPUs
+
+One process on the CPU or one GPU; under mpiexec (or torchrun, srun) the model is sharded over the ranks with
+FSDP2, as in training. The tokenizer is the one the source carries. The text goes to stdout, what was loaded
+to stderr. basic_training.py --max_epochs -1 loads its model through here too.
+"""
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, environment, hf
+from .config import Config, ConfigError, validate
+from .generate import generate
+from .llama import Llama
+from .model import GPT
+from .parallelize import build_mesh, build_model
+from .tokenizer import load_tokenizer
+
+MODELS = {"gpt": GPT, "llama": Llama}
+
+
+@dataclass
+class Source:
+    kind: str  # "checkpoint", "export" (ours: --format safetensors) or "hf" (a Hugging Face directory)
+    path: str
+    model_type: str  # "gpt" or "llama"
+    config: object  # GPTConfig or LlamaConfig
+    step: int = None  # a checkpoint's
+
+
+def _is_checkpoint(path):
+    return path.is_file() or path.is_dir() and ((path / "meta.json").exists() or (path / "latest").exists()
+                                                or bool(checkpoint.step_dirs(path)))
+
+
+def open_source(source, seq_length=None):
+    """What SOURCE holds: its kind, model type and model config. Reads small files only (a hub name is
+    downloaded): call it on rank 0 (environment.run_on_main). seq_length shortens a Hugging Face model's
+    context; for a checkpoint or an export it may not exceed the saved context."""
+    path = Path(source)
+    if _is_checkpoint(path):
+        resolved = checkpoint.resolve(path)
+        problem = checkpoint.verify(resolved)
+        if problem:
+            raise ConfigError(f"{source} is not a complete checkpoint: {resolved}: {problem}")
+        meta = checkpoint.read_meta(resolved)
+        model_type = meta.get("model_type", "gpt")  # checkpoints from before Llama are GPTs
+        found = Source("checkpoint", str(resolved), model_type, hf.CONFIGS[model_type](**meta["model"]), meta["step"])
+    elif (path / "config.json").is_file():
+        config = json.loads((path / "config.json").read_text())
+        if "model_type" in config:  # Hugging Face's config.json (ours has no such key)
+            return Source("hf", str(path), *hf.read_config(path, seq_length))
+        model_type = _export_model_type(path, config)
+        found = Source("export", str(path), model_type, hf.CONFIGS[model_type](**config))
+    elif not path.exists() and source.count("/") == 1 and not source.startswith((".", "/", "~")):
+        directory = hf.resolve(source)  # a hub name: from the Hugging Face cache, or downloaded
+        return Source("hf", directory, *hf.read_config(directory, seq_length))
+    else:
+        raise ConfigError(f"{source} is not a checkpoint (a step_<N> directory, a run directory or its latest/best "
+                          "marker), an export, or a Hugging Face model directory (config.json + weights)")
+    if seq_length and seq_length > found.config.seq_length:
+        raise ConfigError(f"--seq_length {seq_length} is larger than the model's context of "
+                          f"{found.config.seq_length} tokens in {found.path}")
+    return found
+
+
+def _export_model_type(path, config):
+    """export.py records the model type in model.safetensors' metadata; a Llama's config has num_kv_heads."""
+    from safetensors import safe_open
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"{path} has a config.json but no model.safetensors: not an export of ours")
+    with safe_open(str(weights), framework="pt") as f:
+        recorded = (f.metadata() or {}).get("model_type")
+    return recorded if recorded in MODELS else "llama" if "num_kv_heads" in config else "gpt"
+
+
+def source_tokenizer(source):
+    """The tokenizer that travels with the source."""
+    return hf.load_tokenizer(source.path) if source.kind == "hf" else load_tokenizer(source.path)
+
+
+def load_model(source, cfg, env, mesh):
+    """Collective: build the source's model as cfg shards it, on the meta device first so that no rank ever
+    holds more than its shard, and load its weights into it."""
+    model = build_model(MODELS[source.model_type], source.config, dataclasses.replace(cfg, meta_init=True), env, mesh)
+    if source.kind == "checkpoint":
+        checkpoint.load(source.path, model)
+    elif source.kind == "hf":
+        hf.load_weights(model, source.path, source.model_type)
+    else:  # our export: the names are the state dict's, so DCP's Hugging Face reader loads each rank's shard
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        state = get_model_state_dict(model)
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(source.path))
+        set_model_state_dict(model, state)
+    return model
+
+
+def describe(source, model, tokenizer, env):
+    """What is generating: the source, the model as loaded (not the command line's defaults), the tokenizer."""
+    c = source.config
+    heads = f"{c.num_heads} heads" + (f" ({c.num_kv_heads} kv)" if source.model_type == "llama" else "")
+    what = {"checkpoint": f"checkpoint, step {source.step}", "export": "export",
+            "hf": "Hugging Face model"}[source.kind]
+    num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
+    return "\n".join([
+        f"generating from {source.path} ({what}) on {env.world_size} rank(s), {env.device.type}",
+        f"model: {source.model_type}, {c.num_layers} layers, {heads}, width {c.embed_size}, context "
+        f"{c.seq_length}, vocab {c.vocab_size}: {num_params / 1e6:.2f}M parameters",
+        f"tokenizer: {tokenizer.kind}, {tokenizer.vocab_size} tokens"])
+
+
+def build_parser():
+    defaults = Config()
+    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.sample", description=__doc__.split("\n")[0])
+    parser.add_argument("source", help="a checkpoint (step_<N>, a run directory, its latest/best marker), an "
+                                       "export (python -m minimal_fsdp.export), or a Hugging Face model directory")
+    parser.add_argument("--prompt", default="", help="text to continue (default: none, a fresh document)")
+    parser.add_argument("--num_tokens", type=int, default=defaults.num_tokens, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=defaults.temperature, help="0: greedy")
+    parser.add_argument("--top_k", type=int, default=defaults.top_k, help="sample from the k most likely (0: all)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="the same seed gives the same text")
+    parser.add_argument("--precision", choices=("float32", "bf16"), default="float32",
+                        help="bf16: matmuls in bf16 (fast on GPUs); the weights stay float32, sharded")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    cfg = Config(prompt=args.prompt, num_tokens=args.num_tokens, temperature=args.temperature, top_k=args.top_k,
+                 seed=args.seed, precision=args.precision, max_epochs=-1, tensorboard=False)
+    try:
+        validate(cfg)
+        if args.top_k < 0:
+            raise ConfigError(f"--top_k must be 0 or positive (got {args.top_k})")
+        env = environment.setup(cfg)
+        mesh = build_mesh(cfg, env)
+        source = environment.run_on_main(open_source, args.source)
+        tokenizer = source_tokenizer(source)  # the same files on every rank: the same verdict everywhere
+        model = load_model(source, cfg, env, mesh)
+        if env.is_main:
+            print(describe(source, model, tokenizer, env), file=sys.stderr, flush=True)
+        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        text = generate(model, tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k, cfg.seed,
+                        env.device, dtype)
+        if env.is_main:
+            print(text, flush=True)
+        del model, mesh
+    except ConfigError as e:  # raised alike on every rank: one line, clean exit
+        if environment.rank_hint() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        environment.teardown()
+        sys.exit(2)
+    environment.teardown()
+
+
+if __name__ == "__main__":
+    main()
