@@ -145,7 +145,7 @@ chain_next() {
             /^ *Resource_List\.(select|place|walltime|filesystems) = / {
                 sub(/^ *Resource_List\./, "", $1); print "-l"; print $1 "=" $2 }' <<<"$QSTAT_FULL")
         for name in ARGS VENV NRANKS_PER_NODE NDEPTH CPU_BIND MPIEXEC PYTHON ENTRY REPO CHAIN CHAIN_MARGIN; do
-            if [ -n "${!name:-}" ]; then settings+=("$name=${!name}"); fi
+            if [ -n "${!name+set}" ]; then settings+=("$name=${!name}"); fi  # CPU_BIND= (empty) counts
         done
         local IFS=,
         echo "chain: at step $step of $last; submitting the next job"
