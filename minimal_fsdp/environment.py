@@ -222,7 +222,9 @@ def _open_store(world, port, where, token, timeout):
     """Rank 0 binds the store itself (port 0: any free one), so no other job can take the port in between."""
     try:
         store = dist.TCPStore("0.0.0.0", port, world, is_master=True, wait_for_workers=False, timeout=timeout)
-    except dist.DistNetworkError:
+    except dist.DistNetworkError as e:
+        if not port:
+            raise ConfigError(f"rank 0 could not open a rendezvous port on {socket.gethostname()}: {e}") from None
         raise ConfigError(f"{where} {port} is already in use on {socket.gethostname()}: export another "
                           "MASTER_PORT, or unset it to let rank 0 pick a free port") from None
     store.set(TOKEN_KEY, token)
@@ -261,10 +263,9 @@ def _rendezvous_mpi(rank, world, num_nodes, timeout):
     offer = None
     if rank == 0:
         addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if num_nodes == 1 else socket.gethostname())
-        port = _int(os.environ, "MASTER_PORT", "0")
         token = f"mpi {socket.gethostname()} {secrets.token_hex(8)}"
         try:
-            store = _open_store(world, port, "MASTER_PORT", token, timeout)
+            store = _open_store(world, _int(os.environ, "MASTER_PORT", "0"), "MASTER_PORT", token, timeout)
             offer = (addr, store.port, token)
         except ConfigError as e:
             offer = str(e)
@@ -298,6 +299,7 @@ def _srun_address(env):
 
 
 def _rendezvous_srun(rank, world, cfg, timeout):
+    """Every task knows the address, and the port unless rank 0 publishes it; the token is the job step's."""
     global _store_file
     env = os.environ
     addr, port, where = _srun_address(env)
@@ -319,6 +321,7 @@ def _rendezvous_srun(rank, world, cfg, timeout):
 
 
 def _published_port(path, timeout):
+    """The port rank 0 wrote into `path`, once it is there."""
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline:
@@ -404,12 +407,12 @@ def setup(cfg):
 def teardown():
     """Destroy every process group while the interpreter is fully alive; gc first, so that groups held only
     by garbage (cycles through FSDP or DTensor state) are gone with them."""
-    global _store
+    global _store, _store_file
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
         gc.collect()
-    _store = None
+    _store = _store_file = None
 
 
 # --- failures: the whole job ends, with one line ---
@@ -436,7 +439,7 @@ def install_abort_on_exception():
 def _failed_alike(timeout=AGREE_SECONDS):
     """Whether every rank has failed too (within `timeout` seconds): then rank 0 speaks for all."""
     if not _setup_started or _known_world == 1:
-        return True  # flags are parsed alike on every rank
+        return True  # before setup only the flags can be wrong, and every rank parses the same ones
     if _error_comm is not None:
         request = _error_comm.Ibarrier()  # only failing ranks enter it; nobody else uses this communicator
         deadline = time.monotonic() + timeout
@@ -447,7 +450,7 @@ def _failed_alike(timeout=AGREE_SECONDS):
         return True
     if dist.is_initialized():  # srun, torchrun: count the failures in the rendezvous store
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = dist.distributed_c10d._get_default_store()  # torch has no public accessor
             store.add(FAILED_KEY, 1)
             deadline = time.monotonic() + timeout
             while store.add(FAILED_KEY, 0) < dist.get_world_size():
