@@ -7,7 +7,6 @@
 Flags -> Config -> the package's functions; nothing else happens here.
 """
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
@@ -129,7 +128,7 @@ def main(argv=None):
     cfg = parse_args(argv)
     stop = resilience.StopRequests(cfg.time_limit_seconds)  # --time_limit counts from here
     env = environment.setup(cfg)
-    validate_world(cfg, env.world_size, env.local_world_size)
+    validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     mesh = build_mesh(cfg, env)
     # One training run per run directory: rank 0 holds the lock until the end (generation only reads).
@@ -162,8 +161,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, resilience.Diverged, checkpoint.SaveError) as e:  # raised alike on every rank: one line
-        if environment.rank_hint() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        environment.teardown()
-        sys.exit(2 if isinstance(e, ConfigError) else 1)
+    except (ConfigError, resilience.Diverged, checkpoint.SaveError) as e:  # one line, no rank left waiting
+        environment.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)

@@ -411,9 +411,14 @@ def validate_decentralized(cfg):
         raise ConfigError("--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it")
 
 
-def validate_world(cfg, world_size, local_world_size):
-    """Checks that need the launch layout; same inputs on every rank, so the same verdict everywhere."""
+def validate_world(cfg, world_size, local_world_size, local_world_sizes=()):
+    """Checks that need the launch layout; same inputs on every rank, so the same verdict everywhere.
+    local_world_sizes: every rank's local world size, gathered (a rank's own can differ from the others')."""
     if cfg.sharding.startswith("hybrid"):
+        if not cfg.shard_group_size and len(set(local_world_sizes)) > 1:
+            sizes = ", ".join(map(str, sorted(set(local_world_sizes))))
+            raise ConfigError(f"--sharding {cfg.sharding} shards over the ranks of a node, but nodes run different "
+                              f"numbers of ranks ({sizes}): start as many on every node, or set --shard_group_size")
         group = cfg.shard_group_size or local_world_size
         if world_size % group:
             raise ConfigError(f"--sharding {cfg.sharding} needs world size divisible by --shard_group_size "

@@ -203,7 +203,7 @@ def train(model, optimizer, data, cfg, env, run_dir, meta, saved=None, stop=None
                 nonfinite.flush()  # never save a model that a NaN update has poisoned
                 next_batch = batch + cfg.grad_accum_steps
                 progress = dict(epoch=done // per_epoch if per_epoch else None, lr_decay_steps=decay_steps,
-                                val_loss=val_loss, train_batches=next_batch,
+                                last_step=last, val_loss=val_loss, train_batches=next_batch,
                                 data_position=data.position(next_batch, env.world_size, cfg.batch_size))
                 if gossip is not None:
                     checkpoint.save_replicas(run_dir, done, model, optimizer, dict(meta, **progress), data.directory,

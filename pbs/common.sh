@@ -1,6 +1,6 @@
 # Sourced by the PBS job scripts in this folder: Python environment, NCCL settings for Polaris-like systems
 # (4 A100s and 32 cores per node, Slingshot, Cray MPICH with PALS mpiexec), and `launch`, which starts one
-# rank per GPU with mpiexec.
+# rank per GPU with mpiexec (and, with CHAIN=1, submits the job's successor when the run is not done).
 #
 # Everything below can be overridden at submission time, e.g.
 #   qsub -A PROJECT -v ARGS="--model_preset gpt2 --precision bf16",VENV=$HOME/venvs/fsdp pbs/train_multi_node.sh
@@ -13,6 +13,17 @@
 #   MPIEXEC          the launcher (mpiexec)
 #   PYTHON, ENTRY    the interpreter (python) and the training script (basic_training.py)
 #   REPO             this checkout (default: the directory qsub ran in; the job runs there too)
+#   CHAIN            1: run as a chain of jobs (below; default 0)
+#   CHAIN_MARGIN     seconds the chain leaves between --time_limit and the walltime, for the step in flight
+#                    and the save (300)
+#
+# Job chains. A run longer than the queue's walltime trains in a chain of jobs:
+#   qsub -A PROJECT -l walltime=06:00:00 -v CHAIN=1,ARGS="--config configs/gpt2_124m_owt.toml" pbs/train_multi_node.sh
+# Each job passes --time_limit (the walltime left, less CHAIN_MARGIN), so it saves a checkpoint and exits before
+# the kill. At its end, if the latest checkpoint is short of the run's last step, it submits its successor
+# (qsub -W depend=afterany:THIS_JOB, with this job's queue, account, resources and these settings), which
+# resumes from that checkpoint. The chain stops when the run is done, when a job fails, or when a job made no
+# progress. A --time_limit in ARGS wins over the derived one.
 
 if [ -n "${VENV:-}" ]; then
     source "$VENV/bin/activate"
@@ -23,7 +34,10 @@ fi
 set -euo pipefail
 
 : "${PBS_NODEFILE:?is not set: submit this script with qsub}"
-NNODES=$(sort -u "$PBS_NODEFILE" | wc -l)
+# Distinct hosts, counted as minimal_fsdp.environment.count_pbs_nodes counts them: blank lines skipped, case
+# ignored, a fully qualified name taken as its short name (an IPv4 address stays whole).
+NNODES=$(awk '{ h = tolower($1); sub(/\r$/, "", h) } h !~ /^[0-9.]+$/ { sub(/\..*/, "", h) }
+              h != "" && !seen[h]++ { n++ } END { print n + 0 }' "$PBS_NODEFILE")
 NRANKS_PER_NODE=${NRANKS_PER_NODE:-4}
 NDEPTH=${NDEPTH:-8}
 NTOTRANKS=$((NNODES * NRANKS_PER_NODE))
@@ -32,6 +46,8 @@ MPIEXEC=${MPIEXEC:-mpiexec}
 PYTHON=${PYTHON:-python}
 ENTRY=${ENTRY:-$REPO/basic_training.py}
 ARGS=${ARGS:-}
+CHAIN=${CHAIN:-0}
+CHAIN_MARGIN=${CHAIN_MARGIN:-300}
 export OMP_NUM_THREADS=$NDEPTH
 
 # NCCL over Slingshot through the AWS OFI plugin (ALCF's recommended settings). The plugin is used only if
@@ -57,9 +73,82 @@ export CUDA_VISIBLE_DEVICES=$(( NRANKS_PER_NODE - 1 - local % NRANKS_PER_NODE ))
 exec "$@"'
 
 launch() {
+    local chain_flags=()
+    if [ "$CHAIN" = 1 ]; then
+        chain_start "$@"
+        chain_flags=(--time_limit "$CHAIN_TIME_LIMIT")
+    fi
     echo "job ${PBS_JOBID:-?}: $NNODES node(s) x $NRANKS_PER_NODE rank(s) = $NTOTRANKS rank(s), $NDEPTH core(s) each"
     # shellcheck disable=SC2086  # CPU_BIND and ARGS are lists of words
     "$MPIEXEC" -n "$NTOTRANKS" --ppn "$NRANKS_PER_NODE" $CPU_BIND \
         env NRANKS_PER_NODE="$NRANKS_PER_NODE" bash -c "$BIND_GPU" bind-gpu \
-        "$PYTHON" "$ENTRY" --environment pbs "$@" $ARGS
+        "$PYTHON" "$ENTRY" --environment pbs "$@" "${chain_flags[@]}" $ARGS
+    if [ "$CHAIN" = 1 ]; then
+        # shellcheck disable=SC2086
+        chain_next "$@" $ARGS
+    fi
+}
+
+# --- job chains (CHAIN=1) ---
+
+seconds() {  # [[HH:]MM:]SS -> seconds
+    local IFS=: part total=0
+    for part in $1; do total=$((total * 60 + 10#$part)); done
+    echo "$total"
+}
+
+# "STEP LAST_STEP" of the run's latest checkpoint ("0 none" without one), from the training flags.
+run_progress() {
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
+import json, sys
+from pathlib import Path
+from minimal_fsdp.config import parse_args
+cfg = parse_args(sys.argv[1:])
+run = Path(cfg.checkpoint_dir) / cfg.run_name
+latest = run / "latest"
+meta = json.loads((run / latest.read_text().strip() / "meta.json").read_text()) if latest.is_file() else {}
+print(meta.get("step", 0), meta.get("last_step", "none"))' "$@"
+}
+
+chain_start() {
+    : "${JOB_SCRIPT:?is not set: CHAIN=1 is for pbs/train_single_node.sh and pbs/train_multi_node.sh}"
+    # This job's queue, account and resources: the -l and -A given to the first qsub override the script's
+    # #PBS lines, so the successor gets them again.
+    QSTAT_FULL=$(qstat -f "$PBS_JOBID")
+    local walltime
+    walltime=$(awk -F' = ' '/^ *Resource_List.walltime = / { print $2 }' <<<"$QSTAT_FULL")
+    local left=$(( $(seconds "${walltime:?qstat -f shows no walltime}") - SECONDS - CHAIN_MARGIN ))
+    if [ "$left" -le 0 ]; then
+        echo "error: CHAIN_MARGIN=$CHAIN_MARGIN leaves no time to train in a walltime of $walltime" >&2
+        exit 2
+    fi
+    CHAIN_TIME_LIMIT=$(printf '%02d:%02d:%02d' $((left / 3600)) $((left % 3600 / 60)) $((left % 60)))
+    # shellcheck disable=SC2086
+    read -r CHAIN_START_STEP _ < <(run_progress "$@" $ARGS)
+    echo "chain: walltime $walltime, --time_limit $CHAIN_TIME_LIMIT; the run is at step $CHAIN_START_STEP"
+}
+
+chain_next() {
+    local step last
+    read -r step last < <(run_progress "$@")
+    if [ "$last" = none ]; then
+        echo "chain: stops: no checkpoint of this run records its last step" >&2
+    elif [ "$step" -ge "$last" ]; then
+        echo "chain: the run reached its last step ($last)"
+    elif [ "$step" -le "$CHAIN_START_STEP" ]; then
+        echo "chain: stops: this job made no progress (still at step $step)" >&2
+    else
+        local qsub_args settings=() name
+        mapfile -t qsub_args < <(awk -F' = ' '
+            /^ *queue = / { print "-q"; print $2 }
+            /^ *Account_Name = / { print "-A"; print $2 }
+            /^ *Resource_List\.(select|place|walltime|filesystems) = / {
+                sub(/^ *Resource_List\./, "", $1); print "-l"; print $1 "=" $2 }' <<<"$QSTAT_FULL")
+        for name in ARGS VENV NRANKS_PER_NODE NDEPTH CPU_BIND MPIEXEC PYTHON ENTRY REPO CHAIN CHAIN_MARGIN; do
+            if [ -n "${!name+set}" ]; then settings+=("$name=${!name}"); fi  # CPU_BIND= (empty) counts
+        done
+        local IFS=,
+        echo "chain: at step $step of $last; submitting the next job"
+        qsub -W depend=afterany:"$PBS_JOBID" "${qsub_args[@]}" -v "${settings[*]}" "$REPO/$JOB_SCRIPT"
+    fi
 }

@@ -3,7 +3,8 @@
 # replicated across nodes, so the big all-gathers stay on NVLink. Submit from the minimal_fsdp checkout:
 #   qsub -A PROJECT -l select=4:system=polaris pbs/train_multi_node.sh
 #   qsub -A PROJECT -v ARGS="--model_preset gpt2-xl --precision bf16 --activation_checkpoints" pbs/train_multi_node.sh
-# Settings you can pass with -v are listed in pbs/common.sh.
+#   qsub -A PROJECT -v CHAIN=1,ARGS="--config configs/gpt2_124m_owt.toml" pbs/train_multi_node.sh   # a chain of jobs
+# Settings you can pass with -v (CHAIN=1 among them) are listed in pbs/common.sh.
 #PBS -N minimal_fsdp
 #PBS -l select=2:system=polaris
 #PBS -l place=scatter
@@ -13,6 +14,7 @@
 #PBS -j oe
 
 REPO=${REPO:-${PBS_O_WORKDIR:-$PWD}}
+JOB_SCRIPT=pbs/train_multi_node.sh  # what a chain (CHAIN=1) submits again
 cd "${PBS_O_WORKDIR:-$PWD}"  # data/, checkpoints/ and logs/ go where qsub ran
 source "$REPO/pbs/common.sh" || { echo "error: pbs/common.sh not found in $REPO: qsub from the checkout or pass -v REPO=..." >&2; exit 2; }
 

@@ -2,7 +2,8 @@
 # Train on one Polaris node (4 GPUs). Submit from the minimal_fsdp checkout:
 #   qsub -A PROJECT pbs/train_single_node.sh
 #   qsub -A PROJECT -v ARGS="--model_preset gpt2 --tokenizer gpt2 --precision bf16" pbs/train_single_node.sh
-# Settings you can pass with -v are listed in pbs/common.sh.
+#   qsub -A PROJECT -v CHAIN=1,ARGS="--run_name long --max_steps 20000" pbs/train_single_node.sh   # a chain of jobs
+# Settings you can pass with -v (CHAIN=1 among them) are listed in pbs/common.sh.
 #PBS -N minimal_fsdp
 #PBS -l select=1:system=polaris
 #PBS -l place=scatter
@@ -12,6 +13,7 @@
 #PBS -j oe
 
 REPO=${REPO:-${PBS_O_WORKDIR:-$PWD}}
+JOB_SCRIPT=pbs/train_single_node.sh  # what a chain (CHAIN=1) submits again
 cd "${PBS_O_WORKDIR:-$PWD}"  # data/, checkpoints/ and logs/ go where qsub ran
 source "$REPO/pbs/common.sh" || { echo "error: pbs/common.sh not found in $REPO: qsub from the checkout or pass -v REPO=..." >&2; exit 2; }
 

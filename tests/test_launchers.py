@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TINY_MODEL, mpiexec
+from fake_launchers import install_fakes
 from minimal_fsdp import environment
+from minimal_fsdp.config import ConfigError, parse_args, validate_world
 
 
 def tiny_args(corpus, run_name, steps=3, tensorboard=False):
@@ -63,38 +65,34 @@ def test_pbs_scripts_train_and_generate(tmp_path, corpus):
     assert (tmp_path / "checkpoints" / "multi" / "latest").read_text().strip() == "step_3"  # nothing trained
 
 
-FAKE_SRUN = """#!{python}
-# Stands in for srun: starts SLURM_NTASKS copies of the command on this host with srun's task variables.
-import os, subprocess, sys
-args = sys.argv[1:]
-with open(os.environ["SRUN_FLAGS_FILE"], "w") as f:
-    f.write(" ".join(a for a in args if a.startswith("--")))
-while args[0].startswith("-"):
-    args.pop(0)
-n = int(os.environ["SLURM_NTASKS"])
-tasks = [subprocess.Popen(args, env=dict(os.environ, SLURM_PROCID=str(i), SLURM_LOCALID=str(i), SLURM_NODEID="0",
-                                         SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS=str(n), SLURM_STEP_NUM_NODES="1",
-                                         SLURM_STEP_TASKS_PER_NODE=str(n),
-                                         SLURM_STEP_NODELIST=os.environ["SLURM_JOB_NODELIST"]))
-         for i in range(n)]
-sys.exit(max(t.wait() for t in tasks))
-"""
-
-
 def test_sbatch_script_trains_under_srun(tmp_path, corpus):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
-    (bin_dir / "srun").chmod(0o755)
     # What sbatch gives the batch script: note SLURM_PROCID=0 and SLURM_NTASKS=2 in this one process.
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2",
-           "SLURM_PROCID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": socket.gethostname(),
-           "SLURM_SUBMIT_DIR": str(tmp_path), "ENTRY": str(ROOT / "basic_training.py"),
-           "SRUN_FLAGS_FILE": str(tmp_path / "srun_flags")}
+    env = {**install_fakes(tmp_path / "bin"), "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": socket.gethostname(),
+           "SLURM_SUBMIT_DIR": str(tmp_path), "ENTRY": str(ROOT / "basic_training.py")}
     out = run_script(["bash", str(ROOT / "slurm" / "train.sbatch"), *tiny_args(corpus, "slurm")], tmp_path, env)
     assert "launch: 2 rank(s) = 1 node(s) x 2 rank(s)/node, started by srun" in out.stdout
-    assert "--mpi=none" in (tmp_path / "srun_flags").read_text()
+    srun_argv = json.loads((tmp_path / "bin" / "srun.log").read_text())
+    assert "--mpi=none" in srun_argv and "--kill-on-bad-exit=1" in srun_argv
     trained(tmp_path, "slurm")
+    # Rank 0 bound a free port and published it for this step only; the file is gone once all had joined.
+    assert list((tmp_path / "checkpoints" / ".rendezvous").iterdir()) == []
+
+
+def test_srun_without_mpi_none_on_a_pmix_cluster_trains(tmp_path, corpus):
+    """srun's PMIx plugin sets PMIX_RANK in every task: the tasks are srun's (its namespace names the step),
+    so MPI is never initialized; the mpich wheel would see a world of one per task."""
+    env = {**install_fakes(tmp_path / "bin"), "SLURM_JOB_ID": "77", "SLURM_NTASKS": "2",
+           "SLURM_JOB_NODELIST": socket.gethostname()}
+    cmd = ["srun", "--mpi=pmix", sys.executable, str(ROOT / "basic_training.py"), *tiny_args(corpus, "pmix", 2)]
+    out = run_script(cmd, tmp_path, env)
+    assert "launch: 2 rank(s) = 1 node(s) x 2 rank(s)/node, started by srun" in out.stdout
+    trained(tmp_path, "pmix", steps=2)
+
+
+def kubelet_expand(text, pod_env):
+    """$(NAME) -> the pod's variable; kubelet leaves a reference to an unset variable as it is."""
+    return re.sub(r"\$\((\w+)\)", lambda m: pod_env.get(m[1], m[0]), text)
 
 
 def envsubst(text, values):
@@ -119,26 +117,34 @@ def test_kubernetes_manifest_runs_torchrun(tmp_path, corpus):
     # What the training operator and kubelet do in the pod: fill in $(NAME) from the pod's variables.
     pod_env = {"PET_NNODES": "1", "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"], "PET_NODE_RANK": "0",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(environment._free_port())}
-    command = re.sub(r"\$\((\w+)\)", lambda m: pod_env[m[1]], container["args"][0])
-    assert command.startswith("torchrun ") and "--nproc_per_node=2" in command
+    command = kubelet_expand(container["args"][0], pod_env)
+    assert "torchrun " in command and "--nproc_per_node=2" in command
     torchrun_dir = Path(sys.executable).parent  # the torchrun beside this Python
-    out = run_script([*container["command"], command], ROOT, {"PATH": f"{torchrun_dir}:{os.environ['PATH']}"})
+    # An operator that sets no PET_* variables: kubelet leaves $(PET_NNODES) as it is; one line, exit 2.
+    bare = subprocess.run([*container["command"], kubelet_expand(container["args"][0], {})], capture_output=True,
+                          text=True, timeout=60, env={k: v for k, v in os.environ.items() if k not in pod_env})
+    assert bare.returncode == 2 and bare.stderr.startswith("error: the training operator did not set PET_NNODES")
+    assert bare.stderr.count("\n") == 1
+    out = run_script([*container["command"], command], ROOT,
+                     {"PATH": f"{torchrun_dir}:{os.environ['PATH']}", **pod_env})
     assert "launch: 2 rank(s) = 1 node(s) x 2 rank(s)/node, started by torchrun" in out.stdout
     trained(tmp_path, "k8s")
     assert len(list((tmp_path / "logs" / "k8s").glob("events.out.tfevents.*"))) == 1  # rank 0 only
 
 
-# srun detection from the environment alone (no real SLURM here).
+# Discovery from the environment alone (no real SLURM, PBS or Kubernetes here).
 SLURM_TASK = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_NUM_TASKS": "7",
               "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "4,3", "SLURM_JOB_ID": "77",
               "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NTASKS": "7"}
 LAUNCH_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    *environment.MPI_RANK_VARIABLES, *SLURM_TASK]
+                    *environment.MPI_RANK_VARIABLES, *environment.MPI_SIZE_VARIABLES, "PMIX_NAMESPACE", *SLURM_TASK,
+                    "SLURM_TASKS_PER_NODE", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_STEP_RESV_PORTS",
+                    "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK"]
 
 
 @pytest.fixture
 def fake_env(monkeypatch):
-    """os.environ without any launcher's variables; what _discover writes (MASTER_ADDR) stays in the test."""
+    """os.environ without any launcher's variables."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     monkeypatch.setattr(os, "environ", env)
     return env
@@ -147,22 +153,27 @@ def fake_env(monkeypatch):
 def test_srun_task_variables(fake_env):
     fake_env.update(SLURM_TASK)
     assert environment._discover("auto") == (5, 7, 1, 3, 2, "srun")
-    assert fake_env["MASTER_ADDR"] == "gpu07"
-    port = fake_env.pop("MASTER_PORT")
-    environment._discover("auto")
-    assert fake_env["MASTER_PORT"] == port  # every task derives the same port, without talking
+    # No port derived from the job id (jobs 750 ids apart shared one): rank 0 binds a free port, publishes it.
+    assert environment._srun_address(fake_env) == ("gpu07", 0, None)
 
 
-def test_exported_master_addr_wins_under_srun(fake_env):
-    fake_env.update(SLURM_TASK, MASTER_ADDR="10.0.0.1")
-    environment._discover("auto")
-    assert fake_env["MASTER_ADDR"] == "10.0.0.1"
+def test_srun_rendezvous_port_exported_or_reserved(fake_env):
+    fake_env.update(SLURM_TASK, SLURM_STEP_RESV_PORTS="12000-12003")
+    assert environment._srun_address(fake_env) == ("gpu07", 12000, "SLURM_STEP_RESV_PORTS's port")
+    fake_env.update(MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
+    assert environment._srun_address(fake_env) == ("10.0.0.1", 29500, "MASTER_PORT")
 
 
 def test_srun_on_one_node_rendezvous_locally(fake_env):
     fake_env.update(SLURM_TASK, SLURM_STEP_NUM_NODES="1", SLURM_STEP_TASKS_PER_NODE="7", SLURM_NODEID="0")
     assert environment._discover("auto") == (5, 7, 1, 7, 1, "srun")
-    assert fake_env["MASTER_ADDR"] == "127.0.0.1"
+    assert environment._srun_address(fake_env)[0] == "127.0.0.1"
+
+
+def test_srun_falls_back_to_the_jobs_tasks_per_node(fake_env):
+    fake_env.update(SLURM_TASK, SLURM_TASKS_PER_NODE="4,3")
+    del fake_env["SLURM_STEP_TASKS_PER_NODE"]
+    assert environment._discover("auto") == (5, 7, 1, 3, 2, "srun")
 
 
 def test_batch_script_alone_is_one_rank(fake_env):
@@ -172,10 +183,86 @@ def test_batch_script_alone_is_one_rank(fake_env):
 
 
 def test_mpi_wins_over_slurm_variables(fake_env, monkeypatch):
-    """mpiexec inside a SLURM job: the ranks inherit SLURM_* of the job, but MPI knows the real layout."""
-    fake_env.update(SLURM_TASK, PMI_RANK="3")
+    """mpiexec inside a SLURM job: the ranks inherit SLURM_* of the job, but MPI knows the real layout. Hydra
+    started by srun's PMIx plugin passes srun's PMIx variables on to its ranks: PMI_RANK still says MPI."""
     monkeypatch.setattr(environment, "_discover_mpi", lambda: (3, 4, 3, 4, 1))
+    fake_env.update(SLURM_TASK, PMI_RANK="3")
     assert environment._discover("auto") == (3, 4, 3, 4, 1, "mpi")
+    fake_env.update(PMIX_RANK="1", PMIX_NAMESPACE="slurm.pmix.77.0")
+    assert environment._discover("auto") == (3, 4, 3, 4, 1, "mpi")
+
+
+def test_srun_pmix_plugin_variables_mean_srun(fake_env, monkeypatch):
+    monkeypatch.setattr(environment, "_discover_mpi", lambda: pytest.fail("MPI initialized under srun --mpi=pmix"))
+    fake_env.update(SLURM_TASK, PMIX_RANK="5", PMIX_NAMESPACE="slurm.pmix.77.0")
+    assert environment._discover("auto") == (5, 7, 1, 3, 2, "srun")
+    fake_env.update(PMIX_NAMESPACE="prterun-host-1234@1")  # another launcher's namespace: MPI's ranks
+    monkeypatch.setattr(environment, "_discover_mpi", lambda: (5, 7, 1, 3, 2))
+    assert environment._discover("auto")[-1] == "mpi"
+
+
+@pytest.mark.parametrize("variables,size", [
+    ({"PALS_RANKID": "0", "PMI_SIZE": "4"}, 4), ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8"}, 8),
+    ({"PMIX_RANK": "3"}, 4), ({"PMIX_RANK": "0"}, 1)])
+def test_launcher_world_size(variables, size):
+    assert environment._launcher_world_size(variables) == size
+
+
+def test_pod_level_world_without_torchrun_is_refused(fake_env):
+    """A PyTorchJob pod's RANK/WORLD_SIZE are per pod; without torchrun (no LOCAL_RANK) they are refused."""
+    fake_env.update(RANK="1", WORLD_SIZE="8", MASTER_ADDR="master-0", MASTER_PORT="23456", PET_NPROC_PER_NODE="4")
+    with pytest.raises(ConfigError, match="start basic_training.py with torchrun"):
+        environment._discover("auto")
+    fake_env.update(LOCAL_RANK="2", LOCAL_WORLD_SIZE="4")  # what torchrun adds
+    assert environment._discover("auto") == (1, 8, 2, 4, 2, "torchrun")
+
+
+def test_a_literal_launcher_reference_is_one_line(fake_env):
+    fake_env.update(RANK="0", WORLD_SIZE="$(PET_NNODES)", MASTER_ADDR="master-0", LOCAL_RANK="0")
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE='\$\(PET_NNODES\)' is not a number"):
+        environment._discover("auto")
+
+
+NODEFILES = {"repeated": "x1\nx1\nx2\nx2\n", "blank lines": "x1\n\n x2 \n\n",
+             "fqdn and short": "x1.hsn.cm.example.org\nx1\nX2.example.org\nx2\n", "crlf": "x1\r\nx2\r\nx3\r\n",
+             "addresses": "10.0.0.1\n10.0.0.2\n10.0.0.1\n"}
+
+
+@pytest.mark.parametrize("name", NODEFILES)
+def test_pbs_node_count_agrees_with_common_sh(tmp_path, name):
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_bytes(NODEFILES[name].encode())
+    shell = subprocess.run(["bash", "-c", f"source {ROOT}/pbs/common.sh && echo $NNODES"], capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, PBS_NODEFILE=str(nodefile), REPO=str(ROOT),
+                                                           CONDA_PREFIX="skip-the-module"))
+    assert shell.returncode == 0, shell.stderr
+    expected = {"repeated": 2, "blank lines": 2, "fqdn and short": 2, "crlf": 3, "addresses": 2}[name]
+    assert int(shell.stdout) == environment.count_pbs_nodes(nodefile) == expected
+
+
+def test_pbs_ranks_must_divide_over_the_nodes(tmp_path, monkeypatch):
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("x1\nx1\nx2\nx2\n")
+    monkeypatch.setenv("PBS_NODEFILE", str(nodefile))
+    assert environment._pbs_layout(4) == (2, 2)
+    with pytest.raises(ConfigError, match="3 rank.s. cannot be spread evenly over the 2 node"):
+        environment._pbs_layout(3)
+
+
+def test_hybrid_sharding_refuses_uneven_nodes():
+    """Ranks laid out 2,1,1 over three nodes: each rank's own local world size would give another mesh."""
+    cfg = parse_args(["--sharding", "hybrid-full-shard"])
+    for local_world_size in (2, 1):  # the verdict does not depend on the rank that reaches it
+        with pytest.raises(ConfigError, match=r"nodes run different numbers of ranks \(1, 2\)"):
+            validate_world(cfg, 4, local_world_size, (2, 2, 1, 1))
+    validate_world(parse_args(["--sharding", "hybrid-full-shard", "--shard_group_size", "2"]), 4, 1, (2, 2, 1, 1))
+    validate_world(parse_args(["--sharding", "full-shard"]), 4, 1, (2, 2, 1, 1))
+
+
+def test_shared_gpus_are_reported():
+    assert environment.shared_gpus_warning([11, 12, 13, 14]) is None
+    assert environment.shared_gpus_warning([0, 0]) is None  # CPU ranks
+    assert "8 ranks share 4 GPU(s)" in environment.shared_gpus_warning([1, 2, 3, 4, 1, 2, 3, 4])
 
 
 @pytest.mark.parametrize("nodelist,first", [

@@ -1,0 +1,124 @@
+"""Job chains (CHAIN=1) of the PBS and SLURM scripts, under a stand-in scheduler: qsub/sbatch queue the
+successor, the test runs the queue in order. Three jobs of one step each (--time_limit 00:00:00 stops a job
+after its first step, deterministically) train one 3-step run whose logged losses equal, bit for bit, those of
+the same run trained in one go."""
+import json
+import os
+import re
+import socket
+import sys
+
+import pytest
+
+from conftest import ENTRY, ROOT, TINY_MODEL, launch, make_text, mpiexec
+from fake_launchers import install_fakes, run_session
+
+STEPS = 3
+# Settings a job gets only from the scheduler (qsub -v, or sbatch's exported environment), never from the test.
+SETTINGS = ("ARGS", "VENV", "NRANKS_PER_NODE", "NDEPTH", "CPU_BIND", "MPIEXEC", "PYTHON", "ENTRY", "REPO", "CHAIN",
+            "CHAIN_MARGIN", "JOB_SCRIPT")
+
+
+def run_args(corpus):
+    return ["--dataset", "text", "--input_file", str(corpus), *TINY_MODEL, "--dropout", "0.1", "--warmup_steps", "1",
+            "--max_steps", str(STEPS), "--eval_interval", "0", "--log_interval", "1", "--run_name", "chain",
+            "--no-tensorboard"]
+
+
+def logged(work):
+    """Every metrics row of the run, across all its jobs: (step, loss) and (step, val_loss)."""
+    rows = [json.loads(line) for line in (work / "logs" / "chain" / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The reference: the same run on 2 ranks, in one launch."""
+    work = tmp_path_factory.mktemp("straight")
+    (work / "corpus.txt").write_text(make_text())
+    launch(run_args(work / "corpus.txt"), ranks=2, cwd=work)
+    return logged(work)
+
+
+def base_env(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS and not k.startswith(("PBS_", "SLURM_"))}
+    return dict(env, **install_fakes(tmp_path / "bin", tmp_path / "queue"), PYTHONPATH=str(ROOT),
+                OMP_NUM_THREADS="1")
+
+
+def run_chain(tmp_path, first_job, next_job, max_jobs=6):
+    """Runs the first job, then each job the last one queued, until none is queued; returns the outputs.
+    A job is (command, environment, directory)."""
+    outputs, job = [], first_job
+    while job is not None:
+        assert len(outputs) < max_jobs, "the chain does not end"
+        result = run_session(*job)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        outputs.append(result.stdout)
+        queued = sorted((tmp_path / "queue").glob("*.json"))
+        job = next_job(json.loads(queued[-1].read_text())) if len(queued) == len(outputs) else None
+    return outputs
+
+
+def test_pbs_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, straight):
+    env = base_env(tmp_path)
+    (tmp_path / "nodefile").write_text(f"{socket.gethostname()}\n" * 2)
+    (tmp_path / "python").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/python.log\nexec {sys.executable} "$@"\n')
+    (tmp_path / "python").chmod(0o755)
+    pbs = dict(PBS_NODEFILE=str(tmp_path / "nodefile"), PBS_O_WORKDIR=str(tmp_path))
+    # CPU_BIND empty: Hydra's mpiexec knows --ppn but not Cray's --depth.
+    settings = dict(REPO=str(ROOT), MPIEXEC=mpiexec(), NRANKS_PER_NODE="2", NDEPTH="1", CPU_BIND="",
+                    PYTHON=str(tmp_path / "python"), CHAIN="1",
+                    ARGS=" ".join([*run_args(corpus), "--time_limit", "00:00:00"]))
+    script = str(ROOT / "pbs" / "train_single_node.sh")
+    jobs = ["1.fake"]
+
+    def next_job(queued):
+        argv = queued["argv"]
+        assert argv[:2] == ["-W", f"depend=afterany:{jobs[-1]}"] and argv[-1] == script
+        # This job's queue, account and resources (from qstat -f) go to the successor.
+        assert " ".join(argv[2:-3]) == ("-A PROJECT -q debug -l filesystems=home:eagle -l place=scatter "
+                                        "-l select=1:system=polaris -l walltime=01:00:00")
+        passed = dict(item.split("=", 1) for item in argv[-2].split(","))
+        assert passed == {**settings, "ENTRY": f"{ROOT}/basic_training.py", "CHAIN_MARGIN": "300"}
+        jobs.append(queued["id"])
+        return ["bash", script], dict(env, **pbs, **passed, PBS_JOBID=queued["id"]), tmp_path
+
+    outputs = run_chain(tmp_path, (["bash", script], dict(env, **pbs, **settings, PBS_JOBID="1.fake"), tmp_path),
+                        next_job)
+    assert len(outputs) == STEPS and jobs == ["1.fake", "2.fake", "3.fake"]
+    assert "chain: at step 1 of 3; submitting the next job" in outputs[0]
+    assert "chain: the run reached its last step (3)" in outputs[-1]
+    assert logged(tmp_path) == straight
+    # --time_limit from the walltime (01:00:00 less CHAIN_MARGIN and the seconds the job has run), before
+    # ARGS, whose own --time_limit wins.
+    assert re.search(r"--time_limit 00:5[45]:\d\d .*--time_limit 00:00:00", (tmp_path / "python.log").read_text())
+    assert "chain: walltime 01:00:00, --time_limit 00:5" in outputs[0]
+
+
+def test_slurm_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, straight):
+    env = base_env(tmp_path)
+    slurm = dict(SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST=socket.gethostname(),
+                 SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ACCOUNT="ACCOUNT")
+    settings = dict(ENTRY=str(ENTRY), CHAIN="1", JOB_SCRIPT=str(ROOT / "slurm" / "train.sbatch"))
+    flags = [*run_args(corpus), "--time_limit", "00:00:00"]
+    jobs = ["1"]
+
+    def next_job(queued):
+        argv = queued["argv"]
+        assert argv[:5] == [f"--dependency=afterany:{jobs[-1]}", "--nodes=1", "--time=1:00:00",
+                            "--account=ACCOUNT", settings["JOB_SCRIPT"]]
+        assert argv[5:] == flags
+        jobs.append(queued["id"])
+        # sbatch passes the submitting environment on (--export=ALL): the settings come along.
+        return ["bash", *argv[4:]], dict(env, **slurm, **settings, SLURM_JOB_ID=queued["id"]), tmp_path
+
+    outputs = run_chain(tmp_path, (["bash", settings["JOB_SCRIPT"], *flags],
+                                   dict(env, **slurm, **settings, SLURM_JOB_ID="1"), tmp_path), next_job)
+    assert len(outputs) == STEPS and jobs == ["1", "2", "3"]
+    assert "chain: the run reached its last step (3)" in outputs[-1]
+    assert logged(tmp_path) == straight
+    srun = [json.loads(line) for line in (tmp_path / "bin" / "srun.log").read_text().splitlines()]
+    # squeue says 58:30 left; less CHAIN_MARGIN (300 s) is 53:30, and the flags' own --time_limit comes after.
+    assert all(" --time_limit 00:53:30 " in " ".join(argv) + " " for argv in srun)
+    assert all(" ".join(argv).endswith("--time_limit 00:00:00") for argv in srun)
