@@ -18,10 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimal_fsdp import environment  # noqa: E402
-from basic_training import MODELS, preset_config  # noqa: E402
-from minimal_fsdp.config import TOPOLOGY  # noqa: E402
-from minimal_fsdp.gossip import Gossip  # noqa: E402
-from minimal_fsdp.parallelize import build_mesh, build_model  # noqa: E402
+from minimal_fsdp.gossip import TOPOLOGIES, Gossip  # noqa: E402
+from minimal_fsdp.models import MODELS, config_from_flags  # noqa: E402
+from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan  # noqa: E402
 from minimal_fsdp.train import build_optimizer  # noqa: E402
 from throughput import BENCH_OPTIONS, parse, step_times  # noqa: E402  (the same timed loop, in this folder)
 
@@ -30,19 +29,21 @@ HEADER = ("| mode | topology | GPUs | model | precision | batch/GPU | step ms | 
 
 
 def measure(cfg, env, bench, model_config):
-    model = build_model(MODELS[model_config.model_type][0], model_config, cfg, env, build_mesh(cfg, env))
+    plan = make_plan(cfg, env)
+    model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
     optimizer = build_optimizer(model, cfg)
-    gossip = Gossip(model, cfg.topology) if cfg.data_parallel == "decentralized" else None
+    gossip = Gossip(model, cfg.topology) if plan.decentralized else None
+    sync = gossip or gradient_sync(model, plan)
     seq, vocab = model_config.seq_length, model_config.vocab_size
-    step_times(model, optimizer, cfg, env, seq, vocab, bench["warmup"], gossip)
+    step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["warmup"])
     sent_before = gossip.bytes_sent if gossip else 0
-    times = step_times(model, optimizer, cfg, env, seq, vocab, bench["steps"], gossip, bench["warmup"])
+    times = step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["steps"], bench["warmup"])
     params = sum(p.numel() for p in model.parameters())  # FSDP: this rank's shard; no-shard: all of them
     if gossip is not None:
         sent, counted = (gossip.bytes_sent - sent_before) / bench["steps"], "counted"
     else:
         sent, counted = 2 * (env.world_size - 1) / env.world_size * params * 4, "ring formula"
-    del model, optimizer, gossip
+    del model, optimizer, gossip, sync, plan
     if env.device.type == "cuda":
         torch.cuda.empty_cache()
     decentralized = cfg.data_parallel == "decentralized"
@@ -55,10 +56,10 @@ def measure(cfg, env, bench, model_config):
 def main():
     cfg, bench = parse({k: v for k, v in BENCH_OPTIONS.items() if k != "label"})
     env = environment.setup(cfg)
-    model_config = preset_config(cfg)
+    model_config = config_from_flags(cfg)
     modes = [dataclasses.replace(cfg, data_parallel="allreduce", sharding="no-shard", accum_steps=1)]
     modes += [dataclasses.replace(cfg, data_parallel="decentralized", sharding="no-shard", topology=t)
-              for t in TOPOLOGY]
+              for t in TOPOLOGIES]
     if env.is_main:
         print(HEADER, flush=True)
     for mode in modes:

@@ -15,11 +15,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from basic_training import MODELS, preset_config  # noqa: E402
 from minimal_fsdp import environment  # noqa: E402
 from minimal_fsdp.config import Config, build_parser, validate, validate_world  # noqa: E402
-from minimal_fsdp.parallelize import build_mesh, build_model  # noqa: E402
-from minimal_fsdp.train import build_optimizer, host_peak_gb, peak_flops, peak_memory_gb, train_step  # noqa: E402
+from minimal_fsdp.gossip import Gossip  # noqa: E402
+from minimal_fsdp.metrics import peak_flops, peak_memory_gb  # noqa: E402
+from minimal_fsdp.models import MODELS, config_from_flags  # noqa: E402
+from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan  # noqa: E402
+from minimal_fsdp.train import build_optimizer, train_step  # noqa: E402
 
 HEADER = ("| model | GPUs | sharding | precision | options | batch/GPU | seq | tok/s | tok/s/GPU | MFU | step ms | "
           "peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -28,7 +30,8 @@ HEADER = ("| model | GPUs | sharding | precision | options | batch/GPU | seq | t
 BENCH_OPTIONS = {"warmup": (int, 5, "untimed steps (compilation, allocator warm-up)"),
                  "steps": (int, 20, "timed steps; the median is reported"),
                  "out": (str, None, "append the result as a JSON line to this file"),
-                 "label": (str, "", "free text for the options column")}
+                 "label": (str, "", "free text for the options column"),
+                 "fsdp_on_one_rank": (int, 0, "1: FSDP even on one rank (training uses a plain module there)")}
 
 
 def parse(options):
@@ -43,16 +46,18 @@ def parse(options):
     return cfg, bench
 
 
-def build(cfg):
-    """Ranks, model and optimizer, built as basic_training.py builds them."""
+def build(cfg, fsdp_on_one_rank=False):
+    """Ranks, plan, model, optimizer and gradient sync, built as training builds them."""
     env = environment.setup(cfg)
     validate_world(cfg, env.world_size, env.local_world_size)
-    model_config = preset_config(cfg)
-    model = build_model(MODELS[model_config.model_type][0], model_config, cfg, env, build_mesh(cfg, env))
-    return env, model_config, model, build_optimizer(model, cfg)
+    plan = make_plan(cfg, env, fsdp_on_one_rank=fsdp_on_one_rank)
+    model_config = config_from_flags(cfg)
+    model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
+    sync = Gossip(model, cfg.topology) if plan.decentralized else gradient_sync(model, plan)
+    return env, model_config, model, build_optimizer(model, cfg), sync
 
 
-def step_times(model, optimizer, cfg, env, seq, vocab, n, gossip=None, first_step=0):
+def step_times(model, optimizer, sync, cfg, env, seq, vocab, n, first_step=0):
     """Run n steps (numbered from first_step: gossip topologies change with the step); return each one's time
     in seconds (device events on CUDA)."""
     generator = torch.Generator(device=env.device).manual_seed(cfg.seed + env.rank)
@@ -65,12 +70,12 @@ def step_times(model, optimizer, cfg, env, seq, vocab, n, gossip=None, first_ste
         if env.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip=gossip, step=step)
+            train_step(model, optimizer, batches, sync, cfg.grad_clip, env.device, step)
             end.record()
             times.append((start, end))
         else:
             t0 = time.perf_counter()
-            train_step(model, optimizer, batches, cfg.grad_clip, env.device, gossip=gossip, step=step)
+            train_step(model, optimizer, batches, sync, cfg.grad_clip, env.device, step)
             times.append(time.perf_counter() - t0)
     if env.device.type == "cuda":
         torch.cuda.synchronize()
@@ -80,19 +85,19 @@ def step_times(model, optimizer, cfg, env, seq, vocab, n, gossip=None, first_ste
 
 def main():
     cfg, bench = parse(BENCH_OPTIONS)
-    env, model_config, model, optimizer = build(cfg)
+    env, model_config, model, optimizer, sync = build(cfg, bench["fsdp_on_one_rank"])
     seq, vocab = model_config.seq_length, model_config.vocab_size
-    step_times(model, optimizer, cfg, env, seq, vocab, bench["warmup"])
+    step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["warmup"])
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = step_times(model, optimizer, cfg, env, seq, vocab, bench["steps"])
+    times = step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["steps"])
     median = statistics.median(times)
     tokens = cfg.batch_size * cfg.grad_accum_steps * seq * env.world_size
     tok_s = tokens / median
     peak = peak_flops(env.device)
     mfu = model.flops_per_token() * tok_s / (peak * env.world_size) if peak else float("nan")
     memory = max(environment_all_ranks(peak_memory_gb(env.device), env))
-    host = max(environment_all_ranks(host_peak_gb(), env))
+    host = max(environment_all_ranks(peak_memory_gb(torch.device("cpu")), env))
     options = bench["label"] or " ".join(o for o in ("compile", "activation_checkpoints", "cpu_offload", "meta_init")
                                          if getattr(cfg, o)) or "-"
     if cfg.activation_checkpoints and not bench["label"]:
@@ -111,7 +116,8 @@ def main():
         print(f"host memory: peak RSS {host:.1f} GB on the largest rank", flush=True)
         print(HEADER)
         print(f"| {row['model']} | {row['gpus']} | {row['sharding']} | {row['precision']} | {options} | {row['batch']} | "
-              f"{seq} | {tok_s:,.0f} | {row['tok_s_gpu']:,.0f} | {mfu:.1%} | {row['step_ms']:.1f} | {memory:.1f} |",
+              f"{seq} | {tok_s:,.0f} | {row['tok_s_gpu']:,.0f} | {'-' if mfu != mfu else f'{mfu:.1%}'} | "
+              f"{row['step_ms']:.1f} | {memory:.1f} |",
               flush=True)
         if bench["out"]:
             with open(bench["out"], "a") as f:

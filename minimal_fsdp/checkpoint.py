@@ -1,9 +1,8 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), written atomically, verified, loaded without pickle.
 
 Layout of <checkpoint_dir>/<run_name>/:
-  step_<N>/   DCP shards (one file per rank) and .metadata; meta.json (step, epoch, model config, resolved
-              flags, LR horizon, data position, val loss, world size, and the size and CRC-32 of every other
-              file); rng_<rank>.pt (each rank's torch, CUDA, numpy and python RNG states); the tokenizer's files
+  step_<N>/   DCP shards (one file per rank) and .metadata; meta.json (below); rng_<rank>.pt (each rank's
+              torch, CUDA, numpy and python RNG states); the tokenizer's files
   latest      names the newest committed checkpoint; best names the one with the lowest val loss
   .lock       held by the training run that uses the directory (files.RunLock)
 
@@ -13,9 +12,20 @@ commits it. A crash anywhere in a save leaves the previous checkpoint, and `late
 checkpoint every file is checked against its recorded size and checksum, the ranks sharing the reading; a
 damaged checkpoint is reported in one line and the previous complete one is used.
 
+meta.json, format 2 (read_meta turns a format-1 file, from before "format" existed, into this layout):
+  format      2
+  step        optimizer steps done; world_size: ranks that saved it; val_loss: at this step, or null
+  model_type  "gpt" or "llama"; model: the model config's fields; config: every resolved flag
+  state       the JSON state of the run's other parts, each written by its own state_dict(): "schedule"
+              (train.Schedule: lr_decay_steps, last_step) and "data" (data.TokenData / streaming.StreamingData:
+              the position of the train stream)
+  replicas    decentralized runs: replicas saved one per rank (0: the average only)
+  files       {file name: [size, CRC-32]} of every other file of the checkpoint
+
 Loading never runs code from the files: DCP's .metadata pickle is read by an unpickler that knows only the
 plain classes it is made of, and everything else with json or torch.load(weights_only=True).
 """
+import dataclasses
 import importlib
 import io
 import json
@@ -124,6 +134,34 @@ def _state(model, optimizer):
     return state
 
 
+class Checkpointer:
+    """A training run's saves and restores: the model and optimizer as DCP shards (one replica per rank for a
+    decentralized run), every rank's RNG, and meta.json: what the model is, the flags, and the state of the
+    run's other parts, each given by its own state_dict() (train.Schedule, the data)."""
+
+    def __init__(self, cfg, model_config, tokenizer_dir, decentralized):
+        self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
+        self.about = {"model_type": model_config.model_type, "model": model_config.to_dict(),
+                      "config": dataclasses.asdict(cfg)}
+        self.tokenizer_dir, self.keep_last = tokenizer_dir, cfg.keep_last
+        self.decentralized, self.average_only = decentralized, cfg.save_average
+
+    def save(self, step, model, optimizer, val_loss, state):
+        """Collective. state: {part name: its state_dict(), JSON}."""
+        meta = dict(self.about, format=FORMAT, val_loss=val_loss, state=state)
+        if self.decentralized:
+            return save_replicas(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
+                                 self.average_only)
+        return save(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last)
+
+    def restore(self, path, model, optimizer, seed):
+        """Collective: load the model and optimizer (under any world size and sharding) and this rank's RNG
+        states; returns the checkpoint's meta.json, whose "state" the caller hands to each part."""
+        (load_replicas if self.decentralized else load)(path, model, optimizer)
+        restore_rng(path, dist.get_rank(), dist.get_world_size(), seed)
+        return read_meta(path)
+
+
 # ---- saving ----
 
 def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, state=None):
@@ -187,7 +225,7 @@ def _publish(tmp, final):
     if final.exists():
         os.replace(final, replaced)
     os.replace(tmp, final)
-    _sync_directory(final.parent)
+    files.sync(final.parent)  # the rename survives a power cut
     shutil.rmtree(replaced, ignore_errors=True)
 
 
@@ -238,20 +276,8 @@ def _write_durably(path, data):
         os.fsync(f.fileno())
 
 
-def _sync_directory(path):
-    """Make a rename survive a power cut (the directory entry is data too)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_marker(run_dir, name, target):
-    tmp = run_dir / f"{name}.tmp"
-    _write_durably(tmp, (Path(target).name + "\n").encode())
-    os.replace(tmp, run_dir / name)
-    _sync_directory(run_dir)
+    files.write_atomic(Path(run_dir) / name, lambda tmp: tmp.write_text(Path(target).name + "\n"), durable=True)
 
 
 def _marker(run_dir, name, warn=True):
@@ -347,8 +373,22 @@ def restore_rng(path, rank, world_size, seed):
 
 # ---- finding a checkpoint that is complete ----
 
+FORMAT = 2
+
+
 def read_meta(path):
-    return json.loads((Path(path) / "meta.json").read_text())
+    """A checkpoint's meta.json in the current format's layout (see the top of this file)."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    if not isinstance(meta, dict) or meta.get("format", 1) == FORMAT:
+        return meta
+    # Format 1 kept the parts' state at the top level and often no model_type (it was always GPT then).
+    config = meta.get("config") or {}
+    blocks_per_micro_step = meta.get("world_size", 1) * config.get("batch_size", 1)
+    data = meta.get("data_position") or {"train_blocks_seen": blocks_per_micro_step * meta.get(
+        "train_batches", meta.get("step", 0) * config.get("grad_accum_steps", 1))}
+    schedule = {"lr_decay_steps": meta.get("lr_decay_steps"), "last_step": meta.get("last_step")}
+    return dict(meta, format=FORMAT, model_type=meta.get("model_type", "gpt"),
+                state={"schedule": schedule, "data": data})
 
 
 def verify(path, checksums=True, share=(0, 1)):
@@ -570,3 +610,23 @@ def load_replicas(path, model, optimizer=None):
     set_model_state_dict(model, state["replicas"][rank]["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["replicas"][rank]["optim"])
+
+
+def main(argv=None):
+    """`python -m minimal_fsdp.checkpoint progress [training flags]` prints "STEP LAST_STEP" of the run's newest
+    complete checkpoint ("0 none" without one): how the PBS and SLURM job chains know whether a run is done."""
+    from .config import parse_args
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "progress":
+        sys.exit("usage: python -m minimal_fsdp.checkpoint progress [the run's training flags]")
+    cfg = parse_args(argv[1:])
+    path = newest_complete(Path(cfg.checkpoint_dir) / cfg.run_name, checksums=False)
+    if path is None:
+        print("0 none")
+        return
+    meta = read_meta(path)
+    print(meta["step"], meta["state"]["schedule"].get("last_step") or "none")
+
+
+if __name__ == "__main__":
+    main()

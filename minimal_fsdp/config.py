@@ -8,29 +8,42 @@ section; flags given on the command line override it.
 import argparse
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
 import math
 import sys
 from dataclasses import dataclass, field
 
+from .gossip import TOPOLOGIES
+from .llama import PRESETS as LLAMA_PRESETS
+from .model import PRESETS as GPT_PRESETS
+from .parallelize import DATA_PARALLEL, PRECISION, SHARDING
+
 
 class ConfigError(ValueError):
     """Bad user input. Raised identically on every rank before any collective, printed as one line."""
+
+
+def one_line_errors(main):
+    """A command-line entry point whose bad input (ConfigError) ends it with one `error:` line and exit code 2."""
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+    return run
 
 
 def flag(default, help, choices=None, section="train"):
     return field(default=default, metadata={"help": help, "choices": choices, "section": section})
 
 
-# Preset names of each --model (shapes in model.PRESETS and llama.PRESETS); "tiny" exists in both.
-MODEL_PRESETS = {"gpt": ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"),
-                 "llama": ("tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b")}
+# Preset names of each --model; "tiny" exists in both. The choices below live in the modules that act on them.
+MODEL_PRESETS = {"gpt": tuple(GPT_PRESETS), "llama": tuple(LLAMA_PRESETS)}
 SHAPE_FLAGS = ("num_layers", "num_heads", "embed_size", "vocab_size", "num_kv_heads", "intermediate_size", "bias")
-SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
-DATA_PARALLEL = ("allreduce", "decentralized")
-TOPOLOGY = ("complete", "ring", "exp", "alternating-exp-ring")
-PRECISION = ("float32", "bf16")
 
 
 @dataclass
@@ -94,13 +107,14 @@ class Config:
                               "decentralized")
     topology: str = flag("alternating-exp-ring", "decentralized: whom each rank averages with: complete (all), "
                          "ring (two neighbours), exp (one peer at distance 1, 2, 4, ... in turn), "
-                         "alternating-exp-ring (exp and ring steps in turn)", TOPOLOGY, "decentralized")
+                         "alternating-exp-ring (exp and ring steps in turn)", TOPOLOGIES, "decentralized")
     accum_steps: int = flag(1, "decentralized (AccumAdamW): Adam's moments take the mean gradient of this many "
                             "steps, while parameters still move every step (unlike --grad_accum_steps)",
                             section="decentralized")
 
     # data
-    dataset: str = flag("shakespeare", "shakespeare (fetched on first run) or text (--input_file)",
+    dataset: str = flag("shakespeare", "shakespeare (tinyshakespeare, shipped in data/shakespeare/input.txt) or "
+                                       "text (--input_file)",
                         ("shakespeare", "text"), "data")
     input_file: str = flag(None, "for --dataset text: a UTF-8 text file, a .jsonl file of {\"text\": ...} lines, "
                                  "or a directory of .txt/.jsonl files", section="data")
@@ -123,9 +137,10 @@ class Config:
                                     "single text", section="data")
 
     # training
-    max_epochs: int = flag(1, "passes over the training tokens; -1 skips training and only generates")
-    max_steps: int = flag(600, "stop after this many optimizer steps if that comes before --max_epochs "
-                               "(the default keeps the first run to minutes on a laptop; 0: no cap)")
+    max_epochs: int = flag(None, "passes over the training tokens; with --max_steps too, the run stops at whichever "
+                                 "comes first; -1 skips training and only generates")
+    max_steps: int = flag(600, "optimizer steps to train (the default keeps the first run to minutes on a laptop; "
+                               "0: no cap, --max_epochs sets the length)")
     batch_size: int = flag(16, "sequences per rank per micro-step")
     grad_accum_steps: int = flag(1, "micro-steps per optimizer step")
     lr: float = flag(3e-3, "peak learning rate (the default suits the tiny preset; GPT-2 sizes want ~6e-4)")
@@ -152,8 +167,9 @@ class Config:
     resume: str = flag("auto", "auto: continue from the run's newest complete checkpoint, if any; never: start "
                                "fresh, refusing a run directory that already holds checkpoints",
                        ("auto", "never"), "checkpoint")
-    checkpoint_interval: int = flag(0, "also save every N steps (0: only at epoch ends)", section="checkpoint")
-    keep_last: int = flag(0, "keep the newest K checkpoints of the run, plus the `best` one (0: keep all)",
+    checkpoint_interval: int = flag(1000, "save every N steps, and at the end (0: only at the end)",
+                                    section="checkpoint")
+    keep_last: int = flag(3, "keep the newest K checkpoints of the run, plus the `best` one (0: keep all)",
                           section="checkpoint")
 
     save_average: bool = flag(False, "decentralized: checkpoints keep only the average of the replicas, "
@@ -175,7 +191,7 @@ class Config:
 
     @property
     def generate_only(self):
-        return self.max_epochs < 0
+        return self.max_epochs is not None and self.max_epochs < 0
 
     @property
     def time_limit_seconds(self):
@@ -381,8 +397,10 @@ def validate_values(cfg):
     _check_range(cfg, "temperature", 0, note=" (0: greedy)")
     _check_range(cfg, "top_k", 0, note=" (0: all tokens)")
     _check_range(cfg, "collective_timeout", 0, low_ok=False, note=" (seconds)")
-    if cfg.max_epochs == 0 or cfg.max_epochs < -1:
+    if cfg.max_epochs is not None and (cfg.max_epochs == 0 or cfg.max_epochs < -1):
         raise ConfigError(f"--max_epochs must be positive, or -1 to only generate (got {cfg.max_epochs})")
+    if cfg.max_epochs is None and not cfg.max_steps:
+        raise ConfigError("--max_steps 0 (no cap) needs --max_epochs to set the run's length")
     name = cfg.run_name
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or name != name.strip():
         raise ConfigError(f"--run_name must be one plain directory name, without '/' (got {name!r})")

@@ -1,7 +1,7 @@
 """Prepared token memmaps (train.bin, val.bin, meta.json) and the sampler that reads batches from them.
 
-`python -m minimal_fsdp.data prepare ...` prepares a dataset ahead of training (see prepare.py); training
-prepares Shakespeare or one --input_file itself on first use.
+`python -m minimal_fsdp.data prepare ...` prepares a dataset ahead of training (prepare.py); training prepares
+Shakespeare or one --input_file itself on first use (prepared_dir).
 """
 import functools
 import json
@@ -30,8 +30,8 @@ def dataset_dir(cfg, tokenizer=None):
     return Path(cfg.data_dir) / name / tokenizer.label
 
 
-def prepare(cfg, tokenizer=None):
-    """Tokenize the dataset into flat memmaps unless that was done already; returns the dataset directory.
+def prepared_dir(cfg, tokenizer=None):
+    """The prepared dataset's directory, tokenizing the text into flat memmaps on first use.
     Uses `tokenizer` if given, else builds the --tokenizer kind from the text. Runs on rank 0 only
     (big datasets: prepare them ahead with `python -m minimal_fsdp.data prepare`)."""
     out = dataset_dir(cfg, tokenizer)
@@ -55,23 +55,34 @@ def epoch_order(seed, split, num_blocks, epoch):
     return np.random.default_rng([seed % 2**63, split == "train", epoch]).permutation(num_blocks)
 
 
+@functools.lru_cache(maxsize=4)
+def epoch_offset(seed, epoch, seq_length):
+    """Where an epoch's train blocks start, in [0, seq_length): a new cut every epoch, so the model does not see
+    the same windows again and again (val keeps offset 0: the same batches every evaluation)."""
+    return int(np.random.default_rng([seed % 2**63, 2, epoch]).integers(seq_length))
+
+
 class TokenData:
     """Read-only token memmaps plus the batch sampler.
 
-    A split of N tokens holds (N - 1) // seq_length blocks: block k is tokens[k*seq_length : (k+1)*seq_length + 1]
-    (inputs and their next-token targets), so each token is a target once per epoch. Each epoch visits all
-    blocks in its own seeded order; the global stream of block positions is dealt out in micro-batches,
-    rank by rank. So the ranks never share a block within an epoch, every block is seen once per epoch,
-    and a batch is a pure function of (seed, split, micro-batch index, rank, world size): a resumed run
-    draws exactly what the uninterrupted one would have, and a test can rebuild any rank's batch.
+    A split of N tokens has M = N - 1 targets and holds M // seq_length blocks per epoch: block k of epoch e
+    starts at offset_e + k * seq_length (wrapping around the end of the split) and holds seq_length + 1 tokens,
+    inputs and their next-token targets. The offset is drawn per epoch for train (0 for val), so windows differ
+    between epochs while each token is a target at most once per epoch (all but M % seq_length of them). Each
+    epoch visits its blocks in its own seeded order; the global stream of block positions is dealt out in
+    micro-batches, rank by rank. So ranks never share a block within an epoch, and a batch is a pure function of
+    (seed, split, position in the stream, rank, world size): a resumed run draws exactly what the uninterrupted
+    one would have, and a test can rebuild any rank's batch.
+
+    bind() fixes the run's constants (rank, world size, batch, accumulation, sequence length, seed); then
+    train_batches(step) gives an optimizer step's micro-batches and state_dict(step) the position to resume from.
     """
 
     def __init__(self, directory):
         self.directory = Path(directory)
         self.meta = json.loads((self.directory / "meta.json").read_text())
         self.tokenizer = load_tokenizer(self.directory)
-        # (micro-batch index, global block position) the train sampler counts from; moved by restore()
-        self.origin = (0, 0)
+        self.origin = (0, 0)  # (optimizer step, global block position) the train sampler counts from
         dtype = self.meta.get("dtype")
         if dtype not in TOKEN_DTYPES or np.iinfo(dtype).max < self.meta["vocab_size"] - 1:
             raise ConfigError(f"{self.directory}/meta.json says dtype {dtype!r}, which cannot hold "
@@ -102,36 +113,62 @@ class TokenData:
             raise ConfigError(f"the {self.meta['tokenizer']} tokenizer has {self.meta['vocab_size']} tokens but "
                               f"--vocab_size is {vocab_size}: token ids would be out of range")
 
-    def num_tokens(self, split):
-        return len(self.splits[split])
+    def describe(self):
+        source = self.meta.get("source", "?")
+        size = f", {Path(source).stat().st_size / 1e6:.1f} MB" if Path(source).is_file() else ""
+        return (f"data: {self.directory}: {self.meta['train_tokens']:,} train and {self.meta['val_tokens']:,} val "
+                f"{self.meta['tokenizer']} tokens of {source}{size}")
 
-    def get_batch(self, split, index, rank, world_size, batch_size, seq_length, seed):
-        """Micro-batch `index` of `rank`: (inputs, targets), each batch_size x seq_length."""
-        tokens = self.splits[split]
-        num_blocks = (len(tokens) - 1) // seq_length
-        first = self._block_position(split, index, world_size, batch_size) + rank * batch_size
-        rows = []
-        for position in range(first, first + batch_size):
-            epoch, k = divmod(position, num_blocks)
-            start = int(epoch_order(seed, split, num_blocks, epoch)[k]) * seq_length
-            rows.append(tokens[start:start + seq_length + 1])
-        rows = torch.from_numpy(np.stack(rows).astype(np.int64))
+    def bind(self, seq_length, batch_size, grad_accum_steps, rank, world_size, seed):
+        self.seq_length, self.batch_size, self.accum = seq_length, batch_size, grad_accum_steps
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.blocks_per_step = world_size * batch_size * grad_accum_steps
+
+    def steps_per_epoch(self):
+        """Optimizer steps in one pass over the train blocks (at least 1)."""
+        return max(1, self._num_blocks("train") // self.blocks_per_step)
+
+    def _num_blocks(self, split):
+        return (len(self.splits[split]) - 1) // self.seq_length
+
+    def train_batches(self, step):
+        """The micro-batches (inputs, targets) of optimizer step `step` on this rank."""
+        origin_step, origin_position = self.origin
+        first = origin_position + (step - origin_step) * self.blocks_per_step
+        per_micro = self.world_size * self.batch_size
+        return [self._batch("train", first + micro * per_micro + self.rank * self.batch_size)
+                for micro in range(self.accum)]
+
+    def val_batch(self, index):
+        """Validation batch `index` of this rank (the same ones at every evaluation)."""
+        return self._batch("val", (index * self.world_size + self.rank) * self.batch_size)
+
+    def _batch(self, split, first):
+        """batch_size blocks from position `first` of the split's block stream: (inputs, targets)."""
+        tokens, T = self.splits[split], self.seq_length
+        targets = len(tokens) - 1  # a block's inputs start anywhere in [0, targets); it wraps around the end
+        num_blocks = targets // T
+        epochs, ks = np.divmod(np.arange(first, first + self.batch_size), num_blocks)
+        starts = np.empty_like(ks)
+        for epoch in np.unique(epochs):  # one, or two where the batch straddles an epoch's end
+            mine = epochs == epoch
+            offset = epoch_offset(self.seed, int(epoch), T) if split == "train" else 0
+            starts[mine] = (offset + epoch_order(self.seed, split, num_blocks, int(epoch))[ks[mine]] * T) % targets
+        index = starts[:, None] + np.arange(T + 1)
+        # Past the last token the block goes on at token 1: the last token's target is the first target again.
+        index[index > targets] -= targets
+        rows = torch.from_numpy(tokens[index].astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
 
-    def _block_position(self, split, index, world_size, batch_size):
-        """Position in the global block stream where micro-batch `index` starts (rank 0's first block)."""
-        origin_index, origin_position = self.origin if split == "train" else (0, 0)
-        return origin_position + (index - origin_index) * world_size * batch_size
+    def state_dict(self, step):
+        """Where the train stream stands before optimizer step `step`: blocks dealt out so far."""
+        origin_step, origin_position = self.origin
+        return {"train_blocks_seen": origin_position + (step - origin_step) * self.blocks_per_step}
 
-    def position(self, index, world_size, batch_size):
-        """What a checkpoint saved before micro-batch `index` records: train blocks dealt out so far."""
-        return {"train_blocks_seen": self._block_position("train", index, world_size, batch_size)}
-
-    def restore(self, position, index):
-        """Continue the block stream where a checkpoint left it, even if the world size or batch size
-        changed since. Checkpoints without a position continue at `index` with today's layout."""
-        if position and "train_blocks_seen" in position:
-            self.origin = (index, position["train_blocks_seen"])
+    def load_state_dict(self, state, step):
+        """Continue the block stream where a checkpoint left it, at optimizer step `step`, even if the world size
+        or batch size changed since."""
+        self.origin = (step, state["train_blocks_seen"])
 
 
 if __name__ == "__main__":

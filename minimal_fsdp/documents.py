@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from .config import ConfigError
+from .tokenizer import reachable
 
 OPENWEBTEXT = "Skylion007/openwebtext"
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -126,6 +127,12 @@ def _load_from_hub(name, streaming):
     """NAME or NAME:CONFIG (e.g. allenai/c4:en), its train split."""
     datasets = _import_datasets(f"loading {name} from the Hugging Face hub")
     repo, _, config = name.partition(":")
+    from huggingface_hub import constants  # datasets depends on it
+    if not constants.HF_HUB_OFFLINE and not reachable(constants.ENDPOINT):  # else minutes of retries, then this
+        raise ConfigError(f"{name!r} is no local file or directory, and the Hugging Face hub ({constants.ENDPOINT}) "
+                          "is unreachable (offline?): save the dataset where there is network "
+                          "(datasets.load_dataset(...).save_to_disk(DIR)) and pass DIR, or set HF_HUB_OFFLINE=1 to "
+                          "use a copy in the Hugging Face cache")
     try:
         dataset = datasets.load_dataset(repo, config or None, split="train", streaming=streaming)
     except Exception as e:  # hub, network and format errors all mean the same thing to the user

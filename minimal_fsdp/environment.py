@@ -179,7 +179,7 @@ def _srun_pmix(env):
             and not any(name in env for name in mpiexec_variables))
 
 
-def _discover(environment):
+def _discover():
     """Returns (rank, world, local_rank, local_world, num_nodes, launcher)."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:  # torchrun, Kubernetes PyTorchJob
@@ -385,7 +385,7 @@ def setup(cfg):
     even for one rank, so every code path below is the same FSDP path)."""
     global _setup_started, _known_world, _store
     _setup_started = True
-    rank, world, local_rank, local_world, num_nodes, launcher = _discover(cfg.environment)
+    rank, world, local_rank, local_world, num_nodes, launcher = _discover()
     _known_world = world
     if cfg.environment == "pbs":
         num_nodes, local_world = _pbs_layout(world)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, hf
-from .config import ConfigError
+from .config import ConfigError, one_line_errors
 from .tokenizer import has_tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
@@ -63,6 +63,7 @@ def export(ckpt, out, dtype=None, fmt="safetensors"):
     return weights
 
 
+@one_line_errors
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a step_<N> directory, a run's `latest`/`best` marker, or a run directory")
@@ -72,12 +73,7 @@ def main(argv=None):
                         help="safetensors: our names and config.json; hf: Hugging Face transformers layout "
                              "(config.json, safetensors, tokenizer.json)")
     args = parser.parse_args(argv)
-    try:
-        written = export(args.checkpoint, args.out, DTYPES.get(args.dtype), args.format)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(f"wrote {written}")
+    print(f"wrote {export(args.checkpoint, args.out, DTYPES.get(args.dtype), args.format)}")
 
 
 if __name__ == "__main__":

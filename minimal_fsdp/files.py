@@ -30,16 +30,30 @@ class LockError(ConfigError):
     """A run directory is in use, or cannot be written: one line for the user, as any bad input."""
 
 
-def write_atomic(path, write):
-    """Call write(tmp) on a temporary file beside `path`, then rename it to `path`. The pid in the name keeps
-    concurrent writers (ranks sharing a file system) apart; a failed write leaves no temporary behind."""
+def write_atomic(path, write, durable=False):
+    """Call write(tmp) on a temporary file beside `path`, then rename it to `path`: no reader ever sees half of it.
+    The pid in the name keeps concurrent writers (ranks sharing a file system) apart; a failed write leaves no
+    temporary behind. durable: the data and the rename also survive a power cut (fsync of file and directory)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)
+        if durable:
+            sync(tmp)
         os.replace(tmp, path)
+        if durable:
+            sync(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def sync(path):
+    """fsync a file or a directory (for a directory: the names in it, e.g. after a rename)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _job_id():

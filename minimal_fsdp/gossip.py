@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import TOPOLOGY as TOPOLOGIES
+
+
+TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,16 @@ class Gossip:
         self.flat.mul_(exchange.self_weight)
         for buf, (_, weight) in zip(self.received, exchange.recv_from):
             self.flat.add_(buf, alpha=weight)
+
+    def micro_step(self, last):
+        pass  # a replica never reduces gradients: accumulation is plain autograd accumulation
+
+    def agreed(self, grad_norm):
+        """The mean of the replicas' grad norms (collective): non-finite on every rank if any replica's is, so all
+        ranks skip or stop at the same step."""
+        total = grad_norm.detach().clone()
+        dist.all_reduce(total)
+        return total / self.world
 
     @torch.no_grad()
     def consensus_distance(self):

@@ -24,8 +24,6 @@ import math
 import os
 import struct
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -35,10 +33,8 @@ from torch.distributed.tensor import DTensor, Shard
 from . import tokenizer as tk
 from .config import ConfigError
 from .files import write_atomic
-from .llama import LlamaConfig
-from .model import GPTConfig
+from .models import config_from_dict
 
-CONFIGS = {"gpt": GPTConfig, "llama": LlamaConfig}
 
 
 # -----------------------------------------------------------------------------
@@ -99,7 +95,7 @@ def resolve(name_or_dir):
     except Exception:
         pass
     # huggingface_hub retries an unreachable hub for half a minute; a quick look first gives a quick answer.
-    if constants.HF_HUB_OFFLINE or not _reachable(constants.ENDPOINT):
+    if constants.HF_HUB_OFFLINE or not tk.reachable(constants.ENDPOINT):
         raise ConfigError(f"--hf_model {name_or_dir} is not a local directory nor in the Hugging Face cache, and "
                           f"the hub ({constants.ENDPOINT}) is unreachable (offline?): download the model where the "
                           "hub is reachable and pass its directory")
@@ -112,16 +108,6 @@ def resolve(name_or_dir):
         reason = (str(e).strip().splitlines() or [""])[0][:200]
         raise ConfigError(f"--hf_model {name_or_dir} could not be fetched from the Hugging Face hub "
                           f"({type(e).__name__}: {reason})") from None
-
-
-def _reachable(url, timeout=5.0):
-    try:
-        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
-        return True
-    except urllib.error.HTTPError:
-        return True  # it answered
-    except OSError:
-        return False
 
 
 def read_config(directory, seq_length=None, dropout=None):
@@ -161,7 +147,16 @@ def read_config(directory, seq_length=None, dropout=None):
         raise ConfigError(f"{where} is a {kind!r} model; supported are gpt2 and llama")
     if seq_length and seq_length > context:
         raise ConfigError(f"--seq_length {seq_length} is longer than {where}'s context of {context} tokens")
-    return model_type, CONFIGS[model_type](**fields, seq_length=seq_length or context, dropout=dropout or 0.0)
+    return model_type, config_from_dict(model_type, dict(fields, seq_length=seq_length or context,
+                                                         dropout=dropout or 0.0))
+
+
+def read_model_config(directory, cfg):
+    """The --hf_model's config, with --seq_length and --dropout applied; a --model given too must match it."""
+    model_type, config = read_config(directory, cfg.seq_length, cfg.dropout)
+    if cfg.model and cfg.model != model_type:
+        raise ConfigError(f"--model {cfg.model}, but --hf_model {cfg.hf_model} is a {model_type} model: drop --model")
+    return config
 
 
 def _check(where, ok, what):
@@ -353,7 +348,7 @@ def write_hf(out_dir, model_meta, specs, read, tokenizer=None, max_shard_bytes=5
     specs lists (our name, shape, dtype to write) and read(our name) returns the tensor. Each file is written
     under a temporary name and renamed; config.json comes last, so its presence means the export is complete."""
     model_type = model_meta.get("model_type", "gpt")
-    config = CONFIGS[model_type](**model_meta["model"])
+    config = config_from_dict(model_type, model_meta["model"])
     written_bytes = {}  # the config names the dtype that holds most of the weights (all of them, as we write)
     for _, shape, dtype in specs:
         written_bytes[dtype] = written_bytes.get(dtype, 0) + math.prod(shape) * dtype.itemsize

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .model import KVCache, cross_entropy
+from .layers import Decoder, attend, cross_entropy
 
 
 @dataclass
@@ -100,19 +100,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_size).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_size).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:  # write this step's keys/values, attend over everything so far
-            start = cache.pos
-            cache.k[layer][:, :, start:start + T] = k
-            cache.v[layer][:, :, start:start + T] = v
-            k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
-        if self.num_kv_heads != self.num_heads:
-            # Give each query head its group's k, v. (SDPA's enable_gqa would skip the copy, but only its flash
-            # kernel supports it: fp32 on GPU would fall back to the math kernel and its T x T matrix.)
-            groups = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        # A prefill (T > 1) starts at position 0 and is causal; a single new token sees every cached one.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = attend(q, k, v, cache, layer, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.o_proj(y))
 
@@ -146,8 +134,9 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Llama(nn.Module):
-    block_type = Block
+class Llama(Decoder):
+    config_class, presets = LlamaConfig, PRESETS
+    lookup_only = "wte.weight"  # the input embedding (the output head is its own matrix)
 
     def __init__(self, config):
         super().__init__()
@@ -161,6 +150,13 @@ class Llama(nn.Module):
 
     def forward(self, idx, targets=None, cache=None):
         """Returns the mean cross-entropy if targets are given, else the logits of the last position."""
+        x = self.trunk(idx, cache)
+        if targets is None:
+            return self.lm_head(x[:, -1])
+        return self.loss(x, self.lm_head.weight, targets)
+
+    def trunk(self, idx, cache=None):
+        """Token ids (B, T) -> the final normalized hidden states (B, T, C): all but the output head."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         cos, sin = rotary_tables(self.config, start, T, idx.device)
@@ -169,16 +165,9 @@ class Llama(nn.Module):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, block in enumerate(self.blocks):
             x = block(x, cos, sin, cache, layer)
-        x = self.norm(x)
         if cache is not None:
             cache.pos += T
-        if targets is None:
-            return self.lm_head(x[:, -1])
-        return self.loss(x, self.lm_head.weight, targets)
-
-    def new_cache(self, batch_size, device, dtype):
-        """An empty KV cache for generation: num_kv_heads keys and values per layer, not num_heads."""
-        return KVCache(self.config, batch_size, device, dtype, num_kv_heads=self.config.num_kv_heads)
+        return self.norm(x)
 
     def initial_value(self, name, shape, generator, device):
         """The initial value of parameter `name`, a pure function of (name, seeded generator), so eager init
@@ -189,20 +178,3 @@ class Llama(nn.Module):
         residual = name.endswith(("o_proj.weight", "down_proj.weight"))
         std = 0.02 / math.sqrt(2 * self.config.num_layers) if residual else 0.02
         return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
-
-    def num_params(self, non_embedding=True):
-        """Parameters; non_embedding leaves out the input embedding (a lookup, not a matmul)."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.wte.weight.numel() if non_embedding else n
-
-    def flops_per_token(self):
-        """Training FLOPs per token: 6N for the matmuls plus attention (PaLM's count, as for GPT)."""
-        c = self.config
-        return 6 * self.num_params() + 12 * c.num_layers * c.embed_size * c.seq_length
-
-
-def make_config(preset, **overrides):
-    """A preset's shape with any explicitly given (non-None) fields replacing it."""
-    fields = dict(PRESETS[preset])
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    return LlamaConfig(**fields)

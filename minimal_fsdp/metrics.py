@@ -1,4 +1,5 @@
-"""What a run tells you: the startup banner, and the metrics rank 0 writes while training.
+"""What a run tells you: the startup banner, the log of training (a progress bar on a terminal, plain lines in a
+batch job's output), the metrics rank 0 writes, and a summary at the end.
 
 <log_dir>/<run_name>/ holds metrics.jsonl (always: one JSON object per logged step), TensorBoard event files
 (unless --no-tensorboard), and config.toml (the resolved flags, loadable with --config). With --wandb the
@@ -6,10 +7,21 @@ same scalars go to Weights & Biases (WANDB_MODE=offline writes them locally for 
 """
 import dataclasses
 import json
+import resource
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 from . import environment
 from .config import to_toml
+
+# Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 # JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and memory apart.
 TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -60,12 +72,148 @@ class Metrics:
         self.file = self.tensorboard = self.wandb = None
 
 
-def state_bytes_per_rank(num_params, shard_size, training=True):
+def peak_flops(device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def peak_memory_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # this process's peak RSS (KB on Linux)
+
+
+class TrainingLog:
+    """What training reports, one object per launch. On rank 0 at a terminal: a progress bar; otherwise (a batch
+    job's output file) one plain line every --log_interval steps. Every logged step also goes to metrics.jsonl,
+    TensorBoard and wandb. Time spent evaluating and saving is paused out, so tokens/s and MFU count training
+    alone. Used as a context manager: the bar ends its line and the files close even when training fails."""
+
+    def __init__(self, cfg, env, model, schedule, first_step, tokens_per_step):
+        self.metrics = Metrics(cfg)  # collective
+        self.env, self.main, self.run_name = env, env.is_main, cfg.run_name
+        self.first_step, self.last_step, self.tokens_per_step = first_step, schedule.last_step, tokens_per_step
+        self.flops_per_token, self.peak = model.flops_per_token(), peak_flops(env.device)
+        self.log_dir = Path(cfg.log_dir) / cfg.run_name
+        self.bar = None
+        if self.main and sys.stdout.isatty():
+            self.bar = tqdm(total=schedule.last_step, initial=first_step, dynamic_ncols=True, desc="train",
+                            mininterval=1.0)
+        self.start = time.perf_counter()
+        self.window_start, self.window_first, self.paused_time = self.start, first_step, 0.0
+        self.losses, self.last_val, self.best_val, self.checkpoint, self.done = [], None, None, None, first_step
+        self.print(f"training {schedule.length}" + (f", from step {first_step}" if first_step else ""))
+
+    def print(self, text, stream=sys.stdout):
+        if not self.main:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=stream)
+        else:
+            print(text, file=stream, flush=True)
+
+    def warn(self, text):
+        self.print(text, sys.stderr)
+
+    def step(self, loss):
+        """After every step: its loss (a device tensor), or None for a step whose update was skipped."""
+        self.done += 1
+        if loss is not None:
+            self.losses.append(loss)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def row(self, step, lr, grad_norm, **extra):
+        """Collective: log the mean loss of the steps since the last row (this waits for the device)."""
+        loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
+        loss = mean_across_ranks(loss)
+        elapsed = time.perf_counter() - self.window_start - self.paused_time
+        steps, self.losses = max(1, step - self.window_first), []
+        tok_s = self.tokens_per_step * steps / elapsed
+        row = dict(loss=loss, lr=lr, grad_norm=float(grad_norm), tokens_per_s=tok_s, step_time=elapsed / steps,
+                   peak_mem_gb=peak_memory_gb(self.env.device), **extra)
+        if self.peak:
+            row["mfu"] = self.flops_per_token * tok_s / (self.peak * self.env.world_size)
+        self.metrics.log(step, **row)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+        else:
+            mfu = f", MFU {row['mfu']:.1%}" if "mfu" in row else ""
+            self.print(f"step {step}/{self.last_step}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:,.0f} tokens/s, "
+                       f"{1000 * elapsed / steps:.1f} ms/step{mfu}, {row['peak_mem_gb']:.2f} GB peak")
+        self.window_start, self.window_first, self.paused_time = time.perf_counter(), step, 0.0
+
+    @contextmanager
+    def paused(self):
+        """Evaluation and saving: the device finishes the queued training steps first, and the time inside is
+        left out of the next row's tokens/s."""
+        _synchronize(self.env.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _synchronize(self.env.device)
+            self.paused_time += time.perf_counter() - start
+
+    def validation(self, step, val_loss):
+        if val_loss is None:
+            return
+        self.metrics.log(step, val_loss=val_loss)
+        self.last_val = (step, val_loss)
+        if self.best_val is None or val_loss < self.best_val[1]:
+            self.best_val = (step, val_loss)
+        self.print(f"step {step}: val loss {val_loss:.4f}")
+
+    def saved(self, path):
+        self.checkpoint = path
+
+    def stopped(self, step, reason):
+        self.print(f"step {step}: {reason}; saved a checkpoint and stopping. Run the same command again to resume.")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        self.metrics.close()
+
+    def summary(self):
+        """Rank 0's last lines: what was trained, where it went, how to sample from it."""
+        minutes, seconds = divmod(round(time.perf_counter() - self.start), 60)
+        trained = self.done - self.first_step
+        lines = [f"done: step {self.done} of {self.last_step}; this launch trained {trained} steps "
+                 f"({trained * self.tokens_per_step:,} tokens) in {minutes}m{seconds:02d}s"]
+        if self.last_val:
+            best = f" (best {self.best_val[1]:.4f} at step {self.best_val[0]})" if self.best_val != self.last_val else ""
+            lines.append(f"val loss {self.last_val[1]:.4f} at step {self.last_val[0]}{best}")
+        if self.checkpoint:
+            lines.append(f"checkpoint: {self.checkpoint}; logs: {self.log_dir}")
+            lines.append(f"sample from it: python -m minimal_fsdp.sample {self.checkpoint.parent} --prompt \"...\"")
+        return "\n".join(lines)
+
+
+def mean_across_ranks(value):
+    t = torch.as_tensor(value, dtype=torch.float32).reshape(1)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)  # SUM: gloo has no AVG
+    return t.item() / dist.get_world_size()
+
+
+def _synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def state_bytes_per_rank(num_params, shard_size):
     """Parameters, gradients and AdamW moments, all fp32 (bf16 keeps fp32 master weights too), divided over
     the ranks a parameter is sharded across. Activations, the gathered block being computed, and allocator
     slack come on top."""
-    bytes_per_param = 4 + 4 + 8 if training else 4
-    return num_params * bytes_per_param / shard_size
+    return num_params * (4 + 4 + 8) / shard_size
 
 
 def _readable(num_bytes):
@@ -76,20 +224,19 @@ def _readable(num_bytes):
     return f"{num_bytes:.3g} TB"
 
 
-def banner(cfg, env, mesh, model, resume_from=None, training=True):
-    """Rank 0's startup summary: layout, model size, a memory estimate, and every resolved flag."""
+def banner(cfg, env, plan, model, resume_from=None):
+    """Rank 0's startup summary of a training run: layout, model size, a memory estimate, every resolved flag."""
     num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
-    shard_size = mesh.shape[-1] if mesh is not None else 1  # no mesh: decentralized, a whole replica per rank
-    state = _readable(state_bytes_per_rank(num_params, shard_size, training))
-    where = "CPU memory (--cpu_offload)" if cfg.cpu_offload else f"{env.device.type} memory"
-    mesh_text = (" x ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
-                 if mesh is not None else f"none (decentralized, {cfg.topology} topology)")
+    state = _readable(state_bytes_per_rank(num_params, plan.shard_ranks))
+    where = "CPU memory (--cpu_offload)" if plan.cpu_offload else f"{env.device.type} memory"
+    spread = f"sharded over {plan.shard_ranks}" if plan.shard_ranks > 1 else "a whole copy on every rank"
+    layout = plan.describe() + (f", {cfg.topology} topology" if plan.decentralized else "")
     lines = [
         f"launch: {env.world_size} rank(s) = {env.num_nodes} node(s) x {env.local_world_size} rank(s)/node, "
-        f"started by {env.launcher}, {env.backend} on {env.device.type}; mesh {mesh_text} ({cfg.sharding})",
-        f"model: {num_params / 1e6:.2f}M parameters; params{' + grads + AdamW' if training else ''} take "
-        f"~{state} of {where} per rank (sharded over {shard_size}; activations not included)",
-        f"{'resuming' if training else 'generating'} from {resume_from}" if resume_from else "starting fresh",
+        f"started by {env.launcher}, {env.backend} on {env.device.type}; {layout}",
+        f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of {where} per rank "
+        f"({spread}; activations not included)",
+        f"resuming from {resume_from}" if resume_from else "starting fresh",
         "config" + (f" ({cfg.config} + command line)" if cfg.config else "") + ":",
     ]
     for section in to_toml(cfg).strip().split("\n\n"):

@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .layers import Decoder, attend, cross_entropy
+
 
 @dataclass
 class GPTConfig:
@@ -37,25 +39,6 @@ PRESETS = {
 }
 
 
-def cross_entropy(x, weight, targets):
-    """Mean next-token loss of the logits x @ weight.T, computed in fp32 whatever their dtype.
-    It takes the output projection, not the logits, so that fused_loss.py can replace it whole on CUDA."""
-    logits = F.linear(x, weight)
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-
-
-class KVCache:
-    """Keys and values of every layer for positions [0, pos); preallocated for the whole context.
-    num_kv_heads: heads that have their own keys and values (fewer than num_heads under grouped-query attention)."""
-
-    def __init__(self, config, batch_size, device, dtype, num_kv_heads=None):
-        heads = num_kv_heads or config.num_heads
-        shape = (batch_size, heads, config.seq_length, config.embed_size // config.num_heads)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
-        self.pos = 0
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -72,14 +55,7 @@ class CausalSelfAttention(nn.Module):
         biases = self.qkv.bias.split(C) if self.qkv.bias is not None else (None,) * 3
         q, k, v = (F.linear(x, w, b) for w, b in zip(self.qkv.weight.split(C), biases))
         q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in (q, k, v))
-        if cache is not None:  # write this step's keys/values, attend over everything so far
-            start = cache.pos
-            cache.k[layer][:, :, start:start + T] = k
-            cache.v[layer][:, :, start:start + T] = v
-            k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
-        # A prefill (T > 1) starts at position 0 and is causal; a single new token sees every cached one.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = attend(q, k, v, cache, layer, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.proj(y))
 
@@ -110,8 +86,9 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
-    block_type = Block
+class GPT(Decoder):
+    config_class, presets = GPTConfig, PRESETS
+    lookup_only = "wpe.weight"  # the token embedding is also the output projection: a matmul
 
     def __init__(self, config):
         super().__init__()
@@ -125,22 +102,22 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, cache=None):
         """Returns the mean cross-entropy if targets are given, else the logits of the last position."""
+        x = self.trunk(idx, cache)
+        if targets is None:
+            return F.linear(x[:, -1], self.wte.weight)  # tied output embedding
+        return self.loss(x, self.wte.weight, targets)  # tied output embedding
+
+    def trunk(self, idx, cache=None):
+        """Token ids (B, T) -> the final normalized hidden states (B, T, C): all but the output projection."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         pos = torch.arange(start, start + T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for layer, block in enumerate(self.blocks):
             x = block(x, cache, layer)
-        x = self.ln_f(x)
         if cache is not None:
             cache.pos += T
-        if targets is None:
-            return F.linear(x[:, -1], self.wte.weight)  # tied output embedding
-        return self.loss(x, self.wte.weight, targets)  # tied output embedding
-
-    def new_cache(self, batch_size, device, dtype):
-        """An empty KV cache for generation."""
-        return KVCache(self.config, batch_size, device, dtype)
+        return self.ln_f(x)
 
     def initial_value(self, name, shape, generator, device):
         """The initial value of parameter `name`, a pure function of (name, seeded generator), so eager init
@@ -153,18 +130,3 @@ class GPT(nn.Module):
         std = 0.02 / math.sqrt(2 * self.config.num_layers) if name.endswith("proj.weight") else 0.02
         return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
 
-    def num_params(self, non_embedding=True):
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
-
-    def flops_per_token(self):
-        """Training FLOPs per token: 6N for the matmuls plus attention (PaLM's count, as nanoGPT does)."""
-        c = self.config
-        return 6 * self.num_params() + 12 * c.num_layers * c.embed_size * c.seq_length
-
-
-def make_config(preset, **overrides):
-    """A preset's shape with any explicitly given (non-None) fields replacing it."""
-    fields = dict(PRESETS[preset])
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    return GPTConfig(**fields)

@@ -11,21 +11,17 @@ context, NCCL buffers), which the fit check leaves room for.
 import argparse
 import dataclasses
 import re
-import sys
 from pathlib import Path
 
 import torch
 
-from .config import MODEL_PRESETS, SHARDING, ConfigError, model_family
+from .config import MODEL_PRESETS, ConfigError, model_family, one_line_errors
 from .hf import read_config as read_hf_config
-from .llama import Llama
-from .llama import make_config as make_llama_config
-from .model import GPT
-from .model import make_config as make_gpt_config
-from .parallelize import reshards_after_forward
+from .layers import make_config
+from .models import MODELS
+from .parallelize import SHARDING, layout
 
 GiB = 2**30
-MODELS = {"gpt": GPT, "llama": Llama}
 # A GPU "fits" when the estimate leaves this fraction free for the CUDA context, cuBLAS/NCCL workspaces and
 # allocator fragmentation (none of which torch.cuda.max_memory_allocated counts).
 GPU_HEADROOM = 0.15
@@ -84,8 +80,8 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     """Peak bytes on one GPU and in one rank's host memory for one training step of grad_accum_steps
     micro-batches. recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute)."""
     sizes = count_parameters(model_type, config)
-    shards = {"full-shard": world_size, "grad-shard": world_size, "no-shard": 1}.get(sharding, shard_group_size)
-    keep_gathered = not reshards_after_forward(sharding, shards)
+    _, shards, reshard = layout(sharding, world_size, shard_group_size)
+    keep_gathered = not reshard
     compute = 2 if precision == "bf16" else 4  # bytes of a gathered param, an activation, an unsharded grad
     tokens = batch_size * config.seq_length
     L = config.num_layers
@@ -146,8 +142,9 @@ def model_config(args):
         model_type, config = read_hf_config(args.hf_model, args.seq_length)
         return model_type, config, args.hf_model
     family = model_family(args)
-    make = make_llama_config if family == "llama" else make_gpt_config
-    return family, make(args.model_preset, seq_length=args.seq_length, vocab_size=args.vocab_size), args.model_preset
+    config = make_config(MODELS[family].config_class, MODELS[family].presets, args.model_preset,
+                         seq_length=args.seq_length, vocab_size=args.vocab_size)
+    return family, config, args.model_preset
 
 
 class _Parser(argparse.ArgumentParser):
@@ -215,8 +212,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    one_line_errors(main)()

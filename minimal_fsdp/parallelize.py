@@ -1,13 +1,19 @@
-"""How a model is sharded, initialized, checkpointed and compiled: FSDP2 `fully_shard` over a DeviceMesh.
+"""How a model is laid out over the ranks, then sharded, initialized, checkpointed and compiled.
 
-Strategies map onto FSDP2 as:
+One ParallelPlan is made per run from the flags and the launch layout (make_plan); model building, the training
+step, the startup banner and the memory planner all read it, and nobody decodes a mesh back into a strategy.
+
+Strategies map onto FSDP2 `fully_shard` over a DeviceMesh as:
   full-shard          1-D mesh, params resharded after forward (ZeRO-3)
   grad-shard          1-D mesh, params kept gathered from forward to backward (ZeRO-2-like)
   no-shard            2-D mesh (world x 1): replicate everywhere, shard over one rank (DDP semantics)
   hybrid-*-shard      2-D mesh (nodes x shard_group_size): replicate across groups, shard inside one
-With --data_parallel decentralized there is no FSDP at all: each rank holds a plain, whole replica that
-trains on its own and is averaged with its neighbours' by gossip.py.
+A world of one rank has nothing to shard: its model is a plain module (bf16 by autocast), the same numbers and
+the same checkpoints without FSDP's per-step work (--cpu_offload still needs FSDP). With --data_parallel
+decentralized there is no FSDP at all: each rank holds a plain, whole replica that trains on its own and is
+averaged with its neighbours' by gossip.py.
 """
+import dataclasses
 import functools
 import zlib
 
@@ -17,6 +23,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .layers import KVCache
+
+SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
+PRECISION = ("float32", "bf16")
+DATA_PARALLEL = ("allreduce", "decentralized")
+
 aten = torch.ops.aten
 # --recompute selective keeps what is costly to recompute (matmuls, attention) and recomputes the cheap,
 # memory-bound rest (norms, activations, residual adds), as torchtitan's op-level policy does.
@@ -25,36 +37,117 @@ KEEP = {aten.mm.default, aten.addmm.default, aten.bmm.default,
         aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
-def build_mesh(cfg, env):
-    if cfg.data_parallel == "decentralized":
-        return None  # replicas are plain modules; gossip talks to peers directly
-    kind = env.device.type
-    if cfg.sharding in ("full-shard", "grad-shard"):
-        return init_device_mesh(kind, (env.world_size,), mesh_dim_names=("shard",))
-    group = 1 if cfg.sharding == "no-shard" else (cfg.shard_group_size or env.local_world_size)
-    return init_device_mesh(kind, (env.world_size // group, group), mesh_dim_names=("replicate", "shard"))
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+    """Every decision about the model's layout, made once (make_plan)."""
+    sharding: str  # as asked; what it means on this launch is below
+    decentralized: bool  # whole replicas averaged by gossip.py
+    fsdp: bool  # FSDP2 shards the model (False: a plain module, for a world of one or a decentralized replica)
+    mesh_shape: tuple  # (ranks,) or (replica groups, ranks per shard group)
+    shard_ranks: int  # ranks one parameter is spread over (1: every rank holds it whole)
+    reshard_after_forward: bool  # gathered params are freed after forward and gathered again in backward
+    precision: str
+    cpu_offload: bool
+    meta_init: bool  # built on the meta device, each rank initializing only its shard
+    activation_checkpoints: bool
+    recompute: str
+    compile: bool
+    mesh: object = None  # the DeviceMesh (FSDP only), built by make_plan
+
+    @property
+    def stays_gathered(self):
+        """Params stay gathered from forward to backward anyway, so also across an accumulation's micro-steps."""
+        return self.fsdp and not self.reshard_after_forward
+
+    def describe(self):
+        if self.decentralized:
+            return "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip"
+        if not self.fsdp:
+            return "no FSDP: one rank holds the whole model"
+        dims = ("shard",) if len(self.mesh_shape) == 1 else ("replicate", "shard")
+        return "mesh " + " x ".join(f"{name}={size}" for name, size in zip(dims, self.mesh_shape)) + \
+            f" ({self.sharding})"
 
 
-def reshards_after_forward(sharding, shard_ranks):
-    """Whether gathered params are freed after forward and gathered again in backward: pointless over a shard
-    group of one rank. The last block never reshards (its backward comes right after forward)."""
-    return sharding in ("full-shard", "hybrid-full-shard") and shard_ranks > 1
+def layout(sharding, world_size, shard_group_size):
+    """(mesh shape, ranks a parameter is sharded over, reshard after forward) of a strategy. The last is pointless
+    over a shard group of one rank; the last block never reshards anyway (its backward comes right after)."""
+    if sharding in ("full-shard", "grad-shard"):
+        shape = (world_size,)
+    else:
+        group = 1 if sharding == "no-shard" else shard_group_size
+        shape = (world_size // group, group)
+    return shape, shape[-1], sharding in ("full-shard", "hybrid-full-shard") and shape[-1] > 1
 
 
-def shard(model, mesh, cfg):
+def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
+    """The plan for this launch. loads_weights: all weights will be loaded (a Hugging Face model, a model to
+    sample from), so the model is built on the meta device and no rank ever holds more than its shard of it.
+    fsdp_on_one_rank: use FSDP even for a world of one (tests and benchmarks compare the two)."""
+    decentralized = cfg.data_parallel == "decentralized"
+    fsdp = not decentralized and (env.world_size > 1 or cfg.cpu_offload or fsdp_on_one_rank)
+    shape, shard_ranks, reshard = layout(cfg.sharding, env.world_size, cfg.shard_group_size or env.local_world_size)
+    if not fsdp:
+        shape, shard_ranks, reshard = (env.world_size,), 1, False
+    plan = ParallelPlan(cfg.sharding, decentralized, fsdp, shape, shard_ranks, reshard, cfg.precision,
+                        cfg.cpu_offload, cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute,
+                        cfg.compile)
+    if fsdp:
+        names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+        plan = dataclasses.replace(plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names))
+    return plan
+
+
+def shard(model, plan):
     """fully_shard each block (the unit that is gathered, freed and overlapped), then the root for the rest."""
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if cfg.precision == "bf16" else MixedPrecisionPolicy()
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
-    reshard = reshards_after_forward(cfg.sharding, mesh["shard"].size() if mesh.ndim == 2 else mesh.size())
+        if plan.precision == "bf16" else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.cpu_offload else OffloadPolicy()
+    reshard = plan.reshard_after_forward
     for i, block in enumerate(model.blocks):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard and i < len(model.blocks) - 1, mp_policy=mixed,
-                    offload_policy=offload)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
-    # Without resharding after forward every parameter is gathered from forward to backward anyway; train_step
-    # then keeps them gathered across the micro-steps of an accumulation too, instead of gathering them again.
-    model.stays_gathered = not reshard
+        fully_shard(block, mesh=plan.mesh, reshard_after_forward=reshard and i < len(model.blocks) - 1,
+                    mp_policy=mixed, offload_policy=offload)
+    fully_shard(model, mesh=plan.mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
     return model
+
+
+class FSDPSync:
+    """Gradient synchronization of an FSDP model over the micro-steps of one optimizer step: gradients are reduced
+    on the last micro-step only; where parameters stay gathered from forward to backward anyway, they also stay
+    gathered across micro-steps and are resharded only after the last one."""
+
+    def __init__(self, model, plan):
+        self.model, self.stays_gathered = model, plan.stays_gathered
+
+    def start(self, step):
+        pass
+
+    def micro_step(self, last):
+        self.model.set_requires_gradient_sync(last)
+        if self.stays_gathered:
+            self.model.set_reshard_after_backward(last)
+
+    def finish(self):
+        pass
+
+    def agreed(self, grad_norm):
+        """The global grad norm as a plain tensor (the same on every rank)."""
+        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+
+
+class LocalSync(FSDPSync):
+    """A world of one: nothing to reduce or gather."""
+
+    def __init__(self):
+        pass
+
+    def micro_step(self, last):
+        pass
+
+
+def gradient_sync(model, plan):
+    """How train_step synchronizes this model's gradients (decentralized runs use gossip.Gossip instead)."""
+    return FSDPSync(model, plan) if plan.fsdp else LocalSync()
 
 
 @torch.no_grad()
@@ -95,41 +188,48 @@ def recomputed(forward, policy):
     return run
 
 
-def build_model(model_cls, model_config, cfg, env, mesh):
-    """Build, initialize and shard a model as the flags say; returns it ready for training or generation."""
-    with torch.device("meta" if cfg.meta_init else env.device):
+def compiled_unless_caching(function):
+    """torch.compile for training and evaluation; generation (a KVCache among the arguments) runs eagerly, as
+    its growing cache position would make the compiler specialize on every new token."""
+    compiled = torch.compile(function)
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        caching = any(isinstance(a, KVCache) for a in (*args, *kwargs.values()))
+        return (function if caching else compiled)(*args, **kwargs)
+    return run
+
+
+def build_model(model_cls, model_config, plan, env, seed):
+    """Build, initialize (weights from `seed`), shard or not, and compile a model as the plan says."""
+    with torch.device("meta" if plan.meta_init else env.device):
         model = model_cls(model_config)
     for block in model.blocks:
         # Wrapping forward (not the module) keeps FSDP's hooks outside and state-dict keys unchanged.
-        if cfg.activation_checkpoints:
-            block.forward = recomputed(block.forward, cfg.recompute)
-        if cfg.compile:
-            block.forward = torch.compile(block.forward)
+        if plan.activation_checkpoints:
+            block.forward = recomputed(block.forward, plan.recompute)
+        if plan.compile and plan.fsdp:  # FSDP: each block is its own graph between FSDP's hooks
+            block.forward = compiled_unless_caching(block.forward)
+    if plan.compile and not plan.fsdp:  # no hooks in the way: one graph from token ids to the last hidden states
+        model.trunk = compiled_unless_caching(model.trunk)
     if env.device.type == "cuda":
         # One Triton kernel turns the logits into the loss and, in place, their gradient (fused_loss.py).
         from .fused_loss import linear_cross_entropy
         model.loss = linear_cross_entropy
-    elif cfg.compile:
+    elif plan.compile:
         # Compiled, the fp32 upcast, log-softmax and its backward fuse into a few passes over the logits
         # instead of materializing fp32 logits (the largest tensor of a GPT-2 step).
         model.loss = torch.compile(model.loss)
-    if cfg.data_parallel == "decentralized":
-        return replica(model, cfg, env)
-    if not cfg.meta_init:
-        init_weights(model, cfg.seed, env.device)
-    shard(model, mesh, cfg)
-    if cfg.meta_init:
-        model.to_empty(device="cpu" if cfg.cpu_offload else env.device)
-        init_weights(model, cfg.seed, env.device)
-    return model
-
-
-def replica(model, cfg, env):
-    """A whole, unsharded model for decentralized training. init_weights depends only on the seed and names,
-    so every rank starts from the same replica. bf16 runs under autocast: fp32 weights, bf16 matmuls."""
-    if cfg.meta_init:
+    if plan.meta_init and not plan.fsdp:
         model.to_empty(device=env.device)
-    init_weights(model, cfg.seed, env.device)
-    if cfg.precision == "bf16":
-        model.forward = torch.autocast(env.device.type, dtype=torch.bfloat16)(model.forward)
+    if not plan.meta_init or not plan.fsdp:
+        init_weights(model, seed, env.device)
+    if not plan.fsdp:
+        if plan.precision == "bf16":  # fp32 weights, bf16 matmuls: FSDP's mixed precision without FSDP
+            model.forward = torch.autocast(env.device.type, dtype=torch.bfloat16)(model.forward)
+        return model
+    shard(model, plan)
+    if plan.meta_init:
+        model.to_empty(device="cpu" if plan.cpu_offload else env.device)
+        init_weights(model, seed, env.device)
     return model

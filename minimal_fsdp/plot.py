@@ -7,10 +7,9 @@ Needs matplotlib (pip install matplotlib, or pip install -e ".[plot]"); TensorBo
 """
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from .config import ConfigError
+from .config import ConfigError, one_line_errors
 
 
 def read_metrics(run_dir):
@@ -52,16 +51,13 @@ def plot(run_dir, out=None):
     return out
 
 
+@one_line_errors
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.plot", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", help="a run's log directory, <log_dir>/<run_name>")
     parser.add_argument("--out", help="PNG to write (default: <run_dir>/loss.png)")
     args = parser.parse_args(argv)
-    try:
-        print(plot(args.run_dir, args.out))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    print(plot(args.run_dir, args.out))
 
 
 if __name__ == "__main__":

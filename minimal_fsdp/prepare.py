@@ -15,18 +15,18 @@ import itertools
 import json
 import multiprocessing
 import os
-import sys
+import shutil
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from .config import ConfigError
+from .config import ConfigError, one_line_errors
 from .documents import OPENWEBTEXT, SEPARATOR_TEXT, FileDocuments, encode_document, is_val, open_documents
 from .files import write_atomic
-from .sources import SourceError, fetch_shakespeare
 from .tokenizer import TOKENIZER_KINDS, load_tokenizer, train_tokenizer
 
+SHIPPED_SHAKESPEARE = Path(__file__).resolve().parents[1] / "data" / "shakespeare" / "input.txt"
 SENTENCEPIECE_SAMPLE_CHARS = 20_000_000  # BPE merges are learned from the first this many characters of train
 BATCH_DOCUMENTS = 256  # documents per task sent to a tokenizing worker
 
@@ -42,20 +42,32 @@ def output_dir(data_dir, name, tokenizer, vocab_size):
 
 
 def shakespeare_documents(data_dir):
-    path = Path(data_dir) / "shakespeare" / "input.txt"
-    try:
-        fetch_shakespeare(path)
-    except SourceError as e:
-        raise ConfigError(str(e)) from None
-    return FileDocuments([path], "shakespeare", str(path))
+    """<data_dir>/shakespeare/input.txt if you put a text there, else the tinyshakespeare text shipped in the
+    repository (data/shakespeare/input.txt: 1.1 MB, public domain), so the default run needs no network."""
+    for path in (Path(data_dir) / "shakespeare" / "input.txt", SHIPPED_SHAKESPEARE):
+        if path.is_file():
+            return FileDocuments([path], "shakespeare", str(path))
+    raise ConfigError(f"no Shakespeare text at {Path(data_dir) / 'shakespeare' / 'input.txt'} (the repository's copy "
+                      f"{SHIPPED_SHAKESPEARE} is missing too): put a UTF-8 text there, or use --dataset text "
+                      "--input_file PATH")
 
 
 def prepare_bins(documents, tokenizer_kind, vocab_size, out, val_fraction, seed, num_proc=1, tokenizer=None):
     """Tokenize `documents` into `out`; returns the meta dict. meta.json is written last, so its presence
     means the bins are complete. A given `tokenizer` (a --hf_model's) is used as it is instead of fitting one
-    of `tokenizer_kind`."""
+    of `tokenizer_kind`. A failure leaves no directory behind that was not there before."""
     out = Path(out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _prepare_bins(documents, tokenizer_kind, vocab_size, out, val_fraction, seed, num_proc, tokenizer)
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _prepare_bins(documents, tokenizer_kind, vocab_size, out, val_fraction, seed, num_proc, tokenizer):
     head = list(itertools.islice(documents.iter_from(0), 2))
     if not head:
         raise ConfigError(f"{documents.source} holds no documents")
@@ -180,15 +192,18 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.data",
                                      description="Prepare token bins for basic_training.py --dataset_path.")
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("prepare", help="tokenize a dataset into train.bin, val.bin and meta.json")
+    # The flags are basic_training.py's, with its names and defaults.
+    p = commands.add_parser("prepare", help="tokenize a dataset into train.bin, val.bin and meta.json",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", required=True, choices=("openwebtext", "shakespeare", "text", "hf"),
-                   help=f"openwebtext: {OPENWEBTEXT} from the hub (or --input, a local copy); shakespeare: fetched "
-                        "into <data_dir>/shakespeare; text: --input is a text/.jsonl file or a directory of "
-                        ".txt/.jsonl files; hf: --input is a hub dataset (NAME or NAME:CONFIG) or a save_to_disk "
-                        "directory")
-    p.add_argument("--input", help="the source for --dataset text and hf (see --dataset)")
-    p.add_argument("--tokenizer", default="gpt2", choices=TOKENIZER_KINDS,
-                   help="gpt2 needs tiktoken's encoding file; char and sentencepiece are fit on the data")
+                   help=f"openwebtext: {OPENWEBTEXT} from the hub (or --input_file, a local copy); shakespeare: "
+                        "the repository's data/shakespeare/input.txt; text: --input_file is a text/.jsonl file or a "
+                        "directory of .txt/.jsonl files; hf: --input_file is a hub dataset (NAME or NAME:CONFIG) or "
+                        "a save_to_disk directory")
+    p.add_argument("--input_file", help="the source for --dataset text and hf (see --dataset)")
+    p.add_argument("--tokenizer", default="char", choices=TOKENIZER_KINDS,
+                   help="char and sentencepiece are fit on the data; gpt2 (GPT-2's BPE, what openwebtext runs use) "
+                        "needs tiktoken's encoding file")
     p.add_argument("--tokenizer_dir", help="use the tokenizer in this directory (replaces --tokenizer): a Hugging "
                                            "Face model's (Llama 3's, say), a prepared dataset's or a checkpoint's")
     p.add_argument("--vocab_size", type=int, help="BPE vocabulary for --tokenizer sentencepiece")
@@ -201,19 +216,14 @@ def build_parser():
     return parser
 
 
+@one_line_errors
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        out = run(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    return out
+    return run(build_parser().parse_args(argv))
 
 
 def run(args):
-    if args.dataset in ("text", "hf") and not args.input:
-        raise ConfigError(f"--dataset {args.dataset} needs --input PATH")
+    if args.dataset in ("text", "hf") and not args.input_file:
+        raise ConfigError(f"--dataset {args.dataset} needs --input_file PATH")
     if args.tokenizer == "sentencepiece" and not args.vocab_size and not args.tokenizer_dir:
         raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
     val_fraction = args.val_fraction
@@ -224,9 +234,9 @@ def run(args):
     if args.dataset == "shakespeare":
         documents = shakespeare_documents(args.data_dir)
     elif args.dataset == "openwebtext":
-        documents = open_documents(args.input or OPENWEBTEXT, "--input")
+        documents = open_documents(args.input_file or OPENWEBTEXT, "--input_file")
     else:
-        documents = open_documents(args.input, "--input", hub=args.dataset == "hf")
+        documents = open_documents(args.input_file, "--input_file", hub=args.dataset == "hf")
     name = "openwebtext" if args.dataset == "openwebtext" else documents.name
     given = load_tokenizer(args.tokenizer_dir) if args.tokenizer_dir else None
     default_out = output_dir(args.data_dir, name, args.tokenizer, args.vocab_size) if given is None else \

@@ -8,7 +8,6 @@ save a checkpoint and exit 0. A rank never stops alone, so no rank is left waiti
 """
 import math
 import signal
-import sys
 from contextlib import contextmanager
 from time import monotonic
 
@@ -71,9 +70,9 @@ class NonFiniteGuard:
     grad norms stay on the device and are looked at whenever the loop syncs anyway (logging) and before any
     checkpoint is written, so a poisoned model is never saved and the hot path never waits."""
 
-    def __init__(self, allowed, bar=None):
+    def __init__(self, allowed, warn=None):
         self.allowed = allowed
-        self.bar = bar  # rank 0's progress bar: messages go around it
+        self.warn = warn  # prints a warning line on rank 0 (around its progress bar); None elsewhere
         self.skipped = 0
         self.pending = []  # (step, grad norm on the device, loss) not yet looked at
 
@@ -96,12 +95,10 @@ class NonFiniteGuard:
             return True
         self.skipped += 1
         if self.skipped > self.allowed:
-            if self.bar:
-                self.bar.close()  # so the error starts on a line of its own
             raise Diverged(f"step {step}: the grad norm is {grad_norm} (loss {float(loss):.4g} on rank 0): the run "
                            "diverged and stops here; its last checkpoint is untouched. Lower --lr or raise "
                            "--warmup_steps, or let --skip_nonfinite N skip up to N such steps")
-        if self.bar:
-            self.bar.write(f"warning: step {step}: grad norm {grad_norm}; update skipped "
-                           f"({self.skipped} of --skip_nonfinite {self.allowed})", file=sys.stderr)
+        if self.warn:
+            self.warn(f"warning: step {step}: grad norm {grad_norm}; update skipped "
+                      f"({self.skipped} of --skip_nonfinite {self.allowed})")
         return False

@@ -11,7 +11,6 @@ FSDP2, as in training. The tokenizer is the one the source carries. The text goe
 to stderr. basic_training.py --max_epochs -1 loads its model through here too.
 """
 import argparse
-import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -22,12 +21,9 @@ import torch
 from . import checkpoint, environment, hf
 from .config import Config, ConfigError, validate
 from .generate import generate
-from .llama import Llama
-from .model import GPT
-from .parallelize import build_mesh, build_model
+from .models import MODELS, config_from_dict
+from .parallelize import build_model, make_plan
 from .tokenizer import load_tokenizer
-
-MODELS = {"gpt": GPT, "llama": Llama}
 
 
 @dataclass
@@ -55,14 +51,14 @@ def open_source(source, seq_length=None):
         if problem:
             raise ConfigError(f"{source} is not a complete checkpoint: {resolved}: {problem}")
         meta = checkpoint.read_meta(resolved)
-        model_type = meta.get("model_type", "gpt")  # checkpoints from before Llama are GPTs
-        found = Source("checkpoint", str(resolved), model_type, hf.CONFIGS[model_type](**meta["model"]), meta["step"])
+        found = Source("checkpoint", str(resolved), meta["model_type"], config_from_dict(meta["model_type"],
+                                                                                         meta["model"]), meta["step"])
     elif (path / "config.json").is_file():
         config = json.loads((path / "config.json").read_text())
         if "model_type" in config:  # Hugging Face's config.json (ours has no such key)
             return Source("hf", str(path), *hf.read_config(path, seq_length))
         model_type = _export_model_type(path, config)
-        found = Source("export", str(path), model_type, hf.CONFIGS[model_type](**config))
+        found = Source("export", str(path), model_type, config_from_dict(model_type, config))
     elif not path.exists() and source.count("/") == 1 and not source.startswith((".", "/", "~")):
         directory = hf.resolve(source)  # a hub name: from the Hugging Face cache, or downloaded
         return Source("hf", directory, *hf.read_config(directory, seq_length))
@@ -91,10 +87,10 @@ def source_tokenizer(source):
     return hf.load_tokenizer(source.path) if source.kind == "hf" else load_tokenizer(source.path)
 
 
-def load_model(source, cfg, env, mesh):
-    """Collective: build the source's model as cfg shards it, on the meta device first so that no rank ever
-    holds more than its shard, and load its weights into it."""
-    model = build_model(MODELS[source.model_type], source.config, dataclasses.replace(cfg, meta_init=True), env, mesh)
+def load_model(source, plan, env):
+    """Collective: build the source's model as the plan lays it out (built on the meta device: plan from
+    make_plan(..., loads_weights=True)), and load its weights into it."""
+    model = build_model(MODELS[source.model_type], source.config, plan, env, seed=0)
     if source.kind == "checkpoint":
         checkpoint.load(source.path, model)
     elif source.kind == "hf":
@@ -143,13 +139,11 @@ def main(argv=None):
                  seed=args.seed, precision=args.precision, max_epochs=-1, tensorboard=False)
     try:
         validate(cfg)
-        if args.top_k < 0:
-            raise ConfigError(f"--top_k must be 0 or positive (got {args.top_k})")
         env = environment.setup(cfg)
-        mesh = build_mesh(cfg, env)
+        plan = make_plan(cfg, env, loads_weights=True)
         source = environment.run_on_main(open_source, args.source)
         tokenizer = source_tokenizer(source)  # the same files on every rank: the same verdict everywhere
-        model = load_model(source, cfg, env, mesh)
+        model = load_model(source, plan, env)
         if env.is_main:
             print(describe(source, model, tokenizer, env), file=sys.stderr, flush=True)
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
@@ -157,12 +151,9 @@ def main(argv=None):
                         env.device, dtype)
         if env.is_main:
             print(text, flush=True)
-        del model, mesh
+        del model, plan
     except ConfigError as e:  # raised alike on every rank: one line, clean exit
-        if environment.rank_hint() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        environment.teardown()
-        sys.exit(2)
+        environment.exit_on_error(e, 2)
     environment.teardown()
 
 

@@ -146,8 +146,8 @@ def _save_gpt2_tokenizer(directory):
 
 
 class StreamingData:
-    """The same interface as data.TokenData (meta, tokenizer, directory, check, num_tokens, get_batch,
-    position, restore), read from a stream. Train batches must be asked for in order."""
+    """The same interface as data.TokenData (meta, tokenizer, directory, check, bind, steps_per_epoch,
+    train_batches, val_batch, state_dict, load_state_dict), read from a stream. Train batches come in order."""
 
     def __init__(self, documents, tokenizer, tokenizer_dir, rank, world_size, val_fraction, seed):
         self.documents, self.tokenizer, self.directory = documents, tokenizer, tokenizer_dir
@@ -155,7 +155,7 @@ class StreamingData:
         self.meta = {"tokenizer": tokenizer.kind, "vocab_size": tokenizer.vocab_size}
         self.train_position = (0, 0, 0)  # right after the last train batch handed out
         self.prefetcher = None
-        self.next_index = 0  # the train micro-batch the stream is at
+        self.next_step = 0  # the optimizer step whose micro-batches the stream gives next
         self.val_stream = None
         self.val_batches = []  # evaluation always reads the same first val batches, so they are kept
 
@@ -193,25 +193,36 @@ class StreamingData:
                 self._stream(split).take(seq_length + 1, seq_length)
         _same_on_every_rank(first_blocks)
 
-    def num_tokens(self, split):
+    def describe(self):
+        return f"data: streaming {self.documents.source} with the {self.tokenizer.kind} tokenizer from {self.directory}"
+
+    def bind(self, seq_length, batch_size, grad_accum_steps, rank, world_size, seed):
+        """The run's batch shape (rank, world size and seed came with open())."""
+        self.seq_length, self.batch_size, self.accum = seq_length, batch_size, grad_accum_steps
+
+    def steps_per_epoch(self):
         return None  # unknown: a stream's length is only known at its end
 
-    def get_batch(self, split, index, rank, world_size, batch_size, seq_length, seed):
-        if split == "val":
-            val = self.val_batches
-            if self.val_stream is None:
-                self.val_stream = self._stream("val")
-            while len(val) <= index:
-                val.append(_take_batch(self.val_stream, batch_size, seq_length))
-            return val[index]
-        if index != self.next_index:
-            raise RuntimeError(f"a stream is read in order: micro-batch {self.next_index} is next, not {index}")
-        if self.prefetcher is None or self.prefetcher.shape != (batch_size, seq_length):
-            self.close()
-            self.prefetcher = Prefetcher(self._stream("train", self.train_position), batch_size, seq_length)
-        batch, self.train_position = self.prefetcher.next()
-        self.next_index += 1
-        return batch
+    def train_batches(self, step):
+        """The micro-batches of optimizer step `step`; steps must be asked for in order."""
+        if step != self.next_step:
+            raise RuntimeError(f"a stream is read in order: step {self.next_step} is next, not {step}")
+        if self.prefetcher is None:
+            self.prefetcher = Prefetcher(self._stream("train", self.train_position), self.batch_size, self.seq_length)
+        batches = []
+        for _ in range(self.accum):
+            batch, self.train_position = self.prefetcher.next()
+            batches.append(batch)
+        self.next_step += 1
+        return batches
+
+    def val_batch(self, index):
+        """Validation batch `index`: the same first batches of this rank's val documents every time."""
+        if self.val_stream is None:
+            self.val_stream = self._stream("val")
+        while len(self.val_batches) <= index:
+            self.val_batches.append(_take_batch(self.val_stream, self.batch_size, self.seq_length))
+        return self.val_batches[index]
 
     def close(self):
         """Stop reading ahead (at the latest when the process exits)."""
@@ -219,24 +230,24 @@ class StreamingData:
             self.prefetcher.close()
             self.prefetcher = None
 
-    def position(self, index, world_size, batch_size):
-        """Collective: every rank's stream position, for rank 0 to write into the checkpoint."""
-        if index != self.next_index:
-            raise RuntimeError(f"the stream is at micro-batch {self.next_index}, not {index}")
-        positions = [None] * world_size
+    def state_dict(self, step):
+        """Collective: every rank's stream position before step `step`, for rank 0 to write into the checkpoint."""
+        if step != self.next_step:
+            raise RuntimeError(f"the stream is at step {self.next_step}, not {step}")
+        positions = [None] * self.world_size
         dist.all_gather_object(positions, list(self.train_position))
         return {"stream": positions}
 
-    def restore(self, position, index):
+    def load_state_dict(self, state, step):
         """Reopen this rank's stream where the checkpoint left it. Same flags and meta.json on every rank,
         so every rank reaches the same verdict."""
-        if not position or "stream" not in position:
+        if "stream" not in state:
             raise ConfigError("the checkpoint holds no stream position (it was not written by a --streaming run): "
                               "use another --run_name, or --restart_checkpoint_file from a --streaming run")
-        saved = position["stream"]
+        saved = state["stream"]
         if len(saved) != self.world_size:
             raise ConfigError(f"this --streaming run was saved on {len(saved)} rank(s) and each rank's documents "
                               f"depend on it: resume it on {len(saved)} rank(s), not {self.world_size}")
         self.close()
         self.train_position = tuple(saved[self.rank])
-        self.next_index = index
+        self.next_step = step

@@ -102,20 +102,21 @@ def gpt2_cached():
                            for u in GPT2_URLS)
 
 
-def _can_download(url, timeout=5.0):
-    # a quick HEAD (urllib honours proxy settings) so an unreachable host fails in seconds, not never
+def reachable(url, timeout=5.0):
+    """Whether a server answers at url: a quick HEAD (urllib honours proxy settings), so an unreachable host
+    (an offline compute node) fails in seconds, not after minutes of retries."""
     try:
         urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
         return True
     except urllib.error.HTTPError:
-        return True  # the server answered: let tiktoken try and report what went wrong
+        return True  # the server answered (an error page): let the caller try and report what went wrong
     except OSError:
         return False
 
 
 def _gpt2_encoding():
     import tiktoken
-    if not gpt2_cached() and not _can_download(GPT2_URLS[0]):
+    if not gpt2_cached() and not reachable(GPT2_URLS[0]):
         raise TokenizerError(GPT2_OFFLINE)
     try:
         return tiktoken.get_encoding("gpt2")

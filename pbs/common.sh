@@ -99,14 +99,8 @@ seconds() {  # [[HH:]MM:]SS -> seconds
 
 # "STEP LAST_STEP" of the run's latest checkpoint ("0 none" without one), from the training flags.
 run_progress() {
-    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
-import json, sys
-from pathlib import Path
-from minimal_fsdp.config import parse_args
-cfg = parse_args(sys.argv[1:])
-run = Path(cfg.checkpoint_dir) / cfg.run_name
-latest = run / "latest"
-meta = json.loads((run / latest.read_text().strip() / "meta.json").read_text()) if latest.is_file() else {}
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m minimal_fsdp.checkpoint progress "$@"
+}
 print(meta.get("step", 0), meta.get("last_step", "none"))' "$@"
 }
 

@@ -58,12 +58,12 @@ def due(kind, from_step_on=False):
 
 
 def install_faults():
-    lr_at, train_step, forward, save, monotonic = (train.lr_at, train.train_step, model.GPT.forward, dcp.save,
-                                                   resilience.monotonic)
+    lr_at, train_step, forward, save, monotonic = (train.Schedule.lr_at, train.train_step, model.GPT.forward,
+                                                   dcp.save, resilience.monotonic)
 
-    def tracking_lr_at(step, cfg, decay_steps):  # called once at the start of every step
+    def tracking_lr_at(schedule, step):  # called once at the start of every step
         now["step"] = step + 1
-        return lr_at(step, cfg, decay_steps)
+        return lr_at(schedule, step)
 
     def faulty_train_step(*args, **kwargs):
         if due("kill"):
@@ -110,8 +110,8 @@ def install_faults():
         return wrapped
 
     fsync = os.fsync
-    train.lr_at, train.train_step, model.GPT.forward, dcp.save = (tracking_lr_at, faulty_train_step, faulty_forward,
-                                                                  faulty_save)
+    train.Schedule.lr_at, train.train_step, model.GPT.forward, dcp.save = (tracking_lr_at, faulty_train_step,
+                                                                           faulty_forward, faulty_save)
     checkpoint._write_durably = after(checkpoint._write_durably, "kill_after_meta", lambda path, data: path.name == "meta.json")
     checkpoint._publish = after(checkpoint._publish, "kill_after_rename")
     checkpoint._write_marker = after(checkpoint._write_marker, "kill_after_latest", lambda run_dir, name, target: name == "latest")

@@ -247,7 +247,7 @@ def test_export_dtype_and_file_permissions(tmp_path):
 def test_gpt2_weights_without_tokenizer_files_offline_is_one_line(tmp_path, monkeypatch):
     hf_gpt2(tmp_path)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
-    monkeypatch.setattr(tk, "_can_download", lambda url, timeout=5.0: False)
+    monkeypatch.setattr(tk, "reachable", lambda url, timeout=5.0: False)
     with pytest.raises(ConfigError, match="has no tokenizer files .* --tokenizer_dir"):
         hf.load_tokenizer(tmp_path)
 

@@ -152,7 +152,7 @@ def fake_env(monkeypatch):
 
 def test_srun_task_variables(fake_env):
     fake_env.update(SLURM_TASK)
-    assert environment._discover("auto") == (5, 7, 1, 3, 2, "srun")
+    assert environment._discover() == (5, 7, 1, 3, 2, "srun")
     # No port derived from the job id (jobs 750 ids apart shared one): rank 0 binds a free port, publishes it.
     assert environment._srun_address(fake_env) == ("gpu07", 0, None)
 
@@ -166,20 +166,20 @@ def test_srun_rendezvous_port_exported_or_reserved(fake_env):
 
 def test_srun_on_one_node_rendezvous_locally(fake_env):
     fake_env.update(SLURM_TASK, SLURM_STEP_NUM_NODES="1", SLURM_STEP_TASKS_PER_NODE="7", SLURM_NODEID="0")
-    assert environment._discover("auto") == (5, 7, 1, 7, 1, "srun")
+    assert environment._discover() == (5, 7, 1, 7, 1, "srun")
     assert environment._srun_address(fake_env)[0] == "127.0.0.1"
 
 
 def test_srun_falls_back_to_the_jobs_tasks_per_node(fake_env):
     fake_env.update(SLURM_TASK, SLURM_TASKS_PER_NODE="4,3")
     del fake_env["SLURM_STEP_TASKS_PER_NODE"]
-    assert environment._discover("auto") == (5, 7, 1, 3, 2, "srun")
+    assert environment._discover() == (5, 7, 1, 3, 2, "srun")
 
 
 def test_batch_script_alone_is_one_rank(fake_env):
     """A batch script has SLURM_PROCID=0 and SLURM_NTASKS but is one process: no step variables, no srun."""
     fake_env.update(SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_JOB_ID="77")
-    assert environment._discover("auto")[:2] == (0, 1)
+    assert environment._discover()[:2] == (0, 1)
 
 
 def test_mpi_wins_over_slurm_variables(fake_env, monkeypatch):
@@ -187,18 +187,18 @@ def test_mpi_wins_over_slurm_variables(fake_env, monkeypatch):
     started by srun's PMIx plugin passes srun's PMIx variables on to its ranks: PMI_RANK still says MPI."""
     monkeypatch.setattr(environment, "_discover_mpi", lambda: (3, 4, 3, 4, 1))
     fake_env.update(SLURM_TASK, PMI_RANK="3")
-    assert environment._discover("auto") == (3, 4, 3, 4, 1, "mpi")
+    assert environment._discover() == (3, 4, 3, 4, 1, "mpi")
     fake_env.update(PMIX_RANK="1", PMIX_NAMESPACE="slurm.pmix.77.0")
-    assert environment._discover("auto") == (3, 4, 3, 4, 1, "mpi")
+    assert environment._discover() == (3, 4, 3, 4, 1, "mpi")
 
 
 def test_srun_pmix_plugin_variables_mean_srun(fake_env, monkeypatch):
     monkeypatch.setattr(environment, "_discover_mpi", lambda: pytest.fail("MPI initialized under srun --mpi=pmix"))
     fake_env.update(SLURM_TASK, PMIX_RANK="5", PMIX_NAMESPACE="slurm.pmix.77.0")
-    assert environment._discover("auto") == (5, 7, 1, 3, 2, "srun")
+    assert environment._discover() == (5, 7, 1, 3, 2, "srun")
     fake_env.update(PMIX_NAMESPACE="prterun-host-1234@1")  # another launcher's namespace: MPI's ranks
     monkeypatch.setattr(environment, "_discover_mpi", lambda: (5, 7, 1, 3, 2))
-    assert environment._discover("auto")[-1] == "mpi"
+    assert environment._discover()[-1] == "mpi"
 
 
 @pytest.mark.parametrize("variables,size", [
@@ -212,15 +212,15 @@ def test_pod_level_world_without_torchrun_is_refused(fake_env):
     """A PyTorchJob pod's RANK/WORLD_SIZE are per pod; without torchrun (no LOCAL_RANK) they are refused."""
     fake_env.update(RANK="1", WORLD_SIZE="8", MASTER_ADDR="master-0", MASTER_PORT="23456", PET_NPROC_PER_NODE="4")
     with pytest.raises(ConfigError, match="start basic_training.py with torchrun"):
-        environment._discover("auto")
+        environment._discover()
     fake_env.update(LOCAL_RANK="2", LOCAL_WORLD_SIZE="4")  # what torchrun adds
-    assert environment._discover("auto") == (1, 8, 2, 4, 2, "torchrun")
+    assert environment._discover() == (1, 8, 2, 4, 2, "torchrun")
 
 
 def test_a_literal_launcher_reference_is_one_line(fake_env):
     fake_env.update(RANK="0", WORLD_SIZE="$(PET_NNODES)", MASTER_ADDR="master-0", LOCAL_RANK="0")
     with pytest.raises(ConfigError, match=r"WORLD_SIZE='\$\(PET_NNODES\)' is not a number"):
-        environment._discover("auto")
+        environment._discover()
 
 
 NODEFILES = {"repeated": "x1\nx1\nx2\nx2\n", "blank lines": "x1\n\n x2 \n\n",

@@ -45,7 +45,7 @@ def expected_split(documents, tokenizer, split, seed=1337, val_fraction=0.1):
 def test_jsonl_directory_prepares_documents_with_separators(tmp_path):
     documents = make_documents()
     source = write_jsonl(tmp_path / "docs", documents)
-    out = run_cli("--dataset", "text", "--input", source, "--tokenizer", "char", "--data_dir", tmp_path / "data")
+    out = run_cli("--dataset", "text", "--input_file", source, "--tokenizer", "char", "--data_dir", tmp_path / "data")
     assert out == tmp_path / "data" / "docs" / "char"
     data = TokenData(out)
     for split in ("train", "val"):
@@ -60,8 +60,8 @@ def test_jsonl_directory_prepares_documents_with_separators(tmp_path):
 
 def test_process_pool_writes_the_same_bins(tmp_path):
     source = write_jsonl(tmp_path / "docs", make_documents(120))
-    one = run_cli("--dataset", "text", "--input", source, "--tokenizer", "char", "--output", tmp_path / "one")
-    two = run_cli("--dataset", "text", "--input", source, "--tokenizer", "char", "--output", tmp_path / "two",
+    one = run_cli("--dataset", "text", "--input_file", source, "--tokenizer", "char", "--output", tmp_path / "one")
+    two = run_cli("--dataset", "text", "--input_file", source, "--tokenizer", "char", "--output", tmp_path / "two",
                   num_proc=2)
     for name in ("train.bin", "val.bin", "meta.json", "tokenizer.json"):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
@@ -74,9 +74,9 @@ def test_hugging_face_dataset_prepares_like_jsonl(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": documents})}).save_to_disk(str(tmp_path / "dd"))
     write_jsonl(tmp_path / "jsonl", documents, files=3)
     common = ["--tokenizer", "sentencepiece", "--vocab_size", 300, "--seed", 5]
-    outs = [run_cli("--dataset", "hf", "--input", tmp_path / "hf", "--output", tmp_path / "a", *common),
-            run_cli("--dataset", "hf", "--input", tmp_path / "dd", "--output", tmp_path / "b", *common),
-            run_cli("--dataset", "text", "--input", tmp_path / "jsonl", "--output", tmp_path / "c", *common)]
+    outs = [run_cli("--dataset", "hf", "--input_file", tmp_path / "hf", "--output", tmp_path / "a", *common),
+            run_cli("--dataset", "hf", "--input_file", tmp_path / "dd", "--output", tmp_path / "b", *common),
+            run_cli("--dataset", "text", "--input_file", tmp_path / "jsonl", "--output", tmp_path / "c", *common)]
     bins = [[(out / f"{split}.bin").read_bytes() for split in ("train", "val")] for out in outs]
     assert bins[0] == bins[1] == bins[2]
     data = TokenData(outs[0])
@@ -89,7 +89,7 @@ def test_hugging_face_dataset_prepares_like_jsonl(tmp_path):
 
 
 def test_single_text_splits_by_characters_like_training_does(tmp_path, corpus):
-    out = run_cli("--dataset", "text", "--input", corpus, "--tokenizer", "char", "--data_dir", tmp_path / "data")
+    out = run_cli("--dataset", "text", "--input_file", corpus, "--tokenizer", "char", "--data_dir", tmp_path / "data")
     text = corpus.read_text()
     data = TokenData(out)
     assert data.meta["split"] == "characters" and data.meta["train_tokens"] == int(len(text) * 0.9)
@@ -115,7 +115,7 @@ def test_bad_input_is_one_clear_error(tmp_path, files, message):
         (source / name).write_text(content)
     with pytest.raises(ConfigError, match=message):
         prepare.run(prepare.build_parser().parse_args(
-            ["prepare", "--dataset", "text", "--input", str(source), "--tokenizer", "char", "--output",
+            ["prepare", "--dataset", "text", "--input_file", str(source), "--tokenizer", "char", "--output",
              str(tmp_path / "out")]))
 
 
@@ -138,7 +138,7 @@ def test_openwebtext_offline_is_one_line(tmp_path):
 
 def test_trainer_reads_a_prepared_directory(tmp_path):
     source = write_jsonl(tmp_path / "docs", make_documents())
-    out = run_cli("--dataset", "text", "--input", source, "--tokenizer", "char", "--output", tmp_path / "prepared")
+    out = run_cli("--dataset", "text", "--input_file", source, "--tokenizer", "char", "--output", tmp_path / "prepared")
     launch(["--dataset_path", out, *TINY_MODEL, "--max_steps", 3, "--eval_interval", 0, "--log_interval", 1],
            ranks=2, cwd=tmp_path)
     saved = checkpoint.latest(tmp_path / "checkpoints" / "shakespeare")
@@ -155,7 +155,7 @@ def test_hub_names_reach_load_dataset_with_their_config(tmp_path, monkeypatch):
         return datasets.Dataset.from_dict({"text": make_documents(40)})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    run_cli("--dataset", "hf", "--input", "allenai/c4:en", "--tokenizer", "char", "--data_dir", tmp_path / "data")
+    run_cli("--dataset", "hf", "--input_file", "allenai/c4:en", "--tokenizer", "char", "--data_dir", tmp_path / "data")
     assert calls == [("allenai/c4", "en", "train", False)]
     assert (tmp_path / "data" / "c4" / "char" / "meta.json").exists()
     open_documents("Skylion007/openwebtext", "--dataset_path", streaming=True)

@@ -20,7 +20,7 @@ def prepared(tmp_path):
     """200 documents as .jsonl files, and the same prepared with the char tokenizer."""
     documents = make_documents()
     source = write_jsonl(tmp_path / "docs", documents)
-    out = run_cli("--dataset", "text", "--input", source, "--tokenizer", "char", "--output", tmp_path / "prepared")
+    out = run_cli("--dataset", "text", "--input_file", source, "--tokenizer", "char", "--output", tmp_path / "prepared")
     return documents, source, TokenData(out)
 
 

@@ -114,7 +114,7 @@ def test_gpt2_download_error_after_probe(tmp_path, monkeypatch):
     import tiktoken.load
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     _forget_loaded_encodings(monkeypatch)
-    monkeypatch.setattr(tk, "_can_download", lambda url, timeout=5.0: True)
+    monkeypatch.setattr(tk, "reachable", lambda url, timeout=5.0: True)
 
     def broken(*a, **k):
         raise ConnectionError("simulated")
@@ -281,7 +281,7 @@ def test_prepare_with_a_tokenizer_dir(tmp_path, offline):
     tokenizer = load_tokenizer(directory)
     documents = [sample_text(20, seed=i) + f"\ndocument {i} \u00e9\u00e8 \U0001F600" for i in range(40)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
-    out = prepare.main(["prepare", "--dataset", "text", "--input", str(tmp_path / "docs.jsonl"), "--tokenizer_dir",
+    out = prepare.main(["prepare", "--dataset", "text", "--input_file", str(tmp_path / "docs.jsonl"), "--tokenizer_dir",
                         str(directory), "--data_dir", str(tmp_path / "data"), "--num_proc", "2"])
     assert out == tmp_path / "data" / "docs" / tokenizer.label
     data = TokenData(out)  # the workers tokenized with the tokenizer saved there

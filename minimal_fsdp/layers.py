@@ -1,0 +1,71 @@
+"""What GPT and Llama share: attention over a KV cache, the loss, parameter and FLOP counts, and presets.
+
+Only math lives here, as in model.py and llama.py.
+Shapes: B batch, H heads, K heads with their own keys and values, T time, D head size.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Keys and values of every layer for positions [0, pos); preallocated for the whole context."""
+
+    def __init__(self, config, batch_size, device, dtype, num_kv_heads):
+        shape = (batch_size, num_kv_heads, config.seq_length, config.embed_size // config.num_heads)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.pos = 0
+
+
+def attend(q, k, v, cache, layer, dropout):
+    """Causal attention of q (B, H, T, D) over k, v (B, K, T, D). With a cache: this step's keys and values are
+    written at its position and the queries see every cached one. dropout: the probability, 0 when evaluating."""
+    T = q.size(2)
+    if cache is not None:
+        start = cache.pos
+        cache.k[layer][:, :, start:start + T] = k
+        cache.v[layer][:, :, start:start + T] = v
+        k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
+    if k.size(1) != q.size(1):
+        # Give each query head its group's k, v. (SDPA's enable_gqa would skip the copy, but only its flash
+        # kernel supports it: fp32 on GPU would fall back to the math kernel and its T x T matrix.)
+        groups = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    # A prefill (T > 1) starts at position 0 and is causal; a single new token sees every cached one.
+    return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout)
+
+
+def cross_entropy(x, weight, targets):
+    """Mean next-token loss of the logits x @ weight.T, computed in fp32 whatever their dtype.
+    It takes the output projection, not the logits, so that fused_loss.py can replace it whole on CUDA."""
+    logits = F.linear(x, weight)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class Decoder(nn.Module):
+    """The surface parallelize, train and generate rely on: `config`, `blocks`, `loss`, `initial_value`, and
+    these counts. `lookup_only` names the embedding that is a table lookup rather than a matmul."""
+
+    lookup_only = None
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())  # a sharded (DTensor) parameter counts whole
+        return n - self.get_parameter(self.lookup_only).numel() if non_embedding else n
+
+    def flops_per_token(self):
+        """Training FLOPs per token: 6N for the matmuls plus attention (PaLM's count, as nanoGPT does)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.num_layers * c.embed_size * c.seq_length
+
+    def new_cache(self, batch_size, device, dtype):
+        """An empty KV cache for generation."""
+        heads = getattr(self.config, "num_kv_heads", self.config.num_heads)
+        return KVCache(self.config, batch_size, device, dtype, heads)
+
+
+def make_config(config_class, presets, preset, **overrides):
+    """A preset's shape with any explicitly given (non-None) fields replacing it."""
+    fields = dict(presets[preset])
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return config_class(**fields)

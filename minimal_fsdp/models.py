@@ -1,0 +1,40 @@
+"""The model families and how a run's flags pick a model's shape.
+
+MODELS is the one table of families: "gpt" (model.GPT) and "llama" (llama.Llama). Each class carries its config
+class and its presets, and a checkpoint's meta.json records the family as "model_type".
+"""
+from .config import ConfigError, model_family
+from .layers import make_config
+from .llama import Llama
+from .model import GPT
+
+MODELS = {"gpt": GPT, "llama": Llama}
+
+
+def config_from_dict(model_type, fields):
+    """A saved config (a checkpoint's meta.json "model", or our export's config.json) as its config class."""
+    return MODELS[model_type].config_class(**fields)
+
+
+def config_from_flags(cfg, vocab_size=None):
+    """--model_preset's shape with the explicit model flags applied (vocab: --vocab_size, else vocab_size (the
+    tokenizer's), else the preset's)."""
+    family = model_family(cfg)
+    shape = dict(num_layers=cfg.num_layers, num_heads=cfg.num_heads, embed_size=cfg.embed_size,
+                 seq_length=cfg.seq_length, dropout=cfg.dropout, vocab_size=cfg.vocab_size or vocab_size)
+    if family == "llama":
+        shape.update(num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size)
+    else:
+        shape.update(bias=cfg.bias)
+    return check_shape(make_config(MODELS[family].config_class, MODELS[family].presets, cfg.model_preset, **shape))
+
+
+def check_shape(config):
+    """The shape constraints the flags alone cannot check (a preset's values may meet a flag's)."""
+    c = config
+    if c.embed_size % c.num_heads:
+        raise ConfigError(f"embed size {c.embed_size} is not divisible by {c.num_heads} heads")
+    if c.model_type == "llama" and (c.num_heads % c.num_kv_heads or c.embed_size // c.num_heads % 2):
+        raise ConfigError(f"llama needs --num_heads divisible by --num_kv_heads and an even head size (got "
+                          f"{c.num_heads} heads, {c.num_kv_heads} kv heads, head size {c.embed_size // c.num_heads})")
+    return config

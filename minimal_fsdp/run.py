@@ -1,0 +1,152 @@
+"""One run from start to end: the launch, the parallel plan, the run lock, what to start from, the data, the
+model, then training (or only generation) and a sample. basic_training.py hands its flags here.
+
+    main(argv) -> Config -> run(cfg):
+      environment.setup        who and where every rank is; the process groups
+      parallelize.make_plan    the layout of the model over the ranks (--sharding, --meta_init, ...)
+      files.RunLock            one training run per run directory
+      checkpoint.find          what to resume from (--resume, --restart_checkpoint_file)
+      train_model              data -> model -> optimizer -> checkpoint or Hugging Face weights -> train.train
+      or generation_model      a checkpoint or a Hugging Face model, as sample.py loads it
+      generate                 the sample at the end
+"""
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, environment, files, hf, sample
+from .config import ConfigError, parse_args, validate_world
+from .data import TokenData, prepared_dir
+from .generate import generate
+from .metrics import banner
+from .models import MODELS, config_from_flags
+from .parallelize import build_model, make_plan
+from .resilience import Diverged, StopRequests
+from .streaming import StreamingData
+from .tokenizer import load_tokenizer
+from .train import build_optimizer, train
+
+# Flags that change what a resumed run computes; the startup lines name those that differ from the checkpoint's.
+TRAINING_FLAGS = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+                  "batch_size", "grad_accum_steps", "dropout", "precision", "sharding", "seed")
+
+
+def main(argv=None):
+    """Flags -> Config -> one run. Bad input and failures end every rank with one `error:` line."""
+    try:
+        run(parse_args(argv))
+    except (ConfigError, Diverged, checkpoint.SaveError) as e:
+        environment.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)
+
+
+def run(cfg):
+    stop = StopRequests(cfg.time_limit_seconds)  # --time_limit counts from here
+    env = environment.setup(cfg)
+    validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)
+    torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
+    hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None  # rank 0 downloads
+    plan = make_plan(cfg, env, loads_weights=hf_dir is not None or cfg.generate_only)
+    # One training run per run directory: rank 0 holds the lock until the end (generation only reads).
+    lock = files.RunLock({"--checkpoint_dir": Path(cfg.checkpoint_dir) / cfg.run_name,
+                          "--log_dir": Path(cfg.log_dir) / cfg.run_name})
+    if not cfg.generate_only:
+        environment.run_on_main(lock.acquire)
+    try:
+        start = checkpoint.find(cfg)  # rank 0 picks it, all ranks check it: all load the same one
+        if cfg.generate_only:
+            model, tokenizer = generation_model(cfg, env, plan, start, hf_dir)
+        else:
+            model, tokenizer = train_model(cfg, env, plan, start, hf_dir, stop)
+    finally:
+        lock.release()
+    # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes at once.
+    if cfg.num_tokens > 0 and not stop.reason:
+        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        text = generate(model, tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k, cfg.seed,
+                        env.device, dtype)
+        if env.is_main:
+            print("-" * 40 + "\n" + text + "\n" + "-" * 40, flush=True)
+    # FSDP state and the device mesh refer to the process groups: let them go, so the groups (and gloo's worker
+    # threads) end inside teardown, not during interpreter shutdown, where that can abort the process.
+    del model, plan
+    environment.teardown()
+
+
+def given_tokenizer(cfg, hf_dir=None):
+    """--tokenizer_dir's tokenizer, else the --hf_model's own, else None (a --tokenizer is fit on the data)."""
+    if cfg.tokenizer_dir:
+        return load_tokenizer(cfg.tokenizer_dir)
+    return hf.load_tokenizer(hf_dir) if hf_dir else None
+
+
+def open_data(cfg, env, hf_dir):
+    """The training data: a stream, or a prepared dataset (prepared by rank 0 on first use)."""
+    if cfg.streaming:
+        return StreamingData.open(cfg, env)
+    return TokenData(environment.run_on_main(lambda: prepared_dir(cfg, given_tokenizer(cfg, hf_dir))))
+
+
+def train_model(cfg, env, plan, start, hf_dir, stop):
+    """Open the data, build (or resume) the model and optimizer, and train; returns the model and the
+    data's tokenizer."""
+    data = open_data(cfg, env, hf_dir)
+    model_config = hf.read_model_config(hf_dir, cfg) if hf_dir else config_from_flags(cfg, data.meta["vocab_size"])
+    data.check(model_config.seq_length, model_config.vocab_size)
+    data.bind(model_config.seq_length, cfg.batch_size, cfg.grad_accum_steps, env.rank, env.world_size, cfg.seed)
+    if start is not None:
+        check_resumable(cfg, start, model_config, env)
+    model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
+    optimizer = build_optimizer(model, cfg)
+    checkpointer = checkpoint.Checkpointer(cfg, model_config, data.directory, plan.decentralized)
+    saved = None
+    if start is not None:  # a resumed run continues from its own weights, RNG and data position
+        saved = checkpointer.restore(start, model, optimizer, cfg.seed)
+        data.load_state_dict(saved["state"]["data"], saved["step"])
+    elif hf_dir:
+        hf.load_weights(model, hf_dir, model_config.model_type)
+    if env.is_main:
+        print(banner(cfg, env, plan, model, start) + "\n" + data.describe(), flush=True)
+    with stop.listening():
+        _, log = train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved)
+    if env.is_main:
+        print(log.summary(), flush=True)
+    return model, data.tokenizer
+
+
+def check_resumable(cfg, start, model_config, env):
+    """Refuse a checkpoint this run cannot continue; say which training flags differ from it, and when it has
+    trained to the end already. The same files and flags on every rank: the same verdict everywhere."""
+    saved = checkpoint.read_meta(start)
+    if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
+        raise ConfigError(f"{start} holds a different model ({saved['model_type']} {saved['model']}): use another "
+                          "--run_name or --checkpoint_dir")
+    trained_with = saved["config"].get("data_parallel", "allreduce")
+    if trained_with != cfg.data_parallel:  # AdamW and AccumAdamW keep different optimizer state
+        raise ConfigError(f"{start} was trained with --data_parallel {trained_with}: resume it the same way, "
+                          "or start another --run_name")
+    if not env.is_main:
+        return
+    now = dataclasses.asdict(cfg)
+    changed = [f"--{name} {saved['config'].get(name)} -> {now[name]}" for name in TRAINING_FLAGS
+               if name in saved["config"] and saved["config"][name] != now[name]]
+    if changed:
+        print(f"resuming {start} with changed flags: {', '.join(changed)}", flush=True)
+    last = saved["state"]["schedule"].get("last_step")
+    if last is not None and saved["step"] >= last and cfg.max_steps <= saved["step"]:
+        print(f"{start} finished its run at step {saved['step']}: nothing to train. Pass a larger --max_steps to "
+              "train on, --max_epochs -1 to only sample from it, or another --run_name to start afresh", flush=True)
+
+
+def generation_model(cfg, env, plan, start, hf_dir):
+    """The model to sample from and its tokenizer: the --hf_model itself, or the checkpoint (whose meta.json
+    gives the shape, so no model flags are repeated)."""
+    if not hf_dir and start is None:
+        raise ConfigError(f"--max_epochs -1 generates from a checkpoint, but {Path(cfg.checkpoint_dir) / cfg.run_name} "
+                          "has none: train first or pass --restart_checkpoint_file")
+    source = environment.run_on_main(sample.open_source, str(hf_dir or start), cfg.seq_length)
+    tokenizer = given_tokenizer(cfg) or sample.source_tokenizer(source)
+    model = sample.load_model(source, plan, env)
+    if env.is_main:
+        print(sample.describe(source, model, tokenizer, env), flush=True)
+    return model, tokenizer
