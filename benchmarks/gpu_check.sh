@@ -33,7 +33,7 @@ throughput)
   done ;;
 gossip)
   # Needs 4 GPUs: NCCL gossip against the mixing matrices, then step time and bytes sent per step of every
-  # topology against all-reduce (GPT-2 124M, bf16); the table rows are printed for benchmarks/RESULTS.md.
+  # topology against all-reduce (GPT-2 124M, bf16); the table rows are printed for benchmarks/LOG.md.
   timeout ${GOSSIP_TIMEOUT:-900} python3 -m pytest -m gpu tests/test_decentralized.py -q -s -p no:cacheprovider 2>&1 \
     | tee "$OUT/gossip.log" | grep -E '^\||passed|failed|Error' ;;
 scaling)
