@@ -51,7 +51,8 @@ class PreparedTokens:
         (directory,) = {path.parent for path in Path(data_dir).rglob("train.bin")}
         meta = json.loads((directory / "meta.json").read_text())
         self.vocab_size = meta["vocab_size"]
-        self.tokens = {split: np.fromfile(directory / f"{split}.bin", dtype=meta["dtype"]) for split in ("train", "val")}
+        self.tokens = {split: np.fromfile(directory / f"{split}.bin", dtype=meta["dtype"])
+                       for split in ("train", "val")}
         self.orders = {}  # (seed, split, blocks, epoch) -> that epoch's permutation of the blocks
 
     def order(self, seed, split, blocks, epoch):
