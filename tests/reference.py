@@ -1,8 +1,9 @@
 """The single-process reference that multi-rank runs are compared against, written from the documented
 behaviour with plain PyTorch and NumPy: the warmup + cosine formula, torch.optim.AdamW with its parameter
 groups, F.cross_entropy, batches sliced from the prepared train.bin by index arithmetic, and initial weights
-re-derived from their rule. Only the model's forward (GPT) and the flag parser come from the package, so a
-bug in the package's schedule, optimizer groups, initialization or batch sampler shows up as a mismatch.
+re-derived from their rule. Only the models (GPT, Llama: their presets and forward) and the flag parser come
+from the package, so a bug in the package's schedule, optimizer groups, initialization or batch sampler shows
+up as a mismatch.
 """
 import functools
 import json
@@ -14,8 +15,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from minimal_fsdp import llama, model as gpt
 from minimal_fsdp.config import parse_args
-from minimal_fsdp.model import GPT, GPTConfig
+from minimal_fsdp.llama import Llama
+from minimal_fsdp.model import GPT
 
 # Projections that write into the residual stream: GPT-2 scales their init by 1/sqrt(2 * layers).
 RESIDUAL = ("attn.proj.weight", "mlp.proj.weight", "o_proj.weight", "down_proj.weight")
@@ -116,11 +119,17 @@ def plain_loss(x, weight, targets):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def gpt(cfg, vocab_size, device):
-    """The flags' GPT (every shape flag given explicitly), initialized as above, with the plain loss."""
-    config = GPTConfig(vocab_size=cfg.vocab_size or vocab_size, seq_length=cfg.seq_length, num_layers=cfg.num_layers,
-                       num_heads=cfg.num_heads, embed_size=cfg.embed_size, dropout=cfg.dropout or 0.0)
-    model = GPT(config).to(device)
+def build(cfg, vocab_size, device):
+    """The flags' model (--model_preset's shape with the explicit shape flags applied), initialized as above,
+    with the plain loss."""
+    shape = dict(num_layers=cfg.num_layers, num_heads=cfg.num_heads, embed_size=cfg.embed_size,
+                 seq_length=cfg.seq_length, dropout=cfg.dropout, vocab_size=cfg.vocab_size or vocab_size)
+    if cfg.model == "llama":
+        model = Llama(llama.make_config(cfg.model_preset, num_kv_heads=cfg.num_kv_heads,
+                                        intermediate_size=cfg.intermediate_size, **shape))
+    else:
+        model = GPT(gpt.make_config(cfg.model_preset, bias=cfg.bias, **shape))
+    model.to(device)
     initialize(model, cfg.seed, device)
     model.loss = plain_loss
     return model
@@ -132,7 +141,7 @@ def train(args, world, device="cpu", steps=None):
     cfg = parse_args([str(a) for a in args])
     data = PreparedTokens(cfg.data_dir)
     device = torch.device(device)
-    model = gpt(cfg, data.vocab_size, device)
+    model = build(cfg, data.vocab_size, device)
     optimizer = adamw(model, cfg)
     seq, accum = cfg.seq_length, cfg.grad_accum_steps
     horizon = run_length(cfg, world, len(data.tokens["train"]))

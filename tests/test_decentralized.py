@@ -66,7 +66,7 @@ def decentralized_reference(args, world, steps):
     against torch's AdamW). Returns each step's (mean loss, consensus distance) and the final replicas."""
     cfg = parse_args([str(a) for a in args])
     data = plain.PreparedTokens(cfg.data_dir)
-    replicas = [plain.gpt(cfg, data.vocab_size, "cpu") for _ in range(world)]
+    replicas = [plain.build(cfg, data.vocab_size, "cpu") for _ in range(world)]
     optimizers = [AccumAdamW(plain.param_groups(m, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, 0.98),
                              accum_steps=cfg.accum_steps) for m in replicas]
     lr = plain.schedule(cfg, plain.run_length(cfg, world, len(data.tokens["train"])))
