@@ -70,7 +70,10 @@ def decentralized_reference(args, world, steps):
     optimizers = [AccumAdamW(plain.param_groups(m, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, 0.98),
                              accum_steps=cfg.accum_steps) for m in replicas]
     lr = plain.schedule(cfg, plain.run_length(cfg, world, len(data.tokens["train"])))
-    flat = lambda: torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()) for m in replicas])  # noqa
+
+    def stacked():  # one row per replica: its parameters, flattened
+        return torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()) for m in replicas])
+
     rows = []
     for step in range(steps):
         losses = []
@@ -79,7 +82,7 @@ def decentralized_reference(args, world, steps):
             loss.backward()
             losses.append(loss.item())
         with torch.no_grad():
-            for model, mixed in zip(replicas, alternating_exp_ring(world, step) @ flat()):
+            for model, mixed in zip(replicas, alternating_exp_ring(world, step) @ stacked()):
                 torch.nn.utils.vector_to_parameters(mixed, model.parameters())
         for model, optimizer in zip(replicas, optimizers):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -87,7 +90,7 @@ def decentralized_reference(args, world, steps):
                 group["lr"] = lr(step)
             optimizer.step()
             optimizer.zero_grad()
-        x = flat().detach()
+        x = stacked().detach()
         rows.append((sum(losses) / world, (x - x.mean(dim=0)).square().sum(dim=1).mean().item()))
     return rows, [{k: v.detach() for k, v in m.state_dict().items()} for m in replicas]
 
