@@ -1,13 +1,20 @@
-"""The benchmark scripts run the real training step; a tiny CPU run keeps them working between GPU sessions."""
+"""The benchmark scripts run the real training step; a tiny CPU run keeps them working between GPU sessions
+and checks that what they report is consistent: tokens per step over the step time, parameter and byte
+counts from the model's shape."""
 import json
+import math
 import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, mpiexec
+from minimal_fsdp.model import GPT, GPTConfig
 
 TINY = ["--num_layers", "1", "--num_heads", "2", "--embed_size", "32", "--seq_length", "16", "--vocab_size", "64",
         "--batch_size", "2", "--warmup", "1", "--steps", "2"]
+PARAMS = GPT(GPTConfig(vocab_size=64, seq_length=16, num_layers=1, num_heads=2, embed_size=32)).num_params(False)
 
 
 def run(script, out, ranks=2, extra=()):
@@ -19,12 +26,25 @@ def run(script, out, ranks=2, extra=()):
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def test_throughput_reports_a_row(tmp_path):
+def positive(value):
+    return math.isfinite(value) and value > 0
+
+
+def test_throughput_reports_a_consistent_row(tmp_path):
     (row,) = run("throughput.py", tmp_path / "t.jsonl")
-    assert row["gpus"] == 2 and row["tok_s"] > 0 and row["step_ms"] > 0 and row["seq"] == 16
+    assert (row["gpus"], row["batch"], row["seq"], row["sharding"], row["device"]) == (2, 2, 16, "full-shard", "cpu")
+    assert all(positive(row[key]) for key in ("tok_s", "tok_s_gpu", "step_ms", "peak_gb", "host_rss_gb")), row
+    tokens_per_step = 2 * 2 * 16  # ranks x batch x seq
+    assert row["tok_s"] == pytest.approx(tokens_per_step / (row["step_ms"] / 1000))
+    assert row["tok_s_gpu"] == pytest.approx(row["tok_s"] / 2)
+    assert math.isnan(row["mfu"])  # no peak FLOP/s is known for a CPU
 
 
 def test_gossip_bench_reports_every_mode(tmp_path):
     rows = run("gossip_bench.py", tmp_path / "g.jsonl")
-    assert {r["topology"] for r in rows} == {"-", "complete", "ring", "exp", "alternating-exp-ring"}
-    assert all(r["step_ms"] > 0 for r in rows)
+    assert [r["topology"] for r in rows] == ["-", "complete", "ring", "exp", "alternating-exp-ring"]
+    assert all(positive(r["step_ms"]) and r["gpus"] == 2 and r["batch"] == 2 for r in rows), rows
+    assert all(r["params"] == PARAMS for r in rows), (PARAMS, rows)
+    # On 2 ranks every mode moves one fp32 copy of the parameters per step: all-reduce 2(n-1)/n of the gradient
+    # bytes, each gossip topology one message to its single peer.
+    assert all(r["bytes_per_step"] == pytest.approx(4 * PARAMS) for r in rows), rows

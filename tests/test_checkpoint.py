@@ -4,14 +4,16 @@ import json
 import os
 import pickle
 import random
-import time
+import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import TINY_MODEL, launch
+from conftest import TINY_MODEL, launch, make_text
+from faults import launch_with_faults
 from minimal_fsdp import checkpoint
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.environment import DistEnv
@@ -36,29 +38,65 @@ def test_metadata_with_code_is_refused_not_run(tmp_path, monkeypatch):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_save_writes_complete_checkpoint_and_latest(tmp_path, corpus):
-    launch(["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 4, "--checkpoint_interval", 2,
-            "--eval_interval", 0], ranks=2, cwd=tmp_path)
-    run = tmp_path / "checkpoints" / "shakespeare"
+def train_args(corpus, work, *extra):
+    return ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 4, "--checkpoint_interval", 2,
+            "--eval_interval", 0, "--log_interval", 1, "--checkpoint_dir", work / "checkpoints", "--log_dir",
+            work / "logs", *extra]
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """A 2-rank, 4-step run that saves at steps 2 and 4."""
+    work = tmp_path_factory.mktemp("four_steps")
+    corpus = work / "corpus.txt"
+    corpus.write_text(make_text())
+    launch(train_args(corpus, work), ranks=2, cwd=work)
+    return work, corpus
+
+
+def all_tensors(path):
+    """Every tensor of a checkpoint (model weights, optimizer moments and step counts), read in this process."""
+    return checkpoint.read_tensors(path, [name for name, _, _ in checkpoint.tensor_names(path, "")], "")
+
+
+def test_save_writes_complete_checkpoint_and_latest(four_steps):
+    work, _ = four_steps
+    run = work / "checkpoints" / "shakespeare"
     assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2", "step_4"]  # no temporary leftovers
     assert checkpoint.latest(run) == run / "step_4"
     meta = checkpoint.read_meta(run / "step_4")
     assert meta["step"] == 4 and meta["model"]["num_layers"] == 2 and meta["config"]["max_steps"] == 4
     assert meta["world_size"] == 2 and meta["lr_decay_steps"] == 4 and meta["train_batches"] == 4
+    assert meta["data_position"] == {"train_blocks_seen": 4 * 2 * 4}  # steps x ranks x batch
     assert {"rng_0.pt", "rng_1.pt"} <= {p.name for p in (run / "step_4").iterdir()}
     assert (run / "step_4" / "tokenizer.json").exists()
     state = checkpoint.load_full_model_state(run / "step_4")
     assert state["wte.weight"].shape == (meta["model"]["vocab_size"], 32)
 
 
-def test_resume_continues_from_latest(tmp_path, corpus):
-    args = ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--eval_interval", 0, "--log_interval", 1]
-    launch([*args, "--max_steps", 3], ranks=2, cwd=tmp_path)
-    out = launch([*args, "--max_steps", 5], ranks=2, cwd=tmp_path)
-    assert "resuming from" in out.stdout
-    steps = [line for line in (tmp_path / "logs" / "shakespeare" / "metrics.jsonl").read_text().splitlines()
-             if '"loss"' in line]
-    assert [int(s.split('"step": ')[1].split(",")[0]) for s in steps] == [1, 2, 3, 4, 5]
+def test_resume_restores_weights_moments_step_and_data_position(four_steps):
+    """A run whose newest checkpoint is step_2 resumes from it: the live model and optimizer equal the files
+    right after loading, and its step_4 equals the uninterrupted run's bitwise, in every weight, Adam moment
+    and step count (so steps 3 and 4 also read the same batches)."""
+    work, corpus = four_steps
+    whole, resumed = work / "checkpoints" / "shakespeare", work / "resumed" / "checkpoints" / "shakespeare"
+    resumed.mkdir(parents=True)
+    shutil.copytree(whole / "step_2", resumed / "step_2")
+    (resumed / "latest").write_text("step_2\n")
+    report = work / "load.json"
+    out = launch_with_faults(train_args(corpus, work / "resumed"), cwd=work, check_load=report)
+    assert "resuming from" in out.stdout and "step_2" in out.stdout
+    verdict = json.loads(report.read_text())
+    assert verdict["checked"] > 50 and verdict["only_live"] == verdict["only_saved"] == verdict["different"] == []
+
+    expected, got = all_tensors(whole / "step_4"), all_tensors(resumed / "step_4")
+    assert expected.keys() == got.keys() and any(k.endswith("exp_avg_sq") for k in got)
+    assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
+    assert all(got[k].item() == 4 for k in got if k.endswith(".step"))
+    for key in ("step", "train_batches", "data_position", "lr_decay_steps"):
+        assert checkpoint.read_meta(resumed / "step_4")[key] == checkpoint.read_meta(whole / "step_4")[key], key
+    logged = (work / "resumed" / "logs" / "shakespeare" / "metrics.jsonl").read_text().splitlines()
+    assert [row["step"] for row in map(json.loads, logged) if "loss" in row] == [3, 4]
 
 
 @pytest.fixture
@@ -132,8 +170,8 @@ def test_resume_never_refuses_a_run_that_has_checkpoints(tmp_path):
         checkpoint.find(parse_args(args))
 
 
-class SlowEvaluation:
-    """Random tokens for training; `evaluate` is patched to take a second."""
+class RandomTokens:
+    """Random tokens for training."""
     directory = None
 
     def num_tokens(self, split):
@@ -148,15 +186,28 @@ class SlowEvaluation:
 
 
 def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, monkeypatch):
+    """On a fake clock where a training step takes 1 s, an evaluation 100 s and a save 10 s, every logged
+    step time is 1 s: the evaluations and saves inside each logging window are left out."""
     model, optimizer = one_rank
-    monkeypatch.setattr(train_module, "evaluate", lambda *args: time.sleep(1.0) or 1.0)
+    clock = [0.0]
+
+    def advance(seconds, then):
+        def run(*args, **kwargs):
+            clock[0] += seconds
+            return then(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(train_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(train_module, "train_step", advance(1.0, train_module.train_step))
+    monkeypatch.setattr(train_module, "evaluate", advance(100.0, lambda *args: 1.0))
+    monkeypatch.setattr(train_module.checkpoint, "save", advance(10.0, lambda *args: None))
     cfg = dataclasses.replace(parse_args(["--max_steps", "6", "--eval_interval", "1", "--log_interval", "2",
-                                          "--batch_size", "2", "--log_dir", str(tmp_path / "logs")]),
-                              tensorboard=False)
+                                          "--checkpoint_interval", "3", "--batch_size", "2",
+                                          "--log_dir", str(tmp_path / "logs")]), tensorboard=False)
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
-    train_module.train(model, optimizer, SlowEvaluation(), cfg, env, tmp_path / "run", {})
+    train_module.train(model, optimizer, RandomTokens(), cfg, env, tmp_path / "run", {})
     rows = [json.loads(line) for line in (tmp_path / "logs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time"] for r in rows if "step_time" in r]
-    assert len(times) == 3
-    # Every window of two steps had two one-second evaluations; a tiny model's step takes milliseconds.
-    assert max(times) < 0.5, times
+    timed = [r for r in rows if "step_time" in r]
+    assert [r["step"] for r in timed] == [2, 4, 6]
+    assert [r["step_time"] for r in timed] == [1.0, 1.0, 1.0]
+    assert [r["tokens_per_s"] for r in timed] == [2 * 8] * 3  # batch 2 x seq 8 tokens per 1-s step

@@ -70,6 +70,13 @@ def test_each_epoch_covers_every_block_once_without_overlap_across_ranks(tmp_pat
         assert not (ranks[0] & ranks[1] or ranks[0] & ranks[2] or ranks[1] & ranks[2])
 
 
+def test_a_split_holds_only_blocks_with_all_their_targets(tmp_path):
+    """300 tokens hold 29 blocks of 10 + 1 tokens, not 30: the 30th block's last target would lie past the end."""
+    data = numbered_dataset(tmp_path / "numbered", train_tokens=300)
+    stream = [block for index in range(30) for block in blocks_of(data, index, 0, 1, 1)]  # an epoch and a block
+    assert sorted(stream[:29]) == list(range(29))
+
+
 def test_resume_mid_epoch_continues_the_block_stream_exactly(tmp_path):
     data = numbered_dataset(tmp_path / "numbered", train_tokens=301)
     world, batch = 2, 3

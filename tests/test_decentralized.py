@@ -13,19 +13,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+import reference as plain
 from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
 from test_gossip import check_mixing, check_quadratic, run_gossip_ranks
 
 sys.path.insert(0, str(ROOT))
-from basic_training import model_config_for  # noqa: E402
 from minimal_fsdp import checkpoint  # noqa: E402
 from minimal_fsdp.accum_adamw import AccumAdamW  # noqa: E402
 from minimal_fsdp.config import ConfigError, parse_args  # noqa: E402
-from minimal_fsdp.data import TokenData, dataset_dir  # noqa: E402
 from minimal_fsdp.gossip import TOPOLOGIES  # noqa: E402
 from minimal_fsdp.model import GPT, GPTConfig  # noqa: E402
-from minimal_fsdp.parallelize import init_weights  # noqa: E402
-from minimal_fsdp.train import build_optimizer, lr_at, steps_per_epoch, total_steps  # noqa: E402
+from minimal_fsdp.train import build_optimizer  # noqa: E402
 
 DECENTRALIZED = ["--data_parallel", "decentralized", "--topology", "alternating-exp-ring"]
 
@@ -41,29 +39,60 @@ def metrics(work, run_name):
 
 
 def allreduce_val_loss(args, world):
-    """All-reduce training written plainly: one process, the whole model, every rank's batch of each step
-    concatenated (test_parallelize shows the FSDP runs equal this), then the val loss over every rank's
-    val batches, as evaluate() averages it."""
+    """All-reduce training done plainly in one process (reference.py; test_parallelize shows the FSDP runs
+    equal it), then the val loss over every rank's val batches, as evaluate() averages it."""
+    cfg, data, model, losses = plain.train(args, world)
+    return plain.val_loss(model, data, cfg, world), len(losses)
+
+
+def alternating_exp_ring(world, step):
+    """W_t of --topology alternating-exp-ring, from gossip.py's docstring: even steps are exp steps (x_i <-
+    (x_i + x_{i-d}) / 2, d = 2^(t/2 mod ceil(log2 n))), odd steps ring steps (x_i <- mean of x_{i-1}, x_i, x_{i+1})."""
+    w = torch.zeros(world, world)
+    for i in range(world):
+        if step % 2 == 0:
+            d = 2 ** (step // 2 % math.ceil(math.log2(world)))
+            w[i, i] += 0.5
+            w[i, (i - d) % world] += 0.5
+        else:
+            for j in (i - 1, i, i + 1):
+                w[i, j % world] += 1 / 3
+    return w
+
+
+def decentralized_reference(args, world, steps):
+    """Decentralized training on stacked replicas in one process: each replica's gradient at x^t on its rank's
+    batch, then X <- W_t X, then each replica's clipped AccumAdamW step (the optimizer test_accum_adamw checks
+    against torch's AdamW). Returns each step's (mean loss, consensus distance) and the final replicas."""
     cfg = parse_args([str(a) for a in args])
-    data = TokenData(dataset_dir(cfg))
-    model = GPT(model_config_for(cfg, data))
-    init_weights(model, cfg.seed, torch.device("cpu"))
-    optimizer = build_optimizer(model, cfg)
-    seq = model.config.seq_length
-    last = total_steps(cfg, steps_per_epoch(cfg, world, data.num_tokens("train"), seq))
-    for step in range(last):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg, last)
-        batches = [data.get_batch("train", step, r, world, cfg.batch_size, seq, cfg.seed) for r in range(world)]
-        model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        losses = [model(*data.get_batch("val", i, r, world, cfg.batch_size, seq, cfg.seed)).item()
-                  for r in range(world) for i in range(cfg.eval_batches)]
-    return sum(losses) / len(losses), last
+    data = plain.PreparedTokens(cfg.data_dir)
+    replicas = [plain.build(cfg, data.vocab_size, "cpu") for _ in range(world)]
+    optimizers = [AccumAdamW(plain.param_groups(m, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, 0.98),
+                             accum_steps=cfg.accum_steps) for m in replicas]
+    lr = plain.schedule(cfg, plain.run_length(cfg, world, len(data.tokens["train"])))
+
+    def stacked():  # one row per replica: its parameters, flattened
+        return torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()) for m in replicas])
+
+    rows = []
+    for step in range(steps):
+        losses = []
+        for rank, model in enumerate(replicas):
+            loss = model(*data.batch("train", step, rank, world, cfg.batch_size, cfg.seq_length, cfg.seed))
+            loss.backward()
+            losses.append(loss.item())
+        with torch.no_grad():
+            for model, mixed in zip(replicas, alternating_exp_ring(world, step) @ stacked()):
+                torch.nn.utils.vector_to_parameters(mixed, model.parameters())
+        for model, optimizer in zip(replicas, optimizers):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            for group in optimizer.param_groups:
+                group["lr"] = lr(step)
+            optimizer.step()
+            optimizer.zero_grad()
+        x = stacked().detach()
+        rows.append((sum(losses) / world, (x - x.mean(dim=0)).square().sum(dim=1).mean().item()))
+    return rows, [{k: v.detach() for k, v in m.state_dict().items()} for m in replicas]
 
 
 def checkpoint_tensors(path, prefix):
@@ -93,8 +122,8 @@ def test_val_loss_within_3_percent_of_allreduce(tmp_path):
     assert steps == 600 and allreduce < 1.0  # both learned far from the untrained ~ln(vocab) = 3.4
     assert abs(decentralized - allreduce) <= 0.03 * allreduce, (decentralized, allreduce)
 
-    consensus = [r["consensus"] for r in rows if "consensus" in r]
-    assert len(consensus) == 6 and all(0 < c < 1 and math.isfinite(c) for c in consensus)
+    consensus = [r["consensus"] for r in rows if "consensus" in r]  # its value is checked exactly below
+    assert len(consensus) == 6 and all(c > 0 and math.isfinite(c) for c in consensus)
     final = checkpoint.latest(tmp_path / "checkpoints" / "dec")
     assert checkpoint.read_meta(final)["replicas"] == 0  # --save_average: the average only
     assert not checkpoint_tensors(final, "replicas.") and checkpoint_tensors(final, "model.")
@@ -120,6 +149,16 @@ def test_checkpoint_keeps_each_replica_and_resumes_exactly(tmp_path, corpus):
             assert torch.equal(expected[key], got[key]), key
     losses = [r["loss"] for r in metrics(tmp_path, "whole") if "loss" in r]
     assert [r["loss"] for r in metrics(tmp_path, "resumed") if "loss" in r] == losses[3:]
+
+    # The whole run against the gossip done plainly on stacked replicas: losses, consensus, final replicas.
+    expected, final_replicas = decentralized_reference(args, world=3, steps=6)
+    consensus = [r["consensus"] for r in metrics(tmp_path, "whole") if "consensus" in r]
+    assert losses == pytest.approx([loss for loss, _ in expected], abs=2e-6)
+    assert consensus == pytest.approx([c for _, c in expected], rel=1e-4)
+    for rank, state in enumerate(final_replicas):
+        saved = checkpoint_tensors(whole / "step_6", f"replicas.{rank}.model.")
+        for name, value in state.items():
+            torch.testing.assert_close(saved[f"replicas.{rank}.model.{name}"], value, atol=2e-6, rtol=1e-5, msg=name)
 
     mixed = launch([*plain, "--run_name", "whole"], ranks=1, cwd=tmp_path, check=False)  # all-reduce: AdamW
     assert mixed.returncode == 2 and "trained with --data_parallel decentralized" in mixed.stderr

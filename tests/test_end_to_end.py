@@ -1,5 +1,12 @@
-"""The README's commands, shrunk: train with mpiexec, print a sample, then generate alone on 1 and 4 ranks."""
+"""The README's commands, shrunk: train with mpiexec, print a sample, then generate alone on 1 and 4 ranks.
+Every sample is checked against sampling written plainly in one process from the saved checkpoint."""
+import torch
+
 from conftest import TINY_MODEL, launch
+from minimal_fsdp import checkpoint
+from minimal_fsdp.config import parse_args
+from minimal_fsdp.model import GPT, GPTConfig
+from minimal_fsdp.tokenizer import load_tokenizer
 
 SAMPLE = "-" * 40
 
@@ -8,19 +15,46 @@ def sample_of(stdout):
     return stdout.split(SAMPLE + "\n", 1)[1].rsplit("\n" + SAMPLE, 1)[0]
 
 
+@torch.no_grad()
+def plain_sample(run_dir, prompt, num_tokens, seed):
+    """The run's newest checkpoint sampled in one process, without a KV cache: each token from a full forward
+    over the context (cut to its newer half once it outgrows the model's seq_length), the default temperature
+    and top-k, and a generator seeded with `seed`."""
+    path = checkpoint.latest(run_dir)
+    model = GPT(GPTConfig(**checkpoint.read_meta(path)["model"])).eval()
+    model.load_state_dict(checkpoint.load_full_model_state(path))
+    defaults = parse_args([])
+    tokenizer = load_tokenizer(path)
+    generator = torch.Generator().manual_seed(seed)
+    seq = model.config.seq_length
+    out = tokenizer.encode(prompt)
+    context = out[-seq:]
+    for _ in range(num_tokens):
+        if len(context) > seq:
+            context = context[-(seq // 2):]
+        logits = model(torch.tensor([context])) / defaults.temperature  # the last position's
+        kth = torch.topk(logits, min(defaults.top_k, logits.size(-1))).values[..., -1, None]  # k-th most likely
+        probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator).item()
+        out.append(token)
+        context.append(token)
+    return tokenizer.decode(out)
+
+
 def test_train_then_generate_on_any_number_of_ranks(tmp_path, corpus):
     common = ["--dataset", "text", "--input_file", corpus, "--prompt", "ROMEO:", "--seed", 7]
     trained = launch([*common, *TINY_MODEL, "--max_steps", 40, "--num_tokens", 60, "--eval_interval", 20],
                      ranks=2, cwd=tmp_path)
-    assert (tmp_path / "checkpoints" / "shakespeare" / "latest").exists()
-    assert sample_of(trained.stdout).startswith("ROMEO:")
+    run = tmp_path / "checkpoints" / "shakespeare"
+    assert (run / "latest").read_text().strip() == "step_40"
+    assert sample_of(trained.stdout) == plain_sample(run, "ROMEO:", 60, seed=7)  # the trained model, in memory
     # Generation-only reads the model shape from the checkpoint: no model flags are repeated.
     gen = ["--max_epochs", -1, "--prompt", "ROMEO:", "--num_tokens", 80, "--seed", 3]
     one = sample_of(launch(gen, ranks=1, cwd=tmp_path).stdout)
     four = sample_of(launch(gen, ranks=4, cwd=tmp_path).stdout)
     hybrid = sample_of(launch([*gen, "--sharding", "hybrid-grad-shard", "--shard_group_size", 2], ranks=4,
                               cwd=tmp_path).stdout)
-    assert one.startswith("ROMEO:") and len(one) == len("ROMEO:") + 80  # char tokenizer: one char per token
+    assert one == plain_sample(run, "ROMEO:", 80, seed=3)  # 80 tokens through a 32-token context
     assert one == four == hybrid
     other_seed = sample_of(launch([*gen[:-1], 4], ranks=1, cwd=tmp_path).stdout)
     assert other_seed != one
@@ -30,4 +64,6 @@ def test_generation_past_the_context_refills_the_cache(tmp_path, corpus):
     launch(["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 2, "--eval_interval", 0],
            ranks=1, cwd=tmp_path)
     out = launch(["--max_epochs", -1, "--num_tokens", 100, "--prompt", "KING:"], ranks=2, cwd=tmp_path)
-    assert len(sample_of(out.stdout)) == len("KING:") + 100  # 100 tokens through a 32-token context
+    sample = sample_of(out.stdout)
+    assert len(sample) == len("KING:") + 100  # char tokenizer: one char per token
+    assert sample == plain_sample(tmp_path / "checkpoints" / "shakespeare", "KING:", 100, seed=parse_args([]).seed)

@@ -115,14 +115,14 @@ def test_llama_full_shard_matches_single_process_then_generates(tmp_path, corpus
     launch(args, ranks=2, cwd=tmp_path)
     losses = logged_losses(tmp_path, "run")
     ref_losses, ref_state = reference(args, world=2, steps=STEPS)
-    assert losses == pytest.approx(ref_losses, abs=2e-5), (losses, ref_losses)
+    assert losses == pytest.approx(ref_losses, abs=5e-6), (losses, ref_losses)
     assert ref_losses[-1] < ref_losses[0]
     last = checkpoint.latest(tmp_path / "checkpoints" / "run")
     assert json.loads((last / "meta.json").read_text())["model_type"] == "llama"
     saved = checkpoint.load_full_model_state(last)
     assert saved.keys() == ref_state.keys()
     for name, value in ref_state.items():
-        torch.testing.assert_close(saved[name], value, atol=2e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=1e-5, msg=name)
     # Generation-only rebuilds a Llama from meta.json alone (no model flags) and decodes through its GQA cache.
     out = launch(["--max_epochs", -1, "--restart_checkpoint_file", last, "--num_tokens", 40, "--prompt", "KING:"],
                  ranks=1, cwd=tmp_path)

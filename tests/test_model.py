@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import reference
 from minimal_fsdp.llama import Llama, LlamaConfig
 from minimal_fsdp.model import GPT, GPTConfig, PRESETS, make_config
 from minimal_fsdp.parallelize import init_weights
@@ -42,6 +43,17 @@ def test_init_is_a_function_of_seed_only():
     assert 0.015 < std < 0.025  # GPT-2's N(0, 0.02)
 
 
+@pytest.mark.parametrize("model_cls,config", [(GPT, tiny), (Llama, llama_tiny)], ids=["gpt", "llama"])
+def test_init_follows_the_rule_rederived_in_the_reference(model_cls, config):
+    """init_weights against reference.initialize, written from the rule: per-name seeded N(0, 0.02), residual
+    projections / sqrt(2 * layers), norms 1, biases 0."""
+    ours, plain = model_cls(config()), model_cls(config())
+    init_weights(ours, 5, torch.device("cpu"))
+    reference.initialize(plain, 5, torch.device("cpu"))
+    for (name, a), b in zip(ours.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("preset,params", [("gpt2", 124_439_808), ("gpt2-medium", 354_823_168),
                                            ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])
 def test_gpt2_presets_have_openai_parameter_counts(preset, params):
@@ -55,13 +67,21 @@ def test_explicit_flags_override_the_preset():
     assert (config.num_layers, config.embed_size, config.vocab_size) == (3, 768, PRESETS["gpt2"]["vocab_size"])
 
 
-def test_loss_is_cross_entropy_of_the_logits():
-    model = GPT(tiny()).eval()
+@pytest.mark.parametrize("model_cls,config", [(GPT, tiny), (Llama, llama_tiny)], ids=["gpt", "llama"])
+def test_loss_is_cross_entropy_of_the_logits(model_cls, config):
+    """The loss equals F.cross_entropy of every position's logits (final norm's output times the tied or
+    separate output matrix), and the logits returned without targets are the last position's."""
+    model = model_cls(config()).eval()
     init_weights(model, 0, torch.device("cpu"))
+    hidden = []
+    norm = model.ln_f if model_cls is GPT else model.norm
+    norm.register_forward_hook(lambda module, args, out: hidden.append(out))
     x, y = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))
     with torch.no_grad():
         loss = model(x, y)
         last_logits = model(x)
-        full_loss_last = torch.nn.functional.cross_entropy(last_logits, y[:, -1])
+    output = model.wte.weight if model_cls is GPT else model.lm_head.weight
+    logits = hidden[0] @ output.T  # (2, 8, 50)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.reshape(-1, 50), y.reshape(-1)))
+    torch.testing.assert_close(last_logits, logits[:, -1])
     assert 3.0 < loss.item() < 5.0  # about ln(50) at init
-    assert torch.isfinite(full_loss_last)

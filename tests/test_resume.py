@@ -101,27 +101,65 @@ def test_checkpoints_load_on_other_world_sizes_and_shardings(work, straight):
         assert checkpoint.read_meta(source)["world_size"] == ranks
 
 
+def saved_steps(run):
+    """The run's checkpoints, each checked complete (verify) with finite weights; and the step `latest` names."""
+    steps = []
+    for path in checkpoint.step_dirs(run):
+        assert checkpoint.verify(path) is None, path
+        assert all(t.isfinite().all() for t in checkpoint.load_full_model_state(path).values()), path
+        steps.append(int(path.name.removeprefix("step_")))
+    return sorted(steps), (run / "latest").read_text().strip()
+
+
+def one_error_line(result, starts):
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(starts), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_nan_with_default_flags_stops_before_the_next_checkpoint(work):
+    """The default check is deferred (no per-step sync): with logging every 100 steps the NaN of step 3 is first
+    looked at before step 4's checkpoint, which must not be written."""
+    result = launch_with_faults(args("nan_default", "--checkpoint_interval", 2, "--max_steps", 8, "--log_interval",
+                                     100), faults="nan@3:1", cwd=work, check=False)
+    one_error_line(result, "error: step 3: the grad norm is nan")
+    assert saved_steps(work / "checkpoints" / "nan_default") == ([2], "step_2")
+
+
+def test_skip_nonfinite_skips_the_step_and_goes_on(work):
+    result = launch_with_faults(args("nan_skip", "--checkpoint_interval", 2, "--max_steps", 6, "--skip_nonfinite", 1),
+                                faults="nan@3:1", cwd=work)
+    assert "warning: step 3: grad norm nan; update skipped (1 of --skip_nonfinite 1)" in result.stderr
+    run = work / "checkpoints" / "nan_skip"
+    assert saved_steps(run) == ([2, 4, 6], "step_6")
+    names = [name for name, _, _ in checkpoint.tensor_names(run / "step_6", "optim.state.") if name.endswith(".step")]
+    counts = checkpoint.read_tensors(run / "step_6", names, "optim.state.")
+    assert names and all(count.item() == 5 for count in counts.values())  # 6 steps, one update skipped
+    assert [step for step, _ in losses(work, "nan_skip")] == [1, 2, 4, 5, 6]  # the skipped step's loss is not logged
+
+
 def test_diverged_run_names_the_step_and_keeps_the_last_checkpoint(work):
     result = launch_with_faults(args("nan", "--checkpoint_interval", 2, "--skip_nonfinite", 1, "--max_steps", 8),
                                 faults="nan@3:1,nan@5:1", cwd=work, check=False)
-    assert result.returncode == 1
     assert "warning: step 3: grad norm nan; update skipped (1 of --skip_nonfinite 1)" in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: step 5: the grad norm is nan"), result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    run = work / "checkpoints" / "nan"
-    assert checkpoint.latest(run) == run / "step_4"  # step 4 came after the skipped step 3, with finite weights
-    assert all(t.isfinite().all() for t in checkpoint.load_full_model_state(run / "step_4").values())
+    one_error_line(result, "error: step 5: the grad norm is nan")
+    # step 4 came after the skipped step 3, with finite weights
+    assert saved_steps(work / "checkpoints" / "nan") == ([2, 4], "step_4")
 
 
 @pytest.mark.parametrize("fault", ["kill@3:1", "hang@3:1"])
 def test_a_dead_or_hung_rank_ends_the_job(work, fault):
     # The launch timeout (not an assertion on time) is what would catch a job left hanging.
-    result = launch_with_faults(args("fail_" + fault[:4], "--collective_timeout", 5, "--max_steps", 6),
+    name = "fail_" + fault[:4]
+    result = launch_with_faults(args(name, "--collective_timeout", 5, "--max_steps", 6, "--checkpoint_interval", 2),
                                 faults=fault, cwd=work, check=False, timeout=240)
-    assert result.returncode != 0
-    if fault.startswith("hang"):
-        assert "waited longer than --collective_timeout" in result.stderr
+    if fault.startswith("kill"):  # mpiexec reports the rank's death by SIGKILL and ends the job with it
+        assert result.returncode == signal.SIGKILL and "Killed (signal 9)" in result.stdout, result.stdout[-2000:]
+    else:  # the waiting rank's collective times out: one clear line, non-zero exit
+        assert result.returncode != 0 and "waited longer than --collective_timeout" in result.stderr
+    assert saved_steps(work / "checkpoints" / name) == ([2], "step_2")  # the step-2 checkpoint, whole
+    assert not list((work / "checkpoints" / name).glob(".tmp-*"))
 
 
 @pytest.fixture

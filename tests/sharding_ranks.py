@@ -1,0 +1,94 @@
+"""Run under `mpiexec -n 4` by test_parallelize.py: what FSDP actually holds on each rank.
+
+For each sharding, builds the model as training does (parallelize.build_mesh/build_model) and records the
+mesh (shape, dimension names, this rank's group along each dimension) and, for every block's qkv weight,
+whether it is a sharded DTensor and its local shape after a training forward and after backward. Then
+generates on a no-shard model whose weights get different noise on every rank, so the ranks' logits differ:
+once as generate() does it, and once with its token broadcast switched off (each rank's own choice).
+Every rank writes rank_<r>.json into the directory argv[1].
+"""
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from minimal_fsdp import environment, generate as generation
+from minimal_fsdp.config import parse_args
+from minimal_fsdp.model import GPT, GPTConfig
+from minimal_fsdp.parallelize import build_mesh, build_model
+
+# 3 blocks (the last one never reshards); vocab 42 shards unevenly over 4 ranks (11, 11, 11, 9 rows).
+CONFIG = GPTConfig(vocab_size=42, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
+SHARDINGS = {"full-shard": [], "grad-shard": [], "no-shard": [],
+             "hybrid-full-shard": ["--shard_group_size", "2"], "hybrid-grad-shard": ["--shard_group_size", "2"],
+             "hybrid-full-shard-4": ["--shard_group_size", "4"]}
+
+
+def held(model):
+    """Per block: (is a DTensor, local shape) of its qkv weight; and the embedding's local shape."""
+    blocks = []
+    for block in model.blocks:
+        weight = block.attn.qkv.weight
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        blocks.append([isinstance(weight, DTensor), list(local.shape)])
+    wte = model.wte.weight
+    return {"blocks": blocks, "wte": list((wte.to_local() if isinstance(wte, DTensor) else wte).shape)}
+
+
+def sharding_state(env, name, extra):
+    cfg = parse_args(["--sharding", name.removesuffix("-4"), *extra])
+    mesh = build_mesh(cfg, env)
+    groups = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in mesh.mesh_dim_names}
+    model = build_model(GPT, CONFIG, cfg, env, mesh)
+    tokens = torch.randint(CONFIG.vocab_size, (2, CONFIG.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    after_forward = held(model)
+    loss.backward()
+    return {"mesh": list(mesh.shape), "dims": list(mesh.mesh_dim_names), "groups": groups,
+            "after_forward": after_forward, "after_backward": held(model)}
+
+
+class Numbers:
+    """A tokenizer of space-separated token ids."""
+    eot_id = None
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def generation_state(env):
+    cfg = parse_args(["--sharding", "no-shard"])
+    model = build_model(GPT, CONFIG, cfg, env, build_mesh(cfg, env))
+    noise = torch.Generator().manual_seed(100 + env.rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local()
+            local.add_(torch.randn(local.shape, generator=noise))
+    prompt, n = "1 2 3", 24
+    text = generation.generate(model, Numbers(), prompt, n, temperature=1.0, top_k=0, seed=0)
+    generation.dist = SimpleNamespace(broadcast=lambda tensor, src: None)  # each rank keeps its own token
+    try:
+        own = generation.generate(model, Numbers(), prompt, n, temperature=1.0, top_k=0, seed=0)
+    finally:
+        generation.dist = dist
+    return {"text": text, "own": own}
+
+
+def main():
+    env = environment.setup(parse_args(["--collective_timeout", "120"]))
+    torch.set_num_threads(1)
+    result = {"shardings": {name: sharding_state(env, name, extra) for name, extra in SHARDINGS.items()},
+              "generation": generation_state(env)}
+    (Path(sys.argv[1]) / f"rank_{env.rank}.json").write_text(json.dumps(result))
+    environment.teardown()
+
+
+if __name__ == "__main__":
+    main()
