@@ -399,7 +399,7 @@ def validate_values(cfg):
     _check_range(cfg, "collective_timeout", 0, low_ok=False, note=" (seconds)")
     if cfg.max_epochs is not None and (cfg.max_epochs == 0 or cfg.max_epochs < -1):
         raise ConfigError(f"--max_epochs must be positive, or -1 to only generate (got {cfg.max_epochs})")
-    if cfg.max_epochs is None and not cfg.max_steps:
+    if cfg.max_epochs is None and not cfg.max_steps and not cfg.streaming:  # a stream says it below
         raise ConfigError("--max_steps 0 (no cap) needs --max_epochs to set the run's length")
     name = cfg.run_name
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or name != name.strip():

@@ -62,10 +62,3 @@ class Decoder(nn.Module):
         """An empty KV cache for generation."""
         heads = getattr(self.config, "num_kv_heads", self.config.num_heads)
         return KVCache(self.config, batch_size, device, dtype, heads)
-
-
-def make_config(config_class, presets, preset, **overrides):
-    """A preset's shape with any explicitly given (non-None) fields replacing it."""
-    fields = dict(presets[preset])
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    return config_class(**fields)

@@ -17,8 +17,7 @@ import torch
 
 from .config import MODEL_PRESETS, ConfigError, model_family, one_line_errors
 from .hf import read_config as read_hf_config
-from .layers import make_config
-from .models import MODELS
+from .models import MODELS, make_config
 from .parallelize import SHARDING, layout
 
 GiB = 2**30
@@ -142,8 +141,7 @@ def model_config(args):
         model_type, config = read_hf_config(args.hf_model, args.seq_length)
         return model_type, config, args.hf_model
     family = model_family(args)
-    config = make_config(MODELS[family].config_class, MODELS[family].presets, args.model_preset,
-                         seq_length=args.seq_length, vocab_size=args.vocab_size)
+    config = make_config(family, args.model_preset, seq_length=args.seq_length, vocab_size=args.vocab_size)
     return family, config, args.model_preset
 
 

@@ -4,11 +4,17 @@ MODELS is the one table of families: "gpt" (model.GPT) and "llama" (llama.Llama)
 class and its presets, and a checkpoint's meta.json records the family as "model_type".
 """
 from .config import ConfigError, model_family
-from .layers import make_config
 from .llama import Llama
 from .model import GPT
 
 MODELS = {"gpt": GPT, "llama": Llama}
+
+
+def make_config(model_type, preset, **overrides):
+    """A preset's shape with any explicitly given (non-None) fields replacing it."""
+    fields = dict(MODELS[model_type].presets[preset])
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return MODELS[model_type].config_class(**fields)
 
 
 def config_from_dict(model_type, fields):
@@ -26,7 +32,7 @@ def config_from_flags(cfg, vocab_size=None):
         shape.update(num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size)
     else:
         shape.update(bias=cfg.bias)
-    return check_shape(make_config(MODELS[family].config_class, MODELS[family].presets, cfg.model_preset, **shape))
+    return check_shape(make_config(family, cfg.model_preset, **shape))
 
 
 def check_shape(config):

@@ -65,3 +65,12 @@ def one_rank_group():
     yield
     torch.set_num_threads(threads)
     dist.destroy_process_group()
+
+
+def global_batch(data, step, world, batch_size, seq_length, seed):
+    """Every rank's first micro-batch of optimizer step `step` of a data.TokenData, concatenated (rank 0 first)."""
+    parts = []
+    for rank in range(world):
+        data.bind(seq_length, batch_size, 1, rank, world, seed)
+        parts.append(data.train_batches(step)[0])
+    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])

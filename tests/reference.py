@@ -15,7 +15,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minimal_fsdp import llama, model as gpt
 from minimal_fsdp.config import parse_args
 from minimal_fsdp.llama import Llama
 from minimal_fsdp.model import GPT
@@ -40,9 +39,12 @@ def schedule(cfg, horizon):
 
 
 def run_length(cfg, world, train_tokens):
-    """Optimizer steps of a run: --max_epochs passes over the train tokens, capped by --max_steps (0: no cap).
-    An epoch is as many whole steps of world x batch x accumulation sequences as the tokens hold (at least 1)."""
-    per_epoch = max(1, train_tokens // (world * cfg.batch_size * cfg.grad_accum_steps * cfg.seq_length))
+    """Optimizer steps of a run: --max_steps, or --max_epochs passes over the train blocks, whichever ends first
+    when both are given (--max_steps 0: no cap). An epoch is as many whole steps of world x batch x accumulation
+    blocks as the (train_tokens - 1) // seq_length blocks fill (at least 1)."""
+    per_epoch = max(1, (train_tokens - 1) // cfg.seq_length // (world * cfg.batch_size * cfg.grad_accum_steps))
+    if cfg.max_epochs is None:
+        return cfg.max_steps
     steps = cfg.max_epochs * per_epoch
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
@@ -65,16 +67,21 @@ class PreparedTokens:
         return self.orders[key]
 
     def batch(self, split, index, rank, world, batch_size, seq, seed):
-        """Micro-batch `index` of `rank`: a split is cut into blocks of seq + 1 tokens starting every seq tokens;
-        each epoch visits them in a permutation seeded by (seed, split is train, epoch); that stream of blocks
-        is dealt out batch_size at a time, rank 0 first, then rank 1, ..."""
+        """Micro-batch `index` of `rank`. A split of N tokens has N - 1 targets; epoch e cuts it into
+        (N - 1) // seq blocks of seq + 1 tokens starting every seq tokens from an offset: for train, drawn from
+        numpy's default_rng([seed, 2, e]).integers(seq), for val 0. A block that runs past the last token goes on
+        at token 1. Each epoch visits its blocks in a permutation seeded by (seed, split is train, epoch); that
+        stream of blocks is dealt out batch_size at a time, rank 0 first, then rank 1, ..."""
         tokens = self.tokens[split]
-        blocks = (len(tokens) - 1) // seq
+        targets = len(tokens) - 1
+        blocks = targets // seq
         rows = []
         for j in range(batch_size):
             epoch, k = divmod((index * world + rank) * batch_size + j, blocks)
-            start = int(self.order(seed, split, blocks, epoch)[k]) * seq
-            rows.append(tokens[start:start + seq + 1].astype(np.int64))
+            offset = int(np.random.default_rng([seed, 2, epoch]).integers(seq)) if split == "train" else 0
+            start = (offset + int(self.order(seed, split, blocks, epoch)[k]) * seq) % targets
+            positions = [start + i if start + i <= targets else start + i - targets for i in range(seq + 1)]
+            rows.append(tokens[positions].astype(np.int64))
         rows = torch.from_numpy(np.stack(rows))
         return rows[:, :-1], rows[:, 1:]
 
@@ -119,16 +126,20 @@ def plain_loss(x, weight, targets):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def drop_none(fields):
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 def build(cfg, vocab_size, device):
     """The flags' model (--model_preset's shape with the explicit shape flags applied), initialized as above,
     with the plain loss."""
     shape = dict(num_layers=cfg.num_layers, num_heads=cfg.num_heads, embed_size=cfg.embed_size,
                  seq_length=cfg.seq_length, dropout=cfg.dropout, vocab_size=cfg.vocab_size or vocab_size)
     if cfg.model == "llama":
-        model = Llama(llama.make_config(cfg.model_preset, num_kv_heads=cfg.num_kv_heads,
-                                        intermediate_size=cfg.intermediate_size, **shape))
+        shape.update(num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size)
+        model = Llama(Llama.config_class(**{**Llama.presets[cfg.model_preset], **drop_none(shape)}))
     else:
-        model = GPT(gpt.make_config(cfg.model_preset, bias=cfg.bias, **shape))
+        model = GPT(GPT.config_class(**{**GPT.presets[cfg.model_preset], **drop_none(dict(shape, bias=cfg.bias))}))
     model.to(device)
     initialize(model, cfg.seed, device)
     model.loss = plain_loss

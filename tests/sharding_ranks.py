@@ -1,6 +1,6 @@
 """Run under `mpiexec -n 4` by test_parallelize.py: what FSDP actually holds on each rank.
 
-For each sharding, builds the model as training does (parallelize.build_mesh/build_model) and records the
+For each sharding, builds the model as training does (parallelize.make_plan/build_model) and records the
 mesh (shape, dimension names, this rank's group along each dimension) and, for every block's qkv weight,
 whether it is a sharded DTensor and its local shape after a training forward and after backward. Then
 generates on a no-shard model whose weights get different noise on every rank, so the ranks' logits differ:
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from minimal_fsdp import environment, generate as generation
 from minimal_fsdp.config import parse_args
 from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import build_mesh, build_model
+from minimal_fsdp.parallelize import build_model, make_plan
 
 # 3 blocks (the last one never reshards); vocab 42 shards unevenly over 4 ranks (11, 11, 11, 9 rows).
 CONFIG = GPTConfig(vocab_size=42, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
@@ -41,9 +41,10 @@ def held(model):
 
 def sharding_state(env, name, extra):
     cfg = parse_args(["--sharding", name.removesuffix("-4"), *extra])
-    mesh = build_mesh(cfg, env)
+    plan = make_plan(cfg, env)
+    mesh = plan.mesh
     groups = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in mesh.mesh_dim_names}
-    model = build_model(GPT, CONFIG, cfg, env, mesh)
+    model = build_model(GPT, CONFIG, plan, env, cfg.seed)
     tokens = torch.randint(CONFIG.vocab_size, (2, CONFIG.seq_length + 1), generator=torch.Generator().manual_seed(0))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     after_forward = held(model)
@@ -65,7 +66,7 @@ class Numbers:
 
 def generation_state(env):
     cfg = parse_args(["--sharding", "no-shard"])
-    model = build_model(GPT, CONFIG, cfg, env, build_mesh(cfg, env))
+    model = build_model(GPT, CONFIG, make_plan(cfg, env), env, cfg.seed)
     noise = torch.Generator().manual_seed(100 + env.rank)
     with torch.no_grad():
         for p in model.parameters():

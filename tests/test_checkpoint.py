@@ -18,8 +18,8 @@ from minimal_fsdp import checkpoint
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.environment import DistEnv
 from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import build_mesh, build_model
-from minimal_fsdp import train as train_module
+from minimal_fsdp.parallelize import build_model, make_plan
+from minimal_fsdp import metrics, train as train_module
 from minimal_fsdp.train import build_optimizer
 
 
@@ -65,9 +65,10 @@ def test_save_writes_complete_checkpoint_and_latest(four_steps):
     assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2", "step_4"]  # no temporary leftovers
     assert checkpoint.latest(run) == run / "step_4"
     meta = checkpoint.read_meta(run / "step_4")
+    assert meta["format"] == 2 and json.loads((run / "step_4" / "meta.json").read_text())["format"] == 2
     assert meta["step"] == 4 and meta["model"]["num_layers"] == 2 and meta["config"]["max_steps"] == 4
-    assert meta["world_size"] == 2 and meta["lr_decay_steps"] == 4 and meta["train_batches"] == 4
-    assert meta["data_position"] == {"train_blocks_seen": 4 * 2 * 4}  # steps x ranks x batch
+    assert meta["world_size"] == 2 and meta["state"]["schedule"] == {"lr_decay_steps": 4, "last_step": 4}
+    assert meta["state"]["data"] == {"train_blocks_seen": 4 * 2 * 4}  # steps x ranks x batch
     assert {"rng_0.pt", "rng_1.pt"} <= {p.name for p in (run / "step_4").iterdir()}
     assert (run / "step_4" / "tokenizer.json").exists()
     state = checkpoint.load_full_model_state(run / "step_4")
@@ -93,7 +94,7 @@ def test_resume_restores_weights_moments_step_and_data_position(four_steps):
     assert expected.keys() == got.keys() and any(k.endswith("exp_avg_sq") for k in got)
     assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
     assert all(got[k].item() == 4 for k in got if k.endswith(".step"))
-    for key in ("step", "train_batches", "data_position", "lr_decay_steps"):
+    for key in ("step", "state"):
         assert checkpoint.read_meta(resumed / "step_4")[key] == checkpoint.read_meta(whole / "step_4")[key], key
     logged = (work / "resumed" / "logs" / "shakespeare" / "metrics.jsonl").read_text().splitlines()
     assert [row["step"] for row in map(json.loads, logged) if "loss" in row] == [3, 4]
@@ -106,7 +107,7 @@ def one_rank(tmp_path):
     cfg = parse_args([])
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
-    model = build_model(GPT, config, cfg, env, build_mesh(cfg, env))
+    model = build_model(GPT, config, make_plan(cfg, env, fsdp_on_one_rank=True), env, cfg.seed)
     yield model, build_optimizer(model, cfg)
     dist.destroy_process_group()
 
@@ -171,18 +172,18 @@ def test_resume_never_refuses_a_run_that_has_checkpoints(tmp_path):
 
 
 class RandomTokens:
-    """Random tokens for training."""
+    """Random tokens for training, with the data interface of data.TokenData."""
     directory = None
 
-    def num_tokens(self, split):
-        return 10_000
+    def steps_per_epoch(self):
+        return 1000
 
-    def get_batch(self, split, index, rank, world_size, batch_size, seq_length, seed):
-        tokens = torch.randint(16, (batch_size, seq_length + 1), generator=torch.Generator().manual_seed(index))
-        return tokens[:, :-1], tokens[:, 1:]
+    def train_batches(self, step):
+        tokens = torch.randint(16, (2, 9), generator=torch.Generator().manual_seed(step))
+        return [(tokens[:, :-1], tokens[:, 1:])]
 
-    def position(self, index, world_size, batch_size):
-        return None
+    def state_dict(self, step):
+        return {}
 
 
 def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, monkeypatch):
@@ -197,15 +198,17 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
             return then(*args, **kwargs)
         return run
 
-    monkeypatch.setattr(train_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(train_module, "train_step", advance(1.0, train_module.train_step))
     monkeypatch.setattr(train_module, "evaluate", advance(100.0, lambda *args: 1.0))
-    monkeypatch.setattr(train_module.checkpoint, "save", advance(10.0, lambda *args: None))
+    saver = SimpleNamespace(save=advance(10.0, lambda *args: None))
     cfg = dataclasses.replace(parse_args(["--max_steps", "6", "--eval_interval", "1", "--log_interval", "2",
                                           "--checkpoint_interval", "3", "--batch_size", "2",
                                           "--log_dir", str(tmp_path / "logs")]), tensorboard=False)
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
-    train_module.train(model, optimizer, RandomTokens(), cfg, env, tmp_path / "run", {})
+    plan = make_plan(cfg, env, fsdp_on_one_rank=True)
+    stop = SimpleNamespace(agreed=lambda: None)
+    train_module.train(model, optimizer, RandomTokens(), cfg, env, plan, saver, stop)
     rows = [json.loads(line) for line in (tmp_path / "logs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if "step_time" in r]
     assert [r["step"] for r in timed] == [2, 4, 6]

@@ -1,8 +1,8 @@
 import pytest
 
-from basic_training import preset_config
 from minimal_fsdp.config import ConfigError, build_parser, parse_args, validate_world
 from minimal_fsdp.model import GPT
+from minimal_fsdp.models import config_from_flags
 
 
 def test_defaults_parse():
@@ -49,7 +49,7 @@ def test_boolean_flags_toggle():
 
 @pytest.mark.parametrize("flag,biases", [([], True), (["--bias"], True), (["--no-bias"], False)])
 def test_no_bias_builds_a_gpt_without_biases(flag, biases):
-    config = preset_config(parse_args(["--vocab_size", "65"] + flag))
+    config = config_from_flags(parse_args(["--vocab_size", "65"] + flag))
     names = [name for name, _ in GPT(config).named_parameters()]
     assert any(name.endswith(".bias") for name in names) == biases
     assert len(names) == (config.num_layers * 12 + 4 if biases else config.num_layers * 6 + 3)

@@ -61,11 +61,12 @@ def test_models_on_cuda_use_it():
     from types import SimpleNamespace
     from minimal_fsdp.config import Config
     from minimal_fsdp.fused_loss import linear_cross_entropy
-    from minimal_fsdp.model import GPT, GPTConfig, cross_entropy
-    from minimal_fsdp.parallelize import build_model
-    cfg = Config(data_parallel="decentralized", precision="float32")  # a plain replica: no process group needed
+    from minimal_fsdp.layers import cross_entropy
+    from minimal_fsdp.model import GPT, GPTConfig
+    from minimal_fsdp.parallelize import build_model, make_plan
+    cfg = Config(precision="float32")
     env = SimpleNamespace(device=torch.device("cuda"), world_size=1, local_world_size=1)
-    model = build_model(GPT, GPTConfig(vocab_size=300), cfg, env, None)
+    model = build_model(GPT, GPTConfig(vocab_size=300), make_plan(cfg, env), env, cfg.seed)  # one rank: no FSDP
     assert model.loss is linear_cross_entropy
     x = torch.randint(0, 300, (2, 128), device="cuda")
     fused = model(x, x)

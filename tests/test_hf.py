@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import tokenizer_dirs
-from conftest import ROOT, launch, make_text
+from conftest import ROOT, global_batch, launch, make_text
 from test_end_to_end import sample_of
 from test_parallelize import logged_losses
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(ROOT))
-from basic_training import MODELS  # noqa: E402
+from minimal_fsdp.models import MODELS  # noqa: E402
 from minimal_fsdp import checkpoint, export, hf  # noqa: E402
 from minimal_fsdp import tokenizer as tk  # noqa: E402
 from minimal_fsdp.config import ConfigError, parse_args  # noqa: E402
@@ -54,7 +54,7 @@ def hf_llama(directory, **kw):
 
 def ours_from(directory, seq_length=None):
     model_type, config = hf.read_config(directory, seq_length)
-    model = MODELS[model_type][0](config).eval()
+    model = MODELS[model_type](config).eval()
     hf.load_weights(model, directory, model_type)
     return model
 
@@ -95,7 +95,7 @@ def test_llama_import(tmp_path, variant):
     assert_same_logits(ours, theirs, 53, 24)
     if variant == "llama3-rope":  # the scaling is applied, and it matters at these lengths
         assert ours.config.rope_scaling["factor"] == 8.0 and ours.config.rope_theta == 500000.0
-        plain = MODELS["llama"][0](LlamaConfig(**dict(ours.config.to_dict(), rope_scaling=None))).eval()
+        plain = MODELS["llama"](LlamaConfig(**dict(ours.config.to_dict(), rope_scaling=None))).eval()
         plain.load_state_dict(ours.state_dict())
         with pytest.raises(AssertionError):
             assert_same_logits(plain, theirs, 53, 24)
@@ -148,7 +148,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, model_type)
         if model_type == "gpt" else LlamaConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=6,
                                                 num_kv_heads=2, embed_size=48, intermediate_size=72,
                                                 rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)
-    ours = MODELS[model_type][0](config).eval()
+    ours = MODELS[model_type](config).eval()
     init_weights(ours, 0, torch.device("cpu"))
     meta = {"model": config.to_dict(), "model_type": model_type}
     hf.save_hf(ours.state_dict(), meta, tmp_path / "out", max_shard_bytes=30_000)  # several shards
@@ -166,7 +166,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, model_type)
 
 def test_export_of_a_checkpoint_without_model_type_is_a_gpt(tmp_path):
     config = GPTConfig(vocab_size=300, seq_length=16, num_layers=1, num_heads=2, embed_size=16)
-    ours = MODELS["gpt"][0](config)
+    ours = MODELS["gpt"](config)
     init_weights(ours, 0, torch.device("cpu"))
     hf.save_hf(ours.state_dict(), {"model": config.to_dict()}, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gpt2"
@@ -202,7 +202,7 @@ def test_export_carries_a_tokenizer_that_transformers_reads_as_ours(tmp_path, mo
     tokenizer = tokenizer_of_kind(kind, tmp_path, monkeypatch)
     config = LlamaConfig(vocab_size=tokenizer.vocab_size, seq_length=16, num_layers=1, num_heads=2, num_kv_heads=1,
                          embed_size=16, intermediate_size=32)
-    ours = MODELS["llama"][0](config)
+    ours = MODELS["llama"](config)
     init_weights(ours, 0, torch.device("cpu"))
     hf.save_hf(ours.state_dict(), {"model": config.to_dict(), "model_type": "llama"}, tmp_path / "out", tokenizer)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
@@ -227,7 +227,7 @@ def test_export_carries_a_tokenizer_that_transformers_reads_as_ours(tmp_path, mo
 def test_export_dtype_and_file_permissions(tmp_path):
     config = LlamaConfig(vocab_size=53, seq_length=16, num_layers=1, num_heads=2, num_kv_heads=1, embed_size=16,
                          intermediate_size=32)
-    ours = MODELS["llama"][0](config)
+    ours = MODELS["llama"](config)
     init_weights(ours, 0, torch.device("cpu"))
     state = {name: t.bfloat16() for name, t in ours.state_dict().items()}
     tokenizer = tk.CharTokenizer("".join(chr(ord("a") + i) for i in range(26)) + " .")
@@ -275,7 +275,7 @@ def test_training_starts_from_the_hf_weights_and_tokenizer(tmp_path, corpus, lla
     # The first logged loss is that of the Hugging Face model on the first batches of both ranks.
     cfg = parse_args([str(a) for a in args])
     data = TokenData(dataset_dir(cfg, tokenizer))  # tokenized with the model's own tokenizer.model
-    x, y = (torch.cat(t) for t in zip(*(data.get_batch("train", 0, r, 2, 2, 32, cfg.seed) for r in range(2))))
+    x, y = global_batch(data, 0, 2, 2, 32, cfg.seed)
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(theirs(x).logits.reshape(-1, 301), y.reshape(-1)).item()
     assert logged_losses(tmp_path, "run")[0] == pytest.approx(expected, abs=1e-4)
@@ -348,7 +348,7 @@ def test_llama3_trains_samples_exports_and_comes_back_offline(tmp_path, corpus, 
     cfg = parse_args([str(a) for a in args])
     data = TokenData(dataset_dir(cfg, tokenizer))
     assert data.meta["tokenizer"] == "tiktoken"
-    x, y = (torch.cat(t) for t in zip(*(data.get_batch("train", 0, r, 2, 2, 32, cfg.seed) for r in range(2))))
+    x, y = global_batch(data, 0, 2, 2, 32, cfg.seed)
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(theirs(x).logits.reshape(-1, vocab), y.reshape(-1)).item()
     assert logged_losses(tmp_path, "llama3")[0] == pytest.approx(expected, abs=1e-4)
@@ -356,7 +356,7 @@ def test_llama3_trains_samples_exports_and_comes_back_offline(tmp_path, corpus, 
     # Export the trained checkpoint: transformers gives our logits and our token ids.
     saved = checkpoint.latest(tmp_path / "checkpoints" / "llama3")
     export.main([str(saved), str(tmp_path / "export"), "--format", "hf"])
-    trained = MODELS["llama"][0](LlamaConfig(**checkpoint.read_meta(saved)["model"])).eval()
+    trained = MODELS["llama"](LlamaConfig(**checkpoint.read_meta(saved)["model"])).eval()
     trained.load_state_dict(checkpoint.load_full_model_state(saved))
     assert_same_logits(trained, transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval(),
                        vocab, 24)

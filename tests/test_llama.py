@@ -11,11 +11,10 @@ from test_end_to_end import sample_of
 from test_parallelize import logged_losses, reference
 
 sys.path.insert(0, str(ROOT))
-from basic_training import model_config_for  # noqa: E402
 from minimal_fsdp import checkpoint  # noqa: E402
 from minimal_fsdp.config import MODEL_PRESETS, ConfigError, model_family, parse_args  # noqa: E402
-from minimal_fsdp.data import TokenData, dataset_dir, prepare  # noqa: E402
-from minimal_fsdp.llama import PRESETS, Llama, LlamaConfig, make_config  # noqa: E402
+from minimal_fsdp.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
+from minimal_fsdp.models import config_from_flags, make_config  # noqa: E402
 from minimal_fsdp.model import PRESETS as GPT_PRESETS  # noqa: E402
 from minimal_fsdp.parallelize import init_weights  # noqa: E402
 
@@ -55,7 +54,7 @@ def test_positions_matter_and_grouped_heads_share_keys():
     ("llama3-8b", (14336, 8, 4096, 32, 32), 8_030_261_248),
 ])
 def test_presets_have_the_published_shapes(preset, shape, params):
-    c = make_config(preset)
+    c = make_config("llama", preset)
     assert (c.intermediate_size, c.num_kv_heads, c.embed_size, c.num_layers, c.num_heads) == shape
     with torch.device("meta"):
         assert Llama(c).num_params(non_embedding=False) == params
@@ -86,10 +85,8 @@ def test_kv_heads_must_divide_heads(corpus):
     work = corpus.parent
     args = ["--dataset", "text", "--input_file", str(corpus), "--data_dir", str(work / "data"), "--model", "llama",
             "--num_heads", "4", "--num_kv_heads", "3"]
-    cfg = parse_args(args)
-    prepare(cfg)
     with pytest.raises(ConfigError, match="--num_heads divisible by --num_kv_heads"):
-        model_config_for(cfg, TokenData(dataset_dir(cfg)))
+        config_from_flags(parse_args(args), vocab_size=65)
 
 
 def train_args(corpus, extra):

@@ -3,7 +3,8 @@ import torch
 
 import reference
 from minimal_fsdp.llama import Llama, LlamaConfig
-from minimal_fsdp.model import GPT, GPTConfig, PRESETS, make_config
+from minimal_fsdp.model import GPT, GPTConfig, PRESETS
+from minimal_fsdp.models import make_config
 from minimal_fsdp.parallelize import init_weights
 
 
@@ -58,12 +59,12 @@ def test_init_follows_the_rule_rederived_in_the_reference(model_cls, config):
                                            ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])
 def test_gpt2_presets_have_openai_parameter_counts(preset, params):
     with torch.device("meta"):
-        model = GPT(make_config(preset))
+        model = GPT(make_config("gpt", preset))
     assert model.num_params(non_embedding=False) == params
 
 
 def test_explicit_flags_override_the_preset():
-    config = make_config("gpt2", num_layers=3, vocab_size=None)
+    config = make_config("gpt", "gpt2", num_layers=3, vocab_size=None)
     assert (config.num_layers, config.embed_size, config.vocab_size) == (3, 768, PRESETS["gpt2"]["vocab_size"])
 
 

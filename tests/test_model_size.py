@@ -9,24 +9,27 @@ from torch.profiler import ProfilerActivity, profile
 
 from minimal_fsdp import model_size
 from minimal_fsdp.config import Config, ConfigError
-from minimal_fsdp.llama import Llama, LlamaConfig, make_config as make_llama
-from minimal_fsdp.model import GPT, GPTConfig, make_config as make_gpt
-from minimal_fsdp.parallelize import build_mesh, build_model
+from minimal_fsdp.llama import LlamaConfig
+from minimal_fsdp.model import GPTConfig
+from minimal_fsdp.models import MODELS, make_config
+from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan
 from minimal_fsdp.train import build_optimizer, train_step
 
-MODELS = {"gpt": GPT, "llama": Llama}
 
-
-def train_two_steps(model_type, config, batch_size, sharding, recompute, precision, device, compile=False, accum=1):
+def train_two_steps(model_type, config, batch_size, sharding, recompute, precision, device, compile=False, accum=1,
+                    fsdp=True):
+    """Two steps as training takes them on one rank: FSDP (the planner's model of every layout), or fsdp=False,
+    the plain module a world of one actually trains."""
     cfg = Config(sharding=sharding, activation_checkpoints=recompute != "none",
                  recompute="full" if recompute == "none" else recompute, precision=precision, meta_init=True,
                  compile=compile)
     env = SimpleNamespace(device=torch.device(device), world_size=1, local_world_size=1)
-    model = build_model(MODELS[model_type], config, cfg, env, build_mesh(cfg, env))
+    plan = make_plan(cfg, env, fsdp_on_one_rank=fsdp)
+    model = build_model(MODELS[model_type], config, plan, env, cfg.seed)
     optimizer = build_optimizer(model, cfg)
     for step in range(2):  # the second step has the optimizer state of a steady run
         x = torch.randint(0, config.vocab_size, (batch_size, config.seq_length), device=device)
-        train_step(model, optimizer, [(x, x)] * accum, 1.0, env.device)
+        train_step(model, optimizer, [(x, x)] * accum, gradient_sync(model, plan), 1.0, env.device)
 
 
 def cpu_peak(run, tmp_path):
@@ -58,6 +61,19 @@ def test_estimate_within_25_percent_of_cpu_peak(one_rank_group, tmp_path, model_
     estimated = model_size.estimate(model_type, config, 8, sharding, 1, 1, recompute, False, "float32",
                                     device_type="cpu")["gpu"]
     assert measured > 20e6  # the measurement saw the model's memory, not just a few bookkeeping allocations
+    assert estimated == pytest.approx(measured, rel=0.25), (estimated / 1e6, measured / 1e6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU measurement; GPUs have their own test")
+@pytest.mark.parametrize("model_type,recompute", [("gpt", "none"), ("llama", "full")])
+def test_one_rank_without_fsdp_fits_the_same_estimate(one_rank_group, tmp_path, model_type, recompute):
+    """A world of one trains a plain module, not FSDP; the planner's one-GPU estimate must hold for it too."""
+    config = SMALL[model_type]
+    torch.manual_seed(0)
+    measured = cpu_peak(lambda: train_two_steps(model_type, config, 8, "full-shard", recompute, "float32", "cpu",
+                                                fsdp=False), tmp_path)
+    estimated = model_size.estimate(model_type, config, 8, "full-shard", 1, 1, recompute, False, "float32",
+                                    device_type="cpu")["gpu"]
     assert estimated == pytest.approx(measured, rel=0.25), (estimated / 1e6, measured / 1e6)
 
 
@@ -93,8 +109,8 @@ def test_estimate_counts_the_gradients_kept_between_micro_steps(one_rank_group, 
     assert estimated[2] == pytest.approx(measured[2], rel=0.12), (estimated, measured)
 
 
-GPT2 = make_gpt("gpt2", vocab_size=50304)
-LLAMA = make_llama("tiny", vocab_size=32000, num_layers=8, embed_size=1024, num_heads=16, num_kv_heads=4,
+GPT2 = make_config("gpt", "gpt2", vocab_size=50304)
+LLAMA = make_config("llama", "tiny", vocab_size=32000, num_layers=8, embed_size=1024, num_heads=16, num_kv_heads=4,
                    intermediate_size=2816, seq_length=1024)
 GPU_CASES = [("gpt", GPT2, 4, "full-shard", "none", False), ("gpt", GPT2, 8, "full-shard", "none", True),
              ("llama", LLAMA, 4, "grad-shard", "full", False)]
@@ -127,7 +143,7 @@ def test_parameter_counts_match_the_built_model(model_type, preset):
 
 
 def test_sharding_checkpointing_and_offload_move_memory_where_expected():
-    config = make_llama("llama2-7b")
+    config = make_config("llama", "llama2-7b")
     e = lambda sharding, ckpt="none", offload=False, world=8: model_size.estimate(  # noqa: E731
         "llama", config, 1, sharding, world, 4, ckpt, offload, "bf16")
     assert e("full-shard", world=16)["state"] == pytest.approx(e("full-shard", world=8)["state"] / 2)

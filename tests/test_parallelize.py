@@ -17,8 +17,9 @@ from conftest import ROOT, TINY_MODEL, launch, mpiexec
 
 sys.path.insert(0, str(ROOT))
 from minimal_fsdp import checkpoint  # noqa: E402
-from minimal_fsdp.llama import Llama, make_config as make_llama_config  # noqa: E402
-from minimal_fsdp.model import GPT, GPTConfig, make_config as make_gpt_config  # noqa: E402
+from minimal_fsdp.llama import Llama  # noqa: E402
+from minimal_fsdp.model import GPT, GPTConfig  # noqa: E402
+from minimal_fsdp.models import make_config  # noqa: E402
 from minimal_fsdp.parallelize import recomputed  # noqa: E402
 from minimal_fsdp.train import build_optimizer  # noqa: E402
 
@@ -139,12 +140,12 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("model_cls,make_config", [(GPT, make_gpt_config), (Llama, make_llama_config)])
-def test_recompute_policies_recompute_what_they_say(model_cls, make_config):
+@pytest.mark.parametrize("model_cls", [GPT, Llama])
+def test_recompute_policies_recompute_what_they_say(model_cls):
     """Backward of a checkpointed block reruns forward ops: full reruns the matmuls too, selective only the
     norms and activations. Gradients are the same in every case."""
     torch.manual_seed(0)
-    model = model_cls(make_config("tiny"))
+    model = model_cls(make_config("gpt" if model_cls is GPT else "llama", "tiny"))
     x, y = torch.randint(60, (2, 16)), torch.randint(60, (2, 16))
     counts, grads = {}, {}
     plain = [block.forward for block in model.blocks]
@@ -175,22 +176,25 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_
     from types import SimpleNamespace
     from torch.distributed.tensor import DTensor
     from minimal_fsdp.config import Config
-    from minimal_fsdp.parallelize import build_mesh, build_model
+    import dataclasses
+    from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan
     from minimal_fsdp.train import train_step
     cfg = Config(sharding="full-shard")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the group is NCCL where CUDA is
     env = SimpleNamespace(device=device, world_size=1, local_world_size=1)
     config = GPTConfig(vocab_size=64, seq_length=16, num_layers=2, num_heads=2, embed_size=16)
-    model = build_model(GPT, config, cfg, env, build_mesh(cfg, env))
-    assert model.stays_gathered  # one rank: no reshard after forward
-    model.stays_gathered = stays_gathered
+    plan = make_plan(cfg, env, fsdp_on_one_rank=True)
+    assert plan.stays_gathered  # one rank: no reshard after forward
+    model = build_model(GPT, config, plan, env, cfg.seed)
+    if not stays_gathered:
+        plan = dataclasses.replace(plan, reshard_after_forward=True)  # what FSDPSync reads
     sharded_at_forward = []
     for block in model.blocks:  # runs before FSDP's own pre-forward hook, which gathers
         block.register_forward_pre_hook(
             lambda module, args: sharded_at_forward.append(isinstance(module.attn.qkv.weight, DTensor)),
             prepend=True)
     x = torch.randint(0, 64, (2, 16), device=device)
-    train_step(model, build_optimizer(model, cfg), [(x, x)] * 3, 1.0, env.device)
+    train_step(model, build_optimizer(model, cfg), [(x, x)] * 3, gradient_sync(model, plan), 1.0, env.device)
     first, later = sharded_at_forward[:2], sharded_at_forward[2:]
     assert first == [True, True] and later == [not stays_gathered] * 4
     assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded after the last micro-step

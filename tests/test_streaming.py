@@ -25,14 +25,15 @@ def prepared(tmp_path):
 
 
 def stream_for(source, data, rank, world, flag="--dataset_path"):
-    return StreamingData(open_documents(str(source), flag), data.tokenizer, data.directory, rank, world,
-                         val_fraction=0.1, seed=1337)
+    stream = StreamingData(open_documents(str(source), flag), data.tokenizer, data.directory, rank, world,
+                           val_fraction=0.1, seed=1337)
+    stream.bind(SEQ, 4, 1, rank, world, 1337)
+    return stream
 
 
-def streamed_tokens(stream, batches, start=0, batch_size=4):
+def streamed_tokens(stream, batches, start=0):
     """The rank's token stream as the batches hold it: blocks overlap by the one token they share."""
-    blocks = [stream.get_batch("train", i, stream.rank, stream.world_size, batch_size, SEQ, 0)
-              for i in range(start, start + batches)]
+    blocks = [stream.train_batches(step)[0] for step in range(start, start + batches)]
     return np.concatenate([x.reshape(-1, SEQ) for x, _ in blocks]).reshape(-1)
 
 
@@ -44,7 +45,7 @@ def prepared_documents(documents, data):
             length = len(encode_document(data.tokenizer, text))
             cut[i] = data.splits["train"][offset:offset + length]
             offset += length
-    assert offset == data.num_tokens("train")
+    assert offset == data.meta["train_tokens"]
     return cut
 
 
@@ -72,29 +73,29 @@ def test_each_rank_streams_the_prepared_tokens_of_its_documents(prepared, world)
 def test_val_batches_come_from_the_held_out_documents(prepared):
     documents, source, data = prepared
     stream = stream_for(source, data, 1, 2)
-    x, y = stream.get_batch("val", 0, 1, 2, 4, SEQ, 0)
+    x, y = stream.val_batch(0)
     val = np.concatenate([encode_document(data.tokenizer, d) for i, d in enumerate(documents)
                           if i % 2 == 1 and is_val(i, 1337, 0.1)])
     assert np.array_equal(x.reshape(-1)[:SEQ], val[:SEQ]) and torch.equal(x[:, 1:], y[:, :-1])
-    assert stream.get_batch("val", 0, 1, 2, 4, SEQ, 0) is stream.get_batch("val", 0, 1, 2, 4, SEQ, 0)  # cached
+    assert stream.val_batch(0) is stream.val_batch(0)  # cached
 
 
 def test_resume_mid_stream_sees_the_same_next_batch(prepared):
     documents, source, data = prepared
     world = 2
     runs = [stream_for(source, data, rank, world) for rank in range(world)]
-    for index in range(7):
+    for step in range(7):
         for run in runs:
-            run.get_batch("train", index, run.rank, world, 4, SEQ, 0)
+            run.train_batches(step)
     saved = json.loads(json.dumps({"stream": [list(run.train_position) for run in runs]}))  # as meta.json holds it
-    expected = [[run.get_batch("train", index, run.rank, world, 4, SEQ, 0)[0] for index in (7, 8)] for run in runs]
+    expected = [[run.train_batches(step)[0][0] for step in (7, 8)] for run in runs]
     for rank in range(world):
         resumed = stream_for(source, data, rank, world)
-        resumed.restore(saved, 7)
+        resumed.load_state_dict(saved, 7)
         assert resumed.train_position == tuple(saved["stream"][rank])  # saving again right away keeps it
-        for index, batch in zip((7, 8), expected[rank]):
-            assert torch.equal(resumed.get_batch("train", index, rank, world, 4, SEQ, 0)[0], batch)
-        fresh = stream_for(source, data, rank, world).get_batch("train", 0, rank, world, 4, SEQ, 0)[0]
+        for step, batch in zip((7, 8), expected[rank]):
+            assert torch.equal(resumed.train_batches(step)[0][0], batch)
+        fresh = stream_for(source, data, rank, world).train_batches(0)[0][0]
         assert not torch.equal(fresh, expected[rank][0])  # not vacuous: starting over would differ
 
 
@@ -102,11 +103,11 @@ def test_resume_refuses_another_world_size_or_a_missing_position(prepared):
     documents, source, data = prepared
     stream = stream_for(source, data, 0, 3)
     with pytest.raises(ConfigError, match="saved on 2 rank"):
-        stream.restore({"stream": [[0, 0, 0], [0, 1, 0]]}, 4)
+        stream.load_state_dict({"stream": [[0, 0, 0], [0, 1, 0]]}, 4)
     with pytest.raises(ConfigError, match="holds no stream position"):
-        stream.restore({"train_blocks_seen": 40}, 4)
+        stream.load_state_dict({"train_blocks_seen": 40}, 4)
     with pytest.raises(RuntimeError, match="read in order"):
-        stream.get_batch("train", 3, 0, 3, 4, SEQ, 0)
+        stream.train_batches(3)
 
 
 def test_hugging_face_dataset_streams_like_jsonl(prepared, tmp_path):
@@ -120,11 +121,13 @@ def test_hugging_face_dataset_streams_like_jsonl(prepared, tmp_path):
         from_disk = streamed_tokens(stream_for(tmp_path / "hf", data, rank, 2), batches=35)
         assert np.array_equal(from_disk, from_jsonl)
         streamed = StreamingData(hub_like, data.tokenizer, data.directory, rank, 2, val_fraction=0.1, seed=1337)
+        streamed.bind(SEQ, 4, 1, rank, 2, 1337)
         assert np.array_equal(streamed_tokens(streamed, batches=30), from_jsonl[:30 * 4 * SEQ])
         positions = [None, None]
         positions[rank] = list(streamed.train_position)
         resumed = StreamingData(hub_like, data.tokenizer, data.directory, rank, 2, val_fraction=0.1, seed=1337)
-        resumed.restore({"stream": positions}, 30)  # skips ahead in the iterable dataset
+        resumed.bind(SEQ, 4, 1, rank, 2, 1337)
+        resumed.load_state_dict({"stream": positions}, 30)  # skips ahead in the iterable dataset
         assert np.array_equal(streamed_tokens(resumed, batches=5, start=30), from_jsonl[30 * 4 * SEQ:])
 
 
@@ -153,7 +156,7 @@ def test_streaming_trains_and_a_resumed_run_continues_exactly(prepared, tmp_path
     documents, source, data = prepared
     launch(stream_args(tmp_path, source, data.directory, "whole"), ranks=2, cwd=tmp_path)
     step_3 = tmp_path / "checkpoints" / "whole" / "step_3"
-    positions = json.loads((step_3 / "meta.json").read_text())["data_position"]["stream"]
+    positions = json.loads((step_3 / "meta.json").read_text())["state"]["data"]["stream"]
     assert len(positions) == 2 and positions[0] != positions[1]
     launch(stream_args(tmp_path, source, data.directory, "resumed", "--restart_checkpoint_file", step_3),
            ranks=2, cwd=tmp_path)
