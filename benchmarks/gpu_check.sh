@@ -2,13 +2,15 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|loop ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|recipe_s_scaling|gpt2_b32|profile_loop|loop ...]
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_hwloc_base_binding_policy=none
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 MPI="mpiexec --oversubscribe"
+# The training loop issue's recipe S: nanoGPT's Shakespeare-character GPU recipe (configs/shakespeare_char.toml).
+RECIPE_S="--dataset text --input_file data/shakespeare/input.txt --tokenizer char --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --batch_size 64 --dropout 0.2 --no-bias --lr 1e-3 --min_lr 1e-4 --beta2 0.99 --warmup_steps 100 --max_steps 5000 --max_epochs 1000 --precision bf16 --compile --eval_batches 200"
 parts=${*:-tests default throughput}
 
 { nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } | tee "$OUT/env.txt"
@@ -112,6 +114,67 @@ attention)
 loss)
   # The loss head at GPT-2's shape: the fused Triton loss (a few block sizes) against the compiled PyTorch one.
   timeout 150 python3 benchmarks/loss.py 2>&1 | tee "$OUT/loss.log" | grep -E '^\||^tokens' ;;
+recipe_s)
+  # The training loop issue, target 1: nanoGPT's Shakespeare-character recipe through basic_training.py on one
+  # GPU, the issue's command (the text is the shipped tinyshakespeare): evaluation at the end only, then every
+  # 250 steps (best val loss). Wall time includes compilation, evaluation, saving and the 200-token sample.
+  for ev in ${RECIPE_EVALS:-5000 250}; do
+    start=$SECONDS
+    timeout 420 $MPI -n 1 python3 basic_training.py $RECIPE_S --eval_interval $ev --run_name recipe_s_$ev \
+      > "$OUT/recipe_s_$ev.log" 2>&1
+    echo "recipe S, --eval_interval $ev: exit $?, wall $((SECONDS - start)) s"
+    python3 benchmarks/run_summary.py logs/recipe_s_$ev | tee -a "$OUT/summary.txt"
+  done ;;
+nanogpt)
+  # The reference beside it: nanoGPT's own train.py and config/train_shakespeare_char.py, from a copy carried
+  # in .ref/nanogpt (never committed), on the same text.
+  ( cd .ref/nanogpt && python3 data/shakespeare_char/prepare.py > /dev/null && start=$SECONDS \
+    && timeout 420 python3 train.py config/train_shakespeare_char.py > "$OUT/nanogpt.log" 2>&1; \
+    echo "nanoGPT: exit $?, wall $((SECONDS - start)) s" )
+  python3 - "$OUT/nanogpt.log" <<'PY' | tee -a "$OUT/summary.txt"
+import re, statistics, sys
+text = open(sys.argv[1]).read()
+times = [float(t) for i, t in re.findall(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", text) if int(i) >= 100]
+vals = [(int(s), float(v)) for s, v in re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", text)]
+print(f"nanoGPT: step {statistics.median(times):.2f} ms (median of {len(times)} logged iterations from 100); "
+      f"final val {vals[-1][1]:.4f} at step {vals[-1][0]}, best {min(v for _, v in vals):.4f}")
+PY
+  ;;
+recipe_s_scaling)
+  # Target 2: recipe S on 1, 2 and 4 GPUs, batch 64 per GPU, full-shard and no-shard: the step time should stay
+  # within 10% of one GPU's.
+  gpus=$(nvidia-smi -L | wc -l)
+  for g in 1 2 4; do [ $g -le $gpus ] || continue; for s in full-shard no-shard; do
+    [ $g = 1 ] && [ $s = no-shard ] && continue
+    timeout 240 $MPI -n $g python3 basic_training.py $RECIPE_S --max_steps ${SCALING_STEPS:-600} --eval_interval 0 \
+      --eval_batches 20 --num_tokens 0 --sharding $s --run_name rs_${g}_$s > "$OUT/rs_${g}_$s.log" 2>&1
+    echo -n "GPUs $g, $s, exit $?: "; python3 benchmarks/run_summary.py logs/rs_${g}_$s --skip_steps 100 | tee -a "$OUT/summary.txt"
+  done; done ;;
+gpt2_b32)
+  # Target 3: GPT-2 124M (biases), batch 32 per GPU, T=1024, through basic_training.py (the Shakespeare
+  # characters with the vocabulary padded to 50304: the model's work is GPT-2's), one GPU, then every strategy on 4.
+  G="--dataset text --input_file data/shakespeare/input.txt --tokenizer char --vocab_size 50304 --model_preset gpt2 --precision bf16 --compile --batch_size 32 --max_steps ${GPT2_STEPS:-80} --eval_interval 0 --eval_batches 2 --num_tokens 0 --checkpoint_interval 0"
+  IFS=';' read -ra variants <<< "${GPT2_VARIANTS:-1 full-shard;4 full-shard;4 no-shard;4 grad-shard;4 hybrid-full-shard --shard_group_size 2}"
+  for v in "${variants[@]}"; do
+    read -r g s <<< "$v"; name="g2_${g}_${s%% *}"
+    timeout 240 $MPI -n $g python3 basic_training.py $G --sharding $s --run_name $name > "$OUT/$name.log" 2>&1
+    echo -n "GPUs $g, $s, exit $?: "; python3 benchmarks/run_summary.py logs/$name --skip_steps 30 | tee -a "$OUT/summary.txt"
+  done ;;
+profile_loop)
+  # Target 4: host time per step against device time, now and at the commit before this work (a copy carried in
+  # .ref/old), for the tiny model, recipe S and GPT-2 124M at batch 32, on PROFILE_GPUS GPUs.
+  g=${PROFILE_GPUS:-1}
+  P="--precision bf16 --compile --steps 6"
+  declare -A models=([tiny]="--model_preset tiny --vocab_size 65 --batch_size 16"
+                     [recipe_s]="--num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --vocab_size 65 --batch_size 64 --no-bias --dropout 0.2"
+                     [gpt2]="--model_preset gpt2 --vocab_size 50304 --batch_size 32")
+  for m in tiny recipe_s gpt2; do
+    for tree in . .ref/old; do
+      ( cd $tree && timeout 200 $MPI -n $g python3 benchmarks/profile_step.py ${models[$m]} $P > "$OLDPWD/$OUT/profile_${m}_${g}_${tree//[.\/]/}.log" 2>&1 )
+      echo -n "$m on $g GPU(s), $([ $tree = . ] && echo now || echo before): "
+      grep -m1 'per step:' "$OUT/profile_${m}_${g}_${tree//[.\/]/}.log" | tee -a "$OUT/summary.txt"
+    done
+  done ;;
 loop)
   # The real training loop (data, logging, stop agreement, eval and save at the end) beside the benchmark's
   # row: GPT-2 124M shape on the Shakespeare characters (vocab padded to 50304), one GPU, batch 32.

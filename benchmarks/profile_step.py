@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimal_fsdp import environment  # noqa: E402
 from minimal_fsdp.train import train_step  # noqa: E402
-from throughput import build, parse  # noqa: E402  (flags and model as the throughput benchmark builds them)
+from throughput import BENCH_OPTIONS, build, parse  # noqa: E402  (flags and model as the throughput benchmark builds them)
 
 # Kernel name fragments -> kind; the first match wins.
 KINDS = [("communication", ("nccldevkernel",)),
@@ -39,30 +39,31 @@ def kind(name):
 
 
 def main():
-    cfg, options = parse({"steps": (int, 6, "profiled steps"), "out": (str, None, "write a Chrome trace here")})
+    cfg, options = parse({"steps": (int, 6, "profiled steps"), "out": (str, None, "write a Chrome trace here"),
+                          "fsdp_on_one_rank": BENCH_OPTIONS["fsdp_on_one_rank"]})
     steps, out = options["steps"], options["out"]
-    env, config, model, optimizer = build(cfg)
+    env, config, model, optimizer, sync = build(cfg, options["fsdp_on_one_rank"])
     tokens = torch.randint(config.vocab_size, (cfg.batch_size, config.seq_length + 1), device=env.device)
     batch = [(tokens[:, :-1], tokens[:, 1:])]
     for _ in range(5):
-        train_step(model, optimizer, batch, cfg.grad_clip, env.device)
+        train_step(model, optimizer, batch, sync, cfg.grad_clip, env.device)
     torch.cuda.synchronize()
     # Host time: a long sleep kernel keeps the device busy, so issuing one step never waits on it.
     hosts = []
     for _ in range(3):
         torch.cuda._sleep(2_000_000_000)
         t0 = time.perf_counter()
-        train_step(model, optimizer, batch, cfg.grad_clip, env.device)
+        train_step(model, optimizer, batch, sync, cfg.grad_clip, env.device)
         hosts.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        train_step(model, optimizer, batch, cfg.grad_clip, env.device)
+        train_step(model, optimizer, batch, sync, cfg.grad_clip, env.device)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(steps):
-            train_step(model, optimizer, batch, cfg.grad_clip, env.device)
+            train_step(model, optimizer, batch, sync, cfg.grad_clip, env.device)
         torch.cuda.synchronize()
     if env.is_main:
         events = prof.key_averages()

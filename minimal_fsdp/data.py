@@ -39,7 +39,7 @@ def prepared_dir(cfg, tokenizer=None):
         return str(out)
     if cfg.dataset_path:
         raise ConfigError(f"--dataset_path {out} has no meta.json: prepare it first (python -m minimal_fsdp.data "
-                          f"prepare --dataset text --input SOURCE --output {out}), or add --streaming to read "
+                          f"prepare --dataset text --input_file SOURCE --output {out}), or add --streaming to read "
                           "a .jsonl/Hugging Face dataset directly")
     if cfg.dataset == "shakespeare":
         documents = shakespeare_documents(cfg.data_dir)

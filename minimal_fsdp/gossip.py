@@ -140,10 +140,10 @@ class Gossip:
     def micro_step(self, last):
         pass  # a replica never reduces gradients: accumulation is plain autograd accumulation
 
-    def agreed(self, grad_norm):
-        """The mean of the replicas' grad norms (collective): non-finite on every rank if any replica's is, so all
-        ranks skip or stop at the same step."""
-        total = grad_norm.detach().clone()
+    def clip_grad_norm(self, parameters, max_norm):
+        """Clip this replica's own gradient to max_norm; returns the mean of the replicas' grad norms (collective):
+        non-finite on every rank if any replica's is, so all ranks skip or stop at the same step."""
+        total = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm or float("inf")).detach().clone()
         dist.all_reduce(total)
         return total / self.world
 

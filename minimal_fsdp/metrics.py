@@ -106,9 +106,10 @@ class TrainingLog:
         self.losses, self.last_val, self.best_val, self.checkpoint, self.done = [], None, None, None, first_step
         self.print(f"training {schedule.length}" + (f", from step {first_step}" if first_step else ""))
 
-    def print(self, text, stream=sys.stdout):
+    def print(self, text, stream=None):
         if not self.main:
             return
+        stream = stream or sys.stdout
         if self.bar is not None:
             self.bar.write(text, file=stream)
         else:
@@ -126,9 +127,11 @@ class TrainingLog:
             self.bar.update(1)
 
     def row(self, step, lr, grad_norm, **extra):
-        """Collective: log the mean loss of the steps since the last row (this waits for the device)."""
-        loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
-        loss = mean_across_ranks(loss)
+        """Collective: log the mean loss of the steps since the last row (this waits for the device). Steps whose
+        update was skipped have no loss; a window of only those has no row."""
+        if not self.losses:
+            return
+        loss = mean_across_ranks(sum(self.losses) / len(self.losses))
         elapsed = time.perf_counter() - self.window_start - self.paused_time
         steps, self.losses = max(1, step - self.window_first), []
         tok_s = self.tokens_per_step * steps / elapsed

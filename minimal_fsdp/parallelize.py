@@ -18,6 +18,7 @@ import functools
 import zlib
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -111,38 +112,49 @@ def shard(model, plan):
     return model
 
 
-class FSDPSync:
+class LocalSync:
+    """Gradient synchronization of a plain module on one rank: nothing to reduce or gather."""
+
+    def start(self, step):
+        pass
+
+    def micro_step(self, last):
+        pass
+
+    def finish(self):
+        pass
+
+    def clip_grad_norm(self, parameters, max_norm):
+        """The grad norm (a device tensor), after clipping the gradients to max_norm (0: no clipping)."""
+        return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm or float("inf"))
+
+
+class FSDPSync(LocalSync):
     """Gradient synchronization of an FSDP model over the micro-steps of one optimizer step: gradients are reduced
     on the last micro-step only; where parameters stay gathered from forward to backward anyway, they also stay
     gathered across micro-steps and are resharded only after the last one."""
 
     def __init__(self, model, plan):
         self.model, self.stays_gathered = model, plan.stays_gathered
-
-    def start(self, step):
-        pass
+        self.shard_group = plan.mesh.get_group("shard")  # replicas hold the same reduced gradients
 
     def micro_step(self, last):
         self.model.set_requires_gradient_sync(last)
         if self.stays_gathered:
             self.model.set_reshard_after_backward(last)
 
-    def finish(self):
-        pass
-
-    def agreed(self, grad_norm):
-        """The global grad norm as a plain tensor (the same on every rank)."""
-        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-
-
-class LocalSync(FSDPSync):
-    """A world of one: nothing to reduce or gather."""
-
-    def __init__(self):
-        pass
-
-    def micro_step(self, last):
-        pass
+    def clip_grad_norm(self, parameters, max_norm):
+        """The global grad norm (a plain tensor, the same on every rank), after clipping the gradients to max_norm:
+        torch's clip_grad_norm_ formula on the local shards plus one all-reduce of the sum of squares over the
+        shard group. On DTensors torch's version costs DTensor dispatch for every parameter, milliseconds of host
+        time a step that a small model's step cannot hide."""
+        grads = [p.grad.to_local() for p in parameters if p.grad is not None]
+        squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
+        dist.all_reduce(squares, group=self.shard_group)
+        total = squares.sqrt()
+        if max_norm:
+            torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+        return total
 
 
 def gradient_sync(model, plan):

@@ -1,8 +1,8 @@
 """Documents -> train.bin, val.bin (flat token memmaps), meta.json and the tokenizer's files.
 
     python -m minimal_fsdp.data prepare --dataset openwebtext --tokenizer gpt2 --val_fraction 0.0005
-    python -m minimal_fsdp.data prepare --dataset text --input my_docs/ --tokenizer gpt2
-    python -m minimal_fsdp.data prepare --dataset hf --input ./saved_dataset --tokenizer sentencepiece --vocab_size 8000
+    python -m minimal_fsdp.data prepare --dataset text --input_file my_docs/ --tokenizer gpt2
+    python -m minimal_fsdp.data prepare --dataset hf --input_file ./saved_dataset --tokenizer sentencepiece --vocab_size 8000
     python basic_training.py --dataset_path data/openwebtext/gpt2 ...
 
 Each document is tokenized and followed by the end-of-text token, in source order; a document goes to val.bin

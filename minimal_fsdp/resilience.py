@@ -2,9 +2,9 @@
 loss stops the run with the step that broke it.
 
 PBS and SLURM send SIGTERM (or SIGUSR1, e.g. SLURM's --signal=USR1@120) some time before they kill a job,
-not necessarily to every rank. A handler just records the signal; at every step boundary
-all ranks combine what they know in one tiny all_reduce(MAX), so they stop together at the same step,
-save a checkpoint and exit 0. A rank never stops alone, so no rank is left waiting in a collective.
+not necessarily to every rank. A handler just records the signal; at every logging step (--log_interval) all
+ranks combine what they know in one tiny all_reduce(MAX), so they stop together at the same step, save a
+checkpoint and exit 0. Checking only there keeps the ranks' hosts from waiting for each other every step. A rank never stops alone, so no rank is left waiting in a collective.
 """
 import math
 import signal
@@ -23,7 +23,8 @@ class Diverged(RuntimeError):
 
 
 class StopRequests:
-    """Created when the run starts (the --time_limit clock starts then); `agreed()` is called once per step."""
+    """Created when the run starts (the --time_limit clock starts then); `agreed()` is called at every logging
+    step (every --log_interval steps) and before every save."""
 
     def __init__(self, time_limit_seconds=None):
         self.start = monotonic()

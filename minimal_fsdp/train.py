@@ -43,6 +43,9 @@ class Schedule:
         """saved: the schedule's state_dict from the checkpoint being resumed, if any."""
         last_step, length = run_length(cfg, steps_per_epoch)
         decay_steps = cfg.lr_decay_steps or (saved or {}).get("lr_decay_steps") or last_step
+        if decay_steps != last_step and not cfg.lr_decay_steps:
+            length += (f"; the LR schedule spans {decay_steps} steps, as when the run began (--lr_decay_steps "
+                       "changes it)")
         min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
         return cls(cfg.lr, min_lr, cfg.warmup_steps, decay_steps, last_step, length)
 
@@ -78,8 +81,8 @@ def _to_device(batch, device):
 
 def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0, skip_nonfinite=False):
     """One optimizer step over a list of (inputs, targets) micro-batches; returns the mean loss and the global
-    grad norm, both device tensors (the norm as `sync` agrees it: the same on every rank). sync synchronizes
-    gradients: parallelize.gradient_sync (FSDP or a plain module) or gossip.Gossip. With skip_nonfinite an
+    grad norm, both device tensors (the norm the same on every rank). sync synchronizes and clips gradients:
+    parallelize.gradient_sync (FSDP or a plain module) or gossip.Gossip. With skip_nonfinite an
     update with a NaN/Inf grad norm is not applied (it would poison every weight); that check waits for the
     device, so it is made only when asked for."""
     sync.start(step)  # gossip: parameters travel to the neighbours while forward and backward run
@@ -91,7 +94,7 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
         loss.backward()
         loss_sum += loss.detach()
     sync.finish()  # gossip: parameters <- the neighbours' weighted average; this step's update lands on it
-    grad_norm = sync.agreed(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf")))
+    grad_norm = sync.clip_grad_norm(model.parameters(), grad_clip)
     if not skip_nonfinite or torch.isfinite(grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -101,8 +101,6 @@ seconds() {  # [[HH:]MM:]SS -> seconds
 run_progress() {
     PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m minimal_fsdp.checkpoint progress "$@"
 }
-print(meta.get("step", 0), meta.get("last_step", "none"))' "$@"
-}
 
 chain_start() {
     : "${JOB_SCRIPT:?is not set: CHAIN=1 is for pbs/train_single_node.sh and pbs/train_multi_node.sh}"

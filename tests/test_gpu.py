@@ -52,3 +52,25 @@ def test_generation_only_on_one_and_two_gpus(tmp_path, corpus):
     one = sample_of(launch(gen, ranks=1, cwd=tmp_path).stdout)
     two = sample_of(launch([*gen, "--sharding", "grad-shard"], ranks=2, cwd=tmp_path).stdout)
     assert len(one) == len("ROMEO:") + 64 and one == two
+
+
+@pytest.mark.parametrize("extra,precision", [([], "float32"), ([], "bf16"), (["--compile"], "float32"),
+                                             (["--compile", "--activation_checkpoints"], "bf16")],
+                         ids=["fp32", "bf16", "compiled", "compiled-checkpointed-bf16"])
+def test_one_gpu_trains_without_fsdp_like_the_reference(tmp_path, corpus, extra, precision):
+    """One rank trains a plain module (whole-model compile, autocast for bf16), not FSDP: same numbers."""
+    args = train_args(corpus, "one", [*extra, "--precision", precision])
+    out = launch(args, ranks=1, cwd=tmp_path)
+    assert "no FSDP: one rank holds the whole model" in out.stdout
+    ref_losses, _ = reference(args, world=1, device="cuda")
+    assert logged_losses(corpus.parent, "one") == pytest.approx(ref_losses, **TOLERANCE[precision])
+
+
+def test_a_one_gpu_checkpoint_resumes_on_two_gpus_and_back(tmp_path, corpus):
+    """The plain module's checkpoints are FSDP's format: 1 GPU -> 2 GPUs (FSDP) -> 1 GPU, every launch resuming."""
+    base = train_args(corpus, "moves", ["--precision", "bf16", "--lr_decay_steps", 6, "--checkpoint_interval", 2])
+    for ranks, steps in ((1, 2), (2, 4), (1, 6)):
+        out = launch([*base, "--max_steps", steps], ranks=ranks, cwd=tmp_path)
+        assert steps == 2 or f"resuming from {tmp_path / 'checkpoints' / 'moves' / f'step_{steps - 2}'}" in out.stdout
+    losses = logged_losses(corpus.parent, "moves")
+    assert len(losses) == 6 and losses[-1] < losses[0]

@@ -2,6 +2,7 @@
 TensorBoard's event file, a loadable config.toml, and a startup banner; wandb works offline; plots."""
 import importlib.util
 import json
+import sys
 
 
 import pytest

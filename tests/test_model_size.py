@@ -134,7 +134,7 @@ def test_estimate_within_25_percent_of_cuda_peak(one_rank_group, model_type, con
 
 @pytest.mark.parametrize("model_type,preset", [("gpt", "gpt2-xl"), ("llama", "llama2-70b"), ("llama", "llama3-8b")])
 def test_parameter_counts_match_the_built_model(model_type, preset):
-    config = (make_llama if model_type == "llama" else make_gpt)(preset)
+    config = make_config(model_type, preset)
     sizes = model_size.count_parameters(model_type, config)
     with torch.device("meta"):
         model = MODELS[model_type](config)

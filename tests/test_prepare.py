@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_MODEL, launch, make_text
-from minimal_fsdp import checkpoint, prepare
+from minimal_fsdp import checkpoint, documents, prepare
 from minimal_fsdp.config import ConfigError
 from minimal_fsdp.data import TokenData
 from minimal_fsdp.documents import encode_document, is_val, open_documents
@@ -142,7 +142,7 @@ def test_trainer_reads_a_prepared_directory(tmp_path):
     launch(["--dataset_path", out, *TINY_MODEL, "--max_steps", 3, "--eval_interval", 0, "--log_interval", 1],
            ranks=2, cwd=tmp_path)
     saved = checkpoint.latest(tmp_path / "checkpoints" / "shakespeare")
-    assert checkpoint.read_meta(saved)["data_position"] == {"train_blocks_seen": 3 * 2 * 4}
+    assert checkpoint.read_meta(saved)["state"]["data"] == {"train_blocks_seen": 3 * 2 * 4}
     assert load_tokenizer(saved).chars == TokenData(out).tokenizer.chars
 
 
@@ -155,6 +155,7 @@ def test_hub_names_reach_load_dataset_with_their_config(tmp_path, monkeypatch):
         return datasets.Dataset.from_dict({"text": make_documents(40)})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(documents, "reachable", lambda url: True)  # the hub "answers"; the fake serves it
     run_cli("--dataset", "hf", "--input_file", "allenai/c4:en", "--tokenizer", "char", "--data_dir", tmp_path / "data")
     assert calls == [("allenai/c4", "en", "train", False)]
     assert (tmp_path / "data" / "c4" / "char" / "meta.json").exists()
