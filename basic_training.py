@@ -109,6 +109,14 @@ def train_model(cfg, env, mesh, start, hf_dir, stop):
                               "or start another --run_name")
         # Continue the data stream where the checkpoint left it (also on another world or batch size).
         data.restore(saved.get("data_position"), saved.get("train_batches", saved["step"] * cfg.grad_accum_steps))
+    meta = {"model": model_config.to_dict(), "model_type": model_config.model_type, "config": dataclasses.asdict(cfg)}
+    if cfg.device == "xla":  # its own sharding, optimizer, checkpoints and loop (minimal_fsdp/xla.py)
+        from minimal_fsdp import xla
+        saved_to = xla.train(MODELS[model_config.model_type][0], model_config, data, cfg, env, start, saved, hf_dir,
+                             meta, stop)
+        # The sample comes from the checkpoint just saved, generated on this host as --max_epochs -1 does.
+        sample = cfg.num_tokens > 0 and not stop.reason
+        return model_for_generation(cfg, env, mesh, saved_to, None) if sample else (None, data.tokenizer)
     # A model that gets Hugging Face weights is built on the meta device (as --meta_init), so no rank ever
     # holds more than its shard of it.
     build_cfg = dataclasses.replace(cfg, meta_init=True) if hf_dir else cfg
@@ -122,7 +130,6 @@ def train_model(cfg, env, mesh, start, hf_dir, stop):
         hf.load_weights(model, hf_dir, model_config.model_type)
     if env.is_main:
         print(banner(cfg, env, mesh, model, start), flush=True)
-    meta = {"model": model_config.to_dict(), "model_type": model_config.model_type, "config": dataclasses.asdict(cfg)}
     with stop.listening():
         train(model, optimizer, data, cfg, env, Path(cfg.checkpoint_dir) / cfg.run_name, meta, saved, stop)
     return model, data.tokenizer
@@ -132,6 +139,9 @@ def main(argv=None):
     cfg = parse_args(argv)
     stop = resilience.StopRequests(cfg.time_limit_seconds)  # --time_limit counts from here
     env = environment.setup(cfg)
+    if cfg.device == "xla":  # SPMD over this host's devices; the hosts' process group (minimal_fsdp/xla.py)
+        from minimal_fsdp import xla
+        env = xla.setup(cfg, env)
     validate_world(cfg, env.world_size, env.local_world_size)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     mesh = build_mesh(cfg, env)

@@ -77,10 +77,10 @@ def _state(model, optimizer):
 
 # ---- saving ----
 
-def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, state=None):
+def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, state=None, planner=None):
     """Collective: every rank writes its shards and RNG states; rank 0 finishes the directory, renames it
     into place, then moves `latest` (and `best`) and prunes to --keep_last. `state` replaces the model and
-    optimizer state when given (decentralized replicas: save_replicas)."""
+    optimizer state when given (decentralized replicas: save_replicas; xla.py), `planner` DCP's save planner."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step_{step}", run_dir / f".tmp-step_{step}"
     rank = dist.get_rank()
@@ -90,7 +90,7 @@ def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0,
         tmp.mkdir(parents=True)
     dist.barrier()
     _write_durably(tmp / _rng_file(rank), _rng_bytes())
-    dcp.save(_state(model, optimizer) if state is None else state, checkpoint_id=str(tmp))  # ends with a gather: every rank has written
+    dcp.save(_state(model, optimizer) if state is None else state, checkpoint_id=str(tmp), planner=planner)  # ends with a gather: every rank has written
     if rank == 0:
         meta = dict(meta, step=step, world_size=dist.get_world_size())
         _write_durably(tmp / "meta.json", json.dumps(meta, indent=1).encode())

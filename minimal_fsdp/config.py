@@ -30,6 +30,7 @@ SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid
 DATA_PARALLEL = ("allreduce", "decentralized")
 TOPOLOGY = ("complete", "ring", "exp", "alternating-exp-ring")
 PRECISION = ("float32", "bf16")
+DEVICE = ("auto", "xla")
 
 
 @dataclass
@@ -70,6 +71,9 @@ class Config:
                             "nanoGPT's benchmark setting and a little faster)", section="model")
 
     # parallelism
+    device: str = flag("auto", "auto: CUDA GPUs if present, else CPU; xla: PyTorch/XLA (TPU, or XLA:CPU with "
+                       "PJRT_DEVICE=CPU), one process per host, parameters sharded over all devices with SPMD "
+                       "(docs/xla.md)", DEVICE, "parallel")
     sharding: str = flag("full-shard", "FSDP sharding strategy", SHARDING, "parallel")
     shard_group_size: int = flag(None, "ranks per shard group for hybrid sharding (default: ranks per node)",
                                  section="parallel")
@@ -348,6 +352,7 @@ def validate(cfg):
     elif cfg.bias is not None:
         raise ConfigError("--bias/--no-bias is a gpt flag (llama has no biases): drop it")
     validate_decentralized(cfg)
+    validate_xla(cfg)
 
 
 def model_family(cfg):
@@ -373,8 +378,27 @@ def validate_decentralized(cfg):
         raise ConfigError("--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it")
 
 
+def validate_xla(cfg):
+    """--device xla trains one way (xla.py): every parameter sharded over every device, no CPU offload."""
+    if cfg.device != "xla":
+        return
+    if importlib.util.find_spec("torch_xla") is None:
+        raise ConfigError("--device xla needs torch_xla: pip install -e '.[xla]' (torch_xla 2.9 with torch 2.9)")
+    unsupported = {"sharding": cfg.sharding != "full-shard", "shard_group_size": cfg.shard_group_size is not None,
+                   "data_parallel": cfg.data_parallel != "allreduce", "cpu_offload": cfg.cpu_offload,
+                   "meta_init": cfg.meta_init, "compile": cfg.compile, "recompute": cfg.recompute != "full"}
+    for name, given in unsupported.items():
+        if given:
+            raise ConfigError(f"--{name} is not available with --device xla, which shards every parameter over "
+                              "all devices with SPMD and compiles each step whole (docs/xla.md): drop it")
+
+
 def validate_world(cfg, world_size, local_world_size):
     """Checks that need the launch layout; same inputs on every rank, so the same verdict everywhere."""
+    if cfg.device == "xla" and local_world_size > 1:
+        raise ConfigError(f"--device xla runs one process per host, which drives all of the host's devices, but "
+                          f"{local_world_size} ranks share this host: launch one rank per host (mpiexec -n HOSTS "
+                          "-ppn 1, or plain python on one host)")
     if cfg.sharding.startswith("hybrid"):
         group = cfg.shard_group_size or local_world_size
         if world_size % group:
