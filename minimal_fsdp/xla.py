@@ -22,6 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+# DCP's own flattening (private, as DefaultSavePlanner uses it); torch_xla's planners keep a copy from 2023 that
+# saves optim.param_groups as one entry, where our layout has optim.param_groups.0.lr, ...
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from tqdm import tqdm
@@ -143,7 +146,8 @@ def _optimizer_renamed(state, rename):
 
 def _state(model, optimizer):
     """checkpoint._state's dict, with FSDPv2's wrappers left out of the names (model.blocks.0.attn.qkv.weight,
-    optim.state.wte.weight.exp_avg, ...); its values are the live tensors, sharded on the devices."""
+    optim.state.wte.weight.exp_avg, ...); its values are the live tensors, sharded on the devices. Flattened
+    (flatten_state_dict) before it meets torch_xla's planners, so it is saved under checkpoint.py's keys."""
     saved_name = lambda name: name.replace(WRAPPED, "")  # noqa: E731
     state = {"model": {saved_name(name): value for name, value in get_model_state_dict(model).items()}}
     if optimizer is not None:  # get_optimizer_state_dict creates the AdamW moments of a fresh optimizer
@@ -155,15 +159,16 @@ def save(run_dir, step, model, optimizer, meta, tokenizer_dir, keep_last):
     """checkpoint.save's directory protocol (temporary directory, rename, `latest`, `best`, --keep_last), each host
     writing its own shards."""
     return checkpoint.save(run_dir, step, model, optimizer, meta, tokenizer_dir, keep_last,
-                           state=_state(model, optimizer), planner=SPMDSavePlanner())
+                           state=flatten_state_dict(_state(model, optimizer))[0], planner=SPMDSavePlanner())
 
 
 def load(path, model, optimizer=None):
     """Load a checkpoint of any run (XLA, CPU or CUDA, any number of devices or ranks) into the sharded model
     and optimizer, in place."""
-    state = _state(model, optimizer)
+    flat, paths = flatten_state_dict(_state(model, optimizer))
     torch_xla.sync()  # materialize a fresh optimizer's moments, sharded as their parameters
-    dcp.load(state, storage_reader=checkpoint.SafeReader(str(path)), planner=SafeLoadPlanner())
+    dcp.load(flat, storage_reader=checkpoint.SafeReader(str(path)), planner=SafeLoadPlanner())
+    state = unflatten_state_dict(flat, paths)  # the tensors were loaded in place; the hyperparameters replaced
     if optimizer is not None:
         ours = {name.replace(WRAPPED, ""): name for name, _ in model.named_parameters()}
         kernels = [{key: group[key] for key in ("fused", "foreach")} for group in optimizer.param_groups]
