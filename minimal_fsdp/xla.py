@@ -13,6 +13,7 @@ they load in CPU/CUDA runs and back. Generation runs on the host from the saved 
 import dataclasses
 import datetime
 import functools
+import os
 import time
 import warnings
 from pathlib import Path
@@ -59,6 +60,12 @@ class Devices:
     local: int
     total: int
 
+    @classmethod
+    def discover(cls):
+        total = xr.global_runtime_device_count()
+        mesh = xs.Mesh(np.arange(total), (total,), ("fsdp",))
+        return cls(torch_xla.device(), mesh, xr.addressable_runtime_device_count(), total)
+
     def batch(self, data, split, index, cfg, seq_length, env):
         """Micro-batch `index` as one global (inputs, targets) pair sharded by rows over the devices. This host
         reads only its own rows, --batch_size per local device (minibatch: torch_xla joins the hosts' rows)."""
@@ -76,6 +83,8 @@ def setup(cfg, env):
     hosts = xr.process_count()
     if env.launcher == "single" and hosts > 1:
         dist.destroy_process_group()
+        if os.environ.get("MASTER_ADDR") == "127.0.0.1":  # our one-process default: xla:// finds the first host
+            del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
         dist.init_process_group("gloo", init_method="xla://",
                                 timeout=datetime.timedelta(seconds=cfg.collective_timeout))
         env = dataclasses.replace(env, rank=dist.get_rank(), world_size=hosts, num_nodes=hosts, launcher="xla")
@@ -87,12 +96,6 @@ def setup(cfg, env):
         raise ConfigError(f"--precision bf16 under --device xla needs a TPU or Trainium (torch_xla's autocast); "
                           f"this is XLA:{hardware}: use --precision float32")
     return env
-
-
-def devices():
-    total = xr.global_runtime_device_count()
-    mesh = xs.Mesh(np.arange(total), (total,), ("fsdp",))
-    return Devices(torch_xla.device(), mesh, xr.addressable_runtime_device_count(), total)
 
 
 # ---- the model and optimizer ----
@@ -138,6 +141,10 @@ class SafeLoadPlanner(SPMDLoadPlanner):
     load_bytes = checkpoint.SafeLoadPlanner.load_bytes
 
 
+def _saved_name(name):
+    return name.replace(WRAPPED, "")
+
+
 def _optimizer_renamed(state, rename):
     return {"state": {rename(name): value for name, value in state["state"].items()},
             "param_groups": [dict(group, params=[rename(name) for name in group["params"]])
@@ -148,10 +155,9 @@ def _state(model, optimizer):
     """checkpoint._state's dict, with FSDPv2's wrappers left out of the names (model.blocks.0.attn.qkv.weight,
     optim.state.wte.weight.exp_avg, ...); its values are the live tensors, sharded on the devices. Flattened
     (flatten_state_dict) before it meets torch_xla's planners, so it is saved under checkpoint.py's keys."""
-    saved_name = lambda name: name.replace(WRAPPED, "")  # noqa: E731
-    state = {"model": {saved_name(name): value for name, value in get_model_state_dict(model).items()}}
+    state = {"model": {_saved_name(name): value for name, value in get_model_state_dict(model).items()}}
     if optimizer is not None:  # get_optimizer_state_dict creates the AdamW moments of a fresh optimizer
-        state["optim"] = _optimizer_renamed(get_optimizer_state_dict(model, optimizer), saved_name)
+        state["optim"] = _optimizer_renamed(get_optimizer_state_dict(model, optimizer), _saved_name)
     return state
 
 
@@ -170,7 +176,7 @@ def load(path, model, optimizer=None):
     dcp.load(flat, storage_reader=checkpoint.SafeReader(str(path)), planner=SafeLoadPlanner())
     state = unflatten_state_dict(flat, paths)  # the tensors were loaded in place; the hyperparameters replaced
     if optimizer is not None:
-        ours = {name.replace(WRAPPED, ""): name for name, _ in model.named_parameters()}
+        ours = {_saved_name(name): name for name, _ in model.named_parameters()}
         kernels = [{key: group[key] for key in ("fused", "foreach")} for group in optimizer.param_groups]
         set_optimizer_state_dict(model, optimizer, _optimizer_renamed(state["optim"], ours.__getitem__))
         for group, own in zip(optimizer.param_groups, kernels):
@@ -211,8 +217,8 @@ def train(model_cls, model_config, data, cfg, env, start, saved, hf_dir, meta, s
     """Build (or resume) the sharded model and train it to the end as train.train does: warmup + cosine LR,
     clipping, accumulation, evaluation, metrics, checkpoints at epoch ends, every --checkpoint_interval, at the
     end and on an agreed stop. Returns the last checkpoint written."""
-    devices_ = devices()
-    model = build_model(model_cls, model_config, cfg, devices_.mesh, None if start else hf_dir)
+    devices = Devices.discover()
+    model = build_model(model_cls, model_config, cfg, devices.mesh, None if start else hf_dir)
     optimizer = build_optimizer(model, cfg)
     saved = saved or {}
     if start is not None:
@@ -220,31 +226,31 @@ def train(model_cls, model_config, data, cfg, env, start, saved, hf_dir, meta, s
         checkpoint.restore_rng(start, env.rank, env.world_size, cfg.seed)
     xm.set_rng_state(cfg.seed * 1_000_003 + saved.get("step", 0))  # dropout masks, seeded per launch
     if env.is_main:
-        print(_banner(cfg, env, devices_, model, start), flush=True)
+        print(_banner(cfg, env, devices, model, start), flush=True)
     with stop.listening():
-        last = _loop(model, optimizer, data, cfg, env, devices_, Path(cfg.checkpoint_dir) / cfg.run_name, meta,
+        last = _loop(model, optimizer, data, cfg, env, devices, Path(cfg.checkpoint_dir) / cfg.run_name, meta,
                      saved, stop)
     return last or start  # nothing was left to train: the checkpoint it resumed
 
 
-def _banner(cfg, env, devices_, model, start):
+def _banner(cfg, env, devices, model, start):
     """metrics.banner with the XLA layout in its first line."""
-    mesh = SimpleNamespace(mesh_dim_names=("fsdp",), shape=(devices_.total,))
-    text = banner(cfg, dataclasses.replace(env, device=devices_.device), mesh, model, start).split("\n", 1)[1]
-    return (f"launch: {env.world_size} host(s) x {devices_.local} {xr.device_type()} device(s)/host, started by "
-            f"{env.launcher}; torch_xla SPMD, mesh fsdp={devices_.total} (FSDPv2)\n" + text)
+    mesh = SimpleNamespace(mesh_dim_names=("fsdp",), shape=(devices.total,))
+    text = banner(cfg, dataclasses.replace(env, device=devices.device), mesh, model, start).split("\n", 1)[1]
+    return (f"launch: {env.world_size} host(s) x {devices.local} {xr.device_type()} device(s)/host, started by "
+            f"{env.launcher}; torch_xla SPMD, mesh fsdp={devices.total} (FSDPv2)\n" + text)
 
 
-def _loop(model, optimizer, data, cfg, env, devices_, run_dir, meta, saved, stop):
+def _loop(model, optimizer, data, cfg, env, devices, run_dir, meta, saved, stop):
     seq_length = model.config.seq_length
     train_tokens = data.num_tokens("train")  # None for a stream
     # Each device is one data-parallel "rank" of --batch_size sequences.
-    per_epoch = None if train_tokens is None else steps_per_epoch(cfg, devices_.total, train_tokens, seq_length)
+    per_epoch = None if train_tokens is None else steps_per_epoch(cfg, devices.total, train_tokens, seq_length)
     last = total_steps(cfg, per_epoch)
     start_step = saved.get("step", 0)
     decay_steps = cfg.lr_decay_steps or saved.get("lr_decay_steps") or last
     first_batch = saved.get("train_batches", start_step * cfg.grad_accum_steps)
-    tokens_per_step = devices_.total * cfg.batch_size * cfg.grad_accum_steps * seq_length
+    tokens_per_step = devices.total * cfg.batch_size * cfg.grad_accum_steps * seq_length
     metrics = Metrics(cfg)
     bar = tqdm(total=last, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="train",
                mininterval=1.0)
@@ -257,7 +263,7 @@ def _loop(model, optimizer, data, cfg, env, devices_, run_dir, meta, saved, stop
         for group in optimizer.param_groups:
             group["lr"] = lr  # a Python number is passed to the compiled step as data: no recompilation
         batch = first_batch + (step - start_step) * cfg.grad_accum_steps
-        micro_batches = [devices_.batch(data, "train", batch + micro, cfg, seq_length, env)
+        micro_batches = [devices.batch(data, "train", batch + micro, cfg, seq_length, env)
                          for micro in range(cfg.grad_accum_steps)]
         loss, grad_norm = train_step(model, optimizer, micro_batches, cfg)
         done = step + 1
@@ -280,7 +286,7 @@ def _loop(model, optimizer, data, cfg, env, devices_, run_dir, meta, saved, stop
         evaluate_now = cfg.eval_interval and done % cfg.eval_interval == 0 or scheduled_save
         pause = _synced_clock() if evaluate_now else None
         if evaluate_now:
-            val_loss = evaluate(model, data, cfg, env, devices_, seq_length)
+            val_loss = evaluate(model, data, cfg, env, devices, seq_length)
             metrics.log(step=done, val_loss=val_loss)
             if env.is_main:
                 bar.write(f"step {done}: val loss {val_loss:.4f}")
@@ -291,7 +297,7 @@ def _loop(model, optimizer, data, cfg, env, devices_, run_dir, meta, saved, stop
             next_batch = batch + cfg.grad_accum_steps
             progress = dict(epoch=done // per_epoch if per_epoch else None, lr_decay_steps=decay_steps,
                             val_loss=val_loss, train_batches=next_batch,
-                            data_position=data.position(next_batch, devices_.total, cfg.batch_size))
+                            data_position=data.position(next_batch, devices.total, cfg.batch_size))
             saved_to = save(run_dir, done, model, optimizer, dict(meta, **progress), data.directory, cfg.keep_last)
         if stop_reason:
             if env.is_main:
