@@ -18,6 +18,8 @@ setup(
         "wandb": ["wandb"],  # --wandb
         "plot": ["matplotlib"],  # python -m minimal_fsdp.plot
         "debug": ["debugpy"],  # attaching VS Code to one rank (.vscode/launch.json)
+        # --device xla (docs/xla.md): torch_xla's last release, 2.9, works with torch 2.9 only.
+        "xla": ["torch==2.9.*", "torch_xla==2.9.*"],
         # --hf_model with a hub name (a local directory needs nothing extra).
         "hf": ["huggingface_hub"],
         # pyyaml: the Kubernetes manifest test; transformers only checks our Hugging Face import/export in the

@@ -26,6 +26,7 @@ Loading never runs code from the files: DCP's .metadata pickle is read by an unp
 plain classes it is made of, and everything else with json or torch.load(weights_only=True).
 """
 import dataclasses
+import enum
 import importlib
 import io
 import json
@@ -88,6 +89,13 @@ def _build(unpickler):
     pickle._Unpickler.dispatch[pickle.BUILD[0]](unpickler)
 
 
+def _enum_member(cls, name):
+    """getattr limited to a member of one of the allowed Enum classes (any other getattr could reach code)."""
+    if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"checkpoint metadata reads an attribute of {cls!r}, which is not allowed")
+
+
 class _MetadataUnpickler(pickle._Unpickler):
     """The pure-Python unpickler (its opcode table can be changed; the C one's cannot) with find_class limited
     to _ALLOWED. A name is looked up as one attribute, never as a dotted path (protocol 4 would otherwise
@@ -97,6 +105,8 @@ class _MetadataUnpickler(pickle._Unpickler):
     dispatch[pickle.BUILD[0]] = _build
 
     def find_class(self, module, name):
+        if (module, name) == ("builtins", "getattr"):  # Python 3.11.2 pickles an Enum member as getattr(cls, name)
+            return _enum_member
         if (module, name) not in _ALLOWED:
             raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
         return getattr(importlib.import_module(module), name)
@@ -164,11 +174,12 @@ class Checkpointer:
 
 # ---- saving ----
 
-def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, state=None):
+def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, state=None, planner=None):
     """Collective: every rank writes its shards, its RNG states and their checksums; rank 0 finishes the
     directory, renames it into place, then moves `latest` (the commit) and `best`, and prunes to --keep_last.
-    `state` replaces the model and optimizer state when given (decentralized replicas: save_replicas).
-    If any rank fails (a full disk, say), every rank raises SaveError and the partial directory is removed."""
+    `state` replaces the model and optimizer state when given (decentralized replicas: save_replicas; xla.py),
+    `planner` DCP's save planner. If any rank fails (a full disk, say), every rank raises SaveError and the
+    partial directory is removed."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step_{step}", run_dir / f".tmp-step_{step}"
     rank = dist.get_rank()
@@ -184,7 +195,7 @@ def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0,
     _gather_or_fail(f"cannot start checkpoint {final}", error, tmp)  # the others wait here for the directory
     try:
         # DCP gathers the ranks' failures and raises them on every rank, so all reach the gather below.
-        dcp.save(_state(model, optimizer) if state is None else state, checkpoint_id=str(tmp))
+        dcp.save(_state(model, optimizer) if state is None else state, checkpoint_id=str(tmp), planner=planner)
         _write_durably(tmp / _rng_file(rank), _rng_bytes())
         mine = _checksums(tmp, [_rng_file(rank)] + sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp")))
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - a full disk, as OSError or inside DCP's

@@ -44,6 +44,7 @@ def flag(default, help, choices=None, section="train"):
 # Preset names of each --model; "tiny" exists in both. The choices below live in the modules that act on them.
 MODEL_PRESETS = {"gpt": tuple(GPT_PRESETS), "llama": tuple(LLAMA_PRESETS)}
 SHAPE_FLAGS = ("num_layers", "num_heads", "embed_size", "vocab_size", "num_kv_heads", "intermediate_size", "bias")
+DEVICE = ("auto", "xla")
 
 
 @dataclass
@@ -84,6 +85,9 @@ class Config:
                             "nanoGPT's benchmark setting and a little faster)", section="model")
 
     # parallelism
+    device: str = flag("auto", "auto: CUDA GPUs if present, else CPU; xla: PyTorch/XLA (TPU, or XLA:CPU with "
+                       "PJRT_DEVICE=CPU), one process per host, parameters sharded over all devices with SPMD "
+                       "(docs/xla.md)", DEVICE, "parallel")
     sharding: str = flag("full-shard", "FSDP sharding strategy", SHARDING, "parallel")
     shard_group_size: int = flag(None, "ranks per shard group for hybrid sharding (default: ranks per node)",
                                  section="parallel")
@@ -368,6 +372,7 @@ def validate(cfg):
     elif cfg.bias is not None:
         raise ConfigError("--bias/--no-bias is a gpt flag (llama has no biases): drop it")
     validate_decentralized(cfg)
+    validate_xla(cfg)
 
 
 def _check_range(cfg, name, low, high=None, low_ok=True, note=""):
@@ -429,9 +434,28 @@ def validate_decentralized(cfg):
         raise ConfigError("--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it")
 
 
+def validate_xla(cfg):
+    """--device xla trains one way (xla.py): every parameter sharded over every device, no CPU offload."""
+    if cfg.device != "xla":
+        return
+    if importlib.util.find_spec("torch_xla") is None:
+        raise ConfigError("--device xla needs torch_xla: pip install -e '.[xla]' (torch_xla 2.9 with torch 2.9)")
+    unsupported = {"sharding": cfg.sharding != "full-shard", "shard_group_size": cfg.shard_group_size is not None,
+                   "data_parallel": cfg.data_parallel != "allreduce", "cpu_offload": cfg.cpu_offload,
+                   "meta_init": cfg.meta_init, "compile": cfg.compile, "recompute": cfg.recompute != "full"}
+    for name, given in unsupported.items():
+        if given:
+            raise ConfigError(f"--{name} is not available with --device xla, which shards every parameter over "
+                              "all devices with SPMD and compiles each step whole (docs/xla.md): drop it")
+
+
 def validate_world(cfg, world_size, local_world_size, local_world_sizes=()):
     """Checks that need the launch layout; same inputs on every rank, so the same verdict everywhere.
     local_world_sizes: every rank's local world size, gathered (a rank's own can differ from the others')."""
+    if cfg.device == "xla" and local_world_size > 1:
+        raise ConfigError(f"--device xla runs one process per host, which drives all of the host's devices, but "
+                          f"{local_world_size} ranks share this host: launch one rank per host (mpiexec -n HOSTS "
+                          "-ppn 1, or plain python on one host)")
     if cfg.sharding.startswith("hybrid"):
         if not cfg.shard_group_size and len(set(local_world_sizes)) > 1:
             sizes = ", ".join(map(str, sorted(set(local_world_sizes))))

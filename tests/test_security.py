@@ -70,6 +70,8 @@ def hostile(marker):
         ("REDUCE on an allowed class with junk", b"\x80\x04" + text("torch") + text("Size") + b"\x93" + text(cmd)
          + b"\x85R."),
         ("persistent id", b"Pos.system\n."),
+        ("getattr of an allowed class", b"\x80\x04" + text("builtins") + text("getattr") + b"\x93"
+         + text("torch.distributed.checkpoint.metadata") + text("Metadata") + b"\x93" + text("__init__") + b"\x86R."),
     ]
     return payloads
 
@@ -102,6 +104,15 @@ def test_hostile_payload_nested_in_valid_metadata_is_refused(tmp_path, real_meta
         with pytest.raises(pickle.UnpicklingError, match="not allowed"):
             checkpoint.read_dcp_metadata(path)
         assert not marker.exists()
+
+
+def test_an_enum_member_pickled_as_getattr_loads(tmp_path):
+    """Python 3.11.2 pickles an Enum member as builtins.getattr(cls, name): that one getattr is allowed."""
+    text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()  # noqa: E731
+    path = tmp_path / "metadata"
+    path.write_bytes(b"\x80\x04" + text("builtins") + text("getattr") + b"\x93" + text(dcp_metadata.__name__)
+                     + text("_MEM_FORMAT_ENCODING") + b"\x93" + text("TORCH_CONTIGUOUS_FORMAT") + b"\x86R.")
+    assert checkpoint.read_dcp_metadata(path) is dcp_metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
 
 
 def test_genuine_metadata_loads_in_every_protocol_from_2(tmp_path, real_metadata):
