@@ -4,7 +4,7 @@
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
 # Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|recipe_s_scaling|gpt2_b32|profile_loop|loop ...]
 set -u
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: some parts change directory
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_hwloc_base_binding_policy=none
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -122,7 +122,7 @@ recipe_s)
     start=$SECONDS
     timeout 420 $MPI -n 1 python3 basic_training.py $RECIPE_S --eval_interval $ev --run_name recipe_s_$ev \
       > "$OUT/recipe_s_$ev.log" 2>&1
-    echo "recipe S, --eval_interval $ev: exit $?, wall $((SECONDS - start)) s"
+    echo "recipe S, --eval_interval $ev: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
     python3 benchmarks/run_summary.py logs/recipe_s_$ev | tee -a "$OUT/summary.txt"
   done ;;
 nanogpt)
@@ -130,7 +130,7 @@ nanogpt)
   # in .ref/nanogpt (never committed), on the same text.
   ( cd .ref/nanogpt && python3 data/shakespeare_char/prepare.py > /dev/null && start=$SECONDS \
     && timeout 420 python3 train.py config/train_shakespeare_char.py > "$OUT/nanogpt.log" 2>&1; \
-    echo "nanoGPT: exit $?, wall $((SECONDS - start)) s" )
+    echo "nanoGPT: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/summary.txt" )
   python3 - "$OUT/nanogpt.log" <<'PY' | tee -a "$OUT/summary.txt"
 import re, statistics, sys
 text = open(sys.argv[1]).read()
@@ -170,7 +170,7 @@ profile_loop)
                      [gpt2]="--model_preset gpt2 --vocab_size 50304 --batch_size 32")
   for m in tiny recipe_s gpt2; do
     for tree in . .ref/old; do
-      ( cd $tree && timeout 200 $MPI -n $g python3 benchmarks/profile_step.py ${models[$m]} $P > "$OLDPWD/$OUT/profile_${m}_${g}_${tree//[.\/]/}.log" 2>&1 )
+      ( cd $tree && timeout 200 $MPI -n $g python3 benchmarks/profile_step.py ${models[$m]} $P > "$OUT/profile_${m}_${g}_${tree//[.\/]/}.log" 2>&1 )
       echo -n "$m on $g GPU(s), $([ $tree = . ] && echo now || echo before): "
       grep -m1 'per step:' "$OUT/profile_${m}_${g}_${tree//[.\/]/}.log" | tee -a "$OUT/summary.txt"
     done

@@ -102,7 +102,11 @@ class Config:
                           "outputs are kept)", ("full", "selective"), "parallel")
     meta_init: bool = flag(False, "build on the meta device, shard, then initialize only the local shard",
                            section="parallel")
-    compile: bool = flag(False, "torch.compile each transformer block", section="parallel")
+    compile: bool = flag(False, "torch.compile each transformer block (under FSDP), or the whole model (one rank)",
+                         section="parallel")
+    cuda_graphs: bool = flag(False, "with --compile on one rank: replay the compiled model as CUDA graphs "
+                                    "(torch.compile's reduce-overhead mode), for small models whose step is bound "
+                                    "by the host launching kernels", section="parallel")
 
     # decentralized data parallel (gossip.py, accum_adamw.py)
     data_parallel: str = flag("allreduce", "allreduce: one model, gradients averaged over all ranks (FSDP); "
@@ -350,6 +354,8 @@ def validate(cfg):
         raise ConfigError(f"--tokenizer_dir replaces --tokenizer: drop --tokenizer {cfg.tokenizer}")
     if cfg.tokenizer == "sentencepiece" and cfg.vocab_size is None and not cfg.dataset_path:
         raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
+    if cfg.cuda_graphs and not cfg.compile:
+        raise ConfigError("--cuda_graphs replays the compiled model: add --compile")
     if cfg.recompute != "full" and not cfg.activation_checkpoints:
         raise ConfigError(f"--recompute {cfg.recompute} applies with --activation_checkpoints: add it")
     if cfg.embed_size and cfg.num_heads and cfg.embed_size % cfg.num_heads:

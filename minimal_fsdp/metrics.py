@@ -86,8 +86,8 @@ def peak_memory_gb(device):
 
 
 class TrainingLog:
-    """What training reports, one object per launch. On rank 0 at a terminal: a progress bar; otherwise (a batch
-    job's output file) one plain line every --log_interval steps. Every logged step also goes to metrics.jsonl,
+    """What training reports, one object per launch. On rank 0 of a one-process run at a terminal: a progress bar;
+    otherwise (a launcher, a batch job's output file) one plain line every --log_interval steps. Every logged step also goes to metrics.jsonl,
     TensorBoard and wandb. Time spent evaluating and saving is paused out, so tokens/s and MFU count training
     alone. Used as a context manager: the bar ends its line and the files close even when training fails."""
 
@@ -98,7 +98,9 @@ class TrainingLog:
         self.flops_per_token, self.peak = model.flops_per_token(), peak_flops(env.device)
         self.log_dir = Path(cfg.log_dir) / cfg.run_name
         self.bar = None
-        if self.main and sys.stdout.isatty():
+        # A bar only for a plain `python basic_training.py` at a terminal: under a launcher stdout may be a pty
+        # (Open MPI gives each rank one) while the job's output goes to a file.
+        if self.main and sys.stdout.isatty() and env.launcher == "single":
             self.bar = tqdm(total=schedule.last_step, initial=first_step, dynamic_ncols=True, desc="train",
                             mininterval=1.0)
         self.start = time.perf_counter()

@@ -53,6 +53,7 @@ class ParallelPlan:
     activation_checkpoints: bool
     recompute: str
     compile: bool
+    cuda_graphs: bool  # the compiled whole model (no FSDP) replays as CUDA graphs
     mesh: object = None  # the DeviceMesh (FSDP only), built by make_plan
 
     @property
@@ -92,7 +93,7 @@ def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
         shape, shard_ranks, reshard = (env.world_size,), 1, False
     plan = ParallelPlan(cfg.sharding, decentralized, fsdp, shape, shard_ranks, reshard, cfg.precision,
                         cfg.cpu_offload, cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute,
-                        cfg.compile)
+                        cfg.compile, cfg.cuda_graphs and not fsdp and env.device.type == "cuda")
     if fsdp:
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         plan = dataclasses.replace(plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names))
@@ -200,10 +201,10 @@ def recomputed(forward, policy):
     return run
 
 
-def compiled_unless_caching(function):
+def compiled_unless_caching(function, mode=None):
     """torch.compile for training and evaluation; generation (a KVCache among the arguments) runs eagerly, as
     its growing cache position would make the compiler specialize on every new token."""
-    compiled = torch.compile(function)
+    compiled = torch.compile(function, mode=mode)
 
     @functools.wraps(function)
     def run(*args, **kwargs):
@@ -223,7 +224,7 @@ def build_model(model_cls, model_config, plan, env, seed):
         if plan.compile and plan.fsdp:  # FSDP: each block is its own graph between FSDP's hooks
             block.forward = compiled_unless_caching(block.forward)
     if plan.compile and not plan.fsdp:  # no hooks in the way: one graph from token ids to the last hidden states
-        model.trunk = compiled_unless_caching(model.trunk)
+        model.trunk = compiled_unless_caching(model.trunk, "reduce-overhead" if plan.cuda_graphs else None)
     if env.device.type == "cuda":
         # One Triton kernel turns the logits into the loss and, in place, their gradient (fused_loss.py).
         from .fused_loss import linear_cross_entropy

@@ -85,6 +85,7 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
     parallelize.gradient_sync (FSDP or a plain module) or gossip.Gossip. With skip_nonfinite an
     update with a NaN/Inf grad norm is not applied (it would poison every weight); that check waits for the
     device, so it is made only when asked for."""
+    torch.compiler.cudagraph_mark_step_begin()  # --cuda_graphs: the last step's graph outputs may be reused
     sync.start(step)  # gossip: parameters travel to the neighbours while forward and backward run
     loss_sum = 0.0
     for i, batch in enumerate(micro_batches):
