@@ -71,7 +71,7 @@ def test_shipped_configs_load(path):
             assert getattr(cfg, key) == value, key
 
 
-def test_readme_explains_every_flag():
-    readme = (ROOT / "README.md").read_text()
-    missing = [f.name for f in dataclasses.fields(Config) if f"--{f.name}" not in readme]
-    assert not missing, f"README.md does not mention {missing}"
+def test_readme_links_the_flag_reference():
+    """Every flag is documented in docs/flags.md (generated: tests/test_flags_doc.py checks it is current);
+    the README, kept short, points there."""
+    assert "docs/flags.md" in (ROOT / "README.md").read_text()
