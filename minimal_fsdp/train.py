@@ -81,7 +81,8 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
     grad norm, both device tensors (the norm as `sync` agrees it: the same on every rank). sync synchronizes
     gradients: parallelize.gradient_sync (FSDP or a plain module) or gossip.Gossip. With skip_nonfinite an
     update with a NaN/Inf grad norm is not applied (it would poison every weight); that check waits for the
-    device, so it is made only when asked for."""
+    device, so it is made only when asked for. After an update, sync.updated() prepares the next step's
+    all-gathers (the weight scales of --precision fp8's float8 all-gather)."""
     sync.start(step)  # gossip: parameters travel to the neighbours while forward and backward run
     loss_sum = 0.0
     for i, batch in enumerate(micro_batches):
@@ -94,6 +95,7 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
     grad_norm = sync.agreed(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf")))
     if not skip_nonfinite or torch.isfinite(grad_norm):
         optimizer.step()
+        sync.updated()  # fp8: the next step's float8 all-gather scales
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
