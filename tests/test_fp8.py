@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from conftest import ROOT, launch
-from minimal_fsdp import checkpoint, fp8
+from minimal_fsdp import checkpoint, fp8, parallelize
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.layers import make_config
 from minimal_fsdp.llama import Llama, LlamaConfig
@@ -25,6 +25,7 @@ from minimal_fsdp.parallelize import build_model, make_plan
 
 torchao = pytest.importorskip("torchao", reason="the fp8 tests need torchao: pip install -e '.[fp8]'")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+from torchao.float8.float8_training_tensor import Float8TrainingTensor  # noqa: E402
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
 
 EMULATED = ROOT / "tests" / "fp8_emulated.py"
@@ -35,6 +36,7 @@ LLAMA_FLAGS = ["--model", "llama", "--num_layers", 2, "--num_heads", 4, "--num_k
                "--intermediate_size", 512, "--seq_length", 64, "--batch_size", 4, "--num_tokens", 0,
                "--eval_batches", 2, "--no-tensorboard"]
 STEPS = 12
+aten = torch.ops.aten
 
 
 def one_rank(device="cpu"):
@@ -141,6 +143,34 @@ def test_every_float8_layer_runs_and_the_loss_stays_close_to_bf16(monkeypatch, f
         assert all(p.grad is not None for p in model.parameters())
     assert sorted(calls) == sorted(float8)  # each float8 layer ran its own forward, once
     assert losses["fp8"] == pytest.approx(losses["bf16"], rel=1e-2) and losses["fp8"] != losses["bf16"]
+
+
+def float8_matmul_decisions(monkeypatch, device, extra=()):
+    """What --recompute selective's policy decides for every float8 matmul of a forward and backward: eager, the
+    policy sees aten.mm on torchao's float8 tensors; compiled (--compile), the graph's aten._scaled_mm."""
+    decisions = []
+
+    def spy(ctx, op, *args, **kwargs):
+        decision = parallelize.keep_matmuls(ctx, op, *args, **kwargs)
+        float8 = any(isinstance(a, Float8TrainingTensor) for a in args)
+        if op == aten._scaled_mm.default or op == aten.mm.default and float8:
+            decisions.append((op, decision))
+        return decision
+    keep_matmuls = parallelize.keep_matmuls
+    monkeypatch.setattr(parallelize, "keep_matmuls", spy)
+    plan = plan_for(["--precision", "fp8", "--activation_checkpoints", "--recompute", "selective", *extra], device,
+                    monkeypatch if device == "cpu" else None)
+    model = build_model(Llama, SMALL_LLAMA, plan, one_rank(device), seed=0)
+    monkeypatch.setattr(parallelize, "keep_matmuls", keep_matmuls)
+    x = torch.randint(0, 64, (2, 64), device=device)
+    model(x, x).backward()
+    return decisions
+
+
+def test_selective_recompute_keeps_float8_matmul_outputs(monkeypatch):
+    decisions = float8_matmul_decisions(monkeypatch, "cpu")
+    assert len(decisions) >= len(fp8.convertible(Llama(SMALL_LLAMA)))  # every float8 layer's forward matmul
+    assert {d for _, d in decisions} == {parallelize.CheckpointPolicy.MUST_SAVE}
 
 
 # ---- checkpoints: the keys, dtypes and files of bf16's ----
@@ -368,6 +398,13 @@ def test_gpu_resume_switches_between_fp8_and_bf16_then_samples(gpu_work):
     assert losses[11] == pytest.approx(losses[10], rel=0.1) and losses[21] == pytest.approx(losses[20], rel=0.1)
     check_close_to_bf16({s: losses[s] for s in range(1, 21)}, losses_of(gpu_work.parent, "bf16"), first=1e-2,
                         every=5e-2)
+
+
+@needs_fp8_gpus
+def test_gpu_compiled_selective_recompute_keeps_scaled_mm_outputs(monkeypatch):
+    decisions = float8_matmul_decisions(monkeypatch, "cuda", ["--compile"])
+    assert {op for op, _ in decisions} == {aten._scaled_mm.default}, decisions
+    assert {d for _, d in decisions} == {parallelize.CheckpointPolicy.MUST_SAVE}
 
 
 @needs_fp8_gpus
