@@ -17,6 +17,10 @@ setup(
         "mpi": ["mpi4py>=4", "mpich"],
         "wandb": ["wandb"],  # --wandb
         "plot": ["matplotlib"],  # python -m minimal_fsdp.plot
+        # --precision fp8: float8 training is pure Python on torch._scaled_mm. 0.16 is the oldest release that works
+        # with torch 2.11's functional collectives; 0.17.0 is built for torch 2.11 (and runs the CPU tests on 2.13).
+        # No upper bound, so that newer torch can take the newer torchao it needs.
+        "fp8": ["torchao>=0.16"],
         "debug": ["debugpy"],  # attaching VS Code to one rank (.vscode/launch.json)
         # --hf_model with a hub name (a local directory needs nothing extra).
         "hf": ["huggingface_hub"],

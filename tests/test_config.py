@@ -1,6 +1,6 @@
 import pytest
 
-from basic_training import preset_config
+from minimal_fsdp.models import config_from_flags as preset_config
 from minimal_fsdp.config import ConfigError, build_parser, parse_args, validate_world
 from minimal_fsdp.model import GPT
 
@@ -17,7 +17,7 @@ def test_every_flag_has_help():
 
 @pytest.mark.parametrize("argv,message", [
     (["--sharding", "half-shard"], "invalid choice"),
-    (["--precision", "fp8"], "invalid choice"),
+    (["--precision", "fp16"], "invalid choice"),
     (["--batch_size", "0"], "--batch_size must be positive"),
     (["--batch_size", "-3"], "--batch_size must be positive"),
     (["--dataset", "text"], "--input_file"),

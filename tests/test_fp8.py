@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from conftest import ROOT, launch
-from minimal_fsdp import checkpoint, fp8, parallelize
+from minimal_fsdp import checkpoint, fp8, model_size, parallelize
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.layers import make_config
 from minimal_fsdp.llama import Llama, LlamaConfig
@@ -208,6 +208,32 @@ def test_float8_all_gather_weights_save_and_load_as_plain_fp32(one_rank_group, m
     weight = converted.blocks[0].attn.q_proj.weight
     assert isinstance(weight, WeightWithDynamicFloat8CastTensor)
     assert torch.equal(weight._tensor, plain.blocks[0].attn.q_proj.weight.detach())
+
+
+# ---- the memory planner ----
+
+def test_planner_counts_float8_all_gathers_and_working_copies(capsys):
+    config = make_config(LlamaConfig, Llama.presets, "llama2-7b")
+    float8_per_block = 4 * 4096 * 4096 + 3 * 4096 * 11008  # every linear layer of a block
+
+    def estimate(precision, recipe="tensorwise", gpus=4, offload=False):
+        return model_size.estimate("llama", config, 2, "full-shard", gpus, gpus, "selective", offload, precision,
+                                   fp8_recipe=recipe)
+    bf16, tensorwise, rowwise = estimate("bf16"), estimate("fp8"), estimate("fp8", "rowwise")
+    # Two blocks gathered at a time (one computing, one prefetched), their float8 weights in 1 byte instead of 2.
+    assert bf16["gathered"] - tensorwise["gathered"] == 2 * float8_per_block
+    assert rowwise["gathered"] == bf16["gathered"]
+    for where in (dict(gpus=1), dict(offload=True)):  # one rank, or offloaded: gathered in bf16
+        assert estimate("fp8", **where)["gathered"] == estimate("bf16", **where)["gathered"]
+    assert tensorwise["state"] == bf16["state"] and tensorwise["activations"] == bf16["activations"]
+    # The float8 copies while the widest layer (4096 -> 11008) runs: input and output gradient for 8192 tokens,
+    # and rowwise two of each plus its weight and per-row scales.
+    tokens = 2 * 4096
+    assert rowwise["gpu"] - bf16["gpu"] == 2 * (tokens * (4096 + 11008) + 4096 * 11008) + 16 * tokens
+    assert tensorwise["gpu"] - bf16["gpu"] == tokens * (4096 + 11008) - 2 * float8_per_block
+    model_size.main(["--model_preset", "llama2-7b", "--gpus", "4", "--batch_size", "2", "--precision", "fp8",
+                     "--fp8_recipe", "rowwise"])
+    assert "; fp8 (rowwise); fits" in capsys.readouterr().out
 
 
 # ---- training on 2 CPU ranks, float8 emulated ----
