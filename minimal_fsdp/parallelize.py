@@ -33,9 +33,9 @@ DATA_PARALLEL = ("allreduce", "decentralized")
 
 aten = torch.ops.aten
 # --recompute selective keeps what is costly to recompute (matmuls, attention) and recomputes the cheap,
-# memory-bound rest (norms, activations, residual adds), as torchtitan's op-level policy does. Float8 layers: eager,
-# the policy sees aten.mm on torchao's float8 tensors; compiled, the graph's aten._scaled_mm; and the amax (max)
-# each float8 cast takes, a scalar, is kept rather than recomputed by another pass over the tensor.
+# memory-bound rest (norms, activations, residual adds), as torchtitan's op-level policy does. Float8 layers (fp8.py):
+# the policy sees aten.mm on torchao's float8 tensors, which run aten._scaled_mm beneath (kept too, should a graph
+# show it); and the amax (max) each float8 cast takes, a scalar, is kept rather than recomputed by another pass.
 KEEP = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default, aten.max.default,
         aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}

@@ -28,3 +28,14 @@ def test_gossip_bench_reports_every_mode(tmp_path):
     rows = run("gossip_bench.py", tmp_path / "g.jsonl")
     assert {r["topology"] for r in rows} == {"-", "complete", "ring", "exp", "alternating-exp-ring"}
     assert all(r["step_ms"] > 0 for r in rows)
+
+
+def test_fp8_table_gives_each_row_its_speed_over_bf16(tmp_path):
+    rows = [dict(model="llama2-7b(6.7B)", gpus=4, precision=p, options="compile", batch=2, seq=4096, tok_s=t,
+                 tok_s_gpu=t / 4, mfu=0.5, step_ms=700.0, peak_gb=47.5)
+            for p, t in (("bf16", 40_000.0), ("fp8-tensorwise", 52_000.0), ("fp8-rowwise", 46_000.0))]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_table.py"), str(tmp_path / "rows.jsonl")],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [line.rsplit("|", 2)[1].strip() for line in out[2:]] == ["1.00x", "1.30x", "1.15x"]
+    assert "| 13,000 |" in out[3]
