@@ -294,6 +294,15 @@ def test_emulated_fp8_decentralized_trains(work):
     assert "weights all-gathered in bf16" in out.stdout and losses[STEPS] < 0.9 * losses[1]
 
 
+def test_emulated_weights_whose_rows_split_unevenly_gather_in_bf16(work):
+    """torchao's float8 all-gather fails when a weight's rows do not split evenly over the ranks (pytorch/ao#3982):
+    on 3 ranks, gate and up (768 rows) gather in float8, q, o and down (256 rows) in bf16, and the run trains."""
+    out = launch(train_args(work, "uneven", ["--precision", "fp8", "--intermediate_size", 768], steps=3), ranks=3,
+                 cwd=work.parent, entry=EMULATED)
+    assert "float8 matmuls in 10 of the blocks' 14 linear layers (4 all-gathered in float8" in out.stdout
+    assert len(losses_of(work.parent, "uneven")) == 3
+
+
 def checkpoint_files_are_plain(path):
     """fp32 tensors only, and nothing that needs torchao to load."""
     names = checkpoint.tensor_names(path)
@@ -318,6 +327,10 @@ def test_resume_switches_between_fp8_and_bf16(work):
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[7] == pytest.approx(losses[6], rel=0.1) and losses[10] == pytest.approx(losses[9], rel=0.1)
     check_close_to_bf16(losses, losses_of(work.parent, "bf16"))
+    # Generation alone runs in bf16 whatever --precision says, so even here on the CPU (no emulation).
+    sample = launch(["--max_epochs", -1, "--precision", "fp8", "--num_tokens", 8, "--run_name", "switch",
+                     "--checkpoint_dir", work.parent / "checkpoints", "--seed", 1], ranks=1, cwd=work.parent)
+    assert "ROMEO:" in sample.stdout
 
 
 def test_export_reads_an_fp8_checkpoint_without_torchao(work, tmp_path):
