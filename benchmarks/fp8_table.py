@@ -11,10 +11,10 @@ from pathlib import Path
 def table(rows):
     lines = ["| model | GPUs | precision | options | batch/GPU | seq | tok/s/GPU | MFU | step ms | peak GB | vs bf16 |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    def setting(row):
+        return row["model"], row["gpus"], row["batch"], row["seq"]
     for row in rows:
-        same = (row["model"], row["gpus"], row["batch"], row["seq"])
-        bf16 = next((r for r in rows if r["precision"] == "bf16" and (r["model"], r["gpus"], r["batch"], r["seq"]) == same),
-                    None)
+        bf16 = next((r for r in rows if r["precision"] == "bf16" and setting(r) == setting(row)), None)
         speed = f"{row['tok_s'] / bf16['tok_s']:.2f}x" if bf16 else "-"
         lines.append(f"| {row['model']} | {row['gpus']} | {row['precision']} | {row['options']} | {row['batch']} | "
                      f"{row['seq']} | {row['tok_s_gpu']:,.0f} | {row['mfu']:.1%} | {row['step_ms']:.1f} | "

@@ -171,8 +171,8 @@ for field in ("loss", "val_loss"):
     (steps, bf16), (fp8_steps, fp8) = runs["bf16"][field], runs["fp8"][field]
     assert steps == fp8_steps, (steps, fp8_steps)
     worst = max(abs(f / b - 1) for s, b, f in zip(steps, bf16, fp8) if s > 50)
-    print(f"{field} at step {steps[-1]}: bf16 {bf16[-1]:.4f}, fp8 {fp8[-1]:.4f}, fp8/bf16 - 1 = {fp8[-1] / bf16[-1] - 1:+.2%}"
-          f" (largest |difference| after step 50: {worst:.2%})")
+    print(f"{field} at step {steps[-1]}: bf16 {bf16[-1]:.4f}, fp8 {fp8[-1]:.4f}, "
+          f"fp8/bf16 - 1 = {fp8[-1] / bf16[-1] - 1:+.2%} (largest |difference| after step 50: {worst:.2%})")
 PY
   ;;
 fp8_gpt2)
