@@ -108,6 +108,6 @@ def describe(plan, model):
     layers = convertible(model)
     gathered = sum(gathers_in_float8(plan, layer) for _, layer in layers)
     gather = f"{gathered} all-gathered in float8, scales computed after each optimizer step" if gathered \
-        else "weights all-gathered in bf16"
+        else "each weight cast to float8 where it is used"
     return (f"fp8: {plan.fp8} float8 matmuls in {len(layers)} of the blocks' {len(blocks)} linear layers "
             f"({gather}); MFU is relative to the dense bf16 peak, as for bf16, so the two compare")
