@@ -28,6 +28,8 @@ setup(
         # tests, it is never imported at run time.
         # Hugging Face datasets: openwebtext/hub/save_to_disk sources for preparation and --streaming
         "data": ["datasets"],
-        "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub", "datasets"],
+        # torchao: tests/test_fp8.py runs the float8 layers on the CPU through torchao's emulation.
+        "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub", "datasets",
+                "torchao>=0.16"],
     },
 )

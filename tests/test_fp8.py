@@ -22,11 +22,8 @@ from minimal_fsdp.llama import Llama, LlamaConfig
 from minimal_fsdp.model import GPT, GPTConfig
 from minimal_fsdp.parallelize import build_model, make_plan
 
-torchao = pytest.importorskip("torchao", reason="the fp8 tests need torchao: pip install -e '.[fp8]'")
-from torchao.float8.float8_linear import Float8Linear  # noqa: E402
-from torchao.float8.float8_training_tensor import Float8TrainingTensor  # noqa: E402
-from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
-
+# What builds float8 layers needs torchao (pip install -e ".[fp8]"); the flag, device and planner checks do not.
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
 EMULATED = ROOT / "tests" / "fp8_emulated.py"
 # Wide enough that layers qualify (fp8.MIN_FEATURES): q, o, gate, up, down do; k and v (2 heads of 64) do not.
 SMALL_LLAMA = LlamaConfig(vocab_size=64, seq_length=64, num_layers=2, num_heads=4, num_kv_heads=2, embed_size=256,
@@ -73,8 +70,6 @@ def test_missing_torchao_names_the_extra(monkeypatch):
 def test_no_cuda_is_refused():
     with pytest.raises(ConfigError, match="needs an NVIDIA GPU .* this run is on cpu: use --precision bf16"):
         fp8.check_device(torch.device("cpu"))
-    with pytest.raises(ConfigError, match="this run is on cpu"):
-        make_plan(parse_args(["--precision", "fp8"]), one_rank())
 
 
 @pytest.mark.parametrize("name,capability,refused", [("NVIDIA A100-SXM4-80GB", (8, 0), True),
@@ -91,13 +86,17 @@ def test_compute_capability_below_8_9_is_refused(monkeypatch, name, capability, 
         fp8.check_device(torch.device("cuda", 0))
 
 
+@needs_torchao
 def test_cpu_launch_fails_alike_on_every_rank(tmp_path, corpus):
+    with pytest.raises(ConfigError, match="this run is on cpu"):
+        make_plan(parse_args(["--precision", "fp8"]), one_rank())
     result = launch(["--dataset", "text", "--input_file", corpus, *LLAMA_FLAGS, "--precision", "fp8",
                      "--max_steps", 2], ranks=2, cwd=tmp_path, check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert result.returncode == 2 and len(errors) == 1 and "this run is on cpu" in errors[0], result.stderr[-3000:]
 
 
+@needs_torchao
 def test_model_without_a_qualifying_layer_is_refused(monkeypatch):
     plan = plan_for(["--precision", "fp8"], monkeypatch=monkeypatch)
     tiny = LlamaConfig(vocab_size=64, embed_size=128, intermediate_size=384)  # the tiny preset
@@ -123,8 +122,10 @@ def test_converted_layers_are_the_blocks_wide_ones():
     assert len(fp8.convertible(llama7b)) == 7 * 32  # every linear layer of every block, no head
 
 
+@needs_torchao
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_every_float8_layer_runs_and_the_loss_stays_close_to_bf16(monkeypatch, family):
+    from torchao.float8.float8_linear import Float8Linear
     config = SMALL_LLAMA if family == "llama" else GPTConfig(vocab_size=64, seq_length=64, num_layers=2, num_heads=4,
                                                              embed_size=256)
     model_cls = Llama if family == "llama" else GPT
@@ -148,6 +149,7 @@ def test_every_float8_layer_runs_and_the_loss_stays_close_to_bf16(monkeypatch, f
 def float8_matmul_decisions(monkeypatch, device, extra=()):
     """What --recompute selective's policy decides for every float8 matmul of a forward and backward: aten.mm on
     torchao's float8 tensors (the subclass runs aten._scaled_mm beneath), or aten._scaled_mm where a graph has it."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
     decisions, keep_matmuls = [], parallelize.keep_matmuls
 
     def spy(ctx, op, *args, **kwargs):
@@ -165,6 +167,7 @@ def float8_matmul_decisions(monkeypatch, device, extra=()):
     return decisions
 
 
+@needs_torchao
 def test_selective_recompute_keeps_float8_matmul_outputs(monkeypatch):
     decisions = float8_matmul_decisions(monkeypatch, "cpu")
     assert len(decisions) >= len(fp8.convertible(Llama(SMALL_LLAMA)))  # every float8 layer's forward matmul
@@ -173,9 +176,11 @@ def test_selective_recompute_keeps_float8_matmul_outputs(monkeypatch):
 
 # ---- checkpoints: the keys, dtypes and files of bf16's ----
 
+@needs_torchao
 def test_float8_all_gather_weights_save_and_load_as_plain_fp32(one_rank_group, monkeypatch, tmp_path):
     """Converted as for a float8 all-gather over 2 ranks (no forward, no sharding needed): the weights become
     torchao's wrapper subclass, yet the state dict, and so DCP's files, hold plain fp32 tensors."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
     plain_plan = plan_for(["--precision", "bf16"])
     plan = dataclasses.replace(plan_for(["--precision", "fp8"], monkeypatch=monkeypatch), fsdp=True, shard_ranks=2)
     assert plan.fp8_all_gather
@@ -280,6 +285,7 @@ EMULATED_CASES = {
 
 
 @pytest.mark.parametrize("extra", EMULATED_CASES.values(), ids=EMULATED_CASES.keys())
+@needs_torchao
 def test_emulated_fp8_trains_close_to_bf16(work, extra):
     name = "fp8_" + "_".join(a.strip("-") for a in extra)
     out = launch(train_args(work, name, ["--precision", "fp8", *extra]), ranks=2, cwd=work.parent, entry=EMULATED)
@@ -287,6 +293,7 @@ def test_emulated_fp8_trains_close_to_bf16(work, extra):
     check_close_to_bf16(losses_of(work.parent, name), losses_of(work.parent, "bf16"))
 
 
+@needs_torchao
 def test_emulated_fp8_decentralized_trains(work):
     out = launch(train_args(work, "gossip_fp8", ["--precision", "fp8", "--data_parallel", "decentralized"]), ranks=2,
                  cwd=work.parent, entry=EMULATED)
@@ -294,6 +301,7 @@ def test_emulated_fp8_decentralized_trains(work):
     assert "(each weight cast to float8 where it is used)" in out.stdout and losses[STEPS] < 0.9 * losses[1]
 
 
+@needs_torchao
 def test_emulated_weights_whose_rows_split_unevenly_gather_in_bf16(work):
     """torchao's float8 all-gather fails when a weight's rows do not split evenly over the ranks (pytorch/ao#3982):
     on 3 ranks, gate and up (768 rows) gather in float8, q, o and down (256 rows) in bf16, and the run trains."""
@@ -311,6 +319,7 @@ def checkpoint_files_are_plain(path):
     return names
 
 
+@needs_torchao
 def test_resume_switches_between_fp8_and_bf16(work):
     """fp8 for 6 steps, resumed in bf16 to 9, then in fp8 rowwise to 12: the checkpoints are alike, and the run,
     resumed twice, stays as close to the uninterrupted bf16 run as an fp8 run does."""
@@ -333,6 +342,7 @@ def test_resume_switches_between_fp8_and_bf16(work):
     assert "ROMEO:" in sample.stdout
 
 
+@needs_torchao
 def test_export_reads_an_fp8_checkpoint_without_torchao(work, tmp_path):
     """The checkpoint the previous runs wrote loads in a process where torchao cannot be imported."""
     saved = work.parent / "checkpoints" / "fp8_"
@@ -351,7 +361,7 @@ def test_export_reads_an_fp8_checkpoint_without_torchao(work, tmp_path):
 def needs_fp8_gpus(test):
     skip = pytest.mark.skipif(torch.cuda.device_count() < 2 or torch.cuda.get_device_capability() < (8, 9),
                               reason="needs 2 GPUs of compute capability 8.9+ (H100)")
-    return pytest.mark.gpu(skip(test))
+    return pytest.mark.gpu(skip(needs_torchao(test)))
 
 
 # Wider than the CPU model, so every block layer qualifies (k and v: 4 heads of 64 = 256).
