@@ -17,6 +17,10 @@ setup(
         "mpi": ["mpi4py>=4", "mpich"],
         "wandb": ["wandb"],  # --wandb
         "plot": ["matplotlib"],  # python -m minimal_fsdp.plot
+        # --precision fp8: float8 training is pure Python on torch._scaled_mm. 0.16 is the oldest release that works
+        # with torch 2.11's functional collectives; 0.17.0 is built for torch 2.11 (and runs the CPU tests on 2.13).
+        # No upper bound, so that newer torch can take the newer torchao it needs.
+        "fp8": ["torchao>=0.16"],
         "debug": ["debugpy"],  # attaching VS Code to one rank (.vscode/launch.json)
         # --device xla (docs/xla.md): torch_xla's last release, 2.9, works with torch 2.9 only.
         "xla": ["torch==2.9.*", "torch_xla==2.9.*"],
@@ -26,6 +30,8 @@ setup(
         # tests, it is never imported at run time.
         # Hugging Face datasets: openwebtext/hub/save_to_disk sources for preparation and --streaming
         "data": ["datasets"],
-        "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub", "datasets"],
+        # torchao: tests/test_fp8.py runs the float8 layers on the CPU through torchao's emulation.
+        "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub", "datasets",
+                "torchao>=0.16"],
     },
 )

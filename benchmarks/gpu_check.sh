@@ -2,7 +2,8 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|recipe_s_scaling|gpt2_b32|profile_loop|loop ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2 ...]
+# The fp8 parts need torchao: installed from .whl/torchao-*.whl when missing (the GPU machine has no package index).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: some parts change directory
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -12,6 +13,16 @@ MPI="mpiexec --oversubscribe"
 # The training loop issue's recipe S: nanoGPT's Shakespeare-character GPU recipe (configs/shakespeare_char.toml).
 RECIPE_S="--dataset text --input_file data/shakespeare/input.txt --tokenizer char --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --batch_size 64 --dropout 0.2 --no-bias --lr 1e-3 --min_lr 1e-4 --beta2 0.99 --warmup_steps 100 --max_steps 5000 --max_epochs 1000 --precision bf16 --compile --eval_batches 200"
 parts=${*:-tests default throughput}
+
+fp8_setup() {  # torchao for --precision fp8, from the wheel carried in .whl/ (docs/fp8.md)
+  python3 -c "import torchao" 2>/dev/null || {
+    wheel=$(ls .whl/torchao-*.whl 2>/dev/null | head -1)
+    [ -n "$wheel" ] || { echo "no torchao and no .whl/torchao-*.whl to install it from"; return 1; }
+    python3 -m pip install -q --no-deps "$wheel" 2>&1 | tail -2 \
+      || { python3 -m zipfile -e "$wheel" /tmp/torchao_site && export PYTHONPATH=/tmp/torchao_site:$PYTHONPATH; }
+  }
+  python3 -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1 | tee -a "$OUT/env.txt"
+}
 
 { nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } | tee "$OUT/env.txt"
 
@@ -182,4 +193,69 @@ loop)
     --batch_size 32 --max_steps 100 --log_interval 25 --eval_interval 0 --num_tokens 0 --run_name loop 2>&1 \
     | tr '\r' '\n' | grep -v '^train:' > "$OUT/loop.log"
   cp logs/loop/metrics.jsonl "$OUT/loop_metrics.jsonl"; cat "$OUT/loop_metrics.jsonl" ;;
+fp8_tests)
+  # --precision fp8 on 2 GPUs against bf16 (every option), resume across precisions, one GPU, gradients (~7 min).
+  fp8_setup || continue
+  timeout ${FP8_TESTS_TIMEOUT:-570} python3 -m pytest -m gpu tests/test_fp8.py -q -p no:cacheprovider \
+    ${FP8_TESTS_K:+-k "$FP8_TESTS_K"} 2>&1 | tee "$OUT/fp8_tests.log" | tail -15 ;;
+fp8_7b)
+  # Issue 21, target 1: Llama-2-7B, T=4096, full-shard over 4 GPUs, compiled blocks, selective recompute, meta
+  # init: bf16, fp8 tensorwise (float8 all-gather) and fp8 rowwise in one call, batch FP8_7B_BATCH per GPU (2; at
+  # 4, expandable segments, as memory is tight). Then the planner's estimate for each, beside the measured peak.
+  fp8_setup || continue
+  b=${FP8_7B_BATCH:-2}; alloc=""; [ "$b" -gt 2 ] && alloc="-x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+  B="python3 benchmarks/throughput.py --model_preset llama2-7b --compile --meta_init --activation_checkpoints --recompute selective --batch_size $b --warmup ${FP8_7B_WARMUP:-4} --steps ${FP8_7B_STEPS:-8} --out $OUT/fp8_7b.jsonl"
+  for p in ${FP8_7B_PRECISIONS:-bf16 tensorwise rowwise}; do
+    prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
+    timeout ${FP8_7B_TIMEOUT:-160} $MPI $alloc -n 4 $B $prec >> "$OUT/fp8_7b.log" 2>&1
+    echo "$p, batch $b: exit $?"; grep -E 'OutOfMemory|Error' "$OUT/fp8_7b.log" | tail -2
+    python3 -m minimal_fsdp.model_size --model_preset llama2-7b --gpus 4 --batch_size $b $prec \
+      | grep -E '^full-shard +selective +no ' | awk -v p=$p '{print "  planner, " p ": " $6 " GiB estimated"}'
+  done
+  python3 benchmarks/fp8_table.py "$OUT/fp8_7b.jsonl" | tee -a "$OUT/fp8_summary.md" ;;
+fp8_numerics)
+  # Issue 21, target 2: a Llama of ~1B parameters (20 blocks, width 2048, 16 heads over 4 kv heads, SwiGLU 5632,
+  # vocab 32000: the Shakespeare characters with the embedding padded to a real vocabulary's size) trained
+  # NUMERICS_STEPS steps in bf16 and in fp8 tensorwise from the same seed on 4 GPUs; both loss curves in one plot
+  # ($OUT/fp8_numerics.png, if matplotlib is here; the metrics.jsonl files come back under $OUT/logs either way).
+  fp8_setup || continue
+  N="--dataset text --input_file data/shakespeare/input.txt --tokenizer char --vocab_size 32000 --model llama --num_layers 20 --embed_size 2048 --num_heads 16 --num_kv_heads 4 --intermediate_size 5632 --seq_length 512 --batch_size 4 --max_steps ${NUMERICS_STEPS:-300} --lr 3e-4 --warmup_steps 30 --log_interval 10 --eval_interval 100 --eval_batches 20 --checkpoint_interval 0 --num_tokens 0 --compile --meta_init --log_dir $OUT/logs --checkpoint_dir /tmp/fp8_numerics"
+  for p in bf16 fp8; do
+    rm -rf "$OUT/logs/fp8n_$p" /tmp/fp8_numerics/fp8n_$p
+    timeout ${NUMERICS_TIMEOUT:-200} $MPI -n 4 python3 basic_training.py $N --precision $p --run_name fp8n_$p 2>&1 \
+      | tr '\r' '\n' | grep -v '^train:' > "$OUT/fp8n_$p.log"; echo "$p: exit ${PIPESTATUS[0]}"; grep -E '^step|Error|error' "$OUT/fp8n_$p.log" | tail -3
+  done
+  python3 -m minimal_fsdp.plot "$OUT/logs/fp8n_bf16" "$OUT/logs/fp8n_fp8" --out "$OUT/fp8_numerics.png"
+  python3 - "$OUT/logs" <<'PY' | tee -a "$OUT/fp8_summary.md"
+import sys
+from minimal_fsdp.plot import read_metrics
+runs = {p: read_metrics(f"{sys.argv[1]}/fp8n_{p}") for p in ("bf16", "fp8")}
+for field in ("loss", "val_loss"):
+    (steps, bf16), (fp8_steps, fp8) = runs["bf16"][field], runs["fp8"][field]
+    assert steps == fp8_steps, (steps, fp8_steps)
+    worst = max(abs(f / b - 1) for s, b, f in zip(steps, bf16, fp8) if s > 50)
+    print(f"{field} at step {steps[-1]}: bf16 {bf16[-1]:.4f}, fp8 {fp8[-1]:.4f}, "
+          f"fp8/bf16 - 1 = {fp8[-1] / bf16[-1] - 1:+.2%} (largest |difference| after step 50: {worst:.2%})")
+PY
+  ;;
+fp8_gpt2)
+  # Issue 21, target 3: GPT-2 124M on one GPU at its best setting (no biases, batch 160 x 2 micro-steps, expandable
+  # segments) and GPT-2 XL on 4 GPUs (full-shard, meta init, batch 16, no recompute), bf16 against fp8 tensorwise,
+  # compiled (FP8_GPT2_PRECISIONS="bf16 tensorwise rowwise" adds rowwise).
+  fp8_setup || continue
+  S="python3 benchmarks/throughput.py --vocab_size 50304 --compile --warmup 6 --steps 12 --out $OUT/fp8_gpt2.jsonl"
+  for p in ${FP8_GPT2_PRECISIONS:-bf16 tensorwise}; do
+    prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
+    timeout 150 $MPI -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -n 1 $S --model_preset gpt2 \
+      ${GPT2_SMALL_ARGS:---no-bias --batch_size 160 --grad_accum_steps 2} $prec >> "$OUT/fp8_gpt2.log" 2>&1
+    echo "gpt2 $p: exit $?"
+  done
+  for p in ${FP8_GPT2_PRECISIONS:-bf16 tensorwise}; do
+    prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
+    timeout 200 $MPI -n 4 $S --model_preset gpt2-xl --meta_init ${GPT2_XL_ARGS:---batch_size 16} $prec \
+      >> "$OUT/fp8_gpt2.log" 2>&1
+    echo "gpt2-xl $p: exit $?"
+  done
+  grep -E 'OutOfMemory|Error' "$OUT/fp8_gpt2.log" | tail -3
+  python3 benchmarks/fp8_table.py "$OUT/fp8_gpt2.jsonl" | tee -a "$OUT/fp8_summary.md" ;;
 esac; done

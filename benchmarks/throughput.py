@@ -4,7 +4,8 @@
         --precision bf16 --compile
 Prints one markdown row: model, world, sharding, precision, batch, seq, tokens/s (total and per GPU), MFU,
 median step time, peak memory. MFU = (6N + attention) FLOPs per token x tokens/s / (peak x GPUs), with the
-dense bf16 peak of the card (989 TFLOP/s for H100 SXM). --out FILE appends the row as JSON too.
+dense bf16 peak of the card (989 TFLOP/s for H100 SXM), also for --precision fp8 (whose row reads fp8-<recipe>),
+so fp8 and bf16 MFU compare. --out FILE appends the row as JSON too.
 """
 import json
 import statistics
@@ -107,7 +108,7 @@ def main():
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
     row = dict(model=f"{cfg.model_preset}{layers if n >= 1e9 else ''}({size})",
                gpus=env.world_size, sharding="replica" if cfg.data_parallel == "decentralized" else cfg.sharding,
-               precision=cfg.precision, options=options,
+               precision=cfg.precision + (f"-{cfg.fp8_recipe}" if cfg.precision == "fp8" else ""), options=options,
                batch=cfg.batch_size * cfg.grad_accum_steps, seq=seq, tok_s=tok_s, tok_s_gpu=tok_s / env.world_size,
                mfu=mfu, step_ms=median * 1000, peak_gb=memory, host_rss_gb=host,
                device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",

@@ -15,6 +15,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 
+from .fp8 import RECIPES as FP8_RECIPES
 from .gossip import TOPOLOGIES
 from .llama import PRESETS as LLAMA_PRESETS
 from .model import PRESETS as GPT_PRESETS
@@ -91,8 +92,13 @@ class Config:
     sharding: str = flag("full-shard", "FSDP sharding strategy", SHARDING, "parallel")
     shard_group_size: int = flag(None, "ranks per shard group for hybrid sharding (default: ranks per node)",
                                  section="parallel")
-    precision: str = flag("float32", "float32, or bf16 params/compute with fp32 reduction and master weights",
-                          PRECISION, "parallel")
+    precision: str = flag("float32", "float32; bf16 params/compute with fp32 reduction and master weights; or fp8: "
+                                     "bf16 plus float8 matmuls in the blocks' large linear layers (torchao; GPUs of "
+                                     "compute capability 8.9+: H100, H200, L40S; see docs/fp8.md)", PRECISION,
+                          "parallel")
+    fp8_recipe: str = flag("tensorwise", "--precision fp8's scaling: tensorwise (one scale per tensor; FSDP "
+                                         "all-gathers the weights in float8) or rowwise (a scale per row: more "
+                                         "accurate, slower)", FP8_RECIPES, "parallel")
     cpu_offload: bool = flag(False, "keep sharded params, grads and optimizer state in CPU memory",
                              section="parallel")
     activation_checkpoints: bool = flag(False, "recompute each block's activations in backward",
@@ -356,6 +362,10 @@ def validate(cfg):
         raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
     if cfg.cuda_graphs and not cfg.compile:
         raise ConfigError("--cuda_graphs replays the compiled model: add --compile")
+    if cfg.fp8_recipe != "tensorwise" and cfg.precision != "fp8":
+        raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} applies with --precision fp8: add it")
+    if cfg.precision == "fp8" and not cfg.generate_only and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("--precision fp8 needs torchao: pip install -e \".[fp8]\" (offline: see docs/fp8.md)")
     if cfg.recompute != "full" and not cfg.activation_checkpoints:
         raise ConfigError(f"--recompute {cfg.recompute} applies with --activation_checkpoints: add it")
     if cfg.embed_size and cfg.num_heads and cfg.embed_size % cfg.num_heads:

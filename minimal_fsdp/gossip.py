@@ -137,6 +137,9 @@ class Gossip:
         for buf, (_, weight) in zip(self.received, exchange.recv_from):
             self.flat.add_(buf, alpha=weight)
 
+    def updated(self):  # nothing to prepare after the optimizer step (parallelize.FSDPSync has something)
+        pass
+
     def micro_step(self, last):
         pass  # a replica never reduces gradients: accumulation is plain autograd accumulation
 

@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from . import environment
+from . import environment, fp8
 from .config import to_toml
 
-# Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it).
+# Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it), also with
+# --precision fp8: its float8 matmuls could run at twice the peak, but then fp8 and bf16 MFU would not compare.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 # JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and memory apart.
@@ -241,6 +242,7 @@ def banner(cfg, env, plan, model, resume_from=None):
         f"started by {env.launcher}, {env.backend} on {env.device.type}; {layout}",
         f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of {where} per rank "
         f"({spread}; activations not included)",
+        *([fp8.describe(plan, model)] if plan.fp8 else []),
         f"resuming from {resume_from}" if resume_from else "starting fresh",
         "config" + (f" ({cfg.config} + command line)" if cfg.config else "") + ":",
     ]

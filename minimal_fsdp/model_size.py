@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import fp8
 from .config import MODEL_PRESETS, ConfigError, model_family, one_line_errors
 from .hf import read_config as read_hf_config
 from .models import MODELS, make_config
@@ -34,6 +35,7 @@ class Sizes:
     total: int
     per_block: int
     root: int  # everything outside the blocks: embeddings, final norm, output head (FSDP's root unit)
+    float8_layers: tuple = ()  # (in, out) features of each linear layer of a block that --precision fp8 converts
 
 
 def count_parameters(model_type, config):
@@ -41,7 +43,8 @@ def count_parameters(model_type, config):
         model = MODELS[model_type](dataclasses.replace(config, num_layers=1))
     per_block = sum(p.numel() for p in model.blocks[0].parameters())
     root = sum(p.numel() for p in model.parameters()) - per_block
-    return Sizes(root + per_block * config.num_layers, per_block, root)
+    float8 = tuple((m.in_features, m.out_features) for _, m in fp8.convertible(model))
+    return Sizes(root + per_block * config.num_layers, per_block, root, float8)
 
 
 def activations_per_token(model_type, config, device_type="cuda"):
@@ -75,13 +78,14 @@ def kept_per_token(model_type, config):
 
 
 def estimate(model_type, config, batch_size, sharding, world_size, shard_group_size, recompute,
-             cpu_offload, precision, device_type="cuda", compile=False, grad_accum_steps=1):
+             cpu_offload, precision, device_type="cuda", compile=False, grad_accum_steps=1, fp8_recipe="tensorwise"):
     """Peak bytes on one GPU and in one rank's host memory for one training step of grad_accum_steps
-    micro-batches. recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute)."""
+    micro-batches. recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute).
+    precision fp8 computes as bf16 does, with fp8_recipe's float8 layers (see the fp8 terms below)."""
     sizes = count_parameters(model_type, config)
     _, shards, reshard = layout(sharding, world_size, shard_group_size)
     keep_gathered = not reshard
-    compute = 2 if precision == "bf16" else 4  # bytes of a gathered param, an activation, an unsharded grad
+    compute = 4 if precision == "float32" else 2  # bytes of a gathered param, an activation, an unsharded grad
     tokens = batch_size * config.seq_length
     L = config.num_layers
 
@@ -94,9 +98,21 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     # Gathered (unsharded) params in the compute dtype: the root unit is never resharded; blocks are gathered
     # one at a time plus one prefetched, or all of them from forward to backward without resharding.
     gathered = compute * (sizes.root + (L if keep_gathered else 2) * sizes.per_block)
+    float8_working = 0
+    if precision == "fp8":
+        # fp8.py: tensorwise over several ranks gathers a float8 layer's weight in 1 byte instead of 2 (where its
+        # rows split evenly over the ranks). While a float8 layer runs, float8 copies of its input, its output's
+        # gradient and (gathered in bf16) its weight exist; rowwise makes two of each, scaled along either
+        # dimension, with an fp32 scale per row. Its saved activations are bf16's; tensorwise scales are scalars.
+        in_float8 = [(i, o) for i, o in sizes.float8_layers
+                     if fp8_recipe == "tensorwise" and shards > 1 and not cpu_offload and o % shards == 0]
+        gathered -= (L if keep_gathered else 2) * sum(i * o for i, o in in_float8)
+        copies = 2 if fp8_recipe == "rowwise" else 1
+        float8_working = max(copies * (tokens * (i + o) + (0 if (i, o) in in_float8 else i * o))
+                             + (16 * tokens if fp8_recipe == "rowwise" else 0) for i, o in sizes.float8_layers)
     # Unsharded grads before their reduce-scatter: ~2 blocks' in flight, with bf16 compute each with an fp32 copy
     # to reduce in; the root's wait in the compute dtype for the end of backward, when it is reduced last.
-    unsharded_grads = compute * sizes.root + (compute + (4 if precision == "bf16" else 0)) * 2 * sizes.per_block
+    unsharded_grads = compute * sizes.root + (compute + (4 if precision != "float32" else 0)) * 2 * sizes.per_block
 
     layer = tokens * activations_per_token(model_type, config, device_type) * compute
     kept = {"none": layer, "full": tokens * config.embed_size * compute,
@@ -113,11 +129,12 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     # (the reduce dtype) whatever the compute precision, and on the GPU even with CPU offload.
     accumulated = 4 * sizes.total if grad_accum_steps > 1 else 0
     static = on_gpu * params_and_optimizer + gathered + accumulated
-    loss_backward = static + saved + final_norm + logits + unsharded_grads
+    loss_backward = static + saved + final_norm + logits + unsharded_grads + float8_working
     # With checkpointing, a block's activations are rebuilt during backward; the first block's last, when the
     # other blocks' sharded gradients have landed (the root's land after it).
     block_grads = grads * (L - 1) * sizes.per_block / sizes.total
-    rebuilt = static + saved + layer + unsharded_grads + on_gpu * block_grads if recompute != "none" else 0
+    rebuilt = static + saved + layer + unsharded_grads + on_gpu * block_grads + float8_working \
+        if recompute != "none" else 0
     optimizer_step = on_gpu * (params_and_optimizer + grads)
     gpu = max(loss_backward, rebuilt, optimizer_step)
     host = HOST_PER_PROCESS + (params_and_optimizer + grads) * (1 - on_gpu)
@@ -159,7 +176,8 @@ def build_parser():
     p.add_argument("--seq_length", type=int, help="tokens per sequence (default: the preset's context)")
     p.add_argument("--batch_size", type=int, default=1, help="sequences per GPU per micro-step")
     p.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--precision", choices=("float32", "bf16"), default="float32", help="as in training")
+    p.add_argument("--precision", choices=("float32", "bf16", "fp8"), default="float32", help="as in training")
+    p.add_argument("--fp8_recipe", choices=fp8.RECIPES, default="tensorwise", help="as in training")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
     p.add_argument("--gpus_per_node", type=int, help="default: min(--gpus, 8)")
     p.add_argument("--shard_group_size", type=int, help="hybrid sharding's group (default: --gpus_per_node)")
@@ -190,7 +208,8 @@ def main(argv=None):
           f"{4 * sizes.total / GiB:.1f} GiB model only in fp32, {2 * sizes.total / GiB:.1f} GiB in bf16")
     accumulation = f" x {args.grad_accum_steps} micro-steps" if args.grad_accum_steps > 1 else ""
     print(f"{args.gpus} GPU(s) of {gpu_memory / GiB:.0f} GiB, {gpus_per_node} per node; batch {args.batch_size} x "
-          f"{config.seq_length} tokens per GPU{accumulation}; {args.precision}; fits = estimate within "
+          f"{config.seq_length} tokens per GPU{accumulation}; {args.precision}"
+          f"{f' ({args.fp8_recipe})' if args.precision == 'fp8' else ''}; fits = estimate within "
           f"{1 - GPU_HEADROOM:.0%} of the GPU" + (f" and of {host_memory / GiB:.0f} GiB host" if host_memory else ""))
     header = f"{'sharding':<19}{'recompute':<11}{'offload':<9}{'state':>9}{'activ.':>9}{'GPU GiB':>9}" \
              f"{'host GiB/node':>15}  fits"
@@ -199,7 +218,7 @@ def main(argv=None):
         for recompute in ("none", "full", "selective"):
             for offload in (False, True):
                 e = estimate(family, config, args.batch_size, sharding, args.gpus, group, recompute, offload,
-                             args.precision, grad_accum_steps=args.grad_accum_steps)
+                             args.precision, grad_accum_steps=args.grad_accum_steps, fp8_recipe=args.fp8_recipe)
                 host = e["host"] * gpus_per_node
                 fits = e["gpu"] <= (1 - GPU_HEADROOM) * gpu_memory and (host_memory is None or host <= host_memory)
                 print(f"{sharding:<19}{recompute:<11}{'yes' if offload else 'no':<9}"

@@ -8,6 +8,7 @@ Strategies map onto FSDP2 `fully_shard` over a DeviceMesh as:
   grad-shard          1-D mesh, params kept gathered from forward to backward (ZeRO-2-like)
   no-shard            2-D mesh (world x 1): replicate everywhere, shard over one rank (DDP semantics)
   hybrid-*-shard      2-D mesh (nodes x shard_group_size): replicate across groups, shard inside one
+--precision fp8 adds torchao's float8 matmuls to bf16 compute (fp8.py): the layers are converted before sharding.
 A world of one rank has nothing to shard: its model is a plain module (bf16 by autocast), the same numbers and
 the same checkpoints without FSDP's per-step work (--cpu_offload still needs FSDP). With --data_parallel
 decentralized there is no FSDP at all: each rank holds a plain, whole replica that trains on its own and is
@@ -24,16 +25,19 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from . import fp8
 from .layers import KVCache
 
 SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
-PRECISION = ("float32", "bf16")
+PRECISION = ("float32", "bf16", "fp8")
 DATA_PARALLEL = ("allreduce", "decentralized")
 
 aten = torch.ops.aten
 # --recompute selective keeps what is costly to recompute (matmuls, attention) and recomputes the cheap,
-# memory-bound rest (norms, activations, residual adds), as torchtitan's op-level policy does.
-KEEP = {aten.mm.default, aten.addmm.default, aten.bmm.default,
+# memory-bound rest (norms, activations, residual adds), as torchtitan's op-level policy does. Float8 layers (fp8.py):
+# the policy sees aten.mm on torchao's float8 tensors, which run aten._scaled_mm beneath (kept too, should a graph
+# show it); and the amax (max) each float8 cast takes, a scalar, is kept rather than recomputed by another pass.
+KEEP = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default, aten.max.default,
         aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
 
@@ -54,7 +58,18 @@ class ParallelPlan:
     recompute: str
     compile: bool
     cuda_graphs: bool  # the compiled whole model (no FSDP) replays as CUDA graphs
+    fp8: str = None  # --precision fp8: the float8 recipe (fp8.RECIPES); None otherwise
     mesh: object = None  # the DeviceMesh (FSDP only), built by make_plan
+
+    @property
+    def bf16(self):
+        """Matmuls in bf16 (fp8: those that are not float8), parameters all-gathered in bf16."""
+        return self.precision in ("bf16", "fp8")
+
+    @property
+    def fp8_all_gather(self):
+        """FSDP all-gathers the float8 layers' weights in float8 (fp8.gathers_in_float8 has the last word per layer)."""
+        return self.fp8 == "tensorwise" and self.fsdp and self.shard_ranks > 1 and not self.cpu_offload
 
     @property
     def stays_gathered(self):
@@ -85,15 +100,19 @@ def layout(sharding, world_size, shard_group_size):
 def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
     """The plan for this launch. loads_weights: all weights will be loaded (a Hugging Face model, a model to
     sample from), so the model is built on the meta device and no rank ever holds more than its shard of it.
-    fsdp_on_one_rank: use FSDP even for a world of one (tests and benchmarks compare the two)."""
+    fsdp_on_one_rank: use FSDP even for a world of one (tests and benchmarks compare the two).
+    Generation alone (--max_epochs -1) with --precision fp8 runs in bf16: float8 pays in training's large matmuls."""
     decentralized = cfg.data_parallel == "decentralized"
     fsdp = not decentralized and (env.world_size > 1 or cfg.cpu_offload or fsdp_on_one_rank)
     shape, shard_ranks, reshard = layout(cfg.sharding, env.world_size, cfg.shard_group_size or env.local_world_size)
     if not fsdp:
         shape, shard_ranks, reshard = (env.world_size,), 1, False
+    recipe = cfg.fp8_recipe if cfg.precision == "fp8" and not cfg.generate_only else None
+    if recipe:
+        fp8.check_device(env.device)
     plan = ParallelPlan(cfg.sharding, decentralized, fsdp, shape, shard_ranks, reshard, cfg.precision,
                         cfg.cpu_offload, cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute,
-                        cfg.compile, cfg.cuda_graphs and not fsdp and env.device.type == "cuda")
+                        cfg.compile, cfg.cuda_graphs and not fsdp and env.device.type == "cuda", recipe)
     if fsdp:
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         plan = dataclasses.replace(plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names))
@@ -103,7 +122,7 @@ def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
 def shard(model, plan):
     """fully_shard each block (the unit that is gathered, freed and overlapped), then the root for the rest."""
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if plan.precision == "bf16" else MixedPrecisionPolicy()
+        if plan.bf16 else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.cpu_offload else OffloadPolicy()
     reshard = plan.reshard_after_forward
     for i, block in enumerate(model.blocks):
@@ -129,15 +148,20 @@ class LocalSync:
         """The grad norm (a device tensor), after clipping the gradients to max_norm (0: no clipping)."""
         return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm or float("inf"))
 
+    def updated(self):
+        """After each optimizer step: nothing to prepare here (FSDPSync has float8 scales to compute)."""
+
 
 class FSDPSync(LocalSync):
     """Gradient synchronization of an FSDP model over the micro-steps of one optimizer step: gradients are reduced
     on the last micro-step only; where parameters stay gathered from forward to backward anyway, they also stay
-    gathered across micro-steps and are resharded only after the last one."""
+    gathered across micro-steps and are resharded only after the last one. After the optimizer step, the scales
+    of weights all-gathered in float8 are computed for the next step (--precision fp8, tensorwise)."""
 
     def __init__(self, model, plan):
         self.model, self.stays_gathered = model, plan.stays_gathered
         self.shard_group = plan.mesh.get_group("shard")  # replicas hold the same reduced gradients
+        self.precompute_scales = fp8.scale_precompute(plan)
 
     def micro_step(self, last):
         self.model.set_requires_gradient_sync(last)
@@ -156,6 +180,11 @@ class FSDPSync(LocalSync):
         if max_norm:
             torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
         return total
+
+    def updated(self):
+        """After each optimizer step: torchao's float8 weight scales for the next all-gathers (--precision fp8)."""
+        if self.precompute_scales:
+            self.precompute_scales(self.model)
 
 
 def gradient_sync(model, plan):
@@ -217,6 +246,8 @@ def build_model(model_cls, model_config, plan, env, seed):
     """Build, initialize (weights from `seed`), shard or not, and compile a model as the plan says."""
     with torch.device("meta" if plan.meta_init else env.device):
         model = model_cls(model_config)
+    if plan.fp8:
+        fp8.convert(model, plan, env.device)  # before sharding: FSDP sees the float8 layers' weights
     for block in model.blocks:
         # Wrapping forward (not the module) keeps FSDP's hooks outside and state-dict keys unchanged.
         if plan.activation_checkpoints:
@@ -238,7 +269,7 @@ def build_model(model_cls, model_config, plan, env, seed):
     if not plan.meta_init or not plan.fsdp:
         init_weights(model, seed, env.device)
     if not plan.fsdp:
-        if plan.precision == "bf16":  # fp32 weights, bf16 matmuls: FSDP's mixed precision without FSDP
+        if plan.bf16:  # fp32 weights, bf16 matmuls: FSDP's mixed precision without FSDP
             model.forward = torch.autocast(env.device.type, dtype=torch.bfloat16)(model.forward)
         return model
     shard(model, plan)

@@ -1,7 +1,8 @@
-"""A run's loss curves as a PNG, from its metrics.jsonl:
+"""A run's loss curves as a PNG, from its metrics.jsonl; several runs on one plot to compare them:
 
     python -m minimal_fsdp.plot logs/shakespeare              # writes logs/shakespeare/loss.png
     python -m minimal_fsdp.plot logs/shakespeare --out a.png
+    python -m minimal_fsdp.plot logs/bf16 logs/fp8 --out bf16_vs_fp8.png   # default: logs/loss.png
 
 Needs matplotlib (pip install matplotlib, or pip install -e ".[plot]"); TensorBoard shows the same curves live.
 """
@@ -27,23 +28,30 @@ def read_metrics(run_dir):
     return {name: (sorted(values), [values[s] for s in sorted(values)]) for name, values in by_field.items()}
 
 
-def plot(run_dir, out=None):
-    """Train and val loss against the step; returns the PNG's path."""
+def plot(run_dirs, out=None):
+    """Train and val loss against the step of one run directory or of several (labelled by their names, one
+    colour each); returns the PNG's path: `out`, else loss.png in the run directory (several: in the first one's
+    parent, the log directory)."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("plotting needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')") from None
-    series = read_metrics(run_dir)
-    if "loss" not in series:
-        raise ConfigError(f"{Path(run_dir) / 'metrics.jsonl'} has no loss values yet")
-    out = Path(out) if out else Path(run_dir) / "loss.png"
+    run_dirs = [Path(d) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]
+    runs = {d: read_metrics(d) for d in run_dirs}
+    for d, series in runs.items():
+        if "loss" not in series:
+            raise ConfigError(f"{d / 'metrics.jsonl'} has no loss values yet")
+    one = len(run_dirs) == 1
+    out = Path(out) if out else run_dirs[0] / "loss.png" if one else run_dirs[0].parent / "loss.png"
     fig, ax = plt.subplots(figsize=(8, 5))
-    ax.plot(*series["loss"], "." if len(series["loss"][0]) < 2 else "-", label="train loss")
-    if "val_loss" in series:
-        ax.plot(*series["val_loss"], "o-", label="val loss")
-    ax.set(xlabel="step", ylabel="cross-entropy loss", title=Path(run_dir).name)
+    for i, (d, series) in enumerate(runs.items()):
+        name, color = ("" if one else f"{d.name}: "), f"C{i}"
+        ax.plot(*series["loss"], "." if len(series["loss"][0]) < 2 else "-", color=color, label=name + "train loss")
+        if "val_loss" in series:
+            ax.plot(*series["val_loss"], "o--", color=color, label=name + "val loss")
+    ax.set(xlabel="step", ylabel="cross-entropy loss", title=run_dirs[0].name if one else "")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(out, dpi=120, bbox_inches="tight")
@@ -54,8 +62,8 @@ def plot(run_dir, out=None):
 @one_line_errors
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.plot", description=__doc__.split("\n")[0])
-    parser.add_argument("run_dir", help="a run's log directory, <log_dir>/<run_name>")
-    parser.add_argument("--out", help="PNG to write (default: <run_dir>/loss.png)")
+    parser.add_argument("run_dir", nargs="+", help="a run's log directory, <log_dir>/<run_name>; several to compare")
+    parser.add_argument("--out", help="PNG to write (default: <run_dir>/loss.png; several runs: <log_dir>/loss.png)")
     args = parser.parse_args(argv)
     print(plot(args.run_dir, args.out))
 

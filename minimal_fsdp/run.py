@@ -29,7 +29,7 @@ from .train import build_optimizer, train
 
 # Flags that change what a resumed run computes; the startup lines name those that differ from the checkpoint's.
 TRAINING_FLAGS = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                  "batch_size", "grad_accum_steps", "dropout", "precision", "sharding", "seed")
+                  "batch_size", "grad_accum_steps", "dropout", "precision", "fp8_recipe", "sharding", "seed")
 
 
 def main(argv=None):
@@ -62,7 +62,7 @@ def run(cfg):
         lock.release()
     # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes at once.
     if cfg.num_tokens > 0 and not stop.reason:
-        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        dtype = torch.float32 if cfg.precision == "float32" else torch.bfloat16
         text = generate(model, tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k, cfg.seed,
                         env.device, dtype)
         if env.is_main:

@@ -84,7 +84,8 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
     grad norm, both device tensors (the norm the same on every rank). sync synchronizes and clips gradients:
     parallelize.gradient_sync (FSDP or a plain module) or gossip.Gossip. With skip_nonfinite an
     update with a NaN/Inf grad norm is not applied (it would poison every weight); that check waits for the
-    device, so it is made only when asked for."""
+    device, so it is made only when asked for. After an update, sync.updated() prepares the next step's
+    all-gathers (the weight scales of --precision fp8's float8 all-gather)."""
     torch.compiler.cudagraph_mark_step_begin()  # --cuda_graphs: the last step's graph outputs may be reused
     sync.start(step)  # gossip: parameters travel to the neighbours while forward and backward run
     loss_sum = 0.0
@@ -98,6 +99,7 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
     grad_norm = sync.clip_grad_norm(model.parameters(), grad_clip)
     if not skip_nonfinite or torch.isfinite(grad_norm):
         optimizer.step()
+        sync.updated()  # fp8: the next step's float8 all-gather scales
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 

@@ -25,10 +25,10 @@ def mpiexec():
     return found
 
 
-def launch(args, ranks=2, cwd=None, timeout=300, env=None, check=True):
-    """Run basic_training.py on `ranks` MPI ranks; returns the CompletedProcess.
-    The timeout only guards against a hang; no test asserts on time."""
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(ENTRY), *map(str, args)]
+def launch(args, ranks=2, cwd=None, timeout=300, env=None, check=True, entry=ENTRY):
+    """Run basic_training.py (or `entry`, a script that wraps it) on `ranks` MPI ranks; returns the
+    CompletedProcess. The timeout only guards against a hang; no test asserts on time."""
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(entry), *map(str, args)]
     environment = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
     result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environment)
     if check and result.returncode != 0:

@@ -48,3 +48,14 @@ def test_gossip_bench_reports_every_mode(tmp_path):
     # On 2 ranks every mode moves one fp32 copy of the parameters per step: all-reduce 2(n-1)/n of the gradient
     # bytes, each gossip topology one message to its single peer.
     assert all(r["bytes_per_step"] == pytest.approx(4 * PARAMS) for r in rows), rows
+
+
+def test_fp8_table_gives_each_row_its_speed_over_bf16(tmp_path):
+    rows = [dict(model="llama2-7b(6.7B)", gpus=4, precision=p, options="compile", batch=2, seq=4096, tok_s=t,
+                 tok_s_gpu=t / 4, mfu=0.5, step_ms=700.0, peak_gb=47.5)
+            for p, t in (("bf16", 40_000.0), ("fp8-tensorwise", 52_000.0), ("fp8-rowwise", 46_000.0))]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_table.py"), str(tmp_path / "rows.jsonl")],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [line.rsplit("|", 2)[1].strip() for line in out[2:]] == ["1.00x", "1.30x", "1.15x"]
+    assert "| 13,000 |" in out[3]

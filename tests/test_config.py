@@ -17,7 +17,7 @@ def test_every_flag_has_help():
 
 @pytest.mark.parametrize("argv,message", [
     (["--sharding", "half-shard"], "invalid choice"),
-    (["--precision", "fp8"], "invalid choice"),
+    (["--precision", "fp16"], "invalid choice"),
     (["--batch_size", "0"], "--batch_size must be positive"),
     (["--batch_size", "-3"], "--batch_size must be positive"),
     (["--dataset", "text"], "--input_file"),

@@ -135,6 +135,19 @@ def test_plot_writes_png(tmp_path):
     assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_compares_several_runs(tmp_path, monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    for name, loss in (("bf16", 2.0), ("fp8", 2.02)):
+        write_jsonl(tmp_path / "logs" / name, [{"step": 1, "loss": 3.0}, {"step": 2, "loss": loss, "val_loss": 2.4}])
+    labels, plot = [], matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda ax, *a, **kw: labels.append(kw["label"]) or plot(ax, *a, **kw))
+    plot_main([str(tmp_path / "logs" / "bf16"), str(tmp_path / "logs" / "fp8")])
+    assert (tmp_path / "logs" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert labels == ["bf16: train loss", "bf16: val loss", "fp8: train loss", "fp8: val loss"]
+
+
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, capsys):
     write_jsonl(tmp_path / "run", [{"step": 1, "loss": 3.0}])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
