@@ -78,6 +78,9 @@ def resolve(name_or_dir):
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ConfigError(f"--hf_model {path} has no config.json: pass a Hugging Face model directory")
+        if not any(path.glob("model*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+            raise ConfigError(f"--hf_model {path} has a config.json but no weights (model.safetensors, its shards, "
+                              "or pytorch_model.bin): download them too")
         return str(path)
     if path.exists() or name_or_dir.startswith((".", "/", "~")) or name_or_dir.count("/") > 1:
         raise ConfigError(f"--hf_model {name_or_dir} is not a directory")

@@ -64,12 +64,12 @@ def run_length(cfg, steps_per_epoch):
     ends the run. steps_per_epoch is None for a stream, whose length is unknown."""
     if steps_per_epoch is None:
         return cfg.max_steps, f"{cfg.max_steps} steps (--max_steps; a stream has no epochs)"
-    epochs = f"{{:.3g}} epochs of {steps_per_epoch} steps"
+    def epochs(n):
+        return f"{n:.3g} epoch{'' if n == 1 else 's'} of {steps_per_epoch} steps"
     if cfg.max_epochs is None or cfg.max_steps and cfg.max_steps < cfg.max_epochs * steps_per_epoch:
-        return cfg.max_steps, f"{cfg.max_steps} steps = {epochs.format(cfg.max_steps / steps_per_epoch)} " \
-                              "(--max_steps)"
+        return cfg.max_steps, f"{cfg.max_steps} steps = {epochs(cfg.max_steps / steps_per_epoch)} (--max_steps)"
     last = cfg.max_epochs * steps_per_epoch
-    return last, f"{last} steps = {epochs.format(cfg.max_epochs)} (--max_epochs)"
+    return last, f"{last} steps = {epochs(cfg.max_epochs)} (--max_epochs)"
 
 
 def _to_device(batch, device):

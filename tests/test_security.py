@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from conftest import ROOT, TINY_MODEL, launch, make_text
 from faults import launch_with_faults
-from minimal_fsdp import checkpoint, files
+from minimal_fsdp import checkpoint, files, hf
 from minimal_fsdp.config import ConfigError, parse_args
 
 
@@ -321,6 +321,12 @@ def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(tmp_path, strai
     again = train(tmp_path, steps=6)
     assert f"resuming from checkpoints/run/step_{resumed}" in again.stdout
     assert losses(tmp_path, "run") == losses(straight, "straight")
+
+
+def test_a_hugging_face_directory_without_weights_says_so(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="has a config.json but no weights"):
+        hf.resolve(str(tmp_path))
 
 
 # ---- values ----
