@@ -140,6 +140,14 @@ def _same_on_every_rank(fn, *args):
     return outcome[0]
 
 
+def _save_tokenizer_of(directory, streaming_dir):
+    """The tokenizer in `directory`, saved under <data_dir>/streaming/<its label>; returns where."""
+    tokenizer = load_tokenizer(directory)
+    out = f"{streaming_dir}/{tokenizer.label}"
+    tokenizer.save(out)
+    return out
+
+
 def _save_gpt2_tokenizer(directory):
     train_tokenizer("gpt2", "", None, directory)
     return str(directory)
@@ -162,8 +170,9 @@ class StreamingData:
     @classmethod
     def open(cls, cfg, env):
         """Collective: every rank opens the source and the tokenizer, or every rank raises the same error."""
-        if cfg.tokenizer_dir:
-            tokenizer_dir = cfg.tokenizer_dir
+        if cfg.tokenizer_dir:  # saved again in our own files, which checkpoints copy (a Hugging Face directory's
+            # vocab.json or tokenizer_config.json would not travel with them)
+            tokenizer_dir = environment.run_on_main(_save_tokenizer_of, cfg.tokenizer_dir, f"{cfg.data_dir}/streaming")
         elif cfg.tokenizer == "gpt2":  # saved once, so checkpoints carry it for generation
             tokenizer_dir = environment.run_on_main(_save_gpt2_tokenizer, f"{cfg.data_dir}/streaming/gpt2")
         else:

@@ -10,6 +10,7 @@ from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.data import TokenData
 from minimal_fsdp.documents import HFDocuments, encode_document, is_val, open_documents
 from minimal_fsdp.streaming import StreamingData
+from minimal_fsdp.tokenizer import load_tokenizer
 from test_prepare import make_documents, run_cli, write_jsonl
 
 SEQ = 32
@@ -158,6 +159,7 @@ def test_streaming_trains_and_a_resumed_run_continues_exactly(prepared, tmp_path
     step_3 = tmp_path / "checkpoints" / "whole" / "step_3"
     positions = json.loads((step_3 / "meta.json").read_text())["state"]["data"]["stream"]
     assert len(positions) == 2 and positions[0] != positions[1]
+    assert load_tokenizer(step_3).chars == data.tokenizer.chars  # the checkpoint carries the stream's tokenizer
     launch(stream_args(tmp_path, source, data.directory, "resumed", "--restart_checkpoint_file", step_3),
            ranks=2, cwd=tmp_path)
     whole, resumed = logged(tmp_path, "whole"), logged(tmp_path, "resumed")
