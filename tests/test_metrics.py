@@ -9,7 +9,6 @@ import pytest
 import torch.distributed as dist
 
 from conftest import TINY_MODEL
-from minimal_fsdp import environment
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.metrics import TAGS, Metrics, state_bytes_per_rank
 from minimal_fsdp.plot import main as plot_main
@@ -20,23 +19,11 @@ from minimal_fsdp import run
 FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time", "peak_mem_gb"}
 
 
-@pytest.fixture
-def one_rank(monkeypatch, tmp_path):
-    """A world of one: what launching with no launcher gives. The rendezvous stays out of os.environ."""
-    for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", *environment.MPI_RANK_VARIABLES]:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(environment._free_port()))
-    monkeypatch.chdir(tmp_path)
-    yield
-    environment.teardown()
-
-
 def rows_of(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_training_writes_jsonl_tensorboard_config_and_banner(one_rank, tmp_path, corpus, capsys):
+def test_training_writes_jsonl_tensorboard_config_and_banner(single_process, tmp_path, corpus, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     args = ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 6, "--log_interval", 2,

@@ -7,22 +7,16 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_MODEL, make_text
-from minimal_fsdp import documents, environment, prepare, run, tokenizer
+from minimal_fsdp import documents, prepare, run, tokenizer
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.data import TokenData
 
 
 @pytest.fixture
-def single(monkeypatch, tmp_path):
-    """A plain `python basic_training.py`: a world of one, in this process, in tmp_path."""
-    for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", *environment.MPI_RANK_VARIABLES]:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(environment._free_port()))
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "small.txt").write_text(make_text(12_000))  # 10,800 train tokens: 84 blocks of 128 = 5 steps of 16
-    yield
-    environment.teardown()
+def single(single_process, tmp_path):
+    """A plain `python basic_training.py` in tmp_path, with a small text: 10,800 train characters hold 84 blocks
+    of 128, 5 steps of 16 blocks."""
+    (tmp_path / "small.txt").write_text(make_text(12_000))
 
 
 def train(capsys, *flags):
