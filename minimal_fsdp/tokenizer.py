@@ -15,6 +15,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import tempfile
 import urllib.error
 import urllib.request
@@ -200,10 +201,16 @@ def _train_sentencepiece(text, vocab_size):
             num_threads=1, input_sentence_size=0, shuffle_input_sentence=False,  # deterministic
             minloglevel=2)
     except RuntimeError as e:
-        # e.g. vocab too small: byte_fallback alone takes 256 + 3 special ids
         msg = " ".join(str(e).split()).split("] ", 1)[-1] or type(e).__name__  # drop the C++ source location
-        raise TokenizerError(f"--tokenizer sentencepiece training failed with --vocab_size {vocab_size}: {msg} "
-                             f"(byte fallback alone needs 259 ids: use a larger --vocab_size or more text)") from e
+        needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", msg)
+        if needed:  # the 256 byte pieces, 3 special ones and the text's kept characters must all fit
+            fix = f"use --vocab_size {needed.group(1)} or more"
+        elif "too high" in msg:
+            fix = "use a smaller --vocab_size, or more text to learn merges from"
+        else:
+            fix = "try another --vocab_size"
+        raise TokenizerError(f"--tokenizer sentencepiece cannot train a vocabulary of {vocab_size} on this text: "
+                             f"{fix} (sentencepiece: {msg})") from e
     return SentencePieceTokenizer(model.getvalue())
 
 

@@ -287,3 +287,12 @@ def test_prepare_with_a_tokenizer_dir(tmp_path, offline):
     data = TokenData(out)  # the workers tokenized with the tokenizer saved there
     expected = [t for i, d in enumerate(documents) if not is_val(i, 1337, 0.1) for t in encode_document(tokenizer, d)]
     assert data.splits["train"].tolist() == expected and tokenizer.eot_id in expected
+
+
+@pytest.mark.parametrize("vocab_size,fix", [(300, r"use --vocab_size \d+ or more"),
+                                            (100_000, "use a smaller --vocab_size, or more text")])
+def test_sentencepiece_vocabulary_errors_say_which_way_to_go(vocab_size, fix):
+    text = "".join(f"{chr(0x100 + i)} the king and the queen, line {i}\n" for i in range(400))
+    with pytest.raises(tk.TokenizerError, match=fix) as raised:
+        tk.train_tokenizer("sentencepiece", text, vocab_size, None)
+    assert ("or more text" in str(raised.value)) == (vocab_size > 1000)  # never both directions at once
