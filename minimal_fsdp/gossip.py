@@ -140,6 +140,9 @@ class Gossip:
     def micro_step(self, last):
         pass  # a replica never reduces gradients: accumulation is plain autograd accumulation
 
+    def after_step(self):
+        pass
+
     def clip_grad_norm(self, parameters, max_norm):
         """Clip this replica's own gradient to max_norm; returns the mean of the replicas' grad norms (collective):
         non-finite on every rank if any replica's is, so all ranks skip or stop at the same step."""

@@ -128,6 +128,9 @@ class LocalSync:
         """The grad norm (a device tensor), after clipping the gradients to max_norm (0: no clipping)."""
         return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm or float("inf"))
 
+    def after_step(self):
+        """Once the optimizer has stepped (xla.py runs the traced step here)."""
+
 
 class FSDPSync(LocalSync):
     """Gradient synchronization of an FSDP model over the micro-steps of one optimizer step: gradients are reduced

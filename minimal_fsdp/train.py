@@ -98,6 +98,7 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
     if not skip_nonfinite or torch.isfinite(grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    sync.after_step()
     return loss_sum, grad_norm
 
 
@@ -110,15 +111,16 @@ def evaluate(model, data, batches, device):
     return mean_across_ranks(losses.float().mean())
 
 
-def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None):
+def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None, sync=None, ranks=None):
     """Train from step 0, or from `saved` (the meta.json of the checkpoint just restored), to the schedule's last
     step. Evaluates every --eval_interval steps; saves every --checkpoint_interval steps, at the end, and when
     all ranks agree to stop (stop: resilience.StopRequests, asked at every logging step). Returns the last step
-    done and the log, which holds the run's summary."""
+    done and the log, which holds the run's summary. sync: the gradient-sync object (default: the plan's);
+    ranks: how many take --batch_size sequences of every micro-batch (default: the ranks; xla.py passes both)."""
     schedule = Schedule.for_run(cfg, data.steps_per_epoch(), saved and saved["state"]["schedule"])
     first = saved["step"] if saved else 0
-    sync = Gossip(model, cfg.topology) if plan.decentralized else gradient_sync(model, plan)
-    tokens_per_step = env.world_size * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
+    sync = sync or (Gossip(model, cfg.topology) if plan.decentralized else gradient_sync(model, plan))
+    tokens_per_step = (ranks or env.world_size) * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
     log = TrainingLog(cfg, env, model, schedule, first, tokens_per_step)
     guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
     done = first
