@@ -38,7 +38,7 @@ from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
-from . import checkpoint, hf
+from . import checkpoint, environment, hf
 from .config import ConfigError
 from .metrics import banner
 from .models import MODELS
@@ -81,8 +81,9 @@ def setup(cfg, env):
         dist.destroy_process_group()
         if os.environ.get("MASTER_ADDR") == "127.0.0.1":  # our one-process default: xla:// finds the first host
             del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-        dist.init_process_group("gloo", init_method="xla://",
-                                timeout=datetime.timedelta(seconds=cfg.collective_timeout))
+        with environment.gloo_quiet():
+            dist.init_process_group("gloo", init_method="xla://",
+                                    timeout=datetime.timedelta(seconds=cfg.collective_timeout))
         env = dataclasses.replace(env, rank=dist.get_rank(), world_size=hosts, num_nodes=hosts, launcher="xla",
                                   local_world_sizes=(1,) * hosts)
     elif hosts != env.world_size:
