@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -392,16 +393,33 @@ def setup(cfg):
     device, backend = _pick_device(local_rank, local_world)
     _store = _rendezvous(rank, world, num_nodes, launcher, cfg)
     store = dict(store=_store) if _store is not None else {}
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.collective_timeout),
-                            device_id=device if device.type == "cuda" else None, **store)
-    local_world_sizes, gpu_keys = _gather_layout(local_world, device)
+    with gloo_quiet():
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=cfg.collective_timeout),
+                                device_id=device if device.type == "cuda" else None, **store)
+        local_world_sizes, gpu_keys = _gather_layout(local_world, device)
     if rank == 0 and _store_file is not None:
         _store_file.unlink(missing_ok=True)  # every rank has joined
     warning = shared_gpus_warning(gpu_keys)
     if warning and rank == 0:
         print(warning, file=sys.stderr, flush=True)
     return DistEnv(rank, world, local_rank, local_world, num_nodes, device, backend, launcher, local_world_sizes)
+
+
+@contextmanager
+def gloo_quiet():
+    """The C-level stdout goes to /dev/null while gloo connects a process group: torch 2.9's gloo prints a line
+    there for each (pytorch/gloo#462; quiet in later torch), and stdout carries a sample's text alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def teardown():

@@ -9,7 +9,7 @@ assumed (docs/fp8.md). Never the embeddings or the output head: the head's matmu
 Recipes (--fp8_recipe), torchao's:
   tensorwise  one scale per tensor, cuBLAS float8 matmuls. Under FSDP over more than one rank the weights are
               also all-gathered in float8 (half of bf16's bytes); their scales are computed after each optimizer
-              step, for all weights in one all-reduce (FSDPSync.updated), not one all-reduce per weight later.
+              step, for all weights in one all-reduce (FSDPSync.after_step), not one all-reduce per weight later.
   rowwise     a scale per row: more accurate with outliers, slower kernels; weights all-gathered in bf16.
 
 Master weights, gradients and AdamW state stay fp32 and checkpoints hold plain fp32 tensors under the same

@@ -137,11 +137,11 @@ class Gossip:
         for buf, (_, weight) in zip(self.received, exchange.recv_from):
             self.flat.add_(buf, alpha=weight)
 
-    def updated(self):  # nothing to prepare after the optimizer step (parallelize.FSDPSync has something)
-        pass
-
     def micro_step(self, last):
         pass  # a replica never reduces gradients: accumulation is plain autograd accumulation
+
+    def after_step(self):
+        pass
 
     def clip_grad_norm(self, parameters, max_norm):
         """Clip this replica's own gradient to max_norm; returns the mean of the replicas' grad norms (collective):

@@ -203,7 +203,9 @@ class TrainingLog:
 
 
 def mean_across_ranks(value):
-    t = torch.as_tensor(value, dtype=torch.float32).reshape(1)
+    """The mean over the ranks of a number or a one-element tensor (on any device; an XLA one cannot take part in
+    the ranks' collective itself, so it comes to the host first)."""
+    t = torch.tensor([float(value)])
     if dist.get_backend() == "nccl":
         t = t.cuda()
     dist.all_reduce(t)  # SUM: gloo has no AVG
@@ -213,6 +215,9 @@ def mean_across_ranks(value):
 def _synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "xla":  # the steps run asynchronously after torch_xla.sync()
+        import torch_xla.core.xla_model as xm
+        xm.wait_device_ops()
 
 
 def state_bytes_per_rank(num_params, shard_size):

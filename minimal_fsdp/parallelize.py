@@ -148,8 +148,8 @@ class LocalSync:
         """The grad norm (a device tensor), after clipping the gradients to max_norm (0: no clipping)."""
         return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm or float("inf"))
 
-    def updated(self):
-        """After each optimizer step: nothing to prepare here (FSDPSync has float8 scales to compute)."""
+    def after_step(self):
+        """Once the step is done: nothing here (FSDPSync computes float8 scales, xla.py runs the traced step)."""
 
 
 class FSDPSync(LocalSync):
@@ -181,8 +181,8 @@ class FSDPSync(LocalSync):
             torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
         return total
 
-    def updated(self):
-        """After each optimizer step: torchao's float8 weight scales for the next all-gathers (--precision fp8)."""
+    def after_step(self):
+        """Once the step is done: torchao's float8 weight scales for the next all-gathers (--precision fp8)."""
         if self.precompute_scales:
             self.precompute_scales(self.model)
 

@@ -43,10 +43,14 @@ def main(argv=None):
 def run(cfg):
     stop = StopRequests(cfg.time_limit_seconds)  # --time_limit counts from here
     env = environment.setup(cfg)
+    if cfg.device == "xla":  # one process per host drives all of the host's devices (minimal_fsdp/xla.py)
+        from . import xla
+        env = xla.setup(cfg, env)
     validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None  # rank 0 downloads
-    plan = make_plan(cfg, env, loads_weights=hf_dir is not None or cfg.generate_only)
+    # Under --device xla this plan lays out only the host's model to sample from, which loads a checkpoint.
+    plan = make_plan(cfg, env, loads_weights=hf_dir is not None or cfg.generate_only or cfg.device == "xla")
     # One training run per run directory: rank 0 holds the lock until the end (generation only reads).
     lock = files.RunLock({"--checkpoint_dir": Path(cfg.checkpoint_dir) / cfg.run_name,
                           "--log_dir": Path(cfg.log_dir) / cfg.run_name})
@@ -93,9 +97,16 @@ def train_model(cfg, env, plan, start, hf_dir, stop):
     data = open_data(cfg, env, hf_dir)
     model_config = hf.read_model_config(hf_dir, cfg) if hf_dir else config_from_flags(cfg, data.meta["vocab_size"])
     data.check(model_config.seq_length, model_config.vocab_size)
-    data.bind(model_config.seq_length, cfg.batch_size, cfg.grad_accum_steps, env.rank, env.world_size, cfg.seed)
     if start is not None:
         check_resumable(cfg, start, model_config, env)
+    if cfg.device == "xla":  # torch_xla's model, optimizer, batches and checkpoints in train.train's loop
+        from . import xla
+        saved_to = xla.train_model(cfg, env, plan, data, model_config, start, hf_dir, stop)
+        # The sample comes from the checkpoint just saved, generated on the host as --max_epochs -1 does.
+        if cfg.num_tokens > 0 and not stop.reason:
+            return generation_model(cfg, env, plan, saved_to, None)
+        return None, data.tokenizer
+    data.bind(model_config.seq_length, cfg.batch_size, cfg.grad_accum_steps, env.rank, env.world_size, cfg.seed)
     model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
     optimizer = build_optimizer(model, cfg)
     checkpointer = checkpoint.Checkpointer(cfg, model_config, data.directory, plan.decentralized)

@@ -84,8 +84,8 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
     grad norm, both device tensors (the norm the same on every rank). sync synchronizes and clips gradients:
     parallelize.gradient_sync (FSDP or a plain module) or gossip.Gossip. With skip_nonfinite an
     update with a NaN/Inf grad norm is not applied (it would poison every weight); that check waits for the
-    device, so it is made only when asked for. After an update, sync.updated() prepares the next step's
-    all-gathers (the weight scales of --precision fp8's float8 all-gather)."""
+    device, so it is made only when asked for. sync.after_step() ends the step: the weight scales of
+    --precision fp8's float8 all-gather, or the traced step under XLA."""
     torch.compiler.cudagraph_mark_step_begin()  # --cuda_graphs: the last step's graph outputs may be reused
     sync.start(step)  # gossip: parameters travel to the neighbours while forward and backward run
     loss_sum = 0.0
@@ -99,8 +99,8 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
     grad_norm = sync.clip_grad_norm(model.parameters(), grad_clip)
     if not skip_nonfinite or torch.isfinite(grad_norm):
         optimizer.step()
-        sync.updated()  # fp8: the next step's float8 all-gather scales
     optimizer.zero_grad(set_to_none=True)
+    sync.after_step()
     return loss_sum, grad_norm
 
 
@@ -113,15 +113,16 @@ def evaluate(model, data, batches, device):
     return mean_across_ranks(losses.float().mean())
 
 
-def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None):
+def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None, sync=None, ranks=None):
     """Train from step 0, or from `saved` (the meta.json of the checkpoint just restored), to the schedule's last
     step. Evaluates every --eval_interval steps; saves every --checkpoint_interval steps, at the end, and when
     all ranks agree to stop (stop: resilience.StopRequests, asked at every logging step). Returns the last step
-    done and the log, which holds the run's summary."""
+    done and the log, which holds the run's summary. sync: the gradient-sync object (default: the plan's);
+    ranks: how many take --batch_size sequences of every micro-batch (default: the ranks; xla.py passes both)."""
     schedule = Schedule.for_run(cfg, data.steps_per_epoch(), saved and saved["state"]["schedule"])
     first = saved["step"] if saved else 0
-    sync = Gossip(model, cfg.topology) if plan.decentralized else gradient_sync(model, plan)
-    tokens_per_step = env.world_size * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
+    sync = sync or (Gossip(model, cfg.topology) if plan.decentralized else gradient_sync(model, plan))
+    tokens_per_step = (ranks or env.world_size) * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
     log = TrainingLog(cfg, env, model, schedule, first, tokens_per_step)
     guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
     done = first

@@ -8,16 +8,15 @@ feeds its own rows of the global batch: --batch_size counts sequences per device
 elsewhere, so 4 devices with --batch_size 2 see exactly the batches of one CPU rank with --batch_size 8.
 
 Checkpoints have checkpoint.py's layout and parameter names, written and read by torch_xla's DCP planners, so
-they load in CPU/CUDA runs and back. Generation runs on the host from the saved checkpoint (basic_training.py).
+they load in CPU/CUDA runs and back. The loop is train.train's; this module gives it the sharded model, the
+optimizer, device batches, a step that ends in torch_xla.sync() and the checkpointer (train_model, called by
+run.train_model). Generation runs on the host from the saved checkpoint (run.py).
 """
 import dataclasses
 import datetime
 import functools
 import os
-import time
 import warnings
-from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -28,7 +27,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
-from tqdm import tqdm
 
 import torch_xla
 import torch_xla.core.xla_model as xm
@@ -40,12 +38,12 @@ from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
-from . import checkpoint, hf
+from . import checkpoint, environment, hf
 from .config import ConfigError
-from .metrics import Metrics, banner
-from .parallelize import init_weights
-from .resilience import NonFiniteGuard
-from .train import lr_at, steps_per_epoch, total_steps
+from .metrics import banner
+from .models import MODELS
+from .parallelize import LocalSync, init_weights
+from .train import train
 
 WRAPPED = "_orig_module."  # FSDPv2's attribute for the module it wraps; not part of a parameter's saved name
 BF16_HARDWARE = ("TPU", "NEURON")  # where torch_xla's autocast runs bf16 (it ignores other devices)
@@ -66,12 +64,10 @@ class Devices:
         mesh = xs.Mesh(np.arange(total), (total,), ("fsdp",))
         return cls(torch_xla.device(), mesh, xr.addressable_runtime_device_count(), total)
 
-    def batch(self, data, split, index, cfg, seq_length, env):
-        """Micro-batch `index` as one global (inputs, targets) pair sharded by rows over the devices. This host
-        reads only its own rows, --batch_size per local device (minibatch: torch_xla joins the hosts' rows)."""
-        x, y = data.get_batch(split, index, env.rank, env.world_size, cfg.batch_size * self.local, seq_length,
-                              cfg.seed)
-        return xm.send_cpu_data_to_device([x, y], self.device,
+    def send(self, batch):
+        """This host's rows (inputs, targets) as one global pair sharded by rows over every device (minibatch:
+        torch_xla joins the hosts' rows)."""
+        return xm.send_cpu_data_to_device(list(batch), self.device,
                                           xs.ShardingSpec(self.mesh, ("fsdp", None), minibatch=True))
 
 
@@ -85,9 +81,11 @@ def setup(cfg, env):
         dist.destroy_process_group()
         if os.environ.get("MASTER_ADDR") == "127.0.0.1":  # our one-process default: xla:// finds the first host
             del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-        dist.init_process_group("gloo", init_method="xla://",
-                                timeout=datetime.timedelta(seconds=cfg.collective_timeout))
-        env = dataclasses.replace(env, rank=dist.get_rank(), world_size=hosts, num_nodes=hosts, launcher="xla")
+        with environment.gloo_quiet():
+            dist.init_process_group("gloo", init_method="xla://",
+                                    timeout=datetime.timedelta(seconds=cfg.collective_timeout))
+        env = dataclasses.replace(env, rank=dist.get_rank(), world_size=hosts, num_nodes=hosts, launcher="xla",
+                                  local_world_sizes=(1,) * hosts)
     elif hosts != env.world_size:
         raise ConfigError(f"torch_xla sees {hosts} host(s) but {env.world_size} rank(s) were launched: start one "
                           "rank per host")
@@ -115,7 +113,7 @@ def build_model(model_cls, model_config, cfg, mesh, hf_dir=None):
     # FSDPv2 hooks each wrapped module's backward; the root's inputs are token ids, which have no gradient.
     warnings.filterwarnings("ignore", "Full backward hook is firing when gradients are computed with respect to "
                             "module outputs")
-    blocks = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={model_cls.block_type})
+    blocks = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={type(model.blocks[0])})
     # The root's output is the loss (or the last position's logits): nothing to shard.
     model = FSDPv2(model, mesh=mesh, shard_output=lambda output, mesh: None, auto_wrap_policy=blocks,
                    auto_wrapper_callable=wrap_block)
@@ -161,13 +159,6 @@ def _state(model, optimizer):
     return state
 
 
-def save(run_dir, step, model, optimizer, meta, tokenizer_dir, keep_last):
-    """checkpoint.save's directory protocol (temporary directory, rename, `latest`, `best`, --keep_last), each host
-    writing its own shards."""
-    return checkpoint.save(run_dir, step, model, optimizer, meta, tokenizer_dir, keep_last,
-                           state=flatten_state_dict(_state(model, optimizer))[0], planner=SPMDSavePlanner())
-
-
 def load(path, model, optimizer=None):
     """Load a checkpoint of any run (XLA, CPU or CUDA, any number of devices or ranks) into the sharded model
     and optimizer, in place."""
@@ -184,136 +175,84 @@ def load(path, model, optimizer=None):
     torch_xla.sync()
 
 
-# ---- training ----
+# ---- training: train.train's loop over the parts above ----
 
-def train_step(model, optimizer, micro_batches, cfg):
-    """One optimizer step over (inputs, targets) micro-batches, traced and then run as one compiled graph; returns
-    the mean loss and the grad norm (device tensors)."""
-    loss_sum = 0.0
-    for x, y in micro_batches:
-        loss = model(x, y) / len(micro_batches)
-        loss.backward()
-        loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-    if not cfg.skip_nonfinite or torch.isfinite(grad_norm):  # the check waits for the device: only if asked
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    torch_xla.sync()
-    return loss_sum, grad_norm
+class DeviceData:
+    """The run's data (data.TokenData or streaming.StreamingData), bound to this host's rows, with its batches
+    sent to the devices: the data train.train reads."""
+
+    def __init__(self, data, devices):
+        self.data, self.devices = data, devices
+
+    def steps_per_epoch(self):
+        return self.data.steps_per_epoch()
+
+    def train_batches(self, step):
+        return [self.devices.send(batch) for batch in self.data.train_batches(step)]
+
+    def val_batch(self, index):
+        return self.devices.send(self.data.val_batch(index))
+
+    def state_dict(self, step):
+        return self.data.state_dict(step)
 
 
-@torch.no_grad()
-def evaluate(model, data, cfg, env, devices, seq_length):
-    model.eval()
-    losses = []
-    for i in range(cfg.eval_batches):
-        losses.append(model(*devices.batch(data, "val", i, cfg, seq_length, env)))
+class StepSync(LocalSync):
+    """train_step's gradient synchronization under SPMD: the compiler has put the reductions into the step, so
+    there is nothing to do but run it, traced from forward to the AdamW update, as one compiled graph."""
+
+    def after_step(self):
         torch_xla.sync()
-    model.train()
-    return torch.stack(losses).mean().item()  # over every device's rows: no reduction across hosts needed
 
 
-def train(model_cls, model_config, data, cfg, env, start, saved, hf_dir, meta, stop):
-    """Build (or resume) the sharded model and train it to the end as train.train does: warmup + cosine LR,
-    clipping, accumulation, evaluation, metrics, checkpoints at epoch ends, every --checkpoint_interval, at the
-    end and on an agreed stop. Returns the last checkpoint written."""
+class Checkpointer(checkpoint.Checkpointer):
+    """checkpoint.Checkpointer (the same directory protocol, meta.json and keys), with the shards written and
+    read on the devices by torch_xla's planners."""
+
+    def __init__(self, cfg, model_config, tokenizer_dir):
+        super().__init__(cfg, model_config, tokenizer_dir, decentralized=False)
+
+    def save(self, step, model, optimizer, val_loss, state):
+        meta = dict(self.about, format=checkpoint.FORMAT, val_loss=val_loss, state=state)
+        return checkpoint.save(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
+                               state=flatten_state_dict(_state(model, optimizer))[0], planner=SPMDSavePlanner())
+
+    def restore(self, path, model, optimizer, seed):
+        load(path, model, optimizer)
+        checkpoint.restore_rng(path, dist.get_rank(), dist.get_world_size(), seed)
+        return checkpoint.read_meta(path)
+
+
+def train_model(cfg, env, plan, data, model_config, start, hf_dir, stop):
+    """run.train_model under --device xla, after its checks: bind the data to this host's rows, build (or
+    resume) the sharded model, and train it with train.train. Returns the checkpoint to sample from: the last
+    one saved, else (nothing was left to train) the one resumed."""
     devices = Devices.discover()
-    model = build_model(model_cls, model_config, cfg, devices.mesh, None if start else hf_dir)
+    # Each device is one data-parallel "rank" of --batch_size sequences; this host reads its devices' rows.
+    data.bind(model_config.seq_length, cfg.batch_size * devices.local, cfg.grad_accum_steps, env.rank,
+              env.world_size, cfg.seed)
+    model = build_model(MODELS[model_config.model_type], model_config, cfg, devices.mesh, None if start else hf_dir)
     optimizer = build_optimizer(model, cfg)
-    saved = saved or {}
+    checkpointer = Checkpointer(cfg, model_config, data.directory)
+    saved = None
     if start is not None:
-        load(start, model, optimizer)
-        checkpoint.restore_rng(start, env.rank, env.world_size, cfg.seed)
-    xm.set_rng_state(cfg.seed * 1_000_003 + saved.get("step", 0))  # dropout masks, seeded per launch
+        saved = checkpointer.restore(start, model, optimizer, cfg.seed)
+        data.load_state_dict(saved["state"]["data"], saved["step"])
+    xm.set_rng_state(cfg.seed * 1_000_003 + (saved["step"] if saved else 0))  # dropout masks, seeded per launch
     if env.is_main:
-        print(_banner(cfg, env, devices, model, start), flush=True)
+        print(_banner(cfg, env, plan, devices, model, start) + "\n" + data.describe(), flush=True)
+    on_devices = dataclasses.replace(env, device=devices.device)
     with stop.listening():
-        last = _loop(model, optimizer, data, cfg, env, devices, Path(cfg.checkpoint_dir) / cfg.run_name, meta,
-                     saved, stop)
-    return last or start  # nothing was left to train: the checkpoint it resumed
+        _, log = train(model, optimizer, DeviceData(data, devices), cfg, on_devices, plan, checkpointer, stop, saved,
+                       sync=StepSync(), ranks=devices.total)
+    if env.is_main:
+        print(log.summary(), flush=True)
+    return log.checkpoint or start
 
 
-def _banner(cfg, env, devices, model, start):
-    """metrics.banner with the XLA layout in its first line."""
-    mesh = SimpleNamespace(mesh_dim_names=("fsdp",), shape=(devices.total,))
-    text = banner(cfg, dataclasses.replace(env, device=devices.device), mesh, model, start).split("\n", 1)[1]
+def _banner(cfg, env, plan, devices, model, start):
+    """metrics.banner with the XLA layout in its first line: every parameter sharded over every device."""
+    xla_plan = dataclasses.replace(plan, shard_ranks=devices.total)
+    text = banner(cfg, dataclasses.replace(env, device=devices.device), xla_plan, model, start).split("\n", 1)[1]
     return (f"launch: {env.world_size} host(s) x {devices.local} {xr.device_type()} device(s)/host, started by "
             f"{env.launcher}; torch_xla SPMD, mesh fsdp={devices.total} (FSDPv2)\n" + text)
-
-
-def _loop(model, optimizer, data, cfg, env, devices, run_dir, meta, saved, stop):
-    seq_length = model.config.seq_length
-    train_tokens = data.num_tokens("train")  # None for a stream
-    # Each device is one data-parallel "rank" of --batch_size sequences.
-    per_epoch = None if train_tokens is None else steps_per_epoch(cfg, devices.total, train_tokens, seq_length)
-    last = total_steps(cfg, per_epoch)
-    start_step = saved.get("step", 0)
-    decay_steps = cfg.lr_decay_steps or saved.get("lr_decay_steps") or last
-    first_batch = saved.get("train_batches", start_step * cfg.grad_accum_steps)
-    tokens_per_step = devices.total * cfg.batch_size * cfg.grad_accum_steps * seq_length
-    metrics = Metrics(cfg)
-    bar = tqdm(total=last, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="train",
-               mininterval=1.0)
-    nonfinite = NonFiniteGuard(cfg.skip_nonfinite, bar if env.is_main else None)
-    model.train()
-    loss_sum, steps_since_log, t0, paused = 0.0, 0, time.perf_counter(), 0.0
-    saved_to = None
-    for step in range(start_step, last):
-        lr = lr_at(step, cfg, decay_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr  # a Python number is passed to the compiled step as data: no recompilation
-        batch = first_batch + (step - start_step) * cfg.grad_accum_steps
-        micro_batches = [devices.batch(data, "train", batch + micro, cfg, seq_length, env)
-                         for micro in range(cfg.grad_accum_steps)]
-        loss, grad_norm = train_step(model, optimizer, micro_batches, cfg)
-        done = step + 1
-        if nonfinite.check(done, grad_norm, loss):
-            loss_sum += loss
-            steps_since_log += 1
-        bar.update(1)
-        if steps_since_log and (done % cfg.log_interval == 0 or done == last):
-            nonfinite.flush()
-            loss_avg = float(loss_sum / steps_since_log)  # waits for the device
-            elapsed = time.perf_counter() - t0 - paused  # training steps only: no evaluation or saving
-            tok_s = tokens_per_step * steps_since_log / elapsed
-            metrics.log(step=done, loss=loss_avg, lr=lr, grad_norm=float(grad_norm), tokens_per_s=tok_s,
-                        step_time=elapsed / steps_since_log)
-            bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tok_s:,.0f}")
-            loss_sum, steps_since_log = 0.0, 0
-        scheduled_save = (per_epoch and done % per_epoch == 0 or done == last
-                          or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0)
-        val_loss = None
-        evaluate_now = cfg.eval_interval and done % cfg.eval_interval == 0 or scheduled_save
-        pause = _synced_clock() if evaluate_now else None
-        if evaluate_now:
-            val_loss = evaluate(model, data, cfg, env, devices, seq_length)
-            metrics.log(step=done, val_loss=val_loss)
-            if env.is_main:
-                bar.write(f"step {done}: val loss {val_loss:.4f}")
-        stop_reason = stop.agreed() if stop else None  # collective over the hosts
-        if scheduled_save or stop_reason:
-            pause = pause or _synced_clock()
-            nonfinite.flush()  # never save a model that a NaN update has poisoned
-            next_batch = batch + cfg.grad_accum_steps
-            progress = dict(epoch=done // per_epoch if per_epoch else None, lr_decay_steps=decay_steps,
-                            val_loss=val_loss, train_batches=next_batch,
-                            data_position=data.position(next_batch, devices.total, cfg.batch_size))
-            saved_to = save(run_dir, done, model, optimizer, dict(meta, **progress), data.directory, cfg.keep_last)
-        if stop_reason:
-            if env.is_main:
-                bar.write(f"step {done}: {stop_reason}; saved a checkpoint and stopping. Run the same command "
-                          "again to resume.")
-            break
-        if pause is not None:
-            paused += time.perf_counter() - pause
-        if steps_since_log == 0:
-            t0, paused = time.perf_counter(), 0.0
-    bar.close()
-    metrics.close()
-    return saved_to
-
-
-def _synced_clock():
-    """The host clock once the devices have run the queued steps, so evaluation and saving are timed apart."""
-    xm.wait_device_ops()
-    return time.perf_counter()

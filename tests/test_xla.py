@@ -64,6 +64,7 @@ def test_fsdpv2_on_4_devices_matches_one_cpu_rank(tmp_path, corpus, model):
     out = train_xla(run_args(corpus, model, 20, *extra), xla)
     train_cpu(run_args(corpus, model, 20), cpu)
     assert "mesh fsdp=4 (FSDPv2)" in out.stdout
+    assert "this launch trained 20 steps (5,120 tokens)" in out.stdout  # 20 x 4 devices x 2 rows x 32 tokens
     assert_same_run(xla, cpu, range(1, 21))
     assert logged(cpu, "loss")[20] < logged(cpu, "loss")[1]
 
