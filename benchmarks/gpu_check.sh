@@ -10,6 +10,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_hwloc_base_binding_policy=none
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 MPI="mpiexec --oversubscribe"
+# GPUs for the multi-GPU fp8 parts: every GPU here, at most 4 (the issue's machine); NG=2 on a 2-GPU machine.
+NG=${NG:-$(( $(nvidia-smi -L | wc -l) < 4 ? $(nvidia-smi -L | wc -l) : 4 ))}
 # The training loop issue's recipe S: nanoGPT's Shakespeare-character GPU recipe (configs/shakespeare_char.toml).
 RECIPE_S="--dataset text --input_file data/shakespeare/input.txt --tokenizer char --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --batch_size 64 --dropout 0.2 --no-bias --lr 1e-3 --min_lr 1e-4 --beta2 0.99 --warmup_steps 100 --max_steps 5000 --max_epochs 1000 --precision bf16 --compile --eval_batches 200"
 parts=${*:-tests default throughput}
@@ -199,7 +201,7 @@ fp8_tests)
   timeout ${FP8_TESTS_TIMEOUT:-570} python3 -m pytest -m gpu tests/test_fp8.py -q -p no:cacheprovider \
     ${FP8_TESTS_K:+-k "$FP8_TESTS_K"} 2>&1 | tee "$OUT/fp8_tests.log" | tail -15 ;;
 fp8_7b)
-  # Issue 21, target 1: Llama-2-7B, T=4096, full-shard over 4 GPUs, compiled blocks, selective recompute, meta
+  # Issue 21, target 1: Llama-2-7B, T=4096, full-shard over NG GPUs (4), compiled blocks, selective recompute, meta
   # init: bf16, fp8 tensorwise (float8 all-gather) and fp8 rowwise in one call, batch FP8_7B_BATCH per GPU (2; at
   # 4, expandable segments, as memory is tight). Then the planner's estimate for each, beside the measured peak.
   fp8_setup || continue
@@ -207,22 +209,22 @@ fp8_7b)
   B="python3 benchmarks/throughput.py --model_preset llama2-7b --compile --meta_init --activation_checkpoints --recompute selective --batch_size $b --warmup ${FP8_7B_WARMUP:-4} --steps ${FP8_7B_STEPS:-8} --out $OUT/fp8_7b.jsonl"
   for p in ${FP8_7B_PRECISIONS:-bf16 tensorwise rowwise}; do
     prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
-    timeout ${FP8_7B_TIMEOUT:-160} $MPI $alloc -n 4 $B $prec >> "$OUT/fp8_7b.log" 2>&1
+    timeout ${FP8_7B_TIMEOUT:-160} $MPI $alloc -n $NG $B $prec >> "$OUT/fp8_7b.log" 2>&1
     echo "$p, batch $b: exit $?"; grep -E 'OutOfMemory|Error' "$OUT/fp8_7b.log" | tail -2
-    python3 -m minimal_fsdp.model_size --model_preset llama2-7b --gpus 4 --batch_size $b $prec \
+    python3 -m minimal_fsdp.model_size --model_preset llama2-7b --gpus $NG --batch_size $b $prec \
       | grep -E '^full-shard +selective +no ' | awk -v p=$p '{print "  planner, " p ": " $6 " GiB estimated"}'
   done
   python3 benchmarks/fp8_table.py "$OUT/fp8_7b.jsonl" | tee -a "$OUT/fp8_summary.md" ;;
 fp8_numerics)
   # Issue 21, target 2: a Llama of ~1B parameters (20 blocks, width 2048, 16 heads over 4 kv heads, SwiGLU 5632,
   # vocab 32000: the Shakespeare characters with the embedding padded to a real vocabulary's size) trained
-  # NUMERICS_STEPS steps in bf16 and in fp8 tensorwise from the same seed on 4 GPUs; both loss curves in one plot
+  # NUMERICS_STEPS steps in bf16 and in fp8 tensorwise from the same seed on NG GPUs (4); both loss curves in one plot
   # ($OUT/fp8_numerics.png, if matplotlib is here; the metrics.jsonl files come back under $OUT/logs either way).
   fp8_setup || continue
   N="--dataset text --input_file data/shakespeare/input.txt --tokenizer char --vocab_size 32000 --model llama --num_layers 20 --embed_size 2048 --num_heads 16 --num_kv_heads 4 --intermediate_size 5632 --seq_length 512 --batch_size 4 --max_steps ${NUMERICS_STEPS:-300} --lr 3e-4 --warmup_steps 30 --log_interval 10 --eval_interval 100 --eval_batches 20 --checkpoint_interval 0 --num_tokens 0 --compile --meta_init --log_dir $OUT/logs --checkpoint_dir /tmp/fp8_numerics"
   for p in bf16 fp8; do
     rm -rf "$OUT/logs/fp8n_$p" /tmp/fp8_numerics/fp8n_$p
-    timeout ${NUMERICS_TIMEOUT:-200} $MPI -n 4 python3 basic_training.py $N --precision $p --run_name fp8n_$p 2>&1 \
+    timeout ${NUMERICS_TIMEOUT:-200} $MPI -n $NG python3 basic_training.py $N --precision $p --run_name fp8n_$p 2>&1 \
       | tr '\r' '\n' | grep -v '^train:' > "$OUT/fp8n_$p.log"; echo "$p: exit ${PIPESTATUS[0]}"; grep -E '^step|Error|error' "$OUT/fp8n_$p.log" | tail -3
   done
   python3 -m minimal_fsdp.plot "$OUT/logs/fp8n_bf16" "$OUT/logs/fp8n_fp8" --out "$OUT/fp8_numerics.png"
@@ -240,7 +242,7 @@ PY
   ;;
 fp8_gpt2)
   # Issue 21, target 3: GPT-2 124M on one GPU at its best setting (no biases, batch 160 x 2 micro-steps, expandable
-  # segments) and GPT-2 XL on 4 GPUs (full-shard, meta init, batch 16, no recompute), bf16 against fp8 tensorwise,
+  # segments) and GPT-2 XL on NG GPUs (4) (full-shard, meta init, batch 16, no recompute), bf16 against fp8 tensorwise,
   # compiled (FP8_GPT2_PRECISIONS="bf16 tensorwise rowwise" adds rowwise).
   fp8_setup || continue
   S="python3 benchmarks/throughput.py --vocab_size 50304 --compile --warmup 6 --steps 12 --out $OUT/fp8_gpt2.jsonl"
@@ -252,7 +254,7 @@ fp8_gpt2)
   done
   for p in ${FP8_GPT2_PRECISIONS:-bf16 tensorwise}; do
     prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
-    timeout 200 $MPI -n 4 $S --model_preset gpt2-xl --meta_init ${GPT2_XL_ARGS:---batch_size 16} $prec \
+    timeout 200 $MPI -n $NG $S --model_preset gpt2-xl --meta_init ${GPT2_XL_ARGS:---batch_size 16} $prec \
       >> "$OUT/fp8_gpt2.log" 2>&1
     echo "gpt2-xl $p: exit $?"
   done
