@@ -128,14 +128,17 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     # Between the micro-steps of an accumulation FSDP2 keeps every parameter's unsharded gradient, in fp32
     # (the reduce dtype) whatever the compute precision, and on the GPU even with CPU offload.
     accumulated = 4 * sizes.total if grad_accum_steps > 1 else 0
-    static = on_gpu * params_and_optimizer + gathered + accumulated
+    # no-shard over several ranks is DDP (parallelize.py): its all-reduce buckets are a second fp32 copy of
+    # the gradients, alive for the whole run.
+    buckets = 4 * sizes.total if sharding == "no-shard" and world_size > 1 and not cpu_offload else 0
+    static = on_gpu * params_and_optimizer + gathered + accumulated + buckets
     loss_backward = static + saved + final_norm + logits + unsharded_grads + float8_working
     # With checkpointing, a block's activations are rebuilt during backward; the first block's last, when the
     # other blocks' sharded gradients have landed (the root's land after it).
     block_grads = grads * (L - 1) * sizes.per_block / sizes.total
     rebuilt = static + saved + layer + unsharded_grads + on_gpu * block_grads + float8_working \
         if recompute != "none" else 0
-    optimizer_step = on_gpu * (params_and_optimizer + grads)
+    optimizer_step = on_gpu * (params_and_optimizer + grads) + buckets
     gpu = max(loss_backward, rebuilt, optimizer_step)
     host = HOST_PER_PROCESS + (params_and_optimizer + grads) * (1 - on_gpu)
     return {"gpu": gpu, "host": host, "state": on_gpu * (params_and_optimizer + grads),

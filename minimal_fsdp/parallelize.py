@@ -6,7 +6,9 @@ step, the startup banner and the memory planner all read it, and nobody decodes 
 Strategies map onto FSDP2 `fully_shard` over a DeviceMesh as:
   full-shard          1-D mesh, params resharded after forward (ZeRO-3)
   grad-shard          1-D mesh, params kept gathered from forward to backward (ZeRO-2-like)
-  no-shard            2-D mesh (world x 1): replicate everywhere, shard over one rank (DDP semantics)
+  no-shard            no FSDP: a plain whole model on every rank, gradients all-reduced by torch's DDP
+                      (replicate(), which keeps the module and its state-dict keys); with --cpu_offload, FSDP
+                      over a 2-D mesh (world x 1), as offloading needs FSDP
   hybrid-*-shard      2-D mesh (nodes x shard_group_size): replicate across groups, shard inside one
 --precision fp8 adds torchao's float8 matmuls to bf16 compute (fp8.py): the layers are converted before sharding.
 A world of one rank has nothing to shard: its model is a plain module (bf16 by autocast), the same numbers and
@@ -20,6 +22,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -47,7 +50,7 @@ class ParallelPlan:
     """Every decision about the model's layout, made once (make_plan)."""
     sharding: str  # as asked; what it means on this launch is below
     decentralized: bool  # whole replicas averaged by gossip.py
-    fsdp: bool  # FSDP2 shards the model (False: a plain module, for a world of one or a decentralized replica)
+    fsdp: bool  # FSDP2 shards the model (False: a plain module: one rank, DDP or a decentralized replica)
     mesh_shape: tuple  # (ranks,) or (replica groups, ranks per shard group)
     shard_ranks: int  # ranks one parameter is spread over (1: every rank holds it whole)
     reshard_after_forward: bool  # gathered params are freed after forward and gathered again in backward
@@ -59,6 +62,7 @@ class ParallelPlan:
     compile: bool
     cuda_graphs: bool  # the compiled whole model (no FSDP) replays as CUDA graphs
     fp8: str = None  # --precision fp8: the float8 recipe (fp8.RECIPES); None otherwise
+    ddp: bool = False  # no-shard over several ranks: a plain module whose gradients DDP all-reduces
     mesh: object = None  # the DeviceMesh (FSDP only), built by make_plan
 
     @property
@@ -79,6 +83,8 @@ class ParallelPlan:
     def describe(self):
         if self.decentralized:
             return "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip"
+        if self.ddp:
+            return "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
         if not self.fsdp:
             return "no FSDP: one rank holds the whole model"
         dims = ("shard",) if len(self.mesh_shape) == 1 else ("replicate", "shard")
@@ -103,7 +109,10 @@ def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
     fsdp_on_one_rank: use FSDP even for a world of one (tests and benchmarks compare the two).
     Generation alone (--max_epochs -1) with --precision fp8 runs in bf16: float8 pays in training's large matmuls."""
     decentralized = cfg.data_parallel == "decentralized"
-    fsdp = not decentralized and (env.world_size > 1 or cfg.cpu_offload or fsdp_on_one_rank)
+    # no-shard has nothing to shard: DDP does its one all-reduce with a fraction of FSDP's host work per step.
+    ddp = not decentralized and cfg.sharding == "no-shard" and env.world_size > 1 and not cfg.cpu_offload \
+        and not fsdp_on_one_rank
+    fsdp = not decentralized and not ddp and (env.world_size > 1 or cfg.cpu_offload or fsdp_on_one_rank)
     shape, shard_ranks, reshard = layout(cfg.sharding, env.world_size, cfg.shard_group_size or env.local_world_size)
     if not fsdp:
         shape, shard_ranks, reshard = (env.world_size,), 1, False
@@ -112,7 +121,8 @@ def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
         fp8.check_device(env.device)
     plan = ParallelPlan(cfg.sharding, decentralized, fsdp, shape, shard_ranks, reshard, cfg.precision,
                         cfg.cpu_offload, cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute,
-                        cfg.compile, cfg.cuda_graphs and not fsdp and env.device.type == "cuda", recipe)
+                        cfg.compile, cfg.cuda_graphs and not fsdp and not ddp and env.device.type == "cuda", recipe,
+                        ddp)
     if fsdp:
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         plan = dataclasses.replace(plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names))
@@ -152,6 +162,18 @@ class LocalSync:
         """Once the step is done: nothing here (FSDPSync computes float8 scales, xla.py runs the traced step)."""
 
 
+class DDPSync(LocalSync):
+    """Gradient synchronization of a replicate()d module: DDP all-reduces (averages) the gradients in backward,
+    on the last micro-step only. Every rank then holds the same full gradients, so LocalSync's clipping gives
+    the global norm without another collective."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def micro_step(self, last):
+        self.model.set_requires_gradient_sync(last)
+
+
 class FSDPSync(LocalSync):
     """Gradient synchronization of an FSDP model over the micro-steps of one optimizer step: gradients are reduced
     on the last micro-step only; where parameters stay gathered from forward to backward anyway, they also stay
@@ -189,7 +211,7 @@ class FSDPSync(LocalSync):
 
 def gradient_sync(model, plan):
     """How train_step synchronizes this model's gradients (decentralized runs use gossip.Gossip instead)."""
-    return FSDPSync(model, plan) if plan.fsdp else LocalSync()
+    return FSDPSync(model, plan) if plan.fsdp else DDPSync(model) if plan.ddp else LocalSync()
 
 
 @torch.no_grad()
@@ -271,6 +293,9 @@ def build_model(model_cls, model_config, plan, env, seed):
     if not plan.fsdp:
         if plan.bf16:  # fp32 weights, bf16 matmuls: FSDP's mixed precision without FSDP
             model.forward = torch.autocast(env.device.type, dtype=torch.bfloat16)(model.forward)
+        if plan.ddp:  # gradients (fp32, as FSDP reduces them) averaged over the ranks in backward
+            # Buffers (rotary tables, masks) are computed alike on every rank: no broadcast before each forward.
+            replicate(model, device_id=env.device, broadcast_buffers=False)
         return model
     shard(model, plan)
     if plan.meta_init:

@@ -2,7 +2,8 @@
 
 For each sharding, builds the model as training does (parallelize.make_plan/build_model) and records the
 mesh (shape, dimension names, this rank's group along each dimension) and, for every block's qkv weight,
-whether it is a sharded DTensor and its local shape after a training forward and after backward. Then
+whether it is a sharded DTensor and its local shape after a training forward and after backward (no-shard,
+which is DDP on a plain module: each rank's loss on its own batch and its qkv gradient after backward). Then
 generates on a no-shard model whose weights get different noise on every rank, so the ranks' logits differ:
 once as generate() does it, and once with its token broadcast switched off (each rank's own choice).
 Every rank writes rank_<r>.json into the directory argv[1].
@@ -42,9 +43,16 @@ def held(model):
 def sharding_state(env, name, extra):
     cfg = parse_args(["--sharding", name.removesuffix("-4"), *extra])
     plan = make_plan(cfg, env)
+    model = build_model(GPT, CONFIG, plan, env, cfg.seed)
+    if plan.ddp:  # each rank its own batch: DDP must leave every rank the average gradient
+        tokens = torch.randint(CONFIG.vocab_size, (2, CONFIG.seq_length + 1),
+                               generator=torch.Generator().manual_seed(env.rank))
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        return {"mesh": None, "ddp": True, "loss": loss.item(), "after_backward": held(model),
+                "grad": model.blocks[0].attn.qkv.weight.grad.flatten().tolist()}
     mesh = plan.mesh
     groups = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in mesh.mesh_dim_names}
-    model = build_model(GPT, CONFIG, plan, env, cfg.seed)
     tokens = torch.randint(CONFIG.vocab_size, (2, CONFIG.seq_length + 1), generator=torch.Generator().manual_seed(0))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     after_forward = held(model)
@@ -67,10 +75,12 @@ class Numbers:
 def generation_state(env):
     cfg = parse_args(["--sharding", "no-shard"])
     model = build_model(GPT, CONFIG, make_plan(cfg, env), env, cfg.seed)
+    with torch.no_grad():  # DDP's first forward broadcasts rank 0's weights: before the noise, not after
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
     noise = torch.Generator().manual_seed(100 + env.rank)
     with torch.no_grad():
         for p in model.parameters():
-            local = p.to_local()
+            local = p.to_local() if isinstance(p, DTensor) else p
             local.add_(torch.randn(local.shape, generator=noise))
     prompt, n = "1 2 3", 24
     text = generation.generate(model, Numbers(), prompt, n, temperature=1.0, top_k=0, seed=0)

@@ -50,7 +50,7 @@ def logged_losses(cwd, run_name):
 CASES = [
     (2, ["--sharding", "full-shard"]),
     (2, ["--sharding", "grad-shard"]),
-    (2, ["--sharding", "no-shard"]),
+    (2, ["--sharding", "no-shard", "--grad_accum_steps", 2]),  # DDP: one all-reduce, on the last micro-step
     (4, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2]),
     (4, ["--sharding", "hybrid-grad-shard", "--shard_group_size", 2]),
     (2, ["--sharding", "full-shard", "--cpu_offload"]),
@@ -92,7 +92,6 @@ def four_ranks(tmp_path_factory):
 MECHANISM = {
     "full-shard": ([4], lambda r: [0, 1, 2, 3], True),
     "grad-shard": ([4], lambda r: [0, 1, 2, 3], False),
-    "no-shard": ([4, 1], lambda r: [r], False),
     "hybrid-full-shard": ([2, 2], lambda r: [r // 2 * 2, r // 2 * 2 + 1], True),  # --shard_group_size 2
     "hybrid-grad-shard": ([2, 2], lambda r: [r // 2 * 2, r // 2 * 2 + 1], False),
     "hybrid-full-shard-4": ([1, 4], lambda r: [0, 1, 2, 3], True),  # --shard_group_size 4
@@ -119,6 +118,17 @@ def test_fsdp_holds_what_the_strategy_says(four_ranks, sharding):
         assert state["after_forward"]["blocks"] == [sharded if reshards else gathered] * 2 + [gathered], rank
         assert state["after_backward"]["blocks"] == [sharded] * 3, rank
         assert state["after_backward"]["wte"] == [len(torch.arange(42).chunk(parts)[position]), 16]
+
+
+def test_no_shard_is_ddp_on_whole_models(four_ranks):
+    """no-shard: every rank holds whole, plain parameters and, after backward on its own batch, the same (averaged)
+    gradient: DDP's all-reduce ran. The single-process comparison (test_strategy_matches_single_process) checks
+    that it is the average."""
+    states = [result["shardings"]["no-shard"] for result in four_ranks]
+    assert all(s["ddp"] and s["mesh"] is None for s in states)
+    assert all(s["after_backward"] == {"blocks": [[False, [48, 16]]] * 3, "wte": [42, 16]} for s in states)
+    assert len({s["loss"] for s in states}) == 4  # four different batches
+    assert all(s["grad"] == states[0]["grad"] for s in states) and any(states[0]["grad"])
 
 
 def test_generated_tokens_come_from_rank_0(four_ranks):
