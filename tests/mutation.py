@@ -1,0 +1,113 @@
+"""Mutation testing on demand (too slow for CI): mutmut 3 on the modules where a silent bug costs most.
+
+    pip install -e '.[mutation]'
+    python tests/mutation.py                    # every module in MODULES, one after another, then the scores
+    python tests/mutation.py resilience gossip  # some of them
+    python tests/mutation.py --report           # the scores of what has run (no run)
+
+mutmut's settings are in setup.cfg's [mutmut] section; its work stays in mutants/ (ignored by git), where
+`mutmut show NAME` prints a mutant's diff and `mutmut browse` lists them all. Each mutant runs only the tests
+that reached the mutated function when mutmut first ran the selected tests (in this process: tests that start
+a process skip themselves under mutmut, see conftest.py). Mutants we judged equivalent to the original code
+are listed, each with its reason, in tests/mutation_equivalent.txt. Scores and survivors: tests/README.md.
+"""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = ["accum_adamw", "resilience", "gossip", "config", "data", "train", "checkpoint", "parallelize", "hf"]
+EQUIVALENT = ROOT / "tests" / "mutation_equivalent.txt"
+# These decorators leave a function's body safe to copy and call through mutmut's trampoline, so their
+# functions get mutated too. mutmut 3 skips every decorated function (other than staticmethod and classmethod),
+# which here would leave out AccumAdamW.step, Gossip.finish, train.evaluate, data.epoch_order and others.
+# Not @property or @contextmanager: the trampoline cannot call through those.
+SAFE_DECORATORS = ("torch.no_grad()", "functools.lru_cache(")
+
+
+def mutate_decorated_functions_too():
+    import libcst as cst
+    from mutmut.mutation import file_mutation
+
+    skip = file_mutation.MutationVisitor._skip_node_and_children
+    code = cst.Module([]).code_for_node
+
+    def skip_unless_safely_decorated(self, node):
+        if isinstance(node, cst.FunctionDef) and node.decorators and all(
+                code(d.decorator).startswith(SAFE_DECORATORS) for d in node.decorators):
+            node = node.with_changes(decorators=[])  # judged as if undecorated; the copies keep the decorators
+        return skip(self, node)
+
+    file_mutation.MutationVisitor._skip_node_and_children = skip_unless_safely_decorated
+
+
+def equivalent_mutants():
+    """{mutant name: reason} from tests/mutation_equivalent.txt (`name  reason` per line, # comments)."""
+    found = {}
+    for line in EQUIVALENT.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, reason = line.partition(" ")
+            found[name] = reason.strip()
+    return found
+
+
+def results(module):
+    """{mutant name: status} of one module's last run, or None if it never ran."""
+    from mutmut.stats import status_by_exit_code
+    meta = ROOT / "mutants" / "minimal_fsdp" / f"{module}.py.meta"
+    if not meta.exists():
+        return None
+    return {name: status_by_exit_code[code] for name, code in json.loads(meta.read_text())["exit_code_by_key"].items()}
+
+
+def report(modules, seconds=None):
+    equivalent = equivalent_mutants()
+    print(f"\n{'module':<12} {'mutants':>7} {'killed':>6} {'survived':>8} {'no tests':>8} {'equivalent':>10} "
+          f"{'score':>6} {'w/o equiv':>9} {'time':>6}")
+    survivors = []
+    for module in modules:
+        status = results(module)
+        if status is None:
+            print(f"{module:<12} not run")
+            continue
+        killed = sum(s in ("killed", "timeout") for s in status.values())
+        survived = [n for n, s in status.items() if s in ("survived", "no tests")]
+        same = [n for n in survived if n in equivalent]
+        survivors += [f"{n}: {status[n]}" for n in survived if n not in equivalent]
+        other = [f"{n}: {s}" for n, s in status.items() if s not in ("killed", "timeout", "survived", "no tests")]
+        survivors += other
+        total = len(status)
+        took = f"{seconds[module]:.0f}s" if seconds and module in seconds else ""
+        print(f"{module:<12} {total:>7} {killed:>6} {len(survived) - len(same):>8} "
+              f"{sum(status[n] == 'no tests' for n in survived):>8} {len(same):>10} "
+              f"{100 * killed / total:>5.1f}% {100 * killed / max(1, total - len(same)):>8.1f}% {took:>6}")
+    if survivors:
+        print("\nnot killed and not recorded as equivalent (mutmut show NAME):")
+        print("\n".join(f"  {line}" for line in survivors))
+
+
+def main(argv):
+    if argv[:1] == ["--mutmut"]:  # mutmut's own command line, with the decorator patch
+        mutate_decorated_functions_too()
+        from mutmut.__main__ import cli
+        cli(argv[1:])
+        return
+    if argv[:1] == ["--report"]:
+        report(argv[1:] or MODULES)
+        return
+    modules = argv or MODULES
+    unknown = set(modules) - set(MODULES)
+    if unknown:
+        sys.exit(f"error: unknown module(s) {', '.join(sorted(unknown))}; choose from {', '.join(MODULES)}")
+    seconds = {}
+    for module in modules:
+        start = time.monotonic()
+        subprocess.run([sys.executable, __file__, "--mutmut", "run", f"minimal_fsdp.{module}.*"], cwd=ROOT)
+        seconds[module] = time.monotonic() - start
+    report(modules, seconds)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
