@@ -4,6 +4,8 @@
     python tests/mutation.py                    # every module in MODULES, one after another, then the scores
     python tests/mutation.py resilience gossip  # some of them
     python tests/mutation.py --report           # the scores of what has run (no run)
+    python tests/mutation.py --survivors gossip # the changed lines of each mutant not killed (no run)
+    python tests/mutation.py --retest gossip    # run again only the mutants not killed (after adding tests)
 
 mutmut's settings are in setup.cfg's [mutmut] section; its work stays in mutants/ (ignored by git), where
 `mutmut show NAME` prints a mutant's diff and `mutmut browse` lists them all. Each mutant runs only the tests
@@ -88,11 +90,32 @@ def report(modules, seconds=None):
         print("\n".join(f"  {line}" for line in survivors))
 
 
+def show_survivors(modules):
+    from mutmut.__main__ import get_diff_for_mutant
+    equivalent = equivalent_mutants()
+    for module in modules:
+        for name, status in (results(module) or {}).items():
+            if status not in ("killed", "timeout") and name not in equivalent:
+                diff = get_diff_for_mutant(name, path=Path("minimal_fsdp") / f"{module}.py").splitlines()
+                print(f"{name}: {status}")
+                print("\n".join(f"    {line}" for line in diff if line[:1] in "-+" and line[:3] not in ("---", "+++")))
+
+
 def main(argv):
     if argv[:1] == ["--mutmut"]:  # mutmut's own command line, with the decorator patch
         mutate_decorated_functions_too()
         from mutmut.__main__ import cli
         cli(argv[1:])
+        return
+    if argv[:1] == ["--survivors"]:
+        show_survivors(argv[1:] or MODULES)
+        return
+    if argv[:1] == ["--retest"]:
+        modules = argv[1:] or MODULES
+        names = [n for m in modules for n, s in (results(m) or {}).items() if s not in ("killed", "timeout")]
+        if names:
+            subprocess.run([sys.executable, __file__, "--mutmut", "run", *names], cwd=ROOT)
+        report(modules)
         return
     if argv[:1] == ["--report"]:
         report(argv[1:] or MODULES)
