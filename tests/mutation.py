@@ -6,6 +6,7 @@
     python tests/mutation.py --report           # the scores of what has run (no run)
     python tests/mutation.py --survivors gossip # the changed lines of each mutant not killed (no run)
     python tests/mutation.py --retest gossip    # run again only the mutants not killed (after adding tests)
+    python tests/mutation.py -j 4 gossip        # 4 mutants at a time (default 1: one process beside this one)
 
 mutmut's settings are in setup.cfg's [mutmut] section; its work stays in mutants/ (ignored by git), where
 `mutmut show NAME` prints a mutant's diff and `mutmut browse` lists them all. Each mutant runs only the tests
@@ -102,6 +103,9 @@ def show_survivors(modules):
 
 
 def main(argv):
+    children = "1"
+    if argv[:1] == ["-j"]:
+        children, argv = argv[1], argv[2:]
     if argv[:1] == ["--mutmut"]:  # mutmut's own command line, with the decorator patch
         mutate_decorated_functions_too()
         from mutmut.__main__ import cli
@@ -114,7 +118,7 @@ def main(argv):
         modules = argv[1:] or MODULES
         names = [n for m in modules for n, s in (results(m) or {}).items() if s not in ("killed", "timeout")]
         if names:
-            subprocess.run([sys.executable, __file__, "--mutmut", "run", *names], cwd=ROOT)
+            subprocess.run([sys.executable, __file__, "--mutmut", "run", "--max-children", children, *names], cwd=ROOT)
         report(modules)
         return
     if argv[:1] == ["--report"]:
@@ -127,7 +131,8 @@ def main(argv):
     seconds = {}
     for module in modules:
         start = time.monotonic()
-        subprocess.run([sys.executable, __file__, "--mutmut", "run", f"minimal_fsdp.{module}.*"], cwd=ROOT)
+        subprocess.run([sys.executable, __file__, "--mutmut", "run", "--max-children", children,
+                        f"minimal_fsdp.{module}.*"], cwd=ROOT)
         seconds[module] = time.monotonic() - start
     report(modules, seconds)
 
