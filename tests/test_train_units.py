@@ -2,13 +2,17 @@
 the schedule at its boundaries, the optimizer's groups and betas, one optimizer step's calls into the gradient
 sync, and evaluation. The loop as a whole: test_run.py (in process) and test_resume.py, test_schedule.py."""
 import math
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from minimal_fsdp import train as train_module
 from minimal_fsdp.accum_adamw import AccumAdamW
 from minimal_fsdp.config import parse_args
-from minimal_fsdp.train import Schedule, build_optimizer, evaluate, run_length, train_step
+from minimal_fsdp.resilience import Diverged
+from minimal_fsdp.train import Schedule, _to_device, build_optimizer, evaluate, run_length, train, train_step
 
 
 def cfg(*flags):
@@ -127,6 +131,9 @@ class Sync:
     def after_step(self):
         self.calls.append(("after_step",))
 
+    def consensus_distance(self):
+        return 0.25
+
 
 def micro_batches(n):
     return [(torch.full((2, 3), float(i + 1)), torch.zeros(2)) for i in range(n)]
@@ -153,7 +160,9 @@ def test_train_step_gradient_is_the_mean_over_micro_batches():
             return super().step(closure)
     model = Model()
     batches = micro_batches(2)
-    train_step(model, Spy([model.weight], lr=0.1), batches, Sync(), None, torch.device("cpu"))
+    sync = Sync()
+    train_step(model, Spy([model.weight], lr=0.1), batches, sync, None, torch.device("cpu"))
+    assert sync.calls[0] == ("start", 0)  # step defaults to 0
     reference = Model()
     (sum(reference(x, y) for x, y in batches) / 2).backward()
     torch.testing.assert_close(seen["grad"], reference.weight.grad)
@@ -174,6 +183,38 @@ def test_train_step_skips_a_nonfinite_update_only_when_asked(skip_nonfinite):
     assert not torch.equal(model.weight.detach(), before)  # a finite step is applied either way
 
 
+def test_train_step_applies_a_nonfinite_update_by_default():
+    model = Model()
+    before = model.weight.detach().clone()
+    train_step(model, torch.optim.SGD([model.weight], lr=0.1), micro_batches(1), Sync(float("inf")), 1.0,
+               torch.device("cpu"))
+    assert not torch.equal(model.weight.detach(), before)
+
+
+class HostTensor:
+    """Duck-types what _to_device uses of a tensor: its device, pin_memory() and to()."""
+
+    def __init__(self, device_type):
+        self.device, self.calls = SimpleNamespace(type=device_type), []
+
+    def pin_memory(self):
+        self.calls.append("pin_memory")
+        return self
+
+    def to(self, device, non_blocking=False):
+        self.calls.append(("to", device, non_blocking))
+        return self
+
+
+def test_to_device_pins_host_batches_and_copies_them_asynchronously():
+    cuda = torch.device("cuda", 1)  # a device name only: no GPU is touched
+    host, there = HostTensor("cpu"), HostTensor("cuda")
+    assert _to_device([host, there], cuda) == [host, there]
+    assert host.calls == ["pin_memory", ("to", cuda, True)] and there.calls == []
+    cpu_batch = [HostTensor("cpu")]
+    assert _to_device(cpu_batch, torch.device("cpu")) is cpu_batch and cpu_batch[0].calls == []
+
+
 def test_evaluate_is_the_mean_of_the_first_batches_in_eval_mode(one_rank_group):
     class Data:
         def val_batch(self, i):
@@ -185,3 +226,222 @@ def test_evaluate_is_the_mean_of_the_first_batches_in_eval_mode(one_rank_group):
     assert loss == pytest.approx(expected)
     assert model.calls[:3] == [("forward", False)] * 3 and model.training
     assert isinstance(loss, float)
+
+
+class Log:
+    """Stands in for metrics.TrainingLog: records what the loop reports, in order."""
+
+    def __init__(self, cfg, env, model, schedule, first, tokens_per_step):
+        self.schedule, self.first, self.tokens_per_step, self.events = schedule, first, tokens_per_step, []
+        Log.made = self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.events.append(("exit",))
+
+    def warn(self, text):
+        self.events.append(("warn", text))
+
+    def step(self, loss):
+        self.events.append(("step", None if loss is None else round(float(loss), 6)))
+
+    def row(self, step, lr, grad_norm, **extra):
+        self.events.append(("row", step, lr, float(grad_norm), extra))
+
+    @contextmanager
+    def paused(self):
+        self.events.append(("paused",))
+        yield
+        self.events.append(("resumed",))
+
+    def validation(self, step, val_loss):
+        self.events.append(("validation", step, val_loss))
+
+    def saved(self, path):
+        self.events.append(("saved", path))
+
+    def stopped(self, step, reason):
+        self.events.append(("stopped", step, reason))
+
+
+class Data:
+    """5 steps per epoch; step s's one micro-batch holds the value s + 1."""
+
+    def steps_per_epoch(self):
+        return 5
+
+    def train_batches(self, step):
+        return [(torch.full((2, 3), step + 1.0), torch.zeros(2))]
+
+    def val_batch(self, i):
+        return torch.full((2, 3), 0.5 * (i + 1)), torch.zeros(2)
+
+    def state_dict(self, step):
+        return {"at": step}
+
+
+class Checkpointer:
+    def __init__(self):
+        self.saves = []
+
+    def save(self, step, model, optimizer, val_loss, state):
+        self.saves.append((step, val_loss, state))
+        return f"step_{step}"
+
+
+class Stop:
+    """agreed() answers `reason` from the call at step `at` on; records the steps it was asked at."""
+
+    def __init__(self, at=None, reason="SIGTERM received"):
+        self.at, self.reason, self.asked = at, reason, []
+
+    def agreed(self):
+        step = Log.made.events.count(("step", None)) + sum(e[0] == "step" and e[1] is not None
+                                                            for e in Log.made.events)
+        self.asked.append(step)
+        return self.reason if self.at is not None and step >= self.at else None
+
+
+class LrSpy(torch.optim.SGD):
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+        self.lrs = []
+
+    def step(self, closure=None):
+        self.lrs.append([g["lr"] for g in self.param_groups])
+        return super().step(closure)
+
+
+class LoopModel(Model):
+    config = SimpleNamespace(seq_length=8)
+
+
+def loop(monkeypatch, *flags, saved=None, sync="stand-in", norms=(), ranks=None, stop=None, is_main=True,
+         decentralized=False):
+    """train.train for 6 steps (unless flags say otherwise) with stand-ins for everything around the loop."""
+    monkeypatch.setattr(train_module, "TrainingLog", Log)
+    monkeypatch.setattr(train_module, "mean_across_ranks", float)
+    options = cfg("--max_steps", 6, "--lr", 0.01, "--warmup_steps", 2, "--log_interval", 2,
+                  "--checkpoint_interval", 3, "--eval_interval", 4, "--eval_batches", 2, "--grad_clip", 0.7,
+                  "--batch_size", 4, *flags)
+    model = LoopModel()
+    optimizer = LrSpy([{"params": [model.weight]}, {"params": [model.norm]}])  # every group gets the rate
+    if sync == "stand-in":  # None: the loop builds its own
+        sync = Sync()
+    if norms:  # the grad norm of each step, in order
+        values = iter(norms)
+        sync.clip_grad_norm = lambda parameters, max_norm: torch.tensor(next(values))
+    env = SimpleNamespace(world_size=2, is_main=is_main, device=torch.device("cpu"), rank=0)
+    plan = SimpleNamespace(decentralized=decentralized, fsdp=False)
+    checkpointer, stop = Checkpointer(), stop or Stop()
+    result = train(model, optimizer, Data(), options, env, plan, checkpointer, stop, saved=saved, sync=sync,
+                   ranks=ranks)
+    return SimpleNamespace(result=result, log=Log.made, optimizer=optimizer, saves=checkpointer.saves,
+                           sync=sync,
+                           stop=stop, model=model)
+
+
+def val_loss(model):
+    return sum(model(*Data().val_batch(i)).item() for i in range(2)) / 2
+
+
+def kinds(events):
+    return [e[0] if e[0] not in ("row", "validation", "stopped", "saved") else e[:2] for e in events]
+
+
+def test_loop_logs_evaluates_and_saves_at_their_intervals_and_the_end(monkeypatch):
+    run = loop(monkeypatch)
+    assert run.result == (6, run.log)
+    assert kinds(run.log.events) == [
+        "step", "step", ("row", 2),
+        "step", "paused", ("validation", 3), ("saved", "step_3"), "resumed",
+        "step", ("row", 4), "paused", ("validation", 4), "resumed",
+        "step",
+        "step", ("row", 6), "paused", ("validation", 6), ("saved", "step_6"), "resumed", "exit"]
+    schedule = run.log.schedule
+    assert [lrs for lrs in run.optimizer.lrs] == [[schedule.lr_at(s)] * 2 for s in range(6)]
+    rows = [e for e in run.log.events if e[0] == "row"]
+    assert [(step, lr, norm, extra) for _, step, lr, norm, extra in rows] == [
+        (s, schedule.lr_at(s - 1), 1.0, {}) for s in (2, 4, 6)]
+    assert [step for step, _, _ in run.saves] == [3, 6]
+    assert [state for _, _, state in run.saves] == [
+        {"schedule": {"lr_decay_steps": 6, "last_step": 6}, "data": {"at": s}} for s in (3, 6)]
+    for _, loss, _ in run.saves:  # the checkpoint records the validation loss just measured
+        assert isinstance(loss, float)
+    assert [e[2] for e in run.log.events if e[0] == "validation"][-1] == pytest.approx(val_loss(run.model))
+    assert run.stop.asked == [2, 3, 4, 6]  # only where the loop syncs anyway
+    starts = [c for c in run.sync.calls if c[0] == "start"]
+    assert starts == [("start", s) for s in range(6)]
+    assert {c[2] for c in run.sync.calls if c[0] == "clip"} == {0.7}
+    assert run.log.tokens_per_step == 2 * 4 * 1 * 8  # ranks x batch x accumulation x sequence
+
+
+def test_loop_counts_tokens_of_every_rank_and_micro_batch(monkeypatch):
+    assert loop(monkeypatch, "--grad_accum_steps", 3).log.tokens_per_step == 2 * 4 * 3 * 8
+    assert loop(monkeypatch, "--grad_accum_steps", 3, ranks=5).log.tokens_per_step == 5 * 4 * 3 * 8
+
+
+def test_loop_stops_where_the_ranks_agree_and_saves_first(monkeypatch):
+    run = loop(monkeypatch, stop=Stop(at=2))
+    assert run.result == (2, run.log)
+    assert kinds(run.log.events) == ["step", "step", ("row", 2), "paused", ("validation", 2), ("saved", "step_2"),
+                                     "resumed", ("stopped", 2), "exit"]
+    assert ("validation", 2, None) in run.log.events  # not an evaluation step: nothing measured
+    assert ("stopped", 2, "SIGTERM received") in run.log.events
+    assert run.saves == [(2, None, {"schedule": {"lr_decay_steps": 6, "last_step": 6}, "data": {"at": 2}})]
+    assert len(run.optimizer.lrs) == 2
+
+
+def test_loop_resumes_at_the_saved_step_on_the_saved_schedule(monkeypatch):
+    saved = {"step": 3, "state": {"schedule": {"lr_decay_steps": 10, "last_step": 6}}}
+    run = loop(monkeypatch, saved=saved)
+    assert run.result == (6, run.log) and run.log.first == 3
+    assert run.log.schedule.decay_steps == 10
+    assert [c for c in run.sync.calls if c[0] == "start"] == [("start", s) for s in (3, 4, 5)]
+    assert run.optimizer.lrs == [[run.log.schedule.lr_at(s)] * 2 for s in (3, 4, 5)]
+    finished = loop(monkeypatch, saved=dict(saved, step=6))
+    assert finished.result == (6, finished.log) and finished.optimizer.lrs == []
+
+
+def test_loop_skips_a_nonfinite_step_with_a_warning_when_allowed(monkeypatch):
+    nan = float("nan")
+    run = loop(monkeypatch, "--skip_nonfinite", 1, norms=[1.0, nan, 1.0, 1.0, 1.0, 1.0])
+    assert len(run.optimizer.lrs) == 5  # the NaN step's update is not applied
+    steps = [e[1] for e in run.log.events if e[0] == "step"]
+    assert steps[1] is None and None not in steps[:1] + steps[2:]
+    assert ("warn", "warning: step 2: grad norm nan; update skipped (1 of --skip_nonfinite 1)") in run.log.events
+    quiet = loop(monkeypatch, "--skip_nonfinite", 1, norms=[1.0, nan, 1.0, 1.0, 1.0, 1.0], is_main=False)
+    assert not [e for e in quiet.log.events if e[0] == "warn"]  # only rank 0 prints
+    with pytest.raises(Diverged, match="^step 4: the grad norm is inf"):
+        loop(monkeypatch, "--skip_nonfinite", 1, norms=[1.0, nan, 1.0, math.inf, 1.0, 1.0])
+
+
+def test_loop_stops_at_a_nonfinite_step_at_the_next_log_before_saving(monkeypatch):
+    run_events = []
+    with pytest.raises(Diverged, match=r"^step 1: the grad norm is nan \(loss [0-9.]+ on rank 0\)"):
+        try:
+            loop(monkeypatch, norms=[float("nan")] + [1.0] * 5)
+        finally:
+            run_events = Log.made.events
+    assert kinds(run_events) == ["step", "step", "exit"]  # found at the step-2 log; nothing saved
+    assert Log.made is not None
+
+
+def test_decentralized_loop_gossips_and_logs_the_consensus_distance(monkeypatch):
+    made = []
+
+    class Gossip(Sync):
+        def __init__(self, model, topology):
+            super().__init__()
+            made.append((model, topology))
+    monkeypatch.setattr(train_module, "Gossip", Gossip)
+    monkeypatch.setattr(train_module, "gradient_sync", lambda model, plan: made.append("gradient_sync") or Sync())
+    run = loop(monkeypatch, "--data_parallel", "decentralized", "--topology", "ring", sync=None,
+               decentralized=True)
+    assert made == [(run.model, "ring")]
+    assert [e[4] for e in run.log.events if e[0] == "row"] == [{"consensus": 0.25}] * 3
+    made.clear()
+    loop(monkeypatch, sync=None)  # otherwise the plan's gradient sync
+    assert made == ["gradient_sync"]
