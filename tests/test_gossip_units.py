@@ -107,7 +107,7 @@ def world(monkeypatch):
     return make
 
 
-@pytest.mark.parametrize("ranks", [4, 3])
+@pytest.mark.parametrize("ranks", [4, 3, 2])
 def test_each_step_applies_its_mixing_matrix_and_counts_its_bytes(world, ranks):
     fake = world(ranks)
     mixing = {t: fake.run(lambda rank: gossip_ranks.mixing_steps(t, rank, "cpu"))[0] for t in TOPOLOGIES}
@@ -191,6 +191,7 @@ def test_parameters_become_views_of_one_flat_buffer(world):
 
     def build(rank):
         model = gossip_ranks.Replica(seed=0)
+        model.scale = torch.nn.Parameter(torch.tensor([2.0, 3.0]))  # three parameters: offsets add up
         values = model.vector().clone()
         g = Gossip(model, "ring")
         assert torch.equal(g.flat, values)  # the same values, in parameter order
@@ -216,6 +217,9 @@ def test_misuse_is_refused(world):
         assert Gossip(frozen, "ring").flat.numel() == 12  # only trained parameters travel
         g = Gossip(gossip_ranks.Replica(seed=0), "ring")
         g.start(0)
-        with pytest.raises(AssertionError, match="start\\(\\) twice"):
+        with pytest.raises(AssertionError, match="^gossip start\\(\\) twice without finish\\(\\)$"):
             g.start(1)
     fake.run(refuse)
+    with pytest.raises(ValueError, match="^unknown topology 'star'; choose from complete, ring, exp, "
+                                         "alternating-exp-ring$"):
+        gossip.exchange_for("star", 0, 4, 0)
