@@ -204,3 +204,21 @@ def test_world_checks():
                                           r"--shard_group_size \(got 8 and 3\)$"):
         validate_world(grouped, 8, 4, [4, 4])
     validate_world(parse_args(["--shard_group_size", 3]), 8, 4, [4, 4])  # only hybrid sharding groups ranks
+
+
+@pytest.mark.parametrize("text,message", [
+    ("zzz = 1\n", "'zzz' is outside any section; sections are launch, model, parallel, decentralized, data, train, "
+                  "checkpoint, log, generate"),
+    ("lr = 0.1\n", "'lr' is outside any section; put it under [train]"),
+    ("[training]\nlr = 0.1\n", "unknown section [training]; sections are launch, model, parallel, decentralized, "
+                               "data, train, checkpoint, log, generate"),
+    ("[train]\nqqqqqq = 1\n", "unknown key train.qqqqqq"),
+    ("[launch]\nconfgi = 'x'\n", "unknown key launch.confgi"),  # --config is never a key: not offered either
+    ("[train]\nbatchsize = 3\n", "unknown key train.batchsize (did you mean batch_size?)"),
+])
+def test_config_file_keys_and_sections_are_named_in_one_line(tmp_path, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        parse_args(["--config", path])
+    assert str(raised.value) == f"--config {path}: {message}"
