@@ -101,9 +101,42 @@ def test_describe_names_the_data_and_its_source(tmp_path):
     d = numbered_dataset(tmp_path / "d", train_tokens=1234, val_tokens=56)
     assert d.describe() == f"data: {d.directory}: 1,234 train and 56 val char tokens of ?"
     source = tmp_path / "source.txt"
-    source.write_bytes(b"x" * 2_500_000)
+    source.write_bytes(b"x" * 1_050_000)
     (d.directory / "meta.json").write_text(json.dumps(dict(d.meta, source=str(source))))
     assert TokenData(d.directory).describe() == (
-        f"data: {d.directory}: 1,234 train and 56 val char tokens of {source}, 2.5 MB")
+        f"data: {d.directory}: 1,234 train and 56 val char tokens of {source}, 1.1 MB")
     (d.directory / "meta.json").write_text(json.dumps(dict(d.meta, source="hf:some/dataset")))
     assert TokenData(d.directory).describe().endswith("char tokens of hf:some/dataset")
+
+
+def test_batches_equal_the_reference_sampler_across_epochs_ranks_and_splits(tmp_path):
+    from reference import PreparedTokens
+    d = numbered_dataset(tmp_path / "data" / "d", train_tokens=301, val_tokens=95)
+    reference = PreparedTokens(tmp_path / "data")
+    for rank in range(2):
+        d.bind(10, 3, 2, rank, 2, 11)
+        for step in range(4):  # 30 blocks, 12 per step: steps 2 and 3 straddle epochs
+            for micro, (x, y) in enumerate(d.train_batches(step)):
+                rx, ry = reference.batch("train", step * 2 + micro, rank, 2, 3, 10, 11)
+                assert x.tolist() == rx.tolist() and y.tolist() == ry.tolist(), (rank, step, micro)
+        for index in range(3):
+            assert d.val_batch(index)[0].tolist() == reference.batch("val", index, rank, 2, 3, 10, 11)[0].tolist()
+
+
+def test_steps_per_epoch_counts_whole_blocks_and_is_at_least_one(tmp_path):
+    exact = numbered_dataset(tmp_path / "exact", train_tokens=301)  # 300 targets: 30 blocks of 10
+    exact.bind(10, 3, 1, 0, 1, 0)
+    assert exact.steps_per_epoch() == 10
+    short = numbered_dataset(tmp_path / "short", train_tokens=300)  # 299 targets: 29 blocks
+    short.bind(10, 3, 1, 0, 1, 0)
+    assert short.steps_per_epoch() == 9
+    short.bind(10, 16, 2, 0, 2, 0)  # 64 blocks a step: less than one epoch's worth
+    assert short.steps_per_epoch() == 1
+
+
+def test_state_dict_counts_blocks_from_where_the_run_resumed(tmp_path):
+    d = numbered_dataset(tmp_path / "d", train_tokens=301)
+    d.bind(10, 3, 2, 0, 2, 0)  # 12 blocks a step
+    assert d.state_dict(5) == {"train_blocks_seen": 60}
+    d.load_state_dict({"train_blocks_seen": 100}, 4)
+    assert d.state_dict(4) == {"train_blocks_seen": 100} and d.state_dict(6) == {"train_blocks_seen": 124}
