@@ -140,3 +140,25 @@ def test_state_dict_counts_blocks_from_where_the_run_resumed(tmp_path):
     assert d.state_dict(5) == {"train_blocks_seen": 60}
     d.load_state_dict({"train_blocks_seen": 100}, 4)
     assert d.state_dict(4) == {"train_blocks_seen": 100} and d.state_dict(6) == {"train_blocks_seen": 124}
+
+
+def test_a_bin_of_the_wrong_size_is_refused_with_its_sizes(tmp_path):
+    d = numbered_dataset(tmp_path / "d", train_tokens=300, val_tokens=50)
+    with open(d.directory / "val.bin", "ab") as f:
+        f.write(b"\0" * 3)  # 103 bytes: neither 50 uint16 nor 50 uint32 tokens
+    with pytest.raises(ConfigError) as raised:
+        TokenData(d.directory)
+    assert str(raised.value) == (f"{d.directory}/val.bin holds 103 bytes but meta.json says 50 uint16 tokens "
+                                 f"(100 bytes): delete {d.directory} to prepare it again")
+
+
+def test_splits_are_read_only_and_an_empty_split_needs_no_file(tmp_path):
+    d = numbered_dataset(tmp_path / "d", train_tokens=300, val_tokens=50)
+    assert not d.splits["train"].flags.writeable and not d.splits["val"].flags.writeable
+    (d.directory / "val.bin").unlink()
+    (d.directory / "meta.json").write_text(json.dumps(dict(d.meta, val_tokens=0)))
+    empty = TokenData(d.directory).splits["val"]
+    assert empty.shape == (0,) and empty.dtype == np.uint16
+    (d.directory / "val.bin").write_bytes(b"")  # an empty file is read the same way
+    empty = TokenData(d.directory).splits["val"]
+    assert empty.shape == (0,) and empty.dtype == np.uint16
