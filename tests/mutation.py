@@ -87,9 +87,13 @@ def report(modules, seconds=None):
     survivors = []
     for module in modules:
         status = results(module)
-        if status is None:
+        unrun = [n for n, s in (status or {}).items() if s == "not checked"]
+        if not status or len(unrun) == len(status):
             print(f"{module:<12} not run")
             continue
+        if unrun:
+            print(f"{module:<12} {len(unrun)} of {len(status)} mutants not run yet: scored on the others")
+            status = {n: s for n, s in status.items() if s != "not checked"}
         killed = sum(s in ("killed", "timeout") for s in status.values())
         survived = [n for n, s in status.items() if s in ("survived", "no tests")]
         same = [n for n in survived if n in equivalent]
