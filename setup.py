@@ -31,6 +31,9 @@ setup(
         # Hugging Face datasets: openwebtext/hub/save_to_disk sources for preparation and --streaming
         "data": ["datasets"],
         # torchao: tests/test_fp8.py runs the float8 layers on the CPU through torchao's emulation.
+        # Mutation testing on demand (python tests/mutation.py): pinned, as tests/mutation.py patches one of its
+        # internals to mutate functions decorated with torch.no_grad() and lru_cache too.
+        "mutation": ["mutmut==3.8.1"],
         "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub", "datasets",
                 "torchao>=0.16"],
     },

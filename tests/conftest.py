@@ -17,6 +17,22 @@ TINY_MODEL = ["--num_layers", "2", "--num_heads", "2", "--embed_size", "32", "--
               "--batch_size", "4", "--eval_batches", "2", "--num_tokens", "0"]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def no_processes_under_mutmut():
+    """Under mutmut a mutant's covering tests run once per mutant: a test that starts a process (mpiexec, a
+    second Python) takes seconds to minutes, so there it is skipped where it starts one. Elsewhere: nothing.
+    Session-scoped, so that it is in place before any module's fixtures launch runs."""
+    if "MUTANT_UNDER_TEST" not in os.environ:  # set by mutmut (tests/mutation.py) where it runs tests
+        yield
+        return
+
+    def skip(*args, **kwargs):
+        pytest.skip("starts a process: skipped under mutation testing")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess, "Popen", skip)
+        yield
+
+
 def mpiexec():
     """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
     found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")

@@ -99,3 +99,67 @@ def test_state_dict_resumes_mid_window_exactly():
 def test_rejects_zero_accum_steps():
     with pytest.raises(ValueError, match="accum_steps"):
         AccumAdamW(make_params(), accum_steps=0)
+
+
+def step_with(optimizer, params, grads):
+    """Steps at the optimizer's own learning rate (run() above sets one per step)."""
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        optimizer.step()
+
+
+def test_defaults_are_adamw_with_beta2_098_and_no_weight_decay():
+    """build_optimizer leaves eps (and here lr) to the defaults: they must be torch.optim.AdamW's."""
+    ours, theirs = make_params(), make_params()
+    grads = gradients(6)
+    step_with(AccumAdamW(ours), ours, grads)
+    step_with(torch.optim.AdamW(theirs, betas=(0.9, 0.98), weight_decay=0.0, foreach=True), theirs, grads)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def test_constructor_arguments_reach_groups_that_do_not_set_them():
+    ours, theirs = make_params(), make_params()
+    grads = gradients(6)
+    hyper = dict(lr=3e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6)
+    step_with(AccumAdamW(ours, **hyper), ours, grads)
+    step_with(torch.optim.AdamW(theirs, foreach=True, **hyper), theirs, grads)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def test_parameters_without_gradients_are_left_alone():
+    """A frozen parameter before a trained one in a group, and a group with no gradient at all before another."""
+    def layout(trained):
+        frozen = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+        return frozen, [{"params": [frozen[0], trained[0]]}, {"params": [frozen[1]]}, {"params": [trained[1]]}]
+    ours, theirs = make_params(), make_params()
+    frozen_ours, groups_ours = layout(ours)
+    frozen_theirs, groups_theirs = layout(theirs)
+    grads = gradients(4)
+    step_with(AccumAdamW(groups_ours, lr=1e-2, **HYPER), ours, grads)
+    step_with(torch.optim.AdamW(groups_theirs, lr=1e-2, weight_decay=0.0, foreach=True, **HYPER), theirs, grads)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+    assert not torch.equal(ours[1], make_params()[1])  # the last group moved
+    assert all(torch.equal(p, torch.ones_like(p)) for p in frozen_ours)
+
+
+def test_step_returns_the_closure_loss_computed_with_gradients():
+    """As torch.optim.AdamW: step(closure) evaluates the closure with autograd on and returns its loss."""
+    def closure_for(params, optimizer):
+        def closure():
+            optimizer.zero_grad()
+            loss = (params[0] ** 2).sum() + params[1].sum()
+            loss.backward()
+            return loss
+        return closure
+    ours, theirs = make_params(), make_params()
+    ours_optimizer = AccumAdamW(ours, lr=1e-2, **HYPER)
+    theirs_optimizer = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.0, foreach=True, **HYPER)
+    loss = ours_optimizer.step(closure_for(ours, ours_optimizer))
+    assert torch.equal(loss, theirs_optimizer.step(closure_for(theirs, theirs_optimizer)))
+    assert ours_optimizer.step() is None and theirs_optimizer.step() is None
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
