@@ -108,14 +108,16 @@ class Config:
                           "outputs are kept)", ("full", "selective"), "parallel")
     meta_init: bool = flag(False, "build on the meta device, shard, then initialize only the local shard",
                            section="parallel")
-    compile: bool = flag(False, "torch.compile each transformer block (under FSDP), or the whole model (one rank)",
+    compile: bool = flag(False, "torch.compile each transformer block (under FSDP), or the whole model (one rank, "
+                                "no-shard)",
                          section="parallel")
     cuda_graphs: bool = flag(False, "with --compile on one rank: replay the compiled model as CUDA graphs "
                                     "(torch.compile's reduce-overhead mode), for small models whose step is bound "
                                     "by the host launching kernels", section="parallel")
 
     # decentralized data parallel (gossip.py, accum_adamw.py)
-    data_parallel: str = flag("allreduce", "allreduce: one model, gradients averaged over all ranks (FSDP); "
+    data_parallel: str = flag("allreduce", "allreduce: one model, gradients averaged over all ranks (FSDP; DDP for "
+                              "no-shard); "
                               "decentralized: every rank trains its own whole replica and averages parameters "
                               "with its --topology neighbours each step (no sharding)", DATA_PARALLEL,
                               "decentralized")
