@@ -88,9 +88,10 @@ def peak_memory_gb(device):
 
 class TrainingLog:
     """What training reports, one object per launch. On rank 0 of a one-process run at a terminal: a progress bar;
-    otherwise (a launcher, a batch job's output file) one plain line every --log_interval steps. Every logged step also goes to metrics.jsonl,
-    TensorBoard and wandb. Time spent evaluating and saving is paused out, so tokens/s and MFU count training
-    alone. Used as a context manager: the bar ends its line and the files close even when training fails."""
+    otherwise (a launcher, a batch job's output file) one plain line every --log_interval steps. Every logged step
+    also goes to metrics.jsonl, TensorBoard and wandb. Time spent evaluating and saving is paused out, so tokens/s
+    and MFU count training alone. Used as a context manager: the bar ends its line and the files close even when
+    training fails."""
 
     def __init__(self, cfg, env, model, schedule, first_step, tokens_per_step):
         self.metrics = Metrics(cfg)  # collective
