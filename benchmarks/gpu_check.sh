@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2 ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2 ...]
 # The fp8 parts need torchao: installed from .whl/torchao-*.whl when missing (the GPU machine has no package index).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: some parts change directory
@@ -153,6 +153,21 @@ print(f"nanoGPT: step {statistics.median(times):.2f} ms (median of {len(times)} 
       f"final val {vals[-1][1]:.4f} at step {vals[-1][0]}, best {min(v for _, v in vals):.4f}")
 PY
   ;;
+nanogpt_scaling)
+  # Target 2's reference: nanoGPT's own DDP (torchrun) on the same recipe, 1 GPU then 2 (and 4 where there are):
+  # batch 64 per GPU (its gradient_accumulation_steps is split over the ranks), NANOGPT_ITERS iterations.
+  gpus=$(nvidia-smi -L | wc -l)
+  ( cd .ref/nanogpt && python3 data/shakespeare_char/prepare.py > /dev/null )
+  for g in 1 2 4; do [ $g -le $gpus ] || continue
+    ( cd .ref/nanogpt && timeout 240 torchrun --standalone --nproc_per_node=$g train.py config/train_shakespeare_char.py \
+        --gradient_accumulation_steps=$g --max_iters=${NANOGPT_ITERS:-600} --eval_interval=100000 > "$OUT/nanogpt_$g.log" 2>&1 )
+    echo -n "nanoGPT on $g GPU(s), exit $?: "
+    python3 - "$OUT/nanogpt_$g.log" <<'PY' | tee -a "$OUT/summary.txt"
+import re, statistics, sys
+times = [float(t) for i, t in re.findall(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", open(sys.argv[1]).read()) if int(i) >= 100]
+print(f"step {statistics.median(times):.2f} ms (median of {len(times)} logged iterations from 100)" if times else "no steps")
+PY
+  done ;;
 recipe_s_scaling)
   # Target 2: recipe S on 1, 2 and 4 GPUs, batch 64 per GPU, full-shard and no-shard: the step time should stay
   # within 10% of one GPU's.
@@ -181,9 +196,9 @@ profile_loop)
   declare -A models=([tiny]="--model_preset tiny --vocab_size 65 --batch_size 16"
                      [recipe_s]="--num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --vocab_size 65 --batch_size 64 --no-bias --dropout 0.2"
                      [gpt2]="--model_preset gpt2 --vocab_size 50304 --batch_size 32")
-  for m in tiny recipe_s gpt2; do
-    for tree in . .ref/old; do
-      ( cd $tree && timeout 200 $MPI -n $g python3 benchmarks/profile_step.py ${models[$m]} $P > "$OUT/profile_${m}_${g}_${tree//[.\/]/}.log" 2>&1 )
+  for m in ${PROFILE_MODELS:-tiny recipe_s gpt2}; do
+    for tree in ${PROFILE_TREES:-. .ref/old}; do
+      ( cd $tree && timeout 200 $MPI -n $g python3 benchmarks/profile_step.py ${models[$m]} $P ${PROFILE_ARGS:-} > "$OUT/profile_${m}_${g}_${tree//[.\/]/}.log" 2>&1 )
       echo -n "$m on $g GPU(s), $([ $tree = . ] && echo now || echo before): "
       grep -m1 'per step:' "$OUT/profile_${m}_${g}_${tree//[.\/]/}.log" | tee -a "$OUT/summary.txt"
     done

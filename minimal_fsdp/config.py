@@ -19,7 +19,7 @@ from .fp8 import RECIPES as FP8_RECIPES
 from .gossip import TOPOLOGIES
 from .llama import PRESETS as LLAMA_PRESETS
 from .model import PRESETS as GPT_PRESETS
-from .parallelize import DATA_PARALLEL, PRECISION, SHARDING
+from .parallelize import DATA_PARALLEL, FSDP_UNITS, PRECISION, SHARDING, SMALL_MODEL
 
 
 class ConfigError(ValueError):
@@ -99,6 +99,11 @@ class Config:
     fp8_recipe: str = flag("tensorwise", "--precision fp8's scaling: tensorwise (one scale per tensor; FSDP "
                                          "all-gathers the weights in float8) or rowwise (a scale per row: more "
                                          "accurate, slower)", FP8_RECIPES, "parallel")
+    fsdp_unit: str = flag("auto", "what FSDP gathers and frees at once: block (one transformer block at a time, "
+                          "communication overlapped with compute: large models) or model (the whole model, one "
+                          "all-gather and one reduce-scatter per pass and one compiled graph: small models, whose "
+                          "step is bound by FSDP's per-block host work); auto: model up to "
+                          f"{SMALL_MODEL // 10**6}M parameters", FSDP_UNITS, "parallel")
     cpu_offload: bool = flag(False, "keep sharded params, grads and optimizer state in CPU memory",
                              section="parallel")
     activation_checkpoints: bool = flag(False, "recompute each block's activations in backward",
@@ -108,10 +113,11 @@ class Config:
                           "outputs are kept)", ("full", "selective"), "parallel")
     meta_init: bool = flag(False, "build on the meta device, shard, then initialize only the local shard",
                            section="parallel")
-    compile: bool = flag(False, "torch.compile each transformer block (under FSDP), or the whole model (one rank, "
-                                "no-shard)",
+    compile: bool = flag(False, "torch.compile each transformer block (FSDP units per block), or the whole model "
+                                "(one rank, no-shard, or the whole model as one FSDP unit)",
                          section="parallel")
-    cuda_graphs: bool = flag(False, "with --compile on one rank: replay the compiled model as CUDA graphs "
+    cuda_graphs: bool = flag(False, "with --compile on one rank or with no-shard (DDP): replay the compiled model "
+                                    "as CUDA graphs "
                                     "(torch.compile's reduce-overhead mode), for small models whose step is bound "
                                     "by the host launching kernels", section="parallel")
 

@@ -242,7 +242,7 @@ def banner(cfg, env, plan, model, resume_from=None):
     state = _readable(state_bytes_per_rank(num_params, plan.shard_ranks))
     where = "CPU memory (--cpu_offload)" if plan.cpu_offload else f"{env.device.type} memory"
     spread = f"sharded over {plan.shard_ranks}" if plan.shard_ranks > 1 else "a whole copy on every rank"
-    layout = plan.describe() + (f", {cfg.topology} topology" if plan.decentralized else "")
+    layout = plan.describe(num_params) + (f", {cfg.topology} topology" if plan.decentralized else "")
     lines = [
         f"launch: {env.world_size} rank(s) = {env.num_nodes} node(s) x {env.local_world_size} rank(s)/node, "
         f"started by {env.launcher}, {env.backend} on {env.device.type}; {layout}",

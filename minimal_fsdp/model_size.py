@@ -19,7 +19,7 @@ from . import fp8
 from .config import MODEL_PRESETS, ConfigError, model_family, one_line_errors
 from .hf import read_config as read_hf_config
 from .models import MODELS, make_config
-from .parallelize import SHARDING, layout
+from .parallelize import FSDP_UNITS, SHARDING, SMALL_MODEL, layout
 
 GiB = 2**30
 # A GPU "fits" when the estimate leaves this fraction free for the CUDA context, cuBLAS/NCCL workspaces and
@@ -78,13 +78,18 @@ def kept_per_token(model_type, config):
 
 
 def estimate(model_type, config, batch_size, sharding, world_size, shard_group_size, recompute,
-             cpu_offload, precision, device_type="cuda", compile=False, grad_accum_steps=1, fp8_recipe="tensorwise"):
+             cpu_offload, precision, device_type="cuda", compile=False, grad_accum_steps=1, fp8_recipe="tensorwise",
+             fsdp_unit="auto"):
     """Peak bytes on one GPU and in one rank's host memory for one training step of grad_accum_steps
     micro-batches. recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute).
-    precision fp8 computes as bf16 does, with fp8_recipe's float8 layers (see the fp8 terms below)."""
+    precision fp8 computes as bf16 does, with fp8_recipe's float8 layers (see the fp8 terms below).
+    fsdp_unit: as --fsdp_unit (parallelize.shard): the whole model as one unit is gathered whole, and all its
+    unsharded gradients wait for one reduce-scatter at the end of backward."""
     sizes = count_parameters(model_type, config)
     _, shards, reshard = layout(sharding, world_size, shard_group_size)
-    keep_gathered = not reshard
+    fsdp = world_size > 1 and sharding != "no-shard" or cpu_offload  # parallelize.make_plan's rule
+    whole = fsdp and (fsdp_unit == "model" or fsdp_unit == "auto" and sizes.total <= SMALL_MODEL)
+    keep_gathered = not reshard or whole
     compute = 4 if precision == "float32" else 2  # bytes of a gathered param, an activation, an unsharded grad
     tokens = batch_size * config.seq_length
     L = config.num_layers
@@ -112,7 +117,8 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
                              + (16 * tokens if fp8_recipe == "rowwise" else 0) for i, o in sizes.float8_layers)
     # Unsharded grads before their reduce-scatter: ~2 blocks' in flight, with bf16 compute each with an fp32 copy
     # to reduce in; the root's wait in the compute dtype for the end of backward, when it is reduced last.
-    unsharded_grads = compute * sizes.root + (compute + (4 if precision != "float32" else 0)) * 2 * sizes.per_block
+    unsharded_grads = compute * sizes.root + (compute + (4 if precision != "float32" else 0)) * \
+        (L if whole else 2) * sizes.per_block
 
     layer = tokens * activations_per_token(model_type, config, device_type) * compute
     kept = {"none": layer, "full": tokens * config.embed_size * compute,
@@ -181,6 +187,7 @@ def build_parser():
     p.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--precision", choices=("float32", "bf16", "fp8"), default="float32", help="as in training")
     p.add_argument("--fp8_recipe", choices=fp8.RECIPES, default="tensorwise", help="as in training")
+    p.add_argument("--fsdp_unit", choices=FSDP_UNITS, default="auto", help="as in training")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
     p.add_argument("--gpus_per_node", type=int, help="default: min(--gpus, 8)")
     p.add_argument("--shard_group_size", type=int, help="hybrid sharding's group (default: --gpus_per_node)")
@@ -221,7 +228,8 @@ def main(argv=None):
         for recompute in ("none", "full", "selective"):
             for offload in (False, True):
                 e = estimate(family, config, args.batch_size, sharding, args.gpus, group, recompute, offload,
-                             args.precision, grad_accum_steps=args.grad_accum_steps, fp8_recipe=args.fp8_recipe)
+                             args.precision, grad_accum_steps=args.grad_accum_steps, fp8_recipe=args.fp8_recipe,
+                             fsdp_unit=args.fsdp_unit)
                 host = e["host"] * gpus_per_node
                 fits = e["gpu"] <= (1 - GPU_HEADROOM) * gpu_memory and (host_memory is None or host <= host_memory)
                 print(f"{sharding:<19}{recompute:<11}{'yes' if offload else 'no':<9}"

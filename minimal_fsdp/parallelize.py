@@ -34,6 +34,12 @@ from .layers import KVCache
 SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
 PRECISION = ("float32", "bf16", "fp8")
 DATA_PARALLEL = ("allreduce", "decentralized")
+FSDP_UNITS = ("auto", "block", "model")
+# --fsdp_unit auto: a model this small is one FSDP unit. Its step is bound by the host: FSDP2's hooks, gathers and
+# reduce-scatters per block, and a compiled graph per block, cost more than overlapping its brief communication
+# with compute saves (benchmarks/RESULTS.md, recipe S and GPT-2 124M on 2 H100), and gathering it whole costs
+# little memory.
+SMALL_MODEL = 200_000_000
 
 aten = torch.ops.aten
 # --recompute selective keeps what is costly to recompute (matmuls, attention) and recomputes the cheap,
@@ -60,9 +66,10 @@ class ParallelPlan:
     activation_checkpoints: bool
     recompute: str
     compile: bool
-    cuda_graphs: bool  # the compiled whole model (no FSDP) replays as CUDA graphs
+    cuda_graphs: bool  # the compiled whole model (no FSDP: one rank or DDP) replays as CUDA graphs
     fp8: str = None  # --precision fp8: the float8 recipe (fp8.RECIPES); None otherwise
     ddp: bool = False  # no-shard over several ranks: a plain module whose gradients DDP all-reduces
+    fsdp_unit: str = "auto"  # --fsdp_unit: per block, the whole model, or by size (whole_model_unit)
     mesh: object = None  # the DeviceMesh (FSDP only), built by make_plan
 
     @property
@@ -80,7 +87,11 @@ class ParallelPlan:
         """Params stay gathered from forward to backward anyway, so also across an accumulation's micro-steps."""
         return self.fsdp and not self.reshard_after_forward
 
-    def describe(self):
+    def whole_model_unit(self, num_params):
+        """FSDP gathers the whole model at once (one unit, one compiled graph), not block by block."""
+        return self.fsdp and (self.fsdp_unit == "model" or self.fsdp_unit == "auto" and num_params <= SMALL_MODEL)
+
+    def describe(self, num_params):
         if self.decentralized:
             return "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip"
         if self.ddp:
@@ -88,8 +99,9 @@ class ParallelPlan:
         if not self.fsdp:
             return "no FSDP: one rank holds the whole model"
         dims = ("shard",) if len(self.mesh_shape) == 1 else ("replicate", "shard")
+        units = "the whole model as one FSDP unit" if self.whole_model_unit(num_params) else "an FSDP unit per block"
         return "mesh " + " x ".join(f"{name}={size}" for name, size in zip(dims, self.mesh_shape)) + \
-            f" ({self.sharding})"
+            f" ({self.sharding}), {units}"
 
 
 def layout(sharding, world_size, shard_group_size):
@@ -121,21 +133,24 @@ def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
         fp8.check_device(env.device)
     plan = ParallelPlan(cfg.sharding, decentralized, fsdp, shape, shard_ranks, reshard, cfg.precision,
                         cfg.cpu_offload, cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute,
-                        cfg.compile, cfg.cuda_graphs and not fsdp and not ddp and env.device.type == "cuda", recipe,
-                        ddp)
+                        cfg.compile, cfg.cuda_graphs and not fsdp and env.device.type == "cuda", recipe,
+                        ddp, cfg.fsdp_unit)
     if fsdp:
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         plan = dataclasses.replace(plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names))
     return plan
 
 
-def shard(model, plan):
-    """fully_shard each block (the unit that is gathered, freed and overlapped), then the root for the rest."""
+def shard(model, plan, whole):
+    """fully_shard each block (the unit that is gathered, freed and overlapped), then the root for the rest; or,
+    whole, the root alone: the whole model is gathered at once. The whole model stays gathered from forward to
+    backward even under full-shard (as FSDP2 keeps its root unit): backward would gather it again at once, at the
+    same peak (the activations peak there too), so resharding it would only cost a second all-gather."""
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if plan.bf16 else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.cpu_offload else OffloadPolicy()
-    reshard = plan.reshard_after_forward
-    for i, block in enumerate(model.blocks):
+    reshard = plan.reshard_after_forward and not whole
+    for i, block in enumerate([] if whole else model.blocks):
         fully_shard(block, mesh=plan.mesh, reshard_after_forward=reshard and i < len(model.blocks) - 1,
                     mp_policy=mixed, offload_policy=offload)
     fully_shard(model, mesh=plan.mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
@@ -181,7 +196,8 @@ class FSDPSync(LocalSync):
     of weights all-gathered in float8 are computed for the next step (--precision fp8, tensorwise)."""
 
     def __init__(self, model, plan):
-        self.model, self.stays_gathered = model, plan.stays_gathered
+        whole = plan.whole_model_unit(model.num_params(non_embedding=False))  # gathered forward to backward too
+        self.model, self.stays_gathered = model, plan.stays_gathered or whole
         self.shard_group = plan.mesh.get_group("shard")  # replicas hold the same reduced gradients
         self.precompute_scales = fp8.scale_precompute(plan)
 
@@ -270,13 +286,14 @@ def build_model(model_cls, model_config, plan, env, seed):
         model = model_cls(model_config)
     if plan.fp8:
         fp8.convert(model, plan, env.device)  # before sharding: FSDP sees the float8 layers' weights
+    whole = plan.whole_model_unit(model.num_params(non_embedding=False))
     for block in model.blocks:
         # Wrapping forward (not the module) keeps FSDP's hooks outside and state-dict keys unchanged.
         if plan.activation_checkpoints:
             block.forward = recomputed(block.forward, plan.recompute)
-        if plan.compile and plan.fsdp:  # FSDP: each block is its own graph between FSDP's hooks
+        if plan.compile and plan.fsdp and not whole:  # each block is its own graph between FSDP's hooks
             block.forward = compiled_unless_caching(block.forward)
-    if plan.compile and not plan.fsdp:  # no hooks in the way: one graph from token ids to the last hidden states
+    if plan.compile and (not plan.fsdp or whole):  # no hooks in the way: one graph from token ids to hidden states
         model.trunk = compiled_unless_caching(model.trunk, "reduce-overhead" if plan.cuda_graphs else None)
     if env.device.type == "cuda":
         # One Triton kernel turns the logits into the loss and, in place, their gradient (fused_loss.py).
@@ -297,7 +314,7 @@ def build_model(model_cls, model_config, plan, env, seed):
             # Buffers (rotary tables, masks) are computed alike on every rank: no broadcast before each forward.
             replicate(model, device_id=env.device, broadcast_buffers=False)
         return model
-    shard(model, plan)
+    shard(model, plan, whole)
     if plan.meta_init:
         model.to_empty(device="cpu" if plan.cpu_offload else env.device)
         init_weights(model, seed, env.device)

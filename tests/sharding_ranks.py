@@ -3,7 +3,8 @@
 For each sharding, builds the model as training does (parallelize.make_plan/build_model) and records the
 mesh (shape, dimension names, this rank's group along each dimension) and, for every block's qkv weight,
 whether it is a sharded DTensor and its local shape after a training forward and after backward (no-shard,
-which is DDP on a plain module: each rank's loss on its own batch and its qkv gradient after backward). Then
+which is DDP on a plain module: each rank's loss on its own batch and its qkv gradient after backward), and
+whether the first block's parameters were already gathered when its forward began (one FSDP unit). Then
 generates on a no-shard model whose weights get different noise on every rank, so the ranks' logits differ:
 once as generate() does it, and once with its token broadcast switched off (each rank's own choice).
 Every rank writes rank_<r>.json into the directory argv[1].
@@ -24,9 +25,13 @@ from minimal_fsdp.parallelize import build_model, make_plan
 
 # 3 blocks (the last one never reshards); vocab 42 shards unevenly over 4 ranks (11, 11, 11, 9 rows).
 CONFIG = GPTConfig(vocab_size=42, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
-SHARDINGS = {"full-shard": [], "grad-shard": [], "no-shard": [],
-             "hybrid-full-shard": ["--shard_group_size", "2"], "hybrid-grad-shard": ["--shard_group_size", "2"],
-             "hybrid-full-shard-4": ["--shard_group_size", "4"]}
+# FSDP unit per block (as large models have it), and the whole model as one unit (small models' default)
+SHARDINGS = {"full-shard": ["--fsdp_unit", "block"], "grad-shard": ["--fsdp_unit", "block"], "no-shard": [],
+             "hybrid-full-shard": ["--shard_group_size", "2", "--fsdp_unit", "block"],
+             "hybrid-grad-shard": ["--shard_group_size", "2", "--fsdp_unit", "block"],
+             "hybrid-full-shard-4": ["--shard_group_size", "4", "--fsdp_unit", "block"],
+             "full-shard-model": ["--fsdp_unit", "model"], "grad-shard-model": [],
+             "hybrid-full-shard-model": ["--shard_group_size", "2"]}
 
 
 def held(model):
@@ -41,7 +46,7 @@ def held(model):
 
 
 def sharding_state(env, name, extra):
-    cfg = parse_args(["--sharding", name.removesuffix("-4"), *extra])
+    cfg = parse_args(["--sharding", name.removesuffix("-4").removesuffix("-model"), *extra])
     plan = make_plan(cfg, env)
     model = build_model(GPT, CONFIG, plan, env, cfg.seed)
     if plan.ddp:  # each rank its own batch: DDP must leave every rank the average gradient
@@ -52,13 +57,18 @@ def sharding_state(env, name, extra):
         return {"mesh": None, "ddp": True, "loss": loss.item(), "after_backward": held(model),
                 "grad": model.blocks[0].attn.qkv.weight.grad.flatten().tolist()}
     mesh = plan.mesh
+    model.blocks[0].register_forward_pre_hook(  # is the block gathered by then (by the root, as one unit)?
+        lambda module, args: gathered_at_block.append(not isinstance(module.attn.qkv.weight, DTensor)),
+        prepend=True)  # before the block's own FSDP hook, if it has one
+    gathered_at_block = []
     groups = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in mesh.mesh_dim_names}
     tokens = torch.randint(CONFIG.vocab_size, (2, CONFIG.seq_length + 1), generator=torch.Generator().manual_seed(0))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     after_forward = held(model)
     loss.backward()
     return {"mesh": list(mesh.shape), "dims": list(mesh.mesh_dim_names), "groups": groups,
-            "after_forward": after_forward, "after_backward": held(model)}
+            "whole_model_unit": gathered_at_block == [True], "after_forward": after_forward,
+            "after_backward": held(model)}
 
 
 class Numbers:

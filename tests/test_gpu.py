@@ -14,8 +14,11 @@ pytestmark = [pytest.mark.gpu,
 STRATEGIES = [["--sharding", "full-shard"], ["--sharding", "grad-shard"], ["--sharding", "no-shard"],
               ["--sharding", "hybrid-full-shard", "--shard_group_size", 1],
               ["--sharding", "hybrid-grad-shard", "--shard_group_size", 1]]
+# The tiny model is one FSDP unit (--fsdp_unit auto): "--fsdp_unit block" runs large models' layout.
 OPTIONS = [["--cpu_offload"], ["--meta_init"], ["--activation_checkpoints"], ["--compile"],
-           ["--compile", "--activation_checkpoints", "--recompute", "selective"]]
+           ["--compile", "--activation_checkpoints", "--recompute", "selective"],
+           ["--compile", "--fsdp_unit", "block"], ["--compile", "--fsdp_unit", "block", "--activation_checkpoints"],
+           ["--sharding", "no-shard", "--compile", "--cuda_graphs"]]  # DDP, its compiled model replayed as graphs
 # fp32 differs from the CPU only by kernel summation order; bf16 rounds every matmul input.
 TOLERANCE = {"float32": dict(abs=2e-4), "bf16": dict(rel=2e-2)}
 

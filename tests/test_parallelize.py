@@ -59,6 +59,10 @@ CASES = [
     (2, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2, "--meta_init"]),
     (2, ["--sharding", "full-shard", "--grad_accum_steps", 2]),
     (2, ["--sharding", "grad-shard", "--grad_accum_steps", 3]),  # parameters stay gathered between micro-steps
+    # The cases above gather this tiny model whole (--fsdp_unit auto); large models go block by block.
+    (2, ["--sharding", "full-shard", "--fsdp_unit", "block", "--grad_accum_steps", 2]),
+    (4, ["--sharding", "hybrid-grad-shard", "--shard_group_size", 2, "--fsdp_unit", "block"]),
+    (2, ["--sharding", "full-shard", "--fsdp_unit", "block", "--activation_checkpoints", "--meta_init"]),
 ]
 
 
@@ -89,12 +93,17 @@ def four_ranks(tmp_path_factory):
 
 
 # sharding -> (mesh shape, shard group of rank r, whether blocks reshard after forward), on 4 ranks
+# "-model": the whole model is one FSDP unit (--fsdp_unit model, or auto for a model this small), which stays
+# gathered from forward to backward whatever the strategy (backward would gather it again at once).
 MECHANISM = {
     "full-shard": ([4], lambda r: [0, 1, 2, 3], True),
     "grad-shard": ([4], lambda r: [0, 1, 2, 3], False),
     "hybrid-full-shard": ([2, 2], lambda r: [r // 2 * 2, r // 2 * 2 + 1], True),  # --shard_group_size 2
     "hybrid-grad-shard": ([2, 2], lambda r: [r // 2 * 2, r // 2 * 2 + 1], False),
     "hybrid-full-shard-4": ([1, 4], lambda r: [0, 1, 2, 3], True),  # --shard_group_size 4
+    "full-shard-model": ([4], lambda r: [0, 1, 2, 3], True),
+    "grad-shard-model": ([4], lambda r: [0, 1, 2, 3], False),
+    "hybrid-full-shard-model": ([2, 2], lambda r: [r // 2 * 2, r // 2 * 2 + 1], True),
 }
 
 
@@ -102,8 +111,10 @@ MECHANISM = {
 def test_fsdp_holds_what_the_strategy_says(four_ranks, sharding):
     """Mesh: (replicate x shard) with this rank's shard group; parameters: rank r keeps its torch.chunk rows of
     every weight (uneven: vocab 42 -> 11, 11, 11, 9), gathered whole from forward to backward unless the
-    strategy reshards after forward (every block but the last, which backward needs at once)."""
+    strategy reshards after forward (every block but the last, which backward needs at once; as one unit, none).
+    As one unit, the root has gathered every block before the first block's forward begins."""
     shape, shard_group, reshards = MECHANISM[sharding]
+    whole = sharding.endswith("-model")
     for rank, result in enumerate(four_ranks):
         state = result["shardings"][sharding]
         group = shard_group(rank)
@@ -115,7 +126,9 @@ def test_fsdp_holds_what_the_strategy_says(four_ranks, sharding):
         qkv = [len(torch.arange(48).chunk(parts)[position]), 16]
         sharded = [True, qkv]
         gathered = [False, [48, 16]]
-        assert state["after_forward"]["blocks"] == [sharded if reshards else gathered] * 2 + [gathered], rank
+        assert state["whole_model_unit"] == whole, rank
+        after_forward = [gathered] * 3 if whole else [sharded if reshards else gathered] * 2 + [gathered]
+        assert state["after_forward"]["blocks"] == after_forward, rank
         assert state["after_backward"]["blocks"] == [sharded] * 3, rank
         assert state["after_backward"]["wte"] == [len(torch.arange(42).chunk(parts)[position]), 16]
 
@@ -189,7 +202,7 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_
     import dataclasses
     from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan
     from minimal_fsdp.train import train_step
-    cfg = Config(sharding="full-shard")
+    cfg = Config(sharding="full-shard", fsdp_unit="block")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the group is NCCL where CUDA is
     env = SimpleNamespace(device=device, world_size=1, local_world_size=1)
     config = GPTConfig(vocab_size=64, seq_length=16, num_layers=2, num_heads=2, embed_size=16)
@@ -208,3 +221,21 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_
     first, later = sharded_at_forward[:2], sharded_at_forward[2:]
     assert first == [True, True] and later == [not stays_gathered] * 4
     assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded after the last micro-step
+
+
+@pytest.mark.parametrize("sharding,ranks,graphs", [("full-shard", 1, True), ("no-shard", 2, True),
+                                                   ("full-shard", 2, False), ("grad-shard", 2, False)])
+def test_cuda_graphs_only_where_no_fsdp_hooks_surround_the_graph(monkeypatch, sharding, ranks, graphs):
+    """--cuda_graphs replays the compiled model: on one rank and under DDP (its all-reduce runs outside the
+    graphs, on the gradients backward leaves). FSDP frees and re-gathers the parameters each step at new
+    addresses, which a replayed graph would not see: it stays off there. (Plans only: no mesh is built, no
+    GPU needed; test_gpu.py trains no-shard with CUDA graphs against the reference.)"""
+    from types import SimpleNamespace
+    from minimal_fsdp import parallelize
+    from minimal_fsdp.config import parse_args
+    env = SimpleNamespace(device=torch.device("cuda"), world_size=ranks, local_world_size=ranks)
+    cfg = parse_args(["--sharding", sharding, "--compile", "--cuda_graphs"])
+    built = []
+    monkeypatch.setattr(parallelize, "init_device_mesh", lambda *args, **kwargs: built.append(args))
+    plan = parallelize.make_plan(cfg, env)
+    assert plan.cuda_graphs == graphs and plan.fsdp == (not graphs) and bool(built) == plan.fsdp

@@ -1,0 +1,39 @@
+"""throughput.py's row for no-shard (DDP) under one of DDP's own settings, to see which of them moves a small
+model's step. DDP_VARIANT names them, joined by "_": noopt (torch._dynamo.config.optimize_ddp off: the compiled
+model is not split at DDP's bucket boundaries), view (gradient_as_bucket_view), onebucket (one 200 MB bucket),
+static (static_graph), graphs (CUDA graphs; now simply --cuda_graphs with --sharding no-shard).
+
+    DDP_VARIANT=noopt mpiexec -x DDP_VARIANT -n 2 python benchmarks/ddp_variants.py --sharding no-shard \\
+        --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --vocab_size 65 --batch_size 64 \\
+        --no-bias --dropout 0.2 --precision bf16 --compile --warmup 10 --steps 60
+Without DDP_VARIANT (or on any other strategy) it is throughput.py, labelled "default".
+"""
+import dataclasses
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import minimal_fsdp.parallelize as parallelize  # noqa: E402
+import throughput  # noqa: E402
+
+variant = os.environ.get("DDP_VARIANT", "default")
+names = set(variant.split("_"))
+if "noopt" in names:
+    torch._dynamo.config.optimize_ddp = False
+options = {key: value for name, (key, value) in {"view": ("gradient_as_bucket_view", True),
+                                                   "onebucket": ("bucket_cap_mb", 200),
+                                                   "static": ("static_graph", True)}.items() if name in names}
+if options:
+    parallelize.replicate = functools.partial(parallelize.replicate, **options)
+if "graphs" in names:
+    plan = throughput.make_plan
+    throughput.make_plan = lambda cfg, env, **k: dataclasses.replace(plan(cfg, env, **k), cuda_graphs=True)
+
+if __name__ == "__main__":
+    sys.argv += ["--label", variant]
+    throughput.main()
