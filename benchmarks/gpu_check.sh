@@ -169,22 +169,23 @@ print(f"step {statistics.median(times):.2f} ms (median of {len(times)} logged it
 PY
   done ;;
 recipe_s_scaling)
-  # Target 2: recipe S on 1, 2 and 4 GPUs, batch 64 per GPU, full-shard and no-shard: the step time should stay
-  # within 10% of one GPU's.
+  # Target 2: recipe S on 1, 2 and 4 GPUs, batch 64 per GPU, full-shard and no-shard, then with --cuda_graphs
+  # (one GPU, no-shard): the step time should stay within 10% of one GPU's.
   gpus=$(nvidia-smi -L | wc -l)
-  for g in 1 2 4; do [ $g -le $gpus ] || continue; for s in full-shard no-shard; do
-    [ $g = 1 ] && [ $s = no-shard ] && continue
+  IFS=';' read -ra variants <<< "${SCALING_VARIANTS:-1 full-shard;2 full-shard;2 no-shard;4 full-shard;4 no-shard;1 full-shard --cuda_graphs;2 no-shard --cuda_graphs;4 no-shard --cuda_graphs}"
+  for v in "${variants[@]}"; do
+    read -r g s <<< "$v"; [ $g -le $gpus ] || continue; name="rs_${g}_${s// /_}"; name=${name//--/}
     timeout 240 $MPI -n $g python3 basic_training.py $RECIPE_S --max_steps ${SCALING_STEPS:-600} --eval_interval 0 \
-      --eval_batches 20 --num_tokens 0 --sharding $s --run_name rs_${g}_$s > "$OUT/rs_${g}_$s.log" 2>&1
-    echo -n "GPUs $g, $s, exit $?: "; python3 benchmarks/run_summary.py logs/rs_${g}_$s --skip_steps 100 | tee -a "$OUT/summary.txt"
-  done; done ;;
+      --eval_batches 20 --num_tokens 0 --sharding $s --run_name $name > "$OUT/$name.log" 2>&1
+    echo -n "GPUs $g, $s, exit $?: "; python3 benchmarks/run_summary.py logs/$name --skip_steps 100 | tee -a "$OUT/summary.txt"
+  done ;;
 gpt2_b32)
   # Target 3: GPT-2 124M (biases), batch 32 per GPU, T=1024, through basic_training.py (the Shakespeare
   # characters with the vocabulary padded to 50304: the model's work is GPT-2's), one GPU, then every strategy on 4.
   G="--dataset text --input_file data/shakespeare/input.txt --tokenizer char --vocab_size 50304 --model_preset gpt2 --precision bf16 --compile --batch_size 32 --max_steps ${GPT2_STEPS:-80} --eval_interval 0 --eval_batches 2 --num_tokens 0 --checkpoint_interval 0"
-  IFS=';' read -ra variants <<< "${GPT2_VARIANTS:-1 full-shard;4 full-shard;4 no-shard;4 grad-shard;4 hybrid-full-shard --shard_group_size 2}"
+  IFS=';' read -ra variants <<< "${GPT2_VARIANTS:-1 full-shard;4 full-shard;4 full-shard --fsdp_unit block;4 no-shard;4 grad-shard;4 hybrid-full-shard --shard_group_size 2}"
   for v in "${variants[@]}"; do
-    read -r g s <<< "$v"; name="g2_${g}_${s%% *}"
+    read -r g s <<< "$v"; name="g2_${g}_${s// /_}"; name=${name//--/}
     timeout 240 $MPI -n $g python3 basic_training.py $G --sharding $s --run_name $name > "$OUT/$name.log" 2>&1
     echo -n "GPUs $g, $s, exit $?: "; python3 benchmarks/run_summary.py logs/$name --skip_steps 30 | tee -a "$OUT/summary.txt"
   done ;;

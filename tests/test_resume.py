@@ -78,8 +78,9 @@ def test_stopped_runs_resume_bitwise(work, straight):
 
 
 # (ranks, sharding) in order: each loads the checkpoint the one before wrote. The first loads the straight
-# run's (2 ranks, full-shard), so the chain covers 2->4, full->hybrid, 4->1, hybrid->full, 1->2, full->no-shard.
-ELASTIC = [(4, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2]),
+# run's (2 ranks, full-shard, the tiny model as one FSDP unit), so the chain covers 2->4, full->hybrid, one unit ->
+# a unit per block, 4->1, hybrid->full, 1->2, full->no-shard.
+ELASTIC = [(4, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2, "--fsdp_unit", "block"]),
            (1, ["--sharding", "full-shard"]),
            (2, ["--sharding", "no-shard"])]
 
