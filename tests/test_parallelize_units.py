@@ -1,0 +1,289 @@
+"""parallelize.py's decisions, in this process (fast, and what mutation testing can see): the layout of every
+strategy, the plan make_plan builds from the flags and the launch, what the plan says of itself, what shard()
+hands to FSDP2 (units, resharding, mixed precision, offload), what build_model compiles, and which gradient sync
+a plan gets. The multi-rank behaviour they lead to is checked in test_parallelize.py."""
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+from minimal_fsdp import parallelize
+from minimal_fsdp.config import ConfigError, parse_args
+from minimal_fsdp.model import GPT, GPTConfig
+from minimal_fsdp.parallelize import (SMALL_MODEL, DDPSync, FSDPSync, LocalSync, build_model, gradient_sync,
+                                      layout, make_plan, shard)
+
+CONFIG = GPTConfig(vocab_size=64, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
+
+
+@pytest.mark.parametrize("sharding,world,group,expected", [
+    ("full-shard", 4, 2, ((4,), 4, True)),
+    ("grad-shard", 4, 2, ((4,), 4, False)),
+    ("no-shard", 4, 2, ((4, 1), 1, False)),
+    ("hybrid-full-shard", 8, 4, ((2, 4), 4, True)),
+    ("hybrid-grad-shard", 8, 4, ((2, 4), 4, False)),
+    ("hybrid-full-shard", 4, 1, ((4, 1), 1, False)),  # a shard group of one: nothing to reshard
+    ("full-shard", 1, 1, ((1,), 1, False)),
+])
+def test_layout_of_every_strategy(sharding, world, group, expected):
+    assert layout(sharding, world, group) == expected
+
+
+def plan_for(monkeypatch, flags, world=1, local=None, device="cpu", **options):
+    """make_plan on a pretend launch; the mesh make_plan asks for is recorded, not built."""
+    meshes = []
+    monkeypatch.setattr(parallelize, "init_device_mesh",
+                        lambda kind, shape, mesh_dim_names: meshes.append((kind, shape, mesh_dim_names)) or "mesh")
+    env = SimpleNamespace(device=torch.device(device), world_size=world, local_world_size=local or world)
+    plan = make_plan(parse_args([str(f) for f in flags]), env, **options)
+    return plan, meshes
+
+
+def test_one_rank_is_a_plain_module(monkeypatch):
+    plan, meshes = plan_for(monkeypatch, ["--precision", "bf16", "--compile", "--activation_checkpoints",
+                                          "--recompute", "selective", "--fsdp_unit", "block"])
+    assert not plan.fsdp and not plan.ddp and not plan.decentralized and meshes == [] and plan.mesh is None
+    assert (plan.mesh_shape, plan.shard_ranks, plan.reshard_after_forward) == ((1,), 1, False)
+    assert (plan.precision, plan.compile, plan.activation_checkpoints, plan.recompute, plan.fsdp_unit) == \
+        ("bf16", True, True, "selective", "block")
+    assert not plan.meta_init and not plan.cpu_offload and plan.fp8 is None and not plan.cuda_graphs
+    assert plan.describe(10) == "no FSDP: one rank holds the whole model"
+
+
+def test_fsdp_over_ranks_asks_for_the_strategys_mesh(monkeypatch):
+    plan, meshes = plan_for(monkeypatch, ["--sharding", "full-shard"], world=4)
+    assert plan.fsdp and not plan.ddp and plan.mesh == "mesh"
+    assert meshes == [("cpu", (4,), ("shard",))]
+    assert (plan.mesh_shape, plan.shard_ranks, plan.reshard_after_forward) == ((4,), 4, True)
+    assert plan.describe(SMALL_MODEL + 1) == "mesh shard=4 (full-shard), an FSDP unit per block"
+    assert plan.describe(SMALL_MODEL) == "mesh shard=4 (full-shard), the whole model as one FSDP unit"
+
+
+def test_hybrid_shards_over_the_ranks_of_a_node_unless_told(monkeypatch):
+    plan, meshes = plan_for(monkeypatch, ["--sharding", "hybrid-grad-shard"], world=8, local=4)
+    assert meshes == [("cpu", (2, 4), ("replicate", "shard"))] and plan.shard_ranks == 4
+    assert not plan.reshard_after_forward and plan.stays_gathered
+    assert plan.describe(1) == "mesh replicate=2 x shard=4 (hybrid-grad-shard), the whole model as one FSDP unit"
+    _, meshes = plan_for(monkeypatch, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2], world=8, local=4)
+    assert meshes == [("cpu", (4, 2), ("replicate", "shard"))]
+
+
+def test_no_shard_is_ddp_unless_offloaded(monkeypatch):
+    plan, meshes = plan_for(monkeypatch, ["--sharding", "no-shard"], world=2)
+    assert plan.ddp and not plan.fsdp and meshes == [] and plan.shard_ranks == 1
+    assert plan.describe(1) == "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
+    plan, meshes = plan_for(monkeypatch, ["--sharding", "no-shard", "--cpu_offload"], world=2)
+    assert plan.fsdp and not plan.ddp and plan.cpu_offload and meshes == [("cpu", (2, 1), ("replicate", "shard"))]
+    plan, _ = plan_for(monkeypatch, ["--sharding", "no-shard"], world=1)
+    assert not plan.ddp and not plan.fsdp  # one rank: nothing to average
+
+
+def test_fsdp_on_one_rank_and_offload_on_one_rank(monkeypatch):
+    plan, meshes = plan_for(monkeypatch, [], fsdp_on_one_rank=True)
+    assert plan.fsdp and meshes == [("cpu", (1,), ("shard",))] and not plan.reshard_after_forward
+    plan, _ = plan_for(monkeypatch, ["--sharding", "no-shard"], world=2, fsdp_on_one_rank=True)
+    assert plan.fsdp and not plan.ddp
+    plan, meshes = plan_for(monkeypatch, ["--cpu_offload"])
+    assert plan.fsdp and plan.cpu_offload and meshes == [("cpu", (1,), ("shard",))]
+
+
+def test_decentralized_has_no_fsdp_and_no_ddp(monkeypatch):
+    plan, meshes = plan_for(monkeypatch, ["--data_parallel", "decentralized"], world=4)
+    assert plan.decentralized and not plan.fsdp and not plan.ddp and meshes == []
+    assert (plan.mesh_shape, plan.shard_ranks) == ((4,), 1)
+    assert plan.describe(1) == "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip"
+
+
+def test_loading_all_weights_builds_on_the_meta_device(monkeypatch):
+    assert plan_for(monkeypatch, [], loads_weights=True)[0].meta_init
+    assert plan_for(monkeypatch, ["--meta_init"])[0].meta_init
+    assert not plan_for(monkeypatch, [])[0].meta_init
+
+
+def test_fp8_recipe_is_checked_for_training_and_dropped_for_generation(monkeypatch):
+    with pytest.raises(ConfigError):  # no CUDA here: the one-line error, before any model is built
+        plan_for(monkeypatch, ["--precision", "fp8"])
+    plan, _ = plan_for(monkeypatch, ["--precision", "fp8", "--max_epochs", -1])
+    assert plan.fp8 is None and plan.bf16  # generation runs in bf16
+    checked = []
+    monkeypatch.setattr(parallelize.fp8, "check_device", checked.append)
+    plan, _ = plan_for(monkeypatch, ["--precision", "fp8", "--fp8_recipe", "rowwise"])
+    assert plan.fp8 == "rowwise" and checked == [torch.device("cpu")]
+
+
+def plain_plan(**fields):
+    base = dict(sharding="full-shard", decentralized=False, fsdp=True, mesh_shape=(2,), shard_ranks=2,
+                reshard_after_forward=True, precision="bf16", cpu_offload=False, meta_init=False,
+                activation_checkpoints=False, recompute="full", compile=False, cuda_graphs=False)
+    base.update(fields)
+    return parallelize.ParallelPlan(**base)
+
+
+def test_what_the_plan_says_of_itself():
+    assert plain_plan(precision="bf16").bf16 and plain_plan(precision="fp8").bf16
+    assert not plain_plan(precision="float32").bf16
+    assert plain_plan(fp8="tensorwise").fp8_all_gather
+    assert not plain_plan(fp8="rowwise").fp8_all_gather and not plain_plan(fp8=None).fp8_all_gather
+    for no in (dict(fsdp=False), dict(shard_ranks=1), dict(cpu_offload=True)):
+        assert not plain_plan(fp8="tensorwise", **no).fp8_all_gather, no
+    assert plain_plan(reshard_after_forward=False).stays_gathered
+    assert not plain_plan(reshard_after_forward=True).stays_gathered
+    assert not plain_plan(fsdp=False, reshard_after_forward=False).stays_gathered
+
+
+@pytest.mark.parametrize("unit,params,whole", [("auto", SMALL_MODEL, True), ("auto", SMALL_MODEL + 1, False),
+                                               ("block", 1, False), ("model", 10 * SMALL_MODEL, True)])
+def test_the_fsdp_unit_rule(unit, params, whole):
+    assert plain_plan(fsdp_unit=unit).whole_model_unit(params) == whole
+    assert not plain_plan(fsdp=False, fsdp_unit=unit).whole_model_unit(params)  # no FSDP, no unit
+
+
+@pytest.fixture
+def group(one_rank_group):
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_shard_makes_the_units_it_is_asked_for(group, whole):
+    """Per block: every block its own FSDP unit, resharded after forward but the last; whole: the root alone,
+    never resharded after forward. bf16 gathers in bf16 and reduces in fp32; offload keeps shards on the CPU."""
+    plan = plain_plan(mesh=group, cpu_offload=True)
+    model = shard(GPT(CONFIG), plan, whole)
+    assert isinstance(model, FSDPModule)
+    assert [isinstance(b, FSDPModule) for b in model.blocks] == [not whole] * 3
+    root = model._get_fsdp_state()
+    states = [root] + ([] if whole else [b._get_fsdp_state() for b in model.blocks])
+    reshards = [s._fsdp_param_group.post_forward_mesh_info is not None for s in states]
+    assert reshards == ([False] if whole else [True, True, True, False])
+    for state in states:
+        assert state._mp_policy.param_dtype == torch.bfloat16 and state._mp_policy.reduce_dtype == torch.float32
+        assert isinstance(state._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+    fp32 = shard(GPT(CONFIG), plain_plan(mesh=group, precision="float32"), whole)._get_fsdp_state()
+    assert fp32._mp_policy.param_dtype is None and fp32._mp_policy.reduce_dtype is None
+    assert not isinstance(fp32._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+
+
+@pytest.mark.parametrize("unit", ["block", "model"])
+def test_build_model_compiles_per_block_or_whole(group, unit):
+    plan = plain_plan(mesh=group, compile=True, fsdp_unit=unit, reshard_after_forward=False)
+    model = build_model(GPT, CONFIG, plan, SimpleNamespace(device=torch.device("cpu")), seed=0)
+    compiled_blocks = [hasattr(b.forward, "__wrapped__") for b in model.blocks]
+    assert compiled_blocks == [unit == "block"] * 3
+    assert hasattr(model.trunk, "__wrapped__") == (unit == "model")
+    sync = gradient_sync(model, plan)
+    assert isinstance(sync, FSDPSync) and sync.stays_gathered
+    resharding = dataclasses.replace(plan, reshard_after_forward=True)
+    assert gradient_sync(model, resharding).stays_gathered == (unit == "model")  # one unit stays gathered
+
+
+def test_plain_and_ddp_models_get_their_syncs():
+    assert type(gradient_sync(torch.nn.Linear(2, 2), plain_plan(fsdp=False))) is LocalSync
+    assert type(gradient_sync(torch.nn.Linear(2, 2), plain_plan(fsdp=False, ddp=True))) is DDPSync
+
+
+def test_local_clip_returns_the_norm_and_clips_only_when_asked():
+    weight = torch.nn.Parameter(torch.zeros(2))
+    weight.grad = torch.tensor([3.0, 4.0])
+    assert LocalSync().clip_grad_norm([weight], 0).item() == pytest.approx(5.0)
+    assert weight.grad.tolist() == [3.0, 4.0]
+    assert LocalSync().clip_grad_norm([weight], 1.0).item() == pytest.approx(5.0)
+    assert torch.linalg.vector_norm(weight.grad).item() == pytest.approx(1.0, rel=1e-5)
+
+
+def record_calls(monkeypatch, owner, name, result=lambda *args, **kwargs: None):
+    calls = []
+
+    def recorder(*args, **kwargs):
+        calls.append((args, kwargs))
+        return result(*args, **kwargs)
+    monkeypatch.setattr(owner, name, recorder)
+    return calls
+
+
+CPU = SimpleNamespace(device=torch.device("cpu"))
+
+
+def test_a_plain_bf16_model_runs_under_bf16_autocast(monkeypatch):
+    calls = record_calls(monkeypatch, parallelize.torch, "autocast", lambda *args, **kwargs: (lambda f: f))
+    build_model(GPT, CONFIG, plain_plan(fsdp=False, precision="bf16"), CPU, seed=0)
+    assert calls == [(("cpu",), {"dtype": torch.bfloat16})]
+    calls.clear()
+    build_model(GPT, CONFIG, plain_plan(fsdp=False, precision="float32"), CPU, seed=0)
+    assert calls == []
+
+
+def test_ddp_replicates_the_model_without_rebroadcasting_buffers(monkeypatch):
+    calls = record_calls(monkeypatch, parallelize, "replicate")
+    model = build_model(GPT, CONFIG, plain_plan(fsdp=False, ddp=True, precision="float32"), CPU, seed=0)
+    assert calls == [((model,), {"device_id": torch.device("cpu"), "broadcast_buffers": False})]
+    assert type(gradient_sync(model, plain_plan(fsdp=False, ddp=True))) is DDPSync
+    assert gradient_sync(model, plain_plan(fsdp=False, ddp=True)).model is model
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_whole_trunk_is_compiled_and_replayed_as_graphs_when_asked(monkeypatch, graphs):
+    calls = record_calls(monkeypatch, parallelize, "compiled_unless_caching", lambda f, mode=None: f)
+    model = build_model(GPT, CONFIG, plain_plan(fsdp=False, compile=True, cuda_graphs=graphs), CPU, seed=0)
+    (args, kwargs), = calls
+    assert args == (model.trunk, "reduce-overhead" if graphs else None) and kwargs == {}
+    assert hasattr(model.loss, "_torchdynamo_orig_callable")  # the loss compiled too (CPU: no fused kernel)
+
+
+def test_uncompiled_models_keep_their_eager_loss():
+    from minimal_fsdp.layers import cross_entropy
+    model = build_model(GPT, CONFIG, plain_plan(fsdp=False), CPU, seed=0)
+    assert model.loss is cross_entropy and not hasattr(model.trunk, "__wrapped__")
+
+
+def test_generation_runs_the_eager_function_and_training_the_compiled_one(monkeypatch):
+    modes = record_calls(monkeypatch, parallelize.torch, "compile",
+                         lambda f, mode=None: (lambda *a, **k: ("compiled", a)))
+    run = parallelize.compiled_unless_caching(lambda *a, **k: ("eager", a), "reduce-overhead")
+    assert modes == [((run.__wrapped__,), {"mode": "reduce-overhead"})]
+    cache = parallelize.KVCache.__new__(parallelize.KVCache)
+    assert run(1, 2)[0] == "compiled" and run(1, cache)[0] == "eager" and run(1, cache=cache)[0] == "eager"
+
+
+def test_a_model_built_on_the_meta_device_gets_the_same_weights(group):
+    plain = build_model(GPT, CONFIG, plain_plan(fsdp=False), CPU, seed=3).state_dict()
+    meta = build_model(GPT, CONFIG, plain_plan(fsdp=False, meta_init=True), CPU, seed=3).state_dict()
+    sharded = build_model(GPT, CONFIG, plain_plan(mesh=group, meta_init=True, precision="float32"), CPU, seed=3)
+    for name, value in plain.items():
+        assert torch.equal(meta[name], value), name
+        assert torch.equal(sharded.state_dict()[name].full_tensor(), value), name
+
+
+@pytest.mark.parametrize("limit_below_total,whole", [(False, True), (True, False)])
+def test_the_unit_rule_counts_every_parameter_embeddings_included(group, monkeypatch, limit_below_total, whole):
+    total = GPT(CONFIG).num_params(non_embedding=False)
+    monkeypatch.setattr(parallelize, "SMALL_MODEL", total - 1 if limit_below_total else total)
+    plan = plain_plan(mesh=group)
+    model = build_model(GPT, CONFIG, plan, CPU, seed=0)
+    assert [isinstance(b, FSDPModule) for b in model.blocks] == [not whole] * 3
+    assert gradient_sync(model, plan).stays_gathered == whole  # full-shard: only one unit stays gathered
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.05, 100.0])
+def test_fsdp_clip_matches_torch_on_the_local_shards(group, max_norm):
+    """The global norm (here one rank's) and the clipped gradients match torch's clip_grad_norm_ on plain copies;
+    0 does not clip; a norm under max_norm leaves the gradients as they are."""
+    plan = plain_plan(mesh=group, precision="float32")
+    model = build_model(GPT, CONFIG, plan, CPU, seed=0)
+    x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_length))
+    model(x, x).backward()
+    plain = [p.grad.full_tensor().clone().requires_grad_(False) for p in model.parameters()]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in plain]
+    for p, g in zip(params, plain):
+        p.grad = g
+    expected = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
+    norm = FSDPSync(model, plan).clip_grad_norm(model.parameters(), max_norm)
+    # The sum of squares is taken in another order than torch's: equal to a few units in the last place, well
+    # under the clip's own epsilon (1e-6 / norm) that a wrong formula would move it by.
+    torch.testing.assert_close(norm, expected, rtol=3e-7, atol=0)
+    for p, q in zip(model.parameters(), params):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=3e-7, atol=0)
+    if max_norm == 100.0:
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, plain))  # not scaled up
