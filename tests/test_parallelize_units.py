@@ -21,6 +21,7 @@ CONFIG = GPTConfig(vocab_size=64, seq_length=16, num_layers=3, num_heads=2, embe
 
 @pytest.mark.parametrize("sharding,world,group,expected", [
     ("full-shard", 4, 2, ((4,), 4, True)),
+    ("full-shard", 2, 2, ((2,), 2, True)),
     ("grad-shard", 4, 2, ((4,), 4, False)),
     ("no-shard", 4, 2, ((4, 1), 1, False)),
     ("hybrid-full-shard", 8, 4, ((2, 4), 4, True)),
@@ -159,8 +160,10 @@ def test_shard_makes_the_units_it_is_asked_for(group, whole):
     reshards = [s._fsdp_param_group.post_forward_mesh_info is not None for s in states]
     assert reshards == ([False] if whole else [True, True, True, False])
     for state in states:
+        assert state._fsdp_param_group.mesh_info.mesh is group  # the plan's mesh, not a default one
         assert state._mp_policy.param_dtype == torch.bfloat16 and state._mp_policy.reduce_dtype == torch.float32
-        assert isinstance(state._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+        offload = state._fsdp_param_group.offload_policy
+        assert isinstance(offload, CPUOffloadPolicy) and offload.pin_memory is torch.cuda.is_available()
     fp32 = shard(GPT(CONFIG), plain_plan(mesh=group, precision="float32"), whole)._get_fsdp_state()
     assert fp32._mp_policy.param_dtype is None and fp32._mp_policy.reduce_dtype is None
     assert not isinstance(fp32._fsdp_param_group.offload_policy, CPUOffloadPolicy)
@@ -170,7 +173,7 @@ def test_shard_makes_the_units_it_is_asked_for(group, whole):
 def test_build_model_compiles_per_block_or_whole(group, unit):
     plan = plain_plan(mesh=group, compile=True, fsdp_unit=unit, reshard_after_forward=False)
     model = build_model(GPT, CONFIG, plan, SimpleNamespace(device=torch.device("cpu")), seed=0)
-    compiled_blocks = [hasattr(b.forward, "__wrapped__") for b in model.blocks]
+    compiled_blocks = [getattr(b.forward, "__wrapped__", None) == type(b).forward.__get__(b) for b in model.blocks]
     assert compiled_blocks == [unit == "block"] * 3
     assert hasattr(model.trunk, "__wrapped__") == (unit == "model")
     sync = gradient_sync(model, plan)
@@ -247,13 +250,28 @@ def test_generation_runs_the_eager_function_and_training_the_compiled_one(monkey
     assert run(1, 2)[0] == "compiled" and run(1, cache)[0] == "eager" and run(1, cache=cache)[0] == "eager"
 
 
-def test_a_model_built_on_the_meta_device_gets_the_same_weights(group):
+def test_every_path_gives_the_same_initial_weights(group):
+    """Plain or sharded, built on the meta device or not, offloaded or not: the weights of seed 3."""
     plain = build_model(GPT, CONFIG, plain_plan(fsdp=False), CPU, seed=3).state_dict()
     meta = build_model(GPT, CONFIG, plain_plan(fsdp=False, meta_init=True), CPU, seed=3).state_dict()
-    sharded = build_model(GPT, CONFIG, plain_plan(mesh=group, meta_init=True, precision="float32"), CPU, seed=3)
+    sharded = [build_model(GPT, CONFIG, plain_plan(mesh=group, precision="float32", **options), CPU, seed=3)
+               for options in (dict(), dict(meta_init=True), dict(meta_init=True, cpu_offload=True))]
     for name, value in plain.items():
         assert torch.equal(meta[name], value), name
-        assert torch.equal(sharded.state_dict()[name].full_tensor(), value), name
+        for model in sharded:
+            assert torch.equal(model.state_dict()[name].full_tensor(), value), name
+
+
+@pytest.mark.parametrize("meta_init", [False, True])
+def test_meta_init_builds_the_model_on_the_meta_device(meta_init):
+    seen = []
+
+    class Recorded(GPT):
+        def __init__(self, config):
+            seen.append(torch.empty(0).device.type)
+            super().__init__(config)
+    build_model(Recorded, CONFIG, plain_plan(fsdp=False, meta_init=meta_init), CPU, seed=0)
+    assert seen == ["meta" if meta_init else "cpu"]
 
 
 @pytest.mark.parametrize("limit_below_total,whole", [(False, True), (True, False)])
@@ -264,6 +282,29 @@ def test_the_unit_rule_counts_every_parameter_embeddings_included(group, monkeyp
     model = build_model(GPT, CONFIG, plan, CPU, seed=0)
     assert [isinstance(b, FSDPModule) for b in model.blocks] == [not whole] * 3
     assert gradient_sync(model, plan).stays_gathered == whole  # full-shard: only one unit stays gathered
+
+
+def test_ddp_syncs_on_the_last_micro_step_only():
+    asked = []
+    sync = DDPSync(SimpleNamespace(set_requires_gradient_sync=asked.append))
+    sync.micro_step(last=False)
+    sync.micro_step(last=True)
+    assert asked == [False, True]
+
+
+def test_fsdp_sync_reduces_the_norm_over_the_shard_group_and_precomputes_float8_scales(group, monkeypatch):
+    precomputed = []
+    monkeypatch.setattr(parallelize.fp8, "scale_precompute", lambda plan: precomputed.append)
+    plan = plain_plan(mesh=group, precision="float32")
+    model = build_model(GPT, CONFIG, plan, CPU, seed=0)
+    x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_length))
+    model(x, x).backward()
+    sync = FSDPSync(model, plan)
+    groups = record_calls(monkeypatch, parallelize.dist, "all_reduce")
+    sync.clip_grad_norm(model.parameters(), 1.0)
+    assert [kwargs["group"] for _, kwargs in groups] == [group.get_group("shard")]
+    sync.after_step()
+    assert precomputed == [model]
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 0.05, 100.0])
