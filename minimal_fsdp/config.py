@@ -456,6 +456,8 @@ def validate_decentralized(cfg):
                           f"drop --sharding {cfg.sharding}")
     if cfg.cpu_offload:
         raise ConfigError("--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it")
+    if cfg.fsdp_unit != "auto":
+        raise ConfigError("--fsdp_unit says what FSDP gathers; --data_parallel decentralized has no FSDP: drop it")
 
 
 def validate_xla(cfg):
@@ -466,7 +468,8 @@ def validate_xla(cfg):
         raise ConfigError("--device xla needs torch_xla: pip install -e '.[xla]' (torch_xla 2.9 with torch 2.9)")
     unsupported = {"sharding": cfg.sharding != "full-shard", "shard_group_size": cfg.shard_group_size is not None,
                    "data_parallel": cfg.data_parallel != "allreduce", "cpu_offload": cfg.cpu_offload,
-                   "meta_init": cfg.meta_init, "compile": cfg.compile, "recompute": cfg.recompute != "full"}
+                   "meta_init": cfg.meta_init, "compile": cfg.compile, "recompute": cfg.recompute != "full",
+                   "fsdp_unit": cfg.fsdp_unit != "auto"}
     for name, given in unsupported.items():
         if given:
             raise ConfigError(f"--{name} is not available with --device xla, which shards every parameter over "

@@ -123,6 +123,8 @@ def test_run_name_is_one_plain_directory_name(name):
      "--data_parallel decentralized keeps a whole replica on every rank: drop --sharding grad-shard"),
     (["--data_parallel", "decentralized", "--cpu_offload"],
      "--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it"),
+    (["--data_parallel", "decentralized", "--fsdp_unit", "block"],
+     "--fsdp_unit says what FSDP gathers; --data_parallel decentralized has no FSDP: drop it"),
 ])
 def test_flags_that_do_not_go_together_are_refused(argv, message):
     refused(argv, message)
@@ -170,7 +172,8 @@ def test_device_xla_needs_torch_xla_and_refuses_what_it_cannot_do(monkeypatch):
     parse_args(["--device", "xla"])
     for argv in (["--sharding", "no-shard"], ["--shard_group_size", 2], ["--data_parallel", "decentralized"],
                  ["--cpu_offload"], ["--meta_init"], ["--compile"], ["--recompute", "selective",
-                                                                    "--activation_checkpoints"]):
+                                                                    "--activation_checkpoints"],
+                 ["--fsdp_unit", "model"]):
         name = argv[0][2:]
         refused(["--device", "xla", *argv], f"--{name} is not available with --device xla, which shards every "
                 "parameter over all devices with SPMD and compiles each step whole (docs/xla.md): drop it")
