@@ -19,7 +19,7 @@ from . import fp8
 from .config import MODEL_PRESETS, ConfigError, model_family, one_line_errors
 from .hf import read_config as read_hf_config
 from .models import MODELS, make_config
-from .parallelize import FSDP_UNITS, SHARDING, SMALL_MODEL, layout
+from .parallelize import FSDP_UNITS, SHARDING, layout, one_unit
 
 GiB = 2**30
 # A GPU "fits" when the estimate leaves this fraction free for the CUDA context, cuBLAS/NCCL workspaces and
@@ -88,7 +88,7 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     sizes = count_parameters(model_type, config)
     _, shards, reshard = layout(sharding, world_size, shard_group_size)
     fsdp = world_size > 1 and sharding != "no-shard" or cpu_offload  # parallelize.make_plan's rule
-    whole = fsdp and (fsdp_unit == "model" or fsdp_unit == "auto" and sizes.total <= SMALL_MODEL)
+    whole = fsdp and one_unit(fsdp_unit, sizes.total)
     keep_gathered = not reshard or whole
     compute = 4 if precision == "float32" else 2  # bytes of a gathered param, an activation, an unsharded grad
     tokens = batch_size * config.seq_length

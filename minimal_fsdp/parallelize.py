@@ -89,7 +89,7 @@ class ParallelPlan:
 
     def whole_model_unit(self, num_params):
         """FSDP gathers the whole model at once (one unit, one compiled graph), not block by block."""
-        return self.fsdp and (self.fsdp_unit == "model" or self.fsdp_unit == "auto" and num_params <= SMALL_MODEL)
+        return self.fsdp and one_unit(self.fsdp_unit, num_params)
 
     def describe(self, num_params):
         if self.decentralized:
@@ -102,6 +102,11 @@ class ParallelPlan:
         units = "the whole model as one FSDP unit" if self.whole_model_unit(num_params) else "an FSDP unit per block"
         return "mesh " + " x ".join(f"{name}={size}" for name, size in zip(dims, self.mesh_shape)) + \
             f" ({self.sharding}), {units}"
+
+
+def one_unit(fsdp_unit, num_params):
+    """--fsdp_unit's rule, for a model under FSDP: is the whole model one unit? (The planner applies it too.)"""
+    return fsdp_unit == "model" or fsdp_unit == "auto" and num_params <= SMALL_MODEL
 
 
 def layout(sharding, world_size, shard_group_size):
