@@ -186,3 +186,18 @@ def test_cli_errors_name_the_flag():
     with pytest.raises(ConfigError, match="invalid choice: 'llama9'"):
         model_size.main(["--model_preset", "llama9"])
     assert model_size.parse_memory("80GiB", "x") == model_size.parse_memory("80GB", "x") == 80 * 2**30
+
+
+def test_planner_gathers_a_whole_model_unit_at_once():
+    """--fsdp_unit model (auto for a model this small): every block gathered at once and every unsharded gradient
+    held for the one reduce-scatter; per block, two at a time. No FSDP (no-shard over ranks: DDP) has no units."""
+    config = GPTConfig(vocab_size=2048, seq_length=128, num_layers=4, num_heads=4, embed_size=128)
+    sizes = model_size.count_parameters("gpt", config)
+
+    def plan(unit, sharding="full-shard"):
+        return model_size.estimate("gpt", config, 8, sharding, 4, 4, "none", False, "bf16", fsdp_unit=unit)
+    block, whole = plan("block"), plan("model")
+    assert whole["gathered"] - block["gathered"] == 2 * (config.num_layers - 2) * sizes.per_block > 0
+    assert whole["gpu"] > block["gpu"]  # the unsharded gradients too
+    assert plan("auto") == whole  # far under parallelize.SMALL_MODEL
+    assert plan("model", "no-shard") == plan("block", "no-shard")
