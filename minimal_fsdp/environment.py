@@ -346,13 +346,22 @@ def _rendezvous(rank, world, num_nodes, launcher, cfg):
 
 # --- setup ---
 
+def cpu_threads(local_world, environ=os.environ):
+    """Intra-op threads for one of local_world ranks on this host: OMP_NUM_THREADS if set (PBS, SLURM and
+    torchrun set it), else an equal share of the cores this process may run on. Without a share every rank
+    starts a thread per core, and on a GPU host their spinning threads steal the cores that launch kernels."""
+    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
+        return int(environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, (os.cpu_count() or 1) // local_world))
+
+
 def _pick_device(local_rank, local_world):
+    torch.set_num_threads(cpu_threads(local_world))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return device, "cpu:gloo,cuda:nccl"  # gloo serves CPU tensors, e.g. grad norms of CPU-offloaded shards
-    # Ranks on one host share its cores; without this each would start a thread per core.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return torch.device("cpu"), "gloo"
 
 

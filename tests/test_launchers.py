@@ -288,3 +288,17 @@ def test_mpi_rendezvous_on_rank_0s_own_port_or_an_exported_one(tmp_path, corpus)
                                 env=dict(clean, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env))
         assert result.returncode == 0, result.stderr[-3000:]
         trained(tmp_path, run_name, steps=2)
+
+
+def test_ranks_share_the_hosts_cores(monkeypatch):
+    """Each of a host's ranks gets an equal share of the cores it may run on (on a GPU host too: a thread per core
+    in every rank oversubscribes the cores that launch the kernels); OMP_NUM_THREADS, when set, wins."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert environment.cpu_threads(4, {}) == 16
+    assert environment.cpu_threads(1, {}) == 64
+    assert environment.cpu_threads(128, {}) == 1
+    assert environment.cpu_threads(4, {"OMP_NUM_THREADS": "3"}) == 3
+    assert environment.cpu_threads(4, {"OMP_NUM_THREADS": ""}) == 16
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)  # bound to 8 cores
+    assert environment.cpu_threads(2, {}) == 8
