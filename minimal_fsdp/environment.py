@@ -357,7 +357,11 @@ def cpu_threads(local_world, environ=os.environ):
 
 
 def _pick_device(local_rank, local_world):
-    torch.set_num_threads(cpu_threads(local_world))
+    threads = cpu_threads(local_world)
+    torch.set_num_threads(threads)
+    # torch.compile's worker pool: 32 processes per rank by default, started early and stopped a minute after
+    # compiling, whether or not the cache already holds the kernels; that many per rank steal the host's cores.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
