@@ -1,6 +1,8 @@
 """The training loop and its parts: AdamW, the run's length and learning-rate schedule, one optimizer step
 (accumulation, clipping), evaluation, and the loop that ties them to logging, evaluation and checkpoints."""
+import gc
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +115,25 @@ def evaluate(model, data, batches, device):
     return mean_across_ranks(losses.float().mean())
 
 
+GC_INTERVAL = 50  # steps between the loop's own collections of Python's young objects
+
+
+@contextmanager
+def collections_in_step():
+    """Python's automatic garbage collection off while training; the loop collects the young generations every
+    GC_INTERVAL steps instead, on every rank at the same step. Left automatic, a full collection (50 ms and more
+    with torch.compile's objects alive) pauses one rank at a time, and every other rank waits for it at the next
+    collective: steady 4-GPU runs lost 2 windows in 14 that way (benchmarks/LOG.md, tenth session)."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None, sync=None, ranks=None):
     """Train from step 0, or from `saved` (the meta.json of the checkpoint just restored), to the schedule's last
     step. Evaluates every --eval_interval steps; saves every --checkpoint_interval steps, at the end, and when
@@ -127,7 +148,7 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
     guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
     done = first
     model.train()
-    with log:
+    with log, collections_in_step():
         for step in range(first, schedule.last_step):
             lr = schedule.lr_at(step)
             for group in optimizer.param_groups:
@@ -136,6 +157,8 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
                                          step, skip_nonfinite=cfg.skip_nonfinite > 0)
             done = step + 1
             log.step(loss if guard.check(done, grad_norm, loss) else None)
+            if done % GC_INTERVAL == 0:
+                gc.collect(1)
             final = done == schedule.last_step
             logs = done % cfg.log_interval == 0 or final
             saves = final or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0
