@@ -120,10 +120,11 @@ GC_INTERVAL = 50  # steps between the loop's own collections of Python's young o
 
 @contextmanager
 def collections_in_step():
-    """Python's automatic garbage collection off while training; the loop collects the young generations every
-    GC_INTERVAL steps instead, on every rank at the same step. Left automatic, a full collection (50 ms and more
-    with torch.compile's objects alive) pauses one rank at a time, and every other rank waits for it at the next
-    collective: steady 4-GPU runs lost 2 windows in 14 that way (benchmarks/LOG.md, tenth session)."""
+    """Python's automatic garbage collection off while training; the loop collects on every rank at the same
+    step instead: everything after the first step (torch.compile's objects), then the young generations every
+    GC_INTERVAL steps. Left automatic, a full collection (50 ms and more with compile's objects alive) pauses
+    one rank at a time, and every other rank waits for it at the next collective: steady 4-GPU runs lost 2
+    windows in 14 that way (benchmarks/LOG.md, tenth session)."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -157,7 +158,9 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
                                          step, skip_nonfinite=cfg.skip_nonfinite > 0)
             done = step + 1
             log.step(loss if guard.check(done, grad_norm, loss) else None)
-            if done % GC_INTERVAL == 0:
+            if done == first + 1:  # the first step compiled: its objects go to the old generation now, at once
+                gc.collect()
+            elif done % GC_INTERVAL == 0:
                 gc.collect(1)
             final = done == schedule.last_step
             logs = done % cfg.log_interval == 0 or final

@@ -302,3 +302,16 @@ def test_ranks_share_the_hosts_cores(monkeypatch):
     assert environment.cpu_threads(4, {"OMP_NUM_THREADS": ""}) == 16
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)  # bound to 8 cores
     assert environment.cpu_threads(2, {}) == 8
+
+
+def test_device_setup_gives_torch_and_the_compile_workers_the_share(monkeypatch):
+    threads = []
+    monkeypatch.setattr(environment.torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(environment, "cpu_threads", lambda local_world: 40 // local_world)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(environment.torch.cuda, "is_available", lambda: False)
+    assert environment._pick_device(0, 4) == (environment.torch.device("cpu"), "gloo")
+    assert threads == [10] and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "10"
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")  # the user's choice stays
+    environment._pick_device(0, 2)
+    assert threads == [10, 20] and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "3"

@@ -1,6 +1,7 @@
 """train.py's parts in one process, without a launch: the run's length and what the startup line says about it,
 the schedule at its boundaries, the optimizer's groups and betas, one optimizer step's calls into the gradient
 sync, and evaluation. The loop as a whole: test_run.py (in process) and test_resume.py, test_schedule.py."""
+import gc
 import math
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -447,3 +448,38 @@ def test_decentralized_loop_gossips_and_logs_the_consensus_distance(monkeypatch)
     made.clear()
     loop(monkeypatch, sync=None)  # otherwise the plan's gradient sync
     assert made == ["gradient_sync"]
+
+
+def test_loop_collects_garbage_itself_at_the_same_steps_on_every_rank(monkeypatch):
+    """Automatic collection is off inside the loop (a full one on one rank stalls the others) and back on after;
+    the loop collects everything after the first step, then the young generations every GC_INTERVAL steps."""
+    collections = []
+
+    def collect(generation=2):
+        collections.append((Log.made.events.count(("step", None)) + sum(
+            e[0] == "step" and e[1] is not None for e in Log.made.events), generation, gc.isenabled()))
+
+    monkeypatch.setattr(train_module, "GC_INTERVAL", 2)
+    monkeypatch.setattr(gc, "collect", collect)
+    assert gc.isenabled()
+    loop(monkeypatch, "--max_steps", 7)
+    assert gc.isenabled()
+    assert collections == [(0, 2, True), (1, 2, False), (2, 1, False), (4, 1, False), (6, 1, False)]
+    collections.clear()
+    loop(monkeypatch, "--max_steps", 7, saved={"step": 3, "state": {"schedule": {"lr_decay_steps": 7, "last_step": 7}}})
+    # steps counted from the resume at 3: step 4 is the first (all), step 6 the next on the interval
+    assert collections == [(0, 2, True), (1, 2, False), (3, 1, False)]
+
+
+def test_loop_leaves_garbage_collection_as_it_found_it_after_an_error(monkeypatch):
+    monkeypatch.setattr(train_module, "train_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        loop(monkeypatch)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            loop(monkeypatch)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
