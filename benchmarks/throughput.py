@@ -22,7 +22,7 @@ from minimal_fsdp.gossip import Gossip  # noqa: E402
 from minimal_fsdp.metrics import peak_flops, peak_memory_gb  # noqa: E402
 from minimal_fsdp.models import MODELS, config_from_flags  # noqa: E402
 from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan  # noqa: E402
-from minimal_fsdp.train import build_optimizer, train_step  # noqa: E402
+from minimal_fsdp.train import build_optimizer, collections_in_step, train_step  # noqa: E402
 
 HEADER = ("| model | GPUs | sharding | precision | options | batch/GPU | seq | tok/s | tok/s/GPU | MFU | step ms | "
           "peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -91,7 +91,8 @@ def main():
     step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["warmup"])
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["steps"])
+    with collections_in_step():  # as in training: no rank pauses alone for a full garbage collection
+        times = step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["steps"])
     median = statistics.median(times)
     tokens = cfg.batch_size * cfg.grad_accum_steps * seq * env.world_size
     tok_s = tokens / median
