@@ -292,6 +292,11 @@ class Checkpointer:
         return f"step_{step}"
 
 
+def steps_so_far():
+    """Steps the loop has reported to the Log stand-in in this run."""
+    return sum(e[0] == "step" for e in Log.made.events)
+
+
 class Stop:
     """agreed() answers `reason` from the call at step `at` on; records the steps it was asked at."""
 
@@ -299,8 +304,7 @@ class Stop:
         self.at, self.reason, self.asked = at, reason, []
 
     def agreed(self):
-        step = Log.made.events.count(("step", None)) + sum(e[0] == "step" and e[1] is not None
-                                                            for e in Log.made.events)
+        step = steps_so_far()
         self.asked.append(step)
         return self.reason if self.at is not None and step >= self.at else None
 
@@ -452,23 +456,25 @@ def test_decentralized_loop_gossips_and_logs_the_consensus_distance(monkeypatch)
 
 def test_loop_collects_garbage_itself_at_the_same_steps_on_every_rank(monkeypatch):
     """Automatic collection is off inside the loop (a full one on one rank stalls the others) and back on after;
-    the loop collects everything after the first step, then the young generations every GC_INTERVAL steps."""
+    the loop collects everything after the first step and after each save, the young generations every
+    GC_INTERVAL steps. (steps so far, generation, automatic collection on)."""
     collections = []
 
     def collect(generation=2):
-        collections.append((Log.made.events.count(("step", None)) + sum(
-            e[0] == "step" and e[1] is not None for e in Log.made.events), generation, gc.isenabled()))
+        collections.append((steps_so_far(), generation, gc.isenabled()))
 
     monkeypatch.setattr(train_module, "GC_INTERVAL", 2)
     monkeypatch.setattr(gc, "collect", collect)
     assert gc.isenabled()
     loop(monkeypatch, "--max_steps", 7)
     assert gc.isenabled()
-    assert collections == [(0, 2, True), (1, 2, False), (2, 1, False), (4, 1, False), (6, 1, False)]
+    # before the loop; after step 1; the young every 2; all after the saves at 3, 6 (--checkpoint_interval 3), 7
+    assert collections == [(0, 2, True), (1, 2, False), (2, 1, False), (3, 2, False), (4, 1, False), (6, 1, False),
+                           (6, 2, False), (7, 2, False)]
     collections.clear()
     loop(monkeypatch, "--max_steps", 7, saved={"step": 3, "state": {"schedule": {"lr_decay_steps": 7, "last_step": 7}}})
     # steps counted from the resume at 3: step 4 is the first (all), step 6 the next on the interval
-    assert collections == [(0, 2, True), (1, 2, False), (3, 1, False)]
+    assert collections == [(0, 2, True), (1, 2, False), (3, 1, False), (3, 2, False), (4, 2, False)]
 
 
 def test_loop_leaves_garbage_collection_as_it_found_it_after_an_error(monkeypatch):
