@@ -349,7 +349,7 @@ def _rendezvous(rank, world, num_nodes, launcher, cfg):
 def cpu_threads(local_world, environ=os.environ):
     """Intra-op threads for one of local_world ranks on this host: OMP_NUM_THREADS if set (PBS, SLURM and
     torchrun set it), else an equal share of the cores this process may run on. Without a share every rank
-    starts a thread per core, and on a GPU host their spinning threads steal the cores that launch kernels."""
+    starts a thread per core: 4 ranks on a 64-core host would run 256."""
     if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
         return int(environ["OMP_NUM_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -359,8 +359,8 @@ def cpu_threads(local_world, environ=os.environ):
 def _pick_device(local_rank, local_world):
     threads = cpu_threads(local_world)
     torch.set_num_threads(threads)
-    # torch.compile's worker pool: 32 processes per rank by default, started early and stopped a minute after
-    # compiling, whether or not the cache already holds the kernels; that many per rank steal the host's cores.
+    # torch.compile's worker pool: by default 32 processes per rank (128 for 4 ranks on 64 cores), started
+    # whether or not the cache already holds the kernels.
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())

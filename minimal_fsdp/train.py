@@ -122,9 +122,9 @@ GC_INTERVAL = 50  # steps between the loop's own collections of Python's young o
 def collections_in_step():
     """Python's automatic garbage collection off while training; the loop collects on every rank at the same
     step instead: everything after the first step (torch.compile's objects) and after each save, the young
-    generations every GC_INTERVAL steps. Left automatic, a full collection (50 ms and more with compile's objects alive) pauses
-    one rank at a time, and every other rank waits for it at the next collective: steady 4-GPU runs lost 2
-    windows in 14 that way (benchmarks/LOG.md, tenth session)."""
+    generations every GC_INTERVAL steps. Left automatic, a full collection (50 ms and more with compile's
+    objects alive) pauses one rank at a time, and every other rank waits for it at the next collective: steady
+    4-GPU runs lost 2 windows in 14 that way (benchmarks/LOG.md, tenth session)."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
