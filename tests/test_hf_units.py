@@ -657,8 +657,8 @@ def test_safetensors_refuses_a_tensor_of_another_shape(tmp_path):
 
 @pytest.mark.parametrize("model_type", ["gpt", "llama"])
 def test_config_json_is_what_transformers_builds_the_same_model_from(tmp_path, model_type):
-    config = {"gpt": GPTConfig(**dict(GPT.to_dict(), dropout=0.1)),
-              "llama": LlamaConfig(**dict(LLAMA.to_dict(), dropout=0.1, norm_eps=1e-5, rope_theta=50.0,
+    config = {"gpt": GPTConfig(**dict(GPT.to_dict(), dropout=0.25)),
+              "llama": LlamaConfig(**dict(LLAMA.to_dict(), dropout=0.25, norm_eps=1e-5, rope_theta=50.0,
                                           rope_scaling=LLAMA3))}[model_type]
     saved = hf.hf_config(model_type, config, torch.bfloat16, bos_id=3, eos_id=4)
     save_config(tmp_path / "m", saved)
@@ -666,11 +666,11 @@ def test_config_json_is_what_transformers_builds_the_same_model_from(tmp_path, m
     assert (theirs.vocab_size, theirs.bos_token_id, theirs.eos_token_id, theirs.dtype) == (53, 3, 4, torch.bfloat16)
     assert saved["torch_dtype"] == "bfloat16"  # transformers 4's spelling
     assert hf.read_config(tmp_path / "m") == (model_type, dataclass_replace(config, dropout=0.0))
-    assert hf.read_config(tmp_path / "m", dropout=0.1) == (model_type, config)
+    assert hf.read_config(tmp_path / "m", dropout=0.25) == (model_type, config)
     if model_type == "gpt":
         assert type(theirs).__name__ == "GPT2Config" and saved["architectures"] == ["GPT2LMHeadModel"]
         assert (theirs.n_positions, theirs.n_embd, theirs.n_layer, theirs.n_head) == (24, 32, 2, 4)
-        assert (theirs.resid_pdrop, theirs.embd_pdrop, theirs.attn_pdrop) == (0.1, 0.1, 0.1)
+        assert (theirs.resid_pdrop, theirs.embd_pdrop, theirs.attn_pdrop) == (0.25, 0.25, 0.25)
         assert theirs.tie_word_embeddings
         # stated, not left to a reader's defaults: the fields read_config checks
         assert (saved["n_inner"], saved["activation_function"], saved["layer_norm_epsilon"]) == (None, "gelu_new", 1e-5)
@@ -681,16 +681,40 @@ def test_config_json_is_what_transformers_builds_the_same_model_from(tmp_path, m
         assert type(theirs).__name__ == "LlamaConfig" and saved["architectures"] == ["LlamaForCausalLM"]
         assert (theirs.max_position_embeddings, theirs.hidden_size, theirs.intermediate_size,
                 theirs.num_hidden_layers, theirs.num_attention_heads, theirs.num_key_value_heads,
-                theirs.head_dim, theirs.rms_norm_eps, theirs.attention_dropout) == (24, 48, 72, 2, 6, 2, 8, 1e-5, 0.1)
+                theirs.head_dim, theirs.rms_norm_eps, theirs.attention_dropout) == (24, 48, 72, 2, 6, 2, 8, 1e-5, 0.25)
         assert theirs.rope_parameters == dict(LLAMA3, rope_theta=50.0)
         assert not theirs.tie_word_embeddings and not theirs.attention_bias and not theirs.mlp_bias
         assert (saved["hidden_act"], saved["attention_bias"], saved["mlp_bias"]) == ("silu", False, False)
         # transformers 4 reads rope_theta and rope_scaling
         assert (saved["rope_theta"], saved["rope_scaling"]) == (50.0, dict(LLAMA3, rope_theta=50.0))
         plain = hf.hf_config("llama", LLAMA)
+        assert plain["tie_word_embeddings"] is False
         assert plain["rope_scaling"] is None and plain["rope_parameters"] == {"rope_type": "default",
                                                                                "rope_theta": 10000.0}
         assert (plain["dtype"], plain["bos_token_id"], plain["eos_token_id"]) == ("float32", None, None)
+
+
+STATED = {"gpt": ["architectures", "model_type", "vocab_size", "bos_token_id", "eos_token_id", "n_positions", "n_embd",
+                   "n_layer", "n_head", "n_inner", "activation_function", "layer_norm_epsilon", "resid_pdrop",
+                   "embd_pdrop", "attn_pdrop", "tie_word_embeddings"],
+          "llama": ["architectures", "model_type", "vocab_size", "bos_token_id", "eos_token_id",
+                    "max_position_embeddings", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                    "attention_bias", "mlp_bias", "attention_dropout", "tie_word_embeddings"]}
+
+
+@pytest.mark.parametrize("model_type", ["gpt", "llama"])
+def test_config_json_states_every_field_that_shapes_the_model(tmp_path, model_type):
+    """Not left to a reader's defaults (they differ between readers and versions): each field is in the file,
+    as the value transformers reads."""
+    config = {"gpt": GPT, "llama": LLAMA}[model_type]
+    saved = hf.hf_config(model_type, config, bos_id=1, eos_id=2)
+    theirs = transformers.AutoConfig.from_pretrained(save_config(tmp_path / "m", saved))
+    for key in STATED[model_type]:
+        assert key in saved and saved[key] == getattr(theirs, key), key
+    assert {"dtype", "torch_dtype"} <= set(saved)
+    if model_type == "llama":
+        assert {"rope_theta", "rope_parameters", "rope_scaling"} <= set(saved)
 
 
 def dataclass_replace(config, **changes):
@@ -777,6 +801,14 @@ def test_config_names_the_dtype_holding_most_bytes_and_the_tokenizers_ids(tmp_pa
     specs = [(n, tuple(t.shape), t.dtype) for n, t in mixed.items()]
     hf.write_hf(tmp_path, {"model": LLAMA.to_dict(), "model_type": "llama"}, specs, mixed.__getitem__)
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    # bytes, not parameters: 100 fp32 (400 bytes) outweigh 110 bf16 (220 bytes)
+    config = LlamaConfig(vocab_size=10, seq_length=4, num_layers=0, num_heads=1, num_kv_heads=1, embed_size=10,
+                         intermediate_size=1)
+    specs = [("wte.weight", (10, 10), torch.float32), ("norm.weight", (10,), torch.bfloat16),
+             ("lm_head.weight", (10, 10), torch.bfloat16)]
+    small = hf.write_hf(tmp_path / "a" / "b", {"model": config.to_dict(), "model_type": "llama"}, specs,
+                        lambda name: torch.zeros(dict((n, s) for n, s, _ in specs)[name]))
+    assert json.loads((small / "config.json").read_text())["dtype"] == "float32"
     tokenizer = tk.CharTokenizer("ab")
     tokenizer.bos_id, tokenizer.eot_id = 0, 1
     hf.save_hf(state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path, tokenizer)
@@ -904,7 +936,8 @@ def test_tokenizer_files_transformers_reads(tmp_path, capsys):
     ids = tokenizer.encode("the king  and . of")
     assert theirs.decode(ids) == tokenizer.decode(ids)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    # stated: transformers 4 defaults to cleaning up spaces, which decodes "a ." as "a."
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["clean_up_tokenization_spaces"] is False
     chars = tk.CharTokenizer("xyz")  # the probe text is its own alphabet (it cannot encode ours)
     (tmp_path / "c").mkdir()
     hf.write_hf_tokenizer(chars, tmp_path / "c", 5)
@@ -962,10 +995,12 @@ def test_bin_files_saved_on_a_gpu_load_on_a_cpu_memory_mapped(tmp_path, zipfile)
 
 
 @pytest.mark.parametrize("zipfile", [True, False])
-def test_bin_files_never_run_pickled_code(tmp_path, zipfile):
+def test_bin_files_never_run_pickled_code(tmp_path, monkeypatch, zipfile):
+    """Not even where the environment asks torch.load to unpickle anything it is not told otherwise."""
     import pickle
     torch.save({"a": torch.ones(2), "b": Payload()}, tmp_path / "pytorch_model.bin",
                _use_new_zipfile_serialization=zipfile)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     Payload.ran.clear()
     with pytest.raises(pickle.UnpicklingError):
         hf.CheckpointFiles(tmp_path)
@@ -996,3 +1031,44 @@ def test_safetensors_from_views_and_shards_filled_to_the_byte(tmp_path):
         weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
         got = [[n for n, f in weight_map.items() if f == file] for file in sorted(set(weight_map.values()))]
         assert got == expected, shapes
+
+
+def test_weight_files_carry_the_metadata_transformers_writes(tmp_path):
+    from safetensors import safe_open
+    theirs = transformers.LlamaForCausalLM(llama_config())
+    theirs.save_pretrained(tmp_path / "theirs")
+    with safe_open(str(tmp_path / "theirs" / "model.safetensors"), framework="pt") as f:
+        expected = f.metadata()
+    assert expected == {"format": "pt"}  # transformers 4 refuses a file without it
+    state, meta = llama_state(), {"model": LLAMA.to_dict(), "model_type": "llama"}
+    for limit in (5 * 2**30, 20_000):
+        hf.save_hf(state, meta, tmp_path / str(limit), max_shard_bytes=limit)
+        files = sorted((tmp_path / str(limit)).glob("*.safetensors"))
+        assert len(files) == 1 if limit > 20_000 else len(files) > 1
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                assert f.metadata() == expected, file.name
+
+
+def test_special_tokens_are_skipped_when_decoding_asks_to(tmp_path):
+    """transformers' generation decodes with skip_special_tokens=True: the eos must go, the text must stay."""
+    llama3 = tk.load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tiktoken")[0])
+    for tokenizer in (llama3, sentencepiece(tmp_path, byte_fallback=True)):
+        tok, _ = hf.hf_tokenizer(tokenizer)
+        ids = [tokenizer.bos_id, *tokenizer.encode("the king"), tokenizer.eot_id]
+        assert tok.decode(ids, skip_special_tokens=True) == "the king", tokenizer.kind
+
+
+def test_a_tokenizer_json_that_adds_a_bos_is_not_reported(tmp_path, capsys):
+    """Hub tokenizer.json files (Llama's) add BOS in a post-processor; ours encodes without it, as the probe does."""
+    from tokenizers import processors
+    tok = tokenizer_dirs.bpe_tokenizer()
+    eos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>",
+                                                                                                    eos)])
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    tokenizer = tk.load_tokenizer(tmp_path / "tok")
+    assert tok.encode("hi").ids[0] == eos and tokenizer.encode("hi")[0] != eos
+    hf.write_hf_tokenizer(tokenizer, tmp_path, 16)
+    assert capsys.readouterr().err == ""
