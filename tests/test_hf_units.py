@@ -1,11 +1,13 @@
 """hf.py's parts, in this process (fast, and what mutation testing can see), with transformers as the reference
 wherever it has an answer: the name map and which tensors GPT-2 stores transposed (against GPT2LMHeadModel's and
-LlamaForCausalLM's own parameters), every check read_config makes and the config it builds, resolve's answers for
-a directory, a path and a hub name (the hub mocked: no network), the rows each rank of an FSDP2 mesh reads (on
-torch's fake process group: several ranks' shards in one process), load_weights' shape checks, the safetensors
-files write_safetensors streams (read back by safetensors), the config.json transformers builds from, write_hf's
-shards, index and stale files, and the tokenizer.json conversions (encoding as ours, transformers' byte table).
-The end-to-end round trips through transformers are in test_hf.py."""
+LlamaForCausalLM's own parameters), every check read_config makes and the config it builds (transformers' defaults
+for absent fields, both spellings of rope settings), resolve's answers for a directory, a path and a hub name (the hub
+mocked: no network), the weight files in every form (.bin saved on a GPU, memory-mapped, never unpickling code),
+load_weights' shape checks, the rows each rank of an FSDP2 mesh reads (torch's fake process group: several ranks'
+shards in one process), the safetensors files write_safetensors streams (read back by safetensors), the config.json
+transformers builds from, write_hf's shards, index, metadata and stale files, and the tokenizer.json conversions
+(encoding as ours, transformers' byte table, the probe's warning). The round trips of whole models through
+transformers, and --hf_model on 2 ranks, are in test_hf.py."""
 import json
 import os
 import struct
@@ -836,15 +838,15 @@ def test_byte_table_is_gpt2s():
     assert hf._bytes_to_unicode() == bytes_to_unicode()
 
 
-def sentencepiece(tmp_path, **options):
+def sentencepiece(**options):
     """A sentencepiece BPE trained here with trainer options of a Llama 2 tokenizer.model's kind."""
     import io
     import sentencepiece as spm
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(tokenizer_dirs.training_text().splitlines()), model_writer=model, model_type="bpe",
-        vocab_size=320 if options.get("byte_fallback") else 200, normalization_rule_name="identity", remove_extra_whitespaces=False, num_threads=1,
-        minloglevel=2, **options)
+        vocab_size=320 if options.get("byte_fallback") else 200, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, num_threads=1, minloglevel=2, **options)
     return tk.SentencePieceTokenizer(model.getvalue())
 
 
@@ -860,7 +862,7 @@ def assert_encodes_as(tok, tokenizer, texts):
                                      dict(byte_fallback=False, add_dummy_prefix=False, unk_id=3, bos_id=-1,
                                           eos_id=1, pad_id=0)])
 def test_sentencepiece_as_tokenizer_json(tmp_path, options):
-    tokenizer = sentencepiece(tmp_path, **options)
+    tokenizer = sentencepiece(**options)
     tok, names = hf.hf_tokenizer(tokenizer)
     texts = tokenizer_dirs.MIXED + ["the king", "  two  spaces ", "中文 テキスト"]
     if options["byte_fallback"]:
@@ -925,7 +927,7 @@ def test_hf_and_char_tokenizers_as_tokenizer_json(tmp_path):
 
 
 def test_tokenizer_files_transformers_reads(tmp_path, capsys):
-    tokenizer = sentencepiece(tmp_path)
+    tokenizer = sentencepiece()
     hf.write_hf_tokenizer(tokenizer, tmp_path, 77)
     assert capsys.readouterr().err == ""
     assert (tmp_path / "tokenizer.model").read_bytes() == tokenizer.model_proto
@@ -945,7 +947,7 @@ def test_tokenizer_files_transformers_reads(tmp_path, capsys):
 
 
 def test_a_tokenizer_json_that_encodes_otherwise_is_reported(tmp_path, capsys, monkeypatch):
-    tokenizer = sentencepiece(tmp_path)
+    tokenizer = sentencepiece()
     monkeypatch.setattr(tokenizer, "encode", lambda text: [0])
     hf.write_hf_tokenizer(tokenizer, tmp_path, 16)
     assert capsys.readouterr().err == ("warning: the exported tokenizer.json encodes a test text differently from "
@@ -1053,7 +1055,7 @@ def test_weight_files_carry_the_metadata_transformers_writes(tmp_path):
 def test_special_tokens_are_skipped_when_decoding_asks_to(tmp_path):
     """transformers' generation decodes with skip_special_tokens=True: the eos must go, the text must stay."""
     llama3 = tk.load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tiktoken")[0])
-    for tokenizer in (llama3, sentencepiece(tmp_path, byte_fallback=True)):
+    for tokenizer in (llama3, sentencepiece(byte_fallback=True)):
         tok, _ = hf.hf_tokenizer(tokenizer)
         ids = [tokenizer.bos_id, *tokenizer.encode("the king"), tokenizer.eot_id]
         assert tok.decode(ids, skip_special_tokens=True) == "the king", tokenizer.kind
