@@ -438,6 +438,8 @@ def test_another_world_size_reseeds_each_rank_from_seed_rank_and_step(run):
         torch.manual_seed((seed * 1_000_003 + rank) * 1_000_000_007 + 3)
         assert torch.equal(streams[seed, rank], torch.rand(3))
     assert not torch.equal(streams[7, 0], streams[7, 1]) and not torch.equal(streams[7, 1], streams[8, 1])
+    for seed in (10**6, -10**6):  # past what torch.manual_seed takes once multiplied out
+        assert not checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=seed)
     model, optimizer = tiny()
     cfg = parse_args(["--checkpoint_dir", str(run.parent), "--run_name", "run"])
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
