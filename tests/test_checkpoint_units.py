@@ -60,10 +60,8 @@ def moments(optimizer):
     return [state["exp_avg"].clone() for state in optimizer.state.values()]
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, one_rank_group):
-    """A run with steps 1..3 (val losses 3, 2, none), a tokenizer file in each; tests copy it before damaging."""
-    root = tmp_path_factory.mktemp("saved")
+def save_three(root):
+    """A run with steps 1..3 (val losses 3, 2, none), a tokenizer file in each: (run, its weights, tokenizer)."""
     tokenizer = root / "tokenizer"
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text('{"vocab": ["a", "b"]}')
@@ -74,6 +72,12 @@ def saved(tmp_path_factory, one_rank_group):
         checkpoint.save(root / "run", step, model, optimizer, {"format": 2, "val_loss": val_loss, "state": state},
                         tokenizer_dir=tokenizer)
     return root / "run", weights(model), tokenizer
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, one_rank_group):
+    """save_three's run, saved once; tests that damage it copy it first (run)."""
+    return save_three(tmp_path_factory.mktemp("saved"))
 
 
 @pytest.fixture
@@ -124,8 +128,8 @@ class MakeDirectory:
 
 # ---- saving ----
 
-def test_save_writes_every_file_with_its_size_and_crc32(saved):
-    run, model_weights, _ = saved
+def test_a_save_writes_every_file_with_its_size_and_crc32(tmp_path):
+    run, model_weights, _ = save_three(tmp_path)  # here, not in a fixture: mutation testing sees what a test calls
     step = run / "step_3"
     assert sorted(p.name for p in step.iterdir()) == [".metadata", "__0_0.distcp", "meta.json", "rng_0.pt",
                                                       "tokenizer.json"]
@@ -390,6 +394,7 @@ def test_checkpointer_of_a_decentralized_run(tmp_path):
     assert (meta["replicas"], meta["val_loss"], meta["model_type"], meta["model"]["embed_size"]) == (1, 1.0, "gpt", 8)
     assert meta["config"]["keep_last"] == 1 and meta["state"] == {"data": {"train_blocks_seen": 8}}
     assert (path / "tokenizer.json").read_text() == "{}"
+    assert len(checkpoint.tensor_names(path, "replicas.0.optim.state.")) == 12  # step, exp_avg, exp_avg_sq each
     average_only = checkpoint.Checkpointer(dataclasses.replace(cfg, run_name="avg", save_average=True), config,
                                            None, decentralized=True)
     assert meta_of(average_only.save(1, model, optimizer, None, {}))["replicas"] == 0
@@ -603,6 +608,24 @@ def test_read_tensors_keeps_each_tensors_dtype_and_shape(tmp_path):
     assert same(checkpoint.load_full_model_state(path), state["model"])
 
 
+def test_read_tensors_reads_any_part_of_the_checkpoint(saved):
+    _, optimizer = tiny()
+    got = checkpoint.read_tensors(saved[0] / "step_3", ["weight.exp_avg", "bias.exp_avg_sq"], prefix="optim.state.0.")
+    state = list(optimizer.state.values())
+    assert torch.equal(got["weight.exp_avg"], state[0]["exp_avg"])
+    assert torch.equal(got["bias.exp_avg_sq"], state[1]["exp_avg_sq"])
+
+
+def test_load_restores_the_model_alone_or_with_its_optimizer(saved):
+    model, optimizer = tiny(seed=4)
+    checkpoint.load(saved[0] / "step_3", model)
+    assert same(weights(model), saved[1])
+    model, optimizer = tiny(seed=4)
+    checkpoint.load(saved[0] / "step_3", model, optimizer)
+    assert same(weights(model), saved[1])
+    assert all(torch.equal(x, y) for x, y in zip(moments(optimizer), moments(tiny()[1])))
+
+
 def test_read_tensors_needs_no_other_rank(saved, monkeypatch):
     """Export and inspection read a checkpoint in one process, also inside a running job: no collectives."""
     def collective(*args, **kwargs):
@@ -662,6 +685,16 @@ def test_verify_finds_a_truncated_shard_whatever_order_the_metadata_lists_it_in(
     assert checkpoint.verify(step, checksums=False) == f"__0_0.distcp is truncated ({size - 1} of {size} bytes)"
     shard.unlink()
     assert checkpoint.verify(step) == "__0_0.distcp is missing"
+
+
+def test_verify_needs_no_bytes_for_an_empty_byte_range(run):
+    step = run / "step_3"
+    metadata = checkpoint.read_dcp_metadata(step / ".metadata")
+    index, info = next(iter(metadata.storage_data.items()))
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path="__9_0.distcp", offset=0, length=0)}
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    (step / "__9_0.distcp").write_bytes(b"")
+    assert checkpoint.verify(step, checksums=False) is None
 
 
 def test_verify_checks_every_ranks_rng_file(run):
