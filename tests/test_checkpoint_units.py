@@ -247,6 +247,7 @@ def test_a_save_after_another_run_took_the_lock_writes_nothing(tmp_path):
     model, optimizer = tiny()
     run = tmp_path / "run"
     checkpoint.save(run, 1, model, optimizer, {})
+    (run / ".tmp-step_2").mkdir()  # left by a save of step 2 that crashed: gone too, as the failed save's own
     lock = files.RunLock({"--checkpoint_dir": run})
     lock.acquire()
     try:
@@ -517,7 +518,8 @@ def test_the_allow_list_holds_what_dcp_metadata_refers_to_and_nothing_that_runs_
             ("torch", "Size"), ("torch.serialization", "_get_layout"), ("builtins", "set"), ("builtins", "frozenset"),
             ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
             ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath"),  # where Python 3.13 pickles them
-            ("torch", "float32"), ("torch", "bfloat16"), ("torch", "strided"), ("torch", "contiguous_format")} <= allowed
+            ("torch", "float32"), ("torch", "bfloat16"), ("torch", "strided"),
+            ("torch", "contiguous_format")} <= allowed
     for module, name in allowed:  # classes, torch's dtype/layout/memory-format values, and one torch function
         if module == "pathlib._local" and sys.version_info < (3, 13):
             continue
@@ -871,12 +873,16 @@ def test_find_as_rank_1_of_2_reads_its_share_and_takes_rank_0s_list(run, monkeyp
         listed.append(fn(*args))
         return listed[-1]
 
-    def all_gather_object(out, mine):
+    checked, verify = [], checkpoint.verify
+
+    def verify_noting(path, *args, **kwargs):
+        checked.append(path)
+        return verify(path, *args, **kwargs)
+
+    def all_gather_object(out, mine):  # rank 0's verdict on its share of the checkpoint being checked, then ours
         sent.append(mine)
-        out[:] = [checkpoint.verify(out_path[0], share=(0, 2)), mine]
-    out_path = []
-    real_verify = checkpoint.verify
-    monkeypatch.setattr(checkpoint, "verify", lambda path, *a, **k: out_path.insert(0, path) or real_verify(path, *a, **k))
+        out[:] = [verify(checked[-1], share=(0, 2)), mine]
+    monkeypatch.setattr(checkpoint, "verify", verify_noting)
     monkeypatch.setattr(environment, "run_on_main", run_on_main)
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
     assert checkpoint.find(args_for(run)) == run / "step_2"
