@@ -368,7 +368,9 @@ def restore_rng(path, rank, world_size, seed):
     path, meta = Path(path), read_meta(path)
     file = path / _rng_file(rank)
     if meta.get("world_size") != world_size or not file.is_file():
-        torch.manual_seed((seed * 1_000_003 + rank) * 1_000_000_007 + meta["step"])
+        # torch takes seeds in [-2**63, 2**64) and reads a negative one as its two's complement: mod 2**64 keeps
+        # every seed that fitted and lets a large --seed through.
+        torch.manual_seed(((seed * 1_000_003 + rank) * 1_000_000_007 + meta["step"]) % 2**64)
         return False
     state = torch.load(file, weights_only=True)
     torch.set_rng_state(state["torch"])
