@@ -244,7 +244,8 @@ def init_weights(model, seed, device):
     parameter keeps only its local slice: no rank ever holds more than one full parameter.
     """
     for name, param in model.named_parameters():
-        generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        # mod 2**64: torch takes seeds in [-2**63, 2**64) (a negative one as its two's complement), a large --seed too
+        generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
         value = model.initial_value(name, param.shape, generator, device)
         if isinstance(param, DTensor):
             local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()

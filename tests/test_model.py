@@ -1,3 +1,5 @@
+import zlib
+
 import pytest
 import torch
 
@@ -86,3 +88,16 @@ def test_loss_is_cross_entropy_of_the_logits(model_cls, config):
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.reshape(-1, 50), y.reshape(-1)))
     torch.testing.assert_close(last_logits, logits[:, -1])
     assert 3.0 < loss.item() < 5.0  # about ln(50) at init
+
+
+def test_init_takes_any_seed_a_run_takes():
+    """(seed, name) seeds reach torch mod 2**64, so a large --seed works and a negative one keeps its values."""
+    big, negative, same = GPT(tiny()), GPT(tiny()), GPT(tiny())
+    init_weights(big, 10**15, torch.device("cpu"))  # seed x 1,000,003 would overflow torch's 64 bits
+    init_weights(negative, -5, torch.device("cpu"))
+    for name, param in same.named_parameters():  # what the negative seed gave before the mod: torch's own reading
+        generator = torch.Generator().manual_seed(-5 * 1_000_003 + zlib.crc32(name.encode()))
+        param.data.copy_(same.initial_value(name, param.shape, generator, torch.device("cpu")))
+    for (name, pn), ps, pb in zip(negative.named_parameters(), same.parameters(), big.parameters()):
+        assert torch.equal(pn, ps), name
+        assert torch.isfinite(pb).all()
