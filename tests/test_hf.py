@@ -174,13 +174,7 @@ def test_export_of_a_checkpoint_without_model_type_is_a_gpt(tmp_path):
 
 def stub_gpt2(monkeypatch):
     """A GPT2Tokenizer over a tiny tiktoken encoding with GPT-2's split pattern (no gpt2 files offline)."""
-    import tiktoken
-    ranks = tokenizer_dirs.tiktoken_ranks()
-    pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-    stub = tiktoken.Encoding(name="stub", pat_str=pattern, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": len(ranks)})
-    monkeypatch.setattr(tk, "gpt2_cached", lambda: True)
-    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: stub)
+    tokenizer_dirs.stub_gpt2_encoding(monkeypatch)
     return tk.GPT2Tokenizer()
 
 

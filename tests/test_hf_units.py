@@ -565,14 +565,7 @@ def test_each_rank_of_a_mesh_loads_its_own_shard(tmp_path, fake_rank, model_type
 
 def stub_gpt2(monkeypatch):
     """tiktoken's gpt2 encoding stood in for by a tiny one with GPT-2's split pattern (no gpt2 files offline)."""
-    import tiktoken
-    ranks = tokenizer_dirs.tiktoken_ranks()
-    pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-    stub = tiktoken.Encoding(name="stub", pat_str=pattern, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": len(ranks)})
-    monkeypatch.setattr(tk, "gpt2_cached", lambda: True)
-    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: stub)
-    return stub
+    return tokenizer_dirs.stub_gpt2_encoding(monkeypatch)
 
 
 def test_load_tokenizer_of_a_directory(tmp_path, monkeypatch):

@@ -66,6 +66,20 @@ def tiktoken_ranks(vocab_size=350):
         return bpe_train(training_text()[:8000], vocab_size, LLAMA3_PATTERN, visualise=None)
 
 
+def stub_gpt2_encoding(monkeypatch):
+    """tiktoken's gpt2 encoding stood in for by a tiny one with GPT-2's split pattern (no gpt2 files offline);
+    returns the stand-in."""
+    import tiktoken
+    from minimal_fsdp import tokenizer as tk
+    ranks = tiktoken_ranks()
+    pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+    stub = tiktoken.Encoding(name="stub", pat_str=pattern, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": len(ranks)})
+    monkeypatch.setattr(tk, "gpt2_cached", lambda: True)
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: stub)
+    return stub
+
+
 def write_tiktoken(directory):
     """Llama 3's tokenizer.model: "<base64 token> <rank>" lines; the special tokens are not in the file."""
     directory = Path(directory)
