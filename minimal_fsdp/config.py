@@ -426,6 +426,8 @@ def validate_values(cfg):
     _check_range(cfg, "temperature", 0, note=" (0: greedy)")
     _check_range(cfg, "top_k", 0, note=" (0: all tokens)")
     _check_range(cfg, "collective_timeout", 0, low_ok=False, note=" (seconds)")
+    if not -2**63 <= cfg.seed < 2**63:  # torch's seeds are 64-bit
+        raise ConfigError(f"--seed must be an integer in [-2**63, 2**63) (got {cfg.seed})")
     if cfg.max_epochs is not None and (cfg.max_epochs == 0 or cfg.max_epochs < -1):
         raise ConfigError(f"--max_epochs must be positive, or -1 to only generate (got {cfg.max_epochs})")
     if cfg.max_epochs is None and not cfg.max_steps and not cfg.streaming:  # a stream says it below

@@ -61,6 +61,8 @@ def test_time_limit():
     (["--beta1", 1], "--beta1 must be a finite number in [0, 1) (got 1.0)"),
     (["--beta1", -0.1], "--beta1 must be a finite number in [0, 1) (got -0.1)"),
     (["--beta2", 1.5], "--beta2 must be a finite number in [0, 1) (got 1.5)"),
+    (["--seed", 2**63], f"--seed must be an integer in [-2**63, 2**63) (got {2**63})"),
+    (["--seed", -2**63 - 1], f"--seed must be an integer in [-2**63, 2**63) (got {-2**63 - 1})"),
     (["--weight_decay", -0.1], "--weight_decay must be a finite number >= 0 (got -0.1)"),
     (["--grad_clip", -1], "--grad_clip must be a finite number >= 0 (got -1.0) (0 disables clipping)"),
     (["--dropout", 1], "--dropout must be a finite number in [0, 1) (got 1.0)"),
