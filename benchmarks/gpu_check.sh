@@ -259,10 +259,11 @@ PY
 fp8_gpt2)
   # Issue 21, target 3: GPT-2 124M on one GPU at its best setting (no biases, batch 160 x 2 micro-steps, expandable
   # segments) and GPT-2 XL on NG GPUs (4) (full-shard, meta init, batch 16, no recompute), bf16 against fp8 tensorwise,
-  # compiled (FP8_GPT2_PRECISIONS="bf16 tensorwise rowwise" adds rowwise).
+  # compiled (FP8_GPT2_PRECISIONS="bf16 tensorwise rowwise" adds rowwise; FP8_GPT2_SMALL=0 skips GPT-2 124M).
   fp8_setup || continue
   S="python3 benchmarks/throughput.py --vocab_size 50304 --compile --warmup 6 --steps 12 --out $OUT/fp8_gpt2.jsonl"
   for p in ${FP8_GPT2_PRECISIONS:-bf16 tensorwise}; do
+    [ "${FP8_GPT2_SMALL:-1}" = 0 ] && break
     prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
     timeout 150 $MPI -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -n 1 $S --model_preset gpt2 \
       ${GPT2_SMALL_ARGS:---no-bias --batch_size 160 --grad_accum_steps 2} $prec >> "$OUT/fp8_gpt2.log" 2>&1
