@@ -131,11 +131,15 @@ recipe_s)
   # The training loop issue, target 1: nanoGPT's Shakespeare-character recipe through basic_training.py on one
   # GPU, the issue's command (the text is the shipped tinyshakespeare): evaluation at the end only, then every
   # 250 steps (best val loss). Wall time includes compilation, evaluation, saving and the 200-token sample.
+  # RECIPE_COLD=1: empty compile caches, as on a fresh machine. Each output line is stamped with the seconds since
+  # launch (the log's recipe_s_*.log), so the wall splits into startup, compiling, training, evaluation and saving.
   for ev in ${RECIPE_EVALS:-5000 250}; do
+    [ "${RECIPE_COLD:-0}" = 1 ] && export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
     start=$SECONDS
-    timeout 420 $MPI -n 1 python3 basic_training.py $RECIPE_S --eval_interval $ev --run_name recipe_s_$ev \
-      > "$OUT/recipe_s_$ev.log" 2>&1
-    echo "recipe S, --eval_interval $ev: exit $?, wall $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+    timeout 420 $MPI -n 1 python3 basic_training.py $RECIPE_S --eval_interval $ev --run_name recipe_s_$ev 2>&1 \
+      | python3 -c "import sys, time; t = time.time(); [print(f'{time.time() - t:6.1f} {line.rsplit(chr(13), 1)[-1]}', end='', flush=True) for line in sys.stdin]" \
+      > "$OUT/recipe_s_$ev.log"
+    echo "recipe S, --eval_interval $ev: exit ${PIPESTATUS[0]}, wall $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
     python3 benchmarks/run_summary.py logs/recipe_s_$ev | tee -a "$OUT/summary.txt"
   done ;;
 nanogpt)

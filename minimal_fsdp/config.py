@@ -19,7 +19,7 @@ from .fp8 import RECIPES as FP8_RECIPES
 from .gossip import TOPOLOGIES
 from .llama import PRESETS as LLAMA_PRESETS
 from .model import PRESETS as GPT_PRESETS
-from .parallelize import DATA_PARALLEL, FSDP_UNITS, PRECISION, SHARDING, SMALL_MODEL
+from .parallelize import DATA_PARALLEL, FSDP_UNITS, GRAPHS_MODEL, PRECISION, SHARDING, SMALL_MODEL
 
 
 class ConfigError(ValueError):
@@ -116,10 +116,10 @@ class Config:
     compile: bool = flag(False, "torch.compile each transformer block (FSDP units per block), or the whole model "
                                 "(one rank, no-shard, or the whole model as one FSDP unit)",
                          section="parallel")
-    cuda_graphs: bool = flag(False, "with --compile on one rank or with no-shard (DDP): replay the compiled model "
-                                    "as CUDA graphs "
-                                    "(torch.compile's reduce-overhead mode), for small models whose step is bound "
-                                    "by the host launching kernels", section="parallel")
+    cuda_graphs: bool = flag(None, "with --compile on one rank or with no-shard (DDP): replay the compiled model "
+                                   "as CUDA graphs (torch.compile's reduce-overhead mode), for small models whose "
+                                   "step is bound by the host launching kernels; unset: on for models up to "
+                                   f"{GRAPHS_MODEL // 10**6}M parameters", section="parallel")
 
     # decentralized data parallel (gossip.py, accum_adamw.py)
     data_parallel: str = flag("allreduce", "allreduce: one model, gradients averaged over all ranks (FSDP; DDP for "

@@ -40,6 +40,10 @@ FSDP_UNITS = ("auto", "block", "model")
 # with compute saves (benchmarks/RESULTS.md, recipe S and GPT-2 124M on 2 H100), and gathering it whole costs
 # little memory.
 SMALL_MODEL = 200_000_000
+# --cuda_graphs auto: a model this small replays its compiled graph as CUDA graphs where no FSDP hooks surround it
+# (one rank, DDP). Its step is the host launching kernels: recipe S (10.7M) took 9-12 ms a step compiled, 6.4 ms
+# replayed, on one H100 (benchmarks/LOG.md, seventh session); GPT-2 124M at batch 32 is bound by the GPU anyway.
+GRAPHS_MODEL = 50_000_000
 
 aten = torch.ops.aten
 # --recompute selective keeps what is costly to recompute (matmuls, attention) and recomputes the cheap,
@@ -66,7 +70,7 @@ class ParallelPlan:
     activation_checkpoints: bool
     recompute: str
     compile: bool
-    cuda_graphs: bool  # the compiled whole model (no FSDP: one rank or DDP) replays as CUDA graphs
+    cuda_graphs: bool  # the compiled whole model (no FSDP: one rank or DDP) replays as CUDA graphs; None: by size
     fp8: str = None  # --precision fp8: the float8 recipe (fp8.RECIPES); None otherwise
     ddp: bool = False  # no-shard over several ranks: a plain module whose gradients DDP all-reduces
     fsdp_unit: str = "auto"  # --fsdp_unit: per block, the whole model, or by size (whole_model_unit)
@@ -91,13 +95,18 @@ class ParallelPlan:
         """FSDP gathers the whole model at once (one unit, one compiled graph), not block by block."""
         return self.fsdp and one_unit(self.fsdp_unit, num_params)
 
+    def replays_graphs(self, num_params):
+        """The compiled whole model replays as CUDA graphs: asked for, or (auto) a model of at most GRAPHS_MODEL."""
+        return self.cuda_graphs or self.cuda_graphs is None and num_params <= GRAPHS_MODEL
+
     def describe(self, num_params):
         if self.decentralized:
             return "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip"
+        graphs = ", replayed as CUDA graphs" if self.replays_graphs(num_params) else ""
         if self.ddp:
-            return "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
+            return "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)" + graphs
         if not self.fsdp:
-            return "no FSDP: one rank holds the whole model"
+            return "no FSDP: one rank holds the whole model" + graphs
         dims = ("shard",) if len(self.mesh_shape) == 1 else ("replicate", "shard")
         units = "the whole model as one FSDP unit" if self.whole_model_unit(num_params) else "an FSDP unit per block"
         return "mesh " + " x ".join(f"{name}={size}" for name, size in zip(dims, self.mesh_shape)) + \
@@ -120,6 +129,15 @@ def layout(sharding, world_size, shard_group_size):
     return shape, shape[-1], sharding in ("full-shard", "hybrid-full-shard") and shape[-1] > 1
 
 
+def graphs_setting(cfg, fsdp, device, auto):
+    """--cuda_graphs: True, False, or None (by model size, ParallelPlan.replays_graphs) where graphs can replay the
+    compiled model: on CUDA, without FSDP's hooks (they gather parameters at new addresses every step). auto: the
+    size rule may apply (not to gossip's replicas or float8 layers, which were not measured under graphs)."""
+    if not cfg.compile or fsdp or device.type != "cuda" or cfg.cuda_graphs is None and not auto:
+        return False
+    return cfg.cuda_graphs
+
+
 def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
     """The plan for this launch. loads_weights: all weights will be loaded (a Hugging Face model, a model to
     sample from), so the model is built on the meta device and no rank ever holds more than its shard of it.
@@ -138,7 +156,7 @@ def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
         fp8.check_device(env.device)
     plan = ParallelPlan(cfg.sharding, decentralized, fsdp, shape, shard_ranks, reshard, cfg.precision,
                         cfg.cpu_offload, cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute,
-                        cfg.compile, cfg.cuda_graphs and not fsdp and env.device.type == "cuda", recipe,
+                        cfg.compile, graphs_setting(cfg, fsdp, env.device, auto=not decentralized and not recipe), recipe,
                         ddp, cfg.fsdp_unit)
     if fsdp:
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
@@ -300,7 +318,8 @@ def build_model(model_cls, model_config, plan, env, seed):
         if plan.compile and plan.fsdp and not whole:  # each block is its own graph between FSDP's hooks
             block.forward = compiled_unless_caching(block.forward)
     if plan.compile and (not plan.fsdp or whole):  # no hooks in the way: one graph from token ids to hidden states
-        model.trunk = compiled_unless_caching(model.trunk, "reduce-overhead" if plan.cuda_graphs else None)
+        graphs = plan.replays_graphs(model.num_params(non_embedding=False))
+        model.trunk = compiled_unless_caching(model.trunk, "reduce-overhead" if graphs else None)
     if env.device.type == "cuda":
         # One Triton kernel turns the logits into the loss and, in place, their gradient (fused_loss.py).
         from .fused_loss import linear_cross_entropy

@@ -58,13 +58,19 @@ def test_generation_only_on_one_and_two_gpus(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("extra,precision", [([], "float32"), ([], "bf16"), (["--compile"], "float32"),
-                                             (["--compile", "--activation_checkpoints"], "bf16")],
-                         ids=["fp32", "bf16", "compiled", "compiled-checkpointed-bf16"])
+                                             (["--compile", "--no-cuda_graphs"], "float32"),
+                                             (["--compile", "--activation_checkpoints"], "bf16"),
+                                             (["--compile", "--grad_accum_steps", 2], "bf16")],
+                         ids=["fp32", "bf16", "compiled", "compiled-no-graphs", "compiled-checkpointed-bf16",
+                              "compiled-accumulating-bf16"])
 def test_one_gpu_trains_without_fsdp_like_the_reference(tmp_path, corpus, extra, precision):
-    """One rank trains a plain module (whole-model compile, autocast for bf16), not FSDP: same numbers."""
+    """One rank trains a plain module (whole-model compile, autocast for bf16), not FSDP: same numbers. Compiled,
+    the tiny model replays as CUDA graphs unless told not to (--cuda_graphs unset: by size)."""
     args = train_args(corpus, "one", [*extra, "--precision", precision])
     out = launch(args, ranks=1, cwd=tmp_path)
-    assert "no FSDP: one rank holds the whole model" in out.stdout
+    graphs = "--compile" in extra and "--no-cuda_graphs" not in extra
+    assert "no FSDP: one rank holds the whole model" + (", replayed as CUDA graphs" if graphs else "") + "\n" \
+        in out.stdout
     ref_losses, _ = reference(args, world=1, device="cuda")
     assert logged_losses(corpus.parent, "one") == pytest.approx(ref_losses, **TOLERANCE[precision])
 

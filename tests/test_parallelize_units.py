@@ -115,6 +115,35 @@ def test_fp8_recipe_is_checked_for_training_and_dropped_for_generation(monkeypat
     assert plan.fp8 == "rowwise" and checked == [torch.device("cpu")]
 
 
+@pytest.mark.parametrize("flags,world,graphs", [
+    (["--compile"], 1, None),  # unset: by the model's size
+    (["--compile", "--sharding", "no-shard"], 2, None),  # DDP
+    (["--compile", "--cuda_graphs"], 1, True), (["--compile", "--no-cuda_graphs"], 1, False),
+    ([], 1, False),  # nothing compiled, nothing to replay
+    (["--compile"], 2, False), (["--compile", "--cuda_graphs"], 2, False),  # FSDP's hooks around the graph
+    (["--compile", "--data_parallel", "decentralized"], 2, False),  # gossip: only when asked for
+    (["--compile", "--data_parallel", "decentralized", "--cuda_graphs"], 2, True)])
+def test_cuda_graphs_setting_of_each_launch(monkeypatch, flags, world, graphs):
+    plan, _ = plan_for(monkeypatch, flags, world=world, device="cuda")
+    assert plan.cuda_graphs is graphs
+    assert plan_for(monkeypatch, flags, world=world)[0].cuda_graphs is False  # CPU: no CUDA graphs
+
+
+def test_cuda_graphs_unset_replay_small_models_only(monkeypatch):
+    monkeypatch.setattr(parallelize.fp8, "check_device", lambda device: None)
+    plan, _ = plan_for(monkeypatch, ["--compile", "--precision", "fp8"], device="cuda")
+    assert plan.cuda_graphs is False  # float8 layers: not measured under graphs, so only when asked for
+    small = parallelize.GRAPHS_MODEL
+    assert plain_plan(cuda_graphs=None).replays_graphs(small)
+    assert not plain_plan(cuda_graphs=None).replays_graphs(small + 1)
+    assert plain_plan(cuda_graphs=True).replays_graphs(small + 1)
+    assert not plain_plan(cuda_graphs=False).replays_graphs(1)
+    assert plain_plan(fsdp=False, cuda_graphs=None).describe(small) == \
+        "no FSDP: one rank holds the whole model, replayed as CUDA graphs"
+    assert plain_plan(fsdp=False, ddp=True, cuda_graphs=None).describe(small + 1) == \
+        "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
+
+
 def plain_plan(**fields):
     base = dict(sharding="full-shard", decentralized=False, fsdp=True, mesh_shape=(2,), shard_ranks=2,
                 reshard_after_forward=True, precision="bf16", cpu_offload=False, meta_init=False,
@@ -226,12 +255,16 @@ def test_ddp_replicates_the_model_without_rebroadcasting_buffers(monkeypatch):
     assert gradient_sync(model, plain_plan(fsdp=False, ddp=True)).model is model
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_the_whole_trunk_is_compiled_and_replayed_as_graphs_when_asked(monkeypatch, graphs):
+@pytest.mark.parametrize("graphs,limit,replays", [(False, None, False), (True, None, True), (None, None, True),
+                                                   (None, 1000, False)])
+def test_the_whole_trunk_is_compiled_and_replayed_as_graphs_when_asked(monkeypatch, graphs, limit, replays):
+    """Unset, --cuda_graphs replays a model of at most GRAPHS_MODEL parameters (CONFIG's is tiny; limit lowers it)."""
     calls = record_calls(monkeypatch, parallelize, "compiled_unless_caching", lambda f, mode=None: f)
+    if limit:
+        monkeypatch.setattr(parallelize, "GRAPHS_MODEL", limit)
     model = build_model(GPT, CONFIG, plain_plan(fsdp=False, compile=True, cuda_graphs=graphs), CPU, seed=0)
     (args, kwargs), = calls
-    assert args == (model.trunk, "reduce-overhead" if graphs else None) and kwargs == {}
+    assert args == (model.trunk, "reduce-overhead" if replays else None) and kwargs == {}
     assert hasattr(model.loss, "_torchdynamo_orig_callable")  # the loss compiled too (CPU: no fused kernel)
 
 
