@@ -2,9 +2,16 @@
 broadcasts it, so ranks never disagree and nobody waits on a rank that skipped a forward."""
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Decoding attends over a key length that grows by one each token. cuDNN's attention (torch's first choice on H100)
+# builds a plan for every new length: 9.4 s of a 200-token sample from a fresh process, against 2.1 s without it
+# (H100, benchmarks/LOG.md, eleventh session). The other kernels need no plan per shape.
+DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @torch.no_grad()
+@sdpa_kernel(DECODE_ATTENTION)
 def generate(model, tokenizer, prompt, num_tokens, temperature=0.8, top_k=50, seed=0,
              device="cpu", dtype=torch.float32):
     model.eval()
