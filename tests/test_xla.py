@@ -157,3 +157,17 @@ def test_xla_wants_one_process_per_host(monkeypatch):
     validate_world(cfg, world_size=2, local_world_size=1)  # two hosts, one rank each
     with pytest.raises(ConfigError, match="one process per host"):
         validate_world(cfg, world_size=4, local_world_size=4)
+
+
+@no_torch_xla
+@pytest.mark.parametrize("seed", [-2**63, -1, 0, 1337, 2**63 - 1])
+def test_every_seed_gives_torch_xla_a_seed_it_takes(seed):
+    """torch_xla's set_rng_state takes [0, 2**64) only: --seed -1 or a seed near 2**63 ended in a TypeError."""
+    from minimal_fsdp.xla import rng_seed
+    seeds = [rng_seed(seed, step) for step in (0, 1, 1000)]
+    assert all(0 <= s < 2**64 for s in seeds) and len(set(seeds)) == 3  # each launch's own dropout masks
+    assert rng_seed(seed, 1000) == (seed * 1_000_003 + 1000) % 2**64
+    import torch_xla.core.xla_model as xm
+    for s in seeds:
+        xm.set_rng_state(s)
+        assert xm.get_rng_state() == s
