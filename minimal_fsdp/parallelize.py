@@ -42,7 +42,8 @@ FSDP_UNITS = ("auto", "block", "model")
 SMALL_MODEL = 200_000_000
 # --cuda_graphs auto: a model this small replays its compiled graph as CUDA graphs where no FSDP hooks surround it
 # (one rank, DDP). Its step is the host launching kernels: recipe S (10.7M) took 9-12 ms a step compiled, 6.4 ms
-# replayed, on one H100 (benchmarks/LOG.md, seventh session); GPT-2 124M at batch 32 is bound by the GPU anyway.
+# replayed, on one H100 (benchmarks/LOG.md, seventh and eleventh sessions); GPT-2 124M at batch 32 is bound by the GPU
+# (graphs would save nothing there). Where between the two the gain ends was not measured: 50M is a cautious bound.
 GRAPHS_MODEL = 50_000_000
 
 aten = torch.ops.aten
@@ -156,8 +157,8 @@ def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
         fp8.check_device(env.device)
     plan = ParallelPlan(cfg.sharding, decentralized, fsdp, shape, shard_ranks, reshard, cfg.precision,
                         cfg.cpu_offload, cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute,
-                        cfg.compile, graphs_setting(cfg, fsdp, env.device, auto=not decentralized and not recipe), recipe,
-                        ddp, cfg.fsdp_unit)
+                        cfg.compile, graphs_setting(cfg, fsdp, env.device, auto=not decentralized and not recipe),
+                        recipe, ddp, cfg.fsdp_unit)
     if fsdp:
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         plan = dataclasses.replace(plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names))
