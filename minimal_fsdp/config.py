@@ -119,7 +119,8 @@ class Config:
     cuda_graphs: bool = flag(None, "with --compile on one rank or with no-shard (DDP): replay the compiled model "
                                    "as CUDA graphs (torch.compile's reduce-overhead mode), for small models whose "
                                    "step is bound by the host launching kernels; unset: on for models up to "
-                                   f"{GRAPHS_MODEL // 10**6}M parameters", section="parallel")
+                                   f"{GRAPHS_MODEL // 10**6}M parameters (not with fp8 or decentralized)",
+                             section="parallel")
 
     # decentralized data parallel (gossip.py, accum_adamw.py)
     data_parallel: str = flag("allreduce", "allreduce: one model, gradients averaged over all ranks (FSDP; DDP for "
