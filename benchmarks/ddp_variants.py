@@ -1,12 +1,14 @@
 """throughput.py's row for no-shard (DDP) under one of DDP's own settings, to see which of them moves a small
 model's step. DDP_VARIANT names them, joined by "_": noopt (torch._dynamo.config.optimize_ddp off: the compiled
 model is not split at DDP's bucket boundaries), view (gradient_as_bucket_view), onebucket (one 200 MB bucket),
-static (static_graph), graphs (CUDA graphs; now simply --cuda_graphs with --sharding no-shard).
+static (static_graph), graphs (CUDA graphs forced on: under no-shard that is --cuda_graphs; under full-shard's
+whole-model FSDP unit, where the product keeps them off, an experiment whose last-step loss shows whether it trains
+as without graphs).
 
     DDP_VARIANT=noopt mpiexec -x DDP_VARIANT -n 2 python benchmarks/ddp_variants.py --sharding no-shard \\
         --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --vocab_size 65 --batch_size 64 \\
         --no-bias --dropout 0.2 --precision bf16 --compile --warmup 10 --steps 60
-Without DDP_VARIANT (or on any other strategy) it is throughput.py, labelled "default".
+Without DDP_VARIANT it is throughput.py, labelled "default".
 """
 import dataclasses
 import functools

@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2 ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers ...]
 # The fp8 parts need torchao: installed from .whl/torchao-*.whl when missing (the GPU machine has no package index).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: some parts change directory
@@ -183,6 +183,18 @@ recipe_s_scaling)
       --eval_batches 20 --num_tokens 0 --sharding $s --run_name $name > "$OUT/$name.log" 2>&1
     echo -n "GPUs $g, $s, exit $?: "; python3 benchmarks/run_summary.py logs/$name --skip_steps 100 | tee -a "$OUT/summary.txt"
   done ;;
+small_levers)
+  # Target 2's next levers, on recipe S's model (synthetic tokens, no dropout) over SL_GPUS GPUs (4), one GPU first:
+  # DDP (graphs by size) with and without gradient_as_bucket_view, full-shard (one FSDP unit) with and without CUDA
+  # graphs forced onto its compiled model (benchmarks/ddp_variants.py). Each row's last-step loss should agree.
+  B="benchmarks/ddp_variants.py --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --vocab_size 65 --batch_size 64 --no-bias --dropout 0.0 --precision bf16 --compile --warmup 10 --steps 60 --out $OUT/small_levers.jsonl"
+  timeout 150 $MPI -n 1 python3 $B > "$OUT/small_levers_1.log" 2>&1; echo "1 GPU: exit $?"
+  for v in "default no-shard" "view no-shard" "default full-shard" "graphs full-shard"; do
+    read -r var s <<< "$v"
+    DDP_VARIANT=$var timeout 150 $MPI -x DDP_VARIANT -n ${SL_GPUS:-4} python3 $B --sharding $s \
+      > "$OUT/small_levers_${var}_$s.log" 2>&1; echo "$var $s: exit $?"; grep -E 'Error|error:' "$OUT/small_levers_${var}_$s.log" | tail -2
+  done
+  python3 -c "import json, sys; [print(r['gpus'], r['sharding'], r['options'], f\"{r['step_ms']:.2f} ms\", f\"loss {r['last_loss']:.5f}\") for r in map(json.loads, open(sys.argv[1]))]" "$OUT/small_levers.jsonl" | tee -a "$OUT/summary.txt" ;;
 gpt2_b32)
   # Target 3: GPT-2 124M (biases), batch 32 per GPU, T=1024, through basic_training.py (the Shakespeare
   # characters with the vocabulary padded to 50304: the model's work is GPT-2's), one GPU, then every strategy on 4.

@@ -58,9 +58,9 @@ def build(cfg, fsdp_on_one_rank=False):
     return env, model_config, model, build_optimizer(model, cfg), sync
 
 
-def step_times(model, optimizer, sync, cfg, env, seq, vocab, n, first_step=0):
+def step_times(model, optimizer, sync, cfg, env, seq, vocab, n, first_step=0, losses=None):
     """Run n steps (numbered from first_step: gossip topologies change with the step); return each one's time
-    in seconds (device events on CUDA)."""
+    in seconds (device events on CUDA). losses: a list that gets each step's loss (a device tensor)."""
     generator = torch.Generator(device=env.device).manual_seed(cfg.seed + env.rank)
     times = []
     for step in range(first_step, first_step + n):
@@ -71,13 +71,15 @@ def step_times(model, optimizer, sync, cfg, env, seq, vocab, n, first_step=0):
         if env.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            train_step(model, optimizer, batches, sync, cfg.grad_clip, env.device, step)
+            loss, _ = train_step(model, optimizer, batches, sync, cfg.grad_clip, env.device, step)
             end.record()
             times.append((start, end))
         else:
             t0 = time.perf_counter()
-            train_step(model, optimizer, batches, sync, cfg.grad_clip, env.device, step)
+            loss, _ = train_step(model, optimizer, batches, sync, cfg.grad_clip, env.device, step)
             times.append(time.perf_counter() - t0)
+        if losses is not None:
+            losses.append(loss)
     if env.device.type == "cuda":
         torch.cuda.synchronize()
         return [s.elapsed_time(e) / 1000 for s, e in times]
@@ -91,8 +93,10 @@ def main():
     step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["warmup"])
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    losses = []  # same seed, same synthetic batches: a variant that trains differently shows here
     with collections_in_step():  # as in training: no rank pauses alone for a full garbage collection
-        times = step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["steps"])
+        times = step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["steps"], losses=losses)
+    last_loss = float(losses[-1])
     median = statistics.median(times)
     tokens = cfg.batch_size * cfg.grad_accum_steps * seq * env.world_size
     tok_s = tokens / median
@@ -111,11 +115,12 @@ def main():
                gpus=env.world_size, sharding="replica" if cfg.data_parallel == "decentralized" else cfg.sharding,
                precision=cfg.precision + (f"-{cfg.fp8_recipe}" if cfg.precision == "fp8" else ""), options=options,
                batch=cfg.batch_size * cfg.grad_accum_steps, seq=seq, tok_s=tok_s, tok_s_gpu=tok_s / env.world_size,
-               mfu=mfu, step_ms=median * 1000, peak_gb=memory, host_rss_gb=host,
+               mfu=mfu, step_ms=median * 1000, peak_gb=memory, host_rss_gb=host, last_loss=last_loss,
                device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
                torch=torch.__version__)
     if env.is_main:
-        print(f"host memory: peak RSS {host:.1f} GB on the largest rank", flush=True)
+        print(f"host memory: peak RSS {host:.1f} GB on the largest rank; rank 0's loss at the last step "
+              f"{last_loss:.5f}", flush=True)
         print(HEADER)
         print(f"| {row['model']} | {row['gpus']} | {row['sharding']} | {row['precision']} | {options} | {row['batch']} | "
               f"{seq} | {tok_s:,.0f} | {row['tok_s_gpu']:,.0f} | {'-' if mfu != mfu else f'{mfu:.1%}'} | "
