@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 from . import environment, files
 from .config import ConfigError
+from .parallelize import seed64
 
 STEP_NAME = re.compile(r"step_(\d+)")
 
@@ -368,9 +369,7 @@ def restore_rng(path, rank, world_size, seed):
     path, meta = Path(path), read_meta(path)
     file = path / _rng_file(rank)
     if meta.get("world_size") != world_size or not file.is_file():
-        # torch takes seeds in [-2**63, 2**64) and reads a negative one as its two's complement: mod 2**64 keeps
-        # every seed that fitted and lets a large --seed through.
-        torch.manual_seed(((seed * 1_000_003 + rank) * 1_000_000_007 + meta["step"]) % 2**64)
+        torch.manual_seed(seed64((seed * 1_000_003 + rank) * 1_000_000_007 + meta["step"]))
         return False
     state = torch.load(file, weights_only=True)
     torch.set_rng_state(state["torch"])

@@ -254,6 +254,13 @@ def gradient_sync(model, plan):
     return FSDPSync(model, plan) if plan.fsdp else DDPSync(model) if plan.ddp else LocalSync()
 
 
+def seed64(value):
+    """A seed derived from --seed, as every generator takes it: torch's take [-2**63, 2**64) (a negative one as
+    its two's complement), torch_xla's only [0, 2**64); mod 2**64 keeps every seed that fitted and lets a large or
+    negative --seed through."""
+    return value % 2**64
+
+
 @torch.no_grad()
 def init_weights(model, seed, device):
     """Give every parameter its initial value, one full parameter at a time on `device`.
@@ -263,8 +270,7 @@ def init_weights(model, seed, device):
     parameter keeps only its local slice: no rank ever holds more than one full parameter.
     """
     for name, param in model.named_parameters():
-        # mod 2**64: torch takes seeds in [-2**63, 2**64) (a negative one as its two's complement), a large --seed too
-        generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
+        generator = torch.Generator(device=device).manual_seed(seed64(seed * 1_000_003 + zlib.crc32(name.encode())))
         value = model.initial_value(name, param.shape, generator, device)
         if isinstance(param, DTensor):
             local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()

@@ -42,7 +42,7 @@ from . import checkpoint, environment, hf
 from .config import ConfigError
 from .metrics import banner
 from .models import MODELS
-from .parallelize import LocalSync, init_weights
+from .parallelize import LocalSync, init_weights, seed64
 from .train import train
 
 WRAPPED = "_orig_module."  # FSDPv2's attribute for the module it wraps; not part of a parameter's saved name
@@ -223,12 +223,6 @@ class Checkpointer(checkpoint.Checkpointer):
         return checkpoint.read_meta(path)
 
 
-def rng_seed(seed, step):
-    """torch_xla's RNG seed for a launch starting at `step`. It takes [0, 2**64) only; --seed may be negative or
-    near 2**63, so the product wraps around as torch.manual_seed's seeds do (parallelize.init_weights)."""
-    return (seed * 1_000_003 + step) % 2**64
-
-
 def train_model(cfg, env, plan, data, model_config, start, hf_dir, stop):
     """run.train_model under --device xla, after its checks: bind the data to this host's rows, build (or
     resume) the sharded model, and train it with train.train. Returns the checkpoint to sample from: the last
@@ -244,7 +238,7 @@ def train_model(cfg, env, plan, data, model_config, start, hf_dir, stop):
     if start is not None:
         saved = checkpointer.restore(start, model, optimizer, cfg.seed)
         data.load_state_dict(saved["state"]["data"], saved["step"])
-    xm.set_rng_state(rng_seed(cfg.seed, saved["step"] if saved else 0))  # dropout masks, seeded per launch
+    xm.set_rng_state(seed64(cfg.seed * 1_000_003 + (saved["step"] if saved else 0)))  # dropout masks, per launch
     if env.is_main:
         print(_banner(cfg, env, plan, devices, model, start) + "\n" + data.describe(), flush=True)
     on_devices = dataclasses.replace(env, device=devices.device)

@@ -57,12 +57,14 @@ def assert_same_run(run, reference, steps):
 @no_torch_xla
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_fsdpv2_on_4_devices_matches_one_cpu_rank(tmp_path, corpus, model):
-    # Llama also recomputes its blocks (torch_xla's activation checkpointing): the same numbers.
+    # Llama also recomputes its blocks (torch_xla's activation checkpointing): the same numbers. Its --seed -1 is
+    # one torch_xla's RNG takes only wrapped into [0, 2**64) (parallelize.seed64).
+    seed = ["--seed", -1] if model == "llama" else []
     extra = ["--activation_checkpoints"] if model == "llama" else []
     xla, cpu = tmp_path / "xla", tmp_path / "cpu"
     xla.mkdir(), cpu.mkdir()
-    out = train_xla(run_args(corpus, model, 20, *extra), xla)
-    train_cpu(run_args(corpus, model, 20), cpu)
+    out = train_xla(run_args(corpus, model, 20, *seed, *extra), xla)
+    train_cpu(run_args(corpus, model, 20, *seed), cpu)
     assert "mesh fsdp=4 (FSDPv2)" in out.stdout
     assert "this launch trained 20 steps (5,120 tokens)" in out.stdout  # 20 x 4 devices x 2 rows x 32 tokens
     assert_same_run(xla, cpu, range(1, 21))
@@ -163,10 +165,10 @@ def test_xla_wants_one_process_per_host(monkeypatch):
 @pytest.mark.parametrize("seed", [-2**63, -1, 0, 1337, 2**63 - 1])
 def test_every_seed_gives_torch_xla_a_seed_it_takes(seed):
     """torch_xla's set_rng_state takes [0, 2**64) only: --seed -1 or a seed near 2**63 ended in a TypeError."""
-    from minimal_fsdp.xla import rng_seed
-    seeds = [rng_seed(seed, step) for step in (0, 1, 1000)]
+    from minimal_fsdp.parallelize import seed64  # what xla.py seeds torch_xla with: seed64(seed * 1_000_003 + step)
+    seeds = [seed64(seed * 1_000_003 + step) for step in (0, 1, 1000)]
     assert all(0 <= s < 2**64 for s in seeds) and len(set(seeds)) == 3  # each launch's own dropout masks
-    assert rng_seed(seed, 1000) == (seed * 1_000_003 + 1000) % 2**64
+    assert seed64(seed * 1_000_003 + 1000) == (seed * 1_000_003 + 1000) % 2**64
     import torch_xla.core.xla_model as xm
     for s in seeds:
         xm.set_rng_state(s)
