@@ -1,9 +1,9 @@
 """throughput.py's row for no-shard (DDP) under one of DDP's own settings, to see which of them moves a small
 model's step. DDP_VARIANT names them, joined by "_": noopt (torch._dynamo.config.optimize_ddp off: the compiled
-model is not split at DDP's bucket boundaries), view (gradient_as_bucket_view), onebucket (one 200 MB bucket),
-static (static_graph), graphs (CUDA graphs forced on: under no-shard that is --cuda_graphs; under full-shard's
-whole-model FSDP unit, where the product keeps them off, an experiment whose last-step loss shows whether it trains
-as without graphs).
+model is not split at DDP's bucket boundaries), copies (gradient_as_bucket_view off, as before the twelfth
+session), onebucket (one 200 MB bucket), static (static_graph), graphs (CUDA graphs forced on: under no-shard that
+is --cuda_graphs; under full-shard's whole-model FSDP unit, where the product keeps them off, an experiment whose
+last-step loss shows whether it trains as without graphs).
 
     DDP_VARIANT=noopt mpiexec -x DDP_VARIANT -n 2 python benchmarks/ddp_variants.py --sharding no-shard \\
         --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --vocab_size 65 --batch_size 64 \\
@@ -11,7 +11,6 @@ as without graphs).
 Without DDP_VARIANT it is throughput.py, labelled "default".
 """
 import dataclasses
-import functools
 import os
 import sys
 from pathlib import Path
@@ -27,11 +26,12 @@ variant = os.environ.get("DDP_VARIANT", "default")
 names = set(variant.split("_"))
 if "noopt" in names:
     torch._dynamo.config.optimize_ddp = False
-options = {key: value for name, (key, value) in {"view": ("gradient_as_bucket_view", True),
+options = {key: value for name, (key, value) in {"copies": ("gradient_as_bucket_view", False),
                                                    "onebucket": ("bucket_cap_mb", 200),
                                                    "static": ("static_graph", True)}.items() if name in names}
-if options:
-    parallelize.replicate = functools.partial(parallelize.replicate, **options)
+if options:  # over the product's own arguments
+    replicate = parallelize.replicate
+    parallelize.replicate = lambda module, **kwargs: replicate(module, **{**kwargs, **options})
 if "graphs" in names:
     plan = throughput.make_plan
     throughput.make_plan = lambda cfg, env, **k: dataclasses.replace(plan(cfg, env, **k), cuda_graphs=True)

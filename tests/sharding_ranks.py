@@ -55,7 +55,8 @@ def sharding_state(env, name, extra):
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         return {"mesh": None, "ddp": True, "loss": loss.item(), "after_backward": held(model),
-                "grad": model.blocks[0].attn.qkv.weight.grad.flatten().tolist()}
+                "grad": model.blocks[0].attn.qkv.weight.grad.flatten().tolist(),
+                "grads_are_views": all(p.grad._is_view() for p in model.parameters())}  # of DDP's buckets
     mesh = plan.mesh
     model.blocks[0].register_forward_pre_hook(  # is the block gathered by then (by the root, as one unit)?
         lambda module, args: gathered_at_block.append(not isinstance(module.attn.qkv.weight, DTensor)),
