@@ -26,6 +26,11 @@ fp8_setup() {  # torchao for --precision fp8, from the wheel carried in .whl/ (d
   python3 -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1 | tee -a "$OUT/env.txt"
 }
 
+fresh() {  # remove this script's own runs NAME... of an earlier call on this machine: a run of the same name would
+  # resume from their checkpoints (twelfth session: call 5 trained nothing, resumed at call 4's last step)
+  for name; do rm -rf "logs/$name" "checkpoints/$name"; done
+}
+
 { nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } | tee "$OUT/env.txt"
 
 for part in $parts; do case $part in
@@ -34,7 +39,7 @@ tests)
     -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
 default)
   # The README's two commands, on 2 GPUs with NCCL (data/shakespeare/input.txt carried along).
-  timeout 240 $MPI -n 2 python3 basic_training.py --max_steps 300 --run_name gpu_default 2>&1 | tr '\r' '\n' \
+  fresh gpu_default; timeout 240 $MPI -n 2 python3 basic_training.py --max_steps 300 --run_name gpu_default 2>&1 | tr '\r' '\n' \
     | grep -v '^train:' > "$OUT/default.log"; tail -12 "$OUT/default.log"
   timeout 120 $MPI -n 1 python3 basic_training.py --max_epochs -1 --run_name gpu_default --num_tokens 100 2>&1 | tail -5 ;;
 throughput)
@@ -135,7 +140,7 @@ recipe_s)
   # launch (the log's recipe_s_*.log), so the wall splits into startup, compiling, training, evaluation and saving.
   for ev in ${RECIPE_EVALS:-5000 250}; do
     [ "${RECIPE_COLD:-0}" = 1 ] && export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
-    start=$SECONDS
+    start=$SECONDS; fresh recipe_s_$ev
     timeout 420 $MPI -n 1 python3 basic_training.py $RECIPE_S --eval_interval $ev --run_name recipe_s_$ev 2>&1 \
       | python3 -c "import sys, time; t = time.time(); [print(f'{time.time() - t:6.1f} {line.rsplit(chr(13), 1)[-1]}', end='', flush=True) for line in sys.stdin]" \
       > "$OUT/recipe_s_$ev.log"
@@ -174,15 +179,17 @@ PY
   done ;;
 recipe_s_scaling)
   # Target 2: recipe S on 1, 2 and 4 GPUs, batch 64 per GPU, full-shard and no-shard, then with --cuda_graphs
-  # (one GPU, no-shard): the step time should stay within 10% of one GPU's.
+  # (one GPU, no-shard): the step time should stay within 10% of one GPU's. SCALING_REPEATS rounds through the
+  # variants (the multi-GPU step swung between calls: 6.75 and 8.61 ms, twelfth session); SCALING_MPI_ARGS adds
+  # mpiexec options (--bind-to ...).
   gpus=$(nvidia-smi -L | wc -l)
   IFS=';' read -ra variants <<< "${SCALING_VARIANTS:-1 full-shard;2 full-shard;2 no-shard;4 full-shard;4 no-shard;1 full-shard --cuda_graphs;2 no-shard --cuda_graphs;4 no-shard --cuda_graphs}"
-  for v in "${variants[@]}"; do
-    read -r g s <<< "$v"; [ $g -le $gpus ] || continue; name="rs_${g}_${s// /_}"; name=${name//--/}
-    timeout 240 $MPI -n $g python3 basic_training.py $RECIPE_S --max_steps ${SCALING_STEPS:-600} --eval_interval 0 \
-      --eval_batches 20 --num_tokens 0 --sharding $s --run_name $name > "$OUT/$name.log" 2>&1
+  for round in $(seq ${SCALING_REPEATS:-1}); do for v in "${variants[@]}"; do
+    read -r g s <<< "$v"; [ $g -le $gpus ] || continue; name="rs_${g}_${s// /_}_$round"; name=${name//--/}
+    fresh $name; timeout 240 $MPI ${SCALING_MPI_ARGS:-} -n $g python3 basic_training.py $RECIPE_S --max_steps ${SCALING_STEPS:-600} \
+      --eval_interval 0 --eval_batches 20 --num_tokens 0 --sharding $s --run_name $name > "$OUT/$name.log" 2>&1
     echo -n "GPUs $g, $s, exit $?: "; python3 benchmarks/run_summary.py logs/$name --skip_steps 100 | tee -a "$OUT/summary.txt"
-  done ;;
+  done; done ;;
 small_levers)
   # Target 2's next levers, on recipe S's model (synthetic tokens, no dropout) over SL_GPUS GPUs (4), one GPU first:
   # DDP (graphs by size) with gradient_as_bucket_view (the default) and without (copies), full-shard (one FSDP
@@ -202,7 +209,7 @@ gpt2_b32)
   IFS=';' read -ra variants <<< "${GPT2_VARIANTS:-1 full-shard;4 full-shard;4 full-shard --fsdp_unit block;4 no-shard;4 grad-shard;4 hybrid-full-shard --shard_group_size 2}"
   for v in "${variants[@]}"; do
     read -r g s <<< "$v"; name="g2_${g}_${s// /_}"; name=${name//--/}
-    timeout 240 $MPI -n $g python3 basic_training.py $G --sharding $s --run_name $name > "$OUT/$name.log" 2>&1
+    fresh $name; timeout 240 $MPI -n $g python3 basic_training.py $G --sharding $s --run_name $name > "$OUT/$name.log" 2>&1
     echo -n "GPUs $g, $s, exit $?: "; python3 benchmarks/run_summary.py logs/$name --skip_steps 30 | tee -a "$OUT/summary.txt"
   done ;;
 profile_loop)
@@ -223,7 +230,7 @@ profile_loop)
 loop)
   # The real training loop (data, logging, stop agreement, eval and save at the end) beside the benchmark's
   # row: GPT-2 124M shape on the Shakespeare characters (vocab padded to 50304), one GPU, batch 32.
-  timeout 240 $MPI -n 1 python3 basic_training.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile \
+  fresh loop; timeout 240 $MPI -n 1 python3 basic_training.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile \
     --batch_size 32 --max_steps 100 --log_interval 25 --eval_interval 0 --num_tokens 0 --run_name loop 2>&1 \
     | tr '\r' '\n' | grep -v '^train:' > "$OUT/loop.log"
   cp logs/loop/metrics.jsonl "$OUT/loop_metrics.jsonl"; cat "$OUT/loop_metrics.jsonl" ;;

@@ -15,8 +15,9 @@ def summary(run_dir, skip_steps):
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     parts = [Path(run_dir).name]
     if steady:
-        parts.append(f"step {statistics.median(r['step_time'] for r in steady) * 1000:.2f} ms (median of "
-                     f"{len(steady)} windows after step {skip_steps})")
+        times = sorted(r["step_time"] * 1000 for r in steady)
+        parts.append(f"step {statistics.median(times):.2f} ms (median of {len(steady)} windows after step "
+                     f"{skip_steps}; {times[0]:.2f} to {times[-1]:.2f})")
         parts.append(f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f} tokens/s")
         if "mfu" in steady[0]:
             parts.append(f"MFU {statistics.median(r['mfu'] for r in steady):.1%}")
