@@ -250,7 +250,8 @@ def test_a_plain_bf16_model_runs_under_bf16_autocast(monkeypatch):
 def test_ddp_replicates_the_model_without_rebroadcasting_buffers(monkeypatch):
     calls = record_calls(monkeypatch, parallelize, "replicate")
     model = build_model(GPT, CONFIG, plain_plan(fsdp=False, ddp=True, precision="float32"), CPU, seed=0)
-    assert calls == [((model,), {"device_id": torch.device("cpu"), "broadcast_buffers": False})]
+    assert calls == [((model,), {"device_id": torch.device("cpu"), "broadcast_buffers": False,
+                                 "gradient_as_bucket_view": True})]
     assert type(gradient_sync(model, plain_plan(fsdp=False, ddp=True))) is DDPSync
     assert gradient_sync(model, plain_plan(fsdp=False, ddp=True)).model is model
 
