@@ -181,15 +181,17 @@ recipe_s_scaling)
   # Target 2: recipe S on 1, 2 and 4 GPUs, batch 64 per GPU, full-shard and no-shard, then with --cuda_graphs
   # (one GPU, no-shard): the step time should stay within 10% of one GPU's. SCALING_REPEATS rounds through the
   # variants (the multi-GPU step swung between calls: 6.75 and 8.61 ms, twelfth session); SCALING_MPI_ARGS adds
-  # mpiexec options (--bind-to ...).
+  # mpiexec options (--bind-to ...); SCALING_TREES runs each variant from each tree (another commit's checkout
+  # carried along, as profile_loop's .ref/old) for a before/after within one call.
   gpus=$(nvidia-smi -L | wc -l)
   IFS=';' read -ra variants <<< "${SCALING_VARIANTS:-1 full-shard;2 full-shard;2 no-shard;4 full-shard;4 no-shard;1 full-shard --cuda_graphs;2 no-shard --cuda_graphs;4 no-shard --cuda_graphs}"
-  for round in $(seq ${SCALING_REPEATS:-1}); do for v in "${variants[@]}"; do
-    read -r g s <<< "$v"; [ $g -le $gpus ] || continue; name="rs_${g}_${s// /_}_$round"; name=${name//--/}
-    fresh $name; timeout 240 $MPI ${SCALING_MPI_ARGS:-} -n $g python3 basic_training.py $RECIPE_S --max_steps ${SCALING_STEPS:-600} \
-      --eval_interval 0 --eval_batches 20 --num_tokens 0 --sharding $s --run_name $name > "$OUT/$name.log" 2>&1
-    echo -n "GPUs $g, $s, exit $?: "; python3 benchmarks/run_summary.py logs/$name --skip_steps 100 | tee -a "$OUT/summary.txt"
-  done; done ;;
+  for round in $(seq ${SCALING_REPEATS:-1}); do for v in "${variants[@]}"; do for tree in ${SCALING_TREES:-.}; do
+    read -r g s <<< "$v"; [ $g -le $gpus ] || continue; tag=${tree//[.\/]/}; name="rs_${g}_${s// /_}${tag:+_$tag}_r$round"; name=${name//--/}
+    ( cd $tree && fresh $name && timeout 240 $MPI ${SCALING_MPI_ARGS:-} -n $g python3 basic_training.py $RECIPE_S \
+      --max_steps ${SCALING_STEPS:-600} --eval_interval 0 --eval_batches 20 --num_tokens 0 --sharding $s --run_name $name \
+      > "$OUT/$name.log" 2>&1; echo -n "GPUs $g, $s, tree $tree, exit $?: "
+      python3 benchmarks/run_summary.py logs/$name --skip_steps 100 ) | tee -a "$OUT/summary.txt"
+  done; done; done ;;
 small_levers)
   # Target 2's next levers, on recipe S's model (synthetic tokens, no dropout) over SL_GPUS GPUs (4), one GPU first:
   # DDP (graphs by size) with gradient_as_bucket_view (the default) and without (copies), full-shard (one FSDP

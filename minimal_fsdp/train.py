@@ -75,9 +75,12 @@ def run_length(cfg, steps_per_epoch):
 
 
 def _to_device(batch, device):
-    """Host batches go through pinned memory so the copy overlaps with compute."""
+    """Host batches go through pinned memory so the copy overlaps with compute. Contiguous first: inputs and
+    targets are strided views of one block of tokens, and torch copies a strided host tensor to the GPU from a
+    pageable temporary, which the CUDA driver may stage by waiting for the stream (the host then cannot run ahead)."""
     if device.type == "cuda":
-        return [t.pin_memory().to(device, non_blocking=True) if t.device.type == "cpu" else t for t in batch]
+        return [t.contiguous().pin_memory().to(device, non_blocking=True) if t.device.type == "cpu" else t
+                for t in batch]
     return batch
 
 

@@ -193,10 +193,14 @@ def test_train_step_applies_a_nonfinite_update_by_default():
 
 
 class HostTensor:
-    """Duck-types what _to_device uses of a tensor: its device, pin_memory() and to()."""
+    """Duck-types what _to_device uses of a tensor: its device, contiguous(), pin_memory() and to()."""
 
     def __init__(self, device_type):
         self.device, self.calls = SimpleNamespace(type=device_type), []
+
+    def contiguous(self):
+        self.calls.append("contiguous")
+        return self
 
     def pin_memory(self):
         self.calls.append("pin_memory")
@@ -208,10 +212,11 @@ class HostTensor:
 
 
 def test_to_device_pins_host_batches_and_copies_them_asynchronously():
+    """Made contiguous before pinning: a strided host tensor goes to the GPU through a pageable temporary."""
     cuda = torch.device("cuda", 1)  # a device name only: no GPU is touched
     host, there = HostTensor("cpu"), HostTensor("cuda")
     assert _to_device([host, there], cuda) == [host, there]
-    assert host.calls == ["pin_memory", ("to", cuda, True)] and there.calls == []
+    assert host.calls == ["contiguous", "pin_memory", ("to", cuda, True)] and there.calls == []
     cpu_batch = [HostTensor("cpu")]
     assert _to_device(cpu_batch, torch.device("cpu")) is cpu_batch and cpu_batch[0].calls == []
 
