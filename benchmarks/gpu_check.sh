@@ -285,7 +285,8 @@ PY
 fp8_gpt2)
   # Issue 21, target 3: GPT-2 124M on one GPU at its best setting (no biases, batch 160 x 2 micro-steps, expandable
   # segments) and GPT-2 XL on NG GPUs (4) (full-shard, meta init, batch 16, no recompute), bf16 against fp8 tensorwise,
-  # compiled (FP8_GPT2_PRECISIONS="bf16 tensorwise rowwise" adds rowwise; FP8_GPT2_SMALL=0 skips GPT-2 124M).
+  # compiled (FP8_GPT2_PRECISIONS="bf16 tensorwise rowwise" adds rowwise; FP8_GPT2_SMALL=0 skips GPT-2 124M;
+  # GPT2_XL_ARGS="--batch_size 24" another batch; GPT2_XL_MPI_ARGS="-x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True").
   fp8_setup || continue
   S="python3 benchmarks/throughput.py --vocab_size 50304 --compile --warmup 6 --steps 12 --out $OUT/fp8_gpt2.jsonl"
   for p in ${FP8_GPT2_PRECISIONS:-bf16 tensorwise}; do
@@ -297,7 +298,7 @@ fp8_gpt2)
   done
   for p in ${FP8_GPT2_PRECISIONS:-bf16 tensorwise}; do
     prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
-    timeout 200 $MPI -n $NG $S --model_preset gpt2-xl --meta_init ${GPT2_XL_ARGS:---batch_size 16} $prec \
+    timeout 200 $MPI ${GPT2_XL_MPI_ARGS:-} -n $NG $S --model_preset gpt2-xl --meta_init ${GPT2_XL_ARGS:---batch_size 16} $prec \
       >> "$OUT/fp8_gpt2.log" 2>&1
     echo "gpt2-xl $p: exit $?"
   done

@@ -81,6 +81,8 @@ def main():
         for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
             print(f"  {k:18s} {ms:6.1f} ms")
         print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+        # Inclusive host time: which ranges (optimizer step, compiled graphs, DDP, autograd) hold the host longest.
+        print(events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
         # Which operator (and input shapes) launched the costliest kernels.
         print(prof.key_averages(group_by_input_shape=True).table(sort_by="device_time_total", row_limit=25,
                                                                   max_name_column_width=40, max_shapes_column_width=70))

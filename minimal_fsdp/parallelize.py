@@ -347,6 +347,11 @@ def build_model(model_cls, model_config, plan, env, seed):
             # Gradients as views of DDP's buckets: no copy back from the buckets after the all-reduce. Recipe S
             # (10.7M, graphs) on 4 H100s: 8.38 -> 6.46 ms a step (one GPU 6.28; benchmarks/LOG.md, 12th session).
             replicate(model, device_id=env.device, broadcast_buffers=False, gradient_as_bucket_view=True)
+            if plan.compile and plan.replays_graphs(model.num_params(non_embedding=False)):
+                # One graph, not one per DDP bucket (Dynamo's DDPOptimizer cut recipe S's model into 3, each with
+                # its own replay and autograd node): host time is what a model this small waits on, and its
+                # all-reduce, now after the backward instead of overlapping it, is brief.
+                torch._dynamo.config.optimize_ddp = False
         return model
     shard(model, plan, whole)
     if plan.meta_init:

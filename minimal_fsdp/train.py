@@ -97,7 +97,9 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
     for i, batch in enumerate(micro_batches):
         x, y = _to_device(batch, device)
         sync.micro_step(last=i == len(micro_batches) - 1)
-        loss = model(x, y) / len(micro_batches)
+        loss = model(x, y)
+        if len(micro_batches) > 1:  # not / 1: a kernel each way for nothing (its time was below noise: LOG.md)
+            loss = loss / len(micro_batches)
         loss.backward()
         loss_sum += loss.detach()
     sync.finish()  # gossip: parameters <- the neighbours' weighted average; this step's update lands on it

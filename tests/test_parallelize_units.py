@@ -256,6 +256,17 @@ def test_ddp_replicates_the_model_without_rebroadcasting_buffers(monkeypatch):
     assert gradient_sync(model, plain_plan(fsdp=False, ddp=True)).model is model
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_ddp_with_graphs_compiles_one_graph_not_one_per_bucket(monkeypatch, graphs):
+    """Under DDP, Dynamo cuts a compiled model at DDP's buckets (recipe S: 3 graphs, each replayed and run through
+    autograd on its own); a model replayed as CUDA graphs is host-bound, so it stays one graph."""
+    record_calls(monkeypatch, parallelize, "replicate")
+    record_calls(monkeypatch, parallelize, "compiled_unless_caching", lambda f, mode=None: f)
+    with torch._dynamo.config.patch(optimize_ddp=True):  # restored afterwards
+        build_model(GPT, CONFIG, plain_plan(fsdp=False, ddp=True, compile=True, cuda_graphs=graphs), CPU, seed=0)
+        assert torch._dynamo.config.optimize_ddp is (not graphs)
+
+
 @pytest.mark.parametrize("graphs,limit,replays", [(False, None, False), (True, None, True), (None, None, True),
                                                    (None, 1000, False)])
 def test_the_whole_trunk_is_compiled_and_replayed_as_graphs_when_asked(monkeypatch, graphs, limit, replays):
