@@ -1,6 +1,6 @@
 """throughput.py's row for no-shard (DDP) under one of DDP's own settings, to see which of them moves a small
 model's step. DDP_VARIANT names them, joined by "_": noopt (torch._dynamo.config.optimize_ddp off: the compiled
-model is not split at DDP's bucket boundaries), copies (gradient_as_bucket_view off, as before the twelfth
+model is not split at DDP's bucket boundaries; the product's own setting where DDP replays graphs), copies (gradient_as_bucket_view off, as before the twelfth
 session), onebucket (one 200 MB bucket), static (static_graph), graphs (CUDA graphs forced on: under no-shard that
 is --cuda_graphs; under full-shard's whole-model FSDP unit, where the product keeps them off, an experiment whose
 last-step loss shows whether it trains as without graphs).
