@@ -1,9 +1,9 @@
 """throughput.py's row for no-shard (DDP) under one of DDP's own settings, to see which of them moves a small
 model's step. DDP_VARIANT names them, joined by "_": noopt (torch._dynamo.config.optimize_ddp off: the compiled
-model is not split at DDP's bucket boundaries; the product's own setting where DDP replays graphs), copies (gradient_as_bucket_view off, as before the twelfth
-session), onebucket (one 200 MB bucket), static (static_graph), graphs (CUDA graphs forced on: under no-shard that
-is --cuda_graphs; under full-shard's whole-model FSDP unit, where the product keeps them off, an experiment whose
-last-step loss shows whether it trains as without graphs).
+model is not split at DDP's bucket boundaries; the product's own setting where DDP replays graphs), copies
+(gradient_as_bucket_view off, as before the twelfth session), onebucket (one 200 MB bucket), static (static_graph),
+graphs (CUDA graphs forced on: under no-shard that is --cuda_graphs; under full-shard's whole-model FSDP unit, where
+the product keeps them off, an experiment whose last-step loss shows whether it trains as without graphs).
 
     DDP_VARIANT=noopt mpiexec -x DDP_VARIANT -n 2 python benchmarks/ddp_variants.py --sharding no-shard \\
         --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --vocab_size 65 --batch_size 64 \\

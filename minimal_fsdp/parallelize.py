@@ -324,8 +324,9 @@ def build_model(model_cls, model_config, plan, env, seed):
             block.forward = recomputed(block.forward, plan.recompute)
         if plan.compile and plan.fsdp and not whole:  # each block is its own graph between FSDP's hooks
             block.forward = compiled_unless_caching(block.forward)
-    if plan.compile and (not plan.fsdp or whole):  # no hooks in the way: one graph from token ids to hidden states
-        graphs = plan.replays_graphs(model.num_params(non_embedding=False))
+    whole_graph = plan.compile and (not plan.fsdp or whole)  # no hooks in the way: token ids to hidden states
+    graphs = whole_graph and plan.replays_graphs(model.num_params(non_embedding=False))
+    if whole_graph:
         model.trunk = compiled_unless_caching(model.trunk, "reduce-overhead" if graphs else None)
     if env.device.type == "cuda":
         # One Triton kernel turns the logits into the loss and, in place, their gradient (fused_loss.py).
@@ -347,10 +348,11 @@ def build_model(model_cls, model_config, plan, env, seed):
             # Gradients as views of DDP's buckets: no copy back from the buckets after the all-reduce. Recipe S
             # (10.7M, graphs) on 4 H100s: 8.38 -> 6.46 ms a step (one GPU 6.28; benchmarks/LOG.md, 12th session).
             replicate(model, device_id=env.device, broadcast_buffers=False, gradient_as_bucket_view=True)
-            if plan.compile and plan.replays_graphs(model.num_params(non_embedding=False)):
-                # One graph, not one per DDP bucket (Dynamo's DDPOptimizer cut recipe S's model into 3, each with
-                # its own replay and autograd node): host time is what a model this small waits on, and its
-                # all-reduce, now after the backward instead of overlapping it, is brief.
+            if graphs:
+                # One graph, not one per DDP bucket (Dynamo's DDPOptimizer cut recipe S's model into 3, each its
+                # own replay and autograd node): host time is what a model this small waits on, and its all-reduce,
+                # now after the backward instead of overlapping it, is brief. Recipe S, same call: 8.46 -> 6.80 ms
+                # a step on 2 H100s, 9.29 -> 7.91 on 4 (one GPU 6.47; benchmarks/LOG.md, 13th session).
                 torch._dynamo.config.optimize_ddp = False
         return model
     shard(model, plan, whole)
