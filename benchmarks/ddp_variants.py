@@ -3,7 +3,10 @@ model's step. DDP_VARIANT names them, joined by "_": noopt (torch._dynamo.config
 model is not split at DDP's bucket boundaries; the product's own setting where DDP replays graphs), copies
 (gradient_as_bucket_view off, as before the twelfth session), onebucket (one 200 MB bucket), static (static_graph),
 graphs (CUDA graphs forced on: under no-shard that is --cuda_graphs; under full-shard's whole-model FSDP unit, where
-the product keeps them off, an experiment whose last-step loss shows whether it trains as without graphs).
+the product keeps them off, an experiment whose last-step loss shows whether it trains as without graphs), ca
+(compiled autograd with DDP's Python reducer: the whole backward, DDP's all-reduces included, traced into one graph,
+compiled in the trunk's mode, so on CUDA replayed as a CUDA graph with no per-parameter reducer work on the host;
+one capture on 2 CPU ranks trained as the default, last-step loss equal).
 
     DDP_VARIANT=noopt mpiexec -x DDP_VARIANT -n 2 python benchmarks/ddp_variants.py --sharding no-shard \\
         --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --vocab_size 65 --batch_size 64 \\
@@ -11,6 +14,7 @@ the product keeps them off, an experiment whose last-step loss shows whether it 
 Without DDP_VARIANT it is throughput.py, labelled "default".
 """
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -32,6 +36,17 @@ options = {key: value for name, (key, value) in {"copies": ("gradient_as_bucket_
 if options:  # over the product's own arguments
     replicate = parallelize.replicate
     parallelize.replicate = lambda module, **kwargs: replicate(module, **{**kwargs, **options})
+if "ca" in names:  # private API (torch._dynamo.compiled_autograd._enable), torch 2.11 to 2.13: an experiment
+    step = throughput.train_step
+
+    def compiled_autograd_step(model, *args, **kwargs):
+        # Set on every call: the product turns Dynamo's DDP splitting off at build where graphs replay, and DDP
+        # (built lazily by replicate() at the first forward) reads this mode then.
+        torch._dynamo.config.optimize_ddp = "python_reducer"
+        mode = "reduce-overhead" if torch.cuda.is_available() else None
+        with torch._dynamo.compiled_autograd._enable(functools.partial(torch.compile, mode=mode)):
+            return step(model, *args, **kwargs)
+    throughput.train_step = compiled_autograd_step
 if "graphs" in names:
     plan = throughput.make_plan
     throughput.make_plan = lambda cfg, env, **k: dataclasses.replace(plan(cfg, env, **k), cuda_graphs=True)
