@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from . import fp8
 from .layers import KVCache
+from .whole_unit import WholeUnit
 
 SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
 PRECISION = ("float32", "bf16", "fp8")
@@ -71,7 +72,7 @@ class ParallelPlan:
     activation_checkpoints: bool
     recompute: str
     compile: bool
-    cuda_graphs: bool  # the compiled whole model (no FSDP: one rank or DDP) replays as CUDA graphs; None: by size
+    cuda_graphs: bool  # the compiled whole model replays as CUDA graphs (replays_graphs); None: by size
     fp8: str = None  # --precision fp8: the float8 recipe (fp8.RECIPES); None otherwise
     ddp: bool = False  # no-shard over several ranks: a plain module whose gradients DDP all-reduces
     fsdp_unit: str = "auto"  # --fsdp_unit: per block, the whole model, or by size (whole_model_unit)
@@ -96,8 +97,16 @@ class ParallelPlan:
         """FSDP gathers the whole model at once (one unit, one compiled graph), not block by block."""
         return self.fsdp and one_unit(self.fsdp_unit, num_params)
 
+    def gathered_whole(self, num_params):
+        """The whole model is one unit gathered by whole_unit.py, not FSDP2 (which offloading and float8's
+        all-gather need)."""
+        return self.whole_model_unit(num_params) and not self.cpu_offload and not self.fp8
+
     def replays_graphs(self, num_params):
-        """The compiled whole model replays as CUDA graphs: asked for, or (auto) a model of at most GRAPHS_MODEL."""
+        """The compiled whole model replays as CUDA graphs (no FSDP2 hooks around it: one rank, DDP, whole_unit.py):
+        asked for, or (auto) a model of at most GRAPHS_MODEL."""
+        if self.fsdp and not self.gathered_whole(num_params):
+            return False
         return self.cuda_graphs or self.cuda_graphs is None and num_params <= GRAPHS_MODEL
 
     def describe(self, num_params):
@@ -109,9 +118,10 @@ class ParallelPlan:
         if not self.fsdp:
             return "no FSDP: one rank holds the whole model" + graphs
         dims = ("shard",) if len(self.mesh_shape) == 1 else ("replicate", "shard")
-        units = "the whole model as one FSDP unit" if self.whole_model_unit(num_params) else "an FSDP unit per block"
+        units = "the whole model as one unit, one all-gather a step" if self.gathered_whole(num_params) else \
+            "the whole model as one FSDP unit" if self.whole_model_unit(num_params) else "an FSDP unit per block"
         return "mesh " + " x ".join(f"{name}={size}" for name, size in zip(dims, self.mesh_shape)) + \
-            f" ({self.sharding}), {units}"
+            f" ({self.sharding}), {units}{graphs}"
 
 
 def one_unit(fsdp_unit, num_params):
@@ -130,11 +140,12 @@ def layout(sharding, world_size, shard_group_size):
     return shape, shape[-1], sharding in ("full-shard", "hybrid-full-shard") and shape[-1] > 1
 
 
-def graphs_setting(cfg, fsdp, device, auto):
+def graphs_setting(cfg, device, auto):
     """--cuda_graphs: True, False, or None (by model size, ParallelPlan.replays_graphs) where graphs can replay the
-    compiled model: on CUDA, without FSDP's hooks (they gather parameters at new addresses every step). auto: the
-    size rule may apply (not to gossip's replicas or float8 layers, which were not measured under graphs)."""
-    if not cfg.compile or fsdp or device.type != "cuda" or cfg.cuda_graphs is None and not auto:
+    compiled model: on CUDA (and not inside FSDP2's hooks, which gather parameters at new addresses every step:
+    replays_graphs). auto: the size rule may apply (not to gossip's replicas or float8 layers, which were not
+    measured under graphs)."""
+    if not cfg.compile or device.type != "cuda" or cfg.cuda_graphs is None and not auto:
         return False
     return cfg.cuda_graphs
 
@@ -157,7 +168,7 @@ def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
         fp8.check_device(env.device)
     plan = ParallelPlan(cfg.sharding, decentralized, fsdp, shape, shard_ranks, reshard, cfg.precision,
                         cfg.cpu_offload, cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute,
-                        cfg.compile, graphs_setting(cfg, fsdp, env.device, auto=not decentralized and not recipe),
+                        cfg.compile, graphs_setting(cfg, env.device, auto=not decentralized and not recipe),
                         recipe, ddp, cfg.fsdp_unit)
     if fsdp:
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
@@ -213,6 +224,27 @@ class DDPSync(LocalSync):
         self.model.set_requires_gradient_sync(last)
 
 
+class WholeUnitSync(LocalSync):
+    """Gradient synchronization of a whole_unit.WholeUnit model: each micro-step's unsharded gradients are added
+    in fp32 (as FSDP2 accumulates them); one reduce-scatter after the last gives the shards their mean."""
+
+    def __init__(self, unit):
+        self.unit = unit
+
+    def micro_step(self, last):
+        self.unit.accumulate()  # the previous micro-step's, if any
+
+    def finish(self):
+        self.unit.reduce()
+
+    def clip_grad_norm(self, parameters, max_norm):
+        """The global grad norm (the same on every rank), after clipping: the shards' gradients are one tensor."""
+        return self.unit.grad_norm(max_norm)
+
+    def after_step(self):
+        self.unit.changed()
+
+
 class FSDPSync(LocalSync):
     """Gradient synchronization of an FSDP model over the micro-steps of one optimizer step: gradients are reduced
     on the last micro-step only; where parameters stay gathered from forward to backward anyway, they also stay
@@ -251,6 +283,8 @@ class FSDPSync(LocalSync):
 
 def gradient_sync(model, plan):
     """How train_step synchronizes this model's gradients (decentralized runs use gossip.Gossip instead)."""
+    if isinstance(getattr(model, "whole_unit", None), WholeUnit):
+        return WholeUnitSync(model.whole_unit)
     return FSDPSync(model, plan) if plan.fsdp else DDPSync(model) if plan.ddp else LocalSync()
 
 
@@ -317,7 +351,8 @@ def build_model(model_cls, model_config, plan, env, seed):
         model = model_cls(model_config)
     if plan.fp8:
         fp8.convert(model, plan, env.device)  # before sharding: FSDP sees the float8 layers' weights
-    whole = plan.whole_model_unit(model.num_params(non_embedding=False))
+    num_params = model.num_params(non_embedding=False)
+    whole = plan.whole_model_unit(num_params)
     for block in model.blocks:
         # Wrapping forward (not the module) keeps FSDP's hooks outside and state-dict keys unchanged.
         if plan.activation_checkpoints:
@@ -325,7 +360,7 @@ def build_model(model_cls, model_config, plan, env, seed):
         if plan.compile and plan.fsdp and not whole:  # each block is its own graph between FSDP's hooks
             block.forward = compiled_unless_caching(block.forward)
     whole_graph = plan.compile and (not plan.fsdp or whole)  # no hooks in the way: token ids to hidden states
-    graphs = whole_graph and plan.replays_graphs(model.num_params(non_embedding=False))
+    graphs = whole_graph and plan.replays_graphs(num_params)
     if whole_graph:
         model.trunk = compiled_unless_caching(model.trunk, "reduce-overhead" if graphs else None)
     if env.device.type == "cuda":
@@ -354,6 +389,11 @@ def build_model(model_cls, model_config, plan, env, seed):
                 # now after the backward instead of overlapping it, is brief. Recipe S, same call: 8.46 -> 6.80 ms
                 # a step on 2 H100s, 9.29 -> 7.91 on 4 (one GPU 6.47; benchmarks/LOG.md, 13th session).
                 torch._dynamo.config.optimize_ddp = False
+        return model
+    if plan.gathered_whole(num_params):  # built with its values, or (meta) filled by init_weights
+        model.whole_unit = WholeUnit(model, plan.mesh, torch.bfloat16 if plan.bf16 else torch.float32, env.device)
+        if plan.meta_init:
+            init_weights(model, seed, env.device)
         return model
     shard(model, plan, whole)
     if plan.meta_init:

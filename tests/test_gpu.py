@@ -17,6 +17,7 @@ STRATEGIES = [["--sharding", "full-shard"], ["--sharding", "grad-shard"], ["--sh
 # The tiny model is one FSDP unit (--fsdp_unit auto): "--fsdp_unit block" runs large models' layout.
 OPTIONS = [["--cpu_offload"], ["--meta_init"], ["--activation_checkpoints"], ["--compile"],
            ["--compile", "--activation_checkpoints", "--recompute", "selective"],
+           ["--compile", "--grad_accum_steps", "2"],  # one gathered unit replayed as graphs (by size), accumulating
            ["--compile", "--fsdp_unit", "block"], ["--compile", "--fsdp_unit", "block", "--activation_checkpoints"],
            ["--sharding", "no-shard", "--compile", "--cuda_graphs"],  # DDP, its compiled model replayed as graphs
            ["--sharding", "no-shard", "--compile", "--grad_accum_steps", "2"]]  # graphs by size, gradients in buckets

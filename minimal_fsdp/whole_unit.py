@@ -1,0 +1,145 @@
+"""The whole model as one sharded unit, for models small enough to gather whole (parallelize's --fsdp_unit rule).
+
+FSDP2's layout, its numbers and its checkpoints, in a few collectives: every parameter is a DTensor sharded on
+dim 0 (padded as FSDP2 pads), so the optimizer, clipping and torch.distributed.checkpoint see what they see under
+fully_shard. Before a forward whose parameters changed, one all-gather fills persistent unsharded parameters in
+the compute dtype (bf16 or fp32); the module holds them from forward to the end of backward (or of a forward
+without autograd), its sharded ones otherwise. After
+backward, the unsharded gradients are summed in fp32 over the micro-steps and averaged by one reduce-scatter
+into the shards' gradients (then one all-reduce over replicas, hybrid meshes).
+
+Why not fully_shard on the root module (what this replaced for small models): FSDP2 frees the gathered parameters
+after backward and gathers the next step's at new addresses, so a compiled model cannot replay as CUDA graphs, and
+its per-step hooks, copy-outs and DTensor bookkeeping cost milliseconds of host time a small model's step cannot
+hide (recipe S on 4 H100s: 18.7 ms a step under FSDP2 against 6.5 ms replayed on one GPU; benchmarks/LOG.md).
+Here the gathered parameters keep their addresses, and the step adds four collectives and a few ops.
+Gathering costs memory FSDP2's one unit holds anyway through forward and backward; between steps the unsharded
+parameters stay (2 or 4 bytes a parameter more than FSDP2 holds there).
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def _slots(model):
+    """Each parameter once, with every (module, name) that holds it (a tied weight has several)."""
+    params, slots = [], {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in slots:
+                    params.append(param)
+                    slots[id(param)] = []
+                slots[id(param)].append((module, name))
+    return params, [slots[id(p)] for p in params]
+
+
+class WholeUnit:
+    """Shards `model`'s parameters over the mesh's last dim ("shard") and gathers them for its forward."""
+
+    def __init__(self, model, mesh, compute_dtype, device):
+        self.shard_group = mesh.get_group("shard")
+        self.replicate_group = mesh.get_group("replicate") if mesh.ndim == 2 else None
+        self.ranks, self.world = mesh.size(mesh.ndim - 1), mesh.size()
+        rank = mesh.get_local_rank("shard")
+        placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+        params, self.slots = _slots(model)
+        # One rank's piece of parameter i: ceil(rows / ranks) rows (torch.chunk's and FSDP2's split), zero-padded
+        # to that many on the last ranks, so every rank's segment has the same size and one collective moves all.
+        chunks = [-(-p.shape[0] // self.ranks) for p in params]
+        self.sizes = [c * p[0].numel() for c, p in zip(chunks, params)]
+        total = sum(self.sizes)
+        self.shard = torch.zeros(total, device=device)  # fp32 master weights, this rank's segment of each
+        self.grad = torch.zeros(total, device=device)
+        self.gathered = torch.empty(self.ranks * total, dtype=compute_dtype, device=device)  # parameter-major
+        self.sharded, self.unsharded, self.gather_out, self.grads = [], [], [], []
+        offset = 0
+        for param, chunk, size in zip(params, chunks, self.sizes):
+            rest = param.shape[1:]
+            rows = max(0, min(chunk, param.shape[0] - rank * chunk))
+            local = self.shard[offset:offset + rows * param[0].numel()].view(rows, *rest)
+            if not param.is_meta:  # meta: init_weights fills the shard later
+                local.copy_(param.detach()[rank * chunk:rank * chunk + rows])
+            full = self.gathered[self.ranks * offset:self.ranks * (offset + size)]
+            self.gather_out.append(full.view(self.ranks, size))
+            self.unsharded.append(nn.Parameter(full.view(self.ranks * chunk, *rest)[:param.shape[0]]))
+            self.sharded.append(nn.Parameter(self._dtensor(local, mesh, placements, param)))
+            self.grads.append(self._dtensor(self.grad[offset:offset + local.numel()].view_as(local), mesh,
+                                            placements, param))
+            offset += size
+        self.accumulated = None  # fp32 sum of earlier micro-steps' gradients, (ranks, total)
+        self.stale = True  # the shards changed since the last gather
+        self._install(self.sharded)
+        model.register_forward_pre_hook(lambda module, args: self._before_forward())
+        # Backward may recompute blocks (activation checkpoints) from the module's parameters: the unsharded ones
+        # stay installed until reduce(), after backward; a forward without autograd gives them back at once.
+        model.register_forward_hook(lambda module, args, out: None if torch.is_grad_enabled() else
+                                    self._install(self.sharded), always_call=True)
+        model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self._install(self.sharded))
+        model.register_load_state_dict_post_hook(lambda module, keys: self.changed())
+
+    @staticmethod
+    def _dtensor(local, mesh, placements, like):
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=like.shape, stride=like.stride())
+
+    def _install(self, params):
+        for param, slots in zip(params, self.slots):
+            for module, name in slots:
+                module._parameters[name] = param
+
+    def changed(self):
+        """The shards were written (an optimizer step, a checkpoint load): gather again before the next forward."""
+        self.stale = True
+
+    @torch.no_grad()
+    def _before_forward(self):
+        if self.stale:
+            send = self.shard.to(self.gathered.dtype)
+            received = torch.empty_like(self.gathered)
+            dist.all_gather_into_tensor(received, send, group=self.shard_group)
+            # Rank-major (each rank's segments in turn) into each parameter's rows, in one copy.
+            torch.split_with_sizes_copy(received.view(self.ranks, -1), self.sizes, dim=1, out=self.gather_out)
+            self.stale = False
+        self._install(self.unsharded)
+
+    @torch.no_grad()
+    def accumulate(self):
+        """Adds the unsharded gradients of the last backward, in fp32, to those of the earlier micro-steps."""
+        grads = [p.grad for p in self.unsharded]
+        if all(g is None for g in grads):
+            return
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.unsharded, grads)]
+        chunked = torch.empty(self.ranks, self.grad.numel(), device=self.grad.device)
+        torch._chunk_cat(grads, dim=0, num_chunks=self.ranks, out=chunked)  # FSDP2's layout, padded, in fp32
+        if self.accumulated is None:
+            self.accumulated = chunked
+        else:
+            self.accumulated += chunked
+        for p in self.unsharded:
+            p.grad = None
+
+    @torch.no_grad()
+    def reduce(self):
+        """The mean gradient over all ranks, this rank's segment of it, as the sharded parameters' gradients."""
+        self._install(self.sharded)
+        self.accumulate()
+        if self.accumulated is None:
+            return
+        dist.reduce_scatter_tensor(self.grad, self.accumulated.view(-1), group=self.shard_group)
+        if self.replicate_group is not None:
+            dist.all_reduce(self.grad, group=self.replicate_group)
+        self.grad.div_(self.world)
+        self.accumulated = None
+        for param, grad in zip(self.sharded, self.grads):
+            param.grad = grad
+
+    def grad_norm(self, max_norm):
+        """The global grad norm (the same on every rank), after clipping the gradients to max_norm (0: none)."""
+        squares = self.grad.square().sum()  # padding is zero
+        dist.all_reduce(squares, group=self.shard_group)
+        total = squares.sqrt()
+        if max_norm:
+            self.grad.mul_((max_norm / (total + 1e-6)).clamp(max=1.0))
+        return total
+
