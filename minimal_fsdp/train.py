@@ -12,6 +12,7 @@ from .gossip import Gossip
 from .metrics import TrainingLog, mean_across_ranks
 from .parallelize import gradient_sync
 from .resilience import NonFiniteGuard
+from .whole_unit import LocalAdamW
 
 
 def build_optimizer(model, cfg):
@@ -25,7 +26,9 @@ def build_optimizer(model, cfg):
     if decentralized:
         return AccumAdamW(groups, lr=cfg.lr, betas=betas, accum_steps=cfg.accum_steps)
     # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) about 7x faster than foreach.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
+    # A whole_unit model steps it on its shards' local tensors (LocalAdamW), as a small model's step needs.
+    adamw = LocalAdamW if hasattr(model, "whole_unit") else torch.optim.AdamW
+    return adamw(groups, lr=cfg.lr, betas=betas, fused=True)
 
 
 @dataclass
