@@ -99,11 +99,11 @@ class Config:
     fp8_recipe: str = flag("tensorwise", "--precision fp8's scaling: tensorwise (one scale per tensor; FSDP "
                                          "all-gathers the weights in float8) or rowwise (a scale per row: more "
                                          "accurate, slower)", FP8_RECIPES, "parallel")
-    fsdp_unit: str = flag("auto", "what FSDP gathers and frees at once: block (one transformer block at a time, "
-                          "communication overlapped with compute: large models) or model (the whole model, one "
-                          "all-gather and one reduce-scatter per pass and one compiled graph: small models, whose "
-                          "step is bound by FSDP's per-block host work); auto: model up to "
-                          f"{SMALL_MODEL // 10**6}M parameters", FSDP_UNITS, "parallel")
+    fsdp_unit: str = flag("auto", "what is gathered and freed at once: block (one transformer block at a time by "
+                          "FSDP2, communication overlapped with compute: large models) or model (the whole model "
+                          "kept gathered, one all-gather and one reduce-scatter a step and one compiled graph, "
+                          "replayable as CUDA graphs: small models, whose step is bound by per-block host work); "
+                          f"auto: model up to {SMALL_MODEL // 10**6}M parameters", FSDP_UNITS, "parallel")
     cpu_offload: bool = flag(False, "keep sharded params, grads and optimizer state in CPU memory",
                              section="parallel")
     activation_checkpoints: bool = flag(False, "recompute each block's activations in backward",
@@ -114,9 +114,10 @@ class Config:
     meta_init: bool = flag(False, "build on the meta device, shard, then initialize only the local shard",
                            section="parallel")
     compile: bool = flag(False, "torch.compile each transformer block (FSDP units per block), or the whole model "
-                                "(one rank, no-shard, or the whole model as one FSDP unit)",
+                                "(one rank, no-shard, or the whole model as one unit: --fsdp_unit)",
                          section="parallel")
-    cuda_graphs: bool = flag(None, "with --compile on one rank or with no-shard (DDP): replay the compiled model "
+    cuda_graphs: bool = flag(None, "with --compile where the whole model is compiled (one rank, no-shard, or one "
+                                   "unit without --cpu_offload): replay the compiled model "
                                    "as CUDA graphs (torch.compile's reduce-overhead mode), for small models whose "
                                    "step is bound by the host launching kernels; unset: on for models up to "
                                    f"{GRAPHS_MODEL // 10**6}M parameters (not with fp8 or decentralized)",

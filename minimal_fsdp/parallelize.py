@@ -10,6 +10,9 @@ Strategies map onto FSDP2 `fully_shard` over a DeviceMesh as:
                       (replicate(), which keeps the module and its state-dict keys); with --cpu_offload, FSDP
                       over a 2-D mesh (world x 1), as offloading needs FSDP
   hybrid-*-shard      2-D mesh (nodes x shard_group_size): replicate across groups, shard inside one
+A model gathered whole (--fsdp_unit: small models) is sharded alike by whole_unit.py instead of FSDP2 (which
+--cpu_offload and float8's all-gather still use): one all-gather into parameters that keep their addresses, so its
+compiled graph can replay as CUDA graphs, and one reduce-scatter a step.
 --precision fp8 adds torchao's float8 matmuls to bf16 compute (fp8.py): the layers are converted before sharding.
 A world of one rank has nothing to shard: its model is a plain module (bf16 by autocast), the same numbers and
 the same checkpoints without FSDP's per-step work (--cpu_offload still needs FSDP). With --data_parallel

@@ -4,23 +4,27 @@ FSDP2's layout, its numbers and its checkpoints, in a few collectives: every par
 dim 0 (padded as FSDP2 pads), so the optimizer, clipping and torch.distributed.checkpoint see what they see under
 fully_shard. Before a forward whose parameters changed, one all-gather fills persistent unsharded parameters in
 the compute dtype (bf16 or fp32); the module holds them from forward to the end of backward (or of a forward
-without autograd), its sharded ones otherwise. After
-backward, the unsharded gradients are summed in fp32 over the micro-steps and averaged by one reduce-scatter
-into the shards' gradients (then one all-reduce over replicas, hybrid meshes).
+without autograd), its sharded ones otherwise. After backward, the unsharded gradients are summed in fp32 over
+the micro-steps and averaged by one reduce-scatter into the shards' gradients (then one all-reduce over replicas,
+hybrid meshes).
 
 Why not fully_shard on the root module (what this replaced for small models): FSDP2 frees the gathered parameters
 after backward and gathers the next step's at new addresses, so a compiled model cannot replay as CUDA graphs, and
 its per-step hooks, copy-outs and DTensor bookkeeping cost milliseconds of host time a small model's step cannot
-hide (recipe S on 4 H100s: 18.7 ms a step under FSDP2 against 6.5 ms replayed on one GPU; benchmarks/LOG.md).
-Here the gathered parameters keep their addresses, and the step adds four collectives and a few ops.
-Gathering costs memory FSDP2's one unit holds anyway through forward and backward; between steps the unsharded
-parameters stay (2 or 4 bytes a parameter more than FSDP2 holds there).
+hide. Recipe S (10.7M parameters) on 4 H100s: 18.7-23.0 ms a step under FSDP2's one unit, 6.4-6.5 ms here, as on
+one GPU (benchmarks/LOG.md, fourteenth session). Here the gathered parameters keep their addresses, and a step
+adds two collectives (three on hybrid meshes) and a few ops. The memory: FSDP2's one unit holds the gathered
+parameters through forward and backward too; between steps these stay, and so do the shards' fp32 gradients.
 """
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adamw import adamw  # the functional AdamW that torch.optim.AdamW.step runs
+
+# torch 2.13 renamed the two collectives (the old names warn there); torch 2.11, the GPU image's, has the old only.
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _slots(model):
@@ -98,7 +102,7 @@ class WholeUnit:
         if self.stale:
             send = self.shard.to(self.gathered.dtype)
             received = torch.empty_like(self.gathered)
-            dist.all_gather_into_tensor(received, send, group=self.shard_group)
+            all_gather(received, send, group=self.shard_group)
             # Rank-major (each rank's segments in turn) into each parameter's rows, in one copy.
             torch.split_with_sizes_copy(received.view(self.ranks, -1), self.sizes, dim=1, out=self.gather_out)
             self.stale = False
@@ -127,7 +131,7 @@ class WholeUnit:
         self.accumulate()
         if self.accumulated is None:
             return
-        dist.reduce_scatter_tensor(self.grad, self.accumulated.view(-1), group=self.shard_group)
+        reduce_scatter(self.grad, self.accumulated.view(-1), group=self.shard_group)
         if self.replicate_group is not None:
             dist.all_reduce(self.grad, group=self.replicate_group)
         self.grad.div_(self.world)

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from minimal_fsdp import environment, generate as generation
 from minimal_fsdp.config import parse_args
 from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import build_model, make_plan
+from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan
 
 # 3 blocks (the last one never reshards); vocab 42 shards unevenly over 4 ranks (11, 11, 11, 9 rows).
 CONFIG = GPTConfig(vocab_size=42, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
@@ -64,9 +64,11 @@ def sharding_state(env, name, extra):
     gathered_at_block = []
     groups = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in mesh.mesh_dim_names}
     tokens = torch.randint(CONFIG.vocab_size, (2, CONFIG.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    sync = gradient_sync(model, plan)  # as train_step: the one unit reduces (and reshards) when backward is done
     loss = model(tokens[:, :-1], tokens[:, 1:])
     after_forward = held(model)
     loss.backward()
+    sync.finish()
     return {"mesh": list(mesh.shape), "dims": list(mesh.mesh_dim_names), "groups": groups,
             "whole_model_unit": gathered_at_block == [True], "after_forward": after_forward,
             "after_backward": held(model)}

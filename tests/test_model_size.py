@@ -17,12 +17,13 @@ from minimal_fsdp.train import build_optimizer, train_step
 
 
 def train_two_steps(model_type, config, batch_size, sharding, recompute, precision, device, compile=False, accum=1,
-                    fsdp=True):
-    """Two steps as training takes them on one rank: FSDP (the planner's model of every layout), or fsdp=False,
+                    fsdp=True, fsdp_unit="block"):
+    """Two steps as training takes them on one rank: FSDP2 (the planner's model of every layout; block units,
+    as large models have them: these small models would otherwise be whole_unit.py's one unit), or fsdp=False,
     the plain module a world of one actually trains."""
     cfg = Config(sharding=sharding, activation_checkpoints=recompute != "none",
                  recompute="full" if recompute == "none" else recompute, precision=precision, meta_init=True,
-                 compile=compile)
+                 compile=compile, fsdp_unit=fsdp_unit)
     env = SimpleNamespace(device=torch.device(device), world_size=1, local_world_size=1)
     plan = make_plan(cfg, env, fsdp_on_one_rank=fsdp)
     model = build_model(MODELS[model_type], config, plan, env, cfg.seed)
@@ -107,6 +108,20 @@ def test_estimate_counts_the_gradients_kept_between_micro_steps(one_rank_group, 
     grads = 4 * model_size.count_parameters("gpt", config).total
     assert measured[2] - measured[1] > grads / 2  # the measurement sees the kept gradients
     assert estimated[2] == pytest.approx(measured[2], rel=0.12), (estimated, measured)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU measurement")
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_one_unit_needs_no_more_than_the_estimate(one_rank_group, tmp_path, accum):
+    """whole_unit.py (a small model's one unit) holds less than the FSDP2 layout the planner adds up: its
+    estimate is safe, and not wildly so (measured here: 74% and 67% of it)."""
+    config = SMALL["gpt"]
+    torch.manual_seed(0)
+    measured = cpu_peak(lambda: train_two_steps("gpt", config, 8, "full-shard", "none", "float32", "cpu",
+                                                accum=accum, fsdp_unit="auto"), tmp_path)
+    estimated = model_size.estimate("gpt", config, 8, "full-shard", 1, 1, "none", False, "float32",
+                                    device_type="cpu", grad_accum_steps=accum)["gpu"]
+    assert 0.6 * estimated < measured <= estimated, (estimated / 1e6, measured / 1e6)
 
 
 GPT2 = make_config("gpt", "gpt2", vocab_size=50304)

@@ -224,19 +224,25 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_
     assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded after the last micro-step
 
 
-@pytest.mark.parametrize("sharding,ranks,graphs", [("full-shard", 1, True), ("no-shard", 2, True),
-                                                   ("full-shard", 2, False), ("grad-shard", 2, False)])
-def test_cuda_graphs_only_where_no_fsdp_hooks_surround_the_graph(monkeypatch, sharding, ranks, graphs):
-    """--cuda_graphs replays the compiled model: on one rank and under DDP (its all-reduce runs outside the
-    graphs, on the gradients backward leaves). FSDP frees and re-gathers the parameters each step at new
-    addresses, which a replayed graph would not see: it stays off there. (Plans only: no mesh is built, no
-    GPU needed; test_gpu.py trains no-shard with CUDA graphs against the reference.)"""
+@pytest.mark.parametrize("flags,ranks,graphs", [(["--sharding", "full-shard"], 1, True),
+                                               (["--sharding", "no-shard"], 2, True),
+                                               (["--sharding", "full-shard"], 2, True),  # one unit: whole_unit.py
+                                               (["--sharding", "grad-shard"], 2, True),
+                                               (["--sharding", "full-shard", "--fsdp_unit", "block"], 2, False),
+                                               (["--sharding", "full-shard", "--cpu_offload"], 2, False)])
+def test_cuda_graphs_only_where_no_fsdp_hooks_surround_the_graph(monkeypatch, flags, ranks, graphs):
+    """--cuda_graphs replays the compiled model: on one rank, under DDP (its all-reduce runs outside the graphs,
+    on the gradients backward leaves) and as whole_unit.py's one unit (its parameters keep their addresses).
+    FSDP2 frees and re-gathers the parameters each step at new addresses, which a replayed graph would not see:
+    it stays off there. (Plans only: no mesh is built, no GPU needed; test_gpu.py trains no-shard and the one
+    unit with CUDA graphs against the reference.)"""
     from types import SimpleNamespace
     from minimal_fsdp import parallelize
     from minimal_fsdp.config import parse_args
     env = SimpleNamespace(device=torch.device("cuda"), world_size=ranks, local_world_size=ranks)
-    cfg = parse_args(["--sharding", sharding, "--compile", "--cuda_graphs"])
-    built = []
-    monkeypatch.setattr(parallelize, "init_device_mesh", lambda *args, **kwargs: built.append(args))
+    cfg = parse_args([*flags, "--compile", "--cuda_graphs"])
+    monkeypatch.setattr(parallelize, "init_device_mesh", lambda *args, **kwargs: "mesh")
     plan = parallelize.make_plan(cfg, env)
-    assert plan.cuda_graphs == graphs and plan.fsdp == (not graphs) and bool(built) == plan.fsdp
+    small = sum(p.numel() for p in GPT(make_config("gpt", "tiny", vocab_size=65)).parameters())
+    assert plan.replays_graphs(small) == graphs
+    assert ("replayed as CUDA graphs" in plan.describe(small)) == graphs

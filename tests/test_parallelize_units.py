@@ -10,11 +10,12 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from minimal_fsdp import parallelize
+from minimal_fsdp import parallelize, whole_unit
+from minimal_fsdp.whole_unit import WholeUnit
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.model import GPT, GPTConfig
 from minimal_fsdp.parallelize import (SMALL_MODEL, DDPSync, FSDPSync, LocalSync, build_model, gradient_sync,
-                                      layout, make_plan, shard)
+                                      WholeUnitSync, layout, make_plan, shard)
 
 CONFIG = GPTConfig(vocab_size=64, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
 
@@ -60,14 +61,15 @@ def test_fsdp_over_ranks_asks_for_the_strategys_mesh(monkeypatch):
     assert meshes == [("cpu", (4,), ("shard",))]
     assert (plan.mesh_shape, plan.shard_ranks, plan.reshard_after_forward) == ((4,), 4, True)
     assert plan.describe(SMALL_MODEL + 1) == "mesh shard=4 (full-shard), an FSDP unit per block"
-    assert plan.describe(SMALL_MODEL) == "mesh shard=4 (full-shard), the whole model as one FSDP unit"
+    assert plan.describe(SMALL_MODEL) == "mesh shard=4 (full-shard), the whole model as one unit, one all-gather a step"
 
 
 def test_hybrid_shards_over_the_ranks_of_a_node_unless_told(monkeypatch):
     plan, meshes = plan_for(monkeypatch, ["--sharding", "hybrid-grad-shard"], world=8, local=4)
     assert meshes == [("cpu", (2, 4), ("replicate", "shard"))] and plan.shard_ranks == 4
     assert not plan.reshard_after_forward and plan.stays_gathered
-    assert plan.describe(1) == "mesh replicate=2 x shard=4 (hybrid-grad-shard), the whole model as one FSDP unit"
+    assert plan.describe(1) == \
+        "mesh replicate=2 x shard=4 (hybrid-grad-shard), the whole model as one unit, one all-gather a step"
     _, meshes = plan_for(monkeypatch, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2], world=8, local=4)
     assert meshes == [("cpu", (4, 2), ("replicate", "shard"))]
 
@@ -120,7 +122,8 @@ def test_fp8_recipe_is_checked_for_training_and_dropped_for_generation(monkeypat
     (["--compile", "--sharding", "no-shard"], 2, None),  # DDP
     (["--compile", "--cuda_graphs"], 1, True), (["--compile", "--no-cuda_graphs"], 1, False),
     ([], 1, False),  # nothing compiled, nothing to replay
-    (["--compile"], 2, False), (["--compile", "--cuda_graphs"], 2, False),  # FSDP's hooks around the graph
+    # FSDP: by size or asked for; ParallelPlan.replays_graphs keeps them off where FSDP2's hooks surround the graph
+    (["--compile"], 2, None), (["--compile", "--cuda_graphs"], 2, True),
     (["--compile", "--data_parallel", "decentralized"], 2, False),  # gossip: only when asked for
     (["--compile", "--data_parallel", "decentralized", "--cuda_graphs"], 2, True)])
 def test_cuda_graphs_setting_of_each_launch(monkeypatch, flags, world, graphs):
@@ -206,9 +209,12 @@ def test_build_model_compiles_per_block_or_whole(group, unit):
     assert compiled_blocks == [unit == "block"] * 3
     assert hasattr(model.trunk, "__wrapped__") == (unit == "model")
     sync = gradient_sync(model, plan)
-    assert isinstance(sync, FSDPSync) and sync.stays_gathered
-    resharding = dataclasses.replace(plan, reshard_after_forward=True)
-    assert gradient_sync(model, resharding).stays_gathered == (unit == "model")  # one unit stays gathered
+    if unit == "model":  # whole_unit.py's one unit, stepped by its own sync
+        assert isinstance(sync, WholeUnitSync) and isinstance(model.whole_unit, WholeUnit)
+    else:
+        assert isinstance(sync, FSDPSync) and sync.stays_gathered
+        resharding = dataclasses.replace(plan, reshard_after_forward=True)
+        assert not gradient_sync(model, resharding).stays_gathered
 
 
 def test_plain_and_ddp_models_get_their_syncs():
@@ -326,7 +332,8 @@ def test_the_unit_rule_counts_every_parameter_embeddings_included(group, monkeyp
     plan = plain_plan(mesh=group)
     model = build_model(GPT, CONFIG, plan, CPU, seed=0)
     assert [isinstance(b, FSDPModule) for b in model.blocks] == [not whole] * 3
-    assert gradient_sync(model, plan).stays_gathered == whole  # full-shard: only one unit stays gathered
+    assert hasattr(model, "whole_unit") == whole
+    assert isinstance(gradient_sync(model, plan), WholeUnitSync if whole else FSDPSync)
 
 
 def test_ddp_syncs_on_the_last_micro_step_only():
@@ -340,7 +347,7 @@ def test_ddp_syncs_on_the_last_micro_step_only():
 def test_fsdp_sync_reduces_the_norm_over_the_shard_group_and_precomputes_float8_scales(group, monkeypatch):
     precomputed = []
     monkeypatch.setattr(parallelize.fp8, "scale_precompute", lambda plan: precomputed.append)
-    plan = plain_plan(mesh=group, precision="float32")
+    plan = plain_plan(mesh=group, precision="float32", fsdp_unit="block")  # FSDP2 (a small model: whole_unit.py)
     model = build_model(GPT, CONFIG, plan, CPU, seed=0)
     x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_length))
     model(x, x).backward()
@@ -352,20 +359,26 @@ def test_fsdp_sync_reduces_the_norm_over_the_shard_group_and_precomputes_float8_
     assert precomputed == [model]
 
 
+@pytest.mark.parametrize("unit", ["block", "model"])
 @pytest.mark.parametrize("max_norm", [0.0, 0.05, 100.0])
-def test_fsdp_clip_matches_torch_on_the_local_shards(group, max_norm):
+def test_fsdp_clip_matches_torch_on_the_local_shards(group, max_norm, unit, monkeypatch):
     """The global norm (here one rank's) and the clipped gradients match torch's clip_grad_norm_ on plain copies;
-    0 does not clip; a norm under max_norm leaves the gradients as they are."""
-    plan = plain_plan(mesh=group, precision="float32")
+    0 does not clip; a norm under max_norm leaves the gradients as they are. FSDP2's sync (block units) and the
+    one unit's (whole_unit.py: its shards' gradients are one tensor)."""
+    plan = plain_plan(mesh=group, precision="float32", fsdp_unit=unit)
     model = build_model(GPT, CONFIG, plan, CPU, seed=0)
     x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_length))
+    sync = gradient_sync(model, plan)
     model(x, x).backward()
+    sync.finish()
     plain = [p.grad.full_tensor().clone().requires_grad_(False) for p in model.parameters()]
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in plain]
     for p, g in zip(params, plain):
         p.grad = g
     expected = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
-    norm = FSDPSync(model, plan).clip_grad_norm(model.parameters(), max_norm)
+    groups = record_calls(monkeypatch, parallelize.dist if unit == "block" else whole_unit.dist, "all_reduce")
+    norm = sync.clip_grad_norm(model.parameters(), max_norm)
+    assert [kwargs["group"] for _, kwargs in groups] == [group.get_group("shard")]  # one all-reduce, of the norm
     # The sum of squares is taken in another order than torch's: equal to a few units in the last place, well
     # under the clip's own epsilon (1e-6 / norm) that a wrong formula would move it by.
     torch.testing.assert_close(norm, expected, rtol=3e-7, atol=0)
