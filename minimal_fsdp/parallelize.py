@@ -286,7 +286,7 @@ class FSDPSync(LocalSync):
 
 def gradient_sync(model, plan):
     """How train_step synchronizes this model's gradients (decentralized runs use gossip.Gossip instead)."""
-    if isinstance(getattr(model, "whole_unit", None), WholeUnit):
+    if hasattr(model, "whole_unit"):  # whole_unit.py shards it (build_model)
         return WholeUnitSync(model.whole_unit)
     return FSDPSync(model, plan) if plan.fsdp else DDPSync(model) if plan.ddp else LocalSync()
 
