@@ -227,12 +227,26 @@ class DDPSync(LocalSync):
         self.model.set_requires_gradient_sync(last)
 
 
+def clip_sharded(grads, max_norm, group):
+    """The global grad norm (a plain tensor, the same on every rank) of gradients sharded over `group`, after
+    clipping them to max_norm (0: no clipping): torch's clip_grad_norm_ formula on the local shards plus one
+    all-reduce of the sum of squares. On DTensors torch's version costs DTensor dispatch for every parameter,
+    milliseconds of host time a step that a small model's step cannot hide."""
+    squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
+    dist.all_reduce(squares, group=group)
+    total = squares.sqrt()
+    if max_norm:
+        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+    return total
+
+
 class WholeUnitSync(LocalSync):
     """Gradient synchronization of a whole_unit.WholeUnit model: each micro-step's unsharded gradients are added
     in fp32 (as FSDP2 accumulates them); one reduce-scatter after the last gives the shards their mean."""
 
     def __init__(self, unit):
         self.unit = unit
+        self.local_grads = [grad.to_local() for grad in unit.grads]  # views of the shards' one gradient tensor
 
     def micro_step(self, last):
         self.unit.accumulate()  # the previous micro-step's, if any
@@ -241,8 +255,7 @@ class WholeUnitSync(LocalSync):
         self.unit.reduce()
 
     def clip_grad_norm(self, parameters, max_norm):
-        """The global grad norm (the same on every rank), after clipping: the shards' gradients are one tensor."""
-        return self.unit.grad_norm(max_norm)
+        return clip_sharded(self.local_grads, max_norm, self.unit.shard_group)
 
     def after_step(self):
         self.unit.changed()
@@ -266,17 +279,7 @@ class FSDPSync(LocalSync):
             self.model.set_reshard_after_backward(last)
 
     def clip_grad_norm(self, parameters, max_norm):
-        """The global grad norm (a plain tensor, the same on every rank), after clipping the gradients to max_norm:
-        torch's clip_grad_norm_ formula on the local shards plus one all-reduce of the sum of squares over the
-        shard group. On DTensors torch's version costs DTensor dispatch for every parameter, milliseconds of host
-        time a step that a small model's step cannot hide."""
-        grads = [p.grad.to_local() for p in parameters if p.grad is not None]
-        squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
-        dist.all_reduce(squares, group=self.shard_group)
-        total = squares.sqrt()
-        if max_norm:
-            torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-        return total
+        return clip_sharded([p.grad.to_local() for p in parameters if p.grad is not None], max_norm, self.shard_group)
 
     def after_step(self):
         """Once the step is done: torchao's float8 weight scales for the next all-gathers (--precision fp8)."""

@@ -139,15 +139,6 @@ class WholeUnit:
         for param, grad in zip(self.sharded, self.grads):
             param.grad = grad
 
-    def grad_norm(self, max_norm):
-        """The global grad norm (the same on every rank), after clipping the gradients to max_norm (0: none)."""
-        squares = self.grad.square().sum()  # padding is zero
-        dist.all_reduce(squares, group=self.shard_group)
-        total = squares.sqrt()
-        if max_norm:
-            self.grad.mul_((max_norm / (total + 1e-6)).clamp(max=1.0))
-        return total
-
 
 class LocalAdamW(torch.optim.AdamW):
     """torch's fused AdamW over the unit's DTensor parameters, stepped on their local tensors once its state

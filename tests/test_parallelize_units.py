@@ -10,7 +10,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from minimal_fsdp import parallelize, whole_unit
+from minimal_fsdp import parallelize
 from minimal_fsdp.whole_unit import WholeUnit
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.model import GPT, GPTConfig
@@ -376,7 +376,7 @@ def test_fsdp_clip_matches_torch_on_the_local_shards(group, max_norm, unit, monk
     for p, g in zip(params, plain):
         p.grad = g
     expected = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
-    groups = record_calls(monkeypatch, parallelize.dist if unit == "block" else whole_unit.dist, "all_reduce")
+    groups = record_calls(monkeypatch, parallelize.dist, "all_reduce")
     norm = sync.clip_grad_norm(model.parameters(), max_norm)
     assert [kwargs["group"] for _, kwargs in groups] == [group.get_group("shard")]  # one all-reduce, of the norm
     # The sum of squares is taken in another order than torch's: equal to a few units in the last place, well
