@@ -140,6 +140,10 @@ class WholeUnit:
             param.grad = grad
 
 
+def _local(tensor):
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 class LocalAdamW(torch.optim.AdamW):
     """torch's fused AdamW over the unit's DTensor parameters, stepped on their local tensors once its state
     exists (after its first step, or loaded from a checkpoint): the same functional AdamW, kernel and state as
@@ -148,36 +152,34 @@ class LocalAdamW(torch.optim.AdamW):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._lists = None  # per group: local params, grads, exp_avgs, exp_avg_sqs, steps; rebuilt after a load
+        self._lists = None  # per group: local params, exp_avgs, exp_avg_sqs, steps; rebuilt after a load
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         self._lists = None
 
     def _local_lists(self):
-        def local(t):
-            return t._local_tensor if isinstance(t, DTensor) else t
         lists = []
         for group in self.param_groups:
             states = [self.state[p] for p in group["params"]]
-            lists.append(([local(p) for p in group["params"]], [local(p.grad) for p in group["params"]],
-                          [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states],
-                          [s["step"] for s in states]))
+            lists.append(([_local(p) for p in group["params"]], [_local(s["exp_avg"]) for s in states],
+                          [_local(s["exp_avg_sq"]) for s in states], [s["step"] for s in states]))
         return lists
 
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"]]
-        # The first step creates the state (AdamW's own step); a parameter without a gradient, amsgrad, or
-        # gradients not ours (their local tensors cached here are the unit's) take AdamW's own step too.
+        # The first step creates the state (AdamW's own step); a parameter without a gradient, or amsgrad, takes
+        # AdamW's own step too. Gradients are read anew each step: whoever assigned them, they are the ones used.
         if closure is not None or any(p.grad is None or p not in self.state for p in params) or \
                 any(group["amsgrad"] for group in self.param_groups):
             self._lists = None
             return super().step(closure)
         if self._lists is None:
             self._lists = self._local_lists()
-        for group, (local_params, grads, exp_avgs, exp_avg_sqs, steps) in zip(self.param_groups, self._lists):
+        for group, (local_params, exp_avgs, exp_avg_sqs, steps) in zip(self.param_groups, self._lists):
             beta1, beta2 = group["betas"]
+            grads = [_local(p.grad) for p in group["params"]]
             adamw(local_params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True,
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
