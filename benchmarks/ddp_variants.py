@@ -2,8 +2,8 @@
 model's step. DDP_VARIANT names them, joined by "_": noopt (torch._dynamo.config.optimize_ddp off: the compiled
 model is not split at DDP's bucket boundaries; the product's own setting where DDP replays graphs), copies
 (gradient_as_bucket_view off, as before the twelfth session), onebucket (one 200 MB bucket), static (static_graph),
-graphs (CUDA graphs forced on: under no-shard that is --cuda_graphs; under full-shard's whole-model FSDP unit, where
-the product keeps them off, an experiment whose last-step loss shows whether it trains as without graphs), ca
+graphs (CUDA graphs forced on, as --cuda_graphs: under no-shard and full-shard's one unit, whole_unit.py, the size
+rule already turns them on for this model; under FSDP2's units the product keeps them off), ca
 (compiled autograd with DDP's Python reducer: the whole backward, DDP's all-reduces included, traced into one graph,
 compiled in the trunk's mode, so on CUDA replayed as a CUDA graph with no per-parameter reducer work on the host;
 one capture on 2 CPU ranks trained as the default, last-step loss equal).

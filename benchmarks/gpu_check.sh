@@ -195,7 +195,7 @@ recipe_s_scaling)
 small_levers)
   # Target 2's next levers, on recipe S's model (synthetic tokens, no dropout) over SL_GPUS GPUs (4), one GPU first:
   # DDP (graphs by size) with gradient_as_bucket_view (the default) and without (copies), DDP's all-reduces traced into
-  # the compiled backward (ca), full-shard (one FSDP unit) with and without CUDA graphs forced onto its compiled model
+  # the compiled backward (ca), full-shard (whole_unit.py's one unit: graphs by size) and with graphs forced
   # (benchmarks/ddp_variants.py; SL_VARIANTS="V S;..." picks). Each row's last-step loss should agree.
   B="benchmarks/ddp_variants.py --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --vocab_size 65 --batch_size 64 --no-bias --dropout 0.0 --precision bf16 --compile --warmup 10 --steps 60 --out $OUT/small_levers.jsonl"
   timeout 150 $MPI -n 1 python3 $B > "$OUT/small_levers_1.log" 2>&1; echo "1 GPU: exit $?"
