@@ -101,9 +101,11 @@ class ParallelPlan:
         return self.fsdp and one_unit(self.fsdp_unit, num_params)
 
     def gathered_whole(self, num_params):
-        """The whole model is one unit gathered by whole_unit.py, not FSDP2 (which offloading and float8's
-        all-gather need)."""
-        return self.whole_model_unit(num_params) and not self.cpu_offload and not self.fp8
+        """The whole model is one unit of whole_unit.py: a small model under FSDP, not FSDP2 (which offloading and
+        float8's all-gather need); and under no-shard over several ranks, not DDP, whose reducer's host work
+        swung recipe S's step on 4 H100s (6.83-7.52 ms against the unit's 6.70; benchmarks/LOG.md, 15th session)."""
+        small = self.whole_model_unit(num_params) or self.ddp and one_unit(self.fsdp_unit, num_params)
+        return small and not self.cpu_offload and not self.fp8
 
     def replays_graphs(self, num_params):
         """The compiled whole model replays as CUDA graphs (no FSDP2 hooks around it: one rank, DDP, whole_unit.py):
@@ -116,6 +118,9 @@ class ParallelPlan:
         if self.decentralized:
             return "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip"
         graphs = ", replayed as CUDA graphs" if self.replays_graphs(num_params) else ""
+        if self.ddp and self.gathered_whole(num_params):
+            return "no sharding: the whole model on every rank as one unit, gradients averaged by one all-reduce " \
+                "a step (no-shard)" + graphs
         if self.ddp:
             return "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)" + graphs
         if not self.fsdp:
@@ -159,12 +164,13 @@ def make_plan(cfg, env, loads_weights=False, fsdp_on_one_rank=False):
     fsdp_on_one_rank: use FSDP even for a world of one (tests and benchmarks compare the two).
     Generation alone (--max_epochs -1) with --precision fp8 runs in bf16: float8 pays in training's large matmuls."""
     decentralized = cfg.data_parallel == "decentralized"
-    # no-shard has nothing to shard: DDP does its one all-reduce with a fraction of FSDP's host work per step.
+    # no-shard has nothing to shard: one all-reduce a step, by DDP (or whole_unit.py: gathered_whole), with a
+    # fraction of FSDP's host work per step.
     ddp = not decentralized and cfg.sharding == "no-shard" and env.world_size > 1 and not cfg.cpu_offload \
         and not fsdp_on_one_rank
     fsdp = not decentralized and not ddp and (env.world_size > 1 or cfg.cpu_offload or fsdp_on_one_rank)
     shape, shard_ranks, reshard = layout(cfg.sharding, env.world_size, cfg.shard_group_size or env.local_world_size)
-    if not fsdp:
+    if not fsdp and not ddp:
         shape, shard_ranks, reshard = (env.world_size,), 1, False
     recipe = cfg.fp8_recipe if cfg.precision == "fp8" and not cfg.generate_only else None
     if recipe:
@@ -377,6 +383,15 @@ def build_model(model_cls, model_config, plan, env, seed):
         # Compiled, the fp32 upcast, log-softmax and its backward fuse into a few passes over the logits
         # instead of materializing fp32 logits (the largest tensor of a GPT-2 step).
         model.loss = torch.compile(model.loss)
+    if plan.gathered_whole(num_params):  # built with its values, or (meta) filled by init_weights once sharded
+        if not plan.meta_init:
+            init_weights(model, seed, env.device)
+        # no-shard's (replicas x 1) mesh is built here, for the small models that get the unit, not DDP
+        mesh = plan.mesh or init_device_mesh(env.device.type, plan.mesh_shape, mesh_dim_names=("replicate", "shard"))
+        model.whole_unit = WholeUnit(model, mesh, torch.bfloat16 if plan.bf16 else torch.float32, env.device)
+        if plan.meta_init:
+            init_weights(model, seed, env.device)
+        return model
     if plan.meta_init and not plan.fsdp:
         model.to_empty(device=env.device)
     if not plan.meta_init or not plan.fsdp:
@@ -395,11 +410,6 @@ def build_model(model_cls, model_config, plan, env, seed):
                 # now after the backward instead of overlapping it, is brief. Recipe S, same call: 8.46 -> 6.80 ms
                 # a step on 2 H100s, 9.29 -> 7.91 on 4 (one GPU 6.47; benchmarks/LOG.md, 13th session).
                 torch._dynamo.config.optimize_ddp = False
-        return model
-    if plan.gathered_whole(num_params):  # built with its values, or (meta) filled by init_weights
-        model.whole_unit = WholeUnit(model, plan.mesh, torch.bfloat16 if plan.bf16 else torch.float32, env.device)
-        if plan.meta_init:
-            init_weights(model, seed, env.device)
         return model
     shard(model, plan, whole)
     if plan.meta_init:

@@ -99,6 +99,9 @@ class WholeUnit:
 
     @torch.no_grad()
     def _before_forward(self):
+        if self.stale and self.ranks == 1:  # no-shard's replicas: the shard is the whole model, cast in place
+            self.gathered.copy_(self.shard)
+            self.stale = False
         if self.stale:
             send = self.shard.to(self.gathered.dtype)
             received = torch.empty_like(self.gathered)
@@ -131,7 +134,10 @@ class WholeUnit:
         self.accumulate()
         if self.accumulated is None:
             return
-        reduce_scatter(self.grad, self.accumulated.view(-1), group=self.shard_group)
+        if self.ranks == 1:
+            self.grad.copy_(self.accumulated.view(-1))
+        else:
+            reduce_scatter(self.grad, self.accumulated.view(-1), group=self.shard_group)
         if self.replicate_group is not None:
             dist.all_reduce(self.grad, group=self.replicate_group)
         self.grad.div_(self.world)
