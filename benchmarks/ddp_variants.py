@@ -1,5 +1,5 @@
-"""throughput.py's row for no-shard (DDP) under one of DDP's own settings, to see which of them moves a small
-model's step. DDP_VARIANT names them, joined by "_": noopt (torch._dynamo.config.optimize_ddp off: the compiled
+"""throughput.py's row for no-shard under DDP (`--fsdp_unit block`: a model this small is otherwise whole_unit.py's
+unit, fifteenth session) under one of DDP's own settings, to see which of them moves a small model's step. DDP_VARIANT names them, joined by "_": noopt (torch._dynamo.config.optimize_ddp off: the compiled
 model is not split at DDP's bucket boundaries; the product's own setting where DDP replays graphs), copies
 (gradient_as_bucket_view off, as before the twelfth session), onebucket (one 200 MB bucket), static (static_graph),
 graphs (CUDA graphs forced on, as --cuda_graphs: under no-shard and full-shard's one unit, whole_unit.py, the size
@@ -8,7 +8,7 @@ rule already turns them on for this model; under FSDP2's units the product keeps
 compiled in the trunk's mode, so on CUDA replayed as a CUDA graph with no per-parameter reducer work on the host;
 one capture on 2 CPU ranks trained as the default, last-step loss equal).
 
-    DDP_VARIANT=noopt mpiexec -x DDP_VARIANT -n 2 python benchmarks/ddp_variants.py --sharding no-shard \\
+    DDP_VARIANT=noopt mpiexec -x DDP_VARIANT -n 2 python benchmarks/ddp_variants.py --sharding no-shard --fsdp_unit block \\
         --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --vocab_size 65 --batch_size 64 \\
         --no-bias --dropout 0.2 --precision bf16 --compile --warmup 10 --steps 60
 Without DDP_VARIANT it is throughput.py, labelled "default".

@@ -196,14 +196,15 @@ small_levers)
   # Target 2's next levers, on recipe S's model (synthetic tokens, no dropout) over SL_GPUS GPUs (4), one GPU first:
   # DDP (graphs by size) with gradient_as_bucket_view (the default) and without (copies), DDP's all-reduces traced into
   # the compiled backward (ca), full-shard (whole_unit.py's one unit: graphs by size) and with graphs forced
-  # (benchmarks/ddp_variants.py; SL_VARIANTS="V S;..." picks). Each row's last-step loss should agree.
+  # (benchmarks/ddp_variants.py; SL_VARIANTS="V S;..." picks; "V no-shard --fsdp_unit block" is DDP, plain no-shard
+  # the unit on every rank). Each row's last-step loss should agree.
   B="benchmarks/ddp_variants.py --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --vocab_size 65 --batch_size 64 --no-bias --dropout 0.0 --precision bf16 --compile --warmup 10 --steps 60 --out $OUT/small_levers.jsonl"
   timeout 150 $MPI -n 1 python3 $B > "$OUT/small_levers_1.log" 2>&1; echo "1 GPU: exit $?"
-  IFS=';' read -ra variants <<< "${SL_VARIANTS:-default no-shard;copies no-shard;ca no-shard;default full-shard;graphs full-shard}"
+  IFS=';' read -ra variants <<< "${SL_VARIANTS:-default no-shard --fsdp_unit block;copies no-shard --fsdp_unit block;ca no-shard --fsdp_unit block;default no-shard;default full-shard;graphs full-shard}"
   for v in "${variants[@]}"; do
     read -r var s <<< "$v"
     DDP_VARIANT=$var timeout 150 $MPI -x DDP_VARIANT -n ${SL_GPUS:-4} python3 $B --sharding $s \
-      > "$OUT/small_levers_${var}_$s.log" 2>&1; echo "$var $s: exit $?"; grep -E 'Error|error:' "$OUT/small_levers_${var}_$s.log" | tail -2
+      > "$OUT/small_levers_${var}_${s// /_}.log" 2>&1; echo "$var $s: exit $?"; grep -E 'Error|error:' "$OUT/small_levers_${var}_${s// /_}.log" | tail -2
   done
   python3 -c "import json, sys; [print(r['gpus'], r['sharding'], r['options'], f\"{r['step_ms']:.2f} ms\", f\"loss {r['last_loss']:.5f}\") for r in map(json.loads, open(sys.argv[1]))]" "$OUT/small_levers.jsonl" | tee -a "$OUT/summary.txt" ;;
 gpt2_b32)

@@ -124,8 +124,8 @@ class Config:
                              section="parallel")
 
     # decentralized data parallel (gossip.py, accum_adamw.py)
-    data_parallel: str = flag("allreduce", "allreduce: one model, gradients averaged over all ranks (FSDP; DDP for "
-                              "no-shard); "
+    data_parallel: str = flag("allreduce", "allreduce: one model, gradients averaged over all ranks (FSDP; for "
+                              "no-shard, one all-reduce: DDP, or a small model's one unit); "
                               "decentralized: every rank trains its own whole replica and averages parameters "
                               "with its --topology neighbours each step (no sharding)", DATA_PARALLEL,
                               "decentralized")

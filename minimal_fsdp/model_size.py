@@ -88,7 +88,9 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     sizes = count_parameters(model_type, config)
     _, shards, reshard = layout(sharding, world_size, shard_group_size)
     fsdp = world_size > 1 and sharding != "no-shard" or cpu_offload  # parallelize.make_plan's rule
-    whole = fsdp and one_unit(fsdp_unit, sizes.total)
+    replicas = world_size > 1 and sharding == "no-shard" and not cpu_offload  # DDP, or whole_unit.py's unit
+    whole = (fsdp or replicas and precision != "fp8") and one_unit(fsdp_unit, sizes.total)
+    unit = whole and not cpu_offload and precision != "fp8"  # parallelize.ParallelPlan.gathered_whole
     keep_gathered = not reshard or whole
     compute = 4 if precision == "float32" else 2  # bytes of a gathered param, an activation, an unsharded grad
     tokens = batch_size * config.seq_length
@@ -134,9 +136,10 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     # Between the micro-steps of an accumulation FSDP2 keeps every parameter's unsharded gradient, in fp32
     # (the reduce dtype) whatever the compute precision, and on the GPU even with CPU offload.
     accumulated = 4 * sizes.total if grad_accum_steps > 1 else 0
-    # no-shard over several ranks is DDP (parallelize.py): its all-reduce buckets are a second fp32 copy of
-    # the gradients, alive for the whole run.
-    buckets = 4 * sizes.total if sharding == "no-shard" and world_size > 1 and not cpu_offload else 0
+    # An fp32 copy of the gradients kept for the whole run: DDP's all-reduce buckets (no-shard over several ranks),
+    # or the sharded gradients whole_unit.py reduces into (a small model's one unit). Counted apart from the
+    # optimizer step's, so a little over (the step's are views of it).
+    buckets = grads if replicas or unit else 0
     static = on_gpu * params_and_optimizer + gathered + accumulated + buckets
     loss_backward = static + saved + final_norm + logits + unsharded_grads + float8_working
     # With checkpointing, a block's activations are rebuilt during backward; the first block's last, when the

@@ -6,9 +6,10 @@ step, the startup banner and the memory planner all read it, and nobody decodes 
 Strategies map onto FSDP2 `fully_shard` over a DeviceMesh as:
   full-shard          1-D mesh, params resharded after forward (ZeRO-3)
   grad-shard          1-D mesh, params kept gathered from forward to backward (ZeRO-2-like)
-  no-shard            no FSDP: a plain whole model on every rank, gradients all-reduced by torch's DDP
-                      (replicate(), which keeps the module and its state-dict keys); with --cpu_offload, FSDP
-                      over a 2-D mesh (world x 1), as offloading needs FSDP
+  no-shard            no FSDP: the whole model on every rank; a small one (--fsdp_unit) is whole_unit.py's unit
+                      over a (world x 1) mesh, one all-reduce a step; a large one is a plain module whose
+                      gradients torch's DDP all-reduces (replicate(), which keeps the module and its state-dict
+                      keys); with --cpu_offload, FSDP over that (world x 1) mesh, as offloading needs FSDP
   hybrid-*-shard      2-D mesh (nodes x shard_group_size): replicate across groups, shard inside one
 A model gathered whole (--fsdp_unit: small models) is sharded alike by whole_unit.py instead of FSDP2 (which
 --cpu_offload and float8's all-gather still use): one all-gather into parameters that keep their addresses, so its
@@ -77,7 +78,7 @@ class ParallelPlan:
     compile: bool
     cuda_graphs: bool  # the compiled whole model replays as CUDA graphs (replays_graphs); None: by size
     fp8: str = None  # --precision fp8: the float8 recipe (fp8.RECIPES); None otherwise
-    ddp: bool = False  # no-shard over several ranks: a plain module whose gradients DDP all-reduces
+    ddp: bool = False  # no-shard over several ranks: DDP on a plain module, or a small model's unit (gathered_whole)
     fsdp_unit: str = "auto"  # --fsdp_unit: per block, the whole model, or by size (whole_model_unit)
     mesh: object = None  # the DeviceMesh (FSDP only), built by make_plan
 

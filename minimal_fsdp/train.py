@@ -90,7 +90,7 @@ def _to_device(batch, device):
 def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0, skip_nonfinite=False):
     """One optimizer step over a list of (inputs, targets) micro-batches; returns the mean loss and the global
     grad norm, both device tensors (the norm the same on every rank). sync synchronizes and clips gradients:
-    parallelize.gradient_sync (FSDP, DDP or a plain module) or gossip.Gossip. With skip_nonfinite an
+    parallelize.gradient_sync (FSDP, whole_unit.py, DDP or a plain module) or gossip.Gossip. With skip_nonfinite an
     update with a NaN/Inf grad norm is not applied (it would poison every weight); that check waits for the
     device, so it is made only when asked for. sync.after_step() ends the step: the weight scales of
     --precision fp8's float8 all-gather, or the traced step under XLA."""

@@ -6,7 +6,8 @@ fully_shard. Before a forward whose parameters changed, one all-gather fills per
 the compute dtype (bf16 or fp32); the module holds them from forward to the end of backward (or of a forward
 without autograd), its sharded ones otherwise. After backward, the unsharded gradients are summed in fp32 over
 the micro-steps and averaged by one reduce-scatter into the shards' gradients (then one all-reduce over replicas,
-hybrid meshes).
+hybrid meshes). no-shard of such a model is this unit over a (world x 1) mesh: each rank's "shard" is the whole
+model, so the gather is a cast and the reduce-scatter a copy; its one collective is the all-reduce.
 
 Why not fully_shard on the root module (what this replaced for small models): FSDP2 frees the gathered parameters
 after backward and gathers the next step's at new addresses, so a compiled model cannot replay as CUDA graphs, and

@@ -2,10 +2,10 @@
 
 For each sharding, builds the model as training does (parallelize.make_plan/build_model) and records the
 mesh (shape, dimension names, this rank's group along each dimension) and, for every block's qkv weight,
-whether it is a sharded DTensor and its local shape after a training forward and after backward (no-shard,
-which is DDP on a plain module: each rank's loss on its own batch and its qkv gradient after backward), and
-whether the first block's parameters were already gathered when its forward began (one FSDP unit). Then
-generates on a no-shard model whose weights get different noise on every rank, so the ranks' logits differ:
+whether it is a sharded DTensor and its local shape after a training forward and after backward (no-shard of
+units per block, which is DDP on a plain module: each rank's loss on its own batch and its qkv gradient after
+backward), and whether the first block's parameters were already gathered when its forward began (one unit).
+Then generates on a no-shard model whose weights get different noise on every rank, so the ranks' logits differ:
 once as generate() does it, and once with its token broadcast switched off (each rank's own choice).
 Every rank writes rank_<r>.json into the directory argv[1].
 """
@@ -26,7 +26,8 @@ from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan
 # 3 blocks (the last one never reshards); vocab 42 shards unevenly over 4 ranks (11, 11, 11, 9 rows).
 CONFIG = GPTConfig(vocab_size=42, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
 # FSDP unit per block (as large models have it), and the whole model as one unit (small models' default)
-SHARDINGS = {"full-shard": ["--fsdp_unit", "block"], "grad-shard": ["--fsdp_unit", "block"], "no-shard": [],
+SHARDINGS = {"full-shard": ["--fsdp_unit", "block"], "grad-shard": ["--fsdp_unit", "block"],
+             "no-shard-block": ["--fsdp_unit", "block"], "no-shard-model": [],  # DDP; whole_unit.py's replicas
              "hybrid-full-shard": ["--shard_group_size", "2", "--fsdp_unit", "block"],
              "hybrid-grad-shard": ["--shard_group_size", "2", "--fsdp_unit", "block"],
              "hybrid-full-shard-4": ["--shard_group_size", "4", "--fsdp_unit", "block"],
@@ -46,10 +47,11 @@ def held(model):
 
 
 def sharding_state(env, name, extra):
-    cfg = parse_args(["--sharding", name.removesuffix("-4").removesuffix("-model"), *extra])
+    cfg = parse_args(["--sharding", name.removesuffix("-4").removesuffix("-model").removesuffix("-block"), *extra])
     plan = make_plan(cfg, env)
     model = build_model(GPT, CONFIG, plan, env, cfg.seed)
-    if plan.ddp:  # each rank its own batch: DDP must leave every rank the average gradient
+    if plan.ddp and not hasattr(model, "whole_unit"):
+        # each rank its own batch: DDP must leave every rank the average gradient
         tokens = torch.randint(CONFIG.vocab_size, (2, CONFIG.seq_length + 1),
                                generator=torch.Generator().manual_seed(env.rank))
         loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -57,7 +59,7 @@ def sharding_state(env, name, extra):
         return {"mesh": None, "ddp": True, "loss": loss.item(), "after_backward": held(model),
                 "grad": model.blocks[0].attn.qkv.weight.grad.flatten().tolist(),
                 "grads_are_views": all(p.grad._is_view() for p in model.parameters())}  # of DDP's buckets
-    mesh = plan.mesh
+    mesh = model.wte.weight.device_mesh  # FSDP's, or the one no-shard's unit is built with
     model.blocks[0].register_forward_pre_hook(  # is the block gathered by then (by the root, as one unit)?
         lambda module, args: gathered_at_block.append(not isinstance(module.attn.qkv.weight, DTensor)),
         prepend=True)  # before the block's own FSDP hook, if it has one
@@ -86,10 +88,8 @@ class Numbers:
 
 
 def generation_state(env):
-    cfg = parse_args(["--sharding", "no-shard"])
+    cfg = parse_args(["--sharding", "no-shard"])  # the tiny model: whole_unit.py's unit on every rank
     model = build_model(GPT, CONFIG, make_plan(cfg, env), env, cfg.seed)
-    with torch.no_grad():  # DDP's first forward broadcasts rank 0's weights: before the noise, not after
-        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
     noise = torch.Generator().manual_seed(100 + env.rank)
     with torch.no_grad():
         for p in model.parameters():

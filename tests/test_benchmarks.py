@@ -38,7 +38,7 @@ def test_throughput_reports_a_consistent_row(tmp_path):
     assert row["tok_s"] == pytest.approx(tokens_per_step / (row["step_ms"] / 1000))
     assert row["tok_s_gpu"] == pytest.approx(row["tok_s"] / 2)
     assert math.isnan(row["mfu"])  # no peak FLOP/s is known for a CPU
-    # rank 0's loss at the last step: the same seed and synthetic batches give the same training under DDP
+    # rank 0's loss at the last step: the same seed and synthetic batches give the same training under no-shard
     (ddp,) = run("throughput.py", tmp_path / "d.jsonl", extra=["--sharding", "no-shard"])
     assert 3 < row["last_loss"] < 6 and ddp["last_loss"] == pytest.approx(row["last_loss"], abs=1e-5), (row, ddp)
 

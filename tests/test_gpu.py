@@ -19,8 +19,11 @@ OPTIONS = [["--cpu_offload"], ["--meta_init"], ["--activation_checkpoints"], ["-
            ["--compile", "--activation_checkpoints", "--recompute", "selective"],
            ["--compile", "--grad_accum_steps", "2"],  # one gathered unit replayed as graphs (by size), accumulating
            ["--compile", "--fsdp_unit", "block"], ["--compile", "--fsdp_unit", "block", "--activation_checkpoints"],
-           ["--sharding", "no-shard", "--compile", "--cuda_graphs"],  # DDP, its compiled model replayed as graphs
-           ["--sharding", "no-shard", "--compile", "--grad_accum_steps", "2"]]  # graphs by size, gradients in buckets
+           # no-shard: the tiny model is whole_unit.py's unit on each replica, one all-reduce a step (its compiled
+           # model replayed as graphs: asked for, then by size, accumulating); large models' DDP, graphs asked for.
+           ["--sharding", "no-shard", "--compile", "--cuda_graphs"],
+           ["--sharding", "no-shard", "--compile", "--grad_accum_steps", "2"],
+           ["--sharding", "no-shard", "--fsdp_unit", "block", "--compile", "--cuda_graphs"]]
 # fp32 differs from the CPU only by kernel summation order; bf16 rounds every matmul input.
 TOLERANCE = {"float32": dict(abs=2e-4), "bf16": dict(rel=2e-2)}
 

@@ -50,7 +50,7 @@ def logged_losses(cwd, run_name):
 CASES = [
     (2, ["--sharding", "full-shard"]),
     (2, ["--sharding", "grad-shard"]),
-    (2, ["--sharding", "no-shard", "--grad_accum_steps", 2]),  # DDP: one all-reduce, on the last micro-step
+    (2, ["--sharding", "no-shard", "--grad_accum_steps", 2]),  # the unit on (2 x 1): one all-reduce, after the last
     (4, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2]),
     (4, ["--sharding", "hybrid-grad-shard", "--shard_group_size", 2]),
     (2, ["--sharding", "full-shard", "--cpu_offload"]),
@@ -63,6 +63,7 @@ CASES = [
     (2, ["--sharding", "full-shard", "--fsdp_unit", "block", "--grad_accum_steps", 2]),
     (4, ["--sharding", "hybrid-grad-shard", "--shard_group_size", 2, "--fsdp_unit", "block"]),
     (2, ["--sharding", "full-shard", "--fsdp_unit", "block", "--activation_checkpoints", "--meta_init"]),
+    (2, ["--sharding", "no-shard", "--fsdp_unit", "block", "--grad_accum_steps", 2]),  # DDP, on the last micro-step
 ]
 
 
@@ -104,6 +105,7 @@ MECHANISM = {
     "full-shard-model": ([4], lambda r: [0, 1, 2, 3], True),
     "grad-shard-model": ([4], lambda r: [0, 1, 2, 3], False),
     "hybrid-full-shard-model": ([2, 2], lambda r: [r // 2 * 2, r // 2 * 2 + 1], True),
+    "no-shard-model": ([4, 1], lambda r: [r], False),  # whole_unit.py's replicas: each rank its own "shard"
 }
 
 
@@ -133,11 +135,12 @@ def test_fsdp_holds_what_the_strategy_says(four_ranks, sharding):
         assert state["after_backward"]["wte"] == [len(torch.arange(42).chunk(parts)[position]), 16]
 
 
-def test_no_shard_is_ddp_on_whole_models(four_ranks):
-    """no-shard: every rank holds whole, plain parameters and, after backward on its own batch, the same (averaged)
-    gradient: DDP's all-reduce ran. The single-process comparison (test_strategy_matches_single_process) checks
-    that it is the average. The gradients are views of DDP's buckets, not copies of them (a step faster on GPUs)."""
-    states = [result["shardings"]["no-shard"] for result in four_ranks]
+def test_no_shard_of_units_per_block_is_ddp_on_whole_models(four_ranks):
+    """no-shard of a model too large for one unit (here --fsdp_unit block): every rank holds whole, plain
+    parameters and, after backward on its own batch, the same (averaged) gradient: DDP's all-reduce ran. The
+    single-process comparison (test_strategy_matches_single_process) checks that it is the average. The gradients
+    are views of DDP's buckets, not copies of them (a step faster on GPUs)."""
+    states = [result["shardings"]["no-shard-block"] for result in four_ranks]
     assert all(s["ddp"] and s["mesh"] is None for s in states)
     assert all(s["after_backward"] == {"blocks": [[False, [48, 16]]] * 3, "wte": [42, 16]} for s in states)
     assert len({s["loss"] for s in states}) == 4  # four different batches

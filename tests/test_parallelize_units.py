@@ -74,10 +74,20 @@ def test_hybrid_shards_over_the_ranks_of_a_node_unless_told(monkeypatch):
     assert meshes == [("cpu", (4, 2), ("replicate", "shard"))]
 
 
-def test_no_shard_is_ddp_unless_offloaded(monkeypatch):
+def test_no_shard_is_the_one_unit_or_ddp_unless_offloaded(monkeypatch):
+    """no-shard over several ranks: a small model is whole_unit.py's unit on a (ranks x 1) mesh that build_model
+    makes (a large one, or --fsdp_unit block, is DDP's: no mesh); float8 layers stay with DDP."""
     plan, meshes = plan_for(monkeypatch, ["--sharding", "no-shard"], world=2)
-    assert plan.ddp and not plan.fsdp and meshes == [] and plan.shard_ranks == 1
-    assert plan.describe(1) == "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
+    assert plan.ddp and not plan.fsdp and meshes == [] and plan.shard_ranks == 1 and plan.mesh_shape == (2, 1)
+    assert plan.gathered_whole(SMALL_MODEL) and not plan.gathered_whole(SMALL_MODEL + 1)
+    assert not plan.whole_model_unit(SMALL_MODEL)  # FSDP's unit: none
+    assert plan.describe(1) == "no sharding: the whole model on every rank as one unit, gradients averaged by one " \
+        "all-reduce a step (no-shard)"
+    assert plan.describe(SMALL_MODEL + 1) == \
+        "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
+    plan, _ = plan_for(monkeypatch, ["--sharding", "no-shard", "--fsdp_unit", "block"], world=2)
+    assert plan.ddp and not plan.gathered_whole(1)
+    assert not dataclasses.replace(plan, fsdp_unit="auto", fp8="tensorwise").gathered_whole(1)
     plan, meshes = plan_for(monkeypatch, ["--sharding", "no-shard", "--cpu_offload"], world=2)
     assert plan.fsdp and not plan.ddp and plan.cpu_offload and meshes == [("cpu", (2, 1), ("replicate", "shard"))]
     plan, _ = plan_for(monkeypatch, ["--sharding", "no-shard"], world=1)
@@ -143,7 +153,7 @@ def test_cuda_graphs_unset_replay_small_models_only(monkeypatch):
     assert not plain_plan(cuda_graphs=False).replays_graphs(1)
     assert plain_plan(fsdp=False, cuda_graphs=None).describe(small) == \
         "no FSDP: one rank holds the whole model, replayed as CUDA graphs"
-    assert plain_plan(fsdp=False, ddp=True, cuda_graphs=None).describe(small + 1) == \
+    assert plain_plan(fsdp=False, ddp=True, cuda_graphs=None, fsdp_unit="block").describe(small + 1) == \
         "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
 
 
@@ -172,6 +182,8 @@ def test_what_the_plan_says_of_itself():
 def test_the_fsdp_unit_rule(unit, params, whole):
     assert plain_plan(fsdp_unit=unit).whole_model_unit(params) == whole
     assert not plain_plan(fsdp=False, fsdp_unit=unit).whole_model_unit(params)  # no FSDP, no unit
+    assert plain_plan(fsdp=False, ddp=True, fsdp_unit=unit).gathered_whole(params) == whole  # no-shard's replicas
+    assert not plain_plan(fsdp=False, fsdp_unit=unit).gathered_whole(params)  # one rank: a plain module
 
 
 @pytest.fixture
@@ -255,11 +267,12 @@ def test_a_plain_bf16_model_runs_under_bf16_autocast(monkeypatch):
 
 def test_ddp_replicates_the_model_without_rebroadcasting_buffers(monkeypatch):
     calls = record_calls(monkeypatch, parallelize, "replicate")
-    model = build_model(GPT, CONFIG, plain_plan(fsdp=False, ddp=True, precision="float32"), CPU, seed=0)
+    ddp = plain_plan(fsdp=False, ddp=True, precision="float32", fsdp_unit="block")  # CONFIG's would be one unit
+    model = build_model(GPT, CONFIG, ddp, CPU, seed=0)
     assert calls == [((model,), {"device_id": torch.device("cpu"), "broadcast_buffers": False,
                                  "gradient_as_bucket_view": True})]
-    assert type(gradient_sync(model, plain_plan(fsdp=False, ddp=True))) is DDPSync
-    assert gradient_sync(model, plain_plan(fsdp=False, ddp=True)).model is model
+    assert type(gradient_sync(model, ddp)) is DDPSync
+    assert gradient_sync(model, ddp).model is model
 
 
 @pytest.mark.parametrize("graphs", [True, False])
@@ -269,7 +282,8 @@ def test_ddp_with_graphs_compiles_one_graph_not_one_per_bucket(monkeypatch, grap
     record_calls(monkeypatch, parallelize, "replicate")
     record_calls(monkeypatch, parallelize, "compiled_unless_caching", lambda f, mode=None: f)
     with torch._dynamo.config.patch(optimize_ddp=True):  # restored afterwards
-        build_model(GPT, CONFIG, plain_plan(fsdp=False, ddp=True, compile=True, cuda_graphs=graphs), CPU, seed=0)
+        build_model(GPT, CONFIG, plain_plan(fsdp=False, ddp=True, compile=True, cuda_graphs=graphs, fsdp_unit="block"),
+                    CPU, seed=0)
         assert torch._dynamo.config.optimize_ddp is (not graphs)
 
 

@@ -3,6 +3,7 @@ from step to step (what lets CUDA graphs replay) and follow every optimizer step
 torch's AdamW on a plain model, through a reload of its state. The multi-rank numbers (uneven shards, hybrid
 meshes, accumulation, activation checkpoints) are test_parallelize.py's, against the single-process reference."""
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from minimal_fsdp.config import Config
 from minimal_fsdp.model import GPT, GPTConfig
 from minimal_fsdp.parallelize import WholeUnitSync, build_model, gradient_sync, make_plan
 from minimal_fsdp.train import build_optimizer, train_step
+from minimal_fsdp import whole_unit
 from minimal_fsdp.whole_unit import LocalAdamW, WholeUnit
 
 CONFIG = GPTConfig(vocab_size=64, seq_length=16, num_layers=2, num_heads=2, embed_size=16)
@@ -77,6 +79,33 @@ def test_local_adamw_steps_as_torch_adamw(one_rank_group, monkeypatch):
     for index, q in enumerate(ordered):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(state[index][key].full_tensor(), optimizers[1].state[q][key]), (index, key)
+
+
+def test_no_shard_replicas_train_as_the_plain_model_without_gathering(one_rank_group, monkeypatch):
+    """no-shard's unit (a shard group of one rank per replica; here one replica) casts its fp32 weights into the
+    gathered ones and takes its gradients as they are: no all-gather, no reduce-scatter, and weights bit for bit
+    the plain model's under AdamW, micro-steps accumulated (clip 0: the norms sum in different orders)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective over a shard group of one rank")
+    monkeypatch.setattr(whole_unit, "all_gather", refuse)
+    monkeypatch.setattr(whole_unit, "reduce_scatter", refuse)
+    cfg = Config(sharding="no-shard", precision="float32", weight_decay=0.1, grad_accum_steps=2)
+    two = SimpleNamespace(device=ENV.device, world_size=2, local_world_size=2)  # plans no-shard's replicas
+    plan = dataclasses.replace(make_plan(cfg, two), mesh_shape=(1, 1))  # ... in this world of one
+    assert plan.ddp and plan.gathered_whole(1000)
+    model = build_model(GPT, CONFIG, plan, ENV, cfg.seed)
+    plain = build_model(GPT, CONFIG, make_plan(cfg, ENV), ENV, cfg.seed)
+    assert model.whole_unit.ranks == 1 and model.whole_unit.replicate_group is not None
+    optimizers = [build_optimizer(model, cfg), build_optimizer(plain, cfg)]
+    syncs = [gradient_sync(model, plan), gradient_sync(plain, make_plan(cfg, ENV))]
+    assert isinstance(syncs[0], WholeUnitSync) and isinstance(optimizers[0], LocalAdamW)
+    data = batches(6)
+    for step in range(3):
+        micro = [(t[:, :-1], t[:, 1:]) for t in data[2 * step:2 * step + 2]]
+        for m, optimizer, sync in zip((model, plain), optimizers, syncs):
+            train_step(m, optimizer, micro, sync, 0.0, ENV.device)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.full_tensor(), q), name
 
 
 @pytest.mark.parametrize("flags,gathered", [([], True), (["--fsdp_unit", "block"], False),
