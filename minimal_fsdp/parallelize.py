@@ -104,7 +104,8 @@ class ParallelPlan:
     def gathered_whole(self, num_params):
         """The whole model is one unit of whole_unit.py: a small model under FSDP, not FSDP2 (which offloading and
         float8's all-gather need); and under no-shard over several ranks, not DDP, whose reducer's host work
-        swung recipe S's step on 4 H100s (6.83-7.52 ms against the unit's 6.70; benchmarks/LOG.md, 15th session)."""
+        swung recipe S's step on 4 H100s: 6.83-7.65 ms against the unit's 6.63-6.71, one GPU's 6.45
+        (benchmarks/LOG.md, fifteenth session)."""
         small = self.whole_model_unit(num_params) or self.ddp and one_unit(self.fsdp_unit, num_params)
         return small and not self.cpu_offload and not self.fp8
 
@@ -388,7 +389,8 @@ def build_model(model_cls, model_config, plan, env, seed):
         if not plan.meta_init:
             init_weights(model, seed, env.device)
         # no-shard's (replicas x 1) mesh is built here, for the small models that get the unit, not DDP
-        mesh = plan.mesh or init_device_mesh(env.device.type, plan.mesh_shape, mesh_dim_names=("replicate", "shard"))
+        mesh = plan.mesh if plan.mesh is not None else \
+            init_device_mesh(env.device.type, plan.mesh_shape, mesh_dim_names=("replicate", "shard"))
         model.whole_unit = WholeUnit(model, mesh, torch.bfloat16 if plan.bf16 else torch.float32, env.device)
         if plan.meta_init:
             init_weights(model, seed, env.device)
