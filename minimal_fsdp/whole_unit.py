@@ -102,14 +102,13 @@ class WholeUnit:
     def _before_forward(self):
         if self.stale and self.ranks == 1:  # no-shard's replicas: the shard is the whole model, cast in place
             self.gathered.copy_(self.shard)
-            self.stale = False
-        if self.stale:
+        elif self.stale:
             send = self.shard.to(self.gathered.dtype)
             received = torch.empty_like(self.gathered)
             all_gather(received, send, group=self.shard_group)
             # Rank-major (each rank's segments in turn) into each parameter's rows, in one copy.
             torch.split_with_sizes_copy(received.view(self.ranks, -1), self.sizes, dim=1, out=self.gather_out)
-            self.stale = False
+        self.stale = False
         self._install(self.unsharded)
 
     @torch.no_grad()
