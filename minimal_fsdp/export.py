@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, hf
+from . import checkpoint_find, checkpoint_meta, hf, safe_load
 from .config import ConfigError, one_line_errors
 from .tokenizer import has_tokenizer, load_tokenizer
 
@@ -39,17 +39,17 @@ def _tokenizer(path):
 
 def export(ckpt, out, dtype=None, fmt="safetensors"):
     """Write `ckpt`'s model to directory `out`; returns the path of the weights file (or of `out`)."""
-    path = checkpoint.resolve(ckpt)
-    problem = checkpoint.verify(path)
+    path = checkpoint_find.resolve(ckpt)
+    problem = checkpoint_find.verify(path)
     if problem:
         raise ConfigError(f"{ckpt} is not a complete checkpoint: {path}: {problem}")
-    meta = checkpoint.read_meta(path)
+    meta = checkpoint_meta.read_meta(path)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    specs = [(name, shape, dtype or saved) for name, shape, saved in checkpoint.tensor_names(path)]
+    specs = [(name, shape, dtype or saved) for name, shape, saved in safe_load.tensor_names(path)]
 
     def read(name):
-        return checkpoint.read_tensors(path, [name])[name]
+        return safe_load.read_tensors(path, [name])[name]
 
     if fmt == "hf":
         return hf.write_hf(out, meta, specs, read, _tokenizer(path))

@@ -5,7 +5,7 @@ model, then training (or only generation) and a sample. basic_training.py hands 
       environment.setup        who and where every rank is; the process groups
       parallelize.make_plan    the layout of the model over the ranks (--sharding, --meta_init, ...)
       files.RunLock            one training run per run directory
-      checkpoint.find          what to resume from (--resume, --restart_checkpoint_file)
+      checkpoint_find.find     what to resume from (--resume, --restart_checkpoint_file)
       train_model              data -> model -> optimizer -> checkpoint or Hugging Face weights -> train.train
       or generation_model      a checkpoint or a Hugging Face model, as sample.py loads it
       generate                 the sample at the end
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, environment, files, hf, sample
+from . import checkpoint, checkpoint_find, checkpoint_meta, environment, files, hf, sample
 from .config import ConfigError, parse_args, validate_world
 from .data import TokenData, prepared_dir
 from .generate import generate
@@ -57,7 +57,7 @@ def run(cfg):
     if not cfg.generate_only:
         environment.run_on_main(lock.acquire)
     try:
-        start = checkpoint.find(cfg)  # rank 0 picks it, all ranks check it: all load the same one
+        start = checkpoint_find.find(cfg)  # rank 0 picks it, all ranks check it: all load the same one
         if cfg.generate_only:
             model, tokenizer = generation_model(cfg, env, plan, start, hf_dir)
         else:
@@ -128,7 +128,7 @@ def train_model(cfg, env, plan, start, hf_dir, stop):
 def check_resumable(cfg, start, model_config, env):
     """Refuse a checkpoint this run cannot continue; say which training flags differ from it, and when it has
     trained to the end already. The same files and flags on every rank: the same verdict everywhere."""
-    saved = checkpoint.read_meta(start)
+    saved = checkpoint_meta.read_meta(start)
     if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
         raise ConfigError(f"{start} holds a different model ({saved['model_type']} {saved['model']}): use another "
                           "--run_name or --checkpoint_dir")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, environment, hf
+from . import checkpoint, checkpoint_find, checkpoint_meta, environment, hf
 from .config import Config, ConfigError, validate
 from .generate import generate
 from .models import MODELS, config_from_dict
@@ -37,7 +37,7 @@ class Source:
 
 def _is_checkpoint(path):
     return path.is_file() or path.is_dir() and ((path / "meta.json").exists() or (path / "latest").exists()
-                                                or bool(checkpoint.step_dirs(path)))
+                                                or bool(checkpoint_find.step_dirs(path)))
 
 
 def open_source(source, seq_length=None):
@@ -46,11 +46,11 @@ def open_source(source, seq_length=None):
     context; for a checkpoint or an export it may not exceed the saved context."""
     path = Path(source)
     if _is_checkpoint(path):
-        resolved = checkpoint.resolve(path)
-        problem = checkpoint.verify(resolved)
+        resolved = checkpoint_find.resolve(path)
+        problem = checkpoint_find.verify(resolved)
         if problem:
             raise ConfigError(f"{source} is not a complete checkpoint: {resolved}: {problem}")
-        meta = checkpoint.read_meta(resolved)
+        meta = checkpoint_meta.read_meta(resolved)
         found = Source("checkpoint", str(resolved), meta["model_type"], config_from_dict(meta["model_type"],
                                                                                          meta["model"]), meta["step"])
     elif (path / "config.json").is_file():

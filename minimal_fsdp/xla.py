@@ -38,7 +38,7 @@ from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
-from . import checkpoint, environment, hf
+from . import checkpoint, checkpoint_meta, environment, hf, safe_load
 from .config import ConfigError
 from .metrics import banner
 from .models import MODELS
@@ -135,8 +135,8 @@ def build_optimizer(model, cfg):
 
 class SafeLoadPlanner(SPMDLoadPlanner):
     """torch_xla's planner loads shards in place on the devices; non-tensor entries (optimizer hyperparameters)
-    are read as checkpoint.SafeLoadPlanner reads them, with weights_only=True, never plain pickle."""
-    load_bytes = checkpoint.SafeLoadPlanner.load_bytes
+    are read as safe_load.SafeLoadPlanner reads them, with weights_only=True, never plain pickle."""
+    load_bytes = safe_load.SafeLoadPlanner.load_bytes
 
 
 def _saved_name(name):
@@ -164,7 +164,7 @@ def load(path, model, optimizer=None):
     and optimizer, in place."""
     flat, paths = flatten_state_dict(_state(model, optimizer))
     torch_xla.sync()  # materialize a fresh optimizer's moments, sharded as their parameters
-    dcp.load(flat, storage_reader=checkpoint.SafeReader(str(path)), planner=SafeLoadPlanner())
+    dcp.load(flat, storage_reader=safe_load.SafeReader(str(path)), planner=SafeLoadPlanner())
     state = unflatten_state_dict(flat, paths)  # the tensors were loaded in place; the hyperparameters replaced
     if optimizer is not None:
         ours = {_saved_name(name): name for name, _ in model.named_parameters()}
@@ -213,14 +213,14 @@ class Checkpointer(checkpoint.Checkpointer):
         super().__init__(cfg, model_config, tokenizer_dir, decentralized=False)
 
     def save(self, step, model, optimizer, val_loss, state):
-        meta = dict(self.about, format=checkpoint.FORMAT, val_loss=val_loss, state=state)
+        meta = dict(self.about, format=checkpoint_meta.FORMAT, val_loss=val_loss, state=state)
         return checkpoint.save(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
                                state=flatten_state_dict(_state(model, optimizer))[0], planner=SPMDSavePlanner())
 
     def restore(self, path, model, optimizer, seed):
         load(path, model, optimizer)
         checkpoint.restore_rng(path, dist.get_rank(), dist.get_world_size(), seed)
-        return checkpoint.read_meta(path)
+        return checkpoint_meta.read_meta(path)
 
 
 def train_model(cfg, env, plan, data, model_config, start, hf_dir, stop):

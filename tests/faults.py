@@ -35,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import state_dict as dcp_state_dict  # noqa: E402
 
-from minimal_fsdp import checkpoint, model, resilience, train  # noqa: E402
+from minimal_fsdp import checkpoint, model, resilience, safe_load, train  # noqa: E402
 
 
 def parse(spec):
@@ -129,9 +129,9 @@ def install_load_check(report):
         live.update({f"optim.state.{fqn}.{key}": v for fqn, state in optim.get("state", {}).items()
                      for key, v in state.items()})
         if dist.get_rank() == 0:
-            saved = {"model." + k: v for k, v in checkpoint.load_full_model_state(path).items()}
-            names = [name for name, _, _ in checkpoint.tensor_names(path, "optim.state.")]
-            optim_saved = checkpoint.read_tensors(path, names, "optim.state.")
+            saved = {"model." + k: v for k, v in safe_load.load_full_model_state(path).items()}
+            names = [name for name, _, _ in safe_load.tensor_names(path, "optim.state.")]
+            optim_saved = safe_load.read_tensors(path, names, "optim.state.")
             saved.update({"optim.state." + k: v for k, v in optim_saved.items()})
             Path(report).write_text(json.dumps({
                 "checked": len(saved), "only_live": sorted(live.keys() - saved.keys()),

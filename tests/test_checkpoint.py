@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from conftest import TINY_MODEL, launch, make_text
 from faults import launch_with_faults
-from minimal_fsdp import checkpoint
+from minimal_fsdp import checkpoint, checkpoint_find, checkpoint_meta, safe_load
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.environment import DistEnv
 from minimal_fsdp.model import GPT, GPTConfig
@@ -34,7 +34,7 @@ def test_metadata_with_code_is_refused_not_run(tmp_path, monkeypatch):
     ckpt.mkdir()
     (ckpt / ".metadata").write_bytes(pickle.dumps(Exploit()))
     with pytest.raises(pickle.UnpicklingError, match="os.system|posix.system"):
-        checkpoint.load_full_model_state(ckpt)
+        safe_load.load_full_model_state(ckpt)
     assert not (tmp_path / "pwned").exists()
 
 
@@ -56,22 +56,22 @@ def four_steps(tmp_path_factory):
 
 def all_tensors(path):
     """Every tensor of a checkpoint (model weights, optimizer moments and step counts), read in this process."""
-    return checkpoint.read_tensors(path, [name for name, _, _ in checkpoint.tensor_names(path, "")], "")
+    return safe_load.read_tensors(path, [name for name, _, _ in safe_load.tensor_names(path, "")], "")
 
 
 def test_save_writes_complete_checkpoint_and_latest(four_steps):
     work, _ = four_steps
     run = work / "checkpoints" / "shakespeare"
     assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2", "step_4"]  # no temporary leftovers
-    assert checkpoint.latest(run) == run / "step_4"
-    meta = checkpoint.read_meta(run / "step_4")
+    assert checkpoint_find.latest(run) == run / "step_4"
+    meta = checkpoint_meta.read_meta(run / "step_4")
     assert meta["format"] == 2 and json.loads((run / "step_4" / "meta.json").read_text())["format"] == 2
     assert meta["step"] == 4 and meta["model"]["num_layers"] == 2 and meta["config"]["max_steps"] == 4
     assert meta["world_size"] == 2 and meta["state"]["schedule"] == {"lr_decay_steps": 4, "last_step": 4}
     assert meta["state"]["data"] == {"train_blocks_seen": 4 * 2 * 4}  # steps x ranks x batch
     assert {"rng_0.pt", "rng_1.pt"} <= {p.name for p in (run / "step_4").iterdir()}
     assert (run / "step_4" / "tokenizer.json").exists()
-    state = checkpoint.load_full_model_state(run / "step_4")
+    state = safe_load.load_full_model_state(run / "step_4")
     assert state["wte.weight"].shape == (meta["model"]["vocab_size"], 32)
 
 
@@ -95,7 +95,7 @@ def test_resume_restores_weights_moments_step_and_data_position(four_steps):
     assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
     assert all(got[k].item() == 4 for k in got if k.endswith(".step"))
     for key in ("step", "state"):
-        assert checkpoint.read_meta(resumed / "step_4")[key] == checkpoint.read_meta(whole / "step_4")[key], key
+        assert checkpoint_meta.read_meta(resumed / "step_4")[key] == checkpoint_meta.read_meta(whole / "step_4")[key], key
     logged = (work / "resumed" / "logs" / "shakespeare" / "metrics.jsonl").read_text().splitlines()
     assert [row["step"] for row in map(json.loads, logged) if "loss" in row] == [3, 4]
 
@@ -122,8 +122,8 @@ def test_keep_last_prunes_older_checkpoints_but_spares_best(one_rank, tmp_path):
     save_steps(run, *one_rank, [3.0, 2.0, 2.5, None, 2.7], keep_last=2)
     assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2", "step_4", "step_5"]
     assert (run / "latest").read_text().strip() == "step_5" and (run / "best").read_text().strip() == "step_2"
-    assert checkpoint.resolve(run / "best") == run / "step_2"
-    assert checkpoint.find(parse_args(["--restart_checkpoint_file", str(run / "best")])) == run / "step_2"
+    assert checkpoint_find.resolve(run / "best") == run / "step_2"
+    assert checkpoint_find.find(parse_args(["--restart_checkpoint_file", str(run / "best")])) == run / "step_2"
 
 
 def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_path, capsys):
@@ -140,7 +140,7 @@ def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_
     (run / "step_2" / "meta.json").write_text('{"step": 2, "mod')
     capsys.readouterr()
     cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--run_name", "run"])
-    assert checkpoint.find(cfg) == run / "step_1"
+    assert checkpoint_find.find(cfg) == run / "step_1"
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 4, lines
     assert "step_5: rng_0.pt is missing or unreadable" in lines[0]
@@ -148,7 +148,7 @@ def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_
     assert "step_3: .metadata is missing or unreadable" in lines[2]
     assert "step_2: meta.json is missing or unreadable" in lines[3]
     with pytest.raises(ConfigError, match="--restart_checkpoint_file .*step_4 is not a complete checkpoint"):
-        checkpoint.find(parse_args(["--restart_checkpoint_file", str(run / "step_4")]))
+        checkpoint_find.find(parse_args(["--restart_checkpoint_file", str(run / "step_4")]))
 
 
 def test_rng_states_come_back(one_rank, tmp_path):
@@ -165,10 +165,10 @@ def test_rng_states_come_back(one_rank, tmp_path):
 
 def test_resume_never_refuses_a_run_that_has_checkpoints(tmp_path):
     args = ["--checkpoint_dir", str(tmp_path), "--run_name", "run", "--resume", "never"]
-    assert checkpoint.find(parse_args(args)) is None
+    assert checkpoint_find.find(parse_args(args)) is None
     (tmp_path / "run" / "step_3").mkdir(parents=True)
     with pytest.raises(ConfigError, match="--resume never, but .*run already holds checkpoints"):
-        checkpoint.find(parse_args(args))
+        checkpoint_find.find(parse_args(args))
 
 
 class RandomTokens:

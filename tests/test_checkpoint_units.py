@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from minimal_fsdp import checkpoint, environment, files
+from minimal_fsdp import checkpoint, checkpoint_find, checkpoint_meta, environment, files, safe_load
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.model import GPTConfig
 
@@ -144,13 +144,13 @@ def test_a_save_writes_every_file_with_its_size_and_crc32(tmp_path):
     assert (step / "meta.json").read_text().startswith('{\n "')  # one key a line, for people who read it
     assert (run / "latest").read_text() == "step_3\n" and (run / "best").read_text() == "step_2\n"
     assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_1", "step_2", "step_3"]  # keep all
-    assert same(checkpoint.load_full_model_state(step), model_weights)
+    assert same(safe_load.load_full_model_state(step), model_weights)
 
 
 def test_crc32_reads_a_file_in_chunks(tmp_path):
     data = bytes(range(256)) * 3
     (tmp_path / "f").write_bytes(data)
-    assert checkpoint._crc32(tmp_path / "f", chunk=7) == checkpoint._crc32(tmp_path / "f") == zlib.crc32(data)
+    assert checkpoint_find.crc32(tmp_path / "f", chunk=7) == checkpoint_find.crc32(tmp_path / "f") == zlib.crc32(data)
 
 
 def test_best_moves_only_to_a_strictly_lower_val_loss(tmp_path):
@@ -179,7 +179,7 @@ def test_a_step_saved_again_replaces_the_old_one_whole(tmp_path):
     checkpoint.save(run, 2, first, optimizer, {})
     second, optimizer = tiny(seed=2)
     checkpoint.save(run, 2, second, optimizer, {})
-    assert same(checkpoint.load_full_model_state(run / "step_2"), weights(second))
+    assert same(safe_load.load_full_model_state(run / "step_2"), weights(second))
     assert sorted(p.name for p in run.iterdir()) == ["latest", "step_2"]  # nothing of the old one left aside
 
 
@@ -331,14 +331,14 @@ def test_save_replicas_keeps_this_ranks_replica_beside_the_average(tmp_path):
     checkpoint.save_replicas(tmp_path / "run", 2, model, optimizer, {"val_loss": None})
     assert path == tmp_path / "run" / "step_1" and (tmp_path / "run" / "step_2").is_dir()  # keep_last: all
     assert meta_of(path)["replicas"] == 1
-    names = [name for name, _, _ in checkpoint.tensor_names(path)]
-    assert same(checkpoint.read_tensors(path, names), weights(model))  # the average of one replica
-    assert same(checkpoint.read_tensors(path, names, prefix="replicas.0.model."), weights(model))
-    moments_saved = [n for n, _, _ in checkpoint.tensor_names(path, "replicas.0.optim.state.") if "exp_avg" in n]
+    names = [name for name, _, _ in safe_load.tensor_names(path)]
+    assert same(safe_load.read_tensors(path, names), weights(model))  # the average of one replica
+    assert same(safe_load.read_tensors(path, names, prefix="replicas.0.model."), weights(model))
+    moments_saved = [n for n, _, _ in safe_load.tensor_names(path, "replicas.0.optim.state.") if "exp_avg" in n]
     assert len(moments_saved) == 8
     path = checkpoint.save_replicas(tmp_path / "average", 1, model, optimizer, {}, average_only=True)
     assert meta_of(path)["replicas"] == 0
-    assert checkpoint.tensor_names(path, "replicas.") == []
+    assert safe_load.tensor_names(path, "replicas.") == []
 
 
 def crafted_replicas(tmp_path, replicas):
@@ -395,7 +395,7 @@ def test_checkpointer_of_a_decentralized_run(tmp_path):
     assert (meta["replicas"], meta["val_loss"], meta["model_type"], meta["model"]["embed_size"]) == (1, 1.0, "gpt", 8)
     assert meta["config"]["keep_last"] == 1 and meta["state"] == {"data": {"train_blocks_seen": 8}}
     assert (path / "tokenizer.json").read_text() == "{}"
-    assert len(checkpoint.tensor_names(path, "replicas.0.optim.state.")) == 12  # step, exp_avg, exp_avg_sq each
+    assert len(safe_load.tensor_names(path, "replicas.0.optim.state.")) == 12  # step, exp_avg, exp_avg_sq each
     average_only = checkpoint.Checkpointer(dataclasses.replace(cfg, run_name="avg", save_average=True), config,
                                            None, decentralized=True)
     assert meta_of(average_only.save(1, model, optimizer, None, {}))["replicas"] == 0
@@ -488,7 +488,7 @@ def test_rng_files_are_read_without_running_code(run, tmp_path, unsafe_default):
     buffer = io.BytesIO()
     torch.save(MakeDirectory(evidence), buffer)
     (run / "step_3" / "rng_0.pt").write_bytes(buffer.getvalue())
-    assert checkpoint.verify(run / "step_3") == "rng_0.pt is missing or unreadable (UnpicklingError)"
+    assert checkpoint_find.verify(run / "step_3") == "rng_0.pt is missing or unreadable (UnpicklingError)"
     with pytest.raises(pickle.UnpicklingError):
         checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
     assert not evidence.exists()
@@ -509,7 +509,7 @@ def test_optimizer_entries_are_read_without_running_code(tmp_path, unsafe_defaul
 
 
 def test_the_allow_list_holds_what_dcp_metadata_refers_to_and_nothing_that_runs_code(saved):
-    allowed = checkpoint._allowed_globals()
+    allowed = safe_load._allowed_globals()
     metadata = "torch.distributed.checkpoint.metadata"
     assert {(metadata, name) for name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
                                           "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
@@ -532,7 +532,7 @@ def test_the_allow_list_holds_what_dcp_metadata_refers_to_and_nothing_that_runs_
                 ("torch", "load"), ("builtins", "__import__")} & allowed
     referred = set()
 
-    class Recording(checkpoint._MetadataUnpickler):
+    class Recording(safe_load._MetadataUnpickler):
         def find_class(self, module, name):
             referred.add((module, name))
             return super().find_class(module, name)
@@ -543,7 +543,7 @@ def test_the_allow_list_holds_what_dcp_metadata_refers_to_and_nothing_that_runs_
 
 def load_pickle(data, tmp_path):
     (tmp_path / ".metadata").write_bytes(data)
-    return checkpoint.read_dcp_metadata(tmp_path / ".metadata")
+    return safe_load.read_dcp_metadata(tmp_path / ".metadata")
 
 
 def test_metadata_may_not_change_a_class(tmp_path):
@@ -574,7 +574,7 @@ def test_metadata_may_not_hold_persistent_ids(tmp_path):
 def test_safe_reader_reads_a_ranks_metadata_and_tags_it_with_its_load_id(run):
     step = run / "step_3"
     os.replace(step / ".metadata", step / "__0.metadata")
-    reader = checkpoint.SafeReader(str(step))
+    reader = safe_load.SafeReader(str(step))
     metadata = reader.read_metadata(rank=0)
     assert metadata.storage_meta.load_id == reader.load_id is not None
     with pytest.raises(FileNotFoundError):
@@ -590,29 +590,29 @@ def test_safe_reader_reads_a_ranks_metadata_and_tags_it_with_its_load_id(run):
 
 def test_tensor_names_lists_the_models_tensors(saved):
     step = saved[0] / "step_3"
-    assert checkpoint.tensor_names(step) == [("0.weight", torch.Size([3, 4]), torch.float32),
+    assert safe_load.tensor_names(step) == [("0.weight", torch.Size([3, 4]), torch.float32),
                                              ("0.bias", torch.Size([3]), torch.float32),
                                              ("1.weight", torch.Size([2, 3]), torch.float32),
                                              ("1.bias", torch.Size([2]), torch.float32)]
-    assert [name for name, _, _ in checkpoint.tensor_names(step, "optim.state.0.")] == [
+    assert [name for name, _, _ in safe_load.tensor_names(step, "optim.state.0.")] == [
         "weight.step", "weight.exp_avg", "weight.exp_avg_sq", "bias.step", "bias.exp_avg", "bias.exp_avg_sq"]
-    assert checkpoint.tensor_names(step, "optim.param_groups.") == []  # not tensors
+    assert safe_load.tensor_names(step, "optim.param_groups.") == []  # not tensors
 
 
 def test_read_tensors_keeps_each_tensors_dtype_and_shape(tmp_path):
     state = {"model": {"half": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
                        "ints": torch.tensor([5, 6], dtype=torch.int32)}}
     path = checkpoint.save(tmp_path / "run", 1, None, None, {}, state=state)
-    got = checkpoint.read_tensors(path, ["ints", "half"])
+    got = safe_load.read_tensors(path, ["ints", "half"])
     assert list(got) == ["ints", "half"]
     for name, tensor in got.items():
         assert tensor.dtype == state["model"][name].dtype and torch.equal(tensor, state["model"][name])
-    assert same(checkpoint.load_full_model_state(path), state["model"])
+    assert same(safe_load.load_full_model_state(path), state["model"])
 
 
 def test_read_tensors_reads_any_part_of_the_checkpoint(saved):
     _, optimizer = tiny()
-    got = checkpoint.read_tensors(saved[0] / "step_3", ["weight.exp_avg", "bias.exp_avg_sq"], prefix="optim.state.0.")
+    got = safe_load.read_tensors(saved[0] / "step_3", ["weight.exp_avg", "bias.exp_avg_sq"], prefix="optim.state.0.")
     state = list(optimizer.state.values())
     assert torch.equal(got["weight.exp_avg"], state[0]["exp_avg"])
     assert torch.equal(got["bias.exp_avg_sq"], state[1]["exp_avg_sq"])
@@ -635,41 +635,41 @@ def test_read_tensors_needs_no_other_rank(saved, monkeypatch):
     for name in ("all_gather_object", "gather_object", "scatter_object_list", "broadcast_object_list", "barrier",
                  "all_reduce", "broadcast"):
         monkeypatch.setattr(dist, name, collective)
-    assert same(checkpoint.read_tensors(saved[0] / "step_3", ["0.bias"]), {"0.bias": saved[1]["0.bias"]})
+    assert same(safe_load.read_tensors(saved[0] / "step_3", ["0.bias"]), {"0.bias": saved[1]["0.bias"]})
 
 
 def test_read_tensors_silences_only_dcps_single_process_notice(saved, monkeypatch):
-    read_metadata = checkpoint.SafeReader.read_metadata
+    read_metadata = safe_load.SafeReader.read_metadata
 
     def warns(self, *args, **kwargs):
         warnings.warn("something else", FutureWarning)
         return read_metadata(self, *args, **kwargs)
-    monkeypatch.setattr(checkpoint.SafeReader, "read_metadata", warns)
+    monkeypatch.setattr(safe_load.SafeReader, "read_metadata", warns)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        checkpoint.read_tensors(saved[0] / "step_3", ["0.bias"])
+        safe_load.read_tensors(saved[0] / "step_3", ["0.bias"])
     assert [str(w.message) for w in caught] == ["something else"]
 
 
 # ---- verify: one line on what is wrong ----
 
 def test_verify_names_what_is_wrong_with_meta_json(run):
-    assert checkpoint.verify(run / "step_9") == "no such directory"
+    assert checkpoint_find.verify(run / "step_9") == "no such directory"
     meta = run / "step_3" / "meta.json"
     for text in ["[1, 2]", '{"step": "3"}', "{}"]:
         meta.write_text(text)
-        assert checkpoint.verify(run / "step_3") == "meta.json has no step"
+        assert checkpoint_find.verify(run / "step_3") == "meta.json has no step"
     meta.write_text('{"step": 3, "wor')
-    assert checkpoint.verify(run / "step_3") == "meta.json is missing or unreadable"
+    assert checkpoint_find.verify(run / "step_3") == "meta.json is missing or unreadable"
 
 
 def test_verify_reports_crafted_metadata_in_one_bounded_line(run):
     step = run / "step_3"
     (step / ".metadata").write_bytes(pickle.dumps(MakeDirectory(run / "code-ran")))
-    assert checkpoint.verify(step) == (".metadata is missing or unreadable (UnpicklingError: checkpoint metadata "
+    assert checkpoint_find.verify(step) == (".metadata is missing or unreadable (UnpicklingError: checkpoint metadata "
                                        "refers to posix.mkdir, which is not allowed)")
     (step / ".metadata").write_bytes(b"c" + b"m" * 200 + b"\nx\n.")
-    problem = checkpoint.verify(step)
+    problem = checkpoint_find.verify(step)
     assert problem == ".metadata is missing or unreadable (UnpicklingError: " + (
         "checkpoint metadata refers to " + "m" * 200)[:120] + ")"
     assert not (run / "code-ran").exists()
@@ -680,46 +680,46 @@ def test_verify_finds_a_truncated_shard_whatever_order_the_metadata_lists_it_in(
     shard = step / "__0_0.distcp"
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[:-1])
-    assert checkpoint.verify(step) == f"__0_0.distcp is truncated ({size - 1} of {size} bytes)"
-    metadata = checkpoint.read_dcp_metadata(step / ".metadata")
+    assert checkpoint_find.verify(step) == f"__0_0.distcp is truncated ({size - 1} of {size} bytes)"
+    metadata = safe_load.read_dcp_metadata(step / ".metadata")
     metadata.storage_data = dict(reversed(list(metadata.storage_data.items())))
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
-    assert checkpoint.verify(step, checksums=False) == f"__0_0.distcp is truncated ({size - 1} of {size} bytes)"
+    assert checkpoint_find.verify(step, checksums=False) == f"__0_0.distcp is truncated ({size - 1} of {size} bytes)"
     shard.unlink()
-    assert checkpoint.verify(step) == "__0_0.distcp is missing"
+    assert checkpoint_find.verify(step) == "__0_0.distcp is missing"
 
 
 def test_verify_needs_no_bytes_for_an_empty_byte_range(run):
     step = run / "step_3"
-    metadata = checkpoint.read_dcp_metadata(step / ".metadata")
+    metadata = safe_load.read_dcp_metadata(step / ".metadata")
     index, info = next(iter(metadata.storage_data.items()))
     metadata.storage_data = {index: dataclasses.replace(info, relative_path="__9_0.distcp", offset=0, length=0)}
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
     (step / "__9_0.distcp").write_bytes(b"")
-    assert checkpoint.verify(step, checksums=False) is None
+    assert checkpoint_find.verify(step, checksums=False) is None
 
 
 def test_verify_checks_every_ranks_rng_file(run):
     (run / "step_3" / "rng_0.pt").unlink()
-    assert checkpoint.verify(run / "step_3") == "rng_0.pt is missing or unreadable (FileNotFoundError)"
+    assert checkpoint_find.verify(run / "step_3") == "rng_0.pt is missing or unreadable (FileNotFoundError)"
 
 
 def test_verify_checks_sizes_and_checksums_unless_told_not_to(run):
     step = run / "step_3"
     flip_a_byte(step / "__0_0.distcp")
     problem = "__0_0.distcp does not match its checksum: the file was damaged after it was saved"
-    assert checkpoint.verify(step) == problem
-    assert checkpoint.verify(step, checksums=False) is None
+    assert checkpoint_find.verify(step) == problem
+    assert checkpoint_find.verify(step, checksums=False) is None
     # The reading shared by two processes: sorted names .metadata, __0_0.distcp, rng_0.pt, tokenizer.json.
-    assert checkpoint.verify(step, share=(0, 2)) is None and checkpoint.verify(step, share=(1, 2)) == problem
+    assert checkpoint_find.verify(step, share=(0, 2)) is None and checkpoint_find.verify(step, share=(1, 2)) == problem
     step = run / "step_2"
     size = (step / "tokenizer.json").stat().st_size
     with open(step / "tokenizer.json", "a") as f:
         f.write(" ")
-    assert checkpoint.verify(step) == f"tokenizer.json has {size + 1} bytes, {size} when saved"
+    assert checkpoint_find.verify(step) == f"tokenizer.json has {size + 1} bytes, {size} when saved"
     (step / "tokenizer.json").unlink()
-    assert checkpoint.verify(step) == "tokenizer.json: No such file or directory"
-    assert checkpoint.verify(step, checksums=False) is None
+    assert checkpoint_find.verify(step) == "tokenizer.json: No such file or directory"
+    assert checkpoint_find.verify(step, checksums=False) is None
 
 
 def test_verify_accepts_a_checkpoint_from_before_checksums_and_world_size(run):
@@ -728,7 +728,7 @@ def test_verify_accepts_a_checkpoint_from_before_checksums_and_world_size(run):
     (step / "meta.json").write_text(json.dumps({"step": 3, "val_loss": meta["val_loss"]}))
     (step / "rng_0.pt").unlink()
     flip_a_byte(step / "__0_0.distcp")
-    assert checkpoint.verify(step) is None
+    assert checkpoint_find.verify(step) is None
 
 
 # ---- markers, the order checkpoints are tried in ----
@@ -737,15 +737,15 @@ def test_step_dirs_are_numbered_directories_newest_first(tmp_path):
     for name in ["step_9", "step_10", "step_2", "step_x", "step_3.old"]:
         (tmp_path / name).mkdir()
     (tmp_path / "step_11").write_text("a file")
-    assert checkpoint.step_dirs(tmp_path) == [tmp_path / "step_10", tmp_path / "step_9", tmp_path / "step_2"]
+    assert checkpoint_find.step_dirs(tmp_path) == [tmp_path / "step_10", tmp_path / "step_9", tmp_path / "step_2"]
 
 
 def test_candidates_start_at_latest_then_older_then_newer(tmp_path):
     for step in range(1, 5):
         (tmp_path / f"step_{step}").mkdir()
-    assert checkpoint.candidates(tmp_path) == [tmp_path / f"step_{s}" for s in (4, 3, 2, 1)]
+    assert checkpoint_find.candidates(tmp_path) == [tmp_path / f"step_{s}" for s in (4, 3, 2, 1)]
     (tmp_path / "latest").write_text("step_2\n")
-    assert checkpoint.candidates(tmp_path) == [tmp_path / f"step_{s}" for s in (2, 1, 4, 3)]
+    assert checkpoint_find.candidates(tmp_path) == [tmp_path / f"step_{s}" for s in (2, 1, 4, 3)]
 
 
 def test_a_bad_marker_is_ignored_with_one_flushed_warning(tmp_path, console):
@@ -753,53 +753,53 @@ def test_a_bad_marker_is_ignored_with_one_flushed_warning(tmp_path, console):
     marker = tmp_path / "latest"
     for data in [b"\xff\xfe\n", b"../other_run/step_3\n", b"step_3 and more"]:
         marker.write_bytes(data)
-        assert checkpoint._marker(tmp_path, "latest") is None
+        assert checkpoint_find.marker(tmp_path, "latest") is None
         assert err.flushed == f"warning: ignoring {marker}: it does not name a step_<N> checkpoint of this run\n"
         assert out.getvalue() == ""
         err.seek(0), err.truncate(), err.flush()
     marker.write_text("  step_3\n")
-    assert checkpoint._marker(tmp_path, "latest") == tmp_path / "step_3"
-    assert checkpoint._marker(tmp_path, "best") is None
+    assert checkpoint_find.marker(tmp_path, "latest") == tmp_path / "step_3"
+    assert checkpoint_find.marker(tmp_path, "best") is None
     assert err.getvalue() == ""
 
 
 def test_latest_skips_damaged_checkpoints_with_a_line_each(run, console):
     out, err = console()
     flip_a_byte(run / "step_3" / "__0_0.distcp")
-    assert checkpoint.latest(run) == run / "step_2"
+    assert checkpoint_find.latest(run) == run / "step_2"
     assert err.flushed == (f"warning: skipping checkpoint {run / 'step_3'}: __0_0.distcp does not match its "
                                   "checksum: the file was damaged after it was saved\n")
-    assert checkpoint.newest_complete(run, checksums=False) == run / "step_3"
+    assert checkpoint_find.newest_complete(run, checksums=False) == run / "step_3"
     for step in (1, 2):
         (run / f"step_{step}" / "rng_0.pt").unlink()
-    assert checkpoint.latest(run) is None
-    assert checkpoint.latest(run.parent / "no_such_run") is None
+    assert checkpoint_find.latest(run) is None
+    assert checkpoint_find.latest(run.parent / "no_such_run") is None
 
 
 def test_resolve_accepts_a_checkpoint_a_marker_or_a_run(run, console):
     out, err = console()
-    assert checkpoint.resolve(run / "step_2") == run / "step_2"
-    assert checkpoint.resolve(run / "best") == run / "step_2"
-    assert checkpoint.resolve(run) == run / "step_3"
+    assert checkpoint_find.resolve(run / "step_2") == run / "step_2"
+    assert checkpoint_find.resolve(run / "best") == run / "step_2"
+    assert checkpoint_find.resolve(run) == run / "step_3"
     flip_a_byte(run / "step_3" / "__0_0.distcp")
-    assert checkpoint.resolve(run) == run / "step_3"  # the cheap checks: the caller verifies the checksums
+    assert checkpoint_find.resolve(run) == run / "step_3"  # the cheap checks: the caller verifies the checksums
     (run / "step_3" / "rng_0.pt").unlink()
-    assert checkpoint.resolve(run) == run / "step_2"
+    assert checkpoint_find.resolve(run) == run / "step_2"
     (run / "latest").unlink()
-    assert checkpoint.resolve(run) == run / "step_2"
-    assert checkpoint.resolve(run.parent / "nothing") == run.parent / "nothing"
+    assert checkpoint_find.resolve(run) == run / "step_2"
+    assert checkpoint_find.resolve(run.parent / "nothing") == run.parent / "nothing"
     (run.parent / "empty").mkdir()
-    assert checkpoint.resolve(run.parent / "empty") == run.parent / "empty"
+    assert checkpoint_find.resolve(run.parent / "empty") == run.parent / "empty"
     shutil.copytree(run / "step_1", run / "step_2" / "step_1")  # meta.json makes a checkpoint, whatever else is there
     (run / "step_2" / "latest").write_text("step_1\n")
-    assert checkpoint.resolve(run / "step_2") == run / "step_2"
+    assert checkpoint_find.resolve(run / "step_2") == run / "step_2"
 
 
 def test_resolve_refuses_a_file_that_is_not_a_marker_in_one_line(run, console):
     out, err = console()
     (run / "notes.txt").write_text("step 3 was good")
     with pytest.raises(ConfigError) as raised:
-        checkpoint.resolve(run / "notes.txt")
+        checkpoint_find.resolve(run / "notes.txt")
     assert str(raised.value) == (f"{run / 'notes.txt'} is a file but not a checkpoint marker (one line naming a "
                                  "step_<N> directory beside it): pass a step_<N> directory, a run directory or its "
                                  "latest/best marker")
@@ -809,7 +809,7 @@ def test_resolve_refuses_a_file_that_is_not_a_marker_in_one_line(run, console):
 def test_resolve_of_a_run_with_nothing_complete_says_why_and_returns_the_run(tmp_path, console):
     out, err = console()
     (tmp_path / "latest").write_text("step_4\n")
-    assert checkpoint.resolve(tmp_path) == tmp_path
+    assert checkpoint_find.resolve(tmp_path) == tmp_path
     assert err.getvalue() == f"warning: skipping checkpoint {tmp_path / 'step_4'}: no such directory\n"
 
 
@@ -822,7 +822,7 @@ def args_for(run, *extra):
 def test_find_skips_a_checkpoint_whose_checksums_fail(run, console):
     out, err = console()
     flip_a_byte(run / "step_3" / "__0_0.distcp")
-    assert checkpoint.find(args_for(run)) == run / "step_2"
+    assert checkpoint_find.find(args_for(run)) == run / "step_2"
     assert err.getvalue() == (f"warning: skipping checkpoint {run / 'step_3'}: __0_0.distcp does not match "
                                      "its checksum: the file was damaged after it was saved\n")
 
@@ -830,19 +830,19 @@ def test_find_skips_a_checkpoint_whose_checksums_fail(run, console):
 def test_find_refuses_a_damaged_restart_checkpoint_in_one_line(run):
     flip_a_byte(run / "step_3" / "__0_0.distcp")
     with pytest.raises(ConfigError) as raised:
-        checkpoint.find(args_for(run, "--restart_checkpoint_file", str(run / "latest")))
+        checkpoint_find.find(args_for(run, "--restart_checkpoint_file", str(run / "latest")))
     assert str(raised.value) == (f"--restart_checkpoint_file {run / 'latest'} is damaged: {run / 'step_3'}: "
                                  "__0_0.distcp does not match its checksum: the file was damaged after it was saved")
     (run / "step_2" / "rng_0.pt").unlink()
     with pytest.raises(ConfigError) as raised:
-        checkpoint.find(args_for(run, "--restart_checkpoint_file", str(run / "step_2")))
+        checkpoint_find.find(args_for(run, "--restart_checkpoint_file", str(run / "step_2")))
     assert str(raised.value) == (f"--restart_checkpoint_file {run / 'step_2'} is not a complete checkpoint: "
                                  f"{run / 'step_2'}: rng_0.pt is missing or unreadable (FileNotFoundError)")
 
 
 def test_resume_never_refuses_a_run_with_checkpoints_in_one_line(run):
     with pytest.raises(ConfigError) as raised:
-        checkpoint.find(args_for(run, "--resume", "never"))
+        checkpoint_find.find(args_for(run, "--resume", "never"))
     assert str(raised.value) == (f"--resume never, but {run} already holds checkpoints: pick another --run_name, "
                                  "move that directory away, or resume from it with --resume auto")
 
@@ -852,10 +852,10 @@ def test_find_in_one_process_reads_every_checksum(run, monkeypatch, damaged):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     step = run / "step_3"
     if damaged == ".metadata":  # still readable, but not the bytes that were saved
-        (step / ".metadata").write_bytes(pickle.dumps(checkpoint.read_dcp_metadata(step / ".metadata"), protocol=2))
+        (step / ".metadata").write_bytes(pickle.dumps(safe_load.read_dcp_metadata(step / ".metadata"), protocol=2))
     else:
         flip_a_byte(step / damaged)
-    assert checkpoint.find(args_for(run)) == run / "step_2"
+    assert checkpoint_find.find(args_for(run)) == run / "step_2"
 
 
 @pytest.mark.parametrize("damaged,rank_0_reads_it", [("__0_0.distcp", False), ("rng_0.pt", True)])
@@ -873,7 +873,7 @@ def test_find_as_rank_1_of_2_reads_its_share_and_takes_rank_0s_list(run, monkeyp
         listed.append(fn(*args))
         return listed[-1]
 
-    checked, verify = [], checkpoint.verify
+    checked, verify = [], checkpoint_find.verify
 
     def verify_noting(path, *args, **kwargs):
         checked.append(path)
@@ -882,10 +882,10 @@ def test_find_as_rank_1_of_2_reads_its_share_and_takes_rank_0s_list(run, monkeyp
     def all_gather_object(out, mine):  # rank 0's verdict on its share of the checkpoint being checked, then ours
         sent.append(mine)
         out[:] = [verify(checked[-1], share=(0, 2)), mine]
-    monkeypatch.setattr(checkpoint, "verify", verify_noting)
+    monkeypatch.setattr(checkpoint_find, "verify", verify_noting)
     monkeypatch.setattr(environment, "run_on_main", run_on_main)
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
-    assert checkpoint.find(args_for(run)) == run / "step_2"
+    assert checkpoint_find.find(args_for(run)) == run / "step_2"
     assert listed == [[str(run / f"step_{s}") for s in (3, 2, 1)]]
     problem = f"{damaged} does not match its checksum: the file was damaged after it was saved"
     assert sent == ([None, None] if rank_0_reads_it else [problem, None])
@@ -896,7 +896,7 @@ def test_find_as_rank_1_of_2_reads_its_share_and_takes_rank_0s_list(run, monkeyp
 
 def read_meta(tmp_path, meta):
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    return checkpoint.read_meta(tmp_path)
+    return checkpoint_meta.read_meta(tmp_path)
 
 
 def test_read_meta_keeps_the_current_format_as_it_is(tmp_path):
@@ -930,24 +930,24 @@ def test_read_meta_counts_format_1s_train_position_from_what_it_kept(tmp_path):
 @pytest.mark.parametrize("argv", [[], ["status"], ["--run_name", "x"]])
 def test_main_without_progress_prints_usage(argv, monkeypatch):
     with pytest.raises(SystemExit) as raised:
-        checkpoint.main(argv)
+        checkpoint_find.main(argv)
     assert raised.value.code == "usage: python -m minimal_fsdp.checkpoint progress [the run's training flags]"
     monkeypatch.setattr(sys, "argv", ["checkpoint.py", *argv])
     with pytest.raises(SystemExit):
-        checkpoint.main()
+        checkpoint_find.main()
 
 
 def test_main_prints_step_and_last_step_of_the_newest_complete_checkpoint(run, console, monkeypatch):
     out, err = console()
     flags = ["--checkpoint_dir", str(run.parent), "--run_name", run.name]
     flip_a_byte(run / "step_3" / "__0_0.distcp")  # only the cheap checks: the chains ask often
-    checkpoint.main(["progress", *flags])
+    checkpoint_find.main(["progress", *flags])
     (run / "step_3" / "rng_0.pt").unlink()
     monkeypatch.setattr(sys, "argv", ["checkpoint.py", "progress", *flags])
-    checkpoint.main()
-    checkpoint.main(["progress", "--checkpoint_dir", str(run.parent), "--run_name", "other"])
+    checkpoint_find.main()
+    checkpoint_find.main(["progress", "--checkpoint_dir", str(run.parent), "--run_name", "other"])
     meta = meta_of(run / "step_2")
     del meta["format"], meta["state"]
     (run / "step_2" / "meta.json").write_text(json.dumps(dict(meta, last_step=50)))  # format 1
-    checkpoint.main(["progress", *flags])
+    checkpoint_find.main(["progress", *flags])
     assert out.getvalue() == "3 100\n2 none\n0 none\n2 50\n"

@@ -18,7 +18,7 @@ from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
 from test_gossip import check_mixing, check_quadratic, run_gossip_ranks
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp import checkpoint  # noqa: E402
+from minimal_fsdp import checkpoint_find, checkpoint_meta, safe_load  # noqa: E402
 from minimal_fsdp.accum_adamw import AccumAdamW  # noqa: E402
 from minimal_fsdp.config import ConfigError, parse_args  # noqa: E402
 from minimal_fsdp.gossip import TOPOLOGIES  # noqa: E402
@@ -97,14 +97,14 @@ def decentralized_reference(args, world, steps):
 
 def checkpoint_tensors(path, prefix):
     """Every tensor whose key starts with `prefix` in a checkpoint, read in this process."""
-    reader = checkpoint.SafeReader(str(path))
+    reader = safe_load.SafeReader(str(path))
     metadata = reader.read_metadata()
     state = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in metadata.state_dict_metadata.items()
              if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         if state:
-            dcp.load(state, storage_reader=reader, planner=checkpoint.SafeLoadPlanner(), no_dist=True)
+            dcp.load(state, storage_reader=reader, planner=safe_load.SafeLoadPlanner(), no_dist=True)
     return state
 
 
@@ -124,8 +124,8 @@ def test_val_loss_within_3_percent_of_allreduce(tmp_path):
 
     consensus = [r["consensus"] for r in rows if "consensus" in r]  # its value is checked exactly below
     assert len(consensus) == 6 and all(c > 0 and math.isfinite(c) for c in consensus)
-    final = checkpoint.latest(tmp_path / "checkpoints" / "dec")
-    assert checkpoint.read_meta(final)["replicas"] == 0  # --save_average: the average only
+    final = checkpoint_find.latest(tmp_path / "checkpoints" / "dec")
+    assert checkpoint_meta.read_meta(final)["replicas"] == 0  # --save_average: the average only
     assert not checkpoint_tensors(final, "replicas.") and checkpoint_tensors(final, "model.")
 
 
@@ -140,7 +140,7 @@ def test_checkpoint_keeps_each_replica_and_resumes_exactly(tmp_path, corpus):
     assert "resuming from" in out.stdout
 
     resumed = tmp_path / "checkpoints" / "resumed" / "step_6"
-    assert checkpoint.read_meta(resumed)["replicas"] == 3
+    assert checkpoint_meta.read_meta(resumed)["replicas"] == 3
     for rank in range(3):  # model and optimizer state (moments, accumulated gradient, step) of every replica
         expected = checkpoint_tensors(whole / "step_6", f"replicas.{rank}.")
         got = checkpoint_tensors(resumed, f"replicas.{rank}.")
@@ -164,7 +164,7 @@ def test_checkpoint_keeps_each_replica_and_resumes_exactly(tmp_path, corpus):
     assert mixed.returncode == 2 and "trained with --data_parallel decentralized" in mixed.stderr
 
     replicas = [checkpoint_tensors(whole / "step_6", f"replicas.{rank}.model.") for rank in range(3)]
-    average = checkpoint.load_full_model_state(whole / "step_6")
+    average = safe_load.load_full_model_state(whole / "step_6")
     assert not torch.equal(replicas[0]["replicas.0.model.wte.weight"], replicas[1]["replicas.1.model.wte.weight"])
     for name, value in average.items():
         mean = sum(r[f"replicas.{rank}.model.{name}"] for rank, r in enumerate(replicas)) / 3

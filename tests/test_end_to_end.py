@@ -3,7 +3,7 @@ Every sample is checked against sampling written plainly in one process from the
 import torch
 
 from conftest import TINY_MODEL, launch
-from minimal_fsdp import checkpoint
+from minimal_fsdp import checkpoint_find, checkpoint_meta, safe_load
 from minimal_fsdp.config import parse_args
 from minimal_fsdp.model import GPT, GPTConfig
 from minimal_fsdp.tokenizer import load_tokenizer
@@ -20,9 +20,9 @@ def plain_sample(run_dir, prompt, num_tokens, seed):
     """The run's newest checkpoint sampled in one process, without a KV cache: each token from a full forward
     over the context (cut to its newer half once it outgrows the model's seq_length), the default temperature
     and top-k, and a generator seeded with `seed`."""
-    path = checkpoint.latest(run_dir)
-    model = GPT(GPTConfig(**checkpoint.read_meta(path)["model"])).eval()
-    model.load_state_dict(checkpoint.load_full_model_state(path))
+    path = checkpoint_find.latest(run_dir)
+    model = GPT(GPTConfig(**checkpoint_meta.read_meta(path)["model"])).eval()
+    model.load_state_dict(safe_load.load_full_model_state(path))
     defaults = parse_args([])
     tokenizer = load_tokenizer(path)
     generator = torch.Generator().manual_seed(seed)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import TINY_MODEL, launch, make_text
-from minimal_fsdp import checkpoint, export
+from minimal_fsdp import checkpoint_find, checkpoint_meta, export, safe_load
 from minimal_fsdp.model import GPT, GPTConfig
 from minimal_fsdp.tokenizer import load_tokenizer
 
@@ -34,7 +34,7 @@ def ckpt(tmp_path_factory):
 
 
 def test_export_round_trip(ckpt, tmp_path):
-    step = checkpoint.latest(ckpt)
+    step = checkpoint_find.latest(ckpt)
     assert len(list(step.glob("*.distcp"))) == 2  # really sharded
     export.main([str(ckpt), str(tmp_path / "out")])  # a run directory means its newest checkpoint
     exported = load_file(tmp_path / "out" / "model.safetensors")
@@ -55,7 +55,7 @@ def test_export_round_trip(ckpt, tmp_path):
 def test_export_casts_to_bf16(ckpt, tmp_path):
     export.main([str(ckpt / "latest"), str(tmp_path / "out"), "--dtype", "bf16"])
     exported = load_file(tmp_path / "out" / "model.safetensors")
-    full = checkpoint.load_full_model_state(checkpoint.latest(ckpt))
+    full = safe_load.load_full_model_state(checkpoint_find.latest(ckpt))
     assert all(exported[k].dtype == torch.bfloat16 and torch.equal(exported[k], v.bfloat16()) for k, v in full.items())
 
 
@@ -63,10 +63,10 @@ def test_export_casts_to_bf16(ckpt, tmp_path):
 def test_hf_format_loads_in_transformers_with_the_same_logits_and_tokens(ckpt, tmp_path, dtype):
     transformers = pytest.importorskip("transformers")
     export.main([str(ckpt), str(tmp_path / "hf"), "--format", "hf", "--dtype", dtype])
-    step = checkpoint.latest(ckpt)
-    meta = checkpoint.read_meta(step)
+    step = checkpoint_find.latest(ckpt)
+    meta = checkpoint_meta.read_meta(step)
     ours = GPT(GPTConfig(**meta["model"])).eval()
-    state = checkpoint.load_full_model_state(step)
+    state = safe_load.load_full_model_state(step)
     ours.load_state_dict({k: v.bfloat16().float() for k, v in state.items()} if dtype == "bf16" else state)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["dtype"] == {"float32": "float32", "bf16": "bfloat16"}[dtype]

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from conftest import ROOT, launch
-from minimal_fsdp import checkpoint, fp8, model_size, parallelize
+from minimal_fsdp import fp8, model_size, parallelize, safe_load
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.llama import Llama, LlamaConfig
 from minimal_fsdp.model import GPT, GPTConfig
@@ -313,7 +313,7 @@ def test_emulated_weights_whose_rows_split_unevenly_gather_in_bf16(work):
 
 def checkpoint_files_are_plain(path):
     """fp32 tensors only, and nothing that needs torchao to load."""
-    names = checkpoint.tensor_names(path)
+    names = safe_load.tensor_names(path)
     assert names and all(dtype == torch.float32 for _, _, dtype in names)
     assert not any(b"torchao" in f.read_bytes() for f in path.iterdir() if f.is_file())
     return names

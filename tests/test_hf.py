@@ -20,7 +20,7 @@ from test_parallelize import logged_losses
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(ROOT))
 from minimal_fsdp.models import MODELS  # noqa: E402
-from minimal_fsdp import checkpoint, export, hf  # noqa: E402
+from minimal_fsdp import checkpoint_find, checkpoint_meta, export, hf, safe_load  # noqa: E402
 from minimal_fsdp import tokenizer as tk  # noqa: E402
 from minimal_fsdp.config import ConfigError, parse_args  # noqa: E402
 from minimal_fsdp.data import TokenData, dataset_dir  # noqa: E402
@@ -273,7 +273,7 @@ def test_training_starts_from_the_hf_weights_and_tokenizer(tmp_path, corpus, lla
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(theirs(x).logits.reshape(-1, 301), y.reshape(-1)).item()
     assert logged_losses(tmp_path, "run")[0] == pytest.approx(expected, abs=1e-4)
-    saved = checkpoint.latest(tmp_path / "checkpoints" / "run")
+    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "run")
     assert json.loads((saved / "meta.json").read_text())["model_type"] == "llama"
     assert load_tokenizer(saved).model_proto == tokenizer.model_proto  # the tokenizer travels with it
 
@@ -348,10 +348,10 @@ def test_llama3_trains_samples_exports_and_comes_back_offline(tmp_path, corpus, 
     assert logged_losses(tmp_path, "llama3")[0] == pytest.approx(expected, abs=1e-4)
 
     # Export the trained checkpoint: transformers gives our logits and our token ids.
-    saved = checkpoint.latest(tmp_path / "checkpoints" / "llama3")
+    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "llama3")
     export.main([str(saved), str(tmp_path / "export"), "--format", "hf"])
-    trained = MODELS["llama"](LlamaConfig(**checkpoint.read_meta(saved)["model"])).eval()
-    trained.load_state_dict(checkpoint.load_full_model_state(saved))
+    trained = MODELS["llama"](LlamaConfig(**checkpoint_meta.read_meta(saved)["model"])).eval()
+    trained.load_state_dict(safe_load.load_full_model_state(saved))
     assert_same_logits(trained, transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval(),
                        vocab, 24)
     auto_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")

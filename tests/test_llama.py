@@ -11,7 +11,7 @@ from test_end_to_end import sample_of
 from test_parallelize import logged_losses, reference
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp import checkpoint  # noqa: E402
+from minimal_fsdp import checkpoint_find, safe_load  # noqa: E402
 from minimal_fsdp.config import MODEL_PRESETS, ConfigError, model_family, parse_args  # noqa: E402
 from minimal_fsdp.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
 from minimal_fsdp.models import config_from_flags, make_config  # noqa: E402
@@ -114,9 +114,9 @@ def test_llama_full_shard_matches_single_process_then_generates(tmp_path, corpus
     ref_losses, ref_state = reference(args, world=2, steps=STEPS)
     assert losses == pytest.approx(ref_losses, abs=5e-6), (losses, ref_losses)
     assert ref_losses[-1] < ref_losses[0]
-    last = checkpoint.latest(tmp_path / "checkpoints" / "run")
+    last = checkpoint_find.latest(tmp_path / "checkpoints" / "run")
     assert json.loads((last / "meta.json").read_text())["model_type"] == "llama"
-    saved = checkpoint.load_full_model_state(last)
+    saved = safe_load.load_full_model_state(last)
     assert saved.keys() == ref_state.keys()
     for name, value in ref_state.items():
         torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=1e-5, msg=name)

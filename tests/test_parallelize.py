@@ -16,7 +16,7 @@ import reference as plain
 from conftest import ROOT, TINY_MODEL, launch, mpiexec
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp import checkpoint  # noqa: E402
+from minimal_fsdp import checkpoint_find, safe_load  # noqa: E402
 from minimal_fsdp.llama import Llama  # noqa: E402
 from minimal_fsdp.model import GPT, GPTConfig  # noqa: E402
 from minimal_fsdp.models import make_config  # noqa: E402
@@ -76,7 +76,7 @@ def test_strategy_matches_single_process(tmp_path, corpus, ranks, extra):
     assert len(losses) == STEPS
     assert losses == pytest.approx(ref_losses, abs=5e-6), (losses, ref_losses)
     assert ref_losses[-1] < ref_losses[0]  # it learned something, so the comparison is not vacuous
-    saved = checkpoint.load_full_model_state(checkpoint.latest(tmp_path / "checkpoints" / "run"))
+    saved = safe_load.load_full_model_state(checkpoint_find.latest(tmp_path / "checkpoints" / "run"))
     assert saved.keys() == ref_state.keys()
     for name, value in ref_state.items():
         torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=1e-5, msg=name)

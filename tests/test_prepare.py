@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_MODEL, launch, make_text
-from minimal_fsdp import checkpoint, documents, prepare
+from minimal_fsdp import checkpoint_find, checkpoint_meta, documents, prepare
 from minimal_fsdp.config import ConfigError
 from minimal_fsdp.data import TokenData
 from minimal_fsdp.documents import encode_document, is_val, open_documents
@@ -141,8 +141,8 @@ def test_trainer_reads_a_prepared_directory(tmp_path):
     out = run_cli("--dataset", "text", "--input_file", source, "--tokenizer", "char", "--output", tmp_path / "prepared")
     launch(["--dataset_path", out, *TINY_MODEL, "--max_steps", 3, "--eval_interval", 0, "--log_interval", 1],
            ranks=2, cwd=tmp_path)
-    saved = checkpoint.latest(tmp_path / "checkpoints" / "shakespeare")
-    assert checkpoint.read_meta(saved)["state"]["data"] == {"train_blocks_seen": 3 * 2 * 4}
+    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "shakespeare")
+    assert checkpoint_meta.read_meta(saved)["state"]["data"] == {"train_blocks_seen": 3 * 2 * 4}
     assert load_tokenizer(saved).chars == TokenData(out).tokenizer.chars
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from conftest import TINY_MODEL, make_text
 from faults import launch_with_faults
-from minimal_fsdp import checkpoint
+from minimal_fsdp import checkpoint_find, checkpoint_meta, safe_load
 from minimal_fsdp.config import ConfigError, parse_duration
 from minimal_fsdp.resilience import StopRequests
 
@@ -50,25 +50,25 @@ def straight(work):
 def test_stopped_runs_resume_bitwise(work, straight):
     run = work / "checkpoints" / "chain"
     first = launch_with_faults(args("chain", "--max_steps", 5), cwd=work)
-    assert "starting fresh" in first.stdout and checkpoint.latest(run) == run / "step_5"
+    assert "starting fresh" in first.stdout and checkpoint_find.latest(run) == run / "step_5"
 
     # A signal reaches one rank only; both stop at the step boundary, save, and exit 0.
     term = launch_with_faults(args("chain"), faults="sigterm@10:1", cwd=work)
     assert "step 10: SIGTERM received; saved a checkpoint" in term.stdout
-    assert checkpoint.latest(run) == run / "step_10" and not (run / "step_20").exists()
+    assert checkpoint_find.latest(run) == run / "step_10" and not (run / "step_20").exists()
 
     timed = launch_with_faults(args("chain", "--time_limit", "1:00:00"), faults="clock@15:0", cwd=work)
-    assert "step 15: --time_limit of 3600s reached" in timed.stdout and checkpoint.latest(run) == run / "step_15"
+    assert "step 15: --time_limit of 3600s reached" in timed.stdout and checkpoint_find.latest(run) == run / "step_15"
 
     # Killed while writing its shard of step 20: step_15 stays the newest complete checkpoint.
     crashed = launch_with_faults(args("chain"), faults="kill_in_save@20:1", cwd=work, check=False)
     assert crashed.returncode != 0
     assert not (run / "step_20").exists() and (run / ".tmp-step_20").exists()
-    assert checkpoint.latest(run) == run / "step_15"
+    assert checkpoint_find.latest(run) == run / "step_15"
 
     final = launch_with_faults(args("chain"), cwd=work)
     assert "resuming from checkpoints/chain/step_15" in final.stdout
-    assert checkpoint.latest(run) == run / "step_20" and not list(run.glob(".tmp-*"))
+    assert checkpoint_find.latest(run) == run / "step_20" and not list(run.glob(".tmp-*"))
 
     chain = losses(work, "chain")
     assert sorted({step for step, _ in chain}) == list(range(1, STEPS + 1))
@@ -100,15 +100,15 @@ def test_checkpoints_load_on_other_world_sizes_and_shardings(work, straight):
         trained = losses(work, "elastic")
         assert [s for s, _ in trained[-2:]] == [step - 1, step] and all(math.isfinite(loss) for _, loss in trained)
         source = work / "checkpoints" / "elastic" / f"step_{step}"
-        assert checkpoint.read_meta(source)["world_size"] == ranks
+        assert checkpoint_meta.read_meta(source)["world_size"] == ranks
 
 
 def saved_steps(run):
     """The run's checkpoints, each checked complete (verify) with finite weights; and the step `latest` names."""
     steps = []
-    for path in checkpoint.step_dirs(run):
-        assert checkpoint.verify(path) is None, path
-        assert all(t.isfinite().all() for t in checkpoint.load_full_model_state(path).values()), path
+    for path in checkpoint_find.step_dirs(run):
+        assert checkpoint_find.verify(path) is None, path
+        assert all(t.isfinite().all() for t in safe_load.load_full_model_state(path).values()), path
         steps.append(int(path.name.removeprefix("step_")))
     return sorted(steps), (run / "latest").read_text().strip()
 
@@ -135,8 +135,8 @@ def test_skip_nonfinite_skips_the_step_and_goes_on(work):
     assert "warning: step 3: grad norm nan; update skipped (1 of --skip_nonfinite 1)" in result.stderr
     run = work / "checkpoints" / "nan_skip"
     assert saved_steps(run) == ([2, 4, 6], "step_6")
-    names = [name for name, _, _ in checkpoint.tensor_names(run / "step_6", "optim.state.") if name.endswith(".step")]
-    counts = checkpoint.read_tensors(run / "step_6", names, "optim.state.")
+    names = [name for name, _, _ in safe_load.tensor_names(run / "step_6", "optim.state.") if name.endswith(".step")]
+    counts = safe_load.read_tensors(run / "step_6", names, "optim.state.")
     assert names and all(count.item() == 5 for count in counts.values())  # 6 steps, one update skipped
     assert [step for step, _ in losses(work, "nan_skip")] == [1, 2, 4, 5, 6]  # the skipped step's loss is not logged
 

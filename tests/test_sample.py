@@ -11,7 +11,7 @@ import torch
 
 import tokenizer_dirs
 from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
-from minimal_fsdp import checkpoint, export
+from minimal_fsdp import checkpoint_find, checkpoint_meta, export, safe_load
 from minimal_fsdp.llama import Llama, LlamaConfig
 from minimal_fsdp.tokenizer import load_tokenizer
 
@@ -45,8 +45,8 @@ def run(tmp_path_factory):
 @torch.no_grad()
 def plain_greedy(step, prompt, num_tokens):
     """Reference: the checkpoint's weights in a plain module, the whole context re-run for every token."""
-    model = Llama(LlamaConfig(**checkpoint.read_meta(step)["model"])).eval()
-    model.load_state_dict(checkpoint.load_full_model_state(step))
+    model = Llama(LlamaConfig(**checkpoint_meta.read_meta(step)["model"])).eval()
+    model.load_state_dict(safe_load.load_full_model_state(step))
     tokenizer = load_tokenizer(step)
     ids = tokenizer.encode(prompt)
     for _ in range(num_tokens):
@@ -58,7 +58,7 @@ def plain_greedy(step, prompt, num_tokens):
 
 
 def test_checkpoint_sources_match_a_plain_decode(run):
-    step = checkpoint.latest(run)
+    step = checkpoint_find.latest(run)
     expected = plain_greedy(step, PROMPT, 10)
     out = sample(step, *GREEDY)
     assert out.stdout == expected + "\n"
@@ -67,13 +67,13 @@ def test_checkpoint_sources_match_a_plain_decode(run):
     assert "model: llama, 2 layers, 2 heads (1 kv), width 32, context 32, vocab 300" in out.stderr
     assert "tokenizer: sentencepiece, 300 tokens" in out.stderr
     assert sample(run, *GREEDY).stdout == out.stdout  # a run directory: its newest checkpoint
-    best = checkpoint.resolve(run / "best")
+    best = checkpoint_find.resolve(run / "best")
     by_marker = sample(run / "best", *GREEDY)
     assert by_marker.stdout == plain_greedy(best, PROMPT, 10) + "\n" and f"generating from {best}" in by_marker.stderr
 
 
 def test_exports_give_the_checkpoint_text_also_sharded_over_two_ranks(run, tmp_path):
-    step = checkpoint.latest(run)
+    step = checkpoint_find.latest(run)
     expected = sample(step, *GREEDY, "--seed", 5, "--temperature", 0.9).stdout  # sampled, not greedy
     export.main([str(step), str(tmp_path / "ours")])
     export.main([str(step), str(tmp_path / "hf"), "--format", "hf"])

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from conftest import ROOT, TINY_MODEL, launch, make_text
 from faults import launch_with_faults
-from minimal_fsdp import checkpoint, files, hf
+from minimal_fsdp import checkpoint_find, files, hf, safe_load
 from minimal_fsdp.config import ConfigError, parse_args
 
 
@@ -29,7 +29,7 @@ def real_metadata(tmp_path_factory):
     path = tmp_path_factory.mktemp("dcp")
     state = {"model": {"w": torch.randn(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16)}, "optim": {"lr": 0.1}}
     dcp.save(state, checkpoint_id=str(path), no_dist=True)
-    return path, checkpoint.read_dcp_metadata(path / ".metadata")
+    return path, safe_load.read_dcp_metadata(path / ".metadata")
 
 
 class Reduce:
@@ -85,7 +85,7 @@ def test_hostile_pickles_never_run(tmp_path):
             path = tmp_path / "metadata"
             path.write_bytes(payload)
             with pytest.raises(Exception):  # noqa: B017 - refused in any way at all, never run
-                checkpoint.read_dcp_metadata(path)
+                safe_load.read_dcp_metadata(path)
             assert not marker.exists(), label
     finally:
         copyreg.remove_extension("os", "system", 0xF0)
@@ -102,7 +102,7 @@ def test_hostile_payload_nested_in_valid_metadata_is_refused(tmp_path, real_meta
         path = tmp_path / f"metadata{protocol}"
         path.write_bytes(pickle.dumps(tampered, protocol=protocol))
         with pytest.raises(pickle.UnpicklingError, match="not allowed"):
-            checkpoint.read_dcp_metadata(path)
+            safe_load.read_dcp_metadata(path)
         assert not marker.exists()
 
 
@@ -112,7 +112,7 @@ def test_an_enum_member_pickled_as_getattr_loads(tmp_path):
     path = tmp_path / "metadata"
     path.write_bytes(b"\x80\x04" + text("builtins") + text("getattr") + b"\x93" + text(dcp_metadata.__name__)
                      + text("_MEM_FORMAT_ENCODING") + b"\x93" + text("TORCH_CONTIGUOUS_FORMAT") + b"\x86R.")
-    assert checkpoint.read_dcp_metadata(path) is dcp_metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    assert safe_load.read_dcp_metadata(path) is dcp_metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
 
 
 def test_genuine_metadata_loads_in_every_protocol_from_2(tmp_path, real_metadata):
@@ -122,7 +122,7 @@ def test_genuine_metadata_loads_in_every_protocol_from_2(tmp_path, real_metadata
     for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
         path = tmp_path / f"metadata{protocol}"
         path.write_bytes(pickle.dumps(metadata, protocol=protocol))
-        assert checkpoint.read_dcp_metadata(path) == metadata
+        assert safe_load.read_dcp_metadata(path) == metadata
     assert {"model.w", "model.b", "optim.lr"} <= set(metadata.state_dict_metadata)
 
 
@@ -203,7 +203,7 @@ def test_damaged_shard_is_found_before_loading(tmp_path, trained):
     with open(shard, "r+b") as f:  # 64 KiB overwritten in place: the size stays, the bytes do not
         f.seek(size // 3)
         f.write(b"\0" * min(65536, size // 3))
-    assert shard.stat().st_size == size and checkpoint.verify(trained / "step_4", checksums=False) is None
+    assert shard.stat().st_size == size and checkpoint_find.verify(trained / "step_4", checksums=False) is None
     restart = launch(["--restart_checkpoint_file", trained / "step_4", "--run_name", "other"], cwd=tmp_path, check=False)
     assert "__1_0.distcp does not match its checksum" in one_error(restart)
     resumed = train(tmp_path, steps=6)
@@ -217,9 +217,9 @@ def test_markers_that_name_no_checkpoint_of_this_run_are_ignored(tmp_path, train
     assert "ignoring checkpoints/run/latest" in result.stderr
     assert "resuming from checkpoints/run/step_4" in result.stdout
     (trained / "latest").write_text(str(trained / "step_2") + "\n")  # an absolute path: not a name beside it
-    assert checkpoint.candidates(trained)[0] == trained / "step_6"
+    assert checkpoint_find.candidates(trained)[0] == trained / "step_6"
     (trained / "latest").write_text("../other/step_6\n")
-    assert checkpoint.candidates(trained)[0] == trained / "step_6"
+    assert checkpoint_find.candidates(trained)[0] == trained / "step_6"
     binary = tmp_path / "binary"
     binary.write_bytes(b"\x00\xff" * 100)
     result = launch(["--restart_checkpoint_file", binary, "--run_name", "other"], cwd=tmp_path, check=False)
@@ -302,7 +302,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(tmp_path, trained):
     line = one_error(result, code=1)
     assert "checkpoint checkpoints/run/step_6" in line and "No space left on device" in line, line
     assert "rank 1" in line and "the previous checkpoint is untouched" in line
-    assert (trained / "latest").read_text().strip() == "step_4" and checkpoint.verify(trained / "step_4") is None
+    assert (trained / "latest").read_text().strip() == "step_4" and checkpoint_find.verify(trained / "step_4") is None
     assert not (trained / "step_6").exists() and not list(trained.glob(".tmp-*"))
     assert "resuming from checkpoints/run/step_4" in train(tmp_path, steps=8).stdout
 
@@ -317,7 +317,7 @@ def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(tmp_path, strai
     assert crashed.returncode != 0
     run = tmp_path / "checkpoints" / "run"
     assert (run / "latest").read_text().strip() == f"step_{resumed}"
-    assert checkpoint.verify(run / f"step_{resumed}") is None
+    assert checkpoint_find.verify(run / f"step_{resumed}") is None
     again = train(tmp_path, steps=6)
     assert f"resuming from checkpoints/run/step_{resumed}" in again.stdout
     assert losses(tmp_path, "run") == losses(straight, "straight")

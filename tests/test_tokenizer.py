@@ -257,7 +257,7 @@ def test_tokenizer_dir_flag_rules():
 
 def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
     from conftest import TINY_MODEL, launch
-    from minimal_fsdp import checkpoint
+    from minimal_fsdp import checkpoint_find, checkpoint_meta
     from minimal_fsdp.data import TokenData
     directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
     offline = {"HF_HUB_OFFLINE": "1", "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache"),
@@ -268,8 +268,8 @@ def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
     data = TokenData(tmp_path / "data" / "corpus" / tokenizer.label)  # named by the tokenizer's files
     text = corpus.read_text()
     assert data.tokenizer.kind == "tiktoken" and data.splits["train"][:500].tolist() == tokenizer.encode(text)[:500]
-    saved = checkpoint.latest(tmp_path / "checkpoints" / "shakespeare")
-    assert checkpoint.read_meta(saved)["model"]["vocab_size"] == num_ranks + 256  # the tokenizer's vocabulary
+    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "shakespeare")
+    assert checkpoint_meta.read_meta(saved)["model"]["vocab_size"] == num_ranks + 256  # the tokenizer's vocabulary
     assert load_tokenizer(saved).encode(text[:1000]) == tokenizer.encode(text[:1000])  # the checkpoint carries it
 
 

@@ -1,0 +1,218 @@
+"""Finding a checkpoint to load: a run's step_<N> directories and `latest`/`best` markers, the checks that a
+checkpoint is complete and undamaged (verify), the order to try them in, and the `progress` command.
+`python -m minimal_fsdp.checkpoint progress [training flags]` runs main() here."""
+import re
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import environment
+from .checkpoint_meta import read_meta
+from .config import ConfigError
+from .safe_load import read_dcp_metadata
+
+STEP_NAME = re.compile(r"step_(\d+)")
+
+
+def crc32(path, chunk=16 * 2**20):
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def marker(run_dir, name, warn=True):
+    """The checkpoint a marker (`latest`, `best`) names, or None if there is none. A marker that does not hold
+    exactly the name of a step_<N> beside it (damaged bytes, a path into another run) is reported and ignored."""
+    file = Path(run_dir) / name
+    if not file.is_file():
+        return None
+    try:
+        with open(file, "rb") as f:
+            text = f.read(65).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    if not STEP_NAME.fullmatch(text):
+        if warn:
+            print(f"warning: ignoring {file}: it does not name a step_<N> checkpoint of this run", file=sys.stderr,
+                  flush=True)
+        return None
+    return Path(run_dir) / text
+
+
+def step_dirs(run_dir):
+    """The run's step_<N> directories, newest first."""
+    found = [p for p in Path(run_dir).glob("step_*") if p.is_dir() and STEP_NAME.fullmatch(p.name)]
+    return sorted(found, key=step_of, reverse=True)
+
+
+def step_of(path):
+    return int(Path(path).name[5:])
+
+
+def rng_file(rank):
+    return f"rng_{rank}.pt"
+
+
+def verify(path, checksums=True, share=(0, 1)):
+    """Why `path` is not a complete checkpoint, or None if it is: meta.json parses, DCP's .metadata loads
+    (without running code), every byte range it lists lies inside its shard file, every rank's RNG file loads,
+    and, with checksums, every file has the size and CRC-32 recorded at save (this caller's `share` of them,
+    (index, count), when several processes split the reading). Checkpoints from before checksums skip that."""
+    path = Path(path)
+    if not path.is_dir():
+        return "no such directory"
+    try:
+        meta = read_meta(path)
+    except (OSError, ValueError):
+        return "meta.json is missing or unreadable"
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        return "meta.json has no step"
+    try:
+        metadata = read_dcp_metadata(path / ".metadata")
+        needed = {}
+        for info in metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as e:  # noqa: BLE001 - a truncated or hostile pickle fails in many ways; all mean "unusable"
+        return f".metadata is missing or unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size < size:
+            return f"{name} is truncated ({file.stat().st_size} of {size} bytes)"
+    for rank in range(meta.get("world_size", 0)):
+        try:
+            torch.load(path / rng_file(rank), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - missing, truncated: a few KB each, so read them all
+            return f"{rng_file(rank)} is missing or unreadable ({type(e).__name__})"
+    return _checksum_problem(path, meta.get("files") or {}, share) if checksums else None
+
+
+def _checksum_problem(path, recorded, share):
+    index, count = share
+    for name in sorted(recorded)[index::count]:
+        size, crc = recorded[name]
+        file = Path(path) / name
+        try:
+            if file.stat().st_size != size:
+                return f"{name} has {file.stat().st_size} bytes, {size} when saved"
+            if crc32(file) != crc:
+                return f"{name} does not match its checksum: the file was damaged after it was saved"
+        except OSError as e:
+            return f"{name}: {e.strerror or e}"
+    return None
+
+
+def candidates(run_dir):
+    """A run's checkpoints in the order to try them: the one `latest` names (the last commit), then older ones,
+    newest first, then newer ones (a save that crashed between its rename and its commit, or another
+    timeline's, when a run was restarted from an older checkpoint)."""
+    run_dir = Path(run_dir)
+    marked = marker(run_dir, "latest")
+    others = [p for p in step_dirs(run_dir) if p != marked]
+    if marked is None:
+        return others
+    older = [p for p in others if step_of(p) < step_of(marked)]
+    return [marked] + older + [p for p in others if step_of(p) > step_of(marked)]
+
+
+def newest_complete(run_dir, checksums=True):
+    """The first complete checkpoint among candidates(run_dir), or None. Each one skipped is reported in one
+    line on stderr."""
+    for path in candidates(run_dir):
+        problem = verify(path, checksums)
+        if problem is None:
+            return path
+        _skipping(path, problem)
+    return None
+
+
+def _skipping(path, problem):
+    print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
+
+
+def latest(run_dir):
+    """The newest complete checkpoint of a run, or None (one process; training uses find)."""
+    return newest_complete(run_dir)
+
+
+def resolve(path):
+    """A checkpoint directory from what a user may pass: the directory itself, a `latest`/`best` marker, or a
+    run directory (its newest complete checkpoint, by the cheap checks; verify() the result)."""
+    path = Path(path)
+    if path.is_file():
+        target = marker(path.parent, path.name, warn=False)
+        if target is None:
+            raise ConfigError(f"{path} is a file but not a checkpoint marker (one line naming a step_<N> directory "
+                              "beside it): pass a step_<N> directory, a run directory or its latest/best marker")
+        return target
+    if path.is_dir() and not (path / "meta.json").exists() and ((path / "latest").exists() or step_dirs(path)):
+        return newest_complete(path, checksums=False) or path
+    return path
+
+
+def find(cfg):
+    """Collective. The checkpoint a run starts from: --restart_checkpoint_file, else (--resume auto) the run's
+    newest complete one, else None. Rank 0 looks at the files and passes its candidates to all (so every rank
+    loads the same checkpoint even if files change meanwhile); the ranks then share the checksum reading."""
+    together = dist.is_initialized()  # else one process (a tool, a test) does it all
+    rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+    for path in environment.run_on_main(_cheaply_complete, cfg) if together else _cheaply_complete(cfg):
+        problems = [verify(path, share=(rank, world))]
+        if together:
+            problems *= world
+            dist.all_gather_object(problems, problems[rank])
+        problem = next((p for p in problems if p), None)
+        if problem is None:
+            return Path(path)
+        if cfg.restart_checkpoint_file:
+            raise ConfigError(f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is damaged: {path}: {problem}")
+        if rank == 0:
+            _skipping(path, problem)
+    return None
+
+
+def _cheaply_complete(cfg):
+    """Rank 0: the checkpoints to try, in order, that pass verify's cheap checks (no checksums yet)."""
+    if cfg.restart_checkpoint_file:
+        path = resolve(cfg.restart_checkpoint_file)
+        problem = verify(path, checksums=False)
+        if problem:
+            raise ConfigError(f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is not a complete "
+                              f"checkpoint: {path}: {problem}")
+        return [str(path)]
+    run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
+    if cfg.resume == "never" and not cfg.generate_only:
+        if step_dirs(run_dir):
+            raise ConfigError(f"--resume never, but {run_dir} already holds checkpoints: pick another --run_name, "
+                              "move that directory away, or resume from it with --resume auto")
+        return []
+    found = []
+    for path in candidates(run_dir):
+        problem = verify(path, checksums=False)
+        if problem is None:
+            found.append(str(path))
+        else:
+            _skipping(path, problem)
+    return found
+
+
+def main(argv=None):
+    """`python -m minimal_fsdp.checkpoint progress [training flags]` prints "STEP LAST_STEP" of the run's newest
+    complete checkpoint ("0 none" without one): how the PBS and SLURM job chains know whether a run is done."""
+    from .config import parse_args
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "progress":
+        sys.exit("usage: python -m minimal_fsdp.checkpoint progress [the run's training flags]")
+    cfg = parse_args(argv[1:])
+    path = newest_complete(Path(cfg.checkpoint_dir) / cfg.run_name, checksums=False)
+    if path is None:
+        print("0 none")
+        return
+    meta = read_meta(path)
+    print(meta["step"], meta["state"]["schedule"].get("last_step") or "none")
