@@ -36,7 +36,7 @@ def main(argv=None):
     """Flags -> Config -> one run. Bad input and failures end every rank with one `error:` line."""
     try:
         run(parse_args(argv))
-    except (ConfigError, Diverged, checkpoint.SaveError) as e:
+    except (ConfigError, Diverged, checkpoint.SaveError, environment.MainRankFailed) as e:
         environment.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)
 
 

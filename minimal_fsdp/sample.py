@@ -154,6 +154,8 @@ def main(argv=None):
         del model, plan
     except ConfigError as e:  # raised alike on every rank: one line, clean exit
         environment.exit_on_error(e, 2)
+    except environment.MainRankFailed as e:  # a bug on rank 0, which printed its traceback
+        environment.exit_on_error(e, 1)
     environment.teardown()
 
 

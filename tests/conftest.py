@@ -75,11 +75,11 @@ def corpus(tmp_path):
 def single_process(monkeypatch, tmp_path):
     """A plain `python basic_training.py` run inside this process: a world of one, in tmp_path, with the
     rendezvous kept out of os.environ."""
-    from minimal_fsdp import environment
-    for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", *environment.MPI_RANK_VARIABLES]:
+    from minimal_fsdp import discovery, environment, rendezvous
+    for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", *discovery.MPI_RANK_VARIABLES]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(environment._free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(rendezvous._free_port()))
     monkeypatch.chdir(tmp_path)
     yield
     environment.teardown()
