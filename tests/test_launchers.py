@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, TINY_MODEL, mpiexec
 from fake_launchers import install_fakes
-from minimal_fsdp import environment
+from minimal_fsdp import discovery, environment, rendezvous
 from minimal_fsdp.config import ConfigError, parse_args, validate_world
 
 
@@ -116,7 +116,7 @@ def test_kubernetes_manifest_runs_torchrun(tmp_path, corpus):
     assert container["name"] == "pytorch" and container["resources"]["limits"]["nvidia.com/gpu"] == 2
     # What the training operator and kubelet do in the pod: fill in $(NAME) from the pod's variables.
     pod_env = {"PET_NNODES": "1", "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"], "PET_NODE_RANK": "0",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(environment._free_port())}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rendezvous._free_port())}
     command = kubelet_expand(container["args"][0], pod_env)
     assert "torchrun " in command and "--nproc_per_node=2" in command
     torchrun_dir = Path(sys.executable).parent  # the torchrun beside this Python
@@ -137,9 +137,15 @@ SLURM_TASK = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "S
               "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "4,3", "SLURM_JOB_ID": "77",
               "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NTASKS": "7"}
 LAUNCH_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    *environment.MPI_RANK_VARIABLES, *environment.MPI_SIZE_VARIABLES, "PMIX_NAMESPACE", *SLURM_TASK,
+                    *discovery.MPI_RANK_VARIABLES, *discovery.MPI_SIZE_VARIABLES, "PMIX_NAMESPACE", *SLURM_TASK,
                     "SLURM_TASKS_PER_NODE", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_STEP_RESV_PORTS",
                     "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK"]
+
+
+def discovered():
+    """(rank, world, local rank, local world, nodes, launcher) as setup finds them from os.environ."""
+    launcher = discovery.launcher_of(os.environ)
+    return (*discovery.discover(launcher, os.environ), launcher)
 
 
 @pytest.fixture
@@ -152,75 +158,75 @@ def fake_env(monkeypatch):
 
 def test_srun_task_variables(fake_env):
     fake_env.update(SLURM_TASK)
-    assert environment._discover() == (5, 7, 1, 3, 2, "srun")
+    assert discovered() == (5, 7, 1, 3, 2, "srun")
     # No port derived from the job id (jobs 750 ids apart shared one): rank 0 binds a free port, publishes it.
-    assert environment._srun_address(fake_env) == ("gpu07", 0, None)
+    assert rendezvous._srun_address(fake_env) == ("gpu07", 0, None)
 
 
 def test_srun_rendezvous_port_exported_or_reserved(fake_env):
     fake_env.update(SLURM_TASK, SLURM_STEP_RESV_PORTS="12000-12003")
-    assert environment._srun_address(fake_env) == ("gpu07", 12000, "SLURM_STEP_RESV_PORTS's port")
+    assert rendezvous._srun_address(fake_env) == ("gpu07", 12000, "SLURM_STEP_RESV_PORTS's port")
     fake_env.update(MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
-    assert environment._srun_address(fake_env) == ("10.0.0.1", 29500, "MASTER_PORT")
+    assert rendezvous._srun_address(fake_env) == ("10.0.0.1", 29500, "MASTER_PORT")
 
 
 def test_srun_on_one_node_rendezvous_locally(fake_env):
     fake_env.update(SLURM_TASK, SLURM_STEP_NUM_NODES="1", SLURM_STEP_TASKS_PER_NODE="7", SLURM_NODEID="0")
-    assert environment._discover() == (5, 7, 1, 7, 1, "srun")
-    assert environment._srun_address(fake_env)[0] == "127.0.0.1"
+    assert discovered() == (5, 7, 1, 7, 1, "srun")
+    assert rendezvous._srun_address(fake_env)[0] == "127.0.0.1"
 
 
 def test_srun_falls_back_to_the_jobs_tasks_per_node(fake_env):
     fake_env.update(SLURM_TASK, SLURM_TASKS_PER_NODE="4,3")
     del fake_env["SLURM_STEP_TASKS_PER_NODE"]
-    assert environment._discover() == (5, 7, 1, 3, 2, "srun")
+    assert discovered() == (5, 7, 1, 3, 2, "srun")
 
 
 def test_batch_script_alone_is_one_rank(fake_env):
     """A batch script has SLURM_PROCID=0 and SLURM_NTASKS but is one process: no step variables, no srun."""
     fake_env.update(SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_JOB_ID="77")
-    assert environment._discover()[:2] == (0, 1)
+    assert discovered()[:2] == (0, 1)
 
 
 def test_mpi_wins_over_slurm_variables(fake_env, monkeypatch):
     """mpiexec inside a SLURM job: the ranks inherit SLURM_* of the job, but MPI knows the real layout. Hydra
     started by srun's PMIx plugin passes srun's PMIx variables on to its ranks: PMI_RANK still says MPI."""
-    monkeypatch.setattr(environment, "_discover_mpi", lambda: (3, 4, 3, 4, 1))
+    monkeypatch.setattr(discovery, "_discover_mpi", lambda env: (3, 4, 3, 4, 1))
     fake_env.update(SLURM_TASK, PMI_RANK="3")
-    assert environment._discover() == (3, 4, 3, 4, 1, "mpi")
+    assert discovered() == (3, 4, 3, 4, 1, "mpi")
     fake_env.update(PMIX_RANK="1", PMIX_NAMESPACE="slurm.pmix.77.0")
-    assert environment._discover() == (3, 4, 3, 4, 1, "mpi")
+    assert discovered() == (3, 4, 3, 4, 1, "mpi")
 
 
 def test_srun_pmix_plugin_variables_mean_srun(fake_env, monkeypatch):
-    monkeypatch.setattr(environment, "_discover_mpi", lambda: pytest.fail("MPI initialized under srun --mpi=pmix"))
+    monkeypatch.setattr(discovery, "_discover_mpi", lambda env: pytest.fail("MPI initialized under srun --mpi=pmix"))
     fake_env.update(SLURM_TASK, PMIX_RANK="5", PMIX_NAMESPACE="slurm.pmix.77.0")
-    assert environment._discover() == (5, 7, 1, 3, 2, "srun")
+    assert discovered() == (5, 7, 1, 3, 2, "srun")
     fake_env.update(PMIX_NAMESPACE="prterun-host-1234@1")  # another launcher's namespace: MPI's ranks
-    monkeypatch.setattr(environment, "_discover_mpi", lambda: (5, 7, 1, 3, 2))
-    assert environment._discover()[-1] == "mpi"
+    monkeypatch.setattr(discovery, "_discover_mpi", lambda env: (5, 7, 1, 3, 2))
+    assert discovered()[-1] == "mpi"
 
 
 @pytest.mark.parametrize("variables,size", [
     ({"PALS_RANKID": "0", "PMI_SIZE": "4"}, 4), ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8"}, 8),
     ({"PMIX_RANK": "3"}, 4), ({"PMIX_RANK": "0"}, 1)])
 def test_launcher_world_size(variables, size):
-    assert environment._launcher_world_size(variables) == size
+    assert discovery._launcher_world_size(variables) == size
 
 
 def test_pod_level_world_without_torchrun_is_refused(fake_env):
     """A PyTorchJob pod's RANK/WORLD_SIZE are per pod; without torchrun (no LOCAL_RANK) they are refused."""
     fake_env.update(RANK="1", WORLD_SIZE="8", MASTER_ADDR="master-0", MASTER_PORT="23456", PET_NPROC_PER_NODE="4")
     with pytest.raises(ConfigError, match="start basic_training.py with torchrun"):
-        environment._discover()
+        discovered()
     fake_env.update(LOCAL_RANK="2", LOCAL_WORLD_SIZE="4")  # what torchrun adds
-    assert environment._discover() == (1, 8, 2, 4, 2, "torchrun")
+    assert discovered() == (1, 8, 2, 4, 2, "torchrun")
 
 
 def test_a_literal_launcher_reference_is_one_line(fake_env):
     fake_env.update(RANK="0", WORLD_SIZE="$(PET_NNODES)", MASTER_ADDR="master-0", LOCAL_RANK="0")
     with pytest.raises(ConfigError, match=r"WORLD_SIZE='\$\(PET_NNODES\)' is not a number"):
-        environment._discover()
+        discovered()
 
 
 NODEFILES = {"repeated": "x1\nx1\nx2\nx2\n", "blank lines": "x1\n\n x2 \n\n",
@@ -237,16 +243,16 @@ def test_pbs_node_count_agrees_with_common_sh(tmp_path, name):
                                                            CONDA_PREFIX="skip-the-module"))
     assert shell.returncode == 0, shell.stderr
     expected = {"repeated": 2, "blank lines": 2, "fqdn and short": 2, "crlf": 3, "addresses": 2}[name]
-    assert int(shell.stdout) == environment.count_pbs_nodes(nodefile) == expected
+    assert int(shell.stdout) == discovery.count_pbs_nodes(nodefile) == expected
 
 
 def test_pbs_ranks_must_divide_over_the_nodes(tmp_path, monkeypatch):
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("x1\nx1\nx2\nx2\n")
     monkeypatch.setenv("PBS_NODEFILE", str(nodefile))
-    assert environment._pbs_layout(4) == (2, 2)
+    assert discovery.pbs_layout(4) == (2, 2)
     with pytest.raises(ConfigError, match="3 rank.s. cannot be spread evenly over the 2 node"):
-        environment._pbs_layout(3)
+        discovery.pbs_layout(3)
 
 
 def test_hybrid_sharding_refuses_uneven_nodes():
@@ -269,18 +275,18 @@ def test_shared_gpus_are_reported():
     ("node17", "node17"), ("gpu[07-09,12],cpu1", "gpu07"), ("nid[001234,002000-002010]", "nid001234"),
     ("rack[1-2]-n[3-4]", "rack1-n3"), ("a-1,b-2", "a-1"), ("x[5]", "x5")])
 def test_first_host_of_nodelist(nodelist, first):
-    assert environment.first_host(nodelist) == first
+    assert discovery.first_host(nodelist) == first
 
 
 def test_tasks_on_node():
-    assert [environment.tasks_on_node("4(x2),3", node) for node in range(3)] == [4, 4, 3]
-    assert environment.tasks_on_node("2", 0) == 2
+    assert [discovery.tasks_on_node("4(x2),3", node) for node in range(3)] == [4, 4, 3]
+    assert discovery.tasks_on_node("2", 0) == 2
 
 
 def test_mpi_rendezvous_on_rank_0s_own_port_or_an_exported_one(tmp_path, corpus):
     """Without MASTER_PORT, rank 0 binds the rendezvous store to a free port itself (no window in which another
     job could take the port); with MASTER_PORT exported, every rank meets there instead."""
-    for run_name, env in (("own_port", {}), ("exported_port", {"MASTER_PORT": str(environment._free_port())})):
+    for run_name, env in (("own_port", {}), ("exported_port", {"MASTER_PORT": str(rendezvous._free_port())})):
         clean = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
         cmd = [mpiexec(), "-n", "2", sys.executable, str(ROOT / "basic_training.py"), *tiny_args(corpus, run_name, 2),
                "--num_tokens", "0"]

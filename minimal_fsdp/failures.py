@@ -1,0 +1,167 @@
+"""How a failure ends the job: every rank stops with one line, none is left waiting. Ranks that failed alike agree
+and rank 0 speaks for all; a rank that fails alone ends the job (exit_on_error). Bad input (ConfigError) exits 2;
+a bug exits 1 with its traceback. Also the process-wide hook that aborts an MPI job on an uncaught exception,
+and a deadline for the steps before any timeout of torch's applies (MPI discovery)."""
+import gc
+import os
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from .config import ConfigError
+
+FAILED_KEY = "minimal_fsdp/failed"
+AGREE_SECONDS = 10  # how long a failing rank waits for the others to fail alike before it ends the job itself
+
+_error_comm = None  # MPI: a duplicate of COMM_WORLD used only to agree on errors, so it is never busy
+_setup_started = False
+_known_world = None  # the world size, once discovered
+
+
+class MainRankFailed(Exception):
+    """run_on_main's function failed on rank 0 with an unexpected exception (a bug, not bad input): rank 0 has
+    printed its traceback; every rank raises this and exits 1."""
+
+
+def setup_started():
+    global _setup_started
+    _setup_started = True
+
+
+def world_known(world):
+    global _known_world
+    _known_world = world
+
+
+def agree_through(comm):
+    """Under MPI: agree on failures through `comm`, a communicator nothing else uses."""
+    global _error_comm
+    _error_comm = comm
+
+
+def abort_job_on_uncaught_exception():
+    """Process-wide (sys.excepthook): an uncaught exception on one MPI rank must end the whole job, not leave
+    the others in a collective. Installed by environment.setup before MPI is initialized."""
+
+    def hook(kind, value, tb):
+        # Written straight to the process's stderr: torch's own hook (which init_process_group wraps around
+        # this one) buffers what it wraps, and the buffer would die with the Abort below.
+        text = "".join(traceback.format_exception(kind, value, tb))
+        sys.__stderr__.write("".join(f"[rank{rank_hint()}]: {line}" for line in text.splitlines(True)))
+        if "timed out" in str(value).lower():
+            print(f"error: rank {rank_hint()} waited longer than --collective_timeout in a collective: another rank "
+                  "has died or hangs", file=sys.__stderr__)
+        sys.__stderr__.flush()
+        time.sleep(1)  # let the launcher forward the traceback before Abort tears the job down
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+
+
+@contextmanager
+def deadline(seconds, what):
+    """End this process with one line (exit 1) if the block has not finished within `seconds`: for steps that
+    can wait on another rank before any timeout of torch's applies (MPI_Init, the first MPI collectives). A
+    stopped or hung rank then cannot keep the others waiting; the launcher ends the rest of the job."""
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(seconds):
+            print(f"error: rank {rank_hint()}: {what} did not finish within {seconds:.0f}s (--collective_timeout): "
+                  "another rank has stopped, hangs or never started", file=sys.__stderr__, flush=True)
+            os._exit(1)
+
+    watcher = threading.Thread(target=watch, daemon=True, name="deadline")
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def end_process_groups():
+    """Destroy every process group while the interpreter is fully alive; gc first, so that groups held only
+    by garbage (cycles through FSDP or DTensor state) are gone with them."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+        gc.collect()
+
+
+def _failed_alike(timeout=AGREE_SECONDS):
+    """Whether every rank has failed too (within `timeout` seconds): then rank 0 speaks for all."""
+    if not _setup_started or _known_world == 1:
+        return True  # before setup only the flags can be wrong, and every rank parses the same ones
+    if _error_comm is not None:
+        request = _error_comm.Ibarrier()  # only failing ranks enter it; nobody else uses this communicator
+        deadline_at = time.monotonic() + timeout
+        while not request.Test():
+            if time.monotonic() > deadline_at:
+                return False
+            time.sleep(0.01)
+        return True
+    if dist.is_initialized():  # srun, torchrun: count the failures in the rendezvous store
+        try:
+            store = dist.distributed_c10d._get_default_store()  # torch has no public accessor
+            store.add(FAILED_KEY, 1)
+            deadline_at = time.monotonic() + timeout
+            while store.add(FAILED_KEY, 0) < dist.get_world_size():
+                if time.monotonic() > deadline_at:
+                    return False
+                time.sleep(0.05)
+            return True
+        except dist.DistError:  # rank 0, which holds the store, is gone
+            return False
+    return False  # failed in the rendezvous, which is this rank's own
+
+
+def exit_on_error(error, code):
+    """Print `error: ...` once and end the process with `code`. Ranks that failed alike exit cleanly and rank 0
+    speaks for all; a rank that failed alone prints its own line and ends the job, because the other ranks
+    would wait for it in a collective (MPI: Abort; srun --kill-on-bad-exit and torchrun stop the rest)."""
+    if _failed_alike():
+        if rank_hint() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        end_process_groups()
+        sys.exit(code)
+    print(f"error: rank {rank_hint()}: {error}", file=sys.stderr, flush=True)
+    if _error_comm is not None:
+        time.sleep(1)  # let the launcher forward the line first
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(code)
+    os._exit(code)  # skip interpreter shutdown, which would wait for the peers in process-group teardown
+
+
+def run_on_main(fn, *args):
+    """Run fn on rank 0 only (e.g. preparing data) while the others wait; every rank returns its result or
+    raises its error, so a failure on rank 0 can never leave the others waiting forever. The error keeps its
+    class: bad input (ConfigError) is raised as ConfigError everywhere; anything else is a bug: rank 0 prints
+    its traceback, and every rank raises MainRankFailed."""
+    outcome = [None, None, None]  # result, error message, whether it is bad input
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = fn(*args)
+        except ConfigError as e:
+            outcome[1:] = [str(e), True]
+        except Exception as e:
+            traceback.print_exc()
+            outcome[1:] = [f"rank 0 failed: {type(e).__name__}: {e}", False]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise (ConfigError if outcome[2] else MainRankFailed)(outcome[1])
+    return outcome[0]
+
+
+def rank_hint():
+    """This process's global rank, also before (or without) torch.distributed: for printing errors once."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID"):
+        if name in os.environ and os.environ[name].isdigit():
+            return int(os.environ[name])
+    return 0
