@@ -6,7 +6,7 @@
 
 --format safetensors keeps our parameter names, config.json is our model config, and the tokenizer files are
 the checkpoint's (python -m minimal_fsdp.sample reads it back). --format hf writes what transformers'
-AutoModelForCausalLM and AutoTokenizer read (see hf.py), which --hf_model also reads.
+AutoModelForCausalLM and AutoTokenizer read (see hf_write.py), which --hf_model also reads.
 
 Runs in one CPU process with no process group and no GPU. Each tensor is read from the DCP shards and
 written straight into the file, so memory holds one tensor at a time, not the model.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint_find, checkpoint_meta, hf, safe_load
+from . import checkpoint_find, checkpoint_meta, hf_write, safe_load
 from .config import ConfigError, one_line_errors
 from .tokenizer import has_tokenizer, load_tokenizer
 
@@ -52,14 +52,14 @@ def export(ckpt, out, dtype=None, fmt="safetensors"):
         return safe_load.read_tensors(path, [name])[name]
 
     if fmt == "hf":
-        return hf.write_hf(out, meta, specs, read, _tokenizer(path))
+        return hf_write.write_hf(out, meta, specs, read, _tokenizer(path))
     weights = out / "model.safetensors"
-    hf.write_safetensors(weights, specs, read, {"format": "pt", "step": meta["step"], "source": path,
-                                                "model_type": meta.get("model_type", "gpt")})
+    hf_write.write_safetensors(weights, specs, read, {"format": "pt", "step": meta["step"], "source": path,
+                                                      "model_type": meta.get("model_type", "gpt")})
     for f in path.glob("tokenizer.*"):
-        hf.write_public(out / f.name, lambda p: p.write_bytes(f.read_bytes()))
+        hf_write.write_public(out / f.name, lambda p: p.write_bytes(f.read_bytes()))
     config = json.dumps(meta["model"], indent=1) + "\n"
-    hf.write_public(out / "config.json", lambda p: p.write_text(config))
+    hf_write.write_public(out / "config.json", lambda p: p.write_text(config))
     return weights
 
 

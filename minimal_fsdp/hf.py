@@ -1,12 +1,10 @@
-"""Hugging Face checkpoints in and out, for GPT-2 (GPT2LMHeadModel) and Llama 2/3 (LlamaForCausalLM).
+"""Hugging Face model directories read in, for GPT-2 (GPT2LMHeadModel) and Llama 2/3 (LlamaForCausalLM).
 
 In:  resolve(name_or_dir)              a local directory (a hub name is downloaded if the hub answers)
      read_config(dir, ...)             -> our model type ("gpt" or "llama") and config
      load_weights(model, dir, type)    each rank reads only its own rows of each tensor into its shard
      load_tokenizer(dir)               the directory's own tokenizer (tokenizer.load_tokenizer)
-Out: write_hf(out_dir, meta, specs, read, tokenizer)   config.json, safetensors written a tensor at a time, and
-                                       tokenizer.json + tokenizer_config.json, all of which transformers loads
-     save_hf(state_dict, meta, out_dir, tokenizer)     the same from a state dict in memory
+Out: hf_write.py (config.json, safetensors, tokenizer files); hf_tokenizer.py (our tokenizers as tokenizer.json)
 
 transformers itself is never imported: the formats are plain JSON, safetensors and the `tokenizers` library's
 tokenizer.json.
@@ -14,16 +12,10 @@ tokenizer.json.
 torch.distributed.checkpoint has a Hugging Face reader and writer (hf_storage.py) and a consolidation helper
 (_consolidate_hf_safetensors.py). We keep our own reader because the DCP reader needs stored names and shapes
 to equal the state dict's: it cannot transpose GPT-2's Conv1D weights, read .bin files, untie a missing lm_head
-(Llama 3.2) or keep the first rows of shortened position embeddings. We keep our own writer because
-the DCP writer saves a state dict held in memory (all of it on rank 0, or shards under a process group), and
-its consolidation merges its own sharded safetensors: neither streams one tensor at a time out of our DCP
-checkpoints in a single process. sample.py does use the DCP reader, for our own exports, where names match.
+(Llama 3.2) or keep the first rows of shortened position embeddings. sample.py does use the DCP reader, for
+our own exports, where names match.
 """
 import json
-import math
-import os
-import struct
-import sys
 from pathlib import Path
 
 import torch
@@ -32,9 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from . import tokenizer as tk
 from .config import ConfigError
-from .files import write_atomic
 from .models import config_from_dict
-
 
 
 # -----------------------------------------------------------------------------
@@ -272,250 +262,3 @@ def load_tokenizer(directory):
         return tk.load_tokenizer(directory)
     except tk.TokenizerError as e:
         raise tk.TokenizerError(f"--hf_model: {e} (or pass --tokenizer_dir DIR)") from None
-
-
-# -----------------------------------------------------------------------------
-# out: weights
-
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                      torch.int32: "I32", torch.uint8: "U8"}
-
-
-def write_public(path, write):
-    """write_atomic, then the mode an ordinary new file gets (0666 less the umask): the temporary file is
-    created private (0600), which would keep other users of a shared model directory out."""
-    write_atomic(path, write)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
-def write_safetensors(path, specs, read, metadata):
-    """Write a .safetensors file one tensor at a time. `specs` lists (name, shape, dtype) in file order and
-    `read(name)` returns that tensor (cast to dtype here). safetensors' own save_file wants every tensor in memory
-    at once; the format (an 8-byte header size, a JSON header of dtypes, shapes and byte offsets, then the raw
-    little-endian bytes) lets us write the header first and stream the rest."""
-    header, offset = {}, 0
-    for name, shape, dtype in specs:
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    header["__metadata__"] = {key: str(value) for key, value in metadata.items()}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the format pads the header so the data starts 8-byte aligned
-
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for name, shape, dtype in specs:
-                tensor = read(name).detach().to("cpu", dtype).contiguous()
-                assert tuple(tensor.shape) == tuple(shape), name
-                f.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-
-    write_public(path, write)
-
-
-def hf_config(model_type, config, dtype=torch.float32, bos_id=None, eos_id=None):
-    """The config.json that makes transformers build the same model. bos/eos: the tokenizer's ids, or None."""
-    c = config
-    dtype_name = str(dtype).removeprefix("torch.")
-    # both spellings: transformers 5 reads dtype, 4 reads torch_dtype
-    common = {"vocab_size": c.vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id, "dtype": dtype_name,
-              "torch_dtype": dtype_name}
-    if model_type == "gpt":
-        if not c.bias:
-            raise ConfigError("a GPT without biases has no GPT2LMHeadModel equivalent")
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
-                "n_positions": c.seq_length, "n_embd": c.embed_size, "n_layer": c.num_layers, "n_head": c.num_heads,
-                "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-                "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
-                "tie_word_embeddings": True}
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta, **(c.rope_scaling or {})}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-            "max_position_embeddings": c.seq_length, "hidden_size": c.embed_size,
-            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-            "head_dim": c.embed_size // c.num_heads, "hidden_act": "silu", "rms_norm_eps": c.norm_eps,
-            # both spellings: transformers 5 reads rope_parameters, 4 reads rope_theta and rope_scaling
-            "rope_theta": c.rope_theta, "rope_parameters": rope,
-            "rope_scaling": rope if c.rope_scaling else None, "attention_bias": False, "mlp_bias": False,
-            "attention_dropout": c.dropout, "tie_word_embeddings": False}
-
-
-def write_hf(out_dir, model_meta, specs, read, tokenizer=None, max_shard_bytes=5 * 2**30):
-    """Write a model as a Hugging Face directory, one tensor in memory at a time: config.json, model.safetensors
-    (or shards of at most max_shard_bytes plus model.safetensors.index.json), and the tokenizer's files.
-    model_meta is a checkpoint's meta.json: its "model" (config dict) and "model_type" ("gpt" when absent).
-    specs lists (our name, shape, dtype to write) and read(our name) returns the tensor. Each file is written
-    under a temporary name and renamed; config.json comes last, so its presence means the export is complete."""
-    model_type = model_meta.get("model_type", "gpt")
-    config = config_from_dict(model_type, model_meta["model"])
-    written_bytes = {}  # the config names the dtype that holds most of the weights (all of them, as we write)
-    for _, shape, dtype in specs:
-        written_bytes[dtype] = written_bytes.get(dtype, 0) + math.prod(shape) * dtype.itemsize
-    config_json = json.dumps(hf_config(model_type, config, max(written_bytes, key=written_bytes.get),
-                                       getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eot_id", None)),
-                             indent=1)
-    names = hf_names(model_type, config)
-    ours_of = {names[ours]: ours for ours, _, _ in specs}
-    hf_specs = [(names[ours], tuple(shape)[::-1] if is_transposed(names[ours]) else tuple(shape), dtype)
-                for ours, shape, dtype in specs]
-
-    def read_hf(name):
-        t = read(ours_of[name])
-        return t.t() if is_transposed(name) else t
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    shards, size = [[]], 0
-    for spec in hf_specs:  # greedy: start a new shard when this tensor would overflow the current one
-        nbytes = math.prod(spec[1]) * spec[2].itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += nbytes
-    if len(shards) == 1:
-        written = ["model.safetensors"]
-        write_safetensors(out / "model.safetensors", shards[0], read_hf, {"format": "pt"})
-    else:
-        written, weight_map = ["model.safetensors.index.json"], {}
-        for i, shard in enumerate(shards, 1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(out / file, shard, read_hf, {"format": "pt"})
-            weight_map.update({name: file for name, _, _ in shard})
-            written.append(file)
-        total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in hf_specs)
-        index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
-        write_public(out / "model.safetensors.index.json", lambda p: p.write_text(index))
-    # Weights of an earlier export to the same directory would otherwise be found instead of these.
-    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json", *out.glob("pytorch_model*")]:
-        if stale.exists() and stale.name not in written:
-            stale.unlink()
-    if tokenizer is not None:
-        write_hf_tokenizer(tokenizer, out, config.seq_length)
-    write_public(out / "config.json", lambda p: p.write_text(config_json + "\n"))
-    return out
-
-
-def save_hf(state_dict, model_meta, out_dir, tokenizer=None, max_shard_bytes=5 * 2**30):
-    """write_hf from a full state dict held in memory (tests, small models)."""
-    specs = [(name, tuple(t.shape), t.dtype) for name, t in state_dict.items()]
-    return write_hf(out_dir, model_meta, specs, state_dict.__getitem__, tokenizer, max_shard_bytes)
-
-
-# -----------------------------------------------------------------------------
-# out: the tokenizer, as a tokenizer.json that transformers' PreTrainedTokenizerFast reads and that encodes
-# exactly as ours does (write_hf_tokenizer checks that on a probe text)
-
-PROBE = "ROMEO:\nO  sweet night, thou art   fair!\n\n\tnaïve café, 42 or 1234567 — 😀 ẞ\r\nend. "
-
-
-def _bytes_to_unicode():
-    """GPT-2's table of printable stand-ins for the 256 bytes, which byte-level BPE vocabularies are written in."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    extra = [b for b in range(256) if b not in printable]
-    return {b: chr(c) for b, c in zip(printable + extra, printable + [256 + i for i in range(len(extra))])}
-
-
-def _from_tiktoken(ranks, pattern, special_tokens):
-    """tiktoken's BPE as a tokenizers byte-level BPE. tiktoken merges, at each step, the adjacent pair whose
-    concatenation has the lowest rank; every split of a token into two tokens is therefore a merge, ranked by the
-    token it makes (transformers' TikTokenConverter does the same). ignore_merges: tiktoken takes a piece that is
-    itself a token whole."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    byte = _bytes_to_unicode()
-
-    def text(token):
-        return "".join(byte[b] for b in token)
-
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        splits = [(ranks[token[:i]], ranks[token[i:]], token[:i], token[i:]) for i in range(1, len(token))
-                  if token[:i] in ranks and token[i:] in ranks]
-        merges += [(text(left), text(right)) for _, _, left, right in sorted(splits)]
-    tok = Tokenizer(models.BPE({text(t): r for t, r in ranks.items()}, merges, ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    for name, i in sorted(special_tokens.items(), key=lambda item: item[1]):
-        tok.add_special_tokens([AddedToken(name, special=True, normalized=False)])
-        if tok.token_to_id(name) != i:  # ids are handed out in turn: only a contiguous block after the ranks fits
-            raise ConfigError(f"special token {name} has id {i}, which tokenizer.json cannot give it")
-    return tok
-
-
-def _from_sentencepiece(sp):
-    """A sentencepiece BPE model (ours: identity normalization; Llama 2's) as a tokenizers BPE: the pieces by
-    score give the merges (sentencepiece merges the adjacent pair that makes the highest-scoring piece), spaces
-    become "▁" and a leading one is added, as sentencepiece's dummy prefix is; unknown characters fall back to
-    bytes."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
-    size = sp.get_piece_size()
-    vocab = {sp.id_to_piece(i): i for i in range(size)}
-    special = [i for i in range(size) if sp.is_control(i) or sp.is_unknown(i)]
-    normal = {sp.id_to_piece(i): i for i in range(size)
-              if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i))}
-    merges = []
-    for piece, i in sorted(normal.items(), key=lambda item: (-sp.get_score(item[1]), item[1])):
-        splits = [(normal[piece[:k]], normal[piece[k:]], piece[:k], piece[k:]) for k in range(1, len(piece))
-                  if piece[:k] in normal and piece[k:] in normal]
-        merges += [(left, right) for _, _, left, right in sorted(splits)]
-    unk = sp.id_to_piece(sp.unk_id()) if sp.unk_id() >= 0 else None
-    tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True,
-                               byte_fallback=any(sp.is_byte(i) for i in range(size))))
-    dummy_prefix = sp.encode("x", out_type=str)[0].startswith("▁")
-    tok.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if dummy_prefix else [])
-                                          + [normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-                                    + ([decoders.Strip(" ", 1, 0)] if dummy_prefix else []))
-    tok.add_special_tokens([AddedToken(sp.id_to_piece(i), special=True, normalized=False) for i in special])
-    return tok
-
-
-def _from_chars(chars):
-    """One token per character: a BPE without merges, whose decoder joins the characters as they are."""
-    from tokenizers import Tokenizer, decoders, models
-    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(chars)}, []))
-    tok.decoder = decoders.Fuse()
-    return tok
-
-
-def hf_tokenizer(tokenizer):
-    """(a tokenizers.Tokenizer that encodes as `tokenizer` does, {"eos_token": ..., ...} for tokenizer_config.json)."""
-    kind = tokenizer.kind
-    if kind == "hf":
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_str(tokenizer.json)
-    elif kind in ("gpt2", "tiktoken"):
-        tok = _from_tiktoken(tokenizer.ranks, tokenizer.pattern, tokenizer.special_tokens)
-    elif kind == "sentencepiece":
-        tok = _from_sentencepiece(tokenizer.sp)
-    elif kind == "char":
-        tok = _from_chars(tokenizer.chars)
-    else:
-        raise ConfigError(f"no Hugging Face tokenizer.json for a {kind} tokenizer")
-    names = {key: tok.id_to_token(i) if i is not None else None
-             for key, i in (("eos_token", tokenizer.eot_id), ("bos_token", tokenizer.bos_id))}
-    if kind == "sentencepiece" and tokenizer.sp.unk_id() >= 0:
-        names["unk_token"] = tokenizer.sp.id_to_piece(tokenizer.sp.unk_id())
-    return tok, names
-
-
-def write_hf_tokenizer(tokenizer, out, model_max_length):
-    """tokenizer.json and tokenizer_config.json (and a sentencepiece model's own tokenizer.model) in `out`."""
-    tok, names = hf_tokenizer(tokenizer)
-    probe = "".join(tokenizer.chars) if tokenizer.kind == "char" else PROBE
-    encoded = tok.encode(probe, add_special_tokens=False).ids
-    if encoded != tokenizer.encode(probe):
-        print(f"warning: the exported tokenizer.json encodes a test text differently from our {tokenizer.kind} "
-              "tokenizer: check it before relying on it", file=sys.stderr, flush=True)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, "model_max_length": model_max_length,
-              "clean_up_tokenization_spaces": False}
-    write_public(out / "tokenizer.json", lambda p: p.write_text(tok.to_str(), encoding="utf-8"))
-    write_public(out / "tokenizer_config.json", lambda p: p.write_text(json.dumps(config, indent=1) + "\n"))
-    if tokenizer.kind == "sentencepiece":
-        write_public(out / "tokenizer.model", lambda p: p.write_bytes(tokenizer.model_proto))

@@ -95,7 +95,8 @@ def test_resume_restores_weights_moments_step_and_data_position(four_steps):
     assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
     assert all(got[k].item() == 4 for k in got if k.endswith(".step"))
     for key in ("step", "state"):
-        assert checkpoint_meta.read_meta(resumed / "step_4")[key] == checkpoint_meta.read_meta(whole / "step_4")[key], key
+        read = checkpoint_meta.read_meta
+        assert read(resumed / "step_4")[key] == read(whole / "step_4")[key], key
     logged = (work / "resumed" / "logs" / "shakespeare" / "metrics.jsonl").read_text().splitlines()
     assert [row["step"] for row in map(json.loads, logged) if "loss" in row] == [3, 4]
 
@@ -207,7 +208,7 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
                                           "--log_dir", str(tmp_path / "logs")]), tensorboard=False)
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     plan = make_plan(cfg, env, fsdp_on_one_rank=True)
-    stop = SimpleNamespace(agreed=lambda: None)
+    stop = SimpleNamespace(agreed=lambda step=None: None, due=lambda step: False)
     train_module.train(model, optimizer, RandomTokens(), cfg, env, plan, saver, stop)
     rows = [json.loads(line) for line in (tmp_path / "logs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if "step_time" in r]

@@ -591,9 +591,9 @@ def test_safe_reader_reads_a_ranks_metadata_and_tags_it_with_its_load_id(run):
 def test_tensor_names_lists_the_models_tensors(saved):
     step = saved[0] / "step_3"
     assert safe_load.tensor_names(step) == [("0.weight", torch.Size([3, 4]), torch.float32),
-                                             ("0.bias", torch.Size([3]), torch.float32),
-                                             ("1.weight", torch.Size([2, 3]), torch.float32),
-                                             ("1.bias", torch.Size([2]), torch.float32)]
+                                            ("0.bias", torch.Size([3]), torch.float32),
+                                            ("1.weight", torch.Size([2, 3]), torch.float32),
+                                            ("1.bias", torch.Size([2]), torch.float32)]
     assert [name for name, _, _ in safe_load.tensor_names(step, "optim.state.0.")] == [
         "weight.step", "weight.exp_avg", "weight.exp_avg_sq", "bias.step", "bias.exp_avg", "bias.exp_avg_sq"]
     assert safe_load.tensor_names(step, "optim.param_groups.") == []  # not tensors
@@ -667,7 +667,7 @@ def test_verify_reports_crafted_metadata_in_one_bounded_line(run):
     step = run / "step_3"
     (step / ".metadata").write_bytes(pickle.dumps(MakeDirectory(run / "code-ran")))
     assert checkpoint_find.verify(step) == (".metadata is missing or unreadable (UnpicklingError: checkpoint metadata "
-                                       "refers to posix.mkdir, which is not allowed)")
+                                            "refers to posix.mkdir, which is not allowed)")
     (step / ".metadata").write_bytes(b"c" + b"m" * 200 + b"\nx\n.")
     problem = checkpoint_find.verify(step)
     assert problem == ".metadata is missing or unreadable (UnpicklingError: " + (

@@ -20,7 +20,7 @@ from test_parallelize import logged_losses
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(ROOT))
 from minimal_fsdp.models import MODELS  # noqa: E402
-from minimal_fsdp import checkpoint_find, checkpoint_meta, export, hf, safe_load  # noqa: E402
+from minimal_fsdp import checkpoint_find, checkpoint_meta, export, hf, hf_write, safe_load  # noqa: E402
 from minimal_fsdp import tokenizer as tk  # noqa: E402
 from minimal_fsdp.config import ConfigError, parse_args  # noqa: E402
 from minimal_fsdp.data import TokenData, dataset_dir  # noqa: E402
@@ -151,13 +151,13 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, model_type)
     ours = MODELS[model_type](config).eval()
     init_weights(ours, 0, torch.device("cpu"))
     meta = {"model": config.to_dict(), "model_type": model_type}
-    hf.save_hf(ours.state_dict(), meta, tmp_path / "out", max_shard_bytes=30_000)  # several shards
+    hf_write.save_hf(ours.state_dict(), meta, tmp_path / "out", max_shard_bytes=30_000)  # several shards
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(theirs).__name__ == {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[model_type]
     assert_same_logits(ours, theirs, 53, 24)
     # ... and it comes back in unchanged, also after a second export to the same directory as one file.
-    hf.save_hf(ours.state_dict(), meta, tmp_path / "out")
+    hf_write.save_hf(ours.state_dict(), meta, tmp_path / "out")
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
     again = ours_from(tmp_path / "out")
     for name, value in ours.state_dict().items():
@@ -168,7 +168,7 @@ def test_export_of_a_checkpoint_without_model_type_is_a_gpt(tmp_path):
     config = GPTConfig(vocab_size=300, seq_length=16, num_layers=1, num_heads=2, embed_size=16)
     ours = MODELS["gpt"](config)
     init_weights(ours, 0, torch.device("cpu"))
-    hf.save_hf(ours.state_dict(), {"model": config.to_dict()}, tmp_path / "out")
+    hf_write.save_hf(ours.state_dict(), {"model": config.to_dict()}, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gpt2"
 
 
@@ -198,7 +198,7 @@ def test_export_carries_a_tokenizer_that_transformers_reads_as_ours(tmp_path, mo
                          embed_size=16, intermediate_size=32)
     ours = MODELS["llama"](config)
     init_weights(ours, 0, torch.device("cpu"))
-    hf.save_hf(ours.state_dict(), {"model": config.to_dict(), "model_type": "llama"}, tmp_path / "out", tokenizer)
+    hf_write.save_hf(ours.state_dict(), {"model": config.to_dict(), "model_type": "llama"}, tmp_path / "out", tokenizer)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     for text in tokenizer_dirs.MIXED:
         ids = tokenizer.encode(text)
@@ -225,8 +225,8 @@ def test_export_dtype_and_file_permissions(tmp_path):
     init_weights(ours, 0, torch.device("cpu"))
     state = {name: t.bfloat16() for name, t in ours.state_dict().items()}
     tokenizer = tk.CharTokenizer("".join(chr(ord("a") + i) for i in range(26)) + " .")
-    hf.save_hf(state, {"model": config.to_dict(), "model_type": "llama"}, tmp_path / "out", tokenizer,
-               max_shard_bytes=2_000)
+    hf_write.save_hf(state, {"model": config.to_dict(), "model_type": "llama"}, tmp_path / "out", tokenizer,
+                     max_shard_bytes=2_000)
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["dtype"] == saved["torch_dtype"] == "bfloat16"
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")

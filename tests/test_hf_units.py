@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import tokenizer_dirs
-from minimal_fsdp import hf
+from minimal_fsdp import hf, hf_tokenizer, hf_write
 from minimal_fsdp import tokenizer as tk
 from minimal_fsdp.config import ConfigError
 from minimal_fsdp.llama import LlamaConfig
@@ -603,10 +603,10 @@ def test_gpt2_without_tokenizer_files_offline(tmp_path, monkeypatch):
 def test_written_files_get_the_mode_the_umask_gives(tmp_path):
     previous = os.umask(0o027)
     try:
-        hf.write_public(tmp_path / "a.json", lambda p: p.write_text("{}"))
+        hf_write.write_public(tmp_path / "a.json", lambda p: p.write_text("{}"))
         assert os.umask(0o027) == 0o027  # left as it was
         os.umask(0o002)
-        hf.write_public(tmp_path / "b.json", lambda p: p.write_text("[]"))
+        hf_write.write_public(tmp_path / "b.json", lambda p: p.write_text("[]"))
     finally:
         os.umask(previous)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640
@@ -626,8 +626,9 @@ def test_safetensors_written_a_tensor_at_a_time_read_back_by_safetensors(tmp_pat
               "i32": torch.int32, "u8": torch.uint8, "scalar": torch.float32, "empty": torch.float32}
     specs = [(name, tuple(t.shape), dtypes[name]) for name, t in tensors.items()]
     asked = []
-    hf.write_safetensors(tmp_path / "w.safetensors", specs, lambda name: asked.append(name) or tensors[name].float(),
-                         {"format": "pt", "step": 12, "source": None})
+    hf_write.write_safetensors(tmp_path / "w.safetensors", specs,
+                               lambda name: asked.append(name) or tensors[name].float(),
+                               {"format": "pt", "step": 12, "source": None})
     assert asked == list(tensors)  # once each, in file order
     loaded = load_file(tmp_path / "w.safetensors")
     for name, t in tensors.items():
@@ -645,8 +646,8 @@ def test_safetensors_written_a_tensor_at_a_time_read_back_by_safetensors(tmp_pat
 
 def test_safetensors_refuses_a_tensor_of_another_shape(tmp_path):
     with pytest.raises(AssertionError, match="^b$"):
-        hf.write_safetensors(tmp_path / "w.safetensors", [("a", (2,), torch.float32), ("b", (3,), torch.float32)],
-                             lambda name: torch.zeros(2), {})
+        hf_write.write_safetensors(tmp_path / "w.safetensors", [("a", (2,), torch.float32), ("b", (3,), torch.float32)],
+                                   lambda name: torch.zeros(2), {})
     assert not (tmp_path / "w.safetensors").exists()
 
 
@@ -655,7 +656,7 @@ def test_config_json_is_what_transformers_builds_the_same_model_from(tmp_path, m
     config = {"gpt": GPTConfig(**dict(GPT.to_dict(), dropout=0.25)),
               "llama": LlamaConfig(**dict(LLAMA.to_dict(), dropout=0.25, norm_eps=1e-5, rope_theta=50.0,
                                           rope_scaling=LLAMA3))}[model_type]
-    saved = hf.hf_config(model_type, config, torch.bfloat16, bos_id=3, eos_id=4)
+    saved = hf_write.hf_config(model_type, config, torch.bfloat16, bos_id=3, eos_id=4)
     save_config(tmp_path / "m", saved)
     theirs = transformers.AutoConfig.from_pretrained(tmp_path / "m")
     assert (theirs.vocab_size, theirs.bos_token_id, theirs.eos_token_id, theirs.dtype) == (53, 3, 4, torch.bfloat16)
@@ -670,7 +671,7 @@ def test_config_json_is_what_transformers_builds_the_same_model_from(tmp_path, m
         # stated, not left to a reader's defaults: the fields read_config checks
         assert (saved["n_inner"], saved["activation_function"], saved["layer_norm_epsilon"]) == (None, "gelu_new", 1e-5)
         with pytest.raises(ConfigError) as error:
-            hf.hf_config("gpt", GPTConfig(**dict(GPT.to_dict(), bias=False)))
+            hf_write.hf_config("gpt", GPTConfig(**dict(GPT.to_dict(), bias=False)))
         assert str(error.value) == "a GPT without biases has no GPT2LMHeadModel equivalent"
     else:
         assert type(theirs).__name__ == "LlamaConfig" and saved["architectures"] == ["LlamaForCausalLM"]
@@ -682,7 +683,7 @@ def test_config_json_is_what_transformers_builds_the_same_model_from(tmp_path, m
         assert (saved["hidden_act"], saved["attention_bias"], saved["mlp_bias"]) == ("silu", False, False)
         # transformers 4 reads rope_theta and rope_scaling
         assert (saved["rope_theta"], saved["rope_scaling"]) == (50.0, dict(LLAMA3, rope_theta=50.0))
-        plain = hf.hf_config("llama", LLAMA)
+        plain = hf_write.hf_config("llama", LLAMA)
         assert plain["tie_word_embeddings"] is False
         assert plain["rope_scaling"] is None and plain["rope_parameters"] == {"rope_type": "default",
                                                                                "rope_theta": 10000.0}
@@ -703,7 +704,7 @@ def test_config_json_states_every_field_that_shapes_the_model(tmp_path, model_ty
     """Not left to a reader's defaults (they differ between readers and versions): each field is in the file,
     as the value transformers reads."""
     config = {"gpt": GPT, "llama": LLAMA}[model_type]
-    saved = hf.hf_config(model_type, config, bos_id=1, eos_id=2)
+    saved = hf_write.hf_config(model_type, config, bos_id=1, eos_id=2)
     theirs = transformers.AutoConfig.from_pretrained(save_config(tmp_path / "m", saved))
     for key in STATED[model_type]:
         assert key in saved and saved[key] == getattr(theirs, key), key
@@ -727,7 +728,7 @@ def test_shards_are_filled_greedily_in_order_up_to_the_limit(tmp_path):
     names = hf.hf_names("llama", LLAMA)
     sizes = [t.numel() * 4 for t in state.values()]
     limit = 3 * max(sizes) // 2  # the largest tensor fits; two large ones do not
-    hf.save_hf(state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path, max_shard_bytes=limit)
+    hf_write.save_hf(state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path, max_shard_bytes=limit)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     files = sorted(tmp_path.glob("model-*.safetensors"))
     assert [f.name for f in files] == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
@@ -746,10 +747,10 @@ def test_shards_are_filled_greedily_in_order_up_to_the_limit(tmp_path):
         loaded = load_file(file)
         assert sorted(loaded) == sorted(want) and all(index["weight_map"][n] == file.name for n in want)
         assert sum(t.numel() * 4 for t in loaded.values()) <= limit
-    hf.save_hf(state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path / "exact",
-               max_shard_bytes=sum(sizes))  # all of it fits exactly: one file
+    hf_write.save_hf(state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path / "exact",
+                     max_shard_bytes=sum(sizes))  # all of it fits exactly: one file
     assert sorted(p.name for p in (tmp_path / "exact").iterdir()) == ["config.json", "model.safetensors"]
-    hf.save_hf(state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path / "one", max_shard_bytes=1)
+    hf_write.save_hf(state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path / "one", max_shard_bytes=1)
     assert len(list((tmp_path / "one").glob("model-*-of-*.safetensors"))) == len(state)  # a tensor a shard
 
 
@@ -758,25 +759,26 @@ def test_an_export_replaces_every_earlier_weight_file(tmp_path):
     for stale in ("pytorch_model.bin", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json",
                   "model-00001-of-00009.safetensors", "model.safetensors.index.json", "README.md", "notes.bin"):
         (tmp_path / stale).write_text("old")
-    hf.save_hf(state, meta, tmp_path, max_shard_bytes=20_000)
+    hf_write.save_hf(state, meta, tmp_path, max_shard_bytes=20_000)
     kept = sorted(p.name for p in tmp_path.iterdir())
     shards = [n for n in kept if n.startswith("model-")]
     assert len(shards) > 1 and all(n.endswith(f"-of-{len(shards):05d}.safetensors") for n in shards)
     assert kept == sorted(["README.md", "notes.bin", "config.json", "model.safetensors.index.json", *shards])
-    hf.save_hf(state, meta, tmp_path)
+    hf_write.save_hf(state, meta, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.json", "model.safetensors",
                                                           "notes.bin"]
-    hf.save_hf(state, meta, tmp_path, max_shard_bytes=20_000)
+    hf_write.save_hf(state, meta, tmp_path, max_shard_bytes=20_000)
     assert "model.safetensors" not in {p.name for p in tmp_path.iterdir()}
 
 
 def test_config_json_is_written_last(tmp_path, monkeypatch):
     written = []
-    write_public = hf.write_public
-    monkeypatch.setattr(hf, "write_public", lambda path, write: written.append(path.name) or write_public(path, write))
+    write_public = hf_write.write_public
+    monkeypatch.setattr(hf_write, "write_public",
+                        lambda path, write: written.append(path.name) or write_public(path, write))
     tokenizer = tk.CharTokenizer("abc ")
-    hf.save_hf(llama_state(), {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path, tokenizer,
-               max_shard_bytes=20_000)
+    hf_write.save_hf(llama_state(), {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path, tokenizer,
+                     max_shard_bytes=20_000)
     assert written[-1] == "config.json" and {"tokenizer.json", "tokenizer_config.json",
                                              "model.safetensors.index.json"} < set(written)
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["model_max_length"] == LLAMA.seq_length
@@ -788,25 +790,25 @@ def test_config_names_the_dtype_holding_most_bytes_and_the_tokenizers_ids(tmp_pa
     big = {"wte.weight", "lm_head.weight"}  # 2 x 53 x 48 of 27k parameters
     mixed = {n: t if n in big else t.bfloat16() for n, t in state.items()}
     specs = [(n, tuple(t.shape), t.dtype) for n, t in mixed.items()]
-    out = hf.write_hf(tmp_path, {"model": LLAMA.to_dict(), "model_type": "llama"}, specs, mixed.__getitem__)
+    out = hf_write.write_hf(tmp_path, {"model": LLAMA.to_dict(), "model_type": "llama"}, specs, mixed.__getitem__)
     saved = json.loads((out / "config.json").read_text())
     assert (saved["dtype"], saved["bos_token_id"], saved["eos_token_id"]) == ("bfloat16", None, None)
     assert load_file(out / "model.safetensors")["lm_head.weight"].dtype == torch.float32
     mixed = {n: t.bfloat16() if n in big else t for n, t in state.items()}
     specs = [(n, tuple(t.shape), t.dtype) for n, t in mixed.items()]
-    hf.write_hf(tmp_path, {"model": LLAMA.to_dict(), "model_type": "llama"}, specs, mixed.__getitem__)
+    hf_write.write_hf(tmp_path, {"model": LLAMA.to_dict(), "model_type": "llama"}, specs, mixed.__getitem__)
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
     # bytes, not parameters: 100 fp32 (400 bytes) outweigh 110 bf16 (220 bytes)
     config = LlamaConfig(vocab_size=10, seq_length=4, num_layers=0, num_heads=1, num_kv_heads=1, embed_size=10,
                          intermediate_size=1)
     specs = [("wte.weight", (10, 10), torch.float32), ("norm.weight", (10,), torch.bfloat16),
              ("lm_head.weight", (10, 10), torch.bfloat16)]
-    small = hf.write_hf(tmp_path / "a" / "b", {"model": config.to_dict(), "model_type": "llama"}, specs,
-                        lambda name: torch.zeros(dict((n, s) for n, s, _ in specs)[name]))
+    small = hf_write.write_hf(tmp_path / "a" / "b", {"model": config.to_dict(), "model_type": "llama"}, specs,
+                              lambda name: torch.zeros(dict((n, s) for n, s, _ in specs)[name]))
     assert json.loads((small / "config.json").read_text())["dtype"] == "float32"
     tokenizer = tk.CharTokenizer("ab")
     tokenizer.bos_id, tokenizer.eot_id = 0, 1
-    hf.save_hf(state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path, tokenizer)
+    hf_write.save_hf(state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path, tokenizer)
     saved = json.loads((out / "config.json").read_text())
     assert (saved["bos_token_id"], saved["eos_token_id"]) == (0, 1)
 
@@ -814,7 +816,7 @@ def test_config_names_the_dtype_holding_most_bytes_and_the_tokenizers_ids(tmp_pa
 def test_gpt2_export_writes_conv1d_weights_transposed(tmp_path):
     from safetensors.torch import load_file
     model = ours("gpt")
-    hf.save_hf(model.state_dict(), {"model": GPT.to_dict()}, tmp_path)
+    hf_write.save_hf(model.state_dict(), {"model": GPT.to_dict()}, tmp_path)
     saved = load_file(tmp_path / "model.safetensors")
     theirs = dict(transformers.GPT2LMHeadModel(gpt2_config()).named_parameters())
     assert set(saved) == set(theirs)
@@ -828,7 +830,7 @@ def test_gpt2_export_writes_conv1d_weights_transposed(tmp_path):
 
 def test_byte_table_is_gpt2s():
     from transformers.convert_slow_tokenizer import bytes_to_unicode
-    assert hf._bytes_to_unicode() == bytes_to_unicode()
+    assert hf_tokenizer._bytes_to_unicode() == bytes_to_unicode()
 
 
 def sentencepiece(**options):
@@ -856,7 +858,7 @@ def assert_encodes_as(tok, tokenizer, texts):
                                           eos_id=1, pad_id=0)])
 def test_sentencepiece_as_tokenizer_json(tmp_path, options):
     tokenizer = sentencepiece(**options)
-    tok, names = hf.hf_tokenizer(tokenizer)
+    tok, names = hf_tokenizer.hf_tokenizer(tokenizer)
     texts = tokenizer_dirs.MIXED + ["the king", "  two  spaces ", "中文 テキスト"]
     if options["byte_fallback"]:
         assert_encodes_as(tok, tokenizer, texts)
@@ -875,21 +877,21 @@ def test_sentencepiece_as_tokenizer_json(tmp_path, options):
 
 def test_tiktoken_as_tokenizer_json(tmp_path, monkeypatch):
     llama3 = tk.load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tok")[0])
-    tok, names = hf.hf_tokenizer(llama3)
+    tok, names = hf_tokenizer.hf_tokenizer(llama3)
     assert_encodes_as(tok, llama3, tokenizer_dirs.MIXED + ["aaaa bbb"])
     assert names == {"eos_token": "<|end_of_text|>", "bos_token": "<|begin_of_text|>"}
     assert tok.token_to_id("<|end_of_text|>") == llama3.eot_id and tok.get_vocab_size() == llama3.vocab_size
     stub_gpt2(monkeypatch)
     gpt2 = tk.GPT2Tokenizer()
-    tok, names = hf.hf_tokenizer(gpt2)
+    tok, names = hf_tokenizer.hf_tokenizer(gpt2)
     assert_encodes_as(tok, gpt2, tokenizer_dirs.MIXED)
     assert names == {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
     with pytest.raises(ConfigError) as error:
-        hf._from_tiktoken(gpt2.ranks, gpt2.pattern, {"<|endoftext|>": len(gpt2.ranks) + 1})
+        hf_tokenizer._from_tiktoken(gpt2.ranks, gpt2.pattern, {"<|endoftext|>": len(gpt2.ranks) + 1})
     assert str(error.value) == (f"special token <|endoftext|> has id {len(gpt2.ranks) + 1}, which tokenizer.json "
                                 "cannot give it")
     n = len(gpt2.ranks)  # ids handed out in id order, whatever the names' order
-    tok = hf._from_tiktoken(gpt2.ranks, gpt2.pattern, {"<|a|>": n + 1, "<|b|>": n, "<|c|>": n + 2})
+    tok = hf_tokenizer._from_tiktoken(gpt2.ranks, gpt2.pattern, {"<|a|>": n + 1, "<|b|>": n, "<|c|>": n + 2})
     assert [tok.token_to_id(t) for t in ("<|b|>", "<|a|>", "<|c|>")] == [n, n + 1, n + 2]
 
 
@@ -899,7 +901,7 @@ def test_tiktoken_takes_a_piece_that_is_a_token_whole():
     ranks = {b"a": 0, b"b": 1, b"c": 2, b"d": 3, b"bc": 4, b"ab": 5, b"cd": 6, b"abcd": 7, b" ": 8}
     pattern = r" ?[a-z]+"
     enc = tiktoken.Encoding(name="crafted", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
-    tok = hf._from_tiktoken(ranks, pattern, {})
+    tok = hf_tokenizer._from_tiktoken(ranks, pattern, {})
     for text in ("abcd", "abcd abc bcd", "dcba"):
         assert tok.encode(text).ids == enc.encode_ordinary(text), text
     assert enc.encode_ordinary("abcd") == [7]
@@ -907,21 +909,21 @@ def test_tiktoken_takes_a_piece_that_is_a_token_whole():
 
 def test_hf_and_char_tokenizers_as_tokenizer_json(tmp_path):
     hf_tok = tk.load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "tok"))
-    tok, names = hf.hf_tokenizer(hf_tok)
+    tok, names = hf_tokenizer.hf_tokenizer(hf_tok)
     assert tok.to_str() == hf_tok.json
     assert names == {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
     chars = tk.CharTokenizer("ba \n")
-    tok, names = hf.hf_tokenizer(chars)
+    tok, names = hf_tokenizer.hf_tokenizer(chars)
     assert_encodes_as(tok, chars, ["ab  a\nb", "a"])
     assert names == {"eos_token": None, "bos_token": None}
     with pytest.raises(ConfigError) as error:
-        hf.hf_tokenizer(SimpleNamespace(kind="bytes"))
+        hf_tokenizer.hf_tokenizer(SimpleNamespace(kind="bytes"))
     assert str(error.value) == "no Hugging Face tokenizer.json for a bytes tokenizer"
 
 
 def test_tokenizer_files_transformers_reads(tmp_path, capsys):
     tokenizer = sentencepiece()
-    hf.write_hf_tokenizer(tokenizer, tmp_path, 77)
+    hf_write.write_hf_tokenizer(tokenizer, tmp_path, 77)
     assert capsys.readouterr().err == ""
     assert (tmp_path / "tokenizer.model").read_bytes() == tokenizer.model_proto
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
@@ -935,20 +937,20 @@ def test_tokenizer_files_transformers_reads(tmp_path, capsys):
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["clean_up_tokenization_spaces"] is False
     chars = tk.CharTokenizer("xyz")  # the probe text is its own alphabet (it cannot encode ours)
     (tmp_path / "c").mkdir()
-    hf.write_hf_tokenizer(chars, tmp_path / "c", 5)
+    hf_write.write_hf_tokenizer(chars, tmp_path / "c", 5)
     assert capsys.readouterr().err == "" and not (tmp_path / "c" / "tokenizer.model").exists()
 
 
 def test_a_tokenizer_json_that_encodes_otherwise_is_reported(tmp_path, capsys, monkeypatch):
     tokenizer = sentencepiece()
     monkeypatch.setattr(tokenizer, "encode", lambda text: [0])
-    hf.write_hf_tokenizer(tokenizer, tmp_path, 16)
+    hf_write.write_hf_tokenizer(tokenizer, tmp_path, 16)
     assert capsys.readouterr().err == ("warning: the exported tokenizer.json encodes a test text differently from "
                                        "our sentencepiece tokenizer: check it before relying on it\n")
     probes = []
     monkeypatch.setattr(tokenizer, "encode", lambda text: probes.append(text) or tokenizer.sp.encode(text))
-    hf.write_hf_tokenizer(tokenizer, tmp_path, 16)
-    assert probes == [hf.PROBE] and capsys.readouterr().err == ""
+    hf_write.write_hf_tokenizer(tokenizer, tmp_path, 16)
+    assert probes == [hf_tokenizer.PROBE] and capsys.readouterr().err == ""
 
 
 # -----------------------------------------------------------------------------
@@ -1007,8 +1009,8 @@ def test_safetensors_from_views_and_shards_filled_to_the_byte(tmp_path):
     # a strided 1-d view (not contiguous, and reshape(-1) keeps it so) and a transposed one
     full = torch.arange(16.)
     tensors = {"a": full[::2], "b": full.reshape(4, 4).t()}
-    hf.write_safetensors(tmp_path / "v.safetensors", [("a", (8,), torch.float32), ("b", (4, 4), torch.float32)],
-                         tensors.__getitem__, {})
+    hf_write.write_safetensors(tmp_path / "v.safetensors", [("a", (8,), torch.float32), ("b", (4, 4), torch.float32)],
+                               tensors.__getitem__, {})
     loaded = load_file(tmp_path / "v.safetensors")
     assert torch.equal(loaded["a"], full[::2]) and torch.equal(loaded["b"], full.reshape(4, 4).t())
     # a shard takes tensors while they fit, to the byte; the next shard starts empty
@@ -1021,8 +1023,8 @@ def test_safetensors_from_views_and_shards_filled_to_the_byte(tmp_path):
                                                    ["lm_head.weight"]])]:
         specs = [(name, shape, torch.float32) for name, shape in zip(["wte.weight", "norm.weight", "lm_head.weight"],
                                                                      shapes)]
-        out = hf.write_hf(tmp_path / str(shapes), meta, specs, lambda name: torch.ones(dict(
-            (n, s) for n, s, _ in specs)[name]), max_shard_bytes=8)
+        out = hf_write.write_hf(tmp_path / str(shapes), meta, specs, lambda name: torch.ones(dict(
+                  (n, s) for n, s, _ in specs)[name]), max_shard_bytes=8)
         weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
         got = [[n for n, f in weight_map.items() if f == file] for file in sorted(set(weight_map.values()))]
         assert got == expected, shapes
@@ -1037,7 +1039,7 @@ def test_weight_files_carry_the_metadata_transformers_writes(tmp_path):
     assert expected == {"format": "pt"}  # transformers 4 refuses a file without it
     state, meta = llama_state(), {"model": LLAMA.to_dict(), "model_type": "llama"}
     for limit in (5 * 2**30, 20_000):
-        hf.save_hf(state, meta, tmp_path / str(limit), max_shard_bytes=limit)
+        hf_write.save_hf(state, meta, tmp_path / str(limit), max_shard_bytes=limit)
         files = sorted((tmp_path / str(limit)).glob("*.safetensors"))
         assert len(files) == 1 if limit > 20_000 else len(files) > 1
         for file in files:
@@ -1049,7 +1051,7 @@ def test_special_tokens_are_skipped_when_decoding_asks_to(tmp_path):
     """transformers' generation decodes with skip_special_tokens=True: the eos must go, the text must stay."""
     llama3 = tk.load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tiktoken")[0])
     for tokenizer in (llama3, sentencepiece(byte_fallback=True)):
-        tok, _ = hf.hf_tokenizer(tokenizer)
+        tok, _ = hf_tokenizer.hf_tokenizer(tokenizer)
         ids = [tokenizer.bos_id, *tokenizer.encode("the king"), tokenizer.eot_id]
         assert tok.decode(ids, skip_special_tokens=True) == "the king", tokenizer.kind
 
@@ -1065,5 +1067,5 @@ def test_a_tokenizer_json_that_adds_a_bos_is_not_reported(tmp_path, capsys):
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     tokenizer = tk.load_tokenizer(tmp_path / "tok")
     assert tok.encode("hi").ids[0] == eos and tokenizer.encode("hi")[0] != eos
-    hf.write_hf_tokenizer(tokenizer, tmp_path, 16)
+    hf_write.write_hf_tokenizer(tokenizer, tmp_path, 16)
     assert capsys.readouterr().err == ""
