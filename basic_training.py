@@ -4,9 +4,12 @@
     mpiexec -n 2 python basic_training.py --max_epochs -1 --prompt "ROMEO:"   # generate from the last checkpoint
     mpiexec -n 2 python basic_training.py --hf_model DIR        # start from a Hugging Face GPT-2 or Llama
 
-Flags -> Config -> one run (minimal_fsdp/run.py); nothing else happens here.
+Flags -> Config (minimal_fsdp/config.py, which imports no torch, so --help and a mistyped flag answer at once)
+-> one run (minimal_fsdp/run.py); nothing else happens here.
 """
-from minimal_fsdp.run import main
+from minimal_fsdp.config import one_line_errors, parse_args
 
 if __name__ == "__main__":
-    main()
+    cfg = one_line_errors(parse_args)()
+    from minimal_fsdp.run import main  # torch and the rest come in here
+    main(cfg=cfg)

@@ -9,31 +9,38 @@ import argparse
 import dataclasses
 import difflib
 import functools
-import importlib.util
 import json
-import math
+import os
 import sys
 from dataclasses import dataclass, field
 
-from .fp8 import RECIPES as FP8_RECIPES
-from .gossip import TOPOLOGIES
-from .llama import PRESETS as LLAMA_PRESETS
-from .model import PRESETS as GPT_PRESETS
-from .parallelize import DATA_PARALLEL, FSDP_UNITS, GRAPHS_MODEL, PRECISION, SHARDING, SMALL_MODEL
+# Nothing here imports torch: `basic_training.py --help` and a mistyped flag answer at once.
+from .choices import (DATA_PARALLEL, FP8_RECIPES, FSDP_UNITS, GRAPHS_MODEL, MODEL_PRESETS, PRECISION, SHARDING,
+                      SMALL_MODEL, TOPOLOGIES, ConfigError)
+from .config_checks import model_family, parse_duration, validate, validate_world  # noqa: F401 (re-exported)
+
+# The launchers' rank variables (environment.py reads the same ones), for printing a flag error once.
+RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
 
 
-class ConfigError(ValueError):
-    """Bad user input. Raised identically on every rank before any collective, printed as one line."""
+def launcher_rank():
+    """This process's rank as its launcher set it, 0 without one; torch.distributed is not started yet."""
+    for name in RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
 
 
 def one_line_errors(main):
-    """A command-line entry point whose bad input (ConfigError) ends it with one `error:` line and exit code 2."""
+    """A command-line entry point whose bad input (ConfigError) ends it with one `error:` line and exit code 2.
+    Every rank of a launch parses the same flags, so rank 0 speaks for all."""
     @functools.wraps(main)
     def run(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            if launcher_rank() == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
     return run
 
@@ -42,9 +49,6 @@ def flag(default, help, choices=None, section="train"):
     return field(default=default, metadata={"help": help, "choices": choices, "section": section})
 
 
-# Preset names of each --model; "tiny" exists in both. The choices below live in the modules that act on them.
-MODEL_PRESETS = {"gpt": tuple(GPT_PRESETS), "llama": tuple(LLAMA_PRESETS)}
-SHAPE_FLAGS = ("num_layers", "num_heads", "embed_size", "vocab_size", "num_kv_heads", "intermediate_size", "bias")
 DEVICE = ("auto", "xla")
 
 
@@ -84,6 +88,10 @@ class Config:
     intermediate_size: int = flag(None, "llama: hidden width of the SwiGLU MLP", section="model")
     bias: bool = flag(None, "gpt: biases in the linear layers and LayerNorms (GPT-2 has them; --no-bias is "
                             "nanoGPT's benchmark setting and a little faster)", section="model")
+    document_mask: bool = flag(False, "block-causal attention: tokens attend only within their own document of a "
+                                      "window packing several, documents ending at the tokenizer's end-of-text token "
+                                      "(so not with --tokenizer char); positions are not restarted. FlexAttention on "
+                                      "CUDA (docs/llama3.md)", section="model")
 
     # parallelism
     device: str = flag("auto", "auto: CUDA GPUs if present, else CPU; xla: PyTorch/XLA (TPU, or XLA:CPU with "
@@ -222,36 +230,55 @@ class Config:
         return parse_duration(self.time_limit) if self.time_limit else None
 
 
-def parse_duration(text):
-    """'HH:MM:SS' (also 'MM:SS' or 'SS', as PBS and SLURM write walltimes) -> seconds."""
-    try:
-        parts = [int(p) for p in text.split(":")]
-    except ValueError:
-        parts = []
-    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts):
-        raise ConfigError(f"--time_limit must look like HH:MM:SS (got {text!r})")
-    seconds = 0
-    for p in parts:
-        seconds = seconds * 60 + p
-    return seconds
-
-
 class _Parser(argparse.ArgumentParser):
-    """argparse exits with a usage dump on a bad flag; we want one line and the same exit path as other errors."""
+    """argparse exits with a usage dump on a bad flag; we want one line and the same exit path as other errors,
+    and a suggestion for a mistyped flag."""
 
     def error(self, message):
         raise ConfigError(message)
 
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        flags = [a.split("=", 1)[0] for a in extras if a.startswith("-")]
+        if not flags:
+            if extras:
+                self.error(f"unrecognized arguments: {' '.join(extras)} (flags start with --)")
+            return namespace
+        close = difflib.get_close_matches(flags[0], [o for o in self._option_string_actions if o.startswith("--")],
+                                          n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        self.error(f"unrecognized flag {flags[0]}{hint}; `python basic_training.py --help` lists them")
+
+
+def _help(f):
+    """The field's help with its default, as argparse prints it ('%' escaped); an unset default says nothing
+    (the help says what unset means)."""
+    text = f.metadata["help"].replace("%", "%%")
+    if f.default is None:
+        return text
+    default = ("on" if f.default else "off") if f.type is bool else str(f.default).replace("%", "%%")
+    return f"{text} (default: {default})"
+
+
+_METAVARS = {int: "N", float: "NUM", str: "TEXT"}
+
 
 def build_parser():
+    """Flags grouped by their section (the tables of a --config file), each with its default. Abbreviations
+    are refused: `--max_step 5` must not quietly mean --max_steps, nor break when a flag is added."""
     parser = _Parser(
-        description="Pre-train a GPT with FSDP2; launch with `mpiexec -n GPUS python basic_training.py`.")
+        usage="[mpiexec -n N] python basic_training.py [--config FILE.toml] [--FLAG VALUE ...]",
+        description="Pre-train a GPT with FSDP2; launch with `mpiexec -n GPUS python basic_training.py`. "
+                    "Each group below is a [section] of a --config TOML file; docs/flags.md has the same list.",
+        allow_abbrev=False)
+    groups = {section: parser.add_argument_group(f"[{section}]") for section in SECTIONS}
     for f in dataclasses.fields(Config):
-        meta, name = f.metadata, "--" + f.name
+        group, name = groups[f.metadata["section"]], "--" + f.name
         if f.type is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+            group.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=_help(f))
         else:
-            parser.add_argument(name, type=f.type, default=f.default, choices=meta["choices"], help=meta["help"])
+            group.add_argument(name, type=f.type, default=f.default, choices=f.metadata["choices"], help=_help(f),
+                               metavar=None if f.metadata["choices"] else _METAVARS[f.type])
     return parser
 
 
@@ -261,9 +288,14 @@ def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = build_parser()
     config_file = parser.parse_known_args(argv)[0].config
-    if config_file:
-        parser.set_defaults(**load_config_file(config_file))
+    file_values = load_config_file(config_file) if config_file else {}
+    parser.set_defaults(**file_values)
     cfg = Config(**vars(parser.parse_args(argv)))
+    if cfg.input_file and cfg.dataset == "shakespeare":  # --input_file says which data: the text dataset
+        if "dataset" in file_values or any(a == "--dataset" or a.startswith("--dataset=") for a in argv):
+            raise ConfigError("--input_file is the file of --dataset text: drop --dataset shakespeare "
+                              "(or drop --input_file to train on Shakespeare)")
+        cfg.dataset = "text"
     validate(cfg)
     return cfg
 
@@ -339,160 +371,3 @@ def to_toml(cfg):
                 lines.append(f"{f.name} = {text}")
         lines.append("")
     return "\n".join(lines)
-
-
-def validate(cfg):
-    """Checks that need only the flags. Checks that need the world size, data or checkpoints live where
-    those are known, and run before the first collective that could hang."""
-    positive = ["batch_size", "grad_accum_steps", "num_layers", "num_heads", "embed_size", "seq_length",
-                "vocab_size", "shard_group_size", "log_interval", "eval_batches", "lr_decay_steps", "num_kv_heads",
-                "intermediate_size", "accum_steps"]
-    for name in positive:
-        value = getattr(cfg, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{name} must be positive (got {value})")
-    for name in ("max_steps", "num_tokens", "checkpoint_interval", "eval_interval", "warmup_steps", "keep_last",
-                 "skip_nonfinite"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name} must be 0 or positive (got {getattr(cfg, name)})")
-    if cfg.time_limit:
-        parse_duration(cfg.time_limit)
-    validate_values(cfg)
-    if cfg.dataset == "text" and not cfg.input_file:
-        raise ConfigError("--dataset text needs --input_file PATH")
-    if cfg.streaming and not cfg.dataset_path:
-        raise ConfigError("--streaming needs --dataset_path (the documents to stream)")
-    if cfg.streaming and not cfg.max_steps:
-        raise ConfigError("--streaming needs --max_steps: a stream's length is unknown, so epochs cannot end the run")
-    if cfg.tokenizer_dir and cfg.dataset_path and not cfg.streaming:
-        raise ConfigError("a prepared --dataset_path carries its own tokenizer: drop --tokenizer_dir")
-    if cfg.tokenizer_dir and cfg.tokenizer != "char":  # char is the default: not asked for
-        raise ConfigError(f"--tokenizer_dir replaces --tokenizer: drop --tokenizer {cfg.tokenizer}")
-    if cfg.tokenizer == "sentencepiece" and cfg.vocab_size is None and not cfg.dataset_path:
-        raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
-    if cfg.cuda_graphs and not cfg.compile:
-        raise ConfigError("--cuda_graphs replays the compiled model: add --compile")
-    if cfg.fp8_recipe != "tensorwise" and cfg.precision != "fp8":
-        raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} applies with --precision fp8: add it")
-    if cfg.precision == "fp8" and not cfg.generate_only and importlib.util.find_spec("torchao") is None:
-        raise ConfigError("--precision fp8 needs torchao: pip install -e \".[fp8]\" (offline: see docs/fp8.md)")
-    if cfg.recompute != "full" and not cfg.activation_checkpoints:
-        raise ConfigError(f"--recompute {cfg.recompute} applies with --activation_checkpoints: add it")
-    if cfg.embed_size and cfg.num_heads and cfg.embed_size % cfg.num_heads:
-        raise ConfigError(f"--embed_size must be divisible by --num_heads (got {cfg.embed_size} and {cfg.num_heads})")
-    for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
-        if getattr(cfg, name) and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"--{name} needs the {package} package: pip install {package}")
-    if cfg.hf_model:
-        given = [name for name in SHAPE_FLAGS if getattr(cfg, name) is not None]
-        if given:
-            raise ConfigError(f"--{given[0]} cannot change the shape of --hf_model {cfg.hf_model} "
-                              "(only --seq_length, to shorten the context, and --dropout apply)")
-        if cfg.generate_only and cfg.restart_checkpoint_file:
-            raise ConfigError("--max_epochs -1 with --hf_model generates from the Hugging Face model: "
-                              "drop --restart_checkpoint_file, or drop --hf_model to generate from the checkpoint")
-    elif model_family(cfg) == "gpt":
-        for name in ("num_kv_heads", "intermediate_size"):
-            if getattr(cfg, name) is not None:
-                raise ConfigError(f"--{name} is a llama flag: add --model llama, or drop it")
-    elif cfg.bias is not None:
-        raise ConfigError("--bias/--no-bias is a gpt flag (llama has no biases): drop it")
-    validate_decentralized(cfg)
-    validate_xla(cfg)
-
-
-def _check_range(cfg, name, low, high=None, low_ok=True, note=""):
-    """--name, if set, must be a finite number >= low (> low unless low_ok) and, given high, < high."""
-    value = getattr(cfg, name)
-    if value is None:
-        return
-    if not (math.isfinite(value) and (value >= low if low_ok else value > low) and (high is None or value < high)):
-        opening = "[" if low_ok else "("
-        bounds = f"in {opening}{low:g}, {high:g})" if high is not None else f"{'>=' if low_ok else '>'} {low:g}"
-        raise ConfigError(f"--{name} must be a finite number {bounds} (got {value}){note}")
-
-
-def validate_values(cfg):
-    """Numbers that would silently corrupt training (a negative clip is gradient ascent, a negative min_lr a
-    negative learning rate), or fail deep inside torch with a traceback, are refused here in one line."""
-    _check_range(cfg, "lr", 0, low_ok=False)
-    _check_range(cfg, "min_lr", 0)
-    if cfg.min_lr is not None and cfg.min_lr > cfg.lr:
-        raise ConfigError(f"--min_lr {cfg.min_lr} is above --lr {cfg.lr}: the schedule decays from --lr to --min_lr")
-    _check_range(cfg, "beta1", 0, 1)
-    _check_range(cfg, "beta2", 0, 1)
-    _check_range(cfg, "weight_decay", 0)
-    _check_range(cfg, "grad_clip", 0, note=" (0 disables clipping)")
-    _check_range(cfg, "dropout", 0, 1)
-    _check_range(cfg, "val_fraction", 0, 1, low_ok=False)
-    _check_range(cfg, "temperature", 0, note=" (0: greedy)")
-    _check_range(cfg, "top_k", 0, note=" (0: all tokens)")
-    _check_range(cfg, "collective_timeout", 0, low_ok=False, note=" (seconds)")
-    if not -2**63 <= cfg.seed < 2**63:  # torch's seeds are 64-bit
-        raise ConfigError(f"--seed must be an integer in [-2**63, 2**63) (got {cfg.seed})")
-    if cfg.max_epochs is not None and (cfg.max_epochs == 0 or cfg.max_epochs < -1):
-        raise ConfigError(f"--max_epochs must be positive, or -1 to only generate (got {cfg.max_epochs})")
-    if cfg.max_epochs is None and not cfg.max_steps and not cfg.streaming:  # a stream says it below
-        raise ConfigError("--max_steps 0 (no cap) needs --max_epochs to set the run's length")
-    name = cfg.run_name
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or name != name.strip():
-        raise ConfigError(f"--run_name must be one plain directory name, without '/' (got {name!r})")
-
-
-def model_family(cfg):
-    """--model, or else the family --model_preset belongs to ("tiny" is gpt's unless --model llama)."""
-    if cfg.model is None:
-        return next(family for family, presets in MODEL_PRESETS.items() if cfg.model_preset in presets)
-    if cfg.model_preset not in MODEL_PRESETS[cfg.model]:
-        raise ConfigError(f"--model_preset {cfg.model_preset} is not a {cfg.model} preset (those are "
-                          f"{', '.join(MODEL_PRESETS[cfg.model])}): drop --model or pick one of them")
-    return cfg.model
-
-
-def validate_decentralized(cfg):
-    if cfg.data_parallel != "decentralized":
-        for name, unset in (("accum_steps", 1), ("save_average", False)):
-            if getattr(cfg, name) != unset:
-                raise ConfigError(f"--{name} applies to --data_parallel decentralized only")
-        return
-    if cfg.sharding not in ("full-shard", "no-shard"):  # full-shard: the default, i.e. not asked for
-        raise ConfigError(f"--data_parallel decentralized keeps a whole replica on every rank: "
-                          f"drop --sharding {cfg.sharding}")
-    if cfg.cpu_offload:
-        raise ConfigError("--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it")
-    if cfg.fsdp_unit != "auto":
-        raise ConfigError("--fsdp_unit says what FSDP gathers; --data_parallel decentralized has no FSDP: drop it")
-
-
-def validate_xla(cfg):
-    """--device xla trains one way (xla.py): every parameter sharded over every device, no CPU offload."""
-    if cfg.device != "xla":
-        return
-    if importlib.util.find_spec("torch_xla") is None:
-        raise ConfigError("--device xla needs torch_xla: pip install -e '.[xla]' (torch_xla 2.9 with torch 2.9)")
-    unsupported = {"sharding": cfg.sharding != "full-shard", "shard_group_size": cfg.shard_group_size is not None,
-                   "data_parallel": cfg.data_parallel != "allreduce", "cpu_offload": cfg.cpu_offload,
-                   "meta_init": cfg.meta_init, "compile": cfg.compile, "recompute": cfg.recompute != "full",
-                   "fsdp_unit": cfg.fsdp_unit != "auto"}
-    for name, given in unsupported.items():
-        if given:
-            raise ConfigError(f"--{name} is not available with --device xla, which shards every parameter over "
-                              "all devices with SPMD and compiles each step whole (docs/xla.md): drop it")
-
-
-def validate_world(cfg, world_size, local_world_size, local_world_sizes=()):
-    """Checks that need the launch layout; same inputs on every rank, so the same verdict everywhere.
-    local_world_sizes: every rank's local world size, gathered (a rank's own can differ from the others')."""
-    if cfg.device == "xla" and local_world_size > 1:
-        raise ConfigError(f"--device xla runs one process per host, which drives all of the host's devices, but "
-                          f"{local_world_size} ranks share this host: launch one rank per host (mpiexec -n HOSTS "
-                          "-ppn 1, or plain python on one host)")
-    if cfg.sharding.startswith("hybrid"):
-        if not cfg.shard_group_size and len(set(local_world_sizes)) > 1:
-            sizes = ", ".join(map(str, sorted(set(local_world_sizes))))
-            raise ConfigError(f"--sharding {cfg.sharding} shards over the ranks of a node, but nodes run different "
-                              f"numbers of ranks ({sizes}): start as many on every node, or set --shard_group_size")
-        group = cfg.shard_group_size or local_world_size
-        if world_size % group:
-            raise ConfigError(f"--sharding {cfg.sharding} needs world size divisible by --shard_group_size "
-                              f"(got {world_size} and {group})")

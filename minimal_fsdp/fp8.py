@@ -21,7 +21,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-RECIPES = ("tensorwise", "rowwise")
+from .choices import FP8_RECIPES as RECIPES  # noqa: F401 (--fp8_recipe's choices)
+from .choices import ConfigError
+
 MIN_FEATURES = 256
 # model.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never run its forward.
 NOT_CALLED = ("attn.qkv",)
@@ -37,7 +39,6 @@ def convertible(model):
 
 def check_device(device):
     """Refuse a device without float8 tensor cores; the same verdict on every rank of a homogeneous job."""
-    from .config import ConfigError  # not at the top: config imports RECIPES from here
     if device.type != "cuda":
         raise ConfigError(f"--precision fp8 needs an NVIDIA GPU with float8 tensor cores (compute capability 8.9+: "
                           f"H100, H200, L40S); this run is on {device.type}: use --precision bf16")
@@ -60,7 +61,6 @@ def convert(model, plan, device):
     """Swap the convertible layers for torchao's Float8Linear, in place, before sharding (build_model)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from .config import ConfigError  # not at the top: config imports RECIPES from here
     layers = convertible(model)
     if not layers:
         raise ConfigError(f"--precision fp8 converts the blocks' linear layers whose sizes are multiples of 16 and at "

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
-
-TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
+from .choices import TOPOLOGIES  # --topology's choices, there for config.py to read without torch
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,17 @@
-"""Ending a run on purpose: preemption signals and --time_limit become one agreed stop, and a diverged
+"""Ending a run on purpose: preemption signals, Ctrl-C and --time_limit become one agreed stop, and a diverged
 loss stops the run with the step that broke it.
 
 PBS and SLURM send SIGTERM (or SIGUSR1, e.g. SLURM's --signal=USR1@120) some time before they kill a job,
-not necessarily to every rank. A handler just records the signal; at every logging step (--log_interval) all
-ranks combine what they know in one tiny all_reduce(MAX), so they stop together at the same step, save a
-checkpoint and exit 0. Checking only there keeps the ranks' hosts from waiting for each other every step. A rank never stops alone, so no rank is left waiting in a collective.
+not necessarily to every rank; Ctrl-C sends SIGINT (under mpiexec, to every rank). A handler just records the
+signal; all ranks combine what they know in one tiny all_reduce(MAX) at every logging step (--log_interval)
+and, so that a stop waits for no more than about STOP_LATENCY seconds (or one step, if a step is longer), at
+steps spaced by the step time they measured and agreed on. Every rank computes the same steps from the same
+agreed numbers, so they all look at the same step, stop there together, save a checkpoint and exit 0. Checking
+only then keeps the ranks' hosts from waiting for each other every step. A rank never stops alone, so no rank
+is left waiting in a collective. A second Ctrl-C ends the process at once, without saving.
 """
 import math
+import os
 import signal
 from contextlib import contextmanager
 from time import monotonic
@@ -14,8 +19,9 @@ from time import monotonic
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _TIME_LIMIT = 1000  # above every signal number, so MAX of the codes stays meaningful
+STOP_LATENCY = 10.0  # seconds: the longest a stop request waits for the ranks to look at it (unless a step is longer)
 
 
 class Diverged(RuntimeError):
@@ -24,13 +30,19 @@ class Diverged(RuntimeError):
 
 class StopRequests:
     """Created when the run starts (the --time_limit clock starts then); `agreed()` is called at every logging
-    step (every --log_interval steps) and before every save."""
+    step (every --log_interval steps), before every save, and at every step where `due(step)` says so."""
 
     def __init__(self, time_limit_seconds=None):
         self.start = monotonic()
         self.time_limit_seconds = time_limit_seconds
         self.received = 0
         self.reason = None  # set once every rank has agreed to stop
+        self.next_look = None  # the step all ranks look at next (besides logging steps); None: the first step
+        self.last_look = None  # (step, time) of the last look
+
+    def due(self, step):
+        """Whether the ranks look at this step (collective-safe: every rank has agreed on next_look)."""
+        return self.next_look is None or step >= self.next_look
 
     @contextmanager
     def listening(self):
@@ -46,16 +58,27 @@ class StopRequests:
                 signal.signal(sig, handler)
 
     def _record(self, signum, frame):
+        if signum == signal.SIGINT and self.received:  # Ctrl-C again: the user will not wait for the save
+            os.write(2, b"error: interrupted again: exiting at once, without saving\n")
+            os._exit(130)
         self.received = signum  # only a flag: the step in flight finishes, then all ranks decide together
 
-    def agreed(self):
-        """Collective: the reason every rank stops after this step, or None to go on."""
+    def agreed(self, step=None):
+        """Collective: the reason every rank stops after step `step`, or None to go on. Also agrees on the
+        step of the next look: STOP_LATENCY seconds on at the slowest rank's pace since the last look."""
+        now = monotonic()
         code = self.received
-        if not code and self.time_limit_seconds is not None and monotonic() - self.start >= self.time_limit_seconds:
+        if not code and self.time_limit_seconds is not None and now - self.start >= self.time_limit_seconds:
             code = _TIME_LIMIT
-        flag = torch.tensor([code], dtype=torch.int32)  # a CPU tensor (gloo): no wait for the GPU
+        pace = 0.0  # seconds per step since the last look
+        if step is not None and self.last_look is not None and step > self.last_look[0]:
+            pace = (now - self.last_look[1]) / (step - self.last_look[0])
+        flag = torch.tensor([code, pace], dtype=torch.float64)  # a CPU tensor (gloo): no wait for the GPU
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        code = int(flag.item())
+        code, pace = int(flag[0].item()), float(flag[1].item())
+        if step is not None:
+            self.last_look = (step, now)
+            self.next_look = step + (max(1, int(STOP_LATENCY / pace)) if pace > 0 else 1)
         if code == _TIME_LIMIT:
             self.reason = f"--time_limit of {self.time_limit_seconds}s reached"
         elif code:

@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, checkpoint_find, checkpoint_meta, environment, files, hf, sample
-from .config import ConfigError, parse_args, validate_world
+from .config import Config, ConfigError, parse_args, validate_world
+from .config_checks import check_sizes, cpu_recipe_warning, host_memory_available
 from .data import TokenData, prepared_dir
 from .generate import generate
 from .metrics import banner
+from .model_size import count_parameters
 from .models import MODELS, config_from_flags
 from .parallelize import build_model, make_plan
 from .resilience import Diverged, StopRequests
@@ -32,12 +34,15 @@ TRAINING_FLAGS = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_deca
                   "batch_size", "grad_accum_steps", "dropout", "precision", "fp8_recipe", "sharding", "seed")
 
 
-def main(argv=None):
-    """Flags -> Config -> one run. Bad input and failures end every rank with one `error:` line."""
+def main(argv=None, cfg=None):
+    """Flags (or a Config parsed already: basic_training.py parses before importing torch) -> one run. Bad input
+    and failures end every rank with one `error:` line."""
     try:
-        run(parse_args(argv))
+        run(cfg or parse_args(argv))
     except (ConfigError, Diverged, checkpoint.SaveError, environment.MainRankFailed) as e:
         environment.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)
+    except KeyboardInterrupt:  # Ctrl-C outside training (inside it, resilience.StopRequests saves and stops)
+        environment.exit_on_error("interrupted (Ctrl-C) before or after training: nothing saved", 130)
 
 
 def run(cfg):
@@ -47,6 +52,8 @@ def run(cfg):
         from . import xla
         env = xla.setup(cfg, env)
     validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)
+    if env.is_main and cpu_recipe_warning(cfg, env.device.type):
+        print(cpu_recipe_warning(cfg, env.device.type), flush=True)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None  # rank 0 downloads
     # Under --device xla this plan lays out only the host's model to sample from, which loads a checkpoint.
@@ -95,8 +102,10 @@ def train_model(cfg, env, plan, start, hf_dir, stop):
     """Open the data, build (or resume) the model and optimizer, and train; returns the model and the
     data's tokenizer."""
     data = open_data(cfg, env, hf_dir)
+    check_prompt(cfg, data.tokenizer, env)
     model_config = hf.read_model_config(hf_dir, cfg) if hf_dir else config_from_flags(cfg, data.meta["vocab_size"])
     data.check(model_config.seq_length, model_config.vocab_size)
+    check_fits(cfg, env, model_config)
     if start is not None:
         check_resumable(cfg, start, model_config, env)
     if cfg.device == "xla":  # torch_xla's model, optimizer, batches and checkpoints in train.train's loop
@@ -123,6 +132,32 @@ def train_model(cfg, env, plan, start, hf_dir, stop):
     if env.is_main:
         print(log.summary(), flush=True)
     return model, data.tokenizer
+
+
+def check_prompt(cfg, tokenizer, env):
+    """Encode --prompt before training, not after it: a prompt the data's tokenizer cannot encode (a character
+    vocabulary without capitals) is refused now; the default prompt only drops the sample, with one line."""
+    if cfg.num_tokens == 0:
+        return
+    try:
+        tokenizer.encode(cfg.prompt)
+    except ConfigError as e:
+        if cfg.prompt != Config.prompt:
+            raise ConfigError(f"--prompt {cfg.prompt!r}: {e}; or pass --num_tokens 0 for no sample") from None
+        if env.is_main:
+            print(f"no sample at the end: the default --prompt {cfg.prompt!r} does not encode with this data's "
+                  f"tokenizer ({e}); pass --prompt with text from your data (or --num_tokens 0 to say so)", flush=True)
+        cfg.num_tokens = 0  # only the sample at the end reads it
+
+
+def check_fits(cfg, env, model_config):
+    """Refuse a batch or model far beyond the memory here before allocating it (config_checks.check_sizes)."""
+    if env.device.type == "cuda":
+        free = torch.cuda.mem_get_info(env.device)[0]
+    else:
+        free = host_memory_available() if env.device.type == "cpu" else None
+    num_params = count_parameters(model_config.model_type, model_config).total
+    check_sizes(cfg, model_config.seq_length, num_params, env.local_world_size, free, env.device.type, env.world_size)
 
 
 def check_resumable(cfg, start, model_config, env):

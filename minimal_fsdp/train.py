@@ -146,7 +146,7 @@ def collections_in_step():
 def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None, sync=None, ranks=None):
     """Train from step 0, or from `saved` (the meta.json of the checkpoint just restored), to the schedule's last
     step. Evaluates every --eval_interval steps; saves every --checkpoint_interval steps, at the end, and when
-    all ranks agree to stop (stop: resilience.StopRequests, asked at every logging step). Returns the last step
+    all ranks agree to stop (stop: resilience.StopRequests, asked at logging steps and when due). Returns the last step
     done and the log, which holds the run's summary. sync: the gradient-sync object (default: the plan's);
     ranks: how many take --batch_size sequences of every micro-batch (default: the ranks; xla.py passes both)."""
     schedule = Schedule.for_run(cfg, data.steps_per_epoch(), saved and saved["state"]["schedule"])
@@ -179,7 +179,9 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
             if logs:
                 extra = {"consensus": sync.consensus_distance()} if plan.decentralized else {}
                 log.row(done, lr, grad_norm, **extra)
-            stop_reason = stop.agreed() if logs or saves else None  # collective: all ranks stop at one step
+            # Collective, at steps every rank agrees on: logging steps, saves, and often enough to act on a stop
+            # request within seconds (resilience.StopRequests.due); all ranks stop at one step.
+            stop_reason = stop.agreed(done) if logs or saves or stop.due(done) else None
             if evaluates or stop_reason:
                 with log.paused():  # evaluation and saving are timed apart from the training steps
                     val_loss = evaluate(model, data, cfg.eval_batches, env.device) if evaluates else None

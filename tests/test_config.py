@@ -53,3 +53,82 @@ def test_no_bias_builds_a_gpt_without_biases(flag, biases):
     names = [name for name, _ in GPT(config).named_parameters()]
     assert any(name.endswith(".bias") for name in names) == biases
     assert len(names) == (config.num_layers * 12 + 4 if biases else config.num_layers * 6 + 3)
+
+
+def test_input_file_alone_means_the_text_dataset():
+    assert parse_args(["--input_file", "my.txt"]).dataset == "text"
+
+
+@pytest.mark.parametrize("argv", [["--dataset", "shakespeare", "--input_file", "my.txt"],
+                                  ["--dataset=shakespeare", "--input_file", "my.txt"]])
+def test_input_file_with_shakespeare_named_is_refused(argv):
+    with pytest.raises(ConfigError, match="^--input_file is the file of --dataset text: drop --dataset shakespeare"):
+        parse_args(argv)
+
+
+def test_input_file_with_shakespeare_from_a_config_file_is_refused(tmp_path):
+    (tmp_path / "run.toml").write_text('[data]\ndataset = "shakespeare"\n')
+    with pytest.raises(ConfigError, match="drop --dataset shakespeare"):
+        parse_args(["--config", tmp_path / "run.toml", "--input_file", "my.txt"])
+
+
+@pytest.mark.parametrize("typo,suggestion", [("--max_stpes", "--max_steps"), ("--batchsize", "--batch_size"),
+                                             ("--max_step", "--max_steps"), ("--lr_decay=5", "--lr_decay_steps")])
+def test_a_mistyped_or_abbreviated_flag_gets_the_nearest_one(typo, suggestion):
+    """Abbreviations are refused too: `--max_step 5` would otherwise quietly mean --max_steps."""
+    with pytest.raises(ConfigError) as raised:
+        parse_args([typo, "5"])
+    assert str(raised.value).startswith(f"unrecognized flag {typo.split('=')[0]} (did you mean {suggestion}?)")
+
+
+def test_help_groups_flags_by_section_and_shows_defaults():
+    from minimal_fsdp.config import SECTIONS
+    text = build_parser().format_help()
+    headings = [text.index(f"[{section}]:") for section in SECTIONS]
+    assert headings == sorted(headings)  # in the sections' order, each once
+    model_part = text[headings[1]:headings[2]]
+    assert "--embed_size" in model_part and "--batch_size" not in model_part
+    assert "(default: 16)" in " ".join(text[text.index("--batch_size N"):].split()[:20])
+    assert "(default: off)" in " ".join(text[text.index("--compile, --no-compile"):].split()[:30])
+
+
+def _entry(*args):
+    """basic_training.py in a fresh interpreter; returns (exit code, stderr, whether torch was imported)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    probe = ("import runpy, sys; sys.argv = ['basic_training.py', *sys.argv[1:]]\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "finally:\n    print('TORCH' if 'torch' in sys.modules else 'NO TORCH', file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", probe, *args], cwd=root, capture_output=True, text=True,
+                            timeout=120)
+    return result.returncode, result.stderr, result.stderr.rstrip().endswith("\nTORCH")
+
+
+def test_help_and_flag_errors_answer_without_importing_torch():
+    code, err, torch_imported = _entry("--max_stpes", "5")
+    assert code == 2 and not torch_imported
+    assert err.splitlines()[0] == ("error: unrecognized flag --max_stpes (did you mean --max_steps?); "
+                                   "`python basic_training.py --help` lists them")
+    code, err, torch_imported = _entry("--help")
+    assert code == 0 and not torch_imported
+
+
+def test_config_imports_nothing_heavy():
+    """choices.py and config.py sit below everything else: no torch, and no module of the package that imports
+    it (fp8, parallelize, gossip, the models), so no import cycle can form through them."""
+    import subprocess
+    import sys
+    probe = ("import sys; import minimal_fsdp.config\n"
+             "heavy = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'numpy'))\n"
+             "               or m.startswith('minimal_fsdp.') and m not in ('minimal_fsdp.config', "
+             "'minimal_fsdp.config_checks', 'minimal_fsdp.choices'))\n"
+             "print(heavy)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_the_choices_are_the_ones_the_modules_act_on():
+    from minimal_fsdp import choices, fp8, gossip
+    assert fp8.RECIPES is choices.FP8_RECIPES and gossip.TOPOLOGIES is choices.TOPOLOGIES

@@ -65,10 +65,11 @@ def peer(monkeypatch):
     """all_reduce over this rank and one simulated other rank holding `peer.code` (0: nothing to report)."""
     class Peer:
         code = 0
+        pace = 0.0  # its seconds per step since the last look
     ops = {dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MIN: torch.minimum}
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        tensor.copy_(ops[op](tensor, torch.tensor([Peer.code], dtype=tensor.dtype)))
+        tensor.copy_(ops[op](tensor, torch.tensor([Peer.code, Peer.pace][:len(tensor)], dtype=tensor.dtype)))
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     return Peer
 

@@ -1,0 +1,240 @@
+"""Validation of a run's flags, once, before anything is built: `validate` (the flags alone, called by
+config.parse_args) and `validate_world` (the flags against the launch layout). The same flags give the same
+verdict on every rank, so every rank stops alike before the first collective.
+"""
+import importlib.util
+import math
+import os
+
+from .choices import MODEL_PRESETS, ConfigError
+
+GiB = 2**30
+MAX_TIMEOUT = 10**6  # seconds (11.6 days): longer than any job's walltime
+SHAPE_FLAGS = ("num_layers", "num_heads", "embed_size", "vocab_size", "num_kv_heads", "intermediate_size", "bias")
+
+
+
+def parse_duration(text):
+    """'HH:MM:SS' (also 'MM:SS' or 'SS', as PBS and SLURM write walltimes) -> seconds."""
+    try:
+        parts = [int(p) for p in text.split(":")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts):
+        raise ConfigError(f"--time_limit must look like HH:MM:SS (got {text!r})")
+    seconds = 0
+    for p in parts:
+        seconds = seconds * 60 + p
+    return seconds
+
+
+def validate(cfg):
+    """Checks that need only the flags. Checks that need the world size, data or checkpoints live where
+    those are known, and run before the first collective that could hang."""
+    positive = ["batch_size", "grad_accum_steps", "num_layers", "num_heads", "embed_size", "seq_length",
+                "vocab_size", "shard_group_size", "log_interval", "eval_batches", "lr_decay_steps", "num_kv_heads",
+                "intermediate_size", "accum_steps"]
+    for name in positive:
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name} must be positive (got {value})")
+    for name in ("max_steps", "num_tokens", "checkpoint_interval", "eval_interval", "warmup_steps", "keep_last",
+                 "skip_nonfinite"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be 0 or positive (got {getattr(cfg, name)})")
+    if cfg.time_limit:
+        parse_duration(cfg.time_limit)
+    validate_values(cfg)
+    if cfg.dataset == "text" and not cfg.input_file:
+        raise ConfigError("--dataset text needs --input_file PATH")
+    if cfg.input_file and cfg.dataset != "text":  # parse_args reads --input_file alone as --dataset text
+        raise ConfigError(f"--input_file is the file of --dataset text: drop --dataset {cfg.dataset}")
+    if cfg.streaming and not cfg.dataset_path:
+        raise ConfigError("--streaming needs --dataset_path (the documents to stream)")
+    if cfg.streaming and not cfg.max_steps:
+        raise ConfigError("--streaming needs --max_steps: a stream's length is unknown, so epochs cannot end the run")
+    if cfg.tokenizer_dir and cfg.dataset_path and not cfg.streaming:
+        raise ConfigError("a prepared --dataset_path carries its own tokenizer: drop --tokenizer_dir")
+    if cfg.tokenizer_dir and cfg.tokenizer != "char":  # char is the default: not asked for
+        raise ConfigError(f"--tokenizer_dir replaces --tokenizer: drop --tokenizer {cfg.tokenizer}")
+    if cfg.tokenizer == "sentencepiece" and cfg.vocab_size is None and not cfg.dataset_path:
+        raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
+    if cfg.cuda_graphs and not cfg.compile:
+        raise ConfigError("--cuda_graphs replays the compiled model: add --compile")
+    if cfg.fp8_recipe != "tensorwise" and cfg.precision != "fp8":
+        raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} applies with --precision fp8: add it")
+    if cfg.precision == "fp8" and not cfg.generate_only and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("--precision fp8 needs torchao: pip install -e \".[fp8]\" (offline: see docs/fp8.md)")
+    if cfg.recompute != "full" and not cfg.activation_checkpoints:
+        raise ConfigError(f"--recompute {cfg.recompute} applies with --activation_checkpoints: add it")
+    if cfg.embed_size and cfg.num_heads and cfg.embed_size % cfg.num_heads:
+        raise ConfigError(f"--embed_size must be divisible by --num_heads (got {cfg.embed_size} and {cfg.num_heads})")
+    for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        if getattr(cfg, name) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--{name} needs the {package} package: pip install {package}")
+    if cfg.hf_model:
+        given = [name for name in SHAPE_FLAGS if getattr(cfg, name) is not None]
+        if given:
+            raise ConfigError(f"--{given[0]} cannot change the shape of --hf_model {cfg.hf_model} "
+                              "(only --seq_length, to shorten the context, and --dropout apply)")
+        if cfg.generate_only and cfg.restart_checkpoint_file:
+            raise ConfigError("--max_epochs -1 with --hf_model generates from the Hugging Face model: "
+                              "drop --restart_checkpoint_file, or drop --hf_model to generate from the checkpoint")
+    elif model_family(cfg) == "gpt":
+        for name in ("num_kv_heads", "intermediate_size"):
+            if getattr(cfg, name) is not None:
+                raise ConfigError(f"--{name} is a llama flag: add --model llama, or drop it")
+    elif cfg.bias is not None:
+        raise ConfigError("--bias/--no-bias is a gpt flag (llama has no biases): drop it")
+    validate_decentralized(cfg)
+    validate_xla(cfg)
+
+
+def _check_range(cfg, name, low, high=None, low_ok=True, note=""):
+    """--name, if set, must be a finite number >= low (> low unless low_ok) and, given high, < high."""
+    value = getattr(cfg, name)
+    if value is None:
+        return
+    if not (math.isfinite(value) and (value >= low if low_ok else value > low) and (high is None or value < high)):
+        opening = "[" if low_ok else "("
+        bounds = f"in {opening}{low:g}, {high:g})" if high is not None else f"{'>=' if low_ok else '>'} {low:g}"
+        raise ConfigError(f"--{name} must be a finite number {bounds} (got {value}){note}")
+
+
+def validate_values(cfg):
+    """Numbers that would silently corrupt training (a negative clip is gradient ascent, a negative min_lr a
+    negative learning rate), or fail deep inside torch with a traceback, are refused here in one line."""
+    _check_range(cfg, "lr", 0, low_ok=False)
+    _check_range(cfg, "min_lr", 0)
+    if cfg.min_lr is not None and cfg.min_lr > cfg.lr:
+        raise ConfigError(f"--min_lr {cfg.min_lr} is above --lr {cfg.lr}: the schedule decays from --lr to --min_lr")
+    _check_range(cfg, "beta1", 0, 1)
+    _check_range(cfg, "beta2", 0, 1)
+    _check_range(cfg, "weight_decay", 0)
+    _check_range(cfg, "grad_clip", 0, note=" (0 disables clipping)")
+    _check_range(cfg, "dropout", 0, 1)
+    _check_range(cfg, "val_fraction", 0, 1, low_ok=False)
+    _check_range(cfg, "temperature", 0, note=" (0: greedy)")
+    _check_range(cfg, "top_k", 0, note=" (0: all tokens)")
+    # Bounded: torch turns it into a timedelta and then milliseconds, which overflow far above any walltime.
+    _check_range(cfg, "collective_timeout", 0, MAX_TIMEOUT, low_ok=False, note=" (seconds)")
+    if not -2**63 <= cfg.seed < 2**63:  # torch's seeds are 64-bit
+        raise ConfigError(f"--seed must be an integer in [-2**63, 2**63) (got {cfg.seed})")
+    if cfg.max_epochs is not None and (cfg.max_epochs == 0 or cfg.max_epochs < -1):
+        raise ConfigError(f"--max_epochs must be positive, or -1 to only generate (got {cfg.max_epochs})")
+    if cfg.max_epochs is None and not cfg.max_steps and not cfg.streaming:  # a stream says it below
+        raise ConfigError("--max_steps 0 (no cap) needs --max_epochs to set the run's length")
+    name = cfg.run_name
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or name != name.strip():
+        raise ConfigError(f"--run_name must be one plain directory name, without '/' (got {name!r})")
+    for name in ("data_dir", "checkpoint_dir", "log_dir"):
+        path = getattr(cfg, name)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"--{name} {path} is a file, not a directory: name a directory (or a path that "
+                              "does not exist yet)")
+
+
+def model_family(cfg):
+    """--model, or else the family --model_preset belongs to ("tiny" is gpt's unless --model llama)."""
+    if cfg.model is None:
+        return next(family for family, presets in MODEL_PRESETS.items() if cfg.model_preset in presets)
+    if cfg.model_preset not in MODEL_PRESETS[cfg.model]:
+        raise ConfigError(f"--model_preset {cfg.model_preset} is not a {cfg.model} preset (those are "
+                          f"{', '.join(MODEL_PRESETS[cfg.model])}): drop --model or pick one of them")
+    return cfg.model
+
+
+def validate_decentralized(cfg):
+    if cfg.data_parallel != "decentralized":
+        for name, unset in (("accum_steps", 1), ("save_average", False)):
+            if getattr(cfg, name) != unset:
+                raise ConfigError(f"--{name} applies to --data_parallel decentralized only")
+        return
+    if cfg.sharding not in ("full-shard", "no-shard"):  # full-shard: the default, i.e. not asked for
+        raise ConfigError(f"--data_parallel decentralized keeps a whole replica on every rank: "
+                          f"drop --sharding {cfg.sharding}")
+    if cfg.cpu_offload:
+        raise ConfigError("--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it")
+    if cfg.fsdp_unit != "auto":
+        raise ConfigError("--fsdp_unit says what FSDP gathers; --data_parallel decentralized has no FSDP: drop it")
+
+
+def validate_xla(cfg):
+    """--device xla trains one way (xla.py): every parameter sharded over every device, no CPU offload."""
+    if cfg.device != "xla":
+        return
+    if importlib.util.find_spec("torch_xla") is None:
+        raise ConfigError("--device xla needs torch_xla: pip install -e '.[xla]' (torch_xla 2.9 with torch 2.9)")
+    unsupported = {"sharding": cfg.sharding != "full-shard", "shard_group_size": cfg.shard_group_size is not None,
+                   "data_parallel": cfg.data_parallel != "allreduce", "cpu_offload": cfg.cpu_offload,
+                   "meta_init": cfg.meta_init, "compile": cfg.compile, "recompute": cfg.recompute != "full",
+                   "fsdp_unit": cfg.fsdp_unit != "auto"}
+    for name, given in unsupported.items():
+        if given:
+            raise ConfigError(f"--{name} is not available with --device xla, which shards every parameter over "
+                              "all devices with SPMD and compiles each step whole (docs/xla.md): drop it")
+
+
+def validate_world(cfg, world_size, local_world_size, local_world_sizes=()):
+    """Checks that need the launch layout; same inputs on every rank, so the same verdict everywhere.
+    local_world_sizes: every rank's local world size, gathered (a rank's own can differ from the others')."""
+    if cfg.device == "xla" and local_world_size > 1:
+        raise ConfigError(f"--device xla runs one process per host, which drives all of the host's devices, but "
+                          f"{local_world_size} ranks share this host: launch one rank per host (mpiexec -n HOSTS "
+                          "-ppn 1, or plain python on one host)")
+    if cfg.sharding.startswith("hybrid"):
+        if not cfg.shard_group_size and len(set(local_world_sizes)) > 1:
+            sizes = ", ".join(map(str, sorted(set(local_world_sizes))))
+            raise ConfigError(f"--sharding {cfg.sharding} shards over the ranks of a node, but nodes run different "
+                              f"numbers of ranks ({sizes}): start as many on every node, or set --shard_group_size")
+        group = cfg.shard_group_size or local_world_size
+        if world_size % group:
+            raise ConfigError(f"--sharding {cfg.sharding} needs world size divisible by --shard_group_size "
+                              f"(got {world_size} and {group})")
+
+
+def host_memory_available():
+    """Bytes this host can still give to new allocations (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_sizes(cfg, seq_length, num_params, processes, device_free, device="cpu", ranks=1):
+    """Refuse a batch or a model that surely cannot fit, before anything is allocated (which would end in a
+    traceback, or the kernel's OOM killer). Counted low on purpose: only what certainly does not fit is refused.
+      batch: its token ids on the host, three int64 copies (window index, gathered tokens, rows) in each of the
+             host's `processes`;
+      model: its fp32 weights where they are built (`device`, with `device_free` bytes free; a CPU's memory is
+             shared by the host's processes): whole, or (--meta_init) a 1/`ranks` shard.
+    device_free None: unknown, not checked."""
+    host_free = host_memory_available()
+    batch = cfg.batch_size * (seq_length + 1) * 8 * 3 * processes
+    if host_free is not None and batch > host_free:
+        raise ConfigError(f"--batch_size {cfg.batch_size}: a batch of {cfg.batch_size} x {seq_length + 1} token ids "
+                          f"takes {batch / GiB:.3g} GiB of host memory over this host's {processes} process(es), "
+                          f"more than the {host_free / GiB:.3g} GiB free: lower --batch_size (raise "
+                          "--grad_accum_steps to keep the tokens per step)")
+    weights = num_params * 4 * (processes if device == "cpu" else 1) // (ranks if cfg.meta_init else 1)
+    if device_free is not None and weights > device_free:
+        raise ConfigError(f"the model's {num_params:,} parameters take {weights / GiB:.3g} GiB in fp32 on this "
+                          f"host's {device} ({processes} process(es)), more than the {device_free / GiB:.3g} GiB "
+                          "free: lower --vocab_size, --embed_size or --num_layers, or add --meta_init with more "
+                          "ranks (python -m minimal_fsdp.model_size estimates what fits)")
+
+
+def cpu_recipe_warning(cfg, device_type):
+    """A line for a GPU recipe (--compile, --precision bf16/fp8) started on a CPU, where compiling takes minutes
+    and bf16 matmuls crawl (a GPU recipe's first steps can take an hour there); None otherwise."""
+    asked = [f for f, on in (("--compile", cfg.compile), (f"--precision {cfg.precision}", cfg.precision != "float32"))
+             if on]
+    if device_type != "cpu" or not asked:
+        return None
+    return (f"warning: {' and '.join(asked)} on a CPU: compiling takes minutes there and bf16 matmuls are slow, so "
+            "a GPU recipe may not reach its first step for a long time; configs/shakespeare_tiny.toml is the CPU "
+            "recipe (or drop those flags)")
