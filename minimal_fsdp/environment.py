@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import discovery, failures, rendezvous
+from . import discovery, failures, hosts, rendezvous
 from .failures import MainRankFailed, exit_on_error, rank_hint, run_on_main  # noqa: F401  (the callers' names)
 
 
@@ -54,6 +54,7 @@ def setup(cfg):
         num_nodes, local_world = discovery.pbs_layout(world)
     device, backend = _pick_device(local_rank, local_world)
     store = rendezvous.meet(rank, world, num_nodes, launcher, cfg)
+    network = hosts.pick_interface(rendezvous.address(), num_nodes)  # before gloo picks an address itself
     with gloo_quiet():
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.collective_timeout),
@@ -61,6 +62,9 @@ def setup(cfg):
                                 **(dict(store=store) if store is not None else {}))
         local_world_sizes, gpu_keys = _gather_layout(local_world, device)
     rendezvous.all_joined(rank)
+    hosts.check_shared_dir(cfg.checkpoint_dir, num_nodes)
+    if network and rank == 0:
+        print(network, flush=True)
     warning = shared_gpus_warning(gpu_keys)
     if warning and rank == 0:
         print(warning, file=sys.stderr, flush=True)

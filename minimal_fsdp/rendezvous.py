@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from . import hosts
 from .config import ConfigError
 from .discovery import first_host, int_variable
 
@@ -22,6 +23,7 @@ TOKEN_KEY = "minimal_fsdp/launch_token"
 
 _store = None  # the rendezvous store (rank 0's server, or another rank's client of it); None under torchrun
 _store_file = None  # srun: where rank 0 published its port, removed once every rank has joined
+_address = None  # where the ranks met: rank 0's address (MPI, srun)
 
 
 def _free_port():
@@ -72,9 +74,10 @@ def _rendezvous_mpi(rank, world, num_nodes, timeout):
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    global _address
     offer = None
+    addr = hosts.offered_address(comm, num_nodes)  # collective; one the other hosts reach, not a hostname
     if rank == 0:
-        addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if num_nodes == 1 else socket.gethostname())
         token = f"mpi {socket.gethostname()} {secrets.token_hex(8)}"
         try:
             store = _open_store(world, int_variable(os.environ, "MASTER_PORT", "0"), "MASTER_PORT", token, timeout)
@@ -84,6 +87,7 @@ def _rendezvous_mpi(rank, world, num_nodes, timeout):
     offer = comm.bcast(offer, root=0)
     if isinstance(offer, str):
         raise ConfigError(offer)
+    _address = offer[0]
     error = None
     if rank != 0:
         try:
@@ -112,9 +116,10 @@ def _srun_address(env):
 
 def _rendezvous_srun(rank, world, cfg, timeout):
     """Every task knows the address, and the port unless rank 0 publishes it; the token is the job step's."""
-    global _store_file
+    global _store_file, _address
     env = os.environ
     addr, port, where = _srun_address(env)
+    _address = addr
     job = f"{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}.{env.get('SLURM_RESTART_COUNT', '0')}"
     token = f"slurm {job}"
     # The checkpoint directory is on a file system every node shares (all ranks write checkpoints there).
@@ -156,6 +161,11 @@ def meet(rank, world, num_nodes, launcher, cfg):
     return _store
 
 
+def address():
+    """The address the ranks met at: rank 0's host (MASTER_ADDR under torchrun)."""
+    return _address or os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
 def all_joined(rank):
     """Every rank has joined: rank 0 removes the port it published (srun)."""
     if rank == 0 and _store_file is not None:
@@ -164,5 +174,5 @@ def all_joined(rank):
 
 def forget():
     """The run is over: drop the store (its server, on rank 0, stops with it)."""
-    global _store, _store_file
-    _store = _store_file = None
+    global _store, _store_file, _address
+    _store = _store_file = _address = None

@@ -1,0 +1,139 @@
+"""Guard rails of a job that spans hosts: the network interface gloo and NCCL use, the address rank 0 offers
+under MPI, and a --checkpoint_dir that every host must share.
+
+Gloo advertises the address its host's name resolves to, and falls back to 127.0.0.1 where the name does not
+resolve (a common misconfiguration): the other hosts then cannot connect, and the job ends in tracebacks or
+hangs. So a job on several hosts picks the interface itself, from the route to the rendezvous address, unless
+GLOO_SOCKET_IFNAME says otherwise, and says which in its log. A checkpoint directory on a node-local disk is
+found before training (each host looks for a file rank 0 wrote), not at resume time as missing shards.
+"""
+import fcntl
+import ipaddress
+import os
+import secrets
+import socket
+import struct
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .config import ConfigError
+
+SIOCGIFADDR, SIOCGIFNETMASK = 0x8915, 0x891B  # <linux/sockios.h>: the IPv4 address and netmask of an interface
+
+
+def _ioctl_address(name, request):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), request, struct.pack("256s", name.encode()[:15]))
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interfaces():
+    """{name: ipaddress.IPv4Interface} of this host's interfaces that have an IPv4 address."""
+    found = {}
+    for _, name in socket.if_nameindex():
+        try:
+            found[name] = ipaddress.IPv4Interface(f"{_ioctl_address(name, SIOCGIFADDR)}/"
+                                                  f"{_ioctl_address(name, SIOCGIFNETMASK)}")
+        except OSError:  # no IPv4 address
+            pass
+    return found
+
+
+def route_source(address):
+    """The local address the kernel would send from to reach `address` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((address, 9))
+        return s.getsockname()[0]
+
+
+def pick_interface(master_addr, num_nodes, environ=os.environ):
+    """On several hosts, the interface gloo and NCCL use: GLOO_SOCKET_IFNAME if set (checked), else the one on
+    the route to master_addr, exported as GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME unless set). Returns a line
+    for the log, or None on one host."""
+    if num_nodes <= 1:
+        return None
+    found = interfaces()
+    given = environ.get("GLOO_SOCKET_IFNAME")
+    if given:
+        names = [name.strip() for name in given.split(",")]
+        bad = [name for name in names if name not in found or found[name].ip.is_loopback]
+        if bad:
+            raise ConfigError(f"GLOO_SOCKET_IFNAME={given} on {socket.gethostname()}: {', '.join(bad)} is not an "
+                              f"interface that other hosts can reach (here: {_listing(found)}); unset it to let "
+                              f"minimal_fsdp pick the interface on the route to {master_addr}")
+        return f"network: gloo over GLOO_SOCKET_IFNAME={given} (as set)"
+    try:
+        source = ipaddress.IPv4Address(route_source(socket.gethostbyname(master_addr)))
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(f"no route from {socket.gethostname()} to the rendezvous address {master_addr} ({e}): "
+                          "export MASTER_ADDR as an address of rank 0's host that every host can reach") from None
+    name = next((name for name, iface in found.items() if iface.ip == source), None)
+    if source.is_loopback or name is None:
+        raise ConfigError(f"the rendezvous address {master_addr} is this host's loopback, but the job spans "
+                          f"{num_nodes} hosts: export MASTER_ADDR as rank 0's address on a network every host "
+                          f"reaches (here: {_listing(found)})")
+    environ["GLOO_SOCKET_IFNAME"] = name
+    environ.setdefault("NCCL_SOCKET_IFNAME", name)
+    return f"network: {name} ({source}), the route to {master_addr} (GLOO_SOCKET_IFNAME unset: picked)"
+
+
+def _listing(found):
+    return ", ".join(f"{name} {iface.ip}" for name, iface in found.items()) or "no IPv4 interface"
+
+
+def offered_address(comm, num_nodes):
+    """Under MPI, the address rank 0 offers for the rendezvous (collective: every rank calls it): MASTER_ADDR if
+    set, 127.0.0.1 on one host, else rank 0's IPv4 address that shares a network with every other host (its
+    hostname may not resolve elsewhere). Every rank gets the same answer."""
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    if num_nodes == 1:
+        return "127.0.0.1"
+    mine = [iface for iface in interfaces().values() if not iface.ip.is_loopback]
+    everyone = comm.allgather((socket.gethostname(), [str(iface) for iface in mine]))
+    if comm.Get_rank() != 0:
+        return comm.bcast(None, root=0)
+    return comm.bcast(reachable_address(everyone), root=0)
+
+
+def reachable_address(everyone):
+    """everyone: [(hostname, ['10.0.0.1/24', ...])] with rank 0 first. Rank 0's address in a network that every
+    other host has an address in; else the one in most hosts' networks; else its hostname."""
+    host0, mine = everyone[0]
+    others = [[ipaddress.IPv4Interface(a) for a in addresses] for host, addresses in everyone if host != host0]
+    best, best_count = host0, -1
+    for address in map(ipaddress.IPv4Interface, mine):
+        count = sum(any(address.ip in other.network for other in host) for host in others)
+        if count > best_count:
+            best, best_count = str(address.ip), count
+    return best
+
+
+def check_shared_dir(directory, num_nodes):
+    """Every host must see the same --checkpoint_dir (each rank writes its shards there, and all read them back).
+    Rank 0 writes a file; after a barrier each rank looks for it; one gather of the verdicts: one line naming the
+    hosts that cannot see it, on every rank."""
+    if num_nodes <= 1:
+        return
+    directory = Path(directory)
+    probe = [None]
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe[0] = f".shared-check-{secrets.token_hex(8)}"
+        (directory / probe[0]).write_text(probe[0])
+    dist.broadcast_object_list(probe, src=0)
+    path = directory / probe[0]
+    try:
+        seen = path.read_text() == probe[0]
+    except OSError:
+        seen = False
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, (socket.gethostname(), seen))
+    if dist.get_rank() == 0:
+        path.unlink(missing_ok=True)
+    blind = sorted({host for host, ok in verdicts if not ok})
+    if blind:
+        raise ConfigError(f"--checkpoint_dir {directory} is not shared by every host: {', '.join(blind)} cannot see "
+                          f"the file rank 0 wrote there (on {verdicts[0][0]}), so a checkpoint would be split over "
+                          "node-local disks: put --checkpoint_dir on a file system every host mounts")
