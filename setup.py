@@ -34,7 +34,10 @@ setup(
         # Mutation testing on demand (python tests/mutation.py): pinned, as tests/mutation.py patches one of its
         # internals to mutate functions decorated with torch.no_grad() and lru_cache too.
         "mutation": ["mutmut==3.8.1"],
+        # python -m minimal_fsdp.evaluate and --eval_tasks: EleutherAI's lm-evaluation-harness (0.4.13's TaskManager).
+        "eval": ["lm-eval>=0.4.13,<0.5"],
         "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub", "datasets",
-                "torchao>=0.16"],
+                "torchao>=0.16",
+                "lm-eval[hf]>=0.4.13,<0.5"],  # [hf]: the tests compare with the harness's own transformers backend
     },
 )

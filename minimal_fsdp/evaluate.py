@@ -1,0 +1,185 @@
+"""Benchmarks on a trained model: EleutherAI's lm-evaluation-harness with our model as its backend, straight from a
+checkpoint sharded over the ranks (no export, no rank ever holds the whole model). pip install 'minimal_fsdp[eval]'.
+
+    python -m minimal_fsdp.evaluate checkpoints/shakespeare --tasks tiny_mc,tiny_ppl --include_path tests/data/eval
+    mpiexec -n 4 python -m minimal_fsdp.evaluate checkpoints/run/best --tasks hellaswag arc_easy --batch_size 16 \\
+        --precision bf16 --output_path results/
+    python -m minimal_fsdp.evaluate ~/models/Llama-3.2-1B --tasks lambada_openai --limit 200
+
+The source is anything python -m minimal_fsdp.sample reads (a checkpoint, a run directory, an export, a Hugging
+Face model directory), laid out over the ranks as sample.py lays it out (--sharding). The flags named as lm_eval's
+own mean what they mean there. Offline unless HF_DATASETS_OFFLINE / HF_HUB_OFFLINE say otherwise: tasks read
+local data files or the Hugging Face datasets cache (docs/evaluate.md). Prints the harness's results table;
+--output_path writes its JSON results file (and --log_samples each task's samples), which its tools read.
+During training, --eval_tasks runs the same evaluation on the live model every --eval_tasks_interval steps.
+"""
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from . import environment
+from .choices import SHARDING
+from .config import Config, ConfigError, validate
+from .failures import MainRankFailed
+from .plan import make_plan
+from .sample import describe, load_model, open_source, source_tokenizer
+
+
+def go_offline():
+    """The harness and Hugging Face datasets read only local files and caches, unless the user set these. They
+    are read when `datasets` is imported, so this runs first."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def harness():
+    """lm_eval, or one line saying how to install it (checked on every rank alike, before any collective)."""
+    try:
+        import lm_eval
+        import lm_eval.tasks  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"evaluation needs EleutherAI's lm-evaluation-harness ({e}): pip install "
+                          "'minimal_fsdp[eval]' (or pip install lm-eval)") from e
+    return lm_eval
+
+
+def task_names(tasks):
+    """--tasks as lm_eval takes them: names (or YAML files) separated by commas and/or spaces."""
+    return [name for item in tasks for name in item.split(",") if name]
+
+
+def load_tasks(names, include_path=None):
+    """Rank 0: (the harness's TaskManager, the Task and Group objects named), their data loaded, so a missing
+    task or data file stops the run here, with one line, before the model is loaded."""
+    from lm_eval.tasks import TaskManager
+    # Indexing the harness's own hundreds of task folders takes a minute on a busy machine: skipped when every
+    # name is in --include_path.
+    manager = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
+    if manager is None or not all(n in manager.all_tasks or Path(n).is_file() for n in names):
+        manager = TaskManager(include_path=include_path)
+    unknown = [n for n in names if n not in manager.all_tasks and not Path(n).is_file()]
+    if unknown:
+        where = f" nor in --include_path {include_path}" if include_path else " (local YAML tasks: --include_path)"
+        raise ConfigError(f"--tasks: {', '.join(unknown)} is not one of lm_eval's tasks{where}; "
+                          "lm_eval ls tasks lists them")
+    objects = []
+    for name in names:
+        try:
+            loaded = manager.load([name])
+        except FileNotFoundError as e:  # a data file: datasets says "Unable to find '<path>'"
+            raise ConfigError(f"task {name}: its data is not here: {e} (relative data_files are read from the "
+                              f"working directory, {os.getcwd()})") from e
+        except ConnectionError as e:  # the dataset is neither local nor in the cache, and we are offline
+            raise ConfigError(f"task {name}: its dataset is not in the Hugging Face datasets cache ({e}): download "
+                              "it where there is network and copy the cache here (docs/evaluate.md), or set "
+                              "HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0 to download it") from e
+        groups = loaded.get("groups") or {}
+        objects += [groups[name]] if name in groups else [loaded["tasks"][name]] if name in loaded["tasks"] \
+            else list(loaded["tasks"].values())  # a tag, or a YAML file
+    return manager, objects
+
+
+def evaluate(lm, manager, tasks, model_name, num_fewshot=None, limit=None, log_samples=False, tracker=None):
+    """Collective: rank 0 runs the harness on `lm` (evaluate_lm.ShardedLM) while the other ranks serve it.
+    Returns the harness's results on rank 0, None elsewhere. A failure on rank 0 stops every rank alike."""
+    if lm.me != 0:
+        lm.serve()
+        return None
+    import lm_eval
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm, model_args=f"pretrained={model_name}", tasks=tasks, task_manager=manager,
+            num_fewshot=num_fewshot, limit=limit, batch_size=lm.batch_size, log_samples=log_samples,
+            evaluation_tracker=tracker)
+    except ConfigError as e:
+        lm.finish(str(e), bad_input=True)
+        raise
+    except Exception as e:
+        traceback.print_exc()
+        lm.finish(f"{type(e).__name__}: {e}", bad_input=False)
+        raise MainRankFailed(f"{type(e).__name__}: {e}") from e
+    lm.finish()
+    return results
+
+
+def report(results, tracker=None, log_samples=False):
+    """Rank 0: the harness's tables on stdout; its results (and samples) files where --output_path says."""
+    from lm_eval.utils import make_table
+    samples = results.pop("samples", None)
+    if tracker is not None:
+        tracker.save_results_aggregated(results=results, samples=samples if log_samples else None)
+        for task in results["configs"] if log_samples else []:
+            tracker.save_results_samples(task_name=task, samples=samples[task])
+    print(make_table(results), flush=True)
+    if "groups" in results:
+        print(make_table(results, "groups"), flush=True)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.evaluate", description=__doc__.split("\n")[0])
+    parser.add_argument("source", help="a checkpoint (step_<N>, a run directory, its latest/best marker), an "
+                                       "export (python -m minimal_fsdp.export), or a Hugging Face model directory")
+    parser.add_argument("--tasks", nargs="+", required=True,
+                        help="lm_eval task, group or tag names (or YAML files), separated by commas or spaces")
+    parser.add_argument("--include_path", help="a folder of your own YAML tasks (lm_eval's format)")
+    parser.add_argument("--num_fewshot", type=int, help="examples in each prompt (default: each task's own)")
+    parser.add_argument("--limit", type=float,
+                        help="at most this many examples per task (below 1: this fraction); for quick checks")
+    parser.add_argument("--batch_size", type=int, default=1,
+                        help="sequences per rank in one forward call (generation: one per rank)")
+    parser.add_argument("--output_path", help="where the harness writes its results JSON: a folder (results go "
+                                              "to <folder>/<model>/results_<date>.json) or a .json path")
+    parser.add_argument("--log_samples", action="store_true",
+                        help="also write every example's prompt and scores (needs --output_path)")
+    parser.add_argument("--sharding", choices=SHARDING, default="full-shard",
+                        help="how the model is laid out over the ranks (as training's --sharding)")
+    parser.add_argument("--precision", choices=("float32", "bf16"), default="float32",
+                        help="bf16: matmuls in bf16 (fast on GPUs); the weights stay float32, sharded")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    go_offline()
+    cfg = Config(sharding=args.sharding, precision=args.precision, max_epochs=-1, tensorboard=False)
+    try:
+        if args.batch_size < 1:
+            raise ConfigError(f"--batch_size must be at least 1 (got {args.batch_size})")
+        if args.log_samples and not args.output_path:
+            raise ConfigError("--log_samples writes files: give --output_path too")
+        validate(cfg)
+        harness()
+        from .evaluate_lm import ShardedLM
+        env = environment.setup(cfg)
+        limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+        loaded = {}  # rank 0's Task objects stay on rank 0 (run_on_main would send a result to every rank)
+        environment.run_on_main(lambda: loaded.update(tasks=load_tasks(task_names(args.tasks), args.include_path)))
+        source = environment.run_on_main(open_source, args.source)
+        plan = make_plan(cfg, env, source.config, loads_weights=True)
+        tokenizer = source_tokenizer(source)  # the same files on every rank: the same verdict everywhere
+        lm = ShardedLM(load_model(source, plan, env), tokenizer, env.device,
+                       torch.bfloat16 if cfg.precision == "bf16" else torch.float32, args.batch_size)
+        tracker = None
+        if env.is_main:
+            print(describe(source, lm.model, tokenizer, env).replace("generating from", "evaluating"),
+                  file=sys.stderr, flush=True)
+            from lm_eval.loggers import EvaluationTracker
+            tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
+        manager, tasks = loaded.get("tasks", (None, None))
+        results = evaluate(lm, manager, tasks, source.path, args.num_fewshot, limit, args.log_samples, tracker)
+        if env.is_main:
+            report(results, tracker, args.log_samples)
+        del lm, plan, loaded
+    except ConfigError as e:  # raised alike on every rank: one line, clean exit
+        environment.exit_on_error(e, 2)
+    except MainRankFailed as e:  # a bug on rank 0, which printed its traceback
+        environment.exit_on_error(e, 1)
+    environment.teardown()
+
+
+if __name__ == "__main__":
+    main()
