@@ -67,3 +67,40 @@ def test_generation_past_the_context_refills_the_cache(tmp_path, corpus):
     sample = sample_of(out.stdout)
     assert len(sample) == len("KING:") + 100  # char tokenizer: one char per token
     assert sample == plain_sample(tmp_path / "checkpoints" / "shakespeare", "KING:", 100, seed=parse_args([]).seed)
+
+
+def test_ctrl_c_under_mpiexec_saves_a_checkpoint_and_exits_0(tmp_path, corpus):
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: mpiexec and every rank. The run
+    stops as for SIGTERM: a checkpoint, one line, exit 0, no traceback. Logging and checkpoint steps are far
+    away (1000), so the stop comes from the looks bounded in time (resilience.STOP_LATENCY)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, mpiexec
+    cmd = [mpiexec(), "-n", "2", sys.executable, str(ROOT / "basic_training.py"), "--input_file", corpus,
+           *TINY_MODEL, "--max_steps", "100000", "--log_interval", "1000", "--checkpoint_interval", "1000",
+           "--eval_interval", "2", "--eval_batches", "1", "--no-tensorboard"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        run = subprocess.Popen(list(map(str, cmd)), cwd=tmp_path, stdout=out, stderr=err, env=env,
+                               start_new_session=True)  # its own process group, as a terminal's job
+        try:
+            metrics = tmp_path / "logs" / "shakespeare" / "metrics.jsonl"
+            deadline = time.monotonic() + 240  # a hang guard only
+            while not (metrics.exists() and "val_loss" in metrics.read_text()):  # the loop is running
+                assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-3000:]
+                time.sleep(0.2)
+            os.killpg(run.pid, signal.SIGINT)
+            assert run.wait(timeout=240) == 0, (tmp_path / "err").read_text()[-3000:]
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+    stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    stopped = [line for line in stdout.splitlines() if "SIGINT received; saved a checkpoint" in line]
+    assert len(stopped) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    step = int(stopped[0].split(":")[0].split()[1])
+    assert 2 <= step < 1000  # a time-bounded look, not a logging step
+    assert checkpoint_meta.read_meta(checkpoint_find.latest(tmp_path / "checkpoints" / "shakespeare"))["step"] == step

@@ -48,3 +48,54 @@ def test_gpt2_tokenizer_offline_without_cache(tmp_path, corpus):
                "HTTP_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"}
     line = run_bad(["--dataset", "text", "--input_file", corpus, "--tokenizer", "gpt2"], tmp_path, env=offline)
     assert "--tokenizer gpt2" in line and "offline" in line
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch_size", "1000000000"], "--batch_size 1000000000: a batch of 1000000000 x 33 token ids takes"),
+    (["--vocab_size", "1000000000000"], "parameters take"),
+])
+def test_sizes_beyond_the_machine_are_refused_before_allocating(tmp_path, corpus, args, message):
+    line = run_bad(["--input_file", corpus, *TINY_MODEL, *args], tmp_path)
+    assert message in line and "GiB free" in line
+
+
+def lowercase_text(tmp_path):
+    path = tmp_path / "lower.txt"
+    path.write_text("to be or not to be, that is the question; whether 'tis nobler in the mind to suffer.\n" * 60)
+    return path
+
+
+def test_the_default_prompt_outside_the_vocabulary_skips_the_sample_with_one_line(tmp_path):
+    """A character vocabulary without capitals cannot encode the default prompt 'ROMEO:': the run trains and
+    saves, says so in one line, and exits 0 instead of failing after training."""
+    result = launch(["--input_file", lowercase_text(tmp_path), *TINY_MODEL, "--num_tokens", "20", "--max_steps", 2],
+                    ranks=2, cwd=tmp_path, timeout=240)
+    notes = [line for line in result.stdout.splitlines() if line.startswith("no sample at the end")]
+    assert len(notes) == 1 and "--prompt" in notes[0] and "-" * 40 not in result.stdout
+    assert (tmp_path / "checkpoints" / "shakespeare" / "latest").exists()
+
+
+def test_a_prompt_outside_the_vocabulary_is_refused_before_training(tmp_path):
+    line = run_bad(["--input_file", lowercase_text(tmp_path), *TINY_MODEL, "--num_tokens", "20", "--prompt", "HAMLET"],
+                   tmp_path)
+    assert line.startswith("error: --prompt 'HAMLET': character 'H'") and "--num_tokens 0" in line
+    assert not list((tmp_path / "checkpoints").glob("*/step_*"))  # nothing trained
+
+
+def test_ctrl_c_before_training_is_one_line(tmp_path, corpus):
+    """A SIGINT outside the training loop (here: before it, at startup) ends the run with one line, not a
+    KeyboardInterrupt traceback from every rank. Each rank sends itself a real SIGINT before training."""
+    from conftest import ROOT
+    wrapper = tmp_path / "interrupted.py"
+    wrapper.write_text("import os, runpy, signal, sys\n"
+                       "from minimal_fsdp import run\n"
+                       "real = run.train_model\n"
+                       "def interrupted(*args):\n    os.kill(os.getpid(), signal.SIGINT)\n    return real(*args)\n"
+                       "run.train_model = interrupted\n"
+                       f"sys.argv[0] = {str(ROOT / 'basic_training.py')!r}\n"
+                       "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    result = launch(["--input_file", corpus, *TINY_MODEL], ranks=2, cwd=tmp_path, timeout=120, check=False,
+                    entry=wrapper)
+    assert result.returncode == 130 and "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error: ")] == [
+        "error: interrupted (Ctrl-C) before or after training: nothing saved"]

@@ -103,3 +103,36 @@ def test_time_limit_is_reached_at_exactly_its_length(peer, monkeypatch):
     assert stop.agreed() is None
     clock[0] = 110.0
     assert stop.agreed() == "--time_limit of 10s reached"
+
+
+def test_looks_come_within_the_latency_bound_at_the_slowest_ranks_pace(peer, monkeypatch):
+    """Besides logging steps, the ranks look at a stop request at steps every rank derives alike from the agreed
+    (slowest) pace: about STOP_LATENCY seconds apart, at least every step when a step is longer."""
+    clock = [0.0]
+    monkeypatch.setattr(resilience, "monotonic", lambda: clock[0])
+    stop = StopRequests()
+    assert stop.due(1)  # nothing measured yet: look after the first step
+    stop.agreed(1)
+    assert stop.due(2)  # one look gives no pace yet
+    clock[0] = 0.5
+    stop.agreed(2)  # 0.5 s a step here
+    assert stop.next_look == 2 + int(resilience.STOP_LATENCY / 0.5) and not stop.due(stop.next_look - 1)
+    peer.pace = 2.0  # the other rank is slower: its pace decides, for both
+    clock[0] = 0.5 + 20 * 0.5
+    stop.agreed(22)
+    assert stop.next_look == 22 + int(resilience.STOP_LATENCY / 2.0)
+    peer.pace = 60.0  # steps longer than the bound: look after every step
+    clock[0] += 60
+    stop.agreed(23)
+    assert stop.next_look == 24
+
+
+def test_ctrl_c_is_a_stop_request_and_a_second_one_exits_at_once(peer, monkeypatch):
+    assert signal.SIGINT in resilience.STOP_SIGNALS
+    exits = []
+    monkeypatch.setattr(resilience.os, "_exit", exits.append)
+    stop = StopRequests()
+    stop._record(signal.SIGINT, None)
+    assert exits == [] and stop.agreed() == "SIGINT received"
+    stop._record(signal.SIGINT, None)
+    assert exits == [130]
