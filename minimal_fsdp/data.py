@@ -12,7 +12,7 @@ import torch
 
 from .config import ConfigError
 from .documents import open_documents
-from .prepare import output_dir, prepare_bins, shakespeare_documents
+from .prepare import check_prepared, output_dir, prepare_bins, shakespeare_documents
 from .tokenizer import load_tokenizer
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -35,9 +35,9 @@ def prepared_dir(cfg, tokenizer=None):
     Uses `tokenizer` if given, else builds the --tokenizer kind from the text. Runs on rank 0 only
     (big datasets: prepare them ahead with `python -m minimal_fsdp.data prepare`)."""
     out = dataset_dir(cfg, tokenizer)
-    if (out / "meta.json").exists():
-        return str(out)
     if cfg.dataset_path:
+        if (out / "meta.json").exists():
+            return str(out)
         raise ConfigError(f"--dataset_path {out} has no meta.json: prepare it first (python -m minimal_fsdp.data "
                           f"prepare --dataset text --input_file SOURCE --output {out}), or add --streaming to read "
                           "a .jsonl/Hugging Face dataset directly")
@@ -45,6 +45,10 @@ def prepared_dir(cfg, tokenizer=None):
         documents = shakespeare_documents(cfg.data_dir)
     else:
         documents = open_documents(cfg.input_file, "--input_file", hub=False)
+    if (out / "meta.json").exists():
+        check_prepared(out, documents, f"delete {out} to prepare it again (runs that trained on it resume on the "
+                                       "new text), or pass another --data_dir")
+        return str(out)
     prepare_bins(documents, cfg.tokenizer, cfg.vocab_size, out, cfg.val_fraction, cfg.seed, tokenizer=tokenizer)
     return str(out)
 

@@ -72,8 +72,7 @@ def _prepare_bins(documents, tokenizer_kind, vocab_size, out, val_fraction, seed
     if not head:
         raise ConfigError(f"{documents.source} holds no documents")
     if len(head) == 1:
-        return _prepare_one_text(head[0][1], documents.source, tokenizer_kind, vocab_size, out, val_fraction,
-                                 tokenizer)
+        return _prepare_one_text(head[0][1], documents, tokenizer_kind, vocab_size, out, val_fraction, tokenizer)
     if tokenizer is None:
         tokenizer = _fit_tokenizer(tokenizer_kind, documents, vocab_size, out, val_fraction, seed)
     else:
@@ -102,11 +101,12 @@ def _prepare_bins(documents, tokenizer_kind, vocab_size, out, val_fraction, seed
     finally:
         for path in tmp.values():
             path.unlink(missing_ok=True)
-    return _write_meta(out, tokenizer, dtype, tokens, source=documents.source, split="documents",
-                       val_fraction=val_fraction, seed=seed, train_documents=docs["train"], val_documents=docs["val"])
+    return _write_meta(out, tokenizer, dtype, tokens, documents, split="documents", val_fraction=val_fraction,
+                       seed=seed, train_documents=docs["train"], val_documents=docs["val"])
 
 
-def _prepare_one_text(text, source, tokenizer_kind, vocab_size, out, val_fraction, tokenizer=None):
+def _prepare_one_text(text, documents, tokenizer_kind, vocab_size, out, val_fraction, tokenizer=None):
+    source = documents.source
     if len(text) < 100:
         raise ConfigError(f"{source} holds {len(text)} characters: too little text to train on")
     split = int(len(text) * (1 - val_fraction))
@@ -122,14 +122,32 @@ def _prepare_one_text(text, source, tokenizer_kind, vocab_size, out, val_fractio
         ids = np.array(tokenizer.encode(part), dtype=dtype)
         write_atomic(out / f"{split_name}.bin", ids.tofile)
         tokens[split_name] = len(ids)
-    return _write_meta(out, tokenizer, dtype, tokens, source=source, split="characters", val_fraction=val_fraction)
+    return _write_meta(out, tokenizer, dtype, tokens, documents, split="characters", val_fraction=val_fraction)
 
 
-def _write_meta(out, tokenizer, dtype, tokens, **extra):
+def _write_meta(out, tokenizer, dtype, tokens, documents, **extra):
     meta = {"tokenizer": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name,
-            "train_tokens": tokens["train"], "val_tokens": tokens["val"], **extra}
+            "train_tokens": tokens["train"], "val_tokens": tokens["val"], "source": documents.source,
+            **_fingerprint(documents), **extra}
     write_atomic(out / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
     return meta
+
+
+def _fingerprint(documents):
+    """{"source_fingerprint": ...} for local files (documents.FileDocuments.fingerprint), else nothing."""
+    fingerprint = getattr(documents, "fingerprint", None)
+    return {"source_fingerprint": fingerprint()} if fingerprint else {}
+
+
+def check_prepared(out, documents, fix):
+    """Refuse a prepared dataset that was made from other contents than `documents` now hold: another file of
+    the same name, or this file edited since. Reusing it would train on the old text without a word; preparing
+    it again silently would change the data under any run that resumes from it. `fix`: how to prepare anew."""
+    meta = json.loads((Path(out) / "meta.json").read_text())
+    now = _fingerprint(documents).get("source_fingerprint")
+    if meta.get("source_fingerprint") is not None and now is not None and meta["source_fingerprint"] != now:
+        raise ConfigError(f"{out} was prepared from {meta.get('source')} as it was then, and {documents.source} "
+                          f"differs from it now (another file of the same name, or edited since): {fix}")
 
 
 def _fit_tokenizer(kind, documents, vocab_size, out, val_fraction, seed):
@@ -243,6 +261,7 @@ def run(args):
         Path(args.data_dir) / name / given.label
     out = Path(args.output) if args.output else default_out
     if (out / "meta.json").exists():
+        check_prepared(out, documents, f"delete {out} to prepare it again, or pass another --output")
         print(f"{out} is prepared already (delete it to prepare again)")
         return out
     meta = prepare_bins(documents, args.tokenizer, args.vocab_size, out, val_fraction, args.seed, args.num_proc,

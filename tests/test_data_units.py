@@ -162,3 +162,50 @@ def test_splits_are_read_only_and_an_empty_split_needs_no_file(tmp_path):
     (d.directory / "val.bin").write_bytes(b"")  # an empty file is read the same way
     empty = TokenData(d.directory).splits["val"]
     assert empty.shape == (0,) and empty.dtype == np.uint16
+
+
+def _text_cfg(tmp_path, path):
+    return parse_args(["--data_dir", str(tmp_path / "data"), "--input_file", str(path)])
+
+
+def test_another_file_of_the_same_name_is_not_taken_for_the_prepared_one(tmp_path):
+    """data/<name>/char is named by the file's name; meta.json records what the contents were, so another
+    my.txt (elsewhere, different text) is refused instead of silently training on the first one's tokens."""
+    from conftest import make_text
+    first, second, copy = tmp_path / "a" / "my.txt", tmp_path / "b" / "my.txt", tmp_path / "c" / "my.txt"
+    for path, seed in ((first, 0), (second, 1), (copy, 0)):
+        path.parent.mkdir()
+        path.write_text(make_text(5_000, seed=seed))
+    out = prepared_dir(_text_cfg(tmp_path, first))
+    assert prepared_dir(_text_cfg(tmp_path, copy)) == out  # the same text elsewhere: the same data
+    with pytest.raises(ConfigError) as raised:
+        prepared_dir(_text_cfg(tmp_path, second))
+    assert str(raised.value).startswith(f"{out} was prepared from {first} as it was then, and {second} differs")
+    assert f"delete {out} to prepare it again" in str(raised.value)
+
+
+def test_an_edited_file_is_not_reused_stale(tmp_path):
+    from conftest import make_text
+    path = tmp_path / "my.txt"
+    path.write_text(make_text(5_000))
+    out = prepared_dir(_text_cfg(tmp_path, path))
+    assert prepared_dir(_text_cfg(tmp_path, path)) == out  # unchanged: reused
+    with open(path, "a") as f:
+        f.write("KING:\nan added line.\n")
+    with pytest.raises(ConfigError, match="differs from it now"):
+        prepared_dir(_text_cfg(tmp_path, path))
+
+
+def test_a_large_source_is_identified_by_path_size_and_time(tmp_path, monkeypatch):
+    import os
+
+    from minimal_fsdp import documents
+    monkeypatch.setattr(documents, "HASHED_BYTES", 10)
+    path = tmp_path / "big.txt"
+    path.write_text("x" * 100)
+    files = documents.open_documents(path, "--input_file", hub=False)
+    st = path.stat()
+    assert files.fingerprint() == {"files": [[str(path.resolve()), 100, st.st_mtime_ns]]}
+    later = st.st_mtime_ns + 10**9
+    os.utime(path, ns=(later, later))
+    assert files.fingerprint() != {"files": [[str(path.resolve()), 100, st.st_mtime_ns]]}

@@ -161,3 +161,16 @@ def test_hub_names_reach_load_dataset_with_their_config(tmp_path, monkeypatch):
     assert (tmp_path / "data" / "c4" / "char" / "meta.json").exists()
     open_documents("Skylion007/openwebtext", "--dataset_path", streaming=True)
     assert calls[-1] == ("Skylion007/openwebtext", None, "train", True)
+
+
+def test_the_prepare_command_refuses_an_edited_source(tmp_path):
+    path = tmp_path / "my.txt"
+    path.write_text(make_text(5_000))
+    args = ["prepare", "--dataset", "text", "--input_file", str(path), "--data_dir", str(tmp_path / "data"),
+            "--num_proc", "1"]
+    prepare.run(prepare.build_parser().parse_args(args))
+    prepare.run(prepare.build_parser().parse_args(args))  # unchanged: "prepared already"
+    path.write_text(make_text(5_000, seed=3))
+    with pytest.raises(ConfigError, match="differs from it now .*: delete .* to prepare it again, or pass another "
+                                          "--output"):
+        prepare.run(prepare.build_parser().parse_args(args))
