@@ -189,6 +189,12 @@ class Config:
                                   "(0: stop at the first)")
     eval_interval: int = flag(200, "evaluate on the val split every N steps (0: only at checkpoints and the end)")
     eval_batches: int = flag(10, "batches per rank in each evaluation")
+    eval_tasks: str = flag(None, "lm-evaluation-harness tasks (comma-separated, as python -m minimal_fsdp.evaluate "
+                                 "--tasks) run on the live model every --eval_tasks_interval steps and at the end; "
+                                 "scores go to the log, metrics.jsonl and TensorBoard (docs/evaluate.md)")
+    eval_tasks_interval: int = flag(0, "steps between --eval_tasks evaluations (0: only at the end)")
+    eval_tasks_include_path: str = flag(None, "a folder of your own YAML tasks for --eval_tasks")
+    eval_tasks_limit: float = flag(None, "at most this many examples per --eval_tasks task (below 1: this fraction)")
     log_interval: int = flag(10, "average and log the loss every N steps")
 
     # checkpoints

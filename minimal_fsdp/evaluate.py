@@ -119,6 +119,60 @@ def report(results, tracker=None, log_samples=False):
         print(make_table(results, "groups"), flush=True)
 
 
+class TrainingTasks:
+    """--eval_tasks: the harness's tasks on the live model during training (train.train calls it)."""
+
+    def __init__(self, lm, manager, tasks, cfg):
+        self.lm, self.manager, self.tasks = lm, manager, tasks
+        self.interval, self.limit = cfg.eval_tasks_interval, _limit(cfg.eval_tasks_limit)
+
+    @classmethod
+    def for_run(cls, cfg, env, tokenizer, model):
+        """None without --eval_tasks. Collective: loads the tasks on rank 0 now, so that a missing task or data
+        file stops the run before its first step, alike on every rank."""
+        if not cfg.eval_tasks:
+            return None
+        if cfg.eval_tasks_interval < 0 or cfg.eval_tasks_limit is not None and cfg.eval_tasks_limit <= 0:
+            raise ConfigError("--eval_tasks_interval must be 0 or positive and --eval_tasks_limit positive (got "
+                              f"{cfg.eval_tasks_interval} and {cfg.eval_tasks_limit})")
+        if tokenizer is None:
+            raise ConfigError("--eval_tasks needs the data's tokenizer, which this device's data does not hold")
+        go_offline()
+        harness()
+        from .evaluate_lm import ShardedLM
+        loaded = {}
+        environment.run_on_main(lambda: loaded.update(tasks=load_tasks(task_names([cfg.eval_tasks]),
+                                                                        cfg.eval_tasks_include_path)))
+        dtype = torch.bfloat16 if cfg.precision in ("bf16", "fp8") else torch.float32
+        lm = ShardedLM(model, tokenizer, env.device, dtype, cfg.batch_size, progress=False)
+        return cls(lm, *loaded.get("tasks", (None, None)), cfg)
+
+    def due(self, step, final):
+        return final or bool(self.interval) and step % self.interval == 0
+
+    def run(self, step, log):
+        """Collective: every score to metrics.jsonl (and TensorBoard, wandb) as eval/<task>/<metric>, one line to
+        the log, and the harness's results file to <log dir>/eval_tasks/step_<N>_<date>.json."""
+        tracker = None
+        if self.lm.me == 0:
+            from lm_eval.loggers import EvaluationTracker
+            tracker = EvaluationTracker(output_path=str(log.metrics.dir / "eval_tasks" / f"step_{step}.json"))
+        results = evaluate(self.lm, self.manager, self.tasks, f"step_{step}", limit=self.limit, tracker=tracker)
+        if results is None:
+            return
+        tracker.save_results_aggregated(results=results, samples=None)
+        scores = {f"eval/{task}/{key.split(',')[0]}": value for task, metrics in results["results"].items()
+                  for key, value in metrics.items()
+                  if isinstance(value, (int, float)) and "_stderr" not in key and key != "sample_len"}
+        log.metrics.log(step, **scores)
+        log.print(f"step {step}: " + ", ".join(f"{name[5:]} {value:.4g}" for name, value in scores.items()))
+
+
+def _limit(limit):
+    """--limit as the harness takes it: a count (1 and up) or a fraction (below 1)."""
+    return int(limit) if limit is not None and limit >= 1 else limit
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("source", help="a checkpoint (step_<N>, a run directory, its latest/best marker), an "
@@ -155,7 +209,6 @@ def main(argv=None):
         harness()
         from .evaluate_lm import ShardedLM
         env = environment.setup(cfg)
-        limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
         loaded = {}  # rank 0's Task objects stay on rank 0 (run_on_main would send a result to every rank)
         environment.run_on_main(lambda: loaded.update(tasks=load_tasks(task_names(args.tasks), args.include_path)))
         source = environment.run_on_main(open_source, args.source)
@@ -170,7 +223,8 @@ def main(argv=None):
             from lm_eval.loggers import EvaluationTracker
             tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
         manager, tasks = loaded.get("tasks", (None, None))
-        results = evaluate(lm, manager, tasks, source.path, args.num_fewshot, limit, args.log_samples, tracker)
+        results = evaluate(lm, manager, tasks, source.path, args.num_fewshot, _limit(args.limit), args.log_samples,
+                           tracker)
         if env.is_main:
             report(results, tracker, args.log_samples)
         del lm, plan, loaded

@@ -54,10 +54,10 @@ def scoring(model):
 class ShardedLM(TemplateLM):
     """model: built and loaded on every rank (sample.load_model); tokenizer: ours (tokenizer.py)."""
 
-    def __init__(self, model, tokenizer, device, dtype=torch.float32, batch_size=1):
+    def __init__(self, model, tokenizer, device, dtype=torch.float32, batch_size=1, progress=True):
         super().__init__()  # the harness's rank and world size stay 0 and 1: it runs on rank 0 alone
         self.model, self.tok, self._device, self.dtype = model, tokenizer, device, dtype
-        self.batch_size = batch_size
+        self.batch_size, self.progress = batch_size, progress
         self.ranks, self.me = dist.get_world_size(), dist.get_rank()
         if tokenizer.eot_id is None and tokenizer.bos_id is None:
             raise ConfigError(f"the model's {tokenizer.kind} tokenizer has no end-of-text or begin-of-text token, "
@@ -117,7 +117,8 @@ class ShardedLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm=False):
         """Greedy continuations, one request per rank at a time, cut at the first stop string."""
         texts = []
-        for start in tqdm(range(0, len(requests), self.ranks), disable=disable_tqdm, desc="generate_until"):
+        for start in tqdm(range(0, len(requests), self.ranks), disable=disable_tqdm or not self.progress,
+                          desc="generate_until"):
             prompts = [self._prompt(*request.args) for request in requests[start:start + self.ranks]]
             texts += self._command("generate", prompts)
         return texts
@@ -143,7 +144,8 @@ class ShardedLM(TemplateLM):
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         step = self.batch_size * self.ranks
         results = [None] * len(rows)
-        for start in tqdm(range(0, len(order), step), disable=disable_tqdm, desc="loglikelihood batches"):
+        for start in tqdm(range(0, len(order), step), disable=disable_tqdm or not self.progress,
+                          desc="loglikelihood batches"):
             chunk = order[start:start + step]
             for i, result in zip(chunk, self._command("score", [rows[i] for i in chunk])):
                 results[i] = result

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .accum_adamw import AccumAdamW
+from .evaluate import TrainingTasks
 from .gossip import Gossip
 from .metrics import TrainingLog, mean_across_ranks
 from .parallelize import gradient_sync
@@ -152,6 +153,7 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
     schedule = Schedule.for_run(cfg, data.steps_per_epoch(), saved and saved["state"]["schedule"])
     first = saved["step"] if saved else 0
     sync = sync or (Gossip(model, cfg.topology) if plan.decentralized else gradient_sync(model, plan))
+    benchmarks = TrainingTasks.for_run(cfg, env, getattr(data, "tokenizer", None), model)  # --eval_tasks
     tokens_per_step = (ranks or env.world_size) * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
     log = TrainingLog(cfg, env, model, schedule, first, tokens_per_step)
     guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
@@ -190,6 +192,9 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
                         state = {"schedule": schedule.state_dict(), "data": data.state_dict(done)}
                         log.saved(checkpointer.save(done, model, optimizer, val_loss, state))
                         gc.collect()  # what outlived the young collections; a save takes seconds anyway
+            if benchmarks and benchmarks.due(done, final):  # the harness's tasks, timed apart too
+                with log.paused():
+                    benchmarks.run(done, log)
             if stop_reason:
                 log.stopped(done, stop_reason)
                 break
