@@ -182,12 +182,32 @@ def load_sentencepiece(model_file):
         raise TokenizerError(f"cannot read sentencepiece model {model_file}: {e}") from e
 
 
+# sentencepiece's trainer skips every line longer than this many bytes (its max_sentence_length); a text of long
+# lines (a document per line) would leave it nothing to learn from. Raising that limit instead costs the trainer
+# memory and time on huge lines, so long lines are cut into pieces this long, at a space where one is near.
+MAX_SENTENCE_BYTES = 4192
+
+
+def _sentences(text):
+    """The text's non-blank lines, each cut into pieces of at most MAX_SENTENCE_BYTES bytes of UTF-8."""
+    for line in text.splitlines():
+        while len(line.encode()) > MAX_SENTENCE_BYTES:
+            head = line.encode()[:MAX_SENTENCE_BYTES].decode("utf-8", "ignore")  # whole characters only
+            space = head.rfind(" ")
+            cut = space + 1 if space > len(head) // 2 else len(head)
+            if line[:cut].strip():
+                yield line[:cut]
+            line = line[cut:]
+        if line.strip():
+            yield line
+
+
 def _train_sentencepiece(text, vocab_size):
     import io
     import sentencepiece as spm
     if not vocab_size:
         raise TokenizerError("--tokenizer sentencepiece needs --vocab_size (e.g. 8000)")
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = list(_sentences(text))
     spm.set_random_generator_seed(1337)
     model = io.BytesIO()
     try:

@@ -296,3 +296,16 @@ def test_sentencepiece_vocabulary_errors_say_which_way_to_go(vocab_size, fix):
     with pytest.raises(tk.TokenizerError, match=fix) as raised:
         tk.train_tokenizer("sentencepiece", text, vocab_size, None)
     assert ("or more text" in str(raised.value)) == (vocab_size > 1000)  # never both directions at once
+
+
+def test_sentencepiece_learns_from_lines_longer_than_its_limit(tmp_path):
+    """sentencepiece's trainer skips lines over 4192 bytes; a text of long lines (one document a line) used to
+    leave it nothing ("!sentences_.empty()") at every --vocab_size. Long lines are cut into pieces first."""
+    from minimal_fsdp import tokenizer
+    long_lines = "\n".join(sample_text(2_000).replace("\n", " ") + f" line {i} é" for i in range(5))
+    assert min(len(line.encode()) for line in long_lines.splitlines()) > tokenizer.MAX_SENTENCE_BYTES
+    tok = train_tokenizer("sentencepiece", long_lines, 300, tmp_path)
+    assert tok.vocab_size == 300 and tok.decode(tok.encode(long_lines)) == long_lines
+    pieces = list(tokenizer._sentences(long_lines))
+    assert all(len(p.encode()) <= tokenizer.MAX_SENTENCE_BYTES for p in pieces)
+    assert "".join(pieces) == long_lines.replace("\n", "")  # cut, nothing lost
