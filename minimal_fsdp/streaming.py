@@ -185,9 +185,10 @@ class StreamingData:
     def _stream(self, split, position=(0, 0, 0)):
         rank, world, seed, fraction = self.rank, self.world_size, self.seed, self.val_fraction
         select = lambda index: index % world == rank and is_val(index, seed, fraction) == (split == "val")  # noqa: E731
-        what = (f"{split} documents for rank {rank} of {world} (a stream is split by documents: it needs at least "
-                f"as many as ranks, and --val_fraction {fraction} must leave some for {split}; or prepare it "
-                "with python -m minimal_fsdp.data prepare)")
+        share = "raise --val_fraction" if split == "val" else "lower --val_fraction"
+        what = (f"{split} documents for rank {rank} of {world} (rank r streams documents r, r + {world}, ..., and "
+                f"--val_fraction {fraction} of them are val): {share}, add documents, or run on fewer ranks; or "
+                "prepare the data with python -m minimal_fsdp.data prepare, which fills every rank from one file")
         return TokenStream(self.documents, self.tokenizer, select, position, what)
 
     def check(self, seq_length, vocab_size):
