@@ -7,6 +7,7 @@ not the MPI ranks; only PMIx variables that srun's own plugin set (its namespace
 """
 import os
 import re
+import socket
 
 from . import failures
 from .config import ConfigError
@@ -62,11 +63,15 @@ def pbs_layout(world):
 
 def launcher_of(env):
     """Which launcher started this process: 'torchrun', 'srun', 'mpi' or 'single'. Reads variables only."""
+    mpi = any(v in env for v in MPI_RANK_VARIABLES)
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:  # torchrun, Kubernetes PyTorchJob
-        return "torchrun"
+        # Inside an mpiexec launch (a PyTorchJob pod's variables, or a script that exports RANK) MPI's own view
+        # wins and RANK/WORLD_SIZE are checked against it; torchrun's workers carry TORCHELASTIC_RUN_ID.
+        if not mpi or "TORCHELASTIC_RUN_ID" in env:
+            return "torchrun"
     if _srun_pmix(env):
         return "srun"
-    if any(v in env for v in MPI_RANK_VARIABLES):
+    if mpi:
         return "mpi"
     # srun sets SLURM_STEP_NUM_TASKS for the tasks it starts; a batch script also has SLURM_PROCID=0 and
     # SLURM_NTASKS, but is one process, so without the step variables it is a single rank.
@@ -75,15 +80,24 @@ def launcher_of(env):
     return "single"
 
 
-def discover(launcher, env):
-    """(rank, world, local_rank, local_world, num_nodes) as `launcher` tells them."""
-    if launcher == "torchrun":
-        return _discover_torchrun(env)
-    if launcher == "srun":
-        return _discover_srun(env)
+def discover(launcher, env, pbs=False, timeout=300):
+    """(rank, world, local_rank, local_world, num_nodes) as `launcher` tells them; pbs: the nodes and ranks per
+    node from PBS_NODEFILE (--environment pbs). timeout: how long MPI's own discovery may wait for a rank."""
     if launcher == "mpi":
-        return _discover_mpi(env)
-    return 0, 1, 0, 1, 1
+        return _discover_mpi(env, pbs, timeout)
+    if launcher == "torchrun":
+        found = _discover_torchrun(env)
+    elif launcher == "srun":
+        found = _discover_srun(env)
+    else:
+        if env.get("SLURM_PROCID", "0") != "0" and "SLURM_STEP_NUM_TASKS" not in env:
+            raise ConfigError(f"SLURM_PROCID={env['SLURM_PROCID']} without srun's step variables "
+                              "(SLURM_STEP_NUM_TASKS): this process is one of several that did not come from srun, "
+                              "and each would train alone; start them with srun (or mpiexec)")
+        found = 0, 1, 0, 1, 1
+    if pbs:
+        found = (*found[:3], *reversed(pbs_layout(found[1])))
+    return found
 
 
 def _srun_pmix(env):
@@ -106,6 +120,12 @@ def _discover_torchrun(env):
                           "start basic_training.py with torchrun (see k8s/pytorchjob.yaml)")
     world = int_variable(env, "WORLD_SIZE")
     local_world = int_variable(env, "LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+    if world > 1:
+        try:  # torch would retry an unknown name until its timeout, then end in tracebacks
+            socket.getaddrinfo(env["MASTER_ADDR"], None)
+        except (socket.gaierror, UnicodeError):
+            raise ConfigError(f"MASTER_ADDR {env['MASTER_ADDR']} does not resolve on {socket.gethostname()}: set it "
+                              "to an address of rank 0's node that every node can reach") from None
     return int_variable(env, "RANK"), world, int_variable(env, "LOCAL_RANK", "0"), local_world, max(1, world // local_world)
 
 
@@ -117,6 +137,9 @@ def _discover_srun(env):
     # one step over the whole allocation.
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
     local_world = tasks_on_node(per_node, int_variable(env, "SLURM_NODEID", "0"))
+    if "SLURM_LOCALID" not in env:  # srun sets it in every task; without it every rank would take local rank 0
+        raise ConfigError("SLURM_LOCALID is not set but srun's step variables are: start the tasks with srun itself "
+                          "(a wrapper that drops variables loses each task's local rank)")
     return int_variable(env, "SLURM_PROCID"), world, int_variable(env, "SLURM_LOCALID", "0"), local_world, num_nodes
 
 
@@ -138,22 +161,92 @@ def _check_not_alone(world, env):
     expected = _launcher_world_size(env)
     if world.Get_size() == 1 and expected > 1:
         from mpi4py import MPI
-        library = " ".join(MPI.Get_library_version().split("\n")[0].split())  # e.g. 'MPICH Version: 5.0.2'
+        library = _library(MPI.Get_library_version())
         raise ConfigError(f"the launcher started {expected} ranks but mpi4py's MPI ({library}) sees a world of 1: "
                           "mpi4py is built against a different MPI than the launcher's. Use an mpi4py built for "
                           "the site MPI (e.g. MPICC=cc pip install --no-binary mpi4py mpi4py), or under srun add "
                           "--mpi=none; see docs/launch.md")
 
 
-def _discover_mpi(env):
+def _discover_mpi(env, pbs, timeout):
+    import mpi4py
+    mpi4py.rc.initialize = False  # MPI_Init below, once the variables are checked and under a deadline
+    mpi4py.rc.finalize = True
     from mpi4py import MPI
 
-    world = MPI.COMM_WORLD
-    failures.agree_through(world.Dup())  # first: nothing below may leave another rank waiting
-    _check_not_alone(world, env)
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    num_nodes = world.allreduce(1 if node.Get_rank() == 0 else 0)
-    return world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), num_nodes
+    _refuse_before_init(env, MPI.Get_library_version())
+    with failures.deadline(timeout, "MPI discovery (MPI_Init and the split by host)"):
+        if not MPI.Is_initialized():
+            MPI.Init_thread()
+        world = MPI.COMM_WORLD
+        failures.agree_through(world.Dup())  # first: nothing below may leave another rank waiting
+        _check_not_alone(world, env)
+        node = world.Split_type(MPI.COMM_TYPE_SHARED)
+        num_nodes = world.allreduce(1 if node.Get_rank() == 0 else 0)
+        found = world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), num_nodes
+        problem = _disagreement(env, found)
+        if pbs and not problem:
+            try:
+                nodes, per_node = pbs_layout(found[1])
+                if (nodes, per_node) != (num_nodes, found[3]):
+                    problem = (f"PBS_NODEFILE lists {nodes} node(s) x {per_node} rank(s) but MPI finds {num_nodes} "
+                               f"host(s) with {found[3]} rank(s) on this one: start NODES*K ranks with --ppn K over "
+                               "the nodes of the job")
+            except ConfigError as e:
+                problem = str(e)
+        problems = world.allgather(problem)
+    failed = [(rank, p) for rank, p in enumerate(problems) if p]
+    if len(failed) == len(problems) and len(set(problems)) == 1:
+        raise ConfigError(problems[0])  # the same on every rank
+    if failed:
+        more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        raise ConfigError(f"rank {failed[0][0]}: {failed[0][1]}{more}")
+    return found
+
+
+def _library(version):
+    return " ".join(version.split("\n")[0].split())  # e.g. 'MPICH Version: 5.0.2'
+
+
+def _refuse_before_init(env, version):
+    """A PMIx launcher (Open MPI 5's mpirun/prterun) and an MPICH without PMIx: MPICH would abort inside MPI_Init
+    with a stack per rank. Its own launcher (Hydra, Cray PALS) sets PMI_* variables; PMIx alone says another."""
+    pmix = [name for name in ("PMIX_RANK", "PMIX_NAMESPACE") if name in env]
+    pmi = any(name in env for name in ("PMI_RANK", "PMI_FD", "PMI_PORT", "PALS_RANKID"))
+    if pmix and not pmi and version.startswith("MPICH") and "pmix" not in version.lower():
+        named = ", ".join(f"{name}={env[name]}" for name in pmix)
+        raise ConfigError(f"{named}: a PMIx launcher (Open MPI's mpirun or prterun) started this rank, but mpi4py's "
+                          f"MPI ({_library(version)}) cannot speak PMIx and would abort in MPI_Init: start with that "
+                          "MPI's own mpiexec, or use an mpi4py built for the launcher's MPI (see docs/launch.md)")
+    if "PALS_RANKID" in env and "PMI_SIZE" not in env:
+        raise ConfigError(f"PALS_RANKID={env['PALS_RANKID']} but no PMI_SIZE: Cray's mpiexec sets both, so these "
+                          "processes were not started by it as one job and the world size is unknown; start them "
+                          "with mpiexec (see docs/launch.md)")
+
+
+# What launchers say about a rank, to check against MPI's own view: (variable, who sets it).
+_VIEWS = {
+    "world size": (("PMI_SIZE", "mpiexec"), ("OMPI_COMM_WORLD_SIZE", "Open MPI"), ("WORLD_SIZE", "torchrun/PyTorchJob")),
+    "rank": (("PMI_RANK", "mpiexec"), ("OMPI_COMM_WORLD_RANK", "Open MPI"), ("PMIX_RANK", "PMIx"),
+             ("PALS_RANKID", "Cray PALS"), ("RANK", "torchrun/PyTorchJob")),
+    "local rank": (("MPI_LOCALRANKID", "Hydra"), ("PMI_LOCAL_RANK", "Cray PALS"), ("PALS_LOCAL_RANKID", "Cray PALS"),
+                   ("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"), ("LOCAL_RANK", "torchrun")),
+    "ranks on this host": (("MPI_LOCALNRANKS", "Hydra"), ("PMI_LOCAL_SIZE", "Cray PALS"),
+                           ("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"), ("LOCAL_WORLD_SIZE", "torchrun")),
+}
+
+
+def _disagreement(env, found):
+    """A line naming the first launcher variable that disagrees with MPI's view of this rank, or None."""
+    rank, world, local_rank, local_world, _ = found
+    mpi = {"world size": world, "rank": rank, "local rank": local_rank, "ranks on this host": local_world}
+    for what, variables in _VIEWS.items():
+        for name, source in variables:
+            if name in env and env[name] != str(mpi[what]):
+                return (f"two sources of rank information disagree: {name}={env[name]} ({source}) but MPI's "
+                        f"{what} is {mpi[what]} (MPI_COMM_WORLD, split by shared memory): start the job under one "
+                        "launcher, with no other launcher's variables exported")
+    return None
 
 
 # --- SLURM's compressed lists ---

@@ -48,10 +48,9 @@ def setup(cfg):
     if launcher == "mpi":
         # Process-wide: from here on, an uncaught exception on one rank aborts the whole MPI job.
         failures.abort_job_on_uncaught_exception()
-    rank, world, local_rank, local_world, num_nodes = discovery.discover(launcher, os.environ)
+    rank, world, local_rank, local_world, num_nodes = discovery.discover(
+        launcher, os.environ, pbs=cfg.environment == "pbs", timeout=cfg.collective_timeout)
     failures.world_known(world)
-    if cfg.environment == "pbs":
-        num_nodes, local_world = discovery.pbs_layout(world)
     device, backend = _pick_device(local_rank, local_world)
     store = rendezvous.meet(rank, world, num_nodes, launcher, cfg)
     network = hosts.pick_interface(rendezvous.address(), num_nodes)  # before gloo picks an address itself

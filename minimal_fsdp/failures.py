@@ -4,8 +4,8 @@ a bug exits 1 with its traceback. Also the process-wide hook that aborts an MPI 
 and a deadline for the steps before any timeout of torch's applies (MPI discovery)."""
 import gc
 import os
+import subprocess
 import sys
-import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -65,23 +65,21 @@ def abort_job_on_uncaught_exception():
 
 @contextmanager
 def deadline(seconds, what):
-    """End this process with one line (exit 1) if the block has not finished within `seconds`: for steps that
-    can wait on another rank before any timeout of torch's applies (MPI_Init, the first MPI collectives). A
-    stopped or hung rank then cannot keep the others waiting; the launcher ends the rest of the job."""
-    done = threading.Event()
-
-    def watch():
-        if not done.wait(seconds):
-            print(f"error: rank {rank_hint()}: {what} did not finish within {seconds:.0f}s (--collective_timeout): "
-                  "another rank has stopped, hangs or never started", file=sys.__stderr__, flush=True)
-            os._exit(1)
-
-    watcher = threading.Thread(target=watch, daemon=True, name="deadline")
-    watcher.start()
+    """End this process with one line if the block has not finished within `seconds`: for steps that can wait
+    on another rank before any timeout of torch's applies (MPI_Init, MPI's collectives). A stopped or hung rank
+    then cannot keep the others waiting; the launcher sees a rank killed and ends the rest of the job.
+    The watch is a separate small process, because MPI_Init holds the GIL while it waits (no thread of ours
+    would run); it reads a pipe from us, so it also ends, doing nothing, when this process ends otherwise."""
+    line = (f"error: rank {rank_hint()}: {what} did not finish within {seconds:.0f}s (--collective_timeout): "
+            "another rank has stopped, hangs or never started")
+    watch = 'read -t "$1" _; if [ $? -gt 128 ]; then echo "$2" >&2; kill -KILL "$3"; fi'
+    watcher = subprocess.Popen(["bash", "-c", watch, "deadline", str(int(seconds)), line, str(os.getpid())],
+                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     try:
         yield
     finally:
-        done.set()
+        watcher.stdin.close()
+        watcher.wait()
 
 
 def end_process_groups():
@@ -161,6 +159,8 @@ def rank_hint():
     """This process's global rank, also before (or without) torch.distributed: for printing errors once."""
     if dist.is_initialized():
         return dist.get_rank()
+    if _error_comm is not None:  # MPI's rank, once known, over variables another launcher may have left
+        return _error_comm.Get_rank()
     for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID"):
         if name in os.environ and os.environ[name].isdigit():
             return int(os.environ[name])

@@ -2,9 +2,10 @@
 
 A run directory (<checkpoint_dir>/<run_name>, <log_dir>/<run_name>) holds one lock file, `.lock`, while a
 training run uses it: who holds it (host, pid, scheduler job) and a heartbeat (its modification time, touched
-every few seconds). A second run refuses to start, in one line. A lock whose holder is gone is taken over:
-at once when the holder ran on this host and its process has ended, or when the lock comes from this very
-scheduler job (a requeued job); otherwise once its heartbeat has been silent for STALE_AFTER seconds.
+every few seconds). A second run refuses to start, in one line. A lock is taken over only when its holder is
+provably gone: at once when the holder ran on this host and its process has ended; otherwise once its heartbeat
+has been silent for STALE_AFTER seconds. The same scheduler job id is no proof: two job steps of one job (or a
+requeued job whose first attempt still runs elsewhere) can hold and want the same directory at once.
 Only O_EXCL file creation, rename and mtime are used, so it works on parallel file systems (Lustre, GPFS,
 NFSv4) where fcntl/flock locks are often disabled or local to a node.
 """
@@ -79,6 +80,35 @@ def _pid_alive(pid):
     return True
 
 
+def _boot_id():
+    """This host's boot (Linux), so that a pid recorded before a reboot is not taken for a live process."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _start_time(pid):
+    """When process `pid` started, in clock ticks since boot (Linux), or None: a pid reused by another process
+    (a restarted container's pid 1, say) has another start time."""
+    try:
+        return int(Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, TypeError, IndexError):
+        return None
+
+
+def _holder_gone(holder):
+    """Whether the lock's holder provably ended: it ran on this host and its process is gone (this host has
+    rebooted since, or its pid is free, or now names a process started at another time)."""
+    if holder.get("host") != socket.gethostname():
+        return False  # another host's process: only its silent heartbeat can tell
+    if holder.get("boot") and _boot_id() and holder["boot"] != _boot_id():
+        return True
+    if not _pid_alive(holder.get("pid")):
+        return True
+    return holder.get("start") is not None and _start_time(holder["pid"]) not in (None, holder["start"])
+
+
 def _stale(path, holder):
     """Whether the run that holds `path` is gone."""
     try:
@@ -87,9 +117,7 @@ def _stale(path, holder):
         return True
     if silent > STALE_AFTER:
         return True
-    if holder.get("job") and holder.get("job") == _job_id():
-        return True  # this scheduler job started it: an earlier attempt of this job, requeued
-    return holder.get("host") == socket.gethostname() and not _pid_alive(holder.get("pid"))
+    return _holder_gone(holder)
 
 
 class RunLock:
@@ -126,7 +154,8 @@ class RunLock:
         except OSError as e:
             raise LockError(f"{self.flags[str(path)]}: cannot create the run directory {path.parent}: "
                             f"{e.strerror or e}") from None
-        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(), "token": self.token,
+        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "boot": _boot_id(),
+                           "start": _start_time(os.getpid()), "job": _job_id(), "token": self.token,
                            "started": datetime.datetime.now().isoformat(timespec="seconds"),
                            "command": " ".join(sys.argv)[:500]})
         while True:

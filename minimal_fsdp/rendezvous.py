@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from . import hosts
+from . import failures, hosts
 from .config import ConfigError
 from .discovery import first_host, int_variable
 
 TOKEN_KEY = "minimal_fsdp/launch_token"
+REACH_SECONDS = 30  # how long a rank tries to reach rank 0's store address before it says it cannot
 
 _store = None  # the rendezvous store (rank 0's server, or another rank's client of it); None under torchrun
 _store_file = None  # srun: where rank 0 published its port, removed once every rank has joined
@@ -45,13 +46,26 @@ def _open_store(world, port, where, token, timeout):
     return store
 
 
-def _join_store(addr, port, world, token, timeout):
-    """A client of rank 0's store, after checking that it is this job's."""
+def _check_reachable(addr, port, timeout):
+    """One plain connection to rank 0's store first: TCPStore retries an unknown name or an unreachable address
+    until its timeout and then ends in tracebacks; this says so in one line within REACH_SECONDS at most."""
     try:
-        socket.getaddrinfo(addr, port)  # TCPStore would retry an unknown name until the timeout
-    except socket.gaierror:
+        socket.getaddrinfo(addr, port)
+    except (socket.gaierror, UnicodeError):
         raise ConfigError(f"MASTER_ADDR {addr} does not resolve on {socket.gethostname()}: export MASTER_ADDR as "
                           "an address of rank 0's node that every node can reach") from None
+    seconds = min(timeout.total_seconds(), REACH_SECONDS)
+    try:
+        socket.create_connection((addr, port), timeout=seconds).close()
+    except OSError as e:
+        reason = e.strerror or f"no answer within {seconds:.0f}s"
+        raise ConfigError(f"cannot reach the rendezvous at {addr}:{port} from {socket.gethostname()} ({reason}): "
+                          "export MASTER_ADDR as an address of rank 0's node that every node can reach") from None
+
+
+def _join_store(addr, port, world, token, timeout):
+    """A client of rank 0's store, after checking that it is this job's."""
+    _check_reachable(addr, port, timeout)
     try:
         store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
     except dist.DistError:
@@ -89,14 +103,20 @@ def _rendezvous_mpi(rank, world, num_nodes, timeout):
         raise ConfigError(offer)
     _address = offer[0]
     error = None
-    if rank != 0:
-        try:
+    try:
+        if rank == 0:
+            _check_reachable(*offer[:2], timeout)  # MASTER_ADDR names rank 0's own node
+        else:
             store = _join_store(*offer[:2], world, offer[2], timeout)
-        except ConfigError as e:
-            error = f"rank {rank}: {e}"
-    errors = [e for e in comm.allgather(error) if e]
-    if errors:
-        raise ConfigError(errors[0] + (f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""))
+    except ConfigError as e:
+        error = str(e)
+    errors = comm.allgather(error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if len(failed) == world and len(set(errors)) == 1:
+        raise ConfigError(errors[0])  # the same on every rank
+    if failed:
+        more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        raise ConfigError(f"rank {failed[0][0]}: {failed[0][1]}{more}")
     return store
 
 
@@ -155,7 +175,9 @@ def meet(rank, world, num_nodes, launcher, cfg):
     if launcher == "single":
         _store = dist.HashStore()
     elif launcher == "mpi":
-        _store = _rendezvous_mpi(rank, world, num_nodes, timeout)
+        # MPI's collectives have no timeout of their own: a rank that stops here must not hold the others.
+        with failures.deadline(2 * cfg.collective_timeout + 60, "the rendezvous"):
+            _store = _rendezvous_mpi(rank, world, num_nodes, timeout)
     elif launcher == "srun":
         _store = _rendezvous_srun(rank, world, cfg, timeout)
     return _store

@@ -33,11 +33,21 @@ elif [ -z "${CONDA_PREFIX:-}" ] && command -v module >/dev/null 2>&1; then
 fi
 set -euo pipefail
 
-: "${PBS_NODEFILE:?is not set: submit this script with qsub}"
+if [ -z "${PBS_NODEFILE:-}" ]; then
+    echo "error: PBS_NODEFILE is not set: submit this script with qsub" >&2
+    exit 2
+elif [ ! -r "$PBS_NODEFILE" ]; then
+    echo "error: PBS_NODEFILE=$PBS_NODEFILE does not exist or cannot be read: run inside the PBS job that wrote it" >&2
+    exit 2
+fi
 # Distinct hosts, counted as minimal_fsdp.environment.count_pbs_nodes counts them: blank lines skipped, case
 # ignored, a fully qualified name taken as its short name (an IPv4 address stays whole).
 NNODES=$(awk '{ h = tolower($1); sub(/\r$/, "", h) } h !~ /^[0-9.]+$/ { sub(/\..*/, "", h) }
               h != "" && !seen[h]++ { n++ } END { print n + 0 }' "$PBS_NODEFILE")
+if [ "$NNODES" -eq 0 ]; then
+    echo "error: PBS_NODEFILE=$PBS_NODEFILE lists no host" >&2
+    exit 2
+fi
 NRANKS_PER_NODE=${NRANKS_PER_NODE:-4}
 NDEPTH=${NDEPTH:-8}
 NTOTRANKS=$((NNODES * NRANKS_PER_NODE))

@@ -13,6 +13,9 @@
 
 REPO=${REPO:-${PBS_O_WORKDIR:-$PWD}}
 cd "${PBS_O_WORKDIR:-$PWD}"  # checkpoints/ is looked up where qsub ran
-source "$REPO/pbs/common.sh" || { echo "error: pbs/common.sh not found in $REPO: qsub from the checkout or pass -v REPO=..." >&2; exit 2; }
+# Checked first, then sourced on its own: inside `source ... || ...` bash ignores set -e, and a failing line of
+# common.sh would go unnoticed.
+[ -f "$REPO/pbs/common.sh" ] || { echo "error: pbs/common.sh not found in $REPO: qsub from the checkout or pass -v REPO=..." >&2; exit 2; }
+source "$REPO/pbs/common.sh"
 
 launch --max_epochs -1

@@ -3,7 +3,10 @@ port held by the test. Each ends every process of the job with one `error:` line
 run_session fails the test if any process is left behind (the timeouts only catch a hang)."""
 import datetime
 import os
+import shlex
+import shutil
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -11,6 +14,7 @@ import torch.distributed as dist
 
 from conftest import ENTRY, ROOT, TINY_MODEL, mpiexec
 from fake_launchers import error_lines, install_fakes, run_session
+from minimal_fsdp import rendezvous
 
 # Variables of the launcher that runs pytest (a test may itself run under one) that would mislead the job.
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE",
@@ -67,7 +71,7 @@ def test_master_port_in_use_ends_the_mpi_job(tmp_path, corpus, held_port):
 def test_unresolvable_master_addr_ends_the_mpi_job(tmp_path, corpus):
     result = run_session([mpiexec(), "-n", "2", *training(corpus)], job_env(MASTER_ADDR="no-such-host.invalid"),
                          tmp_path)
-    one_error(result, "rank 1: MASTER_ADDR no-such-host.invalid does not resolve")
+    one_error(result, "error: MASTER_ADDR no-such-host.invalid does not resolve")  # alike on every rank
     assert result.returncode == 2
 
 
@@ -133,3 +137,165 @@ def test_pod_level_world_without_torchrun(tmp_path, corpus):
     result = run_session(training(corpus), env, tmp_path)
     one_error(result, "start basic_training.py with torchrun")
     assert result.returncode == 2
+
+
+# --- the run lock: a holder is gone only when provably so ---
+
+HOLD_LOCK = """import sys
+from minimal_fsdp import files
+lock = files.RunLock({"--checkpoint_dir": sys.argv[1]})
+lock.acquire()
+print("held", flush=True)
+sys.stdin.read()  # until the test closes stdin
+lock.release()
+"""
+
+
+def test_a_second_step_of_the_same_slurm_job_refuses_a_run_directory_in_use(tmp_path, corpus):
+    """Two job steps of one SLURM job on one run directory: the job id is no proof that the first has ended,
+    so while it lives the second refuses in one line (it used to take the lock over and both wrote the run)."""
+    step = dict(SLURM_JOB_ID="4242", SLURM_NTASKS="1", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
+                SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NUM_NODES="1", SLURM_STEP_TASKS_PER_NODE="1")
+    first = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path / "checkpoints" / "run")], cwd=tmp_path,
+                             env=job_env(**step, SLURM_STEP_ID="0"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert first.stdout.readline() == "held\n"
+        second = run_session(training(corpus, "--run_name", "run"), job_env(**step, SLURM_STEP_ID="1"), tmp_path)
+        line = one_error(second, "checkpoints/run is in use by another training run")
+        assert f"pid {first.pid}, job 4242" in line and second.returncode == 2
+        assert first.poll() is None and "step_" not in "".join(os.listdir(tmp_path / "checkpoints" / "run"))
+    finally:
+        first.communicate("", timeout=60)
+    assert first.returncode == 0 and not (tmp_path / "checkpoints" / "run" / ".lock").exists()
+
+
+# --- launch variables that describe no world, or another one than MPI's ---
+
+def each_process(tmp_path, corpus, variables):
+    """Starts one plain `python basic_training.py` per dict of variables, all at once; their results."""
+    train = " ".join(training(corpus))
+    script = "; ".join(f"env {' '.join(shlex.quote(f'{k}={v}') for k, v in extra.items())} {train} 2>err{i} & p{i}=$!"
+                       for i, extra in enumerate(variables))
+    script += "; " + "; ".join(f"wait $p{i}; echo exit $?; cat err{i}" for i in range(len(variables)))
+    result = run_session(["bash", "-c", script], job_env(), tmp_path, timeout=180)
+    return [part.splitlines() for part in result.stdout.split("exit ")[1:]]
+
+
+def refused_alike(results, expected):
+    """Every process exited 2 with one `error:` line containing `expected`, and nothing else went wrong."""
+    for lines in results:
+        errors = [line for line in lines if line.startswith("error: ")]
+        assert lines[0] == "2" and len(errors) == 1 and expected in errors[0], "\n".join(lines)
+        assert not any("Traceback" in line or "Abort" in line for line in lines), "\n".join(lines)
+    return results
+
+
+def test_cray_pals_variables_without_pmi_stop_every_process(tmp_path, corpus):
+    """PALS_RANKID on plain python processes, no PMI_SIZE: rank 0 used to train alone and rank 1 to exit 2
+    silently. Neither can know the world size: both refuse, before MPI_Init."""
+    pals = [dict(PALS_RANKID=str(rank), PALS_LOCAL_RANKID=str(rank), PALS_NODEID="0") for rank in (0, 1)]
+    refused_alike(each_process(tmp_path, corpus, pals), "but no PMI_SIZE: Cray's mpiexec sets both")
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_open_mpi_5_pmix_variables_with_an_mpich_mpi4py_say_so_before_mpi_init(tmp_path, corpus):
+    """What Open MPI 5's mpirun sets in its ranks; the mpich wheel's MPI_Init would abort with a stack per rank
+    (exit 16). Each rank says why in one line instead, before MPI_Init."""
+    ranks = [dict(PMIX_RANK=str(rank), PMIX_NAMESPACE="prterun-host-1234@1", OMPI_COMM_WORLD_RANK=str(rank),
+                  OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK=str(rank), OMPI_COMM_WORLD_LOCAL_SIZE="2",
+                  PMIX_SERVER_URI41="prterun-host-1234@0.0;tcp4://127.0.0.1:1") for rank in (0, 1)]
+    refused_alike(each_process(tmp_path, corpus, ranks), "a PMIx launcher (Open MPI's mpirun or prterun) started "
+                                                           "this rank, but mpi4py's MPI (MPICH")
+
+
+def test_slurm_variables_that_describe_no_step_stop_every_task(tmp_path, corpus):
+    """Tasks with srun's step variables but no SLURM_LOCALID would all take local rank 0 (on a GPU node, GPU 0);
+    processes with the job's SLURM_PROCID but no step variables would each train alone and fight over the run
+    lock. Each refuses in one line."""
+    job = dict(SLURM_JOB_ID="4242", SLURM_NTASKS="2", SLURM_JOB_NODELIST=socket.gethostname())
+    step = dict(job, SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NUM_NODES="1",
+                SLURM_STEP_TASKS_PER_NODE="2", SLURM_NODEID="0")
+    refused_alike(each_process(tmp_path, corpus, [dict(step, SLURM_PROCID=str(r)) for r in (0, 1)]),
+                  "SLURM_LOCALID is not set but srun's step variables are")
+    results = each_process(tmp_path, corpus, [dict(job, SLURM_PROCID="1", SLURM_LOCALID="1")])
+    refused_alike(results, "SLURM_PROCID=1 without srun's step variables")
+
+
+@pytest.mark.parametrize("script", ["train_single_node.sh", "train_multi_node.sh"])
+def test_pbs_scripts_stop_on_a_nodefile_that_does_not_exist(tmp_path, script):
+    """The scripts used to count 0 nodes and run `mpiexec -n 0` (set -e is off inside `source ... || ...`)."""
+    (tmp_path / "mpiexec").write_text("#!/bin/sh\ntouch ran\n")
+    (tmp_path / "mpiexec").chmod(0o755)
+    env = job_env(PBS_NODEFILE=str(tmp_path / "gone"), REPO=str(ROOT), MPIEXEC=str(tmp_path / "mpiexec"),
+                  CONDA_PREFIX="skip-the-module")
+    result = run_session(["bash", str(ROOT / "pbs" / script)], env, tmp_path, timeout=60)
+    one_error(result, f"PBS_NODEFILE={tmp_path / 'gone'} does not exist")
+    assert result.returncode == 2 and not (tmp_path / "ran").exists()
+
+
+def test_torchrun_variables_inside_an_mpiexec_launch_are_refused(tmp_path, corpus):
+    """A PyTorchJob pod's RANK=0 and WORLD_SIZE seen by every rank of an mpiexec: the torchrun rule used to win,
+    every rank took rank 0, one died of address-in-use and the other waited. Two sources disagree: one line."""
+    env = job_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rendezvous._free_port()))
+    result = run_session([mpiexec(), "-n", "2", *training(corpus)], env, tmp_path, timeout=180)
+    line = one_error(result, "rank 1: two sources of rank information disagree: RANK=0 (torchrun/PyTorchJob) but "
+                             "MPI's rank is 1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, line
+
+
+def test_a_nodefile_that_mpi_does_not_see_is_refused(tmp_path, corpus):
+    """PBS_NODEFILE lists two hosts, but mpiexec ran both ranks on this one (no host file given to it): the
+    launcher's view and MPI's own disagree on ranks per host, so the run refuses instead of picking one."""
+    (tmp_path / "nodefile").write_text(f"localhost\n{socket.gethostname()}\n")  # two "nodes", both this one
+    result = run_session([mpiexec(), "-hosts", "localhost", "-n", "2", *training(corpus, "--environment", "pbs")],
+                         job_env(PBS_NODEFILE=str(tmp_path / "nodefile")), tmp_path, timeout=180)
+    one_error(result, "PBS_NODEFILE lists 2 node(s) x 1 rank(s) but MPI finds 1 host(s) with 2 rank(s)")
+    assert result.returncode == 2
+
+
+# --- a rank that never arrives, an address nobody answers at ---
+
+STOPS_IN_MPI = "from mpi4py import MPI; import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"
+
+
+def test_a_rank_missing_from_mpi_discovery_does_not_hold_the_others(tmp_path, corpus):
+    """Rank 2 never calls MPI_Init (it sleeps), rank 3 stops right after it: the training ranks wait in MPI's
+    discovery, which --collective_timeout used not to cover. Each says so in one line and the job ends."""
+    train = training(corpus)
+    train[train.index("--collective_timeout") + 1] = "15"
+    cmd = [mpiexec(), "-n", "2", *train, ":", "-n", "1", sys.executable, "-c", "import time; time.sleep(600)",
+           ":", "-n", "1", sys.executable, "-c", STOPS_IN_MPI]
+    result = run_session(cmd, job_env(), tmp_path, timeout=240)
+    errors = error_lines(result)
+    # Each training rank watches for itself; the launcher may end the second before its own watch fires.
+    assert result.returncode != 0 and 1 <= len(errors) <= 2, result.stderr[-3000:]
+    assert len({line.split(":")[1] for line in errors}) == len(errors)  # at most one line per rank
+    assert all("MPI discovery (MPI_Init and the split by host) did not finish within 15s" in e for e in errors)
+    assert "Traceback" not in result.stderr
+
+
+def in_network_namespace(cmd):
+    """cmd in a network namespace of its own (and a user namespace, for the rights): loopback up, and a route
+    that sends the TEST-NET 192.0.2.0/24 into loopback, where nothing answers. No packet leaves this machine."""
+    if not shutil.which("unshare") or not shutil.which("ip"):
+        pytest.skip("needs unshare and ip")
+    probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"no user network namespaces here: {probe.stderr.decode().strip()}")
+    setup = "ip link set lo up && ip route add 192.0.2.0/24 dev lo && exec \"$@\""
+    return ["unshare", "-rn", "bash", "-c", setup, "netns", *cmd]
+
+
+def test_an_unreachable_master_addr_ends_the_mpi_job_in_one_line(tmp_path, corpus):
+    """MASTER_ADDR routable but with no host behind it: no output for minutes, then c10d frames, it used to
+    be. Every rank tries one plain connection first, bounded by --collective_timeout: one line."""
+    train = training(corpus)
+    train[train.index("--collective_timeout") + 1] = "10"
+    result = run_session(in_network_namespace([mpiexec(), "-n", "2", *train]), job_env(MASTER_ADDR="192.0.2.1"),
+                         tmp_path, timeout=180)
+    line = one_error(result, "cannot reach the rendezvous at 192.0.2.1:")
+    assert "no answer within 10s" in line and result.returncode == 2
+    # No c10d frames (the namespace has no DNS, so c10d's one warning about naming a client may appear).
+    assert "Traceback" not in result.stderr and "frame #" not in result.stderr
+    assert not [line for line in result.stderr.splitlines() if "c10d" in line and "cannot be retrieved" not in line]

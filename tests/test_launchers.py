@@ -191,7 +191,7 @@ def test_batch_script_alone_is_one_rank(fake_env):
 def test_mpi_wins_over_slurm_variables(fake_env, monkeypatch):
     """mpiexec inside a SLURM job: the ranks inherit SLURM_* of the job, but MPI knows the real layout. Hydra
     started by srun's PMIx plugin passes srun's PMIx variables on to its ranks: PMI_RANK still says MPI."""
-    monkeypatch.setattr(discovery, "_discover_mpi", lambda env: (3, 4, 3, 4, 1))
+    monkeypatch.setattr(discovery, "_discover_mpi", lambda *args: (3, 4, 3, 4, 1))
     fake_env.update(SLURM_TASK, PMI_RANK="3")
     assert discovered() == (3, 4, 3, 4, 1, "mpi")
     fake_env.update(PMIX_RANK="1", PMIX_NAMESPACE="slurm.pmix.77.0")
@@ -199,11 +199,11 @@ def test_mpi_wins_over_slurm_variables(fake_env, monkeypatch):
 
 
 def test_srun_pmix_plugin_variables_mean_srun(fake_env, monkeypatch):
-    monkeypatch.setattr(discovery, "_discover_mpi", lambda env: pytest.fail("MPI initialized under srun --mpi=pmix"))
+    monkeypatch.setattr(discovery, "_discover_mpi", lambda *args: pytest.fail("MPI initialized under srun --mpi=pmix"))
     fake_env.update(SLURM_TASK, PMIX_RANK="5", PMIX_NAMESPACE="slurm.pmix.77.0")
     assert discovered() == (5, 7, 1, 3, 2, "srun")
     fake_env.update(PMIX_NAMESPACE="prterun-host-1234@1")  # another launcher's namespace: MPI's ranks
-    monkeypatch.setattr(discovery, "_discover_mpi", lambda env: (5, 7, 1, 3, 2))
+    monkeypatch.setattr(discovery, "_discover_mpi", lambda *args: (5, 7, 1, 3, 2))
     assert discovered()[-1] == "mpi"
 
 
@@ -220,6 +220,9 @@ def test_pod_level_world_without_torchrun_is_refused(fake_env):
     with pytest.raises(ConfigError, match="start basic_training.py with torchrun"):
         discovered()
     fake_env.update(LOCAL_RANK="2", LOCAL_WORLD_SIZE="4")  # what torchrun adds
+    with pytest.raises(ConfigError, match="MASTER_ADDR master-0 does not resolve on"):  # not a wait, then tracebacks
+        discovered()
+    fake_env.update(MASTER_ADDR="127.0.0.1")
     assert discovered() == (1, 8, 2, 4, 2, "torchrun")
 
 
@@ -321,3 +324,35 @@ def test_device_setup_gives_torch_and_the_compile_workers_the_share(monkeypatch)
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")  # the user's choice stays
     environment._pick_device(0, 2)
     assert threads == [10, 20] and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "3"
+
+
+def test_torchrun_variables_inside_an_mpi_launch_are_checked_against_mpi(fake_env):
+    """RANK/WORLD_SIZE/MASTER_ADDR beside mpiexec's variables (a PyTorchJob pod's, or exported by a script): MPI's
+    own view decides and the variables are checked against it; torchrun's own workers carry TORCHELASTIC_RUN_ID."""
+    fake_env.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", PMI_RANK="1", PMI_SIZE="2")
+    assert discovery.launcher_of(fake_env) == "mpi"
+    fake_env.update(TORCHELASTIC_RUN_ID="none")
+    assert discovery.launcher_of(fake_env) == "torchrun"
+
+
+def test_the_launchers_view_must_agree_with_mpis():
+    rank_1_of_2_on_one_host = (1, 2, 1, 2, 1)
+    hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    assert discovery._disagreement(hydra, rank_1_of_2_on_one_host) is None
+    for variables, said in [({"OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_SIZE=4 (Open MPI) but MPI's world size is 2"),
+                            ({"RANK": "0"}, "RANK=0 (torchrun/PyTorchJob) but MPI's rank is 1"),
+                            ({"MPI_LOCALNRANKS": "1"}, "MPI_LOCALNRANKS=1 (Hydra) but MPI's ranks on this host is 2"),
+                            ({"PALS_LOCAL_RANKID": "0"}, "PALS_LOCAL_RANKID=0 (Cray PALS) but MPI's local rank is 1")]:
+        assert said in discovery._disagreement(dict(hydra, **variables), rank_1_of_2_on_one_host)
+
+
+def test_pmix_and_pals_variables_mpich_cannot_serve_are_refused_before_mpi_init():
+    mpich = "MPICH Version:      5.0.2\nMPICH configure:    --with-device=ch4:ucx,ofi --with-pm=hydra:gforker"
+    with pytest.raises(ConfigError, match=r"PMIX_RANK=0, PMIX_NAMESPACE=prterun-h-1@1: a PMIx launcher"):
+        discovery._refuse_before_init({"PMIX_RANK": "0", "PMIX_NAMESPACE": "prterun-h-1@1"}, mpich)
+    discovery._refuse_before_init({"PMIX_RANK": "0", "PMI_RANK": "0", "PMI_SIZE": "2"}, mpich)  # Hydra under srun
+    discovery._refuse_before_init({"PMIX_RANK": "0"}, mpich.replace("ofi", "ofi --with-pmix"))  # MPICH with PMIx
+    discovery._refuse_before_init({"PMIX_RANK": "0"}, "Open MPI v5.0.5, package: Open MPI")
+    with pytest.raises(ConfigError, match="PALS_RANKID=1 but no PMI_SIZE"):
+        discovery._refuse_before_init({"PALS_RANKID": "1", "PALS_LOCAL_RANKID": "1"}, mpich)
+    discovery._refuse_before_init({"PALS_RANKID": "1", "PMI_SIZE": "4"}, mpich)

@@ -80,3 +80,27 @@ def test_an_unreachable_hub_fails_at_once_and_leaves_nothing(tmp_path, monkeypat
     with pytest.raises(SystemExit):
         prepare.main(["prepare", "--dataset", "shakespeare", "--tokenizer", "gpt2", "--data_dir", str(tmp_path / "d")])
     assert not (tmp_path / "d" / "shakespeare" / "gpt2").exists()
+
+
+def test_a_bug_on_rank_0_is_exit_1_with_its_traceback_and_bad_input_stays_exit_2(single, capsys, monkeypatch):
+    """run_on_main keeps the error class: a ConfigError on rank 0 is bad input everywhere (exit 2, one line);
+    any other exception is a bug (exit 1, rank 0's traceback, then one line)."""
+    def broken(name):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(run.hf, "resolve", broken)
+    flags = ["--dataset", "text", "--input_file", "small.txt", "--hf_model", "gpt2", "--max_steps", "1"]
+    with pytest.raises(SystemExit) as exit_code:
+        run.main(flags)
+    err = capsys.readouterr().err
+    assert exit_code.value.code == 1 and "Traceback" in err and "KeyError: 'a bug'" in err
+    assert err.splitlines()[-1] == "error: rank 0 failed: KeyError: 'a bug'"
+
+    def bad_input(name):
+        raise ConfigError("--hf_model gpt2: not found")
+
+    monkeypatch.setattr(run.hf, "resolve", bad_input)
+    with pytest.raises(SystemExit) as exit_code:
+        run.main(flags)
+    err = capsys.readouterr().err
+    assert exit_code.value.code == 2 and err == "error: --hf_model gpt2: not found\n"
