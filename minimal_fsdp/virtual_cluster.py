@@ -132,6 +132,7 @@ class Cluster:
         self._own_dir = state_dir is None
         self.dir = Path(state_dir or tempfile.mkdtemp(prefix="virtual_cluster-"))
         self._procs = []
+        self._owner = os.getpid()
 
     def __enter__(self):
         try:
@@ -245,6 +246,12 @@ class Cluster:
         with _ipr(self.switch) as sw:
             sw.link("set", index=sw.link_lookup(ifname=self.host(name).port)[0], state="up" if up else "down")
 
+    def bytes_moved(self, name):
+        """Bytes host `name`'s link has carried both ways so far (counted at the bridge)."""
+        with _ipr(self.switch) as sw:
+            stats = sw.get_links(sw.link_lookup(ifname=self.host(name).port)[0])[0].get("IFLA_STATS64")
+        return stats["rx_bytes"] + stats["tx_bytes"]
+
     def throughput(self, sender, receiver, megabytes=32):
         """Gbit/s of one TCP stream from host `sender` to host `receiver` (first byte to last)."""
         port = 5201
@@ -257,6 +264,8 @@ class Cluster:
 
     def down(self):
         """Kill what runs on the hosts, remove the namespaces and files. Safe to call twice."""
+        if os.getpid() != self._owner:  # a forked child (pyroute2 forks) unwinding: not its cluster to remove
+            return
         for proc in self._procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -343,8 +352,9 @@ def main(argv=None):
     why = unavailable()
     if why:
         sys.exit(f"error: cannot make virtual hosts here: {why}")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the teardown below
-    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
+    owner = os.getpid()
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # unwind through the teardown below (only in this process)
+        signal.signal(signum, lambda signum, _: (sys.exit if os.getpid() == owner else os._exit)(128 + signum))
     with Cluster(args.hosts, args.rate, args.delay, args.loss, args.node_local, args.resolve) as cluster:
         names = ", ".join(f"{h.name} {h.address}" for h in cluster.hosts)
         print(f"virtual cluster: {names}; running on {cluster.hosts[0].name}: {' '.join(command)}", flush=True)
