@@ -1,7 +1,10 @@
 """Finding a checkpoint to load: a run's step_<N> directories and `latest`/`best` markers, the checks that a
 checkpoint is complete and undamaged (verify), the order to try them in, and the `progress` command.
 `python -m minimal_fsdp.checkpoint progress [training flags]` runs main() here."""
+import dataclasses
+import errno
 import re
+import stat
 import sys
 import zlib
 from pathlib import Path
@@ -10,16 +13,19 @@ import torch
 import torch.distributed as dist
 
 from . import environment
-from .checkpoint_meta import read_meta
+from .checkpoint_meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
 from .config import ConfigError
-from .safe_load import read_dcp_metadata
+from .models import MODELS, config_from_dict
+from .safe_load import open_regular, read_dcp_metadata
 
 STEP_NAME = re.compile(r"step_(\d+)")
+BLOCK = re.compile(r"blocks\.(\d+)\.")
+MAX_RNG_BYTES = 2**20  # torch, CUDA, numpy and python states: about 17 KB
 
 
 def crc32(path, chunk=16 * 2**20):
     crc = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while block := f.read(chunk):
             crc = zlib.crc32(block, crc)
     return crc
@@ -59,38 +65,77 @@ def rng_file(rank):
 
 
 def verify(path, checksums=True, share=(0, 1)):
-    """Why `path` is not a complete checkpoint, or None if it is: meta.json parses, DCP's .metadata loads
-    (without running code), every byte range it lists lies inside its shard file, every rank's RNG file loads,
-    and, with checksums, every file has the size and CRC-32 recorded at save (this caller's `share` of them,
-    (index, count), when several processes split the reading). Checkpoints from before checksums skip that."""
+    """Why `path` is not a complete checkpoint, or None if it is: meta.json passes its schema with the keys a run
+    reads (checkpoint_meta), DCP's .metadata loads (without running code), every byte range it lists lies inside
+    a regular shard file of this directory, the shards hold the model meta.json describes, every rank's RNG file
+    loads, and, with checksums, every file has the size and CRC-32 recorded at save (this caller's `share` of
+    them, (index, count), when several processes split the reading). Checkpoints from before checksums skip that."""
     path = Path(path)
     if not path.is_dir():
         return "no such directory"
     try:
         meta = read_meta(path)
-    except (OSError, ValueError):
-        return "meta.json is missing or unreadable"
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        return "meta.json has no step"
+        check_run_keys(meta)
+    except MetaError as e:
+        return str(e)
+    except OSError as e:
+        return "meta.json is missing or unreadable" + ("" if e.errno == errno.ENOENT else f" ({e.strerror})")
     try:
         metadata = read_dcp_metadata(path / ".metadata")
         needed = {}
         for info in metadata.storage_data.values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+            name = info.relative_path
+            if not (isinstance(name, str) and PLAIN_NAME.fullmatch(name)):
+                return f".metadata names a shard {name!r} that is not a plain file name inside the checkpoint"
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+        problem = _model_problem(meta, metadata)
     except Exception as e:  # noqa: BLE001 - a truncated or hostile pickle fails in many ways; all mean "unusable"
         return f".metadata is missing or unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
     for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size < size:
-            return f"{name} is truncated ({file.stat().st_size} of {size} bytes)"
-    for rank in range(meta.get("world_size", 0)):
         try:
-            torch.load(path / rng_file(rank), weights_only=True)
+            info = (path / name).lstat()
+        except OSError:
+            return f"{name} is missing"
+        if not stat.S_ISREG(info.st_mode):
+            return f"{name} is not a regular file"
+        if info.st_size < size:
+            return f"{name} is truncated ({info.st_size} of {size} bytes)"
+    if problem:
+        return problem
+    for rank in range(meta.get("world_size") or 0):
+        try:
+            with open_regular(path / rng_file(rank), MAX_RNG_BYTES) as f:
+                torch.load(f, weights_only=True)
         except Exception as e:  # noqa: BLE001 - missing, truncated: a few KB each, so read them all
-            return f"{rng_file(rank)} is missing or unreadable ({type(e).__name__})"
+            why = e.strerror if isinstance(e, OSError) and e.errno != errno.ENOENT else type(e).__name__
+            return f"{rng_file(rank)} is missing or unreadable ({why})"
     return _checksum_problem(path, meta.get("files") or {}, share) if checksums else None
+
+
+def _model_problem(meta, metadata):
+    """Why the shards do not hold the model meta.json describes, or None: the same blocks, and every parameter
+    the config implies with its shape. One block is built, on the meta device, so no config, however absurd,
+    allocates anything, and the sizes of what is built later are bounded by what the shards hold."""
+    held = {key[len("model."):]: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and hasattr(md, "size")}
+    config = config_from_dict(meta["model_type"], meta["model"])
+    blocks = {int(m.group(1)) for m in map(BLOCK.match, held) if m}
+    if blocks != set(range(config.num_layers)):
+        return f"meta.json describes {config.num_layers} layers, the shards hold {len(blocks)}"
+    with torch.device("meta"):
+        one_block = MODELS[meta["model_type"]](dataclasses.replace(config, num_layers=1))
+    wanted = {name: tuple(p.shape) for name, p in one_block.named_parameters()}
+    found = 0
+    for name, shape in held.items():
+        implied = wanted.get(BLOCK.sub("blocks.0.", name, count=1))
+        if implied is not None and implied != shape:
+            return f"meta.json's model gives {name} the shape {list(implied)}, the shards hold {list(shape)}"
+        found += implied is not None
+    per_block = sum(name.startswith("blocks.0.") for name in wanted)
+    if found != len(wanted) + (config.num_layers - 1) * per_block:
+        return f"the shards hold {found} of the {len(wanted) + (config.num_layers - 1) * per_block} tensors " \
+               "of the model meta.json describes"
+    return None
 
 
 def _checksum_problem(path, recorded, share):
@@ -99,6 +144,8 @@ def _checksum_problem(path, recorded, share):
         size, crc = recorded[name]
         file = Path(path) / name
         try:
+            if not stat.S_ISREG(file.lstat().st_mode):
+                return f"{name} is not a regular file"
             if file.stat().st_size != size:
                 return f"{name} has {file.stat().st_size} bytes, {size} when saved"
             if crc32(file) != crc:

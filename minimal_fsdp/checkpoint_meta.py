@@ -9,23 +9,189 @@ meta.json, format 2 (read_meta turns a format-1 file, from before "format" exist
               the position of the train stream)
   replicas    decentralized runs: replicas saved one per rank (0: the average only)
   files       {file name: [size, CRC-32]} of every other file of the checkpoint
+
+meta.json is read before its own checksums can protect anything, so read_meta trusts nothing in it: the file
+must be a regular file of at most MAX_BYTES, nested at most MAX_DEPTH deep, and every field present must have
+its type and range (SCHEMA, model_problem); a file it names must be a plain name inside the checkpoint. Any
+failure is a MetaError, one line naming the field. check_run_keys adds the keys a training run needs.
 """
+import dataclasses
 import json
+import math
+import re
 from pathlib import Path
 
+from .config import ConfigError
+from .models import MODELS, check_shape
+from .safe_load import open_regular
+
 FORMAT = 2
+MAX_BYTES = 64 * 2**20  # a few KB, plus two numbers per file: room for a run of a million ranks
+MAX_DEPTH = 32  # the deepest meta.json we write nests 4 levels (state.data.stream[rank][i])
+MAX_INT = 2**62  # steps, positions, sizes: far beyond any run, far below where arithmetic on them overflows
+# Model sizes: each well above the largest model anyone trains, so that nothing built from them is absurd; the
+# shards then bound them exactly (checkpoint_find compares every shape with DCP's .metadata).
+MODEL_BOUNDS = {"vocab_size": 2**24, "seq_length": 2**24, "num_layers": 2**12, "num_heads": 2**12,
+                "num_kv_heads": 2**12, "embed_size": 2**18, "intermediate_size": 2**20}
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}")
+
+
+class MetaError(ConfigError):
+    """meta.json is unusable; the text is one line naming the field. A checkpoint with one is damaged."""
 
 
 def read_meta(path):
-    """A checkpoint's meta.json in the current format's layout (see the top of this file)."""
-    meta = json.loads((Path(path) / "meta.json").read_text())
-    if not isinstance(meta, dict) or meta.get("format", 1) == FORMAT:
-        return meta
-    # Format 1 kept the parts' state at the top level and often no model_type (it was always GPT then).
-    config = meta.get("config") or {}
-    blocks_per_micro_step = meta.get("world_size", 1) * config.get("batch_size", 1)
-    data = meta.get("data_position") or {"train_blocks_seen": blocks_per_micro_step * meta.get(
-        "train_batches", meta.get("step", 0) * config.get("grad_accum_steps", 1))}
+    """A checkpoint's meta.json in the current format's layout, every field present checked (the top of this
+    file); raises MetaError (or OSError when the file is missing or unreadable)."""
+    with open_regular(Path(path) / "meta.json", MAX_BYTES) as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+        if _depth(text) > MAX_DEPTH:
+            raise MetaError(f"meta.json nests deeper than {MAX_DEPTH} levels")
+        meta = json.loads(text)
+    except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
+        raise MetaError(f"meta.json is not JSON ({type(e).__name__}: {' '.join(str(e).split())[:100]})") from None
+    if not isinstance(meta, dict):
+        raise MetaError(f"meta.json holds a JSON {type(meta).__name__}, not an object")
+    version = meta.get("format", 1)
+    if version not in (1, FORMAT) or isinstance(version, bool):
+        raise MetaError(f"meta.json: format {_show(version)} is not one this version reads (1 or {FORMAT})")
+    if version == 1:
+        meta = _from_format_1(meta)
+    check(meta)
+    return meta
+
+
+def _depth(text):
+    """How deep JSON text nests, strings skipped: json.loads would recurse once per level."""
+    depth = deepest = 0
+    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
+        char = token.group()
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _from_format_1(meta):
+    """Format 1 kept the parts' state at the top level and often no model_type (it was always GPT then)."""
+    for field in ("step", "world_size", "train_batches"):
+        _whole(meta, field, optional=True)
+    config = meta.get("config")
+    if config is None:
+        meta, config = {k: v for k, v in meta.items() if k != "config"}, {}
+    if not isinstance(config, dict):
+        raise MetaError(f"meta.json: config is {_show(config)}, not an object")
+    for field in ("batch_size", "grad_accum_steps"):
+        _whole(config, field, optional=True, where="config.")
+    blocks_per_micro_step = (meta.get("world_size") or 1) * (config.get("batch_size") or 1)
+    train_batches = meta.get("train_batches")
+    if train_batches is None:
+        train_batches = (meta.get("step") or 0) * (config.get("grad_accum_steps") or 1)
+    data = meta.get("data_position") or {"train_blocks_seen": blocks_per_micro_step * train_batches}
     schedule = {"lr_decay_steps": meta.get("lr_decay_steps"), "last_step": meta.get("last_step")}
     return dict(meta, format=FORMAT, model_type=meta.get("model_type", "gpt"),
                 state={"schedule": schedule, "data": data})
+
+
+def check(meta):
+    """Every field of a (format-2) meta.json that is present has its type and range: MetaError otherwise."""
+    _whole(meta, "step")
+    _whole(meta, "world_size", low=1, high=2**24, optional=True)
+    _whole(meta, "replicas", high=2**24, optional=True)
+    if meta.get("val_loss") is not None and not _number(meta["val_loss"]):
+        raise MetaError(f"meta.json: val_loss is {_show(meta['val_loss'])}, not a number or null")
+    for field in ("config", "state", "model", "files"):
+        if field in meta and not isinstance(meta[field], dict):
+            raise MetaError(f"meta.json: {field} is {_show(meta[field])}, not an object")
+    if "model_type" in meta and meta["model_type"] not in MODELS:
+        raise MetaError(f"meta.json: model_type is {_show(meta['model_type'])}, not one of {', '.join(MODELS)}")
+    state = meta.get("state", {})
+    for part in ("schedule", "data"):
+        if part in state and not isinstance(state[part], dict):
+            raise MetaError(f"meta.json: state.{part} is {_show(state[part])}, not an object")
+    schedule, data = state.get("schedule", {}), state.get("data", {})
+    _whole(schedule, "lr_decay_steps", optional=True, where="state.schedule.")
+    _whole(schedule, "last_step", optional=True, where="state.schedule.")
+    _whole(data, "train_blocks_seen", optional=True, where="state.data.")
+    if "stream" in data and not (isinstance(data["stream"], list) and all(
+            isinstance(p, list) and len(p) == 3 and all(type(i) is int and 0 <= i <= MAX_INT for i in p)
+            for p in data["stream"])):
+        raise MetaError("meta.json: state.data.stream is not a list of [file, document, token] positions")
+    for name, entry in meta.get("files", {}).items():
+        if not PLAIN_NAME.fullmatch(name) or name in (".", ".."):
+            raise MetaError(f"meta.json: files names {_show(name)}, not a plain file name inside the checkpoint")
+        if not (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int for v in entry)
+                and 0 <= entry[0] <= MAX_INT and 0 <= entry[1] < 2**32):
+            raise MetaError(f"meta.json: files.{name} is {_show(entry)}, not [size, CRC-32]")
+    if "model" in meta:
+        problem = model_problem(meta.get("model_type", "gpt"), meta["model"])
+        if problem:
+            raise MetaError(f"meta.json: {problem}")
+
+
+def check_run_keys(meta):
+    """The keys a training run, sampling and export read: MetaError naming the first one missing."""
+    state = meta.get("state", {})
+    for present, name in [("model_type" in meta, "model_type"), ("model" in meta, "model"),
+                          ("config" in meta, "config"), ("schedule" in state, "state.schedule"),
+                          ("data" in state, "state.data")]:
+        if not present:
+            raise MetaError(f"meta.json has no {name}")
+
+
+def model_problem(model_type, fields):
+    """Why `fields` (meta.json's "model", or a model config read elsewhere) is not a config of our `model_type`
+    that can be built, or None: known keys only, each of its type, sizes within MODEL_BOUNDS, shapes that fit."""
+    config_class = MODELS[model_type].config_class
+    types = {f.name: f.type for f in dataclasses.fields(config_class)}
+    for name, value in fields.items():
+        kind = types.get(name)
+        if kind is None:
+            return f"model.{name} is not a field of a {model_type} model"
+        if name in MODEL_BOUNDS and not (type(value) is int and 1 <= value <= MODEL_BOUNDS[name]):
+            return f"model.{name} is {_show(value)}, not a whole number in [1, {MODEL_BOUNDS[name]}]"
+        if name == "document_eot_id" and value is not None and not (type(value) is int and value >= 0):
+            return f"model.{name} is {_show(value)}, not a token id"
+        if kind in (float, "float") and not (_number(value) and math.isfinite(value) and value >= 0):
+            return f"model.{name} is {_show(value)}, not a finite number >= 0"
+        if kind in (bool, "bool") and type(value) is not bool:
+            return f"model.{name} is {_show(value)}, not true or false"
+        if kind in (dict, "dict") and value is not None and not (isinstance(value, dict) and all(
+                _number(v) or isinstance(v, str) for v in value.values())):
+            return f"model.{name} is {_show(value)}, not an object of numbers"
+    if fields.get("dropout", 0) >= 1:
+        return f"model.dropout is {_show(fields['dropout'])}, not below 1"
+    for name in ("vocab_size", "seq_length", "num_layers", "num_heads", "embed_size"):
+        if name not in fields:
+            return f"model has no {name}"
+    try:
+        check_shape(config_class(**fields))
+    except ConfigError as e:
+        return f"model: {e}"
+    return None
+
+
+def _whole(mapping, field, low=0, high=MAX_INT, optional=False, where=""):
+    """mapping[field] is a whole number in [low, high] (or, if optional, absent or null): MetaError otherwise."""
+    value = mapping.get(field)
+    if value is None and optional:
+        return
+    if value is None:
+        raise MetaError(f"meta.json has no {where}{field}")
+    if type(value) is not int or not low <= value <= high:
+        bounds = f">= {low}" if high == MAX_INT else f"in [{low}, {high}]"
+        raise MetaError(f"meta.json: {where}{field} is {_show(value)}, not a whole number {bounds}")
+
+
+def _number(value):
+    return type(value) in (int, float)
+
+
+def _show(value):
+    """A value as one short line (its JSON, cut)."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -1,9 +1,13 @@
-"""Reading DCP's checkpoint files without running code: its .metadata pickle through an unpickler that knows only
-the plain classes it is made of, non-tensor entries with torch.load(weights_only=True), and whole tensors in one
-process (tests, export, sampling, inspection)."""
+"""Reading a checkpoint's files without running code or blocking: files opened only when they are regular files
+inside the directory (open_regular), DCP's .metadata pickle through an unpickler that knows only the plain
+classes it is made of, non-tensor entries with torch.load(weights_only=True), and whole tensors in one process
+(tests, export, sampling, inspection)."""
 import enum
+import errno
 import importlib
+import os
 import pickle
+import stat
 import warnings
 from pathlib import Path
 
@@ -13,6 +17,22 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+
+def open_regular(path, max_bytes=None):
+    """`path` opened for binary reading if it is a regular file (of at most max_bytes), else OSError. A device,
+    FIFO, socket or symbolic link in a checkpoint is refused before it is opened (reading /dev/zero or a FIFO would
+    never end); the file is opened without following links and without waiting, then checked again."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file (a link, directory, device or FIFO)", str(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or max_bytes is not None and info.st_size > max_bytes:
+        os.close(fd)
+        why = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes, over {max_bytes}"
+        raise OSError(errno.EFBIG if "bytes" in why else errno.EINVAL, why, str(path))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def _allowed_globals():
@@ -68,7 +88,7 @@ class _MetadataUnpickler(pickle._Unpickler):
 
 def read_dcp_metadata(path):
     """DCP's Metadata of a checkpoint directory (or of one of its per-rank metadata files)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return _MetadataUnpickler(f).load()
 
 

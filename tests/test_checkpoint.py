@@ -114,8 +114,10 @@ def one_rank(tmp_path):
 
 
 def save_steps(run, model, optimizer, val_losses, keep_last=0):
+    meta = {"format": 2, "model_type": "gpt", "model": model.config.to_dict(), "config": {},
+            "state": {"schedule": {}, "data": {"train_blocks_seen": 0}}}
     for step, val_loss in enumerate(val_losses, start=1):
-        checkpoint.save(run, step, model, optimizer, {"val_loss": val_loss}, keep_last=keep_last)
+        checkpoint.save(run, step, model, optimizer, dict(meta, val_loss=val_loss), keep_last=keep_last)
 
 
 def test_keep_last_prunes_older_checkpoints_but_spares_best(one_rank, tmp_path):
@@ -147,7 +149,7 @@ def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_
     assert "step_5: rng_0.pt is missing or unreadable" in lines[0]
     assert "step_4: __0_0.distcp is truncated (100 of" in lines[1]
     assert "step_3: .metadata is missing or unreadable" in lines[2]
-    assert "step_2: meta.json is missing or unreadable" in lines[3]
+    assert "step_2: meta.json is not JSON" in lines[3]
     with pytest.raises(ConfigError, match="--restart_checkpoint_file .*step_4 is not a complete checkpoint"):
         checkpoint_find.find(parse_args(["--restart_checkpoint_file", str(run / "step_4")]))
 

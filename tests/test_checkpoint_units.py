@@ -32,17 +32,21 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from minimal_fsdp import checkpoint, checkpoint_find, checkpoint_meta, environment, files, safe_load
 from minimal_fsdp.config import ConfigError, parse_args
-from minimal_fsdp.model import GPTConfig
+from minimal_fsdp.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
+TINY = GPTConfig(vocab_size=8, seq_length=4, num_layers=2, num_heads=1, embed_size=4)
+
+
 def tiny(seed=0):
-    """A two-layer model and an AdamW that has taken one step (so it has moments), both seeded."""
+    """A two-block GPT (a model meta.json can describe) and an AdamW that has taken one step (so it has moments),
+    both seeded."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model = GPT(TINY)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(2, 4)).sum().backward()
+    sum((p * torch.randn_like(p)).sum() for p in model.parameters()).backward()
     optimizer.step()
     optimizer.zero_grad()
     return model, optimizer
@@ -68,8 +72,11 @@ def save_three(root):
     (tokenizer / "vocab.txt").write_text("not a tokenizer.* file: not copied")
     model, optimizer = tiny()
     for step, val_loss in [(1, 3.0), (2, 2.0), (3, None)]:
-        state = {"schedule": {"lr_decay_steps": 10, "last_step": 100 if step == 3 else None}}
-        checkpoint.save(root / "run", step, model, optimizer, {"format": 2, "val_loss": val_loss, "state": state},
+        state = {"schedule": {"lr_decay_steps": 10, "last_step": 100 if step == 3 else None},
+                 "data": {"train_blocks_seen": 4 * step}}
+        checkpoint.save(root / "run", step, model, optimizer, {"format": 2, "val_loss": val_loss, "state": state,
+                                                               "model_type": "gpt", "model": TINY.to_dict(),
+                                                               "config": {"batch_size": 4}},
                         tokenizer_dir=tokenizer)
     return root / "run", weights(model), tokenizer
 
@@ -335,7 +342,7 @@ def test_save_replicas_keeps_this_ranks_replica_beside_the_average(tmp_path):
     assert same(safe_load.read_tensors(path, names), weights(model))  # the average of one replica
     assert same(safe_load.read_tensors(path, names, prefix="replicas.0.model."), weights(model))
     moments_saved = [n for n, _, _ in safe_load.tensor_names(path, "replicas.0.optim.state.") if "exp_avg" in n]
-    assert len(moments_saved) == 8
+    assert len(moments_saved) == 2 * len(list(model.parameters()))
     path = checkpoint.save_replicas(tmp_path / "average", 1, model, optimizer, {}, average_only=True)
     assert meta_of(path)["replicas"] == 0
     assert safe_load.tensor_names(path, "replicas.") == []
@@ -395,7 +402,8 @@ def test_checkpointer_of_a_decentralized_run(tmp_path):
     assert (meta["replicas"], meta["val_loss"], meta["model_type"], meta["model"]["embed_size"]) == (1, 1.0, "gpt", 8)
     assert meta["config"]["keep_last"] == 1 and meta["state"] == {"data": {"train_blocks_seen": 8}}
     assert (path / "tokenizer.json").read_text() == "{}"
-    assert len(safe_load.tensor_names(path, "replicas.0.optim.state.")) == 12  # step, exp_avg, exp_avg_sq each
+    # step, exp_avg, exp_avg_sq of each parameter
+    assert len(safe_load.tensor_names(path, "replicas.0.optim.state.")) == 3 * len(list(tiny()[0].parameters()))
     average_only = checkpoint.Checkpointer(dataclasses.replace(cfg, run_name="avg", save_average=True), config,
                                            None, decentralized=True)
     assert meta_of(average_only.save(1, model, optimizer, None, {}))["replicas"] == 0
@@ -590,11 +598,8 @@ def test_safe_reader_reads_a_ranks_metadata_and_tags_it_with_its_load_id(run):
 
 def test_tensor_names_lists_the_models_tensors(saved):
     step = saved[0] / "step_3"
-    assert safe_load.tensor_names(step) == [("0.weight", torch.Size([3, 4]), torch.float32),
-                                            ("0.bias", torch.Size([3]), torch.float32),
-                                            ("1.weight", torch.Size([2, 3]), torch.float32),
-                                            ("1.bias", torch.Size([2]), torch.float32)]
-    assert [name for name, _, _ in safe_load.tensor_names(step, "optim.state.0.")] == [
+    assert safe_load.tensor_names(step) == [(name, p.shape, torch.float32) for name, p in tiny()[0].named_parameters()]
+    assert [name for name, _, _ in safe_load.tensor_names(step, "optim.state.ln_f.")] == [
         "weight.step", "weight.exp_avg", "weight.exp_avg_sq", "bias.step", "bias.exp_avg", "bias.exp_avg_sq"]
     assert safe_load.tensor_names(step, "optim.param_groups.") == []  # not tensors
 
@@ -611,11 +616,10 @@ def test_read_tensors_keeps_each_tensors_dtype_and_shape(tmp_path):
 
 
 def test_read_tensors_reads_any_part_of_the_checkpoint(saved):
-    _, optimizer = tiny()
-    got = safe_load.read_tensors(saved[0] / "step_3", ["weight.exp_avg", "bias.exp_avg_sq"], prefix="optim.state.0.")
-    state = list(optimizer.state.values())
-    assert torch.equal(got["weight.exp_avg"], state[0]["exp_avg"])
-    assert torch.equal(got["bias.exp_avg_sq"], state[1]["exp_avg_sq"])
+    model, optimizer = tiny()
+    got = safe_load.read_tensors(saved[0] / "step_3", ["weight.exp_avg", "bias.exp_avg_sq"], prefix="optim.state.ln_f.")
+    assert torch.equal(got["weight.exp_avg"], optimizer.state[model.ln_f.weight]["exp_avg"])
+    assert torch.equal(got["bias.exp_avg_sq"], optimizer.state[model.ln_f.bias]["exp_avg_sq"])
 
 
 def test_load_restores_the_model_alone_or_with_its_optimizer(saved):
@@ -635,7 +639,7 @@ def test_read_tensors_needs_no_other_rank(saved, monkeypatch):
     for name in ("all_gather_object", "gather_object", "scatter_object_list", "broadcast_object_list", "barrier",
                  "all_reduce", "broadcast"):
         monkeypatch.setattr(dist, name, collective)
-    assert same(safe_load.read_tensors(saved[0] / "step_3", ["0.bias"]), {"0.bias": saved[1]["0.bias"]})
+    assert same(safe_load.read_tensors(saved[0] / "step_3", ["ln_f.bias"]), {"ln_f.bias": saved[1]["ln_f.bias"]})
 
 
 def test_read_tensors_silences_only_dcps_single_process_notice(saved, monkeypatch):
@@ -647,7 +651,7 @@ def test_read_tensors_silences_only_dcps_single_process_notice(saved, monkeypatc
     monkeypatch.setattr(safe_load.SafeReader, "read_metadata", warns)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        safe_load.read_tensors(saved[0] / "step_3", ["0.bias"])
+        safe_load.read_tensors(saved[0] / "step_3", ["ln_f.bias"])
     assert [str(w.message) for w in caught] == ["something else"]
 
 
@@ -656,11 +660,117 @@ def test_read_tensors_silences_only_dcps_single_process_notice(saved, monkeypatc
 def test_verify_names_what_is_wrong_with_meta_json(run):
     assert checkpoint_find.verify(run / "step_9") == "no such directory"
     meta = run / "step_3" / "meta.json"
-    for text in ["[1, 2]", '{"step": "3"}', "{}"]:
+    for text, problem in [("[1, 2]", "meta.json holds a JSON list, not an object"), ("{}", "meta.json has no step"),
+                          ('{"step": "3"}', 'meta.json: step is "3", not a whole number >= 0'),
+                          ('{"step": 3, "wor', "meta.json is not JSON (JSONDecodeError: Unterminated string")]:
         meta.write_text(text)
-        assert checkpoint_find.verify(run / "step_3") == "meta.json has no step"
-    meta.write_text('{"step": 3, "wor')
+        assert checkpoint_find.verify(run / "step_3").startswith(problem)
+    meta.unlink()
     assert checkpoint_find.verify(run / "step_3") == "meta.json is missing or unreadable"
+
+
+def edited(path, edit):
+    meta = meta_of(path)
+    edit(meta)
+    (Path(path) / "meta.json").write_text(json.dumps(meta))
+
+
+# The issue's hostile edits of a saved meta.json (each was a traceback or a hang), and what verify says of each.
+HOSTILE_META = {
+    "no config": (lambda m: m.pop("config"), "meta.json has no config"),
+    "no model": (lambda m: m.pop("model"), "meta.json has no model"),
+    "state a string": (lambda m: m.update(state="x"), 'meta.json: state is "x", not an object'),
+    "step a string": (lambda m: m.update(step="3"), 'meta.json: step is "3", not a whole number >= 0'),
+    "val_loss a string": (lambda m: m.update(val_loss="low"), 'meta.json: val_loss is "low", not a number or null'),
+    "position a string": (lambda m: m["state"]["data"].update(train_blocks_seen="12"),
+                          'meta.json: state.data.train_blocks_seen is "12", not a whole number >= 0'),
+    "position negative": (lambda m: m["state"]["data"].update(train_blocks_seen=-1),
+                          "meta.json: state.data.train_blocks_seen is -1, not a whole number >= 0"),
+    "stream of strings": (lambda m: m["state"].update(data={"stream": [["a", 0, 0]]}),
+                          "meta.json: state.data.stream is not a list of [file, document, token] positions"),
+    "config a list": (lambda m: m.update(config=[1]), "meta.json: config is [1], not an object"),
+    "schedule a number": (lambda m: m["state"].update(schedule=5), "meta.json: state.schedule is 5, not an object"),
+    "files entry short": (lambda m: m["files"].update({"rng_0.pt": [5]}),
+                          'meta.json: files.rng_0.pt is [5], not [size, CRC-32]'),
+    "files entry a device": (lambda m: m["files"].update({"/dev/zero": [5, 1]}),
+                             'meta.json: files names "/dev/zero", not a plain file name inside the checkpoint'),
+    "files entry outside": (lambda m: m["files"].update({"../step_2/meta.json": [5, 1]}),
+                            'meta.json: files names "../step_2/meta.json", not a plain file name inside the checkpoint'),
+    "absurd layers": (lambda m: m["model"].update(num_layers=10**9),
+                      "meta.json: model.num_layers is 1000000000, not a whole number in [1, 4096]"),
+    "layers the shards lack": (lambda m: m["model"].update(num_layers=300),
+                               "meta.json describes 300 layers, the shards hold 2"),
+    "another width": (lambda m: m["model"].update(embed_size=8, num_heads=2),
+                      "meta.json's model gives wte.weight the shape [8, 8], the shards hold [8, 4]"),
+    "zero heads": (lambda m: m["model"].update(num_heads=0),
+                   "meta.json: model.num_heads is 0, not a whole number in [1, 4096]"),
+    "heads not dividing": (lambda m: m["model"].update(num_heads=3),
+                           "meta.json: model: embed size 4 is not divisible by 3 heads"),
+    "unknown model field": (lambda m: m["model"].update(colour=1), "meta.json: model.colour is not a field of a gpt model"),
+    "model type": (lambda m: m.update(model_type="bert"), 'meta.json: model_type is "bert", not one of gpt, llama'),
+    "format": (lambda m: m.update(format=7), "meta.json: format 7 is not one this version reads (1 or 2)"),
+    "world size": (lambda m: m.update(world_size=10**9),
+                   "meta.json: world_size is 1000000000, not a whole number in [1, 16777216]"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_META)
+def test_a_hostile_meta_json_makes_its_checkpoint_damaged_in_one_line(run, console, case):
+    edit, problem = HOSTILE_META[case]
+    edited(run / "step_3", edit)
+    assert checkpoint_find.verify(run / "step_3") == problem
+    out, err = console()
+    assert checkpoint_find.latest(run) == run / "step_2"  # the newest good one instead, with one line
+    assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
+    checkpoint_find.main(["progress", "--checkpoint_dir", str(run.parent), "--run_name", run.name])
+    assert out.getvalue() == "2 none\n"
+
+
+def test_a_deeply_nested_or_oversized_meta_json_is_refused_unread(run):
+    meta = run / "step_3" / "meta.json"
+    meta.write_text('{"step": 3, "model": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    assert checkpoint_find.verify(run / "step_3") == "meta.json nests deeper than 32 levels"
+    meta.write_text('{"step": 3, "x": "' + "[" * 200_000 + '"}')  # brackets in a string do not nest
+    assert checkpoint_find.verify(run / "step_3") == "meta.json has no model"
+    with open(meta, "r+b") as f:
+        f.truncate(checkpoint_meta.MAX_BYTES + 1)  # sparse: no disk used
+    assert checkpoint_find.verify(run / "step_3") == (
+        f"meta.json is missing or unreadable ({checkpoint_meta.MAX_BYTES + 1} bytes, over {checkpoint_meta.MAX_BYTES})")
+
+
+def bounded(function, seconds=60):
+    """function() in a thread: its result, or a failure if it is still running after `seconds` (a hang)."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(function()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "hung"
+    return result[0]
+
+
+@pytest.mark.parametrize("name", ["meta.json", ".metadata", "__0_0.distcp", "rng_0.pt", "tokenizer.json"])
+@pytest.mark.parametrize("kind", ["fifo", "link to a device", "link inside"])
+def test_files_that_are_not_regular_are_never_read(run, name, kind):
+    step = run / "step_3"
+    file = step / name
+    file.rename(step / "moved")
+    if kind == "fifo":
+        os.mkfifo(file)  # opening it for reading would wait for a writer forever
+    else:
+        file.symlink_to("/dev/zero" if kind == "link to a device" else step / "moved")
+    problem = bounded(lambda: checkpoint_find.verify(step))
+    assert problem is not None and "regular file" in problem, problem
+    assert bounded(lambda: checkpoint_find.latest(run)) == run / "step_2"
+
+
+def test_metadata_naming_a_shard_outside_the_checkpoint_is_refused(run):
+    step = run / "step_3"
+    metadata = safe_load.read_dcp_metadata(step / ".metadata")
+    index, info = next(iter(metadata.storage_data.items()))
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path="../step_2/__0_0.distcp")}
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert checkpoint_find.verify(step, checksums=False) == (".metadata names a shard '../step_2/__0_0.distcp' that is "
+                                                             "not a plain file name inside the checkpoint")
 
 
 def test_verify_reports_crafted_metadata_in_one_bounded_line(run):
@@ -725,7 +835,8 @@ def test_verify_checks_sizes_and_checksums_unless_told_not_to(run):
 def test_verify_accepts_a_checkpoint_from_before_checksums_and_world_size(run):
     step = run / "step_3"
     meta = meta_of(step)
-    (step / "meta.json").write_text(json.dumps({"step": 3, "val_loss": meta["val_loss"]}))
+    (step / "meta.json").write_text(json.dumps({"step": 3, "val_loss": meta["val_loss"], "model": meta["model"],
+                                                "config": meta["config"]}))  # format 1
     (step / "rng_0.pt").unlink()
     flip_a_byte(step / "__0_0.distcp")
     assert checkpoint_find.verify(step) is None
@@ -902,7 +1013,8 @@ def read_meta(tmp_path, meta):
 def test_read_meta_keeps_the_current_format_as_it_is(tmp_path):
     meta = {"format": 2, "step": 3, "lr_decay_steps": 5, "state": {"x": 1}}
     assert read_meta(tmp_path, meta) == meta
-    assert read_meta(tmp_path, [1, 2]) == [1, 2]
+    with pytest.raises(checkpoint_meta.MetaError, match="^meta.json holds a JSON list, not an object$"):
+        read_meta(tmp_path, [1, 2])
 
 
 def test_read_meta_moves_format_1s_state_into_place(tmp_path):
@@ -921,7 +1033,10 @@ def test_read_meta_counts_format_1s_train_position_from_what_it_kept(tmp_path):
     assert seen(step=7, world_size=2, config=config) == {"train_blocks_seen": 2 * 3 * 7 * 5}
     assert seen(step=7, config=None) == {"train_blocks_seen": 7}
     assert seen(step=7) == {"train_blocks_seen": 7}
-    assert seen() == {"train_blocks_seen": 0}
+    with pytest.raises(checkpoint_meta.MetaError, match="^meta.json has no step$"):
+        seen()
+    with pytest.raises(checkpoint_meta.MetaError, match='^meta.json: config.batch_size is "3", not a whole number'):
+        seen(step=7, world_size=2, config={"batch_size": "3"})
     assert read_meta(tmp_path, {"step": 7})["state"]["schedule"] == {"lr_decay_steps": None, "last_step": None}
 
 
