@@ -1,11 +1,15 @@
-"""What GPT and Llama share: attention over a KV cache, the loss, parameter and FLOP counts, and presets.
+"""What GPT and Llama share: attention over a KV cache or a document mask, the loss, parameter and FLOP counts.
 
 Only math lives here, as in model.py and llama.py.
 Shapes: B batch, H heads, K heads with their own keys and values, T time, D head size.
 """
+from dataclasses import asdict
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .attention import attend_documents, document_mask
 
 
 class KVCache:
@@ -18,9 +22,12 @@ class KVCache:
         self.pos = 0
 
 
-def attend(q, k, v, cache, layer, dropout):
+def attend(q, k, v, cache, layer, dropout, mask=None):
     """Causal attention of q (B, H, T, D) over k, v (B, K, T, D). With a cache: this step's keys and values are
-    written at its position and the queries see every cached one. dropout: the probability, 0 when evaluating."""
+    written at its position and the queries see every cached one. dropout: the probability, 0 when evaluating.
+    mask: a document mask (Decoder.attention_mask; never with a cache), else plain causal attention."""
+    if mask is not None:
+        return attend_documents(q, k, v, mask, dropout)
     T = q.size(2)
     if cache is not None:
         start = cache.pos
@@ -43,6 +50,12 @@ def cross_entropy(x, weight, targets):
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def config_fields(config):
+    """A model config as the dict checkpoints record. document_eot_id is left out when off, so a checkpoint written
+    before document masks existed records the same model as a run without one."""
+    return {k: v for k, v in asdict(config).items() if k != "document_eot_id" or v is not None}
+
+
 class Decoder(nn.Module):
     """The surface parallelize, train and generate rely on: `config`, `blocks`, `loss`, `initial_value`, and
     these counts. `lookup_only` names the embedding that is a table lookup rather than a matmul."""
@@ -57,6 +70,14 @@ class Decoder(nn.Module):
         """Training FLOPs per token: 6N for the matmuls plus attention (PaLM's count, as nanoGPT does)."""
         c = self.config
         return 6 * self.num_params() + 12 * c.num_layers * c.embed_size * c.seq_length
+
+    def attention_mask(self, idx, cache=None):
+        """The document mask of the windows idx (B, T) if the config has an end-of-text token (--document_mask),
+        built once for all blocks; None: plain causal. Decoding with a cache continues one text: causal."""
+        eot_id = self.config.document_eot_id
+        if eot_id is None or cache is not None:
+            return None
+        return document_mask(idx, eot_id, self.config.dropout if self.training else 0.0)
 
     def new_cache(self, batch_size, device, dtype):
         """An empty KV cache for generation."""

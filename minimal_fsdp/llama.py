@@ -6,14 +6,14 @@ i + D/2), so Hugging Face Llama weights load without permuting q and k.
 Shapes: B batch, T time, C embed_size, H heads, K kv heads, D = C // H head size, I intermediate_size.
 """
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import Decoder, attend, cross_entropy
+from .layers import Decoder, attend, config_fields, cross_entropy
 
 
 @dataclass
@@ -30,12 +30,19 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict = None  # Llama 3.1's long-context frequency scaling ({"rope_type": "llama3", ...}) or None
     dropout: float = 0.0
+    document_eot_id: int = None  # --document_mask: attention stays within documents, which end at this token
 
     def to_dict(self):
-        return asdict(self)
+        return config_fields(self)
 
 
-# Llama 2 shapes from the paper (and the reference's table), Llama 3 8B from Meta's release; tiny for laptops.
+# Llama 3.1's rotary scaling (its config.json's rope_scaling; Meta's reference code applies it to Llama 3.1 8B).
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+# Llama 2 shapes from the paper (and the reference's table); Llama 3 8B as Meta's Llama 3.1 8B config.json (128K
+# vocabulary, 8 kv heads, rope theta 500000 and Llama 3.1's scaling, norm eps 1e-5) at its 8K training context;
+# llama3-tiny: the same family (4 query heads per kv head, theta, scaling, vocabulary) in a few blocks of width 256;
+# tiny for laptops.
 PRESETS = {
     "tiny": dict(num_layers=4, num_heads=4, num_kv_heads=2, embed_size=128, intermediate_size=384, seq_length=128),
     "llama2-7b": dict(num_layers=32, num_heads=32, num_kv_heads=32, embed_size=4096, intermediate_size=11008,
@@ -45,7 +52,9 @@ PRESETS = {
     "llama2-70b": dict(num_layers=80, num_heads=64, num_kv_heads=8, embed_size=8192, intermediate_size=28672,
                        seq_length=4096, vocab_size=32000),
     "llama3-8b": dict(num_layers=32, num_heads=32, num_kv_heads=8, embed_size=4096, intermediate_size=14336,
-                      seq_length=8192, vocab_size=128256, rope_theta=500000.0),
+                      seq_length=8192, vocab_size=128256, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE),
+    "llama3-tiny": dict(num_layers=4, num_heads=8, num_kv_heads=2, embed_size=256, intermediate_size=896,
+                        seq_length=512, vocab_size=128256, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE),
 }
 
 
@@ -94,13 +103,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * self.head_size, config.embed_size, bias=False)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cos, sin, cache=None, layer=0):
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None):
         B, T, C = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_size).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_size).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_size).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = attend(q, k, v, cache, layer, self.dropout if self.training else 0.0)
+        y = attend(q, k, v, cache, layer, self.dropout if self.training else 0.0, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.o_proj(y))
 
@@ -129,8 +138,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.embed_size, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache=None, layer=0):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -163,8 +172,9 @@ class Llama(Decoder):
         x = self.drop(self.wte(idx))
         # In the compute dtype, as Hugging Face does (bf16 q, k stay bf16, like v); cast once, outside the blocks.
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        mask = self.attention_mask(idx, cache)
         for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache, layer)
+            x = block(x, cos, sin, cache, layer, mask)
         if cache is not None:
             cache.pos += T
         return self.norm(x)

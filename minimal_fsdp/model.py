@@ -4,14 +4,14 @@ Only the math lives here; how it is sharded, checkpointed and compiled lives in 
 Shapes: B batch, T time, C embed_size, H heads, D = C // H.
 """
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import Decoder, attend, cross_entropy
+from .layers import Decoder, attend, config_fields, cross_entropy
 
 
 @dataclass
@@ -24,9 +24,10 @@ class GPTConfig:
     embed_size: int = 128
     dropout: float = 0.0
     bias: bool = True
+    document_eot_id: int = None  # --document_mask: attention stays within documents, which end at this token
 
     def to_dict(self):
-        return asdict(self)
+        return config_fields(self)
 
 
 # The OpenAI GPT-2 shapes (vocab 50257, 1024 positions) and a tiny one that trains on a laptop CPU.
@@ -48,14 +49,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.embed_size, config.embed_size, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cache=None, layer=0):
+    def forward(self, x, cache=None, layer=0, mask=None):
         B, T, C = x.shape
         # Three matmuls on slices of the one qkv weight (GPT-2's layout): backward then adds their input gradients
         # instead of concatenating dq, dk and dv into one tensor for a single matmul.
         biases = self.qkv.bias.split(C) if self.qkv.bias is not None else (None,) * 3
         q, k, v = (F.linear(x, w, b) for w, b in zip(self.qkv.weight.split(C), biases))
         q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in (q, k, v))
-        y = attend(q, k, v, cache, layer, self.dropout if self.training else 0.0)
+        y = attend(q, k, v, cache, layer, self.dropout if self.training else 0.0, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.proj(y))
 
@@ -81,8 +82,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.embed_size, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache=None, layer=0):
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x, cache=None, layer=0, mask=None):
+        x = x + self.attn(self.ln_1(x), cache, layer, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -113,8 +114,9 @@ class GPT(Decoder):
         start = cache.pos if cache is not None else 0
         pos = torch.arange(start, start + T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
+        mask = self.attention_mask(idx, cache)
         for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer)
+            x = block(x, cache, layer, mask)
         if cache is not None:
             cache.pos += T
         return self.ln_f(x)

@@ -3,6 +3,8 @@
 MODELS is the one table of families: "gpt" (model.GPT) and "llama" (llama.Llama). Each class carries its config
 class and its presets, and a checkpoint's meta.json records the family as "model_type".
 """
+import dataclasses
+
 from .config import ConfigError, model_family
 from .llama import Llama
 from .model import GPT
@@ -33,6 +35,18 @@ def config_from_flags(cfg, vocab_size=None):
     else:
         shape.update(bias=cfg.bias)
     return check_shape(make_config(family, cfg.model_preset, **shape))
+
+
+def with_document_mask(config, cfg, tokenizer):
+    """The model config with --document_mask's end-of-text token (the tokenizer's), which the model's attention
+    keeps documents apart at (attention.py); unchanged without the flag."""
+    if not cfg.document_mask:
+        return config
+    if tokenizer.eot_id is None:
+        raise ConfigError(f"--document_mask needs a tokenizer with an end-of-text token, and {tokenizer.kind} has "
+                          "none: use --tokenizer gpt2 or sentencepiece, a --tokenizer_dir that names an eos token, "
+                          "or drop --document_mask")
+    return dataclasses.replace(config, document_eot_id=tokenizer.eot_id)
 
 
 def check_shape(config):

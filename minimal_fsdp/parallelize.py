@@ -58,7 +58,8 @@ aten = torch.ops.aten
 # show it); and the amax (max) each float8 cast takes, a scalar, is kept rather than recomputed by another pass.
 KEEP = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default, aten.max.default,
         aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
+        aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch._higher_order_ops.flex_attention}  # --document_mask's attention on CUDA (attention.py)
 
 
 @dataclasses.dataclass(frozen=True)

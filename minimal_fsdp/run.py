@@ -22,7 +22,7 @@ from .data import TokenData, prepared_dir
 from .generate import generate
 from .metrics import banner
 from .model_size import count_parameters
-from .models import MODELS, config_from_flags
+from .models import MODELS, config_from_flags, with_document_mask
 from .parallelize import build_model, make_plan
 from .resilience import Diverged, StopRequests
 from .streaming import StreamingData
@@ -104,6 +104,7 @@ def train_model(cfg, env, plan, start, hf_dir, stop):
     data = open_data(cfg, env, hf_dir)
     check_prompt(cfg, data.tokenizer, env)
     model_config = hf.read_model_config(hf_dir, cfg) if hf_dir else config_from_flags(cfg, data.meta["vocab_size"])
+    model_config = with_document_mask(model_config, cfg, data.tokenizer)
     data.check(model_config.seq_length, model_config.vocab_size)
     check_fits(cfg, env, model_config)
     if start is not None:

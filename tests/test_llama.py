@@ -1,5 +1,6 @@
 """The Llama model: decoding with its grouped-query KV cache, the paper's shapes, flags that pick it, and FSDP2
 training on 2 ranks (meta init + activation checkpointing) that matches one process holding the whole model."""
+import dataclasses
 import json
 import sys
 
@@ -7,11 +8,14 @@ import pytest
 import torch
 
 from conftest import ROOT, launch
+import tokenizer_dirs
+from test_document_mask import documents, reference_losses
 from test_end_to_end import sample_of
+from test_fp8 import EMULATED, check_close_to_bf16, losses_of
 from test_parallelize import logged_losses, reference
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp import checkpoint_find, safe_load  # noqa: E402
+from minimal_fsdp import checkpoint_find, hf, safe_load  # noqa: E402
 from minimal_fsdp.config import MODEL_PRESETS, ConfigError, model_family, parse_args  # noqa: E402
 from minimal_fsdp.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
 from minimal_fsdp.models import config_from_flags, make_config  # noqa: E402
@@ -124,3 +128,72 @@ def test_llama_full_shard_matches_single_process_then_generates(tmp_path, corpus
     out = launch(["--max_epochs", -1, "--restart_checkpoint_file", last, "--num_tokens", 40, "--prompt", "KING:"],
                  ranks=1, cwd=tmp_path)
     assert len(sample_of(out.stdout)) == len("KING:") + 40  # char tokenizer; 40 tokens through a 32-token context
+
+
+# Meta's config.json of Llama 3.1 8B (meta-llama/Llama-3.1-8B, as transformers 4.43 wrote it), less the token ids.
+LLAMA31_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+              "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+              "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
+              "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256}
+
+
+def write_config(directory, fields):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(fields))
+    return directory
+
+
+def test_llama3_8b_preset_is_meta_llama31_8b_at_its_training_context(tmp_path):
+    _, config = hf.read_config(write_config(tmp_path / "meta", LLAMA31_8B), seq_length=8192)
+    assert config == make_config("llama", "llama3-8b")
+    assert (config.rope_theta, config.rope_scaling["factor"], config.norm_eps) == (500000.0, 8.0, 1e-5)
+
+
+@torch.no_grad()
+def test_llama3_logits_equal_transformers(tmp_path):
+    """The llama3-tiny preset's family as transformers builds it from Llama 3.1's config.json (rope theta 500000,
+    its llama3 rope scaling, GQA 4:1): weights imported through hf.py give transformers' logits at every position of
+    a 256-token window, where the scaling matters."""
+    import transformers
+    fields = dict(LLAMA31_8B, hidden_size=256, intermediate_size=896, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, torch_dtype="float32")
+    directory = write_config(tmp_path / "tiny", fields)
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(directory)).eval()
+    theirs.save_pretrained(directory)
+    model_type, config = hf.read_config(directory)
+    assert config == make_config("llama", "llama3-tiny", num_layers=2, vocab_size=512, seq_length=256)
+    ours = Llama(config).eval()
+    hf.load_weights(ours, directory, model_type)
+    idx = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(1))
+    expected = theirs(idx).logits
+    torch.testing.assert_close(ours.lm_head(ours.trunk(idx)), expected, atol=1e-4, rtol=1e-4)
+    unscaled = Llama(dataclasses.replace(config, rope_scaling=None)).eval()
+    unscaled.load_state_dict(ours.state_dict())
+    assert (unscaled.lm_head(unscaled.trunk(idx)) - expected).abs().max() > 1e-3  # 10x the tolerance above
+
+
+def llama3_args(tmp_path, run, extra, steps=8):
+    """llama3-tiny (2 of its blocks, a 64-token window) on short documents packed several to a window."""
+    return ["--dataset", "text", "--input_file", documents(tmp_path / "docs.jsonl"), "--tokenizer_dir",
+            tokenizer_dirs.write_tokenizer_json(tmp_path / "tok"), "--data_dir", tmp_path / "data", "--log_dir",
+            tmp_path / "logs", "--checkpoint_dir", tmp_path / "checkpoints", "--run_name", run, "--model", "llama",
+            "--model_preset", "llama3-tiny", "--num_layers", 2, "--seq_length", 64, "--batch_size", 2,
+            "--max_steps", steps, "--log_interval", 1, "--eval_interval", 0, "--eval_batches", 1, "--num_tokens", 0,
+            "--lr", "1e-3", "--warmup_steps", 2, "--document_mask", "--meta_init", "--activation_checkpoints",
+            "--recompute", "selective", "--fsdp_unit", "block", *extra]
+
+
+def test_llama3_tiny_trains_as_the_8b_runs(tmp_path):
+    """What the 8B runs with on GPUs, on 2 CPU ranks: document mask, meta init, selective recompute, FSDP2 per
+    block. In fp32 it matches one process running every document alone; in fp8 (torchao emulating the float8
+    matmuls) it trains close to bf16."""
+    args = llama3_args(tmp_path, "fp32", [])
+    launch(args, ranks=2, cwd=tmp_path)
+    assert logged_losses(tmp_path, "fp32") == pytest.approx(reference_losses(args, 2, 0, 8), abs=2e-5)
+    launch(llama3_args(tmp_path, "bf16", ["--precision", "bf16"]), ranks=2, cwd=tmp_path)
+    launch(llama3_args(tmp_path, "fp8", ["--precision", "fp8"]), ranks=2, cwd=tmp_path, entry=EMULATED)
+    check_close_to_bf16(losses_of(tmp_path, "fp8"), losses_of(tmp_path, "bf16"))
