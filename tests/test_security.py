@@ -197,6 +197,35 @@ def test_crafted_checkpoint_runs_nothing_anywhere(tmp_path, trained):
     assert not marker.exists()
 
 
+def module(*args, cwd):
+    """`python -m minimal_fsdp.<args>` in cwd; the timeout only guards against a hang."""
+    return subprocess.run([sys.executable, "-m", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=180, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+
+
+def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_progress(tmp_path, trained):
+    """The issue's two hangs: sample built a model of a million layers; a `files` entry naming a device outside
+    the checkpoint was read forever. Now the newest good checkpoint is used, with one line naming the bad one."""
+    meta = json.loads((trained / "step_4" / "meta.json").read_text())
+    meta["model"]["num_layers"] = 10**6
+    meta["files"]["/dev/zero"] = [1, 0]
+    (trained / "step_4" / "meta.json").write_text(json.dumps(meta))
+    skipped = ('warning: skipping checkpoint checkpoints/run/step_4: meta.json: files names "/dev/zero", not a plain '
+               'file name inside the checkpoint')
+    sample = module("minimal_fsdp.sample", "checkpoints/run", "--num_tokens", 5, cwd=tmp_path)
+    assert sample.returncode == 0 and "generating from checkpoints/run/step_2" in sample.stderr, sample.stderr
+    assert [line for line in sample.stderr.splitlines() if "step_4" in line] == [skipped]
+    export = module("minimal_fsdp.export", "checkpoints/run/step_4", tmp_path / "out", cwd=tmp_path)
+    assert one_error(export) == f"error: checkpoints/run/step_4 is not a complete checkpoint: checkpoints/run/step_4: " \
+                                f"{skipped.split(': ', 2)[2]}"
+    progress = module("minimal_fsdp.checkpoint", "progress", "--run_name", "run", cwd=tmp_path)
+    assert (progress.returncode, progress.stdout, progress.stderr) == (0, "2 6\n", skipped + "\n")
+    resumed = train(tmp_path, steps=6)
+    assert "resuming from checkpoints/run/step_2" in resumed.stdout
+    assert [line for line in resumed.stderr.splitlines() if "step_4" in line] == [skipped]
+    assert "Traceback" not in sample.stderr + resumed.stderr
+
+
 def test_damaged_shard_is_found_before_loading(tmp_path, trained):
     shard = trained / "step_4" / "__1_0.distcp"
     size = shard.stat().st_size
