@@ -8,22 +8,28 @@ Layout of <checkpoint_dir>/<run_name>/:
 
 A checkpoint is written as .tmp-step_<N> and renamed only when every rank has finished; moving `latest` to it
 commits it. A crash anywhere in a save leaves the previous checkpoint, and `latest`, untouched; a failed save
-(a full disk) is reported in one line on every rank, and its partial directory removed. Before a run loads a
-checkpoint every file is checked against its recorded size and checksum, the ranks sharing the reading; a
-damaged checkpoint is reported in one line and the previous complete one is used.
+(a full disk) is reported in one line on every rank, and its partial directory removed. Every file's checksum is
+taken from its bytes as they are written (checkpoint_async.py, which also writes a save beside training under
+--checkpoint_mode async). Before a run loads a checkpoint every file is checked against its recorded size and
+checksum, the ranks sharing the reading; a damaged checkpoint is reported in one line and the previous complete
+one is used.
 
 meta.json's layout is described in checkpoint_meta.py; finding a complete checkpoint is checkpoint_find.py's job.
 
 Loading never runs code from the files: DCP's .metadata pickle is read by an unpickler that knows only the
 plain classes it is made of (safe_load.py), and everything else with json or torch.load(weights_only=True).
 """
+import contextlib
 import dataclasses
+import functools
 import io
 import json
 import math
 import os
 import random
 import shutil
+import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +39,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from . import files
-from .checkpoint_find import crc32, marker, rng_file, step_dirs, step_of
+from . import checkpoint_async, files
+from .checkpoint_async import ChecksummingWriter
+from .checkpoint_find import marker, rng_file, step_dirs, step_of
 from .checkpoint_meta import FORMAT, read_meta
 from .parallelize import seed64
 from .safe_load import SafeLoadPlanner, SafeReader
@@ -50,47 +57,108 @@ def _state(model, optimizer):
     return state
 
 
+@dataclasses.dataclass
+class Saved:
+    """One save as the log reports it: training waited `blocking_s` for it; `total_s` until it was committed
+    (None while it is still being written in the background)."""
+    step: int
+    path: Path
+    blocking_s: float
+    total_s: float = None
+
+
 class Checkpointer:
     """A training run's saves and restores: the model and optimizer as DCP shards (one replica per rank for a
     decentralized run), every rank's RNG, and meta.json: what the model is, the flags, and the state of the
-    run's other parts, each given by its own state_dict() (train.Schedule, the data)."""
+    run's other parts, each given by its own state_dict() (train.Schedule, the data).
 
-    def __init__(self, cfg, model_config, tokenizer_dir, decentralized):
+    Given the run's env and model (collective then), saves are asynchronous where --checkpoint_mode and the host's
+    memory say so (checkpoint_async.for_run): `mode`, and `staging` bytes of host memory per rank."""
+
+    restore_s = None  # how long the restore took, once one has
+
+    def __init__(self, cfg, model_config, tokenizer_dir, decentralized, env=None, model=None):
         self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
         self.about = {"model_type": model_config.model_type, "model": model_config.to_dict(),
                       "config": dataclasses.asdict(cfg)}
         self.tokenizer_dir, self.keep_last = tokenizer_dir, cfg.keep_last
         self.decentralized, self.average_only = decentralized, cfg.save_average
+        self.background = checkpoint_async.for_run(cfg, env, model, decentralized) if model is not None else None
+        self.mode, self.staging = ("async", self.background.staging) if self.background else ("sync", 0)
+        self.in_flight, self.ended = None, []
 
     def save(self, step, model, optimizer, val_loss, state):
-        """Collective. state: {part name: its state_dict(), JSON}."""
+        """Collective. state: {part name: its state_dict(), JSON}. The save in flight, if any, ends first.
+        Returns the new checkpoint's path (committed, or being written in the background)."""
+        self.wait()
         meta = dict(self.about, format=FORMAT, val_loss=val_loss, state=state)
+        start = time.perf_counter()
         if self.decentralized:
-            return save_replicas(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
-                                 self.average_only)
-        return save(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last)
+            path = save_replicas(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
+                                 self.average_only, self.background)
+        else:
+            path = save(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
+                        background=self.background)
+        record = Saved(step, path, time.perf_counter() - start)
+        if self.background is None:
+            record.total_s = record.blocking_s
+        else:
+            self.in_flight = (dataclasses.replace(record), start)
+        self.ended.append(record)
+        return path
+
+    def wait(self):
+        """Wait for the save in flight, if any; raises SaveError (on every rank) if it failed."""
+        if self.in_flight is not None:
+            (record, start), self.in_flight = self.in_flight, None
+            record.total_s = self.background.wait() - start
+            self.ended.append(record)
+
+    def poll(self):
+        """Collective, at logging steps: wait() for the save in flight if it has ended on every rank."""
+        if self.in_flight is not None and self.background.ended():
+            self.wait()
+
+    def reports(self):
+        """The Saved records of the saves begun or ended since the last call, for the log."""
+        ended, self.ended = self.ended, []
+        return ended
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Around training: whatever ends it, the save in flight ends before the process moves on (its outcome
+        is wait()'s to report), and the host memory of the staged copies is let go."""
+        try:
+            yield self
+        finally:
+            self.in_flight = None
+            if self.background is not None:
+                self.background.close()
 
     def restore(self, path, model, optimizer, seed):
         """Collective: load the model and optimizer (under any world size and sharding) and this rank's RNG
         states; returns the checkpoint's meta.json, whose "state" the caller hands to each part."""
+        start = time.perf_counter()
         (load_replicas if self.decentralized else load)(path, model, optimizer)
         restore_rng(path, dist.get_rank(), dist.get_world_size(), seed)
+        self.restore_s = time.perf_counter() - start
         return read_meta(path)
 
 
 # ---- saving ----
 
-def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, state=None, planner=None):
+def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, state=None, planner=None,
+         background=None):
     """Collective: every rank writes its shards, its RNG states and their checksums; rank 0 finishes the
     directory, renames it into place, then moves `latest` (the commit) and `best`, and prunes to --keep_last.
     `state` replaces the model and optimizer state when given (decentralized replicas: save_replicas; xla.py),
     `planner` DCP's save planner. If any rank fails (a full disk, say), every rank raises SaveError and the
-    partial directory is removed."""
+    partial directory is removed. With `background` (checkpoint_async.Background) save returns once the state
+    is copied to host memory; the rest goes on in the background, and background.wait() tells how it ended."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step_{step}", run_dir / f".tmp-step_{step}"
-    rank = dist.get_rank()
     error = None
-    if rank == 0:
+    if dist.get_rank() == 0:
         try:
             files.check_lock(run_dir)
             for leftover in run_dir.glob(".tmp-*"):  # of a save or a prune that crashed
@@ -99,33 +167,56 @@ def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0,
         except (OSError, files.LockError) as e:
             error = e
     _gather_or_fail(f"cannot start checkpoint {final}", error, tmp)  # the others wait here for the directory
-    try:
-        # DCP gathers the ranks' failures and raises them on every rank, so all reach the gather below.
-        dcp.save(_state(model, optimizer) if state is None else state, checkpoint_id=str(tmp), planner=planner)
-        _write_durably(tmp / rng_file(rank), _rng_bytes())
-        mine = _checksums(tmp, [rng_file(rank)] + sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp")))
-    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - a full disk, as OSError or inside DCP's
-        mine = e  # CheckpointException (a BaseException)
-    sums = _gather_or_fail(f"writing checkpoint {final} failed", mine, tmp)
-    error = None
-    if rank == 0:
+    state = _state(model, optimizer) if state is None else state
+    writer = ChecksummingWriter(tmp)
+    meta = dict(meta, step=step, world_size=dist.get_world_size())
+    complete = functools.partial(_complete, run_dir, final, tmp, meta, writer, _rng_bytes(), tokenizer_dir, keep_last)
+    if background is None:
         try:
-            _finish(run_dir, tmp, final, dict(meta, step=step, world_size=dist.get_world_size()),
-                    {name: v for rank_sums in sums for name, v in rank_sums.items()}, tokenizer_dir, keep_last)
+            # DCP gathers the ranks' failures and raises them on every rank, so all reach the gather below.
+            dcp.save(state, storage_writer=writer, planner=planner)
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - a full disk, as OSError or inside DCP's
+            return complete(e)  # CheckpointException (a BaseException)
+        return complete(None)
+    try:
+        staged, error = background.stage(state), None
+    except Exception as e:  # noqa: BLE001 - out of host memory, say
+        staged, error = None, e
+    _gather_or_fail(f"copying checkpoint {final} to host memory failed", error, tmp)
+    background.start(state, staged, writer, lambda write_error: complete(write_error, background.group))
+    return final
+
+
+def _complete(run_dir, final, tmp, meta, writer, rng, tokenizer_dir, keep_last, error, group=None):
+    """Collective over `group`, once the shards are written (or failed with `error`): each rank writes its RNG
+    states, every rank's checksums go to rank 0, which finishes the directory (_finish); all learn how it went."""
+    mine = error
+    if error is None:
+        try:
+            mine = dict(writer.checksums, **{rng_file(dist.get_rank()): _write_durably(tmp / rng_file(dist.get_rank()),
+                                                                                      rng)})
+        except OSError as e:
+            mine = e
+    sums = _gather_or_fail(f"writing checkpoint {final} failed", mine, tmp, group)
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            _finish(run_dir, tmp, final, meta, {name: v for rank_sums in sums for name, v in rank_sums.items()},
+                    tokenizer_dir, keep_last)
         except OSError as e:
             error = e
-    _gather_or_fail(f"finishing checkpoint {final} failed", error, tmp)
+    _gather_or_fail(f"finishing checkpoint {final} failed", error, tmp, group)
     return final
 
 
 def _finish(run_dir, tmp, final, meta, checksums, tokenizer_dir, keep_last):
     """Rank 0, once every rank has written: meta.json (with every file's checksum), the tokenizer, the rename
     into place, then the commit (`latest`), `best`, and pruning."""
+    checksums = dict(checksums)
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).glob("tokenizer.*"):
-            _write_durably(tmp / f.name, f.read_bytes())
-    names = [".metadata"] + sorted(p.name for p in tmp.iterdir() if p.name.startswith("tokenizer."))
-    meta["files"] = dict(sorted({**checksums, **_checksums(tmp, names)}.items()))
+            checksums[f.name] = _write_durably(tmp / f.name, f.read_bytes())
+    meta["files"] = dict(sorted(checksums.items()))
     _write_durably(tmp / "meta.json", json.dumps(meta, indent=1).encode())
     _publish(tmp, final)
     _write_marker(run_dir, "latest", final)
@@ -146,12 +237,12 @@ def _publish(tmp, final):
     shutil.rmtree(replaced, ignore_errors=True)
 
 
-def _gather_or_fail(what, outcome, tmp):
-    """Collective: every rank's outcome (a value, or the exception it hit). If any rank failed, every rank
-    raises SaveError naming the first failure, after rank 0 has removed the partial directory."""
+def _gather_or_fail(what, outcome, tmp, group=None):
+    """Collective (over `group`, all ranks): every rank's outcome (a value, or the exception it hit). If any rank
+    failed, every rank raises SaveError naming the first failure, after rank 0 has removed the partial directory."""
     failure = _failure(outcome, dist.get_rank()) if isinstance(outcome, BaseException) else None
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (failure, None if failure else outcome))
+    dist.all_gather_object(outcomes, (failure, None if failure else outcome), group=group)
     failures = sorted(f for f, _ in outcomes if f)
     if not failures:
         return [value for _, value in outcomes]
@@ -172,17 +263,15 @@ def _failure(error, rank):
     return rank, f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
 
 
-def _checksums(directory, names):
-    """{file name: [size, CRC-32]}: CRC-32 (zlib) finds bit rot and overwritten blocks at about 1 GB/s; the files
-    are not secrets, and a forger could rewrite meta.json anyway, so a cryptographic hash would add only time."""
-    return {name: [os.path.getsize(Path(directory) / name), crc32(Path(directory) / name)] for name in names}
-
-
 def _write_durably(path, data):
+    """Write and fsync a file; returns its [size, CRC-32] for meta.json. CRC-32 (zlib) finds bit rot and
+    overwritten blocks at over 1 GB/s; the files are not secrets, and a forger could rewrite meta.json anyway,
+    so a cryptographic hash would add only time."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return [len(data), zlib.crc32(data)]
 
 
 def _write_marker(run_dir, name, target):
@@ -271,7 +360,8 @@ def _network_average(tree):
     return tree
 
 
-def save_replicas(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, average_only=False):
+def save_replicas(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0, average_only=False,
+                  background=None):
     """Collective. `model` and `optim` hold the network average of the replicas and their optimizer states,
     an ordinary checkpoint that generation, export and all-reduce runs read as usual; `replicas.<rank>` holds
     each rank's own model and optimizer state for an exact resume (left out with average_only)."""
@@ -280,7 +370,8 @@ def save_replicas(run_dir, step, model, optimizer, meta, tokenizer_dir=None, kee
     if not average_only:
         state["replicas"] = {str(dist.get_rank()): own}
     replicas = 0 if average_only else dist.get_world_size()
-    return save(run_dir, step, model, optimizer, dict(meta, replicas=replicas), tokenizer_dir, keep_last, state=state)
+    return save(run_dir, step, model, optimizer, dict(meta, replicas=replicas), tokenizer_dir, keep_last, state=state,
+                background=background)
 
 
 def load_replicas(path, model, optimizer=None):

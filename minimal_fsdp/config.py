@@ -213,6 +213,10 @@ class Config:
                                     section="checkpoint")
     keep_last: int = flag(3, "keep the newest K checkpoints of the run, plus the `best` one (0: keep all)",
                           section="checkpoint")
+    checkpoint_mode: str = flag("auto", "async: training waits only while a save is copied to host memory, and the "
+                                        "files are written beside training; sync: while they are written; auto: "
+                                        "async on GPUs, sync on CPUs (docs/checkpoints.md)",
+                                ("auto", "sync", "async"), "checkpoint")
 
     save_average: bool = flag(False, "decentralized: checkpoints keep only the average of the replicas, "
                               "not each rank's own", section="checkpoint")

@@ -27,7 +27,8 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 # JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and memory apart.
 TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
         "tokens_per_s": "perf/tokens_per_s", "step_time": "perf/step_time_s", "mfu": "perf/mfu",
-        "peak_mem_gb": "perf/peak_mem_gb"}
+        "peak_mem_gb": "perf/peak_mem_gb", "save_blocking_s": "checkpoint/save_blocking_s",
+        "save_total_s": "checkpoint/save_total_s", "restore_s": "checkpoint/restore_s"}
 
 
 class Metrics:
@@ -173,8 +174,23 @@ class TrainingLog:
             self.best_val = (step, val_loss)
         self.print(f"step {step}: val loss {val_loss:.4f}")
 
-    def saved(self, path):
-        self.checkpoint = path
+    def saved(self, saves):
+        """Saves begun or ended (checkpoint.Saved): one line for a save that goes on in the background, one when a
+        save is committed, whose blocking and total seconds also go to metrics.jsonl at its step."""
+        for save in saves:
+            if save.total_s is None:
+                self.print(f"step {save.step}: training waited {save.blocking_s:.2f} s to save {save.path}; "
+                           "its files are being written in the background")
+                continue
+            self.checkpoint = save.path
+            self.metrics.log(save.step, save_blocking_s=save.blocking_s, save_total_s=save.total_s)
+            self.print(f"step {save.step}: saved {save.path} in {save.total_s:.2f} s, of which training waited "
+                       f"{save.blocking_s:.2f} s")
+
+    def restored(self, step, seconds):
+        """The restore at start (checkpoint.Checkpointer.restore timed it, the banner printed it) to metrics.jsonl."""
+        if seconds is not None:
+            self.metrics.log(step, restore_s=seconds)
 
     def stopped(self, step, reason):
         self.print(f"step {step}: {reason}; saved a checkpoint and stopping. Run the same command again to resume.")
@@ -236,23 +252,39 @@ def _readable(num_bytes):
     return f"{num_bytes:.3g} TB"
 
 
-def banner(cfg, env, plan, model, resume_from=None):
-    """Rank 0's startup summary of a training run: layout, model size, a memory estimate, every resolved flag."""
+def saving(cfg, env, checkpointer):
+    """The banner's line on checkpoints: synchronous or asynchronous, and the host memory the latter keeps."""
+    if checkpointer.mode == "sync":
+        return (f"checkpoints: synchronous (--checkpoint_mode {cfg.checkpoint_mode}): training waits while they are "
+                "written")
+    pinned = "pinned " if env.device.type == "cuda" else ""
+    return (f"checkpoints: asynchronous (--checkpoint_mode {cfg.checkpoint_mode}): training waits while a save is "
+            f"copied into {_readable(checkpointer.staging)} of {pinned}host memory per rank (kept for the run), then "
+            "goes on while the files are written")
+
+
+def banner(cfg, env, plan, model, resume_from=None, checkpointer=None):
+    """Rank 0's startup summary of a training run: layout, model size, a memory estimate, how checkpoints are saved
+    (and the host memory an asynchronous save keeps), how long the restore took, every resolved flag."""
     num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
     state = _readable(state_bytes_per_rank(num_params, plan.shard_ranks))
     where = "CPU memory (--cpu_offload)" if plan.cpu_offload else f"{env.device.type} memory"
     spread = f"sharded over {plan.shard_ranks}" if plan.shard_ranks > 1 else "a whole copy on every rank"
-    layout = plan.describe(num_params) + (f", {cfg.topology} topology" if plan.decentralized else "")
+    layout = plan.describe() + (f", {plan.topology} topology" if plan.decentralized else "")
     lines = [
         f"launch: {env.world_size} rank(s) = {env.num_nodes} node(s) x {env.local_world_size} rank(s)/node, "
         f"started by {env.launcher}, {env.backend} on {env.device.type}; {layout}",
         f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of {where} per rank "
         f"({spread}; activations not included)",
         *([fp8.describe(plan, model)] if plan.fp8 else []),
-        f"resuming from {resume_from}" if resume_from else "starting fresh",
+        *([saving(cfg, env, checkpointer)] if checkpointer is not None else []),
+        (f"resuming from {resume_from}" + (f" (restored in {checkpointer.restore_s:.2f} s)" if checkpointer is not None
+                                           and checkpointer.restore_s is not None else "")
+         if resume_from else "starting fresh"),
         "config" + (f" ({cfg.config} + command line)" if cfg.config else "") + ":",
     ]
+    replaced = ("model_preset", "tokenizer") if cfg.hf_model else ()  # the Hugging Face model's own shape and tokenizer
     for section in to_toml(cfg).strip().split("\n\n"):
         header, *entries = section.splitlines()
-        lines.append(f"  {header} " + ", ".join(entries))
+        lines.append(f"  {header} " + ", ".join(e for e in entries if e.split(" = ")[0] not in replaced))
     return "\n".join(lines)

@@ -79,7 +79,7 @@ def kept_per_token(model_type, config):
 
 def estimate(model_type, config, batch_size, sharding, world_size, shard_group_size, recompute,
              cpu_offload, precision, device_type="cuda", compile=False, grad_accum_steps=1, fp8_recipe="tensorwise",
-             fsdp_unit="auto"):
+             fsdp_unit="auto", checkpoint_mode="sync"):
     """Peak bytes on one GPU and in one rank's host memory for one training step of grad_accum_steps
     micro-batches. recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute).
     precision fp8 computes as bf16 does, with fp8_recipe's float8 layers (see the fp8 terms below).
@@ -149,9 +149,13 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
         if recompute != "none" else 0
     optimizer_step = on_gpu * (params_and_optimizer + grads) + buckets
     gpu = max(loss_backward, rebuilt, optimizer_step)
-    host = HOST_PER_PROCESS + (params_and_optimizer + grads) * (1 - on_gpu)
+    # --checkpoint_mode async (auto on GPUs) keeps a host copy of the rank's fp32 weights and AdamW moments to
+    # save from while training goes on (checkpoint_async.staging_bytes).
+    staging = params_and_optimizer if checkpoint_mode == "async" or checkpoint_mode == "auto" and \
+        device_type == "cuda" else 0
+    host = HOST_PER_PROCESS + (params_and_optimizer + grads) * (1 - on_gpu) + staging
     return {"gpu": gpu, "host": host, "state": on_gpu * (params_and_optimizer + grads),
-            "activations": saved + final_norm + logits, "gathered": gathered}
+            "activations": saved + final_norm + logits, "gathered": gathered, "staging": staging}
 
 
 def parse_memory(text, flag):
@@ -196,6 +200,8 @@ def build_parser():
     p.add_argument("--shard_group_size", type=int, help="hybrid sharding's group (default: --gpus_per_node)")
     p.add_argument("--gpu_memory", default="80GB", help="memory of one GPU, e.g. 40GB")
     p.add_argument("--host_memory", help="memory of one node, e.g. 512GB (to check CPU offload fits)")
+    p.add_argument("--checkpoint_mode", choices=("auto", "sync", "async"), default="auto",
+                   help="as in training: async (auto's choice on GPUs) keeps a host copy of the state to save from")
     return p
 
 
@@ -232,14 +238,16 @@ def main(argv=None):
             for offload in (False, True):
                 e = estimate(family, config, args.batch_size, sharding, args.gpus, group, recompute, offload,
                              args.precision, grad_accum_steps=args.grad_accum_steps, fp8_recipe=args.fp8_recipe,
-                             fsdp_unit=args.fsdp_unit)
+                             fsdp_unit=args.fsdp_unit, checkpoint_mode=args.checkpoint_mode)
                 host = e["host"] * gpus_per_node
                 fits = e["gpu"] <= (1 - GPU_HEADROOM) * gpu_memory and (host_memory is None or host <= host_memory)
                 print(f"{sharding:<19}{recompute:<11}{'yes' if offload else 'no':<9}"
                       f"{e['state'] / GiB:>9.1f}{e['activations'] / GiB:>9.1f}{e['gpu'] / GiB:>9.1f}"
                       f"{host / GiB:>15.1f}  {'yes' if fits else 'no'}")
     print(f"state: sharded fp32 params, grads and AdamW moments on the GPU; activ.: saved activations and the loss's "
-          f"logit tensors; GPU: estimated peak; host: per node, {HOST_PER_PROCESS / GiB:.0f} GiB per process included")
+          f"logit tensors; GPU: estimated peak; host: per node, {HOST_PER_PROCESS / GiB:.0f} GiB per process included"
+          + (", and the copy of each rank's weights and AdamW moments that asynchronous checkpoint saves keep"
+             if args.checkpoint_mode != "sync" else ""))
 
 
 if __name__ == "__main__":

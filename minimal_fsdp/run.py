@@ -119,7 +119,7 @@ def train_model(cfg, env, plan, start, hf_dir, stop):
     data.bind(model_config.seq_length, cfg.batch_size, cfg.grad_accum_steps, env.rank, env.world_size, cfg.seed)
     model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
     optimizer = build_optimizer(model, cfg)
-    checkpointer = checkpoint.Checkpointer(cfg, model_config, data.directory, plan.decentralized)
+    checkpointer = checkpoint.Checkpointer(cfg, model_config, data.directory, plan.decentralized, env, model)
     saved = None
     if start is not None:  # a resumed run continues from its own weights, RNG and data position
         saved = checkpointer.restore(start, model, optimizer, cfg.seed)
@@ -127,7 +127,7 @@ def train_model(cfg, env, plan, start, hf_dir, stop):
     elif hf_dir:
         hf.load_weights(model, hf_dir, model_config.model_type)
     if env.is_main:
-        print(banner(cfg, env, plan, model, start) + "\n" + data.describe(), flush=True)
+        print(banner(cfg, env, plan, model, start, checkpointer) + "\n" + data.describe(), flush=True)
     with stop.listening():
         _, log = train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved)
     if env.is_main:

@@ -159,7 +159,8 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
     guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
     done = first
     model.train()
-    with log, collections_in_step():
+    with log, collections_in_step(), checkpointer.saving():  # a save in flight ends before train returns or raises
+        log.restored(first, checkpointer.restore_s)
         for step in range(first, schedule.last_step):
             lr = schedule.lr_at(step)
             for group in optimizer.param_groups:
@@ -184,13 +185,17 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
             # Collective, at steps every rank agrees on: logging steps, saves, and often enough to act on a stop
             # request within seconds (resilience.StopRequests.due); all ranks stop at one step.
             stop_reason = stop.agreed(done) if logs or saves or stop.due(done) else None
+            if logs and not saves:  # collective: a save written in the background is reported (or its failure
+                checkpointer.poll()  # raised) at the first logging step after it ended
+                log.saved(checkpointer.reports())
             if evaluates or stop_reason:
                 with log.paused():  # evaluation and saving are timed apart from the training steps
                     val_loss = evaluate(model, data, cfg.eval_batches, env.device) if evaluates else None
                     log.validation(done, val_loss)
                     if saves or stop_reason:
                         state = {"schedule": schedule.state_dict(), "data": data.state_dict(done)}
-                        log.saved(checkpointer.save(done, model, optimizer, val_loss, state))
+                        checkpointer.save(done, model, optimizer, val_loss, state)  # after the save in flight
+                        log.saved(checkpointer.reports())
                         gc.collect()  # what outlived the young collections; a save takes seconds anyway
             if benchmarks and benchmarks.due(done, final):  # the harness's tasks, timed apart too
                 with log.paused():
@@ -198,4 +203,6 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
             if stop_reason:
                 log.stopped(done, stop_reason)
                 break
+        checkpointer.wait()  # the end of the run, or a stop: the last save is committed before the process ends
+        log.saved(checkpointer.reports())
     return done, log

@@ -15,6 +15,10 @@ counted from 1 as in the logs. Kinds:
   kill_after_shards, kill_after_meta, kill_after_rename, kill_after_latest
                      rank 0 is SIGKILLed inside this step's save: once every shard is written, once meta.json
                      is written, once the directory is renamed into place, once `latest` names it
+  kill_in_write, enospc_in_write, slow_write
+                     this step's save's DCP writer on this rank (under --checkpoint_mode async, in the background
+                     while training goes on): is SIGKILLed once its first bytes are on disk / fails with "No space
+                     left on device" / starts writing only after this process has sent a sigterm or sigusr1 fault
 MINIMAL_FSDP_CHECK_LOAD=report.json: right after a checkpoint is loaded, compare every model and optimizer
 tensor of the live sharded model with the checkpoint's files (read in one process) and write the verdict.
 """
@@ -35,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import state_dict as dcp_state_dict  # noqa: E402
 
-from minimal_fsdp import checkpoint, model, resilience, safe_load, train  # noqa: E402
+from minimal_fsdp import checkpoint, checkpoint_async, model, resilience, safe_load, train  # noqa: E402
 
 
 def parse(spec):
@@ -76,6 +80,7 @@ def install_faults():
                 time.sleep(0.1)
         for name in ("sigterm", "sigusr1"):
             if due(name):
+                now["signalled"] = True
                 os.kill(os.getpid(), getattr(signal, name.upper()))
         return train_step(*args, **kwargs)
 
@@ -109,6 +114,28 @@ def install_faults():
             return result
         return wrapped
 
+    def faulty_writer_init(writer, *args, **kwargs):  # on the training thread, at the save's step
+        writer_init(writer, *args, **kwargs)
+        writer.faults = [kind for kind in ("kill_in_write", "enospc_in_write", "slow_write") if due(kind)]
+
+    def faulty_write_data(writer, plan, planner):  # in DCP's thread under --checkpoint_mode async
+        if "slow_write" in writer.faults:
+            deadline = time.monotonic() + 300
+            while not now.get("signalled") and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if "enospc_in_write" in writer.faults:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(writer.path))
+        if "kill_in_write" in writer.faults:
+            def killing_write(stream, data):
+                checksummed_write(stream, data)
+                stream.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            checkpoint_async._Checksummed.write = killing_write
+        return write_data(writer, plan, planner)
+
+    writer = checkpoint_async.ChecksummingWriter
+    writer_init, write_data, checksummed_write = writer.__init__, writer.write_data, checkpoint_async._Checksummed.write
+    writer.__init__, writer.write_data = faulty_writer_init, faulty_write_data
     fsync = os.fsync
     train.Schedule.lr_at, train.train_step, model.GPT.forward, dcp.save = (tracking_lr_at, faulty_train_step,
                                                                            faulty_forward, faulty_save)

@@ -104,3 +104,34 @@ def test_ctrl_c_under_mpiexec_saves_a_checkpoint_and_exits_0(tmp_path, corpus):
     step = int(stopped[0].split(":")[0].split()[1])
     assert 2 <= step < 1000  # a time-bounded look, not a logging step
     assert checkpoint_meta.read_meta(checkpoint_find.latest(tmp_path / "checkpoints" / "shakespeare"))["step"] == step
+
+
+def test_a_run_prints_no_deprecation_noise_and_imports_torchao_only_for_fp8(tmp_path, corpus):
+    """torchao, when imported, prints 'Failed to load ...so' lines and torch's _pytree deprecation warnings; a
+    run that does not ask for --precision fp8 must not import it, and our own start prints no such warning."""
+    from conftest import ROOT
+    wrapper = tmp_path / "modules.py"
+    wrapper.write_text("import runpy, sys\n"
+                       f"sys.argv[0] = {str(ROOT / 'basic_training.py')!r}\n"
+                       "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+                       "finally:\n    print('imported:', sorted(m for m in ('torchao', 'transformers') "
+                       "if m in sys.modules))\n")
+    result = launch(["--input_file", corpus, *TINY_MODEL, "--max_steps", 2, "--num_tokens", 5], ranks=2,
+                    cwd=tmp_path, entry=wrapper)
+    assert result.stdout.count("imported: []") == 2
+    assert "Deprecat" not in result.stderr and "Failed to load" not in result.stderr, result.stderr[-3000:]
+
+
+def test_the_banner_leaves_out_what_hf_model_replaces():
+    """--hf_model's shape and tokenizer replace --model_preset and --tokenizer: the banner does not show them."""
+    from types import SimpleNamespace
+
+    from minimal_fsdp import metrics
+    plan = SimpleNamespace(shard_ranks=1, cpu_offload=False, decentralized=False, fp8=None,
+                           describe=lambda: "no FSDP")
+    env = SimpleNamespace(world_size=1, num_nodes=1, local_world_size=1, launcher="single", backend="gloo",
+                          device=torch.device("cpu"))
+    model = torch.nn.Linear(2, 2)
+    text = metrics.banner(parse_args(["--hf_model", "some/dir"]), env, plan, model)
+    assert "hf_model = " in text and "model_preset" not in text and "tokenizer = " not in text
+    assert "model_preset = \"tiny\"" in metrics.banner(parse_args([]), env, plan, model)

@@ -3,7 +3,7 @@ the schedule at its boundaries, the optimizer's groups and betas, one optimizer 
 sync, and evaluation. The loop as a whole: test_run.py (in process) and test_resume.py, test_schedule.py."""
 import gc
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -265,8 +265,11 @@ class Log:
     def validation(self, step, val_loss):
         self.events.append(("validation", step, val_loss))
 
-    def saved(self, path):
-        self.events.append(("saved", path))
+    def saved(self, saves):
+        self.events.extend(("saved", path) for path in saves)
+
+    def restored(self, step, seconds):
+        pass
 
     def stopped(self, step, reason):
         self.events.append(("stopped", step, reason))
@@ -289,12 +292,29 @@ class Data:
 
 
 class Checkpointer:
+    """Synchronous saves: each is reported once, when made; nothing is ever in flight."""
+    restore_s = None
+
     def __init__(self):
-        self.saves = []
+        self.saves, self.unreported = [], []
 
     def save(self, step, model, optimizer, val_loss, state):
         self.saves.append((step, val_loss, state))
+        self.unreported.append(f"step_{step}")
         return f"step_{step}"
+
+    def saving(self):
+        return nullcontext(self)
+
+    def poll(self):
+        pass
+
+    def wait(self):
+        pass
+
+    def reports(self):
+        reports, self.unreported = self.unreported, []
+        return reports
 
 
 def steps_so_far():

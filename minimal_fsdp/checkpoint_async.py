@@ -1,0 +1,228 @@
+"""How a checkpoint's files are written: through a DCP writer that checksums every byte on its way to the file, and,
+for --checkpoint_mode async, beside training with DCP's async_save.
+
+An asynchronous save stops training only to copy the rank's model and optimizer state into host memory (page-locked
+on a GPU, and kept from one save to the next: Background.stage). DCP's async_save then writes that copy from its
+own thread, and the rest of the save (checkpoint._complete: the checksums gathered, meta.json, the rename, the
+commit, pruning) follows in that thread. Its collectives run on a gloo process group of their own, so they never
+interleave with training's. At most one save is in flight: the next save, a stop and the end of the run wait for
+it, and every logging step asks (one collective) whether it has ended, so a failed write ends the run there.
+
+A process, not a thread, would keep the write off training's GIL (DCP offers one); it would also need a second
+rendezvous of every rank, which mpiexec, srun and PBS launches do not provide, so the thread it is.
+"""
+import datetime
+import sys
+import time
+import weakref
+import zlib
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # the keys DCP's planner looks up
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.tensor import DTensor
+
+from . import environment
+from .config_checks import host_memory_available
+
+# The staged copy may take this share of the host memory that is free when the run starts; the rest is left to
+# the page cache, data loading and everything else on the node.
+HOST_SHARE = 0.8
+
+
+class _Checksummed:
+    """A file being written, whose size and CRC-32 follow every write (what DCP calls on its streams)."""
+
+    def __init__(self, stream):
+        self.stream, self.size, self.crc = stream, 0, 0
+
+    def write(self, data):
+        view = memoryview(data)
+        self.crc = zlib.crc32(view, self.crc)  # zlib lets go of the GIL for large buffers, as the write does
+        self.size += view.nbytes
+        return self.stream.write(view)
+
+    def tell(self):
+        return self.stream.tell()
+
+    def fileno(self):
+        return self.stream.fileno()
+
+    def flush(self):
+        self.stream.flush()
+
+    def close(self):
+        self.stream.close()
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, recording {file name: [size, CRC-32]} of every file written through it."""
+
+    def __init__(self):
+        super().__init__()
+        self.files = {}
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            counted = _Checksummed(stream)
+            yield counted
+        self.files[Path(path).name] = [counted.size, counted.crc]  # only once the file is whole and closed
+
+    def rename(self, path, new_path):  # DCP writes .metadata as .metadata.tmp, then renames it
+        super().rename(path, new_path)
+        if Path(path).name in self.files:
+            self.files[Path(new_path).name] = self.files.pop(Path(path).name)
+
+
+class ChecksummingWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter (the same files, fsynced), which also knows the size and CRC-32 of every file it
+    wrote (`checksums`), taken from the bytes as they were written: no file is read back. DCP has no hook for
+    this, so the writer's file system is swapped for one whose streams checksum what passes through them."""
+
+    def __init__(self, path):
+        super().__init__(path, per_thread_copy_ahead=0)  # tensors come staged on the host, or are copied by DCP
+        self.fs = _ChecksummingFileSystem()
+
+    def stage(self, state_dict):
+        """async_save asks its writer to stage the state; Background.start has staged it already."""
+        return state_dict
+
+    @property
+    def checksums(self):
+        return dict(self.fs.files)
+
+
+def staging_bytes(model, decentralized=False, average_only=False):
+    """Host memory one rank's asynchronous saves keep: a copy of its shard of the fp32 parameters and of AdamW's
+    two moments (4 + 8 bytes an element), twice for a decentralized run that saves each replica beside their
+    average. The optimizer's step counts and hyperparameters are a few bytes."""
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    return local * 12 * (2 if decentralized and not average_only else 1)
+
+
+def choose_mode(mode, device_type, per_rank, ranks_on_node, available):
+    """(sync or async, the reason to print or None). auto: async on GPUs, where a save would otherwise leave them
+    idle; sync on a CPU, where the background write would take cores from training, to save seconds at most.
+    A host without room for every local rank's staged copy saves synchronously, and says so."""
+    if mode == "sync" or mode == "auto" and device_type != "cuda":
+        return "sync", None
+    needed = per_rank * ranks_on_node
+    if available is not None and needed > HOST_SHARE * available:
+        return "sync", (f"warning: asynchronous checkpoint saves would keep {needed / 1e9:.1f} GB of host memory on "
+                        f"this node ({per_rank / 1e9:.1f} GB per rank) and {available / 1e9:.1f} GB is free: saving "
+                        "synchronously (--checkpoint_mode sync says so in advance)")
+    return "async", None
+
+
+def for_run(cfg, env, model, decentralized):
+    """Collective: the run's Background, or None for synchronous saves (choose_mode's verdict; a rank on a node
+    short of memory makes every rank save synchronously, and rank 0 says why)."""
+    staging = staging_bytes(model, decentralized, cfg.save_average)
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, choose_mode(cfg.checkpoint_mode, env.device.type, staging,
+                                                 env.local_world_size, host_memory_available()))
+    notes = [note for _, note in verdicts if note]
+    if notes and env.is_main:
+        print(notes[0], file=sys.stderr, flush=True)
+    if any(mode == "sync" for mode, _ in verdicts):
+        return None
+    return Background(env.device, cfg.collective_timeout, staging)
+
+
+class StagedPlanner(DefaultSavePlanner):
+    """DCP's planner, which plans from the live state (only its shapes and layout, which training does not change)
+    and writes the tensors' copies staged at the save's step: {flattened key: host tensor} (Background.stage)."""
+
+    def __init__(self, staged):
+        super().__init__()
+        self.staged = staged
+
+    def lookup_object(self, index):
+        staged = self.staged.get(index.fqn)
+        return super().lookup_object(index) if staged is None else staged
+
+
+class Background:
+    """The one asynchronous save in flight, what it is written with (a process group for its collectives) and
+    the host buffers every save of the run is staged in.
+
+    Staged by our own copy loop: DCP's stagers (DefaultStager, BlockingAsyncStager) deep-copy DTensors, which
+    fails ("invalid python storage", torch 2.13) for a DTensor whose local shard is a view at an offset into a
+    larger buffer, as whole_unit.py's are; a DTensor's local shard is all a save writes anyway."""
+
+    def __init__(self, device, timeout_seconds, staging=0):
+        self.staging = staging  # bytes of host memory the staged copy takes (staging_bytes)
+        with environment.gloo_quiet():  # collective: every rank builds its Checkpointer at the same point
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+        self.pin = device.type == "cuda"
+        self.buffers = {}  # flattened key -> host tensor, allocated at the first save and reused
+        self.pending = None
+
+    @torch.no_grad()
+    def stage(self, state):
+        """Copy every tensor of `state` (a DTensor's local shard) to host memory: all a save stops training for,
+        since the next optimizer step overwrites the originals. Returns a StagedPlanner for them."""
+        staged = {}
+        for key, value in flatten_state_dict(state)[0].items():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                buffer = self.buffers.get(key)
+                if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+                    buffer = self.buffers[key] = self._allocate(local)
+                staged[key] = buffer.copy_(local, non_blocking=self.pin)
+        if self.pin:
+            torch.cuda.current_stream().synchronize()
+        return StagedPlanner(staged)
+
+    def _allocate(self, like):
+        """A host tensor shaped as `like`, page-locked on a GPU so the copy runs at the link's speed. Registered
+        rather than taken from torch's pinned allocator, which rounds each block up to a power of two."""
+        buffer = torch.empty(like.shape, dtype=like.dtype)
+        if self.pin and buffer.numel():
+            if torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.untyped_storage().nbytes(), 0) == 0:
+                weakref.finalize(buffer, torch.cuda.cudart().cudaHostUnregister, buffer.data_ptr())
+        return buffer
+
+    def start(self, state, planner, writer, then):
+        """Write `state` (its tensors staged in `planner`) with DCP's async_save, then run then(the write's
+        exception or None) in DCP's thread; wait() tells when it ended (or raises its error)."""
+        done = Future()
+
+        def finish(upload):
+            try:
+                then(upload.exception())
+                done.set_result(time.perf_counter())
+            except BaseException as e:  # noqa: BLE001 - handed to the thread that waits
+                done.set_exception(e)
+        upload = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=self.group)
+        self.pending = done
+        upload.add_done_callback(finish)
+
+    def wait(self):
+        """When (time.perf_counter) the save in flight ended (None if there is none); raises its error."""
+        pending, self.pending = self.pending, None
+        return None if pending is None else pending.result()
+
+    def ended(self):
+        """Collective: whether the save in flight has ended on every rank (so all may wait() without waiting)."""
+        flag = torch.tensor([self.pending is None or self.pending.done()], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # a CPU tensor: gloo, no wait for the GPU
+        return bool(flag.item())
+
+    def close(self):
+        """Wait for the save in flight, whatever its outcome (the caller is leaving on another error), and let
+        the host buffers go."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.exception()
+        self.buffers.clear()
