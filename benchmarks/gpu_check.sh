@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers|llama3_8b|document_mask ...]
 # The fp8 parts need torchao: installed from .whl/torchao-*.whl when missing (the GPU machine has no package index).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: some parts change directory
@@ -307,4 +307,37 @@ fp8_gpt2)
   done
   grep -E 'OutOfMemory|Error' "$OUT/fp8_gpt2.log" | tail -3
   python3 benchmarks/fp8_table.py "$OUT/fp8_gpt2.jsonl" | tee -a "$OUT/fp8_summary.md" ;;
+llama3_8b)
+  # Issue 40, target 1: Llama 3 8B (llama3-8b: 128K vocabulary, 8 kv heads, rope theta 500000 with Llama 3.1's
+  # scaling) at T=8192, full-shard over NG GPUs (4), compiled blocks, selective recompute, meta init, batch LLAMA3_BATCH
+  # per GPU (1): bf16, fp8 tensorwise and fp8 rowwise (LLAMA3_PRECISIONS; the first call compiles for minutes, so
+  # one or two precisions a call), each row with tokens/s per GPU and MFU, and the planner's estimate beside it.
+  fp8_setup || continue
+  b=${LLAMA3_BATCH:-1}
+  B="python3 benchmarks/throughput.py --model_preset llama3-8b --compile --meta_init --activation_checkpoints --recompute selective --batch_size $b --warmup ${LLAMA3_WARMUP:-4} --steps ${LLAMA3_STEPS:-8} --out $OUT/llama3_8b.jsonl"
+  for p in ${LLAMA3_PRECISIONS:-bf16 tensorwise rowwise}; do
+    prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
+    timeout ${LLAMA3_TIMEOUT:-280} $MPI -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -n $NG $B $prec \
+      >> "$OUT/llama3_8b.log" 2>&1
+    echo "$p, batch $b: exit $?"; grep -E '^\|' "$OUT/llama3_8b.log" | tail -1
+    grep -E 'OutOfMemory|Error' "$OUT/llama3_8b.log" | tail -2
+    python3 -m minimal_fsdp.model_size --model_preset llama3-8b --gpus $NG --batch_size $b $prec \
+      | grep -E '^full-shard +selective +no ' | awk -v p=$p '{print "  planner, " p ": " $6 " GiB estimated"}'
+  done
+  python3 benchmarks/fp8_table.py "$OUT/llama3_8b.jsonl" | tee -a "$OUT/llama3_summary.md" ;;
+document_mask)
+  # Issue 40, target 3: Llama 3 8B at T=8192 on NG GPUs (4), as llama3_8b runs it (DOCMASK_PRECISION: bf16), on
+  # windows packing documents of ~DOCMASK_LENGTH (2048) tokens: plain causal attention, then --document_mask
+  # (FlexAttention), the same tokens; then attention alone at the 8B shape: SDPA causal, FlexAttention causal and
+  # document-masked, torch's varlen flash attention (benchmarks/document_attention.py: which is faster).
+  fp8_setup || continue
+  B="python3 benchmarks/document_mask.py --model_preset llama3-8b --compile --meta_init --activation_checkpoints --recompute selective --batch_size ${LLAMA3_BATCH:-1} --document_length ${DOCMASK_LENGTH:-2048} --warmup ${LLAMA3_WARMUP:-4} --steps ${LLAMA3_STEPS:-8} ${DOCMASK_PRECISION:---precision bf16}"
+  for mask in "" --document_mask; do
+    timeout ${LLAMA3_TIMEOUT:-280} $MPI -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -n $NG $B $mask \
+      >> "$OUT/document_mask.log" 2>&1
+    echo "${mask:-causal}: exit $?"; grep -E '^\|' "$OUT/document_mask.log" | tail -1
+    grep -E 'OutOfMemory|Error' "$OUT/document_mask.log" | tail -2
+  done
+  timeout 240 python3 benchmarks/document_attention.py --document_length ${DOCMASK_LENGTH:-2048} 2>&1 \
+    | tee -a "$OUT/document_attention.md" | grep -E '^\||Error' ;;
 esac; done
