@@ -228,3 +228,39 @@ def test_config_file_keys_and_sections_are_named_in_one_line(tmp_path, text, mes
     with pytest.raises(ConfigError) as raised:
         parse_args(["--config", path])
     assert str(raised.value) == f"--config {path}: {message}"
+
+
+@pytest.mark.parametrize("flag", ["--data_dir", "--checkpoint_dir", "--log_dir"])
+def test_a_directory_flag_naming_a_file_is_refused(tmp_path, flag):
+    (tmp_path / "afile").write_text("x")
+    refused([flag, tmp_path / "afile"], f"{flag} {tmp_path / 'afile'} is a file, not a directory: name a directory "
+                                        "(or a path that does not exist yet)")
+
+
+def test_a_config_with_input_file_and_another_dataset_is_refused():
+    import dataclasses
+    cfg = dataclasses.replace(parse_args([]), input_file="my.txt")  # built in code, not parsed: no implication
+    with pytest.raises(ConfigError, match="^--input_file is the file of --dataset text: drop --dataset shakespeare$"):
+        config.validate(cfg)
+
+
+def test_a_gpu_recipe_on_a_cpu_is_warned_about_and_pointed_at_the_cpu_recipe():
+    from minimal_fsdp.config_checks import cpu_recipe_warning
+    gpu = parse_args(["--compile", "--precision", "bf16"])
+    line = cpu_recipe_warning(gpu, "cpu")
+    assert line.startswith("warning: --compile and --precision bf16 on a CPU") and "shakespeare_tiny.toml" in line
+    assert cpu_recipe_warning(gpu, "cuda") is None and cpu_recipe_warning(parse_args([]), "cpu") is None
+
+
+def test_sizes_are_checked_against_free_memory(monkeypatch):
+    from minimal_fsdp import config_checks
+    monkeypatch.setattr(config_checks, "host_memory_available", lambda: 2**30)
+    cfg = parse_args(["--batch_size", "200000"])  # 200000 x 129 ids x 8 bytes x 3 copies x 2 processes
+    with pytest.raises(ConfigError, match=r"^--batch_size 200000: a batch of 200000 x 129 token ids takes 1.15 GiB "
+                                          r"of host memory over this host's 2 process\(es\), more than the 1 GiB free"):
+        config_checks.check_sizes(cfg, 128, 1000, processes=2, device_free=None)
+    config_checks.check_sizes(parse_args([]), 128, 1000, processes=2, device_free=None)  # a small batch fits
+    with pytest.raises(ConfigError, match="the model's 300,000,000 parameters take 2.24 GiB in fp32 on this host's cpu"):
+        config_checks.check_sizes(parse_args([]), 128, 300_000_000, processes=2, device_free=2**30)
+    config_checks.check_sizes(parse_args(["--meta_init"]), 128, 300_000_000, processes=2, device_free=2**30,
+                              ranks=8)  # a shard of it fits
