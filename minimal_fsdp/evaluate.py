@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -157,7 +158,8 @@ class TrainingTasks:
         if self.lm.me == 0:
             from lm_eval.loggers import EvaluationTracker
             tracker = EvaluationTracker(output_path=str(log.metrics.dir / "eval_tasks" / f"step_{step}.json"))
-        results = evaluate(self.lm, self.manager, self.tasks, f"step_{step}", limit=self.limit, tracker=tracker)
+        with generators_kept(self.lm.me == 0):
+            results = evaluate(self.lm, self.manager, self.tasks, f"step_{step}", limit=self.limit, tracker=tracker)
         if results is None:
             return
         tracker.save_results_aggregated(results=results, samples=None)
@@ -166,6 +168,23 @@ class TrainingTasks:
                   if isinstance(value, (int, float)) and "_stderr" not in key and key != "sample_len"}
         log.metrics.log(step, **scores)
         log.print(f"step {step}: " + ", ".join(f"{name[5:]} {value:.4g}" for name, value in scores.items()))
+
+
+@contextmanager
+def generators_kept(seeded):
+    """The harness seeds Python's, NumPy's and torch's global generators (seeded: on this rank); training's
+    states are put back afterwards, so a run with --eval_tasks draws what it would draw without them."""
+    if not seeded:
+        yield
+        return
+    import random
+
+    import numpy as np
+    states = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        yield
+    random.setstate(states[0])
+    np.random.set_state(states[1])
 
 
 def _limit(limit):

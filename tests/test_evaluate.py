@@ -1,0 +1,215 @@
+"""python -m minimal_fsdp.evaluate (evaluate.py, evaluate_lm.py) and --eval_tasks. On the local tasks in
+tests/data/eval (multiple choice; perplexity in rolling windows; generation), our backend on a checkpoint loaded
+over 1, 2 and 4 ranks gives the scores of the harness's own Hugging Face backend (lm_eval --model hf) on the same
+checkpoint exported with python -m minimal_fsdp.export --format hf: every log-likelihood within 1e-4 relative,
+accuracies, greedy flags and generated text identical, for a GPT-2-shape and a Llama-shape model. Offline
+throughout; bad input ends every rank with one line."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
+from minimal_fsdp import checkpoint_find, evaluate, export
+
+lm_eval = pytest.importorskip("lm_eval")  # pip install -e '.[dev]' installs it
+
+DATA = ROOT / "tests" / "data" / "eval"
+TASKS = ["tiny_mc", "tiny_ppl", "tiny_gen"]
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+# Two shapes: GPT with a 64-token context, Llama (grouped-query, rotary) with 32, so that prompts are truncated and
+# the perplexity texts span several windows.
+SHAPES = {"gpt": ["--seq_length", 64], "llama": ["--model", "llama", "--num_kv_heads", 1, "--seq_length", 32]}
+FLAGS = ["--tasks", ",".join(TASKS), "--include_path", DATA, "--batch_size", 3, "--log_samples"]
+
+
+def hf_backend(directory):
+    """The reference: lm_eval's own transformers backend, one sequence at a time (no padding)."""
+    from lm_eval.tasks import TaskManager
+    return lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={directory},dtype=float32", tasks=TASKS,
+                                   task_manager=TaskManager(include_path=str(DATA), include_defaults=False),
+                                   batch_size=1, device="cpu", log_samples=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Per shape: a run trained on 2 ranks (sentencepiece), its checkpoint, and the hf backend's results on its
+    export. The GPT run also evaluates tiny_mc and tiny_ppl as it trains (--eval_tasks, at steps 50 and 100)."""
+    work = tmp_path_factory.mktemp("evaluate")
+    (work / "corpus.txt").write_text(make_text())
+    found = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in OFFLINE.items():
+            patch.setenv(name, value)
+        for shape, flags in SHAPES.items():
+            during = ["--eval_tasks", "tiny_mc,tiny_ppl", "--eval_tasks_include_path", DATA,
+                      "--eval_tasks_interval", 50] if shape == "gpt" else []
+            launch(["--dataset", "text", "--input_file", work / "corpus.txt", *TINY_MODEL, *flags,
+                    "--tokenizer", "sentencepiece", "--vocab_size", 300, "--max_steps", 100, "--warmup_steps", 5,
+                    "--eval_interval", 0, "--checkpoint_dir", work / "checkpoints", "--log_dir", work / "logs",
+                    "--data_dir", work / "data", "--run_name", shape, *during], ranks=2, cwd=ROOT, env=OFFLINE)
+            step = checkpoint_find.resolve(work / "checkpoints" / shape)
+            export.export(step, work / f"{shape}_hf", fmt="hf")
+            patch.chdir(ROOT)  # the tasks' data_files are relative to the repository root
+            found[shape] = dict(step=step, logs=work / "logs" / shape, reference=hf_backend(work / f"{shape}_hf"))
+    return found
+
+
+def results_of(out):
+    """The harness's results file and samples files under --output_path (one model folder)."""
+    (folder,) = out.iterdir()
+    (results,) = folder.glob("results_*.json")
+    samples = {task: [json.loads(line) for line in next(folder.glob(f"samples_{task}_*.jsonl")).open()]
+               for task in TASKS}
+    return json.loads(results.read_text()), samples
+
+
+def assert_same_scores(results, samples, reference, tasks=TASKS):
+    """Scores and every example's responses as the hf backend's: log-likelihoods within 1e-4 relative."""
+    for task in tasks:
+        ours, theirs = results["results"][task], reference["results"][task]
+        for key, value in theirs.items():
+            if "_stderr" in key or key == "alias":
+                continue
+            if isinstance(value, str) or key.startswith(("acc", "exact_match", "sample_len")):
+                assert ours[key] == value, (task, key)
+            else:
+                assert ours[key] == pytest.approx(value, rel=1e-4), (task, key)
+    for task in tasks if samples else []:
+        ours = sorted(samples[task], key=lambda s: s["doc_id"])
+        theirs = sorted(reference["samples"][task], key=lambda s: s["doc_id"])
+        assert len(ours) == len(theirs) > 0
+        for mine, ref in zip(ours, theirs):
+            # the samples file holds the harness's responses as strings: "-48.72", or ["-48.72", "False"]
+            for a, b in zip(mine["filtered_resps"], ref["filtered_resps"], strict=True):
+                if task == "tiny_gen":
+                    assert a == b
+                elif task == "tiny_ppl":
+                    assert float(a) == pytest.approx(b, rel=1e-4)
+                else:  # (log-likelihood, greedy)
+                    assert float(a[0]) == pytest.approx(b[0], rel=1e-4) and a[1] == str(b[1])
+    generated = [s["filtered_resps"][0] for s in samples.get("tiny_gen", [])] if samples else []
+    assert not generated or any(text.strip() for text in generated), "no text was generated at all: a weak check"
+
+
+def run_evaluate(source, out, ranks, *flags, check=True):
+    cmd = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
+    cmd += [sys.executable, "-m", "minimal_fsdp.evaluate", str(source), *map(str, flags)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **OFFLINE)
+    result = subprocess.run(cmd + (["--output_path", str(out)] if out else []), capture_output=True, text=True,
+                            timeout=600, env=env, cwd=ROOT)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}")
+    return result
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_one_rank_matches_the_hf_backend(trained, shape, single_process, monkeypatch, capsys, tmp_path):
+    for name, value in OFFLINE.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(ROOT)
+    evaluate.main([str(trained[shape]["step"]), *map(str, FLAGS), "--output_path", str(tmp_path / "out")])
+    shown = capsys.readouterr()
+    assert_same_scores(*results_of(tmp_path / "out"), trained[shape]["reference"])
+    assert f"evaluating {trained[shape]['step']} (checkpoint, step 100) on 1 rank(s)" in shown.err
+    assert "|tiny_mc |" in shown.out and "|tiny_ppl|" in shown.out  # the harness's table
+
+
+@pytest.mark.parametrize("shape,sharding,ranks", [("gpt", "full-shard", 2), ("gpt", "no-shard", 2),
+                                                  ("llama", "full-shard", 2), ("llama", "no-shard", 2),
+                                                  ("llama", "grad-shard", 4)])
+def test_sharded_checkpoint_matches_the_hf_backend(trained, shape, sharding, ranks, tmp_path):
+    out = run_evaluate(trained[shape]["step"], tmp_path / "out", ranks, *FLAGS, "--sharding", sharding)
+    assert_same_scores(*results_of(tmp_path / "out"), trained[shape]["reference"])
+    assert f"on {ranks} rank(s)" in out.stderr
+    assert out.stdout.count("|tiny_mc |") == 1  # rank 0 alone prints the table
+
+
+def test_eval_tasks_during_training_score_the_live_model(trained):
+    rows = [json.loads(line) for line in (trained["gpt"]["logs"] / "metrics.jsonl").open()]
+    scored = {row["step"]: row for row in rows if "eval/tiny_mc/acc" in row}
+    assert sorted(scored) == [50, 100]  # every --eval_tasks_interval steps, and at the end
+    reference = trained["gpt"]["reference"]["results"]  # of the step-100 checkpoint, exported
+    for task in ("tiny_mc", "tiny_ppl"):
+        for key, value in reference[task].items():
+            metric = key.split(",")[0]
+            if "_stderr" in key or isinstance(value, str) or metric == "sample_len":
+                continue
+            live = scored[100][f"eval/{task}/{metric}"]
+            assert live == value if metric.startswith("acc") else live == pytest.approx(value, rel=1e-4), key
+    written = sorted((trained["gpt"]["logs"] / "eval_tasks").glob("step_*.json"))
+    assert sorted(p.name.split("_")[1] for p in written) == ["100", "50"]  # the harness's results files
+    final = json.loads(next(p for p in written if p.name.startswith("step_100_")).read_text())
+    assert final["results"]["tiny_mc"]["acc,none"] == scored[100]["eval/tiny_mc/acc"]
+
+
+def write_task(folder, name, base="tiny_mc", data=None, **overrides):
+    """A copy of a shipped task under another name, its data path absolute (or `data`), some fields changed."""
+    text = (DATA / f"{base}.yaml").read_text().replace(f"task: {base}", f"task: {name}")
+    text = text.replace("tests/data/eval/tiny_mc.jsonl", data or str(DATA / "tiny_mc.jsonl"))
+    for key, value in overrides.items():
+        text = text.replace(f"  {key}: ", f"  {key}: {value}  # was ")
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.yaml").write_text(text)
+
+
+def test_missing_data_is_one_line_on_every_rank(trained, tmp_path):
+    write_task(tmp_path / "tasks", "gone", data=str(tmp_path / "absent.jsonl"))
+    out = run_evaluate(trained["gpt"]["step"], None, 2, "--tasks", "gone", "--include_path", tmp_path / "tasks",
+                       check=False)
+    assert out.returncode == 2
+    assert [line for line in out.stderr.splitlines() if line.startswith("error")] == [
+        f"error: task gone: its data is not here: Unable to find '{tmp_path / 'absent.jsonl'}' (relative "
+        f"data_files are read from the working directory, {ROOT})"]
+    assert "Traceback" not in out.stderr and "evaluating" not in out.stderr  # stopped before loading the model
+
+
+def test_a_failure_inside_the_harness_releases_every_rank(trained, tmp_path):
+    """Rank 0 finds the problem while the harness runs: after the model is loaded, the other rank serving it."""
+    write_task(tmp_path / "tasks", "too_long", base="tiny_gen", max_gen_toks=100)
+    out = run_evaluate(trained["gpt"]["step"], None, 2, "--tasks", "too_long", "--include_path",
+                       tmp_path / "tasks", check=False)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert [line for line in out.stderr.splitlines() if line.startswith("error")] == [
+        "error: a task asks for 100 generated tokens, more than the model's context of 64 leaves for its prompt"]
+    assert "Traceback" not in out.stderr and "evaluating" in out.stderr
+
+
+def test_unknown_task_and_missing_harness_are_one_line(trained, single_process, monkeypatch, capsys):
+    for name, value in OFFLINE.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit:
+        evaluate.main([str(trained["gpt"]["step"]), "--tasks", "tiny_mc,nonesuch", "--include_path", str(DATA)])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --tasks: nonesuch is not one of lm_eval's tasks nor in --include_path "
+        f"{DATA}; lm_eval ls tasks lists them")
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if it were not installed
+    with pytest.raises(evaluate.ConfigError, match=r"pip install 'minimal_fsdp\[eval\]'"):
+        evaluate.harness()
+
+
+def test_scores_of_a_padded_batch_are_each_sequence_alone(one_rank_group):
+    """Independent of the harness: rows of different lengths in one forward call (right-padded, only the
+    continuation projected onto the vocabulary) score as each row alone through the model's full logits."""
+    from minimal_fsdp.evaluate_lm import ShardedLM
+    from minimal_fsdp.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, seq_length=16, num_layers=2, num_heads=2, embed_size=16))
+
+    class Tokenizer:
+        kind, eot_id, bos_id = "test", 0, None
+    lm = ShardedLM(model, Tokenizer(), torch.device("cpu"), batch_size=4)
+    rows = [([1, 2, 3, 4, 5], 2), ([7, 8], 1), (list(range(1, 18)), 16), ([9, 9, 9, 9], 3)]
+    got = lm.score(rows)
+    for (tokens, scored), (logprob, greedy) in zip(rows, got):
+        hidden = model.trunk(torch.tensor([tokens[:-1]]))
+        logits = torch.log_softmax(hidden @ model.wte.weight.T, dim=-1)[0, -scored:]
+        wanted = torch.tensor(tokens[-scored:])
+        assert logprob == pytest.approx(logits.gather(-1, wanted[:, None]).sum().item(), rel=1e-5)
+        assert greedy == bool((logits.argmax(-1) == wanted).all())
+    assert model.training  # scoring puts the model back as it found it
