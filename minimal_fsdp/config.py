@@ -92,10 +92,6 @@ class Config:
                                       "window packing several, documents ending at the tokenizer's end-of-text token "
                                       "(so not with --tokenizer char); positions are not restarted. FlexAttention on "
                                       "CUDA (docs/llama3.md)", section="model")
-    document_mask: bool = flag(False, "block-causal attention: tokens attend only within their own document of a "
-                                      "window packing several, documents ending at the tokenizer's end-of-text token "
-                                      "(so not with --tokenizer char); positions are not restarted. FlexAttention on "
-                                      "CUDA (docs/llama3.md)", section="model")
 
     # parallelism
     device: str = flag("auto", "auto: CUDA GPUs if present, else CPU; xla: PyTorch/XLA (TPU, or XLA:CPU with "
