@@ -138,6 +138,9 @@ class TrainingTasks:
                               f"{cfg.eval_tasks_interval} and {cfg.eval_tasks_limit})")
         if tokenizer is None:
             raise ConfigError("--eval_tasks needs the data's tokenizer, which this device's data does not hold")
+        if cfg.data_parallel == "decentralized":
+            raise ConfigError("--eval_tasks scores one model, and under --data_parallel decentralized every rank "
+                              "trains a replica of its own: evaluate a checkpoint with python -m minimal_fsdp.evaluate")
         go_offline()
         harness()
         from .evaluate_lm import ShardedLM

@@ -56,13 +56,13 @@ class ShardedLM(TemplateLM):
 
     def __init__(self, model, tokenizer, device, dtype=torch.float32, batch_size=1, progress=True):
         super().__init__()  # the harness's rank and world size stay 0 and 1: it runs on rank 0 alone
-        self.model, self.tok, self._device, self.dtype = model, tokenizer, device, dtype
-        self.batch_size, self.progress = batch_size, progress
-        self.ranks, self.me = dist.get_world_size(), dist.get_rank()
         if tokenizer.eot_id is None and tokenizer.bos_id is None:
             raise ConfigError(f"the model's {tokenizer.kind} tokenizer has no end-of-text or begin-of-text token, "
                               "which the harness puts before a text it scores whole; train with --tokenizer gpt2 "
                               "or sentencepiece")
+        self.model, self.tok, self._device, self.dtype = model, tokenizer, device, dtype
+        self.batch_size, self.progress = batch_size, progress
+        self.ranks, self.me = dist.get_world_size(), dist.get_rank()
 
     # --- what the harness asks of a model ---
 

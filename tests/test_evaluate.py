@@ -213,3 +213,17 @@ def test_scores_of_a_padded_batch_are_each_sequence_alone(one_rank_group):
         assert logprob == pytest.approx(logits.gather(-1, wanted[:, None]).sum().item(), rel=1e-5)
         assert greedy == bool((logits.argmax(-1) == wanted).all())
     assert model.training  # scoring puts the model back as it found it
+
+
+def test_eval_tasks_that_cannot_run_stop_before_training():
+    from minimal_fsdp.config import Config
+    from minimal_fsdp.evaluate_lm import ShardedLM
+    from minimal_fsdp.tokenizer import CharTokenizer
+    assert evaluate.TrainingTasks.for_run(Config(), None, None, None) is None  # without --eval_tasks: nothing
+    for flags, message in [(dict(eval_tasks_interval=-1), "--eval_tasks_interval must be 0 or positive"),
+                           (dict(eval_tasks_limit=0), "--eval_tasks_limit positive"),
+                           (dict(data_parallel="decentralized"), "every rank trains a replica of its own")]:
+        with pytest.raises(evaluate.ConfigError, match=message):
+            evaluate.TrainingTasks.for_run(Config(eval_tasks="tiny_mc", **flags), None, CharTokenizer("ab"), None)
+    with pytest.raises(evaluate.ConfigError, match="char tokenizer has no end-of-text or begin-of-text token"):
+        ShardedLM(None, CharTokenizer("ab"), torch.device("cpu"))
