@@ -126,7 +126,8 @@ def _discover_torchrun(env):
         except (socket.gaierror, UnicodeError):
             raise ConfigError(f"MASTER_ADDR {env['MASTER_ADDR']} does not resolve on {socket.gethostname()}: set it "
                               "to an address of rank 0's node that every node can reach") from None
-    return int_variable(env, "RANK"), world, int_variable(env, "LOCAL_RANK", "0"), local_world, max(1, world // local_world)
+    rank, local_rank = int_variable(env, "RANK"), int_variable(env, "LOCAL_RANK", "0")
+    return rank, world, local_rank, local_world, max(1, world // local_world)
 
 
 def _discover_srun(env):
@@ -226,7 +227,8 @@ def _refuse_before_init(env, version):
 
 # What launchers say about a rank, to check against MPI's own view: (variable, who sets it).
 _VIEWS = {
-    "world size": (("PMI_SIZE", "mpiexec"), ("OMPI_COMM_WORLD_SIZE", "Open MPI"), ("WORLD_SIZE", "torchrun/PyTorchJob")),
+    "world size": (("PMI_SIZE", "mpiexec"), ("OMPI_COMM_WORLD_SIZE", "Open MPI"),
+                   ("WORLD_SIZE", "torchrun/PyTorchJob")),
     "rank": (("PMI_RANK", "mpiexec"), ("OMPI_COMM_WORLD_RANK", "Open MPI"), ("PMIX_RANK", "PMIx"),
              ("PALS_RANKID", "Cray PALS"), ("RANK", "torchrun/PyTorchJob")),
     "local rank": (("MPI_LOCALRANKID", "Hydra"), ("PMI_LOCAL_RANK", "Cray PALS"), ("PALS_LOCAL_RANKID", "Cray PALS"),
@@ -242,6 +244,8 @@ def _disagreement(env, found):
     mpi = {"world size": world, "rank": rank, "local rank": local_rank, "ranks on this host": local_world}
     for what, variables in _VIEWS.items():
         for name, source in variables:
+            if name == "PMIX_RANK" and "PMI_RANK" in env:
+                continue  # Hydra started by srun's PMIx plugin: its ranks inherit the srun task's PMIX_RANK
             if name in env and env[name] != str(mpi[what]):
                 return (f"two sources of rank information disagree: {name}={env[name]} ({source}) but MPI's "
                         f"{what} is {mpi[what]} (MPI_COMM_WORLD, split by shared memory): start the job under one "

@@ -6,6 +6,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -104,18 +105,28 @@ def _failed_alike(timeout=AGREE_SECONDS):
             time.sleep(0.01)
         return True
     if dist.is_initialized():  # srun, torchrun: count the failures in the rendezvous store
-        try:
-            store = dist.distributed_c10d._get_default_store()  # torch has no public accessor
-            store.add(FAILED_KEY, 1)
-            deadline_at = time.monotonic() + timeout
-            while store.add(FAILED_KEY, 0) < dist.get_world_size():
-                if time.monotonic() > deadline_at:
-                    return False
-                time.sleep(0.05)
-            return True
-        except dist.DistError:  # rank 0, which holds the store, is gone
-            return False
+        # On a thread: a store request over a link that went down waits for good (the store's timeout does not
+        # cover it), and this rank must still speak and end.
+        verdict = []
+        counting = threading.Thread(target=lambda: verdict.append(_all_failed_in_store(timeout)), daemon=True)
+        counting.start()
+        counting.join(timeout + 5)
+        return bool(verdict and verdict[0])
     return False  # failed in the rendezvous, which is this rank's own
+
+
+def _all_failed_in_store(timeout):
+    try:
+        store = dist.distributed_c10d._get_default_store()  # torch has no public accessor
+        store.add(FAILED_KEY, 1)
+        deadline_at = time.monotonic() + timeout
+        while store.add(FAILED_KEY, 0) < dist.get_world_size():
+            if time.monotonic() > deadline_at:
+                return False
+            time.sleep(0.05)
+        return True
+    except dist.DistError:  # rank 0, which holds the store, is gone
+        return False
 
 
 def exit_on_error(error, code):
@@ -159,7 +170,7 @@ def rank_hint():
     """This process's global rank, also before (or without) torch.distributed: for printing errors once."""
     if dist.is_initialized():
         return dist.get_rank()
-    if _error_comm is not None:  # MPI's rank, once known, over variables another launcher may have left
+    if _error_comm is not None and _error_comm.Get_size() > 1:  # MPI's rank, over another launcher's variables
         return _error_comm.Get_rank()
     for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID"):
         if name in os.environ and os.environ[name].isdigit():

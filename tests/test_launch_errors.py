@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from conftest import ENTRY, ROOT, TINY_MODEL, mpiexec
 from fake_launchers import error_lines, install_fakes, run_session
-from minimal_fsdp import rendezvous
+from minimal_fsdp import hosts, rendezvous
 
 # Variables of the launcher that runs pytest (a test may itself run under one) that would mislead the job.
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE",
@@ -77,7 +77,7 @@ def test_unresolvable_master_addr_ends_the_mpi_job(tmp_path, corpus):
 
 def test_pbs_without_nodefile_ends_the_mpi_job(tmp_path, corpus):
     result = run_session([mpiexec(), "-n", "2", *training(corpus, "--environment", "pbs")], job_env(), tmp_path)
-    one_error(result, "cannot read PBS_NODEFILE=")
+    one_error(result, "--environment pbs needs PBS_NODEFILE")
     assert result.returncode == 2
 
 
@@ -126,7 +126,11 @@ def test_a_rank_never_joins_another_jobs_store(tmp_path, corpus):
 def test_uneven_ranks_per_node_with_hybrid_sharding(tmp_path, corpus):
     """4 tasks laid out 2,1,1 over three nodes: every rank refuses the hybrid mesh alike, one line."""
     cmd = ["srun", "--mpi=none", "--kill-on-bad-exit=1", *training(corpus, "--sharding", "hybrid-full-shard")]
-    result = run_session(cmd, slurm_job(tmp_path, 4, FAKE_TASKS_PER_NODE="2,1,1"), tmp_path)
+    # Three pretend hosts are this one: rank 0's address must be one the "others" reach off loopback.
+    address = next((str(i.ip) for i in hosts.interfaces().values() if not i.ip.is_loopback), None)
+    if address is None:
+        pytest.skip("no network interface besides loopback")
+    result = run_session(cmd, slurm_job(tmp_path, 4, FAKE_TASKS_PER_NODE="2,1,1", MASTER_ADDR=address), tmp_path)
     one_error(result, "nodes run different numbers of ranks (1, 2)")
     assert result.returncode == 2
 
@@ -299,3 +303,13 @@ def test_an_unreachable_master_addr_ends_the_mpi_job_in_one_line(tmp_path, corpu
     # No c10d frames (the namespace has no DNS, so c10d's one warning about naming a client may appear).
     assert "Traceback" not in result.stderr and "frame #" not in result.stderr
     assert not [line for line in result.stderr.splitlines() if "c10d" in line and "cannot be retrieved" not in line]
+
+
+def test_an_unresolvable_master_addr_under_torchrun_variables_is_one_line(tmp_path, corpus):
+    """A worker with torchrun's (or a PyTorchJob's) variables and a MASTER_ADDR that no name server knows: it
+    used to retry for --collective_timeout and end in tracebacks."""
+    env = job_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="none",
+                  MASTER_ADDR="master-0.no-such-job.invalid", MASTER_PORT="23456")
+    result = run_session(training(corpus), env, tmp_path, timeout=120)
+    one_error(result, "MASTER_ADDR master-0.no-such-job.invalid does not resolve on")
+    assert result.returncode == 2 and "Traceback" not in result.stderr

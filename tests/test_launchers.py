@@ -339,7 +339,10 @@ def test_the_launchers_view_must_agree_with_mpis():
     rank_1_of_2_on_one_host = (1, 2, 1, 2, 1)
     hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
     assert discovery._disagreement(hydra, rank_1_of_2_on_one_host) is None
-    for variables, said in [({"OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_SIZE=4 (Open MPI) but MPI's world size is 2"),
+    # Hydra under srun's PMIx plugin: the srun task's PMIX_RANK is inherited, not a view of this rank.
+    assert discovery._disagreement(dict(hydra, PMIX_RANK="0"), rank_1_of_2_on_one_host) is None
+    for variables, said in [({"OMPI_COMM_WORLD_SIZE": "4"},
+                             "OMPI_COMM_WORLD_SIZE=4 (Open MPI) but MPI's world size is 2"),
                             ({"RANK": "0"}, "RANK=0 (torchrun/PyTorchJob) but MPI's rank is 1"),
                             ({"MPI_LOCALNRANKS": "1"}, "MPI_LOCALNRANKS=1 (Hydra) but MPI's ranks on this host is 2"),
                             ({"PALS_LOCAL_RANKID": "0"}, "PALS_LOCAL_RANKID=0 (Cray PALS) but MPI's local rank is 1")]:
