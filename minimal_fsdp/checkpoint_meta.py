@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .config import ConfigError
 from .models import MODELS, check_shape
-from .safe_load import open_regular
+from .safe_load import read_json
 
 FORMAT = 2
 MAX_BYTES = 64 * 2**20  # a few KB, plus two numbers per file: room for a run of a million ranks
@@ -43,17 +43,10 @@ class MetaError(ConfigError):
 def read_meta(path):
     """A checkpoint's meta.json in the current format's layout, every field present checked (the top of this
     file); raises MetaError (or OSError when the file is missing or unreadable)."""
-    with open_regular(Path(path) / "meta.json", MAX_BYTES) as f:
-        data = f.read()
     try:
-        text = data.decode("utf-8")
-        if _depth(text) > MAX_DEPTH:
-            raise MetaError(f"meta.json nests deeper than {MAX_DEPTH} levels")
-        meta = json.loads(text)
-    except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
-        raise MetaError(f"meta.json is not JSON ({type(e).__name__}: {' '.join(str(e).split())[:100]})") from None
-    if not isinstance(meta, dict):
-        raise MetaError(f"meta.json holds a JSON {type(meta).__name__}, not an object")
+        meta = read_json(Path(path) / "meta.json", MAX_BYTES, MAX_DEPTH)
+    except ValueError as e:
+        raise MetaError(f"meta.json {e}") from None
     version = meta.get("format", 1)
     if version not in (1, FORMAT) or isinstance(version, bool):
         raise MetaError(f"meta.json: format {_show(version)} is not one this version reads (1 or {FORMAT})")
@@ -61,19 +54,6 @@ def read_meta(path):
         meta = _from_format_1(meta)
     check(meta)
     return meta
-
-
-def _depth(text):
-    """How deep JSON text nests, strings skipped: json.loads would recurse once per level."""
-    depth = deepest = 0
-    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
-        char = token.group()
-        if char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth -= 1
-    return deepest
 
 
 def _from_format_1(meta):

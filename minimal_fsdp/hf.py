@@ -16,6 +16,8 @@ to equal the state dict's: it cannot transpose GPT-2's Conv1D weights, read .bin
 our own exports, where names match.
 """
 import json
+import math
+import re
 from pathlib import Path
 
 import torch
@@ -23,8 +25,17 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 
 from . import tokenizer as tk
+from .checkpoint_meta import MODEL_BOUNDS, PLAIN_NAME, model_problem
 from .config import ConfigError
-from .models import config_from_dict
+from .models import MODELS, config_from_dict
+from .safe_load import open_regular, read_json
+
+CONFIG_MAX_BYTES = 16 * 2**20  # config.json is a few KB
+INDEX_MAX_BYTES = 64 * 2**20  # an index names each tensor once: a few MB for the largest models
+TOKENIZER_MAX_BYTES = 2**30  # tokenizer.json: 9 MB for Llama 3's 128K tokens
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                  "added_tokens.json")
+LAYER = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
 
 
 # -----------------------------------------------------------------------------
@@ -103,45 +114,91 @@ def resolve(name_or_dir):
                           f"({type(e).__name__}: {reason})") from None
 
 
+def config_json(directory):
+    """A model directory's config.json as a dict, read defensively (safe_load.read_json): a file that is not a
+    bounded JSON object is one ConfigError naming it."""
+    try:
+        return read_json(Path(directory) / "config.json", CONFIG_MAX_BYTES)
+    except OSError as e:
+        raise ConfigError(f"--hf_model {directory}: config.json cannot be read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ConfigError(f"--hf_model {directory}: config.json {e}") from None
+
+
+def _field(hf, where, name, kind="size", default=None, bound=None, within=""):
+    """config.json's `name`, checked: "size" a whole number in [1, bound], "number" a finite one > 0, "text" a
+    string, "object" a JSON object; absent: `default`, or a ConfigError naming the field when there is none."""
+    if name not in hf or hf[name] is None and default is not None:
+        if default is None:
+            raise ConfigError(f"{where}: config.json has no {within}{name}")
+        return default
+    value = hf[name]
+    ok, wanted = {"size": (type(value) is int and 1 <= value <= (bound or 2**62), f"a whole number in [1, {bound}]"),
+                  "number": (type(value) in (int, float) and 0 < value < math.inf, "a finite number > 0"),
+                  "text": (isinstance(value, str), "a string"),
+                  "object": (isinstance(value, dict), "an object")}[kind]
+    if not ok:
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise ConfigError(f"{where}: config.json: {within}{name} is {shown}, not {wanted}")
+    return value
+
+
 def read_config(directory, seq_length=None, dropout=None):
-    """Our (model type, config) for the checkpoint in `directory`. seq_length may shorten the context
-    (GPT-2 keeps the first seq_length position embeddings); dropout defaults to 0."""
-    hf = json.loads((Path(directory) / "config.json").read_text())
+    """Our (model type, config) for the checkpoint in `directory`, every field it uses checked (type, range, shapes
+    that fit) before anything is built. seq_length may shorten the context (GPT-2 keeps the first seq_length
+    position embeddings); dropout defaults to 0."""
+    hf = config_json(directory)
     kind = hf.get("model_type")
     where = f"--hf_model {directory}"
+    bound = MODEL_BOUNDS
     if kind == "gpt2":
-        context = hf["n_positions"]
-        _check(where, hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
+        context = _field(hf, where, "n_positions", bound=bound["seq_length"])
+        embed, heads = _field(hf, where, "n_embd", bound=bound["embed_size"]), _field(hf, where, "n_head",
+                                                                                      bound=bound["num_heads"])
+        _check(where, _field(hf, where, "activation_function", "text", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
                f"activation {hf.get('activation_function')} (we use GPT-2's tanh GELU)")
-        _check(where, hf.get("n_inner") in (None, 4 * hf["n_embd"]), "an MLP width other than 4 x n_embd")
+        _check(where, hf.get("n_inner") in (None, 4 * embed), "an MLP width other than 4 x n_embd")
         _check(where, hf.get("layer_norm_epsilon", 1e-5) == 1e-5, "a LayerNorm epsilon other than 1e-5")
         _check(where, not hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx")
-        model_type = "gpt"
-        fields = dict(vocab_size=hf["vocab_size"], num_layers=hf["n_layer"], num_heads=hf["n_head"],
-                      embed_size=hf["n_embd"], bias=True)
+        model_type, names = "gpt", ("n_embd", "n_head")
+        fields = dict(vocab_size=_field(hf, where, "vocab_size", bound=bound["vocab_size"]), embed_size=embed,
+                      num_layers=_field(hf, where, "n_layer", bound=bound["num_layers"]), num_heads=heads, bias=True)
     elif kind == "llama":
-        context = hf["max_position_embeddings"]
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4 spelling
+        context = _field(hf, where, "max_position_embeddings", bound=bound["seq_length"])
+        spelling = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"  # transformers 5 / 4
+        rope = _field(hf, where, spelling, "object", {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         _check(where, rope_type in ("default", "llama3"), f"rope type {rope_type!r} (supported: default, llama3)")
         _check(where, hf.get("hidden_act", "silu") == "silu", f"activation {hf.get('hidden_act')} (we use SiLU)")
         _check(where, not hf.get("attention_bias") and not hf.get("mlp_bias"), "biases in attention or MLP")
-        heads = hf["num_attention_heads"]
-        _check(where, hf.get("head_dim") in (None, hf["hidden_size"] // heads), "head_dim != hidden_size / heads")
-        model_type = "llama"
-        fields = dict(vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
-                      num_kv_heads=hf.get("num_key_value_heads") or heads, embed_size=hf["hidden_size"],
-                      intermediate_size=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
-                      rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                      rope_scaling={k: rope[k] for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
-                                                         "original_max_position_embeddings")}
+        embed = _field(hf, where, "hidden_size", bound=bound["embed_size"])
+        heads = _field(hf, where, "num_attention_heads", bound=bound["num_heads"])
+        _check(where, hf.get("head_dim") in (None, embed // heads), "head_dim != hidden_size / heads")
+        model_type, names = "llama", ("hidden_size", "num_attention_heads")
+        fields = dict(vocab_size=_field(hf, where, "vocab_size", bound=bound["vocab_size"]),
+                      num_layers=_field(hf, where, "num_hidden_layers", bound=bound["num_layers"]), num_heads=heads,
+                      num_kv_heads=_field(hf, where, "num_key_value_heads", default=heads, bound=bound["num_kv_heads"]),
+                      embed_size=embed, intermediate_size=_field(hf, where, "intermediate_size",
+                                                                 bound=bound["intermediate_size"]),
+                      norm_eps=_field(hf, where, "rms_norm_eps", "number", 1e-6),
+                      rope_theta=float(_field(hf, where, "rope_theta", "number", rope.get("rope_theta", 10000.0))),
+                      rope_scaling={k: _field(rope, where, k, "text" if k == "rope_type" else "number",
+                                              within=f"{spelling}.")
+                                    for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings")}
                       if rope_type == "llama3" else None)
     else:
         raise ConfigError(f"{where} is a {kind!r} model; supported are gpt2 and llama")
+    if embed % heads:
+        raise ConfigError(f"{where}: config.json: {names[1]} {heads} does not divide {names[0]} {embed}")
     if seq_length and seq_length > context:
         raise ConfigError(f"--seq_length {seq_length} is longer than {where}'s context of {context} tokens")
-    return model_type, config_from_dict(model_type, dict(fields, seq_length=seq_length or context,
-                                                         dropout=dropout or 0.0))
+    fields = dict(fields, seq_length=seq_length or context, dropout=dropout or 0.0)
+    problem = model_problem(model_type, fields)  # what the model needs beyond the fields above (kv heads, ...)
+    if problem:
+        raise ConfigError(f"{where}: config.json: {problem}")
+    return model_type, config_from_dict(model_type, fields)
 
 
 def read_model_config(directory, cfg):
@@ -149,6 +206,7 @@ def read_model_config(directory, cfg):
     model_type, config = read_config(directory, cfg.seq_length, cfg.dropout)
     if cfg.model and cfg.model != model_type:
         raise ConfigError(f"--model {cfg.model}, but --hf_model {cfg.hf_model} is a {model_type} model: drop --model")
+    check_weights(directory, model_type, config)
     return config
 
 
@@ -168,8 +226,7 @@ class CheckpointFiles:
         for index, single in (("model.safetensors.index.json", "model.safetensors"),
                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
             if (d / index).exists():
-                weight_map = json.loads((d / index).read_text())["weight_map"]
-                self.file_of = {name: d / file for name, file in weight_map.items()}
+                self.file_of = {name: d / file for name, file in _weight_map(d, index).items()}
                 return
             if (d / single).exists():
                 self.file_of = {name: d / single for name in self._open(d / single).keys()}
@@ -178,14 +235,23 @@ class CheckpointFiles:
 
     def _open(self, file):
         if file not in self.open_files:
-            if file.suffix == ".safetensors":
-                self.open_files[file] = safe_open(str(file), framework="pt")
-            else:
-                try:
-                    self.open_files[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-                except RuntimeError:  # files from torch < 1.6 cannot be memory-mapped: read them whole
-                    self.open_files[file] = torch.load(file, map_location="cpu", weights_only=True)
+            try:
+                open_regular(file).close()  # never a device, FIFO or link out of the directory
+                self.open_files[file] = self._load(file)
+            except Exception as e:  # noqa: BLE001 - random bytes or a hostile header fail in many ways: one line
+                raise ConfigError(f"--hf_model {file.parent}: {file.name} cannot be read as "
+                                  f"{'safetensors' if file.suffix == '.safetensors' else 'a PyTorch file'} "
+                                  f"({type(e).__name__}: {' '.join(str(e).split())[:150]})") from None
         return self.open_files[file]
+
+    @staticmethod
+    def _load(file):
+        if file.suffix == ".safetensors":  # safetensors checks the header's length and offsets against the file
+            return safe_open(str(file), framework="pt")
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # files from torch < 1.6 cannot be memory-mapped: read them whole
+            return torch.load(file, map_location="cpu", weights_only=True)
 
     def __contains__(self, name):
         return name in self.file_of
@@ -199,6 +265,49 @@ class CheckpointFiles:
         f = self._open(self.file_of[name])
         tensor = f.get_slice(name) if hasattr(f, "get_slice") else f[name]
         return tensor[:, start:stop].t() if transposed else tensor[start:stop]
+
+
+def _weight_map(directory, index):
+    """An index file's {tensor name: shard file}, every shard a plain file name in the directory."""
+    try:
+        weight_map = read_json(directory / index, INDEX_MAX_BYTES).get("weight_map")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--hf_model {directory}: {index} {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) and PLAIN_NAME.fullmatch(f)
+                                                   for f in weight_map.values()):
+        raise ConfigError(f"--hf_model {directory}: {index}: weight_map is not an object of file names in the "
+                          "directory")
+    return weight_map
+
+
+def check_weights(directory, model_type, config):
+    """The weight files hold exactly the model `config` describes (its layers, and every tensor with its shape):
+    ConfigError naming the file and the field otherwise. Only headers are read, and the model is built on the
+    meta device once its layer count matches the files', so a config that disagrees allocates nothing."""
+    files = CheckpointFiles(directory)
+    layers = {int(m.group(1)) for m in map(LAYER.search, files.file_of) if m}
+    if len(layers) != config.num_layers:
+        field = "n_layer" if model_type == "gpt" else "num_hidden_layers"
+        raise ConfigError(f"--hf_model {directory}: config.json: {field} is {config.num_layers}, but the weights "
+                          f"hold {len(layers)} layers")
+    with torch.device("meta"):
+        model = MODELS[model_type](config)
+    _stored_names(files, model, hf_names(model_type, config), directory)
+
+
+def _stored_names(files, model, names, directory):
+    """{our parameter: its name in the files}, after checking every shape: the same files give the same verdict on
+    every rank, before anything is copied."""
+    stored = {}
+    for ours, param in model.named_parameters():
+        name = stored[ours] = _stored_name(files, names[ours], directory)
+        shape = files.shape(name)[::-1] if is_transposed(names[ours]) else files.shape(name)
+        # Position embeddings may be cut to a shorter --seq_length; everything else must match exactly.
+        fits = shape == tuple(param.shape) or ours == "wpe.weight" and shape[1:] == tuple(param.shape[1:]) \
+            and shape[0] >= param.shape[0]
+        if not fits:
+            raise ConfigError(f"--hf_model {directory}: {name} has shape {shape}, our {ours} is {tuple(param.shape)}")
+    return stored
 
 
 def _stored_name(files, hf_name, directory):
@@ -230,16 +339,7 @@ def load_weights(model, directory, model_type):
     its own shard, one tensor at a time, so no rank ever holds more than its shard plus one tensor slice."""
     files = CheckpointFiles(directory)
     names = hf_names(model_type, model.config)
-    stored = {}
-    # Check every tensor before copying any: the same files give the same verdict on every rank.
-    for ours, param in model.named_parameters():
-        name = stored[ours] = _stored_name(files, names[ours], directory)
-        shape = files.shape(name)[::-1] if is_transposed(names[ours]) else files.shape(name)
-        # Position embeddings may be cut to a shorter --seq_length; everything else must match exactly.
-        fits = shape == tuple(param.shape) or ours == "wpe.weight" and shape[1:] == tuple(param.shape[1:]) \
-            and shape[0] >= param.shape[0]
-        if not fits:
-            raise ConfigError(f"--hf_model {directory}: {name} has shape {shape}, our {ours} is {tuple(param.shape)}")
+    stored = _stored_names(files, model, names, directory)
     for ours, param in model.named_parameters():
         start, stop = local_rows(param)
         local = param.to_local() if isinstance(param, DTensor) else param
@@ -249,7 +349,13 @@ def load_weights(model, directory, model_type):
 def load_tokenizer(directory):
     """The tokenizer a Hugging Face directory brings (tokenizer.load_tokenizer says which files, in which order).
     A GPT-2 directory of weights alone gets tiktoken's GPT-2 BPE (from tiktoken's cache, or downloaded)."""
-    model_type = tk._read_json(Path(directory) / "config.json").get("model_type")
+    model_type = config_json(directory).get("model_type")
+    for name in TOKENIZER_JSON:  # the tokenizers library and json.loads would recurse into a deeply nested one
+        if (Path(directory) / name).exists():
+            try:
+                read_json(Path(directory) / name, TOKENIZER_MAX_BYTES)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"--hf_model {directory}: {name} {getattr(e, 'strerror', None) or e}") from None
     if model_type == "gpt2" and not tk.has_tokenizer(directory):
         try:
             return tk.GPT2Tokenizer()

@@ -5,8 +5,10 @@ classes it is made of, non-tensor entries with torch.load(weights_only=True), an
 import enum
 import errno
 import importlib
+import json
 import os
 import pickle
+import re
 import stat
 import warnings
 from pathlib import Path
@@ -33,6 +35,37 @@ def open_regular(path, max_bytes=None):
         raise OSError(errno.EFBIG if "bytes" in why else errno.EINVAL, why, str(path))
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
+
+
+def read_json(path, max_bytes, max_depth=32):
+    """The JSON object in `path`, a regular file of at most max_bytes (open_regular), nested at most max_depth
+    deep: json.loads recurses once per level, so a deeply nested file would end in RecursionError. Raises
+    OSError, or ValueError whose text completes "<file> ..." in one line."""
+    with open_regular(path, max_bytes) as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+        if _depth(text) > max_depth:
+            raise ValueError(f"nests deeper than {max_depth} levels")
+        value = json.loads(text)
+    except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
+        raise ValueError(f"is not JSON ({type(e).__name__}: {' '.join(str(e).split())[:100]})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _depth(text):
+    """How deep JSON text nests, strings skipped."""
+    depth = deepest = 0
+    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
+        char = token.group()
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 def _allowed_globals():

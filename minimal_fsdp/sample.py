@@ -11,7 +11,6 @@ FSDP2, as in training. The tokenizer is the one the source carries. The text goe
 to stderr. basic_training.py --max_epochs -1 loads its model through here too.
 """
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from . import checkpoint, checkpoint_find, checkpoint_meta, environment, hf
 from .config import Config, ConfigError, validate
 from .generate import generate
+from .checkpoint_meta import model_problem
 from .models import MODELS, config_from_dict
 from .parallelize import build_model, make_plan
 from .tokenizer import load_tokenizer
@@ -54,14 +54,16 @@ def open_source(source, seq_length=None):
         found = Source("checkpoint", str(resolved), meta["model_type"], config_from_dict(meta["model_type"],
                                                                                          meta["model"]), meta["step"])
     elif (path / "config.json").is_file():
-        config = json.loads((path / "config.json").read_text())
+        config = hf.config_json(path)
         if "model_type" in config:  # Hugging Face's config.json (ours has no such key)
-            return Source("hf", str(path), *hf.read_config(path, seq_length))
+            return _hf_source(path, seq_length)
         model_type = _export_model_type(path, config)
+        problem = model_problem(model_type, config)
+        if problem:
+            raise ConfigError(f"{path}: config.json: {problem}")
         found = Source("export", str(path), model_type, config_from_dict(model_type, config))
     elif not path.exists() and source.count("/") == 1 and not source.startswith((".", "/", "~")):
-        directory = hf.resolve(source)  # a hub name: from the Hugging Face cache, or downloaded
-        return Source("hf", directory, *hf.read_config(directory, seq_length))
+        return _hf_source(hf.resolve(source), seq_length)  # a hub name: from the Hugging Face cache, or downloaded
     else:
         raise ConfigError(f"{source} is not a checkpoint (a step_<N> directory, a run directory or its latest/best "
                           "marker), an export, or a Hugging Face model directory (config.json + weights)")
@@ -71,14 +73,25 @@ def open_source(source, seq_length=None):
     return found
 
 
+def _hf_source(directory, seq_length):
+    """A Hugging Face directory's config, checked against its weights' shapes before anything is built."""
+    model_type, config = hf.read_config(directory, seq_length)
+    hf.check_weights(directory, model_type, config)
+    return Source("hf", str(directory), model_type, config)
+
+
 def _export_model_type(path, config):
     """export.py records the model type in model.safetensors' metadata; a Llama's config has num_kv_heads."""
     from safetensors import safe_open
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise ConfigError(f"{path} has a config.json but no model.safetensors: not an export of ours")
-    with safe_open(str(weights), framework="pt") as f:
-        recorded = (f.metadata() or {}).get("model_type")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            recorded = (f.metadata() or {}).get("model_type")
+    except Exception as e:  # noqa: BLE001 - random bytes or a hostile header fail in many ways
+        raise ConfigError(f"{weights} cannot be read as safetensors ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:150]})") from None
     return recorded if recorded in MODELS else "llama" if "num_kv_heads" in config else "gpt"
 
 

@@ -199,16 +199,19 @@ def test_llama_configs_we_do_not_implement(tmp_path, fields, what):
     rejected(tmp_path, dict(bare("llama"), **fields), what)
 
 
-def test_other_model_types_and_a_model_flag_that_disagrees(tmp_path):
+def test_other_model_types_and_a_model_flag_that_disagrees(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as error:
         read(tmp_path, {"model_type": "bert"})
     assert str(error.value) == f"--hf_model {tmp_path / 'm'} is a 'bert' model; supported are gpt2 and llama"
     with pytest.raises(ConfigError, match="is a None model"):
         read(tmp_path, {})
     save_config(tmp_path / "m", bare("llama"))
+    checked = []  # against the weights (here none: test_a_config_is_checked_against_the_weights... has them)
+    monkeypatch.setattr(hf, "check_weights", lambda *args: checked.append(args))
     cfg = SimpleNamespace(seq_length=12, dropout=0.125, model=None, hf_model="meta/llama")
     config = hf.read_model_config(tmp_path / "m", cfg)
     assert (config.model_type, config.seq_length, config.dropout) == ("llama", 12, 0.125)
+    assert checked == [(tmp_path / "m", "llama", config)]
     assert hf.read_model_config(tmp_path / "m", SimpleNamespace(**dict(vars(cfg), model="llama"))) == config
     with pytest.raises(ConfigError) as error:
         hf.read_model_config(tmp_path / "m", SimpleNamespace(**dict(vars(cfg), model="gpt")))
@@ -234,6 +237,126 @@ def test_a_directory_needs_config_and_weights(tmp_path):
     with pytest.raises(ConfigError) as error:
         hf.resolve(d)
     assert str(error.value) == f"--hf_model {d} has no config.json: pass a Hugging Face model directory"
+
+
+# ---- hostile or broken model directories: one ConfigError naming the file and the field, nothing allocated ----
+
+def gpt_dir(tmp_path, name="m"):
+    """A GPT-2 directory of our tiny GPT (config.json, model.safetensors, a tokenizer)."""
+    return hf_write.save_hf(ours("gpt").state_dict(), {"model": GPT.to_dict(), "model_type": "gpt"}, tmp_path / name,
+                            tk.CharTokenizer("abcdefgh "))
+
+
+def edit_config(directory, edit):
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+BROKEN_CONFIGS = {
+    "missing key": (lambda c: c.pop("n_embd"), "config.json has no n_embd"),
+    "layers a string": (lambda c: c.update(n_layer="2"),
+                        'config.json: n_layer is "2", not a whole number in [1, 4096]'),
+    "zero heads": (lambda c: c.update(n_head=0), "config.json: n_head is 0, not a whole number in [1, 4096]"),
+    "heads not dividing": (lambda c: c.update(n_head=3), "config.json: n_head 3 does not divide n_embd 32"),
+    "negative vocabulary": (lambda c: c.update(vocab_size=-5),
+                            "config.json: vocab_size is -5, not a whole number in [1, 16777216]"),
+    "absurd width": (lambda c: c.update(n_embd=2**40, n_head=1),
+                     "config.json: n_embd is 1099511627776, not a whole number in [1, 262144]"),
+    "context a float": (lambda c: c.update(n_positions=24.5),
+                        "config.json: n_positions is 24.5, not a whole number in [1, 16777216]"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_CONFIGS)
+def test_a_broken_config_json_is_one_error_naming_the_field(tmp_path, case):
+    edit, problem = BROKEN_CONFIGS[case]
+    d = gpt_dir(tmp_path)
+    edit_config(d, edit)
+    with pytest.raises(ConfigError) as error:
+        hf.read_config(d)
+    assert str(error.value) == f"--hf_model {d}: {problem}"
+
+
+@pytest.mark.parametrize("text,problem", [
+    (b"{not json", "config.json is not JSON (JSONDecodeError: Expecting property name enclosed in double quotes"),
+    (b"[1, 2]", "config.json holds a JSON list, not an object"),
+    (b"\xff\xfe", "config.json is not JSON (UnicodeDecodeError"),
+    (b'{"model_type": "gpt2", "n_embd": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "config.json nests deeper than 32 levels"),
+])
+def test_a_config_json_that_is_not_a_json_object_is_one_error(tmp_path, text, problem):
+    d = gpt_dir(tmp_path)
+    (d / "config.json").write_bytes(text)
+    for read in (hf.read_config, hf.load_tokenizer):  # run.py reads the tokenizer before the config
+        with pytest.raises(ConfigError) as error:
+            read(d)
+        assert str(error.value).startswith(f"--hf_model {d}: {problem}")
+
+
+def test_llama_fields_of_the_wrong_type_are_one_error(tmp_path):
+    for fields, problem in [(dict(num_key_value_heads=4), "model: llama needs --num_heads divisible by --num_kv_heads"),
+                            (dict(rms_norm_eps="small"), 'rms_norm_eps is "small", not a finite number > 0'),
+                            (dict(rope_scaling=[1]), "rope_scaling is [1], not an object"),
+                            (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+                             "config.json has no rope_scaling.low_freq_factor")]:
+        d = save_config(tmp_path / str(len(problem)), bare("llama") | {"num_attention_heads": 6} | fields)
+        with pytest.raises(ConfigError) as error:
+            hf.read_config(d)
+        assert str(error.value).startswith(f"--hf_model {d}: config.json") and problem in str(error.value)
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (lambda c: c.update(n_layer=300), "config.json: n_layer is 300, but the weights hold 2 layers"),
+    (lambda c: c.update(n_embd=64), "transformer.wte.weight has shape (53, 32), our wte.weight is (53, 64)"),
+    (lambda c: c.update(vocab_size=10**6),
+     "transformer.wte.weight has shape (53, 32), our wte.weight is (1000000, 32)"),
+])
+def test_a_config_is_checked_against_the_weights_before_anything_is_allocated(tmp_path, monkeypatch, edit, problem):
+    d = gpt_dir(tmp_path)
+    edit_config(d, edit)
+    model_type, config = hf.read_config(d)
+    built = []
+    monkeypatch.setattr(torch.nn.Parameter, "__new__", lambda cls, data=None, requires_grad=True: built.append(
+        data.device) or torch.Tensor._make_subclass(cls, data, requires_grad))
+    with pytest.raises(ConfigError) as error:
+        hf.check_weights(d, model_type, config)
+    assert str(error.value) == f"--hf_model {d}: {problem}"
+    # shapes only: the model built on the meta device once the layer counts agree, never in memory
+    assert {device.type for device in built} == (set() if "n_layer" in problem else {"meta"})
+
+
+@pytest.mark.parametrize("content", [os.urandom(4096), struct.pack("<Q", 2**62) + b"{}", b""])
+def test_weights_that_are_not_safetensors_are_one_error(tmp_path, content):
+    d = gpt_dir(tmp_path)
+    (d / "model.safetensors").write_bytes(content)
+    with pytest.raises(ConfigError) as error:
+        hf.check_weights(d, *hf.read_config(d))
+    assert str(error.value).startswith(f"--hf_model {d}: model.safetensors cannot be read as safetensors "
+                                       "(SafetensorError: ")
+
+
+def test_weights_that_are_not_regular_files_or_outside_the_directory_are_refused(tmp_path):
+    d = gpt_dir(tmp_path)
+    (d / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
+    (d / "model.safetensors").symlink_to("/dev/zero")
+    with pytest.raises(ConfigError, match="model.safetensors cannot be read as safetensors .*not a regular file"):
+        hf.check_weights(d, *hf.read_config(d))
+    (d / "model.safetensors").unlink()
+    index = {"weight_map": {"transformer.wte.weight": "../elsewhere.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError) as error:
+        hf.check_weights(d, *hf.read_config(d))
+    assert str(error.value) == (f"--hf_model {d}: model.safetensors.index.json: weight_map is not an object of file "
+                                "names in the directory")
+
+
+def test_a_deeply_nested_tokenizer_json_is_one_error(tmp_path):
+    d = gpt_dir(tmp_path)
+    (d / "tokenizer.json").write_text('{"model": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError) as error:
+        hf.load_tokenizer(d)
+    assert str(error.value) == f"--hf_model {d}: tokenizer.json nests deeper than 32 levels"
 
 
 @pytest.fixture
@@ -994,12 +1117,11 @@ def test_bin_files_saved_on_a_gpu_load_on_a_cpu_memory_mapped(tmp_path, zipfile)
 @pytest.mark.parametrize("zipfile", [True, False])
 def test_bin_files_never_run_pickled_code(tmp_path, monkeypatch, zipfile):
     """Not even where the environment asks torch.load to unpickle anything it is not told otherwise."""
-    import pickle
     torch.save({"a": torch.ones(2), "b": Payload()}, tmp_path / "pytorch_model.bin",
                _use_new_zipfile_serialization=zipfile)
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     Payload.ran.clear()
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(ConfigError, match=r"pytorch_model.bin cannot be read as a PyTorch file \(UnpicklingError: "):
         hf.CheckpointFiles(tmp_path)
     assert Payload.ran == []
 

@@ -216,8 +216,8 @@ def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_
     assert sample.returncode == 0 and "generating from checkpoints/run/step_2" in sample.stderr, sample.stderr
     assert [line for line in sample.stderr.splitlines() if "step_4" in line] == [skipped]
     export = module("minimal_fsdp.export", "checkpoints/run/step_4", tmp_path / "out", cwd=tmp_path)
-    assert one_error(export) == f"error: checkpoints/run/step_4 is not a complete checkpoint: checkpoints/run/step_4: " \
-                                f"{skipped.split(': ', 2)[2]}"
+    assert one_error(export) == ("error: checkpoints/run/step_4 is not a complete checkpoint: checkpoints/run/step_4: "
+                                 + skipped.split(": ", 2)[2])
     progress = module("minimal_fsdp.checkpoint", "progress", "--run_name", "run", cwd=tmp_path)
     assert (progress.returncode, progress.stdout, progress.stderr) == (0, "2 6\n", skipped + "\n")
     resumed = train(tmp_path, steps=6)
