@@ -7,6 +7,7 @@ from the Hugging Face weights and tokenizer, generation matches transformers' gr
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -365,3 +366,32 @@ def test_llama3_trains_samples_exports_and_comes_back_offline(tmp_path, corpus, 
                  env=offline_env(tmp_path))
     assert sample_of(out.stdout).startswith("ROMEO:")
     assert logged_losses(tmp_path, "again")[0] < logged_losses(tmp_path, "llama3")[0]  # it starts trained
+
+
+def test_a_broken_hugging_face_directory_is_one_line_for_training_and_sampling(tmp_path):
+    """Each of these was a traceback (and the weights' header a huge allocation attempt): one `error:` line naming
+    the file and the field, exit 2, on every path that reads the directory."""
+    config = GPTConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=4, embed_size=32)
+    model = MODELS["gpt"](config)
+    init_weights(model, 0, torch.device("cpu"))
+    good = hf_write.save_hf(model.state_dict(), {"model": config.to_dict(), "model_type": "gpt"}, tmp_path / "good",
+                            tk.CharTokenizer("ROMEO:\nabcdefghijklmnopqrstuvwxyz .,JULIETKNGS"))
+    (tmp_path / "corpus.txt").write_text(make_text(20_000))
+    no_heads = json.dumps(dict(json.loads((good / "config.json").read_text()), n_head=0)).encode()
+    broken = {"weights": ("model.safetensors", b"\xff" * 4096, "model.safetensors cannot be read as safetensors"),
+              "tokenizer": ("tokenizer.json", b"[" * 100_000, "tokenizer.json nests deeper than 32 levels"),
+              "heads": ("config.json", no_heads, "config.json: n_head is 0, not a whole number in [1, 4096]")}
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for name, (file, content, problem) in broken.items():
+        directory = shutil.copytree(good, tmp_path / name)
+        (directory / file).write_bytes(content)
+        if name == "weights":  # training: every rank reads the directory; one line, exit 2
+            result = launch(["--hf_model", directory, "--dataset", "text", "--input_file", "corpus.txt", "--seq_length",
+                             16, "--batch_size", 2, "--max_steps", 1, "--num_tokens", 0, "--run_name", name],
+                            ranks=2, cwd=tmp_path, check=False, timeout=180)
+        else:
+            result = subprocess.run([sys.executable, "-m", "minimal_fsdp.sample", directory, "--num_tokens", "3"],
+                                    cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert len(errors) == 1 and errors[0].startswith(f"error: --hf_model {directory}: {problem}"), errors
