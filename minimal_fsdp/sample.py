@@ -20,7 +20,6 @@ import torch
 from . import checkpoint, checkpoint_find, checkpoint_meta, environment, hf
 from .config import Config, ConfigError, validate
 from .generate import generate
-from .checkpoint_meta import model_problem
 from .models import MODELS, config_from_dict
 from .parallelize import build_model, make_plan
 from .tokenizer import load_tokenizer
@@ -58,7 +57,7 @@ def open_source(source, seq_length=None):
         if "model_type" in config:  # Hugging Face's config.json (ours has no such key)
             return _hf_source(path, seq_length)
         model_type = _export_model_type(path, config)
-        problem = model_problem(model_type, config)
+        problem = checkpoint_meta.model_problem(model_type, config)
         if problem:
             raise ConfigError(f"{path}: config.json: {problem}")
         found = Source("export", str(path), model_type, config_from_dict(model_type, config))
