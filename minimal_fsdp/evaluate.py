@@ -249,7 +249,7 @@ def main(argv=None):
                            tracker)
         if env.is_main:
             report(results, tracker, args.log_samples)
-        del lm, plan, loaded
+        del lm, plan
     except ConfigError as e:  # raised alike on every rank: one line, clean exit
         environment.exit_on_error(e, 2)
     except MainRankFailed as e:  # a bug on rank 0, which printed its traceback
