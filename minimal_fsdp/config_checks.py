@@ -205,14 +205,15 @@ def host_memory_available():
     return None
 
 
-def check_sizes(cfg, seq_length, num_params, processes, device_free, device="cpu", ranks=1):
+def check_sizes(cfg, seq_length, num_params, processes, device_free, device="cpu", ranks=1, at_least=False):
     """Refuse a batch or a model that surely cannot fit, before anything is allocated (which would end in a
     traceback, or the kernel's OOM killer). Counted low on purpose: only what certainly does not fit is refused.
       batch: its token ids on the host, three int64 copies (window index, gathered tokens, rows) in each of the
              host's `processes`;
       model: its fp32 weights where they are built (`device`, with `device_free` bytes free; a CPU's memory is
              shared by the host's processes): whole, or (--meta_init) a 1/`ranks` shard.
-    device_free None: unknown, not checked."""
+    device_free None: unknown, not checked. at_least: num_params is a lower bound (counted without torch, before
+    an absurd shape could overflow torch's size arithmetic)."""
     host_free = host_memory_available()
     batch = cfg.batch_size * (seq_length + 1) * 8 * 3 * processes
     if host_free is not None and batch > host_free:
@@ -222,8 +223,9 @@ def check_sizes(cfg, seq_length, num_params, processes, device_free, device="cpu
                           "--grad_accum_steps to keep the tokens per step)")
     weights = num_params * 4 * (processes if device == "cpu" else 1) // (ranks if cfg.meta_init else 1)
     if device_free is not None and weights > device_free:
-        raise ConfigError(f"the model's {num_params:,} parameters take {weights / GiB:.3g} GiB in fp32 on this "
-                          f"host's {device} ({processes} process(es)), more than the {device_free / GiB:.3g} GiB "
+        raise ConfigError(f"the model ({'at least ' if at_least else ''}{num_params:,} parameters) takes "
+                          f"{weights / GiB:.3g} GiB in fp32 on this host's {device} ({processes} process(es)), more "
+                          f"than the {device_free / GiB:.3g} GiB "
                           "free: lower --vocab_size, --embed_size or --num_layers, or add --meta_init with more "
                           "ranks (python -m minimal_fsdp.model_size estimates what fits)")
 

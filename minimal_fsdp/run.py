@@ -157,8 +157,11 @@ def check_fits(cfg, env, model_config):
         free = torch.cuda.mem_get_info(env.device)[0]
     else:
         free = host_memory_available() if env.device.type == "cpu" else None
-    num_params = count_parameters(model_config.model_type, model_config).total
-    check_sizes(cfg, model_config.seq_length, num_params, env.local_world_size, free, env.device.type, env.world_size)
+    c = model_config  # first a lower bound in Python's integers: an absurd shape overflows torch's size arithmetic
+    lower = c.vocab_size * c.embed_size + c.num_layers * 2 * c.embed_size ** 2
+    check_sizes(cfg, c.seq_length, lower, env.local_world_size, free, env.device.type, env.world_size, at_least=True)
+    num_params = count_parameters(c.model_type, c).total
+    check_sizes(cfg, c.seq_length, num_params, env.local_world_size, free, env.device.type, env.world_size)
 
 
 def check_resumable(cfg, start, model_config, env):

@@ -260,7 +260,7 @@ def test_sizes_are_checked_against_free_memory(monkeypatch):
                                           r"of host memory over this host's 2 process\(es\), more than the 1 GiB free"):
         config_checks.check_sizes(cfg, 128, 1000, processes=2, device_free=None)
     config_checks.check_sizes(parse_args([]), 128, 1000, processes=2, device_free=None)  # a small batch fits
-    with pytest.raises(ConfigError, match="the model's 300,000,000 parameters take 2.24 GiB in fp32 on this host's cpu"):
+    with pytest.raises(ConfigError, match=r"the model \(300,000,000 parameters\) takes 2.24 GiB in fp32 on this host's cpu"):
         config_checks.check_sizes(parse_args([]), 128, 300_000_000, processes=2, device_free=2**30)
     config_checks.check_sizes(parse_args(["--meta_init"]), 128, 300_000_000, processes=2, device_free=2**30,
                               ranks=8)  # a shard of it fits

@@ -52,7 +52,8 @@ def test_gpt2_tokenizer_offline_without_cache(tmp_path, corpus):
 
 @pytest.mark.parametrize("args,message", [
     (["--batch_size", "1000000000"], "--batch_size 1000000000: a batch of 1000000000 x 33 token ids takes"),
-    (["--vocab_size", "1000000000000"], "parameters take"),
+    (["--vocab_size", "1000000000000"], "the model (at least 32,000,000,004,096 parameters) takes"),
+    (["--embed_size", "1000000000000", "--num_heads", "1"], "the model (at least"),  # beyond torch's size arithmetic
 ])
 def test_sizes_beyond_the_machine_are_refused_before_allocating(tmp_path, corpus, args, message):
     line = run_bad(["--input_file", corpus, *TINY_MODEL, *args], tmp_path)
