@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import discovery, failures, hosts, rendezvous
-from .failures import MainRankFailed, exit_on_error, rank_hint, run_on_main  # noqa: F401  (the callers' names)
+from .failures import MainRankFailed, exit_on_error, run_on_main  # noqa: F401  (the names callers use)
 
 
 @dataclass
