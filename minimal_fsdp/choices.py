@@ -1,7 +1,7 @@
 """The bottom of the package's imports: ConfigError and the values each choice flag accepts. It imports nothing
 from the package and nothing heavy, so config.py (and `basic_training.py --help`) reads the choices without
-importing torch, and the modules that act on a choice (parallelize.py, fp8.py, gossip.py) import them from
-here: no import cycle.
+importing torch, and the modules that act on a choice (plan.py, fp8.py, gossip.py) import them from here: no
+import cycle.
 """
 
 
@@ -9,7 +9,7 @@ class ConfigError(ValueError):
     """Bad user input. Raised identically on every rank before any collective, printed as one line."""
 
 
-# parallelize.py
+# plan.py (the parallel plan)
 SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
 PRECISION = ("float32", "bf16", "fp8")
 DATA_PARALLEL = ("allreduce", "decentralized")
