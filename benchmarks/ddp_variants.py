@@ -49,7 +49,7 @@ if "ca" in names:  # private API (torch._dynamo.compiled_autograd._enable), torc
     throughput.train_step = compiled_autograd_step
 if "graphs" in names:
     plan = throughput.make_plan
-    throughput.make_plan = lambda cfg, env, **k: dataclasses.replace(plan(cfg, env, **k), cuda_graphs=True)
+    throughput.make_plan = lambda *args, **k: dataclasses.replace(plan(*args, **k), cuda_graphs=True)
 
 if __name__ == "__main__":
     sys.argv += ["--label", variant]

@@ -18,9 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimal_fsdp import environment  # noqa: E402
-from minimal_fsdp.gossip import TOPOLOGIES, Gossip  # noqa: E402
+from minimal_fsdp.gossip import TOPOLOGIES  # noqa: E402
 from minimal_fsdp.models import MODELS, config_from_flags  # noqa: E402
-from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan  # noqa: E402
+from minimal_fsdp.parallelize import build_model, gradient_sync  # noqa: E402
+from minimal_fsdp.plan import make_plan  # noqa: E402
 from minimal_fsdp.train import build_optimizer  # noqa: E402
 from throughput import BENCH_OPTIONS, parse, step_times  # noqa: E402  (the same timed loop, in this folder)
 
@@ -29,11 +30,11 @@ HEADER = ("| mode | topology | GPUs | model | precision | batch/GPU | step ms | 
 
 
 def measure(cfg, env, bench, model_config):
-    plan = make_plan(cfg, env)
+    plan = make_plan(cfg, env, model_config)
     model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
-    optimizer = build_optimizer(model, cfg)
-    gossip = Gossip(model, cfg.topology) if plan.decentralized else None
-    sync = gossip or gradient_sync(model, plan)
+    optimizer = build_optimizer(model, cfg, plan)
+    sync = gradient_sync(model, plan)
+    gossip = sync if plan.decentralized else None
     seq, vocab = model_config.seq_length, model_config.vocab_size
     step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["warmup"])
     sent_before = gossip.bytes_sent if gossip else 0

@@ -18,10 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimal_fsdp import environment  # noqa: E402
 from minimal_fsdp.config import Config, build_parser, validate, validate_world  # noqa: E402
-from minimal_fsdp.gossip import Gossip  # noqa: E402
 from minimal_fsdp.metrics import peak_flops, peak_memory_gb  # noqa: E402
 from minimal_fsdp.models import MODELS, config_from_flags  # noqa: E402
-from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan  # noqa: E402
+from minimal_fsdp.parallelize import build_model, gradient_sync  # noqa: E402
+from minimal_fsdp.plan import apply_process_settings, make_plan  # noqa: E402
 from minimal_fsdp.train import build_optimizer, collections_in_step, train_step  # noqa: E402
 
 HEADER = ("| model | GPUs | sharding | precision | options | batch/GPU | seq | tok/s | tok/s/GPU | MFU | step ms | "
@@ -51,11 +51,11 @@ def build(cfg, fsdp_on_one_rank=False):
     """Ranks, plan, model, optimizer and gradient sync, built as training builds them."""
     env = environment.setup(cfg)
     validate_world(cfg, env.world_size, env.local_world_size)
-    plan = make_plan(cfg, env, fsdp_on_one_rank=fsdp_on_one_rank)
     model_config = config_from_flags(cfg)
+    plan = make_plan(cfg, env, model_config, fsdp_on_one_rank=fsdp_on_one_rank)
+    apply_process_settings(plan)  # as run.plan_run does
     model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
-    sync = Gossip(model, cfg.topology) if plan.decentralized else gradient_sync(model, plan)
-    return env, model_config, model, build_optimizer(model, cfg), sync
+    return env, model_config, model, build_optimizer(model, cfg, plan), gradient_sync(model, plan)
 
 
 def step_times(model, optimizer, sync, cfg, env, seq, vocab, n, first_step=0, losses=None):

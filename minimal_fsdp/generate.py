@@ -5,8 +5,8 @@ import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Decoding attends over a key length that grows by one each token. cuDNN's attention (torch's first choice on H100)
-# builds a plan for every new length: 9.4 s of a 200-token sample from a fresh process, against 2.1 s without it
-# (H100, benchmarks/LOG.md, eleventh session). The other kernels need no plan per shape.
+# builds a plan for every new length, which made a short sample several times slower from a fresh process. The
+# other kernels need no plan per shape.
 DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -19,7 +19,8 @@ from . import fp8
 from .config import MODEL_PRESETS, ConfigError, model_family, one_line_errors
 from .hf import read_config as read_hf_config
 from .models import MODELS, make_config
-from .parallelize import FSDP_UNITS, SHARDING, layout, one_unit
+from .choices import FSDP_UNITS, SHARDING
+from .plan import layout, strategy
 
 GiB = 2**30
 # A GPU "fits" when the estimate leaves this fraction free for the CUDA context, cuBLAS/NCCL workspaces and
@@ -83,14 +84,12 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     """Peak bytes on one GPU and in one rank's host memory for one training step of grad_accum_steps
     micro-batches. recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute).
     precision fp8 computes as bf16 does, with fp8_recipe's float8 layers (see the fp8 terms below).
-    fsdp_unit: as --fsdp_unit (parallelize.shard): the whole model as one unit is gathered whole, and all its
+    fsdp_unit: as --fsdp_unit (plan.strategy): the whole model as one unit is gathered whole, and all its
     unsharded gradients wait for one reduce-scatter at the end of backward."""
     sizes = count_parameters(model_type, config)
     _, shards, reshard = layout(sharding, world_size, shard_group_size)
-    fsdp = world_size > 1 and sharding != "no-shard" or cpu_offload  # parallelize.make_plan's rule
-    replicas = world_size > 1 and sharding == "no-shard" and not cpu_offload  # DDP, or whole_unit.py's unit
-    whole = (fsdp or replicas and precision != "fp8") and one_unit(fsdp_unit, sizes.total)
-    unit = whole and not cpu_offload and precision != "fp8"  # parallelize.ParallelPlan.gathered_whole
+    chosen = strategy(sharding, world_size, sizes.total, fsdp_unit, cpu_offload, precision == "fp8")  # make_plan's
+    whole = chosen in ("one-unit", "fsdp-whole")  # gathered whole; all its unsharded gradients wait for one reduce
     keep_gathered = not reshard or whole
     compute = 4 if precision == "float32" else 2  # bytes of a gathered param, an activation, an unsharded grad
     tokens = batch_size * config.seq_length
@@ -139,7 +138,7 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     # An fp32 copy of the gradients kept for the whole run: DDP's all-reduce buckets (no-shard over several ranks),
     # or the sharded gradients whole_unit.py reduces into (a small model's one unit). Counted apart from the
     # optimizer step's, so a little over (the step's are views of it).
-    buckets = grads if replicas or unit else 0
+    buckets = grads if chosen in ("ddp", "one-unit") else 0
     static = on_gpu * params_and_optimizer + gathered + accumulated + buckets
     loss_backward = static + saved + final_norm + logits + unsharded_grads + float8_working
     # With checkpointing, a block's activations are rebuilt during backward; the first block's last, when the

@@ -3,10 +3,10 @@ model, then training (or only generation) and a sample. basic_training.py hands 
 
     main(argv) -> Config -> run(cfg):
       environment.setup        who and where every rank is; the process groups
-      parallelize.make_plan    the layout of the model over the ranks (--sharding, --meta_init, ...)
       files.RunLock            one training run per run directory
       checkpoint_find.find     what to resume from (--resume, --restart_checkpoint_file)
-      train_model              data -> model -> optimizer -> checkpoint or Hugging Face weights -> train.train
+      train_model              data -> the model's shape -> plan.make_plan (the parallel plan, plan_run) -> model
+                               -> optimizer -> checkpoint or Hugging Face weights -> train.train
       or generation_model      a checkpoint or a Hugging Face model, as sample.py loads it
       generate                 the sample at the end
 """
@@ -23,7 +23,8 @@ from .generate import generate
 from .metrics import banner
 from .model_size import count_parameters
 from .models import MODELS, config_from_flags, with_document_mask
-from .parallelize import build_model, make_plan
+from .parallelize import build_model
+from .plan import apply_process_settings, make_plan
 from .resilience import Diverged, StopRequests
 from .streaming import StreamingData
 from .tokenizer import load_tokenizer
@@ -56,8 +57,6 @@ def run(cfg):
         print(cpu_recipe_warning(cfg, env.device.type), flush=True)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None  # rank 0 downloads
-    # Under --device xla this plan lays out only the host's model to sample from, which loads a checkpoint.
-    plan = make_plan(cfg, env, loads_weights=hf_dir is not None or cfg.generate_only or cfg.device == "xla")
     # One training run per run directory: rank 0 holds the lock until the end (generation only reads).
     lock = files.RunLock({"--checkpoint_dir": Path(cfg.checkpoint_dir) / cfg.run_name,
                           "--log_dir": Path(cfg.log_dir) / cfg.run_name})
@@ -66,9 +65,9 @@ def run(cfg):
     try:
         start = checkpoint_find.find(cfg)  # rank 0 picks it, all ranks check it: all load the same one
         if cfg.generate_only:
-            model, tokenizer = generation_model(cfg, env, plan, start, hf_dir)
+            model, tokenizer = generation_model(cfg, env, start, hf_dir)
         else:
-            model, tokenizer = train_model(cfg, env, plan, start, hf_dir, stop)
+            model, tokenizer = train_model(cfg, env, start, hf_dir, stop)
     finally:
         lock.release()
     # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes at once.
@@ -80,7 +79,7 @@ def run(cfg):
             print("-" * 40 + "\n" + text + "\n" + "-" * 40, flush=True)
     # FSDP state and the device mesh refer to the process groups: let them go, so the groups (and gloo's worker
     # threads) end inside teardown, not during interpreter shutdown, where that can abort the process.
-    del model, plan
+    del model
     environment.teardown()
 
 
@@ -98,7 +97,15 @@ def open_data(cfg, env, hf_dir):
     return TokenData(environment.run_on_main(lambda: prepared_dir(cfg, given_tokenizer(cfg, hf_dir))))
 
 
-def train_model(cfg, env, plan, start, hf_dir, stop):
+def plan_run(cfg, env, model_config, loads_weights):
+    """The run's parallel plan (plan.make_plan: every layout, sync, compile and precision decision, made once), and
+    the process-wide torch settings it needs, applied here and nowhere else."""
+    plan = make_plan(cfg, env, model_config, loads_weights=loads_weights)
+    apply_process_settings(plan)
+    return plan
+
+
+def train_model(cfg, env, start, hf_dir, stop):
     """Open the data, build (or resume) the model and optimizer, and train; returns the model and the
     data's tokenizer."""
     data = open_data(cfg, env, hf_dir)
@@ -109,16 +116,18 @@ def train_model(cfg, env, plan, start, hf_dir, stop):
     check_fits(cfg, env, model_config)
     if start is not None:
         check_resumable(cfg, start, model_config, env)
+    # Under --device xla the plan only describes the run (xla.py lays the model out itself).
+    plan = plan_run(cfg, env, model_config, loads_weights=hf_dir is not None or cfg.device == "xla")
     if cfg.device == "xla":  # torch_xla's model, optimizer, batches and checkpoints in train.train's loop
         from . import xla
         saved_to = xla.train_model(cfg, env, plan, data, model_config, start, hf_dir, stop)
         # The sample comes from the checkpoint just saved, generated on the host as --max_epochs -1 does.
         if cfg.num_tokens > 0 and not stop.reason:
-            return generation_model(cfg, env, plan, saved_to, None)
+            return generation_model(cfg, env, saved_to, None)
         return None, data.tokenizer
     data.bind(model_config.seq_length, cfg.batch_size, cfg.grad_accum_steps, env.rank, env.world_size, cfg.seed)
     model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, plan)
     checkpointer = checkpoint.Checkpointer(cfg, model_config, data.directory, plan.decentralized, env, model)
     saved = None
     if start is not None:  # a resumed run continues from its own weights, RNG and data position
@@ -188,7 +197,7 @@ def check_resumable(cfg, start, model_config, env):
               "train on, --max_epochs -1 to only sample from it, or another --run_name to start afresh", flush=True)
 
 
-def generation_model(cfg, env, plan, start, hf_dir):
+def generation_model(cfg, env, start, hf_dir):
     """The model to sample from and its tokenizer: the --hf_model itself, or the checkpoint (whose meta.json
     gives the shape, so no model flags are repeated)."""
     if not hf_dir and start is None:
@@ -196,7 +205,7 @@ def generation_model(cfg, env, plan, start, hf_dir):
                           "has none: train first or pass --restart_checkpoint_file")
     source = environment.run_on_main(sample.open_source, str(hf_dir or start), cfg.seq_length)
     tokenizer = given_tokenizer(cfg) or sample.source_tokenizer(source)
-    model = sample.load_model(source, plan, env)
+    model = sample.load_model(source, plan_run(cfg, env, source.config, loads_weights=True), env)
     if env.is_main:
         print(sample.describe(source, model, tokenizer, env), flush=True)
     return model, tokenizer

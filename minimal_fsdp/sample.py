@@ -21,7 +21,8 @@ from . import checkpoint, checkpoint_find, checkpoint_meta, environment, hf
 from .config import Config, ConfigError, validate
 from .generate import generate
 from .models import MODELS, config_from_dict
-from .parallelize import build_model, make_plan
+from .parallelize import build_model
+from .plan import make_plan
 from .tokenizer import load_tokenizer
 
 
@@ -152,8 +153,8 @@ def main(argv=None):
     try:
         validate(cfg)
         env = environment.setup(cfg)
-        plan = make_plan(cfg, env, loads_weights=True)
         source = environment.run_on_main(open_source, args.source)
+        plan = make_plan(cfg, env, source.config, loads_weights=True)
         tokenizer = source_tokenizer(source)  # the same files on every rank: the same verdict everywhere
         model = load_model(source, plan, env)
         if env.is_main:

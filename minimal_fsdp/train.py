@@ -9,16 +9,16 @@ import torch
 
 from .accum_adamw import AccumAdamW
 from .evaluate import TrainingTasks
-from .gossip import Gossip
 from .metrics import TrainingLog, mean_across_ranks
 from .parallelize import gradient_sync
 from .resilience import NonFiniteGuard
 from .whole_unit import LocalAdamW
 
 
-def build_optimizer(model, cfg):
+def build_optimizer(model, cfg, plan=None):
     """AdamW with decay on matrices only (not biases, norms); fused kernels. Decentralized runs use
-    AccumAdamW and beta2 0.98 by default, as the decentralized GPT-2 reference does."""
+    AccumAdamW and beta2 0.98 by default, as the decentralized GPT-2 reference does. plan: the run's; under its
+    one-unit strategy AdamW steps the shards' local tensors (without it, torch's AdamW: the same numbers)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -27,8 +27,8 @@ def build_optimizer(model, cfg):
     if decentralized:
         return AccumAdamW(groups, lr=cfg.lr, betas=betas, accum_steps=cfg.accum_steps)
     # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) about 7x faster than foreach.
-    # A whole_unit model steps it on its shards' local tensors (LocalAdamW), as a small model's step needs.
-    adamw = LocalAdamW if hasattr(model, "whole_unit") else torch.optim.AdamW
+    # whole_unit.py's model steps it on its shards' local tensors (LocalAdamW), as a small model's step needs.
+    adamw = LocalAdamW if plan is not None and plan.strategy == "one-unit" else torch.optim.AdamW
     return adamw(groups, lr=cfg.lr, betas=betas, fused=True)
 
 
@@ -91,7 +91,7 @@ def _to_device(batch, device):
 def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0, skip_nonfinite=False):
     """One optimizer step over a list of (inputs, targets) micro-batches; returns the mean loss and the global
     grad norm, both device tensors (the norm the same on every rank). sync synchronizes and clips gradients:
-    parallelize.gradient_sync (FSDP, whole_unit.py, DDP or a plain module) or gossip.Gossip. With skip_nonfinite an
+    parallelize.gradient_sync's (by the plan's strategy), or xla.py's. With skip_nonfinite an
     update with a NaN/Inf grad norm is not applied (it would poison every weight); that check waits for the
     device, so it is made only when asked for. sync.after_step() ends the step: the weight scales of
     --precision fp8's float8 all-gather, or the traced step under XLA."""
@@ -102,7 +102,7 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
         x, y = _to_device(batch, device)
         sync.micro_step(last=i == len(micro_batches) - 1)
         loss = model(x, y)
-        if len(micro_batches) > 1:  # not / 1: a kernel each way for nothing (its time was below noise: LOG.md)
+        if len(micro_batches) > 1:  # not / 1: a kernel each way for nothing
             loss = loss / len(micro_batches)
         loss.backward()
         loss_sum += loss.detach()
@@ -132,8 +132,8 @@ def collections_in_step():
     """Python's automatic garbage collection off while training; the loop collects on every rank at the same
     step instead: everything after the first step (torch.compile's objects) and after each save, the young
     generations every GC_INTERVAL steps. Left automatic, a full collection (50 ms and more with compile's
-    objects alive) pauses one rank at a time, and every other rank waits for it at the next collective: steady
-    4-GPU runs lost 2 windows in 14 that way (benchmarks/LOG.md, tenth session)."""
+    objects alive) pauses one rank at a time, and every other rank waits for it at the next collective, so a
+    steady multi-GPU run loses whole timing windows to it."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -152,7 +152,7 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
     ranks: how many take --batch_size sequences of every micro-batch (default: the ranks; xla.py passes both)."""
     schedule = Schedule.for_run(cfg, data.steps_per_epoch(), saved and saved["state"]["schedule"])
     first = saved["step"] if saved else 0
-    sync = sync or (Gossip(model, cfg.topology) if plan.decentralized else gradient_sync(model, plan))
+    sync = sync or gradient_sync(model, plan)
     benchmarks = TrainingTasks.for_run(cfg, env, getattr(data, "tokenizer", None), model)  # --eval_tasks
     tokens_per_step = (ranks or env.world_size) * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
     log = TrainingLog(cfg, env, model, schedule, first, tokens_per_step)

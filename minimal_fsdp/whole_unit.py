@@ -2,8 +2,9 @@
 
 FSDP2's layout, its numbers and its checkpoints, in a few collectives: every parameter is a DTensor sharded on
 dim 0 (padded as FSDP2 pads), so the optimizer, clipping and torch.distributed.checkpoint see what they see under
-fully_shard. Before a forward whose parameters changed, one all-gather fills persistent unsharded parameters in
-the compute dtype (bf16 or fp32); the module holds them from forward to the end of backward (or of a forward
+fully_shard. Before the first forward, and the first after any optimizer's step or a load (hooks: no caller has to
+say so), one all-gather fills persistent unsharded parameters
+in the compute dtype (bf16 or fp32); the module holds them from forward to the end of backward (or of a forward
 without autograd), its sharded ones otherwise. After backward, the unsharded gradients are summed in fp32 over
 the micro-steps and averaged by one reduce-scatter into the shards' gradients (then one all-reduce over replicas,
 hybrid meshes). no-shard of such a model is this unit over a (world x 1) mesh: each rank's "shard" is the whole
@@ -12,16 +13,19 @@ model, so the gather is a cast and the reduce-scatter a copy; its one collective
 Why not fully_shard on the root module (what this replaced for small models): FSDP2 frees the gathered parameters
 after backward and gathers the next step's at new addresses, so a compiled model cannot replay as CUDA graphs, and
 its per-step hooks, copy-outs and DTensor bookkeeping cost milliseconds of host time a small model's step cannot
-hide. Recipe S (10.7M parameters) on 4 H100s: 18.7-23.0 ms a step under FSDP2's one unit, 6.4-6.5 ms here, as on
-one GPU (benchmarks/LOG.md, fourteenth session). Here the gathered parameters keep their addresses, and a step
+hide: on a small model FSDP2's step took about three times one GPU's, this unit's about one GPU's
+(benchmarks/RESULTS.md). Here the gathered parameters keep their addresses, and a step
 adds two collectives (three on hybrid meshes) and a few ops. The memory: FSDP2's one unit holds the gathered
 parameters through forward and backward too; between steps these stay, and so do the shards' fp32 gradients.
 """
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adamw import adamw  # the functional AdamW that torch.optim.AdamW.step runs
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # torch 2.13 renamed the two collectives (the old names warn there); torch 2.11, the GPU image's, has the old only.
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -75,7 +79,15 @@ class WholeUnit:
                                             placements, param))
             offset += size
         self.accumulated = None  # fp32 sum of earlier micro-steps' gradients, (ranks, total)
-        self.stale = True  # the shards changed since the last gather
+        # The gathered parameters follow the shards without anyone having to say so: the first forward gathers
+        # (after init_weights or a Hugging Face load has filled the shards), and so does the first after any
+        # optimizer's step (a post-step hook common to all optimizers, so one built elsewhere and stepped outside
+        # train_step counts too) or a load (load_state_dict, which DCP's set_model_state_dict calls). Tensor version
+        # counters cannot tell: torch's fused AdamW, and writes through DTensor's dispatch, leave them as they were.
+        self.stale = True
+        unit = weakref.ref(self)
+        hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: unit() and unit()._changed())
+        weakref.finalize(self, hook.remove)
         self._install(self.sharded)
         model.register_forward_pre_hook(lambda module, args: self._before_forward())
         # Backward may recompute blocks (activation checkpoints) from the module's parameters: the unsharded ones
@@ -83,7 +95,7 @@ class WholeUnit:
         model.register_forward_hook(lambda module, args, out: None if torch.is_grad_enabled() else
                                     self._install(self.sharded), always_call=True)
         model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self._install(self.sharded))
-        model.register_load_state_dict_post_hook(lambda module, keys: self.changed())
+        model.register_load_state_dict_post_hook(lambda module, keys: self._changed())
 
     @staticmethod
     def _dtensor(local, mesh, placements, like):
@@ -94,8 +106,7 @@ class WholeUnit:
             for module, name in slots:
                 module._parameters[name] = param
 
-    def changed(self):
-        """The shards were written (an optimizer step, a checkpoint load): gather again before the next forward."""
+    def _changed(self):
         self.stale = True
 
     @torch.no_grad()
@@ -153,8 +164,8 @@ def _local(tensor):
 class LocalAdamW(torch.optim.AdamW):
     """torch's fused AdamW over the unit's DTensor parameters, stepped on their local tensors once its state
     exists (after its first step, or loaded from a checkpoint): the same functional AdamW, kernel and state as
-    AdamW.step, without DTensor's dispatch over each tensor list, 2.5 ms of host time a step for recipe S's model
-    on 4 H100s (benchmarks/LOG.md, fourteenth session). The state stays DTensors, so checkpoints see FSDP2's."""
+    AdamW.step, without DTensor's dispatch over each tensor list, milliseconds of host time a step that a small
+    model's step cannot hide. The state stays DTensors, so checkpoints see FSDP2's."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -1,6 +1,6 @@
 """Run under `mpiexec -n 4` by test_parallelize.py: what FSDP actually holds on each rank.
 
-For each sharding, builds the model as training does (parallelize.make_plan/build_model) and records the
+For each sharding, builds the model as training does (plan.make_plan, parallelize.build_model) and records the
 mesh (shape, dimension names, this rank's group along each dimension) and, for every block's qkv weight,
 whether it is a sharded DTensor and its local shape after a training forward and after backward (no-shard of
 units per block, which is DDP on a plain module: each rank's loss on its own batch and its qkv gradient after
@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from minimal_fsdp import environment, generate as generation
 from minimal_fsdp.config import parse_args
 from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan
+from minimal_fsdp.parallelize import build_model, gradient_sync
+from minimal_fsdp.plan import make_plan
 
 # 3 blocks (the last one never reshards); vocab 42 shards unevenly over 4 ranks (11, 11, 11, 9 rows).
 CONFIG = GPTConfig(vocab_size=42, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
@@ -48,9 +49,9 @@ def held(model):
 
 def sharding_state(env, name, extra):
     cfg = parse_args(["--sharding", name.removesuffix("-4").removesuffix("-model").removesuffix("-block"), *extra])
-    plan = make_plan(cfg, env)
+    plan = make_plan(cfg, env, CONFIG)
     model = build_model(GPT, CONFIG, plan, env, cfg.seed)
-    if plan.ddp and not hasattr(model, "whole_unit"):
+    if plan.strategy == "ddp":
         # each rank its own batch: DDP must leave every rank the average gradient
         tokens = torch.randint(CONFIG.vocab_size, (2, CONFIG.seq_length + 1),
                                generator=torch.Generator().manual_seed(env.rank))
@@ -89,7 +90,7 @@ class Numbers:
 
 def generation_state(env):
     cfg = parse_args(["--sharding", "no-shard"])  # the tiny model: whole_unit.py's unit on every rank
-    model = build_model(GPT, CONFIG, make_plan(cfg, env), env, cfg.seed)
+    model = build_model(GPT, CONFIG, make_plan(cfg, env, CONFIG), env, cfg.seed)
     noise = torch.Generator().manual_seed(100 + env.rank)
     with torch.no_grad():
         for p in model.parameters():

@@ -18,7 +18,8 @@ from minimal_fsdp import checkpoint, checkpoint_find, checkpoint_meta, safe_load
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.environment import DistEnv
 from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import build_model, make_plan
+from minimal_fsdp.parallelize import build_model
+from minimal_fsdp.plan import make_plan
 from minimal_fsdp import metrics, train as train_module
 from minimal_fsdp.train import build_optimizer
 
@@ -101,15 +102,18 @@ def test_resume_restores_weights_moments_step_and_data_position(four_steps):
     assert [row["step"] for row in map(json.loads, logged) if "loss" in row] == [3, 4]
 
 
+ONE_RANK_MODEL = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
+
+
 @pytest.fixture
 def one_rank(tmp_path):
     """A one-rank process group in this process and a tiny sharded model: enough to save, damage and load."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     cfg = parse_args([])
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
-    config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
-    model = build_model(GPT, config, make_plan(cfg, env, fsdp_on_one_rank=True), env, cfg.seed)
-    yield model, build_optimizer(model, cfg)
+    plan = make_plan(cfg, env, ONE_RANK_MODEL, fsdp_on_one_rank=True)
+    model = build_model(GPT, ONE_RANK_MODEL, plan, env, cfg.seed)
+    yield model, build_optimizer(model, cfg, plan)
     dist.destroy_process_group()
 
 
@@ -209,7 +213,7 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
                                           "--checkpoint_interval", "3", "--batch_size", "2",
                                           "--log_dir", str(tmp_path / "logs")]), tensorboard=False)
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
-    plan = make_plan(cfg, env, fsdp_on_one_rank=True)
+    plan = make_plan(cfg, env, ONE_RANK_MODEL, fsdp_on_one_rank=True)
     stop = SimpleNamespace(agreed=lambda step=None: None, due=lambda step: False)
     train_module.train(model, optimizer, RandomTokens(), cfg, env, plan, saver, stop)
     rows = [json.loads(line) for line in (tmp_path / "logs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()]

@@ -20,7 +20,8 @@ from minimal_fsdp import fp8, model_size, parallelize, safe_load
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.llama import Llama, LlamaConfig
 from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import build_model, make_plan
+from minimal_fsdp.parallelize import build_model
+from minimal_fsdp.plan import make_plan
 
 # What builds float8 layers needs torchao (pip install -e ".[fp8]"); the flag, device and planner checks do not.
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
@@ -39,11 +40,12 @@ def one_rank(device="cpu"):
     return SimpleNamespace(device=torch.device(device), world_size=1, local_world_size=1)
 
 
-def plan_for(argv, device="cpu", monkeypatch=None):
-    """make_plan for one rank; on the CPU with the device check lifted (monkeypatch), as the emulation needs."""
+def plan_for(argv, device="cpu", monkeypatch=None, config=None):
+    """make_plan for one rank and `config` (default SMALL_LLAMA); on the CPU with the device check lifted
+    (monkeypatch), as the emulation needs."""
     if monkeypatch is not None:
         monkeypatch.setattr(fp8, "check_device", lambda device: None)
-    return make_plan(parse_args([str(a) for a in argv]), one_rank(device))
+    return make_plan(parse_args([str(a) for a in argv]), one_rank(device), config or SMALL_LLAMA)
 
 
 # ---- flags and devices: one-line errors ----
@@ -89,7 +91,7 @@ def test_compute_capability_below_8_9_is_refused(monkeypatch, name, capability, 
 @needs_torchao
 def test_cpu_launch_fails_alike_on_every_rank(tmp_path, corpus):
     with pytest.raises(ConfigError, match="this run is on cpu"):
-        make_plan(parse_args(["--precision", "fp8"]), one_rank())
+        make_plan(parse_args(["--precision", "fp8"]), one_rank(), SMALL_LLAMA)
     result = launch(["--dataset", "text", "--input_file", corpus, *LLAMA_FLAGS, "--precision", "fp8",
                      "--max_steps", 2], ranks=2, cwd=tmp_path, check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
@@ -98,8 +100,8 @@ def test_cpu_launch_fails_alike_on_every_rank(tmp_path, corpus):
 
 @needs_torchao
 def test_model_without_a_qualifying_layer_is_refused(monkeypatch):
-    plan = plan_for(["--precision", "fp8"], monkeypatch=monkeypatch)
     tiny = LlamaConfig(vocab_size=64, embed_size=128, intermediate_size=384)  # the tiny preset
+    plan = plan_for(["--precision", "fp8"], monkeypatch=monkeypatch, config=tiny)
     with pytest.raises(ConfigError, match="has none: use a wider model or --precision bf16"):
         build_model(Llama, tiny, plan, one_rank(), seed=0)
 
@@ -132,7 +134,7 @@ def test_every_float8_layer_runs_and_the_loss_stays_close_to_bf16(monkeypatch, f
     x = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0))
     losses, calls = {}, []
     for precision in ("bf16", "fp8"):
-        plan = plan_for(["--precision", precision], monkeypatch=monkeypatch)
+        plan = plan_for(["--precision", precision], monkeypatch=monkeypatch, config=config)
         model = build_model(model_cls, config, plan, one_rank(), seed=3)
         float8 = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
         assert float8 == ({name for name, _ in fp8.convertible(model)} if precision == "fp8" else set())
@@ -182,7 +184,8 @@ def test_float8_all_gather_weights_save_and_load_as_plain_fp32(one_rank_group, m
     torchao's wrapper subclass, yet the state dict, and so DCP's files, hold plain fp32 tensors."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
     plain_plan = plan_for(["--precision", "bf16"])
-    plan = dataclasses.replace(plan_for(["--precision", "fp8"], monkeypatch=monkeypatch), fsdp=True, shard_ranks=2)
+    plan = dataclasses.replace(plan_for(["--precision", "fp8"], monkeypatch=monkeypatch), strategy="fsdp-block",
+                               shard_ranks=2)
     assert plan.fp8_all_gather
     converted = build_model(Llama, SMALL_LLAMA, plain_plan, one_rank(), seed=1)
     fp8.convert(converted, plan, torch.device("cpu"))
@@ -479,7 +482,7 @@ def test_gpu_gradients_close_to_bf16(recipe):
     runs = {}
     for precision in ("bf16", "fp8"):
         plan = plan_for(["--precision", precision, "--fp8_recipe", recipe if precision == "fp8" else "tensorwise"],
-                        device="cuda")
+                        device="cuda", config=config)
         model = build_model(Llama, config, plan, one_rank("cuda"), seed=5)
         loss = model(x, x)
         loss.backward()

@@ -63,10 +63,12 @@ def test_models_on_cuda_use_it():
     from minimal_fsdp.fused_loss import linear_cross_entropy
     from minimal_fsdp.layers import cross_entropy
     from minimal_fsdp.model import GPT, GPTConfig
-    from minimal_fsdp.parallelize import build_model, make_plan
+    from minimal_fsdp.parallelize import build_model
+    from minimal_fsdp.plan import make_plan
     cfg = Config(precision="float32")
     env = SimpleNamespace(device=torch.device("cuda"), world_size=1, local_world_size=1)
-    model = build_model(GPT, GPTConfig(vocab_size=300), make_plan(cfg, env), env, cfg.seed)  # one rank: no FSDP
+    config = GPTConfig(vocab_size=300)
+    model = build_model(GPT, config, make_plan(cfg, env, config), env, cfg.seed)  # one rank: no FSDP
     assert model.loss is linear_cross_entropy
     x = torch.randint(0, 300, (2, 128), device="cuda")
     fused = model(x, x)

@@ -13,7 +13,8 @@ from minimal_fsdp.config import Config, ConfigError
 from minimal_fsdp.llama import LlamaConfig
 from minimal_fsdp.model import GPTConfig
 from minimal_fsdp.models import MODELS, make_config
-from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan
+from minimal_fsdp.parallelize import build_model, gradient_sync
+from minimal_fsdp.plan import make_plan
 from minimal_fsdp.train import build_optimizer, train_step
 
 
@@ -26,9 +27,9 @@ def train_two_steps(model_type, config, batch_size, sharding, recompute, precisi
                  recompute="full" if recompute == "none" else recompute, precision=precision, meta_init=True,
                  compile=compile, fsdp_unit=fsdp_unit)
     env = SimpleNamespace(device=torch.device(device), world_size=1, local_world_size=1)
-    plan = make_plan(cfg, env, fsdp_on_one_rank=fsdp)
+    plan = make_plan(cfg, env, config, fsdp_on_one_rank=fsdp)
     model = build_model(MODELS[model_type], config, plan, env, cfg.seed)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, plan)
     for step in range(2):  # the second step has the optimizer state of a steady run
         x = torch.randint(0, config.vocab_size, (batch_size, config.seq_length), device=device)
         train_step(model, optimizer, [(x, x)] * accum, gradient_sync(model, plan), 1.0, env.device)
@@ -220,7 +221,19 @@ def test_planner_gathers_a_whole_model_unit_at_once():
     block, whole = plan("block"), plan("model")
     assert whole["gathered"] - block["gathered"] == 2 * (config.num_layers - 2) * sizes.per_block > 0
     assert whole["gpu"] > block["gpu"]  # the unsharded gradients too
-    assert plan("auto") == whole  # far under parallelize.SMALL_MODEL
+    assert plan("auto") == whole  # far under choices.SMALL_MODEL
     assert plan("model", "no-shard")["gathered"] == plan("block", "no-shard")["gathered"]
     assert plan("model", "no-shard")["gpu"] > plan("block", "no-shard")["gpu"]
     assert plan("auto", "no-shard") == plan("model", "no-shard")
+
+
+def test_the_planner_asks_the_plans_own_strategy(monkeypatch):
+    """estimate lays a model out by plan.strategy, the function make_plan decides a run's strategy with: one rule
+    for both, asked without a launch."""
+    from minimal_fsdp import plan as plan_module
+    asked = []
+    monkeypatch.setattr(model_size, "strategy", lambda *args: asked.append(args) or plan_module.strategy(*args))
+    config = GPTConfig(vocab_size=2048, seq_length=128, num_layers=4, num_heads=4, embed_size=256)
+    model_size.estimate("gpt", config, 8, "no-shard", 2, 1, "none", False, "fp8", fsdp_unit="auto")
+    assert asked == [("no-shard", 2, model_size.count_parameters("gpt", config).total, "auto", False, True)]
+    assert plan_module.strategy(*asked[0]) == "ddp"  # float8 layers: DDP, not the one unit

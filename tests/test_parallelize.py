@@ -204,14 +204,15 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_
     from torch.distributed.tensor import DTensor
     from minimal_fsdp.config import Config
     import dataclasses
-    from minimal_fsdp.parallelize import build_model, gradient_sync, make_plan
+    from minimal_fsdp.parallelize import build_model, gradient_sync
+    from minimal_fsdp.plan import make_plan
     from minimal_fsdp.train import train_step
     cfg = Config(sharding="full-shard", fsdp_unit="block")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the group is NCCL where CUDA is
     env = SimpleNamespace(device=device, world_size=1, local_world_size=1)
     config = GPTConfig(vocab_size=64, seq_length=16, num_layers=2, num_heads=2, embed_size=16)
-    plan = make_plan(cfg, env, fsdp_on_one_rank=True)
-    assert plan.stays_gathered  # one rank: no reshard after forward
+    plan = make_plan(cfg, env, config, fsdp_on_one_rank=True)
+    assert plan.strategy == "fsdp-block" and plan.stays_gathered  # one rank: no reshard after forward
     model = build_model(GPT, config, plan, env, cfg.seed)
     if not stays_gathered:
         plan = dataclasses.replace(plan, reshard_after_forward=True)  # what FSDPSync reads
@@ -229,6 +230,7 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_
 
 @pytest.mark.parametrize("flags,ranks,graphs", [(["--sharding", "full-shard"], 1, True),
                                                (["--sharding", "no-shard"], 2, True),
+                                               (["--sharding", "no-shard", "--fsdp_unit", "block"], 2, True),  # DDP
                                                (["--sharding", "full-shard"], 2, True),  # one unit: whole_unit.py
                                                (["--sharding", "grad-shard"], 2, True),
                                                (["--sharding", "full-shard", "--fsdp_unit", "block"], 2, False),
@@ -237,15 +239,18 @@ def test_cuda_graphs_only_where_no_fsdp_hooks_surround_the_graph(monkeypatch, fl
     """--cuda_graphs replays the compiled model: on one rank, under DDP (its all-reduce runs outside the graphs,
     on the gradients backward leaves) and as whole_unit.py's one unit (its parameters keep their addresses).
     FSDP2 frees and re-gathers the parameters each step at new addresses, which a replayed graph would not see:
-    it stays off there. (Plans only: no mesh is built, no GPU needed; test_gpu.py trains no-shard and the one
-    unit with CUDA graphs against the reference.)"""
+    asked for there, it is refused in one line, not dropped. (Plans only: no mesh is built, no GPU needed;
+    test_gpu.py trains no-shard and the one unit with CUDA graphs against the reference.)"""
     from types import SimpleNamespace
-    from minimal_fsdp import parallelize
-    from minimal_fsdp.config import parse_args
+    from minimal_fsdp import plan as plan_module
+    from minimal_fsdp.config import ConfigError, parse_args
     env = SimpleNamespace(device=torch.device("cuda"), world_size=ranks, local_world_size=ranks)
     cfg = parse_args([*flags, "--compile", "--cuda_graphs"])
-    monkeypatch.setattr(parallelize, "init_device_mesh", lambda *args, **kwargs: "mesh")
-    plan = parallelize.make_plan(cfg, env)
-    small = sum(p.numel() for p in GPT(make_config("gpt", "tiny", vocab_size=65)).parameters())
-    assert plan.replays_graphs(small) == graphs
-    assert ("replayed as CUDA graphs" in plan.describe(small)) == graphs
+    monkeypatch.setattr(plan_module, "init_device_mesh", lambda *args, **kwargs: "mesh")
+    tiny = make_config("gpt", "tiny", vocab_size=65)
+    if not graphs:
+        with pytest.raises(ConfigError, match="^--cuda_graphs replays the compiled model where no FSDP2 hooks"):
+            plan_module.make_plan(cfg, env, tiny)
+        return
+    plan = plan_module.make_plan(cfg, env, tiny)
+    assert plan.cuda_graphs and "replayed as CUDA graphs" in plan.describe()

@@ -1,7 +1,8 @@
-"""parallelize.py's decisions, in this process (fast, and what mutation testing can see): the layout of every
-strategy, the plan make_plan builds from the flags and the launch, what the plan says of itself, what shard()
-hands to FSDP2 (units, resharding, mixed precision, offload), what build_model compiles, and which gradient sync
-a plan gets. The multi-rank behaviour they lead to is checked in test_parallelize.py."""
+"""plan.py's decisions and parallelize.py's application of them, in this process (fast, and what mutation testing
+can see): the layout of every sharding, the one strategy and the plan make_plan builds from the flags, the launch
+and the model's size, what it refuses, what the plan says of itself, what shard() hands to FSDP2 (units,
+resharding, mixed precision, offload), what build_model compiles, which gradient sync a plan gets, and the
+process-wide settings it needs. The multi-rank behaviour they lead to is checked in test_parallelize.py."""
 import dataclasses
 from types import SimpleNamespace
 
@@ -11,13 +12,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from minimal_fsdp import parallelize
+from minimal_fsdp import plan as plan_module
+from minimal_fsdp.choices import SMALL_MODEL
+from minimal_fsdp.gossip import Gossip
 from minimal_fsdp.whole_unit import WholeUnit
 from minimal_fsdp.config import ConfigError, parse_args
+from minimal_fsdp.llama import LlamaConfig
 from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import (SMALL_MODEL, DDPSync, FSDPSync, LocalSync, build_model, gradient_sync,
-                                      WholeUnitSync, layout, make_plan, shard)
+from minimal_fsdp.models import MODELS
+from minimal_fsdp.parallelize import (SYNCS, DDPSync, FSDPSync, LocalSync, build_model, gradient_sync,
+                                      WholeUnitSync, shard)
+from minimal_fsdp.plan import (STRATEGIES, apply_process_settings, count_params, layout, make_plan,
+                               process_settings, strategy)
 
 CONFIG = GPTConfig(vocab_size=64, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
+NUM_PARAMS = GPT(CONFIG).num_params(non_embedding=False)
 
 
 @pytest.mark.parametrize("sharding,world,group,expected", [
@@ -34,80 +43,92 @@ def test_layout_of_every_strategy(sharding, world, group, expected):
     assert layout(sharding, world, group) == expected
 
 
-def plan_for(monkeypatch, flags, world=1, local=None, device="cpu", **options):
+def plan_for(monkeypatch, flags, world=1, local=None, device="cpu", config=CONFIG, **options):
     """make_plan on a pretend launch; the mesh make_plan asks for is recorded, not built."""
     meshes = []
-    monkeypatch.setattr(parallelize, "init_device_mesh",
+    monkeypatch.setattr(plan_module, "init_device_mesh",
                         lambda kind, shape, mesh_dim_names: meshes.append((kind, shape, mesh_dim_names)) or "mesh")
     env = SimpleNamespace(device=torch.device(device), world_size=world, local_world_size=local or world)
-    plan = make_plan(parse_args([str(f) for f in flags]), env, **options)
+    plan = make_plan(parse_args([str(f) for f in flags]), env, config, **options)
     return plan, meshes
+
+
+def large(monkeypatch):
+    """CONFIG counts as a large model: over --fsdp_unit auto's and --cuda_graphs auto's bounds."""
+    monkeypatch.setattr(plan_module, "SMALL_MODEL", NUM_PARAMS - 1)
+    monkeypatch.setattr(plan_module, "GRAPHS_MODEL", NUM_PARAMS - 1)
 
 
 def test_one_rank_is_a_plain_module(monkeypatch):
     plan, meshes = plan_for(monkeypatch, ["--precision", "bf16", "--compile", "--activation_checkpoints",
                                           "--recompute", "selective", "--fsdp_unit", "block"])
-    assert not plan.fsdp and not plan.ddp and not plan.decentralized and meshes == [] and plan.mesh is None
+    assert plan.strategy == "local" and not plan.fsdp and not plan.ddp and not plan.decentralized
+    assert meshes == [] and plan.mesh is None and plan.num_params == NUM_PARAMS
     assert (plan.mesh_shape, plan.shard_ranks, plan.reshard_after_forward) == ((1,), 1, False)
-    assert (plan.precision, plan.compile, plan.activation_checkpoints, plan.recompute, plan.fsdp_unit) == \
-        ("bf16", True, True, "selective", "block")
+    assert (plan.precision, plan.compile, plan.activation_checkpoints, plan.recompute) == \
+        ("bf16", True, True, "selective")
     assert not plan.meta_init and not plan.cpu_offload and plan.fp8 is None and not plan.cuda_graphs
-    assert plan.describe(10) == "no FSDP: one rank holds the whole model"
+    assert plan.describe() == "no FSDP: one rank holds the whole model"
 
 
 def test_fsdp_over_ranks_asks_for_the_strategys_mesh(monkeypatch):
     plan, meshes = plan_for(monkeypatch, ["--sharding", "full-shard"], world=4)
-    assert plan.fsdp and not plan.ddp and plan.mesh == "mesh"
+    assert plan.strategy == "one-unit" and not plan.fsdp and plan.mesh == "mesh"  # a small model: whole_unit.py
     assert meshes == [("cpu", (4,), ("shard",))]
     assert (plan.mesh_shape, plan.shard_ranks, plan.reshard_after_forward) == ((4,), 4, True)
-    assert plan.describe(SMALL_MODEL + 1) == "mesh shard=4 (full-shard), an FSDP unit per block"
-    assert plan.describe(SMALL_MODEL) == "mesh shard=4 (full-shard), the whole model as one unit, one all-gather a step"
+    assert plan.describe() == "mesh shard=4 (full-shard), the whole model as one unit, one all-gather a step"
+    large(monkeypatch)
+    plan, meshes = plan_for(monkeypatch, ["--sharding", "full-shard"], world=4)
+    assert plan.strategy == "fsdp-block" and plan.fsdp and meshes == [("cpu", (4,), ("shard",))]
+    assert plan.describe() == "mesh shard=4 (full-shard), an FSDP unit per block"
 
 
 def test_hybrid_shards_over_the_ranks_of_a_node_unless_told(monkeypatch):
     plan, meshes = plan_for(monkeypatch, ["--sharding", "hybrid-grad-shard"], world=8, local=4)
     assert meshes == [("cpu", (2, 4), ("replicate", "shard"))] and plan.shard_ranks == 4
-    assert not plan.reshard_after_forward and plan.stays_gathered
-    assert plan.describe(1) == \
+    assert not plan.reshard_after_forward and not plan.stays_gathered  # the one unit is not FSDP2
+    assert plan.describe() == \
         "mesh replicate=2 x shard=4 (hybrid-grad-shard), the whole model as one unit, one all-gather a step"
     _, meshes = plan_for(monkeypatch, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2], world=8, local=4)
     assert meshes == [("cpu", (4, 2), ("replicate", "shard"))]
 
 
 def test_no_shard_is_the_one_unit_or_ddp_unless_offloaded(monkeypatch):
-    """no-shard over several ranks: a small model is whole_unit.py's unit on a (ranks x 1) mesh that build_model
-    makes (a large one, or --fsdp_unit block, is DDP's: no mesh); float8 layers stay with DDP."""
+    """no-shard over several ranks: a small model is whole_unit.py's unit on a (ranks x 1) mesh (a large one, or
+    --fsdp_unit block, or float8 layers, is DDP's: no mesh); offloaded, FSDP2 over that mesh."""
     plan, meshes = plan_for(monkeypatch, ["--sharding", "no-shard"], world=2)
-    assert plan.ddp and not plan.fsdp and meshes == [] and plan.shard_ranks == 1 and plan.mesh_shape == (2, 1)
-    assert plan.gathered_whole(SMALL_MODEL) and not plan.gathered_whole(SMALL_MODEL + 1)
-    assert not plan.whole_model_unit(SMALL_MODEL)  # FSDP's unit: none
-    assert plan.describe(1) == "no sharding: the whole model on every rank as one unit, gradients averaged by one " \
+    assert plan.strategy == "one-unit" and meshes == [("cpu", (2, 1), ("replicate", "shard"))]
+    assert plan.shard_ranks == 1 and plan.mesh_shape == (2, 1)
+    assert plan.describe() == "no sharding: the whole model on every rank as one unit, gradients averaged by one " \
         "all-reduce a step (no-shard)"
-    assert plan.describe(SMALL_MODEL + 1) == \
-        "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
-    plan, _ = plan_for(monkeypatch, ["--sharding", "no-shard", "--fsdp_unit", "block"], world=2)
-    assert plan.ddp and not plan.gathered_whole(1)
-    assert not dataclasses.replace(plan, fsdp_unit="auto", fp8="tensorwise").gathered_whole(1)
+    plan, meshes = plan_for(monkeypatch, ["--sharding", "no-shard", "--fsdp_unit", "block"], world=2)
+    assert plan.strategy == "ddp" and plan.ddp and meshes == [] and plan.mesh is None
+    assert plan.describe() == "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
     plan, meshes = plan_for(monkeypatch, ["--sharding", "no-shard", "--cpu_offload"], world=2)
-    assert plan.fsdp and not plan.ddp and plan.cpu_offload and meshes == [("cpu", (2, 1), ("replicate", "shard"))]
+    assert plan.strategy == "fsdp-whole" and plan.cpu_offload and meshes == [("cpu", (2, 1), ("replicate", "shard"))]
     plan, _ = plan_for(monkeypatch, ["--sharding", "no-shard"], world=1)
-    assert not plan.ddp and not plan.fsdp  # one rank: nothing to average
+    assert plan.strategy == "local"  # one rank: nothing to average
+    large(monkeypatch)
+    assert plan_for(monkeypatch, ["--sharding", "no-shard"], world=2)[0].strategy == "ddp"
 
 
 def test_fsdp_on_one_rank_and_offload_on_one_rank(monkeypatch):
     plan, meshes = plan_for(monkeypatch, [], fsdp_on_one_rank=True)
-    assert plan.fsdp and meshes == [("cpu", (1,), ("shard",))] and not plan.reshard_after_forward
-    plan, _ = plan_for(monkeypatch, ["--sharding", "no-shard"], world=2, fsdp_on_one_rank=True)
-    assert plan.fsdp and not plan.ddp
+    assert plan.strategy == "one-unit" and meshes == [("cpu", (1,), ("shard",))] and not plan.reshard_after_forward
+    plan, _ = plan_for(monkeypatch, ["--fsdp_unit", "block"], fsdp_on_one_rank=True)
+    assert plan.strategy == "fsdp-block" and plan.stays_gathered  # one rank: nothing reshards after forward
+    plan, _ = plan_for(monkeypatch, ["--sharding", "no-shard", "--fsdp_unit", "block"], world=2, fsdp_on_one_rank=True)
+    assert plan.strategy == "fsdp-block"
     plan, meshes = plan_for(monkeypatch, ["--cpu_offload"])
-    assert plan.fsdp and plan.cpu_offload and meshes == [("cpu", (1,), ("shard",))]
+    assert plan.strategy == "fsdp-whole" and plan.cpu_offload and meshes == [("cpu", (1,), ("shard",))]
 
 
 def test_decentralized_has_no_fsdp_and_no_ddp(monkeypatch):
-    plan, meshes = plan_for(monkeypatch, ["--data_parallel", "decentralized"], world=4)
-    assert plan.decentralized and not plan.fsdp and not plan.ddp and meshes == []
+    plan, meshes = plan_for(monkeypatch, ["--data_parallel", "decentralized", "--topology", "ring"], world=4)
+    assert plan.strategy == "gossip" and plan.decentralized and plan.topology == "ring" and meshes == []
     assert (plan.mesh_shape, plan.shard_ranks) == ((4,), 1)
-    assert plan.describe(1) == "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip"
+    assert plan.describe() == "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip"
+    assert plan_for(monkeypatch, [], world=1)[0].topology is None
 
 
 def test_loading_all_weights_builds_on_the_meta_device(monkeypatch):
@@ -120,70 +141,123 @@ def test_fp8_recipe_is_checked_for_training_and_dropped_for_generation(monkeypat
     with pytest.raises(ConfigError):  # no CUDA here: the one-line error, before any model is built
         plan_for(monkeypatch, ["--precision", "fp8"])
     plan, _ = plan_for(monkeypatch, ["--precision", "fp8", "--max_epochs", -1])
-    assert plan.fp8 is None and plan.bf16  # generation runs in bf16
+    assert plan.fp8 is None and plan.precision == "bf16" and plan.bf16  # generation runs in bf16
     checked = []
-    monkeypatch.setattr(parallelize.fp8, "check_device", checked.append)
+    monkeypatch.setattr(plan_module.fp8, "check_device", checked.append)
     plan, _ = plan_for(monkeypatch, ["--precision", "fp8", "--fp8_recipe", "rowwise"])
-    assert plan.fp8 == "rowwise" and checked == [torch.device("cpu")]
+    assert plan.fp8 == "rowwise" and plan.precision == "fp8" and checked == [torch.device("cpu")]
+    plan, _ = plan_for(monkeypatch, ["--precision", "fp8", "--sharding", "full-shard"], world=2)
+    assert plan.strategy == "fsdp-whole"  # float8 all-gathers are FSDP2's (torchao): not the one unit
 
 
 @pytest.mark.parametrize("flags,world,graphs", [
-    (["--compile"], 1, None),  # unset: by the model's size
-    (["--compile", "--sharding", "no-shard"], 2, None),  # DDP
+    (["--compile"], 1, True),  # unset: by the model's size (CONFIG's is tiny)
+    (["--compile", "--sharding", "no-shard"], 2, True),  # the one unit over replicas
+    (["--compile", "--sharding", "no-shard", "--fsdp_unit", "block"], 2, True),  # DDP
     (["--compile", "--cuda_graphs"], 1, True), (["--compile", "--no-cuda_graphs"], 1, False),
     ([], 1, False),  # nothing compiled, nothing to replay
-    # FSDP: by size or asked for; ParallelPlan.replays_graphs keeps them off where FSDP2's hooks surround the graph
-    (["--compile"], 2, None), (["--compile", "--cuda_graphs"], 2, True),
+    (["--compile"], 2, True),  # full-shard's one unit
+    (["--compile", "--fsdp_unit", "block"], 2, False),  # FSDP2's hooks surround each block
+    (["--compile", "--cpu_offload"], 2, False),  # FSDP2's whole unit
     (["--compile", "--data_parallel", "decentralized"], 2, False),  # gossip: only when asked for
     (["--compile", "--data_parallel", "decentralized", "--cuda_graphs"], 2, True)])
-def test_cuda_graphs_setting_of_each_launch(monkeypatch, flags, world, graphs):
+def test_cuda_graphs_decided_once_for_each_launch(monkeypatch, flags, world, graphs):
     plan, _ = plan_for(monkeypatch, flags, world=world, device="cuda")
     assert plan.cuda_graphs is graphs
-    assert plan_for(monkeypatch, flags, world=world)[0].cuda_graphs is False  # CPU: no CUDA graphs
+    assert ("replayed as CUDA graphs" in plan.describe()) == graphs
+    if "--cuda_graphs" not in flags:
+        assert plan_for(monkeypatch, flags, world=world)[0].cuda_graphs is False  # CPU: no CUDA graphs
+
+
+@pytest.mark.parametrize("flags,world,named", [
+    (["--fsdp_unit", "block"], 2, "--fsdp_unit block"),
+    (["--cpu_offload"], 2, "--cpu_offload"), (["--cpu_offload"], 1, "--cpu_offload"),
+    (["--sharding", "hybrid-full-shard", "--shard_group_size", 1, "--fsdp_unit", "block"], 2, "--fsdp_unit block")])
+def test_an_explicit_cuda_graphs_that_cannot_apply_is_refused(monkeypatch, flags, world, named):
+    """FSDP2 gathers the parameters at new addresses every step, which replayed graphs would not see: --cuda_graphs
+    there is refused in one line naming both flags, not dropped; on the CPU there are no CUDA graphs at all."""
+    with pytest.raises(ConfigError, match="--cuda_graphs") as refused:
+        plan_for(monkeypatch, [*flags, "--compile", "--cuda_graphs"], world=world, device="cuda")
+    assert named in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match="--cuda_graphs replays CUDA graphs; this run is on cpu"):
+        plan_for(monkeypatch, ["--compile", "--cuda_graphs"])
+    large(monkeypatch)
+    with pytest.raises(ConfigError, match="a model of over"):  # FSDP2 per block by size
+        plan_for(monkeypatch, ["--compile", "--cuda_graphs"], world=2, device="cuda")
 
 
 def test_cuda_graphs_unset_replay_small_models_only(monkeypatch):
-    monkeypatch.setattr(parallelize.fp8, "check_device", lambda device: None)
+    monkeypatch.setattr(plan_module.fp8, "check_device", lambda device: None)
     plan, _ = plan_for(monkeypatch, ["--compile", "--precision", "fp8"], device="cuda")
     assert plan.cuda_graphs is False  # float8 layers: not measured under graphs, so only when asked for
-    small = parallelize.GRAPHS_MODEL
-    assert plain_plan(cuda_graphs=None).replays_graphs(small)
-    assert not plain_plan(cuda_graphs=None).replays_graphs(small + 1)
-    assert plain_plan(cuda_graphs=True).replays_graphs(small + 1)
-    assert not plain_plan(cuda_graphs=False).replays_graphs(1)
-    assert plain_plan(fsdp=False, cuda_graphs=None).describe(small) == \
-        "no FSDP: one rank holds the whole model, replayed as CUDA graphs"
-    assert plain_plan(fsdp=False, ddp=True, cuda_graphs=None, fsdp_unit="block").describe(small + 1) == \
-        "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
+    plan, _ = plan_for(monkeypatch, ["--compile", "--precision", "fp8", "--cuda_graphs"], device="cuda")
+    assert plan.cuda_graphs is True  # asked for, on one rank: no FSDP2 hooks
+    monkeypatch.setattr(plan_module, "GRAPHS_MODEL", NUM_PARAMS)
+    assert plan_for(monkeypatch, ["--compile"], device="cuda")[0].cuda_graphs
+    monkeypatch.setattr(plan_module, "GRAPHS_MODEL", NUM_PARAMS - 1)
+    assert not plan_for(monkeypatch, ["--compile"], device="cuda")[0].cuda_graphs
+    assert plan_for(monkeypatch, ["--compile", "--cuda_graphs"], device="cuda")[0].cuda_graphs  # any size
 
 
 def plain_plan(**fields):
-    base = dict(sharding="full-shard", decentralized=False, fsdp=True, mesh_shape=(2,), shard_ranks=2,
-                reshard_after_forward=True, precision="bf16", cpu_offload=False, meta_init=False,
-                activation_checkpoints=False, recompute="full", compile=False, cuda_graphs=False)
+    base = dict(strategy="fsdp-block", sharding="full-shard", mesh_shape=(2,), shard_ranks=2,
+                reshard_after_forward=True, precision="bf16", fp8=None, cpu_offload=False, meta_init=False,
+                activation_checkpoints=False, recompute="full", compile=False, cuda_graphs=False,
+                num_params=NUM_PARAMS)
     base.update(fields)
-    return parallelize.ParallelPlan(**base)
+    return plan_module.ParallelPlan(**base)
 
 
 def test_what_the_plan_says_of_itself():
     assert plain_plan(precision="bf16").bf16 and plain_plan(precision="fp8").bf16
-    assert not plain_plan(precision="float32").bf16
+    assert not plain_plan(precision="float32").bf16 and plain_plan(precision="float32").compute_dtype == torch.float32
     assert plain_plan(fp8="tensorwise").fp8_all_gather
     assert not plain_plan(fp8="rowwise").fp8_all_gather and not plain_plan(fp8=None).fp8_all_gather
-    for no in (dict(fsdp=False), dict(shard_ranks=1), dict(cpu_offload=True)):
+    for no in (dict(strategy="local"), dict(strategy="ddp"), dict(shard_ranks=1), dict(cpu_offload=True)):
         assert not plain_plan(fp8="tensorwise", **no).fp8_all_gather, no
     assert plain_plan(reshard_after_forward=False).stays_gathered
     assert not plain_plan(reshard_after_forward=True).stays_gathered
-    assert not plain_plan(fsdp=False, reshard_after_forward=False).stays_gathered
+    assert plain_plan(strategy="fsdp-whole", reshard_after_forward=True).stays_gathered  # FSDP2's one unit
+    assert not plain_plan(strategy="one-unit", reshard_after_forward=False).stays_gathered  # not FSDP2
+    assert [plain_plan(strategy=s, compile=True).compiles_whole for s in STRATEGIES] == \
+        [s != "fsdp-block" for s in STRATEGIES]
+    assert not plain_plan(strategy="local", compile=False).compiles_whole
 
 
-@pytest.mark.parametrize("unit,params,whole", [("auto", SMALL_MODEL, True), ("auto", SMALL_MODEL + 1, False),
-                                               ("block", 1, False), ("model", 10 * SMALL_MODEL, True)])
-def test_the_fsdp_unit_rule(unit, params, whole):
-    assert plain_plan(fsdp_unit=unit).whole_model_unit(params) == whole
-    assert not plain_plan(fsdp=False, fsdp_unit=unit).whole_model_unit(params)  # no FSDP, no unit
-    assert plain_plan(fsdp=False, ddp=True, fsdp_unit=unit).gathered_whole(params) == whole  # no-shard's replicas
-    assert not plain_plan(fsdp=False, fsdp_unit=unit).gathered_whole(params)  # one rank: a plain module
+@pytest.mark.parametrize("args,chosen", [
+    (("full-shard", 1, 10), "local"), (("no-shard", 1, 10), "local"),
+    (("full-shard", 2, SMALL_MODEL), "one-unit"), (("full-shard", 2, SMALL_MODEL + 1), "fsdp-block"),
+    (("full-shard", 2, 10, "block"), "fsdp-block"), (("full-shard", 2, 10 * SMALL_MODEL, "model"), "one-unit"),
+    (("no-shard", 2, SMALL_MODEL), "one-unit"), (("no-shard", 2, SMALL_MODEL + 1), "ddp"),
+    (("no-shard", 2, 10, "block"), "ddp"), (("no-shard", 2, 10, "auto", False, True), "ddp"),
+    (("no-shard", 2, 10, "auto", True), "fsdp-whole"), (("full-shard", 1, 10, "auto", True), "fsdp-whole"),
+    (("full-shard", 1, SMALL_MODEL + 1, "auto", True), "fsdp-block"),
+    (("full-shard", 2, 10, "auto", False, True), "fsdp-whole"),
+    (("hybrid-grad-shard", 8, 10, "model", False, False, True), "gossip"),
+    (("full-shard", 1, 10, "auto", False, False, False, True), "one-unit"),
+    (("full-shard", 1, 10, "block", False, False, False, True), "fsdp-block")])
+def test_one_strategy_per_launch_and_model(args, chosen):
+    """plan.strategy: (sharding, world, parameters, fsdp_unit, cpu_offload, float8, decentralized, fsdp_on_one_rank)
+    -> the one strategy; the memory planner asks the same function."""
+    assert strategy(*args) == chosen
+
+
+@pytest.mark.parametrize("make", [lambda: CONFIG, lambda: LlamaConfig(vocab_size=64, seq_length=16, num_layers=3,
+                                                                        num_heads=2, num_kv_heads=1, embed_size=16,
+                                                                        intermediate_size=32)])
+def test_the_plan_counts_every_parameter_from_the_config(make):
+    """From the config alone (one block on the meta device), exactly what the built model counts: embeddings and
+    tied weights included, once."""
+    config = make()
+    with torch.device("meta"):
+        model = MODELS[config.model_type](config)
+    assert count_params(config) == model.num_params(non_embedding=False) == \
+        sum(p.numel() for p in model.parameters())
+
+
+def test_build_model_refuses_a_plan_made_for_another_model():
+    with pytest.raises(ValueError, match="make_plan with this model's config"):
+        build_model(GPT, CONFIG, plain_plan(strategy="local", num_params=NUM_PARAMS + 1), CPU, seed=0)
 
 
 @pytest.fixture
@@ -195,8 +269,9 @@ def group(one_rank_group):
 def test_shard_makes_the_units_it_is_asked_for(group, whole):
     """Per block: every block its own FSDP unit, resharded after forward but the last; whole: the root alone,
     never resharded after forward. bf16 gathers in bf16 and reduces in fp32; offload keeps shards on the CPU."""
-    plan = plain_plan(mesh=group, cpu_offload=True)
-    model = shard(GPT(CONFIG), plan, whole)
+    strategy = "fsdp-whole" if whole else "fsdp-block"
+    plan = plain_plan(strategy=strategy, mesh=group, cpu_offload=True)
+    model = shard(GPT(CONFIG), plan)
     assert isinstance(model, FSDPModule)
     assert [isinstance(b, FSDPModule) for b in model.blocks] == [not whole] * 3
     root = model._get_fsdp_state()
@@ -208,30 +283,35 @@ def test_shard_makes_the_units_it_is_asked_for(group, whole):
         assert state._mp_policy.param_dtype == torch.bfloat16 and state._mp_policy.reduce_dtype == torch.float32
         offload = state._fsdp_param_group.offload_policy
         assert isinstance(offload, CPUOffloadPolicy) and offload.pin_memory is torch.cuda.is_available()
-    fp32 = shard(GPT(CONFIG), plain_plan(mesh=group, precision="float32"), whole)._get_fsdp_state()
+    fp32 = shard(GPT(CONFIG), plain_plan(strategy=strategy, mesh=group, precision="float32"))._get_fsdp_state()
     assert fp32._mp_policy.param_dtype is None and fp32._mp_policy.reduce_dtype is None
     assert not isinstance(fp32._fsdp_param_group.offload_policy, CPUOffloadPolicy)
 
 
-@pytest.mark.parametrize("unit", ["block", "model"])
-def test_build_model_compiles_per_block_or_whole(group, unit):
-    plan = plain_plan(mesh=group, compile=True, fsdp_unit=unit, reshard_after_forward=False)
+@pytest.mark.parametrize("strategy", ["fsdp-block", "fsdp-whole", "one-unit"])
+def test_build_model_compiles_per_block_or_whole(group, strategy):
+    plan = plain_plan(strategy=strategy, mesh=group, compile=True, reshard_after_forward=False)
     model = build_model(GPT, CONFIG, plan, SimpleNamespace(device=torch.device("cpu")), seed=0)
     compiled_blocks = [getattr(b.forward, "__wrapped__", None) == type(b).forward.__get__(b) for b in model.blocks]
-    assert compiled_blocks == [unit == "block"] * 3
-    assert hasattr(model.trunk, "__wrapped__") == (unit == "model")
+    assert compiled_blocks == [strategy == "fsdp-block"] * 3
+    assert hasattr(model.trunk, "__wrapped__") == (strategy != "fsdp-block")
+    assert isinstance(model, FSDPModule) == (strategy != "one-unit")
     sync = gradient_sync(model, plan)
-    if unit == "model":  # whole_unit.py's one unit, stepped by its own sync
+    if strategy == "one-unit":  # whole_unit.py's one unit, stepped by its own sync
         assert isinstance(sync, WholeUnitSync) and isinstance(model.whole_unit, WholeUnit)
     else:
         assert isinstance(sync, FSDPSync) and sync.stays_gathered
         resharding = dataclasses.replace(plan, reshard_after_forward=True)
-        assert not gradient_sync(model, resharding).stays_gathered
+        assert gradient_sync(model, resharding).stays_gathered == (strategy == "fsdp-whole")
 
 
-def test_plain_and_ddp_models_get_their_syncs():
-    assert type(gradient_sync(torch.nn.Linear(2, 2), plain_plan(fsdp=False))) is LocalSync
-    assert type(gradient_sync(torch.nn.Linear(2, 2), plain_plan(fsdp=False, ddp=True))) is DDPSync
+def test_every_strategy_has_its_gradient_sync(one_rank_group):
+    """One table, by strategy: nothing looks at the model to choose."""
+    assert set(SYNCS) == set(STRATEGIES)
+    assert type(gradient_sync(torch.nn.Linear(2, 2), plain_plan(strategy="local"))) is LocalSync
+    assert type(gradient_sync(torch.nn.Linear(2, 2), plain_plan(strategy="ddp"))) is DDPSync
+    gossip = gradient_sync(torch.nn.Linear(2, 2), plain_plan(strategy="gossip", topology="exp"))
+    assert type(gossip) is Gossip and gossip.topology == "exp"
 
 
 def test_local_clip_returns_the_norm_and_clips_only_when_asked():
@@ -258,16 +338,16 @@ CPU = SimpleNamespace(device=torch.device("cpu"))
 
 def test_a_plain_bf16_model_runs_under_bf16_autocast(monkeypatch):
     calls = record_calls(monkeypatch, parallelize.torch, "autocast", lambda *args, **kwargs: (lambda f: f))
-    build_model(GPT, CONFIG, plain_plan(fsdp=False, precision="bf16"), CPU, seed=0)
+    build_model(GPT, CONFIG, plain_plan(strategy="local", precision="bf16"), CPU, seed=0)
     assert calls == [(("cpu",), {"dtype": torch.bfloat16})]
     calls.clear()
-    build_model(GPT, CONFIG, plain_plan(fsdp=False, precision="float32"), CPU, seed=0)
+    build_model(GPT, CONFIG, plain_plan(strategy="local", precision="float32"), CPU, seed=0)
     assert calls == []
 
 
 def test_ddp_replicates_the_model_without_rebroadcasting_buffers(monkeypatch):
     calls = record_calls(monkeypatch, parallelize, "replicate")
-    ddp = plain_plan(fsdp=False, ddp=True, precision="float32", fsdp_unit="block")  # CONFIG's would be one unit
+    ddp = plain_plan(strategy="ddp", precision="float32")
     model = build_model(GPT, CONFIG, ddp, CPU, seed=0)
     assert calls == [((model,), {"device_id": torch.device("cpu"), "broadcast_buffers": False,
                                  "gradient_as_bucket_view": True})]
@@ -278,31 +358,33 @@ def test_ddp_replicates_the_model_without_rebroadcasting_buffers(monkeypatch):
 @pytest.mark.parametrize("graphs", [True, False])
 def test_ddp_with_graphs_compiles_one_graph_not_one_per_bucket(monkeypatch, graphs):
     """Under DDP, Dynamo cuts a compiled model at DDP's buckets (recipe S: 3 graphs, each replayed and run through
-    autograd on its own); a model replayed as CUDA graphs is host-bound, so it stays one graph."""
+    autograd on its own); a model replayed as CUDA graphs is host-bound, so it stays one graph. The setting is
+    process-wide: the plan names it, run.plan_run applies it at the start of the run, build_model leaves it alone."""
+    ddp = plain_plan(strategy="ddp", compile=True, cuda_graphs=graphs)
+    assert process_settings(ddp) == ({"torch._dynamo.config.optimize_ddp": False} if graphs else {})
+    for other in ("local", "one-unit", "gossip"):
+        assert process_settings(dataclasses.replace(ddp, strategy=other)) == {}
     record_calls(monkeypatch, parallelize, "replicate")
     record_calls(monkeypatch, parallelize, "compiled_unless_caching", lambda f, mode=None: f)
     with torch._dynamo.config.patch(optimize_ddp=True):  # restored afterwards
-        build_model(GPT, CONFIG, plain_plan(fsdp=False, ddp=True, compile=True, cuda_graphs=graphs, fsdp_unit="block"),
-                    CPU, seed=0)
+        build_model(GPT, CONFIG, ddp, CPU, seed=0)
+        assert torch._dynamo.config.optimize_ddp is True
+        apply_process_settings(ddp)
         assert torch._dynamo.config.optimize_ddp is (not graphs)
 
 
-@pytest.mark.parametrize("graphs,limit,replays", [(False, None, False), (True, None, True), (None, None, True),
-                                                   (None, 1000, False)])
-def test_the_whole_trunk_is_compiled_and_replayed_as_graphs_when_asked(monkeypatch, graphs, limit, replays):
-    """Unset, --cuda_graphs replays a model of at most GRAPHS_MODEL parameters (CONFIG's is tiny; limit lowers it)."""
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_whole_trunk_is_compiled_and_replayed_as_graphs_as_planned(monkeypatch, graphs):
     calls = record_calls(monkeypatch, parallelize, "compiled_unless_caching", lambda f, mode=None: f)
-    if limit:
-        monkeypatch.setattr(parallelize, "GRAPHS_MODEL", limit)
-    model = build_model(GPT, CONFIG, plain_plan(fsdp=False, compile=True, cuda_graphs=graphs), CPU, seed=0)
+    model = build_model(GPT, CONFIG, plain_plan(strategy="local", compile=True, cuda_graphs=graphs), CPU, seed=0)
     (args, kwargs), = calls
-    assert args == (model.trunk, "reduce-overhead" if replays else None) and kwargs == {}
+    assert args == (model.trunk, "reduce-overhead" if graphs else None) and kwargs == {}
     assert hasattr(model.loss, "_torchdynamo_orig_callable")  # the loss compiled too (CPU: no fused kernel)
 
 
 def test_uncompiled_models_keep_their_eager_loss():
     from minimal_fsdp.layers import cross_entropy
-    model = build_model(GPT, CONFIG, plain_plan(fsdp=False), CPU, seed=0)
+    model = build_model(GPT, CONFIG, plain_plan(strategy="local"), CPU, seed=0)
     assert model.loss is cross_entropy and not hasattr(model.trunk, "__wrapped__")
 
 
@@ -317,10 +399,11 @@ def test_generation_runs_the_eager_function_and_training_the_compiled_one(monkey
 
 def test_every_path_gives_the_same_initial_weights(group):
     """Plain or sharded, built on the meta device or not, offloaded or not: the weights of seed 3."""
-    plain = build_model(GPT, CONFIG, plain_plan(fsdp=False), CPU, seed=3).state_dict()
-    meta = build_model(GPT, CONFIG, plain_plan(fsdp=False, meta_init=True), CPU, seed=3).state_dict()
+    plain = build_model(GPT, CONFIG, plain_plan(strategy="local"), CPU, seed=3).state_dict()
+    meta = build_model(GPT, CONFIG, plain_plan(strategy="local", meta_init=True), CPU, seed=3).state_dict()
     sharded = [build_model(GPT, CONFIG, plain_plan(mesh=group, precision="float32", **options), CPU, seed=3)
-               for options in (dict(), dict(meta_init=True), dict(meta_init=True, cpu_offload=True))]
+               for options in (dict(), dict(meta_init=True), dict(meta_init=True, cpu_offload=True),
+                               dict(strategy="one-unit"), dict(strategy="one-unit", meta_init=True))]
     for name, value in plain.items():
         assert torch.equal(meta[name], value), name
         for model in sharded:
@@ -335,15 +418,17 @@ def test_meta_init_builds_the_model_on_the_meta_device(meta_init):
         def __init__(self, config):
             seen.append(torch.empty(0).device.type)
             super().__init__(config)
-    build_model(Recorded, CONFIG, plain_plan(fsdp=False, meta_init=meta_init), CPU, seed=0)
+    build_model(Recorded, CONFIG, plain_plan(strategy="local", meta_init=meta_init), CPU, seed=0)
     assert seen == ["meta" if meta_init else "cpu"]
 
 
 @pytest.mark.parametrize("limit_below_total,whole", [(False, True), (True, False)])
 def test_the_unit_rule_counts_every_parameter_embeddings_included(group, monkeypatch, limit_below_total, whole):
-    total = GPT(CONFIG).num_params(non_embedding=False)
-    monkeypatch.setattr(parallelize, "SMALL_MODEL", total - 1 if limit_below_total else total)
-    plan = plain_plan(mesh=group)
+    monkeypatch.setattr(plan_module, "SMALL_MODEL", NUM_PARAMS - 1 if limit_below_total else NUM_PARAMS)
+    monkeypatch.setattr(plan_module, "init_device_mesh", lambda *args, **kwargs: group)
+    env = SimpleNamespace(device=torch.device("cpu"), world_size=1, local_world_size=1)
+    plan = make_plan(parse_args([]), env, CONFIG, fsdp_on_one_rank=True)
+    assert plan.strategy == ("one-unit" if whole else "fsdp-block")
     model = build_model(GPT, CONFIG, plan, CPU, seed=0)
     assert [isinstance(b, FSDPModule) for b in model.blocks] == [not whole] * 3
     assert hasattr(model, "whole_unit") == whole
@@ -361,7 +446,7 @@ def test_ddp_syncs_on_the_last_micro_step_only():
 def test_fsdp_sync_reduces_the_norm_over_the_shard_group_and_precomputes_float8_scales(group, monkeypatch):
     precomputed = []
     monkeypatch.setattr(parallelize.fp8, "scale_precompute", lambda plan: precomputed.append)
-    plan = plain_plan(mesh=group, precision="float32", fsdp_unit="block")  # FSDP2 (a small model: whole_unit.py)
+    plan = plain_plan(mesh=group, precision="float32")  # FSDP2 per block
     model = build_model(GPT, CONFIG, plan, CPU, seed=0)
     x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_length))
     model(x, x).backward()
@@ -373,13 +458,13 @@ def test_fsdp_sync_reduces_the_norm_over_the_shard_group_and_precomputes_float8_
     assert precomputed == [model]
 
 
-@pytest.mark.parametrize("unit", ["block", "model"])
+@pytest.mark.parametrize("strategy", ["fsdp-block", "one-unit"])
 @pytest.mark.parametrize("max_norm", [0.0, 0.05, 100.0])
-def test_fsdp_clip_matches_torch_on_the_local_shards(group, max_norm, unit, monkeypatch):
+def test_fsdp_clip_matches_torch_on_the_local_shards(group, max_norm, strategy, monkeypatch):
     """The global norm (here one rank's) and the clipped gradients match torch's clip_grad_norm_ on plain copies;
     0 does not clip; a norm under max_norm leaves the gradients as they are. FSDP2's sync (block units) and the
     one unit's (whole_unit.py: its shards' gradients are one tensor)."""
-    plan = plain_plan(mesh=group, precision="float32", fsdp_unit=unit)
+    plan = plain_plan(strategy=strategy, mesh=group, precision="float32")
     model = build_model(GPT, CONFIG, plan, CPU, seed=0)
     x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_length))
     sync = gradient_sync(model, plan)

@@ -99,6 +99,19 @@ def test_optimizer_decays_matrices_only_with_the_betas_asked_for():
     assert build_optimizer(model, cfg("--beta1", 0.8, "--beta2", 0.99)).defaults["betas"] == (0.8, 0.99)
 
 
+def test_the_plans_one_unit_gets_adamw_on_local_tensors_and_nothing_else_does():
+    """The choice reads the plan's strategy, never the model's attributes; the same groups and settings either way."""
+    from minimal_fsdp.plan import STRATEGIES
+    from minimal_fsdp.whole_unit import LocalAdamW
+    model = Model()
+    unit = build_optimizer(model, cfg("--lr", 0.02), SimpleNamespace(strategy="one-unit"))
+    assert type(unit) is LocalAdamW and unit.defaults["fused"] is True and unit.defaults["lr"] == 0.02
+    for strategy in set(STRATEGIES) - {"one-unit", "gossip"}:
+        assert type(build_optimizer(model, cfg(), SimpleNamespace(strategy=strategy))) is torch.optim.AdamW
+    model.whole_unit = object()
+    assert type(build_optimizer(model, cfg())) is torch.optim.AdamW
+
+
 def test_decentralized_runs_get_accum_adamw_with_beta2_098():
     model = Model()
     opt = build_optimizer(model, cfg("--data_parallel", "decentralized", "--lr", 0.02, "--accum_steps", 3,
@@ -464,22 +477,19 @@ def test_loop_stops_at_a_nonfinite_step_at_the_next_log_before_saving(monkeypatc
     assert len(LrSpy.made.lrs) == 2
 
 
-def test_decentralized_loop_gossips_and_logs_the_consensus_distance(monkeypatch):
+def test_the_loop_takes_the_plans_sync_and_logs_gossips_consensus_distance(monkeypatch):
+    """Every strategy's sync, gossip's too, comes from parallelize.gradient_sync (by the plan's strategy); a
+    decentralized run logs its consensus distance."""
     made = []
-
-    class Gossip(Sync):
-        def __init__(self, model, topology):
-            super().__init__()
-            made.append((model, topology))
-    monkeypatch.setattr(train_module, "Gossip", Gossip)
-    monkeypatch.setattr(train_module, "gradient_sync", lambda model, plan: made.append("gradient_sync") or Sync())
+    monkeypatch.setattr(train_module, "gradient_sync", lambda model, plan: made.append((model, plan)) or Sync())
     run = loop(monkeypatch, "--data_parallel", "decentralized", "--topology", "ring", sync=None,
                decentralized=True)
-    assert made == [(run.model, "ring")]
+    assert [(model, plan.decentralized) for model, plan in made] == [(run.model, True)]
     assert [e[4] for e in run.log.events if e[0] == "row"] == [{"consensus": 0.25}] * 3
     made.clear()
-    loop(monkeypatch, sync=None)  # otherwise the plan's gradient sync
-    assert made == ["gradient_sync"]
+    plain = loop(monkeypatch, sync=None)
+    assert [(model, plan.decentralized) for model, plan in made] == [(plain.model, False)]
+    assert [e[4] for e in plain.log.events if e[0] == "row"] == [{}] * 3
 
 
 def test_loop_collects_garbage_itself_at_the_same_steps_on_every_rank(monkeypatch):
