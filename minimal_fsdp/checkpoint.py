@@ -59,11 +59,13 @@ def _state(model, optimizer):
 
 @dataclasses.dataclass
 class Saved:
-    """One save as the log reports it: training waited `blocking_s` for it; `total_s` until it was committed
-    (None while it is still being written in the background)."""
+    """One save as the log reports it: training stopped `blocking_s` for it, of which `waited_s` for the save
+    before it to end (at most one is in flight); `total_s` from its start (once the one before had ended) until it
+    was committed, None while it is still being written in the background."""
     step: int
     path: Path
     blocking_s: float
+    waited_s: float = 0.0
     total_s: float = None
 
 
@@ -90,6 +92,7 @@ class Checkpointer:
     def save(self, step, model, optimizer, val_loss, state):
         """Collective. state: {part name: its state_dict(), JSON}. The save in flight, if any, ends first.
         Returns the new checkpoint's path (committed, or being written in the background)."""
+        asked = time.perf_counter()
         self.wait()
         meta = dict(self.about, format=FORMAT, val_loss=val_loss, state=state)
         start = time.perf_counter()
@@ -99,9 +102,9 @@ class Checkpointer:
         else:
             path = save(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
                         background=self.background)
-        record = Saved(step, path, time.perf_counter() - start)
+        record = Saved(step, path, time.perf_counter() - asked, start - asked)
         if self.background is None:
-            record.total_s = record.blocking_s
+            record.total_s = time.perf_counter() - start
         else:
             self.in_flight = (dataclasses.replace(record), start)
         self.ended.append(record)
@@ -168,7 +171,7 @@ def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0,
             error = e
     _gather_or_fail(f"cannot start checkpoint {final}", error, tmp)  # the others wait here for the directory
     state = _state(model, optimizer) if state is None else state
-    writer = ChecksummingWriter(tmp)
+    writer = ChecksummingWriter(tmp, checkpoint_async.writer_threads(state), staged=background is not None)
     meta = dict(meta, step=step, world_size=dist.get_world_size())
     complete = functools.partial(_complete, run_dir, final, tmp, meta, writer, _rng_bytes(), tokenizer_dir, keep_last)
     if background is None:

@@ -89,8 +89,9 @@ class ChecksummingWriter(dcp.FileSystemWriter):
     wrote (`checksums`), taken from the bytes as they were written: no file is read back. DCP has no hook for
     this, so the writer's file system is swapped for one whose streams checksum what passes through them."""
 
-    def __init__(self, path):
-        super().__init__(path, per_thread_copy_ahead=0)  # tensors come staged on the host, or are copied by DCP
+    def __init__(self, path, threads=1, staged=False):
+        # Staged tensors are on the host already: nothing to copy ahead of the writes.
+        super().__init__(path, thread_count=threads, **({"per_thread_copy_ahead": 0} if staged else {}))
         self.fs = _ChecksummingFileSystem()
 
     def stage(self, state_dict):
@@ -100,6 +101,15 @@ class ChecksummingWriter(dcp.FileSystemWriter):
     @property
     def checksums(self):
         return dict(self.fs.files)
+
+
+def writer_threads(state):
+    """Files (and threads) a rank writes its shard in: one per GB, at most 4. One thread checksums and writes
+    0.6 GB/s, four 1.26 GB/s, as fast as that host's disk (dd 1.3 GB/s; H200 host, torch 2.11); a small state
+    stays in one file."""
+    size = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
+               for t in flatten_state_dict(state)[0].values() if isinstance(t, torch.Tensor))
+    return int(min(4, max(1, size // 10**9)))
 
 
 def staging_bytes(model, decentralized=False, average_only=False):
@@ -136,7 +146,8 @@ def for_run(cfg, env, model, decentralized):
         print(notes[0], file=sys.stderr, flush=True)
     if any(mode == "sync" for mode, _ in verdicts):
         return None
-    return Background(env.device, cfg.collective_timeout, staging)
+    copies = 3 * (2 if decentralized and not cfg.save_average else 1)  # as staging_bytes counts them
+    return Background(env.device, cfg.collective_timeout, staging, model, copies)
 
 
 class StagedPlanner(DefaultSavePlanner):
@@ -160,12 +171,20 @@ class Background:
     fails ("invalid python storage", torch 2.13) for a DTensor whose local shard is a view at an offset into a
     larger buffer, as whole_unit.py's are; a DTensor's local shard is all a save writes anyway."""
 
-    def __init__(self, device, timeout_seconds, staging=0):
+    def __init__(self, device, timeout_seconds, staging=0, model=None, copies=3):
         self.staging = staging  # bytes of host memory the staged copy takes (staging_bytes)
         with environment.gloo_quiet():  # collective: every rank builds its Checkpointer at the same point
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
         self.pin = device.type == "cuda"
-        self.buffers = {}  # flattened key -> host tensor, allocated at the first save and reused
+        self.buffers = {}  # flattened key -> host tensor, taken at the first save and reused
+        self.spare = {}  # (shape, dtype) -> host tensors made at startup, for the first save to take
+        if self.pin and model is not None:
+            # Page-locking runs at about 1 GB/s (1.8 GB took 1.7 s on an H200 host): done here, at startup, for
+            # every parameter's shard and its AdamW moments, so that no save waits for it.
+            for param in model.parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                self.spare.setdefault((tuple(local.shape), local.dtype), []).extend(
+                    self._allocate(local) for _ in range(copies))
         self.pending = None
 
     @torch.no_grad()
@@ -178,7 +197,8 @@ class Background:
                 local = value.to_local() if isinstance(value, DTensor) else value
                 buffer = self.buffers.get(key)
                 if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-                    buffer = self.buffers[key] = self._allocate(local)
+                    spare = self.spare.get((tuple(local.shape), local.dtype))
+                    buffer = self.buffers[key] = spare.pop() if spare else self._allocate(local)
                 staged[key] = buffer.copy_(local, non_blocking=self.pin)
         if self.pin:
             torch.cuda.current_stream().synchronize()
@@ -226,3 +246,4 @@ class Background:
         if pending is not None:
             pending.exception()
         self.buffers.clear()
+        self.spare.clear()

@@ -28,7 +28,8 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
         "tokens_per_s": "perf/tokens_per_s", "step_time": "perf/step_time_s", "mfu": "perf/mfu",
         "peak_mem_gb": "perf/peak_mem_gb", "save_blocking_s": "checkpoint/save_blocking_s",
-        "save_total_s": "checkpoint/save_total_s", "restore_s": "checkpoint/restore_s"}
+        "save_waited_s": "checkpoint/save_waited_s", "save_total_s": "checkpoint/save_total_s",
+        "restore_s": "checkpoint/restore_s"}
 
 
 class Metrics:
@@ -176,16 +177,19 @@ class TrainingLog:
 
     def saved(self, saves):
         """Saves begun or ended (checkpoint.Saved): one line for a save that goes on in the background, one when a
-        save is committed, whose blocking and total seconds also go to metrics.jsonl at its step."""
+        save is committed, whose seconds (blocking, of which waited for the save before, total) also go to
+        metrics.jsonl at its step."""
         for save in saves:
+            before = f" ({save.waited_s:.2f} s of it for the save before)" if save.waited_s >= 0.01 else ""
             if save.total_s is None:
-                self.print(f"step {save.step}: training waited {save.blocking_s:.2f} s to save {save.path}; "
+                self.print(f"step {save.step}: training waited {save.blocking_s:.2f} s{before} to save {save.path}; "
                            "its files are being written in the background")
                 continue
             self.checkpoint = save.path
-            self.metrics.log(save.step, save_blocking_s=save.blocking_s, save_total_s=save.total_s)
-            self.print(f"step {save.step}: saved {save.path} in {save.total_s:.2f} s, of which training waited "
-                       f"{save.blocking_s:.2f} s")
+            self.metrics.log(save.step, save_blocking_s=save.blocking_s, save_waited_s=save.waited_s,
+                             save_total_s=save.total_s)
+            self.print(f"step {save.step}: saved {save.path} in {save.total_s:.2f} s; training waited "
+                       f"{save.blocking_s:.2f} s{before}")
 
     def restored(self, step, seconds):
         """The restore at start (checkpoint.Checkpointer.restore timed it, the banner printed it) to metrics.jsonl."""
