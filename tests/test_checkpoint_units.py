@@ -1,11 +1,12 @@
-"""checkpoint.py in this process (fast, and what mutation testing can see): what a save writes (every file with
-its size and CRC-32, meta.json, the tokenizer, `latest` and `best`, pruning, a step saved again), how a failed
-save is reported (one line, the partial directory removed, `latest` untouched), decentralized replicas, the RNG
-states, what verify() finds wrong with a damaged or crafted checkpoint, the markers and the order checkpoints
-are tried in, resolve(), find() as one rank of two, the format-1 meta.json, the `progress` command line, and
-that loading never runs code from the files (the metadata unpickler's allow-list, torch.load with
-weights_only even where the environment asks torch for the unsafe default). test_checkpoint.py runs the same
-through real training, several ranks and injected faults."""
+"""checkpoint.py and its readers (checkpoint_find, checkpoint_meta, safe_load) in this process (fast, and what mutation
+testing can see): what a save writes (every file with its size and CRC-32, meta.json, the tokenizer, `latest` and
+`best`, pruning, a step saved again), how a failed save is reported (one line, the partial directory removed,
+`latest` untouched), decentralized replicas, the RNG states, what verify() finds wrong with a damaged or crafted
+checkpoint (each hostile field of meta.json, files that are not regular or lie outside the checkpoint, a model the
+shards do not hold), the markers and the order checkpoints are tried in, resolve(), find() as one rank of two, the
+format-1 meta.json, the `progress` command line, and that loading never runs code from the files (the metadata
+unpickler's allow-list, torch.load with weights_only even where the environment asks torch for the unsafe default).
+test_checkpoint.py runs the same through real training, several ranks and injected faults."""
 import dataclasses
 import errno
 import io

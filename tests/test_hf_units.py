@@ -1,13 +1,15 @@
 """hf.py's parts, in this process (fast, and what mutation testing can see), with transformers as the reference
 wherever it has an answer: the name map and which tensors GPT-2 stores transposed (against GPT2LMHeadModel's and
 LlamaForCausalLM's own parameters), every check read_config makes and the config it builds (transformers' defaults
-for absent fields, both spellings of rope settings), resolve's answers for a directory, a path and a hub name (the hub
-mocked: no network), the weight files in every form (.bin saved on a GPU, memory-mapped, never unpickling code),
-load_weights' shape checks, the rows each rank of an FSDP2 mesh reads (torch's fake process group: several ranks'
-shards in one process), the safetensors files write_safetensors streams (read back by safetensors), the config.json
-transformers builds from, write_hf's shards, index, metadata and stale files, and the tokenizer.json conversions
-(encoding as ours, transformers' byte table, the probe's warning). The round trips of whole models through
-transformers, and --hf_model on 2 ranks, are in test_hf.py."""
+for absent fields, both spellings of rope settings), resolve's answers for a directory, a path and a hub name (the
+hub mocked: no network), the weight files in every form (.bin saved on a GPU, memory-mapped, never unpickling code),
+load_weights' shape checks, broken or hostile directories (each field of config.json, weights and tokenizer files
+that are not what they claim, a config the weights do not hold: one error naming the file), the rows each rank of an
+FSDP2 mesh reads (torch's fake process group: several ranks' shards in one process), the safetensors files
+write_safetensors streams (read back by safetensors), the config.json transformers builds from, write_hf's shards,
+index, metadata and stale files, and the tokenizer.json conversions (encoding as ours, transformers' byte table, the
+probe's warning). The round trips of whole models through transformers, and --hf_model on 2 ranks, are in
+test_hf.py."""
 import json
 import os
 import struct
