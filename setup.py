@@ -36,8 +36,11 @@ setup(
         "mutation": ["mutmut==3.8.1"],
         # python -m minimal_fsdp.evaluate and --eval_tasks: EleutherAI's lm-evaluation-harness (0.4.13's TaskManager).
         "eval": ["lm-eval>=0.4.13,<0.5"],
+        # python -m minimal_fsdp.virtual_cluster and tests/test_multihost*.py: hosts as network namespaces, made
+        # through netlink in pure Python (no iproute2 needed); they need root.
+        "cluster": ["pyroute2"],
         "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub", "datasets",
-                "torchao>=0.16",
+                "torchao>=0.16", "pyroute2",
                 "lm-eval[hf]>=0.4.13,<0.5"],  # [hf]: the tests compare with the harness's own transformers backend
     },
 )

@@ -30,6 +30,8 @@ from .streaming import StreamingData
 from .tokenizer import load_tokenizer
 from .train import build_optimizer, train
 
+# What gloo's errors say when the rank at the other end died or its link went down.
+PEER_GONE = ("timed out", "connection closed by peer", "connection reset by peer", "broken pipe")
 # Flags that change what a resumed run computes; the startup lines name those that differ from the checkpoint's.
 TRAINING_FLAGS = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "grad_clip",
                   "batch_size", "grad_accum_steps", "dropout", "precision", "fp8_recipe", "sharding", "seed")
@@ -42,6 +44,13 @@ def main(argv=None, cfg=None):
         run(cfg or parse_args(argv))
     except (ConfigError, Diverged, checkpoint.SaveError, environment.MainRankFailed) as e:
         environment.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)
+    except RuntimeError as e:  # a peer is gone: gloo raises a plain RuntimeError, torch's own a DistError
+        detail = str(e).splitlines()[0].split("] ", 1)[-1]  # without gloo's source location
+        if not (isinstance(e, torch.distributed.DistError) or any(m in detail.lower() for m in PEER_GONE)):
+            raise
+        waited = "waited longer than --collective_timeout" if "timed out" in detail.lower() else "failed"
+        environment.exit_on_error(f"a collective {waited}: another rank or its host has died, hangs or cannot be "
+                                  f"reached ({detail[:120]})", 1)
     except KeyboardInterrupt:  # Ctrl-C outside training (inside it, resilience.StopRequests saves and stops)
         environment.exit_on_error("interrupted (Ctrl-C) before or after training: nothing saved", 130)
 
