@@ -1,7 +1,8 @@
 """Document masks (minimal_fsdp/attention.py, --document_mask): a window packing several documents gives each
 document's tokens the logits, loss and gradients of that document run alone, for GPT and Llama, through both
 implementations (dense SDPA, and FlexAttention as CUDA runs it, here eagerly); a window without separators is
-plain causal attention; a run trains with the flag (2 ranks) as one process does running every document alone."""
+plain causal attention; a run trains with the flag (2 ranks) as one process does running every document alone;
+the flag without an end-of-text token is a one-line error; the GPU benchmark's packed windows."""
 import json
 import sys
 
@@ -203,3 +204,17 @@ def test_document_mask_needs_an_end_of_text_token(tmp_path, corpus):
                   "--max_steps", 1], ranks=1, cwd=tmp_path, check=False)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("error: --document_mask needs a tokenizer with an end-of-text")
+
+
+def test_the_benchmarks_windows_pack_documents_of_the_asked_length():
+    """benchmarks/document_mask.py's windows: documents of 1 to 2 x document_length - 1 tokens, each ended by the
+    token; targets are the inputs shifted by one."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from document_mask import packed_windows
+    (x, y), = packed_windows(1, 4, 256, 20, 8, 7, seed=0)
+    rows = torch.cat([x, y[:, -1:]], dim=1)
+    for row in rows:
+        ends = (row == 7).nonzero().flatten().tolist()
+        lengths = [b - a for a, b in zip([-1] + ends, ends)]
+        assert len(ends) > 10 and all(1 <= n < 16 for n in lengths)
+    assert torch.equal(x[:, 1:], y[:, :-1])
