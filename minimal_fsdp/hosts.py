@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -104,7 +105,8 @@ def reachable_address(everyone):
     others = [[ipaddress.IPv4Interface(a) for a in addresses] for host, addresses in everyone if host != host0]
     best, best_count = host0, -1
     for address in map(ipaddress.IPv4Interface, mine):
-        count = sum(any(address.ip in other.network for other in host) for host in others)
+        # A host holding the very same address (docker's bridge, 172.17.0.1 everywhere) shares no network.
+        count = sum(any(address.ip in other.network and address.ip != other.ip for other in host) for host in others)
         if count > best_count:
             best, best_count = str(address.ip), count
     return best
@@ -124,10 +126,7 @@ def check_shared_dir(directory, num_nodes):
         (directory / probe[0]).write_text(probe[0])
     dist.broadcast_object_list(probe, src=0)
     path = directory / probe[0]
-    try:
-        seen = path.read_text() == probe[0]
-    except OSError:
-        seen = False
+    seen = _sees(path, probe[0])
     verdicts = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, (socket.gethostname(), seen))
     if dist.get_rank() == 0:
@@ -137,3 +136,19 @@ def check_shared_dir(directory, num_nodes):
         raise ConfigError(f"--checkpoint_dir {directory} is not shared by every host: {', '.join(blind)} cannot see "
                           f"the file rank 0 wrote there (on {verdicts[0][0]}), so a checkpoint would be split over "
                           "node-local disks: put --checkpoint_dir on a file system every host mounts")
+
+
+def _sees(path, text, seconds=5):
+    """Whether `path` holds `text`, looked for a few seconds: a network file system may show a new file late."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return path.read_text() == text
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            try:
+                os.listdir(path.parent)  # a fresh listing of the directory, past cached attributes
+            except OSError:
+                return False  # not even the directory is there
+            time.sleep(0.5)

@@ -30,7 +30,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -187,7 +186,7 @@ class Cluster:
         (self.dir / "bin").mkdir(exist_ok=True)
         self.ssh = self.dir / "bin" / "ssh"
         self.ssh.write_text(
-            "#!/bin/sh\n# ssh to a virtual host (minimal_fsdp.virtual_cluster): options skipped, the command run by sh\n"
+            "#!/bin/sh\n# ssh to a virtual host (minimal_fsdp.virtual_cluster): options skipped, command run by sh\n"
             'while [ $# -gt 0 ]; do case "$1" in -[bcDEeFIiJLlmOopQRSWw]) shift 2;; -*) shift;; *) break;; esac; done\n'
             'host=$1; shift\n'
             f'PYTHONPATH="{PACKAGE_PARENT}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" -m '
@@ -232,8 +231,12 @@ class Cluster:
                 ipr.tc("del", index=link, handle="1:", parent=0xFFFFFFFF)
             parent = {}
             if delay or loss:
-                ipr.tc("add", kind="netem", index=link, handle="1:", delay=microseconds(delay or 0),
-                       loss=float(loss or 0), limit=100_000)
+                try:
+                    ipr.tc("add", kind="netem", index=link, handle="1:", delay=microseconds(delay or 0),
+                           loss=float(loss or 0), limit=100_000)
+                except NetlinkError as e:
+                    raise ValueError(f"delay and loss need the kernel's netem qdisc (sch_netem), which this machine "
+                                     f"lacks ({e}); the rate alone (tbf) works without it") from None
                 parent = {"parent": "1:1"}
             if rate and rate <= TBF_MAX_BITS:
                 # A burst of 1 ms at the rate (at least 256 KB: veth sends 64 KB segments); packets wait <= 50 ms.
@@ -278,7 +281,8 @@ class Cluster:
 
 
 _RECEIVER = """import socket, sys, time
-s = socket.create_server(("0.0.0.0", int(sys.argv[1]))); c, _ = s.accept(); n = len(c.recv(1 << 20)); t = time.perf_counter()
+s = socket.create_server(("0.0.0.0", int(sys.argv[1]))); c, _ = s.accept()
+n = len(c.recv(1 << 20)); t = time.perf_counter()
 while True:
     k = len(c.recv(1 << 20))
     if not k: break
@@ -322,7 +326,8 @@ def sweep():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.virtual_cluster", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.virtual_cluster",
+                                     description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     job = sub.add_parser("job", help="make the hosts, run a command on the first as a job script, tear down")
@@ -355,7 +360,11 @@ def main(argv=None):
     owner = os.getpid()
     for signum in (signal.SIGTERM, signal.SIGHUP):  # unwind through the teardown below (only in this process)
         signal.signal(signum, lambda signum, _: (sys.exit if os.getpid() == owner else os._exit)(128 + signum))
-    with Cluster(args.hosts, args.rate, args.delay, args.loss, args.node_local, args.resolve) as cluster:
+    try:
+        cluster = Cluster(args.hosts, args.rate, args.delay, args.loss, args.node_local, args.resolve).__enter__()
+    except ValueError as e:  # shaping this kernel cannot do (torn down already)
+        sys.exit(f"error: {e}")
+    try:
         names = ", ".join(f"{h.name} {h.address}" for h in cluster.hosts)
         print(f"virtual cluster: {names}; running on {cluster.hosts[0].name}: {' '.join(command)}", flush=True)
         env = dict(os.environ, PBS_O_WORKDIR=os.getcwd(), **cluster.job_env(args.slots))
@@ -364,6 +373,8 @@ def main(argv=None):
             code = proc.wait()
         except KeyboardInterrupt:
             code = 130
+    finally:
+        cluster.down()
     sys.exit(code)
 
 

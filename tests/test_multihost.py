@@ -6,7 +6,6 @@ side (evaluation, --streaming documents, the data position through an elastic re
 the link's byte counter shows that the ranks talked over it. Needs root (skipped elsewhere)."""
 import json
 import os
-import subprocess
 import sys
 from contextlib import contextmanager
 
@@ -278,7 +277,8 @@ def test_elastic_resume_two_hosts_to_one_and_back(work):
         assert "mesh replicate=2 x shard=2 (hybrid-full-shard)" in out
         moved = cluster.bytes_moved("node1")
         assert moved > TALKED
-        out = succeeded([mpi_launch(cluster, work, ["node0"], 2, [*args, "--max_steps", 5, "--sharding", "grad-shard"])])
+        resumed = [*args, "--max_steps", 5, "--sharding", "grad-shard"]
+        out = succeeded([mpi_launch(cluster, work, ["node0"], 2, resumed)])
         assert "launch: 2 rank(s) = 1 node(s) x 2 rank(s)/node" in out and "resuming from" in out
         assert cluster.bytes_moved("node1") - moved < TALKED  # node1 took no part
         out = succeeded([mpi_launch(cluster, work, ["node0", "node1"], 2,

@@ -2,7 +2,6 @@
 that does not route between hosts, a --checkpoint_dir on node-local disks, a link cut mid-run and a host killed
 mid-save. Each ends every rank within a bound (generous: it only tells a stop from a hang) with one `error:` line
 and no traceback, and the last good checkpoint resumes. Needs root (skipped elsewhere)."""
-import os
 import sys
 import time
 

@@ -1,0 +1,61 @@
+"""hosts.py's decisions, in-process (no namespaces, no root): which address MPI's rank 0 offers, which interface a
+job across hosts uses, and the one-line errors for interfaces other hosts cannot reach."""
+import ipaddress
+
+import pytest
+
+from minimal_fsdp import hosts
+from minimal_fsdp.config import ConfigError
+
+LOCAL = {"lo": ipaddress.IPv4Interface("127.0.0.1/8"), "eth0": ipaddress.IPv4Interface("10.1.0.5/16"),
+         "ib0": ipaddress.IPv4Interface("192.168.7.5/24")}
+
+
+def test_rank_0_offers_its_address_on_the_network_every_host_shares():
+    everyone = [("n0", ["172.17.0.1/16", "10.1.0.5/16", "192.168.7.5/24"]),
+                ("n0", ["172.17.0.1/16", "10.1.0.5/16", "192.168.7.5/24"]),  # a second rank of rank 0's host
+                ("n1", ["172.17.0.1/16", "10.1.0.6/16"]),  # docker's bridge everywhere, the same address: useless
+                ("n2", ["10.1.3.9/16", "192.168.7.9/24"])]
+    assert hosts.reachable_address(everyone) == "10.1.0.5"
+    assert hosts.reachable_address(everyone[:3]) == "10.1.0.5"  # docker's bridge alone in common: not taken
+    # no network in common with any other host: the best it has, else its hostname
+    assert hosts.reachable_address([("n0", ["10.9.0.1/24"]), ("n1", ["10.8.0.1/24"])]) == "10.9.0.1"
+    assert hosts.reachable_address([("n0", []), ("n1", ["10.8.0.1/24"])]) == "n0"
+
+
+@pytest.fixture
+def interfaces(monkeypatch):
+    monkeypatch.setattr(hosts, "interfaces", lambda: dict(LOCAL))
+    monkeypatch.setattr(hosts, "route_source", lambda address: "127.0.0.1" if address.startswith("127.") else
+                        "192.168.7.5" if address.startswith("192.168.7.") else "10.1.0.5")
+
+
+def test_the_interface_on_the_route_to_rank_0_is_picked_and_exported(interfaces):
+    env = {}
+    assert hosts.pick_interface("10.1.0.1", 1, env) is None and env == {}  # one host: nothing to pick
+    line = hosts.pick_interface("10.1.0.1", 2, env)
+    assert env == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert line.startswith("network: eth0 (10.1.0.5), the route to 10.1.0.1")
+    env = {"NCCL_SOCKET_IFNAME": "hsn0"}  # the user's NCCL choice stays
+    hosts.pick_interface("192.168.7.1", 4, env)
+    assert env == {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "hsn0"}
+
+
+def test_interfaces_other_hosts_cannot_reach_are_one_line_errors(interfaces):
+    assert hosts.pick_interface("10.1.0.1", 2, {"GLOO_SOCKET_IFNAME": "ib0"}) == \
+        "network: gloo over GLOO_SOCKET_IFNAME=ib0 (as set)"
+    for given in ("lo", "eth7", "eth0,lo"):
+        with pytest.raises(ConfigError, match=f"GLOO_SOCKET_IFNAME={given} on .*is not an interface that other hosts "
+                                              r"can reach \(here: lo 127.0.0.1, eth0 10.1.0.5, ib0 192.168.7.5\)"):
+            hosts.pick_interface("10.1.0.1", 2, {"GLOO_SOCKET_IFNAME": given})
+    with pytest.raises(ConfigError, match="the rendezvous address 127.0.0.1 is this host's loopback, but the job spans "
+                                          "2 hosts: export MASTER_ADDR"):
+        hosts.pick_interface("127.0.0.1", 2, {})
+    with pytest.raises(ConfigError, match="no route from .* to the rendezvous address no-such-host.invalid"):
+        hosts.pick_interface("no-such-host.invalid", 2, {})
+
+
+def test_this_machines_interfaces_are_read():
+    found = hosts.interfaces()
+    assert found["lo"].ip == ipaddress.IPv4Address("127.0.0.1")
+    assert hosts.route_source("127.0.0.1") == "127.0.0.1"
