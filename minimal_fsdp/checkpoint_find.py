@@ -16,11 +16,12 @@ from . import environment
 from .checkpoint_meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
 from .config import ConfigError
 from .models import MODELS, config_from_dict
-from .safe_load import open_regular, read_dcp_metadata
+from .safe_load import open_regular, read_dcp_metadata, read_json
 
 STEP_NAME = re.compile(r"step_(\d+)")
 BLOCK = re.compile(r"blocks\.(\d+)\.")
 MAX_RNG_BYTES = 2**20  # torch, CUDA, numpy and python states: about 17 KB
+MAX_JSON_BYTES = 2**30  # a tokenizer.json: 9 MB for Llama 3's 128K tokens
 
 
 def crc32(path, chunk=16 * 2**20):
@@ -102,6 +103,16 @@ def verify(path, checksums=True, share=(0, 1)):
             return f"{name} is truncated ({info.st_size} of {size} bytes)"
     if problem:
         return problem
+    for name in sorted(meta.get("files") or {}):  # the tokenizer's: json.loads recurses once per level of nesting
+        if name.endswith(".json"):
+            try:
+                read_json(path / name, MAX_JSON_BYTES)
+            except FileNotFoundError:
+                continue  # the checksums' check reports it
+            except OSError as e:
+                return f"{name}: {e.strerror or e}"
+            except ValueError as e:
+                return f"{name} {e}"
     for rank in range(meta.get("world_size") or 0):
         try:
             with open_regular(path / rng_file(rank), MAX_RNG_BYTES) as f:

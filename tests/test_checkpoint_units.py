@@ -741,6 +741,11 @@ def test_a_deeply_nested_or_oversized_meta_json_is_refused_unread(run):
         f"meta.json is missing or unreadable ({checkpoint_meta.MAX_BYTES + 1} bytes, over {checkpoint_meta.MAX_BYTES})")
 
 
+def test_a_deeply_nested_tokenizer_json_makes_its_checkpoint_damaged(run):
+    (run / "step_3" / "tokenizer.json").write_text('{"vocab": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert checkpoint_find.verify(run / "step_3", checksums=False) == "tokenizer.json nests deeper than 32 levels"
+
+
 def bounded(function, seconds=60):
     """function() in a thread: its result, or a failure if it is still running after `seconds` (a hang)."""
     result = []
