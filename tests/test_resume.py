@@ -78,9 +78,11 @@ def test_stopped_runs_resume_bitwise(work, straight):
 
 
 # (ranks, sharding) in order: each loads the checkpoint the one before wrote. The first loads the straight
-# run's (2 ranks, full-shard, the tiny model as one FSDP unit), so the chain covers 2->4, full->hybrid, one unit ->
-# a unit per block, 4->1, hybrid->full, 1->2, a plain model -> no-shard's one unit, that unit -> DDP.
+# run's (2 ranks, full-shard, the tiny model as whole_unit.py's one unit), so the chain covers 2->4, full->hybrid,
+# one unit -> FSDP2's unit per block, 4->3, FSDP2 -> the one unit sharded unevenly over 3 ranks and resumed in
+# bf16, 3->1, the unit -> a plain model, 1->2, a plain model -> no-shard's one unit, that unit -> DDP.
 ELASTIC = [(4, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2, "--fsdp_unit", "block"]),
+           (3, ["--sharding", "full-shard", "--precision", "bf16"]),
            (1, ["--sharding", "full-shard"]),
            (2, ["--sharding", "no-shard"]),
            (2, ["--sharding", "no-shard", "--fsdp_unit", "block"])]
