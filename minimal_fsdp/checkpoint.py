@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from . import checkpoint_async, files
-from .checkpoint_async import ChecksummingWriter
+from .checkpoint_async import ChecksummingWriter, Saved
 from .checkpoint_find import marker, rng_file, step_dirs, step_of
 from .checkpoint_meta import FORMAT, read_meta
 from .parallelize import seed64
@@ -55,18 +55,6 @@ def _state(model, optimizer):
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     return state
-
-
-@dataclasses.dataclass
-class Saved:
-    """One save as the log reports it: training stopped `blocking_s` for it, of which `waited_s` for the save
-    before it to end (at most one is in flight); `total_s` from its start (once the one before had ended) until it
-    was committed, None while it is still being written in the background."""
-    step: int
-    path: Path
-    blocking_s: float
-    waited_s: float = 0.0
-    total_s: float = None
 
 
 class Checkpointer:
@@ -94,14 +82,8 @@ class Checkpointer:
         Returns the new checkpoint's path (committed, or being written in the background)."""
         asked = time.perf_counter()
         self.wait()
-        meta = dict(self.about, format=FORMAT, val_loss=val_loss, state=state)
         start = time.perf_counter()
-        if self.decentralized:
-            path = save_replicas(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
-                                 self.average_only, self.background)
-        else:
-            path = save(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
-                        background=self.background)
+        path = self.write(step, model, optimizer, dict(self.about, format=FORMAT, val_loss=val_loss, state=state))
         record = Saved(step, path, time.perf_counter() - asked, start - asked)
         if self.background is None:
             record.total_s = time.perf_counter() - start
@@ -109,6 +91,14 @@ class Checkpointer:
             self.in_flight = (dataclasses.replace(record), start)
         self.ended.append(record)
         return path
+
+    def write(self, step, model, optimizer, meta):
+        """The files of one save (xla.py's Checkpointer writes them its own way); returns the checkpoint's path."""
+        if self.decentralized:
+            return save_replicas(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
+                                 self.average_only, self.background)
+        return save(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
+                    background=self.background)
 
     def wait(self):
         """Wait for the save in flight, if any; raises SaveError (on every rank) if it failed."""

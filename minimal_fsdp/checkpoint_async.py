@@ -1,5 +1,5 @@
 """How a checkpoint's files are written: through a DCP writer that checksums every byte on its way to the file, and,
-for --checkpoint_mode async, beside training with DCP's async_save.
+for --checkpoint_mode async, beside training with DCP's async_save; and what each save cost training (Saved).
 
 An asynchronous save stops training only to copy the rank's model and optimizer state into host memory (page-locked
 on a GPU, and kept from one save to the next: Background.stage). DCP's async_save then writes that copy from its
@@ -11,6 +11,7 @@ it, and every logging step asks (one collective) whether it has ended, so a fail
 A process, not a thread, would keep the write off training's GIL (DCP offers one); it would also need a second
 rendezvous of every rank, which mpiexec, srun and PBS launches do not provide, so the thread it is.
 """
+import dataclasses
 import datetime
 import sys
 import time
@@ -34,6 +35,18 @@ from .config_checks import host_memory_available
 # The staged copy may take this share of the host memory that is free when the run starts; the rest is left to
 # the page cache, data loading and everything else on the node.
 HOST_SHARE = 0.8
+
+
+@dataclasses.dataclass
+class Saved:
+    """One save as the log reports it: training stopped `blocking_s` for it, of which `waited_s` for the save
+    before it to end (at most one is in flight); `total_s` from its start (once the one before had ended) until it
+    was committed, None while it is still being written in the background."""
+    step: int
+    path: Path
+    blocking_s: float
+    waited_s: float = 0.0
+    total_s: float = None
 
 
 class _Checksummed:

@@ -176,7 +176,7 @@ class TrainingLog:
         self.print(f"step {step}: val loss {val_loss:.4f}")
 
     def saved(self, saves):
-        """Saves begun or ended (checkpoint.Saved): one line for a save that goes on in the background, one when a
+        """Saves begun or ended (checkpoint_async.Saved): one line for a save that goes on in the background, one when a
         save is committed, whose seconds (blocking, of which waited for the save before, total) also go to
         metrics.jsonl at its step."""
         for save in saves:

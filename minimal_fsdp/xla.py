@@ -212,8 +212,7 @@ class Checkpointer(checkpoint.Checkpointer):
     def __init__(self, cfg, model_config, tokenizer_dir):
         super().__init__(cfg, model_config, tokenizer_dir, decentralized=False)
 
-    def save(self, step, model, optimizer, val_loss, state):
-        meta = dict(self.about, format=checkpoint_meta.FORMAT, val_loss=val_loss, state=state)
+    def write(self, step, model, optimizer, meta):
         return checkpoint.save(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
                                state=flatten_state_dict(_state(model, optimizer))[0], planner=SPMDSavePlanner())
 
