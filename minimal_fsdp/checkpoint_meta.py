@@ -87,7 +87,7 @@ def check(meta):
     for field in ("config", "state", "model", "files"):
         if field in meta and not isinstance(meta[field], dict):
             raise MetaError(f"meta.json: {field} is {_show(meta[field])}, not an object")
-    if "model_type" in meta and meta["model_type"] not in MODELS:
+    if "model_type" in meta and not (isinstance(meta["model_type"], str) and meta["model_type"] in MODELS):
         raise MetaError(f"meta.json: model_type is {_show(meta['model_type'])}, not one of {', '.join(MODELS)}")
     state = meta.get("state", {})
     for part in ("schedule", "data"):

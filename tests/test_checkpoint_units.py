@@ -711,6 +711,8 @@ HOSTILE_META = {
     "unknown model field": (lambda m: m["model"].update(colour=1),
                             "meta.json: model.colour is not a field of a gpt model"),
     "model type": (lambda m: m.update(model_type="bert"), 'meta.json: model_type is "bert", not one of gpt, llama'),
+    "model type a list": (lambda m: m.update(model_type=["gpt"]),
+                          'meta.json: model_type is ["gpt"], not one of gpt, llama'),
     "format": (lambda m: m.update(format=7), "meta.json: format 7 is not one this version reads (1 or 2)"),
     "world size": (lambda m: m.update(world_size=10**9),
                    "meta.json: world_size is 1000000000, not a whole number in [1, 16777216]"),
