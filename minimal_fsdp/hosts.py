@@ -119,12 +119,16 @@ def check_shared_dir(directory, num_nodes):
     if num_nodes <= 1:
         return
     directory = Path(directory)
-    probe = [None]
+    probe = [f".shared-check-{secrets.token_hex(8)}", None]  # rank 0's name for the file, and its error
     if dist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe[0] = f".shared-check-{secrets.token_hex(8)}"
-        (directory / probe[0]).write_text(probe[0])
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / probe[0]).write_text(probe[0])
+        except OSError as e:
+            probe[1] = f"--checkpoint_dir {directory}: rank 0 cannot write there ({e.strerror or e})"
     dist.broadcast_object_list(probe, src=0)
+    if probe[1]:
+        raise ConfigError(probe[1])
     path = directory / probe[0]
     seen = _sees(path, probe[0])
     verdicts = [None] * dist.get_world_size()
