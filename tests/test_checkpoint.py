@@ -5,6 +5,7 @@ import os
 import pickle
 import random
 import shutil
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -208,7 +209,8 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
     monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(train_module, "train_step", advance(1.0, train_module.train_step))
     monkeypatch.setattr(train_module, "evaluate", advance(100.0, lambda *args: 1.0))
-    saver = SimpleNamespace(save=advance(10.0, lambda *args: None))
+    saver = SimpleNamespace(save=advance(10.0, lambda *args: None), saving=nullcontext, poll=lambda: None,
+                            wait=lambda: None, reports=lambda: [], restore_s=None)  # synchronous saves
     cfg = dataclasses.replace(parse_args(["--max_steps", "6", "--eval_interval", "1", "--log_interval", "2",
                                           "--checkpoint_interval", "3", "--batch_size", "2",
                                           "--log_dir", str(tmp_path / "logs")]), tensorboard=False)
