@@ -127,7 +127,17 @@ chain_start() {
     CHAIN_TIME_LIMIT=$(printf '%02d:%02d:%02d' $((left / 3600)) $((left % 3600 / 60)) $((left % 60)))
     # shellcheck disable=SC2086
     read -r CHAIN_START_STEP _ < <(run_progress "$@" $ARGS)
-    echo "chain: walltime $walltime, --time_limit $CHAIN_TIME_LIMIT; the run is at step $CHAIN_START_STEP"
+    # A --time_limit among the job's own arguments comes later on the command line, so it wins: say that one.
+    local given="" word previous=""
+    # shellcheck disable=SC2086
+    for word in "$@" $ARGS; do
+        case $word in --time_limit=*) given=${word#--time_limit=} ;; esac
+        [ "$previous" = --time_limit ] && given=$word
+        previous=$word
+    done
+    local limit="--time_limit $CHAIN_TIME_LIMIT"
+    [ -n "$given" ] && limit="--time_limit $given (yours; the walltime would allow $CHAIN_TIME_LIMIT)"
+    echo "chain: walltime $walltime, $limit; the run is at step $CHAIN_START_STEP"
 }
 
 chain_next() {

@@ -94,7 +94,8 @@ def test_pbs_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, st
     # --time_limit from the walltime (01:00:00 less CHAIN_MARGIN and the seconds the job has run), before
     # ARGS, whose own --time_limit wins.
     assert re.search(r"--time_limit 00:5[45]:\d\d .*--time_limit 00:00:00", (tmp_path / "python.log").read_text())
-    assert "chain: walltime 01:00:00, --time_limit 00:5" in outputs[0]
+    # The message names the --time_limit that applies: the user's.
+    assert "chain: walltime 01:00:00, --time_limit 00:00:00 (yours; the walltime would allow 00:5" in outputs[0]
 
 
 def test_slurm_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, straight):
@@ -122,4 +123,6 @@ def test_slurm_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, 
     srun = [json.loads(line) for line in (tmp_path / "bin" / "srun.log").read_text().splitlines()]
     # squeue says 58:30 left; less CHAIN_MARGIN (300 s) is 53:30, and the flags' own --time_limit comes after.
     assert all(" --time_limit 00:53:30 " in " ".join(argv) + " " for argv in srun)
+    # The message names the --time_limit that applies: the flags' own.
+    assert "--time_limit 00:00:00 (yours; the time left would allow 00:53:30)" in outputs[0]
     assert all(" ".join(argv).endswith("--time_limit 00:00:00") for argv in srun)
