@@ -17,6 +17,23 @@ TINY_MODEL = ["--num_layers", "2", "--num_heads", "2", "--embed_size", "32", "--
               "--batch_size", "4", "--eval_batches", "2", "--num_tokens", "0"]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="the full tier: also the tests marked slow (CI runs this; tests/README.md)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Plain `pytest` is the quick tier: it leaves out the tests marked slow (most launches of several ranks,
+    each covered in kind by a quick one). `--full`, a named file or test, -k or -m select as pytest does."""
+    named = config.option.file_or_dir or config.option.keyword or config.option.markexpr
+    if config.getoption("--full") or named:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 @pytest.fixture(autouse=True, scope="session")
 def no_processes_under_mutmut():
     """Under mutmut a mutant's covering tests run once per mutant: a test that starts a process (mpiexec, a

@@ -13,7 +13,6 @@ import pytest
 
 from conftest import TINY_MODEL, launch
 from test_end_to_end import sample_of
-from minimal_fsdp import config
 from minimal_fsdp.config import ConfigError, parse_args, validate_world
 
 no_torch_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="needs torch_xla")
@@ -137,7 +136,7 @@ def test_xla_loading_unpickles_no_code(tmp_path, monkeypatch):
 
 def test_device_xla_without_torch_xla_is_one_clear_error(monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(config.importlib.util, "find_spec", lambda name: None if name == "torch_xla" else find_spec(name))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "torch_xla" else find_spec(name))
     with pytest.raises(ConfigError, match=r"--device xla needs torch_xla: pip install -e '\.\[xla\]'"):
         parse_args(["--device", "xla"])
 
@@ -148,13 +147,13 @@ def test_device_xla_without_torch_xla_is_one_clear_error(monkeypatch):
     (["--data_parallel", "decentralized"], "data_parallel"),
     (["--activation_checkpoints", "--recompute", "selective"], "recompute")])
 def test_flags_xla_does_not_take_are_refused(monkeypatch, flags, refused):
-    monkeypatch.setattr(config.importlib.util, "find_spec", lambda name: object())  # as if installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if installed
     with pytest.raises(ConfigError, match=f"^--{refused} is not available with --device xla"):
         parse_args(["--device", "xla", *flags])
 
 
 def test_xla_wants_one_process_per_host(monkeypatch):
-    monkeypatch.setattr(config.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     cfg = parse_args(["--device", "xla"])
     validate_world(cfg, world_size=2, local_world_size=1)  # two hosts, one rank each
     with pytest.raises(ConfigError, match="one process per host"):
