@@ -228,6 +228,7 @@ def rows(work, run_name):
     return [json.loads(line) for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_killed_during_a_background_write_resumes_bit_for_bit_from_the_previous_checkpoint(work):
     launch_with_faults(args("straight", "--checkpoint_mode", "sync"), cwd=work)
     straight = {r["step"]: r["loss"] for r in rows(work, "straight") if "loss" in r}
@@ -253,6 +254,7 @@ def test_killed_during_a_background_write_resumes_bit_for_bit_from_the_previous_
     assert all(0 <= r["save_waited_s"] < r["save_blocking_s"] and r["save_total_s"] > 0 for r in saves)
 
 
+@pytest.mark.slow
 def test_a_save_in_flight_at_sigterm_is_committed_before_the_exit(work):
     run = work / "checkpoints" / "term"
     # Step 2's files start to be written only once the SIGTERM of step 3 has been sent.
@@ -267,6 +269,7 @@ def test_a_save_in_flight_at_sigterm_is_committed_before_the_exit(work):
     assert checkpoint_find.latest(run) == run / "step_3" and not list(run.glob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_a_failed_background_write_ends_the_run_in_one_line_and_keeps_the_last_good_checkpoint(work):
     run = work / "checkpoints" / "full"
     failed = launch_with_faults(args("full"), faults="enospc_in_write@4:1", cwd=work, check=False)

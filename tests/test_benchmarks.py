@@ -30,6 +30,7 @@ def positive(value):
     return math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow
 def test_throughput_reports_a_consistent_row(tmp_path):
     (row,) = run("throughput.py", tmp_path / "t.jsonl")
     assert (row["gpus"], row["batch"], row["seq"], row["sharding"], row["device"]) == (2, 2, 16, "full-shard", "cpu")
@@ -43,6 +44,7 @@ def test_throughput_reports_a_consistent_row(tmp_path):
     assert 3 < row["last_loss"] < 6 and ddp["last_loss"] == pytest.approx(row["last_loss"], abs=1e-5), (row, ddp)
 
 
+@pytest.mark.slow
 def test_gossip_bench_reports_every_mode(tmp_path):
     rows = run("gossip_bench.py", tmp_path / "g.jsonl")
     assert [r["topology"] for r in rows] == ["-", "complete", "ring", "exp", "alternating-exp-ring"]

@@ -77,6 +77,7 @@ def test_save_writes_complete_checkpoint_and_latest(four_steps):
     assert state["wte.weight"].shape == (meta["model"]["vocab_size"], 32)
 
 
+@pytest.mark.slow
 def test_resume_restores_weights_moments_step_and_data_position(four_steps):
     """A run whose newest checkpoint is step_2 resumes from it: the live model and optimizer equal the files
     right after loading, and its step_4 equals the uninterrupted run's bitwise, in every weight, Adam moment

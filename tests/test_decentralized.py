@@ -108,6 +108,7 @@ def checkpoint_tensors(path, prefix):
     return state
 
 
+@pytest.mark.slow
 def test_val_loss_within_3_percent_of_allreduce(tmp_path):
     """4 ranks, same tokens: alternating-exp-ring gossip with AccumAdamW against all-reduce with AdamW."""
     corpus = tmp_path / "corpus.txt"
@@ -129,6 +130,7 @@ def test_val_loss_within_3_percent_of_allreduce(tmp_path):
     assert not checkpoint_tensors(final, "replicas.") and checkpoint_tensors(final, "model.")
 
 
+@pytest.mark.slow
 def test_checkpoint_keeps_each_replica_and_resumes_exactly(tmp_path, corpus):
     """3 ranks (exp distances 1 and 2 on a non-power-of-two world); stop mid accumulation window, resume."""
     plain = common_args(corpus, ["--max_steps", 6, "--eval_interval", 0, "--log_interval", 1])

@@ -187,6 +187,7 @@ def reference_losses(args, world, eot, steps):
     return losses
 
 
+@pytest.mark.slow
 def test_training_with_document_mask_on_two_ranks_matches_documents_alone(tmp_path):
     args = train_args(tmp_path, "masked", ["--document_mask", "--sharding", "full-shard"])
     launch(args, ranks=2, cwd=tmp_path)

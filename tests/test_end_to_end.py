@@ -1,5 +1,6 @@
 """The README's commands, shrunk: train with mpiexec, print a sample, then generate alone on 1 and 4 ranks.
 Every sample is checked against sampling written plainly in one process from the saved checkpoint."""
+import pytest
 import torch
 
 from conftest import TINY_MODEL, launch
@@ -41,6 +42,7 @@ def plain_sample(run_dir, prompt, num_tokens, seed):
     return tokenizer.decode(out)
 
 
+@pytest.mark.slow
 def test_train_then_generate_on_any_number_of_ranks(tmp_path, corpus):
     common = ["--dataset", "text", "--input_file", corpus, "--prompt", "ROMEO:", "--seed", 7]
     trained = launch([*common, *TINY_MODEL, "--max_steps", 40, "--num_tokens", 60, "--eval_interval", 20],
@@ -60,6 +62,7 @@ def test_train_then_generate_on_any_number_of_ranks(tmp_path, corpus):
     assert other_seed != one
 
 
+@pytest.mark.slow
 def test_generation_past_the_context_refills_the_cache(tmp_path, corpus):
     launch(["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 2, "--eval_interval", 0],
            ranks=1, cwd=tmp_path)
@@ -69,6 +72,7 @@ def test_generation_past_the_context_refills_the_cache(tmp_path, corpus):
     assert sample == plain_sample(tmp_path / "checkpoints" / "shakespeare", "KING:", 100, seed=parse_args([]).seed)
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_mpiexec_saves_a_checkpoint_and_exits_0(tmp_path, corpus):
     """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: mpiexec and every rank. The run
     stops as for SIGTERM: a checkpoint, one line, exit 0, no traceback. Logging and checkpoint steps are far
@@ -106,6 +110,7 @@ def test_ctrl_c_under_mpiexec_saves_a_checkpoint_and_exits_0(tmp_path, corpus):
     assert checkpoint_meta.read_meta(checkpoint_find.latest(tmp_path / "checkpoints" / "shakespeare"))["step"] == step
 
 
+@pytest.mark.slow
 def test_a_run_prints_no_deprecation_noise_and_imports_torchao_only_for_fp8(tmp_path, corpus):
     """torchao, when imported, prints 'Failed to load ...so' lines and torch's _pytree deprecation warnings; a
     run that does not ask for --precision fp8 must not import it, and our own start prints no such warning."""

@@ -21,6 +21,7 @@ def run_bad(args, tmp_path, ranks=2, env=None):
     (["--max_epochs", "-1", "--run_name", "never_trained"], 2, "has none: train first"),
     (["--dataset", "text", "--input_file", "missing.txt"], 2, "--input_file missing.txt does not exist"),
 ])
+@pytest.mark.slow
 def test_bad_flags(tmp_path, args, ranks, message):
     assert message in run_bad(args, tmp_path, ranks)
 
@@ -36,6 +37,7 @@ def test_vocab_smaller_than_tokenizer(tmp_path, corpus):
     assert "--vocab_size is 8" in line
 
 
+@pytest.mark.slow
 def test_seq_length_longer_than_checkpoint_context(tmp_path, corpus):
     launch(["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 1, "--eval_interval", 0],
            ranks=1, cwd=tmp_path)
@@ -55,6 +57,7 @@ def test_gpt2_tokenizer_offline_without_cache(tmp_path, corpus):
     (["--vocab_size", "1000000000000"], "the model (at least 32,000,000,004,096 parameters) takes"),
     (["--embed_size", "1000000000000", "--num_heads", "1"], "the model (at least"),  # beyond torch's size arithmetic
 ])
+@pytest.mark.slow
 def test_sizes_beyond_the_machine_are_refused_before_allocating(tmp_path, corpus, args, message):
     line = run_bad(["--input_file", corpus, *TINY_MODEL, *args], tmp_path)
     assert message in line and "GiB free" in line
@@ -66,6 +69,7 @@ def lowercase_text(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_the_default_prompt_outside_the_vocabulary_skips_the_sample_with_one_line(tmp_path):
     """A character vocabulary without capitals cannot encode the default prompt 'ROMEO:': the run trains and
     saves, says so in one line, and exits 0 instead of failing after training."""

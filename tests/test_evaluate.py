@@ -106,6 +106,7 @@ def run_evaluate(source, out, ranks, *flags, check=True):
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_one_rank_matches_the_hf_backend(trained, shape, single_process, monkeypatch, capsys, tmp_path):
     for name, value in OFFLINE.items():
@@ -121,6 +122,7 @@ def test_one_rank_matches_the_hf_backend(trained, shape, single_process, monkeyp
 @pytest.mark.parametrize("shape,sharding,ranks", [("gpt", "full-shard", 2), ("gpt", "no-shard", 2),
                                                   ("llama", "full-shard", 2), ("llama", "no-shard", 2),
                                                   ("llama", "grad-shard", 4)])
+@pytest.mark.slow
 def test_sharded_checkpoint_matches_the_hf_backend(trained, shape, sharding, ranks, tmp_path):
     out = run_evaluate(trained[shape]["step"], tmp_path / "out", ranks, *FLAGS, "--sharding", sharding)
     assert_same_scores(*results_of(tmp_path / "out"), trained[shape]["reference"])
@@ -128,6 +130,7 @@ def test_sharded_checkpoint_matches_the_hf_backend(trained, shape, sharding, ran
     assert out.stdout.count("|tiny_mc |") == 1  # rank 0 alone prints the table
 
 
+@pytest.mark.slow
 def test_eval_tasks_during_training_score_the_live_model(trained):
     rows = [json.loads(line) for line in (trained["gpt"]["logs"] / "metrics.jsonl").open()]
     scored = {row["step"]: row for row in rows if "eval/tiny_mc/acc" in row}
@@ -156,6 +159,7 @@ def write_task(folder, name, base="tiny_mc", data=None, **overrides):
     (folder / f"{name}.yaml").write_text(text)
 
 
+@pytest.mark.slow
 def test_missing_data_is_one_line_on_every_rank(trained, tmp_path):
     write_task(tmp_path / "tasks", "gone", data=str(tmp_path / "absent.jsonl"))
     out = run_evaluate(trained["gpt"]["step"], None, 2, "--tasks", "gone", "--include_path", tmp_path / "tasks",
@@ -167,6 +171,7 @@ def test_missing_data_is_one_line_on_every_rank(trained, tmp_path):
     assert "Traceback" not in out.stderr and "evaluating" not in out.stderr  # stopped before loading the model
 
 
+@pytest.mark.slow
 def test_a_failure_inside_the_harness_releases_every_rank(trained, tmp_path):
     """Rank 0 finds the problem while the harness runs: after the model is loaded, the other rank serving it."""
     write_task(tmp_path / "tasks", "too_long", base="tiny_gen", max_gen_toks=100)
@@ -178,6 +183,7 @@ def test_a_failure_inside_the_harness_releases_every_rank(trained, tmp_path):
     assert "Traceback" not in out.stderr and "evaluating" in out.stderr
 
 
+@pytest.mark.slow
 def test_unknown_task_and_missing_harness_are_one_line(trained, single_process, monkeypatch, capsys):
     for name, value in OFFLINE.items():
         monkeypatch.setenv(name, value)

@@ -33,6 +33,7 @@ def ckpt(tmp_path_factory):
     return work / "checkpoints" / "shakespeare"
 
 
+@pytest.mark.slow
 def test_export_round_trip(ckpt, tmp_path):
     step = checkpoint_find.latest(ckpt)
     assert len(list(step.glob("*.distcp"))) == 2  # really sharded

@@ -287,6 +287,7 @@ EMULATED_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", EMULATED_CASES.values(), ids=EMULATED_CASES.keys())
 @needs_torchao
 def test_emulated_fp8_trains_close_to_bf16(work, extra):
@@ -296,6 +297,7 @@ def test_emulated_fp8_trains_close_to_bf16(work, extra):
     check_close_to_bf16(losses_of(work.parent, name), losses_of(work.parent, "bf16"))
 
 
+@pytest.mark.slow
 @needs_torchao
 def test_emulated_fp8_decentralized_trains(work):
     out = launch(train_args(work, "gossip_fp8", ["--precision", "fp8", "--data_parallel", "decentralized"]), ranks=2,
@@ -304,6 +306,7 @@ def test_emulated_fp8_decentralized_trains(work):
     assert "(each weight cast to float8 where it is used)" in out.stdout and losses[STEPS] < 0.9 * losses[1]
 
 
+@pytest.mark.slow
 @needs_torchao
 def test_emulated_weights_whose_rows_split_unevenly_gather_in_bf16(work):
     """torchao's float8 all-gather fails when a weight's rows do not split evenly over the ranks (pytorch/ao#3982):
@@ -322,6 +325,7 @@ def checkpoint_files_are_plain(path):
     return names
 
 
+@pytest.mark.slow
 @needs_torchao
 def test_resume_switches_between_fp8_and_bf16(work):
     """fp8 for 6 steps, resumed in bf16 to 9, then in fp8 rowwise to 12: the checkpoints are alike, and the run,
@@ -345,6 +349,7 @@ def test_resume_switches_between_fp8_and_bf16(work):
     assert "ROMEO:" in sample.stdout
 
 
+@pytest.mark.slow
 @needs_torchao
 def test_export_reads_an_fp8_checkpoint_without_torchao(work, tmp_path):
     """The checkpoint the previous runs wrote loads in a process where torchao cannot be imported."""

@@ -91,6 +91,7 @@ def ranks_result(request, tmp_path_factory):
     return run_gossip_ranks(request.param, tmp_path_factory.mktemp("gossip") / "result.json")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_each_gossip_step_applies_its_mixing_matrix(ranks_result, topology):
     check_mixing(ranks_result, topology)

@@ -261,6 +261,7 @@ def llama_dir(tmp_path, corpus):
     return directory, theirs, tokenizer
 
 
+@pytest.mark.slow
 def test_training_starts_from_the_hf_weights_and_tokenizer(tmp_path, corpus, llama_dir):
     directory, theirs, tokenizer = llama_dir
     args = ["--hf_model", directory, "--dataset", "text", "--input_file", corpus, "--data_dir", tmp_path / "data",
@@ -279,6 +280,7 @@ def test_training_starts_from_the_hf_weights_and_tokenizer(tmp_path, corpus, lla
     assert load_tokenizer(saved).model_proto == tokenizer.model_proto  # the tokenizer travels with it
 
 
+@pytest.mark.slow
 def test_generation_from_hf_model_matches_transformers_greedy(tmp_path, llama_dir):
     directory, theirs, tokenizer = llama_dir
     prompt = "KING:"
@@ -302,6 +304,7 @@ def offline_env(tmp_path):
             "HTTPS_PROXY": refused, "HTTP_PROXY": refused, "https_proxy": refused, "http_proxy": refused}
 
 
+@pytest.mark.slow
 def test_gpt2_directory_trains_and_samples_offline_with_its_own_tokenizer(tmp_path, corpus):
     directory = tmp_path / "gpt2"
     tokenizer_dirs.write_vocab_merges(directory)  # the older hub layout: vocab.json + merges.txt
@@ -328,6 +331,7 @@ def llama3_dir(tmp_path):
     return directory, theirs, tk.load_tokenizer(directory)
 
 
+@pytest.mark.slow
 def test_llama3_trains_samples_exports_and_comes_back_offline(tmp_path, corpus, llama3_dir):
     directory, theirs, tokenizer = llama3_dir
     vocab = tokenizer.vocab_size
@@ -368,6 +372,7 @@ def test_llama3_trains_samples_exports_and_comes_back_offline(tmp_path, corpus, 
     assert logged_losses(tmp_path, "again")[0] < logged_losses(tmp_path, "llama3")[0]  # it starts trained
 
 
+@pytest.mark.slow
 def test_a_broken_hugging_face_directory_is_one_line_for_training_and_sampling(tmp_path):
     """Each of these was a traceback (and the weights' header a huge allocation attempt): one `error:` line naming
     the file and the field, exit 2, on every path that reads the directory."""

@@ -61,6 +61,7 @@ def run_chain(tmp_path, first_job, next_job, max_jobs=6):
     return outputs
 
 
+@pytest.mark.slow
 def test_pbs_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, straight):
     env = base_env(tmp_path)
     (tmp_path / "nodefile").write_text(f"{socket.gethostname()}\n" * 2)
@@ -98,6 +99,7 @@ def test_pbs_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, st
     assert "chain: walltime 01:00:00, --time_limit 00:00:00 (yours; the walltime would allow 00:5" in outputs[0]
 
 
+@pytest.mark.slow
 def test_slurm_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, straight):
     env = base_env(tmp_path)
     slurm = dict(SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST=socket.gethostname(),

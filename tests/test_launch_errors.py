@@ -81,6 +81,7 @@ def test_pbs_without_nodefile_ends_the_mpi_job(tmp_path, corpus):
     assert result.returncode == 2
 
 
+@pytest.mark.slow
 def test_pbs_ranks_not_divisible_by_nodes(tmp_path, corpus):
     (tmp_path / "nodefile").write_text(f"localhost\n{socket.gethostname()}\n")  # two "nodes", both this one
     result = run_session([mpiexec(), "-n", "3", *training(corpus, "--environment", "pbs")],
@@ -123,6 +124,7 @@ def test_a_rank_never_joins_another_jobs_store(tmp_path, corpus):
                       "expected slurm 4242.0.0)")
 
 
+@pytest.mark.slow
 def test_uneven_ranks_per_node_with_hybrid_sharding(tmp_path, corpus):
     """4 tasks laid out 2,1,1 over three nodes: every rank refuses the hybrid mesh alike, one line."""
     cmd = ["srun", "--mpi=none", "--kill-on-bad-exit=1", *training(corpus, "--sharding", "hybrid-full-shard")]
@@ -213,6 +215,7 @@ def test_open_mpi_5_pmix_variables_with_an_mpich_mpi4py_say_so_before_mpi_init(t
                                                            "this rank, but mpi4py's MPI (MPICH")
 
 
+@pytest.mark.slow
 def test_slurm_variables_that_describe_no_step_stop_every_task(tmp_path, corpus):
     """Tasks with srun's step variables but no SLURM_LOCALID would all take local rank 0 (on a GPU node, GPU 0);
     processes with the job's SLURM_PROCID but no step variables would each train alone and fight over the run
@@ -263,6 +266,7 @@ def test_a_nodefile_that_mpi_does_not_see_is_refused(tmp_path, corpus):
 STOPS_IN_MPI = "from mpi4py import MPI; import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"
 
 
+@pytest.mark.slow
 def test_a_rank_missing_from_mpi_discovery_does_not_hold_the_others(tmp_path, corpus):
     """Rank 2 never calls MPI_Init (it sleeps), rank 3 stops right after it: the training ranks wait in MPI's
     discovery, which --collective_timeout used not to cover. Each says so in one line and the job ends."""
@@ -291,6 +295,7 @@ def in_network_namespace(cmd):
     return ["unshare", "-rn", "bash", "-c", setup, "netns", *cmd]
 
 
+@pytest.mark.slow
 def test_an_unreachable_master_addr_ends_the_mpi_job_in_one_line(tmp_path, corpus):
     """MASTER_ADDR routable but with no host behind it: no output for minutes, then c10d frames, it used to
     be. Every rank tries one plain connection first, bounded by --collective_timeout: one line."""

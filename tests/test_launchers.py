@@ -46,6 +46,7 @@ def pbs_job(tmp_path, script, nodes, ranks_per_node, args):
     return run_script(["bash", str(ROOT / "pbs" / script)], tmp_path, env)
 
 
+@pytest.mark.slow
 def test_pbs_scripts_train_and_generate(tmp_path, corpus):
     out = pbs_job(tmp_path, "train_single_node.sh", [socket.gethostname()], 2, tiny_args(corpus, "single"))
     assert "1 node(s) x 2 rank(s) = 2 rank(s)" in out.stdout and "mesh shard=2 (full-shard)" in out.stdout
@@ -65,6 +66,7 @@ def test_pbs_scripts_train_and_generate(tmp_path, corpus):
     assert (tmp_path / "checkpoints" / "multi" / "latest").read_text().strip() == "step_3"  # nothing trained
 
 
+@pytest.mark.slow
 def test_sbatch_script_trains_under_srun(tmp_path, corpus):
     # What sbatch gives the batch script: note SLURM_PROCID=0 and SLURM_NTASKS=2 in this one process.
     env = {**install_fakes(tmp_path / "bin"), "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
@@ -79,6 +81,7 @@ def test_sbatch_script_trains_under_srun(tmp_path, corpus):
     assert list((tmp_path / "checkpoints" / ".rendezvous").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_srun_without_mpi_none_on_a_pmix_cluster_trains(tmp_path, corpus):
     """srun's PMIx plugin sets PMIX_RANK in every task: the tasks are srun's (its namespace names the step),
     so MPI is never initialized; the mpich wheel would see a world of one per task."""
@@ -99,6 +102,7 @@ def envsubst(text, values):
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: values.get(m[1] or m[2], ""), text)
 
 
+@pytest.mark.slow
 def test_kubernetes_manifest_runs_torchrun(tmp_path, corpus):
     yaml = pytest.importorskip("yaml")
     template = (ROOT / "k8s" / "pytorchjob.yaml").read_text()
@@ -286,6 +290,7 @@ def test_tasks_on_node():
     assert discovery.tasks_on_node("2", 0) == 2
 
 
+@pytest.mark.slow
 def test_mpi_rendezvous_on_rank_0s_own_port_or_an_exported_one(tmp_path, corpus):
     """Without MASTER_PORT, rank 0 binds the rendezvous store to a free port itself (no window in which another
     job could take the port); with MASTER_PORT exported, every rank meets there instead."""

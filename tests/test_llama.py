@@ -111,6 +111,7 @@ def test_llama_bf16_compiled_on_two_gpus_matches_fp32_reference(tmp_path, corpus
     assert logged_losses(tmp_path, "run") == pytest.approx(ref_losses, rel=2e-2)
 
 
+@pytest.mark.slow
 def test_llama_full_shard_matches_single_process_then_generates(tmp_path, corpus):
     args = train_args(corpus, ["--sharding", "full-shard", "--meta_init", "--activation_checkpoints"])
     launch(args, ranks=2, cwd=tmp_path)
@@ -187,6 +188,7 @@ def llama3_args(tmp_path, run, extra, steps=8):
             "--recompute", "selective", "--fsdp_unit", "block", *extra]
 
 
+@pytest.mark.slow
 def test_llama3_tiny_trains_as_the_8b_runs(tmp_path):
     """What the 8B runs with on GPUs, on 2 CPU ranks: document mask, meta init, selective recompute, FSDP2 per
     block. In fp32 it matches one process running every document alone; in fp8 (torchao emulating the float8

@@ -80,6 +80,7 @@ def test_one_rank_without_fsdp_fits_the_same_estimate(one_rank_group, tmp_path, 
     assert estimated == pytest.approx(measured, rel=0.25), (estimated / 1e6, measured / 1e6)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU measurement")
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_estimate_follows_the_compiled_loss(one_rank_group, tmp_path, compile):

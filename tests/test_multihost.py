@@ -126,6 +126,7 @@ def work(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_mpiexec_across_hosts_full_shard(work):
     """Hydra's mpiexec on node0 starts node1's ranks through ssh; MPI's own shared-memory split counts the nodes."""
     args = tiny_args(work, "mpi", 4, "--sharding", "full-shard")
@@ -137,6 +138,7 @@ def test_mpiexec_across_hosts_full_shard(work):
     check_against_reference(work, "mpi", args, 4, 4)
 
 
+@pytest.mark.slow
 def test_torchrun_style_across_hosts_whose_names_do_not_resolve(work):
     """No host resolves another's name (nor its own): gloo would advertise 127.0.0.1 and the job would hang;
     the interface on the route to MASTER_ADDR is picked instead, and the run trains."""
@@ -149,6 +151,7 @@ def test_torchrun_style_across_hosts_whose_names_do_not_resolve(work):
     check_against_reference(work, "torchrun", args, 4, 4)
 
 
+@pytest.mark.slow
 def test_kubernetes_pytorchjob_pods_run_torchrun(work):
     """Each pod (host) runs the manifest's torchrun command with the variables the training operator sets."""
     yaml = pytest.importorskip("yaml")
@@ -204,6 +207,7 @@ def stream_reference(args, world, steps):
     return losses
 
 
+@pytest.mark.slow
 def test_slurm_style_tasks_stream_documents_across_hosts(work):
     """srun's per-task variables on two nodes (the rendezvous at the first node's name), --streaming: each rank
     reads the documents of its global rank, not of its local rank."""
@@ -223,6 +227,7 @@ def test_slurm_style_tasks_stream_documents_across_hosts(work):
     assert losses == pytest.approx(stream_reference(args, 4, 4), abs=5e-6)
 
 
+@pytest.mark.slow
 def test_decentralized_gossip_across_hosts(work):
     from test_decentralized import DECENTRALIZED, decentralized_reference
     args = tiny_args(work, "gossip", 4, *DECENTRALIZED, "--accum_steps", 1)
@@ -261,6 +266,7 @@ def elastic_reference(args, phases):
     return losses
 
 
+@pytest.mark.slow
 def test_elastic_resume_two_hosts_to_one_and_back(work):
     """2 hosts x 2 ranks (our PBS job script, hybrid-full-shard), then 1 host x 2 (mpiexec, grad-shard), then 2 x 2
     again (mpiexec, hybrid-grad-shard): each resumes the one before; the losses are those of one process that

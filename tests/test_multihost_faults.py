@@ -45,6 +45,7 @@ def one_line_each(results, code, starts):
     return lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["loopback interface", "no such interface", "loopback MASTER_ADDR"])
 def test_an_address_that_does_not_route_between_hosts_ends_every_rank_at_once(work, case):
     env = {"loopback interface": {"GLOO_SOCKET_IFNAME": "lo"}, "no such interface": {"GLOO_SOCKET_IFNAME": "ib0"},
@@ -61,6 +62,7 @@ def test_an_address_that_does_not_route_between_hosts_ends_every_rank_at_once(wo
                    for line in lines)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_dir_on_node_local_disks_is_refused_before_training(work):
     with Cluster(2, node_local=work / "checkpoints") as cluster:
         results = start(cluster, work, tiny_args(work, "local", 2)).wait(timeout=240)
@@ -77,6 +79,7 @@ def wait_for(path, seconds=240):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["link cut", "host killed mid-save"])
 def test_a_lost_host_ends_every_rank_and_the_last_checkpoint_resumes(work, fault):
     """Step 2 is saved; then node1's link goes down while both ranks wait in step 4 (or node1 is killed while it

@@ -67,6 +67,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks,extra", CASES, ids=[" ".join(map(str, e)) for _, e in CASES])
 def test_strategy_matches_single_process(tmp_path, corpus, ranks, extra):
     args = train_args(corpus, "run", extra)

@@ -136,6 +136,7 @@ def test_openwebtext_offline_is_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_trainer_reads_a_prepared_directory(tmp_path):
     source = write_jsonl(tmp_path / "docs", make_documents())
     out = run_cli("--dataset", "text", "--input_file", source, "--tokenizer", "char", "--output", tmp_path / "prepared")

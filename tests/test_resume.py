@@ -47,6 +47,7 @@ def straight(work):
     return dict(losses(work, "straight"))
 
 
+@pytest.mark.slow
 def test_stopped_runs_resume_bitwise(work, straight):
     run = work / "checkpoints" / "chain"
     first = launch_with_faults(args("chain", "--max_steps", 5), cwd=work)
@@ -88,6 +89,7 @@ ELASTIC = [(4, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2, "--f
            (2, ["--sharding", "no-shard", "--fsdp_unit", "block"])]
 
 
+@pytest.mark.slow
 def test_checkpoints_load_on_other_world_sizes_and_shardings(work, straight):
     source = work / "checkpoints" / "straight" / "step_10"
     for i, (ranks, sharding) in enumerate(ELASTIC):
@@ -122,6 +124,7 @@ def one_error_line(result, starts):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_nan_with_default_flags_stops_before_the_next_checkpoint(work):
     """The default check is deferred (no per-step sync): with logging every 100 steps the NaN of step 3 is first
     looked at before step 4's checkpoint, which must not be written."""
@@ -131,6 +134,7 @@ def test_nan_with_default_flags_stops_before_the_next_checkpoint(work):
     assert saved_steps(work / "checkpoints" / "nan_default") == ([2], "step_2")
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_skips_the_step_and_goes_on(work):
     result = launch_with_faults(args("nan_skip", "--checkpoint_interval", 2, "--max_steps", 6, "--skip_nonfinite", 1),
                                 faults="nan@3:1", cwd=work)
@@ -143,6 +147,7 @@ def test_skip_nonfinite_skips_the_step_and_goes_on(work):
     assert [step for step, _ in losses(work, "nan_skip")] == [1, 2, 4, 5, 6]  # the skipped step's loss is not logged
 
 
+@pytest.mark.slow
 def test_diverged_run_names_the_step_and_keeps_the_last_checkpoint(work):
     result = launch_with_faults(args("nan", "--checkpoint_interval", 2, "--skip_nonfinite", 1, "--max_steps", 8),
                                 faults="nan@3:1,nan@5:1", cwd=work, check=False)
@@ -152,6 +157,7 @@ def test_diverged_run_names_the_step_and_keeps_the_last_checkpoint(work):
     assert saved_steps(work / "checkpoints" / "nan") == ([2, 4], "step_4")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill@3:1", "hang@3:1"])
 def test_a_dead_or_hung_rank_ends_the_job(work, fault):
     # The launch timeout (not an assertion on time) is what would catch a job left hanging.

@@ -36,6 +36,7 @@ def test_max_steps_runs_that_many_steps_over_several_epochs(single, capsys):
     assert logged_steps("long") == list(range(1, 13)) and "done: step 12 of 12" in out
 
 
+@pytest.mark.slow
 def test_max_epochs_alone_or_first_ends_the_run(single, capsys):
     assert "training 10 steps = 2 epochs of 5 steps (--max_epochs)" in train(
         capsys, "--max_epochs", 2, "--max_steps", 0, "--run_name", "epochs")
@@ -45,6 +46,7 @@ def test_max_epochs_alone_or_first_ends_the_run(single, capsys):
         parse_args(["--max_steps", "0"])
 
 
+@pytest.mark.slow
 def test_a_finished_run_and_changed_flags_are_said_in_one_line(single, capsys):
     train(capsys, "--max_steps", 4, "--lr_decay_steps", 8, "--run_name", "again")
     out = train(capsys, "--max_steps", 4, "--lr_decay_steps", 8, "--run_name", "again")

@@ -57,6 +57,7 @@ def plain_greedy(step, prompt, num_tokens):
     return tokenizer.decode(ids)
 
 
+@pytest.mark.slow
 def test_checkpoint_sources_match_a_plain_decode(run):
     step = checkpoint_find.latest(run)
     expected = plain_greedy(step, PROMPT, 10)
@@ -72,6 +73,7 @@ def test_checkpoint_sources_match_a_plain_decode(run):
     assert by_marker.stdout == plain_greedy(best, PROMPT, 10) + "\n" and f"generating from {best}" in by_marker.stderr
 
 
+@pytest.mark.slow
 def test_exports_give_the_checkpoint_text_also_sharded_over_two_ranks(run, tmp_path):
     step = checkpoint_find.latest(run)
     expected = sample(step, *GREEDY, "--seed", 5, "--temperature", 0.9).stdout  # sampled, not greedy
@@ -86,6 +88,7 @@ def test_exports_give_the_checkpoint_text_also_sharded_over_two_ranks(run, tmp_p
     assert out.stdout == expected and "on 2 rank(s)" in out.stderr
 
 
+@pytest.mark.slow
 def test_hugging_face_directory_matches_transformers_greedy(tmp_path):
     from test_hf import hf_llama
     directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
@@ -100,6 +103,7 @@ def test_hugging_face_directory_matches_transformers_greedy(tmp_path):
     assert f"tokenizer: tiktoken, {num_ranks + 256} tokens" in out.stderr
 
 
+@pytest.mark.slow
 def test_generation_banner_of_basic_training_shows_the_loaded_model(run):
     out = launch(["--max_epochs", -1, "--num_tokens", 5, "--prompt", PROMPT], ranks=1, cwd=run.parent.parent)
     assert "model: llama, 2 layers, 2 heads (1 kv), width 32, context 32, vocab 300" in out.stdout
@@ -107,6 +111,7 @@ def test_generation_banner_of_basic_training_shows_the_loaded_model(run):
     assert 'model_preset = "tiny"' not in out.stdout and 'tokenizer = "char"' not in out.stdout
 
 
+@pytest.mark.slow
 def test_a_source_that_is_none_of_them_is_one_line(tmp_path):
     (tmp_path / "notes.d").mkdir()
     out = sample(tmp_path / "notes.d", check=False)

@@ -17,6 +17,7 @@ def logged_lr(work, run_name):
     return {r["step"]: r["lr"] for r in rows if "lr" in r}
 
 
+@pytest.mark.slow
 def test_logged_lr_follows_the_schedule_and_keeps_its_horizon_across_a_resume(tmp_path, corpus):
     """The first launch's horizon is 12 steps (--max_steps); SIGTERM stops it at step 7. Resumed with --max_steps
     16, the run keeps the 12-step schedule: the cosine ends at step 12 and steps 13-16 stay at min_lr."""

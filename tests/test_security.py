@@ -180,6 +180,7 @@ def trained(tmp_path, straight):
     return run
 
 
+@pytest.mark.slow
 def test_crafted_checkpoint_runs_nothing_anywhere(tmp_path, trained):
     marker = tmp_path / "pwned"
     plant_payload(trained / "step_4", marker)
@@ -203,6 +204,7 @@ def module(*args, cwd):
                           timeout=180, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
 
 
+@pytest.mark.slow
 def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_progress(tmp_path, trained):
     """The issue's two hangs: sample built a model of a million layers; a `files` entry naming a device outside
     the checkpoint was read forever. Now the newest good checkpoint is used, with one line naming the bad one."""
@@ -226,6 +228,7 @@ def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_
     assert "Traceback" not in sample.stderr + resumed.stderr
 
 
+@pytest.mark.slow
 def test_damaged_shard_is_found_before_loading(tmp_path, trained):
     shard = trained / "step_4" / "__1_0.distcp"
     size = shard.stat().st_size
@@ -240,6 +243,7 @@ def test_damaged_shard_is_found_before_loading(tmp_path, trained):
     assert "__1_0.distcp does not match its checksum" in resumed.stderr
 
 
+@pytest.mark.slow
 def test_markers_that_name_no_checkpoint_of_this_run_are_ignored(tmp_path, trained):
     (trained / "latest").write_bytes(b"\xff\xfe\x00step_4")
     result = train(tmp_path, steps=6)
@@ -255,6 +259,7 @@ def test_markers_that_name_no_checkpoint_of_this_run_are_ignored(tmp_path, train
     assert "is a file but not a checkpoint marker" in one_error(result)
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_directory_refuses(tmp_path, corpus):
     """The first run pauses at step 5 (tests/faults.py) until the second one has been refused, then finishes."""
     args = [sys.executable, str(ROOT / "tests" / "faults.py"), "--dataset", "text", "--input_file", corpus,
@@ -327,6 +332,7 @@ def test_unwritable_directories_are_found_at_startup(tmp_path, corpus, flag):
     assert not (tmp_path / "checkpoints").exists() or flag == "--log_dir"
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(tmp_path, trained):
     result = train(tmp_path, steps=8, faults="enospc_in_save@6:1", check=False)
     line = one_error(result, code=1)
@@ -339,6 +345,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(tmp_path, trained):
 
 @pytest.mark.parametrize("window,resumed", [("kill_after_shards", 2), ("kill_after_meta", 2),
                                              ("kill_after_rename", 2), ("kill_after_latest", 4)])
+@pytest.mark.slow
 def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(tmp_path, straight, window, resumed):
     """Killed inside step 4's save: `latest` always names a complete checkpoint, the run resumes from it, and
     finishes with the same losses as a run that never crashed."""

@@ -154,6 +154,7 @@ def logged(tmp_path, run_name):
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
+@pytest.mark.slow
 def test_streaming_trains_and_a_resumed_run_continues_exactly(prepared, tmp_path):
     documents, source, data = prepared
     launch(stream_args(tmp_path, source, data.directory, "whole"), ranks=2, cwd=tmp_path)

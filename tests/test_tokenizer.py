@@ -255,6 +255,7 @@ def test_tokenizer_dir_flag_rules():
         parse_args(["--tokenizer_dir", "some/dir", "--dataset_path", "data/x"])
 
 
+@pytest.mark.slow
 def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
     from conftest import TINY_MODEL, launch
     from minimal_fsdp import checkpoint_find, checkpoint_meta
