@@ -196,12 +196,7 @@ def _discover_mpi(env, pbs, timeout):
             except ConfigError as e:
                 problem = str(e)
         problems = world.allgather(problem)
-    failed = [(rank, p) for rank, p in enumerate(problems) if p]
-    if len(failed) == len(problems) and len(set(problems)) == 1:
-        raise ConfigError(problems[0])  # the same on every rank
-    if failed:
-        more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-        raise ConfigError(f"rank {failed[0][0]}: {failed[0][1]}{more}")
+    failures.raise_gathered(problems)
     return found
 
 

@@ -64,6 +64,17 @@ def abort_job_on_uncaught_exception():
     sys.excepthook = hook
 
 
+def raise_gathered(problems):
+    """Every rank's problem (a line, or None), gathered alike on all ranks: raise one ConfigError, the same on
+    every rank, if any rank has one; a problem all ranks share is said once, else the first rank's is named."""
+    failed = [(rank, p) for rank, p in enumerate(problems) if p]
+    if failed and len(failed) == len(problems) and len(set(problems)) == 1:
+        raise ConfigError(problems[0])
+    if failed:
+        more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        raise ConfigError(f"rank {failed[0][0]}: {failed[0][1]}{more}")
+
+
 @contextmanager
 def deadline(seconds, what):
     """End this process with one line if the block has not finished within `seconds`: for steps that can wait

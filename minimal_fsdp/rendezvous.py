@@ -111,12 +111,7 @@ def _rendezvous_mpi(rank, world, num_nodes, timeout):
     except ConfigError as e:
         error = str(e)
     errors = comm.allgather(error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e]
-    if len(failed) == world and len(set(errors)) == 1:
-        raise ConfigError(errors[0])  # the same on every rank
-    if failed:
-        more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-        raise ConfigError(f"rank {failed[0][0]}: {failed[0][1]}{more}")
+    failures.raise_gathered(errors)
     return store
 
 
