@@ -167,11 +167,16 @@ def train(args, world, device="cpu", steps=None):
             loss = model(x.to(device), y.to(device)) / accum
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad()
+        apply_gradients(model, optimizer, cfg)
         losses.append(total)
     return cfg, data, model, losses
+
+
+def apply_gradients(model, optimizer, cfg):
+    """The end of a reference step: clip the global gradient norm to --grad_clip (0: none), step, clear."""
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 @torch.no_grad()

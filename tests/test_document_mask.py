@@ -180,9 +180,7 @@ def reference_losses(args, world, eot, steps):
                 total = total + model(x[row:row + 1, start:stop], y[row:row + 1, start:stop]) * (stop - start)
         loss = total / x.numel()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
+        reference.apply_gradients(model, optimizer, cfg)
         losses.append(loss.item())
     return losses
 

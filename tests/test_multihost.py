@@ -200,9 +200,7 @@ def stream_reference(args, world, steps):
             group["lr"] = lr(step)
         loss = model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
+        plain.apply_gradients(model, optimizer, cfg)
         losses.append(loss.item())
     return losses
 
@@ -258,9 +256,7 @@ def elastic_reference(args, phases):
                 group["lr"] = lr(step)
             loss = model(x, y)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad()
+            plain.apply_gradients(model, optimizer, cfg)
             losses.append(loss.item())
             step += 1
     return losses
