@@ -1,11 +1,18 @@
+"""data.py: preparing a dataset (where it goes, from what, once; sentencepiece's vocabulary; a JSONL input by
+documents), the documented sampling order (every token a target at most once per epoch, in new windows; the
+seeds reference.py also uses; the same batches after a resume mid-epoch; ranks disjoint), and the checks on a
+prepared dataset (lengths, vocabulary, dtype, a stale or foreign file): each refusal one line."""
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from minimal_fsdp import data
 from minimal_fsdp.config import ConfigError, parse_args
-from minimal_fsdp.data import TokenData, prepared_dir as prepare
+from minimal_fsdp.data import TokenData, dataset_dir, epoch_offset, epoch_order, prepared_dir, prepared_dir as prepare
 from minimal_fsdp.tokenizer import CharTokenizer
 
 
@@ -188,3 +195,201 @@ def test_training_prepares_a_jsonl_input_file_by_documents(tmp_path):
     assert data.meta["split"] == "documents" and data.meta["train_documents"] + data.meta["val_documents"] == 60
     assert data.directory == tmp_path / "data" / "docs" / "char"
     assert data.tokenizer.decode(data.splits["train"][:30].tolist()).startswith("document ")
+
+
+def test_dataset_dir_names_the_text_and_the_tokenizer(tmp_path):
+    d = str(tmp_path)
+    assert dataset_dir(parse_args(["--data_dir", d])) == tmp_path / "shakespeare" / "char"
+    assert dataset_dir(parse_args(["--data_dir", d, "--dataset", "text", "--input_file", "x/my.text.txt"])) == (
+        tmp_path / "my.text" / "char")
+    assert dataset_dir(parse_args(["--data_dir", d, "--tokenizer", "sentencepiece", "--vocab_size", 300])) == (
+        tmp_path / "shakespeare" / "sentencepiece-300")
+    given = SimpleNamespace(label="hf-abc123")
+    assert dataset_dir(parse_args(["--data_dir", d]), given) == tmp_path / "shakespeare" / "hf-abc123"
+    assert dataset_dir(parse_args(["--data_dir", d, "--dataset", "text", "--input_file", "a/b.txt"]), given) == (
+        tmp_path / "b" / "hf-abc123")
+    assert dataset_dir(parse_args(["--dataset_path", "prepared/here"]), given) == Path("prepared/here")
+
+
+@pytest.fixture
+def prepare_calls(monkeypatch):
+    calls = []
+    monkeypatch.setattr(data, "shakespeare_documents", lambda data_dir: ("shakespeare", data_dir))
+    monkeypatch.setattr(data, "open_documents", lambda *a, **k: ("open", a, k))
+    monkeypatch.setattr(data, "prepare_bins", lambda *a, **k: calls.append((a, k)))
+    return calls
+
+
+def test_prepared_dir_prepares_shakespeare_once(tmp_path, prepare_calls):
+    cfg = parse_args(["--data_dir", str(tmp_path), "--seed", 7, "--val_fraction", 0.2])
+    out = tmp_path / "shakespeare" / "char"
+    assert prepared_dir(cfg) == str(out)
+    assert prepare_calls == [((("shakespeare", str(tmp_path)), "char", None, out, 0.2, 7), {"tokenizer": None})]
+    out.mkdir(parents=True)
+    (out / "meta.json").write_text("{}")
+    assert prepared_dir(cfg) == str(out) and len(prepare_calls) == 1  # prepared already: reused
+
+
+def test_prepared_dir_reads_the_input_file_locally_with_the_given_tokenizer(tmp_path, prepare_calls):
+    cfg = parse_args(["--data_dir", str(tmp_path), "--dataset", "text", "--input_file", "in/notes.jsonl"])
+    tokenizer = SimpleNamespace(label="sentencepiece-1a2b")
+    out = tmp_path / "notes" / "sentencepiece-1a2b"
+    assert prepared_dir(cfg, tokenizer) == str(out)
+    (args, kwargs), = prepare_calls
+    assert args[0] == ("open", ("in/notes.jsonl", "--input_file"), {"hub": False})  # never the network
+    assert args[3] == out and kwargs == {"tokenizer": tokenizer}
+
+
+def test_an_unprepared_dataset_path_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError) as raised:
+        prepared_dir(parse_args(["--dataset_path", str(tmp_path)]))
+    assert str(raised.value) == (
+        f"--dataset_path {tmp_path} has no meta.json: prepare it first (python -m minimal_fsdp.data prepare "
+        f"--dataset text --input_file SOURCE --output {tmp_path}), or add --streaming to read a .jsonl/Hugging "
+        "Face dataset directly")
+
+
+def test_epoch_order_and_offset_follow_the_documented_seeds():
+    """[seed mod 2^63, 1 for train / 0 for val, epoch] and [seed mod 2^63, 2, epoch], as reference.py rebuilds
+    batches; a negative --seed works and means seed mod 2^63."""
+    for seed, epoch in ((5, 0), (5, 3), (-1, 1), (2 ** 63 + 9, 2)):
+        s = seed % 2 ** 63
+        assert list(epoch_order(seed, "train", 50, epoch)) == list(np.random.default_rng([s, 1, epoch]).permutation(50))
+        assert list(epoch_order(seed, "val", 50, epoch)) == list(np.random.default_rng([s, 0, epoch]).permutation(50))
+        assert epoch_offset(seed, epoch, 64) == int(np.random.default_rng([s, 2, epoch]).integers(64))
+    assert list(epoch_order(-1, "train", 50, 0)) == list(epoch_order(2 ** 63 - 1, "train", 50, 0))
+
+
+def test_a_vocabulary_fills_its_token_dtype_exactly(tmp_path):
+    full = numbered_dataset(tmp_path / "full", train_tokens=300)
+    (full.directory / "meta.json").write_text(json.dumps(dict(full.meta, vocab_size=65536)))
+    TokenData(full.directory)  # ids 0..65535 fit uint16
+    (full.directory / "meta.json").write_text(json.dumps(dict(full.meta, vocab_size=65537)))
+    with pytest.raises(ConfigError, match="which cannot hold 65537 token ids"):
+        TokenData(full.directory)
+
+
+def test_check_needs_one_token_more_than_seq_length_per_split(tmp_path):
+    d = numbered_dataset(tmp_path / "d", train_tokens=300, val_tokens=40)
+    d.check(39, 300)  # 40 tokens: 39 inputs and their targets
+    with pytest.raises(ConfigError) as raised:
+        d.check(40, 300)
+    assert str(raised.value) == (f"--seq_length 40 needs at least 41 tokens per split, but the smaller split of "
+                                 f"{d.directory} has 40")
+    with pytest.raises(ConfigError) as raised:
+        d.check(8, 299)
+    assert str(raised.value) == "the char tokenizer has 300 tokens but --vocab_size is 299: token ids would be out of range"
+
+
+def test_describe_names_the_data_and_its_source(tmp_path):
+    d = numbered_dataset(tmp_path / "d", train_tokens=1234, val_tokens=56)
+    assert d.describe() == f"data: {d.directory}: 1,234 train and 56 val char tokens of ?"
+    source = tmp_path / "source.txt"
+    source.write_bytes(b"x" * 1_050_000)
+    (d.directory / "meta.json").write_text(json.dumps(dict(d.meta, source=str(source))))
+    assert TokenData(d.directory).describe() == (
+        f"data: {d.directory}: 1,234 train and 56 val char tokens of {source}, 1.1 MB")
+    (d.directory / "meta.json").write_text(json.dumps(dict(d.meta, source="hf:some/dataset")))
+    assert TokenData(d.directory).describe().endswith("char tokens of hf:some/dataset")
+
+
+def test_batches_equal_the_reference_sampler_across_epochs_ranks_and_splits(tmp_path):
+    from reference import PreparedTokens
+    d = numbered_dataset(tmp_path / "data" / "d", train_tokens=301, val_tokens=95)
+    reference = PreparedTokens(tmp_path / "data")
+    for rank in range(2):
+        d.bind(10, 3, 2, rank, 2, 11)
+        for step in range(4):  # 30 blocks, 12 per step: steps 2 and 3 straddle epochs
+            for micro, (x, y) in enumerate(d.train_batches(step)):
+                rx, ry = reference.batch("train", step * 2 + micro, rank, 2, 3, 10, 11)
+                assert x.tolist() == rx.tolist() and y.tolist() == ry.tolist(), (rank, step, micro)
+        for index in range(3):
+            assert d.val_batch(index)[0].tolist() == reference.batch("val", index, rank, 2, 3, 10, 11)[0].tolist()
+
+
+def test_steps_per_epoch_counts_whole_blocks_and_is_at_least_one(tmp_path):
+    exact = numbered_dataset(tmp_path / "exact", train_tokens=301)  # 300 targets: 30 blocks of 10
+    exact.bind(10, 3, 1, 0, 1, 0)
+    assert exact.steps_per_epoch() == 10
+    short = numbered_dataset(tmp_path / "short", train_tokens=300)  # 299 targets: 29 blocks
+    short.bind(10, 3, 1, 0, 1, 0)
+    assert short.steps_per_epoch() == 9
+    short.bind(10, 16, 2, 0, 2, 0)  # 64 blocks a step: less than one epoch's worth
+    assert short.steps_per_epoch() == 1
+
+
+def test_state_dict_counts_blocks_from_where_the_run_resumed(tmp_path):
+    d = numbered_dataset(tmp_path / "d", train_tokens=301)
+    d.bind(10, 3, 2, 0, 2, 0)  # 12 blocks a step
+    assert d.state_dict(5) == {"train_blocks_seen": 60}
+    d.load_state_dict({"train_blocks_seen": 100}, 4)
+    assert d.state_dict(4) == {"train_blocks_seen": 100} and d.state_dict(6) == {"train_blocks_seen": 124}
+
+
+def test_a_bin_of_the_wrong_size_is_refused_with_its_sizes(tmp_path):
+    d = numbered_dataset(tmp_path / "d", train_tokens=300, val_tokens=50)
+    with open(d.directory / "val.bin", "ab") as f:
+        f.write(b"\0" * 3)  # 103 bytes: neither 50 uint16 nor 50 uint32 tokens
+    with pytest.raises(ConfigError) as raised:
+        TokenData(d.directory)
+    assert str(raised.value) == (f"{d.directory}/val.bin holds 103 bytes but meta.json says 50 uint16 tokens "
+                                 f"(100 bytes): delete {d.directory} to prepare it again")
+
+
+def test_splits_are_read_only_and_an_empty_split_needs_no_file(tmp_path):
+    d = numbered_dataset(tmp_path / "d", train_tokens=300, val_tokens=50)
+    assert not d.splits["train"].flags.writeable and not d.splits["val"].flags.writeable
+    (d.directory / "val.bin").unlink()
+    (d.directory / "meta.json").write_text(json.dumps(dict(d.meta, val_tokens=0)))
+    empty = TokenData(d.directory).splits["val"]
+    assert empty.shape == (0,) and empty.dtype == np.uint16
+    (d.directory / "val.bin").write_bytes(b"")  # an empty file is read the same way
+    empty = TokenData(d.directory).splits["val"]
+    assert empty.shape == (0,) and empty.dtype == np.uint16
+
+
+def _text_cfg(tmp_path, path):
+    return parse_args(["--data_dir", str(tmp_path / "data"), "--input_file", str(path)])
+
+
+def test_another_file_of_the_same_name_is_not_taken_for_the_prepared_one(tmp_path):
+    """data/<name>/char is named by the file's name; meta.json records what the contents were, so another
+    my.txt (elsewhere, different text) is refused instead of silently training on the first one's tokens."""
+    from conftest import make_text
+    first, second, copy = tmp_path / "a" / "my.txt", tmp_path / "b" / "my.txt", tmp_path / "c" / "my.txt"
+    for path, seed in ((first, 0), (second, 1), (copy, 0)):
+        path.parent.mkdir()
+        path.write_text(make_text(5_000, seed=seed))
+    out = prepared_dir(_text_cfg(tmp_path, first))
+    assert prepared_dir(_text_cfg(tmp_path, copy)) == out  # the same text elsewhere: the same data
+    with pytest.raises(ConfigError) as raised:
+        prepared_dir(_text_cfg(tmp_path, second))
+    assert str(raised.value).startswith(f"{out} was prepared from {first} as it was then, and {second} differs")
+    assert f"delete {out} to prepare it again" in str(raised.value)
+
+
+def test_an_edited_file_is_not_reused_stale(tmp_path):
+    from conftest import make_text
+    path = tmp_path / "my.txt"
+    path.write_text(make_text(5_000))
+    out = prepared_dir(_text_cfg(tmp_path, path))
+    assert prepared_dir(_text_cfg(tmp_path, path)) == out  # unchanged: reused
+    with open(path, "a") as f:
+        f.write("KING:\nan added line.\n")
+    with pytest.raises(ConfigError, match="differs from it now"):
+        prepared_dir(_text_cfg(tmp_path, path))
+
+
+def test_a_large_source_is_identified_by_path_size_and_time(tmp_path, monkeypatch):
+    import os
+
+    from minimal_fsdp import documents
+    monkeypatch.setattr(documents, "HASHED_BYTES", 10)
+    path = tmp_path / "big.txt"
+    path.write_text("x" * 100)
+    files = documents.open_documents(path, "--input_file", hub=False)
+    st = path.stat()
+    assert files.fingerprint() == {"files": [[str(path.resolve()), 100, st.st_mtime_ns]]}
+    later = st.st_mtime_ns + 10**9
+    os.utime(path, ns=(later, later))
+    assert files.fingerprint() != {"files": [[str(path.resolve()), 100, st.st_mtime_ns]]}

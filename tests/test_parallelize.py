@@ -1,27 +1,39 @@
-"""Every sharding strategy (and offload, activation checkpointing, meta init) trains exactly like one process
-holding the whole model and the whole global batch: same losses, same parameters. On 4 ranks, FSDP holds what
-each strategy says (the mesh's shape and groups, sharded or gathered parameters after forward and backward),
-and generated tokens are rank 0's."""
+"""parallelize.py: every sharding strategy (and offload, activation checkpointing, meta init) trains exactly like
+one process holding the whole model and the whole global batch: same losses, same parameters. On 4 ranks, FSDP
+holds what each strategy says (the mesh's shape and groups, sharded or gathered parameters after forward and
+backward), and generated tokens are rank 0's. In this process (fast, and what mutation testing can see): what
+shard() hands to FSDP2 (units, resharding, mixed precision, offload), what build_model compiles, which gradient
+sync a plan gets and how each clips, initial weights on every path, the recompute policies, and the process-wide
+settings a plan needs. The plan itself (plan.py) is test_plan.py's."""
 import collections
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference as plain
 from conftest import ROOT, TINY_MODEL, launch, mpiexec
+from minimal_fsdp import checkpoint_find, parallelize, plan as plan_module, safe_load
+from minimal_fsdp.config import parse_args
+from minimal_fsdp.gossip import Gossip
+from minimal_fsdp.llama import Llama
+from minimal_fsdp.model import GPT, GPTConfig
+from minimal_fsdp.models import make_config
+from minimal_fsdp.parallelize import (DDPSync, FSDPSync, LocalSync, SYNCS, WholeUnitSync, build_model, gradient_sync,
+                                      recomputed, shard)
+from minimal_fsdp.plan import STRATEGIES, apply_process_settings, make_plan, process_settings
+from minimal_fsdp.train import build_optimizer
+from minimal_fsdp.whole_unit import WholeUnit
+from test_plan import CONFIG, NUM_PARAMS, plain_plan
 
-sys.path.insert(0, str(ROOT))
-from minimal_fsdp import checkpoint_find, safe_load  # noqa: E402
-from minimal_fsdp.llama import Llama  # noqa: E402
-from minimal_fsdp.model import GPT, GPTConfig  # noqa: E402
-from minimal_fsdp.models import make_config  # noqa: E402
-from minimal_fsdp.parallelize import recomputed  # noqa: E402
-from minimal_fsdp.train import build_optimizer  # noqa: E402
 
 STEPS = 6
 
@@ -229,29 +241,236 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_
     assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded after the last micro-step
 
 
-@pytest.mark.parametrize("flags,ranks,graphs", [(["--sharding", "full-shard"], 1, True),
-                                               (["--sharding", "no-shard"], 2, True),
-                                               (["--sharding", "no-shard", "--fsdp_unit", "block"], 2, True),  # DDP
-                                               (["--sharding", "full-shard"], 2, True),  # one unit: whole_unit.py
-                                               (["--sharding", "grad-shard"], 2, True),
-                                               (["--sharding", "full-shard", "--fsdp_unit", "block"], 2, False),
-                                               (["--sharding", "full-shard", "--cpu_offload"], 2, False)])
-def test_cuda_graphs_only_where_no_fsdp_hooks_surround_the_graph(monkeypatch, flags, ranks, graphs):
-    """--cuda_graphs replays the compiled model: on one rank, under DDP (its all-reduce runs outside the graphs,
-    on the gradients backward leaves) and as whole_unit.py's one unit (its parameters keep their addresses).
-    FSDP2 frees and re-gathers the parameters each step at new addresses, which a replayed graph would not see:
-    asked for there, it is refused in one line, not dropped. (Plans only: no mesh is built, no GPU needed;
-    test_gpu.py trains no-shard and the one unit with CUDA graphs against the reference.)"""
-    from types import SimpleNamespace
-    from minimal_fsdp import plan as plan_module
-    from minimal_fsdp.config import ConfigError, parse_args
-    env = SimpleNamespace(device=torch.device("cuda"), world_size=ranks, local_world_size=ranks)
-    cfg = parse_args([*flags, "--compile", "--cuda_graphs"])
-    monkeypatch.setattr(plan_module, "init_device_mesh", lambda *args, **kwargs: "mesh")
-    tiny = make_config("gpt", "tiny", vocab_size=65)
-    if not graphs:
-        with pytest.raises(ConfigError, match="^--cuda_graphs replays the compiled model where no FSDP2 hooks"):
-            plan_module.make_plan(cfg, env, tiny)
-        return
-    plan = plan_module.make_plan(cfg, env, tiny)
-    assert plan.cuda_graphs and "replayed as CUDA graphs" in plan.describe()
+def test_build_model_refuses_a_plan_made_for_another_model():
+    with pytest.raises(ValueError, match="make_plan with this model's config"):
+        build_model(GPT, CONFIG, plain_plan(strategy="local", num_params=NUM_PARAMS + 1), CPU, seed=0)
+
+
+@pytest.fixture
+def group(one_rank_group):
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_shard_makes_the_units_it_is_asked_for(group, whole):
+    """Per block: every block its own FSDP unit, resharded after forward but the last; whole: the root alone,
+    never resharded after forward. bf16 gathers in bf16 and reduces in fp32; offload keeps shards on the CPU."""
+    strategy = "fsdp-whole" if whole else "fsdp-block"
+    plan = plain_plan(strategy=strategy, mesh=group, cpu_offload=True)
+    model = shard(GPT(CONFIG), plan)
+    assert isinstance(model, FSDPModule)
+    assert [isinstance(b, FSDPModule) for b in model.blocks] == [not whole] * 3
+    root = model._get_fsdp_state()
+    states = [root] + ([] if whole else [b._get_fsdp_state() for b in model.blocks])
+    reshards = [s._fsdp_param_group.post_forward_mesh_info is not None for s in states]
+    assert reshards == ([False] if whole else [True, True, True, False])
+    for state in states:
+        assert state._fsdp_param_group.mesh_info.mesh is group  # the plan's mesh, not a default one
+        assert state._mp_policy.param_dtype == torch.bfloat16 and state._mp_policy.reduce_dtype == torch.float32
+        offload = state._fsdp_param_group.offload_policy
+        assert isinstance(offload, CPUOffloadPolicy) and offload.pin_memory is torch.cuda.is_available()
+    fp32 = shard(GPT(CONFIG), plain_plan(strategy=strategy, mesh=group, precision="float32"))._get_fsdp_state()
+    assert fp32._mp_policy.param_dtype is None and fp32._mp_policy.reduce_dtype is None
+    assert not isinstance(fp32._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp-block", "fsdp-whole", "one-unit"])
+def test_build_model_compiles_per_block_or_whole(group, strategy):
+    plan = plain_plan(strategy=strategy, mesh=group, compile=True, reshard_after_forward=False)
+    model = build_model(GPT, CONFIG, plan, SimpleNamespace(device=torch.device("cpu")), seed=0)
+    compiled_blocks = [getattr(b.forward, "__wrapped__", None) == type(b).forward.__get__(b) for b in model.blocks]
+    assert compiled_blocks == [strategy == "fsdp-block"] * 3
+    assert hasattr(model.trunk, "__wrapped__") == (strategy != "fsdp-block")
+    assert isinstance(model, FSDPModule) == (strategy != "one-unit")
+    sync = gradient_sync(model, plan)
+    if strategy == "one-unit":  # whole_unit.py's one unit, stepped by its own sync
+        assert isinstance(sync, WholeUnitSync) and isinstance(model.whole_unit, WholeUnit)
+    else:
+        assert isinstance(sync, FSDPSync) and sync.stays_gathered
+        resharding = dataclasses.replace(plan, reshard_after_forward=True)
+        assert gradient_sync(model, resharding).stays_gathered == (strategy == "fsdp-whole")
+
+
+def test_every_strategy_has_its_gradient_sync(one_rank_group):
+    """One table, by strategy: nothing looks at the model to choose."""
+    assert set(SYNCS) == set(STRATEGIES)
+    assert type(gradient_sync(torch.nn.Linear(2, 2), plain_plan(strategy="local"))) is LocalSync
+    assert type(gradient_sync(torch.nn.Linear(2, 2), plain_plan(strategy="ddp"))) is DDPSync
+    gossip = gradient_sync(torch.nn.Linear(2, 2), plain_plan(strategy="gossip", topology="exp"))
+    assert type(gossip) is Gossip and gossip.topology == "exp"
+
+
+def test_local_clip_returns_the_norm_and_clips_only_when_asked():
+    weight = torch.nn.Parameter(torch.zeros(2))
+    weight.grad = torch.tensor([3.0, 4.0])
+    assert LocalSync().clip_grad_norm([weight], 0).item() == pytest.approx(5.0)
+    assert weight.grad.tolist() == [3.0, 4.0]
+    assert LocalSync().clip_grad_norm([weight], 1.0).item() == pytest.approx(5.0)
+    assert torch.linalg.vector_norm(weight.grad).item() == pytest.approx(1.0, rel=1e-5)
+
+
+def record_calls(monkeypatch, owner, name, result=lambda *args, **kwargs: None):
+    calls = []
+
+    def recorder(*args, **kwargs):
+        calls.append((args, kwargs))
+        return result(*args, **kwargs)
+    monkeypatch.setattr(owner, name, recorder)
+    return calls
+
+
+CPU = SimpleNamespace(device=torch.device("cpu"))
+
+
+def test_a_plain_bf16_model_runs_under_bf16_autocast(monkeypatch):
+    calls = record_calls(monkeypatch, parallelize.torch, "autocast", lambda *args, **kwargs: (lambda f: f))
+    build_model(GPT, CONFIG, plain_plan(strategy="local", precision="bf16"), CPU, seed=0)
+    assert calls == [(("cpu",), {"dtype": torch.bfloat16})]
+    calls.clear()
+    build_model(GPT, CONFIG, plain_plan(strategy="local", precision="float32"), CPU, seed=0)
+    assert calls == []
+
+
+def test_ddp_replicates_the_model_without_rebroadcasting_buffers(monkeypatch):
+    calls = record_calls(monkeypatch, parallelize, "replicate")
+    ddp = plain_plan(strategy="ddp", precision="float32")
+    model = build_model(GPT, CONFIG, ddp, CPU, seed=0)
+    assert calls == [((model,), {"device_id": torch.device("cpu"), "broadcast_buffers": False,
+                                 "gradient_as_bucket_view": True})]
+    assert type(gradient_sync(model, ddp)) is DDPSync
+    assert gradient_sync(model, ddp).model is model
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_ddp_with_graphs_compiles_one_graph_not_one_per_bucket(monkeypatch, graphs):
+    """Under DDP, Dynamo cuts a compiled model at DDP's buckets (recipe S: 3 graphs, each replayed and run through
+    autograd on its own); a model replayed as CUDA graphs is host-bound, so it stays one graph. The setting is
+    process-wide: the plan names it, run.plan_run applies it at the start of the run, build_model leaves it alone."""
+    ddp = plain_plan(strategy="ddp", compile=True, cuda_graphs=graphs)
+    assert process_settings(ddp) == ({"torch._dynamo.config.optimize_ddp": False} if graphs else {})
+    for other in ("local", "one-unit", "gossip"):
+        assert process_settings(dataclasses.replace(ddp, strategy=other)) == {}
+    record_calls(monkeypatch, parallelize, "replicate")
+    record_calls(monkeypatch, parallelize, "compiled_unless_caching", lambda f, mode=None: f)
+    with torch._dynamo.config.patch(optimize_ddp=True):  # restored afterwards
+        build_model(GPT, CONFIG, ddp, CPU, seed=0)
+        assert torch._dynamo.config.optimize_ddp is True
+        apply_process_settings(ddp)
+        assert torch._dynamo.config.optimize_ddp is (not graphs)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_whole_trunk_is_compiled_and_replayed_as_graphs_as_planned(monkeypatch, graphs):
+    calls = record_calls(monkeypatch, parallelize, "compiled_unless_caching", lambda f, mode=None: f)
+    model = build_model(GPT, CONFIG, plain_plan(strategy="local", compile=True, cuda_graphs=graphs), CPU, seed=0)
+    (args, kwargs), = calls
+    assert args == (model.trunk, "reduce-overhead" if graphs else None) and kwargs == {}
+    assert hasattr(model.loss, "_torchdynamo_orig_callable")  # the loss compiled too (CPU: no fused kernel)
+
+
+def test_uncompiled_models_keep_their_eager_loss():
+    from minimal_fsdp.layers import cross_entropy
+    model = build_model(GPT, CONFIG, plain_plan(strategy="local"), CPU, seed=0)
+    assert model.loss is cross_entropy and not hasattr(model.trunk, "__wrapped__")
+
+
+def test_generation_runs_the_eager_function_and_training_the_compiled_one(monkeypatch):
+    modes = record_calls(monkeypatch, parallelize.torch, "compile",
+                         lambda f, mode=None: (lambda *a, **k: ("compiled", a)))
+    run = parallelize.compiled_unless_caching(lambda *a, **k: ("eager", a), "reduce-overhead")
+    assert modes == [((run.__wrapped__,), {"mode": "reduce-overhead"})]
+    cache = parallelize.KVCache.__new__(parallelize.KVCache)
+    assert run(1, 2)[0] == "compiled" and run(1, cache)[0] == "eager" and run(1, cache=cache)[0] == "eager"
+
+
+def test_every_path_gives_the_same_initial_weights(group):
+    """Plain or sharded, built on the meta device or not, offloaded or not: the weights of seed 3."""
+    plain = build_model(GPT, CONFIG, plain_plan(strategy="local"), CPU, seed=3).state_dict()
+    meta = build_model(GPT, CONFIG, plain_plan(strategy="local", meta_init=True), CPU, seed=3).state_dict()
+    sharded = [build_model(GPT, CONFIG, plain_plan(mesh=group, precision="float32", **options), CPU, seed=3)
+               for options in (dict(), dict(meta_init=True), dict(meta_init=True, cpu_offload=True),
+                               dict(strategy="one-unit"), dict(strategy="one-unit", meta_init=True))]
+    for name, value in plain.items():
+        assert torch.equal(meta[name], value), name
+        for model in sharded:
+            assert torch.equal(model.state_dict()[name].full_tensor(), value), name
+
+
+@pytest.mark.parametrize("meta_init", [False, True])
+def test_meta_init_builds_the_model_on_the_meta_device(meta_init):
+    seen = []
+
+    class Recorded(GPT):
+        def __init__(self, config):
+            seen.append(torch.empty(0).device.type)
+            super().__init__(config)
+    build_model(Recorded, CONFIG, plain_plan(strategy="local", meta_init=meta_init), CPU, seed=0)
+    assert seen == ["meta" if meta_init else "cpu"]
+
+
+@pytest.mark.parametrize("limit_below_total,whole", [(False, True), (True, False)])
+def test_the_unit_rule_counts_every_parameter_embeddings_included(group, monkeypatch, limit_below_total, whole):
+    monkeypatch.setattr(plan_module, "SMALL_MODEL", NUM_PARAMS - 1 if limit_below_total else NUM_PARAMS)
+    monkeypatch.setattr(plan_module, "init_device_mesh", lambda *args, **kwargs: group)
+    env = SimpleNamespace(device=torch.device("cpu"), world_size=1, local_world_size=1)
+    plan = make_plan(parse_args([]), env, CONFIG, fsdp_on_one_rank=True)
+    assert plan.strategy == ("one-unit" if whole else "fsdp-block")
+    model = build_model(GPT, CONFIG, plan, CPU, seed=0)
+    assert [isinstance(b, FSDPModule) for b in model.blocks] == [not whole] * 3
+    assert hasattr(model, "whole_unit") == whole
+    assert isinstance(gradient_sync(model, plan), WholeUnitSync if whole else FSDPSync)
+
+
+def test_ddp_syncs_on_the_last_micro_step_only():
+    asked = []
+    sync = DDPSync(SimpleNamespace(set_requires_gradient_sync=asked.append))
+    sync.micro_step(last=False)
+    sync.micro_step(last=True)
+    assert asked == [False, True]
+
+
+def test_fsdp_sync_reduces_the_norm_over_the_shard_group_and_precomputes_float8_scales(group, monkeypatch):
+    precomputed = []
+    monkeypatch.setattr(parallelize.fp8, "scale_precompute", lambda plan: precomputed.append)
+    plan = plain_plan(mesh=group, precision="float32")  # FSDP2 per block
+    model = build_model(GPT, CONFIG, plan, CPU, seed=0)
+    x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_length))
+    model(x, x).backward()
+    sync = FSDPSync(model, plan)
+    groups = record_calls(monkeypatch, parallelize.dist, "all_reduce")
+    sync.clip_grad_norm(model.parameters(), 1.0)
+    assert [kwargs["group"] for _, kwargs in groups] == [group.get_group("shard")]
+    sync.after_step()
+    assert precomputed == [model]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp-block", "one-unit"])
+@pytest.mark.parametrize("max_norm", [0.0, 0.05, 100.0])
+def test_fsdp_clip_matches_torch_on_the_local_shards(group, max_norm, strategy, monkeypatch):
+    """The global norm (here one rank's) and the clipped gradients match torch's clip_grad_norm_ on plain copies;
+    0 does not clip; a norm under max_norm leaves the gradients as they are. FSDP2's sync (block units) and the
+    one unit's (whole_unit.py: its shards' gradients are one tensor)."""
+    plan = plain_plan(strategy=strategy, mesh=group, precision="float32")
+    model = build_model(GPT, CONFIG, plan, CPU, seed=0)
+    x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_length))
+    sync = gradient_sync(model, plan)
+    model(x, x).backward()
+    sync.finish()
+    plain = [p.grad.full_tensor().clone().requires_grad_(False) for p in model.parameters()]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in plain]
+    for p, g in zip(params, plain):
+        p.grad = g
+    expected = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
+    groups = record_calls(monkeypatch, parallelize.dist, "all_reduce")
+    norm = sync.clip_grad_norm(model.parameters(), max_norm)
+    assert [kwargs["group"] for _, kwargs in groups] == [group.get_group("shard")]  # one all-reduce, of the norm
+    # The sum of squares is taken in another order than torch's: equal to a few units in the last place, well
+    # under the clip's own epsilon (1e-6 / norm) that a wrong formula would move it by.
+    torch.testing.assert_close(norm, expected, rtol=3e-7, atol=0)
+    for p, q in zip(model.parameters(), params):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=3e-7, atol=0)
+    if max_norm == 100.0:
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, plain))  # not scaled up
+
+
+
