@@ -1,8 +1,11 @@
 """How big is a model, and will it train here? Parameters, checkpoint size, and the per-GPU and per-node host
-memory of every sharding strategy x activation checkpointing (none, full, selective) x CPU offload.
+memory of every sharding strategy x activation checkpointing (none, full, selective) x CPU offload; with
+--inter_node_gbps, each strategy's step time and tokens/s across hosts too (step_time.py).
 
     python -m minimal_fsdp.model_size --model_preset llama2-70b --gpus 16 --gpus_per_node 4 \\
         --gpu_memory 40GB --seq_length 4096 --batch_size 1
+    python -m minimal_fsdp.model_size --model_preset gpt2 --vocab_size 50304 --batch_size 32 --precision bf16 \\
+        --gpus 4 --gpus_per_node 2 --gpu_type H200 --inter_node_gbps 10
 
 The estimate is analytic: every term below is a tensor that FSDP2, autograd or AdamW keeps alive at the
 moment memory peaks, counted in bytes. It ignores what it cannot know (allocator fragmentation, the CUDA
@@ -19,8 +22,9 @@ from . import fp8
 from .config import MODEL_PRESETS, ConfigError, model_family, one_line_errors
 from .hf import read_config as read_hf_config
 from .models import MODELS, make_config
-from .choices import FSDP_UNITS, SHARDING
+from .choices import FSDP_UNITS, SHARDING, TOPOLOGIES
 from .plan import layout, strategy
+from .step_time import CARDS, print_step_times
 
 GiB = 2**30
 # A GPU "fits" when the estimate leaves this fraction free for the CUDA context, cuBLAS/NCCL workspaces and
@@ -37,6 +41,7 @@ class Sizes:
     per_block: int
     root: int  # everything outside the blocks: embeddings, final norm, output head (FSDP's root unit)
     float8_layers: tuple = ()  # (in, out) features of each linear layer of a block that --precision fp8 converts
+    lookup: int = 0  # the embedding that is only looked up (no FLOPs; layers.Decoder.lookup_only)
 
 
 def count_parameters(model_type, config):
@@ -45,7 +50,8 @@ def count_parameters(model_type, config):
     per_block = sum(p.numel() for p in model.blocks[0].parameters())
     root = sum(p.numel() for p in model.parameters()) - per_block
     float8 = tuple((m.in_features, m.out_features) for _, m in fp8.convertible(model))
-    return Sizes(root + per_block * config.num_layers, per_block, root, float8)
+    lookup = model.get_parameter(model.lookup_only).numel() if model.lookup_only else 0
+    return Sizes(root + per_block * config.num_layers, per_block, root, float8, lookup)
 
 
 def activations_per_token(model_type, config, device_type="cuda"):
@@ -201,6 +207,15 @@ def build_parser():
     p.add_argument("--host_memory", help="memory of one node, e.g. 512GB (to check CPU offload fits)")
     p.add_argument("--checkpoint_mode", choices=("auto", "sync", "async"), default="auto",
                    help="as in training: async (auto's choice on GPUs) keeps a host copy of the state to save from")
+    p.add_argument("--inter_node_gbps", type=float,
+                   help="Gbit/s of each node's link to the others: also estimate each strategy's step time")
+    p.add_argument("--gpu_type", choices=tuple(CARDS), default="H100", help="the card the step time is computed for")
+    p.add_argument("--mfu", type=float, help="achieved fraction of the card's bf16 peak (default: measured on one GPU, "
+                   "GPT-2 124M at batch 32, compiled or eager as --compile says)")
+    p.add_argument("--compile", action="store_true", help="as in training: the compiled MFU for the step time")
+    p.add_argument("--topology", choices=TOPOLOGIES, default="alternating-exp-ring", help="as in training (gossip)")
+    p.add_argument("--log_interval", type=int, default=10,
+                   help="as in training: decentralized runs all-reduce the replica at each logging step")
     return p
 
 
@@ -209,12 +224,17 @@ def main(argv=None):
     gpus_per_node = args.gpus_per_node or min(args.gpus, 8)
     group = args.shard_group_size or gpus_per_node
     for name in ("gpus", "batch_size", "grad_accum_steps", "seq_length", "vocab_size", "gpus_per_node",
-                 "shard_group_size"):
+                 "shard_group_size", "inter_node_gbps", "log_interval"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ConfigError(f"--{name} must be positive")
     if args.gpus % gpus_per_node or args.gpus % group:
         raise ConfigError(f"--gpus {args.gpus} must be divisible by --gpus_per_node and --shard_group_size "
                           f"(got {gpus_per_node} and {group})")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu {args.mfu} must be a fraction of the peak, in (0, 1]")
+    if args.inter_node_gbps and args.precision == "float32" and args.mfu is None:
+        raise ConfigError("--inter_node_gbps: the step time comes from a bf16 throughput measured on one GPU; add "
+                          "--precision bf16, or --mfu (the float32 run's fraction of the bf16 peak)")
     gpu_memory = parse_memory(args.gpu_memory, "gpu_memory")
     host_memory = parse_memory(args.host_memory, "host_memory") if args.host_memory else None
     family, config, name = model_config(args)
@@ -247,6 +267,8 @@ def main(argv=None):
           f"logit tensors; GPU: estimated peak; host: per node, {HOST_PER_PROCESS / GiB:.0f} GiB per process included"
           + (", and the copy of each rank's weights and AdamW moments that asynchronous checkpoint saves keep"
              if args.checkpoint_mode != "sync" else ""))
+    if args.inter_node_gbps:
+        print_step_times(args, family, config, sizes, gpus_per_node, group, (*SHARDING, "decentralized"))
 
 
 if __name__ == "__main__":

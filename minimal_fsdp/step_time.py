@@ -1,0 +1,164 @@
+"""How long a training step takes across hosts, per strategy: the planner's estimate (`python -m
+minimal_fsdp.model_size --inter_node_gbps G`) from the model's FLOPs, one GPU's measured throughput and the bytes
+each strategy sends over each host's link per step.
+
+The model, in three parts (docs/performance.md sets it beside the measured steps):
+- compute: tokens per GPU x FLOPs per token (6N + 12·L·C·T, what the training log's MFU counts) / (the card's
+  bf16 peak x an MFU measured on one GPU, CARDS);
+- the link: each host has one full-duplex link of --inter_node_gbps to a switch that does not block; NCCL over
+  TCP carries the payload of its frames (PAYLOAD). Inside a host NVLink is taken as free: gathering GPT-2 124M
+  over NVLink takes about a millisecond, sending it over a 10 Gbit/s link a hundred times that;
+- overlap: the one unit (whole_unit.py) and FSDP2's whole-model unit gather before forward and reduce after
+  backward, so their communication adds to compute; FSDP2's per-block units, DDP's buckets and gossip's exchange
+  run beside compute, so the longer of the two counts.
+Ranks are placed host by host (rank r on host r // gpus_per_host), as the launchers place them.
+"""
+import dataclasses
+import statistics
+
+from .gossip import exchange_for, exp_distances
+from .metrics import PEAK_FLOPS
+from .plan import layout, strategy
+
+# Of the bytes a shaped link passes, the TCP payload: 1448 of each 1500-byte frame (IP and TCP headers with
+# timestamps). One TCP stream measured 9.71 Gbit/s through a 10 Gbit/s tbf and 0.96 through 1 (96-97%).
+PAYLOAD = 1448 / 1500
+GRAD_BYTES = 4  # gradients are reduced in fp32 whatever the compute precision (FSDP2's reduce dtype, the one unit)
+REPLICA_BYTES = 4  # gossip sends its fp32 replica (bf16 runs autocast over fp32 weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class Card:
+    peak: float  # dense bf16 FLOP/s
+    mfu_compiled: float  # achieved on one GPU: GPT-2 124M, batch 32, bf16, --compile
+    mfu_eager: float  # the same without --compile
+
+
+# Measured on one GPU (benchmarks/RESULTS.md and its log), GPT-2 124M at batch 32, 855.4 MFLOPs a token:
+# H100 compiled 489,882 tok/s (42.4%), eager 347,827 tok/s (30.1%, measured before the fused loss);
+# H200 compiled 503-507K tok/s (43.7%); H200 eager was not measured at batch 32: the H100's (the same peak).
+# A larger model uses the GPU better (Llama-2-7B: 52%): give its MFU with --mfu.
+CARDS = {"H100": Card(PEAK_FLOPS["H100"], 0.424, 0.301), "H200": Card(PEAK_FLOPS["H200"], 0.437, 0.301)}
+
+
+def ring_share(ranks, per_host):
+    """Of a ring all-gather's (or reduce-scatter's) whole tensor, the part that crosses each host's link each way:
+    a ring over hosts placed in turn leaves every host once, and each of its edges carries (n-1)/n of the tensor."""
+    return (ranks - 1) / ranks if ranks > per_host else 0.0
+
+
+def all_reduce_share(hosts):
+    """An all-reduce's bytes over each host's link each way, per byte reduced: 2(H-1)/H, a ring over the hosts after
+    a reduction inside each (what hybrid sharding does itself, and NCCL's tree does between two hosts)."""
+    return 2 * (hosts - 1) / hosts
+
+
+def gossip_messages(topology, hosts, per_host, step):
+    """The most replicas any host sends or receives over its link at one gossip step (gossip.exchange_for's)."""
+    world = hosts * per_host
+    out, into = [0] * hosts, [0] * hosts
+    for rank in range(world):
+        for peer in exchange_for(topology, rank, world, step).send_to:
+            if peer // per_host != rank // per_host:
+                out[rank // per_host] += 1
+                into[peer // per_host] += 1
+    return max(out + into)
+
+
+def gossip_period(topology, world):
+    """Steps after which a topology's exchanges repeat."""
+    period = len(exp_distances(world)) or 1
+    return {"exp": period, "alternating-exp-ring": 2 * period}.get(topology, 1)
+
+
+def link_bytes(chosen, sharding, params, world, per_host, shard_group, compute_bytes, micro_steps=1,
+               topology="alternating-exp-ring", log_interval=10):
+    """(bytes a step waits for, bytes that run beside compute) over each host's link each way, under the strategy
+    `chosen` (plan.strategy's). Gossip's first is the consensus distance of the logging steps (an all-reduce of the
+    replica), spread over log_interval steps; its second the mean over a period of its topology's exchanges."""
+    hosts = world // per_host
+    if hosts == 1 or chosen == "local":
+        return 0.0, 0.0
+    if chosen == "gossip":
+        replica = REPLICA_BYTES * params
+        consensus = all_reduce_share(hosts) * replica / log_interval
+        if topology == "complete":
+            return consensus, all_reduce_share(hosts) * replica
+        steps = range(gossip_period(topology, world))
+        return consensus, replica * statistics.mean(gossip_messages(topology, hosts, per_host, t) for t in steps)
+    _, shards, reshard = layout(sharding, world, shard_group)
+    # Gathers a step: FSDP2's blocks twice a micro-step when resharded after forward; otherwise the parameters
+    # stay gathered from the first forward to the last backward of the step.
+    gathers = 2 * micro_steps if chosen == "fsdp-block" and reshard else 1
+    total = gathers * ring_share(shards, per_host) * compute_bytes * params
+    total += ring_share(shards, per_host) * GRAD_BYTES * params  # reduce-scatter, after the last micro-step
+    replicas = world // shards
+    if replicas > 1:  # each host holds min(shards, per_host) distinct shards; their replicas span world / max hosts
+        total += all_reduce_share(world // max(shards, per_host)) * GRAD_BYTES * params * min(shards, per_host) / shards
+    return (total, 0.0) if chosen in ("one-unit", "fsdp-whole") else (0.0, total)
+
+
+@dataclasses.dataclass
+class StepTime:
+    strategy: str  # plan.strategy's choice
+    compute: float  # seconds
+    link: float  # seconds on the link, waited for or not
+    step: float
+    tokens_per_s: float
+    bytes_per_step: float  # over each host's link, each way
+
+
+def estimate_step(sharding, params, flops_per_token, tokens_per_gpu, world, per_host, shard_group, gbps, flops,
+                  precision="bf16", micro_steps=1, fsdp_unit="auto", topology="alternating-exp-ring",
+                  log_interval=10):
+    """The step time of `sharding` (or "decentralized", gossip) for tokens_per_gpu tokens a step on each of world
+    GPUs of per_host a host, each computing at `flops` FLOP/s, the hosts joined by links of `gbps` Gbit/s."""
+    decentralized = sharding == "decentralized"
+    chosen = strategy("no-shard" if decentralized else sharding, world, params, fsdp_unit,
+                      float8=precision == "fp8", decentralized=decentralized)
+    waited, beside = link_bytes(chosen, sharding, params, world, per_host, shard_group,
+                                4 if precision == "float32" else 2, micro_steps, topology, log_interval)
+    rate = gbps * 1e9 / 8 * PAYLOAD  # bytes/s
+    compute = tokens_per_gpu * flops_per_token / flops
+    if chosen == "ddp":  # buckets all-reduce during backward, about two thirds of the compute
+        step = compute / 3 + max(2 * compute / 3, beside / rate)
+    else:
+        step = max(compute, beside / rate) + waited / rate
+    return StepTime(chosen, compute, (waited + beside) / rate, step, world * tokens_per_gpu / step, waited + beside)
+
+
+def flops_per_token(sizes, config):
+    """Training FLOPs per token, as layers.Decoder.flops_per_token counts them (6N without the lookup-only embedding,
+    plus attention), from the planner's parameter counts."""
+    return 6 * (sizes.total - sizes.lookup) + 12 * config.num_layers * config.embed_size * config.seq_length
+
+
+def achieved_flops(gpu_type, mfu, compile, precision):
+    """(FLOP/s one GPU achieves, the MFU it came from): --mfu, or the card's measured MFU for the run's compile."""
+    card = CARDS[gpu_type]
+    if mfu is None:
+        mfu = card.mfu_compiled if compile else card.mfu_eager
+    return card.peak * mfu, mfu
+
+
+def print_step_times(args, family, config, sizes, per_host, shard_group, strategies):
+    """The table `python -m minimal_fsdp.model_size --inter_node_gbps G` adds below the memory table."""
+    flops, mfu = achieved_flops(args.gpu_type, args.mfu, args.compile, args.precision)
+    tokens_per_gpu = args.batch_size * args.grad_accum_steps * config.seq_length
+    per_token = flops_per_token(sizes, config)
+    hosts = args.gpus // per_host
+    print(f"\nstep time: {hosts} host(s) x {per_host} GPU(s), {args.inter_node_gbps:g} Gbit/s between hosts "
+          f"({args.inter_node_gbps * PAYLOAD:.2f} of TCP payload), NVLink inside taken as free; {args.gpu_type} at "
+          f"{mfu:.1%} MFU ({flops / 1e12:.0f} TFLOP/s, {'compiled' if args.compile else 'eager'}), "
+          f"{per_token / 1e6:.1f} MFLOPs a token")
+    header = f"{'strategy':<19}{'as':<12}{'GB/step':>9}{'compute ms':>12}{'link ms':>10}{'step ms':>10}" \
+             f"{'tokens/s':>13}"
+    print(header + "\n" + "-" * len(header))
+    for sharding in strategies:
+        t = estimate_step(sharding, sizes.total, per_token, tokens_per_gpu, args.gpus, per_host, shard_group,
+                          args.inter_node_gbps, flops, args.precision, args.grad_accum_steps, args.fsdp_unit,
+                          args.topology, args.log_interval)
+        print(f"{sharding:<19}{t.strategy:<12}{t.bytes_per_step / 1e9:>9.2f}{1000 * t.compute:>12.1f}"
+              f"{1000 * t.link:>10.1f}{1000 * t.step:>10.1f}{t.tokens_per_s:>13,.0f}")
+    print("as: how training runs it (plan.strategy); GB/step: over each host's link each way; link ms: time on the "
+          "link; one-unit and fsdp-whole wait for it after compute, the others overlap it (docs/performance.md)")
