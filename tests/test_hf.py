@@ -1,36 +1,31 @@
-"""Hugging Face in and out: tiny random GPT2LMHeadModel / LlamaForCausalLM built locally with transformers
-(no network), imported into our models, and ours exported and reloaded by transformers, each with the same
-logits (fp32, max abs diff < 1e-4); exports carry a tokenizer.json that transformers' AutoTokenizer reads and
-that gives our token ids, for every kind of tokenizer. Then --hf_model on 2 ranks, offline: training starts
-from the Hugging Face weights and tokenizer, generation matches transformers' greedy decoding, and a Llama 3
-(tiktoken tokenizer, rope scaling, GQA) trains, samples, exports and comes back through --hf_model."""
+"""hf.py, reading a Hugging Face model, with transformers as the reference wherever it has an answer: tiny random
+GPT2LMHeadModel / LlamaForCausalLM built locally (no network) and imported into our models with the same logits
+(fp32, max abs diff < 1e-4); the name map and which tensors GPT-2 stores transposed (against transformers' own
+parameters); the weight files in every form (.safetensors, sharded with an index, .bin saved on a GPU,
+memory-mapped, never unpickling code) and load_weights' shape checks; the rows each rank of an FSDP2 mesh reads
+(torch's fake process group: several ranks' shards in one process); the directory's tokenizer. The directory's
+config.json and resolve are test_hf_config.py's; writing one, test_hf_write.py's; tokenizer.json,
+test_hf_tokenizer.py's; --hf_model on 2 ranks, test_hf_runs.py's."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tokenizer_dirs
-from conftest import ROOT, global_batch, launch, make_text
-from test_end_to_end import sample_of
-from test_parallelize import logged_losses
-
+from minimal_fsdp import hf, tokenizer as tk
+from minimal_fsdp.config import ConfigError
+from minimal_fsdp.llama import LlamaConfig
+from minimal_fsdp.model import GPTConfig
+from minimal_fsdp.models import MODELS
+from minimal_fsdp.parallelize import init_weights
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(ROOT))
-from minimal_fsdp.models import MODELS  # noqa: E402
-from minimal_fsdp import checkpoint_find, checkpoint_meta, export, hf, hf_write, safe_load  # noqa: E402
-from minimal_fsdp import tokenizer as tk  # noqa: E402
-from minimal_fsdp.config import ConfigError, parse_args  # noqa: E402
-from minimal_fsdp.data import TokenData, dataset_dir  # noqa: E402
-from minimal_fsdp.llama import LlamaConfig  # noqa: E402
-from minimal_fsdp.model import GPTConfig  # noqa: E402
-from minimal_fsdp.parallelize import init_weights  # noqa: E402
-from minimal_fsdp.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
-
 transformers.logging.set_verbosity_error()
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8, "rope_theta": 500000.0}
 
@@ -68,6 +63,73 @@ def assert_same_logits(ours, theirs, vocab_size, length):
     assert (got - expected).abs().max().item() < 1e-4
     loss = torch.nn.functional.cross_entropy(expected[:, :-1].reshape(-1, vocab_size), idx[:, 1:].reshape(-1))
     assert ours(idx[:, :-1], idx[:, 1:]).item() == pytest.approx(loss.item(), abs=1e-5)
+
+
+GPT = GPTConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=4, embed_size=32)
+LLAMA = LlamaConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=6, num_kv_heads=2, embed_size=48,
+                    intermediate_size=72)
+
+
+def gpt2_config(**kw):
+    return transformers.GPT2Config(**dict(dict(n_layer=2, n_head=4, n_embd=32, n_positions=24, vocab_size=53), **kw))
+
+
+def llama_config(**kw):
+    return transformers.LlamaConfig(**dict(dict(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+                                                num_attention_heads=6, num_key_value_heads=2, vocab_size=53,
+                                                max_position_embeddings=24), **kw))
+
+
+def save_config(directory, config_dict):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config_dict))
+    return directory
+
+
+def ours(model_type, config=None, seed=0):
+    model = MODELS[model_type](config or {"gpt": GPT, "llama": LLAMA}[model_type]).eval()
+    init_weights(model, seed, torch.device("cpu"))
+    return model
+
+
+def bare(model_type):
+    """The fields without which there is no model: transformers' defaults fill in the rest."""
+    if model_type == "gpt2":
+        return {"model_type": "gpt2", "vocab_size": 53, "n_positions": 24, "n_embd": 32, "n_layer": 2, "n_head": 4}
+    return {"model_type": "llama", "vocab_size": 53, "max_position_embeddings": 24, "hidden_size": 48,
+            "intermediate_size": 72, "num_hidden_layers": 2, "num_attention_heads": 6}
+
+
+# -----------------------------------------------------------------------------
+# names
+
+@pytest.mark.parametrize("model_type", ["gpt", "llama"])
+def test_names_map_every_parameter_onto_transformers_own(model_type):
+    theirs = (transformers.GPT2LMHeadModel(gpt2_config()) if model_type == "gpt"
+              else transformers.LlamaForCausalLM(llama_config()))
+    model = ours(model_type)
+    names = hf.hf_names(model_type, model.config)
+    assert sorted(names) == sorted(name for name, _ in model.named_parameters())
+    their_shapes = {name: tuple(p.shape) for name, p in theirs.named_parameters()}
+    if model_type == "gpt":  # GPT-2's lm_head is the tied embedding: transformers lists it once, as wte
+        assert "lm_head.weight" not in names
+    assert set(names.values()) == set(their_shapes)
+    for name, param in model.named_parameters():
+        theirs_name = names[name]
+        expected = their_shapes[theirs_name][::-1] if hf.is_transposed(theirs_name) else their_shapes[theirs_name]
+        assert tuple(param.shape) == expected, name
+
+
+def test_transposed_are_exactly_gpt2s_conv1d_weights():
+    from transformers.pytorch_utils import Conv1D
+    theirs = transformers.GPT2LMHeadModel(gpt2_config())
+    modules = dict(theirs.named_modules())
+    for name, _ in theirs.named_parameters():
+        module, _, kind = name.rpartition(".")
+        assert hf.is_transposed(name) == (isinstance(modules[module], Conv1D) and kind == "weight"), name
+    assert any(hf.is_transposed(name) for name, _ in theirs.named_parameters())
+    for name, _ in transformers.LlamaForCausalLM(llama_config()).named_parameters():
+        assert not hf.is_transposed(name), name
 
 
 # -----------------------------------------------------------------------------
@@ -141,102 +203,261 @@ def test_hub_name_offline_or_without_huggingface_hub(tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# out
+# reading the weights
+
+def write_state(directory, state, form):
+    """A state dict saved as a Hugging Face directory holds it: one file or an index of shards, either format."""
+    from safetensors.torch import save_file
+    directory.mkdir(parents=True, exist_ok=True)
+    names = list(state)
+    if form == "safetensors":
+        save_file(state, directory / "model.safetensors")
+    elif form == "bin":
+        torch.save(state, directory / "pytorch_model.bin")
+    elif form == "old bin":  # torch < 1.6's format, which cannot be memory-mapped
+        torch.save(state, directory / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    else:
+        parts = [names[:len(names) // 2], names[len(names) // 2:]]
+        ext = "safetensors" if form == "sharded safetensors" else "bin"
+        prefix = "model" if ext == "safetensors" else "pytorch_model"
+        weight_map = {}
+        for i, part in enumerate(parts, 1):
+            file = f"{prefix}-{i:05d}-of-00002.{ext}"
+            (save_file if ext == "safetensors" else torch.save)({n: state[n] for n in part}, directory / file)
+            weight_map.update({n: file for n in part})
+        (directory / f"{prefix}.{ext}.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return directory
+
+
+@pytest.mark.parametrize("form", ["safetensors", "bin", "old bin", "sharded safetensors", "sharded bin"])
+def test_checkpoint_files_read_rows_and_shapes_in_every_form(tmp_path, form):
+    state = {"a": torch.arange(12.).reshape(3, 4), "b": torch.arange(5.), "c": torch.arange(6.).reshape(2, 3)}
+    files = hf.CheckpointFiles(write_state(tmp_path, state, form))
+    assert all(name in files for name in state) and "d" not in files
+    assert [files.shape(n) for n in state] == [(3, 4), (5,), (2, 3)]
+    assert torch.equal(files.rows("a", 1, 3), state["a"][1:3])
+    assert torch.equal(files.rows("b", 2, 5), state["b"][2:])
+    assert torch.equal(files.rows("a", 1, 3, transposed=True), state["a"].t()[1:3])
+    assert torch.equal(files.rows("c", 0, 3, transposed=True), state["c"].t())
+
+
+def test_checkpoint_files_prefer_safetensors_and_an_index(tmp_path):
+    state = {"a": torch.ones(2)}
+    write_state(tmp_path, {"a": torch.full((2,), 3.)}, "bin")
+    write_state(tmp_path, {"a": torch.full((2,), 2.)}, "sharded bin")
+    write_state(tmp_path, state, "safetensors")
+    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.ones(2))
+    write_state(tmp_path, {"a": torch.zeros(2)}, "sharded safetensors")
+    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.zeros(2))
+    for file in tmp_path.glob("model*"):
+        file.unlink()
+    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.full((2,), 2.))
+    (tmp_path / "pytorch_model.bin.index.json").unlink()
+    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.full((2,), 3.))
+    (tmp_path / "pytorch_model.bin").unlink()
+    with pytest.raises(ConfigError) as error:
+        hf.CheckpointFiles(tmp_path)
+    assert str(error.value) == (f"--hf_model {tmp_path} has no model.safetensors or pytorch_model.bin (nor an "
+                                "index of shards)")
+
+
+def test_checkpoint_files_open_each_file_once(tmp_path):
+    files = hf.CheckpointFiles(write_state(tmp_path, {"a": torch.ones(2, 2), "b": torch.ones(3)},
+                                           "sharded safetensors"))
+    for _ in range(3):
+        files.shape("a"), files.rows("b", 0, 1)
+    assert sorted(f.name for f in files.open_files) == ["model-00001-of-00002.safetensors",
+                                                        "model-00002-of-00002.safetensors"]
+    first = dict(files.open_files)
+    files.rows("a", 0, 1)
+    assert all(files.open_files[f] is first[f] for f in first)
+
+
+def hf_state(model_type, config):
+    """A random transformers model of this config, saved as its directory would hold it: {name: tensor}."""
+    torch.manual_seed(0)
+    if model_type == "gpt":
+        theirs = transformers.GPT2LMHeadModel(gpt2_config(n_positions=config.seq_length))
+    else:
+        theirs = transformers.LlamaForCausalLM(llama_config(max_position_embeddings=config.seq_length))
+    state = {name: p.detach().clone() for name, p in theirs.named_parameters()}
+    if model_type == "llama":  # as save_pretrained would (untied)
+        state["lm_head.weight"] = theirs.lm_head.weight.detach().clone()
+    return state
+
+
+def expected_params(model_type, config, state):
+    """Our parameters from their tensors, by the name map (transposed where GPT-2 stores Conv1D weights)."""
+    names = hf.hf_names(model_type, config)
+    return {ours: state[theirs].t() if hf.is_transposed(theirs) else state[theirs] for ours, theirs in names.items()}
+
 
 @pytest.mark.parametrize("model_type", ["gpt", "llama"])
-def test_export_loads_in_transformers_with_the_same_logits(tmp_path, model_type):
-    config = GPTConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=4, embed_size=32) \
-        if model_type == "gpt" else LlamaConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=6,
-                                                num_kv_heads=2, embed_size=48, intermediate_size=72,
-                                                rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)
-    ours = MODELS[model_type](config).eval()
-    init_weights(ours, 0, torch.device("cpu"))
-    meta = {"model": config.to_dict(), "model_type": model_type}
-    hf_write.save_hf(ours.state_dict(), meta, tmp_path / "out", max_shard_bytes=30_000)  # several shards
-    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(theirs).__name__ == {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[model_type]
-    assert_same_logits(ours, theirs, 53, 24)
-    # ... and it comes back in unchanged, also after a second export to the same directory as one file.
-    hf_write.save_hf(ours.state_dict(), meta, tmp_path / "out")
-    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
-    again = ours_from(tmp_path / "out")
-    for name, value in ours.state_dict().items():
-        assert torch.equal(again.state_dict()[name], value), name
+def test_load_weights_copies_every_tensor(tmp_path, model_type):
+    config = {"gpt": GPT, "llama": LLAMA}[model_type]
+    state = hf_state(model_type, config)
+    model = ours(model_type)
+    hf.load_weights(model, write_state(tmp_path, state, "safetensors"), model_type)
+    expected = expected_params(model_type, config, state)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, expected[name]), name
 
 
-def test_export_of_a_checkpoint_without_model_type_is_a_gpt(tmp_path):
-    config = GPTConfig(vocab_size=300, seq_length=16, num_layers=1, num_heads=2, embed_size=16)
-    ours = MODELS["gpt"](config)
-    init_weights(ours, 0, torch.device("cpu"))
-    hf_write.save_hf(ours.state_dict(), {"model": config.to_dict()}, tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gpt2"
+def test_stored_names_hub_gpt2_prefix_and_tied_llama_head(tmp_path):
+    gpt = hf_state("gpt", GPT)
+    model = ours("gpt")  # the hub's gpt2 was saved from GPT2Model: no "transformer." prefix
+    hf.load_weights(model, write_state(tmp_path / "gpt", {n.removeprefix("transformer."): t for n, t in gpt.items()},
+                                       "safetensors"), "gpt")
+    assert torch.equal(model.blocks[1].attn.qkv.weight, gpt["transformer.h.1.attn.c_attn.weight"].t())
+    assert torch.equal(model.wpe.weight, gpt["transformer.wpe.weight"])
+    llama = hf_state("llama", LLAMA)
+    del llama["lm_head.weight"]  # Llama 3.2's tied embeddings
+    model = ours("llama")
+    hf.load_weights(model, write_state(tmp_path / "llama", llama, "safetensors"), "llama")
+    assert torch.equal(model.lm_head.weight, llama["model.embed_tokens.weight"])
+    assert model.lm_head.weight.data_ptr() != model.wte.weight.data_ptr()  # untied: trained apart from here on
+    del llama["model.norm.weight"]
+    write_state(tmp_path / "llama", llama, "safetensors")
+    with pytest.raises(ConfigError) as error:
+        hf.load_weights(model, tmp_path / "llama", "llama")
+    assert str(error.value) == (f"--hf_model {tmp_path / 'llama'} has no tensor model.norm.weight: not a "
+                                "checkpoint of this model type?")
 
+
+def test_shapes_are_checked_before_anything_is_copied(tmp_path):
+    state = hf_state("llama", LLAMA)
+    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(48, 71)
+    model = ours("llama")
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigError) as error:
+        hf.load_weights(model, write_state(tmp_path, state, "safetensors"), "llama")
+    assert str(error.value) == (f"--hf_model {tmp_path}: model.layers.1.mlp.down_proj.weight has shape (48, 71), "
+                                "our blocks.1.mlp.down_proj.weight is (48, 72)")
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_gpt2_positions_may_be_cut_to_a_shorter_context_only(tmp_path):
+    state = hf_state("gpt", GPT)  # 24 positions
+    short = GPTConfig(**dict(GPT.to_dict(), seq_length=10))
+    model = ours("gpt", short)
+    hf.load_weights(model, write_state(tmp_path / "a", state, "safetensors"), "gpt")
+    assert torch.equal(model.wpe.weight, state["transformer.wpe.weight"][:10])
+    for config, bad, shape in [(GPTConfig(**dict(GPT.to_dict(), seq_length=25)), None, (24, 32)),
+                               (short, torch.zeros(24, 31), (24, 31)), (short, torch.zeros(24), (24,))]:
+        if bad is not None:
+            state["transformer.wpe.weight"] = bad
+        model = ours("gpt", config)
+        with pytest.raises(ConfigError) as error:
+            hf.load_weights(model, write_state(tmp_path / "b", state, "safetensors"), "gpt")
+        assert str(error.value) == (f"--hf_model {tmp_path / 'b'}: transformer.wpe.weight has shape {shape}, our "
+                                    f"wpe.weight is {tuple(model.wpe.weight.shape)}")
+    state = hf_state("llama", LLAMA)  # anything else, even with more rows, must match exactly
+    state["model.embed_tokens.weight"] = torch.zeros(54, 48)
+    with pytest.raises(ConfigError, match=r"model.embed_tokens.weight has shape \(54, 48\)"):
+        hf.load_weights(ours("llama"), write_state(tmp_path / "c", state, "safetensors"), "llama")
+    state = hf_state("gpt", GPT)  # a transposed tensor is compared as we store it
+    state["transformer.h.0.mlp.c_fc.weight"] = state["transformer.h.0.mlp.c_fc.weight"].t().contiguous()
+    with pytest.raises(ConfigError, match=r"transformer.h.0.mlp.c_fc.weight has shape \(32, 128\), our "
+                                          r"blocks.0.mlp.fc.weight is \(128, 32\)"):
+        hf.load_weights(ours("gpt"), write_state(tmp_path / "d", state, "safetensors"), "gpt")
+
+
+# -----------------------------------------------------------------------------
+# each rank reads its own rows: FSDP2 meshes on torch's fake process group, one rank at a time in this process
+
+@pytest.fixture
+def fake_rank():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def join(rank, shape):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=int(torch.tensor(shape).prod()))
+        return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    yield join
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rows,ranks", [(7, 3), (5, 4), (8, 4), (2, 3)])
+def test_local_rows_are_torch_chunk_pieces(fake_rank, rows, ranks):
+    from torch.distributed.tensor import DTensor, Shard
+    full = torch.arange(rows * 3.).reshape(rows, 3)
+    starts = [0] + [len(piece) for piece in torch.chunk(full, ranks)]
+    starts = torch.tensor(starts + [0] * (ranks + 1 - len(starts))).cumsum(0).tolist()
+    for rank in range(ranks):
+        mesh = fake_rank(rank, (ranks,))
+        pieces = torch.chunk(full, ranks)
+        local = pieces[rank] if rank < len(pieces) else full[:0]
+        param = DTensor.from_local(local, mesh, [Shard(0)], shape=full.shape, stride=full.stride())
+        assert hf.local_rows(param) == (starts[rank], starts[rank + 1]), rank
+        dist.destroy_process_group()
+    assert hf.local_rows(full) == (0, rows)
+
+
+def test_a_replicated_parameter_holds_every_row(fake_rank):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    full = torch.arange(10.).reshape(5, 2)
+    mesh = fake_rank(3, (2, 2))
+    assert hf.local_rows(DTensor.from_local(full, mesh, [Replicate(), Replicate()])) == (0, 5)
+    piece = torch.chunk(full, 2)[1]
+    assert hf.local_rows(DTensor.from_local(piece, mesh, [Replicate(), Shard(0)], shape=full.shape,
+                                            stride=full.stride())) == (3, 5)
+
+
+@pytest.mark.parametrize("model_type,shape,rank", [("llama", (3,), 2), ("llama", (3,), 1), ("gpt", (4,), 3),
+                                                   ("llama", (2, 3), 5), ("gpt", (2, 2), 2)])
+def test_each_rank_of_a_mesh_loads_its_own_shard(tmp_path, fake_rank, model_type, shape, rank):
+    from torch.distributed.fsdp import fully_shard
+    config = {"gpt": GPT, "llama": LLAMA}[model_type]
+    state = hf_state(model_type, config)
+    directory = write_state(tmp_path, state, "safetensors")
+    expected = expected_params(model_type, config, state)
+    mesh = fake_rank(rank, shape)
+    model = MODELS[model_type](config)
+    fully_shard(model, mesh=mesh)
+    hf.load_weights(model, directory, model_type)
+    shard_rank = rank % shape[-1]
+    for name, param in model.named_parameters():
+        pieces = torch.chunk(expected[name], shape[-1])
+        local = pieces[shard_rank] if shard_rank < len(pieces) else expected[name][:0]
+        assert torch.equal(param.to_local(), local), name
+
+
+# -----------------------------------------------------------------------------
+# the directory's tokenizer
 
 def stub_gpt2(monkeypatch):
-    """A GPT2Tokenizer over a tiny tiktoken encoding with GPT-2's split pattern (no gpt2 files offline)."""
-    tokenizer_dirs.stub_gpt2_encoding(monkeypatch)
-    return tk.GPT2Tokenizer()
+    """tiktoken's gpt2 encoding stood in for by a tiny one with GPT-2's split pattern (no gpt2 files offline)."""
+    return tokenizer_dirs.stub_gpt2_encoding(monkeypatch)
 
 
-def tokenizer_of_kind(kind, tmp_path, monkeypatch):
-    if kind == "char":
-        return tk.train_tokenizer("char", tokenizer_dirs.training_text() + "".join(tokenizer_dirs.MIXED), None,
-                                  tmp_path / "tok")
-    if kind == "sentencepiece":
-        return tk.load_tokenizer(tokenizer_dirs.write_sentencepiece(tmp_path / "tok"))
-    if kind == "hf":
-        return tk.load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "tok"))
-    if kind == "tiktoken":
-        return tk.load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tok")[0])
-    return stub_gpt2(monkeypatch)
+def test_load_tokenizer_of_a_directory(tmp_path, monkeypatch):
+    gpt2 = save_config(tmp_path / "gpt2", bare("gpt2"))
+    stub = stub_gpt2(monkeypatch)
+    tokenizer = hf.load_tokenizer(gpt2)  # weights alone: tiktoken's GPT-2 BPE
+    assert tokenizer.kind == "gpt2" and tokenizer.enc is stub
+    tokenizer_dirs.write_tokenizer_json(gpt2)  # its own files win
+    assert hf.load_tokenizer(gpt2).kind == "hf"
+    llama = save_config(tmp_path / "llama", bare("llama"))  # a Llama has no default
+    with pytest.raises(tk.TokenizerError) as error:
+        hf.load_tokenizer(llama)
+    assert str(error.value) == (f"--hf_model: {llama} holds no tokenizer: expected tokenizer.json (ours or Hugging "
+                                "Face's), vocab.json + merges.txt, or tokenizer.model (or pass --tokenizer_dir DIR)")
+    assert error.value.__cause__ is None and error.value.__suppress_context__
+    tokenizer_dirs.write_vocab_merges(llama)
+    assert hf.load_tokenizer(llama).kind == "hf"
 
 
-@pytest.mark.parametrize("kind", ["char", "sentencepiece", "hf", "tiktoken", "gpt2"])
-def test_export_carries_a_tokenizer_that_transformers_reads_as_ours(tmp_path, monkeypatch, kind):
-    tokenizer = tokenizer_of_kind(kind, tmp_path, monkeypatch)
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, seq_length=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                         embed_size=16, intermediate_size=32)
-    ours = MODELS["llama"](config)
-    init_weights(ours, 0, torch.device("cpu"))
-    hf_write.save_hf(ours.state_dict(), {"model": config.to_dict(), "model_type": "llama"}, tmp_path / "out", tokenizer)
-    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
-    for text in tokenizer_dirs.MIXED:
-        ids = tokenizer.encode(text)
-        assert theirs(text, add_special_tokens=False)["input_ids"] == ids, text
-        assert theirs.decode(ids) == tokenizer.decode(ids) == text
-    # bos/eos in config.json are ours, and are tokens of the vocabulary (or absent, for char)
-    saved = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (saved["bos_token_id"], saved["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eot_id)
-    assert theirs.eos_token_id == tokenizer.eot_id and theirs.bos_token_id == tokenizer.bos_id
-    for i in (tokenizer.bos_id, tokenizer.eot_id):
-        assert i is None or i < tokenizer.vocab_size and theirs.convert_ids_to_tokens(i) is not None
-    if kind != "char":
-        assert tokenizer.eot_id is not None
-    # and --hf_model reads the export's tokenizer back, with the same ids
-    again = hf.load_tokenizer(tmp_path / "out")
-    assert all(again.encode(t) == tokenizer.encode(t) for t in tokenizer_dirs.MIXED)
-    assert again.eot_id == tokenizer.eot_id
-
-
-def test_export_dtype_and_file_permissions(tmp_path):
-    config = LlamaConfig(vocab_size=53, seq_length=16, num_layers=1, num_heads=2, num_kv_heads=1, embed_size=16,
-                         intermediate_size=32)
-    ours = MODELS["llama"](config)
-    init_weights(ours, 0, torch.device("cpu"))
-    state = {name: t.bfloat16() for name, t in ours.state_dict().items()}
-    tokenizer = tk.CharTokenizer("".join(chr(ord("a") + i) for i in range(26)) + " .")
-    hf_write.save_hf(state, {"model": config.to_dict(), "model_type": "llama"}, tmp_path / "out", tokenizer,
-                     max_shard_bytes=2_000)
-    saved = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert saved["dtype"] == saved["torch_dtype"] == "bfloat16"
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")
-    assert {p.dtype for p in theirs.parameters()} == {torch.bfloat16}
-    umask = os.umask(0)
-    os.umask(umask)
-    files = sorted((tmp_path / "out").iterdir())
-    assert len([f for f in files if f.suffix == ".safetensors"]) > 1 and (tmp_path / "out" / "tokenizer.json") in files
-    assert {f.name: f.stat().st_mode & 0o777 for f in files} == {f.name: 0o666 & ~umask for f in files}
+def test_gpt2_without_tokenizer_files_offline(tmp_path, monkeypatch):
+    gpt2 = save_config(tmp_path / "gpt2", bare("gpt2"))
+    monkeypatch.setattr(tk, "gpt2_cached", lambda: False)
+    monkeypatch.setattr(tk, "reachable", lambda url, timeout=5.0: False)
+    with pytest.raises(tk.TokenizerError) as error:
+        hf.load_tokenizer(gpt2)
+    assert str(error.value) == (f"--hf_model {gpt2} has no tokenizer files (tokenizer.json, or vocab.json + "
+                                "merges.txt), and tiktoken's gpt2 files are not cached nor downloadable (offline?): "
+                                "copy the model's tokenizer files into it, or pass --tokenizer_dir DIR")
+    assert error.value.__cause__ is None and error.value.__suppress_context__
 
 
 def test_gpt2_weights_without_tokenizer_files_offline_is_one_line(tmp_path, monkeypatch):
@@ -248,155 +469,50 @@ def test_gpt2_weights_without_tokenizer_files_offline_is_one_line(tmp_path, monk
 
 
 # -----------------------------------------------------------------------------
-# --hf_model on 2 ranks
+# .bin files: memory-mapped, weights only, on a CPU whichever device saved them
 
-@pytest.fixture
-def llama_dir(tmp_path, corpus):
-    """A tiny random Llama with its own sentencepiece tokenizer.model (300 pieces; 301 embedding rows, so
-    the embedding and head split unevenly over 2 ranks). Larger init so greedy decoding has no near-ties."""
-    tokenizer = train_tokenizer("sentencepiece", corpus.read_text(), 300, tmp_path / "sp")
-    directory = tmp_path / "hf-llama"
-    theirs = hf_llama(directory, vocab_size=301, max_position_embeddings=64, initializer_range=0.2)
-    shutil.copy(tmp_path / "sp" / "tokenizer.model", directory)
-    return directory, theirs, tokenizer
+class Payload:
+    """What a pickle can smuggle in: unpickling it runs code."""
+    ran = []
+
+    def __reduce__(self):
+        return Payload.ran.append, ("code ran",)
 
 
-@pytest.mark.slow
-def test_training_starts_from_the_hf_weights_and_tokenizer(tmp_path, corpus, llama_dir):
-    directory, theirs, tokenizer = llama_dir
-    args = ["--hf_model", directory, "--dataset", "text", "--input_file", corpus, "--data_dir", tmp_path / "data",
-            "--seq_length", 32, "--batch_size", 2, "--max_steps", 1, "--log_interval", 1, "--eval_interval", 0,
-            "--eval_batches", 1, "--num_tokens", 0, "--run_name", "run"]
-    launch(args, ranks=2, cwd=tmp_path)
-    # The first logged loss is that of the Hugging Face model on the first batches of both ranks.
-    cfg = parse_args([str(a) for a in args])
-    data = TokenData(dataset_dir(cfg, tokenizer))  # tokenized with the model's own tokenizer.model
-    x, y = global_batch(data, 0, 2, 2, 32, cfg.seed)
-    with torch.no_grad():
-        expected = torch.nn.functional.cross_entropy(theirs(x).logits.reshape(-1, 301), y.reshape(-1)).item()
-    assert logged_losses(tmp_path, "run")[0] == pytest.approx(expected, abs=1e-4)
-    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "run")
-    assert json.loads((saved / "meta.json").read_text())["model_type"] == "llama"
-    assert load_tokenizer(saved).model_proto == tokenizer.model_proto  # the tokenizer travels with it
+def save_as_from_gpu(state, path, **kw):
+    """torch.save as a GPU's tensors would be saved (their storages tagged cuda:0), without a GPU."""
+    import torch.serialization as serialization
+    location_tag = serialization.location_tag
+    serialization.location_tag = lambda storage: "cuda:0"
+    try:
+        torch.save(state, path, **kw)
+    finally:
+        serialization.location_tag = location_tag
 
 
-@pytest.mark.slow
-def test_generation_from_hf_model_matches_transformers_greedy(tmp_path, llama_dir):
-    directory, theirs, tokenizer = llama_dir
-    prompt = "KING:"
-    out = launch(["--hf_model", directory, "--max_epochs", -1, "--prompt", prompt, "--num_tokens", 12,
-                  "--temperature", 0, "--sharding", "hybrid-full-shard", "--shard_group_size", 2],
-                 ranks=2, cwd=tmp_path)
-    ids = tokenizer.encode(prompt)
-    with torch.no_grad():
-        for _ in range(12):
-            ids.append(theirs(torch.tensor([ids])).logits[0, -1].argmax().item())
-    assert sample_of(out.stdout) == tokenizer.decode(ids)
+def mapped(path):
+    with open("/proc/self/maps") as f:
+        return str(path) in f.read()
 
 
-# -----------------------------------------------------------------------------
-# offline, end to end: a GPT-2 directory with its own tokenizer files, and a Llama 3
-
-def offline_env(tmp_path):
-    """No hub, an empty tiktoken cache, and a proxy that refuses at once: nothing may be fetched."""
-    refused = "http://127.0.0.1:9"
-    return {"HF_HUB_OFFLINE": "1", "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-tiktoken-cache"),
-            "HTTPS_PROXY": refused, "HTTP_PROXY": refused, "https_proxy": refused, "http_proxy": refused}
-
-
-@pytest.mark.slow
-def test_gpt2_directory_trains_and_samples_offline_with_its_own_tokenizer(tmp_path, corpus):
-    directory = tmp_path / "gpt2"
-    tokenizer_dirs.write_vocab_merges(directory)  # the older hub layout: vocab.json + merges.txt
-    vocab = len(json.loads((directory / "vocab.json").read_text()))
-    hf_gpt2(directory, vocab_size=vocab, bos_token_id=0, eos_token_id=0)  # <|endoftext|> is id 0 here
-    out = launch(["--hf_model", directory, "--dataset", "text", "--input_file", corpus, "--data_dir",
-                  tmp_path / "data", "--seq_length", 16, "--batch_size", 2, "--max_steps", 1, "--eval_interval", 0,
-                  "--eval_batches", 1, "--num_tokens", 6, "--run_name", "gpt2"], ranks=2, cwd=tmp_path,
-                 env=offline_env(tmp_path))
-    assert sample_of(out.stdout).startswith("ROMEO:")
-    prepared = list((tmp_path / "data" / "corpus").iterdir())
-    assert [p.name[:3] for p in prepared] == ["hf-"]  # tokenized with the directory's BPE, not tiktoken's
-    assert TokenData(prepared[0]).tokenizer.eot_id == 0
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
+@pytest.mark.parametrize("zipfile", [True, False])
+def test_bin_files_saved_on_a_gpu_load_on_a_cpu_memory_mapped(tmp_path, zipfile):
+    state = {"a": torch.arange(12.).reshape(3, 4)}
+    save_as_from_gpu(state, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=zipfile)
+    files = hf.CheckpointFiles(tmp_path)
+    assert files.shape("a") == (3, 4) and torch.equal(files.rows("a", 1, 2), state["a"][1:2])
+    assert files.rows("a", 0, 3).device.type == "cpu"
+    assert mapped(tmp_path / "pytorch_model.bin") == zipfile  # torch < 1.6's format is read whole
 
 
-@pytest.fixture
-def llama3_dir(tmp_path):
-    """A tiny random Llama 3.1: Llama 3's tiktoken-format tokenizer.model (Meta's 256 special tokens after
-    ~350 ranks), rope theta 500000 with Llama 3.1's scaling, grouped-query attention."""
-    directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
-    theirs = hf_llama(directory, vocab_size=num_ranks + 256, max_position_embeddings=64, initializer_range=0.2,
-                      rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=16),
-                      bos_token_id=num_ranks, eos_token_id=num_ranks + 1)
-    return directory, theirs, tk.load_tokenizer(directory)
-
-
-@pytest.mark.slow
-def test_llama3_trains_samples_exports_and_comes_back_offline(tmp_path, corpus, llama3_dir):
-    directory, theirs, tokenizer = llama3_dir
-    vocab = tokenizer.vocab_size
-    assert tokenizer.kind == "tiktoken" and theirs.config.vocab_size == vocab
-    assert_same_logits(ours_from(directory), theirs, vocab, 24)
-    args = ["--hf_model", directory, "--dataset", "text", "--input_file", corpus, "--data_dir", tmp_path / "data",
-            "--seq_length", 32, "--batch_size", 2, "--max_steps", 2, "--log_interval", 1, "--eval_interval", 0,
-            "--eval_batches", 1, "--num_tokens", 8, "--run_name", "llama3"]
-    out = launch(args, ranks=2, cwd=tmp_path, env=offline_env(tmp_path))
-    sample = sample_of(out.stdout)
-    assert sample.startswith("ROMEO:") and len(tokenizer.encode(sample)) >= len(tokenizer.encode("ROMEO:")) + 8 - 2
-    # The first loss is transformers' on the same batches, tokenized by the tiktoken tokenizer.
-    cfg = parse_args([str(a) for a in args])
-    data = TokenData(dataset_dir(cfg, tokenizer))
-    assert data.meta["tokenizer"] == "tiktoken"
-    x, y = global_batch(data, 0, 2, 2, 32, cfg.seed)
-    with torch.no_grad():
-        expected = torch.nn.functional.cross_entropy(theirs(x).logits.reshape(-1, vocab), y.reshape(-1)).item()
-    assert logged_losses(tmp_path, "llama3")[0] == pytest.approx(expected, abs=1e-4)
-
-    # Export the trained checkpoint: transformers gives our logits and our token ids.
-    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "llama3")
-    export.main([str(saved), str(tmp_path / "export"), "--format", "hf"])
-    trained = MODELS["llama"](LlamaConfig(**checkpoint_meta.read_meta(saved)["model"])).eval()
-    trained.load_state_dict(safe_load.load_full_model_state(saved))
-    assert_same_logits(trained, transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval(),
-                       vocab, 24)
-    auto_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
-    for text in tokenizer_dirs.MIXED:
-        assert auto_tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text)
-    exported = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert exported["eos_token_id"] == tokenizer.eot_id and exported["rope_parameters"]["rope_type"] == "llama3"
-
-    # ... and --hf_model on the export trains and samples, offline.
-    out = launch(["--hf_model", tmp_path / "export", *args[2:-2], "--run_name", "again"], ranks=2, cwd=tmp_path,
-                 env=offline_env(tmp_path))
-    assert sample_of(out.stdout).startswith("ROMEO:")
-    assert logged_losses(tmp_path, "again")[0] < logged_losses(tmp_path, "llama3")[0]  # it starts trained
-
-
-@pytest.mark.slow
-def test_a_broken_hugging_face_directory_is_one_line_for_training_and_sampling(tmp_path):
-    """Each of these was a traceback (and the weights' header a huge allocation attempt): one `error:` line naming
-    the file and the field, exit 2, on every path that reads the directory."""
-    config = GPTConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=4, embed_size=32)
-    model = MODELS["gpt"](config)
-    init_weights(model, 0, torch.device("cpu"))
-    good = hf_write.save_hf(model.state_dict(), {"model": config.to_dict(), "model_type": "gpt"}, tmp_path / "good",
-                            tk.CharTokenizer("ROMEO:\nabcdefghijklmnopqrstuvwxyz .,JULIETKNGS"))
-    (tmp_path / "corpus.txt").write_text(make_text(20_000))
-    no_heads = json.dumps(dict(json.loads((good / "config.json").read_text()), n_head=0)).encode()
-    broken = {"weights": ("model.safetensors", b"\xff" * 4096, "model.safetensors cannot be read as safetensors"),
-              "tokenizer": ("tokenizer.json", b"[" * 100_000, "tokenizer.json nests deeper than 32 levels"),
-              "heads": ("config.json", no_heads, "config.json: n_head is 0, not a whole number in [1, 4096]")}
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for name, (file, content, problem) in broken.items():
-        directory = shutil.copytree(good, tmp_path / name)
-        (directory / file).write_bytes(content)
-        if name == "weights":  # training: every rank reads the directory; one line, exit 2
-            result = launch(["--hf_model", directory, "--dataset", "text", "--input_file", "corpus.txt", "--seq_length",
-                             16, "--batch_size", 2, "--max_steps", 1, "--num_tokens", 0, "--run_name", name],
-                            ranks=2, cwd=tmp_path, check=False, timeout=180)
-        else:
-            result = subprocess.run([sys.executable, "-m", "minimal_fsdp.sample", directory, "--num_tokens", "3"],
-                                    cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
-        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-        assert len(errors) == 1 and errors[0].startswith(f"error: --hf_model {directory}: {problem}"), errors
+@pytest.mark.parametrize("zipfile", [True, False])
+def test_bin_files_never_run_pickled_code(tmp_path, monkeypatch, zipfile):
+    """Not even where the environment asks torch.load to unpickle anything it is not told otherwise."""
+    torch.save({"a": torch.ones(2), "b": Payload()}, tmp_path / "pytorch_model.bin",
+               _use_new_zipfile_serialization=zipfile)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    Payload.ran.clear()
+    with pytest.raises(ConfigError, match=r"pytorch_model.bin cannot be read as a PyTorch file \(UnpicklingError: "):
+        hf.CheckpointFiles(tmp_path)
+    assert Payload.ran == []
