@@ -3,7 +3,7 @@
 Layout of <checkpoint_dir>/<run_name>/:
   step_<N>/   DCP shards (one file per rank) and .metadata; meta.json (checkpoint_meta.py); rng_<rank>.pt (each
               rank's torch, CUDA, numpy and python RNG states); the tokenizer's files
-  latest      names the newest committed checkpoint; best names the one with the lowest val loss
+  latest      names the newest committed checkpoint; best the one with the lowest val loss (best_metric.py)
   .lock       held by the training run that uses the directory (files.RunLock)
 
 A checkpoint is written as .tmp-step_<N> and renamed only when every rank has finished; moving `latest` to it
@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import io
 import json
-import math
 import os
 import random
 import shutil
@@ -40,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from . import checkpoint_async, files
+from .best_metric import better
 from .checkpoint_async import ChecksummingWriter, Saved
 from .checkpoint_find import marker, rng_file, step_dirs, step_of
 from .checkpoint_meta import FORMAT, read_meta
@@ -213,7 +213,7 @@ def _finish(run_dir, tmp, final, meta, checksums, tokenizer_dir, keep_last):
     _write_durably(tmp / "meta.json", json.dumps(meta, indent=1).encode())
     _publish(tmp, final)
     _write_marker(run_dir, "latest", final)
-    if meta.get("val_loss") is not None and meta["val_loss"] < _best_val_loss(run_dir):
+    if better(meta, _best_meta(run_dir)):  # by val loss, or by --best_metric's score
         _write_marker(run_dir, "best", final)
     if keep_last:
         _prune(run_dir, keep_last, meta["step"])
@@ -271,13 +271,12 @@ def _write_marker(run_dir, name, target):
     files.write_atomic(Path(run_dir) / name, lambda tmp: tmp.write_text(Path(target).name + "\n"), durable=True)
 
 
-def _best_val_loss(run_dir):
+def _best_meta(run_dir):
     best = marker(run_dir, "best", warn=False)
     try:
-        value = read_meta(best).get("val_loss")
+        return read_meta(best)
     except (TypeError, OSError, ValueError, AttributeError):  # no marker, or it names a damaged checkpoint
-        return math.inf
-    return math.inf if value is None else value
+        return None
 
 
 def _prune(run_dir, keep_last, step):

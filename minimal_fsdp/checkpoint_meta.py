@@ -6,7 +6,8 @@ meta.json, format 2 (read_meta turns a format-1 file, from before "format" exist
   model_type  "gpt" or "llama"; model: the model config's fields; config: every resolved flag
   state       the JSON state of the run's other parts, each written by its own state_dict(): "schedule"
               (train.Schedule: lr_decay_steps, last_step) and "data" (data.TokenData / streaming.StreamingData:
-              the position of the train stream)
+              the position of the train stream); with --eval_tasks "eval_tasks" (evaluate.TrainingTasks: the
+              --best_metric choice and the step's scores, best_metric.py)
   replicas    decentralized runs: replicas saved one per rank (0: the average only)
   files       {file name: [size, CRC-32]} of every other file of the checkpoint
 

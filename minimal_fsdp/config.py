@@ -195,6 +195,10 @@ class Config:
     eval_tasks_interval: int = flag(0, "steps between --eval_tasks evaluations (0: only at the end)")
     eval_tasks_include_path: str = flag(None, "a folder of your own YAML tasks for --eval_tasks")
     eval_tasks_limit: float = flag(None, "at most this many examples per --eval_tasks task (below 1: this fraction)")
+    best_metric: str = flag(None, "what chooses the `best` checkpoint: val_loss (the lowest), or an --eval_tasks "
+                                  "score <task>/<metric> (e.g. hellaswag/acc_norm: the best as the task declares, "
+                                  "higher or lower; the tasks then also run at every save); default: val_loss, or "
+                                  "the resumed checkpoint's choice")
     log_interval: int = flag(10, "average and log the loss every N steps")
 
     # checkpoints

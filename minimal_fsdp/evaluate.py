@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import environment
+from . import best_metric, environment
 from .choices import SHARDING
 from .config import Config, ConfigError, validate
 from .failures import MainRankFailed
@@ -123,14 +123,18 @@ def report(results, tracker=None, log_samples=False):
 class TrainingTasks:
     """--eval_tasks: the harness's tasks on the live model during training (train.train calls it)."""
 
-    def __init__(self, lm, manager, tasks, cfg):
+    def __init__(self, lm, manager, tasks, cfg, best=(best_metric.VAL_LOSS, False)):
         self.lm, self.manager, self.tasks = lm, manager, tasks
         self.interval, self.limit = cfg.eval_tasks_interval, _limit(cfg.eval_tasks_limit)
+        self.best = best  # (--best_metric, whether higher is better)
+        self.scored = (None, {})  # (step, {<task>/<metric>: score}) of the last evaluation
 
     @classmethod
-    def for_run(cls, cfg, env, tokenizer, model):
+    def for_run(cls, cfg, env, tokenizer, model, saved=None):
         """None without --eval_tasks. Collective: loads the tasks on rank 0 now, so that a missing task or data
-        file stops the run before its first step, alike on every rank."""
+        file, or a --best_metric they do not compute, stops the run before its first step, alike on every rank.
+        saved: the resumed checkpoint's meta.json, whose --best_metric the run keeps unless given anew."""
+        best = best_metric.chosen(cfg, saved)
         if not cfg.eval_tasks:
             return None
         if cfg.eval_tasks_interval < 0 or cfg.eval_tasks_limit is not None and cfg.eval_tasks_limit <= 0:
@@ -145,14 +149,25 @@ class TrainingTasks:
         harness()
         from .evaluate_lm import ShardedLM
         loaded = {}
-        environment.run_on_main(lambda: loaded.update(tasks=load_tasks(task_names([cfg.eval_tasks]),
-                                                                        cfg.eval_tasks_include_path)))
+
+        def load():  # rank 0's Task objects stay on rank 0; the direction of --best_metric goes to every rank
+            loaded["tasks"] = load_tasks(task_names([cfg.eval_tasks]), cfg.eval_tasks_include_path)
+            return best_metric.direction(best, loaded["tasks"][1])
+        higher = environment.run_on_main(load)
         dtype = torch.bfloat16 if cfg.precision in ("bf16", "fp8") else torch.float32
         lm = ShardedLM(model, tokenizer, env.device, dtype, cfg.batch_size, progress=False)
-        return cls(lm, *loaded.get("tasks", (None, None)), cfg)
+        return cls(lm, *loaded.get("tasks", (None, None)), cfg, (best, higher))
 
-    def due(self, step, final):
-        return final or bool(self.interval) and step % self.interval == 0
+    def due(self, step, final, saves=False):
+        """At the end, every --eval_tasks_interval steps, and at every save when a task score chooses `best`."""
+        return final or bool(self.interval) and step % self.interval == 0 or \
+            saves and self.best[0] != best_metric.VAL_LOSS
+
+    def state_dict(self, step):
+        """For the checkpoint of `step` (meta.json's state.eval_tasks): --best_metric and the scores of that step,
+        by which checkpoint.py decides whether it becomes `best` (best_metric.better)."""
+        step_scored, scores = self.scored
+        return best_metric.record(*self.best, scores if step_scored == step else {})
 
     def run(self, step, log):
         """Collective: every score to metrics.jsonl (and TensorBoard, wandb) as eval/<task>/<metric>, one line to
@@ -170,6 +185,7 @@ class TrainingTasks:
                   for key, value in metrics.items()
                   if isinstance(value, (int, float)) and "_stderr" not in key and key != "sample_len"}
         log.metrics.log(step, **scores)
+        self.scored = (step, {name[5:]: value for name, value in scores.items()})
         log.print(f"step {step}: " + ", ".join(f"{name[5:]} {value:.4g}" for name, value in scores.items()))
 
 

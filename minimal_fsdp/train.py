@@ -153,7 +153,7 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
     schedule = Schedule.for_run(cfg, data.steps_per_epoch(), saved and saved["state"]["schedule"])
     first = saved["step"] if saved else 0
     sync = sync or gradient_sync(model, plan)
-    benchmarks = TrainingTasks.for_run(cfg, env, getattr(data, "tokenizer", None), model)  # --eval_tasks
+    benchmarks = TrainingTasks.for_run(cfg, env, getattr(data, "tokenizer", None), model, saved)  # --eval_tasks
     tokens_per_step = (ranks or env.world_size) * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
     log = TrainingLog(cfg, env, model, schedule, first, tokens_per_step)
     guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
@@ -188,18 +188,20 @@ def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None
             if logs and not saves:  # collective: a save written in the background is reported (or its failure
                 checkpointer.poll()  # raised) at the first logging step after it ended
                 log.saved(checkpointer.reports())
+            if benchmarks and benchmarks.due(done, final, saves) and not stop_reason:  # the harness's tasks, timed
+                with log.paused():  # apart too; before the save, which records their scores (--best_metric)
+                    benchmarks.run(done, log)
             if evaluates or stop_reason:
                 with log.paused():  # evaluation and saving are timed apart from the training steps
                     val_loss = evaluate(model, data, cfg.eval_batches, env.device) if evaluates else None
                     log.validation(done, val_loss)
                     if saves or stop_reason:
                         state = {"schedule": schedule.state_dict(), "data": data.state_dict(done)}
+                        if benchmarks:
+                            state["eval_tasks"] = benchmarks.state_dict(done)
                         checkpointer.save(done, model, optimizer, val_loss, state)  # after the save in flight
                         log.saved(checkpointer.reports())
                         gc.collect()  # what outlived the young collections; a save takes seconds anyway
-            if benchmarks and benchmarks.due(done, final):  # the harness's tasks, timed apart too
-                with log.paused():
-                    benchmarks.run(done, log)
             if stop_reason:
                 log.stopped(done, stop_reason)
                 break
