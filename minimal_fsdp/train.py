@@ -1,5 +1,6 @@
 """The training loop and its parts: AdamW, the run's length and learning-rate schedule, one optimizer step
-(accumulation, clipping), evaluation, and the loop that ties them to logging, evaluation and checkpoints."""
+(accumulation, clipping), evaluation, and the loop that ties them to logging, evaluation and checkpoints. The
+loop is the same for every backend: run.train_model hands it the backend's parts (RunParts)."""
 import gc
 import math
 from contextlib import contextmanager
@@ -10,7 +11,6 @@ import torch
 from .accum_adamw import AccumAdamW
 from .evaluate import TrainingTasks
 from .metrics import TrainingLog, mean_across_ranks
-from .parallelize import gradient_sync
 from .resilience import NonFiniteGuard
 from .whole_unit import LocalAdamW
 
@@ -18,7 +18,8 @@ from .whole_unit import LocalAdamW
 def build_optimizer(model, cfg, plan=None):
     """AdamW with decay on matrices only (not biases, norms); fused kernels. Decentralized runs use
     AccumAdamW and beta2 0.98 by default, as the decentralized GPT-2 reference does. plan: the run's; under its
-    one-unit strategy AdamW steps the shards' local tensors (without it, torch's AdamW: the same numbers)."""
+    one-unit strategy AdamW steps the shards' local tensors (without it, torch's AdamW: the same numbers); under
+    the xla backend it is torch's AdamW without fused kernels."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -26,10 +27,24 @@ def build_optimizer(model, cfg, plan=None):
     betas = (cfg.beta1, cfg.beta2 if cfg.beta2 is not None else 0.98 if decentralized else 0.95)
     if decentralized:
         return AccumAdamW(groups, lr=cfg.lr, betas=betas, accum_steps=cfg.accum_steps)
+    if plan is not None and plan.backend == "xla":  # fused kernels are CUDA's and CPU's; XLA compiles the update
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)  # into the step anyway
     # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) about 7x faster than foreach.
     # whole_unit.py's model steps it on its shards' local tensors (LocalAdamW), as a small model's step needs.
     adamw = LocalAdamW if plan is not None and plan.strategy == "one-unit" else torch.optim.AdamW
     return adamw(groups, lr=cfg.lr, betas=betas, fused=True)
+
+
+@dataclass
+class RunParts:
+    """What the loop trains and with what, built by run.train_model from the backend's builders (backend.py for
+    CUDA and CPU, xla.py for --device xla)."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    data: object  # steps_per_epoch(), train_batches(step), val_batch(i), state_dict(step) (and tokenizer)
+    sync: object  # the gradient sync: parallelize.gradient_sync's for the plan, or xla.StepSync
+    checkpointer: object  # checkpoint.Checkpointer, or xla.Checkpointer
+    ranks: int  # how many take --batch_size sequences of every micro-batch: the ranks, or XLA's devices
 
 
 @dataclass
@@ -144,17 +159,17 @@ def collections_in_step():
             gc.enable()
 
 
-def train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved=None, sync=None, ranks=None):
-    """Train from step 0, or from `saved` (the meta.json of the checkpoint just restored), to the schedule's last
-    step. Evaluates every --eval_interval steps; saves every --checkpoint_interval steps, at the end, and when
-    all ranks agree to stop (stop: resilience.StopRequests, asked at logging steps and when due). Returns the last step
-    done and the log, which holds the run's summary. sync: the gradient-sync object (default: the plan's);
-    ranks: how many take --batch_size sequences of every micro-batch (default: the ranks; xla.py passes both)."""
+def train(parts, cfg, env, plan, stop, saved=None):
+    """Train parts (RunParts) from step 0, or from `saved` (the meta.json of the checkpoint just restored), to the
+    schedule's last step. Evaluates every --eval_interval steps; saves every --checkpoint_interval steps, at the
+    end, and when all ranks agree to stop (stop: resilience.StopRequests, asked at logging steps and when due).
+    Returns the last step done and the log, which holds the run's summary."""
+    model, optimizer, data, sync = parts.model, parts.optimizer, parts.data, parts.sync
+    checkpointer = parts.checkpointer
     schedule = Schedule.for_run(cfg, data.steps_per_epoch(), saved and saved["state"]["schedule"])
     first = saved["step"] if saved else 0
-    sync = sync or gradient_sync(model, plan)
     benchmarks = TrainingTasks.for_run(cfg, env, getattr(data, "tokenizer", None), model, saved)  # --eval_tasks
-    tokens_per_step = (ranks or env.world_size) * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
+    tokens_per_step = parts.ranks * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
     log = TrainingLog(cfg, env, model, schedule, first, tokens_per_step)
     guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
     done = first
