@@ -132,10 +132,15 @@ class Checkpointer:
         """Collective: load the model and optimizer (under any world size and sharding) and this rank's RNG
         states; returns the checkpoint's meta.json, whose "state" the caller hands to each part."""
         start = time.perf_counter()
-        (load_replicas if self.decentralized else load)(path, model, optimizer)
+        self.read(path, model, optimizer)
         restore_rng(path, dist.get_rank(), dist.get_world_size(), seed)
         self.restore_s = time.perf_counter() - start
         return read_meta(path)
+
+    def read(self, path, model, optimizer):
+        """The model's and optimizer's tensors from one checkpoint, in place (xla.py's Checkpointer reads them its
+        own way)."""
+        (load_replicas if self.decentralized else load)(path, model, optimizer)
 
 
 # ---- saving ----

@@ -15,6 +15,10 @@ plan.strategy is one of STRATEGIES:
               need FSDP2's offload policy and torchao's FSDP2 extension
   fsdp-block  FSDP2, one unit per block (gathered, freed and overlapped with its neighbours' compute), then the root
   gossip      --data_parallel decentralized: a whole replica per rank, averaged with its neighbours' by gossip.py
+
+plan.backend is one of BACKENDS: torch (CUDA or CPU through torch.distributed, backend.py) or xla (--device xla's
+training under torch_xla, xla.py: FSDPv2 wraps each block, then the root, over torch_xla's own mesh of every
+device: the strategy fsdp-block). run.train_model takes the run's builders from it.
 """
 import dataclasses
 
@@ -28,6 +32,7 @@ STRATEGIES = ("local", "ddp", "one-unit", "fsdp-whole", "fsdp-block", "gossip")
 FSDP2 = ("fsdp-whole", "fsdp-block")  # the strategies where FSDP2's fully_shard wraps the model
 WHOLE_GRAPH = ("local", "ddp", "one-unit", "fsdp-whole", "gossip")  # --compile: the whole trunk in one graph
 REPLAYABLE = ("local", "ddp", "one-unit", "gossip")  # parameters keep their addresses: CUDA graphs can replay
+BACKENDS = ("torch", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +54,7 @@ class ParallelPlan:
     num_params: int  # every parameter, embeddings included, counted once (tied weights too)
     topology: str = None  # gossip's (--topology)
     mesh: object = None  # the DeviceMesh (one-unit and FSDP2), built by make_plan
+    backend: str = "torch"  # BACKENDS: what builds and steps the model in training
 
     @property
     def decentralized(self):
@@ -183,8 +189,11 @@ def make_plan(cfg, env, model_config, loads_weights=False, fsdp_on_one_rank=Fals
     recipe = cfg.fp8_recipe if cfg.precision == "fp8" and not cfg.generate_only else None
     if recipe:
         fp8.check_device(env.device)
-    chosen = strategy(cfg.sharding, env.world_size, num_params, cfg.fsdp_unit, cfg.cpu_offload, recipe is not None,
-                      cfg.data_parallel == "decentralized", fsdp_on_one_rank)
+    # --device xla trains under torch_xla; generation (--max_epochs -1, the sample after training) runs on the host.
+    backend = "xla" if cfg.device == "xla" and not cfg.generate_only else "torch"
+    chosen = "fsdp-block" if backend == "xla" else strategy(
+        cfg.sharding, env.world_size, num_params, cfg.fsdp_unit, cfg.cpu_offload, recipe is not None,
+        cfg.data_parallel == "decentralized", fsdp_on_one_rank)
     shape, shard_ranks, reshard = layout(cfg.sharding, env.world_size, cfg.shard_group_size or env.local_world_size)
     if chosen in ("local", "gossip"):
         shape, shard_ranks, reshard = (env.world_size,), 1, False
@@ -192,8 +201,8 @@ def make_plan(cfg, env, model_config, loads_weights=False, fsdp_on_one_rank=Fals
                         "bf16" if cfg.precision == "fp8" and not recipe else cfg.precision, recipe, cfg.cpu_offload,
                         cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute, cfg.compile,
                         cuda_graphs(cfg, env.device, chosen, num_params, recipe is not None), num_params,
-                        cfg.topology if chosen == "gossip" else None)
-    if chosen in FSDP2 or chosen == "one-unit":
+                        cfg.topology if chosen == "gossip" else None, backend=backend)
+    if backend == "torch" and (chosen in FSDP2 or chosen == "one-unit"):  # torch_xla builds its own (xla.py)
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         plan = dataclasses.replace(plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names))
     return plan

@@ -5,8 +5,9 @@ model, then training (or only generation) and a sample. basic_training.py hands 
       environment.setup        who and where every rank is; the process groups
       files.RunLock            one training run per run directory
       checkpoint_find.find     what to resume from (--resume, --restart_checkpoint_file)
-      train_model              data -> the model's shape -> plan.make_plan (the parallel plan, plan_run) -> model
-                               -> optimizer -> checkpoint or Hugging Face weights -> train.train
+      train_model              data -> the model's shape -> plan.make_plan (the parallel plan, plan_run) -> the
+                               plan's backend (backend.Torch, or xla.XLA) -> its model -> optimizer -> checkpoint
+                               or Hugging Face weights -> train.train with the backend's parts
       or generation_model      a checkpoint or a Hugging Face model, as sample.py loads it
       generate                 the sample at the end
 """
@@ -16,19 +17,18 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, checkpoint_find, checkpoint_meta, environment, files, hf, sample
+from .backend import Torch
 from .config import Config, ConfigError, parse_args, validate_world
 from .config_checks import check_sizes, cpu_recipe_warning, host_memory_available
 from .data import TokenData, prepared_dir
 from .generate import generate
-from .metrics import banner
 from .model_size import count_parameters
-from .models import MODELS, config_from_flags, with_document_mask
-from .parallelize import build_model
+from .models import config_from_flags, with_document_mask
 from .plan import apply_process_settings, make_plan
 from .resilience import Diverged, StopRequests
 from .streaming import StreamingData
 from .tokenizer import load_tokenizer
-from .train import build_optimizer, train
+from .train import RunParts, build_optimizer, train
 
 # What gloo's errors say when the rank at the other end died or its link went down.
 PEER_GONE = ("timed out", "connection closed by peer", "connection reset by peer", "broken pipe")
@@ -125,32 +125,41 @@ def train_model(cfg, env, start, hf_dir, stop):
     check_fits(cfg, env, model_config)
     if start is not None:
         check_resumable(cfg, start, model_config, env)
-    # Under --device xla the plan only describes the run (xla.py lays the model out itself).
-    plan = plan_run(cfg, env, model_config, loads_weights=hf_dir is not None or cfg.device == "xla")
-    if cfg.device == "xla":  # torch_xla's model, optimizer, batches and checkpoints in train.train's loop
-        from . import xla
-        saved_to = xla.train_model(cfg, env, plan, data, model_config, start, hf_dir, stop)
-        # The sample comes from the checkpoint just saved, generated on the host as --max_epochs -1 does.
-        if cfg.num_tokens > 0 and not stop.reason:
-            return generation_model(cfg, env, saved_to, None)
-        return None, data.tokenizer
-    data.bind(model_config.seq_length, cfg.batch_size, cfg.grad_accum_steps, env.rank, env.world_size, cfg.seed)
-    model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
+    plan = plan_run(cfg, env, model_config, loads_weights=hf_dir is not None)
+    backend = backend_for(cfg, env, plan)
+    # Every data-parallel member (a rank; under XLA a device) reads --batch_size sequences: this process, its own.
+    data.bind(model_config.seq_length, cfg.batch_size * backend.local_ranks, cfg.grad_accum_steps, env.rank,
+              env.world_size, cfg.seed)
+    model = backend.build_model(model_config, hf_dir if start is None else None)
     optimizer = build_optimizer(model, cfg, plan)
-    checkpointer = checkpoint.Checkpointer(cfg, model_config, data.directory, plan.decentralized, env, model)
+    checkpointer = backend.checkpointer(model_config, data.directory, model)
     saved = None
     if start is not None:  # a resumed run continues from its own weights, RNG and data position
         saved = checkpointer.restore(start, model, optimizer, cfg.seed)
         data.load_state_dict(saved["state"]["data"], saved["step"])
-    elif hf_dir:
-        hf.load_weights(model, hf_dir, model_config.model_type)
+    backend.seed(saved["step"] if saved else 0)
     if env.is_main:
-        print(banner(cfg, env, plan, model, start, checkpointer) + "\n" + data.describe(), flush=True)
+        print(backend.banner(model, start, checkpointer) + "\n" + data.describe(), flush=True)
+    parts = RunParts(model, optimizer, backend.batches(data), backend.gradient_sync(model), checkpointer,
+                     backend.ranks)
     with stop.listening():
-        _, log = train(model, optimizer, data, cfg, env, plan, checkpointer, stop, saved)
+        _, log = train(parts, cfg, backend.env, plan, stop, saved)
     if env.is_main:
         print(log.summary(), flush=True)
-    return model, data.tokenizer
+    if not backend.samples_on_host:
+        return model, data.tokenizer
+    if cfg.num_tokens > 0 and not stop.reason:  # from the checkpoint just saved (or resumed), as --max_epochs -1
+        return generation_model(dataclasses.replace(cfg, max_epochs=-1), env, log.checkpoint or start, None)
+    return None, data.tokenizer
+
+
+def backend_for(cfg, env, plan):
+    """The parts of the run that plan.backend computes: backend.Torch (CUDA, CPU), or xla.XLA (--device xla),
+    imported only here since it needs torch_xla."""
+    if plan.backend == "xla":
+        from .xla import XLA
+        return XLA(cfg, env, plan)
+    return Torch(cfg, env, plan)
 
 
 def check_prompt(cfg, tokenizer, env):

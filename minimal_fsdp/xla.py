@@ -8,9 +8,10 @@ feeds its own rows of the global batch: --batch_size counts sequences per device
 elsewhere, so 4 devices with --batch_size 2 see exactly the batches of one CPU rank with --batch_size 8.
 
 Checkpoints have checkpoint.py's layout and parameter names, written and read by torch_xla's DCP planners, so
-they load in CPU/CUDA runs and back. The loop is train.train's; this module gives it the sharded model, the
-optimizer, device batches, a step that ends in torch_xla.sync() and the checkpointer (train_model, called by
-run.train_model). Generation runs on the host from the saved checkpoint (run.py).
+they load in CPU/CUDA runs and back. The run is wired as every run is (run.train_model, train.train's loop,
+train.build_optimizer's AdamW); this module's XLA gives the wiring what is torch_xla's, as backend.Torch does for
+CUDA and CPU: the sharded model, device batches, a step that ends in torch_xla.sync() and the checkpointer.
+Generation runs on the host from the saved checkpoint (run.py).
 """
 import dataclasses
 import datetime
@@ -38,12 +39,11 @@ from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
-from . import checkpoint, checkpoint_meta, environment, hf, safe_load
+from . import checkpoint, environment, hf, safe_load
 from .config import ConfigError
 from .metrics import banner
 from .models import MODELS
 from .parallelize import LocalSync, init_weights, seed64
-from .train import train
 
 WRAPPED = "_orig_module."  # FSDPv2's attribute for the module it wraps; not part of a parameter's saved name
 BF16_HARDWARE = ("TPU", "NEURON")  # where torch_xla's autocast runs bf16 (it ignores other devices)
@@ -96,7 +96,7 @@ def setup(cfg, env):
     return env
 
 
-# ---- the model and optimizer ----
+# ---- the model ----
 
 def build_model(model_cls, model_config, cfg, mesh, hf_dir=None):
     """Built and initialized on the host exactly as on CPU (init_weights: the same values for any layout), given
@@ -120,15 +120,6 @@ def build_model(model_cls, model_config, cfg, mesh, hf_dir=None):
     if cfg.precision == "bf16":  # fp32 weights, bf16 matmuls
         model.forward = autocast(torch_xla.device(), dtype=torch.bfloat16)(model.forward)
     return model
-
-
-def build_optimizer(model, cfg):
-    """train.build_optimizer's AdamW (decay on matrices only, the same betas), without fused kernels: those are
-    for CUDA and CPU, and XLA compiles the update into the step anyway."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, 0.95 if cfg.beta2 is None else cfg.beta2))
 
 
 # ---- checkpoints: checkpoint.py's layout and names ----
@@ -175,7 +166,7 @@ def load(path, model, optimizer=None):
     torch_xla.sync()
 
 
-# ---- training: train.train's loop over the parts above ----
+# ---- the parts train.train's loop takes from this backend ----
 
 class DeviceData:
     """The run's data (data.TokenData or streaming.StreamingData), bound to this host's rows, with its batches
@@ -216,42 +207,39 @@ class Checkpointer(checkpoint.Checkpointer):
         return checkpoint.save(self.run_dir, step, model, optimizer, meta, self.tokenizer_dir, self.keep_last,
                                state=flatten_state_dict(_state(model, optimizer))[0], planner=SPMDSavePlanner())
 
-    def restore(self, path, model, optimizer, seed):
+    def read(self, path, model, optimizer):
         load(path, model, optimizer)
-        checkpoint.restore_rng(path, dist.get_rank(), dist.get_world_size(), seed)
-        return checkpoint_meta.read_meta(path)
 
 
-def train_model(cfg, env, plan, data, model_config, start, hf_dir, stop):
-    """run.train_model under --device xla, after its checks: bind the data to this host's rows, build (or
-    resume) the sharded model, and train it with train.train. Returns the checkpoint to sample from: the last
-    one saved, else (nothing was left to train) the one resumed."""
-    devices = Devices.discover()
-    # Each device is one data-parallel "rank" of --batch_size sequences; this host reads its devices' rows.
-    data.bind(model_config.seq_length, cfg.batch_size * devices.local, cfg.grad_accum_steps, env.rank,
-              env.world_size, cfg.seed)
-    model = build_model(MODELS[model_config.model_type], model_config, cfg, devices.mesh, None if start else hf_dir)
-    optimizer = build_optimizer(model, cfg)
-    checkpointer = Checkpointer(cfg, model_config, data.directory)
-    saved = None
-    if start is not None:
-        saved = checkpointer.restore(start, model, optimizer, cfg.seed)
-        data.load_state_dict(saved["state"]["data"], saved["step"])
-    xm.set_rng_state(seed64(cfg.seed * 1_000_003 + (saved["step"] if saved else 0)))  # dropout masks, per launch
-    if env.is_main:
-        print(_banner(cfg, env, plan, devices, model, start) + "\n" + data.describe(), flush=True)
-    on_devices = dataclasses.replace(env, device=devices.device)
-    with stop.listening():
-        _, log = train(model, optimizer, DeviceData(data, devices), cfg, on_devices, plan, checkpointer, stop, saved,
-                       sync=StepSync(), ranks=devices.total)
-    if env.is_main:
-        print(log.summary(), flush=True)
-    return log.checkpoint or start
+class XLA:
+    """plan.backend "xla": the parts run.train_model wires, as backend.Torch gives them for CUDA and CPU. Each
+    device is one data-parallel member of --batch_size sequences; this host feeds its own devices' rows."""
+    samples_on_host = True  # generation on the devices would compile a graph per token: the host samples instead
 
+    def __init__(self, cfg, env, plan):
+        self.cfg, self.plan, self.devices = cfg, plan, Devices.discover()
+        self.env = dataclasses.replace(env, device=self.devices.device)  # the loop's batches go to the devices
+        self.ranks, self.local_ranks = self.devices.total, self.devices.local
 
-def _banner(cfg, env, plan, devices, model, start):
-    """metrics.banner with the XLA layout in its first line: every parameter sharded over every device."""
-    xla_plan = dataclasses.replace(plan, shard_ranks=devices.total)
-    text = banner(cfg, dataclasses.replace(env, device=devices.device), xla_plan, model, start).split("\n", 1)[1]
-    return (f"launch: {env.world_size} host(s) x {devices.local} {xr.device_type()} device(s)/host, started by "
-            f"{env.launcher}; torch_xla SPMD, mesh fsdp={devices.total} (FSDPv2)\n" + text)
+    def build_model(self, model_config, hf_dir=None):
+        return build_model(MODELS[model_config.model_type], model_config, self.cfg, self.devices.mesh, hf_dir)
+
+    def checkpointer(self, model_config, tokenizer_dir, model):
+        return Checkpointer(self.cfg, model_config, tokenizer_dir)
+
+    def batches(self, data):
+        return DeviceData(data, self.devices)
+
+    def gradient_sync(self, model):
+        return StepSync()
+
+    def seed(self, step):
+        """torch_xla's generator (dropout masks), seeded per launch: resumed at step N, it is not step 0's."""
+        xm.set_rng_state(seed64(self.cfg.seed * 1_000_003 + step))
+
+    def banner(self, model, start, checkpointer):
+        """metrics.banner with the XLA layout in its first line: every parameter sharded over every device."""
+        xla_plan = dataclasses.replace(self.plan, shard_ranks=self.devices.total)
+        text = banner(self.cfg, self.env, xla_plan, model, start, checkpointer).split("\n", 1)[1]
+        return (f"launch: {self.env.world_size} host(s) x {self.devices.local} {xr.device_type()} device(s)/host, "
+                f"started by {self.env.launcher}; torch_xla SPMD, mesh fsdp={self.devices.total} (FSDPv2)\n" + text)

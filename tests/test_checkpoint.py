@@ -19,7 +19,7 @@ from minimal_fsdp import checkpoint, checkpoint_find, checkpoint_meta, safe_load
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.environment import DistEnv
 from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import build_model
+from minimal_fsdp.parallelize import build_model, gradient_sync
 from minimal_fsdp.plan import make_plan
 from minimal_fsdp import metrics, train as train_module
 from minimal_fsdp.train import build_optimizer
@@ -218,7 +218,8 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     plan = make_plan(cfg, env, ONE_RANK_MODEL, fsdp_on_one_rank=True)
     stop = SimpleNamespace(agreed=lambda step=None: None, due=lambda step: False)
-    train_module.train(model, optimizer, RandomTokens(), cfg, env, plan, saver, stop)
+    parts = train_module.RunParts(model, optimizer, RandomTokens(), gradient_sync(model, plan), saver, ranks=1)
+    train_module.train(parts, cfg, env, plan, stop)
     rows = [json.loads(line) for line in (tmp_path / "logs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if "step_time" in r]
     assert [r["step"] for r in timed] == [2, 4, 6]

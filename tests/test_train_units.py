@@ -13,7 +13,8 @@ from minimal_fsdp import train as train_module
 from minimal_fsdp.accum_adamw import AccumAdamW
 from minimal_fsdp.config import parse_args
 from minimal_fsdp.resilience import Diverged
-from minimal_fsdp.train import Schedule, _to_device, build_optimizer, evaluate, run_length, train, train_step
+from minimal_fsdp.train import (RunParts, Schedule, _to_device, build_optimizer, evaluate, run_length, train,
+                                 train_step)
 
 
 def cfg(*flags):
@@ -104,10 +105,11 @@ def test_the_plans_one_unit_gets_adamw_on_local_tensors_and_nothing_else_does():
     from minimal_fsdp.plan import STRATEGIES
     from minimal_fsdp.whole_unit import LocalAdamW
     model = Model()
-    unit = build_optimizer(model, cfg("--lr", 0.02), SimpleNamespace(strategy="one-unit"))
+    unit = build_optimizer(model, cfg("--lr", 0.02), SimpleNamespace(strategy="one-unit", backend="torch"))
     assert type(unit) is LocalAdamW and unit.defaults["fused"] is True and unit.defaults["lr"] == 0.02
     for strategy in set(STRATEGIES) - {"one-unit", "gossip"}:
-        assert type(build_optimizer(model, cfg(), SimpleNamespace(strategy=strategy))) is torch.optim.AdamW
+        plan = SimpleNamespace(strategy=strategy, backend="torch")
+        assert type(build_optimizer(model, cfg(), plan)) is torch.optim.AdamW
     model.whole_unit = object()
     assert type(build_optimizer(model, cfg())) is torch.optim.AdamW
 
@@ -375,7 +377,7 @@ def loop(monkeypatch, *flags, saved=None, sync="stand-in", norms=(), ranks=None,
                   "--batch_size", 4, *flags)
     model = LoopModel()
     optimizer = LrSpy([{"params": [model.weight]}, {"params": [model.norm]}])  # every group gets the rate
-    if sync == "stand-in":  # None: the loop builds its own
+    if sync == "stand-in":
         sync = Sync()
     if norms:  # the grad norm of each step, in order
         values = iter(norms)
@@ -383,8 +385,8 @@ def loop(monkeypatch, *flags, saved=None, sync="stand-in", norms=(), ranks=None,
     env = SimpleNamespace(world_size=2, is_main=is_main, device=torch.device("cpu"), rank=0)
     plan = SimpleNamespace(decentralized=decentralized, fsdp=False)
     checkpointer, stop = Checkpointer(), stop or Stop()
-    result = train(model, optimizer, Data(), options, env, plan, checkpointer, stop, saved=saved, sync=sync,
-                   ranks=ranks)
+    parts = RunParts(model, optimizer, Data(), sync, checkpointer, ranks or env.world_size)
+    result = train(parts, options, env, plan, stop, saved=saved)
     return SimpleNamespace(result=result, log=Log.made, optimizer=optimizer, saves=checkpointer.saves,
                            sync=sync,
                            stop=stop, model=model)
@@ -477,18 +479,12 @@ def test_loop_stops_at_a_nonfinite_step_at_the_next_log_before_saving(monkeypatc
     assert len(LrSpy.made.lrs) == 2
 
 
-def test_the_loop_takes_the_plans_sync_and_logs_gossips_consensus_distance(monkeypatch):
-    """Every strategy's sync, gossip's too, comes from parallelize.gradient_sync (by the plan's strategy); a
-    decentralized run logs its consensus distance."""
-    made = []
-    monkeypatch.setattr(train_module, "gradient_sync", lambda model, plan: made.append((model, plan)) or Sync())
-    run = loop(monkeypatch, "--data_parallel", "decentralized", "--topology", "ring", sync=None,
-               decentralized=True)
-    assert [(model, plan.decentralized) for model, plan in made] == [(run.model, True)]
+def test_the_loop_logs_gossips_consensus_distance(monkeypatch):
+    """A decentralized run logs its sync's consensus distance in every row; another run does not. (The sync is
+    the backend's: tests/test_backend.py.)"""
+    run = loop(monkeypatch, "--data_parallel", "decentralized", "--topology", "ring", decentralized=True)
     assert [e[4] for e in run.log.events if e[0] == "row"] == [{"consensus": 0.25}] * 3
-    made.clear()
-    plain = loop(monkeypatch, sync=None)
-    assert [(model, plan.decentralized) for model, plan in made] == [(plain.model, False)]
+    plain = loop(monkeypatch)
     assert [e[4] for e in plain.log.events if e[0] == "row"] == [{}] * 3
 
 

@@ -1,19 +1,27 @@
 """--device xla (xla.py): the tiny GPT and Llama trained by torch_xla SPMD (FSDPv2) on 4 XLA:CPU devices match one
 CPU rank of the ordinary path; checkpoints move between XLA and CPU runs both ways; generation from them; the
-flag's errors. Runs where torch_xla is installed (docs/xla.md: torch 2.9 + torch_xla 2.9); the config checks run
-everywhere."""
+flag's errors. Runs where torch_xla is installed (docs/xla.md: torch 2.9 + torch_xla 2.9); the config checks, and
+the run's wiring under a stand-in torch_xla (fake_torch_xla.py: one device, the CPU), run everywhere."""
 import importlib.util
 import io
 import json
 import os
 import pickle
 import shutil
+import sys
 
 import pytest
+import torch
 
+import fake_torch_xla
 from conftest import TINY_MODEL, launch
 from test_end_to_end import sample_of
+from minimal_fsdp import backend
 from minimal_fsdp.config import ConfigError, parse_args, validate_world
+from minimal_fsdp.environment import DistEnv
+from minimal_fsdp.model import GPTConfig
+from minimal_fsdp.plan import make_plan
+from minimal_fsdp.safe_load import tensor_names
 
 no_torch_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="needs torch_xla")
 # One process drives 4 virtual XLA:CPU devices; mpiexec -n 1 also takes the MPI discovery path.
@@ -172,3 +180,92 @@ def test_every_seed_gives_torch_xla_a_seed_it_takes(seed):
     for s in seeds:
         xm.set_rng_state(s)
         assert xm.get_rng_state() == s
+
+
+# ---- the one wiring, under a stand-in torch_xla (fake_torch_xla.py): runs everywhere ----
+
+def train_fake_xla(args, cwd):
+    """--device xla with fake_torch_xla's one device (the CPU): 2 rows per device, as one CPU rank's 2."""
+    return launch([*args, "--device", "xla", "--batch_size", 2], ranks=1, cwd=cwd, entry=fake_torch_xla.__file__)
+
+
+def test_xla_trains_through_the_one_wiring(tmp_path, corpus):
+    """--device xla runs xla.py's parts (the FSDPv2-wrapped model, device batches, the step's sync, its
+    checkpointer and banner) through run.train_model, train.build_optimizer and train.train: what it computes is
+    one CPU rank's (AdamW unfused there: within rel 1e-5), and its checkpoint is xla.Checkpointer's."""
+    xla, cpu = tmp_path / "xla", tmp_path / "cpu"
+    xla.mkdir(), cpu.mkdir()
+    out = train_fake_xla(run_args(corpus, "gpt", 12), xla)
+    launch([*run_args(corpus, "gpt", 12), "--batch_size", 2], ranks=1, cwd=cpu)
+    assert "torch_xla SPMD, mesh fsdp=1 (FSDPv2)" in out.stdout  # xla.XLA.banner
+    assert "this launch trained 12 steps (768 tokens)" in out.stdout  # 12 x 1 device x 2 rows x 32 tokens
+    assert_same_run(xla, cpu, range(1, 13))
+    assert logged(xla, "loss")[12] < logged(xla, "loss")[1]
+    # Saved by xla.Checkpointer under checkpoint.py's names (FSDPv2's wrappers left out): the CPU run's tensors.
+    saved = [tensor_names(d / "checkpoints" / "shakespeare" / "step_12", prefix="") for d in (xla, cpu)]
+    assert saved[0] == saved[1] and any(name.startswith("optim.state.blocks.0.") for name, _, _ in saved[0])
+
+
+@pytest.mark.slow
+def test_xla_checkpoints_resume_both_ways_and_sample_through_the_one_wiring(tmp_path, corpus):
+    """Under the stand-in: an XLA run resumed from its own checkpoint, and a CPU run from the XLA checkpoint, equal
+    the uninterrupted CPU run; the sample after XLA training comes from its checkpoint, generated on the host."""
+    dirs = {name: tmp_path / name for name in ("cpu", "xla", "xla_then_cpu")}
+    for d in dirs.values():
+        d.mkdir()
+    args = lambda steps, *extra: run_args(corpus, "gpt", steps, "--num_tokens", 0, *extra)  # noqa: E731
+    launch([*args(20), "--batch_size", 2], ranks=1, cwd=dirs["cpu"])
+    train_fake_xla(args(10), dirs["xla"])
+    shutil.copytree(dirs["xla"] / "checkpoints", dirs["xla_then_cpu"] / "checkpoints")
+    sample = ["--num_tokens", 40, "--prompt", "KING:"]
+    resumed = train_fake_xla(args(20, *sample), dirs["xla"])
+    assert "resuming from checkpoints/shakespeare/step_10" in resumed.stdout
+    assert_same_run(dirs["xla"], dirs["cpu"], range(1, 21))
+    launch([*args(20), "--batch_size", 2], ranks=1, cwd=dirs["xla_then_cpu"])
+    assert_same_run(dirs["xla_then_cpu"], dirs["cpu"], range(11, 21))
+    after_training = sample_of(resumed.stdout)
+    assert after_training.startswith("KING:") and len(after_training) == len("KING:") + 40
+    assert sample_of(launch(["--max_epochs", -1, *sample], ranks=1, cwd=dirs["xla"]).stdout) == after_training
+
+
+@pytest.fixture
+def fake_xla(monkeypatch):
+    """minimal_fsdp.xla imported over fake_torch_xla's modules, in this process; gone again after the test."""
+    import minimal_fsdp
+    for name, module in fake_torch_xla.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules.pop("minimal_fsdp.xla", None)
+    yield importlib.import_module("minimal_fsdp.xla")
+    sys.modules.pop("minimal_fsdp.xla", None)
+    vars(minimal_fsdp).pop("xla", None)
+
+
+def public(cls):
+    return {name for name in vars(cls) if not name.startswith("_")}
+
+
+def test_the_plan_decides_the_xla_backend_and_train_builds_its_optimizer(fake_xla):
+    """--device xla: the plan (decided once) says xla and FSDPv2's per-block layout, with no torch mesh; the XLA
+    backend offers every part backend.Torch does; the optimizer is train.build_optimizer's AdamW (the same groups
+    and settings as on CPU, without fused kernels): xla.py keeps no copy. Generation plans stay on the host."""
+    from minimal_fsdp.train import build_optimizer
+    env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
+    config = GPTConfig(vocab_size=16, seq_length=8, num_layers=2, num_heads=2, embed_size=8)
+    cfg = parse_args(["--device", "xla", "--weight_decay", 0.3, "--lr", 0.02])
+    plan = make_plan(cfg, env, config)
+    assert (plan.backend, plan.strategy, plan.mesh) == ("xla", "fsdp-block", None)
+    assert make_plan(parse_args(["--device", "xla", "--max_epochs", -1]), env, config).backend == "torch"
+    assert make_plan(parse_args([]), env, config).backend == "torch"
+    assert public(fake_xla.XLA) == public(backend.Torch) and not hasattr(fake_xla, "build_optimizer")
+    parts = fake_xla.XLA(cfg, env, plan)
+    assert (parts.ranks, parts.local_ranks) == (1, 1)  # the stand-in's one device
+    model = parts.build_model(config)
+    optimizer = build_optimizer(model, cfg, plan)
+    cpu = parse_args(["--weight_decay", 0.3, "--lr", 0.02])
+    on_cpu = build_optimizer(model, cpu, make_plan(cpu, env, config))
+    assert type(optimizer) is type(on_cpu) is torch.optim.AdamW
+    assert not optimizer.defaults["fused"] and on_cpu.defaults["fused"]
+    settings = lambda opt: [({k: v for k, v in g.items() if k not in ("params", "fused")},  # noqa: E731
+                             [p.shape for p in g["params"]]) for g in opt.param_groups]
+    assert settings(optimizer) == settings(on_cpu)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.3, 0.0]
