@@ -268,7 +268,7 @@ def main(argv=None):
           + (", and the copy of each rank's weights and AdamW moments that asynchronous checkpoint saves keep"
              if args.checkpoint_mode != "sync" else ""))
     if args.inter_node_gbps:
-        print_step_times(args, family, config, sizes, gpus_per_node, group, (*SHARDING, "decentralized"))
+        print_step_times(args, config, sizes, gpus_per_node, group, (*SHARDING, "decentralized"))
 
 
 if __name__ == "__main__":

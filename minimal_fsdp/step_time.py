@@ -141,7 +141,7 @@ def achieved_flops(gpu_type, mfu, compile, precision):
     return card.peak * mfu, mfu
 
 
-def print_step_times(args, family, config, sizes, per_host, shard_group, strategies):
+def print_step_times(args, config, sizes, per_host, shard_group, strategies):
     """The table `python -m minimal_fsdp.model_size --inter_node_gbps G` adds below the memory table."""
     flops, mfu = achieved_flops(args.gpu_type, args.mfu, args.compile, args.precision)
     tokens_per_gpu = args.batch_size * args.grad_accum_steps * config.seq_length

@@ -2,6 +2,7 @@
 real training step allocates (on the CPU here, one rank in-process; on a GPU with `pytest -m gpu`). Its step-time
 estimate across hosts (step_time.py) against the steps measured across virtual hosts on H200s."""
 import gc
+import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -364,3 +365,16 @@ def test_the_plots_results_file_holds_the_measured_steps():
     lines = (Path(__file__).resolve().parents[1] / "benchmarks" / "multihost_h200.jsonl").read_text().splitlines()
     runs = {(r["gbps_set"], r["strategy"]): r["step_ms"] for r in map(json.loads, lines)}
     assert runs == {(float(g), s): ms for g, s, ms in MEASURED_ACROSS_HOSTS}
+
+
+def test_the_plot_draws_the_planners_estimate():
+    """benchmarks/plot_strategies.py's lines are the planner's numbers for the runs' setting (the drawing itself
+    needs matplotlib, an optional dependency)."""
+    spec = importlib.util.spec_from_file_location(
+        "plot_strategies", Path(__file__).resolve().parents[1] / "benchmarks" / "plot_strategies.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    args = SimpleNamespace(model="gpt2", gpu_type="H200", compile=False, log_interval=1)
+    lines = plot.estimates(args, 2, 2, [1, 10])
+    assert lines["hybrid-full-shard"] == [gpt2_step("hybrid-full-shard", g).tokens_per_s for g in (1, 10)]
+    assert lines["decentralized"][1] == gpt2_step("decentralized", 10).tokens_per_s
