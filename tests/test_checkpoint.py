@@ -1,43 +1,140 @@
-"""checkpoint.py: what a save writes, what survives damage, what a resume picks, and that loading runs no code."""
+"""checkpoint.py: what a save writes (every file with its size and CRC-32, meta.json, the tokenizer, `latest` and
+`best`, pruning, a step saved again), how a failed save is reported (one line on every rank, the partial directory
+removed, `latest` untouched), decentralized replicas, the RNG states; and through real training on 2 ranks, a
+complete checkpoint whose resume restores weights, moments, step and data position, and a logged throughput that
+leaves out evaluation and saving. In this process where it can be (fast, and what mutation testing can see).
+Reading a checkpoint without running code is test_safe_load.py's; verifying one and finding the one to start
+from, test_checkpoint_find.py's."""
 import dataclasses
+import errno
+import io
 import json
 import os
-import pickle
 import random
 import shutil
+import sys
+import threading
+import zlib
 from contextlib import nullcontext
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from conftest import TINY_MODEL, launch, make_text
 from faults import launch_with_faults
-from minimal_fsdp import checkpoint, checkpoint_find, checkpoint_meta, safe_load
+from minimal_fsdp import (checkpoint, checkpoint_find, checkpoint_meta, files, metrics, safe_load,
+                          train as train_module)
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.environment import DistEnv
 from minimal_fsdp.model import GPT, GPTConfig
 from minimal_fsdp.parallelize import build_model, gradient_sync
 from minimal_fsdp.plan import make_plan
-from minimal_fsdp import metrics, train as train_module
 from minimal_fsdp.train import build_optimizer
 
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
-class Exploit:
+
+TINY = GPTConfig(vocab_size=8, seq_length=4, num_layers=2, num_heads=1, embed_size=4)
+
+
+def tiny(seed=0):
+    """A two-block GPT (a model meta.json can describe) and an AdamW that has taken one step (so it has moments),
+    both seeded."""
+    torch.manual_seed(seed)
+    model = GPT(TINY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sum((p * torch.randn_like(p)).sum() for p in model.parameters()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def weights(model):
+    return {name: p.detach().clone() for name, p in model.state_dict().items()}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def moments(optimizer):
+    return [state["exp_avg"].clone() for state in optimizer.state.values()]
+
+
+def save_three(root):
+    """A run with steps 1..3 (val losses 3, 2, none), a tokenizer file in each: (run, its weights, tokenizer)."""
+    tokenizer = root / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text('{"vocab": ["a", "b"]}')
+    (tokenizer / "vocab.txt").write_text("not a tokenizer.* file: not copied")
+    model, optimizer = tiny()
+    for step, val_loss in [(1, 3.0), (2, 2.0), (3, None)]:
+        state = {"schedule": {"lr_decay_steps": 10, "last_step": 100 if step == 3 else None},
+                 "data": {"train_blocks_seen": 4 * step}}
+        checkpoint.save(root / "run", step, model, optimizer, {"format": 2, "val_loss": val_loss, "state": state,
+                                                               "model_type": "gpt", "model": TINY.to_dict(),
+                                                               "config": {"batch_size": 4}},
+                        tokenizer_dir=tokenizer)
+    return root / "run", weights(model), tokenizer
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, one_rank_group):
+    """save_three's run, saved once; tests that damage it copy it first (run)."""
+    return save_three(tmp_path_factory.mktemp("saved"))
+
+
+@pytest.fixture
+def run(saved, tmp_path):
+    shutil.copytree(saved[0], tmp_path / "run")
+    return tmp_path / "run"
+
+
+def meta_of(path):
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
+def flip_a_byte(file, at=-1):
+    data = bytearray(Path(file).read_bytes())
+    data[at] ^= 0xFF
+    Path(file).write_bytes(bytes(data))
+
+
+class Console(io.StringIO):
+    """A stream that remembers what had been flushed to it: a message that is not flushed can sit in a buffer
+    while the process hangs or dies."""
+    flushed = ""
+
+    def flush(self):
+        self.flushed = self.getvalue()
+
+
+@pytest.fixture
+def console(monkeypatch):
+    """Call it in the test's body (pytest sets its own sys.stdout and sys.stderr for each phase of a test)."""
+    def install():
+        out, err = Console(), Console()
+        monkeypatch.setattr(sys, "stdout", out)
+        monkeypatch.setattr(sys, "stderr", err)
+        return out, err
+    return install
+
+
+class MakeDirectory:
+    """A pickle that, if unpickled by plain pickle, creates a directory: evidence that code ran."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
     def __reduce__(self):
-        return (os.system, ("touch pwned",))
-
-
-def test_metadata_with_code_is_refused_not_run(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    ckpt = tmp_path / "step_1"
-    ckpt.mkdir()
-    (ckpt / ".metadata").write_bytes(pickle.dumps(Exploit()))
-    with pytest.raises(pickle.UnpicklingError, match="os.system|posix.system"):
-        safe_load.load_full_model_state(ckpt)
-    assert not (tmp_path / "pwned").exists()
+        return (os.mkdir, (self.path,))
 
 
 def train_args(corpus, work, *extra):
@@ -108,15 +205,13 @@ ONE_RANK_MODEL = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=
 
 
 @pytest.fixture
-def one_rank(tmp_path):
-    """A one-rank process group in this process and a tiny sharded model: enough to save, damage and load."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+def one_rank(one_rank_group):
+    """A tiny sharded model on this process's one-rank process group: enough to save, damage and load."""
     cfg = parse_args([])
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     plan = make_plan(cfg, env, ONE_RANK_MODEL, fsdp_on_one_rank=True)
     model = build_model(GPT, ONE_RANK_MODEL, plan, env, cfg.seed)
-    yield model, build_optimizer(model, cfg, plan)
-    dist.destroy_process_group()
+    return model, build_optimizer(model, cfg, plan)
 
 
 def save_steps(run, model, optimizer, val_losses, keep_last=0):
@@ -224,4 +319,352 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
     timed = [r for r in rows if "step_time" in r]
     assert [r["step"] for r in timed] == [2, 4, 6]
     assert [r["step_time"] for r in timed] == [1.0, 1.0, 1.0]
-    assert [r["tokens_per_s"] for r in timed] == [2 * 8] * 3  # batch 2 x seq 8 tokens per 1-s step
+
+
+# ---- saving ----
+
+def test_a_save_writes_every_file_with_its_size_and_crc32(tmp_path):
+    run, model_weights, _ = save_three(tmp_path)  # here, not in a fixture: mutation testing sees what a test calls
+    step = run / "step_3"
+    assert sorted(p.name for p in step.iterdir()) == [".metadata", "__0_0.distcp", "meta.json", "rng_0.pt",
+                                                      "tokenizer.json"]
+    assert (step / "tokenizer.json").read_text() == '{"vocab": ["a", "b"]}'
+    meta = meta_of(step)
+    assert sorted(meta["files"]) == [".metadata", "__0_0.distcp", "rng_0.pt", "tokenizer.json"]
+    for name, (size, crc) in meta["files"].items():
+        data = (step / name).read_bytes()
+        assert (size, crc) == (len(data), zlib.crc32(data)), name
+    assert (meta["step"], meta["world_size"], meta["format"], meta["val_loss"]) == (3, 1, 2, None)
+    assert meta["state"]["schedule"] == {"lr_decay_steps": 10, "last_step": 100}
+    assert (step / "meta.json").read_text().startswith('{\n "')  # one key a line, for people who read it
+    assert (run / "latest").read_text() == "step_3\n" and (run / "best").read_text() == "step_2\n"
+    assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_1", "step_2", "step_3"]  # keep all
+    assert same(safe_load.load_full_model_state(step), model_weights)
+
+
+def test_crc32_reads_a_file_in_chunks(tmp_path):
+    data = bytes(range(256)) * 3
+    (tmp_path / "f").write_bytes(data)
+    assert checkpoint_find.crc32(tmp_path / "f", chunk=7) == checkpoint_find.crc32(tmp_path / "f") == zlib.crc32(data)
+
+
+def test_best_moves_only_to_a_strictly_lower_val_loss(tmp_path):
+    model, optimizer = tiny()
+    run = tmp_path / "run"
+    best = []
+    for step, val_loss in enumerate([2.0, 2.0, None, 1.5, 1.5], start=1):
+        checkpoint.save(run, step, model, optimizer, {"val_loss": val_loss})
+        best.append((run / "best").read_text().strip())
+    assert best == ["step_1", "step_1", "step_1", "step_4", "step_4"]
+
+
+def test_best_resaved_without_a_val_loss_gives_way_to_the_next_validated_save(tmp_path):
+    """A run restarted from an older checkpoint saves the step `best` names again, this time without a val loss."""
+    model, optimizer = tiny()
+    run = tmp_path / "run"
+    checkpoint.save(run, 1, model, optimizer, {"val_loss": 1.0})
+    checkpoint.save(run, 1, model, optimizer, {"val_loss": None})
+    checkpoint.save(run, 2, model, optimizer, {"val_loss": 5.0})
+    assert (run / "best").read_text() == "step_2\n"
+
+
+def test_a_step_saved_again_replaces_the_old_one_whole(tmp_path):
+    run = tmp_path / "run"
+    first, optimizer = tiny(seed=1)
+    checkpoint.save(run, 2, first, optimizer, {})
+    second, optimizer = tiny(seed=2)
+    checkpoint.save(run, 2, second, optimizer, {})
+    assert same(safe_load.load_full_model_state(run / "step_2"), weights(second))
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "step_2"]  # nothing of the old one left aside
+
+
+def test_a_save_removes_what_a_crashed_save_left(tmp_path):
+    model, optimizer = tiny()
+    run = tmp_path / "run"
+    (run / ".tmp-step_9").mkdir(parents=True)
+    (run / ".tmp-step_9" / "__0_0.distcp").write_bytes(b"half")
+    (run / ".tmp-old-step_4").mkdir()
+    (run / ".tmp-stray").write_text("a file, which rmtree cannot remove: it does not stop the save")
+    checkpoint.save(run, 1, model, optimizer, {})
+    assert sorted(p.name for p in run.iterdir()) == [".tmp-stray", "latest", "step_1"]
+
+
+def test_keep_last_prunes_quietly_even_when_best_is_damaged(tmp_path, console):
+    out, err = console()
+    model, optimizer = tiny()
+    run = tmp_path / "run"
+    checkpoint.save(run, 1, model, optimizer, {"val_loss": 1.0})
+    (run / "best").write_bytes(b"\xff\xfe garbage")
+    checkpoint.save(run, 2, model, optimizer, {"val_loss": None}, keep_last=1)
+    assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2"]
+    checkpoint.save(run, 3, model, optimizer, {"val_loss": 2.0}, keep_last=1)
+    assert (run / "best").read_text() == "step_3\n"
+    assert err.getvalue() == ""  # a damaged `best` is replaced, not reported on every save
+
+
+def test_markers_are_written_durably(tmp_path, monkeypatch):
+    synced = []
+    sync = files.sync
+    monkeypatch.setattr(files, "sync", lambda path: synced.append(Path(path).name) or sync(path))
+    model, optimizer = tiny()
+    checkpoint.save(tmp_path / "run", 1, model, optimizer, {"val_loss": 1.0})
+    assert any(name.startswith(".latest.tmp") for name in synced)  # the marker's data, before its rename
+    assert any(name.startswith(".best.tmp") for name in synced)
+    assert synced.count("run") >= 3  # the checkpoint's rename and both markers' renames
+
+
+def test_save_hands_dcp_the_callers_planner(tmp_path):
+    class Recording(DefaultSavePlanner):
+        used = False
+
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+            Recording.used = True
+            return super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    model, optimizer = tiny()
+    checkpoint.save(tmp_path / "run", 1, model, optimizer, {}, planner=Recording())
+    assert Recording.used
+
+
+# ---- a failed save: one line on every rank, the partial directory removed, the previous checkpoint kept ----
+
+def test_a_save_that_cannot_start_fails_in_one_line(tmp_path):
+    model, optimizer = tiny()
+    (tmp_path / "file").write_text("")
+    run = tmp_path / "file" / "run"
+    with pytest.raises(checkpoint.SaveError) as raised:
+        checkpoint.save(run, 1, model, optimizer, {})
+    assert str(raised.value) == (f"cannot start checkpoint {run}/step_1 (rank 0: Not a directory: {run}/.tmp-step_1); "
+                                 "the previous checkpoint is untouched")
+
+
+def test_a_save_after_another_run_took_the_lock_writes_nothing(tmp_path):
+    model, optimizer = tiny()
+    run = tmp_path / "run"
+    checkpoint.save(run, 1, model, optimizer, {})
+    (run / ".tmp-step_2").mkdir()  # left by a save of step 2 that crashed: gone too, as the failed save's own
+    lock = files.RunLock({"--checkpoint_dir": run})
+    lock.acquire()
+    try:
+        (run / ".lock").write_text(json.dumps({"token": "another run's"}))
+        with pytest.raises(checkpoint.SaveError, match=rf"^cannot start checkpoint {run}/step_2 \(rank 0: "
+                                                       r"LockError: another run took over .*\); the previous"):
+            checkpoint.save(run, 2, model, optimizer, {})
+    finally:
+        lock.release()
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "latest", "step_1"]
+
+
+def test_a_full_disk_while_writing_fails_in_one_line_and_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, optimizer = tiny()
+    run = tmp_path / "run"
+    checkpoint.save(run, 1, model, optimizer, {})
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "/scratch/__0_0.distcp")
+    monkeypatch.setattr(dcp, "save", full)
+    with pytest.raises(checkpoint.SaveError) as raised:
+        checkpoint.save(run, 2, model, optimizer, {})
+    assert str(raised.value) == (f"writing checkpoint {run}/step_2 failed (rank 0: No space left on device: "
+                                 "/scratch/__0_0.distcp); the previous checkpoint is untouched")
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "step_1"]
+    assert (run / "latest").read_text() == "step_1\n"
+
+
+def test_a_failure_that_cannot_be_pickled_is_still_reported(tmp_path, monkeypatch):
+    class Stuck(RuntimeError):
+        def __init__(self):
+            super().__init__("the writer is stuck")
+            self.lock = threading.Lock()  # an exception is not always picklable: only its text travels
+
+    def stuck(*args, **kwargs):
+        raise Stuck()
+    monkeypatch.setattr(dcp, "save", stuck)
+    model, optimizer = tiny()
+    with pytest.raises(checkpoint.SaveError, match=r"\(rank 0: Stuck: the writer is stuck\)"):
+        checkpoint.save(tmp_path / "run", 1, model, optimizer, {})
+    assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_a_save_that_fails_while_finishing_leaves_the_previous_checkpoint(tmp_path):
+    model, optimizer = tiny()
+    run = tmp_path / "run"
+    checkpoint.save(run, 1, model, optimizer, {})
+    tokenizer = tmp_path / "tokenizer"
+    (tokenizer / "tokenizer.d").mkdir(parents=True)  # unreadable as a file
+    with pytest.raises(checkpoint.SaveError) as raised:
+        checkpoint.save(run, 2, model, optimizer, {}, tokenizer_dir=tokenizer)
+    assert str(raised.value) == (f"finishing checkpoint {run}/step_2 failed (rank 0: Is a directory: "
+                                 f"{tokenizer}/tokenizer.d); the previous checkpoint is untouched")
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "step_1"]
+
+
+def test_failure_names_the_first_failing_rank_in_one_line():
+    assert checkpoint._failure(OSError(errno.ENOSPC, "No space left on device", "/a/b"), 3) == \
+        (3, "No space left on device: /a/b")
+    assert checkpoint._failure(OSError(errno.EIO, "Input/output error"), 1) == (1, "Input/output error")
+    assert checkpoint._failure(OSError("no errno"), 2) == (2, "OSError: no errno")
+    assert checkpoint._failure(ValueError("two\n   lines"), 0) == (0, "ValueError: two lines")
+    assert checkpoint._failure(ValueError("x" * 400), 0) == (0, "ValueError: " + "x" * 300)
+    both = CheckpointException("save failed", {2: (ValueError("on two"), "traceback"), 1: OSError(errno.EIO, "EIO")})
+    assert checkpoint._failure(both, 0) == (1, "EIO")
+    one = CheckpointException("save failed", {2: (OSError(errno.ENOSPC, "full", "/x"), "traceback")})
+    assert checkpoint._failure(one, 0) == (2, "full: /x")
+    assert checkpoint._failure(CheckpointException("nothing known", {}), 5) == (
+        5, "CheckpointException: CheckpointException ranks:dict_keys([])")
+
+
+# ---- decentralized replicas ----
+
+def state_of(model, optimizer):
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def test_save_replicas_keeps_this_ranks_replica_beside_the_average(tmp_path):
+    model, optimizer = tiny()
+    path = checkpoint.save_replicas(tmp_path / "run", 1, model, optimizer, {"val_loss": None})
+    checkpoint.save_replicas(tmp_path / "run", 2, model, optimizer, {"val_loss": None})
+    assert path == tmp_path / "run" / "step_1" and (tmp_path / "run" / "step_2").is_dir()  # keep_last: all
+    assert meta_of(path)["replicas"] == 1
+    names = [name for name, _, _ in safe_load.tensor_names(path)]
+    assert same(safe_load.read_tensors(path, names), weights(model))  # the average of one replica
+    assert same(safe_load.read_tensors(path, names, prefix="replicas.0.model."), weights(model))
+    moments_saved = [n for n, _, _ in safe_load.tensor_names(path, "replicas.0.optim.state.") if "exp_avg" in n]
+    assert len(moments_saved) == 2 * len(list(model.parameters()))
+    path = checkpoint.save_replicas(tmp_path / "average", 1, model, optimizer, {}, average_only=True)
+    assert meta_of(path)["replicas"] == 0
+    assert safe_load.tensor_names(path, "replicas.") == []
+
+
+def crafted_replicas(tmp_path, replicas):
+    """A checkpoint whose average (model b) differs from this rank's replica (model a): one rank cannot make
+    one by training, so it is written directly."""
+    a, b = tiny(seed=1), tiny(seed=2)
+    state = dict(state_of(*b), replicas={"0": state_of(*a)})
+    path = checkpoint.save(tmp_path / "run", 1, None, None, {"replicas": replicas}, state=state)
+    return path, a, b
+
+
+def test_load_replicas_resumes_this_ranks_own_replica(tmp_path):
+    path, (a, a_optimizer), _ = crafted_replicas(tmp_path, replicas=1)
+    model, optimizer = tiny(seed=3)
+    checkpoint.load_replicas(path, model, optimizer)
+    assert same(weights(model), weights(a))
+    assert all(torch.equal(x, y) for x, y in zip(moments(optimizer), moments(a_optimizer)))
+    model, _ = tiny(seed=3)
+    checkpoint.load_replicas(path, model)  # the model alone
+    assert same(weights(model), weights(a))
+
+
+@pytest.mark.parametrize("replicas", [2, 0, None])
+def test_load_replicas_from_another_world_starts_from_the_average(tmp_path, console, replicas):
+    out, err = console()
+    path, _, (b, b_optimizer) = crafted_replicas(tmp_path, replicas)
+    if replicas is None:  # an all-reduce run's checkpoint
+        meta = meta_of(path)
+        del meta["replicas"]
+        (path / "meta.json").write_text(json.dumps(meta))
+    model, optimizer = tiny(seed=3)
+    checkpoint.load_replicas(path, model, optimizer)
+    assert same(weights(model), weights(b))
+    assert all(torch.equal(x, y) for x, y in zip(moments(optimizer), moments(b_optimizer)))
+    said = out.flushed
+    if replicas == 2:
+        assert said == f"{path} holds 2 replicas and this run has 1 ranks: every rank starts from their average\n"
+    else:
+        assert said == ""
+
+
+def test_checkpointer_of_a_decentralized_run(tmp_path):
+    cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--run_name", "run", "--keep_last", "1"])
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
+    model, optimizer = tiny()
+    saver = checkpoint.Checkpointer(cfg, config, tokenizer, decentralized=True)
+    saver.save(1, model, optimizer, 2.0, {"data": {"train_blocks_seen": 4}})
+    path = saver.save(2, model, optimizer, 1.0, {"data": {"train_blocks_seen": 8}})
+    assert sorted(p.name for p in path.parent.iterdir()) == ["best", "latest", "step_2"]
+    meta = meta_of(path)
+    assert (meta["replicas"], meta["val_loss"], meta["model_type"], meta["model"]["embed_size"]) == (1, 1.0, "gpt", 8)
+    assert meta["config"]["keep_last"] == 1 and meta["state"] == {"data": {"train_blocks_seen": 8}}
+    assert (path / "tokenizer.json").read_text() == "{}"
+    # step, exp_avg, exp_avg_sq of each parameter
+    assert len(safe_load.tensor_names(path, "replicas.0.optim.state.")) == 3 * len(list(tiny()[0].parameters()))
+    average_only = checkpoint.Checkpointer(dataclasses.replace(cfg, run_name="avg", save_average=True), config,
+                                           None, decentralized=True)
+    assert meta_of(average_only.save(1, model, optimizer, None, {}))["replicas"] == 0
+
+
+def test_checkpointer_restores_the_replica_only_for_a_decentralized_run(tmp_path):
+    path, (a, _), (b, _) = crafted_replicas(tmp_path, replicas=1)
+    cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--run_name", "run"])
+    config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
+    for decentralized, expected in [(True, a), (False, b)]:
+        model, optimizer = tiny(seed=3)
+        checkpoint.Checkpointer(cfg, config, None, decentralized).restore(path, model, optimizer, seed=0)
+        assert same(weights(model), weights(expected))
+
+
+def test_checkpointer_saves_and_restores_model_optimizer_and_rng(tmp_path):
+    cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--run_name", "run", "--keep_last", "1"])
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.model").write_bytes(b"\x00\x01")
+    config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
+    model, optimizer = tiny()
+    saver = checkpoint.Checkpointer(cfg, config, tokenizer, decentralized=False)
+    saver.save(1, model, optimizer, 3.0, {"schedule": {"last_step": 9}})
+    path = saver.save(2, model, optimizer, 2.0, {"schedule": {"last_step": 9}})
+    expected = (weights(model), moments(optimizer), torch.rand(3))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["best", "latest", "step_2"]
+    assert (path / "tokenizer.model").read_bytes() == b"\x00\x01"
+    restored, restored_optimizer = tiny(seed=5)
+    meta = saver.restore(path, restored, restored_optimizer, seed=0)
+    assert (meta["step"], meta["val_loss"], meta["state"]) == (2, 2.0, {"schedule": {"last_step": 9}})
+    assert same(weights(restored), expected[0])
+    assert all(torch.equal(x, y) for x, y in zip(moments(restored_optimizer), expected[1]))
+    assert torch.equal(torch.rand(3), expected[2])  # the RNG continues from the save
+
+
+# ---- RNG states ----
+
+def test_another_world_size_reseeds_each_rank_from_seed_rank_and_step(run):
+    meta = meta_of(run / "step_3")
+    (run / "step_3" / "meta.json").write_text(json.dumps(dict(meta, world_size=2)))
+    streams = {}
+    for seed, rank in [(7, 0), (7, 1), (8, 1)]:
+        assert not checkpoint.restore_rng(run / "step_3", rank=rank, world_size=1, seed=seed)
+        streams[seed, rank] = torch.rand(3)
+        torch.manual_seed((seed * 1_000_003 + rank) * 1_000_000_007 + 3)
+        assert torch.equal(streams[seed, rank], torch.rand(3))
+    assert not torch.equal(streams[7, 0], streams[7, 1]) and not torch.equal(streams[7, 1], streams[8, 1])
+    for seed in (10**6, -10**6):  # past what torch.manual_seed takes once multiplied out
+        assert not checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=seed)
+    model, optimizer = tiny()
+    cfg = parse_args(["--checkpoint_dir", str(run.parent), "--run_name", "run"])
+    config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
+    checkpoint.Checkpointer(cfg, config, None, False).restore(run / "step_3", model, optimizer, seed=7)
+    assert torch.equal(torch.rand(3), streams[7, 0])
+
+
+def test_cuda_rng_state_is_saved_and_restored_where_cuda_is(run, monkeypatch):
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([7, 8, 9], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
+    (run / "step_2" / "rng_0.pt").write_bytes(checkpoint._rng_bytes())
+    assert checkpoint.restore_rng(run / "step_2", rank=0, world_size=1, seed=0)
+    assert len(restored) == 1 and restored[0].tolist() == [7, 8, 9]
+    assert checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)  # saved without CUDA
+    assert len(restored) == 1
+
+
+def test_rng_states_of_numpy_and_python_come_back(run):
+    assert checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
+    expected = (np.random.rand(3), random.random(), random.gauss(0, 1))
+    np.random.rand(5), random.random()
+    assert checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
+    assert np.array_equal(np.random.rand(3), expected[0])
+    assert (random.random(), random.gauss(0, 1)) == expected[1:]

@@ -22,6 +22,7 @@ from minimal_fsdp.llama import LlamaConfig
 from minimal_fsdp.model import GPTConfig
 from minimal_fsdp.models import MODELS
 from minimal_fsdp.parallelize import init_weights
+
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 

@@ -17,6 +17,7 @@ from minimal_fsdp.config import ConfigError
 from minimal_fsdp.llama import LlamaConfig
 from minimal_fsdp.model import GPTConfig
 from test_hf import GPT, bare, gpt2_config, llama_config, ours, save_config
+
 transformers = pytest.importorskip("transformers")
 
 

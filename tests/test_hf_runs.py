@@ -24,6 +24,7 @@ from minimal_fsdp.tokenizer import load_tokenizer, train_tokenizer
 from test_end_to_end import sample_of
 from test_hf import LLAMA3_ROPE, assert_same_logits, hf_gpt2, hf_llama, ours_from
 from test_parallelize import logged_losses
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -13,6 +13,7 @@ from minimal_fsdp.config import ConfigError
 from minimal_fsdp.llama import LlamaConfig
 from minimal_fsdp.models import MODELS
 from minimal_fsdp.parallelize import init_weights
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -18,6 +18,7 @@ from minimal_fsdp.parallelize import init_weights
 from test_hf import (GPT, LLAMA, LLAMA3_ROPE, assert_same_logits, gpt2_config, llama_config, ours, ours_from,
                      save_config)
 from test_hf_config import LLAMA3
+
 transformers = pytest.importorskip("transformers")
 
 
