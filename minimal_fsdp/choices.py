@@ -10,6 +10,7 @@ class ConfigError(ValueError):
 
 
 # plan.py (the parallel plan)
+DEVICE = ("auto", "xla")  # xla: xla.py
 SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
 PRECISION = ("float32", "bf16", "fp8")
 DATA_PARALLEL = ("allreduce", "decentralized")

@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass, field
 
 # Nothing here imports torch: `basic_training.py --help` and a mistyped flag answer at once.
-from .choices import (DATA_PARALLEL, FP8_RECIPES, FSDP_UNITS, GRAPHS_MODEL, MODEL_PRESETS, PRECISION, SHARDING,
-                      SMALL_MODEL, TOPOLOGIES, ConfigError)
+from .choices import (DATA_PARALLEL, DEVICE, FP8_RECIPES, FSDP_UNITS, GRAPHS_MODEL, MODEL_PRESETS, PRECISION,
+                      SHARDING, SMALL_MODEL, TOPOLOGIES, ConfigError)
 from .config_checks import model_family, parse_duration, validate, validate_world  # noqa: F401 (re-exported)
 
 # The launchers' rank variables (environment.py reads the same ones), for printing a flag error once.
@@ -47,9 +47,6 @@ def one_line_errors(main):
 
 def flag(default, help, choices=None, section="train"):
     return field(default=default, metadata={"help": help, "choices": choices, "section": section})
-
-
-DEVICE = ("auto", "xla")
 
 
 @dataclass

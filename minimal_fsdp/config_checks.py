@@ -1,6 +1,12 @@
-"""Validation of a run's flags, once, before anything is built: `validate` (the flags alone, called by
-config.parse_args) and `validate_world` (the flags against the launch layout). The same flags give the same
-verdict on every rank, so every rank stops alike before the first collective.
+"""The flags' checks, made once before anything is built: one function per section of Config (the groups of
+`--help`, the tables of a --config file), which config.validate calls in order, each refusing its own flags' bad
+values and then the flags they cannot go with; then validate_world (the flags against the launch layout) and
+check_sizes (the batch and model against the memory here). The same flags give the same verdict on every rank,
+so every rank stops alike before the first collective.
+
+The subsystems these flags drive (data, streaming, fp8, gossip, hf, evaluate, checkpoint) import torch and
+torch.distributed, and most import config; their flag checks live here, by section, so a bad flag and `--help`
+answer without importing torch, and no import cycle forms through config.py.
 """
 import importlib.util
 import math
@@ -12,6 +18,182 @@ GiB = 2**30
 MAX_TIMEOUT = 10**6  # seconds (11.6 days): longer than any job's walltime
 SHAPE_FLAGS = ("num_layers", "num_heads", "embed_size", "vocab_size", "num_kv_heads", "intermediate_size", "bias")
 
+
+def validate(cfg):
+    """Checks that need only the flags, section by section; those that need the world size, data or checkpoints
+    run where those are known, before the first collective that could hang. Training's come first, as the others
+    read --max_epochs (generate_only) and trust it; logging's late, so a missing package is named after the flags'
+    own mistakes; --device xla's (xla.py) last."""
+    for check in (check_train, check_launch, check_model, check_parallel, check_decentralized, check_data,
+                  check_checkpoint, check_generate, check_log, validate_xla):
+        check(cfg)
+
+
+def check_train(cfg):
+    """The run's length, the optimizer and its schedule, and evaluation (--eval_tasks: evaluate.py)."""
+    _positive(cfg, "batch_size", "grad_accum_steps", "log_interval", "eval_batches", "lr_decay_steps")
+    _not_negative(cfg, "max_steps", "eval_interval", "warmup_steps", "skip_nonfinite")
+    _check_range(cfg, "lr", 0, low_ok=False)
+    _check_range(cfg, "min_lr", 0)
+    if cfg.min_lr is not None and cfg.min_lr > cfg.lr:
+        raise ConfigError(f"--min_lr {cfg.min_lr} is above --lr {cfg.lr}: the schedule decays from --lr to --min_lr")
+    _check_range(cfg, "beta1", 0, 1)
+    _check_range(cfg, "beta2", 0, 1)
+    _check_range(cfg, "weight_decay", 0)
+    _check_range(cfg, "grad_clip", 0, note=" (0 disables clipping)")
+    if cfg.max_epochs is not None and (cfg.max_epochs == 0 or cfg.max_epochs < -1):
+        raise ConfigError(f"--max_epochs must be positive, or -1 to only generate (got {cfg.max_epochs})")
+    if cfg.max_epochs is None and not cfg.max_steps and not cfg.streaming:  # check_data says it for a stream
+        raise ConfigError("--max_steps 0 (no cap) needs --max_epochs to set the run's length")
+    if cfg.eval_tasks:
+        if cfg.eval_tasks_interval < 0 or cfg.eval_tasks_limit is not None and cfg.eval_tasks_limit <= 0:
+            raise ConfigError("--eval_tasks_interval must be 0 or positive and --eval_tasks_limit positive (got "
+                              f"{cfg.eval_tasks_interval} and {cfg.eval_tasks_limit})")
+        if cfg.data_parallel == "decentralized":
+            raise ConfigError("--eval_tasks scores one model, and under --data_parallel decentralized every rank "
+                              "trains a replica of its own: evaluate a checkpoint with python -m minimal_fsdp.evaluate")
+
+
+def check_launch(cfg):
+    if cfg.time_limit:
+        parse_duration(cfg.time_limit)
+    # Bounded: torch turns it into a timedelta and then milliseconds, which overflow far above any walltime.
+    _check_range(cfg, "collective_timeout", 0, MAX_TIMEOUT, low_ok=False, note=" (seconds)")
+    if not -2**63 <= cfg.seed < 2**63:  # torch's seeds are 64-bit
+        raise ConfigError(f"--seed must be an integer in [-2**63, 2**63) (got {cfg.seed})")
+    name = cfg.run_name
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or name != name.strip():
+        raise ConfigError(f"--run_name must be one plain directory name, without '/' (got {name!r})")
+
+
+def check_model(cfg):
+    """The model's shape flags, and with --hf_model (hf.py) that the model's own shape is not changed."""
+    _positive(cfg, "num_layers", "num_heads", "embed_size", "seq_length", "vocab_size", "num_kv_heads",
+              "intermediate_size")
+    _check_range(cfg, "dropout", 0, 1)
+    if cfg.embed_size and cfg.num_heads and cfg.embed_size % cfg.num_heads:
+        raise ConfigError(f"--embed_size must be divisible by --num_heads (got {cfg.embed_size} and {cfg.num_heads})")
+    if cfg.hf_model:
+        given = [name for name in SHAPE_FLAGS if getattr(cfg, name) is not None]
+        if given:
+            raise ConfigError(f"--{given[0]} cannot change the shape of --hf_model {cfg.hf_model} "
+                              "(only --seq_length, to shorten the context, and --dropout apply)")
+        if cfg.generate_only and cfg.restart_checkpoint_file:
+            raise ConfigError("--max_epochs -1 with --hf_model generates from the Hugging Face model: "
+                              "drop --restart_checkpoint_file, or drop --hf_model to generate from the checkpoint")
+    elif model_family(cfg) == "gpt":
+        for name in ("num_kv_heads", "intermediate_size"):
+            if getattr(cfg, name) is not None:
+                raise ConfigError(f"--{name} is a llama flag: add --model llama, or drop it")
+    elif cfg.bias is not None:
+        raise ConfigError("--bias/--no-bias is a gpt flag (llama has no biases): drop it")
+
+
+def check_parallel(cfg):
+    """The flags plan.make_plan decides with, as far as the flags alone tell (the rest needs the launch and the
+    model's size: make_plan refuses it there), and --precision fp8's torchao (fp8.py)."""
+    _positive(cfg, "shard_group_size")
+    if cfg.cuda_graphs and not cfg.compile:
+        raise ConfigError("--cuda_graphs replays the compiled model: add --compile")
+    if cfg.fp8_recipe != "tensorwise" and cfg.precision != "fp8":
+        raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} applies with --precision fp8: add it")
+    if cfg.precision == "fp8" and not cfg.generate_only and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("--precision fp8 needs torchao: pip install -e \".[fp8]\" (offline: see docs/fp8.md)")
+    if cfg.recompute != "full" and not cfg.activation_checkpoints:
+        raise ConfigError(f"--recompute {cfg.recompute} applies with --activation_checkpoints: add it")
+
+
+def check_decentralized(cfg):
+    """--data_parallel decentralized (gossip.py, accum_adamw.py) and the flags that apply only to it, --save_average
+    (a [checkpoint] flag) included."""
+    _positive(cfg, "accum_steps")
+    if cfg.data_parallel != "decentralized":
+        for name, unset in (("accum_steps", 1), ("save_average", False)):
+            if getattr(cfg, name) != unset:
+                raise ConfigError(f"--{name} applies to --data_parallel decentralized only")
+        return
+    if cfg.sharding not in ("full-shard", "no-shard"):  # full-shard: the default, i.e. not asked for
+        raise ConfigError(f"--data_parallel decentralized keeps a whole replica on every rank: "
+                          f"drop --sharding {cfg.sharding}")
+    if cfg.cpu_offload:
+        raise ConfigError("--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it")
+    if cfg.fsdp_unit != "auto":
+        raise ConfigError("--fsdp_unit says what FSDP gathers; --data_parallel decentralized has no FSDP: drop it")
+
+
+def check_data(cfg):
+    """Which data (data.py, prepare.py, streaming.py) and which tokenizer; whether the files are there is checked
+    where they are opened."""
+    _check_range(cfg, "val_fraction", 0, 1, low_ok=False)
+    _directory(cfg, "data_dir")
+    if cfg.dataset == "text" and not cfg.input_file:
+        raise ConfigError("--dataset text needs --input_file PATH")
+    if cfg.input_file and cfg.dataset != "text":  # parse_args reads --input_file alone as --dataset text
+        raise ConfigError(f"--input_file is the file of --dataset text: drop --dataset {cfg.dataset}")
+    if cfg.streaming and not cfg.dataset_path:
+        raise ConfigError("--streaming needs --dataset_path (the documents to stream)")
+    if cfg.streaming and not cfg.max_steps:
+        raise ConfigError("--streaming needs --max_steps: a stream's length is unknown, so epochs cannot end the run")
+    if cfg.tokenizer_dir and cfg.dataset_path and not cfg.streaming:
+        raise ConfigError("a prepared --dataset_path carries its own tokenizer: drop --tokenizer_dir")
+    if cfg.tokenizer_dir and cfg.tokenizer != "char":  # char is the default: not asked for
+        raise ConfigError(f"--tokenizer_dir replaces --tokenizer: drop --tokenizer {cfg.tokenizer}")
+    if cfg.tokenizer == "sentencepiece" and cfg.vocab_size is None and not cfg.dataset_path:
+        raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
+
+
+def check_checkpoint(cfg):
+    """How often and where checkpoints are written; which one a run starts from is checkpoint_find's (it needs the
+    files)."""
+    _not_negative(cfg, "checkpoint_interval", "keep_last")
+    _directory(cfg, "checkpoint_dir")
+
+
+def check_generate(cfg):
+    """The sample's flags; whether --prompt fits the tokenizer is checked once the tokenizer is known."""
+    _not_negative(cfg, "num_tokens")
+    _check_range(cfg, "temperature", 0, note=" (0: greedy)")
+    _check_range(cfg, "top_k", 0, note=" (0: all tokens)")
+
+
+def check_log(cfg):
+    _directory(cfg, "log_dir")
+    for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        if getattr(cfg, name) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--{name} needs the {package} package: pip install {package}")
+
+
+def _positive(cfg, *names):
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name} must be positive (got {value})")
+
+
+def _not_negative(cfg, *names):
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"--{name} must be 0 or positive (got {value})")
+
+
+def _check_range(cfg, name, low, high=None, low_ok=True, note=""):
+    """--name, if set, must be a finite number >= low (> low unless low_ok) and, given high, < high. A value out of
+    range would silently corrupt training (a negative clip is gradient ascent) or fail deep inside torch."""
+    value = getattr(cfg, name)
+    if value is None:
+        return
+    if not (math.isfinite(value) and (value >= low if low_ok else value > low) and (high is None or value < high)):
+        opening = "[" if low_ok else "("
+        bounds = f"in {opening}{low:g}, {high:g})" if high is not None else f"{'>=' if low_ok else '>'} {low:g}"
+        raise ConfigError(f"--{name} must be a finite number {bounds} (got {value}){note}")
+
+
+def _directory(cfg, name):
+    path = getattr(cfg, name)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--{name} {path} is a file, not a directory: name a directory (or a path that "
+                          "does not exist yet)")
 
 
 def parse_duration(text):
@@ -28,112 +210,6 @@ def parse_duration(text):
     return seconds
 
 
-def validate(cfg):
-    """Checks that need only the flags. Checks that need the world size, data or checkpoints live where
-    those are known, and run before the first collective that could hang."""
-    positive = ["batch_size", "grad_accum_steps", "num_layers", "num_heads", "embed_size", "seq_length",
-                "vocab_size", "shard_group_size", "log_interval", "eval_batches", "lr_decay_steps", "num_kv_heads",
-                "intermediate_size", "accum_steps"]
-    for name in positive:
-        value = getattr(cfg, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{name} must be positive (got {value})")
-    for name in ("max_steps", "num_tokens", "checkpoint_interval", "eval_interval", "warmup_steps", "keep_last",
-                 "skip_nonfinite"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name} must be 0 or positive (got {getattr(cfg, name)})")
-    if cfg.time_limit:
-        parse_duration(cfg.time_limit)
-    validate_values(cfg)
-    if cfg.dataset == "text" and not cfg.input_file:
-        raise ConfigError("--dataset text needs --input_file PATH")
-    if cfg.input_file and cfg.dataset != "text":  # parse_args reads --input_file alone as --dataset text
-        raise ConfigError(f"--input_file is the file of --dataset text: drop --dataset {cfg.dataset}")
-    if cfg.streaming and not cfg.dataset_path:
-        raise ConfigError("--streaming needs --dataset_path (the documents to stream)")
-    if cfg.streaming and not cfg.max_steps:
-        raise ConfigError("--streaming needs --max_steps: a stream's length is unknown, so epochs cannot end the run")
-    if cfg.tokenizer_dir and cfg.dataset_path and not cfg.streaming:
-        raise ConfigError("a prepared --dataset_path carries its own tokenizer: drop --tokenizer_dir")
-    if cfg.tokenizer_dir and cfg.tokenizer != "char":  # char is the default: not asked for
-        raise ConfigError(f"--tokenizer_dir replaces --tokenizer: drop --tokenizer {cfg.tokenizer}")
-    if cfg.tokenizer == "sentencepiece" and cfg.vocab_size is None and not cfg.dataset_path:
-        raise ConfigError("--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)")
-    if cfg.cuda_graphs and not cfg.compile:
-        raise ConfigError("--cuda_graphs replays the compiled model: add --compile")
-    if cfg.fp8_recipe != "tensorwise" and cfg.precision != "fp8":
-        raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} applies with --precision fp8: add it")
-    if cfg.precision == "fp8" and not cfg.generate_only and importlib.util.find_spec("torchao") is None:
-        raise ConfigError("--precision fp8 needs torchao: pip install -e \".[fp8]\" (offline: see docs/fp8.md)")
-    if cfg.recompute != "full" and not cfg.activation_checkpoints:
-        raise ConfigError(f"--recompute {cfg.recompute} applies with --activation_checkpoints: add it")
-    if cfg.embed_size and cfg.num_heads and cfg.embed_size % cfg.num_heads:
-        raise ConfigError(f"--embed_size must be divisible by --num_heads (got {cfg.embed_size} and {cfg.num_heads})")
-    for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
-        if getattr(cfg, name) and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"--{name} needs the {package} package: pip install {package}")
-    if cfg.hf_model:
-        given = [name for name in SHAPE_FLAGS if getattr(cfg, name) is not None]
-        if given:
-            raise ConfigError(f"--{given[0]} cannot change the shape of --hf_model {cfg.hf_model} "
-                              "(only --seq_length, to shorten the context, and --dropout apply)")
-        if cfg.generate_only and cfg.restart_checkpoint_file:
-            raise ConfigError("--max_epochs -1 with --hf_model generates from the Hugging Face model: "
-                              "drop --restart_checkpoint_file, or drop --hf_model to generate from the checkpoint")
-    elif model_family(cfg) == "gpt":
-        for name in ("num_kv_heads", "intermediate_size"):
-            if getattr(cfg, name) is not None:
-                raise ConfigError(f"--{name} is a llama flag: add --model llama, or drop it")
-    elif cfg.bias is not None:
-        raise ConfigError("--bias/--no-bias is a gpt flag (llama has no biases): drop it")
-    validate_decentralized(cfg)
-    validate_xla(cfg)
-
-
-def _check_range(cfg, name, low, high=None, low_ok=True, note=""):
-    """--name, if set, must be a finite number >= low (> low unless low_ok) and, given high, < high."""
-    value = getattr(cfg, name)
-    if value is None:
-        return
-    if not (math.isfinite(value) and (value >= low if low_ok else value > low) and (high is None or value < high)):
-        opening = "[" if low_ok else "("
-        bounds = f"in {opening}{low:g}, {high:g})" if high is not None else f"{'>=' if low_ok else '>'} {low:g}"
-        raise ConfigError(f"--{name} must be a finite number {bounds} (got {value}){note}")
-
-
-def validate_values(cfg):
-    """Numbers that would silently corrupt training (a negative clip is gradient ascent, a negative min_lr a
-    negative learning rate), or fail deep inside torch with a traceback, are refused here in one line."""
-    _check_range(cfg, "lr", 0, low_ok=False)
-    _check_range(cfg, "min_lr", 0)
-    if cfg.min_lr is not None and cfg.min_lr > cfg.lr:
-        raise ConfigError(f"--min_lr {cfg.min_lr} is above --lr {cfg.lr}: the schedule decays from --lr to --min_lr")
-    _check_range(cfg, "beta1", 0, 1)
-    _check_range(cfg, "beta2", 0, 1)
-    _check_range(cfg, "weight_decay", 0)
-    _check_range(cfg, "grad_clip", 0, note=" (0 disables clipping)")
-    _check_range(cfg, "dropout", 0, 1)
-    _check_range(cfg, "val_fraction", 0, 1, low_ok=False)
-    _check_range(cfg, "temperature", 0, note=" (0: greedy)")
-    _check_range(cfg, "top_k", 0, note=" (0: all tokens)")
-    # Bounded: torch turns it into a timedelta and then milliseconds, which overflow far above any walltime.
-    _check_range(cfg, "collective_timeout", 0, MAX_TIMEOUT, low_ok=False, note=" (seconds)")
-    if not -2**63 <= cfg.seed < 2**63:  # torch's seeds are 64-bit
-        raise ConfigError(f"--seed must be an integer in [-2**63, 2**63) (got {cfg.seed})")
-    if cfg.max_epochs is not None and (cfg.max_epochs == 0 or cfg.max_epochs < -1):
-        raise ConfigError(f"--max_epochs must be positive, or -1 to only generate (got {cfg.max_epochs})")
-    if cfg.max_epochs is None and not cfg.max_steps and not cfg.streaming:  # a stream says it below
-        raise ConfigError("--max_steps 0 (no cap) needs --max_epochs to set the run's length")
-    name = cfg.run_name
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or name != name.strip():
-        raise ConfigError(f"--run_name must be one plain directory name, without '/' (got {name!r})")
-    for name in ("data_dir", "checkpoint_dir", "log_dir"):
-        path = getattr(cfg, name)
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(f"--{name} {path} is a file, not a directory: name a directory (or a path that "
-                              "does not exist yet)")
-
-
 def model_family(cfg):
     """--model, or else the family --model_preset belongs to ("tiny" is gpt's unless --model llama)."""
     if cfg.model is None:
@@ -142,21 +218,6 @@ def model_family(cfg):
         raise ConfigError(f"--model_preset {cfg.model_preset} is not a {cfg.model} preset (those are "
                           f"{', '.join(MODEL_PRESETS[cfg.model])}): drop --model or pick one of them")
     return cfg.model
-
-
-def validate_decentralized(cfg):
-    if cfg.data_parallel != "decentralized":
-        for name, unset in (("accum_steps", 1), ("save_average", False)):
-            if getattr(cfg, name) != unset:
-                raise ConfigError(f"--{name} applies to --data_parallel decentralized only")
-        return
-    if cfg.sharding not in ("full-shard", "no-shard"):  # full-shard: the default, i.e. not asked for
-        raise ConfigError(f"--data_parallel decentralized keeps a whole replica on every rank: "
-                          f"drop --sharding {cfg.sharding}")
-    if cfg.cpu_offload:
-        raise ConfigError("--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it")
-    if cfg.fsdp_unit != "auto":
-        raise ConfigError("--fsdp_unit says what FSDP gathers; --data_parallel decentralized has no FSDP: drop it")
 
 
 def validate_xla(cfg):
