@@ -115,8 +115,9 @@ def plan_run(cfg, env, model_config, loads_weights):
 
 
 def train_model(cfg, env, start, hf_dir, stop):
-    """Open the data, build (or resume) the model and optimizer, and train; returns the model and the
-    data's tokenizer."""
+    """Open the data, build (or resume) the model and optimizer with the plan's backend, and train; returns the
+    model to sample from (the trained one; under XLA, the host's copy of the checkpoint just saved) and the data's
+    tokenizer."""
     data = open_data(cfg, env, hf_dir)
     check_prompt(cfg, data.tokenizer, env)
     model_config = hf.read_model_config(hf_dir, cfg) if hf_dir else config_from_flags(cfg, data.meta["vocab_size"])
