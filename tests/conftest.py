@@ -1,9 +1,11 @@
 """Shared test helpers: a tiny corpus, and launching the real entry point under mpiexec."""
+import json
 import os
 import random
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,17 @@ def no_processes_under_mutmut():
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """This process computes with one thread, as every launched rank does (OMP_NUM_THREADS=1): the cores are
+    shared with the ranks it launches (and, on a busy machine, with more), and a second thread that waits for a
+    busy core makes a tiny model's step many times slower (the single-process reference: 7 s instead of 0.4)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def mpiexec():
     """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
     found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
@@ -67,6 +80,17 @@ def launch(args, ranks=2, cwd=None, timeout=300, env=None, check=True, entry=ENT
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def launch_runs(flag_lists, ranks=2, cwd=None, timeout=300):
+    """Several runs of the real entry point, one after the other on the same `ranks` ranks of one launch
+    (tests/several_runs.py): Python and torch start once, not once per run. Each run's flags say where its output
+    goes; a run that fails ends the launch (AssertionError with its output)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as listed:
+        json.dump([list(map(str, flags)) for flags in flag_lists], listed)
+        listed.flush()
+        return launch([listed.name], ranks=ranks, cwd=cwd, timeout=timeout * len(flag_lists),
+                      entry=ROOT / "tests" / "several_runs.py")
 
 
 def make_text(n_chars=60_000, seed=0):

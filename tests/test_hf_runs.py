@@ -7,12 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import tokenizer_dirs
-from conftest import ROOT, global_batch, launch, make_text
+from conftest import ROOT, global_batch, launch, launch_runs, make_text
 from minimal_fsdp import checkpoint_find, checkpoint_meta, export, hf_write, safe_load, tokenizer as tk
 from minimal_fsdp.config import parse_args
 from minimal_fsdp.data import TokenData, dataset_dir
@@ -31,48 +32,54 @@ transformers = pytest.importorskip("transformers")
 # -----------------------------------------------------------------------------
 # --hf_model on 2 ranks
 
-@pytest.fixture
-def llama_dir(tmp_path, corpus):
+PROMPT = "KING:"
+
+
+@pytest.fixture(scope="module")
+def llama_runs(tmp_path_factory):
     """A tiny random Llama with its own sentencepiece tokenizer.model (300 pieces; 301 embedding rows, so
-    the embedding and head split unevenly over 2 ranks). Larger init so greedy decoding has no near-ties."""
-    tokenizer = train_tokenizer("sentencepiece", corpus.read_text(), 300, tmp_path / "sp")
-    directory = tmp_path / "hf-llama"
+    the embedding and head split unevenly over 2 ranks), larger init so greedy decoding has no near-ties; then,
+    on 2 ranks of one launch (tests/several_runs.py), a generation from it and a training run that starts from it
+    (in that order: the generation finds no checkpoint of the training run)."""
+    work = tmp_path_factory.mktemp("llama")
+    corpus = work / "corpus.txt"
+    corpus.write_text(make_text())
+    tokenizer = train_tokenizer("sentencepiece", corpus.read_text(), 300, work / "sp")
+    directory = work / "hf-llama"
     theirs = hf_llama(directory, vocab_size=301, max_position_embeddings=64, initializer_range=0.2)
-    shutil.copy(tmp_path / "sp" / "tokenizer.model", directory)
-    return directory, theirs, tokenizer
+    shutil.copy(work / "sp" / "tokenizer.model", directory)
+    generate = ["--hf_model", directory, "--max_epochs", -1, "--prompt", PROMPT, "--num_tokens", 12,
+                "--temperature", 0, "--sharding", "hybrid-full-shard", "--shard_group_size", 2]
+    train = ["--hf_model", directory, "--dataset", "text", "--input_file", corpus, "--data_dir", work / "data",
+             "--seq_length", 32, "--batch_size", 2, "--max_steps", 1, "--log_interval", 1, "--eval_interval", 0,
+             "--eval_batches", 1, "--num_tokens", 0, "--run_name", "run"]
+    out = launch_runs([generate, train], ranks=2, cwd=work)
+    return SimpleNamespace(work=work, theirs=theirs, tokenizer=tokenizer, train=train, stdout=out.stdout)
 
 
 @pytest.mark.slow
-def test_training_starts_from_the_hf_weights_and_tokenizer(tmp_path, corpus, llama_dir):
-    directory, theirs, tokenizer = llama_dir
-    args = ["--hf_model", directory, "--dataset", "text", "--input_file", corpus, "--data_dir", tmp_path / "data",
-            "--seq_length", 32, "--batch_size", 2, "--max_steps", 1, "--log_interval", 1, "--eval_interval", 0,
-            "--eval_batches", 1, "--num_tokens", 0, "--run_name", "run"]
-    launch(args, ranks=2, cwd=tmp_path)
+def test_training_starts_from_the_hf_weights_and_tokenizer(llama_runs):
+    theirs, tokenizer, args = llama_runs.theirs, llama_runs.tokenizer, llama_runs.train
     # The first logged loss is that of the Hugging Face model on the first batches of both ranks.
     cfg = parse_args([str(a) for a in args])
     data = TokenData(dataset_dir(cfg, tokenizer))  # tokenized with the model's own tokenizer.model
     x, y = global_batch(data, 0, 2, 2, 32, cfg.seed)
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(theirs(x).logits.reshape(-1, 301), y.reshape(-1)).item()
-    assert logged_losses(tmp_path, "run")[0] == pytest.approx(expected, abs=1e-4)
-    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "run")
+    assert logged_losses(llama_runs.work, "run")[0] == pytest.approx(expected, abs=1e-4)
+    saved = checkpoint_find.latest(llama_runs.work / "checkpoints" / "run")
     assert json.loads((saved / "meta.json").read_text())["model_type"] == "llama"
     assert load_tokenizer(saved).model_proto == tokenizer.model_proto  # the tokenizer travels with it
 
 
 @pytest.mark.slow
-def test_generation_from_hf_model_matches_transformers_greedy(tmp_path, llama_dir):
-    directory, theirs, tokenizer = llama_dir
-    prompt = "KING:"
-    out = launch(["--hf_model", directory, "--max_epochs", -1, "--prompt", prompt, "--num_tokens", 12,
-                  "--temperature", 0, "--sharding", "hybrid-full-shard", "--shard_group_size", 2],
-                 ranks=2, cwd=tmp_path)
-    ids = tokenizer.encode(prompt)
+def test_generation_from_hf_model_matches_transformers_greedy(llama_runs):
+    theirs, tokenizer = llama_runs.theirs, llama_runs.tokenizer
+    ids = tokenizer.encode(PROMPT)
     with torch.no_grad():
         for _ in range(12):
             ids.append(theirs(torch.tensor([ids])).logits[0, -1].argmax().item())
-    assert sample_of(out.stdout) == tokenizer.decode(ids)
+    assert sample_of(llama_runs.stdout) == tokenizer.decode(ids)
 
 
 # -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference as plain
-from conftest import ROOT, TINY_MODEL, launch, mpiexec
+from conftest import ROOT, TINY_MODEL, launch_runs, make_text, mpiexec
 from minimal_fsdp import checkpoint_find, parallelize, plan as plan_module, safe_load
 from minimal_fsdp.config import parse_args
 from minimal_fsdp.gossip import Gossip
@@ -79,17 +79,36 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def trained(request, tmp_path_factory):
+    """Every selected case trained by the real entry point, each in its own directory with its own corpus; the
+    cases of one world size one after the other in one launch (tests/several_runs.py: 2 launches, not 15)."""
+    selected = {CASES.index((item.callspec.params["ranks"], item.callspec.params["extra"]))
+                for item in request.session.items if item.originalname == "test_strategy_matches_single_process"}
+    runs = {}
+    for ranks in sorted({ranks for ranks, _ in CASES}):
+        flags = []
+        for case, (world, extra) in enumerate(CASES):
+            if world == ranks and case in selected:
+                work = tmp_path_factory.mktemp(f"case_{case}")
+                (work / "corpus.txt").write_text(make_text())
+                runs[case] = work, train_args(work / "corpus.txt", "run", extra)
+                flags.append(runs[case][1])
+        if flags:
+            launch_runs(flags, ranks)
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks,extra", CASES, ids=[" ".join(map(str, e)) for _, e in CASES])
-def test_strategy_matches_single_process(tmp_path, corpus, ranks, extra):
-    args = train_args(corpus, "run", extra)
-    launch(args, ranks=ranks, cwd=tmp_path)
-    losses = logged_losses(tmp_path, "run")
+def test_strategy_matches_single_process(trained, ranks, extra):
+    work, args = trained[CASES.index((ranks, extra))]
+    losses = logged_losses(work, "run")
     ref_losses, ref_state = reference(args, ranks)
     assert len(losses) == STEPS
     assert losses == pytest.approx(ref_losses, abs=5e-6), (losses, ref_losses)
     assert ref_losses[-1] < ref_losses[0]  # it learned something, so the comparison is not vacuous
-    saved = safe_load.load_full_model_state(checkpoint_find.latest(tmp_path / "checkpoints" / "run"))
+    saved = safe_load.load_full_model_state(checkpoint_find.latest(work / "checkpoints" / "run"))
     assert saved.keys() == ref_state.keys()
     for name, value in ref_state.items():
         torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=1e-5, msg=name)
