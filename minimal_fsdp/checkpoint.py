@@ -166,7 +166,8 @@ def save(run_dir, step, model, optimizer, meta, tokenizer_dir=None, keep_last=0,
             error = e
     _gather_or_fail(f"cannot start checkpoint {final}", error, tmp)  # the others wait here for the directory
     state = _state(model, optimizer) if state is None else state
-    writer = ChecksummingWriter(tmp, checkpoint_async.writer_threads(state), staged=background is not None)
+    writer = ChecksummingWriter(tmp, checkpoint_async.writer_threads(state), staged=background is not None,
+                                process=background and background.writer)
     meta = dict(meta, step=step, world_size=dist.get_world_size())
     complete = functools.partial(_complete, run_dir, final, tmp, meta, writer, _rng_bytes(), tokenizer_dir, keep_last)
     if background is None:

@@ -8,17 +8,17 @@ commit, pruning) follows in that thread. Its collectives run on a gloo process g
 interleave with training's. At most one save is in flight: the next save, a stop and the end of the run wait for
 it, and every logging step asks (one collective) whether it has ended, so a failed write ends the run there.
 
-A process, not a thread, would keep the write off training's GIL (DCP offers one); it would also need a second
-rendezvous of every rank, which mpiexec, srun and PBS launches do not provide, so the thread it is.
+The files' bytes are written by a process of the rank's own (checkpoint_writer.WriterProcess) from host memory
+both map, so that the write's Python work does not hold training's GIL; DCP's planning and collectives stay in its
+thread here. DCP's own process-based async_save would need every rank's process to meet again (a second
+rendezvous, which mpiexec, srun and PBS launches do not give) and a picklable copy of the DTensors.
 """
 import dataclasses
 import datetime
 import sys
 import time
 import weakref
-import zlib
 from concurrent.futures import Future
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,10 +26,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # the keys DCP's planner looks up
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
 from . import environment
+from .checkpoint_writer import (ALIGN, ChecksummingWriter, SharedMemory, WriterProcess,  # noqa: F401 - imported from here too
+                                _Checksummed, in_process)
 from .config_checks import host_memory_available
 
 # The staged copy may take this share of the host memory that is free when the run starts; the rest is left to
@@ -47,73 +48,6 @@ class Saved:
     blocking_s: float
     waited_s: float = 0.0
     total_s: float = None
-
-
-class _Checksummed:
-    """A file being written, whose size and CRC-32 follow every write (what DCP calls on its streams)."""
-
-    def __init__(self, stream):
-        self.stream, self.size, self.crc = stream, 0, 0
-
-    def write(self, data):
-        view = memoryview(data)
-        self.crc = zlib.crc32(view, self.crc)  # zlib lets go of the GIL for large buffers, as the write does
-        self.size += view.nbytes
-        return self.stream.write(view)
-
-    def tell(self):
-        return self.stream.tell()
-
-    def fileno(self):
-        return self.stream.fileno()
-
-    def flush(self):
-        self.stream.flush()
-
-    def close(self):
-        self.stream.close()
-
-
-class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, recording {file name: [size, CRC-32]} of every file written through it."""
-
-    def __init__(self):
-        super().__init__()
-        self.files = {}
-
-    @contextmanager
-    def create_stream(self, path, mode):
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            counted = _Checksummed(stream)
-            yield counted
-        self.files[Path(path).name] = [counted.size, counted.crc]  # only once the file is whole and closed
-
-    def rename(self, path, new_path):  # DCP writes .metadata as .metadata.tmp, then renames it
-        super().rename(path, new_path)
-        if Path(path).name in self.files:
-            self.files[Path(new_path).name] = self.files.pop(Path(path).name)
-
-
-class ChecksummingWriter(dcp.FileSystemWriter):
-    """DCP's FileSystemWriter (the same files, fsynced), which also knows the size and CRC-32 of every file it
-    wrote (`checksums`), taken from the bytes as they were written: no file is read back. DCP has no hook for
-    this, so the writer's file system is swapped for one whose streams checksum what passes through them."""
-
-    def __init__(self, path, threads=1, staged=False):
-        # Staged tensors are on the host already: nothing to copy ahead of the writes.
-        super().__init__(path, thread_count=threads, **({"per_thread_copy_ahead": 0} if staged else {}))
-        self.fs = _ChecksummingFileSystem()
-
-    def stage(self, state_dict):
-        """async_save asks its writer to stage the state; Background.start has staged it already."""
-        return state_dict
-
-    @property
-    def checksums(self):
-        return dict(self.fs.files)
 
 
 def writer_threads(state):
@@ -165,11 +99,12 @@ def for_run(cfg, env, model, decentralized):
 
 class StagedPlanner(DefaultSavePlanner):
     """DCP's planner, which plans from the live state (only its shapes and layout, which training does not change)
-    and writes the tensors' copies staged at the save's step: {flattened key: host tensor} (Background.stage)."""
+    and writes the tensors' copies staged at the save's step: {flattened key: host tensor} (Background.stage);
+    `places` says where each lies in SharedMemory, for a WriterProcess."""
 
-    def __init__(self, staged):
+    def __init__(self, staged, places=None):
         super().__init__()
-        self.staged = staged
+        self.staged, self.places = staged, places
 
     def lookup_object(self, index):
         staged = self.staged.get(index.fqn)
@@ -177,8 +112,8 @@ class StagedPlanner(DefaultSavePlanner):
 
 
 class Background:
-    """The one asynchronous save in flight, what it is written with (a process group for its collectives) and
-    the host buffers every save of the run is staged in.
+    """The one asynchronous save in flight, what it is written with (a process group for its collectives, the
+    rank's WriterProcess) and the host buffers every save of the run is staged in.
 
     Staged by our own copy loop: DCP's stagers (DefaultStager, BlockingAsyncStager) deep-copy DTensors, which
     fails ("invalid python storage", torch 2.13) for a DTensor whose local shard is a view at an offset into a
@@ -189,42 +124,51 @@ class Background:
         with environment.gloo_quiet():  # collective: every rank builds its Checkpointer at the same point
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
         self.pin = device.type == "cuda"
-        self.buffers = {}  # flattened key -> host tensor, taken at the first save and reused
-        self.spare = {}  # (shape, dtype) -> host tensors made at startup, for the first save to take
+        # Host memory the writer process maps too (checkpoint_writer.in_process says whether there is one).
+        self.memory = SharedMemory(self.pin) if in_process() else None
+        self.buffers = {}  # flattened key -> (host tensor, where it lies in self.memory), taken at the first save
+        self.spare = {}  # (shape, dtype) -> such pairs made at startup, for the first save to take
         if self.pin and model is not None:
             # Page-locking runs at about 1 GB/s (1.8 GB took 1.7 s on an H200 host): done here, at startup, for
             # every parameter's shard and its AdamW moments, so that no save waits for it.
-            for param in model.parameters():
-                local = param.to_local() if isinstance(param, DTensor) else param
+            shards = [param.to_local() if isinstance(param, DTensor) else param for param in model.parameters()]
+            if self.memory is not None:
+                self.memory.reserve(copies * sum(-(-local.nbytes // ALIGN) * ALIGN for local in shards))
+            for local in shards:
                 self.spare.setdefault((tuple(local.shape), local.dtype), []).extend(
                     self._allocate(local) for _ in range(copies))
+        self.writer = WriterProcess(self.memory) if self.memory is not None else None
         self.pending = None
 
     @torch.no_grad()
     def stage(self, state):
         """Copy every tensor of `state` (a DTensor's local shard) to host memory: all a save stops training for,
         since the next optimizer step overwrites the originals. Returns a StagedPlanner for them."""
-        staged = {}
+        staged, places = {}, {}
         for key, value in flatten_state_dict(state)[0].items():
             if isinstance(value, torch.Tensor):
                 local = value.to_local() if isinstance(value, DTensor) else value
-                buffer = self.buffers.get(key)
+                buffer, where = self.buffers.get(key, (None, None))
                 if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
                     spare = self.spare.get((tuple(local.shape), local.dtype))
-                    buffer = self.buffers[key] = spare.pop() if spare else self._allocate(local)
+                    buffer, where = self.buffers[key] = spare.pop() if spare else self._allocate(local)
                 staged[key] = buffer.copy_(local, non_blocking=self.pin)
+                places[key] = (where, tuple(local.shape), local.dtype)
         if self.pin:
             torch.cuda.current_stream().synchronize()
-        return StagedPlanner(staged)
+        return StagedPlanner(staged, places)
 
     def _allocate(self, like):
-        """A host tensor shaped as `like`, page-locked on a GPU so the copy runs at the link's speed. Registered
-        rather than taken from torch's pinned allocator, which rounds each block up to a power of two."""
+        """(a host tensor shaped as `like`, where it lies in self.memory or None), page-locked on a GPU so the
+        copy runs at the link's speed. Registered rather than taken from torch's pinned allocator, which rounds
+        each block up to a power of two."""
+        if self.memory is not None:
+            return self.memory.tensor(like.shape, like.dtype)
         buffer = torch.empty(like.shape, dtype=like.dtype)
         if self.pin and buffer.numel():
             if torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.untyped_storage().nbytes(), 0) == 0:
                 weakref.finalize(buffer, torch.cuda.cudart().cudaHostUnregister, buffer.data_ptr())
-        return buffer
+        return buffer, None
 
     def start(self, state, planner, writer, then):
         """Write `state` (its tensors staged in `planner`) with DCP's async_save, then run then(the write's
@@ -260,3 +204,7 @@ class Background:
             pending.exception()
         self.buffers.clear()
         self.spare.clear()
+        if self.writer is not None:
+            self.writer.close()
+            self.memory.close()
+            self.writer = None

@@ -17,7 +17,8 @@ counted from 1 as in the logs. Kinds:
                      is written, once the directory is renamed into place, once `latest` names it
   kill_in_write, enospc_in_write, slow_write
                      this step's save's DCP writer on this rank (under --checkpoint_mode async, in the background
-                     while training goes on): is SIGKILLed once its first bytes are on disk / fails with "No space
+                     while training goes on): is SIGKILLed once its first bytes are on disk (with a writer
+                     process: once it has written this rank's shard) / fails with "No space
                      left on device" / starts writing only after this process has sent a sigterm or sigusr1 fault
 MINIMAL_FSDP_CHECK_LOAD=report.json: right after a checkpoint is loaded, compare every model and optimizer
 tensor of the live sharded model with the checkpoint's files (read in one process) and write the verdict.
@@ -125,6 +126,10 @@ def install_faults():
                 time.sleep(0.05)
         if "enospc_in_write" in writer.faults:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(writer.path))
+        if "kill_in_write" in writer.faults and writer.process is not None:  # a writer process writes the bytes
+            written = write_data(writer, plan, planner)
+            os.kill(os.getpid(), signal.SIGKILL)  # the rank dies with its shard on disk, the save not committed
+            return written
         if "kill_in_write" in writer.faults:
             def killing_write(stream, data):
                 checksummed_write(stream, data)

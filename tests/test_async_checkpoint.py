@@ -9,7 +9,12 @@ write ends the run with one line and keeps the last good checkpoint."""
 import builtins
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -66,14 +71,16 @@ def background(one_rank_group):
     made.close()
 
 
-def test_checksums_are_taken_while_writing_and_equal_a_reread(one_rank_group, tmp_path, monkeypatch):
-    reads = []
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_checksums_are_taken_while_writing_and_equal_a_reread(one_rank_group, tmp_path, monkeypatch, writer):
+    monkeypatch.setenv("MINIMAL_FSDP_ASYNC_WRITER", writer)
+    reads, writes = [], []
     for module in (builtins, io):  # Path.open and DCP's streams open through io.open
         real = module.open
 
         def recording(file, mode="r", *args, _real=real, **kwargs):
-            if "r" in mode and isinstance(file, (str, Path)) and "step_" in str(file):
-                reads.append(str(file))
+            if isinstance(file, (str, Path)) and "step_" in str(file):
+                (reads if "r" in mode else writes).append(Path(file).parent.name + "/" + Path(file).name)
             return _real(file, mode, *args, **kwargs)
         monkeypatch.setattr(module, "open", recording)
     model, optimizer = tiny()
@@ -81,6 +88,7 @@ def test_checksums_are_taken_while_writing_and_equal_a_reread(one_rank_group, tm
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text('{"a": 1}')
     made = Background(torch.device("cpu"), HANG_GUARD)
+    assert (made.writer is None) == (writer == "thread")
     try:
         sync = checkpoint.save(tmp_path / "run", 1, model, optimizer, {"val_loss": None}, tokenizer)
         asynchronous = checkpoint.save(tmp_path / "run", 2, model, optimizer, {"val_loss": None}, tokenizer,
@@ -89,6 +97,8 @@ def test_checksums_are_taken_while_writing_and_equal_a_reread(one_rank_group, tm
     finally:
         made.close()
     assert reads == []  # no file of either checkpoint was read while it was saved
+    # The asynchronous save's shard is written by the rank's writer process (not this one) or by DCP's thread here.
+    assert ((".tmp-step_2/__0_0.distcp" in writes) == (writer == "thread")) and ".tmp-step_1/__0_0.distcp" in writes
     monkeypatch.undo()
     for path in (sync, asynchronous):
         recorded = json.loads((path / "meta.json").read_text())["files"]
@@ -168,6 +178,63 @@ def test_a_save_waits_for_the_one_in_flight_so_two_never_overlap(one_rank_group,
     assert [r.step for r in reports if r.total_s is None] == [1, 2] and [r.step for r in ended] == [1, 2]
     assert all(0 <= r.blocking_s <= r.total_s for r in ended if r.step == 1)
     assert ended[1].waited_s > 0 and ended[1].blocking_s > ended[1].waited_s  # the first save's write, then its own
+
+
+def test_the_writer_process_ignores_sigterm_and_a_dead_one_fails_the_save_in_one_line(background, tmp_path):
+    model, optimizer = tiny()
+    run = tmp_path / "run"
+    first = checkpoint.save(run, 1, model, optimizer, {"val_loss": None}, background=background)
+    background.wait()
+    # A stop's SIGTERM, sent to every process of the job, leaves the writer writing: the save in flight completes.
+    os.kill(background.writer.process.pid, signal.SIGTERM)
+    second = checkpoint.save(run, 2, model, optimizer, {"val_loss": None}, background=background)
+    background.wait()
+    assert checkpoint_find.marker(run, "latest") == second
+    recorded = json.loads((second / "meta.json").read_text())["files"]
+    assert recorded == {p.name: [len(p.read_bytes()), zlib.crc32(p.read_bytes())] for p in second.iterdir()
+                        if p.name != "meta.json"} and "__0_0.distcp" in recorded
+    os.kill(background.writer.process.pid, signal.SIGKILL)  # the writer lost (the OOM killer, say)
+    background.writer.process.wait(HANG_GUARD)
+    checkpoint.save(run, 3, model, optimizer, {"val_loss": None}, background=background)
+    with pytest.raises(checkpoint.SaveError) as failed:
+        background.wait()
+    assert str(failed.value) == (f"writing checkpoint {run / 'step_3'} failed (rank 0: the checkpoint writer process "
+                                 "ended (exit code -9)); the previous checkpoint is untouched")
+    assert checkpoint_find.marker(run, "latest") == second and first.is_dir() and not (run / ".tmp-step_3").exists()
+
+
+RANK_WITH_A_WRITER = """
+import os, sys, time, torch, torch.distributed as dist
+from minimal_fsdp.checkpoint_async import Background
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+background = Background(torch.device("cpu"), 60)
+print(background.writer.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_writer_process_dies_with_its_rank(tmp_path):
+    rank = subprocess.Popen([sys.executable, "-c", RANK_WITH_A_WRITER], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    try:
+        writer = int(rank.stdout.readline())
+        os.kill(rank.pid, signal.SIGKILL)  # kill -9: no cleanup of the rank's runs
+        rank.wait(HANG_GUARD)
+        deadline = time.monotonic() + HANG_GUARD
+        while _alive(writer) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(writer), "the writer process outlived its rank"
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def _alive(pid):
+    """Whether process `pid` runs (not a zombie: it is not our child, so nobody here reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def test_auto_is_async_on_gpus_and_sync_on_cpus_and_a_short_host_saves_in_sync():
