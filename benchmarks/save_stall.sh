@@ -7,8 +7,9 @@
 #   disk    dd's direct (O_DIRECT) write speed into checkpoints/, the same file system the saves go to
 #   stall   the issue's command, --checkpoint_mode sync then async; per save: seconds training stopped (and how
 #           many of them it waited for the save before), seconds to commit, and the background write's GB/s
-#   steady  target 3: 60 steps saving every 20 (async) against 60 steps saving only at the end; tokens/s of
-#           steps 11-60, the seconds their saves stopped training included
+#   steady  target 3: 60 steps saving every 20 (async; its files written by a writer process, then by threads in
+#           the rank as before) against 60 steps saving only at the end; tokens/s of steps 11-60, the seconds
+#           their saves stopped training included
 # Logs go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -56,6 +57,17 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 print("torch", torch.__version__, "async_save", hasattr(dcp, "async_save"), "lookup_object",
       hasattr(DefaultSavePlanner, "lookup_object"), "rename", hasattr(FileSystem, "rename"),
       "cudaHostRegister", hasattr(torch.cuda.cudart(), "cudaHostRegister"))
+import time
+from minimal_fsdp.checkpoint_writer import SharedMemory
+memory = SharedMemory(pin=True)  # the writer process's staging memory: a memfd mapping, page-locked
+memory.reserve(2**30)
+host, _ = memory.tensor((2**28,), torch.float32)
+gpu = torch.ones(2**28, device="cuda")
+host.copy_(gpu, non_blocking=True); torch.cuda.synchronize()
+start = time.perf_counter(); host.copy_(gpu, non_blocking=True); torch.cuda.synchronize()
+print("memfd staging page-locked", memory.segments[0][3] is not None,
+      f"copy {2**30 / (time.perf_counter() - start) / 1e9:.1f} GB/s", "equal", bool(host[-1] == 1))
+memory.close()
 EOF
   ;;
 disk)
@@ -73,11 +85,15 @@ stall)
   done
   cat "$OUT/disk.txt" 2>/dev/null ;;
 steady)
-  for every in 20 0; do
-    rm -rf "logs/steady_$every" "checkpoints/steady_$every"
-    timeout 540 $MPI $XL --max_steps 60 --checkpoint_interval $every --keep_last 1 --checkpoint_mode async \
-      --log_interval 5 --eval_interval 0 --run_name "steady_$every" > "$OUT/steady_$every.log" 2>&1
-    python3 - "steady_$every" <<'EOF' | tee -a "$OUT/steady.txt"
+  # One run that saves only at the end, then one saving every 20 steps per writer of asynchronous saves
+  # ($STEADY_WRITERS; MINIMAL_FSDP_ASYNC_WRITER): "process" (the default) and "thread" (the old one, in the rank).
+  for run in 0 ${STEADY_WRITERS:-process thread}; do
+    if [ "$run" = 0 ]; then every=0 name=steady_0; else every=20 name=steady_20_$run; fi
+    rm -rf "logs/$name" "checkpoints/$name"
+    MINIMAL_FSDP_ASYNC_WRITER=${run/#0/process} timeout 280 $MPI $XL --max_steps 60 --checkpoint_interval $every \
+      --keep_last 1 --checkpoint_mode async --log_interval 5 --eval_interval 0 --run_name "$name" \
+      > "$OUT/$name.log" 2>&1
+    python3 - "$name" <<'EOF' | tee -a "$OUT/steady.txt"
 import json, sys
 rows = [json.loads(l) for l in open(f"logs/{sys.argv[1]}/metrics.jsonl")]
 # Training time of the logged windows after step 10 (the log leaves evaluation and saves out of it), plus the
@@ -94,7 +110,7 @@ tokens_per_step = 2 * 4 * 1024
 print(f"{sys.argv[1]}: {tokens_per_step * steps / (seconds + sum(blocked)):,.0f} tokens/s over steps 11-60 "
       f"({seconds:.1f} s training, {sum(blocked):.2f} s stopped by saves: {', '.join(f'{b:.2f}' for b in blocked)})")
 EOF
-    rm -rf "checkpoints/steady_$every"
+    rm -rf "checkpoints/$name"
   done ;;
 *) echo "unknown part $part" ;;
 esac; done

@@ -1,10 +1,10 @@
-"""How a checkpoint's files are written: through a DCP writer that checksums every byte on its way to the file, and,
-for --checkpoint_mode async, beside training with DCP's async_save; and what each save cost training (Saved).
+"""Saves written beside training (--checkpoint_mode async) with DCP's async_save, and what each save cost training
+(Saved).
 
 An asynchronous save stops training only to copy the rank's model and optimizer state into host memory (page-locked
-on a GPU, and kept from one save to the next: Background.stage). DCP's async_save then writes that copy from its
-own thread, and the rest of the save (checkpoint._complete: the checksums gathered, meta.json, the rename, the
-commit, pruning) follows in that thread. Its collectives run on a gloo process group of their own, so they never
+on a GPU, and kept from one save to the next: Background.stage). DCP's async_save then plans the save from its own
+thread while the rank's writer process writes the files, and the rest of the save (checkpoint._complete: the
+checksums gathered, meta.json, the rename, the commit, pruning) follows in that thread. Its collectives run on a gloo process group of their own, so they never
 interleave with training's. At most one save is in flight: the next save, a stop and the end of the run wait for
 it, and every logging step asks (one collective) whether it has ended, so a failed write ends the run there.
 
