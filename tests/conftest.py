@@ -52,15 +52,13 @@ def no_processes_under_mutmut():
         yield
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True)
 def one_thread():
-    """This process computes with one thread, as every launched rank does (OMP_NUM_THREADS=1): the cores are
+    """Every test computes with one thread, as every launched rank does (OMP_NUM_THREADS=1): the cores are
     shared with the ranks it launches (and, on a busy machine, with more), and a second thread that waits for a
-    busy core makes a tiny model's step many times slower (the single-process reference: 7 s instead of 0.4)."""
-    threads = torch.get_num_threads()
+    busy core makes a tiny model's step many times slower (the single-process reference: 7 s instead of 0.4).
+    Set before each test, since a run inside this process sets its own share (environment.cpu_threads)."""
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def mpiexec():
