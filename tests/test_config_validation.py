@@ -146,7 +146,7 @@ def test_flags_that_go_together_are_accepted():
     parse_args(["--no-bias"])
     parse_args(["--data_parallel", "decentralized", "--accum_steps", 2, "--save_average", "--sharding", "no-shard"])
     parse_args(["--eval_tasks", "t", "--eval_tasks_interval", 0, "--eval_tasks_limit", 0.5])
-    parse_args(["--eval_tasks_interval", -1])  # without --eval_tasks it does nothing (as before: not refused)
+    parse_args(["--eval_tasks_interval", -1])  # read only with --eval_tasks
 
 
 @pytest.mark.parametrize("argv,named_first,named_later", [
