@@ -118,7 +118,7 @@ class SharedMemory:
     container may cap), each handed out in aligned pieces, one torch tensor (with a storage of its own) each."""
 
     def __init__(self, pin=False):
-        self.segments = []  # [fd, mmap, bytes handed out]
+        self.segments = []  # [fd, mmap, bytes handed out, its page-locked view or None]
         self.pin = pin
 
     def reserve(self, size):
@@ -164,7 +164,8 @@ def view(memory, offset, shape, dtype):
 class WriterProcess:
     """A process that writes this rank's shard files of each save from SharedMemory, started beside the rank
     and ended with it. It ignores SIGTERM and SIGINT (a stop waits for the save in flight, which it is writing)
-    and dies with the rank (PR_SET_PDEATHSIG), so a rank killed mid-save leaves no writer behind."""
+    and dies with the rank (PR_SET_PDEATHSIG, which fires when the thread that made it ends: make it on the rank's
+    main thread), so a rank killed mid-save leaves no writer behind."""
 
     def __init__(self, memory):
         self.memory, self.sent = memory, 0  # segments the process has been handed
@@ -192,7 +193,9 @@ class WriterProcess:
             self.connection.send(("write", str(writer.path), writer.thread_count, plan, planner.places, objects))
             outcome, *value = self.connection.recv()
         except (EOFError, OSError):
-            raise OSError(errno.EIO, f"the checkpoint writer process ended (exit code {self.process.poll()})") from None
+            code = self.process.poll()
+            raise OSError(errno.EIO, "the checkpoint writer process " + (
+                "broke its connection" if code is None else f"ended (exit code {code})")) from None
         if outcome == "error":
             raise value[0]
         return value
