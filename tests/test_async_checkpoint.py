@@ -1,8 +1,10 @@
-"""checkpoint_async.py: saves written beside training (--checkpoint_mode async) and the checksums every save takes
-as it writes. In this process, on a one-rank group: the checksums equal a re-read's and no file of the checkpoint
-is read back; an asynchronous save returns before its files are written and holds the values of its own step
-while training changes them; a second save waits for the one in flight; the choice of mode, the staging memory
-in the planner and the banner. Through the real entry point on two ranks (faults.py): kill -9 during the
+"""checkpoint_async.py and checkpoint_writer.py: saves written beside training (--checkpoint_mode async) and the
+checksums every save takes as it writes. In this process, on a one-rank group: the checksums equal a re-read's and
+no file of the checkpoint is read back, and the shards of an asynchronous save are written by the rank's writer
+process (or, with MINIMAL_FSDP_ASYNC_WRITER=thread, by DCP's threads here); an asynchronous save returns before its
+files are written and holds the values of its own step while training changes them; later saves reuse the first
+one's plan; a second save waits for the one in flight; the writer process ignores SIGTERM, a dead one fails the
+save in one line, and it dies with its rank; the choice of mode, the staging memory in the planner and the banner. Through the real entry point on two ranks (faults.py): kill -9 during the
 background write leaves the previous checkpoint, from which the run resumes bit for bit (the same losses as an
 uninterrupted synchronous run); a save in flight at SIGTERM is committed before the exit 0; a failed background
 write ends the run with one line and keeps the last good checkpoint."""
@@ -130,6 +132,25 @@ def test_an_async_save_returns_before_writing_and_keeps_the_values_of_its_step(b
     saved = saved_values(path)
     assert sorted(saved) == sorted(expected)
     assert all(torch.equal(saved[name], expected[name]) for name in expected), "not the values of the save's step"
+
+
+def test_later_saves_reuse_the_first_ones_plan_and_hold_their_own_values(background, tmp_path, monkeypatch):
+    plans = []
+    make_plan = checkpoint_async.DefaultSavePlanner._create_global_plan
+    monkeypatch.setattr(checkpoint_async.DefaultSavePlanner, "_create_global_plan",
+                        lambda planner, all_plans: plans.append(1) or make_plan(planner, all_plans))
+    monkeypatch.setattr(checkpoint_async.DefaultSavePlanner, "_cached_all_plans", {})  # no earlier test's plan
+    model, optimizer = tiny()
+    run = tmp_path / "run"
+    for step in (1, 2, 3):
+        expected = values(model, optimizer)
+        path = checkpoint.save(run, step, model, optimizer, {"val_loss": None}, background=background)
+        background.wait()
+        saved = saved_values(path)
+        assert sorted(saved) == sorted(expected)
+        assert all(torch.equal(saved[name], expected[name]) for name in expected), step
+        train_step(model, optimizer)
+    assert plans == [1]  # planned once, at the first save
 
 
 def test_a_save_waits_for_the_one_in_flight_so_two_never_overlap(one_rank_group, tmp_path, monkeypatch):
