@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from conftest import TINY_MODEL, make_text
 from faults import launch_with_faults
@@ -139,7 +140,8 @@ def test_later_saves_reuse_the_first_ones_plan_and_hold_their_own_values(backgro
     make_plan = checkpoint_async.DefaultSavePlanner._create_global_plan
     monkeypatch.setattr(checkpoint_async.DefaultSavePlanner, "_create_global_plan",
                         lambda planner, all_plans: plans.append(1) or make_plan(planner, all_plans))
-    monkeypatch.setattr(checkpoint_async.DefaultSavePlanner, "_cached_all_plans", {})  # no earlier test's plan
+    for cache in [name for name, value in vars(SavePlanner).items() if name.startswith("_cached_")]:
+        monkeypatch.setattr(SavePlanner, cache, {})  # DCP's plan caches start empty: no earlier test's plan
     model, optimizer = tiny()
     run = tmp_path / "run"
     for step in (1, 2, 3):
