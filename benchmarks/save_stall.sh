@@ -56,7 +56,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 print("torch", torch.__version__, "async_save", hasattr(dcp, "async_save"), "lookup_object",
       hasattr(DefaultSavePlanner, "lookup_object"), "rename", hasattr(FileSystem, "rename"),
-      "cudaHostRegister", hasattr(torch.cuda.cudart(), "cudaHostRegister"))
+      "cudaHostRegister", hasattr(torch.cuda.cudart(), "cudaHostRegister"), "enable_plan_caching",
+      "enable_plan_caching" in __import__("inspect").signature(DefaultSavePlanner.__init__).parameters)
 import time
 from minimal_fsdp.checkpoint_writer import SharedMemory
 memory = SharedMemory(pin=True)  # the writer process's staging memory: a memfd mapping, page-locked
