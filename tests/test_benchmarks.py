@@ -64,3 +64,21 @@ def test_fp8_table_gives_each_row_its_speed_over_bf16(tmp_path):
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert [line.rsplit("|", 2)[1].strip() for line in out[2:]] == ["1.00x", "1.30x", "1.15x"]
     assert "| 13,000 |" in out[3]
+
+
+@pytest.mark.slow
+def test_eval_speed_scores_alike_with_both_backends(tmp_path):
+    """benchmarks/eval_speed.py on a tiny model in float32 on CPU: ours over 2 ranks and lm_eval's hf backend pick
+    the same answer for every item, so the accuracies in its table agree."""
+    pytest.importorskip("lm_eval")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eval_speed.py"), "--shapes", "tiny",
+                             "--device", "cpu", "--ranks", "2", "--items", "24", "--batch_size", "4", "--precision",
+                             "float32", "--work", str(tmp_path / "work"), "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    ours, hf = [json.loads(line) for line in (tmp_path / "eval_speed.jsonl").read_text().splitlines()]
+    assert (ours["backend"], ours["gpus"], hf["backend"], hf["gpus"]) == ("ours", 2, "hf", 1)
+    assert ours["same_choice"] == 1.0 and (ours["acc"], ours["acc_norm"]) == (hf["acc"], hf["acc_norm"])
+    assert all(positive(row["eval_s"]) and row["items_per_s"] == pytest.approx(24 / row["eval_s"])
+               for row in (ours, hf))
