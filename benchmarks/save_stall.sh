@@ -87,7 +87,7 @@ stall)
   cat "$OUT/disk.txt" 2>/dev/null ;;
 steady)
   # One run that saves only at the end, then one saving every 20 steps per writer of asynchronous saves
-  # ($STEADY_WRITERS; MINIMAL_FSDP_ASYNC_WRITER): "process" (the default) and "thread" (the old one, in the rank).
+  # ($STEADY_WRITERS; MINIMAL_FSDP_ASYNC_WRITER): "process" (opt-in, measured here) and "thread" (the default, in the rank).
   for run in 0 ${STEADY_WRITERS:-process thread}; do
     if [ "$run" = 0 ]; then every=0 name=steady_0; else every=20 name=steady_20_$run; fi
     rm -rf "logs/$name" "checkpoints/$name"

@@ -108,9 +108,10 @@ class ChecksummingWriter(dcp.FileSystemWriter):
 
 
 def in_process():
-    """Whether asynchronous saves are written by a WriterProcess: yes, unless $MINIMAL_FSDP_ASYNC_WRITER is
-    "thread" (DCP's threads in the rank, as before; kept to measure the difference) or there is no memfd."""
-    return os.environ.get("MINIMAL_FSDP_ASYNC_WRITER", "process") != "thread" and hasattr(os, "memfd_create")
+    """Whether asynchronous saves are written by a WriterProcess: only with $MINIMAL_FSDP_ASYNC_WRITER=process
+    (and memfd). The default stays DCP's threads in the rank until the process is measured on GPUs: it is checked
+    on CPUs only (page-locking the memfd and a writer beside CUDA ranks have not run on a GPU host yet)."""
+    return os.environ.get("MINIMAL_FSDP_ASYNC_WRITER", "thread") == "process" and hasattr(os, "memfd_create")
 
 
 class SharedMemory:

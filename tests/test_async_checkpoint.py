@@ -68,7 +68,8 @@ def saved_values(path):
 
 
 @pytest.fixture
-def background(one_rank_group):
+def background(one_rank_group, monkeypatch):
+    monkeypatch.setenv("MINIMAL_FSDP_ASYNC_WRITER", "process")
     made = Background(torch.device("cpu"), HANG_GUARD)
     yield made
     made.close()
@@ -238,7 +239,8 @@ time.sleep(600)
 
 def test_the_writer_process_dies_with_its_rank(tmp_path):
     rank = subprocess.Popen([sys.executable, "-c", RANK_WITH_A_WRITER], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+                                     MINIMAL_FSDP_ASYNC_WRITER="process"))
     try:
         writer = int(rank.stdout.readline())
         os.kill(rank.pid, signal.SIGKILL)  # kill -9: no cleanup of the rank's runs
