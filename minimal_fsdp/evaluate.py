@@ -137,14 +137,9 @@ class TrainingTasks:
         best = best_metric.chosen(cfg, saved)
         if not cfg.eval_tasks:
             return None
-        if cfg.eval_tasks_interval < 0 or cfg.eval_tasks_limit is not None and cfg.eval_tasks_limit <= 0:
-            raise ConfigError("--eval_tasks_interval must be 0 or positive and --eval_tasks_limit positive (got "
-                              f"{cfg.eval_tasks_interval} and {cfg.eval_tasks_limit})")
+        # The flags' own checks (interval, limit, not decentralized) are config_checks.check_train's.
         if tokenizer is None:
             raise ConfigError("--eval_tasks needs the data's tokenizer, which this device's data does not hold")
-        if cfg.data_parallel == "decentralized":
-            raise ConfigError("--eval_tasks scores one model, and under --data_parallel decentralized every rank "
-                              "trains a replica of its own: evaluate a checkpoint with python -m minimal_fsdp.evaluate")
         go_offline()
         harness()
         from .evaluate_lm import ShardedLM

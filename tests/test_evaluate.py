@@ -222,6 +222,7 @@ def test_scores_of_a_padded_batch_are_each_sequence_alone(one_rank_group):
 
 
 def test_eval_tasks_that_cannot_run_stop_before_training():
+    from minimal_fsdp import config_checks
     from minimal_fsdp.config import Config
     from minimal_fsdp.evaluate_lm import ShardedLM
     from minimal_fsdp.tokenizer import CharTokenizer
@@ -229,7 +230,9 @@ def test_eval_tasks_that_cannot_run_stop_before_training():
     for flags, message in [(dict(eval_tasks_interval=-1), "--eval_tasks_interval must be 0 or positive"),
                            (dict(eval_tasks_limit=0), "--eval_tasks_limit positive"),
                            (dict(data_parallel="decentralized"), "every rank trains a replica of its own")]:
-        with pytest.raises(evaluate.ConfigError, match=message):
-            evaluate.TrainingTasks.for_run(Config(eval_tasks="tiny_mc", **flags), None, CharTokenizer("ab"), None)
+        with pytest.raises(evaluate.ConfigError, match=message):  # refused with the other flags, before any build
+            config_checks.validate(Config(eval_tasks="tiny_mc", **flags))
+    with pytest.raises(evaluate.ConfigError, match="needs the data's tokenizer"):
+        evaluate.TrainingTasks.for_run(Config(eval_tasks="tiny_mc"), None, None, None)
     with pytest.raises(evaluate.ConfigError, match="char tokenizer has no end-of-text or begin-of-text token"):
         ShardedLM(None, CharTokenizer("ab"), torch.device("cpu"))
