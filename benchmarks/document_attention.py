@@ -1,7 +1,7 @@
 """Attention alone over windows packing documents, at one model's shape (default: Llama 3 8B at T=8192): plain causal
 SDPA (what a run without --document_mask does), FlexAttention causal, FlexAttention with the document mask (what
---document_mask runs on CUDA: minimal_fsdp/attention.py), and torch's variable-length flash attention
-(torch.nn.attention.varlen, the other way to keep documents apart), each forward and forward+backward.
+--document_mask runs on CUDA by default: minimal_fsdp/attention.py), and torch's variable-length flash attention
+(torch.nn.attention.varlen, what it runs with MINIMAL_FSDP_DOCUMENT_KERNEL=varlen), each forward and forward+backward.
 
     python benchmarks/document_attention.py --batch 1 --heads 32 --kv_heads 8 --seq 8192 --head_dim 128 \
         --document_length 2048
@@ -9,7 +9,6 @@ Prints one markdown row per kernel: the time to build its mask (or packed starts
 backward, and for the document kernels the relative error against dense-mask math on a small input.
 """
 import argparse
-import inspect
 import sys
 from pathlib import Path
 
@@ -41,33 +40,13 @@ def flex_causal(idx):
 
 
 def flex_document(idx):
-    mask = attention.document_mask(idx, EOT)  # as the model builds it once per forward, on CUDA
+    mask = attention.document_mask(idx, EOT, kernel="flex")  # as the model builds it once per forward, on CUDA
     return lambda q, k, v: attention.attend_documents(q, k, v, mask, 0.0)
 
 
-def cumulative_starts(idx):
-    """Every document of every window as one packed sequence: (B*T + ...) starts, and the longest document."""
-    B, T = idx.shape
-    ends = (idx.flatten() == EOT).nonzero().flatten() + 1
-    cuts = torch.cat([ends, torch.arange(1, B + 1, device=idx.device) * T]).unique()  # window ends cut documents
-    starts = torch.cat([cuts.new_zeros(1), cuts]).int()
-    return starts, int((starts[1:] - starts[:-1]).max())
-
-
 def varlen_document(idx):
-    from torch.nn.attention.varlen import varlen_attn
-    starts, longest = cumulative_starts(idx)
-    params = inspect.signature(varlen_attn).parameters
-    extra = {"enable_gqa": True} if "enable_gqa" in params else {}
-    extra.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
-
-    def run(q, k, v):
-        B, H, T, D = q.shape
-        packed = [t.transpose(1, 2).reshape(B * T, t.size(1), D) for t in (q, k, v)]
-        if "enable_gqa" not in params:
-            packed[1:] = [t.repeat_interleave(H // k.size(1), dim=1) for t in packed[1:]]
-        return varlen_attn(*packed, starts, starts, longest, longest, **extra).view(B, T, H, D).transpose(1, 2)
-    return run
+    mask = attention.document_mask(idx, EOT, kernel="varlen")  # MINIMAL_FSDP_DOCUMENT_KERNEL=varlen's path
+    return lambda q, k, v: attention.attend_documents(q, k, v, mask, 0.0)
 
 
 def main():
@@ -89,7 +68,7 @@ def main():
     print(f"| kernel | B={a.batch} H={a.heads} K={a.kv_heads} T={a.seq} D={a.head_dim}, docs ~{a.document_length} "
           "| build ms | fwd ms | fwd+bwd ms | rel err |\n|---|---|---|---|---|---|")
     idx_small, (q, k, v) = inputs(1, 1024)
-    dense = attention.document_mask(idx_small, EOT, flex=False)
+    dense = attention.document_mask(idx_small, EOT, kernel="dense")
     ref = attention.attend_documents(q.float(), k.float(), v.float(), dense, 0.0)
     idx, (q_big, k_big, v_big) = inputs(a.batch, a.seq)
     grad = torch.randn_like(q_big)

@@ -10,17 +10,46 @@ no per-document positions) and Megatron-LM (reset_position_ids off by default): 
 only on the distance between two tokens, so a Llama document's logits are those of the document alone; GPT's
 learned positions stay the window's.
 
-One mask, two implementations; `uses_flex` chooses between them, in this one place:
-- CUDA: FlexAttention, compiled into one Triton kernel that skips the (query block, key block) tiles no document
-  spans and reads grouped-query k, v without copying them. Eager FlexAttention would hold the T x T scores.
-- elsewhere (CPU, XLA), or with attention dropout (FlexAttention has none): SDPA with a dense (B, 1, T, T)
-  boolean mask. Exact, T x T booleans of memory; FlexAttention has no backward on CPU.
-Shapes: B batch, T time, H heads, K kv heads, D head size.
+One mask, three kernels; `document_kernel` chooses among them, in this one place:
+- flex (CUDA, the default): FlexAttention, compiled into one Triton kernel that skips the (query block, key block)
+  tiles no document spans and reads grouped-query k, v without copying them. Eager FlexAttention would hold the
+  T x T scores.
+- varlen (CUDA, MINIMAL_FSDP_DOCUMENT_KERNEL=varlen): torch's variable-length flash attention, every document of
+  the batch one sequence of a packed batch. Faster than flex alone at the Llama 3 8B shape; not yet measured in a
+  training step, hence not the default.
+- dense, elsewhere (CPU, XLA), or with attention dropout (neither CUDA kernel has it): SDPA with a dense
+  (B, 1, T, T) boolean mask. Exact, T x T booleans of memory; FlexAttention has no backward on CPU.
+Shapes: B batch, T time, H heads, K kv heads, D head size, N documents in the batch.
 """
 import functools
+import inspect
+import os
+from typing import NamedTuple
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.varlen import varlen_attn
+
+from .choices import ConfigError
+
+KERNEL_VARIABLE = "MINIMAL_FSDP_DOCUMENT_KERNEL"
+CUDA_KERNELS = ("flex", "varlen")
+
+# varlen_attn's keywords differ by version: torch 2.9 takes is_causal and repeats no k, v heads; later versions
+# take window_size=(-1, 0) for causal, and 2.13 enable_gqa for fewer k, v heads than query heads.
+_VARLEN_PARAMETERS = inspect.signature(varlen_attn).parameters
+_VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMETERS else {"is_causal": True}
+_VARLEN_GQA = "enable_gqa" in _VARLEN_PARAMETERS
+
+# The ops whose outputs --recompute selective keeps (parallelize.KEEP), as it keeps SDPA's.
+KEPT_BY_SELECTIVE_RECOMPUTE = {torch._higher_order_ops.flex_attention, torch.ops.torch_attn._varlen_attn.default}
+
+
+class Documents(NamedTuple):
+    """The varlen kernel's mask: the batch's documents as the sequences of one packed batch of B*T tokens."""
+    starts: torch.Tensor  # (N + 1,) int32: where each document starts among the B*T tokens, then B*T
+    longest: int  # the longest document's length
+    ids: torch.Tensor  # (B, T) document ids: the dense mask where flash attention has no kernel (fp32)
 
 
 def document_ids(idx, eot_id):
@@ -29,20 +58,45 @@ def document_ids(idx, eot_id):
     return ends.cumsum(1) - ends
 
 
-def uses_flex(device, dropout):
-    """FlexAttention where it is compiled into a fused kernel (CUDA) and no dropout is asked for; else dense SDPA."""
-    return device.type == "cuda" and dropout == 0.0
+@torch.compiler.disable  # data-dependent sizes: run eagerly, also where the whole trunk is compiled
+def document_starts(ids):
+    """(B, T) document ids -> (starts, longest) of Documents: a document starts where the id changes and at every
+    window's first token (a window's end always ends a document). One host sync, for the count of documents (the
+    size of starts) and the longest (varlen_attn takes it as an int) together, once per forward."""
+    B, T = ids.shape
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    first = first.flatten()
+    position = torch.arange(B * T, device=ids.device)
+    own_start = torch.where(first, position, 0).cummax(0).values
+    count, longest = torch.stack([first.sum(), (position - own_start).max() + 1]).tolist()
+    starts = torch.nonzero_static(first, size=count + 1, fill_value=B * T).flatten()  # no second sync
+    return starts.int(), longest
 
 
-def document_mask(idx, eot_id, dropout=0.0, flex=None):
+def document_kernel(device, dropout):
+    """flex, varlen or dense: the CUDA kernels where there is no dropout (neither has it), flex unless
+    MINIMAL_FSDP_DOCUMENT_KERNEL names varlen; dense SDPA elsewhere."""
+    if device.type != "cuda" or dropout != 0.0:
+        return "dense"
+    kernel = os.environ.get(KERNEL_VARIABLE, "flex")
+    if kernel not in CUDA_KERNELS:
+        raise ConfigError(f"{KERNEL_VARIABLE}={kernel} is not a document-mask kernel: use one of "
+                          f"{', '.join(CUDA_KERNELS)}, or leave it unset (flex)")
+    return kernel
+
+
+def document_mask(idx, eot_id, dropout=0.0, kernel=None):
     """The block-causal mask of the windows idx (B, T) whose documents end at eot_id, built once per forward and
-    shared by every block: a BlockMask (FlexAttention) or a (B, 1, T, T) boolean tensor (True: may attend).
-    flex: None chooses by device (uses_flex); True or False forces one (tests compare the two on CPU)."""
+    shared by every block, in the form its kernel takes: a BlockMask (flex), Documents (varlen) or a (B, 1, T, T)
+    boolean tensor (dense; True: may attend). kernel: None chooses (document_kernel); a name forces one (tests)."""
     documents = document_ids(idx, eot_id)
     B, T = idx.shape
-    if not (uses_flex(idx.device, dropout) if flex is None else flex):
-        causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
-        return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
+    kernel = kernel or document_kernel(idx.device, dropout)
+    if kernel == "dense":
+        return _dense(documents)
+    if kernel == "varlen":
+        return Documents(*document_starts(documents), documents)
 
     def same_document(b, h, q, kv):
         return (documents[b, q] == documents[b, kv]) & (q >= kv)
@@ -53,10 +107,36 @@ def attend_documents(q, k, v, mask, dropout):
     """Attention of q (B, H, T, D) over k, v (B, K, T, D) under a document_mask."""
     if isinstance(mask, BlockMask):
         return _compiled(flex_attention, q.device)(q, k, v, block_mask=mask, enable_gqa=k.size(1) != q.size(1))
+    if isinstance(mask, Documents):
+        # Under autocast (a one-GPU run's bf16), in its dtype, as SDPA would be; flash attention takes no fp32.
+        device = q.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+        if dtype in (torch.bfloat16, torch.float16):
+            return _attend_varlen(*(t.to(dtype) for t in (q, k, v)), mask)
+        mask = _dense(mask.ids)  # fp32: flash attention has no kernel for it
     if k.size(1) != q.size(1):
         groups = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+
+
+def _attend_varlen(q, k, v, documents):
+    """varlen_attn over the documents: causal within each, at SDPA's default scale 1/sqrt(D), as the models use."""
+    B, H, T, D = q.shape
+    if not _VARLEN_GQA and k.size(1) != H:
+        k, v = k.repeat_interleave(H // k.size(1), dim=1), v.repeat_interleave(H // k.size(1), dim=1)
+    q, k, v = (t.transpose(1, 2).reshape(B * T, t.size(1), D) for t in (q, k, v))  # (B*T, heads, D)
+    gqa = {"enable_gqa": k.size(1) != H} if _VARLEN_GQA else {}
+    y = varlen_attn(q, k, v, documents.starts, documents.starts, documents.longest, documents.longest,
+                    **_VARLEN_CAUSAL, **gqa)
+    return y.view(B, T, H, D).transpose(1, 2)
+
+
+def _dense(documents):
+    """(B, T) document ids -> the (B, 1, T, T) boolean block-causal mask."""
+    T = documents.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
 
 
 @functools.cache

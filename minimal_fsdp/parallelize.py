@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import fp8
+from .attention import KEPT_BY_SELECTIVE_RECOMPUTE
 from .gossip import Gossip
 from .layers import KVCache
 from .whole_unit import WholeUnit
@@ -32,7 +33,7 @@ aten = torch.ops.aten
 KEEP = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default, aten.max.default,
         aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-        torch._higher_order_ops.flex_attention}  # --document_mask's attention on CUDA (attention.py)
+        *KEPT_BY_SELECTIVE_RECOMPUTE}  # --document_mask's attention on CUDA: FlexAttention, varlen (attention.py)
 
 
 def shard(model, plan):

@@ -1,8 +1,11 @@
 """Document masks (minimal_fsdp/attention.py, --document_mask): a window packing several documents gives each
-document's tokens the logits, loss and gradients of that document run alone, for GPT and Llama, through both
-implementations (dense SDPA, and FlexAttention as CUDA runs it, here eagerly); a window without separators is
-plain causal attention; a run trains with the flag (2 ranks) as one process does running every document alone;
-the flag without an end-of-text token is a one-line error; the GPU benchmark's packed windows."""
+document's tokens the logits, loss and gradients of that document run alone, for GPT and Llama, through every
+kernel (dense SDPA; FlexAttention as CUDA runs it, here eagerly; the varlen kernel's mask, which on the CPU in
+fp32 falls back to dense); a window without separators is plain causal attention; the varlen kernel's packed
+document starts; the kernel choice; a run trains with the flag (2 ranks) as one process does running every
+document alone; the flag without an end-of-text token is a one-line error; the GPU benchmark's packed windows.
+On CUDA (marked gpu): torch's varlen flash attention against dense SDPA and each document alone, eager and
+compiled, and a training run with each CUDA kernel."""
 import json
 import sys
 
@@ -16,7 +19,8 @@ from test_parallelize import logged_losses
 sys.path.insert(0, str(ROOT))
 import reference  # noqa: E402
 import tokenizer_dirs  # noqa: E402
-from minimal_fsdp import attention, checkpoint_find, checkpoint_meta  # noqa: E402
+from minimal_fsdp import attention, checkpoint_find, checkpoint_meta, parallelize  # noqa: E402
+from minimal_fsdp.choices import ConfigError  # noqa: E402
 from minimal_fsdp.llama import Llama, LlamaConfig  # noqa: E402
 from minimal_fsdp.model import GPT, GPTConfig  # noqa: E402
 from minimal_fsdp.parallelize import init_weights  # noqa: E402
@@ -65,10 +69,10 @@ def alone(model, doc, start):
     in its window: a Llama's rotary attention sees only distances, so there from 0; GPT's learned positions are
     the window's, so its embeddings are added here by hand."""
     if isinstance(model, Llama):
-        plain = Llama(LlamaConfig(**dict(model.config.to_dict(), document_eot_id=None))).eval()
+        plain = Llama(LlamaConfig(**dict(model.config.to_dict(), document_eot_id=None))).eval().to(doc.device)
         plain.load_state_dict(model.state_dict())
         return all_logits(plain, doc[None])[0]
-    x = model.wte(doc) + model.wpe(torch.arange(start, start + len(doc)))
+    x = model.wte(doc) + model.wpe(torch.arange(start, start + len(doc), device=doc.device))
     for block in model.blocks:
         x = block(x[None])[0]
     return F.linear(model.ln_f(x), model.wte.weight)
@@ -79,19 +83,72 @@ def test_document_ids_count_the_ends_before_each_token():
     assert attention.document_ids(idx, EOT).tolist() == [[0, 0, 1, 1, 1, 2, 3]]
 
 
-def test_the_choice_is_flex_on_cuda_without_dropout_only():
-    assert attention.uses_flex(torch.device("cuda"), 0.0)
-    assert not attention.uses_flex(torch.device("cuda"), 0.1)
-    assert not attention.uses_flex(torch.device("cpu"), 0.0)
+def test_document_starts_pack_every_document_of_the_batch():
+    """Row 0 begins with the tail of a document the window cut (tokens 0-1) and ends with a document the row's end
+    cuts (tokens 6-7, no end-of-text): it ends there, and row 1 starts a new one. Starts over the flattened batch."""
+    idx = torch.tensor([[4, EOT, 5, 6, EOT, EOT, 7, 8],
+                        [9, 3, EOT, 2, 2, 2, 2, EOT]])
+    starts, longest = attention.document_starts(attention.document_ids(idx, EOT))
+    # row 0: [0, 2) [2, 5) [5, 6) [6, 8); row 1: [8, 11) [11, 16)
+    assert starts.dtype == torch.int32 and starts.tolist() == [0, 2, 5, 6, 8, 11, 16]
+    assert longest == 5
+    one, longest = attention.document_starts(attention.document_ids(torch.tensor([[3, 4, 5]]), EOT))
+    assert one.tolist() == [0, 3] and longest == 3
+
+
+def test_the_kernel_choice(monkeypatch):
+    """flex on CUDA without dropout, varlen when the variable names it; dense on the CPU or with dropout."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv(attention.KERNEL_VARIABLE, raising=False)
+    assert attention.document_kernel(cuda, 0.0) == "flex"
+    assert attention.document_kernel(cuda, 0.1) == "dense"
+    assert attention.document_kernel(cpu, 0.0) == "dense"
+    monkeypatch.setenv(attention.KERNEL_VARIABLE, "varlen")
+    assert attention.document_kernel(cuda, 0.0) == "varlen"
+    assert attention.document_kernel(cuda, 0.1) == attention.document_kernel(cpu, 0.0) == "dense"
+    monkeypatch.setenv(attention.KERNEL_VARIABLE, "flash")
+    with pytest.raises(ConfigError, match="MINIMAL_FSDP_DOCUMENT_KERNEL=flash is not a document-mask kernel"):
+        attention.document_kernel(cuda, 0.0)
+
+
+def test_selective_recompute_keeps_both_cuda_kernels_outputs():
+    for op in (torch._higher_order_ops.flex_attention, torch.ops.torch_attn._varlen_attn.default):
+        assert parallelize.keep_matmuls(None, op) == parallelize.CheckpointPolicy.MUST_SAVE
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+def test_varlen_attention_traces_into_one_graph(autocast):
+    """Inside a compiled block the varlen kernel is one graph with varlen_attn in it (fullgraph: no break), in
+    bf16 or from fp32 under bf16 autocast. Traced only, by a compiler backend that stops there: varlen_attn runs on
+    CUDA alone."""
+    graphs = []
+
+    def stop(graph_module, example_inputs):
+        graphs.append(graph_module)
+        raise RuntimeError("traced")
+    ids = attention.document_ids(windows(), EOT)
+    mask = attention.Documents(*attention.document_starts(ids), ids)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    q, k, v = (torch.randn(2, heads, 30, 8, dtype=dtype) for heads in (4, 2, 2))
+    torch._dynamo.reset()
+    attend = torch.compile(attention.attend_documents, fullgraph=True, backend=stop)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), pytest.raises(Exception, match="traced"):
+        attend(q, k, v, mask, 0.0)
+    assert len(graphs) == 1
+    assert "torch_attn._varlen_attn" in [str(node.target) for node in graphs[0].graph.nodes]
+
+
+def use_kernel(monkeypatch, kernel):
+    monkeypatch.setattr(attention, "document_kernel", lambda device, dropout: kernel)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("flex", [False, True], ids=["dense", "flex"])
+@pytest.mark.parametrize("kernel", ["dense", "flex", "varlen"])
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 @torch.no_grad()
-def test_each_packed_document_has_its_logits_alone(monkeypatch, kind, flex):
+def test_each_packed_document_has_its_logits_alone(monkeypatch, kind, kernel):
     model = model_of(kind)
-    monkeypatch.setattr(attention, "uses_flex", lambda device, dropout: flex)
+    use_kernel(monkeypatch, kernel)
     idx = windows()
     packed = all_logits(model, idx)
     unmasked = all_logits(model_of(kind, eot=None), idx)
@@ -104,11 +161,11 @@ def test_each_packed_document_has_its_logits_alone(monkeypatch, kind, flex):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("flex", [False, True], ids=["dense", "flex"])
+@pytest.mark.parametrize("kernel", ["dense", "flex", "varlen"])
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 @torch.no_grad()
-def test_a_window_without_separators_is_plain_causal(monkeypatch, kind, flex):
-    monkeypatch.setattr(attention, "uses_flex", lambda device, dropout: flex)
+def test_a_window_without_separators_is_plain_causal(monkeypatch, kind, kernel):
+    use_kernel(monkeypatch, kernel)
     idx = torch.randint(1, 50, (2, 30), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(all_logits(model_of(kind), idx), all_logits(model_of(kind, eot=None), idx),
                                atol=2e-6, rtol=1e-6)
@@ -217,3 +274,88 @@ def test_the_benchmarks_windows_pack_documents_of_the_asked_length():
         lengths = [b - a for a, b in zip([-1] + ends, ends)]
         assert len(ends) > 10 and all(1 <= n < 16 for n in lengths)
     assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def relative_error(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bf16_logits_and_grads(model, idx, targets, monkeypatch, kernel):
+    """Logits and parameter gradients of the mean loss under bf16 autocast (a one-GPU run's precision), through
+    `kernel`; varlen_attn's calls are counted, so a silent fall back to dense SDPA fails the test."""
+    from torch.nn.attention.varlen import varlen_attn
+    use_kernel(monkeypatch, kernel)
+    calls = []
+    monkeypatch.setattr(attention, "varlen_attn", lambda *a, **kw: calls.append(1) or varlen_attn(*a, **kw))
+    model.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = all_logits(model, idx)
+    F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()
+    assert len(calls) == (model.config.num_layers if kernel == "varlen" else 0)
+    return logits.float(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_varlen_on_cuda_matches_dense_and_each_document_alone(monkeypatch, kind):
+    """torch's varlen flash attention in bf16 (Llama: grouped-query, 4 heads over 2) against dense SDPA under the
+    same autocast: logits and gradients within bf16 rounding; each document's logits against the document alone
+    (fp32, plain causal attention)."""
+    model = model_of(kind).cuda()
+    idx = windows().cuda()
+    targets = torch.randint(1, 50, idx.shape, generator=torch.Generator().manual_seed(2)).cuda()
+    varlen, varlen_grads = bf16_logits_and_grads(model, idx, targets, monkeypatch, "varlen")
+    dense, dense_grads = bf16_logits_and_grads(model, idx, targets, monkeypatch, "dense")
+    assert relative_error(varlen, dense) < 2e-2
+    for name, grad in dense_grads.items():
+        assert relative_error(varlen_grads[name], grad) < 3e-2, name
+    unmasked = all_logits(model_of(kind, eot=None).cuda(), idx).detach()
+    with torch.no_grad():
+        for row, ends in enumerate(ENDS):
+            for start, stop in spans(ends):
+                expected = alone(model, idx[row, start:stop], start)
+                assert relative_error(varlen[row, start:stop], expected) < 2e-2, (row, start)
+                if start > 0:  # the mask acts: without it, later documents see the earlier ones
+                    assert relative_error(unmasked[row, start:stop], expected) > 5e-2, (row, start)
+
+
+@pytest.mark.gpu
+@cuda
+@torch.no_grad()
+def test_varlen_in_compiled_blocks_under_selective_recompute(monkeypatch):
+    """As training runs it: each Llama block compiled around selective recompute (parallelize.build_model's
+    wrapping), two batches of different document counts and lengths (the second recompiles with them dynamic);
+    each gives eager varlen's logits."""
+    model = model_of("llama").cuda()
+    use_kernel(monkeypatch, "varlen")
+    batches = [windows().cuda(), windows().cuda()]
+    batches[1][0, 3] = EOT  # one more document, the longest shorter
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = [all_logits(model, idx).float() for idx in batches]
+        for block in model.blocks:
+            block.forward = torch.compile(parallelize.recomputed(block.forward, "selective"))
+        with torch.enable_grad():
+            compiled = [all_logits(model, idx).float() for idx in batches]
+    for got, expected in zip(compiled, eager):
+        assert relative_error(got, expected) < 1e-2
+
+
+@pytest.mark.gpu
+@cuda
+def test_training_with_each_cuda_kernel_gives_the_same_losses(tmp_path):
+    """One GPU, bf16, compiled, selective recompute: --document_mask through FlexAttention (the default) and
+    through varlen (MINIMAL_FSDP_DOCUMENT_KERNEL=varlen) log the same losses within bf16 rounding."""
+    extra = ["--document_mask", "--precision", "bf16", "--compile", "--activation_checkpoints",
+             "--recompute", "selective"]
+    losses = {}
+    for kernel in attention.CUDA_KERNELS:
+        launch(train_args(tmp_path, kernel, extra), ranks=1, cwd=tmp_path,
+               env={attention.KERNEL_VARIABLE: kernel})
+        losses[kernel] = logged_losses(tmp_path, kernel)
+    assert len(losses["varlen"]) == 4
+    assert losses["varlen"] == pytest.approx(losses["flex"], rel=2e-2)
