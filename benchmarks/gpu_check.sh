@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers|llama3_8b|document_mask ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers|llama3_8b|document_mask|document_mask_tests ...]
 # The fp8 parts need torchao: installed from .whl/torchao-*.whl when missing (the GPU machine has no package index).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: some parts change directory
@@ -327,17 +327,25 @@ llama3_8b)
   python3 benchmarks/fp8_table.py "$OUT/llama3_8b.jsonl" | tee -a "$OUT/llama3_summary.md" ;;
 document_mask)
   # Issue 40, target 3: Llama 3 8B at T=8192 on NG GPUs (4), as llama3_8b runs it (DOCMASK_PRECISION: bf16), on
-  # windows packing documents of ~DOCMASK_LENGTH (2048) tokens: plain causal attention, then --document_mask
-  # (FlexAttention), the same tokens; then attention alone at the 8B shape: SDPA causal, FlexAttention causal and
-  # document-masked, torch's varlen flash attention (benchmarks/document_attention.py: which is faster).
+  # windows packing documents of ~DOCMASK_LENGTH (2048) tokens, the same tokens in three runs: plain causal attention,
+  # --document_mask through FlexAttention (the default kernel), and through torch's varlen flash attention
+  # (MINIMAL_FSDP_DOCUMENT_KERNEL=varlen); then attention alone at the 8B shape: SDPA causal, FlexAttention causal
+  # and document-masked, varlen (benchmarks/document_attention.py). Each 8B run took ~70 s on 4x H200: the limits
+  # keep the part under 9 minutes.
   fp8_setup || continue
   B="python3 benchmarks/document_mask.py --model_preset llama3-8b --compile --meta_init --activation_checkpoints --recompute selective --batch_size ${LLAMA3_BATCH:-1} --document_length ${DOCMASK_LENGTH:-2048} --warmup ${LLAMA3_WARMUP:-4} --steps ${LLAMA3_STEPS:-8} ${DOCMASK_PRECISION:---precision bf16}"
-  for mask in "" --document_mask; do
-    timeout ${LLAMA3_TIMEOUT:-280} $MPI -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -n $NG $B $mask \
-      >> "$OUT/document_mask.log" 2>&1
-    echo "${mask:-causal}: exit $?"; grep -E '^\|' "$OUT/document_mask.log" | tail -1
+  for run in causal flex varlen; do
+    mask=--document_mask; [ $run = causal ] && mask=
+    timeout ${LLAMA3_TIMEOUT:-140} $MPI -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      -x MINIMAL_FSDP_DOCUMENT_KERNEL=${run/causal/flex} -n $NG $B $mask >> "$OUT/document_mask.log" 2>&1
+    echo "$run: exit $?"; grep -E '^\|' "$OUT/document_mask.log" | tail -1
     grep -E 'OutOfMemory|Error' "$OUT/document_mask.log" | tail -2
   done
-  timeout 240 python3 benchmarks/document_attention.py --document_length ${DOCMASK_LENGTH:-2048} 2>&1 \
+  timeout ${DOCMASK_ATTENTION_TIMEOUT:-100} python3 benchmarks/document_attention.py --document_length ${DOCMASK_LENGTH:-2048} 2>&1 \
     | tee -a "$OUT/document_attention.md" | grep -E '^\||Error' ;;
+document_mask_tests)
+  # The document mask's GPU tests: varlen flash attention against dense SDPA and each document alone (GPT, Llama),
+  # in compiled blocks under selective recompute, and a one-GPU training run through each CUDA kernel.
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/test_document_mask.py -q -p no:cacheprovider 2>&1 \
+    | tee "$OUT/document_mask_tests.log" | tail -15 ;;
 esac; done

@@ -35,8 +35,9 @@ from .choices import ConfigError
 KERNEL_VARIABLE = "MINIMAL_FSDP_DOCUMENT_KERNEL"
 CUDA_KERNELS = ("flex", "varlen")
 
-# varlen_attn's keywords differ by version: torch 2.9 takes is_causal and repeats no k, v heads; later versions
-# take window_size=(-1, 0) for causal, and 2.13 enable_gqa for fewer k, v heads than query heads.
+# varlen_attn's keywords differ by version, so they are read from its signature: causal is is_causal=True in torch
+# 2.9, window_size=(-1, 0) later; fewer k, v heads than query heads need enable_gqa (2.13) or, without it, k, v
+# repeated per query head.
 _VARLEN_PARAMETERS = inspect.signature(varlen_attn).parameters
 _VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMETERS else {"is_causal": True}
 _VARLEN_GQA = "enable_gqa" in _VARLEN_PARAMETERS
@@ -75,10 +76,13 @@ def document_starts(ids):
 
 
 def document_kernel(device, dropout):
-    """flex, varlen or dense: the CUDA kernels where there is no dropout (neither has it), flex unless
-    MINIMAL_FSDP_DOCUMENT_KERNEL names varlen; dense SDPA elsewhere."""
-    if device.type != "cuda" or dropout != 0.0:
-        return "dense"
+    """flex, varlen or dense: a CUDA kernel where there is no dropout (neither has it), dense SDPA elsewhere."""
+    return cuda_kernel() if device.type == "cuda" and dropout == 0.0 else "dense"
+
+
+def cuda_kernel():
+    """The CUDA kernel MINIMAL_FSDP_DOCUMENT_KERNEL names, flex when unset; checked as a run starts
+    (models.with_document_mask), before any collective."""
     kernel = os.environ.get(KERNEL_VARIABLE, "flex")
     if kernel not in CUDA_KERNELS:
         raise ConfigError(f"{KERNEL_VARIABLE}={kernel} is not a document-mask kernel: use one of "

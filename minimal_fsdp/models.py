@@ -5,6 +5,7 @@ class and its presets, and a checkpoint's meta.json records the family as "model
 """
 import dataclasses
 
+from .attention import cuda_kernel
 from .config import ConfigError, model_family
 from .llama import Llama
 from .model import GPT
@@ -46,6 +47,7 @@ def with_document_mask(config, cfg, tokenizer):
         raise ConfigError(f"--document_mask needs a tokenizer with an end-of-text token, and {tokenizer.kind} has "
                           "none: use --tokenizer gpt2 or sentencepiece, a --tokenizer_dir that names an eos token, "
                           "or drop --document_mask")
+    cuda_kernel()  # a mistyped MINIMAL_FSDP_DOCUMENT_KERNEL fails here, not in the first forward
     return dataclasses.replace(config, document_eot_id=tokenizer.eot_id)
 
 
