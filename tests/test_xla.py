@@ -189,6 +189,7 @@ def train_fake_xla(args, cwd):
     return launch([*args, "--device", "xla", "--batch_size", 2], ranks=1, cwd=cwd, entry=fake_torch_xla.__file__)
 
 
+@pytest.mark.slow  # a launch; the quick tier keeps the in-process check of the wiring
 def test_xla_trains_through_the_one_wiring(tmp_path, corpus):
     """--device xla runs xla.py's parts (the FSDPv2-wrapped model, device batches, the step's sync, its
     checkpointer and banner) through run.train_model, train.build_optimizer and train.train: what it computes is
