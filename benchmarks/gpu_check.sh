@@ -331,10 +331,10 @@ document_mask)
   # --document_mask through FlexAttention (the default kernel), and through torch's varlen flash attention
   # (MINIMAL_FSDP_DOCUMENT_KERNEL=varlen); then attention alone at the 8B shape: SDPA causal, FlexAttention causal
   # and document-masked, varlen (benchmarks/document_attention.py). Each 8B run took ~70 s on 4x H200: the limits
-  # keep the part under 9 minutes.
+  # keep the part under 9 minutes. DOCMASK_RUNS picks some of the three (e.g. "flex varlen").
   fp8_setup || continue
   B="python3 benchmarks/document_mask.py --model_preset llama3-8b --compile --meta_init --activation_checkpoints --recompute selective --batch_size ${LLAMA3_BATCH:-1} --document_length ${DOCMASK_LENGTH:-2048} --warmup ${LLAMA3_WARMUP:-4} --steps ${LLAMA3_STEPS:-8} ${DOCMASK_PRECISION:---precision bf16}"
-  for run in causal flex varlen; do
+  for run in ${DOCMASK_RUNS:-causal flex varlen}; do
     mask=--document_mask; [ $run = causal ] && mask=
     timeout ${LLAMA3_TIMEOUT:-140} $MPI -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
       -x MINIMAL_FSDP_DOCUMENT_KERNEL=${run/causal/flex} -n $NG $B $mask >> "$OUT/document_mask.log" 2>&1
