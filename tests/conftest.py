@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -80,15 +81,21 @@ def launch(args, ranks=2, cwd=None, timeout=300, env=None, check=True, entry=ENT
     return result
 
 
-def launch_runs(flag_lists, ranks=2, cwd=None, timeout=300):
+def launch_runs(flag_lists, ranks=2, cwd=None, timeout=300, entry=ROOT / "tests" / "several_runs.py"):
     """Several runs of the real entry point, one after the other on the same `ranks` ranks of one launch
-    (tests/several_runs.py): Python and torch start once, not once per run. Each run's flags say where its output
-    goes; a run that fails ends the launch (AssertionError with its output)."""
+    (tests/several_runs.py, or `entry`, a script that wraps it): Python and torch start once, not once per run.
+    Each run's flags say where its output goes; a run that fails ends the launch (AssertionError with its output)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as listed:
         json.dump([list(map(str, flags)) for flags in flag_lists], listed)
         listed.flush()
-        return launch([listed.name], ranks=ranks, cwd=cwd, timeout=timeout * len(flag_lists),
-                      entry=ROOT / "tests" / "several_runs.py")
+        return launch([listed.name], ranks=ranks, cwd=cwd, timeout=timeout * len(flag_lists), entry=entry)
+
+
+def printed_by_run(stdout):
+    """A launch_runs launch's stdout cut into what each training run printed, in order: each part starts at its
+    banner's first line ("launch: ...", rank 0's) and runs to the next banner. Returns [(run name, text)]."""
+    parts = re.split(r"^(?=launch: )", stdout, flags=re.MULTILINE)[1:]
+    return [(re.search(r'\brun_name = "([^"]*)"', part).group(1), part) for part in parts]
 
 
 def make_text(n_chars=60_000, seed=0):
