@@ -3,7 +3,7 @@ Every sample is checked against sampling written plainly in one process from the
 import pytest
 import torch
 
-from conftest import TINY_MODEL, launch
+from conftest import TINY_MODEL, launch, launch_runs, make_text
 from minimal_fsdp import checkpoint_find, checkpoint_meta, safe_load
 from minimal_fsdp.config import parse_args
 from minimal_fsdp.model import GPT, GPTConfig
@@ -14,6 +14,16 @@ SAMPLE = "-" * 40
 
 def sample_of(stdout):
     return stdout.split(SAMPLE + "\n", 1)[1].rsplit("\n" + SAMPLE, 1)[0]
+
+
+def sample_of_each(stdout):
+    """Every sample in a launch's stdout, in order: several runs of one launch (conftest.launch_runs) print one
+    each. A sample is the lines between a pair of SAMPLE lines (its text holds no such line: no '-' in the tiny
+    corpus)."""
+    lines = stdout.split("\n")
+    marks = [i for i, line in enumerate(lines) if line == SAMPLE]
+    assert len(marks) % 2 == 0, stdout[-3000:]
+    return ["\n".join(lines[a + 1:b]) for a, b in zip(marks[::2], marks[1::2])]
 
 
 @torch.no_grad()
@@ -42,34 +52,42 @@ def plain_sample(run_dir, prompt, num_tokens, seed):
     return tokenizer.decode(out)
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The README's training command as a user types it, shrunk: 2 ranks, 40 steps, a sample at the end."""
+    work = tmp_path_factory.mktemp("end_to_end")
+    corpus = work / "corpus.txt"
+    corpus.write_text(make_text())
+    out = launch(["--dataset", "text", "--input_file", corpus, "--prompt", "ROMEO:", "--seed", 7, *TINY_MODEL,
+                  "--max_steps", 40, "--num_tokens", 60, "--eval_interval", 20], ranks=2, cwd=work)
+    return work, out
+
+
 @pytest.mark.slow
-def test_train_then_generate_on_any_number_of_ranks(tmp_path, corpus):
-    common = ["--dataset", "text", "--input_file", corpus, "--prompt", "ROMEO:", "--seed", 7]
-    trained = launch([*common, *TINY_MODEL, "--max_steps", 40, "--num_tokens", 60, "--eval_interval", 20],
-                     ranks=2, cwd=tmp_path)
-    run = tmp_path / "checkpoints" / "shakespeare"
+def test_train_then_generate_on_any_number_of_ranks(trained):
+    work, out = trained
+    run = work / "checkpoints" / "shakespeare"
     assert (run / "latest").read_text().strip() == "step_40"
-    assert sample_of(trained.stdout) == plain_sample(run, "ROMEO:", 60, seed=7)  # the trained model, in memory
+    assert sample_of(out.stdout) == plain_sample(run, "ROMEO:", 60, seed=7)  # the trained model, in memory
     # Generation-only reads the model shape from the checkpoint: no model flags are repeated.
     gen = ["--max_epochs", -1, "--prompt", "ROMEO:", "--num_tokens", 80, "--seed", 3]
-    one = sample_of(launch(gen, ranks=1, cwd=tmp_path).stdout)
-    four = sample_of(launch(gen, ranks=4, cwd=tmp_path).stdout)
-    hybrid = sample_of(launch([*gen, "--sharding", "hybrid-grad-shard", "--shard_group_size", 2], ranks=4,
-                              cwd=tmp_path).stdout)
+    one = sample_of(launch(gen, ranks=1, cwd=work).stdout)  # the README's command, on one rank
+    # The same on 4 ranks, sharded then hybrid, and another seed: one after the other in one launch.
+    four, hybrid, other_seed = sample_of_each(launch_runs(
+        [gen, [*gen, "--sharding", "hybrid-grad-shard", "--shard_group_size", 2], [*gen[:-1], 4]], ranks=4,
+        cwd=work).stdout)
     assert one == plain_sample(run, "ROMEO:", 80, seed=3)  # 80 tokens through a 32-token context
     assert one == four == hybrid
-    other_seed = sample_of(launch([*gen[:-1], 4], ranks=1, cwd=tmp_path).stdout)
     assert other_seed != one
 
 
 @pytest.mark.slow
-def test_generation_past_the_context_refills_the_cache(tmp_path, corpus):
-    launch(["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 2, "--eval_interval", 0],
-           ranks=1, cwd=tmp_path)
-    out = launch(["--max_epochs", -1, "--num_tokens", 100, "--prompt", "KING:"], ranks=2, cwd=tmp_path)
+def test_generation_past_the_context_refills_the_cache(trained):
+    work, _ = trained
+    out = launch(["--max_epochs", -1, "--num_tokens", 100, "--prompt", "KING:"], ranks=2, cwd=work)
     sample = sample_of(out.stdout)
     assert len(sample) == len("KING:") + 100  # char tokenizer: one char per token
-    assert sample == plain_sample(tmp_path / "checkpoints" / "shakespeare", "KING:", 100, seed=parse_args([]).seed)
+    assert sample == plain_sample(work / "checkpoints" / "shakespeare", "KING:", 100, seed=parse_args([]).seed)
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import fake_torch_xla
-from conftest import TINY_MODEL, launch
-from test_end_to_end import sample_of
+from conftest import ROOT, TINY_MODEL, launch, make_text
+from test_end_to_end import sample_of, sample_of_each
 from minimal_fsdp import backend
 from minimal_fsdp.config import ConfigError, parse_args, validate_world
 from minimal_fsdp.environment import DistEnv
@@ -184,49 +184,71 @@ def test_every_seed_gives_torch_xla_a_seed_it_takes(seed):
 
 # ---- the one wiring, under a stand-in torch_xla (fake_torch_xla.py): runs everywhere ----
 
-def train_fake_xla(args, cwd):
-    """--device xla with fake_torch_xla's one device (the CPU): 2 rows per device, as one CPU rank's 2."""
-    return launch([*args, "--device", "xla", "--batch_size", 2], ranks=1, cwd=cwd, entry=fake_torch_xla.__file__)
+def fake_xla_runs(flag_lists, cwd):
+    """Runs of the entry point one after the other in one launch of 1 rank (as conftest.launch_runs: Python and
+    torch start once), with fake_torch_xla's modules installed first, as `python tests/fake_torch_xla.py` does:
+    a run with --device xla gets its one device (the CPU), the others never import torch_xla."""
+    (cwd / "runs.json").write_text(json.dumps([list(map(str, flags)) for flags in flag_lists]))
+    entry = cwd / "fake_xla_runs.py"
+    entry.write_text(f"import runpy, sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\nimport fake_torch_xla\n"
+                     f"fake_torch_xla.install()\nrunpy.run_path({str(ROOT / 'tests' / 'several_runs.py')!r}, "
+                     "run_name='__main__')\n")
+    return launch([cwd / "runs.json"], ranks=1, cwd=cwd, timeout=300 * len(flag_lists), entry=entry)
+
+
+def in_dir(name, args):
+    """A run's flags with its checkpoints and logs under `name` (runs of one launch share its working directory)."""
+    return [*args, "--checkpoint_dir", f"{name}/checkpoints", "--log_dir", f"{name}/logs"]
+
+
+@pytest.fixture(scope="module")
+def fake_runs(tmp_path_factory):
+    """Under the stand-in, in 2 launches: the CPU reference (20 steps at once); an XLA run of 10 steps (2 rows per
+    device, as the CPU run's 2 rows), its checkpoints copied for a CPU run to resume; then the XLA run resumed to 20
+    steps with a sample at the end, the CPU run resumed from the XLA checkpoint, and a generation from the XLA run's
+    checkpoint on one CPU rank."""
+    work = tmp_path_factory.mktemp("fake_xla")
+    corpus = work / "corpus.txt"
+    corpus.write_text(make_text())
+    args = lambda steps, *extra: [*run_args(corpus, "gpt", steps, "--num_tokens", 0, *extra),  # noqa: E731
+                                  "--batch_size", 2]
+    xla = ["--device", "xla"]
+    sample = ["--num_tokens", 40, "--prompt", "KING:"]  # --seed would change the data order too
+    first = fake_xla_runs([in_dir("cpu", args(20)), in_dir("xla", [*args(10), *xla])], work)
+    shutil.copytree(work / "xla" / "checkpoints", work / "xla_then_cpu" / "checkpoints")
+    second = fake_xla_runs([in_dir("xla", [*args(20, *sample), *xla]), in_dir("xla_then_cpu", args(20)),
+                            in_dir("xla", ["--max_epochs", -1, *sample])], work)
+    return work, first.stdout, second.stdout
 
 
 @pytest.mark.slow  # a launch; the quick tier keeps the in-process check of the wiring
-def test_xla_trains_through_the_one_wiring(tmp_path, corpus):
+def test_xla_trains_through_the_one_wiring(fake_runs):
     """--device xla runs xla.py's parts (the FSDPv2-wrapped model, device batches, the step's sync, its
     checkpointer and banner) through run.train_model, train.build_optimizer and train.train: what it computes is
     one CPU rank's (AdamW unfused there: within rel 1e-5), and its checkpoint is xla.Checkpointer's."""
-    xla, cpu = tmp_path / "xla", tmp_path / "cpu"
-    xla.mkdir(), cpu.mkdir()
-    out = train_fake_xla(run_args(corpus, "gpt", 12), xla)
-    launch([*run_args(corpus, "gpt", 12), "--batch_size", 2], ranks=1, cwd=cpu)
-    assert "torch_xla SPMD, mesh fsdp=1 (FSDPv2)" in out.stdout  # xla.XLA.banner
-    assert "this launch trained 12 steps (768 tokens)" in out.stdout  # 12 x 1 device x 2 rows x 32 tokens
-    assert_same_run(xla, cpu, range(1, 13))
-    assert logged(xla, "loss")[12] < logged(xla, "loss")[1]
+    work, first, _ = fake_runs
+    xla, cpu = work / "xla", work / "cpu"
+    assert first.count("torch_xla SPMD, mesh fsdp=1 (FSDPv2)") == 1  # xla.XLA.banner: the XLA run's, not the CPU one's
+    assert "this launch trained 10 steps (640 tokens)" in first  # 10 x 1 device x 2 rows x 32 tokens
+    assert_same_run(xla, cpu, range(1, 11))
+    assert logged(xla, "loss")[10] < logged(xla, "loss")[1]
     # Saved by xla.Checkpointer under checkpoint.py's names (FSDPv2's wrappers left out): the CPU run's tensors.
-    saved = [tensor_names(d / "checkpoints" / "shakespeare" / "step_12", prefix="") for d in (xla, cpu)]
+    saved = [tensor_names(d / "checkpoints" / "shakespeare" / "step_20", prefix="") for d in (xla, cpu)]
     assert saved[0] == saved[1] and any(name.startswith("optim.state.blocks.0.") for name, _, _ in saved[0])
 
 
 @pytest.mark.slow
-def test_xla_checkpoints_resume_both_ways_and_sample_through_the_one_wiring(tmp_path, corpus):
+def test_xla_checkpoints_resume_both_ways_and_sample_through_the_one_wiring(fake_runs):
     """Under the stand-in: an XLA run resumed from its own checkpoint, and a CPU run from the XLA checkpoint, equal
     the uninterrupted CPU run; the sample after XLA training comes from its checkpoint, generated on the host."""
-    dirs = {name: tmp_path / name for name in ("cpu", "xla", "xla_then_cpu")}
-    for d in dirs.values():
-        d.mkdir()
-    args = lambda steps, *extra: run_args(corpus, "gpt", steps, "--num_tokens", 0, *extra)  # noqa: E731
-    launch([*args(20), "--batch_size", 2], ranks=1, cwd=dirs["cpu"])
-    train_fake_xla(args(10), dirs["xla"])
-    shutil.copytree(dirs["xla"] / "checkpoints", dirs["xla_then_cpu"] / "checkpoints")
-    sample = ["--num_tokens", 40, "--prompt", "KING:"]
-    resumed = train_fake_xla(args(20, *sample), dirs["xla"])
-    assert "resuming from checkpoints/shakespeare/step_10" in resumed.stdout
-    assert_same_run(dirs["xla"], dirs["cpu"], range(1, 21))
-    launch([*args(20), "--batch_size", 2], ranks=1, cwd=dirs["xla_then_cpu"])
-    assert_same_run(dirs["xla_then_cpu"], dirs["cpu"], range(11, 21))
-    after_training = sample_of(resumed.stdout)
+    work, _, second = fake_runs
+    assert "resuming from xla/checkpoints/shakespeare/step_10" in second  # the XLA run's own checkpoint
+    assert_same_run(work / "xla", work / "cpu", range(1, 21))
+    assert "resuming from xla_then_cpu/checkpoints/shakespeare/step_10" in second
+    assert_same_run(work / "xla_then_cpu", work / "cpu", range(11, 21))
+    after_training, generated = sample_of_each(second)  # the resumed XLA run's, then the generation's
     assert after_training.startswith("KING:") and len(after_training) == len("KING:") + 40
-    assert sample_of(launch(["--max_epochs", -1, *sample], ranks=1, cwd=dirs["xla"]).stdout) == after_training
+    assert generated == after_training
 
 
 @pytest.fixture
