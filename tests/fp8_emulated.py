@@ -3,6 +3,7 @@ emulates the float8 matmuls (float8 casts and scales as on a GPU, matmuls in hig
 sharding, the float8 all-gather, the scale precompute and checkpoints run here as they do on an H100.
 
     mpiexec -n 2 python tests/fp8_emulated.py <basic_training flags>
+    mpiexec -n 2 python tests/fp8_emulated.py runs.json    # several runs, as tests/several_runs.py (launch_runs)
 """
 import runpy
 import sys
@@ -15,5 +16,6 @@ from minimal_fsdp import fp8  # noqa: E402
 
 if __name__ == "__main__":
     fp8.check_device = lambda device: None
-    sys.argv[0] = str(ROOT / "basic_training.py")
+    several = len(sys.argv) == 2 and sys.argv[1].endswith(".json")  # basic_training.py takes no such argument
+    sys.argv[0] = str(ROOT / "tests" / "several_runs.py" if several else ROOT / "basic_training.py")
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from conftest import ROOT, launch
+from conftest import ROOT, launch, launch_runs, printed_by_run
 from minimal_fsdp import fp8, model_size, parallelize, safe_load
 from minimal_fsdp.config import ConfigError, parse_args
 from minimal_fsdp.llama import Llama, LlamaConfig
@@ -269,11 +269,10 @@ def check_close_to_bf16(fp8_losses, bf16_losses, first=5e-3, every=3e-2):
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    """One corpus for the module, and the bf16 run the fp8 runs are compared with."""
+    """One corpus for the module."""
     from conftest import make_text
     path = tmp_path_factory.mktemp("fp8") / "corpus.txt"
     path.write_text(make_text())
-    launch(train_args(path, "bf16", ["--precision", "bf16"]), ranks=2, cwd=path.parent)
     return path
 
 
@@ -285,25 +284,50 @@ EMULATED_CASES = {
     "no-shard": ["--sharding", "no-shard"],
     "cpu offload": ["--cpu_offload"],
 }
+# fp8 for 6 steps, resumed in bf16 to 9, then in fp8 rowwise to 12 (test_resume_switches_between_fp8_and_bf16).
+SWITCH = ((6, ["--precision", "fp8"]), (9, ["--precision", "bf16"]),
+          (12, ["--precision", "fp8", "--fp8_recipe", "rowwise"]))
+
+
+def case_name(extra):
+    return "fp8_" + "_".join(a.strip("-") for a in extra)
+
+
+@pytest.fixture(scope="module")
+def emulated(work):
+    """Every emulated run on 2 ranks below, one after the other in one launch (conftest.launch_runs through
+    fp8_emulated.py): the bf16 run the fp8 runs are compared with, each of EMULATED_CASES, fp8 with decentralized
+    training, and the runs of SWITCH, each resuming the one before. Returns what each printed: run name -> [text
+    of each run of that name, in order]."""
+    switch = ["--checkpoint_interval", 3, "--lr_decay_steps", STEPS]  # the schedule of the uninterrupted bf16 run
+    runs = [train_args(work, "bf16", ["--precision", "bf16"]),
+            *(train_args(work, case_name(extra), ["--precision", "fp8", *extra]) for extra in EMULATED_CASES.values()),
+            train_args(work, "gossip_fp8", ["--precision", "fp8", "--data_parallel", "decentralized"]),
+            *(train_args(work, "switch", [*switch, *precision], steps=steps) for steps, precision in SWITCH)]
+    out = launch_runs(runs, ranks=2, cwd=work.parent, entry=EMULATED)
+    printed = {}
+    for name, text in printed_by_run(out.stdout):
+        printed.setdefault(name, []).append(text)
+    assert [len(printed.get(name, [])) for name in ("bf16", "switch")] == [1, len(SWITCH)], list(printed)
+    return printed
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", EMULATED_CASES.values(), ids=EMULATED_CASES.keys())
 @needs_torchao
-def test_emulated_fp8_trains_close_to_bf16(work, extra):
-    name = "fp8_" + "_".join(a.strip("-") for a in extra)
-    out = launch(train_args(work, name, ["--precision", "fp8", *extra]), ranks=2, cwd=work.parent, entry=EMULATED)
-    assert "fp8: " in out.stdout  # the banner's line
+def test_emulated_fp8_trains_close_to_bf16(work, emulated, extra):
+    name = case_name(extra)
+    assert [text.count("\nfp8: ") for text in emulated[name]] == [1]  # the banner's line, once: one run
+    assert "\nfp8: " not in emulated["bf16"][0]
     check_close_to_bf16(losses_of(work.parent, name), losses_of(work.parent, "bf16"))
 
 
 @pytest.mark.slow
 @needs_torchao
-def test_emulated_fp8_decentralized_trains(work):
-    out = launch(train_args(work, "gossip_fp8", ["--precision", "fp8", "--data_parallel", "decentralized"]), ranks=2,
-                 cwd=work.parent, entry=EMULATED)
+def test_emulated_fp8_decentralized_trains(work, emulated):
     losses = losses_of(work.parent, "gossip_fp8")
-    assert "(each weight cast to float8 where it is used)" in out.stdout and losses[STEPS] < 0.9 * losses[1]
+    [printed] = emulated["gossip_fp8"]
+    assert "(each weight cast to float8 where it is used)" in printed and losses[STEPS] < 0.9 * losses[1]
 
 
 @pytest.mark.slow
@@ -327,16 +351,14 @@ def checkpoint_files_are_plain(path):
 
 @pytest.mark.slow
 @needs_torchao
-def test_resume_switches_between_fp8_and_bf16(work):
-    """fp8 for 6 steps, resumed in bf16 to 9, then in fp8 rowwise to 12: the checkpoints are alike, and the run,
-    resumed twice, stays as close to the uninterrupted bf16 run as an fp8 run does."""
-    run = ["--checkpoint_interval", 3, "--lr_decay_steps", STEPS]  # the schedule of the uninterrupted bf16 run
-    for steps, precision in ((6, ["--precision", "fp8"]), (9, ["--precision", "bf16"]),
-                             (12, ["--precision", "fp8", "--fp8_recipe", "rowwise"])):
-        out = launch(train_args(work, "switch", [*run, *precision], steps=steps), ranks=2, cwd=work.parent,
-                     entry=EMULATED)
+def test_resume_switches_between_fp8_and_bf16(work, emulated):
+    """fp8 for 6 steps, resumed in bf16 to 9, then in fp8 rowwise to 12 (SWITCH, run by the emulated fixture): the
+    checkpoints are alike, and the run, resumed twice, stays as close to the uninterrupted bf16 run as an fp8 run
+    does."""
+    for (steps, precision), printed in zip(SWITCH, emulated["switch"], strict=True):
         previous = work.parent / "checkpoints" / "switch" / f"step_{steps - 3}"
-        assert steps == 6 or f"resuming from {previous}" in out.stdout
+        assert f"resuming from {previous}" in printed if steps > 6 else "starting fresh" in printed
+        assert ("\nfp8: " in printed) == ("fp8" in precision)  # each run in the precision it was given
     saved = work.parent / "checkpoints" / "switch"
     assert checkpoint_files_are_plain(saved / "step_6") == checkpoint_files_are_plain(saved / "step_9") \
         == checkpoint_files_are_plain(saved / "step_12")
@@ -351,11 +373,9 @@ def test_resume_switches_between_fp8_and_bf16(work):
 
 @pytest.mark.slow
 @needs_torchao
-def test_export_reads_an_fp8_checkpoint_without_torchao(work, tmp_path):
-    """The checkpoint the previous runs wrote loads in a process where torchao cannot be imported."""
-    saved = work.parent / "checkpoints" / "fp8_"
-    if not (saved / "latest").exists():
-        launch(train_args(work, "fp8_", ["--precision", "fp8"]), ranks=2, cwd=work.parent, entry=EMULATED)
+def test_export_reads_an_fp8_checkpoint_without_torchao(work, emulated, tmp_path):
+    """The checkpoint the tensorwise full-shard run wrote loads in a process where torchao cannot be imported."""
+    saved = work.parent / "checkpoints" / case_name(EMULATED_CASES["tensorwise full-shard (float8 all-gather)"])
     script = ("import sys; sys.modules['torchao'] = None\n"
               "from minimal_fsdp import export\n"
               f"print(export.export({str(saved)!r}, {str(tmp_path / 'out')!r}))")
