@@ -40,9 +40,12 @@ def test_vocab_smaller_than_tokenizer(tmp_path, corpus):
 
 
 @pytest.mark.slow
-def test_seq_length_longer_than_checkpoint_context(tmp_path, corpus):
-    launch(["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 1, "--eval_interval", 0],
-           ranks=1, cwd=tmp_path)
+def test_seq_length_longer_than_checkpoint_context(tmp_path, corpus, single_process):
+    from minimal_fsdp import run
+    # The checkpoint, trained in this process (one rank, as `python basic_training.py`): no launch of its own.
+    run.main(list(map(str, ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 1,
+                            "--eval_interval", 0])))
+    assert (tmp_path / "checkpoints" / "shakespeare" / "latest").read_text().strip() == "step_1"
     names(run_bad(["--max_epochs", "-1", "--seq_length", "64"], tmp_path), "--seq_length", "64", "32")
 
 
