@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import reference as plain
-from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
+from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text, mpiexec, printed_by_run
 from test_gossip import check_mixing, check_quadratic, run_gossip_ranks
 
 sys.path.insert(0, str(ROOT))
@@ -131,15 +131,18 @@ def test_val_loss_within_3_percent_of_allreduce(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_keeps_each_replica_and_resumes_exactly(tmp_path, corpus):
-    """3 ranks (exp distances 1 and 2 on a non-power-of-two world); stop mid accumulation window, resume."""
+def test_checkpoint_keeps_each_replica_and_resumes_exactly(tmp_path, corpus, single_process, capsys):
+    """3 ranks (exp distances 1 and 2 on a non-power-of-two world); stop mid accumulation window, resume. The
+    whole run and the resumed one run one after the other in one launch (conftest.launch_runs)."""
     plain = common_args(corpus, ["--max_steps", 6, "--eval_interval", 0, "--log_interval", 1])
     args = [*plain, *DECENTRALIZED, "--accum_steps", 2]
-    launch([*args, "--run_name", "whole", "--checkpoint_interval", 3], ranks=3, cwd=tmp_path)
     whole = tmp_path / "checkpoints" / "whole"
-    out = launch([*args, "--run_name", "resumed", "--restart_checkpoint_file", whole / "step_3"], ranks=3,
-                 cwd=tmp_path)
-    assert "resuming from" in out.stdout
+    out = launch_runs([[*args, "--run_name", "whole", "--checkpoint_interval", 3],
+                       [*args, "--run_name", "resumed", "--restart_checkpoint_file", whole / "step_3"]], ranks=3,
+                      cwd=tmp_path)
+    printed = printed_by_run(out.stdout)
+    assert [name for name, _ in printed] == ["whole", "resumed"] and "starting fresh" in printed[0][1]
+    assert f"resuming from {whole / 'step_3'}" in printed[1][1]
 
     resumed = tmp_path / "checkpoints" / "resumed" / "step_6"
     assert checkpoint_meta.read_meta(resumed)["replicas"] == 3
@@ -162,8 +165,12 @@ def test_checkpoint_keeps_each_replica_and_resumes_exactly(tmp_path, corpus):
         for name, value in state.items():
             torch.testing.assert_close(saved[f"replicas.{rank}.model.{name}"], value, atol=2e-6, rtol=1e-5, msg=name)
 
-    mixed = launch([*plain, "--run_name", "whole"], ranks=1, cwd=tmp_path, check=False)  # all-reduce: AdamW
-    assert mixed.returncode == 2 and "trained with --data_parallel decentralized" in mixed.stderr
+    # All-reduce (AdamW) from it is refused: one rank, in this process (as `python basic_training.py`).
+    from minimal_fsdp import run
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as mixed:
+        run.main(list(map(str, [*plain, "--run_name", "whole"])))
+    assert mixed.value.code == 2 and "trained with --data_parallel decentralized" in capsys.readouterr().err
 
     replicas = [checkpoint_tensors(whole / "step_6", f"replicas.{rank}.model.") for rank in range(3)]
     average = safe_load.load_full_model_state(whole / "step_6")
