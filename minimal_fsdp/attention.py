@@ -75,9 +75,17 @@ def document_starts(ids):
     return starts.int(), longest
 
 
-def document_kernel(device, dropout):
-    """flex, varlen or dense: a CUDA kernel where there is no dropout (neither has it), dense SDPA elsewhere."""
-    return cuda_kernel() if device.type == "cuda" and dropout == 0.0 else "dense"
+# FlexAttention's CUDA kernel multiplies q by k with Triton's tl.dot, which takes heads of 16 or more values.
+FLEX_MIN_HEAD_SIZE = 16
+
+
+def document_kernel(device, dropout, head_size=FLEX_MIN_HEAD_SIZE):
+    """flex, varlen or dense: a CUDA kernel where there is no dropout (neither has it), dense SDPA elsewhere and
+    for heads narrower than FlexAttention's kernel takes."""
+    if device.type != "cuda" or dropout != 0.0:
+        return "dense"
+    kernel = cuda_kernel()
+    return "dense" if kernel == "flex" and head_size < FLEX_MIN_HEAD_SIZE else kernel
 
 
 def cuda_kernel():
@@ -90,13 +98,13 @@ def cuda_kernel():
     return kernel
 
 
-def document_mask(idx, eot_id, dropout=0.0, kernel=None):
+def document_mask(idx, eot_id, dropout=0.0, kernel=None, head_size=FLEX_MIN_HEAD_SIZE):
     """The block-causal mask of the windows idx (B, T) whose documents end at eot_id, built once per forward and
     shared by every block, in the form its kernel takes: a BlockMask (flex), Documents (varlen) or a (B, 1, T, T)
     boolean tensor (dense; True: may attend). kernel: None chooses (document_kernel); a name forces one (tests)."""
     documents = document_ids(idx, eot_id)
     B, T = idx.shape
-    kernel = kernel or document_kernel(idx.device, dropout)
+    kernel = kernel or document_kernel(idx.device, dropout, head_size)
     if kernel == "dense":
         return _dense(documents)
     if kernel == "varlen":

@@ -77,7 +77,8 @@ class Decoder(nn.Module):
         eot_id = self.config.document_eot_id
         if eot_id is None or cache is not None:
             return None
-        return document_mask(idx, eot_id, self.config.dropout if self.training else 0.0)
+        return document_mask(idx, eot_id, self.config.dropout if self.training else 0.0,
+                             head_size=self.config.embed_size // self.config.num_heads)
 
     def new_cache(self, batch_size, device, dtype):
         """An empty KV cache for generation."""
