@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from conftest import ROOT, TINY_MODEL, launch, make_text
+from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from faults import launch_with_faults
 from minimal_fsdp import checkpoint_find, files, hf, safe_load
 from minimal_fsdp.config import ConfigError, parse_args
@@ -128,10 +128,15 @@ def test_genuine_metadata_loads_in_every_protocol_from_2(tmp_path, real_metadata
 
 # ---- runs through the entry point ----
 
+def train_args(run_name="run", steps=4, extra=(), corpus="corpus.txt"):
+    """A tiny run's flags, with checkpoints every 2 steps."""
+    return ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", steps, "--eval_interval", 0,
+            "--log_interval", 1, "--checkpoint_interval", 2, "--run_name", run_name, *extra]
+
+
 def train(work, run_name="run", steps=4, ranks=2, extra=(), check=True, faults=None):
     """A tiny run in `work` with checkpoints every 2 steps."""
-    args = ["--dataset", "text", "--input_file", "corpus.txt", *TINY_MODEL, "--max_steps", steps,
-            "--eval_interval", 0, "--log_interval", 1, "--checkpoint_interval", 2, "--run_name", run_name, *extra]
+    args = train_args(run_name, steps, extra)
     if faults:
         return launch_with_faults(args, faults=faults, ranks=ranks, cwd=work, check=check, timeout=180)
     return launch(args, ranks=ranks, cwd=work, check=check, timeout=180)
@@ -343,21 +348,45 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(tmp_path, trained):
     assert "resuming from checkpoints/run/step_4" in train(tmp_path, steps=8).stdout
 
 
-@pytest.mark.parametrize("window,resumed", [("kill_after_shards", 2), ("kill_after_meta", 2),
-                                             ("kill_after_rename", 2), ("kill_after_latest", 4)])
+WINDOWS = {"kill_after_shards": 2, "kill_after_meta": 2, "kill_after_rename": 2, "kill_after_latest": 4}
+
+
+@pytest.fixture(scope="module")
+def crashed_then_resumed(request, straight, tmp_path_factory):
+    """For each selected window, a run in a directory of its own killed inside step 4's save (a launch each: a kill
+    ends its launch), and what it left (`latest`, and what verify says of the checkpoint `latest` names); then
+    every one of them resumed to step 6, one after the other in one launch (conftest.launch_runs)."""
+    selected = {item.callspec.params["window"] for item in request.session.items
+                if item.originalname == "test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit"}
+    work = tmp_path_factory.mktemp("crashes")
+    left, resumes = {}, []
+    for window in WINDOWS:
+        if window not in selected:
+            continue
+        crash = work / window
+        crash.mkdir()
+        shutil.copy(straight / "corpus.txt", crash / "corpus.txt")
+        crashed = train(crash, steps=6, faults=f"{window}@4", check=False)
+        marker = crash / "checkpoints" / "run" / "latest"
+        latest = marker.read_text().strip() if marker.exists() else None
+        left[window] = crash, crashed.returncode, latest, latest and checkpoint_find.verify(marker.parent / latest)
+        resumes.append(train_args(steps=6, corpus=crash / "corpus.txt", extra=[
+            "--checkpoint_dir", crash / "checkpoints", "--log_dir", crash / "logs", "--data_dir", crash / "data"]))
+    return left, launch_runs(resumes, ranks=2, cwd=work, timeout=180).stdout
+
+
+@pytest.mark.parametrize("window,resumed", WINDOWS.items())
 @pytest.mark.slow
-def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(tmp_path, straight, window, resumed):
+def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(crashed_then_resumed, straight, window, resumed):
     """Killed inside step 4's save: `latest` always names a complete checkpoint, the run resumes from it, and
     finishes with the same losses as a run that never crashed."""
-    shutil.copy(straight / "corpus.txt", tmp_path / "corpus.txt")
-    crashed = train(tmp_path, steps=6, faults=f"{window}@4", check=False)
-    assert crashed.returncode != 0
-    run = tmp_path / "checkpoints" / "run"
-    assert (run / "latest").read_text().strip() == f"step_{resumed}"
-    assert checkpoint_find.verify(run / f"step_{resumed}") is None
-    again = train(tmp_path, steps=6)
-    assert f"resuming from checkpoints/run/step_{resumed}" in again.stdout
-    assert losses(tmp_path, "run") == losses(straight, "straight")
+    left, resumes = crashed_then_resumed
+    crash, returncode, latest, problem = left[window]
+    assert returncode != 0
+    assert latest == f"step_{resumed}"
+    assert problem is None  # checkpoint_find.verify of that checkpoint, before the resume
+    assert f"resuming from {crash / 'checkpoints' / 'run' / f'step_{resumed}'}" in resumes
+    assert losses(crash, "run") == losses(straight, "straight")
 
 
 def test_a_hugging_face_directory_without_weights_says_so(tmp_path):
