@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
+from conftest import ROOT, TINY_MODEL, launch_runs, make_text, mpiexec
 from minimal_fsdp import checkpoint_find, evaluate, export
 
 lm_eval = pytest.importorskip("lm_eval")  # pip install -e '.[dev]' installs it
@@ -37,20 +39,24 @@ def hf_backend(directory):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Per shape: a run trained on 2 ranks (sentencepiece), its checkpoint, and the hf backend's results on its
-    export. The GPT run also evaluates tiny_mc and tiny_ppl as it trains (--eval_tasks, at steps 50 and 100)."""
+    export. The GPT run also evaluates tiny_mc and tiny_ppl as it trains (--eval_tasks, at steps 50 and 100).
+    Both runs one after the other in one launch (tests/several_runs.py)."""
     work = tmp_path_factory.mktemp("evaluate")
     (work / "corpus.txt").write_text(make_text())
     found = {}
     with pytest.MonkeyPatch.context() as patch:
         for name, value in OFFLINE.items():
             patch.setenv(name, value)
+        runs = []
         for shape, flags in SHAPES.items():
             during = ["--eval_tasks", "tiny_mc,tiny_ppl", "--eval_tasks_include_path", DATA,
                       "--eval_tasks_interval", 50] if shape == "gpt" else []
-            launch(["--dataset", "text", "--input_file", work / "corpus.txt", *TINY_MODEL, *flags,
-                    "--tokenizer", "sentencepiece", "--vocab_size", 300, "--max_steps", 100, "--warmup_steps", 5,
-                    "--eval_interval", 0, "--checkpoint_dir", work / "checkpoints", "--log_dir", work / "logs",
-                    "--data_dir", work / "data", "--run_name", shape, *during], ranks=2, cwd=ROOT, env=OFFLINE)
+            runs.append(["--dataset", "text", "--input_file", work / "corpus.txt", *TINY_MODEL, *flags,
+                         "--tokenizer", "sentencepiece", "--vocab_size", 300, "--max_steps", 100, "--warmup_steps", 5,
+                         "--eval_interval", 0, "--checkpoint_dir", work / "checkpoints", "--log_dir", work / "logs",
+                         "--data_dir", work / "data", "--run_name", shape, *during])
+        launch_runs(runs, ranks=2, cwd=ROOT)
+        for shape in SHAPES:
             step = checkpoint_find.resolve(work / "checkpoints" / shape)
             export.export(step, work / f"{shape}_hf", fmt="hf")
             patch.chdir(ROOT)  # the tasks' data_files are relative to the repository root
@@ -119,13 +125,39 @@ def test_one_rank_matches_the_hf_backend(trained, shape, single_process, monkeyp
     assert "|tiny_mc |" in shown.out and "|tiny_ppl|" in shown.out  # the harness's table
 
 
-@pytest.mark.parametrize("shape,sharding,ranks", [("gpt", "full-shard", 2), ("gpt", "no-shard", 2),
-                                                  ("llama", "full-shard", 2), ("llama", "no-shard", 2),
-                                                  ("llama", "grad-shard", 4)])
+SHARDED = [("gpt", "full-shard", 2), ("gpt", "no-shard", 2), ("llama", "full-shard", 2), ("llama", "no-shard", 2),
+           ("llama", "grad-shard", 4)]
+
+
+@pytest.fixture(scope="module")
+def sharded(request, trained, tmp_path_factory):
+    """Every selected case of SHARDED evaluated by evaluate.main under mpiexec, the cases of one world size one
+    after the other in one launch (tests/several_evaluations.py: 2 launches, not 5). Per case: its folder (the
+    harness's files under out/), and what its ranks printed, joined as mpiexec joins them."""
+    selected = {tuple(item.callspec.params[key] for key in ("shape", "sharding", "ranks")) for item in
+                request.session.items if item.originalname == "test_sharded_checkpoint_matches_the_hf_backend"}
+    found = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in OFFLINE.items():
+            patch.setenv(name, value)
+        for ranks in sorted({ranks for _, _, ranks in selected}):
+            cases = [case for case in SHARDED if case in selected and case[2] == ranks]
+            folders = {case: tmp_path_factory.mktemp("_".join(map(str, case))) for case in cases}
+            launch_runs([[trained[shape]["step"], *FLAGS, "--sharding", sharding, "--output_path", folder / "out"]
+                         for (shape, sharding, _), folder in folders.items()], ranks=ranks, cwd=ROOT, timeout=600,
+                        entry=ROOT / "tests" / "several_evaluations.py")
+            for case, folder in folders.items():
+                printed = {name: "".join((folder / f"{name}_{rank}").read_text() for rank in range(ranks))
+                           for name in ("stdout", "stderr")}
+                found[case] = SimpleNamespace(out=folder / "out", **printed)
+    return found
+
+
+@pytest.mark.parametrize("shape,sharding,ranks", SHARDED)
 @pytest.mark.slow
-def test_sharded_checkpoint_matches_the_hf_backend(trained, shape, sharding, ranks, tmp_path):
-    out = run_evaluate(trained[shape]["step"], tmp_path / "out", ranks, *FLAGS, "--sharding", sharding)
-    assert_same_scores(*results_of(tmp_path / "out"), trained[shape]["reference"])
+def test_sharded_checkpoint_matches_the_hf_backend(sharded, trained, shape, sharding, ranks):
+    out = sharded[shape, sharding, ranks]
+    assert_same_scores(*results_of(out.out), trained[shape]["reference"])
     assert f"on {ranks} rank(s)" in out.stderr
     assert out.stdout.count("|tiny_mc |") == 1  # rank 0 alone prints the table
 
@@ -183,17 +215,37 @@ def test_a_failure_inside_the_harness_releases_every_rank(trained, tmp_path):
     assert "Traceback" not in out.stderr and "evaluating" in out.stderr
 
 
+def few_shipped_tasks(made):
+    """lm_eval's TaskManager with one folder of the harness's own tasks (arc) standing in for all of them (14,683
+    in lm-eval 0.4.13, which take minutes to index on a busy machine): a name that is none of these is reported
+    alike. Each manager made with the harness's own tasks goes to `made`."""
+    import lm_eval.tasks
+
+    class TaskManager(lm_eval.tasks.TaskManager):
+        def __init__(self, include_path=None, include_defaults=True, **kwargs):
+            paths = [Path(lm_eval.tasks.__file__).parent / "arc"] if include_defaults else []
+            super().__init__(include_path=paths + ([include_path] if include_path else []), include_defaults=False,
+                             **kwargs)
+            if include_defaults:
+                made.append(self)
+    return TaskManager
+
+
 @pytest.mark.slow
 def test_unknown_task_and_missing_harness_are_one_line(trained, single_process, monkeypatch, capsys):
     for name, value in OFFLINE.items():
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(ROOT)
+    with_shipped = []
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", few_shipped_tasks(with_shipped))
     with pytest.raises(SystemExit) as exit:
         evaluate.main([str(trained["gpt"]["step"]), "--tasks", "tiny_mc,nonesuch", "--include_path", str(DATA)])
     assert exit.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: --tasks: nonesuch is not one of lm_eval's tasks nor in --include_path "
         f"{DATA}; lm_eval ls tasks lists them")
+    # before calling it unknown, the harness's own tasks were looked in (here: the stand-in folder's)
+    assert [{"arc_easy", "tiny_mc"} <= set(manager.all_tasks) for manager in with_shipped] == [True]
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if it were not installed
     with pytest.raises(evaluate.ConfigError, match=r"pip install 'minimal_fsdp\[eval\]'"):
         evaluate.harness()
