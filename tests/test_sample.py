@@ -5,6 +5,7 @@ from every source and on 2 ranks; the banner shows the model and tokenizer actua
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 import tokenizer_dirs
 from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
 from minimal_fsdp import checkpoint_find, checkpoint_meta, export, safe_load
+from minimal_fsdp import sample as sample_command
 from minimal_fsdp.llama import Llama, LlamaConfig
 from minimal_fsdp.tokenizer import load_tokenizer
 
@@ -29,6 +31,20 @@ def sample(source, *args, ranks=None, check=True, cwd=None):
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}")
     return result
+
+
+@pytest.fixture
+def sample_here(single_process, capfd, monkeypatch):
+    """The sample command's main in this process (a world of one rank, as `python -m minimal_fsdp.sample`
+    without mpiexec): what it prints to stdout and stderr, without starting Python and torch again."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def sample_in_this_process(source, *args):
+        capfd.readouterr()
+        sample_command.main([str(source), *map(str, args)])
+        out, err = capfd.readouterr()
+        return SimpleNamespace(stdout=out, stderr=err)
+    return sample_in_this_process
 
 
 @pytest.fixture(scope="module")
@@ -58,30 +74,33 @@ def plain_greedy(step, prompt, num_tokens):
 
 
 @pytest.mark.slow
-def test_checkpoint_sources_match_a_plain_decode(run):
+def test_checkpoint_sources_match_a_plain_decode(run, sample_here):
     step = checkpoint_find.latest(run)
     expected = plain_greedy(step, PROMPT, 10)
-    out = sample(step, *GREEDY)
+    out = sample(step, *GREEDY)  # the command as typed: `python -m minimal_fsdp.sample`
     assert out.stdout == expected + "\n"
     # the banner (stderr) shows what was loaded, not defaults: a 2-layer Llama with its sentencepiece tokenizer
     assert f"generating from {step} (checkpoint, step 20)" in out.stderr
     assert "model: llama, 2 layers, 2 heads (1 kv), width 32, context 32, vocab 300" in out.stderr
     assert "tokenizer: sentencepiece, 300 tokens" in out.stderr
-    assert sample(run, *GREEDY).stdout == out.stdout  # a run directory: its newest checkpoint
+    # The other sources through the same main, in this process: no Python and torch to start again.
+    assert sample_here(run, *GREEDY).stdout == out.stdout  # a run directory: its newest checkpoint
     best = checkpoint_find.resolve(run / "best")
-    by_marker = sample(run / "best", *GREEDY)
+    by_marker = sample_here(run / "best", *GREEDY)
     assert by_marker.stdout == plain_greedy(best, PROMPT, 10) + "\n" and f"generating from {best}" in by_marker.stderr
 
 
 @pytest.mark.slow
-def test_exports_give_the_checkpoint_text_also_sharded_over_two_ranks(run, tmp_path):
+def test_exports_give_the_checkpoint_text_also_sharded_over_two_ranks(run, tmp_path, sample_here):
     step = checkpoint_find.latest(run)
-    expected = sample(step, *GREEDY, "--seed", 5, "--temperature", 0.9).stdout  # sampled, not greedy
+    # One rank's samples in this process (sample_here); the 2 ranks' under mpiexec.
+    expected = sample_here(step, *GREEDY, "--seed", 5, "--temperature", 0.9).stdout  # sampled, not greedy
+    assert expected.startswith(PROMPT)
     export.main([str(step), str(tmp_path / "ours")])
     export.main([str(step), str(tmp_path / "hf"), "--format", "hf"])
-    out = sample(tmp_path / "ours", *GREEDY, "--seed", 5, "--temperature", 0.9)
+    out = sample_here(tmp_path / "ours", *GREEDY, "--seed", 5, "--temperature", 0.9)
     assert out.stdout == expected and "(export)" in out.stderr
-    out = sample(tmp_path / "hf", *GREEDY, "--seed", 5, "--temperature", 0.9)
+    out = sample_here(tmp_path / "hf", *GREEDY, "--seed", 5, "--temperature", 0.9)
     assert out.stdout == expected and "(Hugging Face model)" in out.stderr
     # each rank reads only its shard of our export (torch's Hugging Face storage reader)
     out = sample(tmp_path / "ours", *GREEDY, "--seed", 5, "--temperature", 0.9, ranks=2)
@@ -89,7 +108,7 @@ def test_exports_give_the_checkpoint_text_also_sharded_over_two_ranks(run, tmp_p
 
 
 @pytest.mark.slow
-def test_hugging_face_directory_matches_transformers_greedy(tmp_path):
+def test_hugging_face_directory_matches_transformers_greedy(tmp_path, sample_here):
     from test_hf import hf_llama
     directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
     theirs = hf_llama(directory, vocab_size=num_ranks + 256, max_position_embeddings=64, initializer_range=0.2)
@@ -98,7 +117,7 @@ def test_hugging_face_directory_matches_transformers_greedy(tmp_path):
     with torch.no_grad():
         for _ in range(10):
             ids.append(theirs(torch.tensor([ids])).logits[0, -1].argmax().item())
-    out = sample(directory, *GREEDY)
+    out = sample_here(directory, *GREEDY)
     assert out.stdout == tokenizer.decode(ids) + "\n"
     assert f"tokenizer: tiktoken, {num_ranks + 256} tokens" in out.stderr
 
