@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from faults import launch_with_faults
 from minimal_fsdp import checkpoint_find, files, hf, safe_load
+from minimal_fsdp import sample as sample_command
 from minimal_fsdp.config import ConfigError, parse_args
 
 
@@ -192,14 +194,17 @@ def test_crafted_checkpoint_runs_nothing_anywhere(tmp_path, trained):
     export = subprocess.run([sys.executable, "-m", "minimal_fsdp.export", str(trained / "step_4"), str(tmp_path / "o")],
                             cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert "not allowed" in one_error(export)
-    sample = launch(["--max_epochs", "-1", "--num_tokens", "5", "--run_name", "run"], cwd=tmp_path)
-    assert "generating from checkpoints/run/step_2" in sample.stdout
     restart = launch(["--restart_checkpoint_file", trained / "step_4", "--max_steps", 6, "--run_name", "other"],
                      cwd=tmp_path, check=False)
     assert "not a complete checkpoint" in one_error(restart)
-    resumed = train(tmp_path, steps=6)
-    assert "resuming from checkpoints/run/step_2" in resumed.stdout
-    assert "skipping checkpoint checkpoints/run/step_4" in resumed.stderr
+    # A generation, then the resumed run, one after the other in one launch. The resumed run names its checkpoint
+    # directory by its absolute path, so that what it prints is told apart from what the generation prints.
+    sample_then_resumed = launch_runs([["--max_epochs", "-1", "--num_tokens", "5", "--run_name", "run"],
+                                       train_args(steps=6, extra=["--checkpoint_dir", tmp_path / "checkpoints"])],
+                                      cwd=tmp_path, timeout=180)
+    assert "generating from checkpoints/run/step_2" in sample_then_resumed.stdout
+    assert f"resuming from {trained}/step_2" in sample_then_resumed.stdout
+    assert f"skipping checkpoint {trained}/step_4" in sample_then_resumed.stderr
     assert not marker.exists()
 
 
@@ -210,7 +215,8 @@ def module(*args, cwd):
 
 
 @pytest.mark.slow
-def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_progress(tmp_path, trained):
+def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_progress(tmp_path, trained,
+                                                                                         single_process, capfd):
     """The issue's two hangs: sample built a model of a million layers; a `files` entry naming a device outside
     the checkpoint was read forever. Now the newest good checkpoint is used, with one line naming the bad one."""
     meta = json.loads((trained / "step_4" / "meta.json").read_text())
@@ -219,8 +225,11 @@ def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_
     (trained / "step_4" / "meta.json").write_text(json.dumps(meta))
     skipped = ('warning: skipping checkpoint checkpoints/run/step_4: meta.json: files names "/dev/zero", not a plain '
                'file name inside the checkpoint')
-    sample = module("minimal_fsdp.sample", "checkpoints/run", "--num_tokens", 5, cwd=tmp_path)
-    assert sample.returncode == 0 and "generating from checkpoints/run/step_2" in sample.stderr, sample.stderr
+    # The sample command's main in this process (single_process: a world of one in tmp_path); it returns (exit 0).
+    capfd.readouterr()
+    sample_command.main(["checkpoints/run", "--num_tokens", "5"])
+    sample = SimpleNamespace(stderr=capfd.readouterr().err)
+    assert "generating from checkpoints/run/step_2" in sample.stderr, sample.stderr
     assert [line for line in sample.stderr.splitlines() if "step_4" in line] == [skipped]
     export = module("minimal_fsdp.export", "checkpoints/run/step_4", tmp_path / "out", cwd=tmp_path)
     assert one_error(export) == ("error: checkpoints/run/step_4 is not a complete checkpoint: checkpoints/run/step_4: "
