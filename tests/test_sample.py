@@ -13,6 +13,7 @@ import torch
 import tokenizer_dirs
 from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
 from minimal_fsdp import checkpoint_find, checkpoint_meta, export, safe_load
+from minimal_fsdp import run as run_command
 from minimal_fsdp import sample as sample_command
 from minimal_fsdp.llama import Llama, LlamaConfig
 from minimal_fsdp.tokenizer import load_tokenizer
@@ -123,11 +124,15 @@ def test_hugging_face_directory_matches_transformers_greedy(tmp_path, sample_her
 
 
 @pytest.mark.slow
-def test_generation_banner_of_basic_training_shows_the_loaded_model(run):
-    out = launch(["--max_epochs", -1, "--num_tokens", 5, "--prompt", PROMPT], ranks=1, cwd=run.parent.parent)
-    assert "model: llama, 2 layers, 2 heads (1 kv), width 32, context 32, vocab 300" in out.stdout
-    assert "tokenizer: sentencepiece, 300 tokens" in out.stdout
-    assert 'model_preset = "tiny"' not in out.stdout and 'tokenizer = "char"' not in out.stdout
+def test_generation_banner_of_basic_training_shows_the_loaded_model(run, single_process, monkeypatch, capfd):
+    # run.main (what basic_training.py hands its flags to) in this process, one rank, in the run's directory
+    monkeypatch.chdir(run.parent.parent)
+    capfd.readouterr()
+    run_command.main(["--max_epochs", "-1", "--num_tokens", "5", "--prompt", PROMPT])
+    out = capfd.readouterr().out
+    assert "model: llama, 2 layers, 2 heads (1 kv), width 32, context 32, vocab 300" in out
+    assert "tokenizer: sentencepiece, 300 tokens" in out
+    assert 'model_preset = "tiny"' not in out and 'tokenizer = "char"' not in out
 
 
 @pytest.mark.slow
