@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from .attention import attend_documents, document_mask
 
+_document_mask_outside_graphs = torch.compiler.disable(document_mask)
+
 
 class KVCache:
     """Keys and values of every layer for positions [0, pos); preallocated for the whole context."""
@@ -77,8 +79,12 @@ class Decoder(nn.Module):
         eot_id = self.config.document_eot_id
         if eot_id is None or cache is not None:
             return None
-        return document_mask(idx, eot_id, self.config.dropout if self.training else 0.0,
-                             head_size=self.config.embed_size // self.config.num_heads)
+        # Without gradients the mask is built outside any compiled graph and enters it as an input, as in blocks
+        # compiled one by one: inductor (torch 2.11, H200) failed to lower FlexAttention in a no-grad graph whose
+        # mask reads documents computed in that same graph ("convert FlexibleLayout to FixedLayout first").
+        build = document_mask if torch.is_grad_enabled() else _document_mask_outside_graphs
+        return build(idx, eot_id, self.config.dropout if self.training else 0.0,
+                     head_size=self.config.embed_size // self.config.num_heads)
 
     def new_cache(self, batch_size, device, dtype):
         """An empty KV cache for generation."""
