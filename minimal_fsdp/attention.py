@@ -15,9 +15,10 @@ One mask, three kernels; `document_kernel` chooses among them, in this one place
   tiles no document spans and reads grouped-query k, v without copying them. Eager FlexAttention would hold the
   T x T scores.
 - varlen (CUDA, MINIMAL_FSDP_DOCUMENT_KERNEL=varlen): torch's variable-length flash attention, every document of
-  the batch one sequence of a packed batch. Faster than flex alone at the Llama 3 8B shape; not yet measured in a
-  training step, hence not the default.
-- dense, elsewhere (CPU, XLA), or with attention dropout (neither CUDA kernel has it): SDPA with a dense
+  the batch one sequence of a packed batch. Faster than flex alone at the Llama 3 8B shape, but not in a training
+  step (likely its host sync per forward, sizing the documents): hence not the default.
+- dense, elsewhere (CPU, XLA), with attention dropout (neither CUDA kernel has it), or for flex with heads under
+  16 values (its kernel takes no fewer): SDPA with a dense
   (B, 1, T, T) boolean mask. Exact, T x T booleans of memory; FlexAttention has no backward on CPU.
 Shapes: B batch, T time, H heads, K kv heads, D head size, N documents in the batch.
 """
