@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fake_torch_xla
-from conftest import ROOT, TINY_MODEL, launch, make_text
+from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from test_end_to_end import sample_of, sample_of_each
 from minimal_fsdp import backend
 from minimal_fsdp.config import ConfigError, parse_args, validate_world
@@ -185,15 +185,14 @@ def test_every_seed_gives_torch_xla_a_seed_it_takes(seed):
 # ---- the one wiring, under a stand-in torch_xla (fake_torch_xla.py): runs everywhere ----
 
 def fake_xla_runs(flag_lists, cwd):
-    """Runs of the entry point one after the other in one launch of 1 rank (as conftest.launch_runs: Python and
-    torch start once), with fake_torch_xla's modules installed first, as `python tests/fake_torch_xla.py` does:
-    a run with --device xla gets its one device (the CPU), the others never import torch_xla."""
-    (cwd / "runs.json").write_text(json.dumps([list(map(str, flags)) for flags in flag_lists]))
+    """Runs of the entry point one after the other in one launch of 1 rank (conftest.launch_runs), with
+    fake_torch_xla's modules installed first, as `python tests/fake_torch_xla.py` does: a run with --device xla
+    gets its one device (the CPU), the others never import torch_xla."""
     entry = cwd / "fake_xla_runs.py"
     entry.write_text(f"import runpy, sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\nimport fake_torch_xla\n"
                      f"fake_torch_xla.install()\nrunpy.run_path({str(ROOT / 'tests' / 'several_runs.py')!r}, "
                      "run_name='__main__')\n")
-    return launch([cwd / "runs.json"], ranks=1, cwd=cwd, timeout=300 * len(flag_lists), entry=entry)
+    return launch_runs(flag_lists, ranks=1, cwd=cwd, entry=entry)
 
 
 def in_dir(name, args):
