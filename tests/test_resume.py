@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch.distributed as dist
 
-from conftest import TINY_MODEL, make_text
+from conftest import TINY_MODEL, launch_runs, make_text, printed_by_run
 from faults import launch_with_faults
 from minimal_fsdp import checkpoint_find, checkpoint_meta, safe_load
 from minimal_fsdp.config import ConfigError, parse_duration
@@ -41,17 +41,26 @@ def losses(work, run_name):
 
 
 @pytest.fixture(scope="module")
-def straight(work):
+def clean_runs(work):
+    """The runs without faults, one after the other in one launch (conftest.launch_runs): the uninterrupted
+    reference, and the first launch of test_stopped_runs_resume_bitwise's chain. Returns what each printed."""
+    out = launch_runs([args("straight", "--checkpoint_interval", 10), args("chain", "--max_steps", 5)], cwd=work)
+    printed = dict(printed_by_run(out.stdout))
+    assert list(printed) == ["straight", "chain"], out.stdout[-3000:]
+    return printed
+
+
+@pytest.fixture(scope="module")
+def straight(work, clean_runs):
     """The uninterrupted reference: 2 ranks, 20 steps, dropout on, a checkpoint at step 10."""
-    launch_with_faults(args("straight", "--checkpoint_interval", 10), cwd=work)
     return dict(losses(work, "straight"))
 
 
 @pytest.mark.slow
-def test_stopped_runs_resume_bitwise(work, straight):
+def test_stopped_runs_resume_bitwise(work, clean_runs, straight):
     run = work / "checkpoints" / "chain"
-    first = launch_with_faults(args("chain", "--max_steps", 5), cwd=work)
-    assert "starting fresh" in first.stdout and checkpoint_find.latest(run) == run / "step_5"
+    # The first launch of the chain, stopped by --max_steps 5, ran in clean_runs' launch.
+    assert "starting fresh" in clean_runs["chain"] and checkpoint_find.latest(run) == run / "step_5"
 
     # A signal reaches one rank only; both stop at the step boundary, save, and exit 0.
     term = launch_with_faults(args("chain"), faults="sigterm@10:1", cwd=work)
