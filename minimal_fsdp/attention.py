@@ -29,22 +29,27 @@ from typing import NamedTuple
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from torch.nn.attention.varlen import varlen_attn
 
 from .choices import ConfigError
+
+try:  # torch 2.10 and later; torch 2.9 (the one torch_xla's last release runs on) has no varlen attention
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
 
 KERNEL_VARIABLE = "MINIMAL_FSDP_DOCUMENT_KERNEL"
 CUDA_KERNELS = ("flex", "varlen")
 
-# varlen_attn's keywords differ by version, so they are read from its signature: causal is is_causal=True in torch
-# 2.9, window_size=(-1, 0) later; fewer k, v heads than query heads need enable_gqa (2.13) or, without it, k, v
-# repeated per query head.
-_VARLEN_PARAMETERS = inspect.signature(varlen_attn).parameters
+# varlen_attn's keywords differ by version, so they are read from its signature: causal is is_causal=True in its
+# first releases, window_size=(-1, 0) later; fewer k, v heads than query heads need enable_gqa (2.13) or, without
+# it, k, v repeated per query head.
+_VARLEN_PARAMETERS = inspect.signature(varlen_attn).parameters if varlen_attn else {}
 _VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMETERS else {"is_causal": True}
 _VARLEN_GQA = "enable_gqa" in _VARLEN_PARAMETERS
 
 # The ops whose outputs --recompute selective keeps (parallelize.KEEP), as it keeps SDPA's.
-KEPT_BY_SELECTIVE_RECOMPUTE = {torch._higher_order_ops.flex_attention, torch.ops.torch_attn._varlen_attn.default}
+KEPT_BY_SELECTIVE_RECOMPUTE = {torch._higher_order_ops.flex_attention,
+                               *([torch.ops.torch_attn._varlen_attn.default] if varlen_attn else [])}
 
 
 class Documents(NamedTuple):
@@ -96,6 +101,9 @@ def cuda_kernel():
     if kernel not in CUDA_KERNELS:
         raise ConfigError(f"{KERNEL_VARIABLE}={kernel} is not a document-mask kernel: use one of "
                           f"{', '.join(CUDA_KERNELS)}, or leave it unset (flex)")
+    if kernel == "varlen" and varlen_attn is None:
+        raise ConfigError(f"{KERNEL_VARIABLE}=varlen needs torch 2.10 or later (torch.nn.attention.varlen); this is "
+                          f"torch {torch.__version__}: leave it unset (flex)")
     return kernel
 
 

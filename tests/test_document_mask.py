@@ -97,6 +97,10 @@ def test_document_starts_pack_every_document_of_the_batch():
     assert one.tolist() == [0, 3] and longest == 3
 
 
+needs_varlen = pytest.mark.skipif(attention.varlen_attn is None, reason="this torch has no varlen attention")
+
+
+@needs_varlen
 def test_the_kernel_choice(monkeypatch):
     """flex on CUDA without dropout, varlen when the variable names it; dense on the CPU or with dropout."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -123,11 +127,24 @@ def test_the_kernel_choice(monkeypatch):
     assert models.with_document_mask(model_of("gpt", eot=None).config, flags, tokenizer).document_eot_id == EOT
 
 
+def test_varlen_needs_a_torch_that_has_it(monkeypatch):
+    """torch 2.9 (torch_xla's) has no torch.nn.attention.varlen: the package still imports, and naming the kernel
+    is one line as the run starts."""
+    monkeypatch.setattr(attention, "varlen_attn", None)
+    monkeypatch.setenv(attention.KERNEL_VARIABLE, "varlen")
+    with pytest.raises(ConfigError, match="MINIMAL_FSDP_DOCUMENT_KERNEL=varlen needs torch 2.10 or later"):
+        attention.document_kernel(torch.device("cuda"), 0.0)
+    monkeypatch.delenv(attention.KERNEL_VARIABLE)
+    assert attention.document_kernel(torch.device("cuda"), 0.0) == "flex"
+
+
+@needs_varlen
 def test_selective_recompute_keeps_both_cuda_kernels_outputs():
     for op in (torch._higher_order_ops.flex_attention, torch.ops.torch_attn._varlen_attn.default):
         assert parallelize.keep_matmuls(None, op) == parallelize.CheckpointPolicy.MUST_SAVE
 
 
+@needs_varlen
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
 def test_varlen_attention_traces_into_one_graph(autocast):
     """Inside a compiled block the varlen kernel is one graph with varlen_attn in it (fullgraph: no break), in
@@ -168,14 +185,14 @@ def varlen_by_hand(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, -
     return out
 
 
-@pytest.mark.parametrize("version", ["2.9", "2.11", "2.13"])
+@pytest.mark.parametrize("version", ["first", "2.11", "2.13"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_the_varlen_kernel_packs_the_documents_for_varlen_attn(monkeypatch, version, kv_heads):
     """What the varlen kernel hands varlen_attn (q, k, v packed as (B*T, heads, D), the document starts, the
     longest, causal, grouped-query heads as each torch version takes them) gives the dense mask's attention, with
     varlen_attn done by hand (the real one runs on CUDA alone: the GPU tests below)."""
     monkeypatch.setattr(attention, "varlen_attn", varlen_by_hand)
-    monkeypatch.setattr(attention, "_VARLEN_CAUSAL", {"is_causal": True} if version == "2.9" else
+    monkeypatch.setattr(attention, "_VARLEN_CAUSAL", {"is_causal": True} if version == "first" else
                         {"window_size": (-1, 0)})
     monkeypatch.setattr(attention, "_VARLEN_GQA", version == "2.13")
     ids = attention.document_ids(windows(), EOT)
