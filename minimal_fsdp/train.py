@@ -110,7 +110,8 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
     update with a NaN/Inf grad norm is not applied (it would poison every weight); that check waits for the
     device, so it is made only when asked for. sync.after_step() ends the step: the weight scales of
     --precision fp8's float8 all-gather, or the traced step under XLA."""
-    torch.compiler.cudagraph_mark_step_begin()  # --cuda_graphs: the last step's graph outputs may be reused
+    if device.type == "cuda":  # CUDA graphs only; its first call imports inductor, ~10 s of a CPU run's start
+        torch.compiler.cudagraph_mark_step_begin()  # --cuda_graphs: the last step's graph outputs may be reused
     sync.start(step)  # gossip: parameters travel to the neighbours while forward and backward run
     loss_sum = 0.0
     for i, batch in enumerate(micro_batches):
