@@ -232,7 +232,7 @@ import os, sys, time, torch, torch.distributed as dist
 from minimal_fsdp.checkpoint_async import Background
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 background = Background(torch.device("cpu"), 60)
-print(background.writer.process.pid, flush=True)
+print("writer", background.writer.process.pid, flush=True)
 time.sleep(600)
 """
 
@@ -242,7 +242,10 @@ def test_the_writer_process_dies_with_its_rank(tmp_path):
                             env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
                                      MINIMAL_FSDP_ASYNC_WRITER="process"))
     try:
-        writer = int(rank.stdout.readline())
+        line = rank.stdout.readline()
+        while line and not line.startswith("writer "):  # torch 2.9's Gloo prints its connections on stdout
+            line = rank.stdout.readline()
+        writer = int(line.split()[1])
         os.kill(rank.pid, signal.SIGKILL)  # kill -9: no cleanup of the rank's runs
         rank.wait(HANG_GUARD)
         deadline = time.monotonic() + HANG_GUARD
