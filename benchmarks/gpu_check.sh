@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers|llama3_8b|document_mask|document_mask_tests ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers|llama3_8b|document_mask|document_mask_tests|regression ...]
 # The fp8 parts need torchao: installed from .whl/torchao-*.whl when missing (the GPU machine has no package index).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: some parts change directory
@@ -343,6 +343,30 @@ document_mask)
   done
   timeout ${DOCMASK_ATTENTION_TIMEOUT:-100} python3 benchmarks/document_attention.py --document_length ${DOCMASK_LENGTH:-2048} 2>&1 \
     | tee -a "$OUT/document_attention.md" | grep -E '^\||Error' ;;
+regression)
+  # Issue 37's acceptance: recipe S, GPT-2 124M and Llama-2-7B throughput of this tree against an older one
+  # (REGRESSION_OLD: a directory holding e.g. `git archive a2aeb3d`), in one call. Recipe S (REGRESSION_STEPS steps,
+  # 1500) runs on GPU 0 old then new while GPT-2 124M (batch 32, through basic_training.py) runs on GPU 1 new then
+  # old; then the 7B (throughput.py, bf16, selective recompute, batch 3) on NG GPUs, old then new.
+  old=${REGRESSION_OLD:?REGRESSION_OLD=<older tree>}; new=$PWD; rs=${REGRESSION_STEPS:-1500}
+  G="--dataset text --input_file data/shakespeare/input.txt --tokenizer char --vocab_size 50304 --model_preset gpt2 --precision bf16 --compile --batch_size 32 --max_steps 80 --eval_interval 0 --eval_batches 2 --num_tokens 0 --checkpoint_interval 0"
+  one() {  # TREE GPU NAME SKIP FLAGS...: one basic_training.py run in TREE on GPU, its summary line
+    local tree=$1 gpu=$2 name=$3 skip=$4; shift 4
+    ( cd $tree && rm -rf logs/$name checkpoints/$name && PYTHONPATH=$tree CUDA_VISIBLE_DEVICES=$gpu timeout 300 $MPI -n 1 \
+      python3 basic_training.py "$@" --run_name $name > "$OUT/$name.log" 2>&1; echo "$name exit $?" ) \
+      && PYTHONPATH=$new python3 $new/benchmarks/run_summary.py $tree/logs/$name --skip_steps $skip | tee -a "$OUT/summary.txt"
+  }
+  ( for t in old new; do tree=$old; [ $t = new ] && tree=$new
+      one $tree 0 rs_$t 300 $RECIPE_S --max_steps $rs --eval_interval $rs --eval_batches 20; done ) &
+  ( for t in new old; do tree=$old; [ $t = new ] && tree=$new
+      one $tree 1 g2_$t 30 $G; done ) &
+  wait
+  B="benchmarks/throughput.py --model_preset llama2-7b --precision bf16 --compile --meta_init --activation_checkpoints --recompute selective --batch_size 3 --warmup 4 --steps ${REGRESSION_7B_STEPS:-8}"
+  for t in old new; do tree=$old; [ $t = new ] && tree=$new
+    ( cd $tree && PYTHONPATH=$tree timeout 240 $MPI -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -n $NG \
+      python3 $B --out "$OUT/regression_7b_$t.jsonl" > "$OUT/regression_7b_$t.log" 2>&1; echo "7B $t: exit $?" )
+    grep -E '^\|' "$OUT/regression_7b_$t.log" | tail -1 | tee -a "$OUT/summary.txt"
+  done ;;
 document_mask_tests)
   # The document mask's GPU tests: varlen flash attention against dense SDPA and each document alone (GPT, Llama),
   # in compiled blocks under selective recompute, and a one-GPU training run through each CUDA kernel.
