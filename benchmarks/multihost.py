@@ -7,6 +7,7 @@ time and tokens/s after the warm-up steps, and the final val loss (decentralized
     python benchmarks/multihost.py --hosts 2 --gpus_per_host 2 --gbps 10 --models llama-1b       # a 4-GPU machine
     python benchmarks/multihost.py --table multihost.jsonl                                      # the table so far
     python benchmarks/multihost.py --tiny --gbps 1 --strategies full-shard,decentralized        # the logic, on CPU
+    python benchmarks/multihost.py --gbps 25 --probe 512 --env NCCL_NCHANNELS_PER_NET_PEER=4    # the link alone
 
 Each run appends its result to --out (JSON lines), so a grid too long for one command is run in parts.
 Between hosts NCCL goes over TCP sockets on the veth (NCCL_NET=Socket, NCCL_IB_DISABLE=1,
@@ -14,6 +15,8 @@ NCCL_SOCKET_IFNAME=eth0). Inside a host NCCL keeps NVLink (P2P) and shared memor
 hostname, which NCCL's host hash includes, so it never takes two hosts' GPUs for one node (--no_p2p turns P2P and
 SHM off everywhere, to compare). tbf's rate is 32-bit (about 34 Gbit/s at most): a faster --gbps, or 0, leaves
 the link unshaped; each row gives the link's measured speed (one TCP stream, Python) next to the setting.
+--probe MB trains nothing: it times an all-reduce and gossip's exchange of MB megabytes across the hosts
+(benchmarks/link_probe.py) at each rate; --env passes NCCL settings to every rank, to try them on either.
 Needs root and pyroute2 (no iproute2).
 """
 import argparse
@@ -59,6 +62,8 @@ def parse():
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--extra", default="", help="more training flags, e.g. '--compile'")
     parser.add_argument("--no_p2p", action="store_true", help="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 everywhere")
+    parser.add_argument("--env", default="", help="KEY=VALUE,... for every rank (e.g. NCCL settings)")
+    parser.add_argument("--probe", type=float, metavar="MB", help="time collectives of MB megabytes, no training")
     parser.add_argument("--out", default="multihost.jsonl", help="results are appended here, one JSON line a run")
     parser.add_argument("--work", default="/tmp/multihost", help="data, logs, checkpoints (removed after each run)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take")
@@ -87,24 +92,20 @@ def rank_env(args, host, local_rank, world, master):
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     if args.no_p2p:
         env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
+    env.update(item.split("=", 1) for item in args.env.split(",") if item)
     return env
 
 
-def run_one(args, cluster, model, strategy, run_name):
-    """One training run over every host; returns its result (medians after --warmup steps, final val loss)."""
-    work = Path(args.work)
-    flags = [*MODELS[model], *STRATEGIES[strategy], "--max_steps", args.steps, "--log_interval", 1,
-             "--eval_interval", 0, "--num_tokens", 0, "--checkpoint_interval", 0, "--run_name", run_name,
-             "--data_dir", work / "data", "--log_dir", work / "logs", "--checkpoint_dir", work / "checkpoints",
-             *([] if args.tiny else ["--precision", args.precision]), *args.extra.split()]
+def launch(args, cluster, argv, name):
+    """argv on every rank of every host, each rank's output in WORK/name.rankR.log; returns (failure or None, logs)."""
     world = args.hosts * args.gpus_per_host
-    procs = []
+    procs, logs = [], []
     for host in range(args.hosts):
         for local_rank in range(args.gpus_per_host):
-            log = open(work / f"{run_name}.rank{host * args.gpus_per_host + local_rank}.log", "w")
+            logs.append(Path(args.work) / f"{name}.rank{host * args.gpus_per_host + local_rank}.log")
             env = rank_env(args, host, local_rank, world, cluster.hosts[0].address)
-            procs.append(cluster.run(f"node{host}", [sys.executable, ROOT / "basic_training.py", *flags], env=env,
-                                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(cluster.run(f"node{host}", [sys.executable, *argv], env=env, cwd=ROOT,
+                                     stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
     deadline = time.monotonic() + args.timeout
     failed = None
     for proc in procs:
@@ -116,6 +117,26 @@ def run_one(args, cluster, model, strategy, run_name):
             proc.kill()
         elif proc.returncode and not failed:
             failed = f"exit {proc.returncode}"
+    if failed:
+        print(f"  {name}: {failed}; see {logs[0]}", file=sys.stderr)
+    return failed, logs
+
+
+def probe(args, cluster, gbps):
+    """link_probe.py's JSON line (rank 0's), or {"failed": ...}."""
+    failed, logs = launch(args, cluster, [ROOT / "benchmarks" / "link_probe.py", args.probe], f"probe-{gbps:g}g")
+    lines = [line for line in logs[0].read_text().splitlines() if line.startswith("{")]
+    return {"failed": failed} if failed or not lines else json.loads(lines[-1])
+
+
+def run_one(args, cluster, model, strategy, run_name):
+    """One training run over every host; returns its result (medians after --warmup steps, final val loss)."""
+    work = Path(args.work)
+    flags = [*MODELS[model], *STRATEGIES[strategy], "--max_steps", args.steps, "--log_interval", 1,
+             "--eval_interval", 0, "--num_tokens", 0, "--checkpoint_interval", 0, "--run_name", run_name,
+             "--data_dir", work / "data", "--log_dir", work / "logs", "--checkpoint_dir", work / "checkpoints",
+             *([] if args.tiny else ["--precision", args.precision]), *args.extra.split()]
+    failed, _ = launch(args, cluster, [ROOT / "basic_training.py", *flags], run_name)
     shutil.rmtree(work / "checkpoints" / run_name, ignore_errors=True)  # a 1B model's is 12 GB
     metrics = work / "logs" / run_name / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -127,8 +148,6 @@ def run_one(args, cluster, model, strategy, run_name):
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     if vals:
         result["val_loss"] = vals[-1]
-    if failed:
-        print(f"  {run_name}: {failed}; see {work}/{run_name}.rank0.log", file=sys.stderr)
     return result
 
 
@@ -152,13 +171,22 @@ def main():
         import torch
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     print(f"commit {commit}, {device}, {time.strftime('%Y-%m-%d')}; {' '.join(sys.argv)}", flush=True)
-    print(HEADER, flush=True)
+    if not args.probe:
+        print(HEADER, flush=True)
     with Cluster(args.hosts) as cluster:
         for gbps in [float(g) for g in args.gbps.split(",")]:
             shaped = 0 < gbps * 1e9 <= TBF_MAX_BITS
             for host in cluster.hosts:
                 cluster.shape(host.name, rate=f"{gbps * 1e9:.0f}bit" if shaped else None)
             link = cluster.throughput("node1", "node0", megabytes=64 if gbps >= 1 or not shaped else 8)
+            if args.probe:
+                result = dict(hosts=args.hosts, gpus_per_host=args.gpus_per_host, gbps_set=gbps if shaped else 0,
+                              link_gbps=link, env=args.env, commit=commit, device=device, date=time.strftime("%Y-%m-%d"),
+                              **probe(args, cluster, gbps))
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(result) + "\n")
+                print(json.dumps(result), flush=True)
+                continue
             for model in args.models.split(","):
                 for strategy in args.strategies.split(","):
                     name = f"mh-{model}-{strategy}-{gbps:g}g-{int(time.time())}"

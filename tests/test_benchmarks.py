@@ -82,3 +82,22 @@ def test_eval_speed_scores_alike_with_both_backends(tmp_path):
     assert ours["same_choice"] == 1.0 and (ours["acc"], ours["acc_norm"]) == (hf["acc"], hf["acc_norm"])
     assert all(positive(row["eval_s"]) and row["items_per_s"] == pytest.approx(24 / row["eval_s"])
                for row in (ours, hf))
+
+
+@pytest.mark.slow
+def test_multihost_probe_times_both_collectives_across_two_virtual_hosts(tmp_path):
+    """benchmarks/multihost.py --probe (CPU, gloo): link_probe.py runs on two network namespaces joined by a link
+    shaped to 1 Gbit/s; neither collective moves its bytes faster than that (so they crossed the link)."""
+    from minimal_fsdp.virtual_cluster import unavailable
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "probe.jsonl"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multihost.py"), "--tiny", "--gbps", "1",
+                             "--probe", "4", "--out", str(out), "--work", str(tmp_path / "work"), "--timeout", "120"],
+                            capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (row["hosts"], row["world"], row["gbps_set"], row["probe_mb"]) == (2, 2, 1.0, 4.0), row
+    assert all(positive(row[k]) for k in ("all_reduce_ms", "all_reduce_gbps", "exchange_ms", "exchange_gbps")), row
+    assert row["all_reduce_gbps"] <= 1.05 and row["exchange_gbps"] <= 1.05, row
