@@ -266,7 +266,10 @@ fp8_numerics)
   # NUMERICS_STEPS steps in bf16 and in fp8 tensorwise from the same seed on NG GPUs (4); both loss curves in one plot
   # ($OUT/fp8_numerics.png, if matplotlib is here; the metrics.jsonl files come back under $OUT/logs either way).
   fp8_setup || continue
-  N="--dataset text --input_file data/shakespeare/input.txt --tokenizer char --vocab_size 32000 --model llama --num_layers 20 --embed_size 2048 --num_heads 16 --num_kv_heads 4 --intermediate_size 5632 --seq_length 512 --batch_size 4 --max_steps ${NUMERICS_STEPS:-300} --lr 3e-4 --warmup_steps 30 --log_interval 10 --eval_interval 100 --eval_batches 20 --checkpoint_interval 0 --num_tokens 0 --compile --meta_init --log_dir $OUT/logs --checkpoint_dir /tmp/fp8_numerics"
+  # NUMERICS_MODEL replaces the model's flags: issue 40's target 5 runs the 8B shape, e.g. NUMERICS_MODEL="--model_preset
+  # llama3-8b --vocab_size 128256 --seq_length 2048 --batch_size 1 --activation_checkpoints --recompute selective".
+  M=${NUMERICS_MODEL:---vocab_size 32000 --model llama --num_layers 20 --embed_size 2048 --num_heads 16 --num_kv_heads 4 --intermediate_size 5632 --seq_length 512 --batch_size 4}
+  N="--dataset text --input_file data/shakespeare/input.txt --tokenizer char $M --max_steps ${NUMERICS_STEPS:-300} --lr 3e-4 --warmup_steps 30 --log_interval 10 --eval_interval 100 --eval_batches 20 --checkpoint_interval 0 --num_tokens 0 --compile --meta_init --log_dir $OUT/logs --checkpoint_dir /tmp/fp8_numerics"
   for p in bf16 fp8; do
     rm -rf "$OUT/logs/fp8n_$p" /tmp/fp8_numerics/fp8n_$p
     timeout ${NUMERICS_TIMEOUT:-200} $MPI -n $NG python3 basic_training.py $N --precision $p --run_name fp8n_$p 2>&1 \
