@@ -42,7 +42,10 @@ MODELS = {
     "tiny": ["--num_layers", "2", "--num_heads", "2", "--embed_size", "32", "--seq_length", "32", "--batch_size", "4"],
 }
 STRATEGIES = {"full-shard": ["--sharding", "full-shard"], "hybrid-full-shard": ["--sharding", "hybrid-full-shard"],
-              "no-shard": ["--sharding", "no-shard"], "decentralized": ["--data_parallel", "decentralized"]}
+              "no-shard": ["--sharding", "no-shard"], "decentralized": ["--data_parallel", "decentralized"],
+              # gossip's other topologies (plain "decentralized" is the default, alternating-exp-ring)
+              **{f"decentralized-{t}": ["--data_parallel", "decentralized", "--topology", t]
+                 for t in ("complete", "ring", "exp")}}
 LAUNCH_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM_", "PMI", "OMPI_", "PET_", "GLOO_SOCKET",
                    "NCCL_SOCKET", "TORCHELASTIC", "CUDA_VISIBLE_DEVICES")
 HEADER = ("| hosts x GPUs | Gbit/s set | link measured | model | strategy | step ms | tok/s | val loss | steps |\n"
@@ -56,7 +59,8 @@ def parse():
     parser.add_argument("--gpus_per_host", type=int, default=1)
     parser.add_argument("--gbps", default="25,10,1", help="link rates to run at, Gbit/s (0: unshaped)")
     parser.add_argument("--models", default="gpt2", help=f"of {', '.join(MODELS)}")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--strategies", default="full-shard,hybrid-full-shard,no-shard,decentralized",
+                        help=f"of {', '.join(STRATEGIES)}")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
     parser.add_argument("--precision", default="bf16")
