@@ -1,6 +1,7 @@
-"""Finding a checkpoint to load: a run's step_<N> directories and `latest`/`best` markers, the checks that a
-checkpoint is complete and undamaged (verify), the order to try them in, and the `progress` command.
-`python -m minimal_fsdp.checkpoint progress [training flags]` runs main() here."""
+"""Finding a checkpoint to load: the checks that a checkpoint is complete and undamaged (verify), the run's
+newest complete one, and the one a run starts from (find). The directories, markers and the order to try them
+in are checkpoint_dirs.py's. `python -m minimal_fsdp.checkpoint progress [training flags]` runs main() here: the
+job chains' question, answered with verify's cheap checks; they ask progress.py, which imports no torch."""
 import dataclasses
 import errno
 import re
@@ -13,12 +14,13 @@ import torch
 import torch.distributed as dist
 
 from . import environment
+from .checkpoint_dirs import candidates, marker, skipping, step_dirs, step_of  # noqa: F401 (re-exported)
 from .checkpoint_meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
 from .config import ConfigError
+from .files import open_regular, read_json
 from .models import MODELS, config_from_dict
-from .safe_load import open_regular, read_dcp_metadata, read_json
+from .safe_load import read_dcp_metadata
 
-STEP_NAME = re.compile(r"step_(\d+)")
 BLOCK = re.compile(r"blocks\.(\d+)\.")
 MAX_RNG_BYTES = 2**20  # torch, CUDA, numpy and python states: about 17 KB
 MAX_JSON_BYTES = 2**30  # a tokenizer.json: 9 MB for Llama 3's 128K tokens
@@ -30,35 +32,6 @@ def crc32(path, chunk=16 * 2**20):
         while block := f.read(chunk):
             crc = zlib.crc32(block, crc)
     return crc
-
-
-def marker(run_dir, name, warn=True):
-    """The checkpoint a marker (`latest`, `best`) names, or None if there is none. A marker that does not hold
-    exactly the name of a step_<N> beside it (damaged bytes, a path into another run) is reported and ignored."""
-    file = Path(run_dir) / name
-    if not file.is_file():
-        return None
-    try:
-        with open(file, "rb") as f:
-            text = f.read(65).decode("ascii").strip()
-    except (OSError, UnicodeDecodeError):
-        text = ""
-    if not STEP_NAME.fullmatch(text):
-        if warn:
-            print(f"warning: ignoring {file}: it does not name a step_<N> checkpoint of this run", file=sys.stderr,
-                  flush=True)
-        return None
-    return Path(run_dir) / text
-
-
-def step_dirs(run_dir):
-    """The run's step_<N> directories, newest first."""
-    found = [p for p in Path(run_dir).glob("step_*") if p.is_dir() and STEP_NAME.fullmatch(p.name)]
-    return sorted(found, key=step_of, reverse=True)
-
-
-def step_of(path):
-    return int(Path(path).name[5:])
 
 
 def rng_file(rank):
@@ -166,19 +139,6 @@ def _checksum_problem(path, recorded, share):
     return None
 
 
-def candidates(run_dir):
-    """A run's checkpoints in the order to try them: the one `latest` names (the last commit), then older ones,
-    newest first, then newer ones (a save that crashed between its rename and its commit, or another
-    timeline's, when a run was restarted from an older checkpoint)."""
-    run_dir = Path(run_dir)
-    marked = marker(run_dir, "latest")
-    others = [p for p in step_dirs(run_dir) if p != marked]
-    if marked is None:
-        return others
-    older = [p for p in others if step_of(p) < step_of(marked)]
-    return [marked] + older + [p for p in others if step_of(p) > step_of(marked)]
-
-
 def newest_complete(run_dir, checksums=True):
     """The first complete checkpoint among candidates(run_dir), or None. Each one skipped is reported in one
     line on stderr."""
@@ -186,12 +146,8 @@ def newest_complete(run_dir, checksums=True):
         problem = verify(path, checksums)
         if problem is None:
             return path
-        _skipping(path, problem)
+        skipping(path, problem)
     return None
-
-
-def _skipping(path, problem):
-    print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
 
 
 def latest(run_dir):
@@ -231,7 +187,7 @@ def find(cfg):
         if cfg.restart_checkpoint_file:
             raise ConfigError(f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is damaged: {path}: {problem}")
         if rank == 0:
-            _skipping(path, problem)
+            skipping(path, problem)
     return None
 
 
@@ -256,13 +212,14 @@ def _cheaply_complete(cfg):
         if problem is None:
             found.append(str(path))
         else:
-            _skipping(path, problem)
+            skipping(path, problem)
     return found
 
 
 def main(argv=None):
     """`python -m minimal_fsdp.checkpoint progress [training flags]` prints "STEP LAST_STEP" of the run's newest
-    complete checkpoint ("0 none" without one): how the PBS and SLURM job chains know whether a run is done."""
+    checkpoint that passes verify's cheap checks ("0 none" without one). The job chains ask progress.py, which
+    answers the same without torch from fewer checks (it reads neither .metadata nor the RNG files)."""
     from .config import parse_args
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "progress":

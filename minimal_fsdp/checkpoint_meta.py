@@ -23,8 +23,8 @@ import re
 from pathlib import Path
 
 from .config import ConfigError
-from .models import MODELS, check_shape
-from .safe_load import read_json
+from .files import read_json
+from .model_configs import CONFIGS, check_shape
 
 FORMAT = 2
 MAX_BYTES = 64 * 2**20  # a few KB, plus two numbers per file: room for a run of a million ranks
@@ -88,8 +88,8 @@ def check(meta):
     for field in ("config", "state", "model", "files"):
         if field in meta and not isinstance(meta[field], dict):
             raise MetaError(f"meta.json: {field} is {_show(meta[field])}, not an object")
-    if "model_type" in meta and not (isinstance(meta["model_type"], str) and meta["model_type"] in MODELS):
-        raise MetaError(f"meta.json: model_type is {_show(meta['model_type'])}, not one of {', '.join(MODELS)}")
+    if "model_type" in meta and not (isinstance(meta["model_type"], str) and meta["model_type"] in CONFIGS):
+        raise MetaError(f"meta.json: model_type is {_show(meta['model_type'])}, not one of {', '.join(CONFIGS)}")
     state = meta.get("state", {})
     for part in ("schedule", "data"):
         if part in state and not isinstance(state[part], dict):
@@ -127,7 +127,7 @@ def check_run_keys(meta):
 def model_problem(model_type, fields):
     """Why `fields` (meta.json's "model", or a model config read elsewhere) is not a config of our `model_type`
     that can be built, or None: known keys only, each of its type, sizes within MODEL_BOUNDS, shapes that fit."""
-    config_class = MODELS[model_type].config_class
+    config_class = CONFIGS[model_type]
     types = {f.name: f.type for f in dataclasses.fields(config_class)}
     for name, value in fields.items():
         kind = types.get(name)

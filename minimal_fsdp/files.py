@@ -1,4 +1,5 @@
-"""File-system safety: files written atomically, and one training run at a time per run directory.
+"""File-system safety: files written atomically, hostile files read without blocking or following links
+(open_regular, read_json), and one training run at a time per run directory.
 
 A run directory (<checkpoint_dir>/<run_name>, <log_dir>/<run_name>) holds one lock file, `.lock`, while a
 training run uses it: who holds it (host, pid, scheduler job) and a heartbeat (its modification time, touched
@@ -10,9 +11,12 @@ Only O_EXCL file creation, rename and mtime are used, so it works on parallel fi
 NFSv4) where fcntl/flock locks are often disabled or local to a node.
 """
 import datetime
+import errno
 import json
 import os
+import re
 import socket
+import stat
 import sys
 import threading
 import time
@@ -240,3 +244,52 @@ def check_lock(directory):
     token = _held.get(str(path))
     if token is not None and _read_holder(path).get("token") != token:
         raise LockError(f"another run took over {directory} (see {path}): this run stops without writing there")
+
+
+# ---- reading a file that may be hostile (a checkpoint's, a model directory's) ----
+
+def open_regular(path, max_bytes=None):
+    """`path` opened for binary reading if it is a regular file (of at most max_bytes), else OSError. A device,
+    FIFO, socket or symbolic link in a checkpoint is refused before it is opened (reading /dev/zero or a FIFO would
+    never end); the file is opened without following links and without waiting, then checked again."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file (a link, directory, device or FIFO)", str(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or max_bytes is not None and info.st_size > max_bytes:
+        os.close(fd)
+        why = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes, over {max_bytes}"
+        raise OSError(errno.EFBIG if "bytes" in why else errno.EINVAL, why, str(path))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_json(path, max_bytes, max_depth=32):
+    """The JSON object in `path`, a regular file of at most max_bytes (open_regular), nested at most max_depth
+    deep: json.loads recurses once per level, so a deeply nested file would end in RecursionError. Raises
+    OSError, or ValueError whose text completes "<file> ..." in one line."""
+    with open_regular(path, max_bytes) as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+        if _depth(text) > max_depth:
+            raise ValueError(f"nests deeper than {max_depth} levels")
+        value = json.loads(text)
+    except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
+        raise ValueError(f"is not JSON ({type(e).__name__}: {' '.join(str(e).split())[:100]})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _depth(text):
+    """How deep JSON text nests, strings skipped."""
+    depth = deepest = 0
+    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
+        char = token.group()
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest

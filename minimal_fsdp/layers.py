@@ -3,8 +3,6 @@
 Only math lives here, as in model.py and llama.py.
 Shapes: B batch, H heads, K heads with their own keys and values, T time, D head size.
 """
-from dataclasses import asdict
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -50,12 +48,6 @@ def cross_entropy(x, weight, targets):
     It takes the output projection, not the logits, so that fused_loss.py can replace it whole on CUDA."""
     logits = F.linear(x, weight)
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def config_fields(config):
-    """A model config as the dict checkpoints record. document_eot_id is left out when off, so a checkpoint written
-    before document masks existed records the same model as a run without one."""
-    return {k: v for k, v in asdict(config).items() if k != "document_eot_id" or v is not None}
 
 
 class Decoder(nn.Module):

@@ -6,34 +6,13 @@ i + D/2), so Hugging Face Llama weights load without permuting q and k.
 Shapes: B batch, T time, C embed_size, H heads, K kv heads, D = C // H head size, I intermediate_size.
 """
 import math
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import Decoder, attend, config_fields, cross_entropy
-
-
-@dataclass
-class LlamaConfig:
-    model_type: ClassVar[str] = "llama"  # recorded in checkpoints, so generation rebuilds the right model
-    vocab_size: int = 32000
-    seq_length: int = 128  # the context: positions the rotary tables and the KV cache cover
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2  # grouped-query attention: every num_heads // num_kv_heads query heads share one k, v
-    embed_size: int = 128
-    intermediate_size: int = 384
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict = None  # Llama 3.1's long-context frequency scaling ({"rope_type": "llama3", ...}) or None
-    dropout: float = 0.0
-    document_eot_id: int = None  # --document_mask: attention stays within documents, which end at this token
-
-    def to_dict(self):
-        return config_fields(self)
+from .layers import Decoder, attend, cross_entropy
+from .model_configs import LlamaConfig
 
 
 # Llama 3.1's rotary scaling (its config.json's rope_scaling; Meta's reference code applies it to Llama 3.1 8B).

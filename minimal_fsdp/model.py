@@ -4,30 +4,13 @@ Only the math lives here; how it is sharded, checkpointed and compiled lives in 
 Shapes: B batch, T time, C embed_size, H heads, D = C // H.
 """
 import math
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import Decoder, attend, config_fields, cross_entropy
-
-
-@dataclass
-class GPTConfig:
-    model_type: ClassVar[str] = "gpt"  # recorded in checkpoints, so generation rebuilds the right model
-    vocab_size: int = 65
-    seq_length: int = 128  # the context: positions the model has embeddings for
-    num_layers: int = 4
-    num_heads: int = 4
-    embed_size: int = 128
-    dropout: float = 0.0
-    bias: bool = True
-    document_eot_id: int = None  # --document_mask: attention stays within documents, which end at this token
-
-    def to_dict(self):
-        return config_fields(self)
+from .layers import Decoder, attend, cross_entropy
+from .model_configs import GPTConfig
 
 
 # The OpenAI GPT-2 shapes (vocab 50257, 1024 positions) and a tiny one that trains on a laptop CPU.

@@ -1,7 +1,7 @@
 """The model families and how a run's flags pick a model's shape.
 
 MODELS is the one table of families: "gpt" (model.GPT) and "llama" (llama.Llama). Each class carries its config
-class and its presets, and a checkpoint's meta.json records the family as "model_type".
+class (model_configs.py, which imports no torch) and its presets, and a checkpoint's meta.json records the family as "model_type".
 """
 import dataclasses
 
@@ -9,6 +9,7 @@ from .attention import cuda_kernel
 from .config import ConfigError, model_family
 from .llama import Llama
 from .model import GPT
+from .model_configs import check_shape
 
 MODELS = {"gpt": GPT, "llama": Llama}
 
@@ -49,14 +50,3 @@ def with_document_mask(config, cfg, tokenizer):
                           "or drop --document_mask")
     cuda_kernel()  # a mistyped MINIMAL_FSDP_DOCUMENT_KERNEL fails here, not in the first forward
     return dataclasses.replace(config, document_eot_id=tokenizer.eot_id)
-
-
-def check_shape(config):
-    """The shape constraints the flags alone cannot check (a preset's values may meet a flag's)."""
-    c = config
-    if c.embed_size % c.num_heads:
-        raise ConfigError(f"embed size {c.embed_size} is not divisible by {c.num_heads} heads")
-    if c.model_type == "llama" and (c.num_heads % c.num_kv_heads or c.embed_size // c.num_heads % 2):
-        raise ConfigError(f"llama needs --num_heads divisible by --num_kv_heads and an even head size (got "
-                          f"{c.num_heads} heads, {c.num_kv_heads} kv heads, head size {c.embed_size // c.num_heads})")
-    return config

@@ -1,15 +1,10 @@
 """Reading a checkpoint's files without running code or blocking: files opened only when they are regular files
-inside the directory (open_regular), DCP's .metadata pickle through an unpickler that knows only the plain
+inside the directory (files.open_regular), DCP's .metadata pickle through an unpickler that knows only the plain
 classes it is made of, non-tensor entries with torch.load(weights_only=True), and whole tensors in one process
 (tests, export, sampling, inspection)."""
 import enum
-import errno
 import importlib
-import json
-import os
 import pickle
-import re
-import stat
 import warnings
 from pathlib import Path
 
@@ -20,52 +15,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-
-def open_regular(path, max_bytes=None):
-    """`path` opened for binary reading if it is a regular file (of at most max_bytes), else OSError. A device,
-    FIFO, socket or symbolic link in a checkpoint is refused before it is opened (reading /dev/zero or a FIFO would
-    never end); the file is opened without following links and without waiting, then checked again."""
-    if not stat.S_ISREG(os.lstat(path).st_mode):
-        raise OSError(errno.EINVAL, "not a regular file (a link, directory, device or FIFO)", str(path))
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or max_bytes is not None and info.st_size > max_bytes:
-        os.close(fd)
-        why = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes, over {max_bytes}"
-        raise OSError(errno.EFBIG if "bytes" in why else errno.EINVAL, why, str(path))
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
-
-
-def read_json(path, max_bytes, max_depth=32):
-    """The JSON object in `path`, a regular file of at most max_bytes (open_regular), nested at most max_depth
-    deep: json.loads recurses once per level, so a deeply nested file would end in RecursionError. Raises
-    OSError, or ValueError whose text completes "<file> ..." in one line."""
-    with open_regular(path, max_bytes) as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-        if _depth(text) > max_depth:
-            raise ValueError(f"nests deeper than {max_depth} levels")
-        value = json.loads(text)
-    except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
-        raise ValueError(f"is not JSON ({type(e).__name__}: {' '.join(str(e).split())[:100]})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"holds a JSON {type(value).__name__}, not an object")
-    return value
-
-
-def _depth(text):
-    """How deep JSON text nests, strings skipped."""
-    depth = deepest = 0
-    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
-        char = token.group()
-        if char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth -= 1
-    return deepest
+from .files import open_regular, read_json  # noqa: F401 (re-exported)
 
 
 def _allowed_globals():

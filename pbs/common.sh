@@ -107,9 +107,10 @@ seconds() {  # [[HH:]MM:]SS -> seconds
     echo "$total"
 }
 
-# "STEP LAST_STEP" of the run's latest checkpoint ("0 none" without one), from the training flags.
+# "STEP LAST_STEP" of the run's latest checkpoint ("0 none" without one), from the training flags; it imports
+# no torch (minimal_fsdp/progress.py), so asking costs a fraction of a second.
 run_progress() {
-    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m minimal_fsdp.checkpoint progress "$@"
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m minimal_fsdp.progress "$@"
 }
 
 chain_start() {

@@ -1,0 +1,54 @@
+"""A run directory's checkpoints, read without torch: its step_<N> directories, the `latest`/`best` markers, and
+the order to try them in. checkpoint_find.py checks them; progress.py (the job chains) reads them without torch."""
+import re
+import sys
+from pathlib import Path
+
+STEP_NAME = re.compile(r"step_(\d+)")
+
+
+def marker(run_dir, name, warn=True):
+    """The checkpoint a marker (`latest`, `best`) names, or None if there is none. A marker that does not hold
+    exactly the name of a step_<N> beside it (damaged bytes, a path into another run) is reported and ignored."""
+    file = Path(run_dir) / name
+    if not file.is_file():
+        return None
+    try:
+        with open(file, "rb") as f:
+            text = f.read(65).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    if not STEP_NAME.fullmatch(text):
+        if warn:
+            print(f"warning: ignoring {file}: it does not name a step_<N> checkpoint of this run", file=sys.stderr,
+                  flush=True)
+        return None
+    return Path(run_dir) / text
+
+
+def step_dirs(run_dir):
+    """The run's step_<N> directories, newest first."""
+    found = [p for p in Path(run_dir).glob("step_*") if p.is_dir() and STEP_NAME.fullmatch(p.name)]
+    return sorted(found, key=step_of, reverse=True)
+
+
+def step_of(path):
+    return int(Path(path).name[5:])
+
+
+def candidates(run_dir):
+    """A run's checkpoints in the order to try them: the one `latest` names (the last commit), then older ones,
+    newest first, then newer ones (a save that crashed between its rename and its commit, or another
+    timeline's, when a run was restarted from an older checkpoint)."""
+    run_dir = Path(run_dir)
+    marked = marker(run_dir, "latest")
+    others = [p for p in step_dirs(run_dir) if p != marked]
+    if marked is None:
+        return others
+    older = [p for p in others if step_of(p) < step_of(marked)]
+    return [marked] + older + [p for p in others if step_of(p) > step_of(marked)]
+
+
+def skipping(path, problem):
+    """Report, in one line, a checkpoint passed over for one that is complete."""
+    print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
