@@ -1,8 +1,13 @@
-"""A run directory's checkpoints, read without torch: its step_<N> directories, the `latest`/`best` markers, and
-the order to try them in. checkpoint_find.py checks them; progress.py (the job chains) reads them without torch."""
+"""A run directory's checkpoints, read without torch: its step_<N> directories, the `latest`/`best` markers, the
+order to try them in, and whether each file meta.json records is as saved (size, CRC-32). checkpoint_find.py
+checks checkpoints fully; progress.py (the job chains) with what is here and meta.json's schema alone."""
 import re
+import stat
 import sys
+import zlib
 from pathlib import Path
+
+from .files import open_regular
 
 STEP_NAME = re.compile(r"step_(\d+)")
 
@@ -52,3 +57,31 @@ def candidates(run_dir):
 def skipping(path, problem):
     """Report, in one line, a checkpoint passed over for one that is complete."""
     print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
+
+
+def crc32(path, chunk=16 * 2**20):
+    crc = 0
+    with open_regular(path) as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def files_problem(path, recorded, share=(0, 1), read=lambda name: True):
+    """Why the files meta.json records ({name: [size, CRC-32]}) are not as saved, or None: each a regular file of
+    its size, with its CRC-32 where read(name). `share`, (index, count): this caller's share of the files, when
+    several processes split the reading."""
+    index, count = share
+    for name in sorted(recorded)[index::count]:
+        size, crc = recorded[name]
+        file = Path(path) / name
+        try:
+            if not stat.S_ISREG(file.lstat().st_mode):
+                return f"{name} is not a regular file"
+            if file.stat().st_size != size:
+                return f"{name} has {file.stat().st_size} bytes, {size} when saved"
+            if read(name) and crc32(file) != crc:
+                return f"{name} does not match its checksum: the file was damaged after it was saved"
+        except OSError as e:
+            return f"{name}: {e.strerror or e}"
+    return None

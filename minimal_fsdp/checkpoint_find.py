@@ -7,14 +7,14 @@ import errno
 import re
 import stat
 import sys
-import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from . import environment
-from .checkpoint_dirs import candidates, marker, skipping, step_dirs, step_of  # noqa: F401 (re-exported)
+from .checkpoint_dirs import candidates, files_problem, marker, skipping, step_dirs
+from .checkpoint_dirs import crc32, step_of  # noqa: F401 (re-exported: checkpoint.py and tests use them here)
 from .checkpoint_meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
 from .config import ConfigError
 from .files import open_regular, read_json
@@ -24,14 +24,6 @@ from .safe_load import read_dcp_metadata
 BLOCK = re.compile(r"blocks\.(\d+)\.")
 MAX_RNG_BYTES = 2**20  # torch, CUDA, numpy and python states: about 17 KB
 MAX_JSON_BYTES = 2**30  # a tokenizer.json: 9 MB for Llama 3's 128K tokens
-
-
-def crc32(path, chunk=16 * 2**20):
-    crc = 0
-    with open_regular(path) as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return crc
 
 
 def rng_file(rank):
@@ -93,7 +85,7 @@ def verify(path, checksums=True, share=(0, 1)):
         except Exception as e:  # noqa: BLE001 - missing, truncated: a few KB each, so read them all
             why = e.strerror if isinstance(e, OSError) and e.errno != errno.ENOENT else type(e).__name__
             return f"{rng_file(rank)} is missing or unreadable ({why})"
-    return _checksum_problem(path, meta.get("files") or {}, share) if checksums else None
+    return files_problem(path, meta.get("files") or {}, share) if checksums else None
 
 
 def _model_problem(meta, metadata):
@@ -119,23 +111,6 @@ def _model_problem(meta, metadata):
     if found != len(wanted) + (config.num_layers - 1) * per_block:
         return f"the shards hold {found} of the {len(wanted) + (config.num_layers - 1) * per_block} tensors " \
                "of the model meta.json describes"
-    return None
-
-
-def _checksum_problem(path, recorded, share):
-    index, count = share
-    for name in sorted(recorded)[index::count]:
-        size, crc = recorded[name]
-        file = Path(path) / name
-        try:
-            if not stat.S_ISREG(file.lstat().st_mode):
-                return f"{name} is not a regular file"
-            if file.stat().st_size != size:
-                return f"{name} has {file.stat().st_size} bytes, {size} when saved"
-            if crc32(file) != crc:
-                return f"{name} does not match its checksum: the file was damaged after it was saved"
-        except OSError as e:
-            return f"{name}: {e.strerror or e}"
     return None
 
 

@@ -1,23 +1,23 @@
 """How far a run has trained, answered without importing torch: `python -m minimal_fsdp.progress [the run's
 training flags]` prints "STEP LAST_STEP" of the run's newest complete checkpoint ("0 none" without one). The PBS
-and SLURM job chains ask it twice a job (is the run done? did this job get anywhere?); importing torch took each
+and SLURM job chains ask it twice a job (is the run done? did this job get anywhere?); importing torch cost each
 question 2-5 s, 23 s on a loaded 2-core machine.
 
-Complete here means what can be told without torch, in the order resume tries the checkpoints: meta.json passes
-its schema with the keys a run reads (checkpoint_meta, as verify reads it), and every file it records is a
-regular file of the size recorded at save. So a missing, truncated or replaced file is found, and a save that
-crashed before its rename is never a candidate. Weaker than checkpoint_find.verify, which resume runs: DCP's
-.metadata is a pickle of torch classes (only safe_load's unpickler reads it), so it is not read and meta.json's
-model is not compared with the shards; the RNG and tokenizer files are not parsed; checksums are not read (nor
-were they by `checkpoint progress`). A checkpoint damaged only in those ways is counted here, and the training
-run then skips it for an older one: docs/checkpoints.md says what that can do to a chain.
+Complete here means, in the order resume tries the checkpoints: meta.json passes its schema with the keys a run
+reads (checkpoint_meta, as verify reads it), every file it records is a regular file of the size recorded at
+save, and every file but the shards (.metadata, the RNG states, the tokenizer: small) has its recorded CRC-32.
+So a missing, truncated or damaged file is found, and a save that crashed before its rename is never a
+candidate. Weaker than checkpoint_find.verify, which resume runs: the shards' bytes are not read (nor were they
+by `checkpoint progress`: they are nearly all of a checkpoint), and DCP's .metadata, a pickle of torch classes
+that only safe_load's unpickler reads, is not unpickled, so a meta.json edited to describe another model than
+the shards hold is not noticed. A checkpoint damaged only that way is counted here, and the training run then
+skips it for an older one: docs/checkpoints.md says what that can do to a chain.
 """
 import errno
-import stat
 import sys
 from pathlib import Path
 
-from .checkpoint_dirs import candidates, skipping
+from .checkpoint_dirs import candidates, files_problem, skipping
 from .checkpoint_meta import MetaError, check_run_keys, read_meta
 from .config import one_line_errors, parse_args
 
@@ -34,16 +34,7 @@ def problem(path):
     if not meta.get("files"):  # saved before meta.json listed its files: only verify can tell, with torch
         from .checkpoint_find import verify
         return verify(path, checksums=False), meta
-    for name, (size, _) in sorted(meta["files"].items()):  # plain names inside the checkpoint (read_meta)
-        try:
-            info = (Path(path) / name).lstat()
-        except OSError as e:
-            return f"{name} is missing" if e.errno == errno.ENOENT else f"{name}: {e.strerror}", meta
-        if not stat.S_ISREG(info.st_mode):
-            return f"{name} is not a regular file", meta
-        if info.st_size != size:
-            return f"{name} has {info.st_size} bytes, {size} when saved", meta
-    return None, meta
+    return files_problem(path, meta["files"], read=lambda name: not name.endswith(".distcp")), meta
 
 
 def newest(run_dir):

@@ -1,0 +1,160 @@
+"""progress.py, the job chains' `python -m minimal_fsdp.progress [training flags]`: it imports no torch; it answers
+as `python -m minimal_fsdp.checkpoint progress` (checkpoint_find.main) does on intact, damaged, torn and hostile
+checkpoints; it never counts a checkpoint that resume skips for a missing, resized, replaced or damaged file;
+and, as documented, it counts one whose meta.json was edited to describe a model the shards do not hold."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from minimal_fsdp import checkpoint_find, progress
+from test_checkpoint import flip_a_byte, meta_of
+from test_checkpoint import console, run, saved  # noqa: F401 (fixtures)
+from test_checkpoint_find import HOSTILE_META, edited
+
+# What only verify's unpickled .metadata shows: progress counts these, the training run skips them.
+SHARDS_DISAGREE = {"layers the shards lack", "another width"}
+
+
+def flags(run):
+    return ["--checkpoint_dir", str(run.parent), "--run_name", run.name]
+
+
+def answers(run, console, **flag_values):
+    """(progress's stdout and stderr, `checkpoint progress`'s stdout), each from one call."""
+    argv = flags(run) + [str(v) for pair in flag_values.items() for v in ("--" + pair[0], pair[1])]
+    out, err = console()
+    progress.main(argv)
+    theirs, _ = console()
+    checkpoint_find.main(["progress", *argv])
+    return out.getvalue(), err.getvalue(), theirs.getvalue()
+
+
+def test_progress_answers_as_checkpoint_progress_does(run, console):
+    assert answers(run, console)[::2] == ("3 100\n", "3 100\n")
+    flip_a_byte(run / "step_3" / "__0_0.distcp")  # the shards' bytes: neither reads them (resume does)
+    assert answers(run, console)[::2] == ("3 100\n", "3 100\n")
+    (run / "step_3" / "rng_0.pt").unlink()
+    mine, said, theirs = answers(run, console)
+    assert (mine, theirs) == ("2 none\n", "2 none\n")
+    assert said == f"warning: skipping checkpoint {run / 'step_3'}: rng_0.pt: No such file or directory\n"
+    meta = meta_of(run / "step_2")
+    del meta["format"], meta["state"]
+    edited(run / "step_2", lambda m: (m.clear(), m.update(meta, last_step=50)))  # format 1
+    assert answers(run, console)[::2] == ("2 50\n", "2 50\n")
+    assert answers(run, console, run_name="other")[::2] == ("0 none\n", "0 none\n")
+
+
+@pytest.mark.parametrize("case", HOSTILE_META)
+def test_a_hostile_meta_json_is_skipped_in_verifys_words(run, console, case):
+    edit, problem = HOSTILE_META[case]
+    edited(run / "step_3", edit)
+    out, err = console()
+    progress.main(flags(run))
+    if case in SHARDS_DISAGREE:  # documented: meta.json agrees with itself, only the shards tell
+        assert (out.getvalue(), err.getvalue()) == ("3 100\n", "")
+        assert checkpoint_find.verify(run / "step_3", checksums=False) == problem  # so resume skips it
+    else:
+        assert out.getvalue() == "2 none\n"
+        assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
+
+
+def truncate(file):
+    os.truncate(file, file.stat().st_size - 1)
+
+
+def grow(file):
+    with open(file, "ab") as f:
+        f.write(b"\0")
+
+
+def link(file):
+    file.unlink()
+    file.symlink_to(file.parent.parent / "step_2" / file.name)
+
+
+def fifo(file):
+    file.unlink()
+    os.mkfifo(file)
+
+
+# What a file system can do to a saved file, and the line progress skips the checkpoint with.
+DAMAGE = {
+    "a truncated shard": ("__0_0.distcp", truncate, "__0_0.distcp has {size_less_1} bytes, {size} when saved"),
+    "a grown shard": ("__0_0.distcp", grow, "__0_0.distcp has {size_plus_1} bytes, {size} when saved"),
+    "a missing .metadata": (".metadata", os.unlink, ".metadata: No such file or directory"),
+    "a damaged .metadata": (".metadata", flip_a_byte,
+                            ".metadata does not match its checksum: the file was damaged after it was saved"),
+    "a damaged RNG file": ("rng_0.pt", flip_a_byte,
+                           "rng_0.pt does not match its checksum: the file was damaged after it was saved"),
+    "an RNG file linked elsewhere": ("rng_0.pt", link, "rng_0.pt is not a regular file"),
+    "a tokenizer file turned FIFO": ("tokenizer.json", fifo, "tokenizer.json is not a regular file"),  # never opened
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_file_resume_would_refuse_makes_progress_skip_its_checkpoint(run, console, case):
+    name, damage, problem = DAMAGE[case]
+    file = run / "step_3" / name
+    size = file.stat().st_size
+    damage(file)
+    out, err = console()
+    progress.main(flags(run))
+    assert out.getvalue() == "2 none\n"
+    problem = problem.format(size=size, size_less_1=size - 1, size_plus_1=size + 1)
+    assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
+    assert checkpoint_find.latest(run) == run / "step_2"  # resume skips it too
+
+
+def test_a_torn_save_is_never_counted_and_an_uncommitted_one_comes_after_latest(run, console):
+    shutil.copytree(run / "step_3", run / ".tmp-step_4")  # crashed before its rename: not a step_<N>
+    shutil.copytree(run / "step_3", run / "step_5")
+    (run / "step_5" / "meta.json").unlink()  # a directory torn some other way
+    shutil.copytree(run / "step_3", run / "step_4")  # renamed, but `latest` not yet moved: not committed
+    edited(run / "step_4", lambda m: m.update(step=4))
+    out, err = console()
+    progress.main(flags(run))
+    assert out.getvalue() == "3 100\n" and err.getvalue() == ""  # resume's order: what `latest` names first
+    assert checkpoint_find.latest(run) == run / "step_3"
+    (run / "latest").unlink()
+    out, err = console()
+    progress.main(flags(run))
+    assert out.getvalue() == "4 100\n"
+    assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_5'}: meta.json is missing or unreadable\n"
+
+
+def test_a_checkpoint_from_before_meta_json_listed_its_files_is_checked_by_verify(run, console):
+    for step in (2, 3):
+        edited(run / f"step_{step}", lambda m: m.pop("files"))
+    assert answers(run, console)[::2] == ("3 100\n", "3 100\n")
+    (run / "step_3" / "rng_0.pt").unlink()
+    mine, said, theirs = answers(run, console)
+    assert (mine, theirs) == ("2 none\n", "2 none\n")
+    assert said == f"warning: skipping checkpoint {run / 'step_3'}: rng_0.pt is missing or unreadable " \
+                   "(FileNotFoundError)\n"
+
+
+def python(*args, cwd):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def imported(importtime_lines):
+    """The modules `python -X importtime` reports."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_lines.splitlines() if line.startswith("import time:")}
+
+
+def test_the_command_imports_no_torch_and_answers_bad_flags_in_one_line(run, tmp_path):
+    result = python("-X", "importtime", "-m", "minimal_fsdp.progress", *flags(run), "--precision", "bf16",
+                    cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (0, "3 100\n"), result.stderr[-2000:]
+    modules = imported(result.stderr)
+    assert {"minimal_fsdp.checkpoint_dirs", "minimal_fsdp.checkpoint_meta"} <= modules  # what it reads with
+    assert not {m for m in modules if m.split(".")[0] == "torch"}
+    result = python("-X", "importtime", "-m", "minimal_fsdp.progress", *flags(run), "--lr", "-1", cwd=tmp_path)
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --lr"), result.stderr[-2000:]
+    assert not {m for m in imported(result.stderr) if m.split(".")[0] == "torch"}
