@@ -2,14 +2,14 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers|llama3_8b|document_mask|document_mask_tests|regression ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers|llama3_8b|document_mask|document_mask_tests|document_mask_loss|regression ...]
 # The fp8 parts need torchao: installed from .whl/torchao-*.whl when missing (the GPU machine has no package index).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: some parts change directory
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_hwloc_base_binding_policy=none
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-MPI="mpiexec --oversubscribe"
+MPI=${MPI:-mpiexec --oversubscribe}  # MPI=mpiexec for mpich (a CPU check of a part)
 # GPUs for the multi-GPU fp8 parts: every GPU here, at most 4 (the issue's machine); NG=2 on a 2-GPU machine.
 NG=${NG:-$(( $(nvidia-smi -L | wc -l) < 4 ? $(nvidia-smi -L | wc -l) : 4 ))}
 # The training loop issue's recipe S: nanoGPT's Shakespeare-character GPU recipe (configs/shakespeare_char.toml).
@@ -369,6 +369,18 @@ regression)
     ( cd $tree && PYTHONPATH=$tree timeout 240 $MPI -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -n $NG \
       python3 $B --out "$OUT/regression_7b_$t.jsonl" > "$OUT/regression_7b_$t.log" 2>&1; echo "7B $t: exit $?" )
     grep -E '^\|' "$OUT/regression_7b_$t.log" | tail -1 | tee -a "$OUT/summary.txt"
+  done ;;
+document_mask_loss)
+  # Issue 40, target 3's second half: on a packed corpus (each of the shipped Shakespeare's 7,222 speeches one
+  # document, ~40 tokens of a 4096-piece sentencepiece, so a window of 1024 packs ~25 documents), the val loss at
+  # equal steps with --document_mask against plain causal attention, one GPU (DML_MODEL: GPT-2 124M's shape).
+  python3 -c "import json; t = open('data/shakespeare/input.txt').read(); f = open('/tmp/speeches.jsonl', 'w'); [f.write(json.dumps({'text': p.strip()}) + chr(10)) for p in t.split(chr(10) * 2) if p.strip()]"
+  D="--dataset text --input_file /tmp/speeches.jsonl --tokenizer sentencepiece --vocab_size 4096 ${DML_MODEL:---model_preset gpt2 --seq_length 1024 --batch_size 16} --precision bf16 --compile --max_steps ${DML_STEPS:-600} --warmup_steps 60 --lr 6e-4 --log_interval 20 --eval_interval 100 --eval_batches 20 --checkpoint_interval 0 --num_tokens 0 --log_dir $OUT/logs"
+  for mask in no-document_mask document_mask; do
+    fresh dml_$mask; rm -rf $OUT/logs/dml_$mask
+    timeout ${DML_TIMEOUT:-280} $MPI -n 1 python3 basic_training.py $D --$mask --run_name dml_$mask 2>&1 | tr '\r' '\n' \
+      | grep -v '^train:' > "$OUT/dml_$mask.log"; echo "$mask: exit ${PIPESTATUS[0]}"
+    python3 benchmarks/run_summary.py $OUT/logs/dml_$mask --skip_steps 100 | tee -a "$OUT/summary.txt"
   done ;;
 document_mask_tests)
   # The document mask's GPU tests: varlen flash attention against dense SDPA and each document alone (GPT, Llama),
