@@ -146,11 +146,39 @@ def results(folder):
     return json.loads(found.read_text()), chosen
 
 
-HF_RUN = """
-import sys, lm_eval
+# Both runs time their backend's share of the evaluation: the harness's calls of lm.loglikelihood (tokenizing,
+# batching, the model, the results), of which tok_encode; the rest of the evaluation is the harness's own.
+TIMERS = """
+import atexit, json, sys, time
+split_file, spent = sys.argv.pop(1), {"backend_s": 0.0, "tokenize_s": 0.0, "loglikelihood_calls": 0}
+def timer(cls, name, key):
+    inner = getattr(cls, name)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - start
+            spent["loglikelihood_calls"] += name == "loglikelihood"
+    setattr(cls, name, timed)
+def timed_backend(cls):
+    timer(cls, "loglikelihood", "backend_s")
+    timer(cls, "tok_encode", "tokenize_s")
+    # rank 0 runs the harness; the other ranks of ours never call loglikelihood
+    atexit.register(lambda: spent["loglikelihood_calls"] and open(split_file, "w").write(json.dumps(spent)))
+"""
+OURS_RUN = TIMERS + """
+from minimal_fsdp import evaluate
+from minimal_fsdp.evaluate_lm import ShardedLM
+timed_backend(ShardedLM)
+evaluate.main(sys.argv[1:])
+"""
+HF_RUN = TIMERS + """
+import lm_eval
 from lm_eval.loggers import EvaluationTracker
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
+timed_backend(HFLM)
 export, dtype, device, batch, tasks, out = sys.argv[1:]
 lm = HFLM.create_from_arg_string(f"pretrained={export},dtype={dtype}", {"batch_size": int(batch), "device": device})
 tracker = EvaluationTracker(output_path=out)  # after loading, as minimal_fsdp.evaluate makes its own
@@ -179,12 +207,12 @@ def bench(shape, args, work, pythonpath):
     timed([sys.executable, "-m", "minimal_fsdp.export", checkpoint, run / "hf", "--format", "hf"], env,
           run / "export.log")
     precision = {"bf16": "bf16", "float32": "float32"}[args.precision]
-    ours_s = timed([*mpi, sys.executable, "-m", "minimal_fsdp.evaluate", checkpoint, "--tasks", "speed_mc",
+    ours_s = timed([*mpi, sys.executable, "-c", OURS_RUN, run / "ours_split.json", checkpoint, "--tasks", "speed_mc",
                     "--include_path", work, "--batch_size", str(args.batch_size), "--precision", precision,
                     "--output_path", run / "ours", "--log_samples"], env, run / "ours.log")
     dtype = "bfloat16" if args.precision == "bf16" else "float32"
     device = "cuda:0" if args.device == "cuda" else "cpu"
-    hf_s = timed([sys.executable, "-c", HF_RUN, run / "hf", dtype, device, str(args.batch_size), work, run / "theirs"],
+    hf_s = timed([sys.executable, "-c", HF_RUN, run / "hf_split.json", run / "hf", dtype, device, str(args.batch_size), work, run / "theirs"],
                  env, run / "hf.log")
     (ours, ours_chosen), (theirs, their_chosen) = results(run / "ours"), results(run / "theirs")
     same = sum(ours_chosen[i] == their_chosen.get(i) for i in ours_chosen) / len(ours_chosen)
@@ -192,8 +220,13 @@ def bench(shape, args, work, pythonpath):
     for name, found, whole, gpus in (("ours", ours, ours_s, args.ranks), ("hf", theirs, hf_s, 1)):
         seconds = float(found["total_evaluation_time_seconds"])
         score = found["results"]["speed_mc"]
+        split = json.loads((run / f"{name}_split.json").read_text())
+        per_1000 = 1000 / args.items
         rows.append(dict(shape=shape, backend=name, gpus=gpus, items=args.items, eval_s=seconds, whole_s=whole,
-                         items_per_s=args.items / seconds, s_per_1000=1000 * seconds / args.items,
+                         items_per_s=args.items / seconds, s_per_1000=per_1000 * seconds,
+                         harness_s_per_1000=per_1000 * (seconds - split["backend_s"]),
+                         backend_s_per_1000=per_1000 * split["backend_s"],
+                         tokenize_s_per_1000=per_1000 * split["tokenize_s"],
                          acc=score["acc,none"], acc_norm=score["acc_norm,none"], same_choice=same))
     return rows
 
@@ -220,13 +253,15 @@ def main():
     fit_tokenizer(work / "tokenizer")
     write_task(work, args.items)
     print(f"{'shape':8} {'backend':7} {'GPUs':>4} {'items':>5} {'eval s':>8} {'whole s':>8} {'items/s':>8} "
-          f"{'s/1000':>7} {'acc':>6} {'acc_norm':>8} {'same choice':>11}", flush=True)
+          f"{'s/1000':>7} {'harness':>7} {'backend':>7} {'tokens':>7} {'acc':>6} {'acc_norm':>8} {'same choice':>11}",
+          flush=True)
     for shape in args.shapes:
         for row in bench(shape, args, work, pythonpath):
             with open(out / "eval_speed.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{row['shape']:8} {row['backend']:7} {row['gpus']:4d} {row['items']:5d} {row['eval_s']:8.2f} "
-                  f"{row['whole_s']:8.1f} {row['items_per_s']:8.1f} {row['s_per_1000']:7.2f} {row['acc']:6.3f} "
+                  f"{row['whole_s']:8.1f} {row['items_per_s']:8.1f} {row['s_per_1000']:7.2f} {row['harness_s_per_1000']:7.2f} "
+                  f"{row['backend_s_per_1000']:7.2f} {row['tokenize_s_per_1000']:7.2f} {row['acc']:6.3f} "
                   f"{row['acc_norm']:8.3f} {row['same_choice']:11.3f}", flush=True)
 
 

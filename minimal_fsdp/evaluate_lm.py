@@ -1,10 +1,11 @@
 """Our model as an lm-evaluation-harness backend (lm_eval's TemplateLM), sharded over the ranks as it was loaded.
 
-Rank 0 runs the harness; every other rank serves it (serve()). For each batch rank 0 broadcasts the token rows,
-every rank scores an equal share of them with one forward call, and rank 0 gathers the scores. So every rank
-makes the same forward calls (FSDP's all-gathers meet), the batch is spread over the ranks as in training, and
-the harness runs exactly as in one process: its own rank splitting would give ranks different numbers of requests
-and batches, which the harness evens out only for some request types, and it would gather metrics again.
+Rank 0 runs the harness; every other rank serves it (serve()). For the harness's log-likelihood requests rank 0
+broadcasts the token rows once, every rank scores an equal share of them, batch after batch, and rank 0 gathers the
+scores once. So every rank makes the same forward calls (FSDP's all-gathers meet), each batch is spread over the
+ranks as in training, and the harness runs exactly as in one process: its own rank splitting would give ranks
+different numbers of requests and batches, which the harness evens out only for some request types, and it would
+gather metrics again.
 
 --batch_size is per rank, as lm_eval's hf backend counts it on each GPU. Log-likelihoods take one forward call
 per batch; generate_until decodes one sequence per rank at a time with the KV cache (its one position is
@@ -25,15 +26,16 @@ from .failures import MainRankFailed
 from .generate import DECODE_ATTENTION
 
 PAD = 0  # the id right-padding takes; its positions are never scored
+COMMAND_TOKENS = 1 << 22  # rows sent to the ranks at once: bounds the pickles and host memory of one broadcast
 
 
 def token_scores(x, weight, targets):
-    """Stands in for the model's loss (forward calls it inside FSDP's hooks, on the gathered output weight):
-    (log p(target), 1.0 if the target is the most likely token) at every position whose target is not -1, in
-    row-major order, computed in fp32. Only the scored positions are projected onto the vocabulary."""
-    keep = targets >= 0
-    logits = F.linear(x[keep], weight).float()
-    wanted = targets[keep]
+    """Stands in for the model's loss (forward calls it inside FSDP's hooks, on the gathered output weight).
+    targets: (positions, wanted): the flat indices of the positions of x (B, T) to score, in row-major order, and
+    the token wanted at each. Returns (log p(wanted), 1.0 if it is the most likely token) at each, computed in
+    fp32. Only those positions are projected onto the vocabulary; indexed, not masked, so the host never waits."""
+    positions, wanted = targets
+    logits = F.linear(x.flatten(0, 1)[positions], weight).float()
     picked = logits.log_softmax(dim=-1).gather(-1, wanted[:, None])[:, 0]
     return torch.stack([picked, (logits.argmax(dim=-1) == wanted).float()], dim=-1)
 
@@ -63,6 +65,7 @@ class ShardedLM(TemplateLM):
         self.model, self.tok, self._device, self.dtype = model, tokenizer, device, dtype
         self.batch_size, self.progress = batch_size, progress
         self.ranks, self.me = dist.get_world_size(), dist.get_rank()
+        self._encoded = None  # {text: token ids} during loglikelihood
 
     # --- what the harness asks of a model ---
 
@@ -84,7 +87,20 @@ class ShardedLM(TemplateLM):
         return 256  # lm_eval's default, as its hf backend
 
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
-        return self.tok.encode(string)
+        if self._encoded is None:
+            return self.tok.encode(string)
+        if string not in self._encoded:
+            self._encoded[string] = self.tok.encode(string)
+        return self._encoded[string]
+
+    def loglikelihood(self, requests, disable_tqdm=False):
+        """The harness's own (TemplateLM's), each distinct text tokenized once: it tokenizes an item's context
+        again for each of its choices."""
+        self._encoded = {}
+        try:
+            return super().loglikelihood(requests, disable_tqdm)
+        finally:
+            self._encoded = None
 
     def tok_decode(self, tokens):
         return self.tok.decode(tokens)
@@ -140,22 +156,29 @@ class ShardedLM(TemplateLM):
 
     def score(self, rows, disable_tqdm=True):
         """rows: (token ids, how many of the last ones to score) -> [(sum of their log-probs, all greedy)]. The
-        longest first (as the hf backend), so a batch pads little; batch_size rows per rank and forward call."""
+        longest first (as the hf backend), so a batch pads little; batch_size rows per rank and forward call.
+        One command for up to COMMAND_TOKENS tokens of rows, not one per batch: each is a collective or two."""
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         step = self.batch_size * self.ranks
-        results = [None] * len(rows)
-        for start in tqdm(range(0, len(order), step), disable=disable_tqdm or not self.progress,
-                          desc="loglikelihood batches"):
-            chunk = order[start:start + step]
-            for i, result in zip(chunk, self._command("score", [rows[i] for i in chunk])):
-                results[i] = result
+        results, start = [None] * len(rows), 0
+        with tqdm(total=-(-len(rows) // step), disable=disable_tqdm or not self.progress,
+                  desc="loglikelihood batches") as bar:
+            while start < len(order):
+                end, tokens = start, 0
+                while end < len(order) and (end == start or tokens < COMMAND_TOKENS):
+                    tokens += sum(len(rows[i][0]) for i in order[end:end + step])
+                    end += step
+                chunk = order[start:end]
+                for i, result in zip(chunk, self._command("score", [rows[i] for i in chunk], bar)):
+                    results[i] = result
+                start = end
         return results
 
-    def _command(self, kind, items):
+    def _command(self, kind, items, bar=None):
         """Rank 0: every rank works on its share of items; returns the results in the items' order."""
         if self.ranks > 1:
             dist.broadcast_object_list([(kind, items)], src=0)
-        return self._share(kind, items)
+        return self._share(kind, items, bar)
 
     def serve(self):
         """Ranks other than 0: do rank 0's commands until it is done; its error, if any, is raised here too."""
@@ -176,14 +199,14 @@ class ShardedLM(TemplateLM):
         if self.ranks > 1:
             dist.broadcast_object_list([("error", (error, bad_input)) if error else ("done", None)], src=0)
 
-    def _share(self, kind, items):
-        """This rank's items are every ranks-th from its own index (a sorted batch gives every rank rows of
-        similar length); a rank left without one runs a stand-in, so every rank makes the same calls."""
+    def _share(self, kind, items, bar=None):
+        """This rank's items are every ranks-th from its own index (sorted rows give every rank rows of similar
+        length in each batch); a rank left short runs stand-ins, so every rank makes the same calls."""
         mine = items[self.me::self.ranks]
         count = -(-len(items) // self.ranks)
         if kind == "score":
             stand_in = ([self.prefix_token_id] * 2, 1)
-            results = self._score_rows(mine + [stand_in] * (count - len(mine)))[:len(mine)]
+            results = self._score_rows(mine + [stand_in] * (count - len(mine)), bar)[:len(mine)]
         else:
             text = self._generate(mine[0] if mine else None)
             results = [text] if mine else []
@@ -195,21 +218,36 @@ class ShardedLM(TemplateLM):
         return [gathered[j % self.ranks][j // self.ranks] for j in range(len(items))]
 
     @torch.no_grad()
-    def _score_rows(self, rows):
-        width = max(len(tokens) for tokens, _ in rows) - 1
-        inputs = torch.full((len(rows), width), PAD, dtype=torch.long)
-        targets = torch.full((len(rows), width), -1, dtype=torch.long)
-        for i, (tokens, scored) in enumerate(rows):
-            inputs[i, :len(tokens) - 1] = torch.tensor(tokens[:-1])
-            targets[i, len(tokens) - 1 - scored:len(tokens) - 1] = torch.tensor(tokens[-scored:])
+    def _score_rows(self, rows, bar=None):
+        """One forward call per batch_size rows, queued without waiting for the device (the scores come back to
+        the host once, at the end), so the host prepares a batch while the device computes the last one."""
+        scores = []
         with scoring(self.model):
-            scores = self.model(inputs.to(self._device), targets.to(self._device)).cpu().double()
-        results, at = [], 0
-        for _, scored in rows:
-            logprobs, greedy = scores[at:at + scored].unbind(-1)
-            results.append((logprobs.sum().item(), bool(greedy.all())))
-            at += scored
-        return results
+            for start in range(0, len(rows), self.batch_size):
+                inputs, positions, wanted = map(self._to_device, self._batch(rows[start:start + self.batch_size]))
+                scores.append(self.model(inputs, (positions, wanted)))
+                if bar is not None:
+                    bar.update()
+        scores = torch.cat(scores).cpu().double()
+        row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([scored for _, scored in rows]))
+        sums = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, row, scores[:, 0])
+        misses = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, row, 1 - scores[:, 1])
+        return list(zip(sums.tolist(), (misses == 0).tolist()))
+
+    @staticmethod
+    def _batch(rows):
+        """Rows right-padded to the longest: (inputs (B, T), the flat positions to score, their wanted tokens)."""
+        width = max(len(tokens) for tokens, _ in rows) - 1
+        inputs = [tokens[:-1] + [PAD] * (width + 1 - len(tokens)) for tokens, _ in rows]
+        positions = [i * width + p for i, (tokens, scored) in enumerate(rows)
+                     for p in range(len(tokens) - 1 - scored, len(tokens) - 1)]
+        wanted = [token for tokens, scored in rows for token in tokens[-scored:]]
+        return torch.tensor(inputs), torch.tensor(positions), torch.tensor(wanted)
+
+    def _to_device(self, tensor):
+        if self._device.type != "cuda":
+            return tensor.to(self._device)
+        return tensor.pin_memory().to(self._device, non_blocking=True)  # a pageable copy would wait for the GPU
 
     @torch.no_grad()
     @sdpa_kernel(DECODE_ATTENTION)

@@ -273,6 +273,64 @@ def test_scores_of_a_padded_batch_are_each_sequence_alone(one_rank_group):
     assert model.training  # scoring puts the model back as it found it
 
 
+def test_rows_reach_the_ranks_in_commands_of_many_batches(one_rank_group, monkeypatch):
+    """score() hands the ranks one command (a broadcast and a gather when there are several ranks) per
+    COMMAND_TOKENS tokens of rows, not one per batch; split into several commands the scores are the same."""
+    from minimal_fsdp import evaluate_lm
+    from minimal_fsdp.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, seq_length=16, num_layers=2, num_heads=2, embed_size=16))
+
+    class Tokenizer:
+        kind, eot_id, bos_id = "test", 0, None
+    lm = evaluate_lm.ShardedLM(model, Tokenizer(), torch.device("cpu"), batch_size=2)
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(11):
+        length = int(torch.randint(2, 17, (1,), generator=generator))
+        rows.append((torch.randint(1, 50, (length,), generator=generator).tolist(), 1 + length // 3))
+    commands = []
+    command = lm._command
+    monkeypatch.setattr(lm, "_command", lambda kind, items, *rest: commands.append(len(items)) or
+                        command(kind, items, *rest))
+    whole = lm.score(rows)
+    assert commands == [11]  # 6 batches of 2, one command
+    commands.clear()
+    monkeypatch.setattr(evaluate_lm, "COMMAND_TOKENS", 30)
+    assert [pytest.approx(result) for result in lm.score(rows)] == whole
+    assert len(commands) > 2 and sum(commands) == 11 and all(n % 2 == 0 for n in commands[:-1])
+
+
+def test_each_distinct_text_is_tokenized_once_per_loglikelihood_call(one_rank_group, monkeypatch):
+    """The harness tokenizes an item's context once for each of its choices (and the context with each choice):
+    our loglikelihood tokenizes each distinct text once, and hands _loglikelihood_tokens the same token ids."""
+    from lm_eval.api.instance import Instance
+    from minimal_fsdp.evaluate_lm import ShardedLM
+    encoded = []
+
+    class Tokenizer:
+        kind, eot_id, bos_id = "test", 0, None
+
+        def encode(self, text):
+            encoded.append(text)
+            return list(text.encode())
+    lm = ShardedLM(None, Tokenizer(), torch.device("cpu"))
+    handed = []
+    monkeypatch.setattr(lm, "_loglikelihood_tokens", lambda requests, disable_tqdm=False: handed.extend(requests)
+                        or [(0.0, True)] * len(requests))
+    items = [("The king said ", [" yes.", " no.", "nothing", " yes."]), ("A lady, ", [" good night", " sweet"])]
+    requests = [Instance("loglikelihood", {}, (context, choice), i) for context, choices in items for i, choice in
+                enumerate(choices)]
+    assert lm.loglikelihood(requests, disable_tqdm=True) == [(0.0, True)] * 6
+    # the harness moves a context's trailing space to the continuation; each distinct text once
+    assert sorted(encoded) == sorted({"The king said", "A lady,", "The king said  yes.", "The king said  no.",
+                                      "The king said nothing", "A lady,  good night", "A lady,  sweet"})
+    for (context, choice), context_ids, choice_ids in handed:
+        context, choice = context.rstrip(), context[len(context.rstrip()):] + choice
+        assert (context_ids, choice_ids) == (list(context.encode()), list(choice.encode()))
+    assert lm._encoded is None and lm.tok_encode("x") == [120]  # nothing kept after the call
+
+
 def test_eval_tasks_that_cannot_run_stop_before_training():
     from minimal_fsdp import config_checks
     from minimal_fsdp.config import Config
