@@ -1,7 +1,7 @@
 """How far a run has trained, answered without importing torch: `python -m minimal_fsdp.progress [the run's
 training flags]` prints "STEP LAST_STEP" of the run's newest complete checkpoint ("0 none" without one). The PBS
-and SLURM job chains ask it twice a job (is the run done? did this job get anywhere?); importing torch cost each
-question 2-5 s, 23 s on a loaded 2-core machine.
+and SLURM job chains ask it twice a job (is the run done? did this job get anywhere?); importing torch made each
+question take 5 s on a 2-core machine (10 s under load), against 0.2 s without.
 
 Complete here means, in the order resume tries the checkpoints: meta.json passes its schema with the keys a run
 reads (checkpoint_meta, as verify reads it), every file it records is a regular file of the size recorded at

@@ -1,7 +1,7 @@
 """Job chains (CHAIN=1) of the PBS and SLURM scripts, under a stand-in scheduler: qsub/sbatch queue the
 successor, the test runs the queue in order. Three jobs of one step each (--time_limit 00:00:00 stops a job
 after its first step, deterministically) train one 3-step run whose logged losses equal, bit for bit, those of
-the same run trained in one go."""
+the same run trained in one go; so does a chain past a checkpoint damaged where progress.py cannot see it."""
 import json
 import os
 import re
@@ -12,6 +12,8 @@ import pytest
 
 from conftest import ENTRY, ROOT, TINY_MODEL, launch, make_text, mpiexec
 from fake_launchers import install_fakes, run_session
+from minimal_fsdp import checkpoint_find
+from test_checkpoint import flip_a_byte
 
 STEPS = 3
 # Settings a job gets only from the scheduler (qsub -v, or sbatch's exported environment), never from the test.
@@ -131,3 +133,32 @@ def test_slurm_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, 
     # The message names the --time_limit that applies: the flags' own.
     assert "--time_limit 00:00:00 (yours; the time left would allow 00:53:30)" in outputs[0]
     assert all(" ".join(argv).endswith("--time_limit 00:00:00") for argv in srun)
+
+
+@pytest.mark.slow
+def test_a_chain_stops_at_a_checkpoint_damaged_where_progress_cannot_see_and_a_resubmit_finishes(tmp_path, corpus,
+                                                                                                straight):
+    """progress.py does not read the shards' bytes (docs/checkpoints.md). A job that starts where it names a
+    checkpoint with a damaged shard resumes from the one before, saves that step again and stops: the chain stops
+    as if the job made no progress. Nothing is lost: the job submitted again finishes the run, losses unchanged."""
+    env = dict(base_env(tmp_path), SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST=socket.gethostname(),
+               SLURM_SUBMIT_DIR=str(tmp_path), ENTRY=str(ENTRY), CHAIN="1",
+               JOB_SCRIPT=str(ROOT / "slurm" / "train.sbatch"))
+
+    def job(job_id):
+        result = run_session(["bash", env["JOB_SCRIPT"], *run_args(corpus), "--time_limit", "00:00:00"],
+                             dict(env, SLURM_JOB_ID=job_id), tmp_path)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result
+
+    assert "chain: at step 1 of 3; submitting the next job" in job("1").stdout
+    assert "chain: at step 2 of 3; submitting the next job" in job("2").stdout
+    step_2 = tmp_path / "checkpoints" / "chain" / "step_2"
+    flip_a_byte(step_2 / "__0_0.distcp")
+    third = job("3")
+    assert "the run is at step 2" in third.stdout and "resuming from checkpoints/chain/step_1" in third.stdout
+    assert "__0_0.distcp does not match its checksum" in third.stderr
+    assert "chain: stops: this job made no progress (still at step 2)" in third.stderr
+    assert checkpoint_find.verify(step_2) is None  # saved again, whole
+    assert "chain: the run reached its last step (3)" in job("4").stdout
+    assert list(dict.fromkeys(logged(tmp_path))) == straight  # step 2 trained twice, alike
