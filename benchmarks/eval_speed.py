@@ -9,8 +9,11 @@ scores ITEMS four-way items of hellaswag's lengths with
   hf        what lm_eval --model hf --model_args pretrained=<export>,dtype=bfloat16 --device cuda:0 --batch_size B
             builds (HFLM.create_from_arg_string), run by the harness's simple_evaluate
 Seconds are the evaluation's (the harness's total_evaluation_time_seconds, its tracker made once the model is
-loaded, alike for both) and the whole command's (start, loading, evaluation). The accuracies should agree; "same
-choice" is the share of items where both backends pick the same answer (bf16 may flip near-ties).
+loaded, alike for both) and the whole command's (start, loading, evaluation). Each evaluation is split (per 1,000
+items) into the backend's share, the seconds inside the harness's calls of its loglikelihood (tokenizing, batching,
+the model, the results; "tokens": of which tokenizing), and the harness's own, the rest (building requests from
+templates, metrics, its results). The accuracies should agree; "same choice" is the share of items where both
+backends pick the same answer (bf16 may flip near-ties).
 
     python3 benchmarks/eval_speed.py                       # on the GPU machine: both shapes, N=4, 1000 items
     python3 benchmarks/eval_speed.py --shapes tiny --device cpu --ranks 2 --items 40 --precision float32

@@ -251,23 +251,26 @@ def test_unknown_task_and_missing_harness_are_one_line(trained, single_process, 
         evaluate.harness()
 
 
-def test_scores_of_a_padded_batch_are_each_sequence_alone(one_rank_group):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_scores_of_a_padded_batch_are_each_sequence_alone(one_rank_group, device):
     """Independent of the harness: rows of different lengths in one forward call (right-padded, only the
-    continuation projected onto the vocabulary) score as each row alone through the model's full logits."""
+    continuation projected onto the vocabulary) score as each row alone through the model's full logits. On a GPU
+    the batches go from pinned memory without waiting, and the scores come back once."""
     from minimal_fsdp.evaluate_lm import ShardedLM
     from minimal_fsdp.model import GPT, GPTConfig
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, seq_length=16, num_layers=2, num_heads=2, embed_size=16))
+    model = GPT(GPTConfig(vocab_size=50, seq_length=16, num_layers=2, num_heads=2, embed_size=16)).to(device)
 
     class Tokenizer:
         kind, eot_id, bos_id = "test", 0, None
-    lm = ShardedLM(model, Tokenizer(), torch.device("cpu"), batch_size=4)
-    rows = [([1, 2, 3, 4, 5], 2), ([7, 8], 1), (list(range(1, 18)), 16), ([9, 9, 9, 9], 3)]
+    lm = ShardedLM(model, Tokenizer(), torch.device(device), batch_size=2)
+    rows = [([1, 2, 3, 4, 5], 2), ([7, 8], 1), (list(range(1, 18)), 16), ([9, 9, 9, 9], 3), ([5, 6, 7], 2)]
     got = lm.score(rows)
     for (tokens, scored), (logprob, greedy) in zip(rows, got):
-        hidden = model.trunk(torch.tensor([tokens[:-1]]))
+        hidden = model.trunk(torch.tensor([tokens[:-1]], device=device))
         logits = torch.log_softmax(hidden @ model.wte.weight.T, dim=-1)[0, -scored:]
-        wanted = torch.tensor(tokens[-scored:])
+        wanted = torch.tensor(tokens[-scored:], device=device)
         assert logprob == pytest.approx(logits.gather(-1, wanted[:, None]).sum().item(), rel=1e-5)
         assert greedy == bool((logits.argmax(-1) == wanted).all())
     assert model.training  # scoring puts the model back as it found it
