@@ -218,8 +218,8 @@ def bench(shape, args, work, pythonpath):
                     "--output_path", run / "ours", "--log_samples"], env, run / "ours.log")
     dtype = "bfloat16" if args.precision == "bf16" else "float32"
     device = "cuda:0" if args.device == "cuda" else "cpu"
-    hf_s = timed([sys.executable, "-c", HF_RUN, run / "hf_split.json", run / "hf", dtype, device, str(args.batch_size), work, run / "theirs"],
-                 env, run / "hf.log")
+    hf_s = timed([sys.executable, "-c", HF_RUN, run / "hf_split.json", run / "hf", dtype, device, str(args.batch_size),
+                  work, run / "theirs"], env, run / "hf.log")
     (ours, ours_chosen), (theirs, their_chosen) = results(run / "ours"), results(run / "theirs")
     same = sum(ours_chosen[i] == their_chosen.get(i) for i in ours_chosen) / len(ours_chosen)
     rows = []
@@ -266,9 +266,10 @@ def main():
             with open(out / "eval_speed.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{row['shape']:8} {row['backend']:7} {row['gpus']:4d} {row['items']:5d} {row['eval_s']:8.2f} "
-                  f"{row['whole_s']:8.1f} {row['items_per_s']:8.1f} {row['s_per_1000']:7.2f} {row['harness_s_per_1000']:7.2f} "
-                  f"{row['backend_s_per_1000']:7.2f} {row['tokenize_s_per_1000']:7.2f} {row['acc']:6.3f} "
-                  f"{row['acc_norm']:8.3f} {row['same_choice']:11.3f}", flush=True)
+                  f"{row['whole_s']:8.1f} {row['items_per_s']:8.1f} {row['s_per_1000']:7.2f} "
+                  f"{row['harness_s_per_1000']:7.2f} {row['backend_s_per_1000']:7.2f} "
+                  f"{row['tokenize_s_per_1000']:7.2f} {row['acc']:6.3f} {row['acc_norm']:8.3f} "
+                  f"{row['same_choice']:11.3f}", flush=True)
 
 
 if __name__ == "__main__":
