@@ -1,7 +1,8 @@
 """The model families and how a run's flags pick a model's shape.
 
 MODELS is the one table of families: "gpt" (model.GPT) and "llama" (llama.Llama). Each class carries its config
-class (model_configs.py, which imports no torch) and its presets, and a checkpoint's meta.json records the family as "model_type".
+class (model_configs.py, which imports no torch) and its presets, and a checkpoint's meta.json records the family
+as "model_type".
 """
 import dataclasses
 
