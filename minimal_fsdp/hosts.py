@@ -21,6 +21,10 @@ import torch.distributed as dist
 from .config import ConfigError
 
 SIOCGIFADDR, SIOCGIFNETMASK = 0x8915, 0x891B  # <linux/sockios.h>: the IPv4 address and netmask of an interface
+# NCCL over TCP (hosts without InfiniBand or an OFI plugin, which ignore these): NCCL's defaults, one thread with one
+# socket per connection, moved gossip's send/receive at 13 of 24 Gbit/s and an all-reduce at 19; 2 threads of 4
+# sockets each moved both at the link's rate (benchmarks/link_probe.py, 2 hosts x 1 GPU). The user's values stay.
+NCCL_SOCKET_DEFAULTS = {"NCCL_SOCKET_NTHREADS": "2", "NCCL_NSOCKS_PERTHREAD": "4"}
 
 
 def _ioctl_address(name, request):
@@ -50,10 +54,12 @@ def route_source(address):
 
 def pick_interface(master_addr, num_nodes, environ=os.environ):
     """On several hosts, the interface gloo and NCCL use: GLOO_SOCKET_IFNAME if set (checked), else the one on
-    the route to master_addr, exported as GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME unless set). Returns a line
-    for the log, or None on one host."""
+    the route to master_addr, exported as GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME unless set); NCCL's socket
+    threads as NCCL_SOCKET_DEFAULTS unless set. Returns a line for the log, or None on one host."""
     if num_nodes <= 1:
         return None
+    for key, value in NCCL_SOCKET_DEFAULTS.items():
+        environ.setdefault(key, value)
     found = interfaces()
     given = environ.get("GLOO_SOCKET_IFNAME")
     if given:
