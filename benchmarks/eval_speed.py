@@ -9,11 +9,12 @@ scores ITEMS four-way items of hellaswag's lengths with
   hf        what lm_eval --model hf --model_args pretrained=<export>,dtype=bfloat16 --device cuda:0 --batch_size B
             builds (HFLM.create_from_arg_string), run by the harness's simple_evaluate
 Seconds are the evaluation's (the harness's total_evaluation_time_seconds, its tracker made once the model is
-loaded, alike for both) and the whole command's (start, loading, evaluation). Each evaluation is split (per 1,000
-items) into the backend's share, the seconds inside the harness's calls of its loglikelihood (tokenizing, batching,
-the model, the results; "tokens": of which tokenizing), and the harness's own, the rest (building requests from
-templates, metrics, its results). The accuracies should agree; "same choice" is the share of items where both
-backends pick the same answer (bf16 may flip near-ties).
+loaded, alike for both) and the whole command's (start, loading, evaluation; "outside": the whole less the
+evaluation, in seconds, not per item). Each evaluation is split (per 1,000 items) into the backend's share, the
+seconds inside the harness's calls of its loglikelihood (tokenizing, batching, the model, the results; "tokens": of
+which tokenizing), and the harness's own, the rest ("requests": building them from the task's templates;
+"results": each item's metrics; the remainder its aggregation and notes). The accuracies should agree; "same
+choice" is the share of items where both backends pick the same answer (bf16 may flip near-ties).
 
     python3 benchmarks/eval_speed.py                       # on the GPU machine: both shapes, N=4, 1000 items
     python3 benchmarks/eval_speed.py --shapes tiny --device cpu --ranks 2 --items 40 --precision float32
@@ -150,23 +151,30 @@ def results(folder):
 
 
 # Both runs time their backend's share of the evaluation: the harness's calls of lm.loglikelihood (tokenizing,
-# batching, the model, the results), of which tok_encode; the rest of the evaluation is the harness's own.
+# batching, the model, the results), of which tokenizing (tok_encode; ours also encode_all); and of the harness's
+# own, building the requests (Task.build_all_requests: templates, few-shot contexts) and each item's metrics
+# (Task.process_results); the rest of the evaluation is the harness's aggregation, logging and environment notes.
 TIMERS = """
 import atexit, json, sys, time
-split_file, spent = sys.argv.pop(1), {"backend_s": 0.0, "tokenize_s": 0.0, "loglikelihood_calls": 0}
-def timer(cls, name, key):
-    inner = getattr(cls, name)
-    def timed(self, *args, **kwargs):
+split_file = sys.argv.pop(1)
+spent = {"backend_s": 0.0, "tokenize_s": 0.0, "requests_s": 0.0, "results_s": 0.0, "loglikelihood_calls": 0}
+def timer(owner, name, key):
+    inner = getattr(owner, name)
+    def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return inner(self, *args, **kwargs)
+            return inner(*args, **kwargs)
         finally:
             spent[key] += time.perf_counter() - start
             spent["loglikelihood_calls"] += name == "loglikelihood"
-    setattr(cls, name, timed)
-def timed_backend(cls):
+    setattr(owner, name, timed)
+def timed_backend(cls, *tokenizing):
+    from lm_eval.api.task import ConfigurableTask
     timer(cls, "loglikelihood", "backend_s")
-    timer(cls, "tok_encode", "tokenize_s")
+    for owner, name in ((cls, "tok_encode"), *tokenizing):
+        timer(owner, name, "tokenize_s")
+    timer(ConfigurableTask, "build_all_requests", "requests_s")
+    timer(ConfigurableTask, "process_results", "results_s")
     # rank 0 runs the harness; the other ranks of ours never call loglikelihood
     atexit.register(lambda: spent["loglikelihood_calls"] and open(split_file, "w").write(json.dumps(spent)))
 """
@@ -175,8 +183,9 @@ def timed_backend(cls):
 OURS_RUN = TIMERS + """
 import transformers
 from minimal_fsdp import evaluate
+from minimal_fsdp import evaluate_lm
 from minimal_fsdp.evaluate_lm import ShardedLM
-timed_backend(ShardedLM)
+timed_backend(ShardedLM, (evaluate_lm, "encode_all"))
 evaluate.main(sys.argv[1:])
 """
 HF_RUN = TIMERS + """
@@ -231,8 +240,10 @@ def bench(shape, args, work, pythonpath):
         rows.append(dict(shape=shape, backend=name, gpus=gpus, items=args.items, eval_s=seconds, whole_s=whole,
                          items_per_s=args.items / seconds, s_per_1000=per_1000 * seconds,
                          harness_s_per_1000=per_1000 * (seconds - split["backend_s"]),
+                         requests_s_per_1000=per_1000 * split["requests_s"],
+                         results_s_per_1000=per_1000 * split["results_s"],
                          backend_s_per_1000=per_1000 * split["backend_s"],
-                         tokenize_s_per_1000=per_1000 * split["tokenize_s"],
+                         tokenize_s_per_1000=per_1000 * split["tokenize_s"], outside_eval_s=whole - seconds,
                          acc=score["acc,none"], acc_norm=score["acc_norm,none"], same_choice=same))
     return rows
 
@@ -259,7 +270,8 @@ def main():
     fit_tokenizer(work / "tokenizer")
     write_task(work, args.items)
     print(f"{'shape':8} {'backend':7} {'GPUs':>4} {'items':>5} {'eval s':>8} {'whole s':>8} {'items/s':>8} "
-          f"{'s/1000':>7} {'harness':>7} {'backend':>7} {'tokens':>7} {'acc':>6} {'acc_norm':>8} {'same choice':>11}",
+          f"{'s/1000':>7} {'harness':>7} {'requests':>8} {'results':>7} {'backend':>7} {'tokens':>7} {'outside':>7} "
+          f"{'acc':>6} {'acc_norm':>8} {'same choice':>11}",
           flush=True)
     for shape in args.shapes:
         for row in bench(shape, args, work, pythonpath):
@@ -267,9 +279,10 @@ def main():
                 f.write(json.dumps(row) + "\n")
             print(f"{row['shape']:8} {row['backend']:7} {row['gpus']:4d} {row['items']:5d} {row['eval_s']:8.2f} "
                   f"{row['whole_s']:8.1f} {row['items_per_s']:8.1f} {row['s_per_1000']:7.2f} "
-                  f"{row['harness_s_per_1000']:7.2f} {row['backend_s_per_1000']:7.2f} "
-                  f"{row['tokenize_s_per_1000']:7.2f} {row['acc']:6.3f} {row['acc_norm']:8.3f} "
-                  f"{row['same_choice']:11.3f}", flush=True)
+                  f"{row['harness_s_per_1000']:7.2f} {row['requests_s_per_1000']:8.2f} "
+                  f"{row['results_s_per_1000']:7.2f} {row['backend_s_per_1000']:7.2f} "
+                  f"{row['tokenize_s_per_1000']:7.2f} {row['outside_eval_s']:7.1f} {row['acc']:6.3f} "
+                  f"{row['acc_norm']:8.3f} {row['same_choice']:11.3f}", flush=True)
 
 
 if __name__ == "__main__":

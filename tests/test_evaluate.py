@@ -29,11 +29,21 @@ FLAGS = ["--tasks", ",".join(TASKS), "--include_path", DATA, "--batch_size", 3, 
 
 
 def hf_backend(directory):
-    """The reference: lm_eval's own transformers backend, one sequence at a time (no padding)."""
+    """The reference: lm_eval's own transformers backend, one sequence at a time (no padding), its templates
+    rendered by the harness's own apply_template, not the one evaluate.harness() installs."""
     from lm_eval.tasks import TaskManager
-    return lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={directory},dtype=float32", tasks=TASKS,
-                                   task_manager=TaskManager(include_path=str(DATA), include_defaults=False),
-                                   batch_size=1, device="cpu", log_samples=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lm_eval.utils, "apply_template", harness_apply_template())
+        return lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={directory},dtype=float32",
+                                       tasks=TASKS, task_manager=TaskManager(include_path=str(DATA),
+                                                                             include_defaults=False),
+                                       batch_size=1, device="cpu", log_samples=True)
+
+
+def harness_apply_template():
+    """lm_eval.utils.apply_template as the harness ships it (which compiles the template for every document)."""
+    import lm_eval.utils
+    return getattr(lm_eval.utils.apply_template, "__wrapped__", lm_eval.utils.apply_template)
 
 
 @pytest.fixture(scope="module")
@@ -332,6 +342,85 @@ def test_each_distinct_text_is_tokenized_once_per_loglikelihood_call(one_rank_gr
         context, choice = context.rstrip(), context[len(context.rstrip()):] + choice
         assert (context_ids, choice_ids) == (list(context.encode()), list(choice.encode()))
     assert lm._encoded is None and lm.tok_encode("x") == [120]  # nothing kept after the call
+
+
+def test_all_texts_encoded_at_once_as_one_at_a_time(tmp_path, monkeypatch):
+    """encode_all (the batch encoder of the library each of our tokenizers wraps) gives every text exactly as that
+    tokenizer's encode does, for each kind, empty and whitespace-only texts too, and also where a tokenizer.json
+    asks a batch to be padded (a text alone is not)."""
+    import tokenizer_dirs
+    from minimal_fsdp.evaluate_lm import encode_all
+    from minimal_fsdp.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
+    texts = tokenizer_dirs.MIXED + ["", "   ", "The king said", "The king said  yes.", "<|endoftext|> x"]
+    tokenizer_dirs.stub_gpt2_encoding(monkeypatch)
+    padded = load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "padded"))
+    padded.tok.enable_padding()  # to the longest of a batch
+    tokenizers = [load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "json")), padded,
+                  load_tokenizer(tokenizer_dirs.write_vocab_merges(tmp_path / "merges")),
+                  load_tokenizer(tokenizer_dirs.write_sentencepiece(tmp_path / "sp")),
+                  load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tiktoken")[0]), GPT2Tokenizer(),
+                  CharTokenizer(sorted(set("".join(texts))))]
+    assert [tok.kind for tok in tokenizers] == ["hf"] * 3 + ["sentencepiece", "tiktoken", "gpt2", "char"]
+    for tok in tokenizers:
+        assert encode_all(tok, texts) == [tok.encode(text) for text in texts], tok.kind
+        assert encode_all(tok, []) == []
+
+
+# A few-shot multiple-choice task whose templates use a filter, a condition and a description.
+TEMPLATED = """task: tiny_templated
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: DATA
+test_split: test
+output_type: multiple_choice
+num_fewshot: 2
+description: "Choose{% if answer > 1 %} late{% endif %}.\\n\\n"
+doc_to_text: "{{question | regex_replace('[aeiou]', '*') | upper}}\\nAnswer:"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def test_templates_compiled_once_render_as_the_harness_renders(tmp_path, monkeypatch):
+    """evaluate.harness() has lm_eval compile each distinct Jinja template once, not once per document: every
+    request the harness builds for the shipped local tasks (and a few-shot task with a filter, a condition and a
+    description) is the same as with the harness's own apply_template, and so is each document's text, target
+    and choices."""
+    import lm_eval.utils
+    from lm_eval.tasks import TaskManager
+    for name, value in OFFLINE.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(ROOT)  # the shipped tasks' data_files are relative to it
+    (tmp_path / "tiny_templated.yaml").write_text(TEMPLATED.replace("DATA", str(DATA / "tiny_mc.jsonl")))
+    names = TASKS + ["tiny_templated"]
+    compiled = []
+    from_string = lm_eval.utils.env.from_string
+    monkeypatch.setattr(lm_eval.utils.env, "from_string", lambda source, *rest: compiled.append(source) or
+                        from_string(source, *rest))
+
+    def built():
+        tasks = TaskManager(include_path=[str(DATA), str(tmp_path)], include_defaults=False).load(names)["tasks"]
+        found = {}
+        for name in names:
+            task = tasks[name]
+            task.set_fewshot_seed(seed=1234)
+            task.build_all_requests()
+            found[name] = [(i.request_type, i.doc_id, i.idx, i.args) for i in task.instances]
+            found[name] += [(task.doc_to_text(doc), task.doc_to_target(doc),
+                             task.doc_to_choice(doc) if task.config.doc_to_choice else None) for doc in task.eval_docs]
+        return found
+    monkeypatch.setattr(lm_eval.utils, "apply_template", harness_apply_template())
+    reference = built()
+    documents = 24 * 3 + 8  # tiny_mc.jsonl for three tasks, tiny_ppl.txt
+    assert len(compiled) > documents  # the harness's own: a compilation per document and template
+    assert len(reference["tiny_templated"]) == 24 * 5 and "\nAnswer:" in reference["tiny_templated"][0][3][0]
+    compiled.clear()
+    evaluate.compile_templates_once(lm_eval.utils)
+    assert built() == reference
+    assert sorted(compiled) == sorted(set(compiled)) and len(compiled) < 10  # each template once
 
 
 def test_eval_tasks_that_cannot_run_stop_before_training():
