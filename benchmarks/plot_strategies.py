@@ -65,7 +65,9 @@ def main():
     except ImportError:
         sys.exit("error: plotting needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
     runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
-    runs = [r for r in runs if r["model"] == args.model and r.get("tokens_per_s") and r.get("gbps_set")]
+    runs = [r for r in runs if r.get("model") == args.model and r.get("tokens_per_s") and r.get("gbps_set")]
+    # A later run of the same setting supersedes an earlier one (a rerun after a change, e.g. NCCL's sockets).
+    runs = list({(r["gbps_set"], r["strategy"]): r for r in runs}.values())
     if not runs:
         sys.exit(f"error: {args.results} has no timed run of {args.model} on a shaped link")
     hosts, per_host = runs[0]["hosts"], runs[0]["gpus_per_host"]
