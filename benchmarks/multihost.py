@@ -63,6 +63,9 @@ def parse():
                         help=f"of {', '.join(STRATEGIES)}")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
+    parser.add_argument("--log_interval", type=int, default=1,
+                        help="training's; a row's step time is its interval's mean, so a decentralized run's "
+                             "consensus all-reduce (each logging step) counts once per interval, as in training")
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--extra", default="", help="more training flags, e.g. '--compile'")
     parser.add_argument("--no_p2p", action="store_true", help="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 everywhere")
@@ -136,7 +139,7 @@ def probe(args, cluster, gbps):
 def run_one(args, cluster, model, strategy, run_name):
     """One training run over every host; returns its result (medians after --warmup steps, final val loss)."""
     work = Path(args.work)
-    flags = [*MODELS[model], *STRATEGIES[strategy], "--max_steps", args.steps, "--log_interval", 1,
+    flags = [*MODELS[model], *STRATEGIES[strategy], "--max_steps", args.steps, "--log_interval", args.log_interval,
              "--eval_interval", 0, "--num_tokens", 0, "--checkpoint_interval", 0, "--run_name", run_name,
              "--data_dir", work / "data", "--log_dir", work / "logs", "--checkpoint_dir", work / "checkpoints",
              *([] if args.tiny else ["--precision", args.precision]), *args.extra.split()]
@@ -169,7 +172,7 @@ def main():
         args.models, args.gpus_per_host = "tiny", 1
     Path(args.work).mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+                            text=True).stdout.strip() or os.environ.get("MINIMAL_FSDP_COMMIT", "")  # a git archive
     device = "cpu"
     if not args.tiny:
         import torch
@@ -197,6 +200,7 @@ def main():
                     result = dict(hosts=args.hosts, gpus_per_host=args.gpus_per_host, gbps_set=gbps if shaped else 0,
                                   link_gbps=link, model=model, strategy=strategy, commit=commit, device=device,
                                   p2p=not args.no_p2p, date=time.strftime("%Y-%m-%d"),
+                                  **({"log_interval": args.log_interval} if args.log_interval != 1 else {}),
                                   **run_one(args, cluster, model, strategy, name))
                     with open(args.out, "a") as f:
                         f.write(json.dumps(result) + "\n")

@@ -38,7 +38,7 @@ def parse():
     parser.add_argument("--model", default="gpt2", choices=tuple(PLANNER_FLAGS))
     parser.add_argument("--gpu_type", default="H200", choices=tuple(step_time.CARDS))
     parser.add_argument("--compile", action="store_true", help="the runs were compiled: the compiled MFU")
-    parser.add_argument("--log_interval", type=int, default=1, help="the runs' (multihost.py logs every step)")
+    parser.add_argument("--log_interval", type=int, default=1, help="the runs' (multihost.py's --log_interval)")
     parser.add_argument("--out", default=ROOT / "docs" / "strategies.svg", type=Path)
     return parser.parse_args()
 
@@ -65,7 +65,8 @@ def main():
     except ImportError:
         sys.exit("error: plotting needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
     runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
-    runs = [r for r in runs if r.get("model") == args.model and r.get("tokens_per_s") and r.get("gbps_set")]
+    runs = [r for r in runs if r.get("model") == args.model and r.get("tokens_per_s") and r.get("gbps_set")
+            and r.get("log_interval", 1) == args.log_interval]
     # A later run of the same setting supersedes an earlier one (a rerun after a change, e.g. NCCL's sockets).
     runs = list({(r["gbps_set"], r["strategy"]): r for r in runs}.values())
     if not runs:
