@@ -151,7 +151,7 @@ def results(folder):
 
 
 # Both runs time their backend's share of the evaluation: the harness's calls of lm.loglikelihood (tokenizing,
-# batching, the model, the results), of which tokenizing (tok_encode; ours also encode_all); and of the harness's
+# batching, the model, the results), of which tokenizing (tok_encode; ours also its tokenizer's encode_batch); and of the harness's
 # own, building the requests (Task.build_all_requests: templates, few-shot contexts) and each item's metrics
 # (Task.process_results); the rest of the evaluation is the harness's aggregation, logging and environment notes.
 TIMERS = """
@@ -183,9 +183,10 @@ def timed_backend(cls, *tokenizing):
 OURS_RUN = TIMERS + """
 import transformers
 from minimal_fsdp import evaluate
-from minimal_fsdp import evaluate_lm
+from minimal_fsdp import tokenizer, tokenizer_files
 from minimal_fsdp.evaluate_lm import ShardedLM
-timed_backend(ShardedLM, (evaluate_lm, "encode_all"))
+timed_backend(ShardedLM, *((cls, "encode_batch") for cls in (tokenizer.CharTokenizer, tokenizer.GPT2Tokenizer,
+              tokenizer.SentencePieceTokenizer, tokenizer_files.HFTokenizer, tokenizer_files.TiktokenTokenizer)))
 evaluate.main(sys.argv[1:])
 """
 HF_RUN = TIMERS + """

@@ -40,19 +40,6 @@ def token_scores(x, weight, targets):
     return torch.stack([picked, (logits.argmax(dim=-1) == wanted).float()], dim=-1)
 
 
-def encode_all(tok, texts):
-    """[tok.encode(text) for text in texts], by the batch encoder of the library that each of our tokenizers
-    wraps (tokenizers', tiktoken's and sentencepiece's run in threads outside the GIL; ours have no batch call):
-    a four-way item takes five encodings, at about 0.1 ms each on one core."""
-    if tok.kind == "hf" and tok.tok.padding is None:  # a batch pads, where one text alone would not
-        return [encoding.ids for encoding in tok.tok.encode_batch(texts, add_special_tokens=False)]
-    if tok.kind in ("gpt2", "tiktoken"):  # encode_ordinary, as their encode
-        return tok.enc.encode_ordinary_batch(texts)
-    if tok.kind == "sentencepiece":
-        return tok.sp.encode(texts)
-    return [tok.encode(text) for text in texts]
-
-
 @contextmanager
 def scoring(model):
     """The model in eval mode with token_scores as its loss; as it was afterwards (training resumes from here)."""
@@ -115,7 +102,7 @@ class ShardedLM(TemplateLM):
         texts = {}
         for context, continuation in (request.args for request in requests):
             texts.update(dict.fromkeys((context.rstrip(), context + continuation) if context else (continuation,)))
-        self._encoded = dict(zip(texts, encode_all(self.tok, list(texts))))
+        self._encoded = dict(zip(texts, self.tok.encode_batch(list(texts))))
         try:
             return super().loglikelihood(requests, disable_tqdm)
         finally:

@@ -1,6 +1,7 @@
 """
 Tokenizers behind one tiny interface: .kind, .vocab_size, .eot_id (end of text, or None), .bos_id (or None),
-.label (names a prepared dataset's directory), encode(text) -> list[int], decode(ids) -> str, save(directory).
+.label (names a prepared dataset's directory), encode(text) -> list[int], encode_batch(texts) (the same, in the
+library's threads where it has them), decode(ids) -> str, save(directory).
 
 Fit or fetched here (--tokenizer): char, gpt2 (tiktoken's BPE) and sentencepiece (trained on the text).
 Brought by a directory (load_tokenizer; --tokenizer_dir, --hf_model), looked for in this order:
@@ -53,6 +54,9 @@ class CharTokenizer:
                 f"character {ch!r} (U+{ord(ch):04X}) is not in the --tokenizer char vocabulary "
                 f"built from the training text: rebuild it from text that contains it, "
                 f"or use --tokenizer gpt2 / sentencepiece") from None
+
+    def encode_batch(self, texts):
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
@@ -128,6 +132,10 @@ class GPT2Tokenizer:
         # ordinary: a literal "<|endoftext|>" in the data is just text, not the special token
         return self.enc.encode_ordinary(text)
 
+    def encode_batch(self, texts):
+        """[encode(text) for text in texts], in tiktoken's threads (outside the GIL)."""
+        return self.enc.encode_ordinary_batch(texts)
+
     def decode(self, ids):
         return self.enc.decode(list(ids))
 
@@ -152,6 +160,10 @@ class SentencePieceTokenizer:
 
     def encode(self, text):
         return self.sp.encode(text)
+
+    def encode_batch(self, texts):
+        """[encode(text) for text in texts], in sentencepiece's threads."""
+        return self.sp.encode(list(texts))
 
     def decode(self, ids):
         return self.sp.decode(list(ids))

@@ -67,6 +67,13 @@ class HFTokenizer:
     def encode(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts):
+        """[encode(text) for text in texts], in the library's threads; one at a time where the tokenizer.json asks
+        for padding, which a batch would add and one text alone would not."""
+        if self.tok.padding is not None:
+            return [self.encode(text) for text in texts]
+        return [encoding.ids for encoding in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids):
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
@@ -144,6 +151,9 @@ class TiktokenTokenizer:
 
     def encode(self, text):
         return self.enc.encode_ordinary(text)
+
+    def encode_batch(self, texts):
+        return self.enc.encode_ordinary_batch(texts)
 
     def decode(self, ids):
         return self.enc.decode(list(ids))

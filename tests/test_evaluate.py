@@ -327,6 +327,9 @@ def test_each_distinct_text_is_tokenized_once_per_loglikelihood_call(one_rank_gr
         def encode(self, text):
             encoded.append(text)
             return list(text.encode())
+
+        def encode_batch(self, texts):
+            return [self.encode(text) for text in texts]
     lm = ShardedLM(None, Tokenizer(), torch.device("cpu"))
     handed = []
     monkeypatch.setattr(lm, "_loglikelihood_tokens", lambda requests, disable_tqdm=False: handed.extend(requests)
@@ -345,11 +348,10 @@ def test_each_distinct_text_is_tokenized_once_per_loglikelihood_call(one_rank_gr
 
 
 def test_all_texts_encoded_at_once_as_one_at_a_time(tmp_path, monkeypatch):
-    """encode_all (the batch encoder of the library each of our tokenizers wraps) gives every text exactly as that
-    tokenizer's encode does, for each kind, empty and whitespace-only texts too, and also where a tokenizer.json
+    """encode_batch (the batch encoder of the library each of our tokenizers wraps, which the backend encodes a
+    loglikelihood call's texts with) gives every text exactly as that tokenizer's encode does, for each kind, empty and whitespace-only texts too, and also where a tokenizer.json
     asks a batch to be padded (a text alone is not)."""
     import tokenizer_dirs
-    from minimal_fsdp.evaluate_lm import encode_all
     from minimal_fsdp.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
     texts = tokenizer_dirs.MIXED + ["", "   ", "The king said", "The king said  yes.", "<|endoftext|> x"]
     tokenizer_dirs.stub_gpt2_encoding(monkeypatch)
@@ -362,8 +364,8 @@ def test_all_texts_encoded_at_once_as_one_at_a_time(tmp_path, monkeypatch):
                   CharTokenizer(sorted(set("".join(texts))))]
     assert [tok.kind for tok in tokenizers] == ["hf"] * 3 + ["sentencepiece", "tiktoken", "gpt2", "char"]
     for tok in tokenizers:
-        assert encode_all(tok, texts) == [tok.encode(text) for text in texts], tok.kind
-        assert encode_all(tok, []) == []
+        assert tok.encode_batch(texts) == [tok.encode(text) for text in texts], tok.kind
+        assert tok.encode_batch([]) == []
 
 
 # A few-shot multiple-choice task whose templates use a filter, a condition and a description.
