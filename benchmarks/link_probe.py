@@ -52,8 +52,8 @@ def main():
         sync()
 
     def exchange():
-        ops = [dist.P2POp(dist.isend, buffer, (rank + per_host) % world),
-               dist.P2POp(dist.irecv, received, (rank - per_host) % world)]
+        ops = [dist.P2POp(dist.irecv, received, (rank - per_host) % world),  # as gossip.Gossip posts them
+               dist.P2POp(dist.isend, buffer, (rank + per_host) % world)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         sync()
