@@ -54,6 +54,7 @@ def setup(cfg):
     device, backend = _pick_device(local_rank, local_world)
     store = rendezvous.meet(rank, world, num_nodes, launcher, cfg)
     network = hosts.pick_interface(rendezvous.address(), num_nodes)  # before gloo picks an address itself
+    hosts.nccl_socket_threads(num_nodes)  # before NCCL's first communicator reads them
     with gloo_quiet():
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.collective_timeout),

@@ -54,12 +54,10 @@ def route_source(address):
 
 def pick_interface(master_addr, num_nodes, environ=os.environ):
     """On several hosts, the interface gloo and NCCL use: GLOO_SOCKET_IFNAME if set (checked), else the one on
-    the route to master_addr, exported as GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME unless set); NCCL's socket
-    threads as NCCL_SOCKET_DEFAULTS unless set. Returns a line for the log, or None on one host."""
+    the route to master_addr, exported as GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME unless set). Returns a line
+    for the log, or None on one host."""
     if num_nodes <= 1:
         return None
-    for key, value in NCCL_SOCKET_DEFAULTS.items():
-        environ.setdefault(key, value)
     found = interfaces()
     given = environ.get("GLOO_SOCKET_IFNAME")
     if given:
@@ -83,6 +81,13 @@ def pick_interface(master_addr, num_nodes, environ=os.environ):
     environ["GLOO_SOCKET_IFNAME"] = name
     environ.setdefault("NCCL_SOCKET_IFNAME", name)
     return f"network: {name} ({source}), the route to {master_addr} (GLOO_SOCKET_IFNAME unset: picked)"
+
+
+def nccl_socket_threads(num_nodes, environ=os.environ):
+    """On several hosts, NCCL_SOCKET_DEFAULTS for each of the two variables the user did not set."""
+    if num_nodes > 1:
+        for key, value in NCCL_SOCKET_DEFAULTS.items():
+            environ.setdefault(key, value)
 
 
 def _listing(found):

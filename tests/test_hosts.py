@@ -34,16 +34,23 @@ def test_the_interface_on_the_route_to_rank_0_is_picked_and_exported(interfaces)
     env = {}
     assert hosts.pick_interface("10.1.0.1", 1, env) is None and env == {}  # one host: nothing to pick
     line = hosts.pick_interface("10.1.0.1", 2, env)
-    sockets = {"NCCL_SOCKET_NTHREADS": "2", "NCCL_NSOCKS_PERTHREAD": "4"}  # NCCL over TCP at the link's rate
-    assert env == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", **sockets}
+    assert env == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
     assert line.startswith("network: eth0 (10.1.0.5), the route to 10.1.0.1")
-    env = {"NCCL_SOCKET_IFNAME": "hsn0", "NCCL_NSOCKS_PERTHREAD": "8"}  # the user's NCCL choices stay
+    env = {"NCCL_SOCKET_IFNAME": "hsn0"}  # the user's NCCL choice stays
     hosts.pick_interface("192.168.7.1", 4, env)
-    assert env == {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "hsn0", "NCCL_SOCKET_NTHREADS": "2",
-                   "NCCL_NSOCKS_PERTHREAD": "8"}
-    env = {"GLOO_SOCKET_IFNAME": "eth0"}  # an interface the user set: the socket threads still
-    hosts.pick_interface("10.1.0.1", 2, env)
-    assert env == {"GLOO_SOCKET_IFNAME": "eth0", **sockets}
+    assert env == {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "hsn0"}
+
+
+def test_nccl_gets_socket_threads_on_several_hosts_unless_set():
+    sockets = {"NCCL_SOCKET_NTHREADS": "2", "NCCL_NSOCKS_PERTHREAD": "4"}  # NCCL over TCP at the link's rate
+    env = {}
+    hosts.nccl_socket_threads(1, env)
+    assert env == {}  # one host: NCCL's own transports
+    hosts.nccl_socket_threads(2, env)
+    assert env == sockets
+    env = {"NCCL_NSOCKS_PERTHREAD": "8"}  # the user's choice stays
+    hosts.nccl_socket_threads(4, env)
+    assert env == {"NCCL_SOCKET_NTHREADS": "2", "NCCL_NSOCKS_PERTHREAD": "8"}
 
 
 def test_interfaces_other_hosts_cannot_reach_are_one_line_errors(interfaces):
