@@ -25,7 +25,7 @@ import torch
 
 from . import best_metric, environment
 from .choices import SHARDING
-from .config import Config, ConfigError, validate
+from .config import Config, ConfigError, validate, validate_world
 from .failures import MainRankFailed
 from .plan import make_plan
 from .sample import describe, load_model, open_source, source_tokenizer
@@ -243,6 +243,8 @@ def build_parser():
                         help="also write every example's prompt and scores (needs --output_path)")
     parser.add_argument("--sharding", choices=SHARDING, default="full-shard",
                         help="how the model is laid out over the ranks (as training's --sharding)")
+    parser.add_argument("--shard_group_size", type=int,
+                        help="hybrid sharding: ranks per shard group (default: ranks per node), as training's")
     parser.add_argument("--precision", choices=("float32", "bf16"), default="float32",
                         help="bf16: matmuls in bf16 (fast on GPUs); the weights stay float32, sharded")
     return parser
@@ -251,7 +253,8 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     go_offline()
-    cfg = Config(sharding=args.sharding, precision=args.precision, max_epochs=-1, tensorboard=False)
+    cfg = Config(sharding=args.sharding, shard_group_size=args.shard_group_size, precision=args.precision,
+                 max_epochs=-1, tensorboard=False)
     try:
         if args.batch_size < 1:
             raise ConfigError(f"--batch_size must be at least 1 (got {args.batch_size})")
@@ -261,6 +264,7 @@ def main(argv=None):
         harness()
         from .evaluate_lm import ShardedLM
         env = environment.setup(cfg)
+        validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)  # --shard_group_size
         loaded = {}  # rank 0's Task objects stay on rank 0 (run_on_main would send a result to every rank)
         environment.run_on_main(lambda: loaded.update(tasks=load_tasks(task_names(args.tasks), args.include_path)))
         source = environment.run_on_main(open_source, args.source)
@@ -270,8 +274,8 @@ def main(argv=None):
                        torch.bfloat16 if cfg.precision == "bf16" else torch.float32, args.batch_size)
         tracker = None
         if env.is_main:
-            print(describe(source, lm.model, tokenizer, env).replace("generating from", "evaluating"),
-                  file=sys.stderr, flush=True)
+            print(describe(source, lm.model, tokenizer, env).replace("generating from", "evaluating") +
+                  f"\nlayout: {plan.describe()}", file=sys.stderr, flush=True)
             from lm_eval.loggers import EvaluationTracker
             tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
         manager, tasks = loaded.get("tasks", (None, None))

@@ -136,7 +136,8 @@ def test_one_rank_matches_the_hf_backend(trained, shape, single_process, monkeyp
 
 
 SHARDED = [("gpt", "full-shard", 2), ("gpt", "no-shard", 2), ("llama", "full-shard", 2), ("llama", "no-shard", 2),
-           ("llama", "grad-shard", 4)]
+           ("llama", "grad-shard", 4), ("gpt", "hybrid-full-shard", 4), ("llama", "hybrid-grad-shard", 4)]
+HYBRID = ["--shard_group_size", 2]  # 4 ranks on one node: shard over 2, replicate over 2
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,8 @@ def sharded(request, trained, tmp_path_factory):
         for ranks in sorted({ranks for _, _, ranks in selected}):
             cases = [case for case in SHARDED if case in selected and case[2] == ranks]
             folders = {case: tmp_path_factory.mktemp("_".join(map(str, case))) for case in cases}
-            launch_runs([[trained[shape]["step"], *FLAGS, "--sharding", sharding, "--output_path", folder / "out"]
+            launch_runs([[trained[shape]["step"], *FLAGS, "--sharding", sharding,
+                          *(HYBRID if "hybrid" in sharding else []), "--output_path", folder / "out"]
                          for (shape, sharding, _), folder in folders.items()], ranks=ranks, cwd=ROOT, timeout=600,
                         entry=ROOT / "tests" / "several_evaluations.py")
             for case, folder in folders.items():
@@ -169,6 +171,7 @@ def test_sharded_checkpoint_matches_the_hf_backend(sharded, trained, shape, shar
     out = sharded[shape, sharding, ranks]
     assert_same_scores(*results_of(out.out), trained[shape]["reference"])
     assert f"on {ranks} rank(s)" in out.stderr
+    assert f"({sharding})" in out.stderr and ("replicate=2 x shard=2" in out.stderr) == ("hybrid" in sharding)
     assert out.stdout.count("|tiny_mc |") == 1  # rank 0 alone prints the table
 
 
@@ -211,6 +214,16 @@ def test_missing_data_is_one_line_on_every_rank(trained, tmp_path):
         f"error: task gone: its data is not here: Unable to find '{tmp_path / 'absent.jsonl'}' (relative "
         f"data_files are read from the working directory, {ROOT})"]
     assert "Traceback" not in out.stderr and "evaluating" not in out.stderr  # stopped before loading the model
+
+
+def test_a_shard_group_that_does_not_divide_the_ranks_is_one_line(tmp_path):
+    """Checked against the launch before anything is read: the source need not exist."""
+    out = run_evaluate(tmp_path / "never_read", None, 2, "--tasks", "tiny_mc", "--include_path", DATA,
+                       "--sharding", "hybrid-full-shard", "--shard_group_size", 3, check=False)
+    assert out.returncode == 2
+    assert [line for line in out.stderr.splitlines() if line.startswith("error")] == [
+        "error: --sharding hybrid-full-shard needs world size divisible by --shard_group_size (got 2 and 3)"]
+    assert "Traceback" not in out.stderr
 
 
 @pytest.mark.slow
