@@ -216,14 +216,15 @@ def test_missing_data_is_one_line_on_every_rank(trained, tmp_path):
     assert "Traceback" not in out.stderr and "evaluating" not in out.stderr  # stopped before loading the model
 
 
-def test_a_shard_group_that_does_not_divide_the_ranks_is_one_line(tmp_path):
-    """Checked against the launch before anything is read: the source need not exist."""
-    out = run_evaluate(tmp_path / "never_read", None, 2, "--tasks", "tiny_mc", "--include_path", DATA,
-                       "--sharding", "hybrid-full-shard", "--shard_group_size", 3, check=False)
-    assert out.returncode == 2
-    assert [line for line in out.stderr.splitlines() if line.startswith("error")] == [
-        "error: --sharding hybrid-full-shard needs world size divisible by --shard_group_size (got 2 and 3)"]
-    assert "Traceback" not in out.stderr
+def test_a_shard_group_that_does_not_divide_the_ranks_is_one_line(single_process, tmp_path, capsys):
+    """Checked against the launch (validate_world, the same inputs on every rank) before anything is read: the
+    source need not exist. Before, a bad group ended every rank in a device-mesh traceback."""
+    with pytest.raises(SystemExit) as exit:
+        evaluate.main([str(tmp_path / "never_read"), "--tasks", "tiny_mc", "--include_path", str(DATA),
+                       "--sharding", "hybrid-full-shard", "--shard_group_size", "2"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --sharding hybrid-full-shard needs world size divisible by --shard_group_size (got 1 and 2)")
 
 
 @pytest.mark.slow
