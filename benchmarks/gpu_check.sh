@@ -269,10 +269,10 @@ fp8_numerics)
   # NUMERICS_MODEL replaces the model's flags: issue 40's target 5 runs the 8B shape, e.g. NUMERICS_MODEL="--model_preset
   # llama3-8b --vocab_size 128256 --seq_length 2048 --batch_size 1 --activation_checkpoints --recompute selective".
   M=${NUMERICS_MODEL:---vocab_size 32000 --model llama --num_layers 20 --embed_size 2048 --num_heads 16 --num_kv_heads 4 --intermediate_size 5632 --seq_length 512 --batch_size 4}
-  N="--dataset text --input_file data/shakespeare/input.txt --tokenizer char $M --max_steps ${NUMERICS_STEPS:-300} --lr 3e-4 --warmup_steps 30 --log_interval 10 --eval_interval 100 --eval_batches 20 --checkpoint_interval 0 --num_tokens 0 --compile --meta_init --log_dir $OUT/logs --checkpoint_dir /tmp/fp8_numerics ${NUMERICS_SEED:+--seed $NUMERICS_SEED}"
+  N="--dataset text --input_file data/shakespeare/input.txt --tokenizer char $M --max_steps ${NUMERICS_STEPS:-300} --lr 3e-4 --warmup_steps 30 --log_interval 10 --eval_interval 100 --eval_batches 20 --checkpoint_interval 0 --num_tokens 0 --compile --meta_init --log_dir $OUT/logs --checkpoint_dir /tmp/fp8_numerics ${NUMERICS_SEED:+--seed $NUMERICS_SEED} ${NUMERICS_ARGS:-}"
   # NUMERICS_SKIP_SAVE=1 ends each run once its last val loss is in metrics.jsonl: the final save of an 8B (~96 GB
   # of weights and AdamW state) is not what this part measures, and two of them would fill a small disk.
-  # NUMERICS_SEED: another seed; NUMERICS_PRECISIONS="bf16" (or "fp8"): one run a call, where two do not fit in one
+  # NUMERICS_ARGS: flags after the recipe's, which they override (e.g. "--warmup_steps 100"). NUMERICS_SEED: another seed; NUMERICS_PRECISIONS="bf16" (or "fp8"): one run a call, where two do not fit in one
   # (the comparison below is then skipped: plot the two calls' logs after, python -m minimal_fsdp.plot A B).
   for p in ${NUMERICS_PRECISIONS:-bf16 fp8}; do
     rm -rf "$OUT/logs/fp8n_$p" /tmp/fp8_numerics/fp8n_$p
