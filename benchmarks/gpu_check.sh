@@ -274,7 +274,8 @@ fp8_numerics)
   N="--dataset text --input_file data/shakespeare/input.txt --tokenizer char $M --max_steps ${NUMERICS_STEPS:-300} --lr 3e-4 --warmup_steps 30 --log_interval 10 --eval_interval 100 --eval_batches 20 --checkpoint_interval 0 --num_tokens 0 --compile --meta_init --log_dir $OUT/logs --checkpoint_dir /tmp/fp8_numerics ${NUMERICS_SEED:+--seed $NUMERICS_SEED} ${NUMERICS_ARGS:-}"
   # NUMERICS_SKIP_SAVE=1 ends each run once its last val loss is in metrics.jsonl: the final save of an 8B (~96 GB
   # of weights and AdamW state) is not what this part measures, and two of them would fill a small disk.
-  # NUMERICS_ARGS: flags after the recipe's, which they override (e.g. "--warmup_steps 100"). NUMERICS_SEED: another seed; NUMERICS_PRECISIONS="bf16" (or "fp8"): one run a call, where two do not fit in one
+  # NUMERICS_ARGS: flags after the recipe's, which they override ("--warmup_steps 100": the 8B spiked with 30).
+  # NUMERICS_SEED: another seed; NUMERICS_PRECISIONS="bf16" (or "fp8"): one run a call, where two do not fit in one
   # (the comparison below is then skipped: plot the two calls' logs after, python -m minimal_fsdp.plot A B).
   for p in ${NUMERICS_PRECISIONS:-bf16 fp8}; do
     rm -rf "$OUT/logs/fp8n_$p" /tmp/fp8_numerics/fp8n_$p
@@ -330,7 +331,7 @@ llama3_8b)
   # one or two precisions a call), each row with tokens/s per GPU and MFU, and the planner's estimate beside it.
   fp8_setup || continue
   # LLAMA3_SHARDING (full-shard) and LLAMA3_RECOMPUTE (selective; none: no checkpointing) choose the layout: on 2x
-  # H200 fp8 ran 4-6% faster as grad-shard (no backward all-gather, no second cast of each weight) at +6 GB a GPU.
+  # H200 fp8 ran 1.8-4.6% faster as grad-shard (no backward all-gather, no second cast of each weight) at +6 GB a GPU.
   b=${LLAMA3_BATCH:-1}; sh=${LLAMA3_SHARDING:-full-shard}; rc=${LLAMA3_RECOMPUTE:-selective}
   ckpt="--activation_checkpoints --recompute $rc"; [ $rc = none ] && ckpt=""
   B="python3 benchmarks/throughput.py --model_preset llama3-8b --compile --meta_init $ckpt --sharding $sh --batch_size $b --warmup ${LLAMA3_WARMUP:-4} --steps ${LLAMA3_STEPS:-8} --out $OUT/llama3_8b.jsonl"
