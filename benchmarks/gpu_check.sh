@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers|llama3_8b|document_mask|document_mask_tests|document_mask_loss|regression ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_bench|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers|llama3_8b|document_mask|document_mask_tests|document_mask_loss|regression ...]
 # The fp8 parts need torchao: installed from .whl/torchao-*.whl when missing (the GPU machine has no package index).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: some parts change directory
@@ -162,6 +162,25 @@ print(f"nanoGPT: step {statistics.median(times):.2f} ms (median of {len(times)} 
       f"final val {vals[-1][1]:.4f} at step {vals[-1][0]}, best {min(v for _, v in vals):.4f}")
 PY
   ;;
+nanogpt_bench)
+  # Issue 40, target 4: GPT-2 124M without biases on one GPU at each batch of NANO_BATCHES (32 64 96), nanoGPT's step
+  # (benchmarks/nanogpt_step.py, its model.py from a copy carried in .ref/nanogpt, never committed) then ours
+  # (throughput.py), both timed alike; then nanoGPT's own bench.py at batch 32, and both profiles there
+  # (NANO_PROFILE=0 skips them).
+  B="python3 benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --no-bias --warmup 8 --steps 20 --out $OUT/nanogpt_bench.jsonl"
+  for b in ${NANO_BATCHES:-32 64 96}; do
+    timeout 150 python3 benchmarks/nanogpt_step.py --nanogpt .ref/nanogpt --batch_size $b >> "$OUT/nanogpt_bench.log" 2>&1
+    grep '^nanoGPT' "$OUT/nanogpt_bench.log" | tail -1
+    timeout 150 $MPI -n 1 $B --batch_size $b >> "$OUT/nanogpt_bench.log" 2>&1; grep '^|' "$OUT/nanogpt_bench.log" | tail -1
+  done
+  ( cd .ref/nanogpt && timeout 150 python3 bench.py --real_data=False --batch_size=32 2>&1 | grep 'time per iteration' \
+    | sed 's/^/nanoGPT bench.py, batch 32: /' ) | tee -a "$OUT/nanogpt_bench.log"
+  if [ "${NANO_PROFILE:-1}" = 1 ]; then
+    timeout 150 python3 benchmarks/nanogpt_step.py --nanogpt .ref/nanogpt --batch_size 32 --profile > "$OUT/nanogpt_profile.log" 2>&1
+    timeout 150 $MPI -n 1 python3 benchmarks/profile_step.py --model_preset gpt2 --vocab_size 50304 --precision bf16 \
+      --compile --no-bias --batch_size 32 --steps 3 > "$OUT/ours_profile.log" 2>&1
+    echo "nanoGPT:"; grep -A9 '^device busy' "$OUT/nanogpt_profile.log"; echo "ours:"; grep -A9 'per step:' "$OUT/ours_profile.log"
+  fi ;;
 nanogpt_scaling)
   # Target 2's reference: nanoGPT's own DDP (torchrun) on the same recipe, 1 GPU then 2 (and 4 where there are):
   # batch 64 per GPU (its gradient_accumulation_steps is split over the ranks), NANOGPT_ITERS iterations.

@@ -38,6 +38,22 @@ def kind(name):
     return next((k for k, keys in KINDS if any(key in lower for key in keys)), "other")
 
 
+def by_kind(prof, steps):
+    """The profiled kernels (no annotation ranges) and their device ms a step summed by kind, largest first."""
+    kernels = [e for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not annotation(e.key)]
+    kinds = {}
+    for e in kernels:
+        kinds[kind(e.key)] = kinds.get(kind(e.key), 0) + e.self_device_time_total / steps / 1e3
+    return kernels, dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
+def print_kernels(kernels, steps, top=40):
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        ms, count = e.self_device_time_total / steps / 1e3, e.count // steps
+        print(f"{ms:7.2f} ms {count:4d}x  [{kind(e.key)}] {e.key[:110]}")
+
+
 def main():
     cfg, options = parse({"steps": (int, 6, "profiled steps"), "out": (str, None, "write a Chrome trace here"),
                           "fsdp_on_one_rank": BENCH_OPTIONS["fsdp_on_one_rank"]})
@@ -67,18 +83,13 @@ def main():
         torch.cuda.synchronize()
     if env.is_main:
         events = prof.key_averages()
-        kernels = [e for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA and not annotation(e.key)]
-        device_total = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+        kernels, kinds = by_kind(prof, steps)
+        device_total = sum(kinds.values())
         # A step that launches more kernels than the device's queue holds waits for the sleep to end.
         host = f"{min(hosts) * 1e3:.1f} ms" if min(hosts) < 0.5 else "not measurable (the launch queue filled)"
         print(f"per step: host issue {host} (device kept busy), wall {wall * 1e3:.1f} ms, "
               f"device busy {device_total:.1f} ms (sum of kernel times)")
-        by_kind = {}
-        for e in kernels:
-            k = kind(e.key)
-            by_kind[k] = by_kind.get(k, 0) + e.self_device_time_total / steps / 1e3
-        for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        for k, ms in kinds.items():
             print(f"  {k:18s} {ms:6.1f} ms")
         print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
         # Inclusive host time: which ranges (optimizer step, compiled graphs, DDP, autograd) hold the host longest.
@@ -86,9 +97,7 @@ def main():
         # Which operator (and input shapes) launched the costliest kernels.
         print(prof.key_averages(group_by_input_shape=True).table(sort_by="device_time_total", row_limit=25,
                                                                   max_name_column_width=40, max_shapes_column_width=70))
-        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]:
-            ms, count = e.self_device_time_total / steps / 1e3, e.count // steps
-            print(f"{ms:7.2f} ms {count:4d}x  [{kind(e.key)}] {e.key[:110]}")
+        print_kernels(kernels, steps)
         if out:
             prof.export_chrome_trace(str(Path(out) / "trace.json"))
     environment.teardown()
