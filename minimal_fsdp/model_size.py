@@ -71,11 +71,11 @@ def activations_per_token(model_type, config, device_type="cuda"):
 
 
 def float8_inputs_per_token(model_type, config):
-    """Elements per token of the distinct inputs of one block's float8 layers (fp8.convertible), each counted once
-    in activations_per_token. Compiled, a tensorwise float8 layer's backward reads its input only as the float8
-    cast (one scale serves both matmuls), so the partitioner saves that cast, 1 byte an element, not the bf16
-    input (torchao saves the bf16 input; eager keeps it). Measured on one H200, Llama 3 8B blocks at T=8192:
-    compiled fp8 saved 10.4 GB a sequence of 8 blocks against 13.4 GB in bf16.
+    """Elements per token of the distinct inputs of one block's float8 layers (fp8.convertible), all among what
+    activations_per_token counts. Compiled, a tensorwise float8 layer's backward reads its input only as the
+    float8 cast (one scale serves both matmuls), so the partitioner saves that cast, 1 byte an element, not the
+    bf16 input (torchao saves the bf16 input; eager keeps it). Measured on one H200, 8 of Llama 3 8B's blocks at
+    T=8192 without recompute: one sequence more cost 10.4 GB compiled in fp8, 13.4 GB in bf16.
 
     GPT:   attention output (proj), MLP input (fc), GELU output (proj) = 6 C (attn.qkv is not converted)
     Llama: normalized input (q, k, v), attention output (o), normalized input (gate, up), down's input = 3 C + I
