@@ -81,7 +81,8 @@ def parse():
 
 def row(r):
     measured = f"{r['link_gbps']:.2f}" if r.get("link_gbps") else "-"
-    values = (f"{r['hosts']} x {r['gpus_per_host']}", r["gbps_set"] or "unshaped", measured, r["model"], r["strategy"],
+    strategy = r["strategy"] + (f" {r['extra']}" if r.get("extra") else "")
+    values = (f"{r['hosts']} x {r['gpus_per_host']}", r["gbps_set"] or "unshaped", measured, r["model"], strategy,
               f"{r['step_ms']:.1f}" if r.get("step_ms") else r.get("failed", "-"),
               f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-",
               f"{r['val_loss']:.4f}" if r.get("val_loss") else "-", r.get("steps", "-"))
@@ -201,6 +202,7 @@ def main():
                                   link_gbps=link, model=model, strategy=strategy, commit=commit, device=device,
                                   p2p=not args.no_p2p, date=time.strftime("%Y-%m-%d"),
                                   **({"log_interval": args.log_interval} if args.log_interval != 1 else {}),
+                                  **({"extra": args.extra} if args.extra else {}),
                                   **run_one(args, cluster, model, strategy, name))
                     with open(args.out, "a") as f:
                         f.write(json.dumps(result) + "\n")

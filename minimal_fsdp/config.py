@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 # Nothing here imports torch: `basic_training.py --help` and a mistyped flag answer at once.
 from .choices import (DATA_PARALLEL, DEVICE, FP8_RECIPES, FSDP_UNITS, GRAPHS_MODEL, MODEL_PRESETS, PRECISION,
-                      SHARDING, SMALL_MODEL, TOPOLOGIES, ConfigError)
+                      REDUCE_PRECISION, SHARDING, SMALL_MODEL, TOPOLOGIES, ConfigError)
 from .config_checks import model_family, parse_duration, validate, validate_world  # noqa: F401 (re-exported)
 
 # The launchers' rank variables (environment.py reads the same ones), for printing a flag error once.
@@ -97,13 +97,17 @@ class Config:
     sharding: str = flag("full-shard", "FSDP sharding strategy", SHARDING, "parallel")
     shard_group_size: int = flag(None, "ranks per shard group for hybrid sharding (default: ranks per node)",
                                  section="parallel")
-    precision: str = flag("float32", "float32; bf16 params/compute with fp32 reduction and master weights; or fp8: "
-                                     "bf16 plus float8 matmuls in the blocks' large linear layers (torchao; GPUs of "
+    precision: str = flag("float32", "float32; bf16 params/compute with fp32 master weights (and fp32 reduction: "
+                                     "--reduce_precision); or fp8: bf16 plus float8 matmuls in the blocks' large linear layers (torchao; GPUs of "
                                      "compute capability 8.9+: H100, H200, L40S; see docs/fp8.md)", PRECISION,
                           "parallel")
     fp8_recipe: str = flag("tensorwise", "--precision fp8's scaling: tensorwise (one scale per tensor; FSDP "
                                          "all-gathers the weights in float8) or rowwise (a scale per row: more "
                                          "accurate, slower)", FP8_RECIPES, "parallel")
+    reduce_precision: str = flag("float32", "the dtype gradients are summed across ranks in (FSDP's reduce-scatter, "
+                                 "DDP's all-reduce): bf16 sends half the bytes, for a slow network between hosts, "
+                                 "at bf16's rounding of the sums; the master weights and optimizer stay fp32",
+                                 REDUCE_PRECISION, "parallel")
     fsdp_unit: str = flag("auto", "what is gathered and freed at once: block (one transformer block at a time by "
                           "FSDP2, communication overlapped with compute: large models) or model (the whole model "
                           "kept gathered, one all-gather and one reduce-scatter a step and one compiled graph, "

@@ -22,7 +22,7 @@ from . import fp8
 from .config import MODEL_PRESETS, ConfigError, model_family, one_line_errors
 from .hf import read_config as read_hf_config
 from .models import MODELS, make_config
-from .choices import FSDP_UNITS, SHARDING, TOPOLOGIES
+from .choices import FSDP_UNITS, REDUCE_PRECISION, SHARDING, TOPOLOGIES
 from .plan import layout, strategy
 from .step_time import CARDS, print_step_times
 
@@ -216,6 +216,8 @@ def build_parser():
     p.add_argument("--precision", choices=("float32", "bf16", "fp8"), default="float32", help="as in training")
     p.add_argument("--fp8_recipe", choices=fp8.RECIPES, default="tensorwise", help="as in training")
     p.add_argument("--fsdp_unit", choices=FSDP_UNITS, default="auto", help="as in training")
+    p.add_argument("--reduce_precision", choices=REDUCE_PRECISION, default="float32",
+                   help="as in training: the gradients' bytes over the link (step time)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
     p.add_argument("--gpus_per_node", type=int, help="default: min(--gpus, 8)")
     p.add_argument("--shard_group_size", type=int, help="hybrid sharding's group (default: --gpus_per_node)")

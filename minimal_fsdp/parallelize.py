@@ -41,8 +41,7 @@ def shard(model, plan):
     under fsdp-whole, the root alone: the whole model is gathered at once. The whole model stays gathered from forward to
     backward even under full-shard (as FSDP2 keeps its root unit): backward would gather it again at once, at the
     same peak (the activations peak there too), so resharding it would only cost a second all-gather."""
-    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if plan.bf16 else MixedPrecisionPolicy()
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if plan.bf16 else None, reduce_dtype=plan.reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.cpu_offload else OffloadPolicy()
     whole = plan.strategy == "fsdp-whole"
     reshard = plan.reshard_after_forward and not whole
@@ -156,6 +155,18 @@ def gradient_sync(model, plan):
     return SYNCS[plan.strategy](model, plan)
 
 
+def bf16_all_reduce(group, bucket):
+    """DDP's communication hook for --reduce_precision bf16: a bucket cast to bf16, divided by the world, summed
+    over the ranks, and cast back. torch's bf16_compress_hook does the same, but DDP refuses it (by name) unless on
+    CUDA with NCCL, and the CPU runs (gloo, which sums bf16 too) take this path as well."""
+    compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size(group))
+    work = dist.all_reduce(compressed, group=group, async_op=True)
+
+    def decompress(future):
+        return bucket.buffer().copy_(future.value()[0])
+    return work.get_future().then(decompress)
+
+
 def seed64(value):
     """A seed derived from --seed, as every generator takes it: torch's take [-2**63, 2**64) (a negative one as
     its two's complement), torch_xla's only [0, 2**64); mod 2**64 keeps every seed that fitted and lets a large or
@@ -241,7 +252,7 @@ def build_model(model_cls, model_config, plan, env, seed):
     if plan.strategy == "one-unit":  # built with its values, or (meta) filled by init_weights once sharded
         if not plan.meta_init:
             init_weights(model, seed, env.device)
-        model.whole_unit = WholeUnit(model, plan.mesh, plan.compute_dtype, env.device)
+        model.whole_unit = WholeUnit(model, plan.mesh, plan.compute_dtype, env.device, plan.reduce_dtype)
         if plan.meta_init:
             init_weights(model, seed, env.device)
         return model
@@ -252,11 +263,13 @@ def build_model(model_cls, model_config, plan, env, seed):
     if not plan.fsdp:
         if plan.bf16:  # fp32 weights, bf16 matmuls: FSDP's mixed precision without FSDP
             model.forward = torch.autocast(env.device.type, dtype=torch.bfloat16)(model.forward)
-        if plan.ddp:  # gradients (fp32, as FSDP reduces them) averaged over the ranks in backward
+        if plan.ddp:  # gradients (fp32, as FSDP reduces them, or --reduce_precision) averaged in backward
             # Buffers (rotary tables, masks) are computed alike on every rank: no broadcast before each forward.
             # Gradients as views of DDP's buckets: no copy back from the buckets after the all-reduce, which a
             # small model's step, bound by host time, would pay for every step.
             replicate(model, device_id=env.device, broadcast_buffers=False, gradient_as_bucket_view=True)
+            if plan.reduce_precision == "bf16":
+                model.register_comm_hook(None, bf16_all_reduce)
         return model
     shard(model, plan)
     if plan.meta_init:

@@ -55,6 +55,7 @@ class ParallelPlan:
     topology: str = None  # gossip's (--topology)
     mesh: object = None  # the DeviceMesh (one-unit and FSDP2), built by make_plan
     backend: str = "torch"  # BACKENDS: what builds and steps the model in training
+    reduce_precision: str = "float32"  # the dtype gradients are summed across ranks in (FSDP2, the one unit, DDP)
 
     @property
     def decentralized(self):
@@ -82,6 +83,10 @@ class ParallelPlan:
     @property
     def compute_dtype(self):
         return torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
+    def reduce_dtype(self):
+        return torch.bfloat16 if self.reduce_precision == "bf16" else torch.float32
 
     @property
     def fp8_all_gather(self):
@@ -201,7 +206,8 @@ def make_plan(cfg, env, model_config, loads_weights=False, fsdp_on_one_rank=Fals
                         "bf16" if cfg.precision == "fp8" and not recipe else cfg.precision, recipe, cfg.cpu_offload,
                         cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute, cfg.compile,
                         cuda_graphs(cfg, env.device, chosen, num_params, recipe is not None), num_params,
-                        cfg.topology if chosen == "gossip" else None, backend=backend)
+                        cfg.topology if chosen == "gossip" else None, backend=backend,
+                        reduce_precision=cfg.reduce_precision)
     if backend == "torch" and (chosen in FSDP2 or chosen == "one-unit"):  # torch_xla builds its own (xla.py)
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         plan = dataclasses.replace(plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names))

@@ -23,7 +23,7 @@ from .plan import layout, strategy
 # Of the bytes a shaped link passes, the TCP payload: 1448 of each 1500-byte frame (IP and TCP headers with
 # timestamps). One TCP stream measured 9.71 Gbit/s through a 10 Gbit/s tbf and 0.96 through 1 (96-97%).
 PAYLOAD = 1448 / 1500
-GRAD_BYTES = 4  # gradients are reduced in fp32 whatever the compute precision (FSDP2's reduce dtype, the one unit)
+GRAD_BYTES = {"float32": 4, "bf16": 2}  # the gradients' sums across ranks, in --reduce_precision's dtype
 REPLICA_BYTES = 4  # gossip sends its fp32 replica (bf16 runs autocast over fp32 weights)
 
 
@@ -72,7 +72,7 @@ def gossip_period(topology, world):
 
 
 def link_bytes(chosen, sharding, params, world, per_host, shard_group, compute_bytes, micro_steps=1,
-               topology="alternating-exp-ring", log_interval=10):
+               topology="alternating-exp-ring", log_interval=10, grad_bytes=4):
     """(bytes a step waits for, bytes that run beside compute) over each host's link each way, under the strategy
     `chosen` (plan.strategy's). Gossip's first is the consensus distance of the logging steps (an all-reduce of the
     replica), spread over log_interval steps; its second the mean over a period of its topology's exchanges."""
@@ -91,10 +91,10 @@ def link_bytes(chosen, sharding, params, world, per_host, shard_group, compute_b
     # stay gathered from the first forward to the last backward of the step.
     gathers = 2 * micro_steps if chosen == "fsdp-block" and reshard else 1
     total = gathers * ring_share(shards, per_host) * compute_bytes * params
-    total += ring_share(shards, per_host) * GRAD_BYTES * params  # reduce-scatter, after the last micro-step
+    total += ring_share(shards, per_host) * grad_bytes * params  # reduce-scatter, after the last micro-step
     replicas = world // shards
     if replicas > 1:  # each host holds min(shards, per_host) distinct shards; their replicas span world / max hosts
-        total += all_reduce_share(world // max(shards, per_host)) * GRAD_BYTES * params * min(shards, per_host) / shards
+        total += all_reduce_share(world // max(shards, per_host)) * grad_bytes * params * min(shards, per_host) / shards
     return (total, 0.0) if chosen in ("one-unit", "fsdp-whole") else (0.0, total)
 
 
@@ -110,14 +110,15 @@ class StepTime:
 
 def estimate_step(sharding, params, flops_per_token, tokens_per_gpu, world, per_host, shard_group, gbps, flops,
                   precision="bf16", micro_steps=1, fsdp_unit="auto", topology="alternating-exp-ring",
-                  log_interval=10):
+                  log_interval=10, reduce_precision="float32"):
     """The step time of `sharding` (or "decentralized", gossip) for tokens_per_gpu tokens a step on each of world
     GPUs of per_host a host, each computing at `flops` FLOP/s, the hosts joined by links of `gbps` Gbit/s."""
     decentralized = sharding == "decentralized"
     chosen = strategy("no-shard" if decentralized else sharding, world, params, fsdp_unit,
                       float8=precision == "fp8", decentralized=decentralized)
     waited, beside = link_bytes(chosen, sharding, params, world, per_host, shard_group,
-                                4 if precision == "float32" else 2, micro_steps, topology, log_interval)
+                                4 if precision == "float32" else 2, micro_steps, topology, log_interval,
+                                GRAD_BYTES[reduce_precision])
     rate = gbps * 1e9 / 8 * PAYLOAD  # bytes/s
     compute = tokens_per_gpu * flops_per_token / flops
     if chosen == "ddp":  # buckets all-reduce during backward, about two thirds of the compute
@@ -157,7 +158,7 @@ def print_step_times(args, config, sizes, per_host, shard_group, strategies):
     for sharding in strategies:
         t = estimate_step(sharding, sizes.total, per_token, tokens_per_gpu, args.gpus, per_host, shard_group,
                           args.inter_node_gbps, flops, args.precision, args.grad_accum_steps, args.fsdp_unit,
-                          args.topology, args.log_interval)
+                          args.topology, args.log_interval, args.reduce_precision)
         print(f"{sharding:<19}{t.strategy:<12}{t.bytes_per_step / 1e9:>9.2f}{1000 * t.compute:>12.1f}"
               f"{1000 * t.link:>10.1f}{1000 * t.step:>10.1f}{t.tokens_per_s:>13,.0f}")
     print("as: how training runs it (plan.strategy); GB/step: over each host's link each way; link ms: time on the "

@@ -7,8 +7,9 @@ say so), one all-gather fills persistent unsharded parameters
 in the compute dtype (bf16 or fp32); the module holds them from forward to the end of backward (or of a forward
 without autograd), its sharded ones otherwise. After backward, the unsharded gradients are summed in fp32 over
 the micro-steps and averaged by one reduce-scatter into the shards' gradients (then one all-reduce over replicas,
-hybrid meshes). no-shard of such a model is this unit over a (world x 1) mesh: each rank's "shard" is the whole
-model, so the gather is a cast and the reduce-scatter a copy; its one collective is the all-reduce.
+hybrid meshes), in fp32 or, with --reduce_precision bf16, in bf16. no-shard of such a model is this unit over a
+(world x 1) mesh: each rank's "shard" is the whole model, so the gather is a cast and the reduce-scatter a copy;
+its one collective is the all-reduce.
 
 Why not fully_shard on the root module (what this replaced for small models): FSDP2 frees the gathered parameters
 after backward and gathers the next step's at new addresses, so a compiled model cannot replay as CUDA graphs, and
@@ -48,7 +49,7 @@ def _slots(model):
 class WholeUnit:
     """Shards `model`'s parameters over the mesh's last dim ("shard") and gathers them for its forward."""
 
-    def __init__(self, model, mesh, compute_dtype, device):
+    def __init__(self, model, mesh, compute_dtype, device, reduce_dtype=torch.float32):
         self.shard_group = mesh.get_group("shard")
         self.replicate_group = mesh.get_group("replicate") if mesh.ndim == 2 else None
         self.ranks, self.world = mesh.size(mesh.ndim - 1), mesh.size()
@@ -62,6 +63,7 @@ class WholeUnit:
         total = sum(self.sizes)
         self.shard = torch.zeros(total, device=device)  # fp32 master weights, this rank's segment of each
         self.grad = torch.zeros(total, device=device)
+        self.reduce_dtype = reduce_dtype  # --reduce_precision: the dtype the sums across ranks travel and add in
         self.gathered = torch.empty(self.ranks * total, dtype=compute_dtype, device=device)  # parameter-major
         self.sharded, self.unsharded, self.gather_out, self.grads = [], [], [], []
         offset = 0
@@ -145,12 +147,16 @@ class WholeUnit:
         self.accumulate()
         if self.accumulated is None:
             return
+        send = self.accumulated.view(-1).to(self.reduce_dtype)  # fp32: the sum itself, no copy
+        reduced = self.grad if self.reduce_dtype == self.grad.dtype else torch.empty_like(self.grad, dtype=send.dtype)
         if self.ranks == 1:
-            self.grad.copy_(self.accumulated.view(-1))
+            reduced.copy_(send)
         else:
-            reduce_scatter(self.grad, self.accumulated.view(-1), group=self.shard_group)
+            reduce_scatter(reduced, send, group=self.shard_group)
         if self.replicate_group is not None:
-            dist.all_reduce(self.grad, group=self.replicate_group)
+            dist.all_reduce(reduced, group=self.replicate_group)
+        if reduced is not self.grad:
+            self.grad.copy_(reduced)
         self.grad.div_(self.world)
         self.accumulated = None
         for param, grad in zip(self.sharded, self.grads):

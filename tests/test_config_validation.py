@@ -122,6 +122,7 @@ def test_run_name_is_one_plain_directory_name(refused, name):
     (["--data_parallel", "decentralized", "--sharding", "grad-shard"], ["--data_parallel", "--sharding"]),
     (["--data_parallel", "decentralized", "--cpu_offload"], ["--cpu_offload", "--data_parallel"]),
     (["--data_parallel", "decentralized", "--fsdp_unit", "block"], ["--fsdp_unit", "--data_parallel"]),
+    (["--data_parallel", "decentralized", "--reduce_precision", "bf16"], ["--reduce_precision", "--data_parallel"]),
     (["--eval_tasks", "t", "--eval_tasks_interval", -1], ["--eval_tasks_interval"]),
     (["--eval_tasks", "t", "--eval_tasks_limit", 0], ["--eval_tasks_limit"]),
     (["--eval_tasks", "t", "--data_parallel", "decentralized"], ["--eval_tasks", "--data_parallel"]),

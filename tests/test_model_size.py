@@ -456,6 +456,10 @@ def test_link_bytes_of_each_strategy_between_two_hosts():
     assert step_time.link_bytes("one-unit", "hybrid-full-shard", n, 8, 2, 2, 2) == (1.5 * 4 * n, 0)
     spanning = step_time.link_bytes("one-unit", "hybrid-full-shard", n, 8, 2, 4, 2)[0]
     assert spanning == pytest.approx(0.75 * (2 + 4) * n + 2 / 4 * 1 * 4 * n)
+    # --reduce_precision bf16: the reduce-scatter's and the replicas' all-reduce's bytes halve, the gathers' stay
+    assert one_unit("full-shard", grad_bytes=2) == (0.75 * (2 + 2) * n, 0)
+    assert one_unit("hybrid-full-shard", grad_bytes=2) == (2 * n, 0)
+    assert one_unit("full-shard", "fsdp-block", grad_bytes=2) == (0, 0.75 * (2 + 2 + 2) * n)
 
 
 def test_gossip_sends_what_its_topology_says():
@@ -506,6 +510,15 @@ def test_cli_prints_step_times_across_hosts(capsys):
     model_size.main(["--model_preset", "gpt2", "--precision", "bf16", "--gpus", "2", "--inter_node_gbps", "1",
                      "--mfu", "0.5", "--compile"])
     assert "50.0% MFU" in capsys.readouterr().out
+    model_size.main(["--model_preset", "gpt2", "--vocab_size", "50304", "--batch_size", "32", "--precision", "bf16",
+                     "--gpus", "4", "--gpus_per_node", "2", "--gpu_type", "H200", "--inter_node_gbps", "10",
+                     "--reduce_precision", "bf16"])
+    halved = {line.split()[0]: line.split() for line in capsys.readouterr().out.split("step time:")[1].splitlines()
+              if line.split()[:1] and line.split()[0] in model_size.SHARDING}
+    # full-shard's one unit: 3/4 of the bf16 gather and of the (now bf16) reduce-scatter cross each link
+    assert float(halved["full-shard"][2]) == pytest.approx(0.75 * 4 * 124.4e6 / 1e9, abs=0.01)
+    assert float(halved["full-shard"][2]) < float(rows["full-shard"][2])
+    assert float(halved["hybrid-full-shard"][5]) < float(rows["hybrid-full-shard"][5])
 
 
 def test_cli_step_time_errors_name_the_flag():

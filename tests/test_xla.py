@@ -153,7 +153,8 @@ def test_device_xla_without_torch_xla_is_one_clear_error(monkeypatch):
     (["--sharding", "grad-shard"], "sharding"), (["--shard_group_size", 2], "shard_group_size"),
     (["--cpu_offload"], "cpu_offload"), (["--compile"], "compile"), (["--meta_init"], "meta_init"),
     (["--data_parallel", "decentralized"], "data_parallel"),
-    (["--activation_checkpoints", "--recompute", "selective"], "recompute")])
+    (["--activation_checkpoints", "--recompute", "selective"], "recompute"),
+    (["--reduce_precision", "bf16"], "reduce_precision")])
 def test_flags_xla_does_not_take_are_refused(monkeypatch, flags, refused):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if installed
     with pytest.raises(ConfigError, match=f"^--{refused} is not available with --device xla"):

@@ -1,0 +1,61 @@
+"""Run under `mpiexec -n 4` by test_parallelize.py: the gradients every strategy leaves after one backward, with
+--reduce_precision float32 and bf16.
+
+For each case (a sharding and the flags that pick its strategy), builds the model as training does, runs one
+forward and backward on this rank's own batch, synchronizes as train_step does, and records every parameter's
+whole gradient (a DTensor's gathered). Every rank writes rank_<r>.json into the directory argv[1].
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from minimal_fsdp import environment
+from minimal_fsdp.config import parse_args
+from minimal_fsdp.model import GPT
+from minimal_fsdp.parallelize import build_model, gradient_sync
+from minimal_fsdp.plan import make_plan
+from sharding_ranks import CONFIG
+
+# name -> the flags; each case's strategy is checked by the test (plan.strategy)
+CASES = {"full-shard": ["--sharding", "full-shard", "--fsdp_unit", "block"],
+         "grad-shard": ["--sharding", "grad-shard", "--fsdp_unit", "block"],
+         "hybrid-full-shard": ["--sharding", "hybrid-full-shard", "--shard_group_size", "2", "--fsdp_unit", "block"],
+         "full-shard-bf16": ["--sharding", "full-shard", "--fsdp_unit", "block", "--precision", "bf16"],
+         "one-unit": ["--sharding", "full-shard"],
+         "one-unit-hybrid": ["--sharding", "hybrid-full-shard", "--shard_group_size", "2"],
+         "one-unit-no-shard": ["--sharding", "no-shard"],
+         "ddp": ["--sharding", "no-shard", "--fsdp_unit", "block"]}
+
+
+def gradients(env, flags):
+    cfg = parse_args(flags)
+    plan = make_plan(cfg, env, CONFIG)
+    model = build_model(GPT, CONFIG, plan, env, cfg.seed)
+    sync = gradient_sync(model, plan)
+    tokens = torch.randint(CONFIG.vocab_size, (2, CONFIG.seq_length + 1),
+                           generator=torch.Generator().manual_seed(env.rank))  # each rank its own batch
+    sync.start(0)
+    sync.micro_step(last=True)
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    sync.finish()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        grads[name] = grad.float().flatten().tolist()
+    return {"strategy": plan.strategy, "grads": grads}
+
+
+def main():
+    env = environment.setup(parse_args(["--collective_timeout", "120"]))
+    torch.set_num_threads(1)
+    result = {name: {reduce: gradients(env, [*flags, "--reduce_precision", reduce]) for reduce in ("float32", "bf16")}
+              for name, flags in CASES.items()}
+    (Path(sys.argv[1]) / f"rank_{env.rank}.json").write_text(json.dumps(result))
+    environment.teardown()
+
+
+if __name__ == "__main__":
+    main()
