@@ -1,5 +1,5 @@
-"""Run under `mpiexec -n 4` by test_parallelize.py: the gradients every strategy leaves after one backward, with
---reduce_precision float32 and bf16.
+"""Run under `mpiexec -n 4` by test_parallelize.py (gloo), `-n 2` by test_gpu.py (NCCL): the gradients every
+strategy leaves after one backward, with --reduce_precision float32 and bf16.
 
 For each case (a sharding and the flags that pick its strategy), builds the model as training does, runs one
 forward and backward on this rank's own batch, synchronizes as train_step does, and records every parameter's

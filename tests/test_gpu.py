@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import launch
-from test_parallelize import logged_losses, reference, train_args
+from test_parallelize import (REDUCE_CASES, check_reduce_precision, logged_losses, reference, run_reduce_ranks,
+                               train_args)
 from test_end_to_end import sample_of
 
 pytestmark = [pytest.mark.gpu,
@@ -88,3 +89,15 @@ def test_a_one_gpu_checkpoint_resumes_on_two_gpus_and_back(tmp_path, corpus):
         assert steps == 2 or f"resuming from {tmp_path / 'checkpoints' / 'moves' / f'step_{steps - 2}'}" in out.stdout
     losses = logged_losses(corpus.parent, "moves")
     assert len(losses) == 6 and losses[-1] < losses[0]
+
+
+@pytest.fixture(scope="module")
+def reduced_over_nccl(tmp_path_factory):
+    return run_reduce_ranks(tmp_path_factory.mktemp("reduce_nccl"), 2)
+
+
+@pytest.mark.parametrize("case", REDUCE_CASES)
+def test_nccl_sums_gradients_in_bf16_when_asked(reduced_over_nccl, case):
+    """--reduce_precision bf16 over NCCL on 2 GPUs, as test_parallelize.py checks it over gloo: the same gradients on
+    both ranks, bf16 values, within bf16's rounding of the float32 sums."""
+    check_reduce_precision([result[case] for result in reduced_over_nccl], case)

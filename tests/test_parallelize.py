@@ -189,15 +189,18 @@ def test_generated_tokens_come_from_rank_0(four_ranks):
     assert texts == [own[0]] * 4, (texts, own)
 
 
-@pytest.fixture(scope="module")
-def reduced_on_four_ranks(tmp_path_factory):
-    """What reduce_ranks.py recorded on each of 4 ranks: each strategy's gradients, reduced in fp32 and in bf16."""
-    out = tmp_path_factory.mktemp("reduce_ranks")
-    cmd = [mpiexec(), "-n", "4", sys.executable, str(ROOT / "tests" / "reduce_ranks.py"), str(out)]
+def run_reduce_ranks(out, ranks):
+    """What reduce_ranks.py records on each of `ranks` ranks: each strategy's gradients, reduced in fp32 and bf16."""
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(ROOT / "tests" / "reduce_ranks.py"), str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-5000:]
-    return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(4)]
+    return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def reduced_on_four_ranks(tmp_path_factory):
+    return run_reduce_ranks(tmp_path_factory.mktemp("reduce_ranks"), 4)
 
 
 REDUCE_CASES = {"full-shard": "fsdp-block", "grad-shard": "fsdp-block", "hybrid-full-shard": "fsdp-block",
@@ -210,8 +213,11 @@ def test_reduce_precision_bf16_sums_the_gradients_in_bf16(reduced_on_four_ranks,
     """--reduce_precision bf16 under every strategy that sums gradients (FSDP2's reduce-scatter, hybrid's all-reduce
     too, the one unit's, DDP's hook): every rank gets the same gradients, each exactly a bf16 value (the sum was
     taken in bf16; divided by 4 ranks, exact), within bf16's rounding of the fp32 sums. With float32 they are
-    not bf16 values: the flag is what changed the collective's dtype."""
-    runs = [result[case] for result in reduced_on_four_ranks]
+    not bf16 values: the flag is what changed the collective's dtype. (test_gpu.py: the same over NCCL.)"""
+    check_reduce_precision([result[case] for result in reduced_on_four_ranks], case)
+
+
+def check_reduce_precision(runs, case):
     assert all(run[reduce]["strategy"] == REDUCE_CASES[case] for run in runs for reduce in ("float32", "bf16"))
     for reduce in ("float32", "bf16"):
         assert all(run[reduce]["grads"] == runs[0][reduce]["grads"] for run in runs), reduce
