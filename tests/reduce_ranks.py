@@ -36,7 +36,7 @@ def gradients(env, flags):
     model = build_model(GPT, CONFIG, plan, env, cfg.seed)
     sync = gradient_sync(model, plan)
     tokens = torch.randint(CONFIG.vocab_size, (2, CONFIG.seq_length + 1),
-                           generator=torch.Generator().manual_seed(env.rank))  # each rank its own batch
+                           generator=torch.Generator().manual_seed(env.rank)).to(env.device)  # each rank its own
     sync.start(0)
     sync.micro_step(last=True)
     model(tokens[:, :-1], tokens[:, 1:]).backward()
