@@ -106,7 +106,8 @@ class Config:
                                          "accurate, slower)", FP8_RECIPES, "parallel")
     reduce_precision: str = flag("float32", "the dtype gradients are summed across ranks in (FSDP's reduce-scatter, "
                                  "DDP's all-reduce): bf16 sends half the bytes, for a slow network between hosts, "
-                                 "at bf16's rounding of the sums; the master weights and optimizer stay fp32",
+                                 "at bf16's rounding of the sums (FSDP2 also adds --grad_accum_steps' micro-steps "
+                                 "in it); the master weights and optimizer stay fp32",
                                  REDUCE_PRECISION, "parallel")
     fsdp_unit: str = flag("auto", "what is gathered and freed at once: block (one transformer block at a time by "
                           "FSDP2, communication overlapped with compute: large models) or model (the whole model "

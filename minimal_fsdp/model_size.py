@@ -100,12 +100,13 @@ def kept_per_token(model_type, config):
 
 def estimate(model_type, config, batch_size, sharding, world_size, shard_group_size, recompute,
              cpu_offload, precision, device_type="cuda", compile=False, grad_accum_steps=1, fp8_recipe="tensorwise",
-             fsdp_unit="auto", checkpoint_mode="sync"):
+             fsdp_unit="auto", checkpoint_mode="sync", reduce_precision="float32"):
     """Peak bytes on one GPU and in one rank's host memory for one training step of grad_accum_steps
     micro-batches. recompute: "none" (no activation checkpointing), "full" or "selective" (--recompute).
     precision fp8 computes as bf16 does, with fp8_recipe's float8 layers (see the fp8 terms below).
     fsdp_unit: as --fsdp_unit (plan.strategy): the whole model as one unit is gathered whole, and all its
-    unsharded gradients wait for one reduce-scatter at the end of backward."""
+    unsharded gradients wait for one reduce-scatter at the end of backward. reduce_precision: as --reduce_precision,
+    the dtype of the copies gradients are reduced (and FSDP2 accumulates them) in."""
     sizes = count_parameters(model_type, config)
     _, shards, reshard = layout(sharding, world_size, shard_group_size)
     chosen = strategy(sharding, world_size, sizes.total, fsdp_unit, cpu_offload, precision == "fp8")  # make_plan's
@@ -136,9 +137,11 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
         copies = 2 if fp8_recipe == "rowwise" else 1
         float8_working = max(copies * (tokens * (i + o) + (0 if (i, o) in in_float8 else i * o))
                              + (16 * tokens if fp8_recipe == "rowwise" else 0) for i, o in sizes.float8_layers)
-    # Unsharded grads before their reduce-scatter: ~2 blocks' in flight, with bf16 compute each with an fp32 copy
-    # to reduce in; the root's wait in the compute dtype for the end of backward, when it is reduced last.
-    unsharded_grads = compute * sizes.root + (compute + (4 if precision != "float32" else 0)) * \
+    # Unsharded grads before their reduce-scatter: ~2 blocks' in flight, each with a copy to reduce in where the
+    # reduce dtype is not the compute dtype; the root's wait in the compute dtype for the end of backward, when it
+    # is reduced last.
+    reduce = 2 if reduce_precision == "bf16" else 4
+    unsharded_grads = compute * sizes.root + (compute + (reduce if reduce != compute else 0)) * \
         (L if whole else 2) * sizes.per_block
 
     layer = tokens * activations_per_token(model_type, config, device_type) * compute
@@ -154,9 +157,9 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     per_logit = compute if device_type == "cuda" or compile else 12
     logits = per_logit * tokens * config.vocab_size
 
-    # Between the micro-steps of an accumulation FSDP2 keeps every parameter's unsharded gradient, in fp32
-    # (the reduce dtype) whatever the compute precision, and on the GPU even with CPU offload.
-    accumulated = 4 * sizes.total if grad_accum_steps > 1 else 0
+    # Between the micro-steps of an accumulation FSDP2 keeps every parameter's unsharded gradient, in the reduce
+    # dtype whatever the compute precision, and on the GPU even with CPU offload.
+    accumulated = reduce * sizes.total if grad_accum_steps > 1 else 0
     # An fp32 copy of the gradients kept for the whole run: DDP's all-reduce buckets (no-shard over several ranks),
     # or the sharded gradients whole_unit.py reduces into (a small model's one unit). Counted apart from the
     # optimizer step's, so a little over (the step's are views of it).
@@ -217,7 +220,7 @@ def build_parser():
     p.add_argument("--fp8_recipe", choices=fp8.RECIPES, default="tensorwise", help="as in training")
     p.add_argument("--fsdp_unit", choices=FSDP_UNITS, default="auto", help="as in training")
     p.add_argument("--reduce_precision", choices=REDUCE_PRECISION, default="float32",
-                   help="as in training: the gradients' bytes over the link (step time)")
+                   help="as in training: the gradients' copies to reduce in, and their bytes over the link")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
     p.add_argument("--gpus_per_node", type=int, help="default: min(--gpus, 8)")
     p.add_argument("--shard_group_size", type=int, help="hybrid sharding's group (default: --gpus_per_node)")
@@ -275,7 +278,8 @@ def main(argv=None):
             for offload in (False, True):
                 e = estimate(family, config, args.batch_size, sharding, args.gpus, group, recompute, offload,
                              args.precision, grad_accum_steps=args.grad_accum_steps, fp8_recipe=args.fp8_recipe,
-                             fsdp_unit=args.fsdp_unit, checkpoint_mode=args.checkpoint_mode)
+                             fsdp_unit=args.fsdp_unit, checkpoint_mode=args.checkpoint_mode,
+                             reduce_precision=args.reduce_precision)
                 host = e["host"] * gpus_per_node
                 fits = e["gpu"] <= (1 - GPU_HEADROOM) * gpu_memory and (host_memory is None or host <= host_memory)
                 print(f"{sharding:<19}{recompute:<11}{'yes' if offload else 'no':<9}"

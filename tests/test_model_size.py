@@ -456,6 +456,17 @@ def test_reduce_precision_measured_across_hosts_within_25_percent(model, shardin
     assert 1000 * estimated.step == pytest.approx(measured_ms, rel=0.25)
 
 
+def test_bf16_sums_leave_out_the_fp32_copies_of_the_gradients():
+    """--reduce_precision bf16 with bf16 compute: FSDP2 reduces the gradients as they are (no fp32 copy of the ~2
+    blocks in flight) and adds the micro-steps' in bf16, not fp32 (2 bytes a parameter less)."""
+    config = make_config("llama", "llama2-7b")
+    sizes = model_size.count_parameters("llama", config)
+    peak = {reduce: model_size.estimate("llama", config, 1, "full-shard", 8, 8, "full", False, "bf16",
+                                        grad_accum_steps=2, reduce_precision=reduce)["gpu"]
+            for reduce in ("float32", "bf16")}
+    assert peak["float32"] - peak["bf16"] == 4 * 2 * sizes.per_block + 2 * sizes.total
+
+
 def test_flops_per_token_is_what_training_logs_mfu_with():
     config = make_config("llama", "llama3-8b")
     with torch.device("meta"):
