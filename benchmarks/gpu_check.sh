@@ -269,10 +269,11 @@ fp8_7b)
   # init: bf16, fp8 tensorwise (float8 all-gather) and fp8 rowwise in one call, batch FP8_7B_BATCH per GPU (2; at
   # 4, expandable segments, as memory is tight). Then the planner's estimate for each, beside the measured peak.
   fp8_setup || continue
-  # FP8_7B_SHARDING: full-shard (default) or grad-shard (2x H200, batch 3: fp8 +4.7%, at +6 GB a GPU).
+  # FP8_7B_SHARDING: full-shard (default) or grad-shard (2x H200, batch 3: fp8 +4.7%, at +6 GB a GPU); FP8_7B_ARGS:
+  # more flags (e.g. "--reduce_precision bf16").
   b=${FP8_7B_BATCH:-2}; alloc=""; [ "$b" -gt 2 ] && alloc="-x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
   sh=${FP8_7B_SHARDING:-full-shard}
-  B="python3 benchmarks/throughput.py --model_preset llama2-7b --compile --meta_init --activation_checkpoints --recompute selective --sharding $sh --batch_size $b --warmup ${FP8_7B_WARMUP:-4} --steps ${FP8_7B_STEPS:-8} --out $OUT/fp8_7b.jsonl"
+  B="python3 benchmarks/throughput.py --model_preset llama2-7b --compile --meta_init --activation_checkpoints --recompute selective --sharding $sh --batch_size $b --warmup ${FP8_7B_WARMUP:-4} --steps ${FP8_7B_STEPS:-8} --out $OUT/fp8_7b.jsonl ${FP8_7B_ARGS:-}"
   for p in ${FP8_7B_PRECISIONS:-bf16 tensorwise rowwise}; do
     prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
     timeout ${FP8_7B_TIMEOUT:-160} $MPI $alloc -n $NG $B $prec >> "$OUT/fp8_7b.log" 2>&1
@@ -353,7 +354,8 @@ llama3_8b)
   # H200 fp8 ran 1.8-4.6% faster as grad-shard (no backward all-gather, no second cast of each weight) at +6 GB a GPU.
   b=${LLAMA3_BATCH:-1}; sh=${LLAMA3_SHARDING:-full-shard}; rc=${LLAMA3_RECOMPUTE:-selective}
   ckpt="--activation_checkpoints --recompute $rc"; [ $rc = none ] && ckpt=""
-  B="python3 benchmarks/throughput.py --model_preset llama3-8b --compile --meta_init $ckpt --sharding $sh --batch_size $b --warmup ${LLAMA3_WARMUP:-4} --steps ${LLAMA3_STEPS:-8} --out $OUT/llama3_8b.jsonl"
+  # LLAMA3_ARGS: more flags, e.g. "--reduce_precision bf16" (+0.8-1.5% on 2x H200).
+  B="python3 benchmarks/throughput.py --model_preset llama3-8b --compile --meta_init $ckpt --sharding $sh --batch_size $b --warmup ${LLAMA3_WARMUP:-4} --steps ${LLAMA3_STEPS:-8} --out $OUT/llama3_8b.jsonl ${LLAMA3_ARGS:-}"
   for p in ${LLAMA3_PRECISIONS:-bf16 tensorwise rowwise}; do
     prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
     timeout ${LLAMA3_TIMEOUT:-280} $MPI -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -n $NG $B $prec \

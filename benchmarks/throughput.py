@@ -104,10 +104,10 @@ def main():
     mfu = model.flops_per_token() * tok_s / (peak * env.world_size) if peak else float("nan")
     memory = max(environment_all_ranks(peak_memory_gb(env.device), env))
     host = max(environment_all_ranks(peak_memory_gb(torch.device("cpu")), env))
-    options = bench["label"] or " ".join(o for o in ("compile", "activation_checkpoints", "cpu_offload", "meta_init")
-                                         if getattr(cfg, o)) or "-"
-    if cfg.activation_checkpoints and not bench["label"]:
-        options = options.replace("activation_checkpoints", f"ckpt:{cfg.recompute}")
+    named = [o for o in ("compile", "activation_checkpoints", "cpu_offload", "meta_init") if getattr(cfg, o)]
+    named = [f"ckpt:{cfg.recompute}" if o == "activation_checkpoints" else o for o in named]
+    named += [f"reduce:{cfg.reduce_precision}"] if cfg.reduce_precision != "float32" else []
+    options = bench["label"] or " ".join(named) or "-"
     n = model.num_params(non_embedding=False)
     layers = f"·{cfg.num_layers}L" if cfg.num_layers else ""  # a preset cut to fewer or more blocks
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
