@@ -434,7 +434,8 @@ MEASURED_REDUCE_2X1 = [("gpt2", "full-shard", "one-unit", "float32", 389.4),
                        ("gpt2", "full-shard", "one-unit", "bf16", 279.0),
                        ("llama-1b", "full-shard", "fsdp-block", "float32", 3840.5),
                        ("llama-1b", "full-shard", "fsdp-block", "bf16", 2871.3),
-                       ("llama-1b", "no-shard", "ddp", "float32", 3813.2), ("llama-1b", "no-shard", "ddp", "bf16", 2186.7)]
+                       ("llama-1b", "no-shard", "ddp", "float32", 3813.2),
+                       ("llama-1b", "no-shard", "ddp", "bf16", 2186.7)]
 
 
 @pytest.mark.parametrize("model,sharding,chosen,reduce,measured_ms", MEASURED_REDUCE_2X1,
