@@ -34,7 +34,8 @@ from .train import RunParts, build_optimizer, train
 PEER_GONE = ("timed out", "connection closed by peer", "connection reset by peer", "broken pipe")
 # Flags that change what a resumed run computes; the startup lines name those that differ from the checkpoint's.
 TRAINING_FLAGS = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                  "batch_size", "grad_accum_steps", "dropout", "precision", "fp8_recipe", "sharding", "seed")
+                  "batch_size", "grad_accum_steps", "dropout", "precision", "fp8_recipe", "reduce_precision",
+                  "sharding", "seed")
 
 
 def main(argv=None, cfg=None):

@@ -52,8 +52,9 @@ def test_a_finished_run_and_changed_flags_are_said_in_one_line(single, capsys):
     out = train(capsys, "--max_steps", 4, "--lr_decay_steps", 8, "--run_name", "again")
     assert "checkpoints/again/step_4 finished its run at step 4: nothing to train. Pass a larger --max_steps" in out
     out = train(capsys, "--max_steps", 6, "--lr_decay_steps", 8, "--lr", "0.001", "--batch_size", 8,
-                "--run_name", "again")
-    assert "resuming checkpoints/again/step_4 with changed flags: --lr 0.003 -> 0.001, --batch_size 16 -> 8" in out
+                "--reduce_precision", "bf16", "--run_name", "again")
+    assert "resuming checkpoints/again/step_4 with changed flags: --lr 0.003 -> 0.001, --batch_size 16 -> 8, " \
+        "--reduce_precision float32 -> bf16" in out
     assert logged_steps("again") == [1, 2, 3, 4, 5, 6]
 
 
