@@ -24,9 +24,9 @@ from pathlib import Path
 
 from .files import write_atomic
 # The tokenizers of other projects' files, and what all tokenizers share (re-exported: callers import them here).
-from .tokenizer_files import (LLAMA3_PATTERN, HFTokenizer, TiktokenTokenizer, TokenizerError,  # noqa: F401
-                              _byte_level_bpe, _digest, _llama3_tokenizer, _looks_like_tiktoken, _write_json,
-                              special_tokens)
+from .tokenizer_files import (LLAMA3_PATTERN, HFTokenizer, TiktokenCalls, TiktokenTokenizer,  # noqa: F401
+                              TokenizerError, _byte_level_bpe, _digest, _llama3_tokenizer, _looks_like_tiktoken,
+                              _write_json, special_tokens)
 
 TOKENIZER_KINDS = ("char", "gpt2", "sentencepiece")  # what --tokenizer fits or fetches
 SAVED_KINDS = TOKENIZER_KINDS + ("hf", "tiktoken")  # what our tokenizer.json may name
@@ -116,7 +116,7 @@ def _gpt2_encoding():
         raise TokenizerError(f"{GPT2_OFFLINE} [{type(e).__name__}]") from e
 
 
-class GPT2Tokenizer:
+class GPT2Tokenizer(TiktokenCalls):
     kind = "gpt2"
     label = "gpt2"
 
@@ -127,17 +127,6 @@ class GPT2Tokenizer:
         # tiktoken keeps these without public accessors; the Hugging Face export converts them (hf.py)
         self.ranks, self.pattern, self.special_tokens = \
             self.enc._mergeable_ranks, self.enc._pat_str, self.enc._special_tokens
-
-    def encode(self, text):
-        # ordinary: a literal "<|endoftext|>" in the data is just text, not the special token
-        return self.enc.encode_ordinary(text)
-
-    def encode_batch(self, texts):
-        """[encode(text) for text in texts], in tiktoken's threads (outside the GIL)."""
-        return self.enc.encode_ordinary_batch(texts)
-
-    def decode(self, ids):
-        return self.enc.decode(list(ids))
 
     def save(self, directory):
         _write_json(directory, {"kind": self.kind, "vocab_size": self.vocab_size})

@@ -131,7 +131,22 @@ def _looks_like_tiktoken(data):
     return len(parts) == 2 and parts[1].isdigit() and all(c in b"+/=" or chr(c).isalnum() for c in parts[0])
 
 
-class TiktokenTokenizer:
+class TiktokenCalls:
+    """Encoding and decoding through a tiktoken Encoding (self.enc): GPT-2's and a Llama 3 tokenizer.model's."""
+
+    def encode(self, text):
+        # ordinary: a literal "<|endoftext|>" in the data is just text, not the special token
+        return self.enc.encode_ordinary(text)
+
+    def encode_batch(self, texts):
+        """[encode(text) for text in texts], in tiktoken's threads (outside the GIL)."""
+        return self.enc.encode_ordinary_batch(texts)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+
+class TiktokenTokenizer(TiktokenCalls):
     kind = "tiktoken"
 
     def __init__(self, ranks_file, special_tokens, pattern=LLAMA3_PATTERN, eos_token=None, bos_token=None):
@@ -148,15 +163,6 @@ class TiktokenTokenizer:
         self.bos_token = bos_token if bos_token in self.special_tokens else None
         self.eot_id, self.bos_id = self.special_tokens.get(self.eos_token), self.special_tokens.get(self.bos_token)
         self.label = "tiktoken-" + _digest(self.ranks_file)
-
-    def encode(self, text):
-        return self.enc.encode_ordinary(text)
-
-    def encode_batch(self, texts):
-        return self.enc.encode_ordinary_batch(texts)
-
-    def decode(self, ids):
-        return self.enc.decode(list(ids))
 
     def save(self, directory):
         _write_json(directory, {"kind": self.kind, "vocab_size": self.vocab_size, "model_file": "tokenizer.model",
