@@ -372,10 +372,15 @@ def test_each_gossip_topology_within_25_percent(topology, measured_ms):
     assert 1000 * gpt2_step("decentralized", 25, topology=topology).step == pytest.approx(measured_ms, rel=0.25)
 
 
+def llama_1b():
+    """benchmarks/multihost.py's llama-1b: Llama 3.2 1B's shape, vocab 32000, T=2048."""
+    return MODELS["llama"].config_class(vocab_size=32000, seq_length=2048, num_layers=16, num_heads=32,
+                                        num_kv_heads=8, embed_size=2048, intermediate_size=8192)
+
+
 def test_the_1b_on_two_gpus_a_host_within_25_percent():
     """The ~1B Llama on 2 x 2 at 25 Gbit/s: -4.2% (FSDP2 per block), -7.4% (hybrid), -13.6% (DDP), -11.3% (gossip)."""
-    config = MODELS["llama"].config_class(vocab_size=32000, seq_length=2048, num_layers=16, num_heads=32,
-                                          num_kv_heads=8, embed_size=2048, intermediate_size=8192)
+    config = llama_1b()
     sizes = model_size.count_parameters("llama", config)
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")
     for sharding, chosen, measured_ms in MEASURED_2X2_LLAMA:
@@ -417,8 +422,7 @@ def test_step_time_within_25_percent_on_the_unshaped_link(sharding, measured_ms)
 def test_large_models_overlap_measured_within_25_percent():
     """FSDP2 per block (full-shard) and DDP (no-shard) of a ~1B Llama (benchmarks/multihost.py's llama-1b), 2 hosts
     x 1 H200 at 10 Gbit/s: 3780.1 and 3911.2 ms measured; estimated -3.2% and -4.8%. The link is ~97% of both."""
-    config = MODELS["llama"].config_class(vocab_size=32000, seq_length=2048, num_layers=16, num_heads=32,
-                                          num_kv_heads=8, embed_size=2048, intermediate_size=8192)
+    config = llama_1b()
     sizes = model_size.count_parameters("llama", config)
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")
     for sharding, chosen, measured_ms in (("full-shard", "fsdp-block", 3780.1), ("no-shard", "ddp", 3911.2)):
@@ -447,8 +451,7 @@ def test_reduce_precision_measured_across_hosts_within_25_percent(model, shardin
         config = make_config("gpt", "gpt2", vocab_size=50304)
         sizes, tokens = model_size.count_parameters("gpt", config), 32 * 1024
     else:
-        config = MODELS["llama"].config_class(vocab_size=32000, seq_length=2048, num_layers=16, num_heads=32,
-                                              num_kv_heads=8, embed_size=2048, intermediate_size=8192)
+        config = llama_1b()
         sizes, tokens = model_size.count_parameters("llama", config), 4 * 2048
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")
     estimated = step_time.estimate_step(sharding, sizes.total, step_time.flops_per_token(sizes, config), tokens, 2, 1,
