@@ -216,6 +216,35 @@ def test_float8_all_gather_weights_save_and_load_as_plain_fp32(one_rank_group, m
     assert torch.equal(weight._tensor, plain.blocks[0].attn.q_proj.weight.detach())
 
 
+@needs_torchao
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_shard_cast_gives_torchao_bits(monkeypatch, device):
+    """A float8-gathered weight's shard, cast before its all-gather by the one compiled kernel (fp8.fused_shard_cast):
+    the same float8 bits and scale as torchao's three eager kernels, saturated values, zeros and tiny ones included
+    (on the CPU, inductor's C++ kernel; on a GPU, its Triton one)."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    plan = dataclasses.replace(plan_for(["--precision", "fp8"], monkeypatch=monkeypatch), strategy="fsdp-block",
+                               shard_ranks=2)
+    model = fp8.convert(build_model(Llama, SMALL_LLAMA, plan_for(["--precision", "bf16"]), one_rank(), seed=3),
+                        plan, torch.device("cpu"))
+    assert WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather is fp8.fused_shard_cast
+    cpu_weight = model.blocks[0].mlp.down_proj.weight
+    weight = WeightWithDynamicFloat8CastTensor(cpu_weight._tensor.detach().to(device), cpu_weight._linear_mm_config,
+                                               cpu_weight._dtype)
+    with torch.no_grad():
+        weight._tensor.view(-1)[:4] = torch.tensor([0.0, -0.0, 1e-30, -3.0])
+    amax = weight._tensor.abs().max()
+    for scale in (448 / amax, 4 * 448 / amax, torch.tensor(1e-3, device=device)):  # the precompute's scale, 4x it (saturates), small
+        weight._precomputed_scale = scale.float()
+        (fused,), (fused_scale,) = fp8.fused_shard_cast(weight, None)
+        (eager,), (eager_scale,) = fp8._TORCHAO_SHARD_CAST(weight, None)
+        assert fused.dtype == eager.dtype == torch.float8_e4m3fn and fused.shape == weight.shape
+        assert torch.equal(fused.view(torch.uint8), eager.view(torch.uint8)) and fused_scale is eager_scale
+    assert fused.float().abs().max() > 0  # not all flushed to zero: the comparison saw values
+
+
 # ---- the memory planner ----
 
 def test_planner_counts_float8_all_gathers_and_working_copies(capsys):
