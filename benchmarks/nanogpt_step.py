@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_step import by_kind, print_kernels  # noqa: E402
+from profile_step import by_kind, print_kernels, print_kinds  # noqa: E402
 
 
 def main():
@@ -64,9 +64,7 @@ def main():
                 step()
             torch.cuda.synchronize()
         kernels, kinds = by_kind(prof, steps)
-        print(f"device busy {sum(kinds.values()):.1f} ms (sum of kernel times)")
-        for name, total in kinds.items():
-            print(f"  {name:18s} {total:6.1f} ms")
+        print_kinds(kinds)
         print_kernels(kernels, steps, top=30)
 
 

@@ -48,6 +48,13 @@ def by_kind(prof, steps):
     return kernels, dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
+def print_kinds(kinds, before=""):
+    """The device busy line (`before` leads it) and the ms a step of each kind."""
+    print(f"{before}device busy {sum(kinds.values()):.1f} ms (sum of kernel times)")
+    for k, ms in kinds.items():
+        print(f"  {k:18s} {ms:6.1f} ms")
+
+
 def print_kernels(kernels, steps, top=40):
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
         ms, count = e.self_device_time_total / steps / 1e3, e.count // steps
@@ -55,13 +62,14 @@ def print_kernels(kernels, steps, top=40):
 
 
 def main():
-    cfg, options = parse({"steps": (int, 6, "profiled steps"), "out": (str, None, "write a Chrome trace here"),
+    cfg, options = parse({"steps": (int, 6, "profiled steps"), "warmup": (int, 5, "steps before any timing"),
+                          "out": (str, None, "write a Chrome trace here"),
                           "fsdp_on_one_rank": BENCH_OPTIONS["fsdp_on_one_rank"]})
     steps, out = options["steps"], options["out"]
     env, config, model, optimizer, sync = build(cfg, options["fsdp_on_one_rank"])
     tokens = torch.randint(config.vocab_size, (cfg.batch_size, config.seq_length + 1), device=env.device)
     batch = [(tokens[:, :-1], tokens[:, 1:])]
-    for _ in range(5):
+    for _ in range(options["warmup"]):
         train_step(model, optimizer, batch, sync, cfg.grad_clip, env.device)
     torch.cuda.synchronize()
     # Host time: a long sleep kernel keeps the device busy, so issuing one step never waits on it.
@@ -84,13 +92,9 @@ def main():
     if env.is_main:
         events = prof.key_averages()
         kernels, kinds = by_kind(prof, steps)
-        device_total = sum(kinds.values())
         # A step that launches more kernels than the device's queue holds waits for the sleep to end.
         host = f"{min(hosts) * 1e3:.1f} ms" if min(hosts) < 0.5 else "not measurable (the launch queue filled)"
-        print(f"per step: host issue {host} (device kept busy), wall {wall * 1e3:.1f} ms, "
-              f"device busy {device_total:.1f} ms (sum of kernel times)")
-        for k, ms in kinds.items():
-            print(f"  {k:18s} {ms:6.1f} ms")
+        print_kinds(kinds, f"per step: host issue {host} (device kept busy), wall {wall * 1e3:.1f} ms, ")
         print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
         # Inclusive host time: which ranges (optimizer step, compiled graphs, DDP, autograd) hold the host longest.
         print(events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
