@@ -39,8 +39,9 @@ setup(
         # python -m minimal_fsdp.virtual_cluster and tests/test_multihost*.py: hosts as network namespaces, made
         # through netlink in pure Python (no iproute2 needed); they need root.
         "cluster": ["pyroute2"],
+        # matplotlib and wandb: without them the tests of `minimal_fsdp.plot` and of --wandb (offline) skip.
         "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub", "datasets",
-                "torchao>=0.16", "pyroute2",
+                "torchao>=0.16", "pyroute2", "matplotlib", "wandb",
                 "lm-eval[hf]>=0.4.13,<0.5"],  # [hf]: the tests compare with the harness's own transformers backend
     },
 )
