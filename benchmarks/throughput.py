@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimal_fsdp import environment  # noqa: E402
 from minimal_fsdp.config import Config, build_parser, validate, validate_world  # noqa: E402
-from minimal_fsdp.metrics import peak_flops, peak_memory_gb  # noqa: E402
+from minimal_fsdp.metrics import allocator_retries, peak_flops, peak_memory_gb  # noqa: E402
 from minimal_fsdp.models import MODELS, config_from_flags  # noqa: E402
 from minimal_fsdp.parallelize import build_model, gradient_sync  # noqa: E402
 from minimal_fsdp.plan import apply_process_settings, make_plan  # noqa: E402
@@ -93,6 +93,7 @@ def main():
     step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["warmup"])
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    retries = allocator_retries(env.device)
     losses = []  # same seed, same synthetic batches: a variant that trains differently shows here
     with collections_in_step():  # as in training: no rank pauses alone for a full garbage collection
         times = step_times(model, optimizer, sync, cfg, env, seq, vocab, bench["steps"], losses=losses)
@@ -104,6 +105,7 @@ def main():
     mfu = model.flops_per_token() * tok_s / (peak * env.world_size) if peak else float("nan")
     memory = max(environment_all_ranks(peak_memory_gb(env.device), env))
     host = max(environment_all_ranks(peak_memory_gb(torch.device("cpu")), env))
+    retries = sum(environment_all_ranks(allocator_retries(env.device) - retries, env))  # the timed steps'
     named = [o for o in ("compile", "activation_checkpoints", "cpu_offload", "meta_init") if getattr(cfg, o)]
     named = [f"ckpt:{cfg.recompute}" if o == "activation_checkpoints" else o for o in named]
     named += [f"reduce:{cfg.reduce_precision}"] if cfg.reduce_precision != "float32" else []
@@ -116,11 +118,15 @@ def main():
                precision=cfg.precision + (f"-{cfg.fp8_recipe}" if cfg.precision == "fp8" else ""), options=options,
                batch=cfg.batch_size * cfg.grad_accum_steps, seq=seq, tok_s=tok_s, tok_s_gpu=tok_s / env.world_size,
                mfu=mfu, step_ms=median * 1000, peak_gb=memory, host_rss_gb=host, last_loss=last_loss,
+               alloc_retries=retries,
                device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
                torch=torch.__version__)
     if env.is_main:
         print(f"host memory: peak RSS {host:.1f} GB on the largest rank; rank 0's loss at the last step "
               f"{last_loss:.5f}", flush=True)
+        if retries:
+            print(f"memory: the CUDA allocator freed its cache and retried {retries} time(s) over the ranks in the "
+                  "timed steps: the GPU is at its memory's limit, and the row is slower for it", flush=True)
         print(HEADER)
         print(f"| {row['model']} | {row['gpus']} | {row['sharding']} | {row['precision']} | {options} | {row['batch']} | "
               f"{seq} | {tok_s:,.0f} | {row['tok_s_gpu']:,.0f} | {'-' if mfu != mfu else f'{mfu:.1%}'} | "

@@ -29,7 +29,7 @@ TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_no
         "tokens_per_s": "perf/tokens_per_s", "step_time": "perf/step_time_s", "mfu": "perf/mfu",
         "peak_mem_gb": "perf/peak_mem_gb", "save_blocking_s": "checkpoint/save_blocking_s",
         "save_waited_s": "checkpoint/save_waited_s", "save_total_s": "checkpoint/save_total_s",
-        "restore_s": "checkpoint/restore_s"}
+        "restore_s": "checkpoint/restore_s", "alloc_retries": "perf/alloc_retries"}
 
 
 class Metrics:
@@ -101,7 +101,7 @@ class TrainingLog:
         self.first_step, self.last_step, self.tokens_per_step = first_step, schedule.last_step, tokens_per_step
         self.flops_per_token, self.peak = model.flops_per_token(), peak_flops(env.device)
         self.log_dir = Path(cfg.log_dir) / cfg.run_name
-        self.bar = None
+        self.bar, self.warned = None, set()
         # A bar only for a plain `python basic_training.py` at a terminal: under a launcher stdout may be a pty
         # (Open MPI gives each rank one) while the job's output goes to a file.
         if self.main and sys.stdout.isatty() and env.launcher == "single":
@@ -110,6 +110,7 @@ class TrainingLog:
         self.start = time.perf_counter()
         self.window_start, self.window_first, self.paused_time = self.start, first_step, 0.0
         self.losses, self.last_val, self.best_val, self.checkpoint, self.done = [], None, None, None, first_step
+        self.retries = allocator_retries(env.device)  # at start: a restore's or compile's retries are not training's
         self.print(f"training {schedule.length}" + (f", from step {first_step}" if first_step else ""))
 
     def print(self, text, stream=None):
@@ -137,7 +138,9 @@ class TrainingLog:
         update was skipped have no loss; a window of only those has no row."""
         if not self.losses:
             return
-        loss = mean_across_ranks(sum(self.losses) / len(self.losses))
+        loss, retries = sum_across_ranks(sum(self.losses) / len(self.losses),
+                                         allocator_retries(self.env.device) - self.retries)
+        loss /= dist.get_world_size()
         elapsed = time.perf_counter() - self.window_start - self.paused_time
         steps, self.losses = max(1, step - self.window_first), []
         tok_s = self.tokens_per_step * steps / elapsed
@@ -145,6 +148,11 @@ class TrainingLog:
                    peak_mem_gb=peak_memory_gb(self.env.device), **extra)
         if self.peak:
             row["mfu"] = self.flops_per_token * tok_s / (self.peak * self.env.world_size)
+        if retries:
+            row["alloc_retries"] = int(retries)
+            if "alloc_retries" not in self.warned:
+                self.warned.add("alloc_retries")
+                self.warn(memory_pressure(step, int(retries), row["peak_mem_gb"], self.env.device))
         self.metrics.log(step, **row)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
@@ -223,14 +231,36 @@ class TrainingLog:
         return "\n".join(lines)
 
 
-def mean_across_ranks(value):
-    """The mean over the ranks of a number or a one-element tensor (on any device; an XLA one cannot take part in
-    the ranks' collective itself, so it comes to the host first)."""
-    t = torch.tensor([float(value)])
+def sum_across_ranks(*values):
+    """Each number or one-element tensor summed over the ranks, in one all-reduce (on any device; an XLA one cannot
+    take part in the ranks' collective itself, so it comes to the host first)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
-    dist.all_reduce(t)  # SUM: gloo has no AVG
-    return t.item() / dist.get_world_size()
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def mean_across_ranks(value):
+    """The mean over the ranks of a number or a one-element tensor (gloo has no AVG: a sum)."""
+    return sum_across_ranks(value)[0] / dist.get_world_size()
+
+
+def allocator_retries(device):
+    """How often the CUDA caching allocator found no room, freed its whole cache and asked the driver again (0 off
+    CUDA). Each time the GPU stalls, and a run does not fail: it runs slower. The 8B at batch 4 (T=8192,
+    grad-shard, selective recompute) peaked at 142.4 GB of an H200's 150 and ran at 7,005 tokens/s a GPU, where
+    full-shard at 136.4 GB ran 14,864 (benchmarks/LOG.md, twenty-sixth session), with nothing in its log."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
+def memory_pressure(step, retries, peak_gb, device):
+    """The one warning a run gets when the allocator starts retrying (allocator_retries)."""
+    total = f" of {torch.cuda.get_device_properties(device).total_memory / 1e9:.1f}" if device.type == "cuda" else ""
+    return (f"memory: by step {step} the CUDA allocator ran out of room {retries} time(s) over the ranks and freed its "
+            f"cache to retry (peak {peak_gb:.1f}{total} GB on rank 0); steps this close to the GPU's memory "
+            "can run much slower. A smaller --batch_size, --activation_checkpoints, or full-shard gives room "
+            "(python -m minimal_fsdp.model_size plans it)")
 
 
 def _synchronize(device):

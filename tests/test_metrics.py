@@ -6,6 +6,7 @@ import sys
 
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from conftest import TINY_MODEL
@@ -143,3 +144,55 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, caps
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == ("error: plotting needs matplotlib: pip install matplotlib "
                                                "(or pip install -e '.[plot]')")
+
+
+def test_allocator_retries_warn_once_and_go_to_the_metrics(single_process, tmp_path, corpus, capsys, monkeypatch):
+    """A run at its GPU's memory limit does not fail, it slows down: the allocator's retries (counted since the
+    log began) go to metrics.jsonl and TensorBoard, and one warning says what to do. The count is patched here;
+    test_a_real_retry_is_counted makes one on a GPU."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from minimal_fsdp import metrics
+    counts = iter([5, 5, 8, 9])  # at start, then at the rows of steps 2, 4 and 6
+    monkeypatch.setattr(metrics, "allocator_retries", lambda device: next(counts))
+    args = ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 6, "--log_interval", 2,
+            "--eval_interval", 0, "--run_name", "tight"]
+    run.main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert err.count("memory: by step 4 the CUDA allocator ran out of room 3 time(s)") == 1
+    assert err.count("memory:") == 1 and "--batch_size" in err
+    rows = [r for r in rows_of(tmp_path / "logs" / "tight") if "loss" in r]
+    assert [(r["step"], r.get("alloc_retries")) for r in rows] == [(2, None), (4, 3), (6, 4)]
+    scalars = EventAccumulator(str(tmp_path / "logs" / "tight")).Reload()
+    assert [(e.step, e.value) for e in scalars.Scalars(TAGS["alloc_retries"])] == [(4, 3), (6, 4)]
+
+
+def test_no_retries_no_field(single_process, tmp_path, corpus, capsys):
+    args = ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 2, "--log_interval", 1,
+            "--eval_interval", 0, "--run_name", "roomy"]
+    run.main([str(a) for a in args])
+    assert "memory:" not in capsys.readouterr().err
+    assert all("alloc_retries" not in r for r in rows_of(tmp_path / "logs" / "roomy"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_real_retry_is_counted():
+    """A cached block too small for the next request, with no room beside it: the allocator frees its cache and
+    asks again, which allocator_retries counts (expandable segments grow a segment instead: no retry to make)."""
+    import os
+
+    from minimal_fsdp.metrics import allocator_retries
+    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        pytest.skip("expandable segments make no retry here")
+    device = torch.device("cuda", 0)
+    torch.cuda.empty_cache()
+    before = allocator_retries(device)
+    free = torch.cuda.mem_get_info(device)[0]
+    block = torch.empty(int(free * 0.6), dtype=torch.uint8, device=device)
+    del block  # cached, still held from the driver
+    assert allocator_retries(device) == before
+    bigger = torch.empty(int(free * 0.7), dtype=torch.uint8, device=device)
+    assert allocator_retries(device) == before + 1
+    del bigger
+    torch.cuda.empty_cache()

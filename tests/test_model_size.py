@@ -4,6 +4,7 @@ estimate across hosts (step_time.py) against the steps measured across virtual h
 import gc
 import importlib.util
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -211,6 +212,19 @@ def test_cli_errors_name_the_flag():
     with pytest.raises(ConfigError, match="invalid choice: 'llama9'"):
         model_size.main(["--model_preset", "llama9"])
     assert model_size.parse_memory("80GiB", "x") == model_size.parse_memory("80GB", "x") == 80 * 2**30
+    for bad in ("0", "0GB", "-3GB", "1.2.3GB", "GB", "iB", "80 GiBs"):
+        with pytest.raises(ConfigError, match="not a size"):
+            model_size.parse_memory(bad, "x")
+
+
+def test_a_bare_number_is_gigabytes(capsys):
+    """--gpu_memory 140 (an H200) once meant 140 bytes: the header said "0 GiB" and no layout fit."""
+    assert model_size.parse_memory("141", "x") == model_size.parse_memory("141G", "x") == 141 * 2**30
+    assert model_size.parse_memory("512M", "x") == 512 * 2**20 and model_size.parse_memory("4096B", "x") == 4096
+    model_size.main(["--model_preset", "llama2-7b", "--gpus", "4", "--gpu_memory", "140", "--batch_size", "1"])
+    out = capsys.readouterr().out
+    assert "4 GPU(s) of 140 GiB" in out
+    assert re.search(r"^full-shard +selective +no .* yes$", out, re.MULTILINE)
 
 
 def test_planner_gathers_a_whole_model_unit_at_once():
