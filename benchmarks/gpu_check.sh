@@ -354,7 +354,8 @@ llama3_8b)
   # H200 fp8 ran 1.8-4.6% faster as grad-shard (no backward all-gather, no second cast of each weight) at +6 GB a GPU.
   b=${LLAMA3_BATCH:-1}; sh=${LLAMA3_SHARDING:-full-shard}; rc=${LLAMA3_RECOMPUTE:-selective}
   ckpt="--activation_checkpoints --recompute $rc"; [ $rc = none ] && ckpt=""
-  # LLAMA3_ARGS: more flags, e.g. "--reduce_precision bf16" (+0.8-1.5% on 2x H200).
+  # LLAMA3_ARGS: more flags, e.g. "--reduce_precision bf16" (+0.8-1.5% on 2x H200). Fastest on 4x H200 (twenty-sixth
+  # session): LLAMA3_SHARDING=grad-shard LLAMA3_RECOMPUTE=none LLAMA3_BATCH=3 (fp8 ~15,000; bf16 at batch 2: 10,867).
   B="python3 benchmarks/throughput.py --model_preset llama3-8b --compile --meta_init $ckpt --sharding $sh --batch_size $b --warmup ${LLAMA3_WARMUP:-4} --steps ${LLAMA3_STEPS:-8} --out $OUT/llama3_8b.jsonl ${LLAMA3_ARGS:-}"
   for p in ${LLAMA3_PRECISIONS:-bf16 tensorwise rowwise}; do
     prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
