@@ -101,7 +101,7 @@ class TrainingLog:
         self.first_step, self.last_step, self.tokens_per_step = first_step, schedule.last_step, tokens_per_step
         self.flops_per_token, self.peak = model.flops_per_token(), peak_flops(env.device)
         self.log_dir = Path(cfg.log_dir) / cfg.run_name
-        self.bar, self.warned = None, set()
+        self.bar, self.retries_warned = None, False
         # A bar only for a plain `python basic_training.py` at a terminal: under a launcher stdout may be a pty
         # (Open MPI gives each rank one) while the job's output goes to a file.
         if self.main and sys.stdout.isatty() and env.launcher == "single":
@@ -149,10 +149,10 @@ class TrainingLog:
         if self.peak:
             row["mfu"] = self.flops_per_token * tok_s / (self.peak * self.env.world_size)
         if retries:
-            row["alloc_retries"] = int(retries)
-            if "alloc_retries" not in self.warned:
-                self.warned.add("alloc_retries")
-                self.warn(memory_pressure(step, int(retries), row["peak_mem_gb"], self.env.device))
+            row["alloc_retries"] = retries = int(retries)
+            if not self.retries_warned:
+                self.retries_warned = True
+                self.warn(memory_pressure(step, retries, row["peak_mem_gb"], self.env.device))
         self.metrics.log(step, **row)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")

@@ -185,11 +185,11 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
 def parse_memory(text, flag):
     """'40GB', '80GiB', '512G', '141' -> bytes. Binary units either way: a "40GB" GPU holds 40 GiB. A bare number
     is GB: `--gpu_memory 141` meant 141 bytes before, and every layout "did not fit"."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
-    if not match or float(match[1]) <= 0 or (match[3] and match[3].upper() == "IB" and not match[2]):
+    match = re.fullmatch(r"\s*(\d*\.?\d+)\s*(?:([KMGT])i?B?|(B))?\s*", text, re.IGNORECASE)
+    if not match or float(match[1]) <= 0:
         raise ConfigError(f"--{flag} {text!r} is not a size like 40GB or 80GiB")
-    unit = match[2].upper() or ("" if match[3] else "G")
-    return float(match[1]) * 1024 ** " KMGT".index(unit or " ")
+    unit = match[2] or match[3] or "G"
+    return float(match[1]) * 1024 ** "BKMGT".index(unit.upper())
 
 
 def model_config(args):
