@@ -4,10 +4,10 @@
     mpiexec -n 2 python basic_training.py --max_epochs -1 --prompt "ROMEO:"   # generate from the last checkpoint
     mpiexec -n 2 python basic_training.py --hf_model DIR        # start from a Hugging Face GPT-2 or Llama
 
-Flags -> Config (minimal_fsdp/config.py, which imports no torch, so --help and a mistyped flag answer at once)
+Flags -> Config (minimal_fsdp/config/flags.py, which imports no torch, so --help and a mistyped flag answer at once)
 -> one run (minimal_fsdp/run.py); nothing else happens here.
 """
-from minimal_fsdp.config import one_line_errors, parse_args
+from minimal_fsdp.config.flags import one_line_errors, parse_args
 
 if __name__ == "__main__":
     cfg = one_line_errors(parse_args)()

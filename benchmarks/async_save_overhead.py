@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minimal_fsdp import checkpoint, checkpoint_async, checkpoint_writer  # noqa: E402
+from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import background as checkpoint_async
+from minimal_fsdp.checkpoint import writer as checkpoint_writer  # noqa: E402
 
 LAYERS, OPS_PER_BATCH = 48, 200
 

@@ -1,6 +1,6 @@
 """Attention alone over windows packing documents, at one model's shape (default: Llama 3 8B at T=8192): plain causal
 SDPA (what a run without --document_mask does), FlexAttention causal, FlexAttention with the document mask (what
---document_mask runs on CUDA by default: minimal_fsdp/attention.py), and torch's variable-length flash attention
+--document_mask runs on CUDA by default: minimal_fsdp/models/attention.py), and torch's variable-length flash attention
 (torch.nn.attention.varlen, what it runs with MINIMAL_FSDP_DOCUMENT_KERNEL=varlen), each forward and forward+backward.
 
     python benchmarks/document_attention.py --batch 1 --heads 32 --kv_heads 8 --seq 8192 --head_dim 128 \
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import time_ms  # noqa: E402  (benchmarks/attention.py)
 from document_mask import packed_windows  # noqa: E402
-from minimal_fsdp import attention  # noqa: E402
+from minimal_fsdp.models import attention  # noqa: E402
 
 EOT = 1
 

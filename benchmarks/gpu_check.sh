@@ -278,7 +278,7 @@ fp8_7b)
     prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
     timeout ${FP8_7B_TIMEOUT:-160} $MPI $alloc -n $NG $B $prec >> "$OUT/fp8_7b.log" 2>&1
     echo "$p, batch $b: exit $?"; grep -E 'OutOfMemory|Error' "$OUT/fp8_7b.log" | tail -2
-    python3 -m minimal_fsdp.model_size --model_preset llama2-7b --gpus $NG --batch_size $b $prec \
+    python3 -m minimal_fsdp.tools.model_size --model_preset llama2-7b --gpus $NG --batch_size $b $prec \
       | grep -E "^$sh +selective +no " | awk -v p=$p '{print "  planner, " p ": " $6 " GiB estimated"}'
   done
   python3 benchmarks/fp8_table.py "$OUT/fp8_7b.jsonl" | tee -a "$OUT/fp8_summary.md" ;;
@@ -296,7 +296,7 @@ fp8_numerics)
   # of weights and AdamW state) is not what this part measures, and two of them would fill a small disk.
   # NUMERICS_ARGS: flags after the recipe's, which they override ("--warmup_steps 100": the 8B spiked with 30).
   # NUMERICS_SEED: another seed; NUMERICS_PRECISIONS="bf16" (or "fp8"): one run a call, where two do not fit in one
-  # (the comparison below is then skipped: plot the two calls' logs after, python -m minimal_fsdp.plot A B).
+  # (the comparison below is then skipped: plot the two calls' logs after, python -m minimal_fsdp.tools.plot A B).
   for p in ${NUMERICS_PRECISIONS:-bf16 fp8}; do
     rm -rf "$OUT/logs/fp8n_$p" /tmp/fp8_numerics/fp8n_$p
     ( timeout ${NUMERICS_TIMEOUT:-200} $MPI -n $NG python3 basic_training.py $N --precision $p --run_name fp8n_$p 2>&1 \
@@ -309,10 +309,10 @@ fp8_numerics)
     wait $run; rm -rf /tmp/fp8_numerics/fp8n_$p; grep -E '^step|Error|error' "$OUT/fp8n_$p.log" | tail -3
   done
   [ -f "$OUT/logs/fp8n_bf16/metrics.jsonl" ] && [ -f "$OUT/logs/fp8n_fp8/metrics.jsonl" ] || continue
-  python3 -m minimal_fsdp.plot "$OUT/logs/fp8n_bf16" "$OUT/logs/fp8n_fp8" --out "$OUT/fp8_numerics.png"
+  python3 -m minimal_fsdp.tools.plot "$OUT/logs/fp8n_bf16" "$OUT/logs/fp8n_fp8" --out "$OUT/fp8_numerics.png"
   python3 - "$OUT/logs" <<'PY' | tee -a "$OUT/fp8_summary.md"
 import sys
-from minimal_fsdp.plot import read_metrics
+from minimal_fsdp.tools.plot import read_metrics
 runs = {p: read_metrics(f"{sys.argv[1]}/fp8n_{p}") for p in ("bf16", "fp8")}
 for field in ("loss", "val_loss"):
     (steps, bf16), (fp8_steps, fp8) = runs["bf16"][field], runs["fp8"][field]
@@ -363,7 +363,7 @@ llama3_8b)
       >> "$OUT/llama3_8b.log" 2>&1
     echo "$p, batch $b: exit $?"; grep -E '^\|' "$OUT/llama3_8b.log" | tail -1
     grep -E 'OutOfMemory|Error' "$OUT/llama3_8b.log" | tail -2
-    python3 -m minimal_fsdp.model_size --model_preset llama3-8b --gpus $NG --batch_size $b $prec \
+    python3 -m minimal_fsdp.tools.model_size --model_preset llama3-8b --gpus $NG --batch_size $b $prec \
       | grep -E "^$sh +$rc +no " | awk -v p=$p '{print "  planner, " p ": " $6 " GiB estimated"}'
   done
   python3 benchmarks/fp8_table.py "$OUT/llama3_8b.jsonl" | tee -a "$OUT/llama3_summary.md" ;;

@@ -5,7 +5,7 @@ its counterpart's from the previous, in one batch_isend_irecv, as gossip.Gossip 
 
 Rates are per rank, each way: an all-reduce of S bytes over n ranks moves 2(n-1)/n x S in and out of a rank (a
 ring), an exchange S. With one rank a host those bytes all cross the host's link. NCCL's socket threads are
-training's (minimal_fsdp.hosts.nccl_socket_threads) unless the environment sets them: NCCL's own defaults are
+training's (minimal_fsdp.launch.hosts.nccl_socket_threads) unless the environment sets them: NCCL's own defaults are
 `--env NCCL_SOCKET_NTHREADS=1,NCCL_NSOCKS_PERTHREAD=1`.
 """
 import json
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minimal_fsdp.hosts import nccl_socket_threads
+from minimal_fsdp.launch.hosts import nccl_socket_threads
 
 
 def timed(fn, repeats):

@@ -1,7 +1,7 @@
 """The loss head alone at GPT-2's shape: output projection + cross-entropy, forward and backward.
 
     python benchmarks/loss.py [--tokens 32768] [--embed 768] [--vocab 50304]
-Compares the fused Triton loss (minimal_fsdp/fused_loss.py) over a few block sizes and warp counts with the
+Compares the fused Triton loss (minimal_fsdp/models/fused_loss.py) over a few block sizes and warp counts with the
 compiled PyTorch loss that it replaced, each first checked against fp32 math; median of 20 timed calls.
 CUDA only.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minimal_fsdp import fused_loss  # noqa: E402
-from minimal_fsdp.model import cross_entropy  # noqa: E402
+from minimal_fsdp.models import fused_loss  # noqa: E402
+from minimal_fsdp.models.gpt import cross_entropy  # noqa: E402
 from attention import time_ms  # noqa: E402  (median of timed calls, as the attention benchmark times)
 
 

@@ -1,5 +1,5 @@
 """Which strategy at which inter-node bandwidth: training across hosts on one multi-GPU machine. H hosts are made of
-network namespaces (minimal_fsdp.virtual_cluster), G GPUs each (CUDA_VISIBLE_DEVICES), their links shaped to each
+network namespaces (minimal_fsdp.tools.virtual_cluster), G GPUs each (CUDA_VISIBLE_DEVICES), their links shaped to each
 given bandwidth; basic_training.py runs under each strategy, and one markdown row per run gives the median step
 time and tokens/s after the warm-up steps, and the final val loss (decentralized against all-reduce at equal steps).
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp.virtual_cluster import TBF_MAX_BITS, Cluster, unavailable  # noqa: E402
+from minimal_fsdp.tools.virtual_cluster import TBF_MAX_BITS, Cluster, unavailable  # noqa: E402
 
 MODELS = {
     "gpt2": ["--model_preset", "gpt2", "--vocab_size", "50304", "--batch_size", "32"],

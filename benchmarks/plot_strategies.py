@@ -1,6 +1,6 @@
 """Which strategy at which inter-node bandwidth, as a picture: tokens/s against the link's Gbit/s, the measured runs of
-benchmarks/multihost.py (its JSON lines) as points and the planner's estimate (minimal_fsdp.step_time, what
-`python -m minimal_fsdp.model_size --inter_node_gbps G` prints) as one line per strategy.
+benchmarks/multihost.py (its JSON lines) as points and the planner's estimate (minimal_fsdp.tools.step_time, what
+`python -m minimal_fsdp.tools.model_size --inter_node_gbps G` prints) as one line per strategy.
 
     python benchmarks/plot_strategies.py                                    # docs/strategies.svg from the H200 runs
     python benchmarks/plot_strategies.py --results multihost.jsonl --gpu_type H100 --out /tmp/strategies.svg
@@ -18,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp import model_size, step_time  # noqa: E402
+from minimal_fsdp.tools import model_size
+from minimal_fsdp.tools import step_time  # noqa: E402
 
 # multihost.py's models, as the planner's flags (its "llama-1b" shape has no preset the planner takes)
 PLANNER_FLAGS = {"gpt2": ["--model_preset", "gpt2", "--vocab_size", "50304", "--batch_size", "32"]}

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minimal_fsdp import environment  # noqa: E402
+from minimal_fsdp.launch import environment  # noqa: E402
 from minimal_fsdp.train import train_step  # noqa: E402
 from throughput import BENCH_OPTIONS, build, parse  # noqa: E402  (flags and model as the throughput benchmark builds them)
 

@@ -59,7 +59,7 @@ print("torch", torch.__version__, "async_save", hasattr(dcp, "async_save"), "loo
       "cudaHostRegister", hasattr(torch.cuda.cudart(), "cudaHostRegister"), "enable_plan_caching",
       "enable_plan_caching" in __import__("inspect").signature(DefaultSavePlanner.__init__).parameters)
 import time
-from minimal_fsdp.checkpoint_writer import SharedMemory
+from minimal_fsdp.checkpoint.writer import SharedMemory
 memory = SharedMemory(pin=True)  # the writer process's staging memory: a memfd mapping, page-locked
 memory.reserve(2**30)
 host, _ = memory.tensor((2**28,), torch.float32)

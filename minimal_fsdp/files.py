@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .config import ConfigError
+from minimal_fsdp.config.flags import ConfigError
 
 LOCK_NAME = ".lock"
 HEARTBEAT = 10.0  # seconds between touches of a held lock

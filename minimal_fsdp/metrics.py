@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from . import environment, fp8
-from .config import to_toml
+from minimal_fsdp.launch import environment
+from minimal_fsdp.parallel import fp8
+from minimal_fsdp.config.flags import to_toml
 
 # Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it), also with
 # --precision fp8: its float8 matmuls could run at twice the peak, but then fp8 and bf16 MFU would not compare.
@@ -227,7 +228,7 @@ class TrainingLog:
             lines.append(f"val loss {self.last_val[1]:.4f} at step {self.last_val[0]}{best}")
         if self.checkpoint:
             lines.append(f"checkpoint: {self.checkpoint}; logs: {self.log_dir}")
-            lines.append(f"sample from it: python -m minimal_fsdp.sample {self.checkpoint.parent} --prompt \"...\"")
+            lines.append(f"sample from it: python -m minimal_fsdp.inference.sample {self.checkpoint.parent} --prompt \"...\"")
         return "\n".join(lines)
 
 
@@ -261,7 +262,7 @@ def memory_pressure(step, retries, peak_gb, device):
     return (f"memory: by step {step} the CUDA allocator ran out of room {retries} time(s) over the ranks and freed its "
             f"cache to retry (peak {peak_gb:.1f}{total} GB on rank 0); steps this close to the GPU's memory "
             "can run much slower. A smaller --batch_size, --activation_checkpoints, or full-shard gives room "
-            "(python -m minimal_fsdp.model_size plans it)")
+            "(python -m minimal_fsdp.tools.model_size plans it)")
 
 
 def _synchronize(device):

@@ -16,19 +16,25 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, checkpoint_find, checkpoint_meta, environment, files, hf, sample
-from .backend import Torch
-from .config import Config, ConfigError, parse_args, validate_world
-from .config_checks import check_sizes, cpu_recipe_warning, host_memory_available
-from .data import TokenData, prepared_dir
-from .generate import generate
-from .model_size import count_parameters
-from .models import config_from_flags, with_document_mask
-from .plan import apply_process_settings, make_plan
-from .resilience import Diverged, StopRequests
-from .streaming import StreamingData
-from .tokenizer import load_tokenizer
-from .train import RunParts, build_optimizer, train
+from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.launch import environment
+from minimal_fsdp import files
+from minimal_fsdp.hf import read as hf
+from minimal_fsdp.inference import sample
+from minimal_fsdp.backends.default import Torch
+from minimal_fsdp.config.flags import Config, ConfigError, parse_args, validate_world
+from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
+from minimal_fsdp.data.tokens import TokenData, prepared_dir
+from minimal_fsdp.inference.generate import generate
+from minimal_fsdp.tools.model_size import count_parameters
+from minimal_fsdp.models.families import config_from_flags, with_document_mask
+from minimal_fsdp.parallel.plan import apply_process_settings, make_plan
+from minimal_fsdp.launch.resilience import Diverged, StopRequests
+from minimal_fsdp.data.streaming import StreamingData
+from minimal_fsdp.data.tokenizer import load_tokenizer
+from minimal_fsdp.train import RunParts, build_optimizer, train
 
 # What gloo's errors say when the rank at the other end died or its link went down.
 PEER_GONE = ("timed out", "connection closed by peer", "connection reset by peer", "broken pipe")
@@ -59,8 +65,8 @@ def main(argv=None, cfg=None):
 def run(cfg):
     stop = StopRequests(cfg.time_limit_seconds)  # --time_limit counts from here
     env = environment.setup(cfg)
-    if cfg.device == "xla":  # one process per host drives all of the host's devices (minimal_fsdp/xla.py)
-        from . import xla
+    if cfg.device == "xla":  # one process per host drives all of the host's devices (minimal_fsdp/backends/xla.py)
+        from minimal_fsdp.backends import xla
         env = xla.setup(cfg, env)
     validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)
     if env.is_main and cpu_recipe_warning(cfg, env.device.type):
@@ -159,7 +165,7 @@ def backend_for(cfg, env, plan):
     """The parts of the run that plan.backend computes: backend.Torch (CUDA, CPU), or xla.XLA (--device xla),
     imported only here since it needs torch_xla."""
     if plan.backend == "xla":
-        from .xla import XLA
+        from minimal_fsdp.backends.xla import XLA
         return XLA(cfg, env, plan)
     return Torch(cfg, env, plan)
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .accum_adamw import AccumAdamW
-from .evaluate import TrainingTasks
-from .metrics import TrainingLog, mean_across_ranks
-from .resilience import NonFiniteGuard
-from .whole_unit import LocalAdamW
+from minimal_fsdp.parallel.accum_adamw import AccumAdamW
+from minimal_fsdp.eval.evaluate import TrainingTasks
+from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
+from minimal_fsdp.launch.resilience import NonFiniteGuard
+from minimal_fsdp.parallel.whole_unit import LocalAdamW
 
 
 def build_optimizer(model, cfg, plan=None):

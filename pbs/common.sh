@@ -40,7 +40,7 @@ elif [ ! -r "$PBS_NODEFILE" ]; then
     echo "error: PBS_NODEFILE=$PBS_NODEFILE does not exist or cannot be read: run inside the PBS job that wrote it" >&2
     exit 2
 fi
-# Distinct hosts, counted as minimal_fsdp.environment.count_pbs_nodes counts them: blank lines skipped, case
+# Distinct hosts, counted as minimal_fsdp.launch.environment.count_pbs_nodes counts them: blank lines skipped, case
 # ignored, a fully qualified name taken as its short name (an IPv4 address stays whole).
 NNODES=$(awk '{ h = tolower($1); sub(/\r$/, "", h) } h !~ /^[0-9.]+$/ { sub(/\..*/, "", h) }
               h != "" && !seen[h]++ { n++ } END { print n + 0 }' "$PBS_NODEFILE")
@@ -108,9 +108,9 @@ seconds() {  # [[HH:]MM:]SS -> seconds
 }
 
 # "STEP LAST_STEP" of the run's latest checkpoint ("0 none" without one), from the training flags; it imports
-# no torch (minimal_fsdp/progress.py), so asking costs a fraction of a second.
+# no torch (minimal_fsdp/tools/progress.py), so asking costs a fraction of a second.
 run_progress() {
-    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m minimal_fsdp.progress "$@"
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m minimal_fsdp.tools.progress "$@"
 }
 
 chain_start() {

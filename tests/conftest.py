@@ -121,7 +121,9 @@ def corpus(tmp_path):
 def single_process(monkeypatch, tmp_path):
     """A plain `python basic_training.py` run inside this process: a world of one, in tmp_path, with the
     rendezvous kept out of os.environ."""
-    from minimal_fsdp import discovery, environment, rendezvous
+    from minimal_fsdp.launch import discovery
+    from minimal_fsdp.launch import environment
+    from minimal_fsdp.launch import rendezvous
     for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", *discovery.MPI_RANK_VARIABLES]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -1,6 +1,6 @@
 """A stand-in for torch_xla, for the tests of --device xla where torch_xla is not installed (it pairs with torch 2.9
 only): one XLA "device" that is the CPU, FSDPv2 a plain wrapper (its `_orig_module` names kept, as xla.py saves
-without them), torch_xla's DCP planners DCP's own, sync() a no-op. So minimal_fsdp/xla.py runs unchanged, and a run
+without them), torch_xla's DCP planners DCP's own, sync() a no-op. So minimal_fsdp/backends/xla.py runs unchanged, and a run
 with --device xla goes through run.train_model and train.train as the real one does; it computes what one CPU rank
 computes. Run as a script, it installs itself and runs basic_training.py with the command line's flags."""
 import importlib.machinery

@@ -40,7 +40,12 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import state_dict as dcp_state_dict  # noqa: E402
 
-from minimal_fsdp import checkpoint, checkpoint_async, model, resilience, safe_load, train  # noqa: E402
+from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import background as checkpoint_async
+from minimal_fsdp.models import gpt as model
+from minimal_fsdp.launch import resilience
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp import train  # noqa: E402
 
 
 def parse(spec):

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minimal_fsdp import fp8  # noqa: E402
+from minimal_fsdp.parallel import fp8  # noqa: E402
 
 if __name__ == "__main__":
     fp8.check_device = lambda device: None

@@ -6,9 +6,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from minimal_fsdp import environment
-from minimal_fsdp.config import parse_args
-from minimal_fsdp.gossip import TOPOLOGIES, Gossip
+from minimal_fsdp.launch import environment
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.parallel.gossip import TOPOLOGIES, Gossip
 
 STEPS = 6
 LR = 0.1  # of the quadratic toy problem

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minimal_fsdp.config import parse_args
-from minimal_fsdp.llama import Llama
-from minimal_fsdp.model import GPT
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.models.llama import Llama
+from minimal_fsdp.models.gpt import GPT
 
 # Projections that write into the residual stream: GPT-2 scales their init by 1/sqrt(2 * layers).
 RESIDUAL = ("attn.proj.weight", "mlp.proj.weight", "o_proj.weight", "down_proj.weight")

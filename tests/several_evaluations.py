@@ -1,5 +1,5 @@
 """Run under mpiexec by test_evaluate.py (through conftest.launch_runs): several evaluations, one after the other,
-on the same ranks, each `evaluate.main` with its own arguments (what `python -m minimal_fsdp.evaluate` calls), with
+on the same ranks, each `evaluate.main` with its own arguments (what `python -m minimal_fsdp.eval.evaluate` calls), with
 process groups of its own, set up and torn down as in a launch of its own. Python, torch and the harness start once.
 
 argv[1] is a JSON file holding a list of argument lists; each has --output_path. What an evaluation prints on each
@@ -11,8 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from minimal_fsdp import evaluate
-from minimal_fsdp.discovery import MPI_RANK_VARIABLES
+from minimal_fsdp.eval import evaluate
+from minimal_fsdp.launch.discovery import MPI_RANK_VARIABLES
 
 
 def redirected(folder, rank, argv):

@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from minimal_fsdp import environment, generate as generation
-from minimal_fsdp.config import parse_args
-from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import build_model, gradient_sync
-from minimal_fsdp.plan import make_plan
+from minimal_fsdp.launch import environment
+from minimal_fsdp.inference import generate as generation
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
+from minimal_fsdp.parallel.plan import make_plan
 
 # 3 blocks (the last one never reshards); vocab 42 shards unevenly over 4 ranks (11, 11, 11, 9 rows).
 CONFIG = GPTConfig(vocab_size=42, seq_length=16, num_layers=3, num_heads=2, embed_size=16)

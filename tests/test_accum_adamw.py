@@ -8,7 +8,7 @@ import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp.accum_adamw import AccumAdamW  # noqa: E402
+from minimal_fsdp.parallel.accum_adamw import AccumAdamW  # noqa: E402
 
 HYPER = dict(betas=(0.9, 0.98), eps=1e-8)
 

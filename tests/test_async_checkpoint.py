@@ -27,11 +27,16 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from conftest import TINY_MODEL, make_text
 from faults import launch_with_faults
-from minimal_fsdp import checkpoint, checkpoint_async, checkpoint_find, metrics, model_size, safe_load
-from minimal_fsdp.checkpoint_async import Background, ChecksummingWriter
-from minimal_fsdp.config import parse_args
-from minimal_fsdp.model import GPTConfig
-from minimal_fsdp.models import make_config
+from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import background as checkpoint_async
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp import metrics
+from minimal_fsdp.tools import model_size
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.checkpoint.background import Background, ChecksummingWriter
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.models.families import make_config
 
 HANG_GUARD = 120  # seconds; only a broken save waits this long
 
@@ -229,7 +234,7 @@ def test_the_writer_process_ignores_sigterm_and_a_dead_one_fails_the_save_in_one
 
 RANK_WITH_A_WRITER = """
 import os, sys, time, torch, torch.distributed as dist
-from minimal_fsdp.checkpoint_async import Background
+from minimal_fsdp.checkpoint.background import Background
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 background = Background(torch.device("cpu"), 60)
 print("writer", background.writer.process.pid, flush=True)

@@ -3,12 +3,13 @@ import dataclasses
 
 import torch
 
-from minimal_fsdp import backend, checkpoint
-from minimal_fsdp.config import parse_args
-from minimal_fsdp.environment import DistEnv
-from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import LocalSync, init_weights
-from minimal_fsdp.plan import make_plan
+from minimal_fsdp.backends import default as backend
+from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.launch.environment import DistEnv
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+from minimal_fsdp.parallel.parallelize import LocalSync, init_weights
+from minimal_fsdp.parallel.plan import make_plan
 
 CONFIG = GPTConfig(vocab_size=16, seq_length=8, num_layers=2, num_heads=2, embed_size=8)
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT, mpiexec
-from minimal_fsdp.model import GPT, GPTConfig
+from minimal_fsdp.models.gpt import GPT, GPTConfig
 
 TINY = ["--num_layers", "1", "--num_heads", "2", "--embed_size", "32", "--seq_length", "16", "--vocab_size", "64",
         "--batch_size", "2", "--warmup", "1", "--steps", "2"]
@@ -88,7 +88,7 @@ def test_eval_speed_scores_alike_with_both_backends(tmp_path):
 def test_multihost_probe_times_both_collectives_across_two_virtual_hosts(tmp_path):
     """benchmarks/multihost.py --probe (CPU, gloo): link_probe.py runs on two network namespaces joined by a link
     shaped to 1 Gbit/s; neither collective moves its bytes faster than that (so they crossed the link)."""
-    from minimal_fsdp.virtual_cluster import unavailable
+    from minimal_fsdp.tools.virtual_cluster import unavailable
     why = unavailable()
     if why:
         pytest.skip(why)

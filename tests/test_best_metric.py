@@ -8,8 +8,9 @@ import random
 import pytest
 
 from conftest import ROOT, TINY_MODEL, launch, make_text
-from minimal_fsdp import best_metric, checkpoint_find
-from minimal_fsdp.config import Config, ConfigError
+from minimal_fsdp.checkpoint import best as best_metric
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.config.flags import Config, ConfigError
 
 DATA = ROOT / "tests" / "data" / "eval"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
@@ -74,7 +75,7 @@ def test_the_flag_is_checked_before_anything_is_loaded():
 
 def test_the_direction_is_the_harness_own(monkeypatch):
     pytest.importorskip("lm_eval")
-    from minimal_fsdp.evaluate import load_tasks
+    from minimal_fsdp.eval.evaluate import load_tasks
     for name, value in OFFLINE.items():
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(ROOT)

@@ -29,13 +29,17 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from conftest import TINY_MODEL, launch, make_text
 from faults import launch_with_faults
-from minimal_fsdp import (checkpoint, checkpoint_find, checkpoint_meta, files, metrics, safe_load,
-                          train as train_module)
-from minimal_fsdp.config import ConfigError, parse_args
-from minimal_fsdp.environment import DistEnv
-from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import build_model, gradient_sync
-from minimal_fsdp.plan import make_plan
+from minimal_fsdp import files, metrics
+from minimal_fsdp import train as train_module
+from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.launch.environment import DistEnv
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
+from minimal_fsdp.parallel.plan import make_plan
 from minimal_fsdp.train import build_optimizer
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")

@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from minimal_fsdp import checkpoint_find, checkpoint_meta, environment, safe_load
-from minimal_fsdp.config import ConfigError, parse_args
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.launch import environment
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.config.flags import ConfigError, parse_args
 from test_checkpoint import MakeDirectory, flip_a_byte, meta_of
 from test_checkpoint import console, run, saved  # noqa: F401 (fixtures)
 
@@ -416,13 +419,13 @@ def test_read_meta_counts_format_1s_train_position_from_what_it_kept(tmp_path):
     assert read_meta(tmp_path, {"step": 7})["state"]["schedule"] == {"lr_decay_steps": None, "last_step": None}
 
 
-# ---- `python -m minimal_fsdp.checkpoint progress` (the job chains) ----
+# ---- `python -m minimal_fsdp.checkpoint.checkpointer progress` (the job chains) ----
 
 @pytest.mark.parametrize("argv", [[], ["status"], ["--run_name", "x"]])
 def test_main_without_progress_prints_usage(argv, monkeypatch):
     with pytest.raises(SystemExit) as raised:
         checkpoint_find.main(argv)
-    assert raised.value.code == "usage: python -m minimal_fsdp.checkpoint progress [the run's training flags]"
+    assert raised.value.code == "usage: python -m minimal_fsdp.checkpoint.checkpointer progress [the run's training flags]"
     monkeypatch.setattr(sys, "argv", ["checkpoint.py", *argv])
     with pytest.raises(SystemExit):
         checkpoint_find.main()

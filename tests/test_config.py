@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from minimal_fsdp.config import build_parser, one_line_errors, parse_args, validate_world
-from minimal_fsdp.model import GPT
-from minimal_fsdp.models import config_from_flags
+from minimal_fsdp.config.flags import build_parser, one_line_errors, parse_args, validate_world
+from minimal_fsdp.models.gpt import GPT
+from minimal_fsdp.models.families import config_from_flags
 
 
 def one_error_line(capsys, call, *args):
@@ -106,7 +106,7 @@ def test_a_mistyped_or_abbreviated_flag_gets_the_nearest_one(capsys, typo, sugge
 
 
 def test_help_groups_flags_by_section_and_shows_defaults():
-    from minimal_fsdp.config import SECTIONS
+    from minimal_fsdp.config.flags import SECTIONS
     text = build_parser().format_help()
     headings = [text.index(f"[{section}]:") for section in SECTIONS]
     assert headings == sorted(headings)  # in the sections' order, each once
@@ -152,15 +152,17 @@ def test_config_imports_nothing_heavy():
     it (fp8, parallelize, gossip, the models), so no import cycle can form through them."""
     import subprocess
     import sys
-    probe = ("import sys; import minimal_fsdp.config\n"
+    probe = ("import sys; import minimal_fsdp.config.flags\n"
              "heavy = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'numpy'))\n"
-             "               or m.startswith('minimal_fsdp.') and m not in ('minimal_fsdp.config', "
-             "'minimal_fsdp.config_checks', 'minimal_fsdp.choices'))\n"
+             "               or m.startswith('minimal_fsdp.') and m not in ('minimal_fsdp.config', 'minimal_fsdp.config.flags', "
+             "'minimal_fsdp.config.checks', 'minimal_fsdp.config.choices'))\n"
              "print(heavy)")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[]", result.stderr
 
 
 def test_the_choices_are_the_ones_the_modules_act_on():
-    from minimal_fsdp import choices, fp8, gossip
+    from minimal_fsdp.config import choices
+    from minimal_fsdp.parallel import fp8
+    from minimal_fsdp.parallel import gossip
     assert fp8.RECIPES is choices.FP8_RECIPES and gossip.TOPOLOGIES is choices.TOPOLOGIES

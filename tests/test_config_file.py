@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from conftest import ROOT
-from minimal_fsdp.config import SECTIONS, Config, parse_args, to_toml
+from minimal_fsdp.config.flags import SECTIONS, Config, parse_args, to_toml
 from test_config import refused
 
 

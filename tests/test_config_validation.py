@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 
-from minimal_fsdp import config
-from minimal_fsdp.config import ConfigError, parse_args, parse_duration, validate_world
+from minimal_fsdp.config import flags as config
+from minimal_fsdp.config.flags import ConfigError, parse_args, parse_duration, validate_world
 import test_config
 from test_config import named, names, one_error_line
 
@@ -242,7 +242,7 @@ def test_a_config_with_input_file_and_another_dataset_is_refused(capsys):
 
 
 def test_a_gpu_recipe_on_a_cpu_is_warned_about_and_pointed_at_the_cpu_recipe():
-    from minimal_fsdp.config_checks import cpu_recipe_warning
+    from minimal_fsdp.config.checks import cpu_recipe_warning
     gpu = parse_args(["--compile", "--precision", "bf16"])
     line = cpu_recipe_warning(gpu, "cpu")
     assert line.startswith("warning: --compile and --precision bf16 on a CPU") and "shakespeare_tiny.toml" in line
@@ -250,7 +250,7 @@ def test_a_gpu_recipe_on_a_cpu_is_warned_about_and_pointed_at_the_cpu_recipe():
 
 
 def test_sizes_are_checked_against_free_memory(capsys, monkeypatch):
-    from minimal_fsdp import config_checks
+    from minimal_fsdp.config import checks as config_checks
     monkeypatch.setattr(config_checks, "host_memory_available", lambda: 2**30)
     cfg = parse_args(["--batch_size", "200000"])  # 200000 x 129 ids x 8 bytes x 3 copies x 2 processes: 1.15 GiB
     names(one_error_line(capsys, config_checks.check_sizes, cfg, 128, 1000, 2, None),

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from minimal_fsdp import data
-from minimal_fsdp.config import ConfigError, parse_args
-from minimal_fsdp.data import TokenData, dataset_dir, epoch_offset, epoch_order, prepared_dir, prepared_dir as prepare
-from minimal_fsdp.tokenizer import CharTokenizer
+from minimal_fsdp.data import tokens as data
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.data.tokens import TokenData, dataset_dir, epoch_offset, epoch_order, prepared_dir, prepared_dir as prepare
+from minimal_fsdp.data.tokenizer import CharTokenizer
 
 
 def cfg_for(corpus, tmp_path, *extra):
@@ -244,7 +244,7 @@ def test_an_unprepared_dataset_path_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError) as raised:
         prepared_dir(parse_args(["--dataset_path", str(tmp_path)]))
     assert str(raised.value) == (
-        f"--dataset_path {tmp_path} has no meta.json: prepare it first (python -m minimal_fsdp.data prepare "
+        f"--dataset_path {tmp_path} has no meta.json: prepare it first (python -m minimal_fsdp.data.tokens prepare "
         f"--dataset text --input_file SOURCE --output {tmp_path}), or add --streaming to read a .jsonl/Hugging "
         "Face dataset directly")
 
@@ -383,7 +383,7 @@ def test_an_edited_file_is_not_reused_stale(tmp_path):
 def test_a_large_source_is_identified_by_path_size_and_time(tmp_path, monkeypatch):
     import os
 
-    from minimal_fsdp import documents
+    from minimal_fsdp.data import documents
     monkeypatch.setattr(documents, "HASHED_BYTES", 10)
     path = tmp_path / "big.txt"
     path.write_text("x" * 100)

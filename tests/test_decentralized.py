@@ -18,11 +18,13 @@ from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text, mpiexec, 
 from test_gossip import check_mixing, check_quadratic, run_gossip_ranks
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp import checkpoint_find, checkpoint_meta, safe_load  # noqa: E402
-from minimal_fsdp.accum_adamw import AccumAdamW  # noqa: E402
-from minimal_fsdp.config import ConfigError, parse_args  # noqa: E402
-from minimal_fsdp.gossip import TOPOLOGIES  # noqa: E402
-from minimal_fsdp.model import GPT, GPTConfig  # noqa: E402
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import safe_load  # noqa: E402
+from minimal_fsdp.parallel.accum_adamw import AccumAdamW  # noqa: E402
+from minimal_fsdp.config.flags import ConfigError, parse_args  # noqa: E402
+from minimal_fsdp.parallel.gossip import TOPOLOGIES  # noqa: E402
+from minimal_fsdp.models.gpt import GPT, GPTConfig  # noqa: E402
 from minimal_fsdp.train import build_optimizer  # noqa: E402
 
 DECENTRALIZED = ["--data_parallel", "decentralized", "--topology", "alternating-exp-ring"]

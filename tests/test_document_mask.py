@@ -1,4 +1,4 @@
-"""Document masks (minimal_fsdp/attention.py, --document_mask): a window packing several documents gives each
+"""Document masks (minimal_fsdp/models/attention.py, --document_mask): a window packing several documents gives each
 document's tokens the logits, loss and gradients of that document run alone, for GPT and Llama, through every
 kernel (dense SDPA; FlexAttention as CUDA runs it, here eagerly; the varlen kernel's mask, which on the CPU in
 fp32 falls back to dense); a window without separators is plain causal attention; the varlen kernel's packed
@@ -20,11 +20,15 @@ from test_parallelize import logged_losses
 sys.path.insert(0, str(ROOT))
 import reference  # noqa: E402
 import tokenizer_dirs  # noqa: E402
-from minimal_fsdp import attention, checkpoint_find, checkpoint_meta, models, parallelize  # noqa: E402
-from minimal_fsdp.choices import ConfigError  # noqa: E402
-from minimal_fsdp.llama import Llama, LlamaConfig  # noqa: E402
-from minimal_fsdp.model import GPT, GPTConfig  # noqa: E402
-from minimal_fsdp.parallelize import init_weights  # noqa: E402
+from minimal_fsdp.models import attention
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.models import families as models
+from minimal_fsdp.parallel import parallelize  # noqa: E402
+from minimal_fsdp.config.choices import ConfigError  # noqa: E402
+from minimal_fsdp.models.llama import Llama, LlamaConfig  # noqa: E402
+from minimal_fsdp.models.gpt import GPT, GPTConfig  # noqa: E402
+from minimal_fsdp.parallel.parallelize import init_weights  # noqa: E402
 
 EOT = 0
 # Two windows of 30 tokens: documents of 8, 12 and 10 tokens (the last cut by the window, no separator), and of 13,

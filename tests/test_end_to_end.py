@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from conftest import TINY_MODEL, launch, launch_runs, make_text
-from minimal_fsdp import checkpoint_find, checkpoint_meta, safe_load
-from minimal_fsdp.config import parse_args
-from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.tokenizer import load_tokenizer
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+from minimal_fsdp.data.tokenizer import load_tokenizer
 
 SAMPLE = "-" * 40
 

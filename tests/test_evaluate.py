@@ -1,7 +1,7 @@
-"""python -m minimal_fsdp.evaluate (evaluate.py, evaluate_lm.py) and --eval_tasks. On the local tasks in
+"""python -m minimal_fsdp.eval.evaluate (evaluate.py, evaluate_lm.py) and --eval_tasks. On the local tasks in
 tests/data/eval (multiple choice; perplexity in rolling windows; generation), our backend on a checkpoint loaded
 over 1, 2 and 4 ranks gives the scores of the harness's own Hugging Face backend (lm_eval --model hf) on the same
-checkpoint exported with python -m minimal_fsdp.export --format hf: every log-likelihood within 1e-4 relative,
+checkpoint exported with python -m minimal_fsdp.hf.export --format hf: every log-likelihood within 1e-4 relative,
 accuracies, greedy flags and generated text identical, for a GPT-2-shape and a Llama-shape model. Offline
 throughout; bad input ends every rank with one line."""
 import json
@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_MODEL, launch_runs, make_text, mpiexec
-from minimal_fsdp import checkpoint_find, evaluate, export
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.eval import evaluate
+from minimal_fsdp.hf import export
 
 lm_eval = pytest.importorskip("lm_eval")  # pip install -e '.[dev]' installs it
 
@@ -113,7 +115,7 @@ def assert_same_scores(results, samples, reference, tasks=TASKS):
 
 def run_evaluate(source, out, ranks, *flags, check=True):
     cmd = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
-    cmd += [sys.executable, "-m", "minimal_fsdp.evaluate", str(source), *map(str, flags)]
+    cmd += [sys.executable, "-m", "minimal_fsdp.eval.evaluate", str(source), *map(str, flags)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **OFFLINE)
     result = subprocess.run(cmd + (["--output_path", str(out)] if out else []), capture_output=True, text=True,
                             timeout=600, env=env, cwd=ROOT)
@@ -281,8 +283,8 @@ def test_scores_of_a_padded_batch_are_each_sequence_alone(one_rank_group, device
     """Independent of the harness: rows of different lengths in one forward call (right-padded, only the
     continuation projected onto the vocabulary) score as each row alone through the model's full logits. On a GPU
     the batches go from pinned memory without waiting, and the scores come back once."""
-    from minimal_fsdp.evaluate_lm import ShardedLM
-    from minimal_fsdp.model import GPT, GPTConfig
+    from minimal_fsdp.eval.lm import ShardedLM
+    from minimal_fsdp.models.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, seq_length=16, num_layers=2, num_heads=2, embed_size=16)).to(device)
 
@@ -303,8 +305,8 @@ def test_scores_of_a_padded_batch_are_each_sequence_alone(one_rank_group, device
 def test_rows_reach_the_ranks_in_commands_of_many_batches(one_rank_group, monkeypatch):
     """score() hands the ranks one command (a broadcast and a gather when there are several ranks) per
     COMMAND_TOKENS tokens of rows, not one per batch; split into several commands the scores are the same."""
-    from minimal_fsdp import evaluate_lm
-    from minimal_fsdp.model import GPT, GPTConfig
+    from minimal_fsdp.eval import lm as evaluate_lm
+    from minimal_fsdp.models.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, seq_length=16, num_layers=2, num_heads=2, embed_size=16))
 
@@ -332,7 +334,7 @@ def test_each_distinct_text_is_tokenized_once_per_loglikelihood_call(one_rank_gr
     """The harness tokenizes an item's context once for each of its choices (and the context with each choice):
     our loglikelihood tokenizes each distinct text once, and hands _loglikelihood_tokens the same token ids."""
     from lm_eval.api.instance import Instance
-    from minimal_fsdp.evaluate_lm import ShardedLM
+    from minimal_fsdp.eval.lm import ShardedLM
     encoded = []
 
     class Tokenizer:
@@ -366,7 +368,7 @@ def test_all_texts_encoded_at_once_as_one_at_a_time(tmp_path, monkeypatch):
     loglikelihood call's texts with) gives every text exactly as that tokenizer's encode does, for each kind, empty and whitespace-only texts too, and also where a tokenizer.json
     asks a batch to be padded (a text alone is not)."""
     import tokenizer_dirs
-    from minimal_fsdp.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
+    from minimal_fsdp.data.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
     texts = tokenizer_dirs.MIXED + ["", "   ", "The king said", "The king said  yes.", "<|endoftext|> x"]
     tokenizer_dirs.stub_gpt2_encoding(monkeypatch)
     padded = load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "padded"))
@@ -440,10 +442,10 @@ def test_templates_compiled_once_render_as_the_harness_renders(tmp_path, monkeyp
 
 
 def test_eval_tasks_that_cannot_run_stop_before_training():
-    from minimal_fsdp import config_checks
-    from minimal_fsdp.config import Config
-    from minimal_fsdp.evaluate_lm import ShardedLM
-    from minimal_fsdp.tokenizer import CharTokenizer
+    from minimal_fsdp.config import checks as config_checks
+    from minimal_fsdp.config.flags import Config
+    from minimal_fsdp.eval.lm import ShardedLM
+    from minimal_fsdp.data.tokenizer import CharTokenizer
     assert evaluate.TrainingTasks.for_run(Config(), None, None, None) is None  # without --eval_tasks: nothing
     for flags, message in [(dict(eval_tasks_interval=-1), "--eval_tasks_interval must be 0 or positive"),
                            (dict(eval_tasks_limit=0), "--eval_tasks_limit positive"),

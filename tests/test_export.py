@@ -11,9 +11,12 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import TINY_MODEL, launch, make_text
-from minimal_fsdp import checkpoint_find, checkpoint_meta, export, safe_load
-from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.tokenizer import load_tokenizer
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.hf import export
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+from minimal_fsdp.data.tokenizer import load_tokenizer
 
 
 def assert_ordinary_permissions(directory):
@@ -49,7 +52,7 @@ def test_export_round_trip(ckpt, tmp_path):
     model.load_state_dict(exported)  # the files are enough to rebuild the model for inference
     assert load_tokenizer(tmp_path / "out").chars == load_tokenizer(step).chars  # the checkpoint's tokenizer
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
-        assert f.metadata()["model_type"] == "gpt"  # what python -m minimal_fsdp.sample rebuilds
+        assert f.metadata()["model_type"] == "gpt"  # what python -m minimal_fsdp.inference.sample rebuilds
     assert_ordinary_permissions(tmp_path / "out")
 
 

@@ -1,4 +1,4 @@
-"""docs/flags.md is what minimal_fsdp/flags_doc.py writes today, and names every Config field, as --help does."""
+"""docs/flags.md is what minimal_fsdp/tools/flags_doc.py writes today, and names every Config field, as --help does."""
 import dataclasses
 import os
 import re
@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from minimal_fsdp import flags_doc
-from minimal_fsdp.config import SECTIONS, Config, build_parser, load_config_file
+from minimal_fsdp.tools import flags_doc
+from minimal_fsdp.config.flags import SECTIONS, Config, build_parser, load_config_file
 
 FIELDS = [f.name for f in dataclasses.fields(Config)]
 
@@ -15,10 +15,10 @@ FIELDS = [f.name for f in dataclasses.fields(Config)]
 def test_committed_flags_md_is_current(tmp_path):
     # The command the failure message names, run as a user would, into a scratch file.
     out = tmp_path / "flags.md"
-    subprocess.run([sys.executable, "-m", "minimal_fsdp.flags_doc", str(out)], check=True, capture_output=True,
+    subprocess.run([sys.executable, "-m", "minimal_fsdp.tools.flags_doc", str(out)], check=True, capture_output=True,
                    cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert flags_doc.DOC.read_text(encoding="utf-8") == out.read_text(encoding="utf-8"), (
-        "docs/flags.md differs from what minimal_fsdp/flags_doc.py writes from minimal_fsdp/config.py: "
+        "docs/flags.md differs from what minimal_fsdp/tools/flags_doc.py writes from minimal_fsdp/config/flags.py: "
         f"regenerate it with `{flags_doc.REGENERATE}` and commit docs/flags.md")
 
 

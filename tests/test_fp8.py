@@ -16,12 +16,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from conftest import ROOT, launch, launch_runs, printed_by_run
-from minimal_fsdp import fp8, model_size, parallelize, safe_load
-from minimal_fsdp.config import ConfigError, parse_args
-from minimal_fsdp.llama import Llama, LlamaConfig
-from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.parallelize import build_model
-from minimal_fsdp.plan import make_plan
+from minimal_fsdp.parallel import fp8
+from minimal_fsdp.tools import model_size
+from minimal_fsdp.parallel import parallelize
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.models.llama import Llama, LlamaConfig
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+from minimal_fsdp.parallel.parallelize import build_model
+from minimal_fsdp.parallel.plan import make_plan
 
 # What builds float8 layers needs torchao (pip install -e ".[fp8]"); the flag, device and planner checks do not.
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")

@@ -24,7 +24,7 @@ def relative(a, b):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("vocab", [50, 5003, 50304])  # below, across and many times the kernel's block
 def test_loss_and_gradients_match_pytorch(dtype, vocab):
-    from minimal_fsdp.fused_loss import linear_cross_entropy
+    from minimal_fsdp.models.fused_loss import linear_cross_entropy
     torch.manual_seed(0)
     x = torch.randn(3, 37, 64, device="cuda", dtype=dtype, requires_grad=True)
     weight = (0.5 * torch.randn(vocab, 64, device="cuda")).to(dtype).requires_grad_()
@@ -42,7 +42,7 @@ def test_loss_and_gradients_match_pytorch(dtype, vocab):
 
 def test_autocast_with_fp32_weights():
     """Decentralized replicas keep fp32 weights and run under bf16 autocast: gradients come back in fp32."""
-    from minimal_fsdp.fused_loss import linear_cross_entropy
+    from minimal_fsdp.models.fused_loss import linear_cross_entropy
     torch.manual_seed(0)
     x = torch.randn(64, 32, device="cuda", requires_grad=True)
     weight = torch.randn(1000, 32, device="cuda", requires_grad=True)
@@ -59,12 +59,12 @@ def test_autocast_with_fp32_weights():
 def test_models_on_cuda_use_it():
     """build_model swaps the fused loss in on CUDA; the model's loss still equals PyTorch's."""
     from types import SimpleNamespace
-    from minimal_fsdp.config import Config
-    from minimal_fsdp.fused_loss import linear_cross_entropy
-    from minimal_fsdp.layers import cross_entropy
-    from minimal_fsdp.model import GPT, GPTConfig
-    from minimal_fsdp.parallelize import build_model
-    from minimal_fsdp.plan import make_plan
+    from minimal_fsdp.config.flags import Config
+    from minimal_fsdp.models.fused_loss import linear_cross_entropy
+    from minimal_fsdp.models.layers import cross_entropy
+    from minimal_fsdp.models.gpt import GPT, GPTConfig
+    from minimal_fsdp.parallel.parallelize import build_model
+    from minimal_fsdp.parallel.plan import make_plan
     cfg = Config(precision="float32")
     env = SimpleNamespace(device=torch.device("cuda"), world_size=1, local_world_size=1)
     config = GPTConfig(vocab_size=300)
@@ -79,7 +79,7 @@ def test_models_on_cuda_use_it():
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 def test_evaluation_computes_the_loss_without_the_gradient_pass(autocast):
     """Under no_grad the loss is the same, and the kernel leaves the logits as they were (no gradient pass)."""
-    from minimal_fsdp.fused_loss import linear_cross_entropy, loss_and_grad
+    from minimal_fsdp.models.fused_loss import linear_cross_entropy, loss_and_grad
     torch.manual_seed(0)
     x = torch.randn(2, 50, 32, device="cuda", requires_grad=True)
     weight = torch.randn(5003, 32, device="cuda", requires_grad=True)

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from minimal_fsdp.generate import generate
-from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.tokenizer import CharTokenizer
+from minimal_fsdp.inference.generate import generate
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+from minimal_fsdp.data.tokenizer import CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

@@ -16,8 +16,8 @@ import torch
 
 import gossip_ranks
 from conftest import ROOT, mpiexec
-from minimal_fsdp import gossip
-from minimal_fsdp.gossip import Gossip, TOPOLOGIES, exchange_for, exp_distances, mixing_matrix
+from minimal_fsdp.parallel import gossip
+from minimal_fsdp.parallel.gossip import Gossip, TOPOLOGIES, exchange_for, exp_distances, mixing_matrix
 
 
 def period(topology, world):

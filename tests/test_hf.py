@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 import tokenizer_dirs
-from minimal_fsdp import hf, tokenizer as tk
-from minimal_fsdp.config import ConfigError
-from minimal_fsdp.llama import LlamaConfig
-from minimal_fsdp.model import GPTConfig
-from minimal_fsdp.models import MODELS
-from minimal_fsdp.parallelize import init_weights
+from minimal_fsdp.hf import read as hf
+from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.parallel.parallelize import init_weights
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -12,10 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimal_fsdp import hf, hf_write, tokenizer as tk
-from minimal_fsdp.config import ConfigError
-from minimal_fsdp.llama import LlamaConfig
-from minimal_fsdp.model import GPTConfig
+from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf import write as hf_write
+from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.models.gpt import GPTConfig
 from test_hf import GPT, bare, gpt2_config, llama_config, ours, save_config
 
 transformers = pytest.importorskip("transformers")

@@ -14,14 +14,19 @@ import torch
 
 import tokenizer_dirs
 from conftest import ROOT, global_batch, launch, launch_runs, make_text
-from minimal_fsdp import checkpoint_find, checkpoint_meta, export, hf_write, safe_load, tokenizer as tk
-from minimal_fsdp.config import parse_args
-from minimal_fsdp.data import TokenData, dataset_dir
-from minimal_fsdp.llama import LlamaConfig
-from minimal_fsdp.model import GPTConfig
-from minimal_fsdp.models import MODELS
-from minimal_fsdp.parallelize import init_weights
-from minimal_fsdp.tokenizer import load_tokenizer, train_tokenizer
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.hf import export
+from minimal_fsdp.hf import write as hf_write
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.data.tokens import TokenData, dataset_dir
+from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.parallel.parallelize import init_weights
+from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
 from test_end_to_end import sample_of
 from test_hf import LLAMA3_ROPE, assert_same_logits, hf_gpt2, hf_llama, ours_from
 from test_parallelize import logged_losses
@@ -183,7 +188,7 @@ def test_a_broken_hugging_face_directory_is_one_line_for_training_and_sampling(t
                              16, "--batch_size", 2, "--max_steps", 1, "--num_tokens", 0, "--run_name", name],
                             ranks=2, cwd=tmp_path, check=False, timeout=180)
         else:
-            result = subprocess.run([sys.executable, "-m", "minimal_fsdp.sample", directory, "--num_tokens", "3"],
+            result = subprocess.run([sys.executable, "-m", "minimal_fsdp.inference.sample", directory, "--num_tokens", "3"],
                                     cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]

@@ -8,11 +8,14 @@ import pytest
 import torch
 
 import tokenizer_dirs
-from minimal_fsdp import hf, hf_tokenizer, hf_write, tokenizer as tk
-from minimal_fsdp.config import ConfigError
-from minimal_fsdp.llama import LlamaConfig
-from minimal_fsdp.models import MODELS
-from minimal_fsdp.parallelize import init_weights
+from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf import tokenizer as hf_tokenizer
+from minimal_fsdp.hf import write as hf_write
+from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.parallel.parallelize import init_weights
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,12 +9,14 @@ import struct
 import pytest
 import torch
 
-from minimal_fsdp import hf, hf_write, tokenizer as tk
-from minimal_fsdp.config import ConfigError
-from minimal_fsdp.llama import LlamaConfig
-from minimal_fsdp.model import GPTConfig
-from minimal_fsdp.models import MODELS
-from minimal_fsdp.parallelize import init_weights
+from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf import write as hf_write
+from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.parallel.parallelize import init_weights
 from test_hf import (GPT, LLAMA, LLAMA3_ROPE, assert_same_logits, gpt2_config, llama_config, ours, ours_from,
                      save_config)
 from test_hf_config import LLAMA3

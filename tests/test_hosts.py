@@ -4,8 +4,8 @@ import ipaddress
 
 import pytest
 
-from minimal_fsdp import hosts
-from minimal_fsdp.config import ConfigError
+from minimal_fsdp.launch import hosts
+from minimal_fsdp.config.flags import ConfigError
 
 LOCAL = {"lo": ipaddress.IPv4Interface("127.0.0.1/8"), "eth0": ipaddress.IPv4Interface("10.1.0.5/16"),
          "ib0": ipaddress.IPv4Interface("192.168.7.5/24")}

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from conftest import ENTRY, ROOT, TINY_MODEL, mpiexec
 from fake_launchers import error_lines, install_fakes, run_session
-from minimal_fsdp import hosts, rendezvous
+from minimal_fsdp.launch import hosts
+from minimal_fsdp.launch import rendezvous
 
 # Variables of the launcher that runs pytest (a test may itself run under one) that would mislead the job.
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE",

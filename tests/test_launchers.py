@@ -13,8 +13,10 @@ import pytest
 
 from conftest import ROOT, TINY_MODEL, mpiexec
 from fake_launchers import install_fakes
-from minimal_fsdp import discovery, environment, rendezvous
-from minimal_fsdp.config import ConfigError, parse_args, validate_world
+from minimal_fsdp.launch import discovery
+from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import rendezvous
+from minimal_fsdp.config.flags import ConfigError, parse_args, validate_world
 
 
 def tiny_args(corpus, run_name, steps=3, tensorboard=False):

@@ -15,12 +15,14 @@ from test_fp8 import EMULATED, check_close_to_bf16, losses_of
 from test_parallelize import logged_losses, reference
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp import checkpoint_find, hf, safe_load  # noqa: E402
-from minimal_fsdp.config import MODEL_PRESETS, ConfigError, model_family, parse_args  # noqa: E402
-from minimal_fsdp.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
-from minimal_fsdp.models import config_from_flags, make_config  # noqa: E402
-from minimal_fsdp.model import PRESETS as GPT_PRESETS  # noqa: E402
-from minimal_fsdp.parallelize import init_weights  # noqa: E402
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.hf import read as hf
+from minimal_fsdp.checkpoint import safe_load  # noqa: E402
+from minimal_fsdp.config.flags import MODEL_PRESETS, ConfigError, model_family, parse_args  # noqa: E402
+from minimal_fsdp.models.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
+from minimal_fsdp.models.families import config_from_flags, make_config  # noqa: E402
+from minimal_fsdp.models.gpt import PRESETS as GPT_PRESETS  # noqa: E402
+from minimal_fsdp.parallel.parallelize import init_weights  # noqa: E402
 
 STEPS = 5
 # 6 heads sharing 2 kv heads; the MLP's 51 rows split unevenly over 2 ranks.

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from conftest import TINY_MODEL
-from minimal_fsdp.config import ConfigError, parse_args
+from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.metrics import TAGS, Metrics, state_bytes_per_rank
-from minimal_fsdp.plot import main as plot_main
-from minimal_fsdp.plot import read_metrics
+from minimal_fsdp.tools.plot import main as plot_main
+from minimal_fsdp.tools.plot import read_metrics
 
 from minimal_fsdp import run
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import reference
-from minimal_fsdp.llama import Llama, LlamaConfig
-from minimal_fsdp.model import GPT, GPTConfig, PRESETS
-from minimal_fsdp.models import make_config
-from minimal_fsdp.parallelize import init_weights
+from minimal_fsdp.models.llama import Llama, LlamaConfig
+from minimal_fsdp.models.gpt import GPT, GPTConfig, PRESETS
+from minimal_fsdp.models.families import make_config
+from minimal_fsdp.parallel.parallelize import init_weights
 
 
 def tiny(**kw):

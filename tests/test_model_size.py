@@ -12,13 +12,14 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minimal_fsdp import model_size, step_time
-from minimal_fsdp.config import Config, ConfigError
-from minimal_fsdp.llama import LlamaConfig
-from minimal_fsdp.model import GPTConfig
-from minimal_fsdp.models import MODELS, make_config
-from minimal_fsdp.parallelize import build_model, gradient_sync
-from minimal_fsdp.plan import make_plan
+from minimal_fsdp.tools import model_size
+from minimal_fsdp.tools import step_time
+from minimal_fsdp.config.flags import Config, ConfigError
+from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.models.families import MODELS, make_config
+from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
+from minimal_fsdp.parallel.plan import make_plan
 from minimal_fsdp.train import build_optimizer, train_step
 
 
@@ -248,7 +249,7 @@ def test_planner_gathers_a_whole_model_unit_at_once():
 def test_the_planner_asks_the_plans_own_strategy(monkeypatch):
     """estimate lays a model out by plan.strategy, the function make_plan decides a run's strategy with: one rule
     for both, asked without a launch."""
-    from minimal_fsdp import plan as plan_module
+    from minimal_fsdp.parallel import plan as plan_module
     asked = []
     monkeypatch.setattr(model_size, "strategy", lambda *args: asked.append(args) or plan_module.strategy(*args))
     config = GPTConfig(vocab_size=2048, seq_length=128, num_layers=4, num_heads=4, embed_size=256)
@@ -302,7 +303,7 @@ def test_estimate_within_25_percent_of_the_7b_and_8b_peaks_on_h200s(preset, bloc
 def test_float8_inputs_are_the_distinct_inputs_of_the_float8_layers(model_type, config):
     """What float8_inputs_per_token counts is what the layers fp8.convertible picks actually read: one count for
     an input that several of them share (q, k and v; gate and up)."""
-    from minimal_fsdp import fp8
+    from minimal_fsdp.parallel import fp8
     torch.manual_seed(0)
     model = MODELS[model_type](config)
     inputs = []  # the tensors themselves: kept alive, so no two share an id()

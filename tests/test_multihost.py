@@ -1,4 +1,4 @@
-"""Training across hosts, for real, on one machine: hosts are network namespaces (minimal_fsdp.virtual_cluster),
+"""Training across hosts, for real, on one machine: hosts are network namespaces (minimal_fsdp.tools.virtual_cluster),
 each with its own hostname and /etc/hosts, joined by veth links. Every launcher as a cluster runs it (mpiexec
 with a host list and ssh, our PBS script, SLURM- and torchrun-style per-host variables, a Kubernetes
 PyTorchJob's torchrun), every strategy on 2 hosts x 2 ranks against the single-process reference, the data
@@ -14,9 +14,10 @@ import torch
 
 import reference as plain
 from conftest import ENTRY, ROOT, TINY_MODEL, mpiexec
-from minimal_fsdp import safe_load, virtual_cluster
-from minimal_fsdp.config import parse_args
-from minimal_fsdp.virtual_cluster import Cluster
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.tools import virtual_cluster
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.tools.virtual_cluster import Cluster
 
 WHY = virtual_cluster.unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no virtual hosts here: {WHY}")
@@ -200,9 +201,9 @@ def test_kubernetes_pytorchjob_pods_run_torchrun(work):
 def stream_reference(args, world, steps):
     """Plain training on the global batch of every rank's --streaming batches (rank r of `world` reads the
     documents r, r + world, ...; StreamingData, which test_streaming checks against prepared tokens)."""
-    from minimal_fsdp.documents import open_documents
-    from minimal_fsdp.streaming import StreamingData
-    from minimal_fsdp.tokenizer import load_tokenizer
+    from minimal_fsdp.data.documents import open_documents
+    from minimal_fsdp.data.streaming import StreamingData
+    from minimal_fsdp.data.tokenizer import load_tokenizer
     cfg = parse_args([str(a) for a in args])
     tokenizer = load_tokenizer(cfg.tokenizer_dir)
     streams = []

@@ -1,4 +1,4 @@
-"""The guard rails of a job across hosts (hosts as network namespaces, minimal_fsdp.virtual_cluster): an address
+"""The guard rails of a job across hosts (hosts as network namespaces, minimal_fsdp.tools.virtual_cluster): an address
 that does not route between hosts, a --checkpoint_dir on node-local disks, a link cut mid-run and a host killed
 mid-save. Each ends every rank within a bound (generous: it only tells a stop from a hang) with one `error:` line
 and no traceback, and the last good checkpoint resumes. Needs root (skipped elsewhere)."""
@@ -9,8 +9,8 @@ import pytest
 
 from conftest import ROOT, make_text
 from test_multihost import WHY, Ranks, base_env, metrics, tiny_args, torchrun_env
-from minimal_fsdp import checkpoint_find
-from minimal_fsdp.virtual_cluster import Cluster
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.tools.virtual_cluster import Cluster
 
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no virtual hosts here: {WHY}")
 FAULTS = ROOT / "tests" / "faults.py"

@@ -21,17 +21,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference as plain
 from conftest import ROOT, TINY_MODEL, launch_runs, make_text, mpiexec
-from minimal_fsdp import checkpoint_find, parallelize, plan as plan_module, safe_load
-from minimal_fsdp.config import parse_args
-from minimal_fsdp.gossip import Gossip
-from minimal_fsdp.llama import Llama
-from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.models import make_config
-from minimal_fsdp.parallelize import (DDPSync, FSDPSync, LocalSync, SYNCS, WholeUnitSync, build_model, gradient_sync,
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.parallel import parallelize
+from minimal_fsdp.parallel import plan as plan_module
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.parallel.gossip import Gossip
+from minimal_fsdp.models.llama import Llama
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+from minimal_fsdp.models.families import make_config
+from minimal_fsdp.parallel.parallelize import (DDPSync, FSDPSync, LocalSync, SYNCS, WholeUnitSync, build_model, gradient_sync,
                                       recomputed, shard)
-from minimal_fsdp.plan import STRATEGIES, apply_process_settings, make_plan, process_settings
+from minimal_fsdp.parallel.plan import STRATEGIES, apply_process_settings, make_plan, process_settings
 from minimal_fsdp.train import build_optimizer
-from minimal_fsdp.whole_unit import WholeUnit
+from minimal_fsdp.parallel.whole_unit import WholeUnit
 from test_plan import CONFIG, NUM_PARAMS, plain_plan
 
 
@@ -274,10 +277,10 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_
     gathers them again (the control that shows the test can see the difference)."""
     from types import SimpleNamespace
     from torch.distributed.tensor import DTensor
-    from minimal_fsdp.config import Config
+    from minimal_fsdp.config.flags import Config
     import dataclasses
-    from minimal_fsdp.parallelize import build_model, gradient_sync
-    from minimal_fsdp.plan import make_plan
+    from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
+    from minimal_fsdp.parallel.plan import make_plan
     from minimal_fsdp.train import train_step
     cfg = Config(sharding="full-shard", fsdp_unit="block")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the group is NCCL where CUDA is
@@ -432,7 +435,7 @@ def test_the_whole_trunk_is_compiled_and_replayed_as_graphs_as_planned(monkeypat
 
 
 def test_uncompiled_models_keep_their_eager_loss():
-    from minimal_fsdp.layers import cross_entropy
+    from minimal_fsdp.models.layers import cross_entropy
     model = build_model(GPT, CONFIG, plain_plan(strategy="local"), CPU, seed=0)
     assert model.loss is cross_entropy and not hasattr(model.trunk, "__wrapped__")
 

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimal_fsdp import plan as plan_module
-from minimal_fsdp.choices import SMALL_MODEL
-from minimal_fsdp.config import ConfigError, parse_args
-from minimal_fsdp.llama import LlamaConfig
-from minimal_fsdp.model import GPT, GPTConfig
-from minimal_fsdp.models import MODELS, make_config
-from minimal_fsdp.plan import STRATEGIES, count_params, layout, make_plan, strategy
+from minimal_fsdp.parallel import plan as plan_module
+from minimal_fsdp.config.choices import SMALL_MODEL
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+from minimal_fsdp.models.families import MODELS, make_config
+from minimal_fsdp.parallel.plan import STRATEGIES, count_params, layout, make_plan, strategy
 
 
 CONFIG = GPTConfig(vocab_size=64, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
@@ -261,8 +261,8 @@ def test_cuda_graphs_only_where_no_fsdp_hooks_surround_the_graph(monkeypatch, fl
     asked for there, it is refused in one line, not dropped. (Plans only: no mesh is built, no GPU needed;
     test_gpu.py trains no-shard and the one unit with CUDA graphs against the reference.)"""
     from types import SimpleNamespace
-    from minimal_fsdp import plan as plan_module
-    from minimal_fsdp.config import ConfigError, parse_args
+    from minimal_fsdp.parallel import plan as plan_module
+    from minimal_fsdp.config.flags import ConfigError, parse_args
     env = SimpleNamespace(device=torch.device("cuda"), world_size=ranks, local_world_size=ranks)
     cfg = parse_args([*flags, "--compile", "--cuda_graphs"])
     monkeypatch.setattr(plan_module, "init_device_mesh", lambda *args, **kwargs: "mesh")

@@ -1,4 +1,4 @@
-"""python -m minimal_fsdp.data prepare: documents from JSONL/text files and Hugging Face datasets -> bins."""
+"""python -m minimal_fsdp.data.tokens prepare: documents from JSONL/text files and Hugging Face datasets -> bins."""
 import json
 import os
 import random
@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_MODEL, launch, make_text
-from minimal_fsdp import checkpoint_find, checkpoint_meta, documents, prepare
-from minimal_fsdp.config import ConfigError
-from minimal_fsdp.data import TokenData
-from minimal_fsdp.documents import encode_document, is_val, open_documents
-from minimal_fsdp.tokenizer import load_tokenizer
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.data import documents
+from minimal_fsdp.data import prepare
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.data.tokens import TokenData
+from minimal_fsdp.data.documents import encode_document, is_val, open_documents
+from minimal_fsdp.data.tokenizer import load_tokenizer
 
 
 def make_documents(count=200, seed=0):
@@ -128,7 +131,7 @@ def test_missing_datasets_package_names_the_install(tmp_path, monkeypatch):
 def test_openwebtext_offline_is_one_line(tmp_path):
     pytest.importorskip("datasets")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
-    result = subprocess.run([sys.executable, "-m", "minimal_fsdp.data", "prepare", "--dataset", "openwebtext"],
+    result = subprocess.run([sys.executable, "-m", "minimal_fsdp.data.tokens", "prepare", "--dataset", "openwebtext"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

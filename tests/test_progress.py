@@ -1,5 +1,5 @@
-"""progress.py, the job chains' `python -m minimal_fsdp.progress [training flags]`: it imports no torch; it answers
-as `python -m minimal_fsdp.checkpoint progress` (checkpoint_find.main) does on intact, damaged, torn and hostile
+"""progress.py, the job chains' `python -m minimal_fsdp.tools.progress [training flags]`: it imports no torch; it answers
+as `python -m minimal_fsdp.checkpoint.checkpointer progress` (checkpoint_find.main) does on intact, damaged, torn and hostile
 checkpoints; it never counts a checkpoint that resume skips for a missing, resized, replaced or damaged file;
 and, as documented, it counts one whose meta.json was edited to describe a model the shards do not hold."""
 import os
@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from minimal_fsdp import checkpoint_find, progress
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.tools import progress
 from test_checkpoint import flip_a_byte, meta_of
 from test_checkpoint import console, run, saved  # noqa: F401 (fixtures)
 from test_checkpoint_find import HOSTILE_META, edited
@@ -148,13 +149,13 @@ def imported(importtime_lines):
 
 
 def test_the_command_imports_no_torch_and_answers_bad_flags_in_one_line(run, tmp_path):
-    result = python("-X", "importtime", "-m", "minimal_fsdp.progress", *flags(run), "--precision", "bf16",
+    result = python("-X", "importtime", "-m", "minimal_fsdp.tools.progress", *flags(run), "--precision", "bf16",
                     cwd=tmp_path)
     assert (result.returncode, result.stdout) == (0, "3 100\n"), result.stderr[-2000:]
     modules = imported(result.stderr)
-    assert {"minimal_fsdp.checkpoint_dirs", "minimal_fsdp.checkpoint_meta"} <= modules  # what it reads with
+    assert {"minimal_fsdp.checkpoint.dirs", "minimal_fsdp.checkpoint.meta"} <= modules  # what it reads with
     assert not {m for m in modules if m.split(".")[0] == "torch"}
-    result = python("-X", "importtime", "-m", "minimal_fsdp.progress", *flags(run), "--lr", "-1", cwd=tmp_path)
+    result = python("-X", "importtime", "-m", "minimal_fsdp.tools.progress", *flags(run), "--lr", "-1", cwd=tmp_path)
     lines = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --lr"), result.stderr[-2000:]
     assert not {m for m in imported(result.stderr) if m.split(".")[0] == "torch"}

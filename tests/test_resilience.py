@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minimal_fsdp import resilience
-from minimal_fsdp.resilience import Diverged, NonFiniteGuard, StopRequests
+from minimal_fsdp.launch import resilience
+from minimal_fsdp.launch.resilience import Diverged, NonFiniteGuard, StopRequests
 
 NAN = float("nan")
 

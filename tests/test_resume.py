@@ -11,9 +11,11 @@ import torch.distributed as dist
 
 from conftest import TINY_MODEL, launch_runs, make_text, printed_by_run
 from faults import launch_with_faults
-from minimal_fsdp import checkpoint_find, checkpoint_meta, safe_load
-from minimal_fsdp.config import ConfigError, parse_duration
-from minimal_fsdp.resilience import StopRequests
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.config.flags import ConfigError, parse_duration
+from minimal_fsdp.launch.resilience import StopRequests
 
 STEPS = 20
 

@@ -7,9 +7,12 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_MODEL, make_text
-from minimal_fsdp import documents, prepare, run, tokenizer
-from minimal_fsdp.config import ConfigError, parse_args
-from minimal_fsdp.data import TokenData
+from minimal_fsdp.data import documents
+from minimal_fsdp.data import prepare
+from minimal_fsdp import run
+from minimal_fsdp.data import tokenizer
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.data.tokens import TokenData
 
 
 @pytest.fixture

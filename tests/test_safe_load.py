@@ -14,7 +14,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from minimal_fsdp import checkpoint, checkpoint_find, safe_load
+from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import safe_load
 from test_checkpoint import MakeDirectory, moments, same, state_of, tiny, weights
 from test_checkpoint import run, saved  # noqa: F401 (fixtures)
 

@@ -18,9 +18,12 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from faults import launch_with_faults
-from minimal_fsdp import checkpoint_find, files, hf, safe_load
-from minimal_fsdp import sample as sample_command
-from minimal_fsdp.config import ConfigError, parse_args
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp import files
+from minimal_fsdp.hf import read as hf
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.inference import sample as sample_command
+from minimal_fsdp.config.flags import ConfigError, parse_args
 
 
 # ---- a corpus of hostile pickles: none may run, every one is refused ----
@@ -191,7 +194,7 @@ def trained(tmp_path, straight):
 def test_crafted_checkpoint_runs_nothing_anywhere(tmp_path, trained):
     marker = tmp_path / "pwned"
     plant_payload(trained / "step_4", marker)
-    export = subprocess.run([sys.executable, "-m", "minimal_fsdp.export", str(trained / "step_4"), str(tmp_path / "o")],
+    export = subprocess.run([sys.executable, "-m", "minimal_fsdp.hf.export", str(trained / "step_4"), str(tmp_path / "o")],
                             cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert "not allowed" in one_error(export)
     restart = launch(["--restart_checkpoint_file", trained / "step_4", "--max_steps", 6, "--run_name", "other"],
@@ -231,11 +234,11 @@ def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_
     sample = SimpleNamespace(stderr=capfd.readouterr().err)
     assert "generating from checkpoints/run/step_2" in sample.stderr, sample.stderr
     assert [line for line in sample.stderr.splitlines() if "step_4" in line] == [skipped]
-    export = module("minimal_fsdp.export", "checkpoints/run/step_4", tmp_path / "out", cwd=tmp_path)
+    export = module("minimal_fsdp.hf.export", "checkpoints/run/step_4", tmp_path / "out", cwd=tmp_path)
     assert one_error(export) == ("error: checkpoints/run/step_4 is not a complete checkpoint: checkpoints/run/step_4: "
                                  + skipped.split(": ", 2)[2])
-    for progress in (module("minimal_fsdp.progress", "--run_name", "run", cwd=tmp_path),  # the job chains'
-                     module("minimal_fsdp.checkpoint", "progress", "--run_name", "run", cwd=tmp_path)):
+    for progress in (module("minimal_fsdp.tools.progress", "--run_name", "run", cwd=tmp_path),  # the job chains'
+                     module("minimal_fsdp.checkpoint.checkpointer", "progress", "--run_name", "run", cwd=tmp_path)):
         assert (progress.returncode, progress.stdout, progress.stderr) == (0, "2 6\n", skipped + "\n")
     resumed = train(tmp_path, steps=6)
     assert "resuming from checkpoints/run/step_2" in resumed.stdout

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import TINY_MODEL, launch
-from minimal_fsdp.config import ConfigError, parse_args
-from minimal_fsdp.data import TokenData
-from minimal_fsdp.documents import HFDocuments, encode_document, is_val, open_documents
-from minimal_fsdp.streaming import StreamingData
-from minimal_fsdp.tokenizer import load_tokenizer
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.data.tokens import TokenData
+from minimal_fsdp.data.documents import HFDocuments, encode_document, is_val, open_documents
+from minimal_fsdp.data.streaming import StreamingData
+from minimal_fsdp.data.tokenizer import load_tokenizer
 from test_prepare import make_documents, run_cli, write_jsonl
 
 SEQ = 32

@@ -5,8 +5,8 @@ import random
 import pytest
 
 import tokenizer_dirs
-from minimal_fsdp import tokenizer as tk
-from minimal_fsdp.tokenizer import (CharTokenizer, SentencePieceTokenizer, TokenizerError,
+from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.data.tokenizer import (CharTokenizer, SentencePieceTokenizer, TokenizerError,
                                     load_sentencepiece, load_tokenizer, train_tokenizer)
 
 
@@ -244,10 +244,10 @@ def test_a_directory_without_a_tokenizer_or_with_a_bad_one(tmp_path, offline):
 
 
 # -----------------------------------------------------------------------------
-# --tokenizer_dir: a directory's tokenizer for a fresh model, and for `python -m minimal_fsdp.data prepare`
+# --tokenizer_dir: a directory's tokenizer for a fresh model, and for `python -m minimal_fsdp.data.tokens prepare`
 
 def test_tokenizer_dir_flag_rules():
-    from minimal_fsdp.config import ConfigError, parse_args
+    from minimal_fsdp.config.flags import ConfigError, parse_args
     assert parse_args(["--tokenizer_dir", "some/dir"]).tokenizer_dir == "some/dir"
     with pytest.raises(ConfigError, match="--tokenizer_dir replaces --tokenizer: drop --tokenizer gpt2"):
         parse_args(["--tokenizer_dir", "some/dir", "--tokenizer", "gpt2"])
@@ -258,8 +258,9 @@ def test_tokenizer_dir_flag_rules():
 @pytest.mark.slow
 def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
     from conftest import TINY_MODEL, launch
-    from minimal_fsdp import checkpoint_find, checkpoint_meta
-    from minimal_fsdp.data import TokenData
+    from minimal_fsdp.checkpoint import find as checkpoint_find
+    from minimal_fsdp.checkpoint import meta as checkpoint_meta
+    from minimal_fsdp.data.tokens import TokenData
     directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
     offline = {"HF_HUB_OFFLINE": "1", "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache"),
                "HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
@@ -275,9 +276,9 @@ def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
 
 
 def test_prepare_with_a_tokenizer_dir(tmp_path, offline):
-    from minimal_fsdp import prepare
-    from minimal_fsdp.data import TokenData
-    from minimal_fsdp.documents import encode_document, is_val
+    from minimal_fsdp.data import prepare
+    from minimal_fsdp.data.tokens import TokenData
+    from minimal_fsdp.data.documents import encode_document, is_val
     directory = tokenizer_dirs.write_tokenizer_json(tmp_path / "hf")
     tokenizer = load_tokenizer(directory)
     documents = [sample_text(20, seed=i) + f"\ndocument {i} \u00e9\u00e8 \U0001F600" for i in range(40)]
@@ -302,7 +303,7 @@ def test_sentencepiece_vocabulary_errors_say_which_way_to_go(vocab_size, fix):
 def test_sentencepiece_learns_from_lines_longer_than_its_limit(tmp_path):
     """sentencepiece's trainer skips lines over 4192 bytes; a text of long lines (one document a line) used to
     leave it nothing ("!sentences_.empty()") at every --vocab_size. Long lines are cut into pieces first."""
-    from minimal_fsdp import tokenizer
+    from minimal_fsdp.data import tokenizer
     long_lines = "\n".join(sample_text(2_000).replace("\n", " ") + f" line {i} é" for i in range(5))
     assert min(len(line.encode()) for line in long_lines.splitlines()) > tokenizer.MAX_SENTENCE_BYTES
     tok = train_tokenizer("sentencepiece", long_lines, 300, tmp_path)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from minimal_fsdp import train as train_module
-from minimal_fsdp.accum_adamw import AccumAdamW
-from minimal_fsdp.config import parse_args
-from minimal_fsdp.resilience import Diverged
+from minimal_fsdp.parallel.accum_adamw import AccumAdamW
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.launch.resilience import Diverged
 from minimal_fsdp.train import (RunParts, Schedule, _to_device, build_optimizer, evaluate, run_length, train,
                                  train_step)
 
@@ -102,8 +102,8 @@ def test_optimizer_decays_matrices_only_with_the_betas_asked_for():
 
 def test_the_plans_one_unit_gets_adamw_on_local_tensors_and_nothing_else_does():
     """The choice reads the plan's strategy, never the model's attributes; the same groups and settings either way."""
-    from minimal_fsdp.plan import STRATEGIES
-    from minimal_fsdp.whole_unit import LocalAdamW
+    from minimal_fsdp.parallel.plan import STRATEGIES
+    from minimal_fsdp.parallel.whole_unit import LocalAdamW
     model = Model()
     unit = build_optimizer(model, cfg("--lr", 0.02), SimpleNamespace(strategy="one-unit", backend="torch"))
     assert type(unit) is LocalAdamW and unit.defaults["fused"] is True and unit.defaults["lr"] == 0.02

@@ -16,12 +16,12 @@ import torch
 import fake_torch_xla
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from test_end_to_end import sample_of, sample_of_each
-from minimal_fsdp import backend
-from minimal_fsdp.config import ConfigError, parse_args, validate_world
-from minimal_fsdp.environment import DistEnv
-from minimal_fsdp.model import GPTConfig
-from minimal_fsdp.plan import make_plan
-from minimal_fsdp.safe_load import tensor_names
+from minimal_fsdp.backends import default as backend
+from minimal_fsdp.config.flags import ConfigError, parse_args, validate_world
+from minimal_fsdp.launch.environment import DistEnv
+from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.parallel.plan import make_plan
+from minimal_fsdp.checkpoint.safe_load import tensor_names
 
 no_torch_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="needs torch_xla")
 # One process drives 4 virtual XLA:CPU devices; mpiexec -n 1 also takes the MPI discovery path.
@@ -122,7 +122,7 @@ def test_xla_loading_unpickles_no_code(tmp_path, monkeypatch):
     import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
-    from minimal_fsdp import xla
+    from minimal_fsdp.backends import xla
 
     monkeypatch.chdir(tmp_path)
     state = {"optim.param_groups.0.lr": 0.0}  # xla.load hands DCP a flat dict
@@ -173,7 +173,7 @@ def test_xla_wants_one_process_per_host(monkeypatch):
 @pytest.mark.parametrize("seed", [-2**63, -1, 0, 1337, 2**63 - 1])
 def test_every_seed_gives_torch_xla_a_seed_it_takes(seed):
     """torch_xla's set_rng_state takes [0, 2**64) only: --seed -1 or a seed near 2**63 ended in a TypeError."""
-    from minimal_fsdp.parallelize import seed64  # what xla.py seeds torch_xla with: seed64(seed * 1_000_003 + step)
+    from minimal_fsdp.parallel.parallelize import seed64  # what xla.py seeds torch_xla with: seed64(seed * 1_000_003 + step)
     seeds = [seed64(seed * 1_000_003 + step) for step in (0, 1, 1000)]
     assert all(0 <= s < 2**64 for s in seeds) and len(set(seeds)) == 3  # each launch's own dropout masks
     assert seed64(seed * 1_000_003 + 1000) == (seed * 1_000_003 + 1000) % 2**64
@@ -253,13 +253,13 @@ def test_xla_checkpoints_resume_both_ways_and_sample_through_the_one_wiring(fake
 
 @pytest.fixture
 def fake_xla(monkeypatch):
-    """minimal_fsdp.xla imported over fake_torch_xla's modules, in this process; gone again after the test."""
+    """minimal_fsdp.backends.xla imported over fake_torch_xla's modules, in this process; gone again after the test."""
     import minimal_fsdp
     for name, module in fake_torch_xla.modules().items():
         monkeypatch.setitem(sys.modules, name, module)
-    sys.modules.pop("minimal_fsdp.xla", None)
-    yield importlib.import_module("minimal_fsdp.xla")
-    sys.modules.pop("minimal_fsdp.xla", None)
+    sys.modules.pop("minimal_fsdp.backends.xla", None)
+    yield importlib.import_module("minimal_fsdp.backends.xla")
+    sys.modules.pop("minimal_fsdp.backends.xla", None)
     vars(minimal_fsdp).pop("xla", None)
 
 

@@ -51,7 +51,7 @@ def write_vocab_merges(directory):
 
 
 def write_sentencepiece(directory, vocab_size=300):
-    from minimal_fsdp.tokenizer import train_tokenizer
+    from minimal_fsdp.data.tokenizer import train_tokenizer
     directory = Path(directory)
     train_tokenizer("sentencepiece", training_text(), vocab_size, directory / "sp")
     (directory / "tokenizer.model").write_bytes((directory / "sp" / "tokenizer.model").read_bytes())
@@ -61,7 +61,7 @@ def write_sentencepiece(directory, vocab_size=300):
 def tiktoken_ranks(vocab_size=350):
     """BPE ranks trained with tiktoken's own (educational) trainer on Llama 3's split pattern."""
     from tiktoken._educational import bpe_train
-    from minimal_fsdp.tokenizer import LLAMA3_PATTERN
+    from minimal_fsdp.data.tokenizer import LLAMA3_PATTERN
     with contextlib.redirect_stdout(io.StringIO()):
         return bpe_train(training_text()[:8000], vocab_size, LLAMA3_PATTERN, visualise=None)
 
@@ -70,7 +70,7 @@ def stub_gpt2_encoding(monkeypatch):
     """tiktoken's gpt2 encoding stood in for by a tiny one with GPT-2's split pattern (no gpt2 files offline);
     returns the stand-in."""
     import tiktoken
-    from minimal_fsdp import tokenizer as tk
+    from minimal_fsdp.data import tokenizer as tk
     ranks = tiktoken_ranks()
     pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
     stub = tiktoken.Encoding(name="stub", pat_str=pattern, mergeable_ranks=ranks,

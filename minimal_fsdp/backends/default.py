@@ -1,10 +1,11 @@
 """The parts of a training run that depend on what computes it, for CUDA and CPU through torch.distributed
 (plan.backend "torch"): the model as the plan lays it out, the batches the loop reads, the gradient sync and the
 checkpointer. run.train_model wires them into train.train; xla.py's XLA gives the same parts for --device xla."""
-from . import checkpoint, hf
-from .metrics import banner
-from .models import MODELS
-from .parallelize import build_model, gradient_sync
+from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.hf import read as hf
+from minimal_fsdp.metrics import banner
+from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 
 
 class Torch:

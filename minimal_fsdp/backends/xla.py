@@ -39,11 +39,14 @@ from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
-from . import checkpoint, environment, hf, safe_load
-from .config import ConfigError
-from .metrics import banner
-from .models import MODELS
-from .parallelize import LocalSync, init_weights, seed64
+from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.launch import environment
+from minimal_fsdp.hf import read as hf
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.metrics import banner
+from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.parallel.parallelize import LocalSync, init_weights, seed64
 
 WRAPPED = "_orig_module."  # FSDPv2's attribute for the module it wraps; not part of a parameter's saved name
 BF16_HARDWARE = ("TPU", "NEURON")  # where torch_xla's autocast runs bf16 (it ignores other devices)

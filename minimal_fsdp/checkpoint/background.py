@@ -28,10 +28,10 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # the 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
-from . import environment
-from .checkpoint_writer import (ALIGN, ChecksummingWriter, SharedMemory, WriterProcess,  # noqa: F401 - imported from here too
+from minimal_fsdp.launch import environment
+from minimal_fsdp.checkpoint.writer import (ALIGN, ChecksummingWriter, SharedMemory, WriterProcess,  # noqa: F401 - imported from here too
                                 _Checksummed, in_process)
-from .config_checks import host_memory_available
+from minimal_fsdp.config.checks import host_memory_available
 
 # The staged copy may take this share of the host memory that is free when the run starts; the rest is left to
 # the page cache, data loading and everything else on the node.

@@ -38,13 +38,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from . import checkpoint_async, files
-from .best_metric import better
-from .checkpoint_async import ChecksummingWriter, Saved
-from .checkpoint_find import marker, rng_file, step_dirs, step_of
-from .checkpoint_meta import FORMAT, read_meta
-from .parallelize import seed64
-from .safe_load import SafeLoadPlanner, SafeReader
+from minimal_fsdp.checkpoint import background as checkpoint_async
+from minimal_fsdp import files
+from minimal_fsdp.checkpoint.best import better
+from minimal_fsdp.checkpoint.background import ChecksummingWriter, Saved
+from minimal_fsdp.checkpoint.find import marker, rng_file, step_dirs, step_of
+from minimal_fsdp.checkpoint.meta import FORMAT, read_meta
+from minimal_fsdp.parallel.parallelize import seed64
+from minimal_fsdp.checkpoint.safe_load import SafeLoadPlanner, SafeReader
 
 class SaveError(RuntimeError):
     """A save failed (a full disk, a lost run lock). Raised alike on every rank; its text is one line."""
@@ -389,6 +390,6 @@ def load_replicas(path, model, optimizer=None):
         set_optimizer_state_dict(model, optimizer, state["replicas"][rank]["optim"])
 
 
-if __name__ == "__main__":  # `python -m minimal_fsdp.checkpoint progress ...`, as the job scripts call it
-    from .checkpoint_find import main
+if __name__ == "__main__":  # `python -m minimal_fsdp.checkpoint.checkpointer progress ...`, as the job scripts call it
+    from minimal_fsdp.checkpoint.find import main
     main()

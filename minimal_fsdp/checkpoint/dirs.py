@@ -7,7 +7,7 @@ import sys
 import zlib
 from pathlib import Path
 
-from .files import open_regular
+from minimal_fsdp.files import open_regular
 
 STEP_NAME = re.compile(r"step_(\d+)")
 

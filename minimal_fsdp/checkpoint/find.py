@@ -1,6 +1,6 @@
 """Finding a checkpoint to load: the checks that a checkpoint is complete and undamaged (verify), the run's
 newest complete one, and the one a run starts from (find). The directories, markers and the order to try them
-in are checkpoint_dirs.py's. `python -m minimal_fsdp.checkpoint progress [training flags]` runs main() here: the
+in are checkpoint_dirs.py's. `python -m minimal_fsdp.checkpoint.checkpointer progress [training flags]` runs main() here: the
 job chains' question, answered with verify's cheap checks; they ask progress.py, which imports no torch."""
 import dataclasses
 import errno
@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import environment
-from .checkpoint_dirs import candidates, files_problem, marker, skipping, step_dirs
-from .checkpoint_dirs import crc32, step_of  # noqa: F401 (re-exported: checkpoint.py and tests use them here)
-from .checkpoint_meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
-from .config import ConfigError
-from .files import open_regular, read_json
-from .models import MODELS, config_from_dict
-from .safe_load import read_dcp_metadata
+from minimal_fsdp.launch import environment
+from minimal_fsdp.checkpoint.dirs import candidates, files_problem, marker, skipping, step_dirs
+from minimal_fsdp.checkpoint.dirs import crc32, step_of  # noqa: F401 (re-exported: checkpoint.py and tests use them here)
+from minimal_fsdp.checkpoint.meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.files import open_regular, read_json
+from minimal_fsdp.models.families import MODELS, config_from_dict
+from minimal_fsdp.checkpoint.safe_load import read_dcp_metadata
 
 BLOCK = re.compile(r"blocks\.(\d+)\.")
 MAX_RNG_BYTES = 2**20  # torch, CUDA, numpy and python states: about 17 KB
@@ -192,13 +192,13 @@ def _cheaply_complete(cfg):
 
 
 def main(argv=None):
-    """`python -m minimal_fsdp.checkpoint progress [training flags]` prints "STEP LAST_STEP" of the run's newest
+    """`python -m minimal_fsdp.checkpoint.checkpointer progress [training flags]` prints "STEP LAST_STEP" of the run's newest
     checkpoint that passes verify's cheap checks ("0 none" without one). The job chains ask progress.py, which
     answers the same without torch from fewer checks (it reads neither .metadata nor the RNG files)."""
-    from .config import parse_args
+    from minimal_fsdp.config.flags import parse_args
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "progress":
-        sys.exit("usage: python -m minimal_fsdp.checkpoint progress [the run's training flags]")
+        sys.exit("usage: python -m minimal_fsdp.checkpoint.checkpointer progress [the run's training flags]")
     cfg = parse_args(argv[1:])
     path = newest_complete(Path(cfg.checkpoint_dir) / cfg.run_name, checksums=False)
     if path is None:

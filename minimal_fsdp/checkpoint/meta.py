@@ -22,9 +22,9 @@ import math
 import re
 from pathlib import Path
 
-from .config import ConfigError
-from .files import read_json
-from .model_configs import CONFIGS, check_shape
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.files import read_json
+from minimal_fsdp.models.configs import CONFIGS, check_shape
 
 FORMAT = 2
 MAX_BYTES = 64 * 2**20  # a few KB, plus two numbers per file: room for a run of a million ranks

@@ -171,11 +171,11 @@ class WriterProcess:
     def __init__(self, memory):
         self.memory, self.sent = memory, 0  # segments the process has been handed
         here, there = socket.socketpair()
-        package_root = str(Path(__file__).resolve().parents[1])
+        package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
                    CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         self.process = subprocess.Popen(
-            [sys.executable, "-c", f"from minimal_fsdp.checkpoint_writer import serve; serve({there.fileno()}, "
+            [sys.executable, "-c", f"from minimal_fsdp.checkpoint.writer import serve; serve({there.fileno()}, "
                                    f"{os.getpid()})"], pass_fds=[there.fileno()], env=env, stdin=subprocess.DEVNULL)
         there.close()
         self.connection = multiprocessing.connection.Connection(here.detach())

@@ -12,7 +12,7 @@ import importlib.util
 import math
 import os
 
-from .choices import MODEL_PRESETS, ConfigError
+from minimal_fsdp.config.choices import MODEL_PRESETS, ConfigError
 
 GiB = 2**30
 MAX_TIMEOUT = 10**6  # seconds (11.6 days): longer than any job's walltime
@@ -51,7 +51,7 @@ def check_train(cfg):
                               f"{cfg.eval_tasks_interval} and {cfg.eval_tasks_limit})")
         if cfg.data_parallel == "decentralized":
             raise ConfigError("--eval_tasks scores one model, and under --data_parallel decentralized every rank "
-                              "trains a replica of its own: evaluate a checkpoint with python -m minimal_fsdp.evaluate")
+                              "trains a replica of its own: evaluate a checkpoint with python -m minimal_fsdp.eval.evaluate")
 
 
 def check_launch(cfg):
@@ -291,7 +291,7 @@ def check_sizes(cfg, seq_length, num_params, processes, device_free, device="cpu
                           f"{weights / GiB:.3g} GiB in fp32 on this host's {device} ({processes} process(es)), more "
                           f"than the {device_free / GiB:.3g} GiB "
                           "free: lower --vocab_size, --embed_size or --num_layers, or add --meta_init with more "
-                          "ranks (python -m minimal_fsdp.model_size estimates what fits)")
+                          "ranks (python -m minimal_fsdp.tools.model_size estimates what fits)")
 
 
 def cpu_recipe_warning(cfg, device_type):

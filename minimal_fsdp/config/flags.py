@@ -15,9 +15,9 @@ import sys
 from dataclasses import dataclass, field
 
 # Nothing here imports torch: `basic_training.py --help` and a mistyped flag answer at once.
-from .choices import (DATA_PARALLEL, DEVICE, FP8_RECIPES, FSDP_UNITS, GRAPHS_MODEL, MODEL_PRESETS, PRECISION,
+from minimal_fsdp.config.choices import (DATA_PARALLEL, DEVICE, FP8_RECIPES, FSDP_UNITS, GRAPHS_MODEL, MODEL_PRESETS, PRECISION,
                       REDUCE_PRECISION, SHARDING, SMALL_MODEL, TOPOLOGIES, ConfigError)
-from .config_checks import model_family, parse_duration, validate, validate_world  # noqa: F401 (re-exported)
+from minimal_fsdp.config.checks import model_family, parse_duration, validate, validate_world  # noqa: F401 (re-exported)
 
 # The launchers' rank variables (environment.py reads the same ones), for printing a flag error once.
 RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
@@ -153,7 +153,7 @@ class Config:
                         ("shakespeare", "text"), "data")
     input_file: str = flag(None, "for --dataset text: a UTF-8 text file, a .jsonl file of {\"text\": ...} lines, "
                                  "or a directory of .txt/.jsonl files", section="data")
-    dataset_path: str = flag(None, "instead of --dataset: a directory written by `python -m minimal_fsdp.data "
+    dataset_path: str = flag(None, "instead of --dataset: a directory written by `python -m minimal_fsdp.data.tokens "
                                    "prepare`; with --streaming, a .jsonl/.txt file or directory, a Hugging Face "
                                    "dataset saved with save_to_disk, or a hub dataset (NAME or NAME:CONFIG)",
                              section="data")
@@ -192,7 +192,7 @@ class Config:
                                   "(0: stop at the first)")
     eval_interval: int = flag(200, "evaluate on the val split every N steps (0: only at checkpoints and the end)")
     eval_batches: int = flag(10, "batches per rank in each evaluation")
-    eval_tasks: str = flag(None, "lm-evaluation-harness tasks (comma-separated, as python -m minimal_fsdp.evaluate "
+    eval_tasks: str = flag(None, "lm-evaluation-harness tasks (comma-separated, as python -m minimal_fsdp.eval.evaluate "
                                  "--tasks) run on the live model every --eval_tasks_interval steps and at the end; "
                                  "scores go to the log, metrics.jsonl and TensorBoard (docs/evaluate.md)")
     eval_tasks_interval: int = flag(0, "steps between --eval_tasks evaluations (0: only at the end)")

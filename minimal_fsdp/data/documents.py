@@ -10,8 +10,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from .config import ConfigError
-from .tokenizer import reachable
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.data.tokenizer import reachable
 
 OPENWEBTEXT = "Skylion007/openwebtext"
 TEXT_SUFFIXES = (".txt", ".jsonl")

@@ -1,8 +1,8 @@
 """Documents -> train.bin, val.bin (flat token memmaps), meta.json and the tokenizer's files.
 
-    python -m minimal_fsdp.data prepare --dataset openwebtext --tokenizer gpt2 --val_fraction 0.0005
-    python -m minimal_fsdp.data prepare --dataset text --input_file my_docs/ --tokenizer gpt2
-    python -m minimal_fsdp.data prepare --dataset hf --input_file ./saved_dataset --tokenizer sentencepiece --vocab_size 8000
+    python -m minimal_fsdp.data.tokens prepare --dataset openwebtext --tokenizer gpt2 --val_fraction 0.0005
+    python -m minimal_fsdp.data.tokens prepare --dataset text --input_file my_docs/ --tokenizer gpt2
+    python -m minimal_fsdp.data.tokens prepare --dataset hf --input_file ./saved_dataset --tokenizer sentencepiece --vocab_size 8000
     python basic_training.py --dataset_path data/openwebtext/gpt2 ...
 
 Each document is tokenized and followed by the end-of-text token, in source order; a document goes to val.bin
@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .config import ConfigError, one_line_errors
-from .documents import OPENWEBTEXT, SEPARATOR_TEXT, FileDocuments, encode_document, is_val, open_documents
-from .files import write_atomic
-from .tokenizer import TOKENIZER_KINDS, load_tokenizer, train_tokenizer
+from minimal_fsdp.config.flags import ConfigError, one_line_errors
+from minimal_fsdp.data.documents import OPENWEBTEXT, SEPARATOR_TEXT, FileDocuments, encode_document, is_val, open_documents
+from minimal_fsdp.files import write_atomic
+from minimal_fsdp.data.tokenizer import TOKENIZER_KINDS, load_tokenizer, train_tokenizer
 
-SHIPPED_SHAKESPEARE = Path(__file__).resolve().parents[1] / "data" / "shakespeare" / "input.txt"
+SHIPPED_SHAKESPEARE = Path(__file__).resolve().parents[2] / "data" / "shakespeare" / "input.txt"
 SENTENCEPIECE_SAMPLE_CHARS = 20_000_000  # BPE merges are learned from the first this many characters of train
 BATCH_DOCUMENTS = 256  # documents per task sent to a tokenizing worker
 
@@ -207,7 +207,7 @@ def _tokenize(documents, directory, dtype, num_proc):
 # the command line
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.data",
+    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.data.tokens",
                                      description="Prepare token bins for basic_training.py --dataset_path.")
     commands = parser.add_subparsers(dest="command", required=True)
     # The flags are basic_training.py's, with its names and defaults.

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import environment
-from .config import ConfigError
-from .documents import encode_document, is_val, open_documents
-from .tokenizer import load_tokenizer, train_tokenizer
+from minimal_fsdp.launch import environment
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.data.documents import encode_document, is_val, open_documents
+from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
 
 
 class TokenStream:
@@ -188,7 +188,7 @@ class StreamingData:
         share = "raise --val_fraction" if split == "val" else "lower --val_fraction"
         what = (f"{split} documents for rank {rank} of {world} (rank r streams documents r, r + {world}, ..., and "
                 f"--val_fraction {fraction} of them are val): {share}, add documents, or run on fewer ranks; or "
-                "prepare the data with python -m minimal_fsdp.data prepare, which fills every rank from one file")
+                "prepare the data with python -m minimal_fsdp.data.tokens prepare, which fills every rank from one file")
         return TokenStream(self.documents, self.tokenizer, select, position, what)
 
     def check(self, seq_length, vocab_size):

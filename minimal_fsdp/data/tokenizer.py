@@ -22,9 +22,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .files import write_atomic
+from minimal_fsdp.files import write_atomic
 # The tokenizers of other projects' files, and what all tokenizers share (re-exported: callers import them here).
-from .tokenizer_files import (LLAMA3_PATTERN, HFTokenizer, TiktokenCalls, TiktokenTokenizer,  # noqa: F401
+from minimal_fsdp.data.tokenizer_files import (LLAMA3_PATTERN, HFTokenizer, TiktokenCalls, TiktokenTokenizer,  # noqa: F401
                               TokenizerError, _byte_level_bpe, _digest, _llama3_tokenizer, _looks_like_tiktoken,
                               _write_json, special_tokens)
 

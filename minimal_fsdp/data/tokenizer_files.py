@@ -9,8 +9,8 @@ import json
 import os
 from pathlib import Path
 
-from .choices import ConfigError
-from .files import write_atomic
+from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.files import write_atomic
 
 # End-of-text tokens to look for when no tokenizer_config.json or config.json names one.
 EOS_GUESSES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")

@@ -1,6 +1,6 @@
 """Prepared token memmaps (train.bin, val.bin, meta.json) and the sampler that reads batches from them.
 
-`python -m minimal_fsdp.data prepare ...` prepares a dataset ahead of training (prepare.py); training prepares
+`python -m minimal_fsdp.data.tokens prepare ...` prepares a dataset ahead of training (prepare.py); training prepares
 Shakespeare or one --input_file itself on first use (prepared_dir).
 """
 import functools
@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError
-from .documents import open_documents
-from .prepare import check_prepared, output_dir, prepare_bins, shakespeare_documents
-from .tokenizer import load_tokenizer
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.data.documents import open_documents
+from minimal_fsdp.data.prepare import check_prepared, output_dir, prepare_bins, shakespeare_documents
+from minimal_fsdp.data.tokenizer import load_tokenizer
 
 TOKEN_DTYPES = ("uint16", "uint32")
 
@@ -33,12 +33,12 @@ def dataset_dir(cfg, tokenizer=None):
 def prepared_dir(cfg, tokenizer=None):
     """The prepared dataset's directory, tokenizing the text into flat memmaps on first use.
     Uses `tokenizer` if given, else builds the --tokenizer kind from the text. Runs on rank 0 only
-    (big datasets: prepare them ahead with `python -m minimal_fsdp.data prepare`)."""
+    (big datasets: prepare them ahead with `python -m minimal_fsdp.data.tokens prepare`)."""
     out = dataset_dir(cfg, tokenizer)
     if cfg.dataset_path:
         if (out / "meta.json").exists():
             return str(out)
-        raise ConfigError(f"--dataset_path {out} has no meta.json: prepare it first (python -m minimal_fsdp.data "
+        raise ConfigError(f"--dataset_path {out} has no meta.json: prepare it first (python -m minimal_fsdp.data.tokens "
                           f"prepare --dataset text --input_file SOURCE --output {out}), or add --streaming to read "
                           "a .jsonl/Hugging Face dataset directly")
     if cfg.dataset == "shakespeare":
@@ -176,5 +176,5 @@ class TokenData:
 
 
 if __name__ == "__main__":
-    from .prepare import main
+    from minimal_fsdp.data.prepare import main
     main()

@@ -1,12 +1,12 @@
 """Benchmarks on a trained model: EleutherAI's lm-evaluation-harness with our model as its backend, straight from a
 checkpoint sharded over the ranks (no export, no rank ever holds the whole model). pip install 'minimal_fsdp[eval]'.
 
-    python -m minimal_fsdp.evaluate checkpoints/shakespeare --tasks tiny_mc,tiny_ppl --include_path tests/data/eval
-    mpiexec -n 4 python -m minimal_fsdp.evaluate checkpoints/run/best --tasks hellaswag arc_easy --batch_size 16 \\
+    python -m minimal_fsdp.eval.evaluate checkpoints/shakespeare --tasks tiny_mc,tiny_ppl --include_path tests/data/eval
+    mpiexec -n 4 python -m minimal_fsdp.eval.evaluate checkpoints/run/best --tasks hellaswag arc_easy --batch_size 16 \\
         --precision bf16 --output_path results/
-    python -m minimal_fsdp.evaluate ~/models/Llama-3.2-1B --tasks lambada_openai --limit 200
+    python -m minimal_fsdp.eval.evaluate ~/models/Llama-3.2-1B --tasks lambada_openai --limit 200
 
-The source is anything python -m minimal_fsdp.sample reads (a checkpoint, a run directory, an export, a Hugging
+The source is anything python -m minimal_fsdp.inference.sample reads (a checkpoint, a run directory, an export, a Hugging
 Face model directory), laid out over the ranks as sample.py lays it out (--sharding). The flags named as lm_eval's
 own mean what they mean there. Offline unless HF_DATASETS_OFFLINE / HF_HUB_OFFLINE say otherwise: tasks read
 local data files or the Hugging Face datasets cache (docs/evaluate.md). Prints the harness's results table;
@@ -23,12 +23,13 @@ from pathlib import Path
 
 import torch
 
-from . import best_metric, environment
-from .choices import SHARDING
-from .config import Config, ConfigError, validate, validate_world
-from .failures import MainRankFailed
-from .plan import make_plan
-from .sample import describe, load_model, open_source, source_tokenizer
+from minimal_fsdp.checkpoint import best as best_metric
+from minimal_fsdp.launch import environment
+from minimal_fsdp.config.choices import SHARDING
+from minimal_fsdp.config.flags import Config, ConfigError, validate, validate_world
+from minimal_fsdp.launch.failures import MainRankFailed
+from minimal_fsdp.parallel.plan import make_plan
+from minimal_fsdp.inference.sample import describe, load_model, open_source, source_tokenizer
 
 
 def go_offline():
@@ -161,7 +162,7 @@ class TrainingTasks:
             raise ConfigError("--eval_tasks needs the data's tokenizer, which this device's data does not hold")
         go_offline()
         harness()
-        from .evaluate_lm import ShardedLM
+        from minimal_fsdp.eval.lm import ShardedLM
         loaded = {}
 
         def load():  # rank 0's Task objects stay on rank 0; the direction of --best_metric goes to every rank
@@ -226,9 +227,9 @@ def _limit(limit):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.evaluate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.eval.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("source", help="a checkpoint (step_<N>, a run directory, its latest/best marker), an "
-                                       "export (python -m minimal_fsdp.export), or a Hugging Face model directory")
+                                       "export (python -m minimal_fsdp.hf.export), or a Hugging Face model directory")
     parser.add_argument("--tasks", nargs="+", required=True,
                         help="lm_eval task, group or tag names (or YAML files), separated by commas or spaces")
     parser.add_argument("--include_path", help="a folder of your own YAML tasks (lm_eval's format)")
@@ -262,7 +263,7 @@ def main(argv=None):
             raise ConfigError("--log_samples writes files: give --output_path too")
         validate(cfg)
         harness()
-        from .evaluate_lm import ShardedLM
+        from minimal_fsdp.eval.lm import ShardedLM
         env = environment.setup(cfg)
         validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)  # --shard_group_size
         loaded = {}  # rank 0's Task objects stay on rank 0 (run_on_main would send a result to every rank)

@@ -21,9 +21,9 @@ from lm_eval.api.model import TemplateLM
 from torch.nn.attention import sdpa_kernel
 from tqdm import tqdm
 
-from .config import ConfigError
-from .failures import MainRankFailed
-from .generate import DECODE_ATTENTION
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.launch.failures import MainRankFailed
+from minimal_fsdp.inference.generate import DECODE_ATTENTION
 
 PAD = 0  # the id right-padding takes; its positions are never scored
 COMMAND_TOKENS = 1 << 22  # rows sent to the ranks at once: bounds the pickles and host memory of one broadcast

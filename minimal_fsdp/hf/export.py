@@ -1,11 +1,11 @@
 """A checkpoint -> one consolidated model.safetensors plus config.json and the tokenizer, for inference and sharing.
 
-    python -m minimal_fsdp.export checkpoints/shakespeare/step_600 exported/
-    python -m minimal_fsdp.export checkpoints/shakespeare exported/ --dtype bf16    # the run's newest
-    python -m minimal_fsdp.export checkpoints/shakespeare/best exported/ --format hf
+    python -m minimal_fsdp.hf.export checkpoints/shakespeare/step_600 exported/
+    python -m minimal_fsdp.hf.export checkpoints/shakespeare exported/ --dtype bf16    # the run's newest
+    python -m minimal_fsdp.hf.export checkpoints/shakespeare/best exported/ --format hf
 
 --format safetensors keeps our parameter names, config.json is our model config, and the tokenizer files are
-the checkpoint's (python -m minimal_fsdp.sample reads it back). --format hf writes what transformers'
+the checkpoint's (python -m minimal_fsdp.inference.sample reads it back). --format hf writes what transformers'
 AutoModelForCausalLM and AutoTokenizer read (see hf_write.py), which --hf_model also reads.
 
 Runs in one CPU process with no process group and no GPU. Each tensor is read from the DCP shards and
@@ -18,9 +18,12 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint_find, checkpoint_meta, hf_write, safe_load
-from .config import ConfigError, one_line_errors
-from .tokenizer import has_tokenizer, load_tokenizer
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.hf import write as hf_write
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.config.flags import ConfigError, one_line_errors
+from minimal_fsdp.data.tokenizer import has_tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 
@@ -65,7 +68,7 @@ def export(ckpt, out, dtype=None, fmt="safetensors"):
 
 @one_line_errors
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.export", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.hf.export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a step_<N> directory, a run's `latest`/`best` marker, or a run directory")
     parser.add_argument("out", help="directory for model.safetensors, config.json and the tokenizer's files")
     parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as saved)")

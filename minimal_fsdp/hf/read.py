@@ -24,11 +24,11 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 
-from . import tokenizer as tk
-from .checkpoint_meta import MODEL_BOUNDS, PLAIN_NAME, model_problem
-from .config import ConfigError
-from .models import MODELS, config_from_dict
-from .safe_load import open_regular, read_json
+from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.checkpoint.meta import MODEL_BOUNDS, PLAIN_NAME, model_problem
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.models.families import MODELS, config_from_dict
+from minimal_fsdp.checkpoint.safe_load import open_regular, read_json
 
 CONFIG_MAX_BYTES = 16 * 2**20  # config.json is a few KB
 INDEX_MAX_BYTES = 64 * 2**20  # an index names each tensor once: a few MB for the largest models

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError
-from .files import write_atomic
-from .hf import hf_names, is_transposed
-from .hf_tokenizer import PROBE, hf_tokenizer
-from .models import config_from_dict
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.files import write_atomic
+from minimal_fsdp.hf.read import hf_names, is_transposed
+from minimal_fsdp.hf.tokenizer import PROBE, hf_tokenizer
+from minimal_fsdp.models.families import config_from_dict
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",

@@ -1,10 +1,10 @@
 """Text from a trained model: a checkpoint, an export, or a Hugging Face model directory.
 
-    python -m minimal_fsdp.sample checkpoints/shakespeare --prompt "ROMEO:"        # the run's newest checkpoint
-    python -m minimal_fsdp.sample checkpoints/shakespeare/best --temperature 0      # greedy, from the best one
-    python -m minimal_fsdp.sample exported/ --prompt "Once upon a time" --top_k 20  # an export, either --format
-    python -m minimal_fsdp.sample ~/models/Llama-3.2-1B --prompt "The capital of France is" --num_tokens 20
-    mpiexec -n 4 python -m minimal_fsdp.sample ~/models/Llama-2-13b-hf --precision bf16   # sharded over 4 GPUs
+    python -m minimal_fsdp.inference.sample checkpoints/shakespeare --prompt "ROMEO:"        # the run's newest checkpoint
+    python -m minimal_fsdp.inference.sample checkpoints/shakespeare/best --temperature 0      # greedy, from the best one
+    python -m minimal_fsdp.inference.sample exported/ --prompt "Once upon a time" --top_k 20  # an export, either --format
+    python -m minimal_fsdp.inference.sample ~/models/Llama-3.2-1B --prompt "The capital of France is" --num_tokens 20
+    mpiexec -n 4 python -m minimal_fsdp.inference.sample ~/models/Llama-2-13b-hf --precision bf16   # sharded over 4 GPUs
 
 One process on the CPU or one GPU; under mpiexec (or torchrun, srun) the model is sharded over the ranks with
 FSDP2, as in training. The tokenizer is the one the source carries. The text goes to stdout, what was loaded
@@ -17,13 +17,17 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, checkpoint_find, checkpoint_meta, environment, hf
-from .config import Config, ConfigError, validate
-from .generate import generate
-from .models import MODELS, config_from_dict
-from .parallelize import build_model
-from .plan import make_plan
-from .tokenizer import load_tokenizer
+from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.launch import environment
+from minimal_fsdp.hf import read as hf
+from minimal_fsdp.config.flags import Config, ConfigError, validate
+from minimal_fsdp.inference.generate import generate
+from minimal_fsdp.models.families import MODELS, config_from_dict
+from minimal_fsdp.parallel.parallelize import build_model
+from minimal_fsdp.parallel.plan import make_plan
+from minimal_fsdp.data.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -133,9 +137,9 @@ def describe(source, model, tokenizer, env):
 
 def build_parser():
     defaults = Config()
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.sample", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.inference.sample", description=__doc__.split("\n")[0])
     parser.add_argument("source", help="a checkpoint (step_<N>, a run directory, its latest/best marker), an "
-                                       "export (python -m minimal_fsdp.export), or a Hugging Face model directory")
+                                       "export (python -m minimal_fsdp.hf.export), or a Hugging Face model directory")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, a fresh document)")
     parser.add_argument("--num_tokens", type=int, default=defaults.num_tokens, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=defaults.temperature, help="0: greedy")

@@ -9,8 +9,8 @@ import os
 import re
 import socket
 
-from . import failures
-from .config import ConfigError
+from minimal_fsdp.launch import failures
+from minimal_fsdp.config.flags import ConfigError
 
 # Variables that MPI launchers set in every rank: MPICH/Hydra, Open MPI, PMIx, Cray PALS.
 MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "PMI_SIZE")

@@ -19,8 +19,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import discovery, failures, hosts, rendezvous
-from .failures import MainRankFailed, exit_on_error, run_on_main  # noqa: F401  (the names callers use)
+from minimal_fsdp.launch import discovery
+from minimal_fsdp.launch import failures
+from minimal_fsdp.launch import hosts
+from minimal_fsdp.launch import rendezvous
+from minimal_fsdp.launch.failures import MainRankFailed, exit_on_error, run_on_main  # noqa: F401  (the names callers use)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .config import ConfigError
+from minimal_fsdp.config.flags import ConfigError
 
 SIOCGIFADDR, SIOCGIFNETMASK = 0x8915, 0x891B  # <linux/sockios.h>: the IPv4 address and netmask of an interface
 # NCCL over TCP (hosts without InfiniBand or an OFI plugin, which ignore these): NCCL's defaults, one thread with one

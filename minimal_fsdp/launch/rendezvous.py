@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from . import failures, hosts
-from .config import ConfigError
-from .discovery import first_host, int_variable
+from minimal_fsdp.launch import failures
+from minimal_fsdp.launch import hosts
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.launch.discovery import first_host, int_variable
 
 TOKEN_KEY = "minimal_fsdp/launch_token"
 REACH_SECONDS = 30  # how long a rank tries to reach rank 0's store address before it says it cannot

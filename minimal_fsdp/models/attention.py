@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from .choices import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 
 try:  # torch 2.10 and later; torch 2.9 (the one torch_xla's last release runs on) has no varlen attention
     from torch.nn.attention.varlen import varlen_attn

@@ -4,7 +4,7 @@ models themselves (model.GPT, llama.Llama) carry these classes as `config_class`
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from .choices import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 
 
 def config_fields(config):

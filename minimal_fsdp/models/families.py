@@ -6,11 +6,11 @@ as "model_type".
 """
 import dataclasses
 
-from .attention import cuda_kernel
-from .config import ConfigError, model_family
-from .llama import Llama
-from .model import GPT
-from .model_configs import check_shape
+from minimal_fsdp.models.attention import cuda_kernel
+from minimal_fsdp.config.flags import ConfigError, model_family
+from minimal_fsdp.models.llama import Llama
+from minimal_fsdp.models.gpt import GPT
+from minimal_fsdp.models.configs import check_shape
 
 MODELS = {"gpt": GPT, "llama": Llama}
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import Decoder, attend, cross_entropy
-from .model_configs import GPTConfig
+from minimal_fsdp.models.layers import Decoder, attend, cross_entropy
+from minimal_fsdp.models.configs import GPTConfig
 
 
 # The OpenAI GPT-2 shapes (vocab 50257, 1024 positions) and a tiny one that trains on a laptop CPU.

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import attend_documents, document_mask
+from minimal_fsdp.models.attention import attend_documents, document_mask
 
 _document_mask_outside_graphs = torch.compiler.disable(document_mask)
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import Decoder, attend, cross_entropy
-from .model_configs import LlamaConfig
+from minimal_fsdp.models.layers import Decoder, attend, cross_entropy
+from minimal_fsdp.models.configs import LlamaConfig
 
 
 # Llama 3.1's rotary scaling (its config.json's rope_scaling; Meta's reference code applies it to Llama 3.1 8B).

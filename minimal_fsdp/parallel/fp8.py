@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .choices import FP8_RECIPES as RECIPES  # noqa: F401 (--fp8_recipe's choices)
-from .choices import ConfigError
+from minimal_fsdp.config.choices import FP8_RECIPES as RECIPES  # noqa: F401 (--fp8_recipe's choices)
+from minimal_fsdp.config.choices import ConfigError
 
 MIN_FEATURES = 256
 # model.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never run its forward.

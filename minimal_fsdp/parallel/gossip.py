@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .choices import TOPOLOGIES  # --topology's choices, there for config.py to read without torch
+from minimal_fsdp.config.choices import TOPOLOGIES  # --topology's choices, there for config.py to read without torch
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from . import fp8
-from .attention import KEPT_BY_SELECTIVE_RECOMPUTE
-from .gossip import Gossip
-from .layers import KVCache
-from .whole_unit import WholeUnit
+from minimal_fsdp.parallel import fp8
+from minimal_fsdp.models.attention import KEPT_BY_SELECTIVE_RECOMPUTE
+from minimal_fsdp.parallel.gossip import Gossip
+from minimal_fsdp.models.layers import KVCache
+from minimal_fsdp.parallel.whole_unit import WholeUnit
 
 aten = torch.ops.aten
 # --recompute selective keeps what is costly to recompute (matmuls, attention) and recomputes the cheap,
@@ -243,7 +243,7 @@ def build_model(model_cls, model_config, plan, env, seed):
         model.trunk = compiled_unless_caching(model.trunk, "reduce-overhead" if plan.cuda_graphs else None)
     if env.device.type == "cuda":
         # One Triton kernel turns the logits into the loss and, in place, their gradient (fused_loss.py).
-        from .fused_loss import linear_cross_entropy
+        from minimal_fsdp.models.fused_loss import linear_cross_entropy
         model.loss = linear_cross_entropy
     elif plan.compile:
         # Compiled, the fp32 upcast, log-softmax and its backward fuse into a few passes over the logits

@@ -25,8 +25,8 @@ import dataclasses
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from . import fp8
-from .choices import GRAPHS_MODEL, SMALL_MODEL, ConfigError
+from minimal_fsdp.parallel import fp8
+from minimal_fsdp.config.choices import GRAPHS_MODEL, SMALL_MODEL, ConfigError
 
 STRATEGIES = ("local", "ddp", "one-unit", "fsdp-whole", "fsdp-block", "gossip")
 FSDP2 = ("fsdp-whole", "fsdp-block")  # the strategies where FSDP2's fully_shard wraps the model
@@ -121,7 +121,7 @@ class ParallelPlan:
 def count_params(model_config):
     """Every parameter of the model this config describes, counted once (as model.num_params(non_embedding=False)),
     from one block built on the meta device: no memory, no weights."""
-    from .models import MODELS  # models -> config: not at the top, so the choices never wait on the models
+    from minimal_fsdp.models.families import MODELS  # models -> config: not at the top, so the choices never wait on the models
     with torch.device("meta"):
         model = MODELS[model_config.model_type](dataclasses.replace(model_config, num_layers=1))
     per_block = sum(p.numel() for p in model.blocks[0].parameters())

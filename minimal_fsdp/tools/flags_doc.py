@@ -1,17 +1,17 @@
 """Writes docs/flags.md, the flag reference, from the `Config` dataclass, so the document cannot drift from the
-code: `python -m minimal_fsdp.flags_doc [PATH]`, run in a checkout. tests/test_flags_doc.py fails when the
+code: `python -m minimal_fsdp.tools.flags_doc [PATH]`, run in a checkout. tests/test_flags_doc.py fails when the
 committed file is stale.
 """
 import dataclasses
 import sys
 from pathlib import Path
 
-from .config import SECTIONS, Config
+from minimal_fsdp.config.flags import SECTIONS, Config
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
-REGENERATE = "python -m minimal_fsdp.flags_doc"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
+REGENERATE = "python -m minimal_fsdp.tools.flags_doc"
 
-INTRO = f"""<!-- Generated from minimal_fsdp/config.py by `{REGENERATE}`; edit there, not here. -->
+INTRO = f"""<!-- Generated from minimal_fsdp/config/flags.py by `{REGENERATE}`; edit there, not here. -->
 # Flags
 
 Every flag of `basic_training.py`, with its type, default and choices; `python basic_training.py --help`

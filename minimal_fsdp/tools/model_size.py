@@ -2,9 +2,9 @@
 memory of every sharding strategy x activation checkpointing (none, full, selective) x CPU offload; with
 --inter_node_gbps, each strategy's step time and tokens/s across hosts too (step_time.py).
 
-    python -m minimal_fsdp.model_size --model_preset llama2-70b --gpus 16 --gpus_per_node 4 \\
+    python -m minimal_fsdp.tools.model_size --model_preset llama2-70b --gpus 16 --gpus_per_node 4 \\
         --gpu_memory 40GB --seq_length 4096 --batch_size 1
-    python -m minimal_fsdp.model_size --model_preset gpt2 --vocab_size 50304 --batch_size 32 --precision bf16 \\
+    python -m minimal_fsdp.tools.model_size --model_preset gpt2 --vocab_size 50304 --batch_size 32 --precision bf16 \\
         --gpus 4 --gpus_per_node 2 --gpu_type H200 --inter_node_gbps 10
 
 The estimate is analytic: every term below is a tensor that FSDP2, autograd or AdamW keeps alive at the
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from . import fp8
-from .config import MODEL_PRESETS, ConfigError, model_family, one_line_errors
-from .hf import read_config as read_hf_config
-from .models import MODELS, make_config
-from .choices import FSDP_UNITS, REDUCE_PRECISION, SHARDING, TOPOLOGIES
-from .plan import layout, strategy
-from .step_time import CARDS, print_step_times
+from minimal_fsdp.parallel import fp8
+from minimal_fsdp.config.flags import MODEL_PRESETS, ConfigError, model_family, one_line_errors
+from minimal_fsdp.hf.read import read_config as read_hf_config
+from minimal_fsdp.models.families import MODELS, make_config
+from minimal_fsdp.config.choices import FSDP_UNITS, REDUCE_PRECISION, SHARDING, TOPOLOGIES
+from minimal_fsdp.parallel.plan import layout, strategy
+from minimal_fsdp.tools.step_time import CARDS, print_step_times
 
 GiB = 2**30
 # A GPU "fits" when the estimate leaves this fraction free for the CUDA context, cuBLAS/NCCL workspaces and
@@ -210,7 +210,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    p = _Parser(prog="python -m minimal_fsdp.model_size", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m minimal_fsdp.tools.model_size", description=__doc__.split("\n\n")[0])
     p.add_argument("--model_preset", default="tiny", choices=sorted({n for v in MODEL_PRESETS.values() for n in v}))
     p.add_argument("--model", choices=tuple(MODEL_PRESETS), help="default: the family of --model_preset")
     p.add_argument("--hf_model", help="plan for a local Hugging Face GPT-2 or Llama directory (its config.json)")

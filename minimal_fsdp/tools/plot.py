@@ -1,8 +1,8 @@
 """A run's loss curves as a PNG, from its metrics.jsonl; several runs on one plot to compare them:
 
-    python -m minimal_fsdp.plot logs/shakespeare              # writes logs/shakespeare/loss.png
-    python -m minimal_fsdp.plot logs/shakespeare --out a.png
-    python -m minimal_fsdp.plot logs/bf16 logs/fp8 --out bf16_vs_fp8.png   # default: logs/loss.png
+    python -m minimal_fsdp.tools.plot logs/shakespeare              # writes logs/shakespeare/loss.png
+    python -m minimal_fsdp.tools.plot logs/shakespeare --out a.png
+    python -m minimal_fsdp.tools.plot logs/bf16 logs/fp8 --out bf16_vs_fp8.png   # default: logs/loss.png
 
 Needs matplotlib (pip install matplotlib, or pip install -e ".[plot]"); TensorBoard shows the same curves live.
 """
@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .config import ConfigError, one_line_errors
+from minimal_fsdp.config.flags import ConfigError, one_line_errors
 
 
 def read_metrics(run_dir):
@@ -61,7 +61,7 @@ def plot(run_dirs, out=None):
 
 @one_line_errors
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.plot", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.tools.plot", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", nargs="+", help="a run's log directory, <log_dir>/<run_name>; several to compare")
     parser.add_argument("--out", help="PNG to write (default: <run_dir>/loss.png; several runs: <log_dir>/loss.png)")
     args = parser.parse_args(argv)

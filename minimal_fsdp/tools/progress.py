@@ -1,4 +1,4 @@
-"""How far a run has trained, answered without importing torch: `python -m minimal_fsdp.progress [the run's
+"""How far a run has trained, answered without importing torch: `python -m minimal_fsdp.tools.progress [the run's
 training flags]` prints "STEP LAST_STEP" of the run's newest complete checkpoint ("0 none" without one). The PBS
 and SLURM job chains ask it twice a job (is the run done? did this job get anywhere?); importing torch made each
 question take 5 s on a 2-core machine (10 s under load), against 0.2 s without.
@@ -17,9 +17,9 @@ import errno
 import sys
 from pathlib import Path
 
-from .checkpoint_dirs import candidates, files_problem, skipping
-from .checkpoint_meta import MetaError, check_run_keys, read_meta
-from .config import one_line_errors, parse_args
+from minimal_fsdp.checkpoint.dirs import candidates, files_problem, skipping
+from minimal_fsdp.checkpoint.meta import MetaError, check_run_keys, read_meta
+from minimal_fsdp.config.flags import one_line_errors, parse_args
 
 
 def problem(path):
@@ -32,7 +32,7 @@ def problem(path):
     except OSError as e:
         return "meta.json is missing or unreadable" + ("" if e.errno == errno.ENOENT else f" ({e.strerror})"), None
     if not meta.get("files"):  # saved before meta.json listed its files: only verify can tell, with torch
-        from .checkpoint_find import verify
+        from minimal_fsdp.checkpoint.find import verify
         return verify(path, checksums=False), meta
     return files_problem(path, meta["files"], read=lambda name: not name.endswith(".distcp")), meta
 

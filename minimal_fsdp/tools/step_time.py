@@ -1,5 +1,5 @@
 """How long a training step takes across hosts, per strategy: the planner's estimate (`python -m
-minimal_fsdp.model_size --inter_node_gbps G`) from the model's FLOPs, one GPU's measured throughput and the bytes
+minimal_fsdp.tools.model_size --inter_node_gbps G`) from the model's FLOPs, one GPU's measured throughput and the bytes
 each strategy sends over each host's link per step.
 
 The model, in three parts (docs/performance.md sets it beside the measured steps):
@@ -16,9 +16,9 @@ Ranks are placed host by host (rank r on host r // gpus_per_host), as the launch
 import dataclasses
 import statistics
 
-from .gossip import exchange_for, exp_distances
-from .metrics import PEAK_FLOPS
-from .plan import layout, strategy
+from minimal_fsdp.parallel.gossip import exchange_for, exp_distances
+from minimal_fsdp.metrics import PEAK_FLOPS
+from minimal_fsdp.parallel.plan import layout, strategy
 
 # Of the bytes a shaped link passes, the TCP payload: 1448 of each 1500-byte frame (IP and TCP headers with
 # timestamps). One TCP stream measured 9.71 Gbit/s through a 10 Gbit/s tbf and 0.96 through 1 (96-97%).
@@ -143,7 +143,7 @@ def achieved_flops(gpu_type, mfu, compile, precision):
 
 
 def print_step_times(args, config, sizes, per_host, shard_group, strategies):
-    """The table `python -m minimal_fsdp.model_size --inter_node_gbps G` adds below the memory table."""
+    """The table `python -m minimal_fsdp.tools.model_size --inter_node_gbps G` adds below the memory table."""
     flops, mfu = achieved_flops(args.gpu_type, args.mfu, args.compile, args.precision)
     tokens_per_gpu = args.batch_size * args.grad_accum_steps * config.seq_length
     per_token = flops_per_token(sizes, config)

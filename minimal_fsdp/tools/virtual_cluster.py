@@ -8,10 +8,10 @@ its own, so the machine's own network is never touched. Built with pyroute2 (pur
 on GPU machines that lack it); needs root. Everything is torn down when the `with` block or the command ends, on
 failure and Ctrl-C too; the namespaces of a cluster whose owner was killed are swept at the next start.
 
-    python -m minimal_fsdp.virtual_cluster job --hosts 2 -- bash pbs/train_multi_node.sh
-    python -m minimal_fsdp.virtual_cluster job --hosts 2 --rate 10gbit --delay 1ms -- \\
+    python -m minimal_fsdp.tools.virtual_cluster job --hosts 2 -- bash pbs/train_multi_node.sh
+    python -m minimal_fsdp.tools.virtual_cluster job --hosts 2 --rate 10gbit --delay 1ms -- \\
         mpiexec -n 4 -ppn 2 -hosts node0,node1 python basic_training.py --sharding hybrid-full-shard
-    python -m minimal_fsdp.virtual_cluster job --hosts 2 -- bash       # a shell on node0; `ssh node1 hostname`
+    python -m minimal_fsdp.tools.virtual_cluster job --hosts 2 -- bash       # a shell on node0; `ssh node1 hostname`
 
 `job` runs its command on the first host, as a batch script runs on a job's first node, with PBS_NODEFILE, a
 hostfile and a stand-in for ssh (first in PATH, and named to Hydra and Open MPI) that enters the named host.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 NETNS_DIR = Path("/var/run/netns")
 ETC_NETNS = Path("/etc/netns")  # where `ip netns exec` finds a namespace's own /etc/hosts too
-PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 # tbf's rate is a 32-bit count of bytes/s (pyroute2 sends no 64-bit rate): faster links stay unshaped.
@@ -186,11 +186,11 @@ class Cluster:
         (self.dir / "bin").mkdir(exist_ok=True)
         self.ssh = self.dir / "bin" / "ssh"
         self.ssh.write_text(
-            "#!/bin/sh\n# ssh to a virtual host (minimal_fsdp.virtual_cluster): options skipped, command run by sh\n"
+            "#!/bin/sh\n# ssh to a virtual host (minimal_fsdp.tools.virtual_cluster): options skipped, command run by sh\n"
             'while [ $# -gt 0 ]; do case "$1" in -[bcDEeFIiJLlmOopQRSWw]) shift 2;; -*) shift;; *) break;; esac; done\n'
             'host=$1; shift\n'
             f'PYTHONPATH="{PACKAGE_PARENT}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" -m '
-            f'minimal_fsdp.virtual_cluster exec --state "{self.dir}" "$host" -- sh -c "$*"\n')
+            f'minimal_fsdp.tools.virtual_cluster exec --state "{self.dir}" "$host" -- sh -c "$*"\n')
         self.ssh.chmod(0o755)
 
     def nodefile(self, slots=1):
@@ -208,7 +208,7 @@ class Cluster:
 
     def command(self, name, argv):
         """argv as run on host `name`."""
-        return [sys.executable, "-m", "minimal_fsdp.virtual_cluster", "exec", "--state", str(self.dir), name, "--",
+        return [sys.executable, "-m", "minimal_fsdp.tools.virtual_cluster", "exec", "--state", str(self.dir), name, "--",
                 *map(str, argv)]
 
     def run(self, name, argv, env=None, **popen):
@@ -326,7 +326,7 @@ def sweep():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.virtual_cluster",
+    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.tools.virtual_cluster",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
