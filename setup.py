@@ -16,7 +16,7 @@ setup(
         # MPI from wheels: no compiler or system MPI needed (on a cluster, build mpi4py against the system MPI).
         "mpi": ["mpi4py>=4", "mpich"],
         "wandb": ["wandb"],  # --wandb
-        "plot": ["matplotlib"],  # python -m minimal_fsdp.plot
+        "plot": ["matplotlib"],  # python -m minimal_fsdp.tools.plot
         # --precision fp8: float8 training is pure Python on torch._scaled_mm. 0.16 is the oldest release that works
         # with torch 2.11's functional collectives; 0.17.0 is built for torch 2.11 (and runs the CPU tests on 2.13).
         # No upper bound, so that newer torch can take the newer torchao it needs.
@@ -34,12 +34,12 @@ setup(
         # Mutation testing on demand (python tests/mutation.py): pinned, as tests/mutation.py patches one of its
         # internals to mutate functions decorated with torch.no_grad() and lru_cache too.
         "mutation": ["mutmut==3.8.1"],
-        # python -m minimal_fsdp.evaluate and --eval_tasks: EleutherAI's lm-evaluation-harness (0.4.13's TaskManager).
+        # python -m minimal_fsdp.eval.evaluate and --eval_tasks: EleutherAI's lm-evaluation-harness (0.4.13's TaskManager).
         "eval": ["lm-eval>=0.4.13,<0.5"],
-        # python -m minimal_fsdp.virtual_cluster and tests/test_multihost*.py: hosts as network namespaces, made
+        # python -m minimal_fsdp.tools.virtual_cluster and tests/test_multihost*.py: hosts as network namespaces, made
         # through netlink in pure Python (no iproute2 needed); they need root.
         "cluster": ["pyroute2"],
-        # matplotlib and wandb: without them the tests of `minimal_fsdp.plot` and of --wandb (offline) skip.
+        # matplotlib and wandb: without them the tests of `minimal_fsdp.tools.plot` and of --wandb (offline) skip.
         "dev": ["mpi4py>=4", "mpich", "pytest", "pyyaml", "transformers", "huggingface_hub", "datasets",
                 "torchao>=0.16", "pyroute2", "matplotlib", "wandb",
                 "lm-eval[hf]>=0.4.13,<0.5"],  # [hf]: the tests compare with the harness's own transformers backend
