@@ -1,7 +1,7 @@
 """Benchmarks on a trained model: EleutherAI's lm-evaluation-harness with our model as its backend, straight from a
 checkpoint sharded over the ranks (no export, no rank ever holds the whole model). pip install 'minimal_fsdp[eval]'.
 
-    python -m minimal_fsdp.eval.evaluate checkpoints/shakespeare --tasks tiny_mc,tiny_ppl --include_path tests/data/eval
+    python -m minimal_fsdp.eval.evaluate checkpoints/shakespeare --tasks tiny_mc,tiny_ppl --include_path configs/eval
     mpiexec -n 4 python -m minimal_fsdp.eval.evaluate checkpoints/run/best --tasks hellaswag arc_easy --batch_size 16 \\
         --precision bf16 --output_path results/
     python -m minimal_fsdp.eval.evaluate ~/models/Llama-3.2-1B --tasks lambada_openai --limit 200

@@ -1,5 +1,5 @@
 """python -m minimal_fsdp.eval.evaluate (evaluate.py, evaluate_lm.py) and --eval_tasks. On the local tasks in
-tests/data/eval (multiple choice; perplexity in rolling windows; generation), our backend on a checkpoint loaded
+configs/eval (multiple choice; perplexity in rolling windows; generation), our backend on a checkpoint loaded
 over 1, 2 and 4 ranks gives the scores of the harness's own Hugging Face backend (lm_eval --model hf) on the same
 checkpoint exported with python -m minimal_fsdp.hf.export --format hf: every log-likelihood within 1e-4 relative,
 accuracies, greedy flags and generated text identical, for a GPT-2-shape and a Llama-shape model. Offline
@@ -21,7 +21,7 @@ from minimal_fsdp.hf import export
 
 lm_eval = pytest.importorskip("lm_eval")  # pip install -e '.[dev]' installs it
 
-DATA = ROOT / "tests" / "data" / "eval"
+DATA = ROOT / "configs" / "eval"
 TASKS = ["tiny_mc", "tiny_ppl", "tiny_gen"]
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 # Two shapes: GPT with a 64-token context, Llama (grouped-query, rotary) with 32, so that prompts are truncated and
@@ -199,7 +199,7 @@ def test_eval_tasks_during_training_score_the_live_model(trained):
 def write_task(folder, name, base="tiny_mc", data=None, **overrides):
     """A copy of a shipped task under another name, its data path absolute (or `data`), some fields changed."""
     text = (DATA / f"{base}.yaml").read_text().replace(f"task: {base}", f"task: {name}")
-    text = text.replace("tests/data/eval/tiny_mc.jsonl", data or str(DATA / "tiny_mc.jsonl"))
+    text = text.replace("configs/eval/tiny_mc.jsonl", data or str(DATA / "tiny_mc.jsonl"))
     for key, value in overrides.items():
         text = text.replace(f"  {key}: ", f"  {key}: {value}  # was ")
     folder.mkdir(exist_ok=True)

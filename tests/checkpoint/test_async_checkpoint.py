@@ -244,7 +244,7 @@ time.sleep(600)
 
 def test_the_writer_process_dies_with_its_rank(tmp_path):
     rank = subprocess.Popen([sys.executable, "-c", RANK_WITH_A_WRITER], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]),
                                      MINIMAL_FSDP_ASYNC_WRITER="process"))
     try:
         line = rank.stdout.readline()

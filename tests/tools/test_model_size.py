@@ -591,7 +591,7 @@ def test_cli_step_time_errors_name_the_flag():
 def test_the_plots_results_file_holds_the_measured_steps():
     """benchmarks/plot_strategies.py plots benchmarks/multihost_h200.jsonl (multihost.py's format): the same runs,
     the sixteenth session's (one socket) and the twenty-first's (a later row of a setting supersedes)."""
-    lines = (Path(__file__).resolve().parents[1] / "benchmarks" / "multihost_h200.jsonl").read_text().splitlines()
+    lines = (Path(__file__).resolve().parents[2] / "benchmarks" / "multihost_h200.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     first = {(r["gbps_set"], r["strategy"]): r["step_ms"] for r in rows if r["commit"] == "d11c69d"}
     assert first == {(float(g), s): ms for g, s, ms in MEASURED_ACROSS_HOSTS}
@@ -604,7 +604,7 @@ def test_the_plots_results_file_holds_the_measured_steps():
 
 def test_the_one_gpu_a_host_results_file_holds_the_measured_steps():
     """docs/strategies-2x1.svg is drawn from benchmarks/multihost_h200_2x1.jsonl: the runs the tests above check."""
-    lines = (Path(__file__).resolve().parents[1] / "benchmarks" / "multihost_h200_2x1.jsonl").read_text().splitlines()
+    lines = (Path(__file__).resolve().parents[2] / "benchmarks" / "multihost_h200_2x1.jsonl").read_text().splitlines()
     runs = {(r["model"], r["gbps_set"], r["strategy"]): r["step_ms"] for r in map(json.loads, lines)
             if r.get("log_interval", 1) == 1}  # logging every step, as the runs above; a later run supersedes
     assert all(runs[("gpt2", float(g), s)] == ms for g, s, ms in MEASURED_2X1)
@@ -616,7 +616,7 @@ def test_the_plot_draws_the_planners_estimate():
     """benchmarks/plot_strategies.py's lines are the planner's numbers for the runs' setting (the drawing itself
     needs matplotlib, an optional dependency)."""
     spec = importlib.util.spec_from_file_location(
-        "plot_strategies", Path(__file__).resolve().parents[1] / "benchmarks" / "plot_strategies.py")
+        "plot_strategies", Path(__file__).resolve().parents[2] / "benchmarks" / "plot_strategies.py")
     plot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot)
     args = SimpleNamespace(model="gpt2", gpu_type="H200", compile=False, log_interval=1)

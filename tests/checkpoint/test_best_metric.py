@@ -12,7 +12,7 @@ from minimal_fsdp.checkpoint import best as best_metric
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.config.flags import Config, ConfigError
 
-DATA = ROOT / "tests" / "data" / "eval"
+DATA = ROOT / "configs" / "eval"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -102,7 +102,7 @@ def anti_task(folder):
             nonsense = " " + " ".join("".join(rng.choices("zqxvjk", k=3)) for _ in range(2))
             f.write(json.dumps({"question": question, "choices": [real, nonsense], "answer": 1}) + "\n")
     text = (DATA / "tiny_mc.yaml").read_text().replace("task: tiny_mc", "task: anti")
-    (folder / "anti.yaml").write_text(text.replace("tests/data/eval/tiny_mc.jsonl", str(folder / "anti.jsonl")))
+    (folder / "anti.yaml").write_text(text.replace("configs/eval/tiny_mc.jsonl", str(folder / "anti.jsonl")))
 
 
 def scores_by_step(logs, key):

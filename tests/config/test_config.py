@@ -121,7 +121,7 @@ def _entry(*args):
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     probe = ("import runpy, sys; sys.argv = ['basic_training.py', *sys.argv[1:]]\n"
              "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
              "finally:\n    print('TORCH' if 'torch' in sys.modules else 'NO TORCH', file=sys.stderr)")
