@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
-from minimal_fsdp.eval.evaluate import TrainingTasks
+from minimal_fsdp.eval.harness import TrainingTasks
 from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
 from minimal_fsdp.launch.resilience import NonFiniteGuard
 from minimal_fsdp.parallel.whole_unit import LocalAdamW
