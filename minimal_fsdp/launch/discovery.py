@@ -119,7 +119,7 @@ def _discover_torchrun(env):
                           f"torchrun to split among PET_NPROC_PER_NODE={env['PET_NPROC_PER_NODE']} processes: "
                           "start basic_training.py with torchrun (see k8s/pytorchjob.yaml)")
     world = int_variable(env, "WORLD_SIZE")
-    local_world = int_variable(env, "LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+    local_world = _torchrun_local_world(env, world)
     if world > 1:
         try:  # torch would retry an unknown name until its timeout, then end in tracebacks
             socket.getaddrinfo(env["MASTER_ADDR"], None)
@@ -128,6 +128,21 @@ def _discover_torchrun(env):
                               "to an address of rank 0's node that every node can reach") from None
     rank, local_rank = int_variable(env, "RANK"), int_variable(env, "LOCAL_RANK", "0")
     return rank, world, local_rank, local_world, max(1, world // local_world)
+
+
+def _torchrun_local_world(env, world):
+    """Ranks on this node: LOCAL_WORLD_SIZE (torchrun's); without it, a PyTorchJob pod's PET_NPROC_PER_NODE, or
+    the world over PET_NNODES; never the whole world, which would put every pod on one node (one process per pod
+    would count as one node of WORLD_SIZE ranks, and hybrid sharding would shard across the pods)."""
+    if "LOCAL_WORLD_SIZE" in env:
+        return int_variable(env, "LOCAL_WORLD_SIZE")
+    if env.get("PET_NPROC_PER_NODE", "").isdigit():
+        return int_variable(env, "PET_NPROC_PER_NODE")
+    if "PET_NNODES" in env:
+        nodes = int_variable(env, "PET_NNODES")
+        if nodes > 0 and world % nodes == 0:
+            return world // nodes
+    return world
 
 
 def _discover_srun(env):

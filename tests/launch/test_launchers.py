@@ -232,6 +232,16 @@ def test_pod_level_world_without_torchrun_is_refused(fake_env):
     assert discovered() == (1, 8, 2, 4, 2, "torchrun")
 
 
+def test_one_process_per_pod_is_one_node_each(fake_env):
+    """A PyTorchJob with one process per pod and no LOCAL_WORLD_SIZE: each pod is a node of one rank (the local
+    world used to default to WORLD_SIZE: one node of 2, both ranks local rank 0 of 2)."""
+    fake_env.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="23456", PET_NNODES="2",
+                    PET_NPROC_PER_NODE="1")
+    assert discovered() == (1, 2, 0, 1, 2, "torchrun")
+    del fake_env["PET_NPROC_PER_NODE"]  # the node count alone says the same
+    assert discovered() == (1, 2, 0, 1, 2, "torchrun")
+
+
 def test_a_literal_launcher_reference_is_one_line(fake_env):
     fake_env.update(RANK="0", WORLD_SIZE="$(PET_NNODES)", MASTER_ADDR="master-0", LOCAL_RANK="0")
     with pytest.raises(ConfigError, match=r"WORLD_SIZE='\$\(PET_NNODES\)' is not a number"):
