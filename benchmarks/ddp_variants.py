@@ -1,7 +1,7 @@
 """throughput.py's row for no-shard under DDP (`--fsdp_unit block`: a model this small is otherwise whole_unit.py's
-unit, fifteenth session) under one of DDP's own settings, to see which of them moves a small model's step. DDP_VARIANT names them, joined by "_": noopt (torch._dynamo.config.optimize_ddp off: the compiled
+unit) under one of DDP's own settings, to see which of them moves a small model's step. DDP_VARIANT names them, joined by "_": noopt (torch._dynamo.config.optimize_ddp off: the compiled
 model is not split at DDP's bucket boundaries; the product's own setting where DDP replays graphs), copies
-(gradient_as_bucket_view off, as before the twelfth session), onebucket (one 200 MB bucket), static (static_graph),
+(gradient_as_bucket_view off, as DDP's default), onebucket (one 200 MB bucket), static (static_graph),
 graphs (CUDA graphs forced on, as --cuda_graphs: under no-shard and full-shard's one unit, whole_unit.py, the size
 rule already turns them on for this model; under FSDP2's units the product keeps them off), ca
 (compiled autograd with DDP's Python reducer: the whole backward, DDP's all-reduces included, traced into one graph,

@@ -27,7 +27,7 @@ fp8_setup() {  # torchao for --precision fp8, from the wheel carried in .whl/ (d
 }
 
 fresh() {  # remove this script's own runs NAME... of an earlier call on this machine: a run of the same name would
-  # resume from their checkpoints (twelfth session: call 5 trained nothing, resumed at call 4's last step)
+  # resume from their checkpoints (a call that reuses a name trains nothing and resumes at the last call's step)
   for name; do rm -rf "logs/$name" "checkpoints/$name"; done
 }
 
@@ -53,7 +53,7 @@ throughput)
   done ;;
 gossip)
   # Needs 4 GPUs: NCCL gossip against the mixing matrices, then step time and bytes sent per step of every
-  # topology against all-reduce (GPT-2 124M, bf16); the table rows are printed for benchmarks/LOG.md.
+  # topology against all-reduce (GPT-2 124M, bf16); the table rows are printed for benchmarks/results/LOG.md.
   timeout ${GOSSIP_TIMEOUT:-900} python3 -m pytest -m gpu tests/test_decentralized.py -q -s -p no:cacheprovider 2>&1 \
     | tee "$OUT/gossip.log" | grep -E '^\||passed|failed|Error' ;;
 scaling)
@@ -199,7 +199,7 @@ PY
 recipe_s_scaling)
   # Target 2: recipe S on 1, 2 and 4 GPUs, batch 64 per GPU, full-shard and no-shard, then with --cuda_graphs
   # (one GPU, no-shard): the step time should stay within 10% of one GPU's. SCALING_REPEATS rounds through the
-  # variants (the multi-GPU step swung between calls: 6.75 and 8.61 ms, twelfth session); SCALING_MPI_ARGS adds
+  # variants (the multi-GPU step can swing between calls: 6.75 and 8.61 ms on one machine); SCALING_MPI_ARGS adds
   # mpiexec options (--bind-to ...); SCALING_TREES runs each variant from each tree (another commit's checkout
   # carried along, as profile_loop's .ref/old) for a before/after within one call.
   gpus=$(nvidia-smi -L | wc -l)
@@ -354,8 +354,8 @@ llama3_8b)
   # H200 fp8 ran 1.8-4.6% faster as grad-shard (no backward all-gather, no second cast of each weight) at +6 GB a GPU.
   b=${LLAMA3_BATCH:-1}; sh=${LLAMA3_SHARDING:-full-shard}; rc=${LLAMA3_RECOMPUTE:-selective}
   ckpt="--activation_checkpoints --recompute $rc"; [ $rc = none ] && ckpt=""
-  # LLAMA3_ARGS: more flags, e.g. "--reduce_precision bf16" (+0.8-1.5% on 2x H200). Fastest on 4x H200 (twenty-sixth
-  # session): LLAMA3_SHARDING=grad-shard LLAMA3_RECOMPUTE=none LLAMA3_BATCH=3 (fp8 ~15,000; bf16 at batch 2: 10,867).
+  # LLAMA3_ARGS: more flags, e.g. "--reduce_precision bf16" (+0.8-1.5% on 2x H200). Fastest on 4x H200:
+  # LLAMA3_SHARDING=grad-shard LLAMA3_RECOMPUTE=none LLAMA3_BATCH=3 (fp8 ~15,000; bf16 at batch 2: 10,867).
   B="python3 benchmarks/throughput.py --model_preset llama3-8b --compile --meta_init $ckpt --sharding $sh --batch_size $b --warmup ${LLAMA3_WARMUP:-4} --steps ${LLAMA3_STEPS:-8} --out $OUT/llama3_8b.jsonl ${LLAMA3_ARGS:-}"
   for p in ${LLAMA3_PRECISIONS:-bf16 tensorwise rowwise}; do
     prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"

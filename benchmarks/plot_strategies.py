@@ -5,7 +5,7 @@ benchmarks/multihost.py (its JSON lines) as points and the planner's estimate (m
     python benchmarks/plot_strategies.py                                    # docs/strategies.svg from the H200 runs
     python benchmarks/plot_strategies.py --results multihost.jsonl --gpu_type H100 --out /tmp/strategies.svg
 
-benchmarks/multihost_h200.jsonl holds the runs of RESULTS.md's "Across hosts" rows (2 virtual hosts x 2 H200, GPT-2
+benchmarks/results/multihost_h200.jsonl holds the runs of RESULTS.md's "Across hosts" rows (2 virtual hosts x 2 H200, GPT-2
 124M, batch 32 per GPU, bf16, eager), written in multihost.py's format from the table there. The estimate takes
 the runs' setting: their hosts, GPUs per host and model, the card's eager MFU (--compile for compiled runs), and
 --log_interval 1 (multihost.py logs every step, which adds gossip's consensus all-reduce to each of its steps).
@@ -34,7 +34,7 @@ TBF_CEILING = 34  # Gbit/s: tbf's 32-bit rate tops out near here, so faster link
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", default=ROOT / "benchmarks" / "multihost_h200.jsonl", type=Path,
+    parser.add_argument("--results", default=ROOT / "benchmarks" / "results" / "multihost_h200.jsonl", type=Path,
                         help="multihost.py's JSON lines")
     parser.add_argument("--model", default="gpt2", choices=tuple(PLANNER_FLAGS))
     parser.add_argument("--gpu_type", default="H200", choices=tuple(step_time.CARDS))
