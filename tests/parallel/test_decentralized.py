@@ -226,7 +226,7 @@ def test_nccl_gossip_applies_mixing_matrices(nccl_result, topology):
 @pytest.mark.gpu
 @needs_four_gpus
 def test_gpu_benchmark_bytes_and_step_time(tmp_path):
-    """GPT-2 124M on 4 GPUs, all-reduce and every topology; the printed rows go to benchmarks/LOG.md."""
+    """GPT-2 124M on 4 GPUs, all-reduce and every topology; the printed rows go to benchmarks/results/LOG.md."""
     out = tmp_path / "gossip.jsonl"
     cmd = [mpiexec(), "-n", "4", sys.executable, str(ROOT / "benchmarks" / "gossip_bench.py"), "--model_preset",
            "gpt2", "--vocab_size", "50304", "--batch_size", "16", "--precision", "bf16", "--out", str(out)]

@@ -258,9 +258,9 @@ def test_the_planner_asks_the_plans_own_strategy(monkeypatch):
     assert plan_module.strategy(*asked[0]) == "ddp"  # float8 layers: DDP, not the one unit
 
 
-# benchmarks/RESULTS.md, twenty-second and twenty-third sessions: torch.cuda.max_memory_allocated (GB, 1e9 bytes) of
-# the 7B and 8B on 2x H200, compiled, meta init (benchmarks/throughput.py): (preset, batch, sharding, recompute,
-# precision, GB); fp8 is tensorwise.
+# benchmarks/results/RESULTS.md#fp8-2-gpus and #beside-nanogpt: torch.cuda.max_memory_allocated
+# (GB, 1e9 bytes) of the 7B and 8B on 2x H200, compiled, meta init (benchmarks/throughput.py): (preset,
+# batch, sharding, recompute, precision, GB); fp8 is tensorwise.
 MEASURED_PEAKS_2X_H200 = [
     ("llama3-8b", 1, "full-shard", "selective", "fp8", 79.6), ("llama3-8b", 1, "grad-shard", "selective", "fp8", 85.4),
     ("llama3-8b", 2, "full-shard", "selective", "fp8", 106.6), ("llama3-8b", 2, "grad-shard", "selective", "fp8", 112.5),
@@ -273,7 +273,7 @@ MEASURED_PEAKS_2X_H200 = [
     ("llama3-8b", 3, "full-shard", "selective", "bf16", 133.8), ("llama3-8b", 3, "grad-shard", "selective", "bf16", 146.5)]
 
 
-# The twenty-third session's on one H200: the 8B's shape cut to 8 blocks (2.8B parameters), T=8192, compiled (a world
+# On one H200 (#beside-nanogpt): the 8B's shape cut to 8 blocks (2.8B parameters), T=8192, compiled (a world
 # of one trains a plain module): (batch, recompute, precision, GB). Without recompute one sequence more cost 10.4 GB
 # in fp8, 13.4 GB in bf16.
 MEASURED_PEAKS_1X_H200 = [(2, "none", "bf16", 68.1), (1, "none", "bf16", 54.7), (2, "selective", "bf16", 56.0),
@@ -330,7 +330,7 @@ def test_only_compiled_tensorwise_fp8_saves_the_float8_inputs():
     assert e("bf16", True) == e("bf16", False)
 
 
-# benchmarks/RESULTS.md, "Across hosts, and checkpoint saves": the rows "GPT-2 124M, batch 32 per GPU, bf16, eager,
+# benchmarks/results/RESULTS.md#hosts-and-saves: the rows "GPT-2 124M, batch 32 per GPU, bf16, eager,
 # 2 hosts x 2 GPUs, link 10 Gbit/s" and "the same at 1 Gbit/s" (4x H200 as two virtual hosts, NCCL over TCP between
 # them, benchmarks/multihost.py, which logs every step: --log_interval 1). Median step, ms.
 MEASURED_ACROSS_HOSTS = [(10, "full-shard", 535.8), (10, "hybrid-full-shard", 487.4), (10, "no-shard", 492.2),
@@ -358,7 +358,7 @@ def test_step_time_within_25_percent_of_the_steps_measured_across_hosts(gbps, sh
     assert estimated.tokens_per_s == pytest.approx(4 * 32 * 1024 / estimated.step)
 
 
-# benchmarks/RESULTS.md, "2 hosts x 2 GPUs with NCCL's socket threads (twenty-first session)": the same machine's kind
+# benchmarks/results/RESULTS.md#hosts-2x2, "2 hosts x 2 GPUs with NCCL's socket threads": the same machine's kind
 # (4x H200 as two virtual hosts of two GPUs) with hosts.py's 2 threads of 4 sockets, the link set to 25, 10 and 1
 # Gbit/s (multihost.py, --log_interval 1; the 1-Gbit/s gossip run ended at its limit after 6 steps). Median step, ms.
 MEASURED_2X2 = [(25, "full-shard", 252.1), (25, "hybrid-full-shard", 235.2), (25, "no-shard", 237.6),
@@ -405,16 +405,16 @@ def test_the_1b_on_two_gpus_a_host_within_25_percent():
         assert 1000 * estimated.step == pytest.approx(measured_ms, rel=0.25)
 
 
-# benchmarks/RESULTS.md, "2 hosts x 1 GPU with NCCL's socket threads (twentieth session)": 2x H200 as two virtual
+# benchmarks/results/RESULTS.md#hosts-2x1, "2 hosts x 1 GPU with NCCL's socket threads": 2x H200 as two virtual
 # hosts of one GPU (benchmarks/multihost.py, --log_interval 1), NCCL over TCP with hosts.py's 2 threads of 4 sockets,
-# the link set to 25 and 10 Gbit/s; 1 Gbit/s from the nineteenth session (the link, not the sockets, bounds it; gossip
-# the twentieth's). Median step, ms. benchmarks/multihost_h200_2x1.jsonl holds the runs.
+# the link set to 25 and 10 Gbit/s; 1 Gbit/s from #regression (the link, not the sockets, bounds it; gossip
+# from #hosts-2x1). Median step, ms. benchmarks/results/multihost_h200_2x1.jsonl holds the runs.
 MEASURED_2X1 = [(25, "full-shard", 198.5), (25, "hybrid-full-shard", 234.1), (25, "no-shard", 236.5),
                 (25, "decentralized", 347.3), (10, "full-shard", 394.1), (10, "hybrid-full-shard", 483.4),
                 (10, "no-shard", 483.7), (10, "decentralized", 848.2), (1, "no-shard", 4240.0),
                 (1, "hybrid-full-shard", 4245.4), (1, "decentralized", 8424.2)]
 # The link unshaped: the veth carries what NCCL's 8 sockets push, 72.41 Gbit/s in link_probe.py's all-reduce
-# (benchmarks/link_probe_h200_2x1.jsonl; one TCP stream: 29.05); the planner is given that rate.
+# (benchmarks/results/link_probe_h200_2x1.jsonl; one TCP stream: 29.05); the planner is given that rate.
 MEASURED_2X1_UNSHAPED = [("full-shard", 113.4), ("hybrid-full-shard", 133.8), ("no-shard", 128.4),
                          ("decentralized", 149.0)]
 
@@ -447,7 +447,7 @@ def test_large_models_overlap_measured_within_25_percent():
         assert 1000 * estimated.step == pytest.approx(measured_ms, rel=0.25)
 
 
-# --reduce_precision bf16, 2 hosts x 1 H200 at 10 Gbit/s, eager (benchmarks/RESULTS.md, twenty-fourth session):
+# --reduce_precision bf16, 2 hosts x 1 H200 at 10 Gbit/s, eager (benchmarks/results/RESULTS.md#bf16-sums):
 # (model, sharding, strategy, reduce precision, measured ms); float32 beside each, in the same call
 MEASURED_REDUCE_2X1 = [("gpt2", "full-shard", "one-unit", "float32", 389.4),
                        ("gpt2", "full-shard", "one-unit", "bf16", 279.0),
@@ -588,10 +588,13 @@ def test_cli_step_time_errors_name_the_flag():
         model_size.main(["--precision", "bf16", "--inter_node_gbps", "0"])
 
 
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
 def test_the_plots_results_file_holds_the_measured_steps():
-    """benchmarks/plot_strategies.py plots benchmarks/multihost_h200.jsonl (multihost.py's format): the same runs,
-    the sixteenth session's (one socket) and the twenty-first's (a later row of a setting supersedes)."""
-    lines = (Path(__file__).resolve().parents[2] / "benchmarks" / "multihost_h200.jsonl").read_text().splitlines()
+    """benchmarks/plot_strategies.py plots benchmarks/results/multihost_h200.jsonl (multihost.py's format): the same
+    runs, the one-socket ones (d11c69d) and the later ones (bf6c615; a later row of a setting supersedes)."""
+    lines = (RESULTS / "multihost_h200.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     first = {(r["gbps_set"], r["strategy"]): r["step_ms"] for r in rows if r["commit"] == "d11c69d"}
     assert first == {(float(g), s): ms for g, s, ms in MEASURED_ACROSS_HOSTS}
@@ -603,8 +606,9 @@ def test_the_plots_results_file_holds_the_measured_steps():
 
 
 def test_the_one_gpu_a_host_results_file_holds_the_measured_steps():
-    """docs/strategies-2x1.svg is drawn from benchmarks/multihost_h200_2x1.jsonl: the runs the tests above check."""
-    lines = (Path(__file__).resolve().parents[2] / "benchmarks" / "multihost_h200_2x1.jsonl").read_text().splitlines()
+    """docs/strategies-2x1.svg is drawn from benchmarks/results/multihost_h200_2x1.jsonl: the runs the tests
+    above check."""
+    lines = (RESULTS / "multihost_h200_2x1.jsonl").read_text().splitlines()
     runs = {(r["model"], r["gbps_set"], r["strategy"]): r["step_ms"] for r in map(json.loads, lines)
             if r.get("log_interval", 1) == 1}  # logging every step, as the runs above; a later run supersedes
     assert all(runs[("gpt2", float(g), s)] == ms for g, s, ms in MEASURED_2X1)
