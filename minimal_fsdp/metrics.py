@@ -251,8 +251,8 @@ def allocator_retries(device):
     """How often the CUDA caching allocator found no room, freed its whole cache and asked the driver again (0 off
     CUDA). Each time the GPU stalls, and a run does not fail: it runs slower. The 8B at batch 4 (T=8192,
     grad-shard, selective recompute) peaked at 142.4 GB of an H200's 150 and ran at 7,005 tokens/s a GPU, where
-    full-shard at 136.4 GB ran 14,864 (benchmarks/LOG.md, twenty-sixth session), with nothing in its log (not profiled:
-    retries are the likely cause, and now the log would say)."""
+    full-shard at 136.4 GB ran 14,864, with nothing in its log (not profiled: retries are the likely cause, and
+    now the log would say)."""
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 

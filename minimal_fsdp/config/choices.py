@@ -18,8 +18,8 @@ DATA_PARALLEL = ("allreduce", "decentralized")
 FSDP_UNITS = ("auto", "block", "model")
 # --fsdp_unit auto: a model this small is one FSDP unit. Its step is bound by the host: FSDP2's hooks, gathers and
 # reduce-scatters per block, and a compiled graph per block, cost more than overlapping its brief communication
-# with compute saves (benchmarks/RESULTS.md, recipe S and GPT-2 124M on 2 H100), and gathering it whole costs
-# little memory.
+# with compute saves (recipe S and GPT-2 124M ran faster so on 2 H100s), and gathering it whole costs little
+# memory.
 SMALL_MODEL = 200_000_000
 # --cuda_graphs auto: a model this small replays its compiled graph as CUDA graphs where no FSDP hooks surround it
 # (one rank, DDP). Its step is the host launching kernels: recipe S (10.7M) took 9-12 ms a step compiled, 6.4 ms

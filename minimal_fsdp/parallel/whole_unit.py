@@ -14,8 +14,8 @@ its one collective is the all-reduce.
 Why not fully_shard on the root module (what this replaced for small models): FSDP2 frees the gathered parameters
 after backward and gathers the next step's at new addresses, so a compiled model cannot replay as CUDA graphs, and
 its per-step hooks, copy-outs and DTensor bookkeeping cost milliseconds of host time a small model's step cannot
-hide: on a small model FSDP2's step took about three times one GPU's, this unit's about one GPU's
-(benchmarks/RESULTS.md). Here the gathered parameters keep their addresses, and a step
+hide: on a small model FSDP2's step took about three times one GPU's, this unit's about one GPU's.
+Here the gathered parameters keep their addresses, and a step
 adds two collectives (three on hybrid meshes) and a few ops. The memory: FSDP2's one unit holds the gathered
 parameters through forward and backward too; between steps these stay, and so do the shards' fp32 gradients.
 """

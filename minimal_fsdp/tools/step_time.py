@@ -34,7 +34,7 @@ class Card:
     mfu_eager: float  # the same without --compile
 
 
-# Measured on one GPU (benchmarks/RESULTS.md and its log), GPT-2 124M at batch 32, 855.4 MFLOPs a token:
+# The planner's calibration, measured on one GPU: GPT-2 124M at batch 32, 855.4 MFLOPs a token:
 # H100 compiled 489,882 tok/s (42.4%), eager 347,827 tok/s (30.1%, measured before the fused loss);
 # H200 compiled 503-507K tok/s (43.7%); H200 eager was not measured at batch 32: the H100's (the same peak).
 # A larger model uses the GPU better (Llama-2-7B: 52%): give its MFU with --mfu.
