@@ -8,6 +8,7 @@ not the MPI ranks; only PMIx variables that srun's own plugin set (its namespace
 import os
 import re
 import socket
+import stat
 
 from minimal_fsdp.launch import failures
 from minimal_fsdp.config.flags import ConfigError
@@ -229,10 +230,22 @@ def _refuse_before_init(env, version):
         raise ConfigError(f"{named}: a PMIx launcher (Open MPI's mpirun or prterun) started this rank, but mpi4py's "
                           f"MPI ({_library(version)}) cannot speak PMIx and would abort in MPI_Init: start with that "
                           "MPI's own mpiexec, or use an mpi4py built for the launcher's MPI (see docs/launch.md)")
+    if "PMI_FD" in env and not _is_socket(env["PMI_FD"]):
+        raise ConfigError(f"PMI_FD={env['PMI_FD']} is not an open socket to an MPI launcher: this process was not "
+                          "started by mpiexec (the variable was copied or exported), and MPI_Init would abort; "
+                          "start it with mpiexec, or unset PMI_FD, PMI_RANK and PMI_SIZE")
     if "PALS_RANKID" in env and "PMI_SIZE" not in env:
         raise ConfigError(f"PALS_RANKID={env['PALS_RANKID']} but no PMI_SIZE: Cray's mpiexec sets both, so these "
                           "processes were not started by it as one job and the world size is unknown; start them "
                           "with mpiexec (see docs/launch.md)")
+
+
+def _is_socket(fd):
+    """Whether `fd` (a launcher variable's text) is an open socket of this process, as Hydra's PMI_FD is."""
+    try:
+        return stat.S_ISSOCK(os.fstat(int(fd)).st_mode)
+    except (ValueError, OSError):
+        return False
 
 
 # What launchers say about a rank, to check against MPI's own view: (variable, who sets it).

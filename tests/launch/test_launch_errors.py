@@ -216,6 +216,13 @@ def test_open_mpi_5_pmix_variables_with_an_mpich_mpi4py_say_so_before_mpi_init(t
                                                            "this rank, but mpi4py's MPI (MPICH")
 
 
+def test_a_pmi_fd_that_is_no_launchers_socket_is_one_line_before_mpi_init(tmp_path, corpus):
+    """Hydra's variables copied into processes it did not start: PMI_FD names no socket, and MPICH's MPI_Init
+    used to abort with its error stack and no `error:` line."""
+    ranks = [dict(PMI_FD="99", PMI_RANK=str(rank), PMI_SIZE="2") for rank in (0, 1)]
+    refused_alike(each_process(tmp_path, corpus, ranks), "PMI_FD=99 is not an open socket to an MPI launcher")
+
+
 @pytest.mark.slow
 def test_slurm_variables_that_describe_no_step_stop_every_task(tmp_path, corpus):
     """Tasks with srun's step variables but no SLURM_LOCALID would all take local rank 0 (on a GPU node, GPU 0);
