@@ -5,19 +5,20 @@ Every flag is a field of `Config`; its help text lives beside it, so `basic_trai
 and this file never disagree. A `--config run.toml` file sets the same names, grouped by each field's
 section; flags given on the command line override it.
 """
-import argparse
 import dataclasses
-import difflib
 import functools
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 # Nothing here imports torch: `basic_training.py --help` and a mistyped flag answer at once.
 from minimal_fsdp.config.choices import (DATA_PARALLEL, DEVICE, FP8_RECIPES, FSDP_UNITS, GRAPHS_MODEL, MODEL_PRESETS, PRECISION,
                       REDUCE_PRECISION, SHARDING, SMALL_MODEL, TOPOLOGIES, ConfigError)
 from minimal_fsdp.config.checks import model_family, parse_duration, validate, validate_world  # noqa: F401 (re-exported)
+from minimal_fsdp.config import parser
+from minimal_fsdp.config.parser import flag
 
 # The launchers' rank variables (environment.py reads the same ones), for printing a flag error once.
 RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
@@ -45,12 +46,15 @@ def one_line_errors(main):
     return run
 
 
-def flag(default, help, choices=None, section="train"):
-    return field(default=default, metadata={"help": help, "choices": choices, "section": section})
-
-
 @dataclass
 class Config:
+    PROG: ClassVar[str] = "minimal-fsdp train"
+    USAGE: ClassVar[str] = ("[mpiexec -n N] minimal-fsdp train [--config FILE.toml] [--FLAG VALUE ...]  "
+                            "(python basic_training.py: the same)")
+    DESCRIPTION: ClassVar[str] = ("Pre-train a GPT with FSDP2; launch with `mpiexec -n GPUS minimal-fsdp train`. "
+                                  "Each group below is a [section] of a --config TOML file; docs/flags.md has "
+                                  "the same list.")
+
     # launch
     config: str = flag(None, "TOML file of flag values, in sections as configs/*.toml; command-line flags "
                              "override it", section="launch")
@@ -238,6 +242,16 @@ class Config:
     temperature: float = flag(0.8, "sampling temperature (0: greedy)", section="generate")
     top_k: int = flag(50, "sample from the k most likely tokens (0: all)", section="generate")
 
+    def check(self, given):
+        """After parsing (config.parser.parse): --input_file alone means the text dataset; then validate.
+        `given`: the flags set by the file or the command line."""
+        if self.input_file and self.dataset == "shakespeare":  # --input_file says which data: the text dataset
+            if "dataset" in given:
+                raise ConfigError("--input_file is the file of --dataset text: drop --dataset shakespeare "
+                                  "(or drop --input_file to train on Shakespeare)")
+            self.dataset = "text"
+        validate(self)
+
     @property
     def generate_only(self):
         return self.max_epochs is not None and self.max_epochs < 0
@@ -247,133 +261,22 @@ class Config:
         return parse_duration(self.time_limit) if self.time_limit else None
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse exits with a usage dump on a bad flag; we want one line and the same exit path as other errors,
-    and a suggestion for a mistyped flag."""
-
-    def error(self, message):
-        raise ConfigError(message)
-
-    def parse_args(self, args=None, namespace=None):
-        namespace, extras = self.parse_known_args(args, namespace)
-        flags = [a.split("=", 1)[0] for a in extras if a.startswith("-")]
-        if not flags:
-            if extras:
-                self.error(f"unrecognized arguments: {' '.join(extras)} (flags start with --)")
-            return namespace
-        close = difflib.get_close_matches(flags[0], [o for o in self._option_string_actions if o.startswith("--")],
-                                          n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        self.error(f"unrecognized flag {flags[0]}{hint}; `python basic_training.py --help` lists them")
+def build_parser(prog=None, description=None):
+    """The training flags' parser (config.parser's, built from `Config`)."""
+    return parser.build_parser(Config, prog, description)
 
 
-def _help(f):
-    """The field's help with its default, as argparse prints it ('%' escaped); an unset default says nothing
-    (the help says what unset means)."""
-    text = f.metadata["help"].replace("%", "%%")
-    if f.default is None:
-        return text
-    default = ("on" if f.default else "off") if f.type is bool else str(f.default).replace("%", "%%")
-    return f"{text} (default: {default})"
-
-
-_METAVARS = {int: "N", float: "NUM", str: "TEXT"}
-
-
-def build_parser():
-    """Flags grouped by their section (the tables of a --config file), each with its default. Abbreviations
-    are refused: `--max_step 5` must not quietly mean --max_steps, nor break when a flag is added."""
-    parser = _Parser(
-        usage="[mpiexec -n N] python basic_training.py [--config FILE.toml] [--FLAG VALUE ...]",
-        description="Pre-train a GPT with FSDP2; launch with `mpiexec -n GPUS python basic_training.py`. "
-                    "Each group below is a [section] of a --config TOML file; docs/flags.md has the same list.",
-        allow_abbrev=False)
-    groups = {section: parser.add_argument_group(f"[{section}]") for section in SECTIONS}
-    for f in dataclasses.fields(Config):
-        group, name = groups[f.metadata["section"]], "--" + f.name
-        if f.type is bool:
-            group.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=_help(f))
-        else:
-            group.add_argument(name, type=f.type, default=f.default, choices=f.metadata["choices"], help=_help(f),
-                               metavar=None if f.metadata["choices"] else _METAVARS[f.type])
-    return parser
-
-
-def parse_args(argv=None):
-    """Defaults < --config file < command line. The command line is read twice: once for --config, then in
-    full with the file's values as the defaults."""
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    parser = build_parser()
-    config_file = parser.parse_known_args(argv)[0].config
-    file_values = load_config_file(config_file) if config_file else {}
-    parser.set_defaults(**file_values)
-    cfg = Config(**vars(parser.parse_args(argv)))
-    if cfg.input_file and cfg.dataset == "shakespeare":  # --input_file says which data: the text dataset
-        if "dataset" in file_values or any(a == "--dataset" or a.startswith("--dataset=") for a in argv):
-            raise ConfigError("--input_file is the file of --dataset text: drop --dataset shakespeare "
-                              "(or drop --input_file to train on Shakespeare)")
-        cfg.dataset = "text"
-    validate(cfg)
-    return cfg
-
-
-SECTIONS = tuple(dict.fromkeys(f.metadata["section"] for f in dataclasses.fields(Config)))
-_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _read_toml(path):
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python < 3.11
-        try:
-            import tomli as tomllib
-        except ModuleNotFoundError:
-            raise ConfigError("--config needs tomli on Python < 3.11: pip install tomli") from None
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"--config {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"--config {path} is not a UTF-8 text file (TOML)") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config {path}: {e}") from None
+def parse_args(argv=None, prog=None, description=None):
+    """Defaults < --config file < command line, validated (Config.check)."""
+    return parser.parse(Config, argv, prog, description)
 
 
 def load_config_file(path):
-    """{flag name: value} from a TOML file whose tables are Config's sections and whose keys are its flags.
-    Unknown or misplaced keys and wrong types are one-line errors that name section.key."""
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    values = {}
-    for section, table in _read_toml(path).items():
-        if not isinstance(table, dict):
-            home = fields[section].metadata["section"] if section in fields else None
-            where = f"put it under [{home}]" if home else "sections are " + ", ".join(SECTIONS)
-            raise ConfigError(f"--config {path}: '{section}' is outside any section; {where}")
-        if section not in SECTIONS:
-            raise ConfigError(f"--config {path}: unknown section [{section}]; sections are {', '.join(SECTIONS)}")
-        for key, value in table.items():
-            f = fields.get(key)
-            if f is None or key == "config":
-                close = difflib.get_close_matches(key, [n for n in fields if n != "config"], n=1)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                raise ConfigError(f"--config {path}: unknown key {section}.{key}{hint}")
-            if f.metadata["section"] != section:
-                raise ConfigError(f"--config {path}: {section}.{key} belongs in [{f.metadata['section']}]")
-            values[key] = _checked(f, value, f"--config {path}: {section}.{key}")
-    return values
+    """{flag name: value} from a training --config file (config.parser.load_config_file)."""
+    return parser.load_config_file(path, Config)
 
 
-def _checked(f, value, where):
-    ok = isinstance(value, f.type) and not (f.type is int and isinstance(value, bool))
-    if f.type is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True  # TOML writes 1 for 1.0
-    if not ok:
-        raise ConfigError(f"{where} must be {_TYPE_NAMES[f.type]} (got {value!r})")
-    choices = f.metadata["choices"]
-    if choices and value not in choices:
-        raise ConfigError(f"{where} must be one of {', '.join(choices)} (got {value!r})")
-    return value
+SECTIONS = parser.sections(Config)
 
 
 def to_toml(cfg):
