@@ -308,8 +308,7 @@ def banner(cfg, env, plan, model, resume_from=None, checkpointer=None):
     spread = f"sharded over {plan.shard_ranks}" if plan.shard_ranks > 1 else "a whole copy on every rank"
     layout = plan.describe() + (f", {plan.topology} topology" if plan.decentralized else "")
     lines = [
-        f"launch: {env.world_size} rank(s) = {env.num_nodes} node(s) x {env.local_world_size} rank(s)/node, "
-        f"started by {env.launcher}, {env.backend} on {env.device.type}; {layout}",
+        f"launch: {env.describe()}, started by {env.launcher}, {env.backend} on {env.device.type}; {layout}",
         f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of {where} per rank "
         f"({spread}; activations not included)",
         *([fp8.describe(plan, model)] if plan.fp8 else []),

@@ -57,7 +57,7 @@ def main(argv=None, cfg=None):
             raise
         waited = "waited longer than --collective_timeout" if "timed out" in detail.lower() else "failed"
         environment.exit_on_error(f"a collective {waited}: another rank or its host has died, hangs or cannot be "
-                                  f"reached ({detail[:120]})", 1)
+                                  f"reached ({environment.failures.clipped(detail)})", 1)
     except KeyboardInterrupt:  # Ctrl-C outside training (inside it, resilience.StopRequests saves and stops)
         environment.exit_on_error("interrupted (Ctrl-C) before or after training: nothing saved", 130)
 

@@ -177,6 +177,14 @@ def run_on_main(fn, *args):
     return outcome[0]
 
 
+def clipped(text, limit=160):
+    """`text` on one line, at most about `limit` characters, cut between words (with '...'), never inside one."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+
+
 def rank_hint():
     """This process's global rank, also before (or without) torch.distributed: for printing errors once."""
     if dist.is_initialized():

@@ -146,11 +146,26 @@ def check_shared_dir(directory, num_nodes):
     dist.all_gather_object(verdicts, (socket.gethostname(), seen))
     if dist.get_rank() == 0:
         path.unlink(missing_ok=True)
-    blind = sorted({host for host, ok in verdicts if not ok})
+    blind = blind_hosts(verdicts)
     if blind:
-        raise ConfigError(f"--checkpoint_dir {directory} is not shared by every host: {', '.join(blind)} cannot see "
-                          f"the file rank 0 wrote there (on {verdicts[0][0]}), so a checkpoint would be split over "
+        raise ConfigError(f"--checkpoint_dir {directory} is not shared by every host: {blind} cannot see the file "
+                          f"rank 0 wrote there (on {verdicts[0][0]}), so a checkpoint would be split over "
                           "node-local disks: put --checkpoint_dir on a file system every host mounts")
+
+
+def blind_hosts(verdicts):
+    """verdicts: every rank's (hostname, whether it saw rank 0's file). The hosts that did not see it, by name; a
+    name that ranks which did see it also carry (two hosts with one hostname) is told apart by its ranks."""
+    blind = sorted({host for host, ok in verdicts if not ok})
+    named = []
+    for host in blind:
+        if any(ok for other, ok in verdicts if other == host):
+            ranks = [str(rank) for rank, (other, ok) in enumerate(verdicts) if other == host and not ok]
+            word = "rank" if len(ranks) == 1 else "ranks"
+            named.append(f"{word} {', '.join(ranks)} on {host} (a hostname another host also has)")
+        else:
+            named.append(host)
+    return ", ".join(named)
 
 
 def _sees(path, text, seconds=5):

@@ -81,3 +81,12 @@ def test_shared_checkpoint_dir_probe_leaves_nothing_and_names_an_unwritable_dir(
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="--checkpoint_dir .*file/checkpoints: rank 0 cannot write there"):
         hosts.check_shared_dir(tmp_path / "file" / "checkpoints", num_nodes=2)
+
+
+def test_hosts_sharing_a_hostname_are_told_apart_by_their_ranks():
+    """Two hosts named node0: the one that cannot see rank 0's file is named by its ranks, not as node0 alone
+    (which read as 'node0 cannot see the file ... (on node0)')."""
+    verdicts = [("node0", True), ("node0", True), ("node0", False), ("node0", False), ("node1", False)]
+    assert hosts.blind_hosts(verdicts) == "ranks 2, 3 on node0 (a hostname another host also has), node1"
+    assert hosts.blind_hosts([("node0", True), ("node1", False)]) == "node1"
+    assert hosts.blind_hosts([("node0", True), ("node1", True)]) == ""

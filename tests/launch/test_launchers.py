@@ -376,3 +376,24 @@ def test_pmix_and_pals_variables_mpich_cannot_serve_are_refused_before_mpi_init(
     with pytest.raises(ConfigError, match="PALS_RANKID=1 but no PMI_SIZE"):
         discovery._refuse_before_init({"PALS_RANKID": "1", "PALS_LOCAL_RANKID": "1"}, mpich)
     discovery._refuse_before_init({"PALS_RANKID": "1", "PMI_SIZE": "4"}, mpich)
+
+
+def test_uneven_nodes_are_described_as_they_are():
+    """4 ranks laid out 2, 1, 1 used to read '4 rank(s) = 3 node(s) x 2 rank(s)/node'."""
+    def env(local_world_sizes, nodes):
+        return environment.DistEnv(0, len(local_world_sizes), 0, local_world_sizes[0], nodes, None, "gloo", "mpi",
+                                   local_world_sizes)
+    assert env((2, 2, 1, 1), 3).describe() == "4 rank(s) on 3 node(s) of 2, 1, 1 rank(s)"
+    assert env((2, 2, 2, 2), 2).describe() == "4 rank(s) = 2 node(s) x 2 rank(s)/node"
+
+
+def test_a_lost_peers_error_is_cut_between_words(monkeypatch):
+    """gloo's long message after a host died mid-save used to end mid-word ('...bugs in t)')."""
+    from minimal_fsdp import run
+    message = "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.77.0.2]:4242 " + "word " * 60
+    said = []
+    monkeypatch.setattr(run, "run", lambda cfg: (_ for _ in ()).throw(RuntimeError(message)))
+    monkeypatch.setattr(run.environment, "exit_on_error", lambda error, code: said.append((error, code)))
+    run.main(cfg=object())
+    (error, code), = said
+    assert code == 1 and error.endswith("word ...)") and "Connection closed by peer" in error
