@@ -1,12 +1,11 @@
 """Finding a checkpoint to load: the checks that a checkpoint is complete and undamaged (verify), the run's
 newest complete one, and the one a run starts from (find). The directories, markers and the order to try them
-in are checkpoint_dirs.py's. `python -m minimal_fsdp.checkpoint.checkpointer progress [training flags]` runs main() here: the
-job chains' question, answered with verify's cheap checks; they ask progress.py, which imports no torch."""
+in are checkpoint_dirs.py's. The job chains' question (how far a run is) is `minimal-fsdp progress`
+(tools/progress.py), answered without torch by fewer checks than verify's."""
 import dataclasses
 import errno
 import re
 import stat
-import sys
 from pathlib import Path
 
 import torch
@@ -190,19 +189,3 @@ def _cheaply_complete(cfg):
             skipping(path, problem)
     return found
 
-
-def main(argv=None):
-    """`python -m minimal_fsdp.checkpoint.checkpointer progress [training flags]` prints "STEP LAST_STEP" of the run's newest
-    checkpoint that passes verify's cheap checks ("0 none" without one). The job chains ask progress.py, which
-    answers the same without torch from fewer checks (it reads neither .metadata nor the RNG files)."""
-    from minimal_fsdp.config.flags import parse_args
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "progress":
-        sys.exit("usage: python -m minimal_fsdp.checkpoint.checkpointer progress [the run's training flags]")
-    cfg = parse_args(argv[1:])
-    path = newest_complete(Path(cfg.checkpoint_dir) / cfg.run_name, checksums=False)
-    if path is None:
-        print("0 none")
-        return
-    meta = read_meta(path)
-    print(meta["step"], meta["state"]["schedule"].get("last_step") or "none")
