@@ -9,6 +9,8 @@ setup(
     version="0.1.0",
     description="Pre-train GPT-2 and Llama-style models with PyTorch FSDP2, launched by mpiexec anywhere.",
     packages=find_packages(include=["minimal_fsdp", "minimal_fsdp.*"]),
+    # `minimal-fsdp COMMAND`: train, sample, evaluate, export, prepare, progress, plan, cluster, plot.
+    entry_points={"console_scripts": ["minimal-fsdp=minimal_fsdp.__main__:main"]},
     python_requires=">=3.10",
     # tomllib (for --config) is in the standard library from Python 3.11 on.
     install_requires=[r for r in requirements if r] + ['tomli>=1.1; python_version < "3.11"'],
@@ -16,7 +18,7 @@ setup(
         # MPI from wheels: no compiler or system MPI needed (on a cluster, build mpi4py against the system MPI).
         "mpi": ["mpi4py>=4", "mpich"],
         "wandb": ["wandb"],  # --wandb
-        "plot": ["matplotlib"],  # python -m minimal_fsdp.tools.plot
+        "plot": ["matplotlib"],  # minimal-fsdp plot
         # --precision fp8: float8 training is pure Python on torch._scaled_mm. 0.16 is the oldest release that works
         # with torch 2.11's functional collectives; 0.17.0 is built for torch 2.11 (and runs the CPU tests on 2.13).
         # No upper bound, so that newer torch can take the newer torchao it needs.
@@ -34,9 +36,9 @@ setup(
         # Mutation testing on demand (python tests/mutation.py): pinned, as tests/mutation.py patches one of its
         # internals to mutate functions decorated with torch.no_grad() and lru_cache too.
         "mutation": ["mutmut==3.8.1"],
-        # python -m minimal_fsdp.eval.evaluate and --eval_tasks: EleutherAI's lm-evaluation-harness (0.4.13's TaskManager).
+        # minimal-fsdp evaluate and --eval_tasks: EleutherAI's lm-evaluation-harness (0.4.13's TaskManager).
         "eval": ["lm-eval>=0.4.13,<0.5"],
-        # python -m minimal_fsdp.tools.virtual_cluster and tests/test_multihost*.py: hosts as network namespaces, made
+        # minimal-fsdp cluster and tests/multihost/test_multihost*.py: hosts as network namespaces, made
         # through netlink in pure Python (no iproute2 needed); they need root.
         "cluster": ["pyroute2"],
         # matplotlib and wandb: without them the tests of `minimal_fsdp.tools.plot` and of --wandb (offline) skip.

@@ -388,8 +388,3 @@ def load_replicas(path, model, optimizer=None):
     set_model_state_dict(model, state["replicas"][rank]["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["replicas"][rank]["optim"])
-
-
-if __name__ == "__main__":  # `python -m minimal_fsdp.checkpoint.checkpointer progress ...`, as the job scripts call it
-    from minimal_fsdp.checkpoint.find import main
-    main()

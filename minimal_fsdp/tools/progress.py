@@ -1,5 +1,5 @@
-"""How far a run has trained, answered without importing torch: `python -m minimal_fsdp.tools.progress [the run's
-training flags]` prints "STEP LAST_STEP" of the run's newest complete checkpoint ("0 none" without one). The PBS
+"""How far a run has trained, answered without importing torch: `minimal-fsdp progress [the run's training
+flags]` prints "STEP LAST_STEP" of the run's newest complete checkpoint ("0 none" without one). The PBS
 and SLURM job chains ask it twice a job (is the run done? did this job get anywhere?); importing torch made each
 question take 5 s on a 2-core machine (10 s under load), against 0.2 s without.
 
@@ -7,14 +7,13 @@ Complete here means, in the order resume tries the checkpoints: meta.json passes
 reads (checkpoint_meta, as verify reads it), every file it records is a regular file of the size recorded at
 save, and every file but the shards (.metadata, the RNG states, the tokenizer: small) has its recorded CRC-32.
 So a missing, truncated or damaged file is found, and a save that crashed before its rename is never a
-candidate. Weaker than checkpoint_find.verify, which resume runs: the shards' bytes are not read (nor were they
-by `checkpoint progress`: they are nearly all of a checkpoint), and DCP's .metadata, a pickle of torch classes
+candidate. Weaker than checkpoint_find.verify, which resume runs: the shards' bytes are not read (they are
+nearly all of a checkpoint), and DCP's .metadata, a pickle of torch classes
 that only safe_load's unpickler reads, is not unpickled, so a meta.json edited to describe another model than
 the shards hold is not noticed. A checkpoint damaged only that way is counted here, and the training run then
 skips it for an older one: docs/checkpoints.md says what that can do to a chain.
 """
 import errno
-import sys
 from pathlib import Path
 
 from minimal_fsdp.checkpoint.dirs import candidates, files_problem, skipping
@@ -48,14 +47,11 @@ def newest(run_dir):
 
 
 @one_line_errors
-def main(argv=None):
-    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv=None, cfg=None):
+    """The run's training flags (or a Config parsed already, by `minimal-fsdp progress`) -> "STEP LAST_STEP"."""
+    cfg = cfg or parse_args(argv, "minimal-fsdp progress")
     meta = newest(Path(cfg.checkpoint_dir) / cfg.run_name)
     if meta is None:
         print("0 none")
     else:
         print(meta["step"], meta["state"]["schedule"].get("last_step") or "none")
-
-
-if __name__ == "__main__":
-    main()
