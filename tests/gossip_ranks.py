@@ -1,4 +1,5 @@
-"""Run under mpiexec by test_gossip.py: real gossip steps between ranks (gloo on CPUs, NCCL on GPUs). Rank 0 writes what every rank
+"""Run under mpiexec by test_gossip.py: real gossip steps between ranks (gloo on CPUs, NCCL on GPUs), also with
+the ranks told they are on two hosts (4 ranks). Rank 0 writes what every rank
 held before and after each step, and consensus trajectories, as JSON to argv[1]; the test checks them."""
 import json
 import sys
@@ -33,10 +34,11 @@ def gathered(vector):
     return torch.stack(out).tolist()
 
 
-def mixing_steps(topology, rank, device):
-    """Before/after of STEPS gossip steps; the parameters are read through the model, not the flat buffer."""
+def mixing_steps(topology, rank, device, wire=torch.float32, hosts=None, bucket_mb=25):
+    """Before/after of STEPS gossip steps; the parameters are read through the model, not the flat buffer.
+    hosts: each host's ranks (None: found from the hostnames), as Gossip takes them."""
     model = Replica(seed=100 + rank).to(device)
-    gossip = Gossip(model, topology)
+    gossip = Gossip(model, topology, wire, hosts=hosts, bucket_mb=bucket_mb)
     steps = []
     for step in range(STEPS):
         before = gathered(model.vector())
@@ -52,7 +54,7 @@ def quadratic(topology, rank, lr, steps, device):
     order training uses: start the exchange, compute the gradient at x^t, finish (mix), step."""
     model = Replica(seed=200 + rank, dtype=torch.float64).to(device)
     target = Replica(seed=7, dtype=torch.float64).to(device)
-    gossip = Gossip(model, topology)
+    gossip = Gossip(model, topology, torch.float64)
     distances = [gossip.consensus_distance()]
     for step in range(steps):
         gossip.start(step)
@@ -71,6 +73,10 @@ def main():
                "mixing": {t: mixing_steps(t, env.rank, env.device) for t in TOPOLOGIES},
                "quadratic": {t: quadratic(t, env.rank, LR, 12, env.device) for t in ("ring", "exp")},
                "exp_no_lr": quadratic("exp", env.rank, 0.0, 4, env.device)}
+    if env.world_size == 4:  # two hosts of two ranks, told so: host-aware gossip over gloo's groups and a thread
+        hosts = [(0, 1), (2, 3)]
+        results["hosts"] = {f"{t} {wire}": mixing_steps(t, env.rank, env.device, getattr(torch, wire), hosts, 1e-5)
+                            for t in TOPOLOGIES for wire in ("float32", "bfloat16")}
     if env.is_main:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f)

@@ -10,6 +10,7 @@ import queue
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -166,14 +167,28 @@ class Receive:
 
 
 class ThreadWorld:
-    """torch.distributed as seen by `world` threads, thread i being rank i (only what gossip uses)."""
+    """torch.distributed as seen by `world` threads, thread i being rank i (only what gossip uses). Groups are
+    numbered by creation, as every rank makes them in one order; a thread a rank starts is that rank's too."""
     ReduceOp = torch.distributed.ReduceOp
 
     def __init__(self, world):
         self.world, self.local = world, threading.local()
-        self.barrier = threading.Barrier(world, timeout=WAIT)
-        self.slots = [None] * world
-        self.boxes = {(i, j): queue.Queue() for i in range(world) for j in range(world)}
+        self.lock = threading.Lock()
+        self.groups = {}  # key -> (barrier, slots)
+        self.made = [0] * world  # groups each rank has made
+        self.boxes = {}
+        self.default = ("world", tuple(range(world)))
+        fake = self
+
+        class RankThread(threading.Thread):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.rank = fake.local.rank
+
+            def run(self):
+                fake.local.rank = self.rank
+                super().run()
+        self.threading = types.SimpleNamespace(Thread=RankThread)
 
     def get_rank(self):
         return self.local.rank
@@ -181,36 +196,65 @@ class ThreadWorld:
     def get_world_size(self):
         return self.world
 
-    def _everyone(self, tensor):
-        """Every rank's tensor, once all have posted theirs."""
-        self.slots[self.local.rank] = tensor.clone()
-        self.barrier.wait()
-        tensors = list(self.slots)
-        self.barrier.wait()
-        return tensors
+    def new_group(self, ranks):
+        with self.lock:
+            self.made[self.local.rank] += 1
+            return (self.made[self.local.rank], tuple(ranks))
 
-    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+    def _state(self, group):
+        with self.lock:
+            if group not in self.groups:
+                self.groups[group] = (threading.Barrier(len(group[1]), timeout=WAIT), {})
+            return self.groups[group]
+
+    def _everyone(self, value, group=None):
+        """Every rank's value (a tensor, cloned), in the group's order, once all have posted theirs."""
+        group = group or self.default
+        barrier, slots = self._state(group)
+        slots[self.local.rank] = value.clone() if isinstance(value, torch.Tensor) else value
+        barrier.wait()
+        values = [slots[r] for r in group[1]]
+        barrier.wait()
+        return values
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM, group=None, async_op=False):
         assert op == self.ReduceOp.SUM, op  # the only one gossip uses
-        tensor.copy_(torch.stack(self._everyone(tensor)).sum(0))
+        tensor.copy_(torch.stack(self._everyone(tensor, group)).sum(0))
+        return Done() if async_op else None
+
+    def reduce_scatter_tensor(self, out, tensor, group=None, async_op=False):
+        total = torch.stack(self._everyone(tensor, group)).sum(0)
+        out.copy_(total.view(len((group or self.default)[1]), -1)[(group or self.default)[1].index(self.get_rank())])
+        return Done() if async_op else None
+
+    def all_gather_into_tensor(self, out, tensor, group=None, async_op=False):
+        out.copy_(torch.cat(self._everyone(tensor, group)))
         return Done() if async_op else None
 
     def all_gather(self, out, tensor):
         for o, t in zip(out, self._everyone(tensor)):
             o.copy_(t)
 
-    def isend(self, tensor, peer):
-        self.boxes[self.local.rank, peer].put(tensor.clone())
+    def all_gather_object(self, out, obj):
+        out[:] = self._everyone(obj)
+
+    def _box(self, group, src, dst):
+        with self.lock:
+            return self.boxes.setdefault((group or self.default, src, dst), queue.Queue())
+
+    def isend(self, tensor, peer, group=None):
+        self._box(group, self.local.rank, peer).put(tensor.clone())
         return Done()
 
-    def irecv(self, tensor, peer):
-        return Receive(self.boxes[peer, self.local.rank], tensor)
+    def irecv(self, tensor, peer, group=None):
+        return Receive(self._box(group, peer, self.local.rank), tensor)
 
     class P2POp:
-        def __init__(self, op, tensor, peer):
-            self.op, self.tensor, self.peer = op, tensor, peer
+        def __init__(self, op, tensor, peer, group=None):
+            self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
 
     def batch_isend_irecv(self, ops):
-        return [op.op(op.tensor, op.peer) for op in ops]
+        return [op.op(op.tensor, op.peer, op.group) for op in ops]
 
     def run(self, fn):
         """fn(rank) on every rank, each in its own thread; their results in rank order."""
@@ -222,7 +266,8 @@ class ThreadWorld:
                 results[rank] = fn(rank)
             except BaseException as e:  # noqa: B036 (reported below, in the test's thread)
                 errors.append(e)
-                self.barrier.abort()
+                for barrier, _ in list(self.groups.values()):
+                    barrier.abort()
         threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(self.world)]
         for t in threads:
             t.start()
@@ -238,6 +283,7 @@ def world(monkeypatch):
     def make(n):
         fake = ThreadWorld(n)
         monkeypatch.setattr(gossip, "dist", fake)
+        monkeypatch.setattr(gossip, "threading", fake.threading)
         monkeypatch.setattr(gossip_ranks, "dist", fake)
         return fake
     return make
@@ -378,3 +424,115 @@ def test_misuse_is_refused(world):
     with pytest.raises(ValueError, match="^unknown topology 'star'; choose from complete, ring, exp, "
                                          "alternating-exp-ring$"):
         gossip.exchange_for("star", 0, 4, 0)
+
+
+# Host-aware gossip: ranks of one machine told they are on several hosts (hosts=), every topology.
+LAYOUTS = {"1x1": [(0,)], "1x2": [(0, 1)], "2x1": [(0,), (1,)], "2x2": [(0, 1), (2, 3)],
+           "4x1": [(0,), (1,), (2,), (3,)], "4x2": [(0, 1), (2, 3), (4, 5), (6, 7)]}
+BF16_ROUNDING = 2.0 ** -8  # twice bf16's unit roundoff (2^-9): q(x_j) - x_j and q(x_i) - x_i, relative
+
+
+def host_matrix(topology, layout, step):
+    """W_t over ranks, written from gossip.py's docstring: the topology over hosts, each host's L replicas averaged
+    (hosts of contiguous ranks); one host, or one rank a host: the topology over ranks."""
+    hosts, per_host = len(layout), len(layout[0])
+    if hosts == 1 or per_host == 1:
+        return mixing_matrix(topology, hosts * per_host, step)
+    return torch.kron(mixing_matrix(topology, hosts, step),
+                      torch.full((per_host, per_host), 1 / per_host, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_host_aware_gossip_applies_its_matrix_and_keeps_the_average(world, name, wire):
+    layout = LAYOUTS[name]
+    fake = world(sum(map(len, layout)))
+    for topology in TOPOLOGIES:
+        # bucket_mb so small that the 17 numbers travel as several buckets of 2 (padding the last)
+        run = fake.run(lambda rank: gossip_ranks.mixing_steps(topology, rank, "cpu", getattr(torch, wire),
+                                                             layout, 1e-5))[0]
+        check_host_mixing(run, layout, topology, wire)
+
+
+def check_host_mixing(run, layout, topology, wire):
+    for step, record in enumerate(run["steps"]):
+        before = torch.tensor(record["before"], dtype=torch.float64)
+        after = torch.tensor(record["after"], dtype=torch.float64)
+        w = host_matrix(topology, layout, step)
+        torch.testing.assert_close(gossip.rank_mixing_matrix(topology, layout, step), w)
+        if wire == "float32" or topology != "complete":  # the network average, to fp32 rounding
+            torch.testing.assert_close(after.mean(0), before.mean(0), atol=1e-6, rtol=1e-6)
+        else:  # complete sums the bf16 vectors in bf16 (an all-reduce): the average moves by its rounding
+            assert (after.mean(0) - before.mean(0)).abs().max() <= BF16_ROUNDING * before.abs().max()
+        if wire == "float32":
+            torch.testing.assert_close(after, w @ before, atol=1e-6, rtol=1e-6)
+        else:  # each replica off the exact mix by no more than bf16's rounding of what travelled
+            assert (after - w @ before).abs().max() <= BF16_ROUNDING * before.abs().max() + 1e-6, (topology, step)
+            if len(before) > 1:  # the rounding is there (one rank alone has nothing to send)
+                assert not torch.equal(after, (w @ before).float().double())
+        consensus = (after - after.mean(0)).square().sum(1).mean().item()
+        assert record["consensus"] == pytest.approx(consensus, rel=1e-3, abs=1e-9)
+
+
+@pytest.mark.parametrize("name", ["2x2", "4x2"])
+def test_one_replica_crosses_a_host_pair_per_step_not_one_per_rank(world, name):
+    """Each local rank carries its half of the host's mean (17 numbers: 9 each, one padded) across, so a host's
+    two ranks together send one replica to each peer host a step; flat gossip sent two."""
+    layout = LAYOUTS[name]
+    fake = world(sum(map(len, layout)))
+    for topology, wire in (("exp", torch.bfloat16), ("ring", torch.float32), ("complete", torch.bfloat16)):
+        runs = fake.run(lambda rank: gossip_ranks.mixing_steps(topology, rank, "cpu", wire, layout, 1e-5))
+        size = torch.finfo(wire).bits // 8
+        hosts = len(layout)
+        if topology == "complete":  # a ring all-reduce over the hosts of each local rank's half
+            per_step = [round(2 * (hosts - 1) / hosts * size) * 9] * gossip_ranks.STEPS
+        else:
+            per_step = [len(exchange_for(topology, 0, hosts, s).send_to) * 9 * size
+                        for s in range(gossip_ranks.STEPS)]
+        assert [r["bytes_sent"] for r in runs] == [sum(per_step)] * len(runs), topology
+        assert 2 * 9 < 2 * 17  # the host's two ranks: one padded replica, where flat gossip sent two
+
+
+def test_one_host_is_the_single_host_gossip_bit_for_bit(world):
+    """Four ranks on one host, fp32 wire: x_i <- w_ii x_i + sum w_ij x_j in the order the receives are listed,
+    as gossip did before it knew hosts; complete: the sum over ranks / 4."""
+    fake = world(4)
+    for topology in TOPOLOGIES:
+        run = fake.run(lambda rank: gossip_ranks.mixing_steps(topology, rank, "cpu", torch.float32,
+                                                             [(0, 1, 2, 3)]))[0]
+        for step, record in enumerate(run["steps"]):
+            before = torch.tensor(record["before"], dtype=torch.float32)
+            for rank in range(4):
+                ex = exchange_for(topology, rank, 4, step)
+                if topology == "complete":
+                    expected = torch.stack(list(before)).sum(0).div_(4)
+                else:
+                    expected = before[rank].clone().mul_(ex.self_weight)
+                    for peer, weight in ex.recv_from:
+                        expected.add_(before[peer], alpha=weight)
+                assert torch.equal(torch.tensor(record["after"][rank], dtype=torch.float32), expected)
+
+
+def test_a_failed_exchange_across_hosts_is_raised_in_the_training_thread(world, monkeypatch):
+    fake = world(4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("link down")
+    monkeypatch.setattr(fake, "reduce_scatter_tensor", broken)
+
+    def step(rank):
+        g = Gossip(gossip_ranks.Replica(seed=rank), "exp", hosts=LAYOUTS["2x2"])
+        g.start(0)
+        with pytest.raises(RuntimeError, match="^link down$"):
+            g.finish()
+    fake.run(step)
+
+
+def test_host_aware_gossip_over_gloo(ranks_result):
+    """Four real ranks told they are two hosts of two: gloo's groups, the exchange's own thread, both wires."""
+    if ranks_result["world"] != 4:
+        pytest.skip("two hosts of two ranks: the 4-rank launch")
+    assert len(ranks_result["hosts"]) == 2 * len(TOPOLOGIES)
+    for key, run in ranks_result["hosts"].items():
+        topology, wire = key.split()
+        check_host_mixing(run, LAYOUTS["2x2"], topology, wire)
