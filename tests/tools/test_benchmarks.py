@@ -1,4 +1,4 @@
-"""The benchmark scripts run the real training step; a tiny CPU run keeps them working between GPU sessions
+"""The benchmark scripts run the real training step; a tiny CPU run keeps them working between GPU runs
 and checks that what they report is consistent: tokens per step over the step time, parameter and byte
 counts from the model's shape."""
 import json
