@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import socket
 import stat
 import sys
@@ -28,7 +29,10 @@ from minimal_fsdp.config.flags import ConfigError
 LOCK_NAME = ".lock"
 HEARTBEAT = 10.0  # seconds between touches of a held lock
 STALE_AFTER = 60.0  # a lock untouched this long belongs to a run that died
+MAX_LOCK_BYTES = 2**16  # a lock holds one short JSON line (host, pid, job, command cut at 500 characters)
 _held = {}  # lock path -> token, for the locks this process holds
+# Names only an interrupted writer leaves behind (clean_leftovers).
+LEFTOVER = re.compile(r"\..+\.tmp\d+|\.lock\.stale-[0-9a-f]+|\.tmp-(old-)?step_\d+")
 
 
 class LockError(ConfigError):
@@ -66,12 +70,29 @@ def _job_id():
 
 
 def _read_holder(path):
-    """The lock's JSON, or {} if it cannot be read (being written, or damaged: then only its age counts)."""
+    """The lock's JSON, or {} if it cannot be read (being written, or damaged: then only its age counts). Read
+    through open_regular: a FIFO, device or link put there is never opened (it would block, or never end)."""
     try:
-        holder = json.loads(path.read_text(encoding="utf-8"))
-        return holder if isinstance(holder, dict) else {}
+        return read_json(path, MAX_LOCK_BYTES, 4)
     except (OSError, ValueError):
         return {}
+
+
+def _check_lock_file(path, flag):
+    """LockError if `path` exists and is not a regular file: nothing this program writes (a FIFO, a device, a
+    directory or a symbolic link); it is neither read nor taken over, and the user is told what to remove."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise LockError(f"{flag}: cannot read the lock file {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode) else
+                "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+                "a socket")
+        raise LockError(f"{flag}: the run lock {path} is {kind}, not a lock file this program wrote: remove it "
+                        "if no training run uses this directory")
 
 
 def _pid_alive(pid):
@@ -116,7 +137,7 @@ def _holder_gone(holder):
 def _stale(path, holder):
     """Whether the run that holds `path` is gone."""
     try:
-        silent = time.time() - path.stat().st_mtime
+        silent = time.time() - path.lstat().st_mtime
     except FileNotFoundError:
         return True
     if silent > STALE_AFTER:
@@ -151,6 +172,8 @@ class RunLock:
             raise
         self.thread = threading.Thread(target=self._beat, daemon=True, name="run-lock-heartbeat")
         self.thread.start()
+        for path in self.paths:  # no one else writes there now: what killed writers left can go
+            clean_leftovers(path.parent)
 
     def _take(self, path, deadline):
         try:
@@ -164,8 +187,9 @@ class RunLock:
                            "command": " ".join(sys.argv)[:500]})
         while True:
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
             except FileExistsError:
+                _check_lock_file(path, self.flags[str(path)])
                 holder = _read_holder(path)
                 if _stale(path, holder):
                     # Renamed, not deleted, so that of two runs taking it over at once usually only one
@@ -178,6 +202,9 @@ class RunLock:
                               f"it ({_describe(holder)})", file=sys.stderr, flush=True)
                     except FileNotFoundError:
                         pass
+                    except OSError as e:  # a run directory made read-only (or immutable) since
+                        raise LockError(f"{self.flags[str(path)]}: cannot take over the stale lock {path} of a run "
+                                        f"that ended ({_describe(holder)}): {e.strerror or e}") from None
                     continue
                 other_host = holder.get("host") not in (None, socket.gethostname())
                 if other_host and time.monotonic() < deadline:
@@ -227,6 +254,31 @@ class RunLock:
                 self._drop(path)
             except OSError:
                 pass
+
+
+def clean_leftovers(directory):
+    """Remove what writers killed mid-write left in a run directory whose lock this process has just taken:
+    write_atomic's temporaries (`.latest.tmp<pid>`), a take-over's `.lock.stale-*`, a save's `.tmp-step_N` and a
+    replaced or pruned checkpoint's `.tmp-old-step_N`; the last is put back as `step_N` when that is missing (the
+    save that moved it aside died before its own rename). Best effort: what cannot be removed stays."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        if not LEFTOVER.fullmatch(entry.name):
+            continue
+        path = Path(entry.path)
+        try:
+            original = path.with_name(entry.name[len(".tmp-old-"):])
+            if entry.name.startswith(".tmp-old-") and not os.path.lexists(original):
+                os.replace(path, original)
+            elif entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _describe(holder):

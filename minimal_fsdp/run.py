@@ -144,6 +144,7 @@ def train_model(cfg, env, start, hf_dir, stop):
     saved = None
     if start is not None:  # a resumed run continues from its own weights, RNG and data position
         saved = checkpointer.restore(start, model, optimizer, cfg.seed)
+        start = checkpointer.restored_from  # an older one, where `start` failed to load
         data.load_state_dict(saved["state"]["data"], saved["step"])
     backend.seed(saved["step"] if saved else 0)
     if env.is_main:

@@ -42,7 +42,8 @@ from minimal_fsdp.checkpoint import background as checkpoint_async
 from minimal_fsdp import files
 from minimal_fsdp.checkpoint.best import better
 from minimal_fsdp.checkpoint.background import ChecksummingWriter, Saved
-from minimal_fsdp.checkpoint.find import marker, rng_file, step_dirs, step_of
+from minimal_fsdp.checkpoint.writer import write_failure_reason
+from minimal_fsdp.checkpoint.find import load_first, marker, rng_file, step_dirs, step_of
 from minimal_fsdp.checkpoint.meta import FORMAT, read_meta
 from minimal_fsdp.parallel.parallelize import seed64
 from minimal_fsdp.checkpoint.safe_load import SafeLoadPlanner, SafeReader
@@ -66,10 +67,10 @@ class Checkpointer:
     Given the run's env and model (collective then), saves are asynchronous where --checkpoint_mode and the host's
     memory say so (checkpoint_async.for_run): `mode`, and `staging` bytes of host memory per rank."""
 
-    restore_s = None  # how long the restore took, once one has
+    restore_s = restored_from = None  # how long the restore took, and from where, once one has
 
     def __init__(self, cfg, model_config, tokenizer_dir, decentralized, env=None, model=None):
-        self.run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
+        self.cfg, self.run_dir = cfg, Path(cfg.checkpoint_dir) / cfg.run_name
         self.about = {"model_type": model_config.model_type, "model": model_config.to_dict(),
                       "config": dataclasses.asdict(cfg)}
         self.tokenizer_dir, self.keep_last = tokenizer_dir, cfg.keep_last
@@ -133,7 +134,8 @@ class Checkpointer:
         """Collective: load the model and optimizer (under any world size and sharding) and this rank's RNG
         states; returns the checkpoint's meta.json, whose "state" the caller hands to each part."""
         start = time.perf_counter()
-        self.read(path, model, optimizer)
+        # Shards that load wrong despite every check: one line, then the next complete checkpoint.
+        path = self.restored_from = load_first(self.cfg, path, lambda p: self.read(p, model, optimizer))
         restore_rng(path, dist.get_rank(), dist.get_world_size(), seed)
         self.restore_s = time.perf_counter() - start
         return read_meta(path)
@@ -230,17 +232,19 @@ def _publish(tmp, final):
     """Rename the finished directory into place. A step_<N> saved before (a run resumed from an older
     checkpoint saves it again) is moved aside first and deleted only after, never half-deleted in place."""
     replaced = final.parent / f".tmp-old-{final.name}"
-    if final.exists():
+    if os.path.lexists(final):
         os.replace(final, replaced)
     os.replace(tmp, final)
     files.sync(final.parent)  # the rename survives a power cut
+    if replaced.is_symlink():  # a link put in a checkpoint's place: removed, never followed
+        replaced.unlink()
     shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _gather_or_fail(what, outcome, tmp, group=None):
     """Collective (over `group`, all ranks): every rank's outcome (a value, or the exception it hit). If any rank
     failed, every rank raises SaveError naming the first failure, after rank 0 has removed the partial directory."""
-    failure = _failure(outcome, dist.get_rank()) if isinstance(outcome, BaseException) else None
+    failure = _failure(outcome, dist.get_rank(), tmp) if isinstance(outcome, BaseException) else None
     outcomes = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, (failure, None if failure else outcome), group=group)
     failures = sorted(f for f, _ in outcomes if f)
@@ -252,15 +256,19 @@ def _gather_or_fail(what, outcome, tmp, group=None):
     raise SaveError(f"{what} (rank {rank}: {text}); the previous checkpoint is untouched")
 
 
-def _failure(error, rank):
-    """(the rank that failed, one line of why). DCP reports every rank's exception in one CheckpointException."""
+def _failure(error, rank, where=None):
+    """(the rank that failed, one line of why). DCP reports every rank's exception in one CheckpointException.
+    torch.save's zip writer turns a failed write into a RuntimeError without the OS's reason: it is named here."""
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
         rank = min(failures)
         error = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
     if isinstance(error, OSError) and error.strerror:
         return rank, error.strerror + (f": {error.filename}" if error.filename else "")
-    return rank, f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    text = " ".join(str(error).split())
+    if where is not None and ("unexpected pos" in text or "write failed" in text):
+        return rank, f"{write_failure_reason(where)}: {where}"
+    return rank, f"{type(error).__name__}: {text[:300]}"
 
 
 def _write_durably(path, data):

@@ -32,8 +32,11 @@ def marker(run_dir, name, warn=True):
 
 
 def step_dirs(run_dir):
-    """The run's step_<N> directories, newest first."""
-    found = [p for p in Path(run_dir).glob("step_*") if p.is_dir() and STEP_NAME.fullmatch(p.name)]
+    """The run's step_<N> directories, newest first. A symbolic link is none of them: it may lead into another
+    run, or to an older checkpoint of this one (a resume from it would roll back without a word), and pruning
+    must never follow it."""
+    found = [p for p in Path(run_dir).glob("step_*")
+             if STEP_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
     return sorted(found, key=step_of, reverse=True)
 
 

@@ -4,12 +4,15 @@ in are checkpoint_dirs.py's. The job chains' question (how far a run is) is `min
 (tools/progress.py), answered without torch by fewer checks than verify's."""
 import dataclasses
 import errno
+import io
+import math
 import re
 import stat
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from minimal_fsdp.launch import environment
 from minimal_fsdp.checkpoint.dirs import candidates, files_problem, marker, skipping, step_dirs
@@ -23,6 +26,7 @@ from minimal_fsdp.checkpoint.safe_load import read_dcp_metadata
 BLOCK = re.compile(r"blocks\.(\d+)\.")
 MAX_RNG_BYTES = 2**20  # torch, CUDA, numpy and python states: about 17 KB
 MAX_JSON_BYTES = 2**30  # a tokenizer.json: 9 MB for Llama 3's 128K tokens
+MAX_OBJECT_BYTES = 2**20  # one optimizer setting saved as an object (a param group's parameter names: ~2 KB)
 
 
 def rng_file(rank):
@@ -53,7 +57,7 @@ def verify(path, checksums=True, share=(0, 1)):
             if not (isinstance(name, str) and PLAIN_NAME.fullmatch(name)):
                 return f".metadata names a shard {name!r} that is not a plain file name inside the checkpoint"
             needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
-        problem = _model_problem(meta, metadata)
+        problem = _storage_problem(metadata) or _model_problem(meta, metadata)
     except Exception as e:  # noqa: BLE001 - a truncated or hostile pickle fails in many ways; all mean "unusable"
         return f".metadata is missing or unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
     for name, size in sorted(needed.items()):
@@ -65,6 +69,7 @@ def verify(path, checksums=True, share=(0, 1)):
             return f"{name} is not a regular file"
         if info.st_size < size:
             return f"{name} is truncated ({info.st_size} of {size} bytes)"
+    problem = problem or _objects_problem(path, metadata)
     if problem:
         return problem
     for name in sorted(meta.get("files") or {}):  # the tokenizer's: json.loads recurses once per level of nesting
@@ -87,6 +92,77 @@ def verify(path, checksums=True, share=(0, 1)):
     return files_problem(path, meta.get("files") or {}, share) if checksums else None
 
 
+def _storage_problem(metadata):
+    """Why DCP's .metadata does not describe loadable storage, or None: every tensor chunk and object it
+    describes has a byte range, each range is at least its chunk's bytes long, and no two ranges in a file
+    overlap (a range pointing into another tensor would load that one's bytes, or fail deep inside DCP)."""
+    stored, spans = {}, {}
+    for index, info in metadata.storage_data.items():
+        offset, length = int(info.offset), int(info.length)
+        if offset < 0 or length < 0:
+            return f".metadata gives {index.fqn} the byte range [{offset}, {offset + length})"
+        stored[(index.fqn, None if index.offset is None else tuple(index.offset))] = length
+        spans.setdefault(info.relative_path, []).append((offset, length, index.fqn))
+    for key, md in metadata.state_dict_metadata.items():
+        chunks = [(tuple(c.offsets), c.sizes) for c in md.chunks] if hasattr(md, "chunks") else [(None, None)]
+        for offset, sizes in chunks:
+            length = stored.get((key, offset))
+            if length is None:
+                return f".metadata describes {key} but gives no byte range for it"
+            if sizes is not None and length < math.prod(sizes) * md.properties.dtype.itemsize:
+                return f".metadata gives {key} {length} bytes, fewer than its {list(sizes)} values take"
+    for name, ranges in spans.items():
+        ranges.sort()
+        for (start, length, first), (next_start, _, second) in zip(ranges, ranges[1:]):
+            if next_start < start + length:
+                return f".metadata places {first} and {second} in overlapping bytes of {name}"
+    return None
+
+
+def _objects_problem(path, metadata):
+    """Why an object entry of the shards (the optimizer's param_groups: numbers, strings) does not load with
+    torch.load(weights_only=True) as restoring will load it, or None. They are a few KB in all."""
+    opened = {}
+    try:
+        for index, info in sorted(metadata.storage_data.items(), key=lambda item: item[0].fqn):
+            if hasattr(metadata.state_dict_metadata.get(index.fqn, 0), "size") or index.fqn not in \
+                    metadata.state_dict_metadata:  # a tensor, or bytes nothing loads
+                continue
+            if info.length > MAX_OBJECT_BYTES:
+                return f"{index.fqn} is {info.length} bytes, over {MAX_OBJECT_BYTES}: not an optimizer setting"
+            if info.relative_path not in opened:
+                opened[info.relative_path] = open_regular(path / info.relative_path)
+            f = opened[info.relative_path]
+            f.seek(info.offset)
+            try:
+                torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+            except Exception as e:  # noqa: BLE001 - a refused pickle or damaged bytes: either way it cannot load
+                return f"{index.fqn} does not load ({type(e).__name__}: {' '.join(str(e).split())[:100]})"
+    except OSError as e:
+        return f"{info.relative_path}: {e.strerror or e}"
+    finally:
+        for f in opened.values():
+            f.close()
+    return None
+
+
+def _optimizer_problem(metadata, params):
+    """Why the optimizer state saved beside the model (each of "optim.", and a decentralized run's
+    "replicas.<rank>.optim.") is not one for these parameters ({name: shape}), or None: each parameter has its
+    step and both AdamW moments of its shape. A checkpoint without optimizer state is left to the load."""
+    sizes = {key: tuple(md.size) for key, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
+    prefixes = {key[:key.index("optim.state.")] for key in sizes if "optim.state." in key}
+    for prefix in sorted(prefixes):
+        for name, shape in params.items():
+            for entry, wanted in (("step", None), ("exp_avg", shape), ("exp_avg_sq", shape)):
+                key = f"{prefix}optim.state.{name}.{entry}"
+                if key not in sizes:
+                    return f"the shards hold no {key} for the model's {name}"
+                if wanted is not None and sizes[key] != wanted:
+                    return f"the shards hold {key} of shape {list(sizes[key])}, the parameter's is {list(wanted)}"
+    return None
+
+
 def _model_problem(meta, metadata):
     """Why the shards do not hold the model meta.json describes, or None: the same blocks, and every parameter
     the config implies with its shape. One block is built, on the meta device, so no config, however absurd,
@@ -100,17 +176,18 @@ def _model_problem(meta, metadata):
     with torch.device("meta"):
         one_block = MODELS[meta["model_type"]](dataclasses.replace(config, num_layers=1))
     wanted = {name: tuple(p.shape) for name, p in one_block.named_parameters()}
-    found = 0
+    params = {}
     for name, shape in held.items():
         implied = wanted.get(BLOCK.sub("blocks.0.", name, count=1))
         if implied is not None and implied != shape:
             return f"meta.json's model gives {name} the shape {list(implied)}, the shards hold {list(shape)}"
-        found += implied is not None
+        if implied is not None:
+            params[name] = shape
     per_block = sum(name.startswith("blocks.0.") for name in wanted)
-    if found != len(wanted) + (config.num_layers - 1) * per_block:
-        return f"the shards hold {found} of the {len(wanted) + (config.num_layers - 1) * per_block} tensors " \
-               "of the model meta.json describes"
-    return None
+    if len(params) != len(wanted) + (config.num_layers - 1) * per_block:
+        return f"the shards hold {len(params)} of the {len(wanted) + (config.num_layers - 1) * per_block} " \
+               "tensors of the model meta.json describes"
+    return _optimizer_problem(metadata, params)
 
 
 def newest_complete(run_dir, checksums=True):
@@ -144,13 +221,17 @@ def resolve(path):
     return path
 
 
-def find(cfg):
+def find(cfg, refused=()):
     """Collective. The checkpoint a run starts from: --restart_checkpoint_file, else (--resume auto) the run's
     newest complete one, else None. Rank 0 looks at the files and passes its candidates to all (so every rank
-    loads the same checkpoint even if files change meanwhile); the ranks then share the checksum reading."""
+    loads the same checkpoint even if files change meanwhile); the ranks then share the checksum reading.
+    `refused`: checkpoints that failed to load (load_first). A run directory that holds checkpoints, every one
+    of them refused, is an error: starting fresh would save over them."""
     together = dist.is_initialized()  # else one process (a tool, a test) does it all
     rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
-    for path in environment.run_on_main(_cheaply_complete, cfg) if together else _cheaply_complete(cfg):
+    tried = environment.run_on_main(_cheaply_complete, cfg, refused) if together else \
+        _cheaply_complete(cfg, refused)
+    for path in tried:
         problems = [verify(path, share=(rank, world))]
         if together:
             problems *= world
@@ -162,11 +243,45 @@ def find(cfg):
             raise ConfigError(f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is damaged: {path}: {problem}")
         if rank == 0:
             skipping(path, problem)
+    if tried:
+        raise ConfigError(_every_one_refused(cfg))
     return None
 
 
-def _cheaply_complete(cfg):
-    """Rank 0: the checkpoints to try, in order, that pass verify's cheap checks (no checksums yet)."""
+def _every_one_refused(cfg):
+    run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
+    return (f"every checkpoint of {run_dir} is refused (the lines above say why), and a fresh start would save "
+            "over them: nothing was changed there; repair or move them away, pick one with "
+            "--restart_checkpoint_file, or train under another --run_name")
+
+
+def load_first(cfg, path, load):
+    """Collective: load(path) and return path; if loading fails (shards forged to pass every check, say: DCP
+    raises alike on every rank), one line, then (--resume auto) the next complete checkpoint, as find gives it.
+    A checkpoint named by --restart_checkpoint_file, or none left, is an error in one line."""
+    refused = []
+    while True:
+        try:
+            load(path)
+            return Path(path)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            failures = getattr(e, "failures", None)
+            cause = next(iter(failures.values())) if isinstance(failures, dict) and failures else e
+            cause = cause[0] if isinstance(cause, tuple) else cause
+            problem = f"loading it failed ({type(cause).__name__}: {' '.join(str(cause).split())[:160]})"
+        if cfg.restart_checkpoint_file:
+            raise ConfigError(f"--restart_checkpoint_file {cfg.restart_checkpoint_file}: {path}: {problem}")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            skipping(path, problem)
+        refused.append(str(path))
+        path = find(cfg, refused)
+        if path is None:
+            raise ConfigError(_every_one_refused(cfg))
+
+
+def _cheaply_complete(cfg, refused=()):
+    """Rank 0: the checkpoints to try, in order, that pass verify's cheap checks (no checksums yet), less those
+    `refused`. None, where the run directory holds checkpoints: an error (find)."""
     if cfg.restart_checkpoint_file:
         path = resolve(cfg.restart_checkpoint_file)
         problem = verify(path, checksums=False)
@@ -182,10 +297,13 @@ def _cheaply_complete(cfg):
         return []
     found = []
     for path in candidates(run_dir):
+        if str(path) in refused:
+            continue
         problem = verify(path, checksums=False)
         if problem is None:
             found.append(str(path))
         else:
             skipping(path, problem)
+    if not found and step_dirs(run_dir):
+        raise ConfigError(_every_one_refused(cfg))
     return found
-

@@ -22,6 +22,8 @@ import math
 import re
 from pathlib import Path
 
+from minimal_fsdp.checkpoint.dirs import STEP_NAME
+from minimal_fsdp.config.checks import MAX_WHOLE, WHOLE_RANGES
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.files import read_json
 from minimal_fsdp.models.configs import CONFIGS, check_shape
@@ -29,11 +31,12 @@ from minimal_fsdp.models.configs import CONFIGS, check_shape
 FORMAT = 2
 MAX_BYTES = 64 * 2**20  # a few KB, plus two numbers per file: room for a run of a million ranks
 MAX_DEPTH = 32  # the deepest meta.json we write nests 4 levels (state.data.stream[rank][i])
-MAX_INT = 2**62  # steps, positions, sizes: far beyond any run, far below where arithmetic on them overflows
+MAX_INT = MAX_WHOLE  # steps, positions, sizes: far beyond any run, far below where arithmetic on them overflows
 # Model sizes: each well above the largest model anyone trains, so that nothing built from them is absurd; the
-# shards then bound them exactly (checkpoint_find compares every shape with DCP's .metadata).
-MODEL_BOUNDS = {"vocab_size": 2**24, "seq_length": 2**24, "num_layers": 2**12, "num_heads": 2**12,
-                "num_kv_heads": 2**12, "embed_size": 2**18, "intermediate_size": 2**20}
+# shards then bound them exactly (checkpoint_find compares every shape with DCP's .metadata). The flags' own
+# table (config/checks.py), so a model the flags accept is one whose checkpoint is accepted.
+MODEL_BOUNDS = {name: WHOLE_RANGES[name][1] for name in ("vocab_size", "seq_length", "num_layers", "num_heads",
+                                                         "num_kv_heads", "embed_size", "intermediate_size")}
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}")
 
 
@@ -44,8 +47,12 @@ class MetaError(ConfigError):
 def read_meta(path):
     """A checkpoint's meta.json in the current format's layout, every field present checked (the top of this
     file); raises MetaError (or OSError when the file is missing or unreadable)."""
+    path = Path(path)
+    numbered = STEP_NAME.fullmatch(path.name)
+    if numbered and path.is_symlink():
+        raise MetaError(f"{path.name} is a symbolic link, not a checkpoint directory of this run")
     try:
-        meta = read_json(Path(path) / "meta.json", MAX_BYTES, MAX_DEPTH)
+        meta = read_json(path / "meta.json", MAX_BYTES, MAX_DEPTH)
     except ValueError as e:
         raise MetaError(f"meta.json {e}") from None
     version = meta.get("format", 1)
@@ -54,6 +61,8 @@ def read_meta(path):
     if version == 1:
         meta = _from_format_1(meta)
     check(meta)
+    if numbered and meta["step"] != int(numbered.group(1)):  # a copy or rename of another step's checkpoint
+        raise MetaError(f"meta.json says step {meta['step']}, but its directory is {path.name}")
     return meta
 
 
@@ -94,6 +103,8 @@ def check(meta):
     for part in ("schedule", "data"):
         if part in state and not isinstance(state[part], dict):
             raise MetaError(f"meta.json: state.{part} is {_show(state[part])}, not an object")
+    for name, (low, high) in WHOLE_RANGES.items():  # the flags a run saved: what a launch would accept
+        _whole(meta.get("config", {}), name, low, high, optional=True, where="config.")
     schedule, data = state.get("schedule", {}), state.get("data", {})
     _whole(schedule, "lr_decay_steps", optional=True, where="state.schedule.")
     _whole(schedule, "last_step", optional=True, where="state.schedule.")

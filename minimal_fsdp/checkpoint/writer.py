@@ -13,6 +13,8 @@ import mmap
 import multiprocessing.connection
 import multiprocessing.reduction
 import os
+import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,6 +29,20 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItemType
 
 ALIGN = 64  # bytes: each staged tensor starts on a cache line
+FULL_BELOW = 2**20  # bytes free: a file system this full after a failed write is full
+
+
+def write_failure_reason(directory):
+    """Why a write into `directory` failed when torch.save's zip writer says only "unexpected pos" or "file write
+    failed": a full file system, or the process's file size limit (ulimit -f), as the OS would have said it."""
+    try:
+        if shutil.disk_usage(directory).free < FULL_BELOW:
+            return os.strerror(errno.ENOSPC)
+    except OSError:
+        pass
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return f"{os.strerror(errno.EFBIG)} (over this process's file size limit, ulimit -f)"
+    return "a write failed: no space left on the device, or a file too large"
 
 
 class _Checksummed:

@@ -17,6 +17,20 @@ from minimal_fsdp.config.choices import MODEL_PRESETS, ConfigError
 GiB = 2**30
 MAX_TIMEOUT = 10**6  # seconds (11.6 days): longer than any job's walltime
 SHAPE_FLAGS = ("num_layers", "num_heads", "embed_size", "vocab_size", "num_kv_heads", "intermediate_size", "bias")
+MAX_WHOLE = 2**62  # steps and counts: beyond any run, below where arithmetic on them overflows 64 bits
+# Every whole-number flag's range: [lowest, highest]. A checkpoint's meta.json is read with this same table
+# (checkpoint/meta.py: its config, its model's sizes, its steps), so every value a run accepts round-trips
+# through its checkpoints: a value the next launch would refuse is refused at startup instead.
+WHOLE_RANGES = {
+    "seed": (-2**63, 2**63 - 1), "num_layers": (1, 2**12), "num_heads": (1, 2**12), "num_kv_heads": (1, 2**12),
+    "embed_size": (1, 2**18), "seq_length": (1, 2**24), "vocab_size": (1, 2**24), "intermediate_size": (1, 2**20),
+    "shard_group_size": (1, 2**24), "accum_steps": (1, MAX_WHOLE),
+    # the run's last step is max_epochs x steps per epoch: 2^20 epochs leaves 2^42 steps an epoch below MAX_WHOLE
+    "max_epochs": (-1, 2**20), "max_steps": (0, MAX_WHOLE), "batch_size": (1, 2**24),
+    "grad_accum_steps": (1, MAX_WHOLE), "warmup_steps": (0, MAX_WHOLE), "lr_decay_steps": (1, MAX_WHOLE),
+    "skip_nonfinite": (0, MAX_WHOLE), "eval_interval": (0, MAX_WHOLE), "eval_batches": (1, MAX_WHOLE),
+    "eval_tasks_interval": (0, MAX_WHOLE), "log_interval": (1, MAX_WHOLE), "checkpoint_interval": (0, MAX_WHOLE),
+    "keep_last": (0, MAX_WHOLE), "num_tokens": (0, MAX_WHOLE), "top_k": (0, MAX_WHOLE)}
 
 
 def validate(cfg):
@@ -25,8 +39,17 @@ def validate(cfg):
     read --max_epochs (generate_only) and trust it; logging's late, so a missing package is named after the flags'
     own mistakes; --device xla's (xla.py) last."""
     for check in (check_train, check_launch, check_model, check_parallel, check_decentralized, check_data,
-                  check_checkpoint, check_generate, check_log, validate_xla):
+                  check_checkpoint, check_generate, check_log, validate_xla, check_whole_ranges):
         check(cfg)
+
+
+def check_whole_ranges(cfg):
+    """Every whole-number flag within WHOLE_RANGES (after the sections' own checks, whose lines say more)."""
+    for name, (low, high) in WHOLE_RANGES.items():
+        value = getattr(cfg, name, None)
+        if value is not None and not low <= value <= high:
+            raise ConfigError(f"--{name} must be a whole number in [{low}, {high}] (got {value}): a checkpoint "
+                              "records it, and a larger value could not be read back")
 
 
 def check_train(cfg):

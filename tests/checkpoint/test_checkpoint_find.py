@@ -182,7 +182,8 @@ def test_verify_needs_no_bytes_for_an_empty_byte_range(run):
     step = run / "step_3"
     metadata = safe_load.read_dcp_metadata(step / ".metadata")
     index, info = next(iter(metadata.storage_data.items()))
-    metadata.storage_data = {index: dataclasses.replace(info, relative_path="__9_0.distcp", offset=0, length=0)}
+    metadata.storage_data[dataclasses.replace(index, fqn="unused")] = dataclasses.replace(
+        info, relative_path="__9_0.distcp", offset=0, length=0)
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
     (step / "__9_0.distcp").write_bytes(b"")
     assert checkpoint_find.verify(step, checksums=False) is None
