@@ -196,8 +196,7 @@ def train(parts, cfg, env, plan, stop, saved=None):
             if logs or saves:  # the host waits for the device here, and only here, while training
                 guard.flush()  # raises Diverged at a NaN/Inf grad norm, before anything is saved
             if logs:
-                extra = {"consensus": sync.consensus_distance()} if plan.decentralized else {}
-                log.row(done, lr, grad_norm, **extra)
+                log.row(done, lr, grad_norm)
             # Collective, at steps every rank agrees on: logging steps, saves, and often enough to act on a stop
             # request within seconds (resilience.StopRequests.due); all ranks stop at one step.
             stop_reason = stop.agreed(done) if logs or saves or stop.due(done) else None
@@ -211,6 +210,8 @@ def train(parts, cfg, env, plan, stop, saved=None):
                 with log.paused():  # evaluation and saving are timed apart from the training steps
                     val_loss = evaluate(model, data, cfg.eval_batches, env.device) if evaluates else None
                     log.validation(done, val_loss)
+                    if evaluates and plan.decentralized:  # two all-reduces of the replica: off the hot path
+                        log.metrics.log(done, consensus=sync.consensus_distance())
                     if saves or stop_reason:
                         state = {"schedule": schedule.state_dict(), "data": data.state_dict(done)}
                         if benchmarks:

@@ -131,7 +131,7 @@ def check_decentralized(cfg):
     (a [checkpoint] flag) included."""
     _positive(cfg, "accum_steps")
     if cfg.data_parallel != "decentralized":
-        for name, unset in (("accum_steps", 1), ("save_average", False)):
+        for name, unset in (("accum_steps", 1), ("save_average", False), ("gossip_dtype", "bf16")):
             if getattr(cfg, name) != unset:
                 raise ConfigError(f"--{name} applies to --data_parallel decentralized only")
         return

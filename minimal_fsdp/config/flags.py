@@ -150,6 +150,8 @@ class Config:
     accum_steps: int = flag(1, "decentralized (AccumAdamW): Adam's moments take the mean gradient of this many "
                             "steps, while parameters still move every step (unlike --grad_accum_steps)",
                             section="decentralized")
+    gossip_dtype: str = flag("bf16", "decentralized: the dtype replicas travel in (mixed in fp32 on arrival); "
+                             "float32 doubles the bytes", REDUCE_PRECISION, "decentralized")
 
     # data
     dataset: str = flag("shakespeare", "shakespeare (tinyshakespeare, shipped in data/shakespeare/input.txt) or "

@@ -147,7 +147,8 @@ class FSDPSync(LocalSync):
 # averages parameters, not gradients; one rank has nothing to synchronize.
 SYNCS = {"local": lambda model, plan: LocalSync(), "ddp": lambda model, plan: DDPSync(model),
          "one-unit": lambda model, plan: WholeUnitSync(model.whole_unit), "fsdp-whole": FSDPSync,
-         "fsdp-block": FSDPSync, "gossip": lambda model, plan: Gossip(model, plan.topology)}
+         "fsdp-block": FSDPSync, "gossip": lambda model, plan: Gossip(
+             model, plan.topology, torch.bfloat16 if plan.gossip_dtype == "bf16" else torch.float32)}
 
 
 def gradient_sync(model, plan):

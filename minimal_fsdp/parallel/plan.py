@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from minimal_fsdp.parallel import fp8
 from minimal_fsdp.config.choices import GRAPHS_MODEL, SMALL_MODEL, ConfigError
+from minimal_fsdp.models.size import count_parameters
 
 STRATEGIES = ("local", "ddp", "one-unit", "fsdp-whole", "fsdp-block", "gossip")
 FSDP2 = ("fsdp-whole", "fsdp-block")  # the strategies where FSDP2's fully_shard wraps the model
@@ -56,6 +57,7 @@ class ParallelPlan:
     mesh: object = None  # the DeviceMesh (one-unit and FSDP2), built by make_plan
     backend: str = "torch"  # BACKENDS: what builds and steps the model in training
     reduce_precision: str = "float32"  # the dtype gradients are summed across ranks in (FSDP2, the one unit, DDP)
+    gossip_dtype: str = None  # gossip's wire (--gossip_dtype)
 
     @property
     def decentralized(self):
@@ -116,16 +118,6 @@ class ParallelPlan:
                  "fsdp-whole": "the whole model as one FSDP unit", "fsdp-block": "an FSDP unit per block"}
         return "mesh " + " x ".join(f"{name}={size}" for name, size in zip(dims, self.mesh_shape)) + \
             f" ({self.sharding}), {units[self.strategy]}{graphs}"
-
-
-def count_params(model_config):
-    """Every parameter of the model this config describes, counted once (as model.num_params(non_embedding=False)),
-    from one block built on the meta device: no memory, no weights."""
-    from minimal_fsdp.models.families import MODELS  # models -> config: not at the top, so the choices never wait on the models
-    with torch.device("meta"):
-        model = MODELS[model_config.model_type](dataclasses.replace(model_config, num_layers=1))
-    per_block = sum(p.numel() for p in model.blocks[0].parameters())
-    return model.num_params(non_embedding=False) + (model_config.num_layers - 1) * per_block
 
 
 def layout(sharding, world_size, shard_group_size):
@@ -190,7 +182,7 @@ def make_plan(cfg, env, model_config, loads_weights=False, fsdp_on_one_rank=Fals
     world of one (tests and benchmarks compare the two). Generation alone (--max_epochs -1) with --precision fp8
     runs in bf16: float8 pays in training's large matmuls. Raises ConfigError, alike on every rank, where an
     explicit flag cannot apply."""
-    num_params = count_params(model_config)
+    num_params = count_parameters(model_config).total
     recipe = cfg.fp8_recipe if cfg.precision == "fp8" and not cfg.generate_only else None
     if recipe:
         fp8.check_device(env.device)
@@ -207,7 +199,8 @@ def make_plan(cfg, env, model_config, loads_weights=False, fsdp_on_one_rank=Fals
                         cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute, cfg.compile,
                         cuda_graphs(cfg, env.device, chosen, num_params, recipe is not None), num_params,
                         cfg.topology if chosen == "gossip" else None, backend=backend,
-                        reduce_precision=cfg.reduce_precision)
+                        reduce_precision=cfg.reduce_precision,
+                        gossip_dtype=cfg.gossip_dtype if chosen == "gossip" else None)
     if backend == "torch" and (chosen in FSDP2 or chosen == "one-unit"):  # torch_xla builds its own (xla.py)
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         plan = dataclasses.replace(plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names))
