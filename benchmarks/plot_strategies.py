@@ -18,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from minimal_fsdp.config.commands import PlanFlags  # noqa: E402
+from minimal_fsdp.config.parser import parse  # noqa: E402
 from minimal_fsdp.tools import model_size
 from minimal_fsdp.tools import step_time  # noqa: E402
 
@@ -46,7 +48,7 @@ def parse():
 
 def estimates(args, hosts, per_host, rates):
     """{strategy: [tokens/s at each rate]} from the planner, for the runs' setting."""
-    planner = model_size.build_parser().parse_args(PLANNER_FLAGS[args.model] + ["--precision", "bf16"])
+    planner = parse(PlanFlags, PLANNER_FLAGS[args.model] + ["--precision", "bf16"])
     family, config, _ = model_size.model_config(planner)
     sizes = model_size.count_parameters(family, config)
     flops, _ = step_time.achieved_flops(args.gpu_type, None, args.compile, "bf16")

@@ -47,7 +47,8 @@ def main(argv=None):
     flags, module, summary = COMMANDS[argv[0]]
     description = None if flags is not Config or argv[0] == "train" else summary
     parsed = one_line_errors(parse)(flags, argv[1:], f"minimal-fsdp {argv[0]}", description)
-    importlib.import_module(module).main(cfg=parsed)  # torch, where the command needs it, comes in here
+    # torch, where the command needs it, comes in here; bad input found later is one line too
+    one_line_errors(importlib.import_module(module).main)(cfg=parsed)
 
 
 if __name__ == "__main__":

@@ -2,29 +2,29 @@
 memory of every sharding strategy x activation checkpointing (none, full, selective) x CPU offload; with
 --inter_node_gbps, each strategy's step time and tokens/s across hosts too (step_time.py).
 
-    python -m minimal_fsdp.tools.model_size --model_preset llama2-70b --gpus 16 --gpus_per_node 4 \\
+    minimal-fsdp plan --model_preset llama2-70b --gpus 16 --gpus_per_node 4 \\
         --gpu_memory 40GB --seq_length 4096 --batch_size 1
-    python -m minimal_fsdp.tools.model_size --model_preset gpt2 --vocab_size 50304 --batch_size 32 --precision bf16 \\
+    minimal-fsdp plan --config configs/llama2_7b_4gpu.toml --gpus 4     # the run a training config describes
+    minimal-fsdp plan --model_preset gpt2 --vocab_size 50304 --batch_size 32 --precision bf16 \\
         --gpus 4 --gpus_per_node 2 --gpu_type H200 --inter_node_gbps 10
 
 The estimate is analytic: every term below is a tensor that FSDP2, autograd or AdamW keeps alive at the
 moment memory peaks, counted in bytes. It ignores what it cannot know (allocator fragmentation, the CUDA
 context, NCCL buffers), which the fit check leaves room for.
 """
-import argparse
-import dataclasses
 import re
 from pathlib import Path
 
-import torch
-
 from minimal_fsdp.parallel import fp8
-from minimal_fsdp.config.flags import MODEL_PRESETS, ConfigError, model_family, one_line_errors
+from minimal_fsdp.config.commands import PlanFlags
+from minimal_fsdp.config.flags import ConfigError, model_family
+from minimal_fsdp.config.parser import parse
 from minimal_fsdp.hf.read import read_config as read_hf_config
-from minimal_fsdp.models.families import MODELS, make_config
-from minimal_fsdp.config.choices import FSDP_UNITS, REDUCE_PRECISION, SHARDING, TOPOLOGIES
+from minimal_fsdp.models.families import make_config
+from minimal_fsdp.models.size import count_parameters
+from minimal_fsdp.config.choices import SHARDING
 from minimal_fsdp.parallel.plan import layout, strategy
-from minimal_fsdp.tools.step_time import CARDS, print_step_times
+from minimal_fsdp.tools.step_time import print_step_times
 
 GiB = 2**30
 # A GPU "fits" when the estimate leaves this fraction free for the CUDA context, cuBLAS/NCCL workspaces and
@@ -32,26 +32,6 @@ GiB = 2**30
 GPU_HEADROOM = 0.15
 # Host memory of one training process besides offloaded state: Python, torch and CUDA libraries, data.
 HOST_PER_PROCESS = 3 * GiB
-
-
-@dataclasses.dataclass
-class Sizes:
-    """Parameter counts, from the model built on the meta device (no memory, exact numbers)."""
-    total: int
-    per_block: int
-    root: int  # everything outside the blocks: embeddings, final norm, output head (FSDP's root unit)
-    float8_layers: tuple = ()  # (in, out) features of each linear layer of a block that --precision fp8 converts
-    lookup: int = 0  # the embedding that is only looked up (no FLOPs; layers.Decoder.lookup_only)
-
-
-def count_parameters(model_type, config):
-    with torch.device("meta"):  # one block is enough: the others are the same
-        model = MODELS[model_type](dataclasses.replace(config, num_layers=1))
-    per_block = sum(p.numel() for p in model.blocks[0].parameters())
-    root = sum(p.numel() for p in model.parameters()) - per_block
-    float8 = tuple((m.in_features, m.out_features) for _, m in fp8.convertible(model))
-    lookup = model.get_parameter(model.lookup_only).numel() if model.lookup_only else 0
-    return Sizes(root + per_block * config.num_layers, per_block, root, float8, lookup)
 
 
 def activations_per_token(model_type, config, device_type="cuda"):
@@ -107,7 +87,8 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
     fsdp_unit: as --fsdp_unit (plan.strategy): the whole model as one unit is gathered whole, and all its
     unsharded gradients wait for one reduce-scatter at the end of backward. reduce_precision: as --reduce_precision,
     the dtype of the copies gradients are reduced (and FSDP2 accumulates them) in."""
-    sizes = count_parameters(model_type, config)
+    sizes = count_parameters(config)
+    float8_layers = fp8.block_shapes(sizes)
     _, shards, reshard = layout(sharding, world_size, shard_group_size)
     chosen = strategy(sharding, world_size, sizes.total, fsdp_unit, cpu_offload, precision == "fp8")  # make_plan's
     whole = chosen in ("one-unit", "fsdp-whole")  # gathered whole; all its unsharded gradients wait for one reduce
@@ -131,12 +112,12 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
         # rows split evenly over the ranks). While a float8 layer runs, float8 copies of its input, its output's
         # gradient and (gathered in bf16) its weight exist; rowwise makes two of each, scaled along either
         # dimension, with an fp32 scale per row. Its saved activations are bf16's; tensorwise scales are scalars.
-        in_float8 = [(i, o) for i, o in sizes.float8_layers
+        in_float8 = [(i, o) for i, o in float8_layers
                      if fp8_recipe == "tensorwise" and shards > 1 and not cpu_offload and o % shards == 0]
         gathered -= (L if keep_gathered else 2) * sum(i * o for i, o in in_float8)
         copies = 2 if fp8_recipe == "rowwise" else 1
         float8_working = max(copies * (tokens * (i + o) + (0 if (i, o) in in_float8 else i * o))
-                             + (16 * tokens if fp8_recipe == "rowwise" else 0) for i, o in sizes.float8_layers)
+                             + (16 * tokens if fp8_recipe == "rowwise" else 0) for i, o in float8_layers)
     # Unsharded grads before their reduce-scatter: ~2 blocks' in flight, each with a copy to reduce in where the
     # reduce dtype is not the compute dtype; the root's wait in the compute dtype for the end of backward, when it
     # is reduced last.
@@ -145,7 +126,7 @@ def estimate(model_type, config, batch_size, sharding, world_size, shard_group_s
         (L if whole else 2) * sizes.per_block
 
     layer = tokens * activations_per_token(model_type, config, device_type) * compute
-    if precision == "fp8" and fp8_recipe == "tensorwise" and compile and sizes.float8_layers:
+    if precision == "fp8" and fp8_recipe == "tensorwise" and compile and float8_layers:
         layer -= tokens * float8_inputs_per_token(model_type, config)  # saved in 1 byte, not 2
     kept = {"none": layer, "full": tokens * config.embed_size * compute,
             "selective": tokens * kept_per_token(model_type, config) * compute}[recompute]
@@ -204,46 +185,9 @@ def model_config(args):
     return family, config, args.model_preset
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like basic_training's errors
-        raise ConfigError(message)
-
-
-def build_parser():
-    p = _Parser(prog="python -m minimal_fsdp.tools.model_size", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model_preset", default="tiny", choices=sorted({n for v in MODEL_PRESETS.values() for n in v}))
-    p.add_argument("--model", choices=tuple(MODEL_PRESETS), help="default: the family of --model_preset")
-    p.add_argument("--hf_model", help="plan for a local Hugging Face GPT-2 or Llama directory (its config.json)")
-    p.add_argument("--vocab_size", type=int, help="default: the preset's (tiny: GPT 65, Llama 32000)")
-    p.add_argument("--seq_length", type=int, help="tokens per sequence (default: the preset's context)")
-    p.add_argument("--batch_size", type=int, default=1, help="sequences per GPU per micro-step")
-    p.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--precision", choices=("float32", "bf16", "fp8"), default="float32", help="as in training")
-    p.add_argument("--fp8_recipe", choices=fp8.RECIPES, default="tensorwise", help="as in training")
-    p.add_argument("--fsdp_unit", choices=FSDP_UNITS, default="auto", help="as in training")
-    p.add_argument("--reduce_precision", choices=REDUCE_PRECISION, default="float32",
-                   help="as in training: the gradients' copies to reduce in, and their bytes over the link")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
-    p.add_argument("--gpus_per_node", type=int, help="default: min(--gpus, 8)")
-    p.add_argument("--shard_group_size", type=int, help="hybrid sharding's group (default: --gpus_per_node)")
-    p.add_argument("--gpu_memory", default="80GB", help="memory of one GPU, e.g. 40GB")
-    p.add_argument("--host_memory", help="memory of one node, e.g. 512GB (to check CPU offload fits)")
-    p.add_argument("--checkpoint_mode", choices=("auto", "sync", "async"), default="auto",
-                   help="as in training: async (auto's choice on GPUs) keeps a host copy of the state to save from")
-    p.add_argument("--inter_node_gbps", type=float,
-                   help="Gbit/s of each node's link to the others: also estimate each strategy's step time")
-    p.add_argument("--gpu_type", choices=tuple(CARDS), default="H100", help="the card the step time is computed for")
-    p.add_argument("--mfu", type=float, help="achieved fraction of the card's bf16 peak (default: measured on one GPU, "
-                   "GPT-2 124M at batch 32, compiled or eager as --compile says)")
-    p.add_argument("--compile", action="store_true", help="as in training: the compiled MFU for the step time")
-    p.add_argument("--topology", choices=TOPOLOGIES, default="alternating-exp-ring", help="as in training (gossip)")
-    p.add_argument("--log_interval", type=int, default=10,
-                   help="as in training: decentralized runs all-reduce the replica at each logging step")
-    return p
-
-
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def main(argv=None, cfg=None):
+    """`minimal-fsdp plan`: the flags (or PlanFlags parsed already) -> the tables on stdout."""
+    args = cfg or parse(PlanFlags, argv)
     gpus_per_node = args.gpus_per_node or min(args.gpus, 8)
     group = args.shard_group_size or gpus_per_node
     for name in ("gpus", "batch_size", "grad_accum_steps", "seq_length", "vocab_size", "gpus_per_node",
@@ -261,7 +205,7 @@ def main(argv=None):
     gpu_memory = parse_memory(args.gpu_memory, "gpu_memory")
     host_memory = parse_memory(args.host_memory, "host_memory") if args.host_memory else None
     family, config, name = model_config(args)
-    sizes = count_parameters(family, config)
+    sizes = count_parameters(config)
 
     print(f"{family} {name}: {sizes.total:,} parameters ({sizes.total / 1e9:.2f} B); "
           f"{config.num_layers} blocks of {sizes.per_block:,}, {sizes.root:,} outside them")
@@ -293,7 +237,3 @@ def main(argv=None):
              if args.checkpoint_mode != "sync" else ""))
     if args.inter_node_gbps:
         print_step_times(args, config, sizes, gpus_per_node, group, (*SHARDING, "decentralized"))
-
-
-if __name__ == "__main__":
-    one_line_errors(main)()
