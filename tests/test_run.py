@@ -84,7 +84,7 @@ def test_an_unreachable_hub_fails_at_once_and_leaves_nothing(tmp_path, monkeypat
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
     monkeypatch.setattr(tokenizer, "reachable", lambda url: False)
     with pytest.raises(SystemExit):
-        prepare.main(["prepare", "--dataset", "shakespeare", "--tokenizer", "gpt2", "--data_dir", str(tmp_path / "d")])
+        prepare.main(["--dataset", "shakespeare", "--tokenizer", "gpt2", "--data_dir", str(tmp_path / "d")])
     assert not (tmp_path / "d" / "shakespeare" / "gpt2").exists()
 
 

@@ -1,15 +1,14 @@
 """Documents -> train.bin, val.bin (flat token memmaps), meta.json and the tokenizer's files.
 
-    python -m minimal_fsdp.data.tokens prepare --dataset openwebtext --tokenizer gpt2 --val_fraction 0.0005
-    python -m minimal_fsdp.data.tokens prepare --dataset text --input_file my_docs/ --tokenizer gpt2
-    python -m minimal_fsdp.data.tokens prepare --dataset hf --input_file ./saved_dataset --tokenizer sentencepiece --vocab_size 8000
+    minimal-fsdp prepare --dataset openwebtext --tokenizer gpt2 --val_fraction 0.0005
+    minimal-fsdp prepare --dataset text --input_file my_docs/ --tokenizer gpt2
+    minimal-fsdp prepare --dataset hf --input_file ./saved_dataset --tokenizer sentencepiece --vocab_size 8000
     python basic_training.py --dataset_path data/openwebtext/gpt2 ...
 
 Each document is tokenized and followed by the end-of-text token, in source order; a document goes to val.bin
 when documents.is_val says so. A source of exactly one document (a single text file, like Shakespeare) is
 instead split by characters: its last --val_fraction is val.
 """
-import argparse
 import collections
 import itertools
 import json
@@ -21,10 +20,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from minimal_fsdp.config.commands import PrepareFlags
 from minimal_fsdp.config.flags import ConfigError, one_line_errors
+from minimal_fsdp.config.parser import parse
 from minimal_fsdp.data.documents import OPENWEBTEXT, SEPARATOR_TEXT, FileDocuments, encode_document, is_val, open_documents
 from minimal_fsdp.files import write_atomic
-from minimal_fsdp.data.tokenizer import TOKENIZER_KINDS, load_tokenizer, train_tokenizer
+from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
 
 SHIPPED_SHAKESPEARE = Path(__file__).resolve().parents[2] / "data" / "shakespeare" / "input.txt"
 SENTENCEPIECE_SAMPLE_CHARS = 20_000_000  # BPE merges are learned from the first this many characters of train
@@ -206,37 +207,10 @@ def _tokenize(documents, directory, dtype, num_proc):
 # -----------------------------------------------------------------------------
 # the command line
 
-def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.data.tokens",
-                                     description="Prepare token bins for basic_training.py --dataset_path.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    # The flags are basic_training.py's, with its names and defaults.
-    p = commands.add_parser("prepare", help="tokenize a dataset into train.bin, val.bin and meta.json",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dataset", required=True, choices=("openwebtext", "shakespeare", "text", "hf"),
-                   help=f"openwebtext: {OPENWEBTEXT} from the hub (or --input_file, a local copy); shakespeare: "
-                        "the repository's data/shakespeare/input.txt; text: --input_file is a text/.jsonl file or a "
-                        "directory of .txt/.jsonl files; hf: --input_file is a hub dataset (NAME or NAME:CONFIG) or "
-                        "a save_to_disk directory")
-    p.add_argument("--input_file", help="the source for --dataset text and hf (see --dataset)")
-    p.add_argument("--tokenizer", default="char", choices=TOKENIZER_KINDS,
-                   help="char and sentencepiece are fit on the data; gpt2 (GPT-2's BPE, what openwebtext runs use) "
-                        "needs tiktoken's encoding file")
-    p.add_argument("--tokenizer_dir", help="use the tokenizer in this directory (replaces --tokenizer): a Hugging "
-                                           "Face model's (Llama 3's, say), a prepared dataset's or a checkpoint's")
-    p.add_argument("--vocab_size", type=int, help="BPE vocabulary for --tokenizer sentencepiece")
-    p.add_argument("--val_fraction", type=float,
-                   help="share of documents held out for validation (default 0.0005 for openwebtext, else 0.1)")
-    p.add_argument("--seed", type=int, default=1337, help="picks which documents are held out")
-    p.add_argument("--data_dir", default="data", help="the output goes to <data_dir>/<name>/<tokenizer>")
-    p.add_argument("--output", help="write here instead of <data_dir>/<name>/<tokenizer>")
-    p.add_argument("--num_proc", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
-    return parser
-
-
 @one_line_errors
-def main(argv=None):
-    return run(build_parser().parse_args(argv))
+def main(argv=None, cfg=None):
+    """`minimal-fsdp prepare`: the flags (or PrepareFlags parsed already) -> the prepared directory."""
+    return run(cfg or parse(PrepareFlags, argv))
 
 
 def run(args):

@@ -1,6 +1,6 @@
 """Prepared token memmaps (train.bin, val.bin, meta.json) and the sampler that reads batches from them.
 
-`python -m minimal_fsdp.data.tokens prepare ...` prepares a dataset ahead of training (prepare.py); training prepares
+`minimal-fsdp prepare ...` prepares a dataset ahead of training (prepare.py); training prepares
 Shakespeare or one --input_file itself on first use (prepared_dir).
 """
 import functools
@@ -33,13 +33,13 @@ def dataset_dir(cfg, tokenizer=None):
 def prepared_dir(cfg, tokenizer=None):
     """The prepared dataset's directory, tokenizing the text into flat memmaps on first use.
     Uses `tokenizer` if given, else builds the --tokenizer kind from the text. Runs on rank 0 only
-    (big datasets: prepare them ahead with `python -m minimal_fsdp.data.tokens prepare`)."""
+    (big datasets: prepare them ahead with `minimal-fsdp prepare`)."""
     out = dataset_dir(cfg, tokenizer)
     if cfg.dataset_path:
         if (out / "meta.json").exists():
             return str(out)
-        raise ConfigError(f"--dataset_path {out} has no meta.json: prepare it first (python -m minimal_fsdp.data.tokens "
-                          f"prepare --dataset text --input_file SOURCE --output {out}), or add --streaming to read "
+        raise ConfigError(f"--dataset_path {out} has no meta.json: prepare it first (minimal-fsdp prepare "
+                          f"--dataset text --input_file SOURCE --output {out}), or add --streaming to read "
                           "a .jsonl/Hugging Face dataset directly")
     if cfg.dataset == "shakespeare":
         documents = shakespeare_documents(cfg.data_dir)
@@ -173,8 +173,3 @@ class TokenData:
         """Continue the block stream where a checkpoint left it, at optimizer step `step`, even if the world size
         or batch size changed since."""
         self.origin = (step, state["train_blocks_seen"])
-
-
-if __name__ == "__main__":
-    from minimal_fsdp.data.prepare import main
-    main()

@@ -1,16 +1,17 @@
 """A run's loss curves as a PNG, from its metrics.jsonl; several runs on one plot to compare them:
 
-    python -m minimal_fsdp.tools.plot logs/shakespeare              # writes logs/shakespeare/loss.png
-    python -m minimal_fsdp.tools.plot logs/shakespeare --out a.png
-    python -m minimal_fsdp.tools.plot logs/bf16 logs/fp8 --out bf16_vs_fp8.png   # default: logs/loss.png
+    minimal-fsdp plot logs/shakespeare              # writes logs/shakespeare/loss.png
+    minimal-fsdp plot logs/shakespeare --out a.png
+    minimal-fsdp plot logs/bf16 logs/fp8 --out bf16_vs_fp8.png   # default: logs/loss.png
 
 Needs matplotlib (pip install matplotlib, or pip install -e ".[plot]"); TensorBoard shows the same curves live.
 """
-import argparse
 import json
 from pathlib import Path
 
+from minimal_fsdp.config.commands import PlotFlags
 from minimal_fsdp.config.flags import ConfigError, one_line_errors
+from minimal_fsdp.config.parser import parse
 
 
 def read_metrics(run_dir):
@@ -60,13 +61,7 @@ def plot(run_dirs, out=None):
 
 
 @one_line_errors
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.tools.plot", description=__doc__.split("\n")[0])
-    parser.add_argument("run_dir", nargs="+", help="a run's log directory, <log_dir>/<run_name>; several to compare")
-    parser.add_argument("--out", help="PNG to write (default: <run_dir>/loss.png; several runs: <log_dir>/loss.png)")
-    args = parser.parse_args(argv)
+def main(argv=None, cfg=None):
+    """`minimal-fsdp plot`: the flags (or PlotFlags parsed already) -> the PNG's path on stdout."""
+    args = cfg or parse(PlotFlags, argv)
     print(plot(args.run_dir, args.out))
-
-
-if __name__ == "__main__":
-    main()

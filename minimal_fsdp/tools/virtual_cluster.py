@@ -8,16 +8,15 @@ its own, so the machine's own network is never touched. Built with pyroute2 (pur
 on GPU machines that lack it); needs root. Everything is torn down when the `with` block or the command ends, on
 failure and Ctrl-C too; the namespaces of a cluster whose owner was killed are swept at the next start.
 
-    python -m minimal_fsdp.tools.virtual_cluster job --hosts 2 -- bash pbs/train_multi_node.sh
-    python -m minimal_fsdp.tools.virtual_cluster job --hosts 2 --rate 10gbit --delay 1ms -- \\
+    minimal-fsdp cluster --hosts 2 -- bash pbs/train_multi_node.sh
+    minimal-fsdp cluster --hosts 2 --rate 10gbit --delay 1ms -- \\
         mpiexec -n 4 -ppn 2 -hosts node0,node1 python basic_training.py --sharding hybrid-full-shard
-    python -m minimal_fsdp.tools.virtual_cluster job --hosts 2 -- bash       # a shell on node0; `ssh node1 hostname`
+    minimal-fsdp cluster --hosts 2 -- bash       # a shell on node0; `ssh node1 hostname`
 
-`job` runs its command on the first host, as a batch script runs on a job's first node, with PBS_NODEFILE, a
+The command runs its COMMAND on the first host, as a batch script runs on a job's first node, with PBS_NODEFILE, a
 hostfile and a stand-in for ssh (first in PATH, and named to Hydra and Open MPI) that enters the named host.
 See docs/virtual_cluster.md.
 """
-import argparse
 import contextlib
 import ctypes
 import itertools
@@ -325,35 +324,17 @@ def sweep():
     _remove(stale)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.tools.virtual_cluster",
-                                     description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="what", required=True)
-    job = sub.add_parser("job", help="make the hosts, run a command on the first as a job script, tear down")
-    job.add_argument("--hosts", type=int, default=2)
-    job.add_argument("--slots", type=int, default=1, help="times each host is listed in PBS_NODEFILE")
-    job.add_argument("--rate", help="each host's link rate, e.g. 10gbit (up to 34gbit; unshaped above)")
-    job.add_argument("--delay", help="each host's link latency, e.g. 1ms")
-    job.add_argument("--loss", type=float, help="percent of packets lost on each link")
-    job.add_argument("--node_local", help="a path that is a different directory on each host (a node-local disk)")
-    job.add_argument("--resolve", choices=["all", "none", "loopback"], default="all",
-                     help="which hostnames resolve in each host's /etc/hosts (default: all)")
-    job.add_argument("command", nargs=argparse.REMAINDER)
-    run = sub.add_parser("exec", help="(used by the ssh stand-in) run a command on one host of a cluster")
-    run.add_argument("--state", required=True)
-    run.add_argument("host")
-    run.add_argument("command", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+def main(argv=None, cfg=None):
+    """`minimal-fsdp cluster`: the flags (or ClusterFlags parsed already) -> the hosts, the command run on the
+    first, its exit code."""
+    if cfg is None:
+        from minimal_fsdp.config.commands import ClusterFlags
+        from minimal_fsdp.config.parser import parse
+        cfg = parse(ClusterFlags, argv)
+    args = cfg
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        parser.error("give the command after --")
-    if args.what == "exec":
-        state = json.loads((Path(args.state) / "cluster.json").read_text())
-        if args.host not in state["hosts"]:
-            sys.exit(f"ssh: Could not resolve hostname {args.host}: not a host of this virtual cluster")
-        enter(state, args.host)
-        os.execvp(command[0], command)
+        sys.exit("error: give the command after --")
     why = unavailable()
     if why:
         sys.exit(f"error: cannot make virtual hosts here: {why}")
@@ -378,5 +359,18 @@ def main(argv=None):
     sys.exit(code)
 
 
-if __name__ == "__main__":
-    main()
+def exec_on_host(argv):
+    """The ssh stand-in's `exec --state DIR HOST -- COMMAND...` (written by Cluster, never typed): COMMAND run
+    inside HOST's namespaces."""
+    if len(argv) < 6 or argv[:2] != ["exec", "--state"] or argv[4] != "--":
+        sys.exit("usage: python -m minimal_fsdp.tools.virtual_cluster exec --state DIR HOST -- COMMAND ...")
+    state_dir, host, command = argv[2], argv[3], argv[5:]
+    state = json.loads((Path(state_dir) / "cluster.json").read_text())
+    if host not in state["hosts"]:
+        sys.exit(f"ssh: Could not resolve hostname {host}: not a host of this virtual cluster")
+    enter(state, host)
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":  # only the ssh stand-in's entry; people run `minimal-fsdp cluster`
+    exec_on_host(sys.argv[1:])

@@ -244,7 +244,7 @@ def test_an_unprepared_dataset_path_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError) as raised:
         prepared_dir(parse_args(["--dataset_path", str(tmp_path)]))
     assert str(raised.value) == (
-        f"--dataset_path {tmp_path} has no meta.json: prepare it first (python -m minimal_fsdp.data.tokens prepare "
+        f"--dataset_path {tmp_path} has no meta.json: prepare it first (minimal-fsdp prepare "
         f"--dataset text --input_file SOURCE --output {tmp_path}), or add --streaming to read a .jsonl/Hugging "
         "Face dataset directly")
 

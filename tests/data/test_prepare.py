@@ -1,4 +1,4 @@
-"""python -m minimal_fsdp.data.tokens prepare: documents from JSONL/text files and Hugging Face datasets -> bins."""
+"""minimal-fsdp prepare: documents from JSONL/text files and Hugging Face datasets -> bins."""
 import json
 import os
 import random
@@ -13,7 +13,9 @@ from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.data import documents
 from minimal_fsdp.data import prepare
+from minimal_fsdp.config.commands import PrepareFlags
 from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.parser import parse
 from minimal_fsdp.data.tokens import TokenData
 from minimal_fsdp.data.documents import encode_document, is_val, open_documents
 from minimal_fsdp.data.tokenizer import load_tokenizer
@@ -36,7 +38,7 @@ def write_jsonl(directory, documents, files=2):
 
 
 def run_cli(*args, num_proc=1):
-    return prepare.main(["prepare", *map(str, args), "--num_proc", str(num_proc)])
+    return prepare.main([*map(str, args), "--num_proc", str(num_proc)])
 
 
 def expected_split(documents, tokenizer, split, seed=1337, val_fraction=0.1):
@@ -117,21 +119,21 @@ def test_bad_input_is_one_clear_error(tmp_path, files, message):
     for name, content in files.items():
         (source / name).write_text(content)
     with pytest.raises(ConfigError, match=message):
-        prepare.run(prepare.build_parser().parse_args(
-            ["prepare", "--dataset", "text", "--input_file", str(source), "--tokenizer", "char", "--output",
+        prepare.run(parse(PrepareFlags,
+            ["--dataset", "text", "--input_file", str(source), "--tokenizer", "char", "--output",
              str(tmp_path / "out")]))
 
 
 def test_missing_datasets_package_names_the_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ConfigError, match=r"needs the datasets package: pip install datasets"):
-        prepare.run(prepare.build_parser().parse_args(["prepare", "--dataset", "openwebtext"]))
+        prepare.run(parse(PrepareFlags, ["--dataset", "openwebtext"]))
 
 
 def test_openwebtext_offline_is_one_line(tmp_path):
     pytest.importorskip("datasets")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
-    result = subprocess.run([sys.executable, "-m", "minimal_fsdp.data.tokens", "prepare", "--dataset", "openwebtext"],
+    result = subprocess.run([sys.executable, "-m", "minimal_fsdp", "prepare", "--dataset", "openwebtext"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -170,11 +172,11 @@ def test_hub_names_reach_load_dataset_with_their_config(tmp_path, monkeypatch):
 def test_the_prepare_command_refuses_an_edited_source(tmp_path):
     path = tmp_path / "my.txt"
     path.write_text(make_text(5_000))
-    args = ["prepare", "--dataset", "text", "--input_file", str(path), "--data_dir", str(tmp_path / "data"),
+    args = ["--dataset", "text", "--input_file", str(path), "--data_dir", str(tmp_path / "data"),
             "--num_proc", "1"]
-    prepare.run(prepare.build_parser().parse_args(args))
-    prepare.run(prepare.build_parser().parse_args(args))  # unchanged: "prepared already"
+    prepare.run(parse(PrepareFlags, args))
+    prepare.run(parse(PrepareFlags, args))  # unchanged: "prepared already"
     path.write_text(make_text(5_000, seed=3))
     with pytest.raises(ConfigError, match="differs from it now .*: delete .* to prepare it again, or pass another "
                                           "--output"):
-        prepare.run(prepare.build_parser().parse_args(args))
+        prepare.run(parse(PrepareFlags, args))

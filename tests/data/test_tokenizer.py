@@ -244,7 +244,7 @@ def test_a_directory_without_a_tokenizer_or_with_a_bad_one(tmp_path, offline):
 
 
 # -----------------------------------------------------------------------------
-# --tokenizer_dir: a directory's tokenizer for a fresh model, and for `python -m minimal_fsdp.data.tokens prepare`
+# --tokenizer_dir: a directory's tokenizer for a fresh model, and for `minimal-fsdp prepare`
 
 def test_tokenizer_dir_flag_rules():
     from minimal_fsdp.config.flags import ConfigError, parse_args
@@ -283,7 +283,7 @@ def test_prepare_with_a_tokenizer_dir(tmp_path, offline):
     tokenizer = load_tokenizer(directory)
     documents = [sample_text(20, seed=i) + f"\ndocument {i} \u00e9\u00e8 \U0001F600" for i in range(40)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
-    out = prepare.main(["prepare", "--dataset", "text", "--input_file", str(tmp_path / "docs.jsonl"), "--tokenizer_dir",
+    out = prepare.main(["--dataset", "text", "--input_file", str(tmp_path / "docs.jsonl"), "--tokenizer_dir",
                         str(directory), "--data_dir", str(tmp_path / "data"), "--num_proc", "2"])
     assert out == tmp_path / "data" / "docs" / tokenizer.label
     data = TokenData(out)  # the workers tokenized with the tokenizer saved there
