@@ -31,12 +31,21 @@ MIN_FEATURES = 256
 NOT_CALLED = ("attn.qkv",)
 
 
+def converts(name, in_features, out_features):
+    """Whether --precision fp8 turns the linear layer `name` (within a block) into a float8 one."""
+    return (not name.endswith(NOT_CALLED) and in_features % 16 == 0 and out_features % 16 == 0
+            and min(in_features, out_features) >= MIN_FEATURES)
+
+
 def convertible(model):
     """(name, layer) of every linear layer --precision fp8 turns into a float8 one."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and name.startswith("blocks.") and not name.endswith(NOT_CALLED)
-            and m.in_features % 16 == 0 and m.out_features % 16 == 0
-            and min(m.in_features, m.out_features) >= MIN_FEATURES]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
+            and name.startswith("blocks.") and converts(name, m.in_features, m.out_features)]
+
+
+def block_shapes(sizes):
+    """(in, out) features of each linear layer of one block that --precision fp8 converts (models.size.Sizes)."""
+    return tuple((i, o) for name, i, o in sizes.block_linears if converts(name, i, o))
 
 
 def check_device(device):

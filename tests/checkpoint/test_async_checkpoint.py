@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from conftest import TINY_MODEL, make_text
 from faults import launch_with_faults
+from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.checkpoint import background as checkpoint_async
 from minimal_fsdp.checkpoint import find as checkpoint_find
@@ -291,7 +292,7 @@ def test_staging_memory_is_the_ranks_weights_and_moments_in_the_planner_and_the_
     assert checkpoint_async.staging_bytes(model, decentralized=True) == 23 * 24  # each replica and the average
     assert checkpoint_async.staging_bytes(model, decentralized=True, average_only=True) == 23 * 12
     config = make_config("llama", "llama2-7b")
-    total = model_size.count_parameters("llama", config).total
+    total = count_parameters(config).total
     plan = dict(model_type="llama", config=config, batch_size=1, sharding="full-shard", world_size=8,
                 shard_group_size=8, recompute="full", cpu_offload=False, precision="bf16")
     synchronous = model_size.estimate(**plan, checkpoint_mode="sync")

@@ -14,7 +14,8 @@ from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.models.families import MODELS, make_config
-from minimal_fsdp.parallel.plan import STRATEGIES, count_params, layout, make_plan, strategy
+from minimal_fsdp.models.size import count_parameters
+from minimal_fsdp.parallel.plan import STRATEGIES, layout, make_plan, strategy
 
 
 CONFIG = GPTConfig(vocab_size=64, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
@@ -243,7 +244,7 @@ def test_the_plan_counts_every_parameter_from_the_config(make):
     config = make()
     with torch.device("meta"):
         model = MODELS[config.model_type](config)
-    assert count_params(config) == model.num_params(non_embedding=False) == \
+    assert count_parameters(config).total == model.num_params(non_embedding=False) == \
         sum(p.numel() for p in model.parameters())
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.tools import model_size
 from minimal_fsdp.tools import step_time
 from minimal_fsdp.config.flags import Config, ConfigError
@@ -113,7 +114,7 @@ def test_estimate_counts_the_gradients_kept_between_micro_steps(one_rank_group, 
                                                            accum=accum), tmp_path)
         estimated[accum] = model_size.estimate("gpt", config, 1, "full-shard", 1, 1, "none", False, "float32",
                                                device_type="cpu", grad_accum_steps=accum)["gpu"]
-    grads = 4 * model_size.count_parameters("gpt", config).total
+    grads = 4 * count_parameters(config).total
     assert measured[2] - measured[1] > grads / 2  # the measurement sees the kept gradients
     assert estimated[2] == pytest.approx(measured[2], rel=0.12), (estimated, measured)
 
@@ -162,7 +163,7 @@ def test_estimate_within_25_percent_of_cuda_peak(one_rank_group, model_type, con
 @pytest.mark.parametrize("model_type,preset", [("gpt", "gpt2-xl"), ("llama", "llama2-70b"), ("llama", "llama3-8b")])
 def test_parameter_counts_match_the_built_model(model_type, preset):
     config = make_config(model_type, preset)
-    sizes = model_size.count_parameters(model_type, config)
+    sizes = count_parameters(config)
     with torch.device("meta"):
         model = MODELS[model_type](config)
     assert sizes.total == sum(p.numel() for p in model.parameters())
@@ -179,7 +180,7 @@ def test_sharding_checkpointing_and_offload_move_memory_where_expected():
     assert e("full-shard", ckpt="full")["gpu"] < e("full-shard", ckpt="selective")["gpu"] < e("full-shard")["gpu"]
     offloaded = e("full-shard", offload=True)
     assert offloaded["state"] == 0 and offloaded["host"] - model_size.HOST_PER_PROCESS == pytest.approx(
-        16 * model_size.count_parameters("llama", config).total / 8)
+        16 * count_parameters(config).total / 8)
 
 
 def test_cli_prints_every_combination_and_marks_fits(capsys):
@@ -233,7 +234,7 @@ def test_planner_gathers_a_whole_model_unit_at_once():
     held for the one reduce-scatter; per block, two at a time. no-shard over ranks: the unit (auto here) holds
     every unsharded gradient for its one all-reduce; DDP's (block) are bucketed, every parameter gathered in both."""
     config = GPTConfig(vocab_size=2048, seq_length=128, num_layers=4, num_heads=4, embed_size=128)
-    sizes = model_size.count_parameters("gpt", config)
+    sizes = count_parameters(config)
 
     def plan(unit, sharding="full-shard"):
         return model_size.estimate("gpt", config, 8, sharding, 4, 4, "none", False, "bf16", fsdp_unit=unit)
@@ -254,7 +255,7 @@ def test_the_planner_asks_the_plans_own_strategy(monkeypatch):
     monkeypatch.setattr(model_size, "strategy", lambda *args: asked.append(args) or plan_module.strategy(*args))
     config = GPTConfig(vocab_size=2048, seq_length=128, num_layers=4, num_heads=4, embed_size=256)
     model_size.estimate("gpt", config, 8, "no-shard", 2, 1, "none", False, "fp8", fsdp_unit="auto")
-    assert asked == [("no-shard", 2, model_size.count_parameters("gpt", config).total, "auto", False, True)]
+    assert asked == [("no-shard", 2, count_parameters(config).total, "auto", False, True)]
     assert plan_module.strategy(*asked[0]) == "ddp"  # float8 layers: DDP, not the one unit
 
 
@@ -340,7 +341,7 @@ MEASURED_ACROSS_HOSTS = [(10, "full-shard", 535.8), (10, "hybrid-full-shard", 48
 
 def gpt2_step(sharding, gbps, hosts=2, per_host=2, log_interval=1, **kwargs):
     config = make_config("gpt", "gpt2", vocab_size=50304)
-    sizes = model_size.count_parameters("gpt", config)
+    sizes = count_parameters(config)
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")  # eager, as the runs were
     return step_time.estimate_step(sharding, sizes.total, step_time.flops_per_token(sizes, config), 32 * 1024,
                                    hosts * per_host, per_host, per_host, gbps, flops, log_interval=log_interval,
@@ -396,7 +397,7 @@ def llama_1b():
 def test_the_1b_on_two_gpus_a_host_within_25_percent():
     """The ~1B Llama on 2 x 2 at 25 Gbit/s: -4.2% (FSDP2 per block), -7.4% (hybrid), -13.6% (DDP), -11.3% (gossip)."""
     config = llama_1b()
-    sizes = model_size.count_parameters("llama", config)
+    sizes = count_parameters(config)
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")
     for sharding, chosen, measured_ms in MEASURED_2X2_LLAMA:
         estimated = step_time.estimate_step(sharding, sizes.total, step_time.flops_per_token(sizes, config),
@@ -438,7 +439,7 @@ def test_large_models_overlap_measured_within_25_percent():
     """FSDP2 per block (full-shard) and DDP (no-shard) of a ~1B Llama (benchmarks/multihost.py's llama-1b), 2 hosts
     x 1 H200 at 10 Gbit/s: 3780.1 and 3911.2 ms measured; estimated -3.2% and -4.8%. The link is ~97% of both."""
     config = llama_1b()
-    sizes = model_size.count_parameters("llama", config)
+    sizes = count_parameters(config)
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")
     for sharding, chosen, measured_ms in (("full-shard", "fsdp-block", 3780.1), ("no-shard", "ddp", 3911.2)):
         estimated = step_time.estimate_step(sharding, sizes.total, step_time.flops_per_token(sizes, config),
@@ -464,10 +465,10 @@ def test_reduce_precision_measured_across_hosts_within_25_percent(model, shardin
     block) and 1.74x (DDP) faster than float32 at 10 Gbit/s; estimated +3.7/+7.7%, -4.7/-4.4%, -2.3/-13.4%."""
     if model == "gpt2":
         config = make_config("gpt", "gpt2", vocab_size=50304)
-        sizes, tokens = model_size.count_parameters("gpt", config), 32 * 1024
+        sizes, tokens = count_parameters(config), 32 * 1024
     else:
         config = llama_1b()
-        sizes, tokens = model_size.count_parameters("llama", config), 4 * 2048
+        sizes, tokens = count_parameters(config), 4 * 2048
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")
     estimated = step_time.estimate_step(sharding, sizes.total, step_time.flops_per_token(sizes, config), tokens, 2, 1,
                                         1, 10, flops, log_interval=1, reduce_precision=reduce)
@@ -479,7 +480,7 @@ def test_bf16_sums_leave_out_the_fp32_copies_of_the_gradients():
     """--reduce_precision bf16 with bf16 compute: FSDP2 reduces the gradients as they are (no fp32 copy of the ~2
     blocks in flight) and adds the micro-steps' in bf16, not fp32 (2 bytes a parameter less)."""
     config = make_config("llama", "llama2-7b")
-    sizes = model_size.count_parameters("llama", config)
+    sizes = count_parameters(config)
     peak = {reduce: model_size.estimate("llama", config, 1, "full-shard", 8, 8, "full", False, "bf16",
                                         grad_accum_steps=2, reduce_precision=reduce)["gpu"]
             for reduce in ("float32", "bf16")}
@@ -490,8 +491,8 @@ def test_flops_per_token_is_what_training_logs_mfu_with():
     config = make_config("llama", "llama3-8b")
     with torch.device("meta"):
         model = MODELS["llama"](config)
-    assert step_time.flops_per_token(model_size.count_parameters("llama", config), config) == model.flops_per_token()
-    assert step_time.flops_per_token(model_size.count_parameters("gpt", GPT2), GPT2) == 855_383_040  # RESULTS' MFU
+    assert step_time.flops_per_token(count_parameters(config), config) == model.flops_per_token()
+    assert step_time.flops_per_token(count_parameters(GPT2), GPT2) == 855_383_040  # RESULTS' MFU
 
 
 def test_link_bytes_of_each_strategy_between_two_hosts():
@@ -538,7 +539,7 @@ def test_step_time_waits_for_the_link_or_overlaps_it():
     """The one unit waits for its collectives (compute + link); FSDP2's blocks overlap them (the longer counts);
     DDP overlaps backward's two thirds; a faster link or a single host leaves compute alone."""
     config = make_config("llama", "llama2-7b")
-    sizes = model_size.count_parameters("llama", config)
+    sizes = count_parameters(config)
     flops, mfu = step_time.achieved_flops("H100", None, True, "bf16")
     assert mfu == step_time.CARDS["H100"].mfu_compiled and flops == pytest.approx(989e12 * mfu)
 
