@@ -1,22 +1,24 @@
 """Text from a trained model: a checkpoint, an export, or a Hugging Face model directory.
 
-    python -m minimal_fsdp.inference.sample checkpoints/shakespeare --prompt "ROMEO:"        # the run's newest checkpoint
-    python -m minimal_fsdp.inference.sample checkpoints/shakespeare/best --temperature 0      # greedy, from the best one
-    python -m minimal_fsdp.inference.sample exported/ --prompt "Once upon a time" --top_k 20  # an export, either --format
-    python -m minimal_fsdp.inference.sample ~/models/Llama-3.2-1B --prompt "The capital of France is" --num_tokens 20
-    mpiexec -n 4 python -m minimal_fsdp.inference.sample ~/models/Llama-2-13b-hf --precision bf16   # sharded over 4 GPUs
+    minimal-fsdp sample checkpoints/shakespeare --prompt "ROMEO:"        # the run's newest checkpoint
+    minimal-fsdp sample checkpoints/shakespeare/best --temperature 0      # greedy, from the best one
+    minimal-fsdp sample exported/ --prompt "Once upon a time" --top_k 20  # an export, either --format
+    minimal-fsdp sample ~/models/Llama-3.2-1B --prompt "The capital of France is" --num_tokens 20
+    mpiexec -n 4 minimal-fsdp sample ~/models/Llama-2-13b-hf --precision bf16   # sharded over 4 GPUs
 
 One process on the CPU or one GPU; under mpiexec (or torchrun, srun) the model is sharded over the ranks with
 FSDP2, as in training. The tokenizer is the one the source carries. The text goes to stdout, what was loaded
 to stderr. basic_training.py --max_epochs -1 loads its model through here too.
 """
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from minimal_fsdp.config.commands import SampleFlags
+from minimal_fsdp.config.flags import one_line_errors
+from minimal_fsdp.config.parser import parse
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
@@ -135,23 +137,9 @@ def describe(source, model, tokenizer, env):
         f"tokenizer: {tokenizer.kind}, {tokenizer.vocab_size} tokens"])
 
 
-def build_parser():
-    defaults = Config()
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.inference.sample", description=__doc__.split("\n")[0])
-    parser.add_argument("source", help="a checkpoint (step_<N>, a run directory, its latest/best marker), an "
-                                       "export (python -m minimal_fsdp.hf.export), or a Hugging Face model directory")
-    parser.add_argument("--prompt", default="", help="text to continue (default: none, a fresh document)")
-    parser.add_argument("--num_tokens", type=int, default=defaults.num_tokens, help="tokens to generate")
-    parser.add_argument("--temperature", type=float, default=defaults.temperature, help="0: greedy")
-    parser.add_argument("--top_k", type=int, default=defaults.top_k, help="sample from the k most likely (0: all)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="the same seed gives the same text")
-    parser.add_argument("--precision", choices=("float32", "bf16"), default="float32",
-                        help="bf16: matmuls in bf16 (fast on GPUs); the weights stay float32, sharded")
-    return parser
-
-
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def main(argv=None, cfg=None):
+    """`minimal-fsdp sample`: the flags (or SampleFlags parsed already) -> the text on stdout."""
+    args = cfg or one_line_errors(parse)(SampleFlags, argv)
     cfg = Config(prompt=args.prompt, num_tokens=args.num_tokens, temperature=args.temperature, top_k=args.top_k,
                  seed=args.seed, precision=args.precision, max_epochs=-1, tensorboard=False)
     try:
@@ -174,7 +162,3 @@ def main(argv=None):
     except environment.MainRankFailed as e:  # a bug on rank 0, which printed its traceback
         environment.exit_on_error(e, 1)
     environment.teardown()
-
-
-if __name__ == "__main__":
-    main()
