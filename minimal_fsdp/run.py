@@ -22,13 +22,13 @@ from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.launch import environment
 from minimal_fsdp import files
 from minimal_fsdp.hf import read as hf
-from minimal_fsdp.inference import sample
+from minimal_fsdp.inference import load
 from minimal_fsdp.backends.default import Torch
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args, validate_world
 from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
 from minimal_fsdp.data.tokens import TokenData, prepared_dir
 from minimal_fsdp.inference.generate import generate
-from minimal_fsdp.tools.model_size import count_parameters
+from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.models.families import config_from_flags, with_document_mask
 from minimal_fsdp.parallel.plan import apply_process_settings, make_plan
 from minimal_fsdp.launch.resilience import Diverged, StopRequests
@@ -81,18 +81,20 @@ def run(cfg):
     try:
         start = checkpoint_find.find(cfg)  # rank 0 picks it, all ranks check it: all load the same one
         if cfg.generate_only:
-            model, tokenizer = generation_model(cfg, env, start, hf_dir)
+            (model, tokenizer), samples = generation_model(cfg, env, start, hf_dir), True
         else:
-            model, tokenizer = train_model(cfg, env, start, hf_dir, stop)
+            model, tokenizer, samples = train_model(cfg, env, start, hf_dir, stop)
     finally:
         lock.release()
     # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes at once.
-    if cfg.num_tokens > 0 and not stop.reason:
+    if samples and cfg.num_tokens > 0 and not stop.reason:
         dtype = torch.float32 if cfg.precision == "float32" else torch.bfloat16
-        text = generate(model, tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k, cfg.seed,
-                        env.device, dtype)
         if env.is_main:
-            print("-" * 40 + "\n" + text + "\n" + "-" * 40, flush=True)
+            print("-" * 40, flush=True)
+        generate(model, tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k, cfg.seed, env.device,
+                 dtype, stream=load.printer() if env.is_main else None)  # written as it is generated
+        if env.is_main:
+            print("\n" + "-" * 40, flush=True)
     # FSDP state and the device mesh refer to the process groups: let them go, so the groups (and gloo's worker
     # threads) end inside teardown, not during interpreter shutdown, where that can abort the process.
     del model
@@ -126,7 +128,7 @@ def train_model(cfg, env, start, hf_dir, stop):
     model to sample from (the trained one; under XLA, the host's copy of the checkpoint just saved) and the data's
     tokenizer."""
     data = open_data(cfg, env, hf_dir)
-    check_prompt(cfg, data.tokenizer, env)
+    samples = check_prompt(cfg, data.tokenizer, env)
     model_config = hf.read_model_config(hf_dir, cfg) if hf_dir else config_from_flags(cfg, data.meta["vocab_size"])
     model_config = with_document_mask(model_config, cfg, data.tokenizer)
     data.check(model_config.seq_length, model_config.vocab_size)
@@ -156,10 +158,10 @@ def train_model(cfg, env, start, hf_dir, stop):
     if env.is_main:
         print(log.summary(), flush=True)
     if not backend.samples_on_host:
-        return model, data.tokenizer
-    if cfg.num_tokens > 0 and not stop.reason:  # from the checkpoint just saved (or resumed), as --max_epochs -1
-        return generation_model(dataclasses.replace(cfg, max_epochs=-1), env, log.checkpoint or start, None)
-    return None, data.tokenizer
+        return model, data.tokenizer, samples
+    if samples and not stop.reason:  # from the checkpoint just saved (or resumed), as --max_epochs -1
+        return *generation_model(dataclasses.replace(cfg, max_epochs=-1), env, log.checkpoint or start, None), True
+    return None, data.tokenizer, False
 
 
 def backend_for(cfg, env, plan):
@@ -173,18 +175,20 @@ def backend_for(cfg, env, plan):
 
 def check_prompt(cfg, tokenizer, env):
     """Encode --prompt before training, not after it: a prompt the data's tokenizer cannot encode (a character
-    vocabulary without capitals) is refused now; the default prompt only drops the sample, with one line."""
+    vocabulary without capitals) is refused now; the default prompt only drops the sample, with one line.
+    Returns whether the run ends with a sample."""
     if cfg.num_tokens == 0:
-        return
+        return False
     try:
         tokenizer.encode(cfg.prompt)
+        return True
     except ConfigError as e:
         if cfg.prompt != Config.prompt:
             raise ConfigError(f"--prompt {cfg.prompt!r}: {e}; or pass --num_tokens 0 for no sample") from None
         if env.is_main:
             print(f"no sample at the end: the default --prompt {cfg.prompt!r} does not encode with this data's "
                   f"tokenizer ({e}); pass --prompt with text from your data (or --num_tokens 0 to say so)", flush=True)
-        cfg.num_tokens = 0  # only the sample at the end reads it
+        return False
 
 
 def check_fits(cfg, env, model_config):
@@ -196,7 +200,7 @@ def check_fits(cfg, env, model_config):
     c = model_config  # first a lower bound in Python's integers: an absurd shape overflows torch's size arithmetic
     lower = c.vocab_size * c.embed_size + c.num_layers * 2 * c.embed_size ** 2
     check_sizes(cfg, c.seq_length, lower, env.local_world_size, free, env.device.type, env.world_size, at_least=True)
-    num_params = count_parameters(c.model_type, c).total
+    num_params = count_parameters(c).total
     check_sizes(cfg, c.seq_length, num_params, env.local_world_size, free, env.device.type, env.world_size)
 
 
@@ -226,13 +230,11 @@ def check_resumable(cfg, start, model_config, env):
 
 def generation_model(cfg, env, start, hf_dir):
     """The model to sample from and its tokenizer: the --hf_model itself, or the checkpoint (whose meta.json
-    gives the shape, so no model flags are repeated)."""
+    gives the shape, so no model flags are repeated), loaded as the sample command loads it (inference.load)."""
     if not hf_dir and start is None:
         raise ConfigError(f"--max_epochs -1 generates from a checkpoint, but {Path(cfg.checkpoint_dir) / cfg.run_name} "
                           "has none: train first or pass --restart_checkpoint_file")
-    source = environment.run_on_main(sample.open_source, str(hf_dir or start), cfg.seq_length)
-    tokenizer = given_tokenizer(cfg) or sample.source_tokenizer(source)
-    model = sample.load_model(source, plan_run(cfg, env, source.config, loads_weights=True), env)
+    loaded = load.load(hf_dir or start, cfg, env, cfg.seq_length, given_tokenizer(cfg), cfg.num_tokens)
     if env.is_main:
-        print(sample.describe(source, model, tokenizer, env), flush=True)
-    return model, tokenizer
+        print(load.describe(loaded.source, loaded.model, loaded.tokenizer, env), flush=True)
+    return loaded.model, loaded.tokenizer

@@ -48,12 +48,15 @@ class CharTokenizer:
     def encode(self, text):
         try:
             return [self.stoi[ch] for ch in text]
-        except KeyError as e:
-            ch = e.args[0]
+        except KeyError:
+            missing = sorted(set(text) - self.stoi.keys())  # every one, so one fix covers them all
+            shown = ", ".join(f"{ch!r} (U+{ord(ch):04X})" for ch in missing[:20])
+            more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
             raise TokenizerError(
-                f"character {ch!r} (U+{ord(ch):04X}) is not in the --tokenizer char vocabulary "
-                f"built from the training text: rebuild it from text that contains it, "
-                f"or use --tokenizer gpt2 / sentencepiece") from None
+                f"{'character' if len(missing) == 1 else f'{len(missing)} characters'} {shown}{more} "
+                f"{'is' if len(missing) == 1 else 'are'} not in the --tokenizer char vocabulary "
+                f"built from the training text: rebuild it from text that contains "
+                f"{'it' if len(missing) == 1 else 'them'}, or use --tokenizer gpt2 / sentencepiece") from None
 
     def encode_batch(self, texts):
         return [self.encode(text) for text in texts]

@@ -7,6 +7,7 @@ import base64
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from minimal_fsdp.config.choices import ConfigError
@@ -19,6 +20,28 @@ EOS_GUESSES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 class TokenizerError(ConfigError):
     """A one-line, user-facing problem with the tokenizer settings or files."""
+
+
+# The `tokenizers` library raises Exception for what it checks, and pyo3's PanicException (a BaseException) where
+# its Rust code panics on a model it did not check (affixes or merges it cannot apply): both caught, not Ctrl-C.
+INTERRUPTS = (KeyboardInterrupt, SystemExit, GeneratorExit)
+PROBE = "Probe: a text, 0-9, a space and\na newline."
+
+
+def _first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+@contextmanager
+def _one_line(what):
+    """A panic inside the library while it runs is a TokenizerError, not a traceback."""
+    try:
+        yield
+    except (*INTERRUPTS, TokenizerError):
+        raise
+    except BaseException as e:  # noqa: BLE001
+        raise TokenizerError(f"the Hugging Face tokenizer cannot {what} ({type(e).__name__}: "
+                             f"{_first_line(e)})") from None
 
 
 def _write_json(directory, meta):
@@ -43,8 +66,11 @@ class HFTokenizer:
         from tokenizers import Tokenizer
         try:
             self.tok = Tokenizer.from_str(tokenizer_json)
-        except Exception as e:  # the library's parse errors are plain Exceptions
-            raise TokenizerError(f"cannot read this Hugging Face tokenizer.json ({str(e)[:200]}): is `tokenizers` "
+            self.tok.encode(PROBE, add_special_tokens=False)  # a model the library cannot run panics here, not later
+        except BaseException as e:  # noqa: BLE001 - parse errors (Exception) and panics alike
+            if isinstance(e, INTERRUPTS):
+                raise
+            raise TokenizerError(f"cannot read this Hugging Face tokenizer.json ({_first_line(e)}): is `tokenizers` "
                                  "older than the one that wrote it? pip install -U tokenizers") from None
         self.json = self.tok.to_str()  # canonical, so the same tokenizer always gets the same label
         self.tok.encode_special_tokens = True
@@ -65,17 +91,20 @@ class HFTokenizer:
         return None if name is None else self.tok.token_to_id(name)
 
     def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
+        with _one_line("encode a text"):
+            return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts):
         """[encode(text) for text in texts], in the library's threads; one at a time where the tokenizer.json asks
         for padding, which a batch would add and one text alone would not."""
         if self.tok.padding is not None:
             return [self.encode(text) for text in texts]
-        return [encoding.ids for encoding in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+        with _one_line("encode a text"):
+            return [encoding.ids for encoding in self.tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids):
-        return self.tok.decode(list(ids), skip_special_tokens=False)
+        with _one_line("decode token ids"):
+            return self.tok.decode(list(ids), skip_special_tokens=False)
 
     def save(self, directory):
         _write_json(directory, {"kind": self.kind, "vocab_size": self.vocab_size, "eos_token": self.eos_token,
@@ -88,8 +117,10 @@ def _byte_level_bpe(directory, eos, bos):
     d = Path(directory)
     try:
         tok = Tokenizer(models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
-    except Exception as e:
-        raise TokenizerError(f"cannot read {d}/vocab.json and merges.txt ({str(e)[:200]})") from None
+    except BaseException as e:  # noqa: BLE001 - merges naming tokens the vocabulary lacks, among others
+        if isinstance(e, INTERRUPTS):
+            raise
+        raise TokenizerError(f"cannot read {d}/vocab.json and merges.txt ({_first_line(e)})") from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     vocab = tok.get_vocab()

@@ -6,6 +6,7 @@ imports lm_eval at its top) only where the harness is known to be there.
 """
 import functools
 import os
+import sys
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +36,27 @@ def harness():
         raise ConfigError(f"evaluation needs EleutherAI's lm-evaluation-harness ({e}): pip install "
                           "'minimal_fsdp[eval]' (or pip install lm-eval)") from e
     compile_templates_once(lm_eval.utils)
+    quiet_bars()
     return lm_eval
+
+
+def quiet_bars(modules=("lm_eval.api.task", "lm_eval.api.model")):
+    """The harness's own progress bars (building each task's requests) redraw one line with carriage returns:
+    written into a redirected log they run together into one long line, so where stderr is not a terminal they
+    are left out (our backend's progress is then plain lines, eval.lm.PlainProgress)."""
+    if sys.stderr.isatty():
+        return
+    import importlib
+    for name in modules:
+        module = importlib.import_module(name)
+        bar = getattr(module, "tqdm", None)
+        if bar is not None and not getattr(bar, "quiet", False):
+            module.tqdm = functools.partial(_no_bar, bar)
+            module.tqdm.quiet = True
+
+
+def _no_bar(bar, *args, **kwargs):
+    return bar(*args, **dict(kwargs, disable=True))
 
 
 def compile_templates_once(utils):

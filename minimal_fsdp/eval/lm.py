@@ -11,6 +11,7 @@ gather metrics again.
 per batch; generate_until decodes one sequence per rank at a time with the KV cache (its one position is
 shared by the batch, so sequences of different lengths cannot share it), greedily, as the harness's tasks do.
 """
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -53,19 +54,56 @@ def scoring(model):
         model.train(was_training)
 
 
+def prefix_token(tokenizer):
+    """The token before a text scored from its start: BOS, else EOS, else a newline that is one token."""
+    for token in (tokenizer.bos_id, tokenizer.eot_id):
+        if token is not None:
+            return token
+    try:
+        newline = tokenizer.encode("\n")
+    except ConfigError:  # a vocabulary without it
+        return None
+    return newline[0] if len(newline) == 1 else None
+
+
+def prefix_kind(tokenizer, token):
+    if token == tokenizer.bos_id:
+        return "the tokenizer's begin-of-text token"
+    if token == tokenizer.eot_id:
+        return "the tokenizer's end-of-text token (it has no begin-of-text token)"
+    return f"the newline that separates documents (the {tokenizer.kind} tokenizer has no begin- or end-of-text token)"
+
+
+class PlainProgress:
+    """tqdm's update() as plain lines on stderr: one at every tenth of the total, and at the end."""
+
+    def __init__(self, total, desc):
+        self.total, self.desc, self.done, self.shown = total, desc, 0, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n=1):
+        self.done += n
+        if self.done * 10 // max(self.total, 1) > self.shown * 10 // max(self.total, 1) or self.done == self.total:
+            self.shown = self.done
+            print(f"{self.desc}: {self.done}/{self.total}", file=sys.stderr, flush=True)
+
+
 class ShardedLM(TemplateLM):
     """model: built and loaded on every rank (sample.load_model); tokenizer: ours (tokenizer.py)."""
 
     def __init__(self, model, tokenizer, device, dtype=torch.float32, batch_size=1, progress=True):
+        """progress: bars where stderr is a terminal, else plain lines (a redirected log); False: neither."""
         super().__init__()  # the harness's rank and world size stay 0 and 1: it runs on rank 0 alone
-        if tokenizer.eot_id is None and tokenizer.bos_id is None:
-            raise ConfigError(f"the model's {tokenizer.kind} tokenizer has no end-of-text or begin-of-text token, "
-                              "which the harness puts before a text it scores whole; train with --tokenizer gpt2 "
-                              "or sentencepiece")
         self.model, self.tok, self._device, self.dtype = model, tokenizer, device, dtype
         self.batch_size, self.progress = batch_size, progress
         self.ranks, self.me = dist.get_world_size(), dist.get_rank()
         self._encoded = None  # {text: token ids} during loglikelihood
+        self._prefix, self._prefix_named = prefix_token(tokenizer), False
 
     # --- what the harness asks of a model ---
 
@@ -75,8 +113,17 @@ class ShardedLM(TemplateLM):
 
     @property
     def prefix_token_id(self):
-        """What lm_eval's hf backend puts before a text scored from its start: BOS if there is one, else EOS."""
-        return self.tok.bos_id if self.tok.bos_id is not None else self.tok.eot_id
+        """What lm_eval's hf backend puts before a text scored from its start: BOS if there is one, else EOS; for a
+        tokenizer with neither (a char model's), its newline, the separator of the documents it was trained on."""
+        if self._prefix is None:
+            raise ConfigError(f"the model's {self.tok.kind} tokenizer has no begin-of-text, end-of-text or newline "
+                              "token to put before a text scored whole: use tasks whose contexts are not empty")
+        if not self._prefix_named and self.me == 0:  # once, where it is first used
+            self._prefix_named = True
+            print(f"texts scored whole (or with no context) follow the prefix token {self._prefix} "
+                  f"({self.tok.decode([self._prefix])!r}), {prefix_kind(self.tok, self._prefix)}",
+                  file=sys.stderr, flush=True)
+        return self._prefix
 
     @property
     def max_length(self):
@@ -103,8 +150,8 @@ class ShardedLM(TemplateLM):
         for context, continuation in (request.args for request in requests):
             texts.update(dict.fromkeys((context.rstrip(), context + continuation) if context else (continuation,)))
         self._encoded = dict(zip(texts, self.tok.encode_batch(list(texts))))
-        try:
-            return super().loglikelihood(requests, disable_tqdm)
+        try:  # the harness's bar over its tokenizing: left out where ours are plain lines
+            return super().loglikelihood(requests, disable_tqdm or not self._bars())
         finally:
             self._encoded = None
 
@@ -139,10 +186,11 @@ class ShardedLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm=False):
         """Greedy continuations, one request per rank at a time, cut at the first stop string."""
         texts = []
-        for start in tqdm(range(0, len(requests), self.ranks), disable=disable_tqdm or not self.progress,
-                          desc="generate_until"):
-            prompts = [self._prompt(*request.args) for request in requests[start:start + self.ranks]]
-            texts += self._command("generate", prompts)
+        with self._progress(-(-len(requests) // self.ranks), "generate_until", disable_tqdm) as bar:
+            for start in range(0, len(requests), self.ranks):
+                prompts = [self._prompt(*request.args) for request in requests[start:start + self.ranks]]
+                texts += self._command("generate", prompts)
+                bar.update()
         return texts
 
     def _prompt(self, context, gen_kwargs):
@@ -158,6 +206,15 @@ class ShardedLM(TemplateLM):
                               f"{self.max_length} leaves for its prompt")
         return self.tok_encode(context)[-(self.max_length - num_tokens):], until, num_tokens
 
+    def _bars(self):
+        return self.progress and sys.stderr.isatty()
+
+    def _progress(self, total, desc, disable):
+        """A bar where stderr is a terminal; in a redirected log, a plain line at every tenth, as training logs."""
+        if disable or not self.progress:
+            return tqdm(total=total, disable=True)
+        return tqdm(total=total, desc=desc) if self._bars() else PlainProgress(total, desc)
+
     # --- rank 0 leads, the others serve ---
 
     def score(self, rows, disable_tqdm=True):
@@ -167,8 +224,7 @@ class ShardedLM(TemplateLM):
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         step = self.batch_size * self.ranks
         results, start = [None] * len(rows), 0
-        with tqdm(total=-(-len(rows) // step), disable=disable_tqdm or not self.progress,
-                  desc="loglikelihood batches") as bar:
+        with self._progress(-(-len(rows) // step), "loglikelihood batches", disable_tqdm) as bar:
             while start < len(order):
                 end, tokens = start, 0
                 while end < len(order) and (end == start or tokens < COMMAND_TOKENS):
@@ -211,7 +267,7 @@ class ShardedLM(TemplateLM):
         mine = items[self.me::self.ranks]
         count = -(-len(items) // self.ranks)
         if kind == "score":
-            stand_in = ([self.prefix_token_id] * 2, 1)
+            stand_in = ([self._prefix or 0] * 2, 1)
             results = self._score_rows(mine + [stand_in] * (count - len(mine)), bar)[:len(mine)]
         else:
             text = self._generate(mine[0] if mine else None)
@@ -262,7 +318,7 @@ class ShardedLM(TemplateLM):
         forward calls as the busiest one, on one token without the cache, which it would overflow."""
         model, was_training = self.model, self.model.training
         model.eval()
-        ids, until, num_tokens = prompt or ([self.prefix_token_id], [], 0)
+        ids, until, num_tokens = prompt or ([self._prefix or 0], [], 0)
         cache = model.new_cache(1, self._device, self.dtype)
         logits = model(torch.tensor([ids], device=self._device), cache=cache)
         out, done = [], prompt is None

@@ -1,29 +1,30 @@
 """A checkpoint -> one consolidated model.safetensors plus config.json and the tokenizer, for inference and sharing.
 
-    python -m minimal_fsdp.hf.export checkpoints/shakespeare/step_600 exported/
-    python -m minimal_fsdp.hf.export checkpoints/shakespeare exported/ --dtype bf16    # the run's newest
-    python -m minimal_fsdp.hf.export checkpoints/shakespeare/best exported/ --format hf
+    minimal-fsdp export checkpoints/shakespeare/step_600 exported/
+    minimal-fsdp export checkpoints/shakespeare exported/ --dtype bf16    # the run's newest
+    minimal-fsdp export checkpoints/shakespeare/best exported/ --format hf
 
 --format safetensors keeps our parameter names, config.json is our model config, and the tokenizer files are
-the checkpoint's (python -m minimal_fsdp.inference.sample reads it back). --format hf writes what transformers'
+the checkpoint's (`minimal-fsdp sample` reads it back). --format hf writes what transformers'
 AutoModelForCausalLM and AutoTokenizer read (see hf_write.py), which --hf_model also reads.
 
 Runs in one CPU process with no process group and no GPU. Each tensor is read from the DCP shards and
 written straight into the file, so memory holds one tensor at a time, not the model.
 """
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.hf import write as hf_write
 from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.config.commands import ExportFlags
 from minimal_fsdp.config.flags import ConfigError, one_line_errors
+from minimal_fsdp.config.parser import parse
 from minimal_fsdp.data.tokenizer import has_tokenizer, load_tokenizer
+from minimal_fsdp.inference.load import checkpoint_path
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 
@@ -42,10 +43,7 @@ def _tokenizer(path):
 
 def export(ckpt, out, dtype=None, fmt="safetensors"):
     """Write `ckpt`'s model to directory `out`; returns the path of the weights file (or of `out`)."""
-    path = checkpoint_find.resolve(ckpt)
-    problem = checkpoint_find.verify(path)
-    if problem:
-        raise ConfigError(f"{ckpt} is not a complete checkpoint: {path}: {problem}")
+    path = checkpoint_path(ckpt)  # as sample and evaluate find it: a run directory's newest complete one
     meta = checkpoint_meta.read_meta(path)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,17 +65,7 @@ def export(ckpt, out, dtype=None, fmt="safetensors"):
 
 
 @one_line_errors
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m minimal_fsdp.hf.export", description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", help="a step_<N> directory, a run's `latest`/`best` marker, or a run directory")
-    parser.add_argument("out", help="directory for model.safetensors, config.json and the tokenizer's files")
-    parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as saved)")
-    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                        help="safetensors: our names and config.json; hf: Hugging Face transformers layout "
-                             "(config.json, safetensors, tokenizer.json)")
-    args = parser.parse_args(argv)
+def main(argv=None, cfg=None):
+    """`minimal-fsdp export`: the flags (or ExportFlags parsed already) -> the files, and where they went."""
+    args = cfg or parse(ExportFlags, argv)
     print(f"wrote {export(args.checkpoint, args.out, DTYPES.get(args.dtype), args.format)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -29,13 +29,16 @@ from minimal_fsdp.checkpoint.meta import MODEL_BOUNDS, PLAIN_NAME, model_problem
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.families import MODELS, config_from_dict
 from minimal_fsdp.checkpoint.safe_load import open_regular, read_json
+from minimal_fsdp.files import _depth
 
 CONFIG_MAX_BYTES = 16 * 2**20  # config.json is a few KB
 INDEX_MAX_BYTES = 64 * 2**20  # an index names each tensor once: a few MB for the largest models
 TOKENIZER_MAX_BYTES = 2**30  # tokenizer.json: 9 MB for Llama 3's 128K tokens
 TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                   "added_tokens.json")
-LAYER = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
+LAYER = re.compile(r"(?:^|\.)(?:h|layers|blocks)\.(\d+)\.")  # theirs, and ours (an export of ours)
+HEADER_MAX_BYTES = 100 * 2**20  # a safetensors header, as the safetensors library bounds it
+HEADER_MAX_DEPTH = 3  # {name: {"shape": [...]}}: a deeper header is not one
 
 
 # -----------------------------------------------------------------------------
@@ -220,26 +223,30 @@ class CheckpointFiles:
     shards), else PyTorch .bin files memory-mapped with weights_only (so no pickled code runs and only the
     pages of the slices we touch are read)."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, where=None):
         d = Path(directory)
         self.file_of, self.open_files = {}, {}
+        self.where = where or f"--hf_model {d}"  # how errors name the directory
         for index, single in (("model.safetensors.index.json", "model.safetensors"),
                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
             if (d / index).exists():
-                self.file_of = {name: d / file for name, file in _weight_map(d, index).items()}
+                self.file_of = {name: d / file for name, file in _weight_map(d, index, self.where).items()}
                 return
             if (d / single).exists():
                 self.file_of = {name: d / single for name in self._open(d / single).keys()}
                 return
-        raise ConfigError(f"--hf_model {d} has no model.safetensors or pytorch_model.bin (nor an index of shards)")
+        raise ConfigError(f"{self.where} has no model.safetensors or pytorch_model.bin (nor an index of shards)")
 
     def _open(self, file):
         if file not in self.open_files:
             try:
-                open_regular(file).close()  # never a device, FIFO or link out of the directory
+                if file.suffix == ".safetensors":
+                    check_header(file)  # also refuses a device, FIFO or link out of the directory
+                else:
+                    open_regular(file).close()
                 self.open_files[file] = self._load(file)
             except Exception as e:  # noqa: BLE001 - random bytes or a hostile header fail in many ways: one line
-                raise ConfigError(f"--hf_model {file.parent}: {file.name} cannot be read as "
+                raise ConfigError(f"{self.where}: {file.name} cannot be read as "
                                   f"{'safetensors' if file.suffix == '.safetensors' else 'a PyTorch file'} "
                                   f"({type(e).__name__}: {' '.join(str(e).split())[:150]})") from None
         return self.open_files[file]
@@ -252,6 +259,11 @@ class CheckpointFiles:
             return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # files from torch < 1.6 cannot be memory-mapped: read them whole
             return torch.load(file, map_location="cpu", weights_only=True)
+
+    def metadata(self, file):
+        """A safetensors file's __metadata__ ({} for none)."""
+        f = self._open(file)
+        return (f.metadata() or {}) if hasattr(f, "metadata") else {}
 
     def __contains__(self, name):
         return name in self.file_of
@@ -267,57 +279,67 @@ class CheckpointFiles:
         return tensor[:, start:stop].t() if transposed else tensor[start:stop]
 
 
-def _weight_map(directory, index):
+def check_header(file):
+    """A safetensors file checked before the library opens it: a regular file (open_regular: no FIFO, device or
+    link), whose header, if its length is one the library reads (it checks the length and offsets itself), is
+    nested at most HEADER_MAX_DEPTH deep. Raises OSError or ValueError."""
+    with open_regular(file) as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = f.read(size) if 2 <= size <= HEADER_MAX_BYTES else b""
+    if _depth(header.decode("utf-8", "replace")) > HEADER_MAX_DEPTH:
+        raise ValueError(f"its header nests deeper than {HEADER_MAX_DEPTH} levels")
+
+
+def _weight_map(directory, index, where):
     """An index file's {tensor name: shard file}, every shard a plain file name in the directory."""
     try:
         weight_map = read_json(directory / index, INDEX_MAX_BYTES).get("weight_map")
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--hf_model {directory}: {index} {getattr(e, 'strerror', None) or e}") from None
+        raise ConfigError(f"{where}: {index} {getattr(e, 'strerror', None) or e}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) and PLAIN_NAME.fullmatch(f)
                                                    for f in weight_map.values()):
-        raise ConfigError(f"--hf_model {directory}: {index}: weight_map is not an object of file names in the "
-                          "directory")
+        raise ConfigError(f"{where}: {index}: weight_map is not an object of file names in the directory")
     return weight_map
 
 
-def check_weights(directory, model_type, config):
+def check_weights(directory, model_type, config, names=hf_names, where=None):
     """The weight files hold exactly the model `config` describes (its layers, and every tensor with its shape):
     ConfigError naming the file and the field otherwise. Only headers are read, and the model is built on the
     meta device once its layer count matches the files', so a config that disagrees allocates nothing."""
-    files = CheckpointFiles(directory)
+    files = CheckpointFiles(directory, where)
     layers = {int(m.group(1)) for m in map(LAYER.search, files.file_of) if m}
     if len(layers) != config.num_layers:
-        field = "n_layer" if model_type == "gpt" else "num_hidden_layers"
-        raise ConfigError(f"--hf_model {directory}: config.json: {field} is {config.num_layers}, but the weights "
+        field = "num_layers" if names is not hf_names else "n_layer" if model_type == "gpt" else "num_hidden_layers"
+        raise ConfigError(f"{files.where}: config.json: {field} is {config.num_layers}, but the weights "
                           f"hold {len(layers)} layers")
     with torch.device("meta"):
         model = MODELS[model_type](config)
-    _stored_names(files, model, hf_names(model_type, config), directory)
+    _stored_names(files, model, names(model_type, config))
 
 
-def _stored_names(files, model, names, directory):
+def _stored_names(files, model, names):
     """{our parameter: its name in the files}, after checking every shape: the same files give the same verdict on
     every rank, before anything is copied."""
     stored = {}
     for ours, param in model.named_parameters():
-        name = stored[ours] = _stored_name(files, names[ours], directory)
+        name = stored[ours] = _stored_name(files, names[ours])
         shape = files.shape(name)[::-1] if is_transposed(names[ours]) else files.shape(name)
         # Position embeddings may be cut to a shorter --seq_length; everything else must match exactly.
         fits = shape == tuple(param.shape) or ours == "wpe.weight" and shape[1:] == tuple(param.shape[1:]) \
             and shape[0] >= param.shape[0]
         if not fits:
-            raise ConfigError(f"--hf_model {directory}: {name} has shape {shape}, our {ours} is {tuple(param.shape)}")
+            raise ConfigError(f"{files.where}: {name} has shape {shape}, our {ours} is {tuple(param.shape)}")
     return stored
 
 
-def _stored_name(files, hf_name, directory):
+def _stored_name(files, hf_name):
     """GPT-2 files saved from GPT2Model (the hub's `gpt2`) drop the 'transformer.' prefix, and Llama files
     with tied embeddings (Llama 3.2 1B/3B) have no lm_head: we then untie it from the embedding."""
     for name in (hf_name, hf_name.removeprefix("transformer."),
                  "model.embed_tokens.weight" if hf_name == "lm_head.weight" else None):
         if name in files:
             return name
-    raise ConfigError(f"--hf_model {directory} has no tensor {hf_name}: not a checkpoint of this model type?")
+    raise ConfigError(f"{files.where} has no tensor {hf_name}: not a checkpoint of this model type?")
 
 
 def local_rows(param):
@@ -334,12 +356,12 @@ def local_rows(param):
 
 
 @torch.no_grad()
-def load_weights(model, directory, model_type):
+def load_weights(model, directory, model_type, names=hf_names, where=None):
     """Copy a Hugging Face checkpoint into a built (sharded or not) model. Every rank reads only the rows of
     its own shard, one tensor at a time, so no rank ever holds more than its shard plus one tensor slice."""
-    files = CheckpointFiles(directory)
-    names = hf_names(model_type, model.config)
-    stored = _stored_names(files, model, names, directory)
+    files = CheckpointFiles(directory, where)
+    names = names(model_type, model.config)
+    stored = _stored_names(files, model, names)
     for ours, param in model.named_parameters():
         start, stop = local_rows(param)
         local = param.to_local() if isinstance(param, DTensor) else param
