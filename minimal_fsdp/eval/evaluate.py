@@ -19,6 +19,7 @@ import torch
 
 from minimal_fsdp.launch import environment
 from minimal_fsdp.config.commands import EvaluateFlags
+from minimal_fsdp.config.flags import one_line_errors
 from minimal_fsdp.config.parser import parse
 from minimal_fsdp.config.flags import Config, ConfigError, validate, validate_world
 from minimal_fsdp.inference import load
