@@ -7,6 +7,8 @@ time and tokens/s after the warm-up steps, and the final val loss (decentralized
     python benchmarks/multihost.py --hosts 2 --gpus_per_host 2 --gbps 10 --models llama-1b       # a 4-GPU machine
     python benchmarks/multihost.py --table multihost.jsonl                                      # the table so far
     python benchmarks/multihost.py --tiny --gbps 1 --strategies full-shard,decentralized        # the logic, on CPU
+    python benchmarks/multihost.py --cpu --hosts 8 --models cpu-10m --gbps 0.1 --strategies no-shard,decentralized
+                                                  # where gossip should win, on any machine (gloo, 1 rank a host)
     python benchmarks/multihost.py --gbps 25 --probe 512 --env NCCL_NCHANNELS_PER_NET_PEER=4    # the link alone
 
 Each run appends its result to --out (JSON lines), so a grid too long for one command is run in parts.
@@ -39,6 +41,9 @@ MODELS = {
     "llama-1b": ["--model", "llama", "--num_layers", "16", "--embed_size", "2048", "--num_heads", "32",
                  "--num_kv_heads", "8", "--intermediate_size", "8192", "--vocab_size", "32000", "--seq_length",
                  "2048", "--batch_size", "4"],
+    # ~10.6M parameters (6 blocks of 384, character vocabulary): the CPU regime where the link, not compute, bounds
+    "cpu-10m": ["--num_layers", "6", "--num_heads", "6", "--embed_size", "384", "--seq_length", "128",
+                "--batch_size", "2"],
     "tiny": ["--num_layers", "2", "--num_heads", "2", "--embed_size", "32", "--seq_length", "32", "--batch_size", "4"],
 }
 STRATEGIES = {"full-shard": ["--sharding", "full-shard"], "hybrid-full-shard": ["--sharding", "hybrid-full-shard"],
@@ -75,6 +80,7 @@ def parse():
     parser.add_argument("--work", default="/tmp/multihost", help="data, logs, checkpoints (removed after each run)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo): checks the logic only")
+    parser.add_argument("--cpu", action="store_true", help="train on the CPU (gloo), one rank a host, any --models")
     parser.add_argument("--table", metavar="JSONL", help="only print the table of the results in this file")
     return parser.parse_args()
 
@@ -94,10 +100,9 @@ def rank_env(args, host, local_rank, world, master):
     gpus = range(host * args.gpus_per_host, (host + 1) * args.gpus_per_host)
     env.update(RANK=str(host * args.gpus_per_host + local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
                LOCAL_WORLD_SIZE=str(args.gpus_per_host), MASTER_ADDR=master, MASTER_PORT="29500",
-               OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1" if args.tiny else "8"),
+               OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1" if args.cpu else "8"),
                NCCL_NET="Socket", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME="eth0", GLOO_SOCKET_IFNAME="eth0")
-    if not args.tiny:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    env["CUDA_VISIBLE_DEVICES"] = "" if args.cpu else ",".join(map(str, gpus))
     if args.no_p2p:
         env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
     env.update(item.split("=", 1) for item in args.env.split(",") if item)
@@ -143,7 +148,7 @@ def run_one(args, cluster, model, strategy, run_name):
     flags = [*MODELS[model], *STRATEGIES[strategy], "--max_steps", args.steps, "--log_interval", args.log_interval,
              "--eval_interval", 0, "--num_tokens", 0, "--checkpoint_interval", 0, "--run_name", run_name,
              "--data_dir", work / "data", "--log_dir", work / "logs", "--checkpoint_dir", work / "checkpoints",
-             *([] if args.tiny else ["--precision", args.precision]), *args.extra.split()]
+             *([] if args.cpu else ["--precision", args.precision]), *args.extra.split()]
     failed, _ = launch(args, cluster, [ROOT / "basic_training.py", *flags], run_name)
     shutil.rmtree(work / "checkpoints" / run_name, ignore_errors=True)  # a 1B model's is 12 GB
     metrics = work / "logs" / run_name / "metrics.jsonl"
@@ -170,12 +175,14 @@ def main():
     if why:
         sys.exit(f"error: cannot make virtual hosts here: {why}")
     if args.tiny:
-        args.models, args.gpus_per_host = "tiny", 1
+        args.models, args.cpu = "tiny", True
+    if args.cpu:
+        args.gpus_per_host = 1
     Path(args.work).mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or os.environ.get("MINIMAL_FSDP_COMMIT", "")  # a git archive
     device = "cpu"
-    if not args.tiny:
+    if not args.cpu:
         import torch
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     print(f"commit {commit}, {device}, {time.strftime('%Y-%m-%d')}; {' '.join(sys.argv)}", flush=True)

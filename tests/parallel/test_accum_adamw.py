@@ -163,3 +163,52 @@ def test_step_returns_the_closure_loss_computed_with_gradients():
     assert ours_optimizer.step() is None and theirs_optimizer.step() is None
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def reference_accum_adamw(param, grads, lrs, k, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.1):
+    """AccumAdamW written out element by element in float64, from accum_adamw.py's docstring: the moments move
+    once a window, on the window's mean gradient; each step's update uses them as if g_t ended the window."""
+    p = param.double().clone()
+    m, v, window_sum = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
+    for t, (g, lr) in enumerate(zip(grads, lrs), 1):
+        g = g.double()
+        r = -(-t // k)  # the window this step belongs to, from 1
+        p = p * (1 - lr * weight_decay)
+        m_now, v_now = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+        p = p - lr * (m_now / (1 - beta1 ** r)) / ((v_now / (1 - beta2 ** r)).sqrt() + eps)
+        window_sum = window_sum + g
+        if t % k == 0:
+            a = window_sum / k
+            m, v, window_sum = beta1 * m + (1 - beta1) * a, beta2 * v + (1 - beta2) * a * a, torch.zeros_like(p)
+    return p
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_update_equals_an_independent_elementwise_reference(k):
+    params = make_params()
+    grads = gradients(3 * k + 2)
+    run(AccumAdamW(groups(params), accum_steps=k, **HYPER), params, grads)
+    lrs = [lr_at(step) for step in range(len(grads))]
+    expected = reference_accum_adamw(make_params()[0].detach(), [g[0] for g in grads], lrs, k)
+    torch.testing.assert_close(params[0].detach().double(), expected, rtol=1e-5, atol=1e-6)
+    no_decay = reference_accum_adamw(make_params()[1].detach(), [g[1] for g in grads], lrs, k, weight_decay=0.0)
+    torch.testing.assert_close(params[1].detach().double(), no_decay, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_update_equals_decent_dps_accum_adamw(k):
+    """Decent-DP 0.2.3's accum_adamw_foreach (its AccumAdamW class calls a torch-internal name torch 2.11 renamed,
+    so its update function is called directly) keeps Adam's moments pre-multiplied by beta; the same updates."""
+    optim = pytest.importorskip("decent_dp.optim")
+    ours = make_params()
+    grads = gradients(3 * k + 2)
+    run(AccumAdamW(groups(ours), accum_steps=k, **HYPER), ours, grads)
+    theirs = [p.detach().clone() for p in make_params()]
+    state = [[torch.zeros_like(p) for p in theirs] for _ in range(3)]  # exp_avg, exp_avg_sq, accum_grad
+    for step, gs in enumerate(grads):
+        for group, decay in ((0, 0.1), (1, 0.0)):  # each parameter group as our groups() has it
+            steps = [torch.tensor(step, dtype=torch.int64)]
+            optim.accum_adamw_foreach([theirs[group]], [gs[group]], [state[0][group]], [state[1][group]],
+                                      [state[2][group]], steps, 0.9, 0.98, lr_at(step), decay, 1e-8, k)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
