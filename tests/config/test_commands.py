@@ -1,0 +1,141 @@
+"""`minimal-fsdp COMMAND` (minimal_fsdp/__main__.py): every command's --help shows its defaults without importing
+torch; every command reads --config and the command line overrides it; the config reader refuses hostile files
+in one line (config/parser.py)."""
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from minimal_fsdp.__main__ import COMMANDS
+from minimal_fsdp.config import commands
+from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.config.parser import parse
+
+# A small --config file per command and one flag given on the command line as well: the command line wins.
+CONFIGS = {
+    "train": ('[train]\nbatch_size = 4\n[model]\nembed_size = 32\n', ["--batch_size", "8"],
+              {"batch_size": 8, "embed_size": 32}),
+    "sample": ('[source]\nsource = "ckpt"\n[generate]\nnum_tokens = 7\ntop_k = 3\n', ["--top_k", "5"],
+               {"source": "ckpt", "num_tokens": 7, "top_k": 5}),
+    "evaluate": ('[source]\nsource = "ckpt"\n[evaluate]\ntasks = ["a", "b"]\nbatch_size = 4\n',
+                 ["--tasks", "c"], {"tasks": ["c"], "batch_size": 4, "source": "ckpt"}),
+    "export": ('[export]\ncheckpoint = "ckpt"\nout = "o"\nformat = "hf"\n', ["ckpt2", "o2"],
+               {"checkpoint": "ckpt2", "out": "o2", "format": "hf"}),
+    "prepare": ('[data]\ndataset = "text"\ninput_file = "a.txt"\n[prepare]\nnum_proc = 3\n', ["--num_proc", "1"],
+                {"dataset": "text", "input_file": "a.txt", "num_proc": 1}),
+    "progress": ('[launch]\nrun_name = "r"\n[checkpoint]\ncheckpoint_dir = "c"\n', ["--run_name", "s"],
+                 {"run_name": "s", "checkpoint_dir": "c"}),
+    "plan": ('[plan]\ngpus = 4\ngpu_memory = "40GB"\n[model]\nmodel_preset = "gpt2"\n', ["--gpus", "8"],
+             {"gpus": 8, "gpu_memory": "40GB", "model_preset": "gpt2"}),
+    "cluster": ('[cluster]\nhosts = 3\ncommand = ["true"]\n', ["--hosts", "4", "--", "false"],
+                {"hosts": 4}),
+    "plot": ('[plot]\nrun_dir = ["logs/a"]\nout = "x.png"\n', ["logs/b"], {"run_dir": ["logs/b"], "out": "x.png"}),
+}
+
+
+def python(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_every_command_has_a_config_case():
+    assert set(CONFIGS) == set(COMMANDS)
+
+
+def test_the_command_list_names_every_command_in_one_line_each():
+    result = python("-m", "minimal_fsdp", "--help")
+    assert result.returncode == 0
+    for name in COMMANDS:
+        assert sum(line.split()[:1] == [name] for line in result.stdout.splitlines()) == 1, name
+    result = python("-m", "minimal_fsdp", "trian")
+    assert result.returncode == 2 and result.stderr.startswith("error: no command 'trian'")
+
+
+def test_every_help_shows_defaults_without_importing_torch():
+    """Each command's --help in a fresh interpreter: exit 0, every flag with a default shows it, no torch."""
+    probe = ("import sys, runpy\nsys.argv = ['minimal-fsdp', *sys.argv[1:]]\ntry:\n"
+             "    runpy.run_module('minimal_fsdp', run_name='__main__')\nexcept SystemExit as e:\n"
+             "    print('EXIT', e.code)\nprint('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
+    for name, (flags, _, _) in COMMANDS.items():
+        result = python("-c", probe, name, "--help")
+        out = result.stdout
+        assert out.rstrip().endswith("EXIT 0\nNO TORCH"), (name, out[-300:], result.stderr[-2000:])
+        text = re.sub(r"-\s+", "-", " ".join(out.split()))  # argparse wraps lines at hyphens too
+        defaults = [f for f in dataclasses.fields(flags) if f.default is not None and f.name != "config"]
+        assert text.count("(default: ") >= len(defaults), name  # (a help text may say what unset means)
+        for f in defaults:
+            shown = ("on" if f.default else "off") if f.type is bool else str(f.default)
+            assert f"(default: {shown})" in text, (name, f.name)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_command_reads_config_and_the_command_line_overrides_it(tmp_path, monkeypatch, name):
+    text, argv, expected = CONFIGS[name]
+    (tmp_path / "run.toml").write_text(text)
+    (tmp_path / "a.txt").write_text("hello")
+    monkeypatch.chdir(tmp_path)
+    flags = COMMANDS[name][0]
+    parsed = parse(flags, ["--config", "run.toml", *argv])
+    assert {key: getattr(parsed, key) for key in expected} == expected
+    alone = parse(flags, ["--config", "run.toml"] + (["x"] if name == "plot" else []))
+    assert {k for k in expected if getattr(alone, k) != expected[k]}, "the file alone gives other values"
+
+
+def test_a_runs_config_file_plans_that_run(monkeypatch):
+    """configs/llama2_7b_4gpu.toml sends you to the planner: its training keys are ignored, the shared ones read."""
+    plan = parse(commands.PlanFlags, ["--config", ROOT / "configs" / "llama2_7b_4gpu.toml", "--gpus", "4"])
+    assert (plan.model_preset, plan.precision, plan.batch_size, plan.grad_accum_steps, plan.compile) == (
+        "llama2-7b", "bf16", 2, 4, True)
+
+
+def test_a_key_no_command_knows_is_refused(tmp_path):
+    (tmp_path / "bad.toml").write_text("[plan]\ngpuss = 4\n")
+    with pytest.raises(ConfigError, match=r"unknown key plan\.gpuss \(did you mean gpus\?\)"):
+        parse(commands.PlanFlags, ["--config", tmp_path / "bad.toml"])
+
+
+def test_a_missing_positional_is_one_line(capsys):
+    with pytest.raises(ConfigError, match="minimal-fsdp export needs CHECKPOINT"):
+        parse(commands.ExportFlags, [])
+
+
+def test_the_hardcoded_choices_are_the_modules():
+    from minimal_fsdp.data.tokenizer import TOKENIZER_KINDS
+    from minimal_fsdp.hf.export import DTYPES
+    from minimal_fsdp.tools.step_time import CARDS
+    assert commands.GPU_TYPES == tuple(CARDS) and commands.TOKENIZER_KINDS == TOKENIZER_KINDS
+    assert commands.EXPORT_DTYPES == tuple(DTYPES)
+
+
+def _one_line(path):
+    """`minimal-fsdp plan --config path` in a fresh interpreter: (exit code, stderr lines)."""
+    result = python("-m", "minimal_fsdp", "plan", "--config", path)
+    return result.returncode, result.stderr.splitlines()
+
+
+def test_a_fifo_config_is_refused_in_one_line_without_hanging(tmp_path):
+    os.mkfifo(tmp_path / "fifo.toml")
+    code, lines = _one_line(tmp_path / "fifo.toml")  # the timeout only bounds a hang
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --config") and "not a regular" in lines[0]
+
+
+def test_a_deeply_nested_config_is_refused_in_one_line(tmp_path):
+    (tmp_path / "deep.toml").write_text("[plan]\ngpus = " + "[" * 5000 + "]" * 5000 + "\n")
+    code, lines = _one_line(tmp_path / "deep.toml")
+    assert code == 2 and len(lines) == 1 and "nest too deeply" in lines[0], lines[:3]
+
+
+def test_a_link_to_a_device_is_refused_in_one_line(tmp_path):
+    (tmp_path / "zero.toml").symlink_to("/dev/zero")
+    code, lines = _one_line(tmp_path / "zero.toml")
+    assert code == 2 and len(lines) == 1 and "not a regular" in lines[0], lines[:3]
+
+
+def test_a_link_to_a_regular_file_is_read(tmp_path):
+    (tmp_path / "real.toml").write_text("[plan]\ngpus = 2\n")
+    (tmp_path / "link.toml").symlink_to(tmp_path / "real.toml")
+    assert parse(commands.PlanFlags, ["--config", tmp_path / "link.toml"]).gpus == 2
