@@ -2,7 +2,7 @@
 batch, topology and ranks (or virtual hosts), timed alike; one markdown row each.
 
     mpiexec -n 4 python benchmarks/decentdp_side_by_side.py --model_preset tiny --topology exp
-    python -m minimal_fsdp.tools.virtual_cluster job --hosts 8 --rate 100mbit -- mpiexec -n 8 -ppn 1 \\
+    minimal-fsdp cluster --hosts 8 --rate 100mbit -- mpiexec -n 8 -ppn 1 \\
         -hosts node0,node1,node2,node3,node4,node5,node6,node7 python benchmarks/decentdp_side_by_side.py \\
         --num_layers 6 --embed_size 384 --num_heads 6 --seq_length 128 --batch_size 2 --vocab_size 65
 

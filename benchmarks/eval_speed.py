@@ -1,11 +1,11 @@
-"""Issue 39's evaluation speed: python -m minimal_fsdp.eval.evaluate sharded over N GPUs against lm-evaluation-harness's
+"""Issue 39's evaluation speed: minimal-fsdp evaluate sharded over N GPUs against lm-evaluation-harness's
 own hf backend on one GPU, on the same synthetic local multiple-choice task, in one device call.
 
 For each shape (gpt2: GPT-2 124M, vocab 50257; llama1b: Llama 3.2 1B's shape, vocab 128256; tiny: for a CPU check)
 it trains one step from random weights (a byte-level BPE of 4096 pieces fitted on data/shakespeare, the embedding
-rows padded to the shape's vocabulary), exports the checkpoint with python -m minimal_fsdp.hf.export --format hf, and
+rows padded to the shape's vocabulary), exports the checkpoint with minimal-fsdp export --format hf, and
 scores ITEMS four-way items of hellaswag's lengths with
-  ours      mpiexec -n N python -m minimal_fsdp.eval.evaluate <checkpoint> --precision bf16 --batch_size B
+  ours      mpiexec -n N minimal-fsdp evaluate <checkpoint> --precision bf16 --batch_size B
   hf        what lm_eval --model hf --model_args pretrained=<export>,dtype=bfloat16 --device cuda:0 --batch_size B
             builds (HFLM.create_from_arg_string), run by the harness's simple_evaluate
 Seconds are the evaluation's (the harness's total_evaluation_time_seconds, its tracker made once the model is
@@ -221,7 +221,7 @@ def bench(shape, args, work, pythonpath):
            "--checkpoint_dir", run / "checkpoints", "--data_dir", run / "data", "--log_dir", run / "logs",
            "--run_name", shape], env, run / "train.log")
     checkpoint = run / "checkpoints" / shape
-    timed([sys.executable, "-m", "minimal_fsdp.hf.export", checkpoint, run / "hf", "--format", "hf"], env,
+    timed([sys.executable, "-m", "minimal_fsdp", "export", checkpoint, run / "hf", "--format", "hf"], env,
           run / "export.log")
     precision = {"bf16": "bf16", "float32": "float32"}[args.precision]
     ours_s = timed([*mpi, sys.executable, "-c", OURS_RUN, run / "ours_split.json", checkpoint, "--tasks", "speed_mc",

@@ -296,7 +296,7 @@ fp8_numerics)
   # of weights and AdamW state) is not what this part measures, and two of them would fill a small disk.
   # NUMERICS_ARGS: flags after the recipe's, which they override ("--warmup_steps 100": the 8B spiked with 30).
   # NUMERICS_SEED: another seed; NUMERICS_PRECISIONS="bf16" (or "fp8"): one run a call, where two do not fit in one
-  # (the comparison below is then skipped: plot the two calls' logs after, python -m minimal_fsdp.tools.plot A B).
+  # (the comparison below is then skipped: plot the two calls' logs after, minimal-fsdp plot A B).
   for p in ${NUMERICS_PRECISIONS:-bf16 fp8}; do
     rm -rf "$OUT/logs/fp8n_$p" /tmp/fp8_numerics/fp8n_$p
     ( timeout ${NUMERICS_TIMEOUT:-200} $MPI -n $NG python3 basic_training.py $N --precision $p --run_name fp8n_$p 2>&1 \

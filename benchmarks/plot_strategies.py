@@ -1,6 +1,6 @@
 """Which strategy at which inter-node bandwidth, as a picture: tokens/s against the link's Gbit/s, the measured runs of
 benchmarks/multihost.py (its JSON lines) as points and the planner's estimate (minimal_fsdp.tools.step_time, what
-`python -m minimal_fsdp.tools.model_size --inter_node_gbps G` prints) as one line per strategy.
+`minimal-fsdp plan --inter_node_gbps G` prints) as one line per strategy.
 
     python benchmarks/plot_strategies.py                                    # docs/strategies.svg from the H200 runs
     python benchmarks/plot_strategies.py --results multihost.jsonl --gpu_type H100 --out /tmp/strategies.svg

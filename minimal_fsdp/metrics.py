@@ -228,7 +228,7 @@ class TrainingLog:
             lines.append(f"val loss {self.last_val[1]:.4f} at step {self.last_val[0]}{best}")
         if self.checkpoint:
             lines.append(f"checkpoint: {self.checkpoint}; logs: {self.log_dir}")
-            lines.append(f"sample from it: python -m minimal_fsdp.inference.sample {self.checkpoint.parent} --prompt \"...\"")
+            lines.append(f"sample from it: minimal-fsdp sample {self.checkpoint.parent} --prompt \"...\"")
         return "\n".join(lines)
 
 
@@ -262,7 +262,7 @@ def memory_pressure(step, retries, peak_gb, device):
     return (f"memory: by step {step} the CUDA allocator ran out of room {retries} time(s) over the ranks and freed its "
             f"cache to retry (peak {peak_gb:.1f}{total} GB on rank 0); steps this close to the GPU's memory "
             "can run much slower. A smaller --batch_size, --activation_checkpoints, or full-shard gives room "
-            "(python -m minimal_fsdp.tools.model_size plans it)")
+            "(minimal-fsdp plan plans it)")
 
 
 def _synchronize(device):

@@ -110,7 +110,7 @@ seconds() {  # [[HH:]MM:]SS -> seconds
 # "STEP LAST_STEP" of the run's latest checkpoint ("0 none" without one), from the training flags; it imports
 # no torch (minimal_fsdp/tools/progress.py), so asking costs a fraction of a second.
 run_progress() {
-    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m minimal_fsdp.tools.progress "$@"
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m minimal_fsdp progress "$@"
 }
 
 chain_start() {

@@ -1,5 +1,5 @@
 """Run under mpiexec by test_evaluate.py (through conftest.launch_runs): several evaluations, one after the other,
-on the same ranks, each `evaluate.main` with its own arguments (what `python -m minimal_fsdp.eval.evaluate` calls), with
+on the same ranks, each `evaluate.main` with its own arguments (what `minimal-fsdp evaluate` calls), with
 process groups of its own, set up and torn down as in a launch of its own. Python, torch and the harness start once.
 
 argv[1] is a JSON file holding a list of argument lists; each has --output_path. What an evaluation prints on each

@@ -74,7 +74,7 @@ def check_train(cfg):
                               f"{cfg.eval_tasks_interval} and {cfg.eval_tasks_limit})")
         if cfg.data_parallel == "decentralized":
             raise ConfigError("--eval_tasks scores one model, and under --data_parallel decentralized every rank "
-                              "trains a replica of its own: evaluate a checkpoint with python -m minimal_fsdp.eval.evaluate")
+                              "trains a replica of its own: evaluate a checkpoint with minimal-fsdp evaluate")
 
 
 def check_launch(cfg):
@@ -314,7 +314,7 @@ def check_sizes(cfg, seq_length, num_params, processes, device_free, device="cpu
                           f"{weights / GiB:.3g} GiB in fp32 on this host's {device} ({processes} process(es)), more "
                           f"than the {device_free / GiB:.3g} GiB "
                           "free: lower --vocab_size, --embed_size or --num_layers, or add --meta_init with more "
-                          "ranks (python -m minimal_fsdp.tools.model_size estimates what fits)")
+                          "ranks (minimal-fsdp plan estimates what fits)")
 
 
 def cpu_recipe_warning(cfg, device_type):

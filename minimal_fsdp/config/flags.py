@@ -198,7 +198,7 @@ class Config:
                                   "(0: stop at the first)")
     eval_interval: int = flag(200, "evaluate on the val split every N steps (0: only at checkpoints and the end)")
     eval_batches: int = flag(10, "batches per rank in each evaluation")
-    eval_tasks: str = flag(None, "lm-evaluation-harness tasks (comma-separated, as python -m minimal_fsdp.eval.evaluate "
+    eval_tasks: str = flag(None, "lm-evaluation-harness tasks (comma-separated, as minimal-fsdp evaluate "
                                  "--tasks) run on the live model every --eval_tasks_interval steps and at the end; "
                                  "scores go to the log, metrics.jsonl and TensorBoard (docs/evaluate.md)")
     eval_tasks_interval: int = flag(0, "steps between --eval_tasks evaluations (0: only at the end)")

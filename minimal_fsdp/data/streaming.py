@@ -188,7 +188,7 @@ class StreamingData:
         share = "raise --val_fraction" if split == "val" else "lower --val_fraction"
         what = (f"{split} documents for rank {rank} of {world} (rank r streams documents r, r + {world}, ..., and "
                 f"--val_fraction {fraction} of them are val): {share}, add documents, or run on fewer ranks; or "
-                "prepare the data with python -m minimal_fsdp.data.tokens prepare, which fills every rank from one file")
+                "prepare the data with minimal-fsdp prepare, which fills every rank from one file")
         return TokenStream(self.documents, self.tokenizer, select, position, what)
 
     def check(self, seq_length, vocab_size):

@@ -1,5 +1,5 @@
 """One way to load a trained model: a checkpoint (a step_<N> directory, a run directory, its latest/best marker),
-our export (python -m minimal_fsdp.hf.export) or a Hugging Face model directory -> the model on N ranks, with its
+our export (minimal-fsdp export) or a Hugging Face model directory -> the model on N ranks, with its
 tokenizer, checked alike on every rank before anything is built. The sample and evaluate commands, generation
 after training (run.generation_model) and export all load through here, and end through command():
 

@@ -143,7 +143,7 @@ def achieved_flops(gpu_type, mfu, compile, precision):
 
 
 def print_step_times(args, config, sizes, per_host, shard_group, strategies):
-    """The table `python -m minimal_fsdp.tools.model_size --inter_node_gbps G` adds below the memory table."""
+    """The table `minimal-fsdp plan --inter_node_gbps G` adds below the memory table."""
     flops, mfu = achieved_flops(args.gpu_type, args.mfu, args.compile, args.precision)
     tokens_per_gpu = args.batch_size * args.grad_accum_steps * config.seq_length
     per_token = flops_per_token(sizes, config)

@@ -194,7 +194,7 @@ def trained(tmp_path, straight):
 def test_crafted_checkpoint_runs_nothing_anywhere(tmp_path, trained):
     marker = tmp_path / "pwned"
     plant_payload(trained / "step_4", marker)
-    export = subprocess.run([sys.executable, "-m", "minimal_fsdp.hf.export", str(trained / "step_4"), str(tmp_path / "o")],
+    export = subprocess.run([sys.executable, "-m", "minimal_fsdp", "export", str(trained / "step_4"), str(tmp_path / "o")],
                             cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert "not allowed" in one_error(export)
     restart = launch(["--restart_checkpoint_file", trained / "step_4", "--max_steps", 6, "--run_name", "other"],

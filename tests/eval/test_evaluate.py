@@ -1,7 +1,7 @@
-"""python -m minimal_fsdp.eval.evaluate (evaluate.py, evaluate_lm.py) and --eval_tasks. On the local tasks in
+"""minimal-fsdp evaluate (evaluate.py, evaluate_lm.py) and --eval_tasks. On the local tasks in
 configs/eval (multiple choice; perplexity in rolling windows; generation), our backend on a checkpoint loaded
 over 1, 2 and 4 ranks gives the scores of the harness's own Hugging Face backend (lm_eval --model hf) on the same
-checkpoint exported with python -m minimal_fsdp.hf.export --format hf: every log-likelihood within 1e-4 relative,
+checkpoint exported with minimal-fsdp export --format hf: every log-likelihood within 1e-4 relative,
 accuracies, greedy flags and generated text identical, for a GPT-2-shape and a Llama-shape model. Offline
 throughout; bad input ends every rank with one line."""
 import json
@@ -115,7 +115,7 @@ def assert_same_scores(results, samples, reference, tasks=TASKS):
 
 def run_evaluate(source, out, ranks, *flags, check=True):
     cmd = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
-    cmd += [sys.executable, "-m", "minimal_fsdp.eval.evaluate", str(source), *map(str, flags)]
+    cmd += [sys.executable, "-m", "minimal_fsdp", "evaluate", str(source), *map(str, flags)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **OFFLINE)
     result = subprocess.run(cmd + (["--output_path", str(out)] if out else []), capture_output=True, text=True,
                             timeout=600, env=env, cwd=ROOT)

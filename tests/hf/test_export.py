@@ -52,7 +52,7 @@ def test_export_round_trip(ckpt, tmp_path):
     model.load_state_dict(exported)  # the files are enough to rebuild the model for inference
     assert load_tokenizer(tmp_path / "out").chars == load_tokenizer(step).chars  # the checkpoint's tokenizer
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
-        assert f.metadata()["model_type"] == "gpt"  # what python -m minimal_fsdp.inference.sample rebuilds
+        assert f.metadata()["model_type"] == "gpt"  # what minimal-fsdp sample rebuilds
     assert_ordinary_permissions(tmp_path / "out")
 
 

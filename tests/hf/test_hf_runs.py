@@ -188,7 +188,7 @@ def test_a_broken_hugging_face_directory_is_one_line_for_training_and_sampling(t
                              16, "--batch_size", 2, "--max_steps", 1, "--num_tokens", 0, "--run_name", name],
                             ranks=2, cwd=tmp_path, check=False, timeout=180)
         else:
-            result = subprocess.run([sys.executable, "-m", "minimal_fsdp.inference.sample", directory, "--num_tokens", "3"],
+            result = subprocess.run([sys.executable, "-m", "minimal_fsdp", "sample", directory, "--num_tokens", "3"],
                                     cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""python -m minimal_fsdp.inference.sample on each kind of SOURCE: a checkpoint (step directory, run directory, `best`
+"""minimal-fsdp sample on each kind of SOURCE: a checkpoint (step directory, run directory, `best`
 marker), both export formats, and a Hugging Face directory. Greedy text equals a plain single-process PyTorch
 decode of the checkpoint (and transformers' for the Hugging Face model); the same weights give the same text
 from every source and on 2 ranks; the banner shows the model and tokenizer actually loaded."""
@@ -27,7 +27,7 @@ GREEDY = ["--prompt", PROMPT, "--num_tokens", "10", "--temperature", "0"]
 
 def sample(source, *args, ranks=None, check=True, cwd=None):
     """Run the sample command (under mpiexec when ranks is given); returns the CompletedProcess."""
-    cmd = [sys.executable, "-m", "minimal_fsdp.inference.sample", str(source), *map(str, args)]
+    cmd = [sys.executable, "-m", "minimal_fsdp", "sample", str(source), *map(str, args)]
     if ranks:
         cmd = [mpiexec(), "-n", str(ranks), *cmd]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
@@ -39,7 +39,7 @@ def sample(source, *args, ranks=None, check=True, cwd=None):
 
 @pytest.fixture
 def sample_here(single_process, capfd, monkeypatch):
-    """The sample command's main in this process (a world of one rank, as `python -m minimal_fsdp.inference.sample`
+    """The sample command's main in this process (a world of one rank, as `minimal-fsdp sample`
     without mpiexec): what it prints to stdout and stderr, without starting Python and torch again."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
@@ -81,7 +81,7 @@ def plain_greedy(step, prompt, num_tokens):
 def test_checkpoint_sources_match_a_plain_decode(run, sample_here):
     step = checkpoint_find.latest(run)
     expected = plain_greedy(step, PROMPT, 10)
-    out = sample(step, *GREEDY)  # the command as typed: `python -m minimal_fsdp.inference.sample`
+    out = sample(step, *GREEDY)  # the command as typed: `minimal-fsdp sample`
     assert out.stdout == expected + "\n"
     # the banner (stderr) shows what was loaded, not defaults: a 2-layer Llama with its sentencepiece tokenizer
     assert f"generating from {step} (checkpoint, step 20)" in out.stderr

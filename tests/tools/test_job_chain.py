@@ -96,7 +96,7 @@ def test_pbs_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, st
     assert logged(tmp_path) == straight
     # Each job asks progress.py twice (the run's step before and after training).
     calls = (tmp_path / "python.log").read_text().splitlines()
-    assert sum(line.startswith("-m minimal_fsdp.tools.progress ") for line in calls) == 2 * STEPS
+    assert sum(line.startswith("-m minimal_fsdp progress ") for line in calls) == 2 * STEPS
     # --time_limit from the walltime (01:00:00 less CHAIN_MARGIN and the seconds the job has run), before
     # ARGS, whose own --time_limit wins.
     assert re.search(r"--time_limit 00:5[45]:\d\d .*--time_limit 00:00:00", (tmp_path / "python.log").read_text())
