@@ -159,8 +159,8 @@ class Config:
                         ("shakespeare", "text"), "data")
     input_file: str = flag(None, "for --dataset text: a UTF-8 text file, a .jsonl file of {\"text\": ...} lines, "
                                  "or a directory of .txt/.jsonl files", section="data")
-    dataset_path: str = flag(None, "instead of --dataset: a directory written by `python -m minimal_fsdp.data.tokens "
-                                   "prepare`; with --streaming, a .jsonl/.txt file or directory, a Hugging Face "
+    dataset_path: str = flag(None, "instead of --dataset: a directory written by `minimal-fsdp prepare`; "
+                                   "with --streaming, a .jsonl/.txt file or directory, a Hugging Face "
                                    "dataset saved with save_to_disk, or a hub dataset (NAME or NAME:CONFIG)",
                              section="data")
     streaming: bool = flag(False, "tokenize --dataset_path on the fly instead of preparing it; rank r reads every "

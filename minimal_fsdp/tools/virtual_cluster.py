@@ -363,7 +363,7 @@ def exec_on_host(argv):
     """The ssh stand-in's `exec --state DIR HOST -- COMMAND...` (written by Cluster, never typed): COMMAND run
     inside HOST's namespaces."""
     if len(argv) < 6 or argv[:2] != ["exec", "--state"] or argv[4] != "--":
-        sys.exit("usage: minimal-fsdp cluster exec --state DIR HOST -- COMMAND ...")
+        sys.exit("usage: python -m minimal_fsdp.tools.virtual_cluster exec --state DIR HOST -- COMMAND ...")
     state_dir, host, command = argv[2], argv[3], argv[5:]
     state = json.loads((Path(state_dir) / "cluster.json").read_text())
     if host not in state["hosts"]:
