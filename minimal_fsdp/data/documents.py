@@ -8,6 +8,7 @@ one see the same documents, in the same order, as the same tokens.
 """
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from minimal_fsdp.config.flags import ConfigError
@@ -183,6 +184,9 @@ def open_documents(source, flag, streaming=False, hub=True):
             raise ConfigError(f"{flag} {path} holds no .txt or .jsonl files and is not a Hugging Face dataset "
                               "saved with save_to_disk")
         return FileDocuments(files, path.stem, str(path))
+    if os.path.lexists(path):  # there, but neither a file nor a directory (through any link)
+        kind = "a link to nothing" if not path.exists() else "not a regular file (a FIFO, device or socket)"
+        raise ConfigError(f"{flag} {source} is {kind}: name a text or .jsonl file, or a directory of them")
     if not hub or source.startswith((".", "/", "~")) or source.endswith(TEXT_SUFFIXES) or source.count("/") > 1:
         raise ConfigError(f"{flag} {source} does not exist")
     return _load_from_hub(source, streaming)

@@ -21,15 +21,18 @@ import numpy as np
 from tqdm import tqdm
 
 from minimal_fsdp.config.commands import PrepareFlags
+from minimal_fsdp.config.checks import MAX_WHOLE, WHOLE_RANGES
 from minimal_fsdp.config.flags import ConfigError, one_line_errors
 from minimal_fsdp.config.parser import parse
 from minimal_fsdp.data.documents import OPENWEBTEXT, SEPARATOR_TEXT, FileDocuments, encode_document, is_val, open_documents
-from minimal_fsdp.files import write_atomic
+from minimal_fsdp.files import read_json, write_atomic
 from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
 
 SHIPPED_SHAKESPEARE = Path(__file__).resolve().parents[2] / "data" / "shakespeare" / "input.txt"
 SENTENCEPIECE_SAMPLE_CHARS = 20_000_000  # BPE merges are learned from the first this many characters of train
 BATCH_DOCUMENTS = 256  # documents per task sent to a tokenizing worker
+META_BYTES = 2**20  # a prepared meta.json: a few hundred bytes, or a line per file of a large source
+META_DEPTH = 8  # what we write nests 3 levels (source_fingerprint.files[i])
 
 
 def token_dtype(vocab_size):
@@ -59,12 +62,15 @@ def prepare_bins(documents, tokenizer_kind, vocab_size, out, val_fraction, seed,
     of `tokenizer_kind`. A failure leaves no directory behind that was not there before."""
     out = Path(out)
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
     try:
+        out.mkdir(parents=True, exist_ok=True)
         return _prepare_bins(documents, tokenizer_kind, vocab_size, out, val_fraction, seed, num_proc, tokenizer)
-    except BaseException:
+    except BaseException as e:
         if created:
             shutil.rmtree(out, ignore_errors=True)
+        if isinstance(e, OSError):  # a full disk, a file size limit, no permission: one line, not a traceback
+            raise ConfigError(f"preparing {out} failed: {e.strerror or e}"
+                              f"{f': {e.filename}' if e.filename else ''}") from None
         raise
 
 
@@ -140,11 +146,37 @@ def _fingerprint(documents):
     return {"source_fingerprint": fingerprint()} if fingerprint else {}
 
 
+def read_prepared_meta(directory):
+    """A prepared dataset's meta.json, read as a checkpoint's is (it may come from anyone): a regular file of at
+    most META_BYTES, nested at most META_DEPTH deep, a JSON object whose fields have their types and ranges.
+    ConfigError otherwise, one line naming the field."""
+    directory = Path(directory)
+    fix = f"delete {directory} to prepare it again"
+    try:
+        meta = read_json(directory / "meta.json", META_BYTES, META_DEPTH)
+    except OSError as e:
+        raise ConfigError(f"{directory / 'meta.json'} cannot be read ({e.strerror or e}): {fix}") from None
+    except ValueError as e:
+        raise ConfigError(f"{directory / 'meta.json'} {e}: {fix}") from None
+    for name, (low, high) in (("vocab_size", WHOLE_RANGES["vocab_size"]), ("train_tokens", (0, MAX_WHOLE)),
+                              ("val_tokens", (0, MAX_WHOLE))):
+        value = meta.get(name)
+        if type(value) is not int or not low <= value <= high:
+            raise ConfigError(f"{directory / 'meta.json'}: {name} is {json.dumps(value)[:40]}, not a whole number "
+                              f"in [{low}, {high}]: {fix}")
+    for name, kind, optional in (("tokenizer", str, False), ("dtype", str, False), ("source", str, True),
+                                 ("source_fingerprint", dict, True)):
+        if not isinstance(meta.get(name), kind) and not (optional and name not in meta):
+            raise ConfigError(f"{directory / 'meta.json'}: {name} is {json.dumps(meta.get(name))[:40]}, not a "
+                              f"{'string' if kind is str else 'JSON object'}: {fix}")
+    return meta
+
+
 def check_prepared(out, documents, fix):
     """Refuse a prepared dataset that was made from other contents than `documents` now hold: another file of
     the same name, or this file edited since. Reusing it would train on the old text without a word; preparing
     it again silently would change the data under any run that resumes from it. `fix`: how to prepare anew."""
-    meta = json.loads((Path(out) / "meta.json").read_text())
+    meta = read_prepared_meta(out)
     now = _fingerprint(documents).get("source_fingerprint")
     if meta.get("source_fingerprint") is not None and now is not None and meta["source_fingerprint"] != now:
         raise ConfigError(f"{out} was prepared from {meta.get('source')} as it was then, and {documents.source} "

@@ -5,6 +5,7 @@ Shakespeare or one --input_file itself on first use (prepared_dir).
 """
 import functools
 import json
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +13,14 @@ import torch
 
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.data.documents import open_documents
-from minimal_fsdp.data.prepare import check_prepared, output_dir, prepare_bins, shakespeare_documents
+from minimal_fsdp.data.prepare import (check_prepared, output_dir, prepare_bins, read_prepared_meta,
+                                       shakespeare_documents)
+from minimal_fsdp.files import read_json, write_atomic
 from minimal_fsdp.data.tokenizer import load_tokenizer
 
 TOKEN_DTYPES = ("uint16", "uint32")
+TOKEN_CHUNK = 2**24  # token ids whose maximum is taken at once (32 MB of uint16)
+TOKEN_CACHE = ".largest_token.json"  # each split's largest token id, under the file's fingerprint
 
 
 def dataset_dir(cfg, tokenizer=None):
@@ -37,6 +42,7 @@ def prepared_dir(cfg, tokenizer=None):
     out = dataset_dir(cfg, tokenizer)
     if cfg.dataset_path:
         if (out / "meta.json").exists():
+            TokenData(out)  # its checks, here on rank 0 first: the token ids' maximum is then cached for all
             return str(out)
         raise ConfigError(f"--dataset_path {out} has no meta.json: prepare it first (minimal-fsdp prepare "
                           f"--dataset text --input_file SOURCE --output {out}), or add --streaming to read "
@@ -48,9 +54,50 @@ def prepared_dir(cfg, tokenizer=None):
     if (out / "meta.json").exists():
         check_prepared(out, documents, f"delete {out} to prepare it again (runs that trained on it resume on the "
                                        "new text), or pass another --data_dir")
-        return str(out)
-    prepare_bins(documents, cfg.tokenizer, cfg.vocab_size, out, cfg.val_fraction, cfg.seed, tokenizer=tokenizer)
+    else:
+        prepare_bins(documents, cfg.tokenizer, cfg.vocab_size, out, cfg.val_fraction, cfg.seed, tokenizer=tokenizer)
+    TokenData(out)  # its checks, here on rank 0 first: the token ids' maximum is then cached for all
     return str(out)
+
+
+def _check_kinds(directory):
+    """Refuse a prepared directory holding something other than files and directories (a FIFO, a device, a
+    socket, or a link to one): the tokenizer libraries would block on it, or read without end."""
+    for entry in directory.iterdir():
+        try:
+            mode = entry.stat().st_mode  # through a link: a link to a regular file (on another disk) is fine
+        except OSError:
+            continue  # a dangling link: what is missing is reported where it is needed
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise ConfigError(f"{entry} is not a regular file (a FIFO, device or socket): a prepared dataset "
+                              f"holds none; delete {directory} to prepare it again")
+
+
+def largest_token(path, tokens):
+    """The largest token id in `tokens` (path's memmap), or None when empty: the maximum of each chunk of
+    TOKEN_CHUNK ids, read once and cached beside the file (TOKEN_CACHE) under its fingerprint (size,
+    modification time, inode), so a later start reads one small file instead of the whole split."""
+    if not len(tokens):
+        return None
+    info = path.stat()
+    fingerprint = [info.st_size, info.st_mtime_ns, info.st_ino]
+    cache = path.with_name(TOKEN_CACHE)
+    try:
+        cached = read_json(cache, 2**16, 4).get(path.name)
+        if isinstance(cached, list) and cached[:3] == fingerprint and type(cached[3]) is int:
+            return cached[3]
+    except (OSError, ValueError, IndexError):
+        pass  # none yet, or unreadable: counted again
+    top = max(int(tokens[i:i + TOKEN_CHUNK].max()) for i in range(0, len(tokens), TOKEN_CHUNK))
+    try:
+        saved = read_json(cache, 2**16, 4) if cache.exists() else {}
+    except (OSError, ValueError):
+        saved = {}
+    try:
+        write_atomic(cache, lambda tmp: tmp.write_text(json.dumps(dict(saved, **{path.name: fingerprint + [top]}))))
+    except OSError:
+        pass  # a read-only dataset: counted again at the next start
+    return top
 
 
 @functools.lru_cache(maxsize=4)  # a batch can straddle two epochs; evaluation reads val in between
@@ -84,7 +131,8 @@ class TokenData:
 
     def __init__(self, directory):
         self.directory = Path(directory)
-        self.meta = json.loads((self.directory / "meta.json").read_text())
+        self.meta = read_prepared_meta(self.directory)
+        _check_kinds(self.directory)
         self.tokenizer = load_tokenizer(self.directory)
         self.origin = (0, 0)  # (optimizer step, global block position) the train sampler counts from
         dtype = self.meta.get("dtype")
@@ -92,6 +140,12 @@ class TokenData:
             raise ConfigError(f"{self.directory}/meta.json says dtype {dtype!r}, which cannot hold "
                               f"{self.meta['vocab_size']} token ids: delete {self.directory} to prepare it again")
         self.splits = {split: self._open(split, dtype) for split in ("train", "val")}
+        for split, tokens in self.splits.items():
+            top = largest_token(self.directory / f"{split}.bin", tokens)
+            if top is not None and top >= self.meta["vocab_size"]:
+                raise ConfigError(f"{self.directory / f'{split}.bin'} holds token id {top}, but its tokenizer has "
+                                  f"{self.meta['vocab_size']} tokens (ids below {self.meta['vocab_size']}): delete "
+                                  f"{self.directory} to prepare it again")
 
     def _open(self, split, dtype):
         path = self.directory / f"{split}.bin"
@@ -124,13 +178,25 @@ class TokenData:
                 f"{self.meta['tokenizer']} tokens of {source}{size}")
 
     def bind(self, seq_length, batch_size, grad_accum_steps, rank, world_size, seed):
+        """The run's constants. Same on every rank, so a refusal comes alike everywhere: a train split with
+        fewer blocks than one optimizer step deals out would hand ranks the same block in one step, and an
+        "epoch" of that step would be more than one pass."""
         self.seq_length, self.batch_size, self.accum = seq_length, batch_size, grad_accum_steps
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.blocks_per_step = world_size * batch_size * grad_accum_steps
+        blocks = self._num_blocks("train")
+        if blocks < self.blocks_per_step:
+            raise ConfigError(
+                f"the train split of {self.directory} holds {blocks} block(s) of --seq_length {seq_length}, fewer "
+                f"than one optimizer step deals out ({world_size} rank(s) x --batch_size {batch_size} x "
+                f"--grad_accum_steps {grad_accum_steps} = {self.blocks_per_step}), so ranks would train on the "
+                "same blocks: add text, or lower --seq_length, --batch_size or --grad_accum_steps, or run on "
+                "fewer ranks")
 
     def steps_per_epoch(self):
-        """Optimizer steps in one pass over the train blocks (at least 1)."""
-        return max(1, self._num_blocks("train") // self.blocks_per_step)
+        """Optimizer steps in one pass over the train blocks (at least 1: bind refuses a split smaller than one
+        step)."""
+        return self._num_blocks("train") // self.blocks_per_step
 
     def _num_blocks(self, split):
         return (len(self.splits[split]) - 1) // self.seq_length

@@ -3,6 +3,8 @@ documents), the documented sampling order (every token a target at most once per
 seeds reference.py also uses; the same batches after a resume mid-epoch; ranks disjoint), and the checks on a
 prepared dataset (lengths, vocabulary, dtype, a stale or foreign file): each refusal one line."""
 import json
+import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -217,6 +219,7 @@ def prepare_calls(monkeypatch):
     monkeypatch.setattr(data, "shakespeare_documents", lambda data_dir: ("shakespeare", data_dir))
     monkeypatch.setattr(data, "open_documents", lambda *a, **k: ("open", a, k))
     monkeypatch.setattr(data, "prepare_bins", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(data, "TokenData", lambda directory: None)  # nothing prepared to check
     return calls
 
 
@@ -226,7 +229,8 @@ def test_prepared_dir_prepares_shakespeare_once(tmp_path, prepare_calls):
     assert prepared_dir(cfg) == str(out)
     assert prepare_calls == [((("shakespeare", str(tmp_path)), "char", None, out, 0.2, 7), {"tokenizer": None})]
     out.mkdir(parents=True)
-    (out / "meta.json").write_text("{}")
+    (out / "meta.json").write_text('{"tokenizer": "char", "vocab_size": 9, "dtype": "uint16", "train_tokens": 1, '
+                                   '"val_tokens": 1}')
     assert prepared_dir(cfg) == str(out) and len(prepare_calls) == 1  # prepared already: reused
 
 
@@ -307,15 +311,31 @@ def test_batches_equal_the_reference_sampler_across_epochs_ranks_and_splits(tmp_
             assert d.val_batch(index)[0].tolist() == reference.batch("val", index, rank, 2, 3, 10, 11)[0].tolist()
 
 
-def test_steps_per_epoch_counts_whole_blocks_and_is_at_least_one(tmp_path):
+def test_steps_per_epoch_counts_whole_blocks(tmp_path):
     exact = numbered_dataset(tmp_path / "exact", train_tokens=301)  # 300 targets: 30 blocks of 10
     exact.bind(10, 3, 1, 0, 1, 0)
     assert exact.steps_per_epoch() == 10
     short = numbered_dataset(tmp_path / "short", train_tokens=300)  # 299 targets: 29 blocks
     short.bind(10, 3, 1, 0, 1, 0)
     assert short.steps_per_epoch() == 9
-    short.bind(10, 16, 2, 0, 2, 0)  # 64 blocks a step: less than one epoch's worth
+    short.bind(10, 29, 1, 0, 1, 0)  # one step is one epoch, exactly
     assert short.steps_per_epoch() == 1
+
+
+@pytest.mark.parametrize("tokens,blocks,world,batch,accum", [(12, 1, 3, 1, 1), (300, 29, 2, 16, 2),
+                                                              (300, 29, 1, 10, 3)])
+def test_a_split_smaller_than_one_step_is_refused_in_one_line(tmp_path, tokens, blocks, world, batch, accum):
+    """The issue's case first: one block on three ranks was dealt to all three every step, as "6 epochs of 1
+    steps"."""
+    short = numbered_dataset(tmp_path / "short", train_tokens=tokens)
+    for rank in range(world):  # alike on every rank
+        with pytest.raises(ConfigError) as raised:
+            short.bind(10, batch, accum, rank, world, 0)
+        assert str(raised.value).startswith(
+            f"the train split of {tmp_path / 'short'} holds {blocks} block(s) of --seq_length 10, fewer than one "
+            "optimizer "
+            f"step deals out ({world} rank(s) x --batch_size {batch} x --grad_accum_steps {accum} = "
+            f"{world * batch * accum})") and "\n" not in str(raised.value)
 
 
 def test_state_dict_counts_blocks_from_where_the_run_resumed(tmp_path):
@@ -393,3 +413,76 @@ def test_a_large_source_is_identified_by_path_size_and_time(tmp_path, monkeypatc
     later = st.st_mtime_ns + 10**9
     os.utime(path, ns=(later, later))
     assert files.fingerprint() != {"files": [[str(path.resolve()), 100, st.st_mtime_ns]]}
+
+
+# ---- a prepared directory is as hostile as a checkpoint: each refusal one line, nothing hangs ----
+
+@pytest.mark.parametrize("text,problem", [
+    ("[1, 2]", "meta.json holds a JSON list, not an object"),
+    ('{"tokenizer": "char", "dtype": "uint16", "train_tokens": 300, "val_tokens": 200}',
+     "meta.json: vocab_size is null, not a whole number in [1, 16777216]"),
+    ('{"tokenizer": "char", "vocab_size": "300", "dtype": "uint16", "train_tokens": 300, "val_tokens": 200}',
+     'meta.json: vocab_size is "300", not a whole number in [1, 16777216]'),
+    ('{"tokenizer": "char", "vocab_size": 300, "dtype": "uint16", "train_tokens": 300, "val_tokens": 200, '
+     '"source": ["a"]}', 'meta.json: source is ["a"], not a string'),
+    ("[" * 100_000 + "]" * 100_000, "meta.json nests deeper than 8 levels")])
+def test_a_hostile_prepared_meta_json_is_refused_in_one_line(tmp_path, text, problem):
+    numbered_dataset(tmp_path / "d", train_tokens=300)
+    (tmp_path / "d" / "meta.json").write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        TokenData(tmp_path / "d")
+    assert str(raised.value) == f"{tmp_path / 'd'}/{problem}: delete {tmp_path / 'd'} to prepare it again"
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_and_the_maximum_is_cached(tmp_path):
+    d = numbered_dataset(tmp_path / "d", train_tokens=300)  # ids 0..299 of a 300-token vocabulary
+    cache = json.loads((tmp_path / "d" / data.TOKEN_CACHE).read_text())
+    assert cache["train.bin"][3] == 299 and cache["val.bin"][3] == 199
+    assert data.largest_token(tmp_path / "d" / "train.bin", np.zeros(300, np.uint16)) == 299  # read from the cache
+    tokens = np.arange(300, dtype=np.uint16)
+    tokens[123] = 300  # one id at the vocabulary's size: an embedding row that does not exist
+    tokens.tofile(tmp_path / "d" / "train.bin")
+    os.utime(tmp_path / "d" / "train.bin", ns=(1, 1))  # a changed file is read again, whatever its time
+    with pytest.raises(ConfigError) as raised:
+        TokenData(d.directory)
+    assert str(raised.value) == (f"{tmp_path / 'd' / 'train.bin'} holds token id 300, but its tokenizer has 300 "
+                                 f"tokens (ids below 300): delete {tmp_path / 'd'} to prepare it again")
+
+
+def bounded(function, seconds=60):
+    """function() on a thread, or a failure if it is still running after `seconds` (it hangs)."""
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(_catch(function)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still running after {seconds} s"
+    return outcome[0]
+
+
+def _catch(function):
+    try:
+        return function()
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return e
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer.model", "train.bin"])
+def test_a_fifo_in_a_prepared_directory_is_refused_without_blocking(tmp_path, name):
+    numbered_dataset(tmp_path / "d", train_tokens=300)
+    (tmp_path / "d" / name).unlink(missing_ok=True)
+    os.mkfifo(tmp_path / "d" / name)
+    error = bounded(lambda: TokenData(tmp_path / "d"))
+    assert isinstance(error, ConfigError) and str(error) == (
+        f"{tmp_path / 'd' / name} is not a regular file (a FIFO, device or socket): a prepared dataset holds none; "
+        f"delete {tmp_path / 'd'} to prepare it again")
+
+
+def test_a_fifo_or_device_as_input_file_is_named_for_what_it_is(tmp_path):
+    os.mkfifo(tmp_path / "fifo.txt")
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")
+    (tmp_path / "gone.txt").symlink_to(tmp_path / "nothing")
+    for name, kind in [("fifo.txt", "not a regular file (a FIFO, device or socket)"),
+                       ("zero.txt", "not a regular file (a FIFO, device or socket)"), ("gone.txt", "a link to nothing")]:
+        error = bounded(lambda: prepared_dir(cfg_for(tmp_path / name, tmp_path)))
+        assert isinstance(error, ConfigError) and str(error) == (
+            f"--input_file {tmp_path / name} is {kind}: name a text or .jsonl file, or a directory of them")
