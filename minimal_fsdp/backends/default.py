@@ -1,6 +1,7 @@
 """The parts of a training run that depend on what computes it, for CUDA and CPU through torch.distributed
 (plan.backend "torch"): the model as the plan lays it out, the batches the loop reads, the gradient sync and the
 checkpointer. run.train_model wires them into train.train; xla.py's XLA gives the same parts for --device xla."""
+from minimal_fsdp.checkpoint import background as checkpoint_background
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.metrics import banner
@@ -25,8 +26,9 @@ class Torch:
         return model
 
     def checkpointer(self, model_config, tokenizer_dir, model):
-        return checkpoint.Checkpointer(self.cfg, model_config, tokenizer_dir, self.plan.decentralized, self.env,
-                                       model)
+        """Collective: every rank agrees on saving in the background or not (background.for_run) first."""
+        background = checkpoint_background.for_run(self.cfg, self.env, model, self.plan.decentralized)
+        return checkpoint.Checkpointer(self.cfg, model_config, tokenizer_dir, self.plan.decentralized, background)
 
     def batches(self, data):
         return data  # train_step copies each host batch to the device

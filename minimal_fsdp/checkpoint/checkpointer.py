@@ -69,13 +69,14 @@ class Checkpointer:
 
     restore_s = restored_from = None  # how long the restore took, and from where, once one has
 
-    def __init__(self, cfg, model_config, tokenizer_dir, decentralized, env=None, model=None):
+    def __init__(self, cfg, model_config, tokenizer_dir, decentralized, background=None):
+        """background: background.for_run's Background (saves beside training), or None (synchronous saves)."""
         self.cfg, self.run_dir = cfg, Path(cfg.checkpoint_dir) / cfg.run_name
         self.about = {"model_type": model_config.model_type, "model": model_config.to_dict(),
                       "config": dataclasses.asdict(cfg)}
         self.tokenizer_dir, self.keep_last = tokenizer_dir, cfg.keep_last
         self.decentralized, self.average_only = decentralized, cfg.save_average
-        self.background = checkpoint_async.for_run(cfg, env, model, decentralized) if model is not None else None
+        self.background = background
         self.mode, self.staging = ("async", self.background.staging) if self.background else ("sync", 0)
         self.in_flight, self.ended = None, []
 
