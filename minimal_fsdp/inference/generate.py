@@ -66,18 +66,17 @@ def generate(model, tokenizer, prompt, num_tokens, temperature=0.8, top_k=50, se
 
 
 class TextStream:
-    """Text written as tokens arrive. Each new token's text is the decode of a short window of tokens before it
-    and after, less that of the window before it: a token's text can depend on its neighbours (sentencepiece's
-    leading space, a UTF-8 character split over byte-level tokens, held back while it is incomplete)."""
+    """Text written as tokens arrive. Each new piece is the decode of a short window of tokens less that of the
+    window without the newest ones: a token's text can depend on its neighbours (sentencepiece's leading space,
+    a UTF-8 character split over byte-level tokens, held back while it is incomplete)."""
 
     def __init__(self, tokenizer, ids, write):
-        self.tok, self.write, self.ids = tokenizer, write, list(ids)
-        self.text = tokenizer.decode(self.ids)
-        self.start, self.end = max(0, len(self.ids) - 4), len(self.ids)  # the window already written
-        write(self.text)
+        self.tok, self.write = tokenizer, write
+        self.ids, self.text, self.start, self.end = [], "", 0, 0  # ids[start:end]: the window already written
+        self.add(*ids)  # the prompt, at once
 
-    def add(self, token):
-        self.ids.append(token)
+    def add(self, *tokens):
+        self.ids += tokens
         before = self.tok.decode(self.ids[self.start:self.end])
         now = self.tok.decode(self.ids[self.start:])
         if len(now) > len(before) and now.startswith(before) and not now.endswith("\ufffd"):
