@@ -24,7 +24,7 @@ from minimal_fsdp.parallel.plan import layout, strategy
 # timestamps). One TCP stream measured 9.71 Gbit/s through a 10 Gbit/s tbf and 0.96 through 1 (96-97%).
 PAYLOAD = 1448 / 1500
 GRAD_BYTES = {"float32": 4, "bf16": 2}  # the gradients' sums across ranks, in --reduce_precision's dtype
-REPLICA_BYTES = 4  # gossip sends its fp32 replica (bf16 runs autocast over fp32 weights)
+GOSSIP_BYTES = {"bf16": 2, "float32": 4}  # gossip's wire (--gossip_dtype); "flat-fp32" below: before hosts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +53,11 @@ def all_reduce_share(hosts):
     return 2 * (hosts - 1) / hosts
 
 
-def gossip_messages(topology, hosts, per_host, step):
-    """The most replicas any host sends or receives over its link at one gossip step (gossip.exchange_for's)."""
+def gossip_messages(topology, hosts, per_host, step, host_aware=True):
+    """The most replicas any host sends or receives over its link at one gossip step (gossip.exchange_for's).
+    Host-aware gossip (several ranks a host) sends each peer host one replica, split over the local ranks."""
+    if host_aware and hosts > 1 and per_host > 1:
+        return len(exchange_for(topology, 0, hosts, step).send_to)
     world = hosts * per_host
     out, into = [0] * hosts, [0] * hosts
     for rank in range(world):
@@ -72,20 +75,23 @@ def gossip_period(topology, world):
 
 
 def link_bytes(chosen, sharding, params, world, per_host, shard_group, compute_bytes, micro_steps=1,
-               topology="alternating-exp-ring", log_interval=10, grad_bytes=4):
+               topology="alternating-exp-ring", log_interval=10, grad_bytes=4, gossip="bf16"):
     """(bytes a step waits for, bytes that run beside compute) over each host's link each way, under the strategy
-    `chosen` (plan.strategy's). Gossip's first is the consensus distance of the logging steps (an all-reduce of the
-    replica), spread over log_interval steps; its second the mean over a period of its topology's exchanges."""
+    `chosen` (plan.strategy's). Gossip's second is the mean over a period of its topology's exchanges, in the
+    wire's dtype (`gossip`: bf16, float32, or flat-fp32, the gossip before it knew hosts, whose first was the
+    consensus distance of each logging step, an all-reduce of the replica spread over log_interval steps)."""
     hosts = world // per_host
     if hosts == 1 or chosen == "local":
         return 0.0, 0.0
     if chosen == "gossip":
-        replica = REPLICA_BYTES * params
-        consensus = all_reduce_share(hosts) * replica / log_interval
+        flat = gossip == "flat-fp32"
+        replica = (4 if flat else GOSSIP_BYTES[gossip]) * params
+        consensus = all_reduce_share(hosts) * 4 * params / log_interval if flat else 0.0
         if topology == "complete":
             return consensus, all_reduce_share(hosts) * replica
-        steps = range(gossip_period(topology, world))
-        return consensus, replica * statistics.mean(gossip_messages(topology, hosts, per_host, t) for t in steps)
+        period = gossip_period(topology, hosts if not flat and per_host > 1 else world)
+        return consensus, replica * statistics.mean(gossip_messages(topology, hosts, per_host, t, not flat)
+                                                    for t in range(period))
     _, shards, reshard = layout(sharding, world, shard_group)
     # Gathers a step: FSDP2's blocks twice a micro-step when resharded after forward; otherwise the parameters
     # stay gathered from the first forward to the last backward of the step.
@@ -110,7 +116,7 @@ class StepTime:
 
 def estimate_step(sharding, params, flops_per_token, tokens_per_gpu, world, per_host, shard_group, gbps, flops,
                   precision="bf16", micro_steps=1, fsdp_unit="auto", topology="alternating-exp-ring",
-                  log_interval=10, reduce_precision="float32"):
+                  log_interval=10, reduce_precision="float32", gossip="bf16"):
     """The step time of `sharding` (or "decentralized", gossip) for tokens_per_gpu tokens a step on each of world
     GPUs of per_host a host, each computing at `flops` FLOP/s, the hosts joined by links of `gbps` Gbit/s."""
     decentralized = sharding == "decentralized"
@@ -118,7 +124,7 @@ def estimate_step(sharding, params, flops_per_token, tokens_per_gpu, world, per_
                       float8=precision == "fp8", decentralized=decentralized)
     waited, beside = link_bytes(chosen, sharding, params, world, per_host, shard_group,
                                 4 if precision == "float32" else 2, micro_steps, topology, log_interval,
-                                GRAD_BYTES[reduce_precision])
+                                GRAD_BYTES[reduce_precision], gossip)
     rate = gbps * 1e9 / 8 * PAYLOAD  # bytes/s
     compute = tokens_per_gpu * flops_per_token / flops
     if chosen == "ddp":  # buckets all-reduce during backward, about two thirds of the compute

@@ -345,7 +345,7 @@ def gpt2_step(sharding, gbps, hosts=2, per_host=2, log_interval=1, **kwargs):
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")  # eager, as the runs were
     return step_time.estimate_step(sharding, sizes.total, step_time.flops_per_token(sizes, config), 32 * 1024,
                                    hosts * per_host, per_host, per_host, gbps, flops, log_interval=log_interval,
-                                   **kwargs)
+                                   gossip="flat-fp32", **kwargs)  # measured before gossip knew hosts
 
 
 @pytest.mark.parametrize("gbps,sharding,measured_ms", MEASURED_ACROSS_HOSTS,
@@ -401,7 +401,7 @@ def test_the_1b_on_two_gpus_a_host_within_25_percent():
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")
     for sharding, chosen, measured_ms in MEASURED_2X2_LLAMA:
         estimated = step_time.estimate_step(sharding, sizes.total, step_time.flops_per_token(sizes, config),
-                                            4 * 2048, 4, 2, 2, 25, flops, log_interval=1)
+                                            4 * 2048, 4, 2, 2, 25, flops, log_interval=1, gossip="flat-fp32")
         assert estimated.strategy == chosen
         assert 1000 * estimated.step == pytest.approx(measured_ms, rel=0.25)
 
@@ -443,7 +443,7 @@ def test_large_models_overlap_measured_within_25_percent():
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")
     for sharding, chosen, measured_ms in (("full-shard", "fsdp-block", 3780.1), ("no-shard", "ddp", 3911.2)):
         estimated = step_time.estimate_step(sharding, sizes.total, step_time.flops_per_token(sizes, config),
-                                            4 * 2048, 2, 1, 1, 10, flops, log_interval=1)
+                                            4 * 2048, 2, 1, 1, 10, flops, log_interval=1, gossip="flat-fp32")
         assert estimated.strategy == chosen
         assert 1000 * estimated.step == pytest.approx(measured_ms, rel=0.25)
 
@@ -471,7 +471,7 @@ def test_reduce_precision_measured_across_hosts_within_25_percent(model, shardin
         sizes, tokens = count_parameters(config), 4 * 2048
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")
     estimated = step_time.estimate_step(sharding, sizes.total, step_time.flops_per_token(sizes, config), tokens, 2, 1,
-                                        1, 10, flops, log_interval=1, reduce_precision=reduce)
+                                        1, 10, flops, log_interval=1, reduce_precision=reduce, gossip="flat-fp32")
     assert estimated.strategy == chosen
     assert 1000 * estimated.step == pytest.approx(measured_ms, rel=0.25)
 
@@ -524,15 +524,21 @@ def test_link_bytes_of_each_strategy_between_two_hosts():
 def test_gossip_sends_what_its_topology_says():
     """alternating-exp-ring on 2 hosts x 2 ranks (host 0: ranks 0, 1): step 0 sends to the next rank (1 -> 2 and
     3 -> 0 cross: one replica each way), step 1 to both ring neighbours (0 -> 3 and 1 -> 2 cross), step 2 two ranks
-    on (every message crosses), step 3 the ring again; then it repeats."""
-    assert [step_time.gossip_messages("alternating-exp-ring", 2, 2, t) for t in range(8)] == [1, 2, 2, 2] * 2
+    on (every message crosses), step 3 the ring again; then it repeats. That was gossip before it knew hosts
+    (flat-fp32); host-aware gossip sends one replica a step to its one peer host, in bf16, and no consensus."""
+    flat = [step_time.gossip_messages("alternating-exp-ring", 2, 2, t, host_aware=False) for t in range(8)]
+    assert flat == [1, 2, 2, 2] * 2
     assert step_time.gossip_period("alternating-exp-ring", 4) == 4
     assert [step_time.gossip_messages("exp", 4, 1, t) for t in range(2)] == [1, 1]  # one peer a step, each way
     n = 1000
-    waited, beside = step_time.link_bytes("gossip", None, n, 4, 2, 2, 2, log_interval=10)
+    waited, beside = step_time.link_bytes("gossip", None, n, 4, 2, 2, 2, log_interval=10, gossip="flat-fp32")
     assert beside == 4 * n * 7 / 4  # fp32 replicas, 7 over the 4 steps of a cycle
     assert waited == 4 * n / 10  # the consensus distance's all-reduce, every 10th step
-    assert step_time.link_bytes("gossip", None, n, 4, 2, 2, 2, topology="complete", log_interval=10)[1] == 4 * n
+    assert step_time.link_bytes("gossip", None, n, 4, 2, 2, 2, topology="complete", log_interval=10,
+                                gossip="flat-fp32")[1] == 4 * n
+    assert [step_time.gossip_messages("alternating-exp-ring", 2, 2, t) for t in range(4)] == [1, 1, 1, 1]
+    assert step_time.link_bytes("gossip", None, n, 4, 2, 2, 2, log_interval=10) == (0.0, 2 * n)  # bf16, one peer
+    assert step_time.link_bytes("gossip", None, n, 8, 1, 1, 2, topology="ring")[1] == 2 * 2 * n  # 1 a host: flat
 
 
 def test_step_time_waits_for_the_link_or_overlaps_it():
