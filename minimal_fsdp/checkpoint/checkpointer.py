@@ -265,7 +265,7 @@ def _failure(error, rank, where=None):
         rank = min(failures)
         error = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
     if isinstance(error, OSError) and error.strerror:
-        return rank, error.strerror + (f": {error.filename}" if error.filename else "")
+        return rank, error.strerror + (f": {error.filename or where}" if error.filename or where else "")
     text = " ".join(str(error).split())
     if where is not None and ("unexpected pos" in text or "write failed" in text):
         return rank, f"{write_failure_reason(where)}: {where}"
