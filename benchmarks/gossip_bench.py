@@ -4,7 +4,8 @@ same build_model/build_optimizer/train_step as real training, on synthetic token
     mpiexec -n 4 python benchmarks/gossip_bench.py --model_preset gpt2 --vocab_size 50304 --batch_size 16 \
         --precision bf16 --out gossip.jsonl
 Runs, in one launch: all-reduce (FSDP --sharding no-shard, i.e. DDP: gradients all-reduced in fp32), then
---data_parallel decentralized with each topology. Prints one markdown row per mode. Bytes: for gossip, the
+--data_parallel decentralized with each topology (its wire: --gossip_dtype, bf16 unless told). Prints one
+markdown row per mode. Bytes: for gossip, the
 payload the Gossip object posted (counted); for all-reduce, a ring all-reduce's 2(n-1)/n x gradient bytes
 (computed: NCCL does not report what it sends). Step time: median of --steps steps (CUDA events).
 """
@@ -48,7 +49,8 @@ def measure(cfg, env, bench, model_config):
     if env.device.type == "cuda":
         torch.cuda.empty_cache()
     decentralized = cfg.data_parallel == "decentralized"
-    return dict(mode=cfg.data_parallel, topology=cfg.topology if decentralized else "-", gpus=env.world_size, params=params, precision=cfg.precision,
+    return dict(mode=cfg.data_parallel, topology=cfg.topology if decentralized else "-", gpus=env.world_size,
+                params=params, precision=cfg.precision, wire=cfg.gossip_dtype if decentralized else "float32",
                 batch=cfg.batch_size, step_ms=statistics.median(times) * 1000, bytes_per_step=sent, bytes_are=counted,
                 device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
                 torch=torch.__version__)

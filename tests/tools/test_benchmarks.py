@@ -50,9 +50,10 @@ def test_gossip_bench_reports_every_mode(tmp_path):
     assert [r["topology"] for r in rows] == ["-", "complete", "ring", "exp", "alternating-exp-ring"]
     assert all(positive(r["step_ms"]) and r["gpus"] == 2 and r["batch"] == 2 for r in rows), rows
     assert all(r["params"] == PARAMS for r in rows), (PARAMS, rows)
-    # On 2 ranks every mode moves one fp32 copy of the parameters per step: all-reduce 2(n-1)/n of the gradient
-    # bytes, each gossip topology one message to its single peer.
-    assert all(r["bytes_per_step"] == pytest.approx(4 * PARAMS) for r in rows), rows
+    # On 2 ranks every mode moves one copy of the parameters per step: all-reduce 2(n-1)/n of the fp32 gradient
+    # bytes, each gossip topology one bf16 message (--gossip_dtype's default) to its single peer.
+    assert all(r["bytes_per_step"] == pytest.approx((2 if r["wire"] == "bf16" else 4) * PARAMS) for r in rows)
+    assert [r["wire"] for r in rows] == ["float32"] + ["bf16"] * 4
 
 
 def test_fp8_table_gives_each_row_its_speed_over_bf16(tmp_path):
