@@ -13,7 +13,7 @@ import datetime
 import hashlib
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,9 @@ from minimal_fsdp.launch import failures
 from minimal_fsdp.launch import hosts
 from minimal_fsdp.launch import rendezvous
 from minimal_fsdp.launch.failures import MainRankFailed, exit_on_error, run_on_main  # noqa: F401  (the names callers use)
+
+
+GRACE_SECONDS = 5  # past --collective_timeout, before a wait for the process group is ended from outside
 
 
 @dataclass
@@ -72,15 +75,16 @@ def setup(cfg):
         launcher, os.environ, pbs=cfg.environment == "pbs", timeout=cfg.collective_timeout)
     failures.world_known(world)
     device, backend = _pick_device(local_rank, local_world)
-    store = rendezvous.meet(rank, world, num_nodes, launcher, cfg)
-    network = hosts.pick_interface(rendezvous.address(), num_nodes)  # before gloo picks an address itself
-    hosts.nccl_socket_threads(num_nodes)  # before NCCL's first communicator reads them
-    with gloo_quiet():
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.collective_timeout),
-                                device_id=device if device.type == "cuda" else None,
-                                **(dict(store=store) if store is not None else {}))
-        local_world_sizes, gpu_keys = _gather_layout(local_world, device)
+    with _until_grouped(launcher, rank, world, cfg.collective_timeout):
+        store = rendezvous.meet(rank, world, num_nodes, launcher, cfg)
+        network = hosts.pick_interface(rendezvous.address(), num_nodes)  # before gloo picks an address itself
+        hosts.nccl_socket_threads(num_nodes)  # before NCCL's first communicator reads them
+        with gloo_quiet():
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=cfg.collective_timeout),
+                                    device_id=device if device.type == "cuda" else None,
+                                    **(dict(store=store) if store is not None else {}))
+            local_world_sizes, gpu_keys = _gather_layout(local_world, device)
     rendezvous.all_joined(rank)
     hosts.check_shared_dir(cfg.checkpoint_dir, num_nodes)
     if network and rank == 0:
@@ -89,6 +93,17 @@ def setup(cfg):
     if warning and rank == 0:
         print(warning, file=sys.stderr, flush=True)
     return DistEnv(rank, world, local_rank, local_world, num_nodes, device, backend, launcher, local_world_sizes)
+
+
+def _until_grouped(launcher, rank, world, timeout):
+    """srun and torchrun: every wait until the process group exists, under one deadline of --collective_timeout.
+    A store's client waits for its server's answer without any timeout (TCPStore's ping), so a rank 0 stopped
+    right after publishing its port held the others for good. MPI's steps have deadlines of their own. Rank 0,
+    whose store the others wait for, is ended last: the line then comes from a rank that waited."""
+    if launcher in ("srun", "torchrun") and world > 1:
+        return failures.deadline(timeout, "the rendezvous (joining rank 0's store and the process group)",
+                                 grace=GRACE_SECONDS * (2 if rank == 0 else 1))
+    return nullcontext()
 
 
 def teardown():

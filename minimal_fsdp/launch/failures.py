@@ -76,16 +76,17 @@ def raise_gathered(problems):
 
 
 @contextmanager
-def deadline(seconds, what):
+def deadline(seconds, what, grace=0):
     """End this process with one line if the block has not finished within `seconds`: for steps that can wait
     on another rank before any timeout of torch's applies (MPI_Init, MPI's collectives). A stopped or hung rank
     then cannot keep the others waiting; the launcher sees a rank killed and ends the rest of the job.
     The watch is a separate small process, because MPI_Init holds the GIL while it waits (no thread of ours
-    would run); it reads a pipe from us, so it also ends, doing nothing, when this process ends otherwise."""
+    would run); it reads a pipe from us, so it also ends, doing nothing, when this process ends otherwise.
+    grace: seconds more before the kill, so that the block's own bounded waits say their more precise line first."""
     line = (f"error: rank {rank_hint()}: {what} did not finish within {seconds:.0f}s (--collective_timeout): "
             "another rank has stopped, hangs or never started")
     watch = 'read -t "$1" _; if [ $? -gt 128 ]; then echo "$2" >&2; kill -KILL "$3"; fi'
-    watcher = subprocess.Popen(["bash", "-c", watch, "deadline", str(int(seconds)), line, str(os.getpid())],
+    watcher = subprocess.Popen(["bash", "-c", watch, "deadline", str(int(seconds + grace)), line, str(os.getpid())],
                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     try:
         yield

@@ -291,6 +291,36 @@ def test_a_rank_missing_from_mpi_discovery_does_not_hold_the_others(tmp_path, co
     assert "Traceback" not in result.stderr
 
 
+STOPS_AFTER_PUBLISHING = """import os, runpy, signal, sys
+if os.environ["SLURM_PROCID"] == "0":  # rank 0 stops right after publishing its rendezvous port
+    from minimal_fsdp.launch import rendezvous
+    real = os.replace
+    def replace_then_stop(source, target):
+        real(source, target)
+        if os.path.basename(os.path.dirname(target)) == ".rendezvous":
+            os.kill(os.getpid(), signal.SIGSTOP)
+    rendezvous.os.replace = replace_then_stop
+sys.argv[0] = {entry!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_0_stopped_after_publishing_its_port_does_not_hold_the_others(tmp_path, corpus):
+    """srun-style tasks; rank 0 publishes its port and stops. Rank 1's store client waited for rank 0's answer
+    with no timeout, silently; now every wait before the process group exists is under --collective_timeout."""
+    wrapper = tmp_path / "stops.py"
+    wrapper.write_text(STOPS_AFTER_PUBLISHING.format(entry=str(ENTRY)))
+    train = training(corpus)
+    train[train.index("--collective_timeout") + 1] = "10"
+    train[1] = str(wrapper)
+    result = run_session(["srun", "--mpi=none", "--kill-on-bad-exit=1", *train], slurm_job(tmp_path, 2), tmp_path,
+                         timeout=120)  # a bound on a hang only
+    one_error(result, "rank 1: the rendezvous (joining rank 0's store and the process group) did not finish "
+                      "within 10s (--collective_timeout)")
+    assert "Traceback" not in result.stderr
+
+
 def in_network_namespace(cmd):
     """cmd in a network namespace of its own (and a user namespace, for the rights): loopback up, and a route
     that sends the TEST-NET 192.0.2.0/24 into loopback, where nothing answers. No packet leaves this machine."""
