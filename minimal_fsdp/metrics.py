@@ -34,13 +34,19 @@ TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_no
 
 
 class Metrics:
-    """Rank 0 logs; the other ranks hold an inert object. Opening is collective (every rank calls it), so a
-    failure on rank 0, e.g. wandb refusing to start, stops every rank with the same error."""
+    """Rank 0 logs; the other ranks hold an inert object. Made by `open`, which is collective (every rank calls
+    it), so a failure on rank 0, e.g. wandb refusing to start, stops every rank with the same error."""
 
     def __init__(self, cfg):
         self.file = self.tensorboard = self.wandb = None
         self.dir = Path(cfg.log_dir) / cfg.run_name
-        environment.run_on_main(self._open, cfg)
+
+    @classmethod
+    def open(cls, cfg):
+        """Collective: the run's log files opened on rank 0."""
+        metrics = cls(cfg)
+        environment.run_on_main(metrics._open, cfg)
+        return metrics
 
     def _open(self, cfg):
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -96,8 +102,14 @@ class TrainingLog:
     and MFU count training alone. Used as a context manager: the bar ends its line and the files close even when
     training fails."""
 
-    def __init__(self, cfg, env, model, schedule, first_step, tokens_per_step):
-        self.metrics = Metrics(cfg)  # collective
+    @classmethod
+    def open(cls, cfg, env, model, schedule, first_step, tokens_per_step, synchronize):
+        """Collective: the log of a run whose files rank 0 opens (Metrics.open)."""
+        return cls(cfg, env, model, schedule, first_step, tokens_per_step, synchronize, Metrics.open(cfg))
+
+    def __init__(self, cfg, env, model, schedule, first_step, tokens_per_step, synchronize, metrics):
+        """synchronize(): waits for the device's queued steps (the backend's); metrics: Metrics.open's."""
+        self.metrics, self.synchronize = metrics, synchronize
         self.env, self.main, self.run_name = env, env.is_main, cfg.run_name
         self.first_step, self.last_step, self.tokens_per_step = first_step, schedule.last_step, tokens_per_step
         self.flops_per_token, self.peak = model.flops_per_token(), peak_flops(env.device)
@@ -167,12 +179,12 @@ class TrainingLog:
     def paused(self):
         """Evaluation and saving: the device finishes the queued training steps first, and the time inside is
         left out of the next row's tokens/s."""
-        _synchronize(self.env.device)
+        self.synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
-            _synchronize(self.env.device)
+            self.synchronize()
             self.paused_time += time.perf_counter() - start
 
     def validation(self, step, val_loss):
@@ -263,14 +275,6 @@ def memory_pressure(step, retries, peak_gb, device):
             f"cache to retry (peak {peak_gb:.1f}{total} GB on rank 0); steps this close to the GPU's memory "
             "can run much slower. A smaller --batch_size, --activation_checkpoints, or full-shard gives room "
             "(minimal-fsdp plan plans it)")
-
-
-def _synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xla":  # the steps run asynchronously after torch_xla.sync()
-        import torch_xla.core.xla_model as xm
-        xm.wait_device_ops()
 
 
 def state_bytes_per_rank(num_params, shard_size):

@@ -6,7 +6,7 @@ model, then training (or only generation) and a sample. basic_training.py hands 
       files.RunLock            one training run per run directory
       checkpoint_find.find     what to resume from (--resume, --restart_checkpoint_file)
       train_model              data -> the model's shape -> plan.make_plan (the parallel plan, plan_run) -> the
-                               plan's backend (backend.Torch, or xla.XLA) -> its model -> optimizer -> checkpoint
+                               plan's backend (backends.default.Torch, or backends.xla.XLA) -> its model -> optimizer -> checkpoint
                                or Hugging Face weights -> train.train with the backend's parts
       or generation_model      a checkpoint or a Hugging Face model, as sample.py loads it
       generate                 the sample at the end
@@ -23,7 +23,7 @@ from minimal_fsdp.launch import environment
 from minimal_fsdp import files
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.inference import load
-from minimal_fsdp.backends.default import Torch
+from minimal_fsdp import backends
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args, validate_world
 from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
 from minimal_fsdp.data.tokens import TokenData, prepared_dir
@@ -64,10 +64,7 @@ def main(argv=None, cfg=None):
 
 def run(cfg):
     stop = StopRequests(cfg.time_limit_seconds)  # --time_limit counts from here
-    env = environment.setup(cfg)
-    if cfg.device == "xla":  # one process per host drives all of the host's devices (minimal_fsdp/backends/xla.py)
-        from minimal_fsdp.backends import xla
-        env = xla.setup(cfg, env)
+    env = backends.setup(cfg)
     validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)
     if env.is_main and cpu_recipe_warning(cfg, env.device.type):
         print(cpu_recipe_warning(cfg, env.device.type), flush=True)
@@ -136,7 +133,7 @@ def train_model(cfg, env, start, hf_dir, stop):
     if start is not None:
         check_resumable(cfg, start, model_config, env)
     plan = plan_run(cfg, env, model_config, loads_weights=hf_dir is not None)
-    backend = backend_for(cfg, env, plan)
+    backend = backends.for_plan(cfg, env, plan)
     # Every data-parallel member (a rank; under XLA a device) reads --batch_size sequences: this process, its own.
     data.bind(model_config.seq_length, cfg.batch_size * backend.local_ranks, cfg.grad_accum_steps, env.rank,
               env.world_size, cfg.seed)
@@ -152,7 +149,7 @@ def train_model(cfg, env, start, hf_dir, stop):
     if env.is_main:
         print(backend.banner(model, start, checkpointer) + "\n" + data.describe(), flush=True)
     parts = RunParts(model, optimizer, backend.batches(data), backend.gradient_sync(model), checkpointer,
-                     backend.ranks)
+                     backend.ranks, backend.synchronize)
     with stop.listening():
         _, log = train(parts, cfg, backend.env, plan, stop, saved)
     if env.is_main:
@@ -162,15 +159,6 @@ def train_model(cfg, env, start, hf_dir, stop):
     if samples and not stop.reason:  # from the checkpoint just saved (or resumed), as --max_epochs -1
         return *generation_model(dataclasses.replace(cfg, max_epochs=-1), env, log.checkpoint or start, None), True
     return None, data.tokenizer, False
-
-
-def backend_for(cfg, env, plan):
-    """The parts of the run that plan.backend computes: backend.Torch (CUDA, CPU), or xla.XLA (--device xla),
-    imported only here since it needs torch_xla."""
-    if plan.backend == "xla":
-        from minimal_fsdp.backends.xla import XLA
-        return XLA(cfg, env, plan)
-    return Torch(cfg, env, plan)
 
 
 def check_prompt(cfg, tokenizer, env):

@@ -45,6 +45,7 @@ class RunParts:
     sync: object  # the gradient sync: parallelize.gradient_sync's for the plan, or xla.StepSync
     checkpointer: object  # checkpoint.Checkpointer, or xla.Checkpointer
     ranks: int  # how many take --batch_size sequences of every micro-batch: the ranks, or XLA's devices
+    synchronize: object = lambda: None  # waits for the device's queued steps (the backend's synchronize)
 
 
 @dataclass
@@ -171,7 +172,7 @@ def train(parts, cfg, env, plan, stop, saved=None):
     first = saved["step"] if saved else 0
     benchmarks = TrainingTasks.for_run(cfg, env, getattr(data, "tokenizer", None), model, saved)  # --eval_tasks
     tokens_per_step = parts.ranks * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
-    log = TrainingLog(cfg, env, model, schedule, first, tokens_per_step)
+    log = TrainingLog.open(cfg, env, model, schedule, first, tokens_per_step, parts.synchronize)
     guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
     done = first
     model.train()

@@ -65,7 +65,7 @@ def process_group(tmp_path):
 
 def test_no_tensorboard_writes_only_jsonl(process_group, tmp_path):
     cfg = parse_args(["--log_dir", tmp_path, "--run_name", "quiet", "--no-tensorboard"])
-    metrics = Metrics(cfg)
+    metrics = Metrics.open(cfg)
     metrics.log(1, loss=2.5)
     metrics.close()
     assert rows_of(tmp_path / "quiet") == [{"step": 1, "loss": 2.5}]
@@ -75,7 +75,7 @@ def test_no_tensorboard_writes_only_jsonl(process_group, tmp_path):
 def test_resumed_run_appends(process_group, tmp_path):
     cfg = parse_args(["--log_dir", tmp_path, "--run_name", "twice", "--no-tensorboard"])
     for step in (1, 2):
-        metrics = Metrics(cfg)
+        metrics = Metrics.open(cfg)
         metrics.log(step, loss=float(step))
         metrics.close()
     assert [r["step"] for r in rows_of(tmp_path / "twice")] == [1, 2]
@@ -86,7 +86,7 @@ def test_wandb_offline(process_group, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = parse_args(["--log_dir", tmp_path, "--run_name", "wb", "--wandb", "--no-tensorboard"])
-    metrics = Metrics(cfg)
+    metrics = Metrics.open(cfg)
     metrics.log(1, loss=2.0, lr=1e-3)
     metrics.close()
     offline_runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))

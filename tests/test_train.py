@@ -252,6 +252,10 @@ def test_evaluate_is_the_mean_of_the_first_batches_in_eval_mode(one_rank_group):
 class Log:
     """Stands in for metrics.TrainingLog: records what the loop reports, in order."""
 
+    @classmethod
+    def open(cls, cfg, env, model, schedule, first, tokens_per_step, synchronize):
+        return cls(cfg, env, model, schedule, first, tokens_per_step)
+
     def __init__(self, cfg, env, model, schedule, first, tokens_per_step):
         self.schedule, self.first, self.tokens_per_step, self.events = schedule, first, tokens_per_step, []
         Log.made = self

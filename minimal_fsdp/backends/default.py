@@ -1,6 +1,8 @@
 """The parts of a training run that depend on what computes it, for CUDA and CPU through torch.distributed
 (plan.backend "torch"): the model as the plan lays it out, the batches the loop reads, the gradient sync and the
 checkpointer. run.train_model wires them into train.train; xla.py's XLA gives the same parts for --device xla."""
+import torch
+
 from minimal_fsdp.checkpoint import background as checkpoint_background
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.hf import read as hf
@@ -36,6 +38,10 @@ class Torch:
     def gradient_sync(self, model):
         """Made once the model is restored, as always (gossip's moves the parameters into one flat buffer)."""
         return gradient_sync(model, self.plan)
+
+    def synchronize(self):
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
 
     def seed(self, step):
         """Nothing to do: torch's generators were seeded at the start (run.run) or restored with the checkpoint."""

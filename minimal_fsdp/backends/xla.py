@@ -236,6 +236,9 @@ class XLA:
     def gradient_sync(self, model):
         return StepSync()
 
+    def synchronize(self):
+        xm.wait_device_ops()  # the steps run asynchronously after torch_xla.sync()
+
     def seed(self, step):
         """torch_xla's generator (dropout masks), seeded per launch: resumed at step N, it is not step 0's."""
         xm.set_rng_state(seed64(self.cfg.seed * 1_000_003 + step))

@@ -14,7 +14,7 @@ from minimal_fsdp.parallel.plan import make_plan
 CONFIG = GPTConfig(vocab_size=16, seq_length=8, num_layers=2, num_heads=2, embed_size=8)
 
 
-def test_torch_gives_the_plans_model_sync_and_checkpointer(monkeypatch):
+def test_torch_gives_the_plans_model_sync_and_checkpointer(monkeypatch, one_rank_group):
     """The model as parallelize.build_model lays it out for the plan (here one rank: a plain module with
     init_weights' values), the sync parallelize.gradient_sync picks for the plan (gossip's too), the data as
     it is, every rank one data-parallel member."""
@@ -30,8 +30,8 @@ def test_torch_gives_the_plans_model_sync_and_checkpointer(monkeypatch):
     assert type(parts.gradient_sync(model)) is LocalSync
     data = object()
     assert parts.batches(data) is data
-    saver = parts.checkpointer(CONFIG, None, None)
-    assert type(saver) is checkpoint.Checkpointer and not saver.decentralized
+    saver = parts.checkpointer(CONFIG, None, model)  # collective: the ranks agree on background saves
+    assert type(saver) is checkpoint.Checkpointer and not saver.decentralized and saver.mode == "sync"
     made = []
     monkeypatch.setattr(backend, "gradient_sync", lambda model, plan: made.append((model, plan)) or "sync")
     gossip = dataclasses.replace(plan, strategy="gossip")
