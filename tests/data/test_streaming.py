@@ -1,6 +1,7 @@
 """--dataset_path SOURCE --streaming: the same tokens as prepared bins, sharded by document, resumable."""
 import json
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -179,3 +180,18 @@ def test_a_rank_without_documents_stops_every_rank_with_one_error(tmp_path, prep
     # The message says what to change: the held-out share, the documents, or the ranks.
     assert re.search(r"holds no (val documents for rank \d of 2 .*: raise|train documents for rank \d of 2 .*: "
                      r"lower) --val_fraction, add documents, or run on fewer ranks", errors[0]), errors[0]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_open_splits_the_documents_by_global_rank_not_local_rank(prepared, tmp_path):
+    """Only a multi-host launch has ranks whose local rank differs from their rank: here a fake one (rank 3 of 4,
+    local rank 1 of 2 on its host), so that a split by local rank shows on one machine, in this process."""
+    documents, source, data = prepared
+    env = SimpleNamespace(rank=3, world_size=4, local_rank=1, local_world_size=2)
+    cfg = parse_args(["--dataset_path", str(source), "--streaming", "--tokenizer_dir", str(data.directory),
+                      "--max_steps", "1", "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.1"])
+    opened = StreamingData.open(cfg, env)
+    opened.bind(SEQ, 4, 1, 3, 4, 1337)
+    expected = stream_for(source, data, 3, 4).train_batches(0)[0][0]
+    assert torch.equal(opened.train_batches(0)[0][0], expected)
+    assert not torch.equal(expected, stream_for(source, data, 1, 4).train_batches(0)[0][0])  # not vacuous
