@@ -29,7 +29,8 @@ WHOLE_RANGES = {
     "max_epochs": (-1, 2**20), "max_steps": (0, MAX_WHOLE), "batch_size": (1, 2**24),
     "grad_accum_steps": (1, MAX_WHOLE), "warmup_steps": (0, MAX_WHOLE), "lr_decay_steps": (1, MAX_WHOLE),
     "skip_nonfinite": (0, MAX_WHOLE), "eval_interval": (0, MAX_WHOLE), "eval_batches": (1, MAX_WHOLE),
-    "eval_tasks_interval": (0, MAX_WHOLE), "log_interval": (1, MAX_WHOLE), "checkpoint_interval": (0, MAX_WHOLE),
+    "eval_tasks_interval": (-MAX_WHOLE, MAX_WHOLE),  # read (and refused below 0) only with --eval_tasks
+    "log_interval": (1, MAX_WHOLE), "checkpoint_interval": (0, MAX_WHOLE),
     "keep_last": (0, MAX_WHOLE), "num_tokens": (0, MAX_WHOLE), "top_k": (0, MAX_WHOLE)}
 
 
