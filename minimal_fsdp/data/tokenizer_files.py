@@ -70,8 +70,10 @@ class HFTokenizer:
         except BaseException as e:  # noqa: BLE001 - parse errors (Exception) and panics alike
             if isinstance(e, INTERRUPTS):
                 raise
-            raise TokenizerError(f"cannot read this Hugging Face tokenizer.json ({_first_line(e)}): is `tokenizers` "
-                                 "older than the one that wrote it? pip install -U tokenizers") from None
+            hint = "is `tokenizers` older than the one that wrote it? pip install -U tokenizers" \
+                if type(e) is Exception else "the `tokenizers` library cannot run the model it describes"
+            raise TokenizerError(f"cannot read this Hugging Face tokenizer.json ({type(e).__name__}: "
+                                 f"{_first_line(e)}): {hint}") from None
         self.json = self.tok.to_str()  # canonical, so the same tokenizer always gets the same label
         self.tok.encode_special_tokens = True
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1

@@ -311,3 +311,60 @@ def test_sentencepiece_learns_from_lines_longer_than_its_limit(tmp_path):
     pieces = list(tokenizer._sentences(long_lines))
     assert all(len(p.encode()) <= tokenizer.MAX_SENTENCE_BYTES for p in pieces)
     assert "".join(pieces) == long_lines.replace("\n", "")  # cut, nothing lost
+
+
+# -----------------------------------------------------------------------------
+# bad or unusual tokenizer files: one line, and decoding as transformers decodes
+
+def test_char_encoding_names_every_missing_character():
+    """A prompt with several characters the vocabulary lacks names them all, not the first alone."""
+    tok = CharTokenizer("abc ")
+    with pytest.raises(TokenizerError) as error:
+        tok.encode("a bzQz\u00e9x")
+    message = str(error.value)
+    assert message.startswith("4 characters 'Q' (U+0051), 'x' (U+0078), 'z' (U+007A), '\u00e9' (U+00E9) are not in")
+    assert "\n" not in message
+
+
+def bpe_json(**model):
+    """A tiny tokenizer.json with a BPE model: vocabulary a, b, ab and one merge, changed by `model`."""
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+            "pre_tokenizer": None, "post_processor": None, "decoder": None,
+            "model": dict({"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                           "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]}, **model)}
+
+
+@pytest.mark.parametrize("model, named", [
+    ({"merges": ["a b", "x y"]}, "Token `x` out of vocabulary"),  # merges naming tokens the vocabulary lacks
+    ({"continuing_subword_prefix": "##", "end_of_word_suffix": "</w>"}, "PanicException"),  # the library panics
+])
+def test_a_tokenizer_json_the_library_cannot_run_is_one_line(tmp_path, offline, model, named):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(bpe_json(**model)))
+    with pytest.raises(TokenizerError) as error:
+        load_tokenizer(tmp_path)  # at load, alike on every rank: not at the prompt, nor mid-training
+    assert named in str(error.value) and "\n" not in str(error.value)
+
+
+def test_merges_txt_naming_tokens_the_vocabulary_lacks_is_one_line(tmp_path, offline):
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 2}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\nb a\n")
+    with pytest.raises(TokenizerError, match="cannot read .*vocab.json and merges.txt .*`ba` out of vocabulary"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["tokenizer.json", "vocab.json + merges.txt"])
+def test_decoding_special_tokens_is_transformers_decoding(tmp_path, offline, layout):
+    """Ids with special tokens among them (an end of text mid-sample) decode as transformers decodes them: the
+    special token's text kept where it stands."""
+    if layout == "tokenizer.json":
+        directory = tokenizer_dirs.write_tokenizer_json(tmp_path / "hf")
+    else:
+        directory = tokenizer_dirs.write_vocab_merges(tmp_path / "hf")
+        (directory / "config.json").write_text(json.dumps({"model_type": "gpt2", "eos_token_id": 0}))
+        (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer",
+                                                                     "eos_token": "<|endoftext|>"}))
+    ours, theirs = load_tokenizer(directory), auto_tokenizer(directory)
+    assert ours.eot_id is not None
+    ids = [*ours.encode("the king"), ours.eot_id, *ours.encode(" ROMEO:\n"), ours.eot_id, ours.eot_id]
+    assert ours.decode(ids) == theirs.decode(ids) and ours.decode(ids).count("<|endoftext|>") == 3
