@@ -26,7 +26,7 @@ def trained(name):
     return next(f.default for f in dataclasses.fields(Config) if f.name == name)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SourceFlags:
     """What sample and evaluate load, and in what precision."""
     FILE_ALSO: ClassVar[tuple] = (Config,)
@@ -35,7 +35,7 @@ class SourceFlags:
                           ("float32", "bf16"), "parallel")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SampleFlags(SourceFlags):
     PROG: ClassVar[str] = "minimal-fsdp sample"
     DESCRIPTION: ClassVar[str] = ("Text from a trained model, in one process or sharded over the ranks of "
@@ -47,7 +47,7 @@ class SampleFlags(SourceFlags):
     seed: int = flag(trained("seed"), "the same seed gives the same text", section="launch")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvaluateFlags(SourceFlags):
     PROG: ClassVar[str] = "minimal-fsdp evaluate"
     DESCRIPTION: ClassVar[str] = ("lm-evaluation-harness tasks on a trained model, sharded over the ranks "
@@ -70,7 +70,7 @@ class EvaluateFlags(SourceFlags):
                                  section="parallel")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExportFlags:
     PROG: ClassVar[str] = "minimal-fsdp export"
     DESCRIPTION: ClassVar[str] = ("A checkpoint -> one consolidated model.safetensors plus config.json and the "
@@ -84,7 +84,7 @@ class ExportFlags:
                        "layout (config.json, safetensors, tokenizer.json)", ("safetensors", "hf"), "export")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrepareFlags:
     PROG: ClassVar[str] = "minimal-fsdp prepare"
     DESCRIPTION: ClassVar[str] = ("Tokenize a dataset into train.bin, val.bin and meta.json, for training's "
@@ -110,7 +110,7 @@ class PrepareFlags:
     num_proc: int = flag(os.cpu_count() or 1, "tokenizing processes", section="prepare")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanFlags:
     PROG: ClassVar[str] = "minimal-fsdp plan"
     DESCRIPTION: ClassVar[str] = ("How big is a model, and will it train here? Parameters, checkpoint size, and "
@@ -151,7 +151,7 @@ class PlanFlags:
                             "124M at batch 32, compiled or eager as --compile says)", section="plan")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusterFlags:
     PROG: ClassVar[str] = "minimal-fsdp cluster"
     USAGE: ClassVar[str] = "minimal-fsdp cluster [--hosts N] [--FLAG VALUE ...] -- COMMAND ..."
@@ -172,7 +172,7 @@ class ClusterFlags:
                          required=True, nargs="...")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlotFlags:
     PROG: ClassVar[str] = "minimal-fsdp plot"
     DESCRIPTION: ClassVar[str] = ("A run's loss curves as a PNG, from its metrics.jsonl; several runs on one "

@@ -46,7 +46,7 @@ def one_line_errors(main):
     return run
 
 
-@dataclass
+@dataclass(frozen=True)  # checked once (check), then never changed: every part of the run reads the same values
 class Config:
     PROG: ClassVar[str] = "minimal-fsdp train"
     USAGE: ClassVar[str] = ("[mpiexec -n N] minimal-fsdp train [--config FILE.toml] [--FLAG VALUE ...]  "
@@ -251,7 +251,7 @@ class Config:
             if "dataset" in given:
                 raise ConfigError("--input_file is the file of --dataset text: drop --dataset shakespeare "
                                   "(or drop --input_file to train on Shakespeare)")
-            self.dataset = "text"
+            object.__setattr__(self, "dataset", "text")  # the one derived value, set while checking
         validate(self)
 
     @property

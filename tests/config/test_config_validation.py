@@ -2,6 +2,7 @@
 it (exit code 2, one `error:` line naming the flag), and the values just inside each bound are accepted. A bad
 value caught here is a run that would otherwise train on, silently wrong, or fail deep inside torch with a
 traceback."""
+import dataclasses
 import importlib.util
 
 import pytest
@@ -194,8 +195,7 @@ def test_device_xla_needs_torch_xla_and_refuses_what_it_cannot_do(refused, monke
 
 def test_world_checks(capsys):
     validate_world(parse_args([]), 3, 3, [3])
-    xla = parse_args([])
-    xla.device = "xla"
+    xla = dataclasses.replace(parse_args([]), device="xla")
     validate_world(xla, 4, 1, [1, 1, 1, 1])
     names(one_error_line(capsys, validate_world, xla, 4, 2, [2, 2]), "--device", "2")  # 2 ranks on one host
     hybrid = parse_args(["--sharding", "hybrid-full-shard"])
