@@ -3,7 +3,6 @@ configs/eval load without the harness's warnings; in a redirected log progress i
 token before a text scored whole is BOS, else EOS, else a newline (a char model's), and said once."""
 import ast
 import logging
-from pathlib import Path
 
 import pytest
 import torch
