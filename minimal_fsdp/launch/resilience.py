@@ -9,15 +9,23 @@ steps spaced by the step time they measured and agreed on. Every rank computes t
 agreed numbers, so they all look at the same step, stop there together, save a checkpoint and exit 0. Checking
 only then keeps the ranks' hosts from waiting for each other every step. A rank never stops alone, so no rank
 is left waiting in a collective. A second Ctrl-C ends the process at once, without saving.
+
+A signal is acted on at once by a thread that watches for it (signal.set_wakeup_fd), whatever the main thread
+waits in (a long first step that compiles, a collective): rank 0 says it was heard; before the first step has
+finished there is nothing to save, so every rank that got it exits at once.
 """
 import math
 import os
 import signal
+import threading
 from contextlib import contextmanager
 from time import monotonic
 
 import torch
 import torch.distributed as dist
+
+from minimal_fsdp import files
+from minimal_fsdp.launch.failures import rank_hint
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _TIME_LIMIT = 1000  # above every signal number, so MAX of the codes stays meaningful
@@ -35,7 +43,9 @@ class StopRequests:
     def __init__(self, time_limit_seconds=None):
         self.start = monotonic()
         self.time_limit_seconds = time_limit_seconds
-        self.received = 0
+        self.received = 0  # the stop signal the watcher thread acted on
+        self.noted = 0  # the same, as the main thread's Python-level handler saw it (at its next bytecode)
+        self.looked = False  # whether the ranks have looked at stop requests together (after the first step)
         self.reason = None  # set once every rank has agreed to stop
         self.next_look = None  # the step all ranks look at next (besides logging steps); None: the first step
         self.last_look = None  # (step, time) of the last look
@@ -47,27 +57,56 @@ class StopRequests:
     @contextmanager
     def listening(self):
         """Catch the stop signals only while training: elsewhere there is nothing to save, and the default
-        action (exit) is the right one."""
-        previous = {sig: signal.signal(sig, self._record) for sig in STOP_SIGNALS}
+        action (exit) is the right one. Python runs a handler only between the main thread's bytecodes, which a
+        step that compiles for minutes does not reach: the C-level handler writes the signal's number into a
+        pipe, and a thread acts on it (_record) at once."""
+        previous = {sig: signal.signal(sig, self._noted) for sig in STOP_SIGNALS}
         for sig in STOP_SIGNALS:
             signal.siginterrupt(sig, False)  # restart interrupted system calls (a collective's socket waits)
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        watcher = threading.Thread(target=self._watch, args=(read_end,), daemon=True, name="stop-requests")
+        watcher.start()
         try:
             yield self
         finally:
+            signal.set_wakeup_fd(wakeup)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            os.close(write_end)  # the watcher reads the end of the pipe and returns
+            watcher.join(timeout=5)
+            os.close(read_end)
 
-    def _record(self, signum, frame):
+    def _noted(self, signum, frame):
+        """The Python-level handler: a flag only (the watcher thread acts on the signal)."""
+        self.noted = signum
+
+    def _watch(self, fd):
+        while True:
+            numbers = os.read(fd, 64)
+            if not numbers:
+                return
+            for signum in numbers:
+                if signum in STOP_SIGNALS:
+                    self._record(signum)
+
+    def _record(self, signum, frame=None):
+        """A stop signal, as it arrives: a flag that all ranks act on after the step in flight, said at once on
+        rank 0; before the first step has finished, or at a second Ctrl-C, an exit at once."""
         if signum == signal.SIGINT and self.received:  # Ctrl-C again: the user will not wait for the save
-            os.write(2, b"error: interrupted again: exiting at once, without saving\n")
-            os._exit(130)
+            _exit_at_once("error: interrupted again: exiting at once, without saving", 130)
+        if not self.looked:  # no step has finished in this launch: there is nothing to save
+            _exit_at_once(f"{_name(signum)}: stopping before the first step: nothing to save", 128 + signum)
         self.received = signum  # only a flag: the step in flight finishes, then all ranks decide together
+        _say(f"{_name(signum)}: stop requested: will save after the step in flight")
 
     def agreed(self, step=None):
         """Collective: the reason every rank stops after step `step`, or None to go on. Also agrees on the
         step of the next look: STOP_LATENCY seconds on at the slowest rank's pace since the last look."""
         now = monotonic()
-        code = self.received
+        self.looked = True
+        code = self.received or self.noted
         if not code and self.time_limit_seconds is not None and now - self.start >= self.time_limit_seconds:
             code = _TIME_LIMIT
         pace = 0.0  # seconds per step since the last look
@@ -84,6 +123,23 @@ class StopRequests:
         elif code:
             self.reason = signal.Signals(code).name + " received"
         return self.reason
+
+
+def _name(signum):
+    return signal.Signals(signum).name + (" (Ctrl-C)" if signum == signal.SIGINT else "")
+
+
+def _say(line):
+    """One line on rank 0's stderr, written at once (no buffer the main thread may hold)."""
+    if rank_hint() == 0:
+        os.write(2, (line + "\n").encode())
+
+
+def _exit_at_once(line, code):
+    """End this process now: the run's locks removed (a later run need not take them over), no `finally` run."""
+    _say(line)
+    files.drop_held_locks()
+    os._exit(code)
 
 
 class NonFiniteGuard:

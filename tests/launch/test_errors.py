@@ -107,3 +107,25 @@ def test_ctrl_c_before_training_is_one_line(tmp_path, corpus):
     assert result.returncode == 130 and "Traceback" not in result.stderr
     assert [line for line in result.stderr.splitlines() if line.startswith("error: ")] == [
         "error: interrupted (Ctrl-C) before or after training: nothing saved"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_long_first_step_exits_at_once_with_one_line(tmp_path, corpus):
+    """The first step compiles for minutes on a CPU; a Ctrl-C then was heard only after it (and nothing was
+    said). Each rank sends itself a real SIGINT in its first step, which then sleeps as a compile would: the
+    run ends at once with rank 0's one line, and leaves no lock behind."""
+    from conftest import ROOT
+    wrapper = tmp_path / "long_first_step.py"
+    wrapper.write_text("import os, runpy, signal, sys, time\n"
+                       "from minimal_fsdp import train\n"
+                       "def compiling(*args, **kwargs):\n"
+                       "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(600)\n"
+                       "train.train_step = compiling\n"
+                       f"sys.argv[0] = {str(ROOT / 'basic_training.py')!r}\n"
+                       "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    result = launch(["--input_file", corpus, *TINY_MODEL, "--run_name", "long"], ranks=2, cwd=tmp_path,
+                    timeout=120, check=False, entry=wrapper)  # the timeout: a bound on a hang only
+    assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if "SIGINT" in line or line.startswith("error: ")]
+    assert said == ["SIGINT (Ctrl-C): stopping before the first step: nothing to save"], result.stderr[-3000:]
+    assert not list(tmp_path.glob("*/long/.lock")) and (tmp_path / "logs" / "long").exists()

@@ -127,12 +127,67 @@ def test_looks_come_within_the_latency_bound_at_the_slowest_ranks_pace(peer, mon
     assert stop.next_look == 24
 
 
+def exiting(exits):
+    """os._exit as a test sees it: the code noted, SystemExit raised (the process goes on)."""
+    def exit_now(code):
+        exits.append(code)
+        raise SystemExit(code)
+    return exit_now
+
+
 def test_ctrl_c_is_a_stop_request_and_a_second_one_exits_at_once(peer, monkeypatch):
     assert signal.SIGINT in resilience.STOP_SIGNALS
-    exits = []
-    monkeypatch.setattr(resilience.os, "_exit", exits.append)
+    exits, said = [], []
+    monkeypatch.setattr(resilience.os, "_exit", exiting(exits))
+    monkeypatch.setattr(resilience, "_say", said.append)
     stop = StopRequests()
+    stop.agreed(1)  # a step has finished
     stop._record(signal.SIGINT, None)
-    assert exits == [] and stop.agreed() == "SIGINT received"
-    stop._record(signal.SIGINT, None)
-    assert exits == [130]
+    assert exits == [] and stop.agreed(2) == "SIGINT received"
+    assert said == ["SIGINT (Ctrl-C): stop requested: will save after the step in flight"]  # at once
+    with pytest.raises(SystemExit):
+        stop._record(signal.SIGINT, None)
+    assert exits == [130] and said[-1] == "error: interrupted again: exiting at once, without saving"
+
+
+def test_a_stop_before_the_first_step_exits_at_once_and_leaves_no_lock(tmp_path, monkeypatch):
+    """Nothing is saved before the first step, so there is nothing to wait for: one line, exit, and the run's
+    lock is gone (a later run would have to take it over)."""
+    from minimal_fsdp import files
+    exits, said = [], []
+    monkeypatch.setattr(resilience.os, "_exit", exiting(exits))
+    monkeypatch.setattr(resilience, "_say", said.append)
+    lock = files.RunLock({"--checkpoint_dir": tmp_path / "run"})
+    lock.acquire()
+    try:
+        with pytest.raises(SystemExit):
+            StopRequests()._record(signal.SIGINT)
+        assert said == ["SIGINT (Ctrl-C): stopping before the first step: nothing to save"] and exits == [130]
+        assert not (tmp_path / "run" / ".lock").exists()
+    finally:
+        lock.release()
+
+
+def test_a_signal_is_acted_on_while_the_main_thread_waits_in_a_system_call(peer, monkeypatch):
+    """A long first step (compiling) never returns to Python's signal handler: the Ctrl-C used to be heard only
+    after it. Here the main thread blocks in a read that the stop request itself ends (restarted on signals);
+    a timer ends it too, so that a broken watcher fails the test instead of hanging it."""
+    import os
+    import threading
+    read_end, write_end = os.pipe()
+    said = []
+    monkeypatch.setattr(resilience, "_say", lambda line: (said.append(line), os.write(write_end, b"x")))
+    stop = StopRequests()
+    stop.agreed(1)
+    guard = threading.Timer(60, os.write, (write_end, b"t"))
+    guard.start()
+    try:
+        with stop.listening():
+            os.kill(os.getpid(), signal.SIGINT)
+            woken_by = os.read(read_end, 1)
+    finally:
+        guard.cancel()
+        os.close(read_end)
+        os.close(write_end)
+    assert woken_by == b"x" and said == ["SIGINT (Ctrl-C): stop requested: will save after the step in flight"]
+    assert stop.received == signal.SIGINT
