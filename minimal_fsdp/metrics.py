@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import failures
 from minimal_fsdp.parallel import fp8
 from minimal_fsdp.config.flags import to_toml
 
@@ -45,7 +45,7 @@ class Metrics:
     def open(cls, cfg):
         """Collective: the run's log files opened on rank 0."""
         metrics = cls(cfg)
-        environment.run_on_main(metrics._open, cfg)
+        failures.run_on_main(metrics._open, cfg)
         return metrics
 
     def _open(self, cfg):
@@ -186,6 +186,10 @@ class TrainingLog:
         finally:
             self.synchronize()
             self.paused_time += time.perf_counter() - start
+
+    def consensus(self, step, distance):
+        """A decentralized run's consensus distance (gossip.consensus_distance), measured at evaluation steps."""
+        self.metrics.log(step, consensus=distance)
 
     def validation(self, step, val_loss):
         if val_loss is None:

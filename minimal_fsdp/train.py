@@ -18,8 +18,8 @@ from minimal_fsdp.parallel.whole_unit import LocalAdamW
 def build_optimizer(model, cfg, plan=None):
     """AdamW with decay on matrices only (not biases, norms); fused kernels. Decentralized runs use
     AccumAdamW and beta2 0.98 by default, as the decentralized GPT-2 reference does. plan: the run's; under its
-    one-unit strategy AdamW steps the shards' local tensors (without it, torch's AdamW: the same numbers); under
-    the xla backend it is torch's AdamW without fused kernels."""
+    one-unit strategy AdamW steps the shards' local tensors (without it, torch's AdamW: the same numbers); where
+    the plan's backend has no fused kernels (XLA), torch's AdamW without them."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -27,8 +27,8 @@ def build_optimizer(model, cfg, plan=None):
     betas = (cfg.beta1, cfg.beta2 if cfg.beta2 is not None else 0.98 if decentralized else 0.95)
     if decentralized:
         return AccumAdamW(groups, lr=cfg.lr, betas=betas, accum_steps=cfg.accum_steps)
-    if plan is not None and plan.backend == "xla":  # fused kernels are CUDA's and CPU's; XLA compiles the update
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)  # into the step anyway
+    if plan is not None and not plan.fused_optimizer:
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)
     # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) about 7x faster than foreach.
     # whole_unit.py's model steps it on its shards' local tensors (LocalAdamW), as a small model's step needs.
     adamw = LocalAdamW if plan is not None and plan.strategy == "one-unit" else torch.optim.AdamW
@@ -70,6 +70,13 @@ class Schedule:
                        "changes it)")
         min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
         return cls(cfg.lr, min_lr, cfg.warmup_steps, decay_steps, last_step, length)
+
+    def apply(self, optimizer, step):
+        """Sets every parameter group's learning rate for `step`; returns it."""
+        lr = self.lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def lr_at(self, step):
         if step < self.warmup_steps:
@@ -161,65 +168,88 @@ def collections_in_step():
             gc.enable()
 
 
+@dataclass(frozen=True)
+class Due:
+    """What the step just done is due for; every rank computes the same from the step and the flags."""
+    final: bool  # the schedule's last step
+    logs: bool  # a row every --log_interval steps
+    saves: bool  # every --checkpoint_interval steps, and the last
+    evaluates: bool  # every --eval_interval steps, and every save
+
+    @classmethod
+    def after(cls, done, cfg, last_step):
+        final = done == last_step
+        saves = final or bool(cfg.checkpoint_interval) and done % cfg.checkpoint_interval == 0
+        evaluates = saves or bool(cfg.eval_interval) and done % cfg.eval_interval == 0
+        return cls(final, done % cfg.log_interval == 0 or final, saves, evaluates)
+
+
+def collect_garbage(done, first):
+    """The loop's own collections (collections_in_step), at the same steps on every rank."""
+    if done == first + 1:  # the first step compiled: its objects go to the old generation now, at once
+        gc.collect()
+    elif done % GC_INTERVAL == 0:
+        gc.collect(1)
+
+
+def evaluate_and_save(parts, cfg, env, plan, log, done, due, stopping, run_state):
+    """The validation loss where due (and a decentralized run's consensus distance: two all-reduces of the replica,
+    so only here, off the training steps), then the save where due or when stopping; run_state(done): what the
+    checkpoint keeps besides the model and optimizer."""
+    val_loss = evaluate(parts.model, parts.data, cfg.eval_batches, env.device) if due.evaluates else None
+    log.validation(done, val_loss)
+    if due.evaluates and plan.decentralized:
+        log.consensus(done, parts.sync.consensus_distance())
+    if due.saves or stopping:
+        parts.checkpointer.save(done, parts.model, parts.optimizer, val_loss, run_state(done))  # after the one
+        log.saved(parts.checkpointer.reports())  # in flight
+        gc.collect()  # what outlived the young collections; a save takes seconds anyway
+
+
 def train(parts, cfg, env, plan, stop, saved=None):
     """Train parts (RunParts) from step 0, or from `saved` (the meta.json of the checkpoint just restored), to the
     schedule's last step. Evaluates every --eval_interval steps; saves every --checkpoint_interval steps, at the
     end, and when all ranks agree to stop (stop: resilience.StopRequests, asked at logging steps and when due).
     Returns the last step done and the log, which holds the run's summary."""
-    model, optimizer, data, sync = parts.model, parts.optimizer, parts.data, parts.sync
-    checkpointer = parts.checkpointer
+    model, optimizer, data, checkpointer = parts.model, parts.optimizer, parts.data, parts.checkpointer
     schedule = Schedule.for_run(cfg, data.steps_per_epoch(), saved and saved["state"]["schedule"])
-    first = saved["step"] if saved else 0
-    benchmarks = TrainingTasks.for_run(cfg, env, getattr(data, "tokenizer", None), model, saved)  # --eval_tasks
+    first = done = saved["step"] if saved else 0
+    tasks = TrainingTasks.for_run(cfg, env, getattr(data, "tokenizer", None), model, saved)  # --eval_tasks
     tokens_per_step = parts.ranks * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
     log = TrainingLog.open(cfg, env, model, schedule, first, tokens_per_step, parts.synchronize)
     guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
-    done = first
+
+    def run_state(step):
+        return {"schedule": schedule.state_dict(), "data": data.state_dict(step),
+                **({"eval_tasks": tasks.state_dict(step)} if tasks else {})}
+
     model.train()
     with log, collections_in_step(), checkpointer.saving():  # a save in flight ends before train returns or raises
         log.restored(first, checkpointer.restore_s)
         for step in range(first, schedule.last_step):
-            lr = schedule.lr_at(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss, grad_norm = train_step(model, optimizer, data.train_batches(step), sync, cfg.grad_clip, env.device,
-                                         step, skip_nonfinite=cfg.skip_nonfinite > 0)
+            lr = schedule.apply(optimizer, step)
+            loss, grad_norm = train_step(model, optimizer, data.train_batches(step), parts.sync, cfg.grad_clip,
+                                         env.device, step, skip_nonfinite=cfg.skip_nonfinite > 0)
             done = step + 1
             log.step(loss if guard.check(done, grad_norm, loss) else None)
-            if done == first + 1:  # the first step compiled: its objects go to the old generation now, at once
-                gc.collect()
-            elif done % GC_INTERVAL == 0:
-                gc.collect(1)
-            final = done == schedule.last_step
-            logs = done % cfg.log_interval == 0 or final
-            saves = final or cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0
-            evaluates = saves or cfg.eval_interval and done % cfg.eval_interval == 0
-            if logs or saves:  # the host waits for the device here, and only here, while training
+            collect_garbage(done, first)
+            due = Due.after(done, cfg, schedule.last_step)
+            if due.logs or due.saves:  # the host waits for the device here, and only here, while training
                 guard.flush()  # raises Diverged at a NaN/Inf grad norm, before anything is saved
-            if logs:
+            if due.logs:
                 log.row(done, lr, grad_norm)
             # Collective, at steps every rank agrees on: logging steps, saves, and often enough to act on a stop
             # request within seconds (resilience.StopRequests.due); all ranks stop at one step.
-            stop_reason = stop.agreed(done) if logs or saves or stop.due(done) else None
-            if logs and not saves:  # collective: a save written in the background is reported (or its failure
-                checkpointer.poll()  # raised) at the first logging step after it ended
+            stop_reason = stop.agreed(done) if due.logs or due.saves or stop.due(done) else None
+            if due.logs and not due.saves:  # collective: a save written in the background is reported (or its
+                checkpointer.poll()  # failure raised) at the first logging step after it ended
                 log.saved(checkpointer.reports())
-            if benchmarks and benchmarks.due(done, final, saves) and not stop_reason:  # the harness's tasks, timed
+            if tasks and tasks.due(done, due.final, due.saves) and not stop_reason:  # the harness's tasks, timed
                 with log.paused():  # apart too; before the save, which records their scores (--best_metric)
-                    benchmarks.run(done, log)
-            if evaluates or stop_reason:
+                    tasks.run(done, log)
+            if due.evaluates or stop_reason:
                 with log.paused():  # evaluation and saving are timed apart from the training steps
-                    val_loss = evaluate(model, data, cfg.eval_batches, env.device) if evaluates else None
-                    log.validation(done, val_loss)
-                    if evaluates and plan.decentralized:  # two all-reduces of the replica: off the hot path
-                        log.metrics.log(done, consensus=sync.consensus_distance())
-                    if saves or stop_reason:
-                        state = {"schedule": schedule.state_dict(), "data": data.state_dict(done)}
-                        if benchmarks:
-                            state["eval_tasks"] = benchmarks.state_dict(done)
-                        checkpointer.save(done, model, optimizer, val_loss, state)  # after the save in flight
-                        log.saved(checkpointer.reports())
-                        gc.collect()  # what outlived the young collections; a save takes seconds anyway
+                    evaluate_and_save(parts, cfg, env, plan, log, done, due, bool(stop_reason), run_state)
             if stop_reason:
                 log.stopped(done, stop_reason)
                 break

@@ -1,29 +1,81 @@
-"""The package's shape (issue 37): no import cycle among its modules, no module over 400 lines, a docstring atop
-each saying its job, and no code comment pointing into the benchmark diary, whose entries move on."""
+"""The package's shape: folders by subject (at most 20 entries at the top), the layering each subpackage's
+__init__ declares (which subpackage may import which), no import cycle, import chains at most 9 modules deep,
+the commands on top (nothing of another subject imports one), XLA behind the backends' seam, a docstring atop each module, and
+no code comment pointing into the benchmark log, whose entries move on."""
 import ast
+import functools
 import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "minimal_fsdp"
-MODULES = {p.stem: p for p in PACKAGE.glob("*.py")}
+
+
+def module_name(path):
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+# Which room (a subpackage, or a module at the top) may import which. Bottom to top: config and files are the
+# ground (no torch in config); the math (models) needs only config; launch, data, parallel, checkpoint, hf and
+# inference each build on the ones before; eval scores what inference loads; metrics, train, backends and run
+# wire a training run; tools and the commands sit on top. A command (minimal_fsdp.__main__'s table) may import
+# anything; no module of another subject imports a command.
+GROUND = {"config", "files"}
+LAYERS = {
+    "config": {"files"},
+    "files": {"config"},
+    "launch": GROUND,
+    "models": GROUND,
+    "data": GROUND | {"launch"},
+    "parallel": GROUND | {"launch", "models"},
+    "checkpoint": GROUND | {"launch", "models", "parallel"},
+    "hf": GROUND | {"launch", "models", "data", "checkpoint"},
+    "inference": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "hf"},
+    "eval": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "hf", "inference"},
+    "metrics": GROUND | {"launch", "parallel"},
+    "train": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "metrics", "eval"},
+    "backends": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "hf", "metrics"},
+    "run": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "hf", "inference", "metrics", "train",
+                     "backends"},
+    "tools": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "hf", "inference", "metrics"},
+    "__main__": GROUND,
+    "__init__": set(),
+}
+
+
+def room(module):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def imported_modules(path):
-    """The package's modules that `path` imports anywhere: at the top or inside a function (a lazy import
-    that only breaks a cycle is still a cycle in the design)."""
+    """The package's modules that `path` imports anywhere: at the top or inside a function (a lazy import that
+    only breaks a cycle is still a cycle in the design). `from minimal_fsdp.x import y` is module x.y where that
+    is a module, else x."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
-                found.add(node.module.split(".")[0])
-            elif node.level == 1:
-                found |= {alias.name for alias in node.names}
-            elif node.module and node.module.split(".")[0] == "minimal_fsdp":
-                parts = node.module.split(".")
-                found |= {parts[1]} if len(parts) > 1 else {alias.name for alias in node.names}
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "minimal_fsdp":
+            assert node.level == 0, f"{path}: relative import"
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                      for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            found.add("relative import")
         elif isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("minimal_fsdp.")}
-    return found & set(MODULES)
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "minimal_fsdp"}
+    return found
+
+
+GRAPH = {name: imported_modules(path) - {name} for name, path in MODULES.items()}
+
+
+def commands():
+    """The modules minimal_fsdp/__main__.py's COMMANDS table runs (read from its source: no import needed)."""
+    tree = ast.parse((PACKAGE / "__main__.py").read_text())
+    table = next(n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                 and any(getattr(t, "id", None) == "COMMANDS" for t in n.targets))
+    return {v.elts[1].value for v in table.values}
 
 
 def find_cycle(graph):
@@ -33,7 +85,7 @@ def find_cycle(graph):
     def visit(node):
         state[node] = "open"
         stack.append(node)
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
                 return stack[stack.index(nxt):] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
@@ -48,31 +100,86 @@ def find_cycle(graph):
     return None
 
 
-def test_find_cycle_sees_a_cycle_and_no_false_one():
+def longest_chain(graph):
+    """The longest import chain of an acyclic graph, as a list of modules."""
+    @functools.lru_cache(maxsize=None)
+    def chain(node):
+        return max(([node, *chain(n)] for n in graph.get(node, ())), key=len, default=[node])
+
+    return max((chain(n) for n in graph), key=len)
+
+
+def test_the_helpers_see_cycles_and_chains():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    assert longest_chain({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == ["a", "b", "c"]
 
 
-def test_no_import_cycle_among_the_packages_modules():
-    graph = {name: imported_modules(path) - {name} for name, path in MODULES.items()}
-    assert graph["run"], "the import reader found nothing: it no longer understands the package's imports"
+def test_the_reader_understands_the_imports():
+    assert "minimal_fsdp.train" in GRAPH["minimal_fsdp.run"]
+    assert "minimal_fsdp.checkpoint.find" in GRAPH["minimal_fsdp.checkpoint.checkpointer"]
+    assert commands() >= {"minimal_fsdp.run", "minimal_fsdp.inference.sample", "minimal_fsdp.eval.evaluate"}
+    assert all(m in MODULES for m in commands())
+
+
+def test_the_top_of_the_package_is_a_table_of_contents():
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 20, entries
+    packages = [p for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert all((p / "__init__.py").exists() for p in packages)
+    assert set(LAYERS) - {"__init__", "__main__"} == {p.name for p in packages} | {
+        p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("__")}
+
+
+def test_no_import_cycle_and_chains_at_most_nine_deep():
+    graph = {name: {m for m in deps if m in MODULES} for name, deps in GRAPH.items()}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    chain = longest_chain(graph)
+    assert len(chain) <= 9, " -> ".join(chain)
 
 
-def test_no_module_over_400_lines():
-    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 400}
-    assert not long, f"split these by job: {long}"
+def test_every_import_follows_the_declared_layers():
+    cmds = commands()
+    wrong = []
+    for name, deps in GRAPH.items():
+        for dep in deps:
+            if dep not in MODULES:
+                wrong.append(f"{name} imports {dep}, which is not a module of the package")
+            elif dep in cmds and room(dep) != room(name):  # a subject's library may share its command's module
+                wrong.append(f"{name} imports the command {dep}")
+            elif name not in cmds and room(dep) != room(name) and room(dep) not in LAYERS[room(name)]:
+                wrong.append(f"{name} ({room(name)}) imports {dep} ({room(dep)})")
+    assert not wrong, "\n".join(sorted(wrong))
 
 
-def test_every_module_says_its_job_in_a_docstring():
+def test_the_training_loop_imports_no_command():
+    assert not (GRAPH["minimal_fsdp.train"] & commands())
+
+
+def test_xla_is_behind_the_backends_seam():
+    """torch_xla is imported in backends/xla.py alone; the device is compared with "xla" only where the flags are
+    checked (config/), the plan picks the backend (parallel/plan.py) and the seam itself (backends/)."""
+    allowed = ("minimal_fsdp.config.", "minimal_fsdp.backends", "minimal_fsdp.parallel.plan")
+    imports, tests = [], []
+    for name, path in MODULES.items():
+        text = path.read_text()
+        if name != "minimal_fsdp.backends.xla" and re.search(r"^\s*(import|from) torch_xla", text, re.M):
+            imports.append(name)
+        if not name.startswith(allowed) and re.search(r"""[!=]= ["']xla["']""", text):
+            tests.append(name)
+    assert not imports and not tests, (imports, tests)
+
+
+def test_every_module_and_subpackage_says_its_job_in_a_docstring():
     missing = [name for name, path in MODULES.items()
-               if name != "__init__" and not ast.get_docstring(ast.parse(path.read_text()))]
+               if (path.name != "__init__.py" or path.parent != PACKAGE)
+               and not ast.get_docstring(ast.parse(path.read_text()))]
     assert not missing
 
 
 def test_no_comment_points_into_the_benchmark_log():
-    """A comment gives the measured reason; where it was measured lives in benchmarks/ (LOG.md moves on)."""
+    """A comment gives the measured reason; where it was measured lives in benchmarks/ (the log moves on)."""
     pattern = re.compile(r"#.*(LOG\.md|LOG \"|\b(first|second|third|[a-z]+th) session\b)", re.IGNORECASE)
-    hits = [f"{name}.py:{i}" for name, path in MODULES.items()
+    hits = [f"{name}:{i}" for name, path in MODULES.items()
             for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not hits

@@ -105,10 +105,10 @@ def test_the_plans_one_unit_gets_adamw_on_local_tensors_and_nothing_else_does():
     from minimal_fsdp.parallel.plan import STRATEGIES
     from minimal_fsdp.parallel.whole_unit import LocalAdamW
     model = Model()
-    unit = build_optimizer(model, cfg("--lr", 0.02), SimpleNamespace(strategy="one-unit", backend="torch"))
+    unit = build_optimizer(model, cfg("--lr", 0.02), SimpleNamespace(strategy="one-unit", fused_optimizer=True))
     assert type(unit) is LocalAdamW and unit.defaults["fused"] is True and unit.defaults["lr"] == 0.02
     for strategy in set(STRATEGIES) - {"one-unit", "gossip"}:
-        plan = SimpleNamespace(strategy=strategy, backend="torch")
+        plan = SimpleNamespace(strategy=strategy, fused_optimizer=True)
         assert type(build_optimizer(model, cfg(), plan)) is torch.optim.AdamW
     model.whole_unit = object()
     assert type(build_optimizer(model, cfg())) is torch.optim.AdamW
@@ -283,6 +283,9 @@ class Log:
 
     def validation(self, step, val_loss):
         self.events.append(("validation", step, val_loss))
+
+    def consensus(self, step, distance):
+        self.events.append(("consensus", step, distance))
 
     def saved(self, saves):
         self.events.extend(("saved", path) for path in saves)
@@ -484,12 +487,14 @@ def test_loop_stops_at_a_nonfinite_step_at_the_next_log_before_saving(monkeypatc
 
 
 def test_the_loop_logs_gossips_consensus_distance(monkeypatch):
-    """A decentralized run logs its sync's consensus distance in every row; another run does not. (The sync is
-    the backend's: tests/test_backend.py.)"""
+    """A decentralized run logs its sync's consensus distance at the evaluation steps (3 and 6: the saves, 4: the
+    --eval_interval), never in a logging row (two all-reduces of the replica: not on the hot path); another run
+    never. (The sync is the backend's: tests/backends/test_backend.py.)"""
     run = loop(monkeypatch, "--data_parallel", "decentralized", "--topology", "ring", decentralized=True)
-    assert [e[4] for e in run.log.events if e[0] == "row"] == [{"consensus": 0.25}] * 3
+    assert [e[1:] for e in run.log.events if e[0] == "consensus"] == [(3, 0.25), (4, 0.25), (6, 0.25)]
+    assert [e[4] for e in run.log.events if e[0] == "row"] == [{}] * 3
     plain = loop(monkeypatch)
-    assert [e[4] for e in plain.log.events if e[0] == "row"] == [{}] * 3
+    assert not [e for e in plain.log.events if e[0] == "consensus"]
 
 
 def test_loop_collects_garbage_itself_at_the_same_steps_on_every_rank(monkeypatch):

@@ -40,10 +40,10 @@ from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDS
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
-from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import hosts
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.metrics import banner
 from minimal_fsdp.models.families import MODELS
 from minimal_fsdp.parallel.parallelize import LocalSync, init_weights, seed64
@@ -79,18 +79,18 @@ def setup(cfg, env):
     torchrun, srun: one rank per host); on a TPU pod started with plain python on every host, through torch_xla's
     own rendezvous (xla://), where the TPU runtime knows the hosts."""
     xr.use_spmd()  # before any tensor reaches a device
-    hosts = xr.process_count()
-    if env.launcher == "single" and hosts > 1:
+    host_count = xr.process_count()
+    if env.launcher == "single" and host_count > 1:
         dist.destroy_process_group()
         if os.environ.get("MASTER_ADDR") == "127.0.0.1":  # our one-process default: xla:// finds the first host
             del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-        with environment.gloo_quiet():
+        with hosts.gloo_quiet():
             dist.init_process_group("gloo", init_method="xla://",
                                     timeout=datetime.timedelta(seconds=cfg.collective_timeout))
-        env = dataclasses.replace(env, rank=dist.get_rank(), world_size=hosts, num_nodes=hosts, launcher="xla",
-                                  local_world_sizes=(1,) * hosts)
-    elif hosts != env.world_size:
-        raise ConfigError(f"torch_xla sees {hosts} host(s) but {env.world_size} rank(s) were launched: start one "
+        env = dataclasses.replace(env, rank=dist.get_rank(), world_size=host_count, num_nodes=host_count,
+                                  launcher="xla", local_world_sizes=(1,) * host_count)
+    elif host_count != env.world_size:
+        raise ConfigError(f"torch_xla sees {host_count} host(s) but {env.world_size} rank(s) were launched: start one "
                           "rank per host")
     hardware = xr.device_type()
     if cfg.precision == "bf16" and hardware not in BF16_HARDWARE:

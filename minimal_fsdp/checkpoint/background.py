@@ -28,7 +28,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # the 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
-from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import hosts
 from minimal_fsdp.checkpoint.writer import (ALIGN, ChecksummingWriter, SharedMemory, WriterProcess,  # noqa: F401 - imported from here too
                                 _Checksummed, in_process)
 from minimal_fsdp.config.checks import host_memory_available
@@ -123,7 +123,7 @@ class Background:
 
     def __init__(self, device, timeout_seconds, staging=0, model=None, copies=3):
         self.staging = staging  # bytes of host memory the staged copy takes (staging_bytes)
-        with environment.gloo_quiet():  # collective: every rank builds its Checkpointer at the same point
+        with hosts.gloo_quiet():  # collective: every rank builds its Checkpointer at the same point
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
         self.pin = device.type == "cuda"
         # Host memory the writer process maps too (checkpoint_writer.in_process says whether there is one).

@@ -8,7 +8,7 @@ asks better() whether a new checkpoint beats the one `best` names, by the new on
 """
 import math
 
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 
 VAL_LOSS = "val_loss"
 NAME_FORM = ("val_loss or <task>/<metric>, as the log and metrics.jsonl name --eval_tasks' scores "

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import failures
 from minimal_fsdp.checkpoint.dirs import candidates, files_problem, marker, skipping, step_dirs
 from minimal_fsdp.checkpoint.dirs import crc32, step_of  # noqa: F401 (re-exported: checkpoint.py and tests use them here)
 from minimal_fsdp.checkpoint.meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.files import open_regular, read_json
 from minimal_fsdp.models.families import MODELS, config_from_dict
 from minimal_fsdp.checkpoint.safe_load import read_dcp_metadata
@@ -229,7 +229,7 @@ def find(cfg, refused=()):
     of them refused, is an error: starting fresh would save over them."""
     together = dist.is_initialized()  # else one process (a tool, a test) does it all
     rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
-    tried = environment.run_on_main(_cheaply_complete, cfg, refused) if together else \
+    tried = failures.run_on_main(_cheaply_complete, cfg, refused) if together else \
         _cheaply_complete(cfg, refused)
     for path in tried:
         problems = [verify(path, share=(rank, world))]
@@ -265,8 +265,8 @@ def load_first(cfg, path, load):
             load(path)
             return Path(path)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
-            failures = getattr(e, "failures", None)
-            cause = next(iter(failures.values())) if isinstance(failures, dict) and failures else e
+            per_rank = getattr(e, "failures", None)
+            cause = next(iter(per_rank.values())) if isinstance(per_rank, dict) and per_rank else e
             cause = cause[0] if isinstance(cause, tuple) else cause
             problem = f"loading it failed ({type(cause).__name__}: {' '.join(str(cause).split())[:160]})"
         if cfg.restart_checkpoint_file:

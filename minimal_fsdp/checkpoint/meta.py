@@ -24,7 +24,7 @@ from pathlib import Path
 
 from minimal_fsdp.checkpoint.dirs import STEP_NAME
 from minimal_fsdp.config.checks import MAX_WHOLE, WHOLE_RANGES
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.files import read_json
 from minimal_fsdp.models.configs import CONFIGS, check_shape
 

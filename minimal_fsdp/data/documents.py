@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import reachable
 
 OPENWEBTEXT = "Skylion007/openwebtext"

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from minimal_fsdp.launch import environment
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.launch import failures
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.documents import encode_document, is_val, open_documents
 from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
 
@@ -132,9 +132,9 @@ def _same_on_every_rank(fn, *args):
         outcome = (fn(*args), None)
     except ConfigError as e:
         outcome = (None, f"rank {dist.get_rank()}: {e}")
-    failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, outcome[1])
-    first = next((f for f in failures if f is not None), None)
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, outcome[1])
+    first = next((f for f in problems if f is not None), None)
     if first is not None:
         raise ConfigError(first)
     return outcome[0]
@@ -172,9 +172,9 @@ class StreamingData:
         """Collective: every rank opens the source and the tokenizer, or every rank raises the same error."""
         if cfg.tokenizer_dir:  # saved again in our own files, which checkpoints copy (a Hugging Face directory's
             # vocab.json or tokenizer_config.json would not travel with them)
-            tokenizer_dir = environment.run_on_main(_save_tokenizer_of, cfg.tokenizer_dir, f"{cfg.data_dir}/streaming")
+            tokenizer_dir = failures.run_on_main(_save_tokenizer_of, cfg.tokenizer_dir, f"{cfg.data_dir}/streaming")
         elif cfg.tokenizer == "gpt2":  # saved once, so checkpoints carry it for generation
-            tokenizer_dir = environment.run_on_main(_save_gpt2_tokenizer, f"{cfg.data_dir}/streaming/gpt2")
+            tokenizer_dir = failures.run_on_main(_save_gpt2_tokenizer, f"{cfg.data_dir}/streaming/gpt2")
         else:
             raise ConfigError(f"--streaming cannot fit a --tokenizer {cfg.tokenizer} on a stream: use --tokenizer "
                               "gpt2, or --tokenizer_dir DIR with the tokenizer of a prepared dataset or checkpoint")

@@ -52,11 +52,12 @@ class CharTokenizer:
             missing = sorted(set(text) - self.stoi.keys())  # every one, so one fix covers them all
             shown = ", ".join(f"{ch!r} (U+{ord(ch):04X})" for ch in missing[:20])
             more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+            one = len(missing) == 1
             raise TokenizerError(
-                f"{'character' if len(missing) == 1 else f'{len(missing)} characters'} {shown}{more} "
-                f"{'is' if len(missing) == 1 else 'are'} not in the --tokenizer char vocabulary "
-                f"built from the training text: rebuild it from text that contains "
-                f"{'it' if len(missing) == 1 else 'them'}, or use --tokenizer gpt2 / sentencepiece") from None
+                f"{'character' if one else f'{len(missing)} characters'} {shown}{more} "
+                f"{'is' if one else 'are'} not in the --tokenizer char vocabulary built from the "
+                f"training text: rebuild it from text that contains {'it' if one else 'them'}, "
+                "or use --tokenizer gpt2 / sentencepiece") from None
 
     def encode_batch(self, texts):
         return [self.encode(text) for text in texts]

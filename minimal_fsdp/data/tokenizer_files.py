@@ -22,8 +22,9 @@ class TokenizerError(ConfigError):
     """A one-line, user-facing problem with the tokenizer settings or files."""
 
 
-# The `tokenizers` library raises Exception for what it checks, and pyo3's PanicException (a BaseException) where
-# its Rust code panics on a model it did not check (affixes or merges it cannot apply): both caught, not Ctrl-C.
+# The `tokenizers` library raises Exception for what it checks, and pyo3's PanicException (a
+# BaseException) where its Rust code panics on a model it did not check (affixes or merges it cannot
+# apply): both are caught, Ctrl-C is not.
 INTERRUPTS = (KeyboardInterrupt, SystemExit, GeneratorExit)
 PROBE = "Probe: a text, 0-9, a space and\na newline."
 
@@ -66,14 +67,15 @@ class HFTokenizer:
         from tokenizers import Tokenizer
         try:
             self.tok = Tokenizer.from_str(tokenizer_json)
-            self.tok.encode(PROBE, add_special_tokens=False)  # a model the library cannot run panics here, not later
+            # a model the library cannot run panics here, not at the prompt or mid-training
+            self.tok.encode(PROBE, add_special_tokens=False)
         except BaseException as e:  # noqa: BLE001 - parse errors (Exception) and panics alike
             if isinstance(e, INTERRUPTS):
                 raise
             hint = "is `tokenizers` older than the one that wrote it? pip install -U tokenizers" \
-                if type(e) is Exception else "the `tokenizers` library cannot run the model it describes"
-            raise TokenizerError(f"cannot read this Hugging Face tokenizer.json ({type(e).__name__}: "
-                                 f"{_first_line(e)}): {hint}") from None
+                if type(e) is Exception else "the `tokenizers` library cannot run its model"
+            raise TokenizerError(f"cannot read this Hugging Face tokenizer.json "
+                                 f"({type(e).__name__}: {_first_line(e)}): {hint}") from None
         self.json = self.tok.to_str()  # canonical, so the same tokenizer always gets the same label
         self.tok.encode_special_tokens = True
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
@@ -102,7 +104,8 @@ class HFTokenizer:
         if self.tok.padding is not None:
             return [self.encode(text) for text in texts]
         with _one_line("encode a text"):
-            return [encoding.ids for encoding in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+            encodings = self.tok.encode_batch(list(texts), add_special_tokens=False)
+            return [encoding.ids for encoding in encodings]
 
     def decode(self, ids):
         with _one_line("decode token ids"):
@@ -119,10 +122,11 @@ def _byte_level_bpe(directory, eos, bos):
     d = Path(directory)
     try:
         tok = Tokenizer(models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
-    except BaseException as e:  # noqa: BLE001 - merges naming tokens the vocabulary lacks, among others
+    except BaseException as e:  # noqa: BLE001 - merges naming tokens the vocabulary lacks, ...
         if isinstance(e, INTERRUPTS):
             raise
-        raise TokenizerError(f"cannot read {d}/vocab.json and merges.txt ({_first_line(e)})") from None
+        raise TokenizerError(f"cannot read {d}/vocab.json and merges.txt "
+                             f"({_first_line(e)})") from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     vocab = tok.get_vocab()

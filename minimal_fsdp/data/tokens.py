@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.documents import open_documents
 from minimal_fsdp.data.prepare import (check_prepared, output_dir, prepare_bins, read_prepared_meta,
                                        shakespeare_documents)

@@ -37,7 +37,8 @@ def main(argv=None, cfg=None):
 
 
 def _evaluate(args, cfg):
-    """The tasks loaded on rank 0, then the source over the ranks (inference.load), then the harness."""
+    """The tasks loaded on rank 0, then the source over the ranks (inference.load), then the
+    harness."""
     if args.batch_size < 1:
         raise ConfigError(f"--batch_size must be at least 1 (got {args.batch_size})")
     if args.log_samples and not args.output_path:

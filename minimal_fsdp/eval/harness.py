@@ -1,8 +1,9 @@
-"""The harness's side of evaluation, for the evaluate command and for training alike (train.py imports this,
-no command module): lm_eval imported with one line when it is missing, the tasks loaded and checked before the
-model, the harness run on rank 0 while the other ranks serve it, its tables and results file, and --eval_tasks
-(TrainingTasks) on the live model during training. Imports config, launch and checkpoint.best; eval.lm (which
-imports lm_eval at its top) only where the harness is known to be there.
+"""The harness's side of evaluation, for the evaluate command and for training alike (train.py
+imports this, no command module): lm_eval imported with one line when it is missing, the tasks
+loaded and checked before the model, the harness run on rank 0 while the other ranks serve it, its
+tables and results file, and --eval_tasks (TrainingTasks) on the live model during training.
+Imports config, launch and checkpoint.best; eval.lm (which imports lm_eval at its top) only where
+the harness is known to be there.
 """
 import functools
 import os
@@ -14,8 +15,8 @@ from pathlib import Path
 import torch
 
 from minimal_fsdp.checkpoint import best as best_metric
-from minimal_fsdp.config.flags import ConfigError
-from minimal_fsdp.launch import environment
+from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.launch import failures
 from minimal_fsdp.launch.failures import MainRankFailed
 
 
@@ -41,9 +42,10 @@ def harness():
 
 
 def quiet_bars(modules=("lm_eval.api.task", "lm_eval.api.model")):
-    """The harness's own progress bars (building each task's requests) redraw one line with carriage returns:
-    written into a redirected log they run together into one long line, so where stderr is not a terminal they
-    are left out (our backend's progress is then plain lines, eval.lm.PlainProgress)."""
+    """The harness's own progress bars (building each task's requests) redraw one line with
+    carriage returns: written into a redirected log they run together into one long line, so where
+    stderr is not a terminal they are left out (our backend's progress is then plain lines,
+    eval.lm.PlainProgress)."""
     if sys.stderr.isatty():
         return
     import importlib
@@ -175,7 +177,7 @@ class TrainingTasks:
         def load():  # rank 0's Task objects stay on rank 0; the direction of --best_metric goes to every rank
             loaded["tasks"] = load_tasks(task_names([cfg.eval_tasks]), cfg.eval_tasks_include_path)
             return best_metric.direction(best, loaded["tasks"][1])
-        higher = environment.run_on_main(load)
+        higher = failures.run_on_main(load)
         dtype = torch.bfloat16 if cfg.precision in ("bf16", "fp8") else torch.float32
         lm = ShardedLM(model, tokenizer, env.device, dtype, cfg.batch_size, progress=False)
         return cls(lm, *loaded.get("tasks", (None, None)), cfg, (best, higher))

@@ -22,7 +22,7 @@ from lm_eval.api.model import TemplateLM
 from torch.nn.attention import sdpa_kernel
 from tqdm import tqdm
 
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.launch.failures import MainRankFailed
 from minimal_fsdp.inference.generate import DECODE_ATTENTION
 
@@ -55,7 +55,7 @@ def scoring(model):
 
 
 def prefix_token(tokenizer):
-    """The token before a text scored from its start: BOS, else EOS, else a newline that is one token."""
+    """The token before a text scored from its start: BOS, else EOS, else a one-token newline."""
     for token in (tokenizer.bos_id, tokenizer.eot_id):
         if token is not None:
             return token
@@ -71,7 +71,8 @@ def prefix_kind(tokenizer, token):
         return "the tokenizer's begin-of-text token"
     if token == tokenizer.eot_id:
         return "the tokenizer's end-of-text token (it has no begin-of-text token)"
-    return f"the newline that separates documents (the {tokenizer.kind} tokenizer has no begin- or end-of-text token)"
+    return (f"the newline that separates documents (the {tokenizer.kind} tokenizer has no begin- "
+            "or end-of-text token)")
 
 
 class PlainProgress:
@@ -88,7 +89,8 @@ class PlainProgress:
 
     def update(self, n=1):
         self.done += n
-        if self.done * 10 // max(self.total, 1) > self.shown * 10 // max(self.total, 1) or self.done == self.total:
+        tenth = max(self.total, 1)
+        if self.done * 10 // tenth > self.shown * 10 // tenth or self.done == self.total:
             self.shown = self.done
             print(f"{self.desc}: {self.done}/{self.total}", file=sys.stderr, flush=True)
 
@@ -97,7 +99,8 @@ class ShardedLM(TemplateLM):
     """model: built and loaded on every rank (sample.load_model); tokenizer: ours (tokenizer.py)."""
 
     def __init__(self, model, tokenizer, device, dtype=torch.float32, batch_size=1, progress=True):
-        """progress: bars where stderr is a terminal, else plain lines (a redirected log); False: neither."""
+        """progress: bars where stderr is a terminal, else plain lines (a redirected log); False:
+        neither."""
         super().__init__()  # the harness's rank and world size stay 0 and 1: it runs on rank 0 alone
         self.model, self.tok, self._device, self.dtype = model, tokenizer, device, dtype
         self.batch_size, self.progress = batch_size, progress
@@ -113,11 +116,13 @@ class ShardedLM(TemplateLM):
 
     @property
     def prefix_token_id(self):
-        """What lm_eval's hf backend puts before a text scored from its start: BOS if there is one, else EOS; for a
-        tokenizer with neither (a char model's), its newline, the separator of the documents it was trained on."""
+        """What lm_eval's hf backend puts before a text scored from its start: BOS if there is one,
+        else EOS; for a tokenizer with neither (a char model's), its newline, the separator of the
+        documents it was trained on."""
         if self._prefix is None:
-            raise ConfigError(f"the model's {self.tok.kind} tokenizer has no begin-of-text, end-of-text or newline "
-                              "token to put before a text scored whole: use tasks whose contexts are not empty")
+            raise ConfigError(f"the model's {self.tok.kind} tokenizer has no begin-of-text, "
+                              "end-of-text or newline token to put before a text scored whole: use "
+                              "tasks whose contexts are not empty")
         if not self._prefix_named and self.me == 0:  # once, where it is first used
             self._prefix_named = True
             print(f"texts scored whole (or with no context) follow the prefix token {self._prefix} "
@@ -188,7 +193,8 @@ class ShardedLM(TemplateLM):
         texts = []
         with self._progress(-(-len(requests) // self.ranks), "generate_until", disable_tqdm) as bar:
             for start in range(0, len(requests), self.ranks):
-                prompts = [self._prompt(*request.args) for request in requests[start:start + self.ranks]]
+                batch = requests[start:start + self.ranks]
+                prompts = [self._prompt(*request.args) for request in batch]
                 texts += self._command("generate", prompts)
                 bar.update()
         return texts
@@ -210,7 +216,8 @@ class ShardedLM(TemplateLM):
         return self.progress and sys.stderr.isatty()
 
     def _progress(self, total, desc, disable):
-        """A bar where stderr is a terminal; in a redirected log, a plain line at every tenth, as training logs."""
+        """A bar where stderr is a terminal; in a redirected log, a plain line at every tenth, as
+        training logs."""
         if disable or not self.progress:
             return tqdm(total=total, disable=True)
         return tqdm(total=total, desc=desc) if self._bars() else PlainProgress(total, desc)

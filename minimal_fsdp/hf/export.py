@@ -43,7 +43,8 @@ def _tokenizer(path):
 
 def export(ckpt, out, dtype=None, fmt="safetensors"):
     """Write `ckpt`'s model to directory `out`; returns the path of the weights file (or of `out`)."""
-    path = checkpoint_path(ckpt)  # as sample and evaluate find it: a run directory's newest complete one
+    # as sample and evaluate find it: a run directory's newest complete one
+    path = checkpoint_path(ckpt)
     meta = checkpoint_meta.read_meta(path)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.checkpoint.meta import MODEL_BOUNDS, PLAIN_NAME, model_problem
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.models.families import MODELS, config_from_dict
 from minimal_fsdp.checkpoint.safe_load import open_regular, read_json
 from minimal_fsdp.files import _depth
@@ -230,12 +230,14 @@ class CheckpointFiles:
         for index, single in (("model.safetensors.index.json", "model.safetensors"),
                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
             if (d / index).exists():
-                self.file_of = {name: d / file for name, file in _weight_map(d, index, self.where).items()}
+                names = _weight_map(d, index, self.where)
+                self.file_of = {name: d / file for name, file in names.items()}
                 return
             if (d / single).exists():
                 self.file_of = {name: d / single for name in self._open(d / single).keys()}
                 return
-        raise ConfigError(f"{self.where} has no model.safetensors or pytorch_model.bin (nor an index of shards)")
+        raise ConfigError(f"{self.where} has no model.safetensors or pytorch_model.bin (nor an "
+                          "index of shards)")
 
     def _open(self, file):
         if file not in self.open_files:
@@ -280,9 +282,10 @@ class CheckpointFiles:
 
 
 def check_header(file):
-    """A safetensors file checked before the library opens it: a regular file (open_regular: no FIFO, device or
-    link), whose header, if its length is one the library reads (it checks the length and offsets itself), is
-    nested at most HEADER_MAX_DEPTH deep. Raises OSError or ValueError."""
+    """A safetensors file checked before the library opens it: a regular file (open_regular: no
+    FIFO, device or link), whose header, if its length is one the library reads (it checks the
+    length and offsets itself), is nested at most HEADER_MAX_DEPTH deep. Raises OSError or
+    ValueError."""
     with open_regular(file) as f:
         size = int.from_bytes(f.read(8), "little")
         header = f.read(size) if 2 <= size <= HEADER_MAX_BYTES else b""
@@ -298,7 +301,8 @@ def _weight_map(directory, index, where):
         raise ConfigError(f"{where}: {index} {getattr(e, 'strerror', None) or e}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) and PLAIN_NAME.fullmatch(f)
                                                    for f in weight_map.values()):
-        raise ConfigError(f"{where}: {index}: weight_map is not an object of file names in the directory")
+        raise ConfigError(f"{where}: {index}: weight_map is not an object of file names in the "
+                          "directory")
     return weight_map
 
 
@@ -309,9 +313,10 @@ def check_weights(directory, model_type, config, names=hf_names, where=None):
     files = CheckpointFiles(directory, where)
     layers = {int(m.group(1)) for m in map(LAYER.search, files.file_of) if m}
     if len(layers) != config.num_layers:
-        field = "num_layers" if names is not hf_names else "n_layer" if model_type == "gpt" else "num_hidden_layers"
-        raise ConfigError(f"{files.where}: config.json: {field} is {config.num_layers}, but the weights "
-                          f"hold {len(layers)} layers")
+        field = "num_layers" if names is not hf_names else \
+            "n_layer" if model_type == "gpt" else "num_hidden_layers"
+        raise ConfigError(f"{files.where}: config.json: {field} is {config.num_layers}, but the "
+                          f"weights hold {len(layers)} layers")
     with torch.device("meta"):
         model = MODELS[model_type](config)
     _stored_names(files, model, names(model_type, config))
@@ -328,7 +333,8 @@ def _stored_names(files, model, names):
         fits = shape == tuple(param.shape) or ours == "wpe.weight" and shape[1:] == tuple(param.shape[1:]) \
             and shape[0] >= param.shape[0]
         if not fits:
-            raise ConfigError(f"{files.where}: {name} has shape {shape}, our {ours} is {tuple(param.shape)}")
+            raise ConfigError(f"{files.where}: {name} has shape {shape}, our {ours} is "
+                              f"{tuple(param.shape)}")
     return stored
 
 
@@ -339,7 +345,8 @@ def _stored_name(files, hf_name):
                  "model.embed_tokens.weight" if hf_name == "lm_head.weight" else None):
         if name in files:
             return name
-    raise ConfigError(f"{files.where} has no tensor {hf_name}: not a checkpoint of this model type?")
+    raise ConfigError(f"{files.where} has no tensor {hf_name}: not a checkpoint of this model "
+                      "type?")
 
 
 def local_rows(param):

@@ -1,7 +1,7 @@
 """Our tokenizers (tiktoken's BPE, sentencepiece, characters, a Hugging Face tokenizer.json) as a `tokenizers`
 Tokenizer that encodes exactly as ours does: the tokenizer.json of an export (hf_write.write_hf_tokenizer checks
 that on a probe text)."""
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 
 
 PROBE = "ROMEO:\nO  sweet night, thou art   fair!\n\n\tnaïve café, 42 or 1234567 — 😀 ẞ\r\nend. "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.files import write_atomic
 from minimal_fsdp.hf.read import hf_names, is_transposed
 from minimal_fsdp.hf.tokenizer import PROBE, hf_tokenizer

@@ -1,18 +1,20 @@
-"""One way to load a trained model: a checkpoint (a step_<N> directory, a run directory, its latest/best marker),
-our export (minimal-fsdp export) or a Hugging Face model directory -> the model on N ranks, with its
-tokenizer, checked alike on every rank before anything is built. The sample and evaluate commands, generation
-after training (run.generation_model) and export all load through here, and end through command():
+"""One way to load a trained model: a checkpoint (a step_<N> directory, a run directory, its
+latest/best marker), our export (minimal-fsdp export) or a Hugging Face model directory -> the model
+on N ranks, with its tokenizer, checked alike on every rank before anything is built. The sample and
+evaluate commands, generation after training (run.generation_model) and export all load through
+here, and end through command():
 
     load(source, cfg, env)     -> Loaded(source, model, tokenizer, plan)   (collective)
     open_source(source)        what SOURCE holds, from small files (rank 0)
-    checkpoint_path(source)    the complete checkpoint a path names (a run directory: its newest complete one)
-    command(body)              body() with one `error:` line for bad input (exit 2) and the process groups
-                               torn down afterwards
+    checkpoint_path(source)    the complete checkpoint a path names (a run directory: its newest
+                               complete one)
+    command(body)              body() with one `error:` line for bad input (exit 2), the process
+                               groups torn down afterwards
 
-Every file is read as hostile: an export's files are confined to its directory (no link, FIFO or device),
-its safetensors header bounded, and each tensor's shape compared with config.json before anything is built; the
-tokenizer must fit the model's vocabulary.
-"""
+Every file is read as hostile: an export's files are confined to its directory (no link, FIFO or
+device), its safetensors header bounded, and each tensor's shape compared with config.json before
+anything is built; the tokenizer must fit the model's vocabulary."""
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.checkpoint.dirs import step_dirs
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import load_tokenizer
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.inference.generate import check_num_tokens
@@ -29,12 +31,13 @@ from minimal_fsdp.models.families import MODELS, config_from_dict
 from minimal_fsdp.parallel.parallelize import build_model
 from minimal_fsdp.parallel.plan import apply_process_settings, make_plan
 
-EXPORT_WEIGHTS = "model.safetensors"  # an export of ours is this one file, config.json and the tokenizer's
+# An export of ours is this one file, config.json and the tokenizer's files.
+EXPORT_WEIGHTS = "model.safetensors"
 
 
 @dataclass
 class Source:
-    kind: str  # "checkpoint", "export" (ours: --format safetensors) or "hf" (a Hugging Face directory)
+    kind: str  # "checkpoint", "export" (ours: --format safetensors) or "hf" (Hugging Face's)
     path: str
     model_type: str  # "gpt" or "llama"
     config: object  # GPTConfig or LlamaConfig
@@ -50,9 +53,10 @@ class Loaded:
 
 
 def command(body):
-    """Run body() (a command's work, whose locals, the model among them, are gone when it returns), then tear
-    the process groups down. Bad input, raised alike on every rank, ends each with one `error:` line (exit 2); a
-    bug on rank 0, which printed its traceback, ends the others with one line (exit 1)."""
+    """Run body() (a command's work, whose locals, the model among them, are gone when it returns),
+    then tear the process groups down. Bad input, raised alike on every rank, ends each with one
+    `error:` line (exit 2); a bug on rank 0, which printed its traceback, ends the others with one
+    line (exit 1)."""
     try:
         body()
     except ConfigError as e:
@@ -65,12 +69,15 @@ def command(body):
 
 
 def load(source, cfg, env, seq_length=None, tokenizer=None, num_tokens=0):
-    """Collective: SOURCE's model built as make_plan(cfg, ...) lays it out over the ranks, its weights loaded, and
-    its tokenizer (or `tokenizer`, e.g. --tokenizer_dir's), checked against the model's vocabulary; num_tokens,
-    the tokens to generate, checked before anything is built (check_num_tokens)."""
+    """Collective: SOURCE's model built as make_plan(cfg, ...) lays it out over the ranks, its
+    weights loaded, and its tokenizer (or `tokenizer`, e.g. --tokenizer_dir's), checked against the
+    model's vocabulary; num_tokens, the tokens to generate, checked before anything is built
+    (check_num_tokens)."""
     found = environment.run_on_main(open_source, str(source), seq_length)
     check_num_tokens(num_tokens, found.config)
-    tokenizer = tokenizer or source_tokenizer(found)  # the same files on every rank: the same verdict everywhere
+    tokenizer = tokenizer or source_tokenizer(
+        found
+    )  # the same files on every rank: the same verdict everywhere
     check_vocabulary(tokenizer, found)
     plan = make_plan(cfg, env, found.config, loads_weights=True)
     apply_process_settings(plan)
@@ -78,13 +85,20 @@ def load(source, cfg, env, seq_length=None, tokenizer=None, num_tokens=0):
 
 
 def checkpoint_path(source):
-    """The complete checkpoint SOURCE names. A run directory gives its newest complete one: a checkpoint that fails
-    only its checksums is skipped, with one line, for an older good one, as a resumed run does."""
+    """The complete checkpoint SOURCE names. A run directory gives its newest complete one: a
+    checkpoint that fails only its checksums is skipped, with one line, for an older good one, as a
+    resumed run does."""
     path = Path(source)
-    if path.is_dir() and not (path / "meta.json").exists() and ((path / "latest").exists() or step_dirs(path)):
+    if (
+        path.is_dir()
+        and not (path / "meta.json").exists()
+        and ((path / "latest").exists() or step_dirs(path))
+    ):
         found = checkpoint_find.newest_complete(path)
         if found is None:
-            raise ConfigError(f"{source} holds no complete checkpoint (each one's problem is named above)")
+            raise ConfigError(
+                f"{source} holds no complete checkpoint (each one's problem is named above)"
+            )
         return found
     resolved = checkpoint_find.resolve(path)
     problem = checkpoint_find.verify(resolved)
@@ -94,52 +108,77 @@ def checkpoint_path(source):
 
 
 def _is_checkpoint(path):
-    return path.is_file() or path.is_dir() and ((path / "meta.json").exists() or (path / "latest").exists()
-                                                or bool(step_dirs(path)))
+    return (
+        path.is_file()
+        or path.is_dir()
+        and ((path / "meta.json").exists() or (path / "latest").exists() or bool(step_dirs(path)))
+    )
 
 
 def open_source(source, seq_length=None):
-    """What SOURCE holds: its kind, model type and model config. Reads small files only (a hub name is
-    downloaded): call it on rank 0 (environment.run_on_main). seq_length shortens a Hugging Face model's
-    context; for a checkpoint or an export it may not exceed the saved context."""
+    """What SOURCE holds: its kind, model type and model config. Reads small files only (a hub name
+    is downloaded): call it on rank 0 (environment.run_on_main). seq_length shortens a Hugging Face
+    model's context; for a checkpoint or an export it may not exceed the saved context."""
     path = Path(source)
     if _is_checkpoint(path):
         resolved = checkpoint_path(path)
         meta = checkpoint_meta.read_meta(resolved)
-        found = Source("checkpoint", str(resolved), meta["model_type"], config_from_dict(meta["model_type"],
-                                                                                         meta["model"]), meta["step"])
+        found = Source(
+            "checkpoint",
+            str(resolved),
+            meta["model_type"],
+            config_from_dict(meta["model_type"], meta["model"]),
+            meta["step"],
+        )
     elif path.is_dir() and (path / "config.json").exists():
         config = hf.config_json(path)
         if "model_type" in config:  # Hugging Face's config.json (ours has no such key)
             return _hf_source(path, seq_length)
         found = _export_source(path, config)
     elif not path.exists() and source.count("/") == 1 and not source.startswith((".", "/", "~")):
-        return _hf_source(hf.resolve(source), seq_length)  # a hub name: from the Hugging Face cache, or downloaded
+        return _hf_source(
+            hf.resolve(source), seq_length
+        )  # a hub name: from the Hugging Face cache, or downloaded
     else:
-        raise ConfigError(f"{source} is not a checkpoint (a step_<N> directory, a run directory or its latest/best "
-                          "marker), an export, or a Hugging Face model directory (config.json + weights)")
+        raise ConfigError(
+            f"{source} is not a checkpoint (a step_<N> directory, a run directory or its "
+            "latest/best marker), an export, or a Hugging Face model directory (config.json + "
+            "weights)"
+        )
     if seq_length and seq_length > found.config.seq_length:
-        raise ConfigError(f"--seq_length {seq_length} is larger than the model's context of "
-                          f"{found.config.seq_length} tokens in {found.path}")
+        raise ConfigError(
+            f"--seq_length {seq_length} is larger than the model's context of "
+            f"{found.config.seq_length} tokens in {found.path}"
+        )
     return found
 
 
 def _hf_source(directory, seq_length):
-    """A Hugging Face directory's config, checked against its weights' shapes before anything is built."""
+    """A Hugging Face directory's config, checked against its weights' shapes before anything is
+    built."""
     model_type, config = hf.read_config(directory, seq_length)
     hf.check_weights(directory, model_type, config)
     return Source("hf", str(directory), model_type, config)
 
 
 def _export_source(path, config):
-    """Our export: one model.safetensors beside config.json (our model config). Its header is read with the
-    bounds of a Hugging Face directory's, and every tensor's shape is compared with config.json's model."""
-    others = sorted(p.name for p in path.iterdir() if p.name.endswith(".safetensors") and p.name != EXPORT_WEIGHTS)
+    """Our export: one model.safetensors beside config.json (our model config). Its header is read
+    with the bounds of a Hugging Face directory's, and every tensor's shape is compared with
+    config.json's model."""
+    others = sorted(
+        p.name
+        for p in path.iterdir()
+        if p.name.endswith(".safetensors") and p.name != EXPORT_WEIGHTS
+    )
     if others:
-        raise ConfigError(f"{path}: an export holds its weights in one {EXPORT_WEIGHTS}; {', '.join(others[:3])} "
-                          "would be read beside it: move it out")
+        raise ConfigError(
+            f"{path}: an export holds its weights in one {EXPORT_WEIGHTS}; {', '.join(others[:3])} "
+            "would be read beside it: move it out"
+        )
     if not (path / EXPORT_WEIGHTS).exists() and not (path / EXPORT_WEIGHTS).is_symlink():
-        raise ConfigError(f"{path} has a config.json but no {EXPORT_WEIGHTS}: not an export of ours")
+        raise ConfigError(
+            f"{path} has a config.json but no {EXPORT_WEIGHTS}: not an export of ours"
+        )
     files = hf.CheckpointFiles(path, where=str(path))
     recorded = files.metadata(path / EXPORT_WEIGHTS).get("model_type")
     model_type = recorded if recorded in MODELS else "llama" if "num_kv_heads" in config else "gpt"
@@ -154,6 +193,7 @@ def _export_source(path, config):
 def export_names(model_type, config):
     """Our export keeps the model's own parameter names: {name: name}."""
     import torch
+
     with torch.device("meta"):
         return {name: name for name, _ in MODELS[model_type](config).named_parameters()}
 
@@ -164,41 +204,60 @@ def source_tokenizer(source):
 
 
 def check_vocabulary(tokenizer, source):
-    """A tokenizer whose ids reach past the model's embedding would index out of it: refused, as training does."""
+    """A tokenizer whose ids reach past the model's embedding would index out of it: refused, as
+    training does."""
     if tokenizer.vocab_size > source.config.vocab_size:
-        raise ConfigError(f"the {tokenizer.kind} tokenizer of {source.path} has {tokenizer.vocab_size} tokens, but "
-                          f"the model's vocabulary is {source.config.vocab_size}: token ids would be out of range")
+        raise ConfigError(
+            f"the {tokenizer.kind} tokenizer of {source.path} has {tokenizer.vocab_size} tokens, "
+            f"but the model's vocabulary is {source.config.vocab_size}: token ids would be out of "
+            "range"
+        )
 
 
 def load_model(source, plan, env):
-    """Collective: build the source's model as the plan lays it out (built on the meta device: plan from
-    make_plan(..., loads_weights=True)), and load its weights into it, each rank only its shard's rows."""
+    """Collective: build the source's model as the plan lays it out (built on the meta device: plan
+    from make_plan(..., loads_weights=True)), and load its weights into it, each rank only its
+    shard's rows."""
     model = build_model(MODELS[source.model_type], source.config, plan, env, seed=0)
     if source.kind == "checkpoint":
         checkpoint.load(source.path, model)
     elif source.kind == "hf":
         hf.load_weights(model, source.path, source.model_type)
     else:
-        hf.load_weights(model, source.path, source.model_type, names=export_names, where=source.path)
+        hf.load_weights(
+            model, source.path, source.model_type, names=export_names, where=source.path
+        )
     return model
 
 
 def describe(source, model, tokenizer, env, doing="generating from"):
-    """What is loaded: the source, the model as loaded (not the command line's defaults), the tokenizer."""
+    """What is loaded: the source, the model as loaded (not the command line's defaults), the
+    tokenizer."""
     c = source.config
-    heads = f"{c.num_heads} heads" + (f" ({c.num_kv_heads} kv)" if source.model_type == "llama" else "")
-    what = {"checkpoint": f"checkpoint, step {source.step}", "export": "export",
-            "hf": "Hugging Face model"}[source.kind]
+    heads = f"{c.num_heads} heads" + (
+        f" ({c.num_kv_heads} kv)" if source.model_type == "llama" else ""
+    )
+    what = {
+        "checkpoint": f"checkpoint, step {source.step}",
+        "export": "export",
+        "hf": "Hugging Face model",
+    }[source.kind]
     num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
-    return "\n".join([
-        f"{doing} {source.path} ({what}) on {env.world_size} rank(s), {env.device.type}",
-        f"model: {source.model_type}, {c.num_layers} layers, {heads}, width {c.embed_size}, context "
-        f"{c.seq_length}, vocab {c.vocab_size}: {num_params / 1e6:.2f}M parameters",
-        f"tokenizer: {tokenizer.kind}, {tokenizer.vocab_size} tokens"])
+    return "\n".join(
+        [
+            f"{doing} {source.path} ({what}) on {env.world_size} rank(s), {env.device.type}",
+            f"model: {source.model_type}, {c.num_layers} layers, {heads}, width {c.embed_size}, "
+            f"context {c.seq_length}, vocab {c.vocab_size}: {num_params / 1e6:.2f}M parameters",
+            f"tokenizer: {tokenizer.kind}, {tokenizer.vocab_size} tokens",
+        ]
+    )
 
 
 def printer():
-    """write(text) that shows text on stdout at once (generation streams its text as it is produced)."""
+    """write(text) that shows text on stdout at once (generation streams its text as it is
+    produced)."""
+
     def write(text):
         print(text, end="", flush=True)
+
     return write

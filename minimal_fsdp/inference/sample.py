@@ -21,7 +21,8 @@ from minimal_fsdp.config.parser import parse
 from minimal_fsdp.config.flags import Config, validate
 from minimal_fsdp.inference import load
 from minimal_fsdp.inference.generate import generate
-from minimal_fsdp.inference.load import describe, load_model, open_source, source_tokenizer  # noqa: F401
+from minimal_fsdp.inference.load import (describe, load_model, open_source,  # noqa: F401
+                                         source_tokenizer)
 from minimal_fsdp.launch import environment
 
 
@@ -34,14 +35,17 @@ def main(argv=None, cfg=None):
 
 
 def _sample(source, cfg):
-    """Load SOURCE over the ranks (inference.load) and stream the text to stdout as it is generated."""
+    """Load SOURCE over the ranks (inference.load) and stream the text to stdout as it is
+    generated."""
     validate(cfg)
     env = environment.setup(cfg)
     loaded = load.load(source, cfg, env, num_tokens=cfg.num_tokens)
     if env.is_main:
-        print(describe(loaded.source, loaded.model, loaded.tokenizer, env), file=sys.stderr, flush=True)
+        print(describe(loaded.source, loaded.model, loaded.tokenizer, env), file=sys.stderr,
+              flush=True)
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    generate(loaded.model, loaded.tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k, cfg.seed,
-             env.device, dtype, stream=load.printer() if env.is_main else None)
+    generate(loaded.model, loaded.tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature,
+             cfg.top_k, cfg.seed, env.device, dtype,
+             stream=load.printer() if env.is_main else None)
     if env.is_main:
         print(flush=True)

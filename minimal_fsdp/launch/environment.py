@@ -13,7 +13,7 @@ import datetime
 import hashlib
 import os
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +79,7 @@ def setup(cfg):
         store = rendezvous.meet(rank, world, num_nodes, launcher, cfg)
         network = hosts.pick_interface(rendezvous.address(), num_nodes)  # before gloo picks an address itself
         hosts.nccl_socket_threads(num_nodes)  # before NCCL's first communicator reads them
-        with gloo_quiet():
+        with hosts.gloo_quiet():
             dist.init_process_group(backend, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=cfg.collective_timeout),
                                     device_id=device if device.type == "cuda" else None,
@@ -160,19 +160,3 @@ def _gather_layout(local_world, device):
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return tuple(int(t[0]) for t in everyone), [int(t[1]) for t in everyone]
-
-
-@contextmanager
-def gloo_quiet():
-    """The C-level stdout goes to /dev/null while gloo connects a process group: torch 2.9's gloo prints a line
-    there for each (pytorch/gloo#462; quiet in later torch), and stdout carries a sample's text alone."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)
-    os.close(null)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 
 FAILED_KEY = "minimal_fsdp/failed"
 AGREE_SECONDS = 10  # how long a failing rank waits for the others to fail alike before it ends the job itself

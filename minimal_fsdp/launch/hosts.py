@@ -13,12 +13,14 @@ import os
 import secrets
 import socket
 import struct
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
 
-from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.choices import ConfigError
 
 SIOCGIFADDR, SIOCGIFNETMASK = 0x8915, 0x891B  # <linux/sockios.h>: the IPv4 address and netmask of an interface
 # NCCL over TCP (hosts without InfiniBand or an OFI plugin, which ignore these): NCCL's defaults, one thread with one
@@ -182,3 +184,19 @@ def _sees(path, text, seconds=5):
             except OSError:
                 return False  # not even the directory is there
             time.sleep(0.5)
+
+
+@contextmanager
+def gloo_quiet():
+    """The C-level stdout goes to /dev/null while gloo connects a process group: torch 2.9's gloo prints a line
+    there for each (pytorch/gloo#462; quiet in later torch), and stdout carries a sample's text alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

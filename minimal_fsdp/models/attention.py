@@ -30,7 +30,6 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from minimal_fsdp.config.choices import ConfigError
 
 try:  # torch 2.10 and later; torch 2.9 (the one torch_xla's last release runs on) has no varlen attention
     from torch.nn.attention.varlen import varlen_attn
@@ -38,6 +37,11 @@ except ImportError:
     varlen_attn = None
 
 KERNEL_VARIABLE = "MINIMAL_FSDP_DOCUMENT_KERNEL"
+
+
+class KernelError(ValueError):
+    """A MINIMAL_FSDP_DOCUMENT_KERNEL this torch cannot run; a run reports it as a flag error
+    (models.families.with_document_mask), so the math needs nothing of the config."""
 CUDA_KERNELS = ("flex", "varlen")
 
 # varlen_attn's keywords differ by version, so they are read from its signature: causal is is_causal=True in its
@@ -99,10 +103,10 @@ def cuda_kernel():
     (models.with_document_mask), before any collective."""
     kernel = os.environ.get(KERNEL_VARIABLE, "flex")
     if kernel not in CUDA_KERNELS:
-        raise ConfigError(f"{KERNEL_VARIABLE}={kernel} is not a document-mask kernel: use one of "
+        raise KernelError(f"{KERNEL_VARIABLE}={kernel} is not a document-mask kernel: use one of "
                           f"{', '.join(CUDA_KERNELS)}, or leave it unset (flex)")
     if kernel == "varlen" and varlen_attn is None:
-        raise ConfigError(f"{KERNEL_VARIABLE}=varlen needs torch 2.10 or later (torch.nn.attention.varlen); this is "
+        raise KernelError(f"{KERNEL_VARIABLE}=varlen needs torch 2.10 or later (torch.nn.attention.varlen); this is "
                           f"torch {torch.__version__}: leave it unset (flex)")
     return kernel
 

@@ -6,8 +6,9 @@ as "model_type".
 """
 import dataclasses
 
-from minimal_fsdp.models.attention import cuda_kernel
-from minimal_fsdp.config.flags import ConfigError, model_family
+from minimal_fsdp.models.attention import KernelError, cuda_kernel
+from minimal_fsdp.config.checks import model_family
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.models.llama import Llama
 from minimal_fsdp.models.gpt import GPT
 from minimal_fsdp.models.configs import check_shape
@@ -49,5 +50,8 @@ def with_document_mask(config, cfg, tokenizer):
         raise ConfigError(f"--document_mask needs a tokenizer with an end-of-text token, and {tokenizer.kind} has "
                           "none: use --tokenizer gpt2 or sentencepiece, a --tokenizer_dir that names an eos token, "
                           "or drop --document_mask")
-    cuda_kernel()  # a mistyped MINIMAL_FSDP_DOCUMENT_KERNEL fails here, not in the first forward
+    try:
+        cuda_kernel()  # a mistyped MINIMAL_FSDP_DOCUMENT_KERNEL fails here, not in the first forward
+    except KernelError as e:
+        raise ConfigError(str(e)) from None
     return dataclasses.replace(config, document_eot_id=tokenizer.eot_id)

@@ -60,6 +60,11 @@ class ParallelPlan:
     gossip_dtype: str = None  # gossip's wire (--gossip_dtype)
 
     @property
+    def fused_optimizer(self):
+        """AdamW's fused kernels are CUDA's and CPU's; torch_xla compiles the update into the step anyway."""
+        return self.backend == "torch"
+
+    @property
     def decentralized(self):
         return self.strategy == "gossip"
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from minimal_fsdp.parallel import fp8
 from minimal_fsdp.config.commands import PlanFlags
-from minimal_fsdp.config.flags import ConfigError, model_family
+from minimal_fsdp.config.checks import model_family
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.config.parser import parse
 from minimal_fsdp.hf.read import read_config as read_hf_config
 from minimal_fsdp.models.families import make_config

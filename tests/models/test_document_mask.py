@@ -121,7 +121,7 @@ def test_the_kernel_choice(monkeypatch):
     assert attention.document_kernel(cuda, 0.0, head_size=8) == "dense"
     assert attention.document_kernel(cuda, 0.0, head_size=16) == "flex"
     monkeypatch.setenv(attention.KERNEL_VARIABLE, "flash")
-    with pytest.raises(ConfigError, match="MINIMAL_FSDP_DOCUMENT_KERNEL=flash is not a document-mask kernel"):
+    with pytest.raises(attention.KernelError, match="MINIMAL_FSDP_DOCUMENT_KERNEL=flash is not a document-mask"):
         attention.document_kernel(cuda, 0.0)
     # checked as a run builds its model config with --document_mask, before any collective
     flags, tokenizer = SimpleNamespace(document_mask=True), SimpleNamespace(eot_id=EOT, kind="gpt2")
@@ -136,7 +136,7 @@ def test_varlen_needs_a_torch_that_has_it(monkeypatch):
     is one line as the run starts."""
     monkeypatch.setattr(attention, "varlen_attn", None)
     monkeypatch.setenv(attention.KERNEL_VARIABLE, "varlen")
-    with pytest.raises(ConfigError, match="MINIMAL_FSDP_DOCUMENT_KERNEL=varlen needs torch 2.10 or later"):
+    with pytest.raises(attention.KernelError, match="MINIMAL_FSDP_DOCUMENT_KERNEL=varlen needs torch 2.10"):
         attention.document_kernel(torch.device("cuda"), 0.0)
     monkeypatch.delenv(attention.KERNEL_VARIABLE)
     assert attention.document_kernel(torch.device("cuda"), 0.0) == "flex"
