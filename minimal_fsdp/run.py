@@ -88,8 +88,9 @@ def run(cfg):
         dtype = torch.float32 if cfg.precision == "float32" else torch.bfloat16
         if env.is_main:
             print("-" * 40, flush=True)
-        generate(model, tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k, cfg.seed, env.device,
-                 dtype, stream=load.printer() if env.is_main else None)  # written as it is generated
+        # written as it is generated
+        generate(model, tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k, cfg.seed,
+                 env.device, dtype, stream=load.printer() if env.is_main else None)
         if env.is_main:
             print("\n" + "-" * 40, flush=True)
     # FSDP state and the device mesh refer to the process groups: let them go, so the groups (and gloo's worker
@@ -218,11 +219,13 @@ def check_resumable(cfg, start, model_config, env):
 
 def generation_model(cfg, env, start, hf_dir):
     """The model to sample from and its tokenizer: the --hf_model itself, or the checkpoint (whose meta.json
-    gives the shape, so no model flags are repeated), loaded as the sample command loads it (inference.load)."""
+    gives the shape, so no model flags are repeated), loaded as the sample command loads it
+    (inference.load)."""
     if not hf_dir and start is None:
         raise ConfigError(f"--max_epochs -1 generates from a checkpoint, but {Path(cfg.checkpoint_dir) / cfg.run_name} "
                           "has none: train first or pass --restart_checkpoint_file")
-    loaded = load.load(hf_dir or start, cfg, env, cfg.seq_length, given_tokenizer(cfg), cfg.num_tokens)
+    loaded = load.load(hf_dir or start, cfg, env, cfg.seq_length, given_tokenizer(cfg),
+                       cfg.num_tokens)
     if env.is_main:
         print(load.describe(loaded.source, loaded.model, loaded.tokenizer, env), flush=True)
     return loaded.model, loaded.tokenizer
