@@ -125,6 +125,8 @@ def train_model(cfg, env, start, hf_dir, stop):
     """Open the data, build (or resume) the model and optimizer with the plan's backend, and train; returns the
     model to sample from (the trained one; under XLA, the host's copy of the checkpoint just saved) and the data's
     tokenizer."""
+    if start is not None:
+        check_before_data(cfg, start)  # preparing the data can take minutes: refuse another run's model first
     data = open_data(cfg, env, hf_dir)
     samples = check_prompt(cfg, data.tokenizer, env)
     model_config = hf.read_model_config(hf_dir, cfg) if hf_dir else config_from_flags(cfg, data.meta["vocab_size"])
@@ -193,13 +195,55 @@ def check_fits(cfg, env, model_config):
     check_sizes(cfg, c.seq_length, num_params, env.local_world_size, free, env.device.type, env.world_size)
 
 
+def model_differences(saved, model_config):
+    """What differs between a checkpoint's model and this one, e.g. 'vocab_size 65 there, 221 here'."""
+    if saved["model_type"] != model_config.model_type:
+        return f"{saved['model_type']} there, {model_config.model_type} here"
+    mine, theirs = model_config.to_dict(), saved["model"]
+    return ", ".join(f"{name} {theirs.get(name)} there, {mine.get(name)} here"
+                     for name in dict.fromkeys([*theirs, *mine]) if theirs.get(name) != mine.get(name))
+
+
+def data_source(flags):
+    """(flag, value) of the data a run's flags (a dict) name: ('input_file', 'my.txt'), ('dataset', ...)."""
+    for name in ("input_file", "dataset_path"):
+        if flags.get(name):
+            return name, flags[name]
+    return "dataset", flags.get("dataset")
+
+
+def check_before_data(cfg, start):
+    """Refuse a checkpoint whose model these flags cannot continue before the data is prepared, naming what
+    differs: the data, where the vocabulary is built from it (--tokenizer char or sentencepiece), and the shape
+    the model flags give (with the checkpoint's vocabulary, which only the data can tell)."""
+    saved = checkpoint_meta.read_meta(start)
+    theirs, vocab = saved["config"], saved["model"].get("vocab_size")
+    if cfg.hf_model or theirs.get("hf_model"):
+        return  # the shape comes from the Hugging Face model: checked once it is read
+    (kind, mine), (their_kind, before) = data_source(dataclasses.asdict(cfg)), data_source(theirs)
+    other_data = kind != their_kind or (mine != before and (kind == "dataset" or Path(mine).resolve() !=
+                                                            Path(before).resolve()))
+    if other_data and cfg.tokenizer in ("char", "sentencepiece") and not (cfg.tokenizer_dir or
+                                                                         theirs.get("tokenizer_dir")):
+        raise ConfigError(f"{start} holds a model trained on --{their_kind} {before} (--tokenizer "
+                          f"{theirs.get('tokenizer')}, vocabulary {vocab}); this run trains on --{kind} {mine}, "
+                          "whose vocabulary is built from its own text: use another --run_name (unset, it names "
+                          "the data) or --checkpoint_dir")
+    model_config = config_from_flags(cfg, vocab)
+    if "document_eot_id" in saved["model"]:  # --document_mask's token comes from the tokenizer: as saved
+        model_config = dataclasses.replace(model_config, document_eot_id=saved["model"]["document_eot_id"])
+    if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
+        raise ConfigError(f"{start} holds a different model ({model_differences(saved, model_config)}): use "
+                          "another --run_name or --checkpoint_dir")
+
+
 def check_resumable(cfg, start, model_config, env):
     """Refuse a checkpoint this run cannot continue; say which training flags differ from it, and when it has
     trained to the end already. The same files and flags on every rank: the same verdict everywhere."""
     saved = checkpoint_meta.read_meta(start)
     if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
-        raise ConfigError(f"{start} holds a different model ({saved['model_type']} {saved['model']}): use another "
-                          "--run_name or --checkpoint_dir")
+        raise ConfigError(f"{start} holds a different model ({model_differences(saved, model_config)}): use "
+                          "another --run_name or --checkpoint_dir")
     trained_with = saved["config"].get("data_parallel", "allreduce")
     if trained_with != cfg.data_parallel:  # AdamW and AccumAdamW keep different optimizer state
         raise ConfigError(f"{start} was trained with --data_parallel {trained_with}: resume it the same way, "

@@ -68,11 +68,11 @@ def trained(tmp_path_factory):
 @pytest.mark.slow
 def test_train_then_generate_on_any_number_of_ranks(trained):
     work, out = trained
-    run = work / "checkpoints" / "shakespeare"
+    run = work / "checkpoints" / "corpus"
     assert (run / "latest").read_text().strip() == "step_40"
     assert sample_of(out.stdout) == plain_sample(run, "ROMEO:", 60, seed=7)  # the trained model, in memory
     # Generation-only reads the model shape from the checkpoint: no model flags are repeated.
-    gen = ["--max_epochs", -1, "--prompt", "ROMEO:", "--num_tokens", 80, "--seed", 3]
+    gen = ["--run_name", "corpus", "--max_epochs", -1, "--prompt", "ROMEO:", "--num_tokens", 80, "--seed", 3]
     one = sample_of(launch(gen, ranks=1, cwd=work).stdout)  # the README's command, on one rank
     # The same on 4 ranks, sharded then hybrid, and another seed: one after the other in one launch.
     four, hybrid, other_seed = sample_of_each(launch_runs(
@@ -86,10 +86,11 @@ def test_train_then_generate_on_any_number_of_ranks(trained):
 @pytest.mark.slow
 def test_generation_past_the_context_refills_the_cache(trained):
     work, _ = trained
-    out = launch(["--max_epochs", -1, "--num_tokens", 100, "--prompt", "KING:"], ranks=2, cwd=work)
+    out = launch(["--run_name", "corpus", "--max_epochs", -1, "--num_tokens", 100, "--prompt", "KING:"], ranks=2,
+                 cwd=work)
     sample = sample_of(out.stdout)
     assert len(sample) == len("KING:") + 100  # char tokenizer: one char per token
-    assert sample == plain_sample(work / "checkpoints" / "shakespeare", "KING:", 100, seed=parse_args([]).seed)
+    assert sample == plain_sample(work / "checkpoints" / "corpus", "KING:", 100, seed=parse_args([]).seed)
 
 
 # Beyond any step a run reaches: at a tiny model's ~10 ms a step, a look STOP_LATENCY (10 s) on can land 1000 steps on.
@@ -116,7 +117,7 @@ def test_ctrl_c_under_mpiexec_saves_a_checkpoint_and_exits_0(tmp_path, corpus):
         run = subprocess.Popen(list(map(str, cmd)), cwd=tmp_path, stdout=out, stderr=err, env=env,
                                start_new_session=True)  # its own process group, as a terminal's job
         try:
-            metrics = tmp_path / "logs" / "shakespeare" / "metrics.jsonl"
+            metrics = tmp_path / "logs" / "corpus" / "metrics.jsonl"
             deadline = time.monotonic() + 240  # a hang guard only
             while not (metrics.exists() and "val_loss" in metrics.read_text()):  # the loop is running
                 assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-3000:]
@@ -131,7 +132,7 @@ def test_ctrl_c_under_mpiexec_saves_a_checkpoint_and_exits_0(tmp_path, corpus):
     assert len(stopped) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     step = int(stopped[0].split(":")[0].split()[1])
     assert 2 <= step < FAR  # a time-bounded look, not a logging step
-    assert checkpoint_meta.read_meta(checkpoint_find.latest(tmp_path / "checkpoints" / "shakespeare"))["step"] == step
+    assert checkpoint_meta.read_meta(checkpoint_find.latest(tmp_path / "checkpoints" / "corpus"))["step"] == step
 
 
 @pytest.mark.slow

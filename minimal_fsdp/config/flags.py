@@ -60,7 +60,10 @@ class Config:
                              "override it", section="launch")
     environment: str = flag("auto", "how ranks are discovered: auto detects torchrun, MPI (mpiexec) and srun; "
                             "pbs also counts nodes from PBS_NODEFILE", ("auto", "local", "pbs"), "launch")
-    run_name: str = flag("shakespeare", "labels checkpoints and logs", section="launch")
+    run_name: str = flag("shakespeare", "labels checkpoints and logs; unset, it names what the run "
+                         "trains on: the --input_file's or --dataset_path's name, else the --dataset, "
+                         "with the --model_preset (or --hf_model) unless tiny, e.g. my-gpt2",
+                         section="launch")
     seed: int = flag(1337, "seeds init, data order, dropout and sampling", section="launch")
     collective_timeout: float = flag(300.0, "seconds a collective may wait before the run fails, so a dead or "
                                             "hung rank ends the job instead of idling until walltime",
@@ -251,7 +254,9 @@ class Config:
             if "dataset" in given:
                 raise ConfigError("--input_file is the file of --dataset text: drop --dataset shakespeare "
                                   "(or drop --input_file to train on Shakespeare)")
-            object.__setattr__(self, "dataset", "text")  # the one derived value, set while checking
+            object.__setattr__(self, "dataset", "text")  # a derived value, set while checking
+        if "run_name" not in given:  # the other: new data never lands in an old run's directory
+            object.__setattr__(self, "run_name", default_run_name(self))
         validate(self)
 
     @property
@@ -261,6 +266,18 @@ class Config:
     @property
     def time_limit_seconds(self):
         return parse_duration(self.time_limit) if self.time_limit else None
+
+
+def default_run_name(cfg):
+    """What the run trains on: 'shakespeare' for the default data, 'my' for --input_file my.txt,
+    'owt-gpt2' for --dataset_path .../owt with --model_preset gpt2."""
+    source = cfg.input_file or cfg.dataset_path
+    name = os.path.basename(os.path.normpath(source)) if source else cfg.dataset
+    name = os.path.splitext(name)[0] if cfg.input_file else name.split(":")[0]  # a hub's NAME:CONFIG
+    model = os.path.basename(os.path.normpath(cfg.hf_model)) if cfg.hf_model else cfg.model_preset
+    if model != "tiny":
+        name += f"-{model}"
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in name).lstrip(".") or "run"
 
 
 def build_parser(prog=None, description=None):

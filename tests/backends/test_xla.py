@@ -49,7 +49,7 @@ def train_cpu(args, cwd):
 
 def logged(cwd, key):
     """{step: value} of one metric in the run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (cwd / "logs" / "shakespeare" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (cwd / "logs" / "corpus" / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row[key] for row in rows if key in row}
 
 
@@ -91,7 +91,7 @@ def test_checkpoints_move_between_xla_and_cpu_and_generate(tmp_path, corpus):
     shutil.copytree(dirs["xla"] / "checkpoints", dirs["xla_then_cpu"] / "checkpoints")
     sample = ["--num_tokens", 40, "--prompt", "KING:"]  # --seed would change the data order too
     resumed = train_xla(args(20, *sample), dirs["xla"])
-    assert "resuming from checkpoints/shakespeare/step_10" in resumed.stdout
+    assert "resuming from checkpoints/corpus/step_10" in resumed.stdout
     assert_same_run(dirs["xla"], dirs["cpu"], range(1, 21))
     # A CPU run resumes the XLA checkpoint (weights, AdamW moments, data position, LR horizon) ...
     train_cpu(args(20), dirs["xla_then_cpu"])
@@ -103,7 +103,7 @@ def test_checkpoints_move_between_xla_and_cpu_and_generate(tmp_path, corpus):
 
     # The XLA run's sample (generated on the host from its last checkpoint) is the one that 2 CPU ranks, and
     # --device xla, generate from that checkpoint, and the one the CPU reference's weights give.
-    generate = ["--max_epochs", -1, *sample]
+    generate = ["--run_name", "corpus", "--max_epochs", -1, *sample]
     after_training = sample_of(resumed.stdout)
     assert after_training.startswith("KING:") and len(after_training) == len("KING:") + 40
     assert sample_of(launch(generate, ranks=2, cwd=dirs["xla"]).stdout) == after_training
@@ -217,7 +217,7 @@ def fake_runs(tmp_path_factory):
     first = fake_xla_runs([in_dir("cpu", args(20)), in_dir("xla", [*args(10), *xla])], work)
     shutil.copytree(work / "xla" / "checkpoints", work / "xla_then_cpu" / "checkpoints")
     second = fake_xla_runs([in_dir("xla", [*args(20, *sample), *xla]), in_dir("xla_then_cpu", args(20)),
-                            in_dir("xla", ["--max_epochs", -1, *sample])], work)
+                            in_dir("xla", ["--run_name", "corpus", "--max_epochs", -1, *sample])], work)
     return work, first.stdout, second.stdout
 
 
@@ -233,7 +233,7 @@ def test_xla_trains_through_the_one_wiring(fake_runs):
     assert_same_run(xla, cpu, range(1, 11))
     assert logged(xla, "loss")[10] < logged(xla, "loss")[1]
     # Saved by xla.Checkpointer under checkpoint.py's names (FSDPv2's wrappers left out): the CPU run's tensors.
-    saved = [tensor_names(d / "checkpoints" / "shakespeare" / "step_20", prefix="") for d in (xla, cpu)]
+    saved = [tensor_names(d / "checkpoints" / "corpus" / "step_20", prefix="") for d in (xla, cpu)]
     assert saved[0] == saved[1] and any(name.startswith("optim.state.blocks.0.") for name, _, _ in saved[0])
 
 
@@ -242,9 +242,9 @@ def test_xla_checkpoints_resume_both_ways_and_sample_through_the_one_wiring(fake
     """Under the stand-in: an XLA run resumed from its own checkpoint, and a CPU run from the XLA checkpoint, equal
     the uninterrupted CPU run; the sample after XLA training comes from its checkpoint, generated on the host."""
     work, _, second = fake_runs
-    assert "resuming from xla/checkpoints/shakespeare/step_10" in second  # the XLA run's own checkpoint
+    assert "resuming from xla/checkpoints/corpus/step_10" in second  # the XLA run's own checkpoint
     assert_same_run(work / "xla", work / "cpu", range(1, 21))
-    assert "resuming from xla_then_cpu/checkpoints/shakespeare/step_10" in second
+    assert "resuming from xla_then_cpu/checkpoints/corpus/step_10" in second
     assert_same_run(work / "xla_then_cpu", work / "cpu", range(11, 21))
     after_training, generated = sample_of_each(second)  # the resumed XLA run's, then the generation's
     assert after_training.startswith("KING:") and len(after_training) == len("KING:") + 40

@@ -164,7 +164,7 @@ def all_tensors(path):
 
 def test_save_writes_complete_checkpoint_and_latest(four_steps):
     work, _ = four_steps
-    run = work / "checkpoints" / "shakespeare"
+    run = work / "checkpoints" / "corpus"
     assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2", "step_4"]  # no temporary leftovers
     assert checkpoint_find.latest(run) == run / "step_4"
     meta = checkpoint_meta.read_meta(run / "step_4")
@@ -184,7 +184,7 @@ def test_resume_restores_weights_moments_step_and_data_position(four_steps):
     right after loading, and its step_4 equals the uninterrupted run's bitwise, in every weight, Adam moment
     and step count (so steps 3 and 4 also read the same batches)."""
     work, corpus = four_steps
-    whole, resumed = work / "checkpoints" / "shakespeare", work / "resumed" / "checkpoints" / "shakespeare"
+    whole, resumed = work / "checkpoints" / "corpus", work / "resumed" / "checkpoints" / "corpus"
     resumed.mkdir(parents=True)
     shutil.copytree(whole / "step_2", resumed / "step_2")
     (resumed / "latest").write_text("step_2\n")
@@ -201,7 +201,7 @@ def test_resume_restores_weights_moments_step_and_data_position(four_steps):
     for key in ("step", "state"):
         read = checkpoint_meta.read_meta
         assert read(resumed / "step_4")[key] == read(whole / "step_4")[key], key
-    logged = (work / "resumed" / "logs" / "shakespeare" / "metrics.jsonl").read_text().splitlines()
+    logged = (work / "resumed" / "logs" / "corpus" / "metrics.jsonl").read_text().splitlines()
     assert [row["step"] for row in map(json.loads, logged) if "loss" in row] == [3, 4]
 
 

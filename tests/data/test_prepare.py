@@ -147,7 +147,7 @@ def test_trainer_reads_a_prepared_directory(tmp_path):
     out = run_cli("--dataset", "text", "--input_file", source, "--tokenizer", "char", "--output", tmp_path / "prepared")
     launch(["--dataset_path", out, *TINY_MODEL, "--max_steps", 3, "--eval_interval", 0, "--log_interval", 1],
            ranks=2, cwd=tmp_path)
-    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "shakespeare")
+    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "prepared")
     assert checkpoint_meta.read_meta(saved)["state"]["data"] == {"train_blocks_seen": 3 * 2 * 4}
     assert load_tokenizer(saved).chars == TokenData(out).tokenizer.chars
 

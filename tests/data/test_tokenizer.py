@@ -270,7 +270,7 @@ def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
     data = TokenData(tmp_path / "data" / "corpus" / tokenizer.label)  # named by the tokenizer's files
     text = corpus.read_text()
     assert data.tokenizer.kind == "tiktoken" and data.splits["train"][:500].tolist() == tokenizer.encode(text)[:500]
-    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "shakespeare")
+    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "corpus")
     assert checkpoint_meta.read_meta(saved)["model"]["vocab_size"] == num_ranks + 256  # the tokenizer's vocabulary
     assert load_tokenizer(saved).encode(text[:1000]) == tokenizer.encode(text[:1000])  # the checkpoint carries it
 

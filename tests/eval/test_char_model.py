@@ -26,7 +26,7 @@ def char_run(tmp_path_factory):
     (work / "input.txt").write_text((ROOT / "data" / "shakespeare" / "input.txt").read_text()[:100_000])
     launch(["--dataset", "text", "--input_file", "input.txt", *TINY_MODEL, "--seq_length", 64, "--max_steps", 30,
             "--eval_interval", 0], ranks=1, cwd=work)
-    return work / "checkpoints" / "shakespeare"
+    return work / "checkpoints" / "input"
 
 
 def results(folder):

@@ -33,7 +33,7 @@ def ckpt(tmp_path_factory):
     (work / "corpus.txt").write_text(make_text())
     launch(["--dataset", "text", "--input_file", "corpus.txt", *TINY_MODEL, "--max_steps", 2, "--eval_interval", 0],
            ranks=2, cwd=work)
-    return work / "checkpoints" / "shakespeare"
+    return work / "checkpoints" / "corpus"
 
 
 @pytest.mark.slow

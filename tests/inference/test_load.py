@@ -33,7 +33,7 @@ def run_dir(tmp_path_factory):
     (work / "corpus.txt").write_text(make_text(20_000))
     launch(["--dataset", "text", "--input_file", "corpus.txt", *TINY_MODEL, "--max_steps", 4,
             "--checkpoint_interval", 2, "--eval_interval", 0], ranks=1, cwd=work)
-    return work / "checkpoints" / "shakespeare"
+    return work / "checkpoints" / "corpus"
 
 
 @pytest.fixture

@@ -59,7 +59,7 @@ def run(tmp_path_factory):
     launch(["--dataset", "text", "--input_file", "corpus.txt", *TINY_MODEL, "--model", "llama", "--num_kv_heads", 1,
             "--tokenizer", "sentencepiece", "--vocab_size", 300, "--max_steps", 20, "--checkpoint_interval", 10,
             "--eval_interval", 0], ranks=2, cwd=work)
-    return work / "checkpoints" / "shakespeare"
+    return work / "checkpoints" / "corpus"
 
 
 @torch.no_grad()
@@ -131,7 +131,7 @@ def test_generation_banner_of_basic_training_shows_the_loaded_model(run, single_
     # run.main (what basic_training.py hands its flags to) in this process, one rank, in the run's directory
     monkeypatch.chdir(run.parent.parent)
     capfd.readouterr()
-    run_command.main(["--max_epochs", "-1", "--num_tokens", "5", "--prompt", PROMPT])
+    run_command.main(["--run_name", "corpus", "--max_epochs", "-1", "--num_tokens", "5", "--prompt", PROMPT])
     out = capfd.readouterr().out
     assert "model: llama, 2 layers, 2 heads (1 kv), width 32, context 32, vocab 300" in out
     assert "tokenizer: sentencepiece, 300 tokens" in out

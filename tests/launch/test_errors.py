@@ -45,8 +45,9 @@ def test_seq_length_longer_than_checkpoint_context(tmp_path, corpus, single_proc
     # The checkpoint, trained in this process (one rank, as `python basic_training.py`): no launch of its own.
     run.main(list(map(str, ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 1,
                             "--eval_interval", 0])))
-    assert (tmp_path / "checkpoints" / "shakespeare" / "latest").read_text().strip() == "step_1"
-    names(run_bad(["--max_epochs", "-1", "--seq_length", "64"], tmp_path), "--seq_length", "64", "32")
+    assert (tmp_path / "checkpoints" / "corpus" / "latest").read_text().strip() == "step_1"
+    names(run_bad(["--run_name", "corpus", "--max_epochs", "-1", "--seq_length", "64"], tmp_path), "--seq_length",
+                  "64", "32")
 
 
 def test_gpt2_tokenizer_offline_without_cache(tmp_path, corpus):
@@ -80,7 +81,7 @@ def test_the_default_prompt_outside_the_vocabulary_skips_the_sample_with_one_lin
                     ranks=2, cwd=tmp_path, timeout=240)
     notes = [line for line in result.stdout.splitlines() if line.startswith("no sample at the end")]
     assert len(notes) == 1 and "--prompt" in notes[0] and "-" * 40 not in result.stdout
-    assert (tmp_path / "checkpoints" / "shakespeare" / "latest").exists()
+    assert (tmp_path / "checkpoints" / "lower" / "latest").exists()
 
 
 def test_a_prompt_outside_the_vocabulary_is_refused_before_training(tmp_path):
