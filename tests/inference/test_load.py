@@ -1,8 +1,10 @@
-"""inference/load.py, the one way a trained model is loaded (sample, evaluate, export, --max_epochs -1), and
-generation's streaming and bounds. Hostile exports (a FIFO, links to a device or out of the directory, a
-config.json that disagrees with the tensors, a second weights file, a deeply nested header), a tokenizer larger
-than the model's vocabulary and an absurd --num_tokens each end in one `error:` line, exit 2, without a hang; a run
-directory whose newest checkpoint fails only its checksums is sampled and exported from the older good one."""
+"""inference/load.py, the one way a trained model is loaded (sample, evaluate, export and
+`--max_epochs -1`), and generation's streaming and bounds. Hostile exports (a FIFO, links to a
+device or out of the directory, a config.json that disagrees with the tensors, a second weights
+file, a deeply nested header), a tokenizer larger than the model's vocabulary and an absurd
+--num_tokens each end in one `error:` line, exit 2, without a hang; a run directory whose newest
+checkpoint fails only its checksums is sampled and exported from the older good one."""
+
 import json
 import os
 import shutil
@@ -31,16 +33,34 @@ def run_dir(tmp_path_factory):
     """A tiny char GPT trained in one process: checkpoints at steps 2 and 4."""
     work = tmp_path_factory.mktemp("load")
     (work / "corpus.txt").write_text(make_text(20_000))
-    launch(["--dataset", "text", "--input_file", "corpus.txt", *TINY_MODEL, "--max_steps", 4,
-            "--checkpoint_interval", 2, "--eval_interval", 0], ranks=1, cwd=work)
+    launch(
+        [
+            "--dataset",
+            "text",
+            "--input_file",
+            "corpus.txt",
+            *TINY_MODEL,
+            "--max_steps",
+            4,
+            "--checkpoint_interval",
+            2,
+            "--eval_interval",
+            0,
+        ],
+        ranks=1,
+        cwd=work,
+    )
     return work / "checkpoints" / "corpus"
 
 
 @pytest.fixture
 def no_hang():
-    """A bound on a hang (a FIFO read forever, a generation of hours): the test fails instead of waiting."""
+    """A bound on a hang (a FIFO read forever, a generation of hours): the test fails instead of
+    waiting."""
+
     def hung(*_):
         raise TimeoutError("still running after 120 s: it hangs")
+
     previous = signal.signal(signal.SIGALRM, hung)
     signal.alarm(120)
     yield
@@ -62,6 +82,7 @@ def command(single_process, capfd, monkeypatch, no_hang):
             code = e.code
         out, err = capfd.readouterr()
         return SimpleNamespace(code=code, out=out, err=err)
+
     return run
 
 
@@ -95,15 +116,29 @@ def edit_config(directory, **changes):
 
 
 HOSTILE = {  # what is done to the export -> what the one line names
-    "fifo": (lambda d, tmp: os.mkfifo(d / "more.safetensors"), "more.safetensors would be read beside it"),
-    "device": (lambda d, tmp: (d / "model.safetensors").unlink() or (d / "model.safetensors").symlink_to("/dev/zero"),
-               "model.safetensors cannot be read as safetensors (OSError"),
-    "outside": (lambda d, tmp: link_outside(d / "model.safetensors", tmp / "elsewhere.safetensors"),
-                "model.safetensors cannot be read as safetensors (OSError"),
+    "fifo": (
+        lambda d, tmp: os.mkfifo(d / "more.safetensors"),
+        "more.safetensors would be read beside it",
+    ),
+    "device": (
+        lambda d, tmp: (
+            (d / "model.safetensors").unlink() or (d / "model.safetensors").symlink_to("/dev/zero")
+        ),
+        "model.safetensors cannot be read as safetensors (OSError",
+    ),
+    "outside": (
+        lambda d, tmp: link_outside(d / "model.safetensors", tmp / "elsewhere.safetensors"),
+        "model.safetensors cannot be read as safetensors (OSError",
+    ),
     "shape": (lambda d, tmp: edit_config(d, embed_size=64), "has shape"),
-    "twice": (lambda d, tmp: shutil.copy(d / "model.safetensors", d / "model-00001.safetensors"),
-              "model-00001.safetensors would be read beside it"),
-    "deep": (lambda d, tmp: deep_header(d / "model.safetensors"), "header nests deeper than 3 levels"),
+    "twice": (
+        lambda d, tmp: shutil.copy(d / "model.safetensors", d / "model-00001.safetensors"),
+        "model-00001.safetensors would be read beside it",
+    ),
+    "deep": (
+        lambda d, tmp: deep_header(d / "model.safetensors"),
+        "header nests deeper than 3 levels",
+    ),
 }
 
 
@@ -111,53 +146,87 @@ HOSTILE = {  # what is done to the export -> what the one line names
 def test_a_hostile_export_is_one_line(exported, tmp_path, command, case):
     make, named = HOSTILE[case]
     make(exported, tmp_path)
-    line = one_error_line(command(sample_command.main, exported, "--prompt", PROMPT, "--num_tokens", 3))
+    line = one_error_line(
+        command(sample_command.main, exported, "--prompt", PROMPT, "--num_tokens", 3)
+    )
     assert line.startswith(f"error: {exported}") and named in line
 
 
 def test_a_hostile_export_as_hf_model_is_one_line(exported, tmp_path, command):
     """basic_training.py --hf_model DIR --max_epochs -1 on our export loads it the same way."""
     os.mkfifo(exported / "more.safetensors")
-    line = one_error_line(command(run_command.main, "--hf_model", exported, "--max_epochs", -1, "--num_tokens", 3,
-                                  "--prompt", PROMPT))
+    line = one_error_line(
+        command(
+            run_command.main,
+            "--hf_model",
+            exported,
+            "--max_epochs",
+            -1,
+            "--num_tokens",
+            3,
+            "--prompt",
+            PROMPT,
+        )
+    )
     assert "more.safetensors would be read beside it" in line
 
 
 def test_our_export_loads_the_checkpoints_weights(run_dir, exported, command):
-    checkpoint = command(sample_command.main, run_dir / "step_4", "--prompt", PROMPT, "--num_tokens", 12)
+    checkpoint = command(
+        sample_command.main, run_dir / "step_4", "--prompt", PROMPT, "--num_tokens", 12
+    )
     ours = command(sample_command.main, exported, "--prompt", PROMPT, "--num_tokens", 12)
-    assert checkpoint.code == ours.code == 0 and ours.out == checkpoint.out and ours.out.startswith(PROMPT)
+    assert (
+        checkpoint.code == ours.code == 0
+        and ours.out == checkpoint.out
+        and ours.out.startswith(PROMPT)
+    )
     assert "(export)" in ours.err
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(exported, command):
     vocab = json.loads((exported / "config.json").read_text())["vocab_size"]
-    chars = "".join(chr(0x4E00 + i) for i in range(vocab + 5))  # more characters than the model has rows
+    chars = "".join(
+        chr(0x4E00 + i) for i in range(vocab + 5)
+    )  # more characters than the model has rows
     CharTokenizer(chars).save(exported)
-    line = one_error_line(command(sample_command.main, exported, "--prompt", chars[-1], "--num_tokens", 3))
+    line = one_error_line(
+        command(sample_command.main, exported, "--prompt", chars[-1], "--num_tokens", 3)
+    )
     assert f"has {vocab + 5} tokens, but the model's vocabulary is {vocab}" in line
 
 
 def test_an_absurd_num_tokens_is_one_line(run_dir, command):
-    line = one_error_line(command(sample_command.main, run_dir, "--prompt", PROMPT, "--num_tokens", 10**10))
-    assert line == ("error: --num_tokens 10000000000 is more than this model generates in 1000 contexts of 32 "
-                    "tokens (32000): ask for fewer")
+    line = one_error_line(
+        command(sample_command.main, run_dir, "--prompt", PROMPT, "--num_tokens", 10**10)
+    )
+    assert line == (
+        "error: --num_tokens 10000000000 is more than this model generates in 1000 contexts of 32 "
+        "tokens (32000): ask for fewer"
+    )
 
 
-def test_a_run_directory_whose_newest_checkpoint_fails_its_checksums_gives_the_older(run_dir, tmp_path, command):
+def test_a_run_directory_whose_newest_checkpoint_fails_its_checksums_gives_the_older(
+    run_dir, tmp_path, command
+):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
     shard = sorted((run / "step_4").glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum tells
     shard.write_bytes(bytes(data))
-    assert checkpoint_find.verify(run / "step_4", checksums=False) is None and checkpoint_find.verify(run / "step_4")
+    assert checkpoint_find.verify(
+        run / "step_4", checksums=False
+    ) is None and checkpoint_find.verify(run / "step_4")
     out = command(sample_command.main, run, "--prompt", PROMPT, "--num_tokens", 3)
     assert out.code == 0, out.err
-    assert f"generating from {run / 'step_2'} (checkpoint, step 2)" in out.err and "step_4" in out.err
+    assert (
+        f"generating from {run / 'step_2'} (checkpoint, step 2)" in out.err and "step_4" in out.err
+    )
     export.export(run, tmp_path / "exported")  # export finds it alike
     assert json.loads((tmp_path / "exported" / "config.json").read_text())
     from safetensors import safe_open
+
     with safe_open(str(tmp_path / "exported" / "model.safetensors"), "pt") as f:
         assert f.metadata()["step"] == "2"
 
@@ -174,8 +243,8 @@ def test_the_text_is_streamed_as_it_is_generated(run_dir, command, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
 def test_streamed_pieces_add_up_to_the_whole_decode(tmp_path, kind):
-    """Tokens whose text depends on their neighbours (sentencepiece's leading space, a character split over
-    byte-level tokens) stream to exactly the text decoded at once."""
+    """Tokens whose text depends on their neighbours (sentencepiece's leading space, a character
+    split over byte-level tokens) stream to exactly the text decoded at once."""
     if kind == "byte-level":
         tokenizer = load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path))
     else:
