@@ -1,5 +1,6 @@
-"""Our decentralized training beside Decent-DP's (ICLR 2025), in one launch: the same GPT, synthetic tokens,
-batch, topology and ranks (or virtual hosts), timed alike; one markdown row each.
+"""Our decentralized training beside Decent-DP's (ICLR 2025) and plain PyTorch DDP, and our all-reduce
+strategies (--allreduce), in one launch: the same GPT, synthetic tokens, batch, topology and ranks (or virtual
+hosts), timed alike; one markdown row each.
 
     mpiexec -n 4 python benchmarks/decentdp_side_by_side.py --model_preset tiny --topology exp
     minimal-fsdp cluster --hosts 8 --rate 100mbit -- mpiexec -n 8 -ppn 1 \\
@@ -7,6 +8,9 @@ batch, topology and ranks (or virtual hosts), timed alike; one markdown row each
         --num_layers 6 --embed_size 384 --num_heads 6 --seq_length 128 --batch_size 2 --vocab_size 65
 
 Ours: build_model + Gossip (--gossip_dtype, host-aware) + AccumAdamW through train_step, as training runs.
+torch DDP: torch.nn.parallel.DistributedDataParallel (fp32 gradients in 25 MB buckets, all-reduced during the
+backward) around the same model under bf16 autocast, with fused AdamW: nanoGPT's train.py setup.
+Ours, all-reduce (--allreduce full-shard,no-shard): the plan make_plan picks for each --sharding, as training does.
 Decent-DP: its DecentralizedDataParallel around the same model with its per-bucket AdamW (optim_fn_adamw, the
 same lr, betas and weight decay); every bucket's update and next all-reduce on its edge's group start in the
 bucket's gradient hook. A benchmark-only dependency (`pip install .wheels/decent_dp-0.2.3-py3-none-any.whl
@@ -44,7 +48,7 @@ def decent_dp():
         import loguru  # noqa: F401
     except ImportError:
         quiet = types.SimpleNamespace(debug=lambda *a, **k: None, info=lambda *a, **k: None,
-                                      warning=lambda *a, **k: None)
+                                      warning=lambda *a, **k: None, error=lambda *a, **k: None)
         sys.modules["loguru"] = types.SimpleNamespace(logger=quiet)
     try:
         from decent_dp import ddp, optim
@@ -80,6 +84,30 @@ def ours(cfg, env, model_config, bench):
                  bench["steps"], bench["warmup"])
 
 
+def torch_ddp(cfg, env, model_config, bench):
+    torch.manual_seed(cfg.seed)
+    model = MODELS[model_config.model_type](model_config).to(env.device)
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": rest, "weight_decay": 0.0}], lr=cfg.lr,
+                                  betas=(cfg.beta1, cfg.beta2 or 0.95), fused=True)
+    data = batches(cfg, model_config, env, bench["warmup"] + bench["steps"])
+
+    def step(i):
+        x, y = next(data)
+        with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            loss = wrapped(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+    return timed(step, bench["steps"], bench["warmup"])
+
+
 def theirs(cfg, env, model_config, bench, modules):
     ddp, optim = modules
     plan = make_plan(cfg, env, model_config)
@@ -90,25 +118,33 @@ def theirs(cfg, env, model_config, bench, modules):
                                  weight_decay=cfg.weight_decay)
     wrapped = ddp.DecentralizedDataParallel(model, optim_fn, topology=TOPOLOGY_NAMES[cfg.topology],
                                             grad_clip_norm=cfg.grad_clip, _local_world_size=env.local_world_size)
-    data = batches(cfg, model_config, env, bench["warmup"] + bench["steps"])
+    warmup = max(2, bench["warmup"])  # its first two steps trace and initialize
+    data = batches(cfg, model_config, env, warmup + bench["steps"])
 
     def step(i):
         x, y = next(data)
         loss = wrapped(x, y)
         loss.backward()  # the hooks step each bucket and post its next exchange
         loss.item()
-    return timed(step, bench["steps"], max(2, bench["warmup"]))  # its first two steps trace and initialize
+    return timed(step, bench["steps"], warmup)
 
 
 def main():
-    cfg, bench = parse({k: v for k, v in BENCH_OPTIONS.items() if k != "label"})
+    options = {k: v for k, v in BENCH_OPTIONS.items() if k != "label"}
+    options["allreduce"] = (str, "", "also our all-reduce strategies, e.g. full-shard,no-shard (--sharding's)")
+    options["torch_ddp"] = (int, 1, "1: a torch DistributedDataParallel row")
+    cfg, bench = parse(options)
     env = environment.setup(cfg)
     model_config = config_from_flags(cfg)
+    allreduce = [dataclasses.replace(cfg, sharding=s) for s in bench["allreduce"].split(",") if s]
     cfg = dataclasses.replace(cfg, data_parallel="decentralized", sharding="no-shard")
     tokens = env.world_size * cfg.batch_size * model_config.seq_length
     params = make_plan(cfg, env, model_config).num_params
     modules = decent_dp()
-    runs = [("ours", cfg.gossip_dtype, lambda: ours(cfg, env, model_config, bench))]
+    runs = [("torch DDP", "float32", lambda: torch_ddp(cfg, env, model_config, bench))] if bench["torch_ddp"] else []
+    runs += [(f"ours, {c.sharding} ({make_plan(c, env, model_config).strategy})", c.reduce_precision,
+              functools.partial(ours, c, env, model_config, bench)) for c in allreduce]
+    runs.append(("ours, decentralized", cfg.gossip_dtype, lambda: ours(cfg, env, model_config, bench)))
     runs.append(("Decent-DP 0.2.3", "float32", lambda: theirs(cfg, env, model_config, bench, modules))
                 if modules else ("Decent-DP (not installed)", "-", None))
     if env.is_main:

@@ -76,6 +76,8 @@ def parse():
     parser.add_argument("--no_p2p", action="store_true", help="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 everywhere")
     parser.add_argument("--env", default="", help="KEY=VALUE,... for every rank (e.g. NCCL settings)")
     parser.add_argument("--probe", type=float, metavar="MB", help="time collectives of MB megabytes, no training")
+    parser.add_argument("--side_by_side", metavar="FLAGS", help="instead of training: decentdp_side_by_side.py "
+                        "FLAGS at each rate (torch DDP, Decent-DP and ours in one launch); rank 0's table")
     parser.add_argument("--out", default="multihost.jsonl", help="results are appended here, one JSON line a run")
     parser.add_argument("--work", default="/tmp/multihost", help="data, logs, checkpoints (removed after each run)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take")
@@ -186,7 +188,7 @@ def main():
         import torch
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     print(f"commit {commit}, {device}, {time.strftime('%Y-%m-%d')}; {' '.join(sys.argv)}", flush=True)
-    if not args.probe:
+    if not args.probe and args.side_by_side is None:
         print(HEADER, flush=True)
     with Cluster(args.hosts) as cluster:
         for gbps in [float(g) for g in args.gbps.split(",")]:
@@ -194,6 +196,13 @@ def main():
             for host in cluster.hosts:
                 cluster.shape(host.name, rate=f"{gbps * 1e9:.0f}bit" if shaped else None)
             link = cluster.throughput("node1", "node0", megabytes=64 if gbps >= 1 or not shaped else 8)
+            if args.side_by_side is not None:
+                script = [ROOT / "benchmarks" / "decentdp_side_by_side.py", *args.side_by_side.split()]
+                failed, logs = launch(args, cluster, script, f"side-by-side-{gbps:g}g")
+                print(f"link {gbps:g} Gbit/s set, {link:.2f} measured" + (f" ({failed})" if failed else ""))
+                print("\n".join(line for line in logs[0].read_text().splitlines() if line.startswith("|")),
+                      flush=True)
+                continue
             if args.probe:
                 result = dict(hosts=args.hosts, gpus_per_host=args.gpus_per_host, gbps_set=gbps if shaped else 0,
                               link_gbps=link, env=args.env, commit=commit, device=device, date=time.strftime("%Y-%m-%d"),
