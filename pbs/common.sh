@@ -6,7 +6,8 @@
 #   qsub -A PROJECT -v ARGS="--model_preset gpt2 --precision bf16",VENV=$HOME/venvs/fsdp pbs/train_multi_node.sh
 #
 #   ARGS             extra training flags, split on spaces (qsub -v splits on commas: keep commas out)
-#   VENV             a virtual environment to activate (default: the conda module, if `module` exists)
+#   VENV             a virtual environment to activate, on top of the conda module it was built on (which is
+#                    loaded first wherever `module` exists); default: the conda module alone
 #   NRANKS_PER_NODE  ranks per node, one per GPU (4)
 #   NDEPTH           CPU cores per rank, for binding and OMP_NUM_THREADS (8)
 #   CPU_BIND         Cray placement flags ("--depth=$NDEPTH --cpu-bind depth"); set it empty for a Hydra mpiexec
@@ -14,24 +15,46 @@
 #   PYTHON, ENTRY    the interpreter (python) and the training script (basic_training.py)
 #   REPO             this checkout (default: the directory qsub ran in; the job runs there too)
 #   CHAIN            1: run as a chain of jobs (below; default 0)
+#   QUEUE            the queue a chain submits its next job to (default: this job's queue)
 #   CHAIN_MARGIN     seconds the chain leaves between --time_limit and the walltime, for the step in flight
 #                    and the save (300)
 #
+# Queues (Polaris; the scripts' #PBS -q lines are the first two; `qsub -q` overrides them):
+#   debug            1-2 nodes, up to 1 h: pbs/train_single_node.sh's default, for trying things
+#   debug-scaling    1-10 nodes, up to 1 h: pbs/train_multi_node.sh's default
+#   preemptable      1-10 nodes, up to 72 h, may be preempted (a SIGTERM first: the run saves and exits 0)
+#   prod             10 nodes and more, up to 24 h
+# A walltime above the queue's limit is refused by qsub.
+#
 # Job chains. A run longer than the queue's walltime trains in a chain of jobs:
-#   qsub -A PROJECT -l walltime=06:00:00 -v CHAIN=1,ARGS="--config configs/gpt2_124m_owt.toml" pbs/train_multi_node.sh
+#   qsub -A PROJECT -q preemptable -l walltime=06:00:00 -v CHAIN=1,ARGS="--config configs/gpt2_124m_owt.toml" \
+#       pbs/train_multi_node.sh
 # Each job passes --time_limit (the walltime left, less CHAIN_MARGIN), so it saves a checkpoint and exits before
 # the kill. At its end, if the latest checkpoint is short of the run's last step, it submits its successor
 # (qsub -W depend=afterany:THIS_JOB, with this job's queue, account, resources and these settings), which
 # resumes from that checkpoint. The chain stops when the run is done, when a job fails, or when a job made no
 # progress. A --time_limit in ARGS wins over the derived one.
 
-if [ -n "${VENV:-}" ]; then
-    source "$VENV/bin/activate"
-elif [ -z "${CONDA_PREFIX:-}" ] && command -v module >/dev/null 2>&1; then
-    module use /soft/modulefiles 2>/dev/null
-    module load conda && conda activate base
-fi
 set -euo pipefail
+# The conda module first (a VENV made with --system-site-packages is built on it: its mpi4py is the one built
+# for Cray MPICH), then the VENV. A failure stops the job here, not later with whatever Python is on PATH.
+if [ -z "${CONDA_PREFIX:-}" ] && command -v module >/dev/null 2>&1; then
+    module use /soft/modulefiles 2>/dev/null || true
+    if ! { module load conda && conda activate base; }; then
+        echo "error: module load conda && conda activate base failed: the job would run whatever Python is on" \
+             "PATH; check the module (module avail conda) or set CONDA_PREFIX to skip it" >&2
+        exit 2
+    fi
+fi
+if [ -n "${VENV:-}" ]; then
+    if [ ! -f "$VENV/bin/activate" ]; then
+        echo "error: VENV=$VENV has no bin/activate: pass the virtual environment's directory" >&2
+        exit 2
+    fi
+    set +u  # activate scripts read unset variables
+    source "$VENV/bin/activate"
+    set -u
+fi
 
 if [ -z "${PBS_NODEFILE:-}" ]; then
     echo "error: PBS_NODEFILE is not set: submit this script with qsub" >&2
@@ -61,9 +84,13 @@ CHAIN_MARGIN=${CHAIN_MARGIN:-300}
 export OMP_NUM_THREADS=$NDEPTH
 
 # NCCL over Slingshot through the AWS OFI plugin (ALCF's recommended settings). The plugin is used only if
-# its directory exists; point AWS_OFI_NCCL elsewhere if your site installs it in another place.
-AWS_OFI_NCCL=${AWS_OFI_NCCL:-/soft/libraries/aws-ofi-nccl/v1.9.1-aws/lib}
-if [ -d "$AWS_OFI_NCCL" ]; then
+# its directory exists: AWS_OFI_NCCL, else the newest version under /soft/libraries/aws-ofi-nccl. Without it
+# NCCL falls back to TCP sockets between nodes, silently: the job log says which network NCCL gets.
+if [ -z "${AWS_OFI_NCCL:-}" ]; then
+    AWS_OFI_NCCL=$(ls -d /soft/libraries/aws-ofi-nccl/*/lib 2>/dev/null | sort -V | tail -n 1 || true)
+fi
+if [ -n "$AWS_OFI_NCCL" ] && [ -d "$AWS_OFI_NCCL" ]; then
+    echo "nccl: network AWS Libfabric (Slingshot), OFI plugin in $AWS_OFI_NCCL"
     export LD_LIBRARY_PATH="$AWS_OFI_NCCL:/soft/libraries/hwloc/lib:${LD_LIBRARY_PATH:-}"
     export NCCL_NET=${NCCL_NET:-"AWS Libfabric"}
     export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-PHB}
@@ -72,8 +99,11 @@ if [ -d "$AWS_OFI_NCCL" ]; then
     export FI_CXI_DISABLE_HOST_REGISTER=${FI_CXI_DISABLE_HOST_REGISTER:-1}
     export FI_MR_CACHE_MONITOR=${FI_MR_CACHE_MONITOR:-userfaultfd}
     export FI_CXI_DEFAULT_CQ_SIZE=${FI_CXI_DEFAULT_CQ_SIZE:-131072}
+else
+    echo "nccl: network TCP sockets between nodes (no OFI plugin at ${AWS_OFI_NCCL:-/soft/libraries/aws-ofi-nccl}:" \
+         "set AWS_OFI_NCCL to its lib directory for Slingshot)"
 fi
-# Rank 0's address is its hostname; on Polaris that resolves to the high-speed network.
+# The rendezvous: rank 0 offers its IPv4 address on a network every node shares (export MASTER_ADDR to choose).
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 # One GPU per rank. Polaris numbers its GPUs in the reverse order of the CPU cores beside them, so local
@@ -157,7 +187,13 @@ chain_next() {
             /^ *Account_Name = / { print "-A"; print $2 }
             /^ *Resource_List\.(select|place|walltime|filesystems) = / {
                 sub(/^ *Resource_List\./, "", $1); print "-l"; print $1 "=" $2 }' <<<"$QSTAT_FULL")
-        for name in ARGS VENV NRANKS_PER_NODE NDEPTH CPU_BIND MPIEXEC PYTHON ENTRY REPO CHAIN CHAIN_MARGIN; do
+        if [ -n "${QUEUE:-}" ]; then  # replaces the queue qstat gave
+            local i
+            for i in "${!qsub_args[@]}"; do
+                if [ "${qsub_args[$i]}" = -q ]; then qsub_args[i + 1]=$QUEUE; fi
+            done
+        fi
+        for name in ARGS VENV NRANKS_PER_NODE NDEPTH CPU_BIND MPIEXEC PYTHON ENTRY REPO CHAIN CHAIN_MARGIN QUEUE; do
             if [ -n "${!name+set}" ]; then settings+=("$name=${!name}"); fi  # CPU_BIND= (empty) counts
         done
         local IFS=,

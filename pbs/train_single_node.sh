@@ -2,8 +2,10 @@
 # Train on one Polaris node (4 GPUs). Submit from the minimal_fsdp checkout:
 #   qsub -A PROJECT pbs/train_single_node.sh
 #   qsub -A PROJECT -v ARGS="--model_preset gpt2 --tokenizer gpt2 --precision bf16" pbs/train_single_node.sh
-#   qsub -A PROJECT -v CHAIN=1,ARGS="--run_name long --max_steps 20000" pbs/train_single_node.sh   # a chain of jobs
-# Settings you can pass with -v (CHAIN=1 among them) are listed in pbs/common.sh.
+#   qsub -A PROJECT -q preemptable -l walltime=06:00:00 -v CHAIN=1,ARGS="--run_name long --max_steps 20000" \
+#       pbs/train_single_node.sh   # a chain of 6-hour jobs
+# The queue below, debug, takes 1-2 nodes for up to 1 h; for longer jobs pass -q preemptable (72 h). Settings
+# you can pass with -v (CHAIN=1 among them) and the queues' limits are in pbs/common.sh.
 #PBS -N minimal_fsdp
 #PBS -l select=1:system=polaris
 #PBS -l place=scatter

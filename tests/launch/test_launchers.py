@@ -17,6 +17,7 @@ from minimal_fsdp.launch import discovery
 from minimal_fsdp.launch import environment
 from minimal_fsdp.launch import rendezvous
 from minimal_fsdp.config.flags import ConfigError, parse_args, validate_world
+from support import envsubst, kubelet_expand
 
 
 def tiny_args(corpus, run_name, steps=3, tensorboard=False):
@@ -93,15 +94,6 @@ def test_srun_without_mpi_none_on_a_pmix_cluster_trains(tmp_path, corpus):
     out = run_script(cmd, tmp_path, env)
     assert "launch: 2 rank(s) = 1 node(s) x 2 rank(s)/node, started by srun" in out.stdout
     trained(tmp_path, "pmix", steps=2)
-
-
-def kubelet_expand(text, pod_env):
-    """$(NAME) -> the pod's variable; kubelet leaves a reference to an unset variable as it is."""
-    return re.sub(r"\$\((\w+)\)", lambda m: pod_env.get(m[1], m[0]), text)
-
-
-def envsubst(text, values):
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: values.get(m[1] or m[2], ""), text)
 
 
 @pytest.mark.slow
@@ -262,7 +254,49 @@ def test_pbs_node_count_agrees_with_common_sh(tmp_path, name):
                                                            CONDA_PREFIX="skip-the-module"))
     assert shell.returncode == 0, shell.stderr
     expected = {"repeated": 2, "blank lines": 2, "fqdn and short": 2, "crlf": 3, "addresses": 2}[name]
-    assert int(shell.stdout) == discovery.count_pbs_nodes(nodefile) == expected
+    assert int(shell.stdout.split()[-1]) == discovery.count_pbs_nodes(nodefile) == expected
+
+
+def source_common_sh(tmp_path, before="", **env):
+    """bash sourcing pbs/common.sh in a faked PBS job, after `before` (shell functions standing in for
+    `module` and `conda`); its CompletedProcess."""
+    (tmp_path / "nodefile").write_text("x1\n")
+    script = f"{before}\nsource {ROOT}/pbs/common.sh && echo sourced with $(command -v python)"
+    environ = {k: v for k, v in os.environ.items() if k not in ("CONDA_PREFIX", "VENV", "AWS_OFI_NCCL")}
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env=dict(environ, PBS_NODEFILE=str(tmp_path / "nodefile"), REPO=str(ROOT), **env))
+
+
+def test_pbs_a_failed_module_load_stops_the_job(tmp_path):
+    """It used to run before `set -e`: the job went on with whatever Python was on PATH."""
+    shell = source_common_sh(tmp_path, "module() { return 1; }")
+    assert shell.returncode == 2 and "sourced" not in shell.stdout
+    assert shell.stderr.startswith("error: module load conda && conda activate base failed")
+
+
+def test_pbs_a_venv_goes_on_top_of_the_conda_module(tmp_path):
+    """VENV= used to skip the conda module the venv was built on (its mpi4py is the module's)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("echo activated venv\n")
+    shell = source_common_sh(tmp_path, 'module() { echo "module $*"; }; conda() { echo "conda $*"; }',
+                             VENV=str(venv))
+    assert shell.returncode == 0, shell.stderr
+    steps = [line for line in shell.stdout.splitlines() if line.split()[0] in ("module", "conda", "activated")]
+    assert steps == ["module use /soft/modulefiles", "module load conda", "conda activate base", "activated venv"]
+
+
+def test_pbs_the_job_log_says_which_network_nccl_uses(tmp_path):
+    """A moved OFI plugin used to make NCCL fall back to TCP without a word."""
+    plugin = tmp_path / "aws-ofi-nccl" / "lib"
+    plugin.mkdir(parents=True)
+    found = source_common_sh(tmp_path, AWS_OFI_NCCL=str(plugin), CONDA_PREFIX="skip-the-module")
+    gone = source_common_sh(tmp_path, AWS_OFI_NCCL=str(tmp_path / "moved"), CONDA_PREFIX="skip-the-module")
+    assert [line for line in found.stdout.splitlines() if line.startswith("nccl: ")] == [
+        f"nccl: network AWS Libfabric (Slingshot), OFI plugin in {plugin}"]
+    assert [line for line in gone.stdout.splitlines() if line.startswith("nccl: ")] == [
+        f"nccl: network TCP sockets between nodes (no OFI plugin at {tmp_path / 'moved'}: set AWS_OFI_NCCL to "
+        "its lib directory for Slingshot)"]
 
 
 def test_pbs_ranks_must_divide_over_the_nodes(tmp_path, monkeypatch):
