@@ -94,9 +94,23 @@ def one_error_line(result):
 
 
 @pytest.fixture
-def exported(run_dir, tmp_path):
+def exported(tmp_path):
+    """An export as `minimal-fsdp export` writes it (model.safetensors with our names and the model
+    type, our config.json, the char tokenizer), of a freshly initialized tiny GPT: no training."""
+    from safetensors.torch import save_file
+
+    from minimal_fsdp.models.gpt import GPT, GPTConfig
+
+    tokenizer = CharTokenizer(make_text(5_000))
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, seq_length=32, num_layers=2, num_heads=2,
+                       embed_size=32)
+    torch.manual_seed(0)
+    state = {name: tensor.contiguous() for name, tensor in GPT(config).state_dict().items()}
     out = tmp_path / "exported"
-    export.export(run_dir / "step_4", out)
+    out.mkdir()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "model_type": "gpt"})
+    (out / "config.json").write_text(json.dumps(config.to_dict()))
+    tokenizer.save(out)
     return out
 
 
@@ -171,11 +185,13 @@ def test_a_hostile_export_as_hf_model_is_one_line(exported, tmp_path, command):
     assert "more.safetensors would be read beside it" in line
 
 
-def test_our_export_loads_the_checkpoints_weights(run_dir, exported, command):
+@pytest.mark.slow
+def test_our_export_loads_the_checkpoints_weights(run_dir, tmp_path, command):
+    export.export(run_dir / "step_4", tmp_path / "ours")
     checkpoint = command(
         sample_command.main, run_dir / "step_4", "--prompt", PROMPT, "--num_tokens", 12
     )
-    ours = command(sample_command.main, exported, "--prompt", PROMPT, "--num_tokens", 12)
+    ours = command(sample_command.main, tmp_path / "ours", "--prompt", PROMPT, "--num_tokens", 12)
     assert (
         checkpoint.code == ours.code == 0
         and ours.out == checkpoint.out
@@ -186,9 +202,8 @@ def test_our_export_loads_the_checkpoints_weights(run_dir, exported, command):
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(exported, command):
     vocab = json.loads((exported / "config.json").read_text())["vocab_size"]
-    chars = "".join(
-        chr(0x4E00 + i) for i in range(vocab + 5)
-    )  # more characters than the model has rows
+    # more characters than the model has rows
+    chars = "".join(chr(0x4E00 + i) for i in range(vocab + 5))
     CharTokenizer(chars).save(exported)
     line = one_error_line(
         command(sample_command.main, exported, "--prompt", chars[-1], "--num_tokens", 3)
@@ -196,9 +211,9 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(exported, com
     assert f"has {vocab + 5} tokens, but the model's vocabulary is {vocab}" in line
 
 
-def test_an_absurd_num_tokens_is_one_line(run_dir, command):
+def test_an_absurd_num_tokens_is_one_line(exported, command):
     line = one_error_line(
-        command(sample_command.main, run_dir, "--prompt", PROMPT, "--num_tokens", 10**10)
+        command(sample_command.main, exported, "--prompt", PROMPT, "--num_tokens", 10**10)
     )
     assert line == (
         "error: --num_tokens 10000000000 is more than this model generates in 1000 contexts of 32 "
@@ -206,6 +221,7 @@ def test_an_absurd_num_tokens_is_one_line(run_dir, command):
     )
 
 
+@pytest.mark.slow
 def test_a_run_directory_whose_newest_checkpoint_fails_its_checksums_gives_the_older(
     run_dir, tmp_path, command
 ):
@@ -231,13 +247,13 @@ def test_a_run_directory_whose_newest_checkpoint_fails_its_checksums_gives_the_o
         assert f.metadata()["step"] == "2"
 
 
-def test_the_text_is_streamed_as_it_is_generated(run_dir, command, monkeypatch):
-    whole = command(sample_command.main, run_dir, "--prompt", PROMPT, "--num_tokens", 20)
+def test_the_text_is_streamed_as_it_is_generated(exported, command, monkeypatch):
+    whole = command(sample_command.main, exported, "--prompt", PROMPT, "--num_tokens", 12)
     pieces = []
     monkeypatch.setattr(load, "printer", lambda: pieces.append)
-    streamed = command(sample_command.main, run_dir, "--prompt", PROMPT, "--num_tokens", 20)
+    streamed = command(sample_command.main, exported, "--prompt", PROMPT, "--num_tokens", 12)
     assert whole.code == streamed.code == 0, streamed.err
-    assert pieces[0] == PROMPT and len(pieces) == 21  # the prompt, then each character as it comes
+    assert pieces[0] == PROMPT and len(pieces) == 13  # the prompt, then each character as it comes
     assert "".join(pieces) + "\n" == whole.out and streamed.out == "\n"
 
 
