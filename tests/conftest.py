@@ -14,9 +14,6 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
-# Some test modules reuse another subject's builders (test_hf's tiny Hugging Face models, test_parallelize's
-# log reader): every subject folder is importable by module name, as when the tests were one folder.
-sys.path[1:1] = [str(d) for d in sorted(Path(__file__).parent.iterdir()) if d.is_dir() and d.name != "__pycache__"]
 ENTRY = ROOT / "basic_training.py"
 # Small enough to train in seconds on one core, big enough to exercise sharding (uneven shards included).
 TINY_MODEL = ["--num_layers", "2", "--num_heads", "2", "--embed_size", "32", "--seq_length", "32",

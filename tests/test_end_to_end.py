@@ -10,22 +10,7 @@ from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.data.tokenizer import load_tokenizer
-
-SAMPLE = "-" * 40
-
-
-def sample_of(stdout):
-    return stdout.split(SAMPLE + "\n", 1)[1].rsplit("\n" + SAMPLE, 1)[0]
-
-
-def sample_of_each(stdout):
-    """Every sample in a launch's stdout, in order: several runs of one launch (conftest.launch_runs) print one
-    each. A sample is the lines between a pair of SAMPLE lines (its text holds no such line: no '-' in the tiny
-    corpus)."""
-    lines = stdout.split("\n")
-    marks = [i for i, line in enumerate(lines) if line == SAMPLE]
-    assert len(marks) % 2 == 0, stdout[-3000:]
-    return ["\n".join(lines[a + 1:b]) for a, b in zip(marks[::2], marks[1::2])]
+from support import sample_of, sample_of_each
 
 
 @torch.no_grad()

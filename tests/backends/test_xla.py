@@ -15,7 +15,7 @@ import torch
 
 import fake_torch_xla
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
-from test_end_to_end import sample_of, sample_of_each
+from support import sample_of, sample_of_each
 from minimal_fsdp.backends import default as backend
 from minimal_fsdp.config.flags import ConfigError, parse_args, validate_world
 from minimal_fsdp.launch.environment import DistEnv

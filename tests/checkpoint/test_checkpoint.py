@@ -7,12 +7,9 @@ Reading a checkpoint without running code is test_safe_load.py's; verifying one 
 from, test_checkpoint_find.py's."""
 import dataclasses
 import errno
-import io
 import json
-import os
 import random
 import shutil
-import sys
 import threading
 import zlib
 from contextlib import nullcontext
@@ -25,7 +22,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from conftest import TINY_MODEL, launch, make_text
 from faults import launch_with_faults
@@ -41,104 +37,10 @@ from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 from minimal_fsdp.parallel.plan import make_plan
 from minimal_fsdp.train import build_optimizer
+from support import meta_of, moments, same, save_three, state_of, tiny, weights
+from support import console, run, saved  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
-
-
-TINY = GPTConfig(vocab_size=8, seq_length=4, num_layers=2, num_heads=1, embed_size=4)
-
-
-def tiny(seed=0):
-    """A two-block GPT (a model meta.json can describe) and an AdamW that has taken one step (so it has moments),
-    both seeded."""
-    torch.manual_seed(seed)
-    model = GPT(TINY)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    sum((p * torch.randn_like(p)).sum() for p in model.parameters()).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return model, optimizer
-
-
-def weights(model):
-    return {name: p.detach().clone() for name, p in model.state_dict().items()}
-
-
-def same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def moments(optimizer):
-    return [state["exp_avg"].clone() for state in optimizer.state.values()]
-
-
-def save_three(root):
-    """A run with steps 1..3 (val losses 3, 2, none), a tokenizer file in each: (run, its weights, tokenizer)."""
-    tokenizer = root / "tokenizer"
-    tokenizer.mkdir()
-    (tokenizer / "tokenizer.json").write_text('{"vocab": ["a", "b"]}')
-    (tokenizer / "vocab.txt").write_text("not a tokenizer.* file: not copied")
-    model, optimizer = tiny()
-    for step, val_loss in [(1, 3.0), (2, 2.0), (3, None)]:
-        state = {"schedule": {"lr_decay_steps": 10, "last_step": 100 if step == 3 else None},
-                 "data": {"train_blocks_seen": 4 * step}}
-        checkpoint.save(root / "run", step, model, optimizer, {"format": 2, "val_loss": val_loss, "state": state,
-                                                               "model_type": "gpt", "model": TINY.to_dict(),
-                                                               "config": {"batch_size": 4}},
-                        tokenizer_dir=tokenizer)
-    return root / "run", weights(model), tokenizer
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, one_rank_group):
-    """save_three's run, saved once; tests that damage it copy it first (run)."""
-    return save_three(tmp_path_factory.mktemp("saved"))
-
-
-@pytest.fixture
-def run(saved, tmp_path):
-    shutil.copytree(saved[0], tmp_path / "run")
-    return tmp_path / "run"
-
-
-def meta_of(path):
-    return json.loads((Path(path) / "meta.json").read_text())
-
-
-def flip_a_byte(file, at=-1):
-    data = bytearray(Path(file).read_bytes())
-    data[at] ^= 0xFF
-    Path(file).write_bytes(bytes(data))
-
-
-class Console(io.StringIO):
-    """A stream that remembers what had been flushed to it: a message that is not flushed can sit in a buffer
-    while the process hangs or dies."""
-    flushed = ""
-
-    def flush(self):
-        self.flushed = self.getvalue()
-
-
-@pytest.fixture
-def console(monkeypatch):
-    """Call it in the test's body (pytest sets its own sys.stdout and sys.stderr for each phase of a test)."""
-    def install():
-        out, err = Console(), Console()
-        monkeypatch.setattr(sys, "stdout", out)
-        monkeypatch.setattr(sys, "stderr", err)
-        return out, err
-    return install
-
-
-class MakeDirectory:
-    """A pickle that, if unpickled by plain pickle, creates a directory: evidence that code ran."""
-
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (os.mkdir, (self.path,))
 
 
 def train_args(corpus, work, *extra):
@@ -519,9 +421,6 @@ def test_failure_names_the_first_failing_rank_in_one_line():
 
 
 # ---- decentralized replicas ----
-
-def state_of(model, optimizer):
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
 
 
 def test_save_replicas_keeps_this_ranks_replica_beside_the_average(tmp_path):

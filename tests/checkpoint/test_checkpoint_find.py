@@ -9,7 +9,6 @@ import pickle
 import shutil
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -20,8 +19,8 @@ from minimal_fsdp.launch import environment
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.tools import progress
 from minimal_fsdp.config.flags import ConfigError, parse_args
-from test_checkpoint import MakeDirectory, flip_a_byte, meta_of
-from test_checkpoint import console, run, saved  # noqa: F401 (fixtures)
+from support import HOSTILE_META, MakeDirectory, edited, flip_a_byte, meta_of
+from support import console, run, saved  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 
@@ -38,55 +37,6 @@ def test_verify_names_what_is_wrong_with_meta_json(run):
         assert checkpoint_find.verify(run / "step_3").startswith(problem)
     meta.unlink()
     assert checkpoint_find.verify(run / "step_3") == "meta.json is missing or unreadable"
-
-
-def edited(path, edit):
-    meta = meta_of(path)
-    edit(meta)
-    (Path(path) / "meta.json").write_text(json.dumps(meta))
-
-
-# The hostile edits of a saved meta.json (each was a traceback or a hang), and what verify says of each.
-HOSTILE_META = {
-    "no config": (lambda m: m.pop("config"), "meta.json has no config"),
-    "no model": (lambda m: m.pop("model"), "meta.json has no model"),
-    "state a string": (lambda m: m.update(state="x"), 'meta.json: state is "x", not an object'),
-    "step a string": (lambda m: m.update(step="3"), 'meta.json: step is "3", not a whole number >= 0'),
-    "val_loss a string": (lambda m: m.update(val_loss="low"), 'meta.json: val_loss is "low", not a number or null'),
-    "position a string": (lambda m: m["state"]["data"].update(train_blocks_seen="12"),
-                          'meta.json: state.data.train_blocks_seen is "12", not a whole number >= 0'),
-    "position negative": (lambda m: m["state"]["data"].update(train_blocks_seen=-1),
-                          "meta.json: state.data.train_blocks_seen is -1, not a whole number >= 0"),
-    "stream of strings": (lambda m: m["state"].update(data={"stream": [["a", 0, 0]]}),
-                          "meta.json: state.data.stream is not a list of [file, document, token] positions"),
-    "config a list": (lambda m: m.update(config=[1]), "meta.json: config is [1], not an object"),
-    "schedule a number": (lambda m: m["state"].update(schedule=5), "meta.json: state.schedule is 5, not an object"),
-    "files entry short": (lambda m: m["files"].update({"rng_0.pt": [5]}),
-                          'meta.json: files.rng_0.pt is [5], not [size, CRC-32]'),
-    "files entry a device": (lambda m: m["files"].update({"/dev/zero": [5, 1]}),
-                             'meta.json: files names "/dev/zero", not a plain file name inside the checkpoint'),
-    "files entry outside": (lambda m: m["files"].update({"../step_2/meta.json": [5, 1]}),
-                            'meta.json: files names "../step_2/meta.json", not a plain file name inside the '
-                            'checkpoint'),
-    "absurd layers": (lambda m: m["model"].update(num_layers=10**9),
-                      "meta.json: model.num_layers is 1000000000, not a whole number in [1, 4096]"),
-    "layers the shards lack": (lambda m: m["model"].update(num_layers=300),
-                               "meta.json describes 300 layers, the shards hold 2"),
-    "another width": (lambda m: m["model"].update(embed_size=8, num_heads=2),
-                      "meta.json's model gives wte.weight the shape [8, 8], the shards hold [8, 4]"),
-    "zero heads": (lambda m: m["model"].update(num_heads=0),
-                   "meta.json: model.num_heads is 0, not a whole number in [1, 4096]"),
-    "heads not dividing": (lambda m: m["model"].update(num_heads=3),
-                           "meta.json: model: embed size 4 is not divisible by 3 heads"),
-    "unknown model field": (lambda m: m["model"].update(colour=1),
-                            "meta.json: model.colour is not a field of a gpt model"),
-    "model type": (lambda m: m.update(model_type="bert"), 'meta.json: model_type is "bert", not one of gpt, llama'),
-    "model type a list": (lambda m: m.update(model_type=["gpt"]),
-                          'meta.json: model_type is ["gpt"], not one of gpt, llama'),
-    "format": (lambda m: m.update(format=7), "meta.json: format 7 is not one this version reads (1 or 2)"),
-    "world size": (lambda m: m.update(world_size=10**9),
-                   "meta.json: world_size is 1000000000, not a whole number in [1, 16777216]"),
-}
 
 
 @pytest.mark.parametrize("case", HOSTILE_META)
@@ -436,6 +386,5 @@ def test_progress_prints_step_and_last_step_of_the_newest_complete_checkpoint(ru
     (run / "step_2" / "meta.json").write_text(json.dumps(dict(meta, last_step=50)))  # format 1
     progress.main(flags)
     assert out.getvalue() == "3 100\n2 none\n0 none\n2 50\n"
-
 
 

@@ -28,8 +28,8 @@ from minimal_fsdp.config.checks import WHOLE_RANGES
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args
 from minimal_fsdp.inference import sample
 from minimal_fsdp.tools import progress
-from test_checkpoint import TINY, MakeDirectory, meta_of, tiny
-from test_checkpoint import console, run, saved  # noqa: F401 (fixtures)
+from support import MakeDirectory, TINY, meta_of, tiny
+from support import console, run, saved  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import safe_load
-from test_checkpoint import MakeDirectory, moments, same, state_of, tiny, weights
-from test_checkpoint import run, saved  # noqa: F401 (fixtures)
+from support import MakeDirectory, moments, same, state_of, tiny, weights
+from support import run, saved  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

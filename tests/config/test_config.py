@@ -1,38 +1,12 @@
 """config.py: the flags, their sections and help, and bad input as the user sees it (exit code 2, one `error:` line
 naming the flag), before torch is imported. Each flag's checks: tests/test_config_validation.py."""
-import re
 
 import pytest
 
-from minimal_fsdp.config.flags import build_parser, one_line_errors, parse_args, validate_world
+from minimal_fsdp.config.flags import build_parser, parse_args, validate_world
 from minimal_fsdp.models.gpt import GPT
 from minimal_fsdp.models.families import config_from_flags
-
-
-def one_error_line(capsys, call, *args):
-    """Bad input as the user sees it (config.one_line_errors): exit code 2 and one `error:` line on stderr."""
-    with pytest.raises(SystemExit) as exited:
-        one_line_errors(call)(*args)
-    lines = capsys.readouterr().err.splitlines()
-    assert exited.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
-    return lines[0]
-
-
-def named(line, word):
-    """`line` names `word` (a flag, a file's section.key, a package) as a whole word: --lr_decay_steps does not
-    name --lr."""
-    return re.search(rf"(?<![\w-]){re.escape(str(word))}(?![\w-])", line) is not None
-
-
-def names(line, *words):
-    missing = [w for w in words if not named(line, w)]
-    assert not missing, f"{line!r} does not name {missing}"
-    return line
-
-
-def refused(capsys, argv, *words):
-    """parse_args(argv) is bad input, in one line naming each of `words`."""
-    return names(one_error_line(capsys, parse_args, [str(a) for a in argv]), *words)
+from support import names, one_error_line, refused
 
 
 def test_defaults_parse():

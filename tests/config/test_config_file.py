@@ -5,7 +5,7 @@ import pytest
 
 from conftest import ROOT
 from minimal_fsdp.config.flags import SECTIONS, Config, parse_args, to_toml
-from test_config import refused
+from support import refused
 
 
 def write(tmp_path, text):

@@ -9,8 +9,8 @@ import pytest
 
 from minimal_fsdp.config import flags as config
 from minimal_fsdp.config.flags import ConfigError, parse_args, parse_duration, validate_world
-import test_config
-from test_config import named, names, one_error_line
+import support
+from support import named, names, one_error_line
 
 POSITIVE = ["batch_size", "grad_accum_steps", "num_layers", "num_heads", "embed_size", "seq_length", "vocab_size",
             "shard_group_size", "log_interval", "eval_batches", "lr_decay_steps", "num_kv_heads",
@@ -22,7 +22,7 @@ NON_NEGATIVE = ["max_steps", "num_tokens", "checkpoint_interval", "eval_interval
 @pytest.fixture
 def refused(capsys):
     """refused(argv, *words): parse_args(argv) ends with exit code 2 and one `error:` line naming each word."""
-    return lambda argv, *words: test_config.refused(capsys, argv, *words)
+    return lambda argv, *words: support.refused(capsys, argv, *words)
 
 
 @pytest.mark.parametrize("name", POSITIVE)

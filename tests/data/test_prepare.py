@@ -1,7 +1,5 @@
 """minimal-fsdp prepare: documents from JSONL/text files and Hugging Face datasets -> bins."""
-import json
 import os
-import random
 import subprocess
 import sys
 
@@ -19,26 +17,7 @@ from minimal_fsdp.config.parser import parse
 from minimal_fsdp.data.tokens import TokenData
 from minimal_fsdp.data.documents import encode_document, is_val, open_documents
 from minimal_fsdp.data.tokenizer import load_tokenizer
-
-
-def make_documents(count=200, seed=0):
-    rng = random.Random(seed)
-    return [make_text(rng.randint(100, 600), seed=seed * 10_000 + i) for i in range(count)]
-
-
-def write_jsonl(directory, documents, files=2):
-    """The documents over `files` .jsonl files (file names sort in document order), blank lines between some."""
-    directory.mkdir(parents=True, exist_ok=True)
-    per_file = -(-len(documents) // files)
-    for f in range(files):
-        lines = [json.dumps({"text": text}) + ("\n\n" if i % 7 == 0 else "\n")
-                 for i, text in enumerate(documents[f * per_file:(f + 1) * per_file])]
-        (directory / f"part{f}.jsonl").write_text("".join(lines))
-    return directory
-
-
-def run_cli(*args, num_proc=1):
-    return prepare.main([*map(str, args), "--num_proc", str(num_proc)])
+from support import make_documents, run_cli, write_jsonl
 
 
 def expected_split(documents, tokenizer, split, seed=1337, val_fraction=0.1):

@@ -13,7 +13,7 @@ from minimal_fsdp.data.tokens import TokenData
 from minimal_fsdp.data.documents import HFDocuments, encode_document, is_val, open_documents
 from minimal_fsdp.data.streaming import StreamingData
 from minimal_fsdp.data.tokenizer import load_tokenizer
-from test_prepare import make_documents, run_cli, write_jsonl
+from support import make_documents, run_cli, write_jsonl
 
 SEQ = 32
 

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from conftest import launch
-from test_parallelize import (REDUCE_CASES, check_reduce_precision, logged_losses, reference, run_reduce_ranks,
-                               train_args)
-from test_end_to_end import sample_of
+from support import (REDUCE_CASES, check_reduce_precision, logged_losses, reference,
+                     run_reduce_ranks, sample_of, train_args)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]

@@ -22,84 +22,11 @@ from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.models.families import MODELS
-from minimal_fsdp.parallel.parallelize import init_weights
+from support import (HF_GPT as GPT, HF_LLAMA as LLAMA, LLAMA3_ROPE, assert_same_logits, bare,
+                     gpt2_config, hf_gpt2, hf_llama, llama_config, ours, ours_from, save_config)
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
-
-
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8, "rope_theta": 500000.0}
-
-
-def hf_gpt2(directory, **kw):
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(**dict(dict(n_layer=2, n_head=4, n_embd=32, n_positions=24, vocab_size=53),
-                                             **kw))
-    model = transformers.GPT2LMHeadModel(config)
-    model.save_pretrained(directory)
-    return model.eval()
-
-
-def hf_llama(directory, **kw):
-    torch.manual_seed(0)
-    fields = dict(hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=2, vocab_size=53, max_position_embeddings=24, rms_norm_eps=1e-5)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(fields, **kw)))
-    model.save_pretrained(directory)
-    return model.eval()
-
-
-def ours_from(directory, seq_length=None):
-    model_type, config = hf.read_config(directory, seq_length)
-    model = MODELS[model_type](config).eval()
-    hf.load_weights(model, directory, model_type)
-    return model
-
-
-@torch.no_grad()
-def assert_same_logits(ours, theirs, vocab_size, length):
-    idx = torch.randint(0, vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
-    expected = theirs(idx).logits
-    got = torch.stack([ours(idx[:, :t]) for t in range(1, length + 1)], dim=1)  # ours: last position only
-    assert (got - expected).abs().max().item() < 1e-4
-    loss = torch.nn.functional.cross_entropy(expected[:, :-1].reshape(-1, vocab_size), idx[:, 1:].reshape(-1))
-    assert ours(idx[:, :-1], idx[:, 1:]).item() == pytest.approx(loss.item(), abs=1e-5)
-
-
-GPT = GPTConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=4, embed_size=32)
-LLAMA = LlamaConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=6, num_kv_heads=2, embed_size=48,
-                    intermediate_size=72)
-
-
-def gpt2_config(**kw):
-    return transformers.GPT2Config(**dict(dict(n_layer=2, n_head=4, n_embd=32, n_positions=24, vocab_size=53), **kw))
-
-
-def llama_config(**kw):
-    return transformers.LlamaConfig(**dict(dict(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
-                                                num_attention_heads=6, num_key_value_heads=2, vocab_size=53,
-                                                max_position_embeddings=24), **kw))
-
-
-def save_config(directory, config_dict):
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config_dict))
-    return directory
-
-
-def ours(model_type, config=None, seed=0):
-    model = MODELS[model_type](config or {"gpt": GPT, "llama": LLAMA}[model_type]).eval()
-    init_weights(model, seed, torch.device("cpu"))
-    return model
-
-
-def bare(model_type):
-    """The fields without which there is no model: transformers' defaults fill in the rest."""
-    if model_type == "gpt2":
-        return {"model_type": "gpt2", "vocab_size": 53, "n_positions": 24, "n_embd": 32, "n_layer": 2, "n_head": 4}
-    return {"model_type": "llama", "vocab_size": 53, "max_position_embeddings": 24, "hidden_size": 48,
-            "intermediate_size": 72, "num_hidden_layers": 2, "num_attention_heads": 6}
 
 
 # -----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPTConfig
-from test_hf import GPT, bare, gpt2_config, llama_config, ours, save_config
+from support import HF_GPT as GPT, LLAMA3, bare, gpt2_config, llama_config, ours, save_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,10 +80,6 @@ def test_llama_defaults_are_transformers_defaults(tmp_path):
                                  rope_scaling=None, dropout=0.0)
     assert config.num_kv_heads == 6 and config.norm_eps == 1e-6 and config.rope_theta == 10000.0
     assert read(tmp_path, dict(bare("llama"), num_key_value_heads=None))[1].num_kv_heads == 6
-
-
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8}
 
 
 @pytest.mark.parametrize("spelling", ["transformers 5", "transformers 4"])
@@ -386,6 +382,5 @@ def test_hub_name_without_huggingface_hub(monkeypatch):
                                 "Face hub needs huggingface_hub: pip install huggingface_hub (or download the "
                                 "model elsewhere and pass its directory)")
     assert error.value.__cause__ is None and error.value.__suppress_context__
-
 
 

@@ -27,9 +27,8 @@ from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.models.families import MODELS
 from minimal_fsdp.parallel.parallelize import init_weights
 from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
-from test_end_to_end import sample_of
-from test_hf import LLAMA3_ROPE, assert_same_logits, hf_gpt2, hf_llama, ours_from
-from test_parallelize import logged_losses
+from support import (LLAMA3_ROPE, assert_same_logits, hf_gpt2, hf_llama, logged_losses, ours_from,
+                     sample_of)
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,9 +17,8 @@ from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.models.families import MODELS
 from minimal_fsdp.parallel.parallelize import init_weights
-from test_hf import (GPT, LLAMA, LLAMA3_ROPE, assert_same_logits, gpt2_config, llama_config, ours, ours_from,
-                     save_config)
-from test_hf_config import LLAMA3
+from support import (HF_GPT as GPT, HF_LLAMA as LLAMA, LLAMA3, LLAMA3_ROPE, assert_same_logits,
+                     gpt2_config, llama_config, ours, ours_from, save_config)
 
 transformers = pytest.importorskip("transformers")
 

@@ -113,7 +113,7 @@ def test_exports_give_the_checkpoint_text_also_sharded_over_two_ranks(run, tmp_p
 
 @pytest.mark.slow
 def test_hugging_face_directory_matches_transformers_greedy(tmp_path, sample_here):
-    from test_hf import hf_llama
+    from support import hf_llama
     directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
     theirs = hf_llama(directory, vocab_size=num_ranks + 256, max_position_embeddings=64, initializer_range=0.2)
     tokenizer = load_tokenizer(directory)

@@ -3,7 +3,7 @@ fault, no traceback, no rank left hanging (the launch timeout would fire)."""
 import pytest
 
 from conftest import TINY_MODEL, launch
-from test_config import names
+from support import names
 
 
 def run_bad(args, tmp_path, ranks=2, env=None):

@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, launch
-from test_parallelize import logged_losses
+from support import documents, logged_losses, reference_losses, spans
 
 sys.path.insert(0, str(ROOT))
-import reference  # noqa: E402
 import tokenizer_dirs  # noqa: E402
 from minimal_fsdp.models import attention
 from minimal_fsdp.checkpoint import find as checkpoint_find
@@ -41,12 +40,6 @@ def windows(vocab=50, T=30):
     for row, ends in enumerate(ENDS):
         idx[row, ends] = EOT
     return idx
-
-
-def spans(ends, T=30):
-    """(start, stop) of each document of a window whose end-of-text tokens are at `ends`."""
-    starts = [0] + [e + 1 for e in ends]
-    return [(a, b) for a, b in zip(starts, [e + 1 for e in ends] + [T]) if a < b]
 
 
 def model_of(kind, eot=EOT, **kw):
@@ -269,13 +262,6 @@ def test_the_config_records_the_token_only_when_on():
     assert model_of("llama", eot=7).config.to_dict()["document_eot_id"] == 7
 
 
-def documents(path, n=300):
-    """A .jsonl corpus of short documents (a few BPE tokens to a few dozen): several per 32-token window."""
-    text = tokenizer_dirs.training_text().split("\n\n")
-    path.write_text("".join(json.dumps({"text": t.strip()}) + "\n" for t in text[:n] if t.strip()))
-    return path
-
-
 def train_args(tmp_path, run, extra=()):
     return ["--dataset", "text", "--input_file", documents(tmp_path / "docs.jsonl"),
             "--tokenizer_dir", tokenizer_dirs.write_tokenizer_json(tmp_path / "tok"), "--data_dir", tmp_path / "data",
@@ -284,31 +270,6 @@ def train_args(tmp_path, run, extra=()):
             "--intermediate_size", 48, "--seq_length", 32, "--batch_size", 4, "--max_steps", 4, "--log_interval", 1,
             "--eval_interval", 0, "--eval_batches", 1, "--num_tokens", 0, "--warmup_steps", 2, "--dropout", "0.0",
             *extra]
-
-
-def reference_losses(args, world, eot, steps):
-    """tests/reference.py's single-process training, its loss summed over every document of each window run
-    alone (the plain model knows no document masks)."""
-    cfg = reference.parse_args([str(a) for a in args])
-    data = reference.PreparedTokens(cfg.data_dir)
-    model = reference.build(cfg, data.vocab_size, torch.device("cpu"))
-    optimizer = reference.adamw(model, cfg)
-    lr = reference.schedule(cfg, cfg.max_steps)
-    losses = []
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr(step)
-        x, y = data.global_batch("train", step, world, cfg.batch_size, cfg.seq_length, cfg.seed)
-        total = 0
-        for row in range(x.size(0)):
-            ends = (x[row] == eot).nonzero().flatten().tolist()
-            for start, stop in spans(ends, cfg.seq_length):
-                total = total + model(x[row:row + 1, start:stop], y[row:row + 1, start:stop]) * (stop - start)
-        loss = total / x.numel()
-        loss.backward()
-        reference.apply_gradients(model, optimizer, cfg)
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.slow
@@ -343,7 +304,6 @@ def test_the_benchmarks_windows_pack_documents_of_the_asked_length():
         lengths = [b - a for a, b in zip([-1] + ends, ends)]
         assert len(ends) > 10 and all(1 <= n < 16 for n in lengths)
     assert torch.equal(x[:, 1:], y[:, :-1])
-
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -9,10 +9,8 @@ import torch
 
 from conftest import ROOT, launch
 import tokenizer_dirs
-from test_document_mask import documents, reference_losses
-from test_end_to_end import sample_of
-from test_fp8 import EMULATED, check_close_to_bf16, losses_of
-from test_parallelize import logged_losses, reference
+from support import (EMULATED, check_close_to_bf16, documents, logged_losses, losses_of, reference,
+                     reference_losses, sample_of)
 
 sys.path.insert(0, str(ROOT))
 from minimal_fsdp.checkpoint import find as checkpoint_find

@@ -176,7 +176,7 @@ def test_torchrun_style_across_hosts_whose_names_do_not_resolve(work):
 def test_kubernetes_pytorchjob_pods_run_torchrun(work):
     """Each pod (host) runs the manifest's torchrun command with the variables the training operator sets."""
     yaml = pytest.importorskip("yaml")
-    from test_launchers import envsubst, kubelet_expand
+    from support import envsubst, kubelet_expand
     train = tiny_args(work, "k8s", 4, "--sharding", "no-shard")
     values = {"JOB_NAME": "tiny", "IMAGE_URI": "x", "NUM_WORKERS": "1", "GPU_PER_NODE": "2", "INSTANCE_TYPE": "cpu",
               "SHARED_PVC": "claim", "SHARED_DIR": str(work), "TRAINING_ARGS": " ".join(map(str, train))}
@@ -230,7 +230,7 @@ def stream_reference(args, world, steps):
 def test_slurm_style_tasks_stream_documents_across_hosts(work):
     """srun's per-task variables on two nodes (the rendezvous at the first node's name), --streaming: each rank
     reads the documents of its global rank, not of its local rank."""
-    from test_prepare import make_documents, run_cli, write_jsonl
+    from support import make_documents, run_cli, write_jsonl
     source = write_jsonl(work / "docs", make_documents())
     tokenizer = run_cli("--dataset", "text", "--input_file", source, "--tokenizer", "char", "--output", work / "prep")
     args = ["--dataset_path", source, "--streaming", "--tokenizer_dir", tokenizer, "--data_dir", work / "data",
@@ -248,7 +248,7 @@ def test_slurm_style_tasks_stream_documents_across_hosts(work):
 
 @pytest.mark.slow
 def test_decentralized_gossip_across_hosts(work):
-    from test_decentralized import DECENTRALIZED, decentralized_reference
+    from support import DECENTRALIZED, decentralized_reference
     args = tiny_args(work, "gossip", 4, *DECENTRALIZED, "--accum_steps", 1)
     with hosts() as cluster:
         out = succeeded([mpi_launch(cluster, work, ["node0", "node1"], 2, args)])

@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import reference as plain
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text, mpiexec, printed_by_run
-from test_gossip import check_mixing, check_quadratic, run_gossip_ranks
+from support import (DECENTRALIZED, check_mixing, check_quadratic, decentralized_reference,
+                     run_gossip_ranks)
 
 sys.path.insert(0, str(ROOT))
 from minimal_fsdp.checkpoint import find as checkpoint_find
@@ -26,8 +27,6 @@ from minimal_fsdp.config.flags import ConfigError, parse_args  # noqa: E402
 from minimal_fsdp.parallel.gossip import TOPOLOGIES  # noqa: E402
 from minimal_fsdp.models.gpt import GPT, GPTConfig  # noqa: E402
 from minimal_fsdp.train import build_optimizer  # noqa: E402
-
-DECENTRALIZED = ["--data_parallel", "decentralized", "--topology", "alternating-exp-ring"]
 
 
 def common_args(corpus, extra=()):
@@ -45,56 +44,6 @@ def allreduce_val_loss(args, world):
     equal it), then the val loss over every rank's val batches, as evaluate() averages it."""
     cfg, data, model, losses = plain.train(args, world)
     return plain.val_loss(model, data, cfg, world), len(losses)
-
-
-def alternating_exp_ring(world, step):
-    """W_t of --topology alternating-exp-ring, from gossip.py's docstring: even steps are exp steps (x_i <-
-    (x_i + x_{i-d}) / 2, d = 2^(t/2 mod ceil(log2 n))), odd steps ring steps (x_i <- mean of x_{i-1}, x_i, x_{i+1})."""
-    w = torch.zeros(world, world)
-    for i in range(world):
-        if step % 2 == 0:
-            d = 2 ** (step // 2 % math.ceil(math.log2(world)))
-            w[i, i] += 0.5
-            w[i, (i - d) % world] += 0.5
-        else:
-            for j in (i - 1, i, i + 1):
-                w[i, j % world] += 1 / 3
-    return w
-
-
-def decentralized_reference(args, world, steps):
-    """Decentralized training on stacked replicas in one process: each replica's gradient at x^t on its rank's
-    batch, then X <- W_t X, then each replica's clipped AccumAdamW step (the optimizer test_accum_adamw checks
-    against torch's AdamW). Returns each step's (mean loss, consensus distance) and the final replicas."""
-    cfg = parse_args([str(a) for a in args])
-    data = plain.PreparedTokens(cfg.data_dir)
-    replicas = [plain.build(cfg, data.vocab_size, "cpu") for _ in range(world)]
-    optimizers = [AccumAdamW(plain.param_groups(m, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, 0.98),
-                             accum_steps=cfg.accum_steps) for m in replicas]
-    lr = plain.schedule(cfg, plain.run_length(cfg, world, len(data.tokens["train"])))
-
-    def stacked():  # one row per replica: its parameters, flattened
-        return torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()) for m in replicas])
-
-    rows = []
-    for step in range(steps):
-        losses = []
-        for rank, model in enumerate(replicas):
-            loss = model(*data.batch("train", step, rank, world, cfg.batch_size, cfg.seq_length, cfg.seed))
-            loss.backward()
-            losses.append(loss.item())
-        with torch.no_grad():
-            for model, mixed in zip(replicas, alternating_exp_ring(world, step) @ stacked()):
-                torch.nn.utils.vector_to_parameters(mixed, model.parameters())
-        for model, optimizer in zip(replicas, optimizers):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            for group in optimizer.param_groups:
-                group["lr"] = lr(step)
-            optimizer.step()
-            optimizer.zero_grad()
-        x = stacked().detach()
-        rows.append((sum(losses) / world, (x - x.mean(dim=0)).square().sum(dim=1).mean().item()))
-    return rows, [{k: v.detach() for k, v in m.state_dict().items()} for m in replicas]
 
 
 def checkpoint_tensors(path, prefix):

@@ -4,7 +4,6 @@ through torchao's emulation (tests/fp8_emulated.py: float8 casts and scales as o
 precision); `pytest -m gpu` runs the real float8 matmuls on 2 GPUs of compute capability 8.9+ (H100)."""
 import dataclasses
 import importlib.util
-import json
 import re
 import subprocess
 import sys
@@ -25,10 +24,10 @@ from minimal_fsdp.models.llama import Llama, LlamaConfig
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel.parallelize import build_model
 from minimal_fsdp.parallel.plan import make_plan
+from support import EMULATED, check_close_to_bf16, losses_of
 
 # What builds float8 layers needs torchao (pip install -e ".[fp8]"); the flag, device and planner checks do not.
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
-EMULATED = ROOT / "tests" / "fp8_emulated.py"
 # Wide enough that layers qualify (fp8.MIN_FEATURES): q, o, gate, up, down do; k and v (2 heads of 64) do not.
 SMALL_LLAMA = LlamaConfig(vocab_size=64, seq_length=64, num_layers=2, num_heads=4, num_kv_heads=2, embed_size=256,
                           intermediate_size=512)
@@ -40,7 +39,7 @@ aten = torch.ops.aten
 
 
 def one_rank(device="cpu"):
-    return SimpleNamespace(device=torch.device(device), world_size=1, local_world_size=1)
+    return SimpleNamespace(device=torch.device(device), world_size=1, local_world_size=1, num_nodes=1)
 
 
 def plan_for(argv, device="cpu", monkeypatch=None, config=None):
@@ -281,22 +280,6 @@ def train_args(corpus, run_name, extra=(), steps=STEPS):
     return ["--dataset", "text", "--input_file", corpus, "--data_dir", work / "data", "--log_dir", work / "logs",
             "--checkpoint_dir", work / "checkpoints", *LLAMA_FLAGS, "--max_steps", steps, "--log_interval", 1,
             "--eval_interval", 0, "--run_name", run_name, "--lr", "1e-3", "--warmup_steps", 2, *extra]
-
-
-def losses_of(work, run_name):
-    rows = [json.loads(line) for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
-def check_close_to_bf16(fp8_losses, bf16_losses, first=5e-3, every=3e-2):
-    """FP8 tolerance: the first step's loss (forward alone) within `first`, every later one (the trajectory,
-    through the float8 gradients) within `every`, relative; and not identical (float8 did run)."""
-    steps = sorted(bf16_losses)
-    assert sorted(fp8_losses) == steps
-    assert fp8_losses[steps[0]] == pytest.approx(bf16_losses[steps[0]], rel=first)
-    assert [fp8_losses[s] for s in steps] == pytest.approx([bf16_losses[s] for s in steps], rel=every), \
-        (fp8_losses, bf16_losses)
-    assert fp8_losses != bf16_losses and fp8_losses[steps[-1]] < 0.9 * fp8_losses[steps[0]]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from minimal_fsdp.models.gpt import GPT
 from minimal_fsdp.parallel.parallelize import build_model
 from minimal_fsdp.parallel.plan import make_plan
 from sharding_ranks import CONFIG
-from test_parallelize import REDUCE_CASES, run_reduce_ranks
+from support import REDUCE_CASES, run_reduce_ranks
 
 RANKS = 2
 

@@ -19,8 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import reference as plain
-from conftest import ROOT, TINY_MODEL, launch_runs, make_text, mpiexec
+from conftest import ROOT, launch_runs, make_text, mpiexec
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.parallel import parallelize
 from minimal_fsdp.parallel import plan as plan_module
@@ -35,31 +34,8 @@ from minimal_fsdp.parallel.parallelize import (DDPSync, FSDPSync, LocalSync, SYN
 from minimal_fsdp.parallel.plan import STRATEGIES, apply_process_settings, make_plan, process_settings
 from minimal_fsdp.train import build_optimizer
 from minimal_fsdp.parallel.whole_unit import WholeUnit
-from test_plan import CONFIG, NUM_PARAMS, plain_plan
-
-
-STEPS = 6
-
-
-def train_args(corpus, run_name, extra=()):
-    work = corpus.parent
-    return ["--dataset", "text", "--input_file", corpus, "--data_dir", work / "data", "--log_dir", work / "logs",
-            "--checkpoint_dir", work / "checkpoints", *TINY_MODEL, "--max_steps", STEPS, "--log_interval", 1,
-            "--eval_interval", 0, "--run_name", run_name, "--lr", "3e-3", "--warmup_steps", 2,
-            "--dropout", "0.0", *extra]
-
-
-def reference(args, world, device="cpu", steps=STEPS):
-    """The same training in one process, plain PyTorch (reference.py): whole model, all ranks' batches
-    concatenated. Initial weights are drawn on `device` (CPU and CUDA generators differ), so compare on the
-    same kind."""
-    _, _, model, losses = plain.train(args, world, device, steps)
-    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
-
-
-def logged_losses(cwd, run_name):
-    rows = [json.loads(line) for line in (cwd / "logs" / run_name / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
+from support import (CONFIG, NUM_PARAMS, REDUCE_CASES, STEPS, check_reduce_precision, logged_losses,
+                     plain_plan, reference, run_reduce_ranks, train_args)
 
 
 CASES = [
@@ -192,23 +168,9 @@ def test_generated_tokens_come_from_rank_0(four_ranks):
     assert texts == [own[0]] * 4, (texts, own)
 
 
-def run_reduce_ranks(out, ranks):
-    """What reduce_ranks.py records on each of `ranks` ranks: each strategy's gradients, reduced in fp32 and bf16."""
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(ROOT / "tests" / "reduce_ranks.py"), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr[-5000:]
-    return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(ranks)]
-
-
 @pytest.fixture(scope="module")
 def reduced_on_four_ranks(tmp_path_factory):
     return run_reduce_ranks(tmp_path_factory.mktemp("reduce_ranks"), 4)
-
-
-REDUCE_CASES = {"full-shard": "fsdp-block", "grad-shard": "fsdp-block", "hybrid-full-shard": "fsdp-block",
-                "full-shard-bf16": "fsdp-block", "one-unit": "one-unit", "one-unit-hybrid": "one-unit",
-                "one-unit-no-shard": "one-unit", "ddp": "ddp"}
 
 
 @pytest.mark.parametrize("case", REDUCE_CASES)
@@ -218,18 +180,6 @@ def test_reduce_precision_bf16_sums_the_gradients_in_bf16(reduced_on_four_ranks,
     taken in bf16; divided by 4 ranks, exact), within bf16's rounding of the fp32 sums. With float32 they are
     not bf16 values: the flag is what changed the collective's dtype. (test_gpu.py: the same over NCCL.)"""
     check_reduce_precision([result[case] for result in reduced_on_four_ranks], case)
-
-
-def check_reduce_precision(runs, case):
-    assert all(run[reduce]["strategy"] == REDUCE_CASES[case] for run in runs for reduce in ("float32", "bf16"))
-    for reduce in ("float32", "bf16"):
-        assert all(run[reduce]["grads"] == runs[0][reduce]["grads"] for run in runs), reduce
-    fp32, bf16 = ({name: torch.tensor(g) for name, g in runs[0][reduce]["grads"].items()}
-                  for reduce in ("float32", "bf16"))
-    assert all(torch.equal(g, g.bfloat16().float()) for g in bf16.values())
-    assert not all(torch.equal(g, g.bfloat16().float()) for g in fp32.values())
-    for name, exact in fp32.items():  # measured: at most 0.0093 of the largest gradient
-        torch.testing.assert_close(bf16[name], exact, rtol=0, atol=2**-5 * exact.abs().max().item(), msg=name)
 
 
 class CountOps(TorchDispatchMode):
@@ -284,7 +234,7 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(one_rank_
     from minimal_fsdp.train import train_step
     cfg = Config(sharding="full-shard", fsdp_unit="block")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the group is NCCL where CUDA is
-    env = SimpleNamespace(device=device, world_size=1, local_world_size=1)
+    env = SimpleNamespace(device=device, world_size=1, local_world_size=1, num_nodes=1)
     config = GPTConfig(vocab_size=64, seq_length=16, num_layers=2, num_heads=2, embed_size=16)
     plan = make_plan(cfg, env, config, fsdp_on_one_rank=True)
     assert plan.strategy == "fsdp-block" and plan.stays_gathered  # one rank: no reshard after forward
@@ -478,7 +428,7 @@ def test_meta_init_builds_the_model_on_the_meta_device(meta_init):
 def test_the_unit_rule_counts_every_parameter_embeddings_included(group, monkeypatch, limit_below_total, whole):
     monkeypatch.setattr(plan_module, "SMALL_MODEL", NUM_PARAMS - 1 if limit_below_total else NUM_PARAMS)
     monkeypatch.setattr(plan_module, "init_device_mesh", lambda *args, **kwargs: group)
-    env = SimpleNamespace(device=torch.device("cpu"), world_size=1, local_world_size=1)
+    env = SimpleNamespace(device=torch.device("cpu"), world_size=1, local_world_size=1, num_nodes=1)
     plan = make_plan(parse_args([]), env, CONFIG, fsdp_on_one_rank=True)
     assert plan.strategy == ("one-unit" if whole else "fsdp-block")
     model = build_model(GPT, CONFIG, plan, CPU, seed=0)
@@ -537,6 +487,5 @@ def test_fsdp_clip_matches_torch_on_the_local_shards(group, max_norm, strategy, 
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=3e-7, atol=0)
     if max_norm == 100.0:
         assert all(torch.equal(p.grad, g) for p, g in zip(params, plain))  # not scaled up
-
 
 

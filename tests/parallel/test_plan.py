@@ -12,14 +12,10 @@ from minimal_fsdp.parallel import plan as plan_module
 from minimal_fsdp.config.choices import SMALL_MODEL
 from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.models.llama import LlamaConfig
-from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.models.families import MODELS, make_config
 from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.parallel.plan import STRATEGIES, layout, make_plan, strategy
-
-
-CONFIG = GPTConfig(vocab_size=64, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
-NUM_PARAMS = GPT(CONFIG).num_params(non_embedding=False)
+from support import CONFIG, NUM_PARAMS, plain_plan
 
 
 @pytest.mark.parametrize("sharding,world,group,expected", [
@@ -41,7 +37,8 @@ def plan_for(monkeypatch, flags, world=1, local=None, device="cpu", config=CONFI
     meshes = []
     monkeypatch.setattr(plan_module, "init_device_mesh",
                         lambda kind, shape, mesh_dim_names: meshes.append((kind, shape, mesh_dim_names)) or "mesh")
-    env = SimpleNamespace(device=torch.device(device), world_size=world, local_world_size=local or world)
+    env = SimpleNamespace(device=torch.device(device), world_size=world, local_world_size=local or world,
+                          num_nodes=world // (local or world))
     plan = make_plan(parse_args([str(f) for f in flags]), env, config, **options)
     return plan, meshes
 
@@ -192,15 +189,6 @@ def test_cuda_graphs_unset_replay_small_models_only(monkeypatch):
     assert plan_for(monkeypatch, ["--compile", "--cuda_graphs"], device="cuda")[0].cuda_graphs  # any size
 
 
-def plain_plan(**fields):
-    base = dict(strategy="fsdp-block", sharding="full-shard", mesh_shape=(2,), shard_ranks=2,
-                reshard_after_forward=True, precision="bf16", fp8=None, cpu_offload=False, meta_init=False,
-                activation_checkpoints=False, recompute="full", compile=False, cuda_graphs=False,
-                num_params=NUM_PARAMS)
-    base.update(fields)
-    return plan_module.ParallelPlan(**base)
-
-
 def test_what_the_plan_says_of_itself():
     assert plain_plan(precision="bf16").bf16 and plain_plan(precision="fp8").bf16
     assert not plain_plan(precision="float32").bf16 and plain_plan(precision="float32").compute_dtype == torch.float32
@@ -264,7 +252,7 @@ def test_cuda_graphs_only_where_no_fsdp_hooks_surround_the_graph(monkeypatch, fl
     from types import SimpleNamespace
     from minimal_fsdp.parallel import plan as plan_module
     from minimal_fsdp.config.flags import ConfigError, parse_args
-    env = SimpleNamespace(device=torch.device("cuda"), world_size=ranks, local_world_size=ranks)
+    env = SimpleNamespace(device=torch.device("cuda"), world_size=ranks, local_world_size=ranks, num_nodes=1)
     cfg = parse_args([*flags, "--compile", "--cuda_graphs"])
     monkeypatch.setattr(plan_module, "init_device_mesh", lambda *args, **kwargs: "mesh")
     tiny = make_config("gpt", "tiny", vocab_size=65)

@@ -13,7 +13,7 @@ import pytest
 from conftest import ENTRY, ROOT, TINY_MODEL, launch, make_text, mpiexec
 from fake_launchers import install_fakes, run_session
 from minimal_fsdp.checkpoint import find as checkpoint_find
-from test_checkpoint import flip_a_byte
+from support import flip_a_byte
 
 STEPS = 3
 # Settings a job gets only from the scheduler (qsub -v, or sbatch's exported environment), never from the test.

@@ -13,9 +13,8 @@ from conftest import ROOT
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint.meta import read_meta
 from minimal_fsdp.tools import progress
-from test_checkpoint import flip_a_byte, meta_of
-from test_checkpoint import console, run, saved  # noqa: F401 (fixtures)
-from test_checkpoint_find import HOSTILE_META, edited
+from support import HOSTILE_META, edited, flip_a_byte, meta_of
+from support import console, run, saved  # noqa: F401 (fixtures)
 
 # What only verify's unpickled .metadata shows: progress counts these, the training run skips them.
 SHARDS_DISAGREE = {"layers the shards lack", "another width"}
