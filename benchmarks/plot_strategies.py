@@ -18,9 +18,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from minimal_fsdp.models.size import count_parameters  # noqa: E402
 from minimal_fsdp.config.commands import PlanFlags  # noqa: E402
-from minimal_fsdp.config.parser import parse  # noqa: E402
-from minimal_fsdp.tools import model_size
+from minimal_fsdp.config.parser import parse as parse_flags  # noqa: E402
+from minimal_fsdp.tools import model_size  # noqa: E402
 from minimal_fsdp.tools import step_time  # noqa: E402
 
 # multihost.py's models, as the planner's flags (its "llama-1b" shape has no preset the planner takes)
@@ -48,14 +49,15 @@ def parse():
 
 def estimates(args, hosts, per_host, rates):
     """{strategy: [tokens/s at each rate]} from the planner, for the runs' setting."""
-    planner = parse(PlanFlags, PLANNER_FLAGS[args.model] + ["--precision", "bf16"])
+    planner = parse_flags(PlanFlags, PLANNER_FLAGS[args.model] + ["--precision", "bf16"])
     family, config, _ = model_size.model_config(planner)
-    sizes = model_size.count_parameters(family, config)
+    sizes = count_parameters(config)
     flops, _ = step_time.achieved_flops(args.gpu_type, None, args.compile, "bf16")
     per_token = step_time.flops_per_token(sizes, config)
     tokens = planner.batch_size * config.seq_length
     return {s: [step_time.estimate_step(s, sizes.total, per_token, tokens, hosts * per_host, per_host, per_host, g,
-                                        flops, log_interval=args.log_interval).tokens_per_s for g in rates]
+                                        flops, log_interval=args.log_interval,
+                                        gossip="flat-fp32").tokens_per_s for g in rates]  # as the runs drawn
             for s in STRATEGIES}
 
 

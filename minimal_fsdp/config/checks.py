@@ -143,7 +143,7 @@ def check_decentralized(cfg):
         raise ConfigError("--cpu_offload offloads FSDP shards; --data_parallel decentralized has none: drop it")
     if cfg.fsdp_unit != "auto":
         raise ConfigError("--fsdp_unit says what FSDP gathers; --data_parallel decentralized has no FSDP: drop it")
-    if cfg.reduce_precision != "float32":
+    if cfg.reduce_precision not in ("auto", "float32"):
         raise ConfigError("--reduce_precision is the dtype gradients are summed in; --data_parallel decentralized "
                           "averages parameters, not gradients: drop it")
 
@@ -256,7 +256,7 @@ def validate_xla(cfg):
     unsupported = {"sharding": cfg.sharding != "full-shard", "shard_group_size": cfg.shard_group_size is not None,
                    "data_parallel": cfg.data_parallel != "allreduce", "cpu_offload": cfg.cpu_offload,
                    "meta_init": cfg.meta_init, "compile": cfg.compile, "recompute": cfg.recompute != "full",
-                   "fsdp_unit": cfg.fsdp_unit != "auto", "reduce_precision": cfg.reduce_precision != "float32"}
+                   "fsdp_unit": cfg.fsdp_unit != "auto", "reduce_precision": cfg.reduce_precision not in ("auto", "float32")}
     for name, given in unsupported.items():
         if given:
             raise ConfigError(f"--{name} is not available with --device xla, which shards every parameter over "

@@ -13,7 +13,7 @@ class ConfigError(ValueError):
 DEVICE = ("auto", "xla")  # xla: xla.py
 SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
 PRECISION = ("float32", "bf16", "fp8")
-REDUCE_PRECISION = ("float32", "bf16")  # the gradients' sum across ranks (--reduce_precision)
+REDUCE_PRECISION = ("auto", "float32", "bf16")  # the gradients' sum across ranks (--reduce_precision)
 DATA_PARALLEL = ("allreduce", "decentralized")
 FSDP_UNITS = ("auto", "block", "model")
 # --fsdp_unit auto: a model this small is one FSDP unit. Its step is bound by the host: FSDP2's hooks, gathers and

@@ -24,7 +24,7 @@ from minimal_fsdp.hf.read import read_config as read_hf_config
 from minimal_fsdp.models.families import make_config
 from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.config.choices import SHARDING
-from minimal_fsdp.parallel.plan import layout, strategy
+from minimal_fsdp.parallel.plan import layout, reduce_precision, strategy
 from minimal_fsdp.tools.step_time import print_step_times
 
 GiB = 2**30
@@ -226,7 +226,8 @@ def main(argv=None, cfg=None):
                 e = estimate(family, config, args.batch_size, sharding, args.gpus, group, recompute, offload,
                              args.precision, grad_accum_steps=args.grad_accum_steps, fp8_recipe=args.fp8_recipe,
                              fsdp_unit=args.fsdp_unit, checkpoint_mode=args.checkpoint_mode,
-                             reduce_precision=args.reduce_precision)
+                             reduce_precision=reduce_precision(args.reduce_precision,
+                                                               max(1, args.gpus // gpus_per_node), args.precision))
                 host = e["host"] * gpus_per_node
                 fits = e["gpu"] <= (1 - GPU_HEADROOM) * gpu_memory and (host_memory is None or host <= host_memory)
                 print(f"{sharding:<19}{recompute:<11}{'yes' if offload else 'no':<9}"

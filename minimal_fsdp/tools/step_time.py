@@ -18,7 +18,7 @@ import statistics
 
 from minimal_fsdp.parallel.gossip import exchange_for, exp_distances
 from minimal_fsdp.metrics import PEAK_FLOPS
-from minimal_fsdp.parallel.plan import layout, strategy
+from minimal_fsdp.parallel.plan import layout, reduce_precision, strategy
 
 # Of the bytes a shaped link passes, the TCP payload: 1448 of each 1500-byte frame (IP and TCP headers with
 # timestamps). One TCP stream measured 9.71 Gbit/s through a 10 Gbit/s tbf and 0.96 through 1 (96-97%).
@@ -164,7 +164,8 @@ def print_step_times(args, config, sizes, per_host, shard_group, strategies):
     for sharding in strategies:
         t = estimate_step(sharding, sizes.total, per_token, tokens_per_gpu, args.gpus, per_host, shard_group,
                           args.inter_node_gbps, flops, args.precision, args.grad_accum_steps, args.fsdp_unit,
-                          args.topology, args.log_interval, args.reduce_precision)
+                          args.topology, args.log_interval,
+                          reduce_precision(args.reduce_precision, hosts, args.precision))
         print(f"{sharding:<19}{t.strategy:<12}{t.bytes_per_step / 1e9:>9.2f}{1000 * t.compute:>12.1f}"
               f"{1000 * t.link:>10.1f}{1000 * t.step:>10.1f}{t.tokens_per_s:>13,.0f}")
     print("as: how training runs it (plan.strategy); GB/step: over each host's link each way; link ms: time on the "

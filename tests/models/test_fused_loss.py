@@ -66,7 +66,7 @@ def test_models_on_cuda_use_it():
     from minimal_fsdp.parallel.parallelize import build_model
     from minimal_fsdp.parallel.plan import make_plan
     cfg = Config(precision="float32")
-    env = SimpleNamespace(device=torch.device("cuda"), world_size=1, local_world_size=1)
+    env = SimpleNamespace(device=torch.device("cuda"), world_size=1, local_world_size=1, num_nodes=1)
     config = GPTConfig(vocab_size=300)
     model = build_model(GPT, config, make_plan(cfg, env, config), env, cfg.seed)  # one rank: no FSDP
     assert model.loss is linear_cross_entropy

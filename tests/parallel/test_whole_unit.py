@@ -20,7 +20,7 @@ from minimal_fsdp.parallel import whole_unit
 from minimal_fsdp.parallel.whole_unit import LocalAdamW, WholeUnit
 
 CONFIG = GPTConfig(vocab_size=64, seq_length=16, num_layers=2, num_heads=2, embed_size=16)
-ENV = SimpleNamespace(device=torch.device("cpu"), world_size=1, local_world_size=1)
+ENV = SimpleNamespace(device=torch.device("cpu"), world_size=1, local_world_size=1, num_nodes=1)
 
 
 def batches(steps):
@@ -93,7 +93,7 @@ def test_no_shard_replicas_train_as_the_plain_model_without_gathering(one_rank_g
     monkeypatch.setattr(whole_unit, "all_gather", refuse)
     monkeypatch.setattr(whole_unit, "reduce_scatter", refuse)
     cfg = Config(sharding="no-shard", precision="float32", weight_decay=0.1, grad_accum_steps=2)
-    two = SimpleNamespace(device=ENV.device, world_size=2, local_world_size=2)  # plans no-shard's replicas
+    two = SimpleNamespace(device=ENV.device, world_size=2, local_world_size=2, num_nodes=1)  # plans no-shard's replicas
     build_mesh = plan_module.init_device_mesh  # ... on a (1 x 1) mesh in this world of one
     monkeypatch.setattr(plan_module, "init_device_mesh", lambda kind, shape, mesh_dim_names:
                         build_mesh(kind, (1, 1), mesh_dim_names=mesh_dim_names))

@@ -32,7 +32,7 @@ def train_two_steps(model_type, config, batch_size, sharding, recompute, precisi
     cfg = Config(sharding=sharding, activation_checkpoints=recompute != "none",
                  recompute="full" if recompute == "none" else recompute, precision=precision, meta_init=True,
                  compile=compile, fsdp_unit=fsdp_unit)
-    env = SimpleNamespace(device=torch.device(device), world_size=1, local_world_size=1)
+    env = SimpleNamespace(device=torch.device(device), world_size=1, local_world_size=1, num_nodes=1)
     plan = make_plan(cfg, env, config, fsdp_on_one_rank=fsdp)
     model = build_model(MODELS[model_type], config, plan, env, cfg.seed)
     optimizer = build_optimizer(model, cfg, plan)
@@ -564,7 +564,8 @@ def test_step_time_waits_for_the_link_or_overlaps_it():
 
 def test_cli_prints_step_times_across_hosts(capsys):
     model_size.main(["--model_preset", "gpt2", "--vocab_size", "50304", "--batch_size", "32", "--precision", "bf16",
-                     "--gpus", "4", "--gpus_per_node", "2", "--gpu_type", "H200", "--inter_node_gbps", "10"])
+                     "--gpus", "4", "--gpus_per_node", "2", "--gpu_type", "H200", "--inter_node_gbps", "10",
+                     "--reduce_precision", "float32"])
     out = capsys.readouterr().out
     assert "2 host(s) x 2 GPU(s), 10 Gbit/s" in out and "30.1% MFU" in out
     rows = {line.split()[0]: line.split() for line in out.split("step time:")[1].splitlines()
