@@ -14,6 +14,7 @@ The model, in three parts (docs/performance.md sets it beside the measured steps
 Ranks are placed host by host (rank r on host r // gpus_per_host), as the launchers place them.
 """
 import dataclasses
+import functools
 import statistics
 
 from minimal_fsdp.parallel.gossip import exchange_for, exp_distances
@@ -134,6 +135,35 @@ def estimate_step(sharding, params, flops_per_token, tokens_per_gpu, world, per_
     return StepTime(chosen, compute, (waited + beside) / rate, step, world * tokens_per_gpu / step, waited + beside)
 
 
+HOST_COUNTS = (2, 4, 8, 16, 32, 64)
+RATES_GBPS = (400, 200, 100, 50, 25, 10, 5, 2, 1, 0.5, 0.2, 0.1)
+
+
+def gossip_gain(params, per_token, tokens_per_gpu, hosts, per_host, gbps, flops, **options):
+    """Decentralized's tokens/s over the fastest all-reduce strategy's, on `hosts` hosts at `gbps`."""
+    world = hosts * per_host
+    step = functools.partial(estimate_step, params=params, flops_per_token=per_token, tokens_per_gpu=tokens_per_gpu,
+                             world=world, per_host=per_host, shard_group=per_host, gbps=gbps, flops=flops)
+    best = max(step(s, **options).tokens_per_s for s in ("full-shard", "hybrid-full-shard", "no-shard"))
+    gossip = {k: v for k, v in options.items() if k != "reduce_precision"}
+    return step("decentralized", **gossip).tokens_per_s / best
+
+
+def where_gossip_pays(params, per_token, tokens_per_gpu, hosts, per_host, gbps, flops, **options):
+    """One line: below which link rate (on these hosts) and from how many hosts (at this rate) decentralized
+    training is faster than every all-reduce strategy, by the estimates above."""
+    def gain(h, g):
+        return gossip_gain(params, per_token, tokens_per_gpu, h, per_host, g, flops, **options)
+    rates = [g for g in RATES_GBPS if gain(hosts, g) > 1]
+    counts = [h for h in HOST_COUNTS if gain(h, gbps) > 1]
+    here = gain(hosts, gbps)
+    return (f"decentralized: {here:.2f}x the fastest all-reduce strategy here; on {hosts} host(s) it is faster "
+            + (f"at every rate from {RATES_GBPS[0]:g} Gbit/s down" if rates and rates[0] == RATES_GBPS[0] else
+               f"at {rates[0]:g} Gbit/s and below" if rates else f"at no rate down to {RATES_GBPS[-1]:g} Gbit/s")
+            + f"; at {gbps:g} Gbit/s, " + (f"from {counts[0]} hosts" if counts else
+                                           f"at no host count up to {HOST_COUNTS[-1]}"))
+
+
 def flops_per_token(sizes, config):
     """Training FLOPs per token, as layers.Decoder.flops_per_token counts them (6N without the lookup-only embedding,
     plus attention), from the planner's parameter counts."""
@@ -168,5 +198,9 @@ def print_step_times(args, config, sizes, per_host, shard_group, strategies):
                           reduce_precision(args.reduce_precision, hosts, args.precision))
         print(f"{sharding:<19}{t.strategy:<12}{t.bytes_per_step / 1e9:>9.2f}{1000 * t.compute:>12.1f}"
               f"{1000 * t.link:>10.1f}{1000 * t.step:>10.1f}{t.tokens_per_s:>13,.0f}")
+    print(where_gossip_pays(sizes.total, per_token, tokens_per_gpu, hosts, per_host, args.inter_node_gbps, flops,
+                            precision=args.precision, micro_steps=args.grad_accum_steps, fsdp_unit=args.fsdp_unit,
+                            topology=args.topology, log_interval=args.log_interval,
+                            reduce_precision=reduce_precision(args.reduce_precision, hosts, args.precision)))
     print("as: how training runs it (plan.strategy); GB/step: over each host's link each way; link ms: time on the "
           "link; one-unit and fsdp-whole wait for it after compute, the others overlap it (docs/performance.md)")

@@ -339,13 +339,13 @@ MEASURED_ACROSS_HOSTS = [(10, "full-shard", 535.8), (10, "hybrid-full-shard", 48
                          (1, "decentralized", 10570.8)]
 
 
-def gpt2_step(sharding, gbps, hosts=2, per_host=2, log_interval=1, **kwargs):
+def gpt2_step(sharding, gbps, hosts=2, per_host=2, log_interval=1, gossip="flat-fp32", **kwargs):
     config = make_config("gpt", "gpt2", vocab_size=50304)
     sizes = count_parameters(config)
     flops, _ = step_time.achieved_flops("H200", None, False, "bf16")  # eager, as the runs were
     return step_time.estimate_step(sharding, sizes.total, step_time.flops_per_token(sizes, config), 32 * 1024,
                                    hosts * per_host, per_host, per_host, gbps, flops, log_interval=log_interval,
-                                   gossip="flat-fp32", **kwargs)  # measured before gossip knew hosts
+                                   gossip=gossip, **kwargs)  # flat-fp32: the runs before gossip knew hosts
 
 
 @pytest.mark.parametrize("gbps,sharding,measured_ms", MEASURED_ACROSS_HOSTS,
@@ -635,3 +635,32 @@ def test_the_plot_draws_the_planners_estimate():
     lines = plot.estimates(args, 2, 2, [1, 10])
     assert lines["hybrid-full-shard"] == [gpt2_step("hybrid-full-shard", g).tokens_per_s for g in (1, 10)]
     assert lines["decentralized"][1] == gpt2_step("decentralized", 10).tokens_per_s
+
+
+# 2 virtual hosts x 1 H200, GPT-2 124M without biases, batch 32, bf16, eager: benchmarks/multihost.py
+# --side_by_side (results/RESULTS.md#side-by-side), our all-reduce strategies with a bf16 wire and gossip on a ring.
+MEASURED_SIDE_BY_SIDE = [(10, "full-shard", 281.5), (10, "no-shard", 269.5), (10, "decentralized", 219.1),
+                         (1, "full-shard", 2584.5), (1, "no-shard", 2246.9), (1, "decentralized", 2296.6)]
+
+
+@pytest.mark.parametrize("gbps,sharding,measured_ms", MEASURED_SIDE_BY_SIDE,
+                         ids=[f"{s}-{g}g" for g, s, _ in MEASURED_SIDE_BY_SIDE])
+def test_the_planner_predicts_the_host_aware_bf16_wire_within_a_quarter(gbps, sharding, measured_ms):
+    options = {"topology": "ring"} if sharding == "decentralized" else {"reduce_precision": "bf16"}
+    t = gpt2_step(sharding, gbps, hosts=2, per_host=1, log_interval=10**9, **options, gossip="bf16")
+    assert 1000 * t.step == pytest.approx(measured_ms, rel=0.25)
+
+
+def test_the_planner_says_where_gossip_pays(capsys):
+    """On a slow link gossip's one exchange beside compute beats the one unit's reduction after it; the line
+    names the rate and host count from which it does."""
+    model_size.main(["--model_preset", "gpt2", "--vocab_size", "50304", "--batch_size", "32", "--precision", "bf16",
+                     "--gpus", "2", "--gpus_per_node", "1", "--gpu_type", "H200", "--inter_node_gbps", "1"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("decentralized: "))
+    assert "x the fastest all-reduce strategy here" in line and "from 2 hosts" in line
+    config = make_config("gpt", "gpt2", vocab_size=50304)
+    sizes = count_parameters(config)
+    flops, _ = step_time.achieved_flops("H200", None, False, "bf16")
+    gain = step_time.gossip_gain(sizes.total, step_time.flops_per_token(sizes, config), 32 * 1024, 2, 1, 1, flops,
+                                 reduce_precision="bf16")
+    assert line.startswith(f"decentralized: {gain:.2f}x") and gain > 1
