@@ -1,9 +1,13 @@
 """The README's commands, shrunk: train with mpiexec, print a sample, then generate alone on 1 and 4 ranks.
-Every sample is checked against sampling written plainly in one process from the saved checkpoint."""
+Every sample is checked against sampling written plainly in one process from the saved checkpoint. And the
+README's quick start walked command by command, in order, in a fresh copy of the repository."""
+import os
+import re
+
 import pytest
 import torch
 
-from conftest import TINY_MODEL, launch, launch_runs, make_text
+from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.checkpoint import safe_load
@@ -150,3 +154,108 @@ def test_the_banner_leaves_out_what_hf_model_replaces():
     text = metrics.banner(parse_args(["--hf_model", "some/dir"]), env, plan, model)
     assert "hf_model = " in text and "model_preset" not in text and "tokenizer = " not in text
     assert "model_preset = \"tiny\"" in metrics.banner(parse_args([]), env, plan, model)
+
+
+# The README's commands, walked in order in a fresh copy of the repository (what a new user does first).
+QUICK_TRAINING = ["--max_steps", "30", "--eval_batches", "2"]  # the quick start's shape, fewer steps
+COMMAND = re.compile(r"(mpiexec|python|minimal-fsdp|pip|pytest)\b")
+
+
+def readme_steps(text):
+    """The Quick start section's fenced blocks and inline code, in order: ("command", text) for each command
+    (a line of a fenced block, or an inline span, that starts with one), ("output", block) for a fenced
+    block with no command in it (what the command before it prints)."""
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    steps = []
+    for fenced, inline in re.findall(r"```[^\n]*\n(.*?)```|`([^`]+)`", section, flags=re.S):
+        if fenced:
+            commands = [line.strip() for line in fenced.splitlines() if COMMAND.match(line)]
+            steps += [("command", c) for c in commands] if commands else [("output", fenced)]
+        elif COMMAND.match(inline) and " " in inline.strip():
+            steps.append(("command", " ".join(inline.split())))
+    return steps
+
+
+def skipped(command):
+    """Why the walk does not run a command, or None."""
+    if command.startswith("pip "):
+        return "the test runs in the installed environment"
+    if command.split()[0] == "pytest":
+        return "the test suite itself"
+    if "configs/shakespeare_char.toml" in command:
+        return "a GPU recipe (the README: on a CPU it may not reach its first step for a long time)"
+    return None
+
+
+def doc_command(doc, starts):
+    """The first command of a fenced block in `doc` that starts with `starts`: continuation lines joined,
+    comments cut."""
+    lines = (ROOT / "docs" / doc).read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(starts))
+    command = []
+    for line in lines[first:]:
+        line = line.split("  #", 1)[0].rstrip()
+        command.append(line.rstrip("\\").strip())
+        if not line.endswith("\\"):
+            return " ".join(command)
+
+
+@pytest.mark.slow
+def test_the_readmes_commands_run_in_order_in_a_fresh_clone(tmp_path):
+    """Each command of the README's quick start that runs on a CPU, in the README's order, in a copy of
+    the committed repository (git archive HEAD): training shortened by an appended --max_steps, sampling
+    again, training on your own text right after, the evaluate command the README points to in
+    docs/evaluate.md. Each exits 0 and prints what the README says it prints."""
+    import shlex
+    import subprocess
+    import sys
+
+    from conftest import mpiexec
+    archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", tmp_path], input=archive, check=True)
+    (tmp_path / "my.txt").write_text(make_text(20_000, seed=1))
+    # The copy's package, not the installed one, for `minimal-fsdp` too; one thread per rank, as launch().
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), OMP_NUM_THREADS="1")
+    programs = {"mpiexec": [mpiexec()], "python": [sys.executable],
+                "minimal-fsdp": [sys.executable, "-m", "minimal_fsdp"]}
+
+    def run(command):
+        words = shlex.split(command)
+        argv = programs[words[0]] + words[1:]
+        if "basic_training.py" in words and "--max_epochs" not in words and "--help" not in words:
+            argv += QUICK_TRAINING  # a training run: the README's, shorter
+        result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        return result.stdout
+
+    ran, printed, samples = [], None, {}
+    for kind, text in readme_steps((tmp_path / "README.md").read_text()):
+        if kind == "output":  # the sample the command before it printed: the same first line
+            assert printed is not None and sample_of(printed).startswith(text.splitlines()[0]), text
+            continue
+        if skipped(text):
+            continue
+        printed = run(text)
+        ran.append(text)
+        if "basic_training.py" in text and "--help" not in text or " sample " in text:
+            prompt = re.search(r'--prompt "([^"]*)"', text)
+            samples[text] = printed[:-1] if " sample " in text else sample_of(printed)  # the command: text alone
+            assert samples[text].startswith(prompt[1] if prompt else "ROMEO:"), printed[-2000:]
+        if "basic_training.py" in text and "--max_epochs" not in text and "--help" not in text:
+            assert re.search(r"^done: step 30 of 30; this launch trained 30 steps", printed, re.M), printed
+        if text.endswith("--help"):
+            assert printed.startswith("usage:"), printed[:500]
+    quick, own, again, alone = (next(c for c in ran if test(c)) for test in (
+        lambda c: c.endswith("basic_training.py"), lambda c: "--input_file my.txt" in c,
+        lambda c: "--max_epochs -1" in c, lambda c: c.startswith("minimal-fsdp sample")))
+    assert ran.index(quick) < ran.index(own)  # training on your own text right after the quick start
+    # The quick start's run directories (the default --run_name); your text prepared once into data/my/char.
+    assert (tmp_path / "checkpoints" / "shakespeare" / "latest").exists()
+    assert (tmp_path / "logs" / "shakespeare" / "metrics.jsonl").exists()
+    assert (tmp_path / "data" / "my" / "char").is_dir()
+    assert samples[again] != samples[alone]  # --seed 7 against the default 1337: another text
+    # The README points to docs/evaluate.md for benchmarks: its first command, on the quick start's run.
+    assert "docs/evaluate.md" in (tmp_path / "README.md").read_text()
+    evaluate = doc_command("evaluate.md", "minimal-fsdp evaluate checkpoints/shakespeare")
+    printed = run(evaluate)
+    assert all(task in printed for task in ("tiny_mc", "tiny_ppl", "tiny_gen")), printed[-3000:]
