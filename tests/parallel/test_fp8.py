@@ -91,9 +91,14 @@ def test_compute_capability_below_8_9_is_refused(monkeypatch, name, capability, 
 
 
 @needs_torchao
-def test_cpu_launch_fails_alike_on_every_rank(tmp_path, corpus):
+def test_the_plan_refuses_fp8_on_a_cpu():
     with pytest.raises(ConfigError, match="this run is on cpu"):
         make_plan(parse_args(["--precision", "fp8"]), one_rank(), SMALL_LLAMA)
+
+
+@pytest.mark.slow  # a 2-rank launch; the plan's refusal above is the quick check
+@needs_torchao
+def test_cpu_launch_fails_alike_on_every_rank(tmp_path, corpus):
     result = launch(["--dataset", "text", "--input_file", corpus, *LLAMA_FLAGS, "--precision", "fp8",
                      "--max_steps", 2], ranks=2, cwd=tmp_path, check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
