@@ -237,7 +237,10 @@ class TrainingLog:
         """Rank 0's last lines: what was trained, where it went, how to sample from it."""
         minutes, seconds = divmod(round(time.perf_counter() - self.start), 60)
         trained = self.done - self.first_step
-        lines = [f"done: step {self.done} of {self.last_step}; this launch trained {trained} steps "
+        # A finished run resumed with a smaller --max_steps is past its last step: not 'step 600 of 20'.
+        where = (f"step {self.done} of {self.last_step}" if self.done <= self.last_step else
+                 f"step {self.done}, already past this launch's last step ({self.last_step})")
+        lines = [f"done: {where}; this launch trained {trained} steps "
                  f"({trained * self.tokens_per_step:,} tokens) in {minutes}m{seconds:02d}s"]
         if self.last_val:
             best = f" (best {self.best_val[1]:.4f} at step {self.best_val[0]})" if self.best_val != self.last_val else ""

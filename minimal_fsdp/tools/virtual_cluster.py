@@ -349,14 +349,62 @@ def main(argv=None, cfg=None):
         names = ", ".join(f"{h.name} {h.address}" for h in cluster.hosts)
         print(f"virtual cluster: {names}; running on {cluster.hosts[0].name}: {' '.join(command)}", flush=True)
         env = dict(os.environ, PBS_O_WORKDIR=os.getcwd(), **cluster.job_env(args.slots))
-        proc = cluster.run(cluster.hosts[0].name, command, env=env)
+        proc = cluster.run(cluster.hosts[0].name, command, env=env, stdout=subprocess.PIPE)
         try:
+            seen = Rehearsal.watch(proc.stdout)
             code = proc.wait()
         except KeyboardInterrupt:
-            code = 130
+            code, seen = 130, None
+        if seen is not None:
+            code = seen.report(cluster, code)
     finally:
         cluster.down()
     sys.exit(code)
+
+
+class Rehearsal:
+    """What a job run on the hosts printed that says what it proved: the training run's launch line (ranks,
+    nodes), the network it picked and how far it trained. The job's output passes through unchanged."""
+    TALKED = 100_000  # bytes across the hosts' links below which no training collective crossed them
+
+    def __init__(self):
+        self.launch = self.network = self.done = None
+
+    @classmethod
+    def watch(cls, stream):
+        seen = cls()
+        for raw in iter(stream.readline, b""):
+            sys.stdout.buffer.write(raw)
+            sys.stdout.flush()
+            line = raw.decode(errors="replace").strip()
+            for key, prefix in (("launch", "launch: "), ("network", "network: "), ("done", "done: ")):
+                if line.startswith(prefix):
+                    setattr(seen, key, line[len(prefix):])
+        return seen
+
+    def report(self, cluster, code):
+        """Print what the job proved across the hosts (nothing for a command that trained no run); the exit
+        code: the job's, or 1 where it exited 0 but trained nothing across the hosts."""
+        if self.launch is None:
+            return code
+        moved = sum(cluster.bytes_moved(h.name) for h in cluster.hosts[1:])
+        hosts = f"{len(cluster.hosts)} hosts ({', '.join(h.name for h in cluster.hosts)})"
+        ranks = self.launch.split(", started by")[0]
+        trained = re.search(r"this launch trained (\d+) steps", self.done or "")
+        problems = []
+        if moved < self.TALKED:
+            problems.append(f"only {moved:,} bytes crossed the links: no training collective crossed the hosts")
+        if trained and trained[1] == "0":
+            problems.append("this launch trained 0 steps (it resumed a finished run: give the rehearsal its own "
+                            "--run_name)")
+        if code or problems:
+            why = "; ".join(problems) or f"the job exited {code}"
+            print(f"rehearsal: proved nothing across {hosts}: {why}", flush=True)
+            return code or 1
+        network = self.network.split(",")[0] if self.network else "the interface gloo found itself"
+        print(f"rehearsal: trained across {hosts}: {ranks}; network {network}; {moved / 1e6:.1f} MB crossed "
+              f"the links between the hosts; {trained[1] if trained else 'its'} steps trained", flush=True)
+        return code
 
 
 def exec_on_host(argv):

@@ -431,3 +431,17 @@ def test_a_lost_peers_error_is_cut_between_words(monkeypatch):
     run.main(cfg=object())
     (error, code), = said
     assert code == 1 and error.endswith("word ...)") and "Connection closed by peer" in error
+
+
+@pytest.mark.slow
+def test_torchrun_waiting_for_a_node_that_never_starts_is_bounded_by_the_documented_flag(tmp_path):
+    """`torchrun --nnodes 2` without the second node waits silently (600 s by default, torchrun's own); the flag
+    docs/launch.md names bounds it."""
+    flag = re.search(r"`(--rdzv_conf timeout=)SECONDS`", (ROOT / "docs" / "launch.md").read_text())
+    assert flag, "docs/launch.md names the flag that bounds torchrun's wait for the other nodes"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [torchrun, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", "0", "--master_addr", "127.0.0.1",
+           "--master_port", str(rendezvous._free_port()), *f"{flag[1]}5".split(), ROOT / "basic_training.py"]
+    result = subprocess.run(list(map(str, cmd)), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))  # the timeout: a bound on a hang only
+    assert result.returncode != 0 and "1/2 clients joined" in result.stderr, result.stderr[-2000:]

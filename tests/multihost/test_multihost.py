@@ -311,3 +311,36 @@ def test_elastic_resume_two_hosts_to_one_and_back(work):
     assert sorted(losses) == list(range(1, 8))
     expected = elastic_reference(args, [(4, 3), (2, 2), (4, 2)])
     assert [losses[s] for s in range(1, 8)] == pytest.approx(expected, abs=5e-6)
+
+
+def doc_command(doc, starts):
+    """The shell command of a fenced block in `doc` that starts with `starts`, its continuation lines joined."""
+    lines = (ROOT / "docs" / doc).read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(starts))
+    command = []
+    for line in lines[first:]:
+        command.append(line.rstrip("\\").strip())
+        if not line.endswith("\\"):
+            return " ".join(command)
+
+
+@pytest.mark.slow
+def test_the_docs_rehearsal_trains_across_hosts_after_a_finished_run_and_says_what_it_proved(work):
+    """docs/virtual_cluster.md's command used to resume the quick start's finished run, train 0 steps, send no
+    collective across the hosts and exit 0. After a finished run of the default name it trains a run of its
+    own across both hosts and reports the hosts, ranks, interface and bytes."""
+    import subprocess
+    subprocess.run([sys.executable, ENTRY, *TINY_MODEL, "--max_steps", "2", "--eval_interval", "0"], cwd=work,
+                   env=base_env(), check=True, capture_output=True, timeout=300)  # the quick start, short
+    assert (work / "checkpoints" / "shakespeare" / "step_2").is_dir()
+    (work / "pbs").symlink_to(ROOT / "pbs")  # the command runs from a checkout; the run's files stay here
+    command = doc_command("virtual_cluster.md", "minimal-fsdp cluster --hosts 2 --slots 2")
+    command = command.replace("minimal-fsdp", f"{sys.executable} -m minimal_fsdp", 1)
+    result = subprocess.run(["bash", "-c", command], cwd=work, env=base_env(REPO=ROOT), capture_output=True,
+                            text=True, timeout=600)  # a bound on a hang only
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = [line for line in result.stdout.splitlines() if line.startswith("rehearsal: ")]
+    assert len(report) == 1 and report[0].startswith("rehearsal: trained across 2 hosts (node0, node1): 4 rank(s) "
+                                                     "= 2 node(s) x 2 rank(s)/node; network eth0 (10.77.0.1); ")
+    assert float(report[0].split("; ")[2].split(" MB")[0]) * 1e6 > TALKED and report[0].endswith("20 steps trained")
+    assert len(list((work / "checkpoints").glob("rehearsal-*/step_20"))) == 1
