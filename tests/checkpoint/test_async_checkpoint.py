@@ -229,7 +229,7 @@ def test_the_writer_process_ignores_sigterm_and_a_dead_one_fails_the_save_in_one
     with pytest.raises(checkpoint.SaveError) as failed:
         background.wait()
     assert str(failed.value) == (f"writing checkpoint {run / 'step_3'} failed (rank 0: the checkpoint writer process "
-                                 "ended (exit code -9)); the previous checkpoint is untouched")
+                                 f"ended (exit code -9): {run / '.tmp-step_3'}); the previous checkpoint is untouched")
     assert checkpoint_find.marker(run, "latest") == second and first.is_dir() and not (run / ".tmp-step_3").exists()
 
 

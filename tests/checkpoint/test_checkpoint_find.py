@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
-from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import failures
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.tools import progress
 from minimal_fsdp.config.flags import ConfigError, parse_args
@@ -324,7 +324,7 @@ def test_find_as_rank_1_of_2_reads_its_share_and_takes_rank_0s_list(run, monkeyp
         sent.append(mine)
         out[:] = [verify(checked[-1], share=(0, 2)), mine]
     monkeypatch.setattr(checkpoint_find, "verify", verify_noting)
-    monkeypatch.setattr(environment, "run_on_main", run_on_main)
+    monkeypatch.setattr(failures, "run_on_main", run_on_main)
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
     assert checkpoint_find.find(args_for(run)) == run / "step_2"
     assert listed == [[str(run / f"step_{s}") for s in (3, 2, 1)]]
