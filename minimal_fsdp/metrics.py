@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from minimal_fsdp.launch import failures
+from minimal_fsdp.launch import hosts
 from minimal_fsdp.parallel import fp8
 from minimal_fsdp.config.flags import to_toml
 
@@ -319,7 +320,8 @@ def banner(cfg, env, plan, model, resume_from=None, checkpointer=None):
     spread = f"sharded over {plan.shard_ranks}" if plan.shard_ranks > 1 else "a whole copy on every rank"
     layout = plan.describe() + (f", {plan.topology} topology" if plan.decentralized else "")
     lines = [
-        f"launch: {env.describe()}, started by {env.launcher}, {env.backend} on {env.device.type}; {layout}",
+        f"launch: {hosts.layout_line(env)}, started by {env.launcher}, {env.backend} on {env.device.type}; "
+        f"{layout}",
         f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of {where} per rank "
         f"({spread}; activations not included)",
         *([fp8.describe(plan, model)] if plan.fp8 else []),

@@ -46,21 +46,7 @@ class DistEnv:
         return self.rank == 0
 
     def describe(self):
-        """'4 rank(s) = 2 node(s) x 2 rank(s)/node', or, on nodes running different numbers of ranks,
-        '4 rank(s) on 3 node(s) of 2, 1, 1 rank(s)'."""
-        per_node = nodes_of(self.local_world_sizes)
-        if len(set(per_node)) > 1:
-            return (f"{self.world_size} rank(s) on {len(per_node)} node(s) of "
-                    f"{', '.join(map(str, per_node))} rank(s)")
-        return f"{self.world_size} rank(s) = {self.num_nodes} node(s) x {self.local_world_size} rank(s)/node"
-
-
-def nodes_of(local_world_sizes):
-    """Ranks per node, largest first, from every rank's local world size: k ranks report k per node."""
-    counts = {}
-    for size in local_world_sizes:
-        counts[size] = counts.get(size, 0) + 1
-    return sorted((size for size, ranks in counts.items() for _ in range(ranks // size)), reverse=True)
+        return hosts.layout_line(self)
 
 
 def setup(cfg):

@@ -125,6 +125,23 @@ def reachable_address(everyone):
     return best
 
 
+def layout_line(env):
+    """'4 rank(s) = 2 node(s) x 2 rank(s)/node', or, on nodes running different numbers of ranks,
+    '4 rank(s) on 3 node(s) of 2, 1, 1 rank(s)'. Any object with a launch's fields will do."""
+    per_node = nodes_of(getattr(env, "local_world_sizes", ()))
+    if len(set(per_node)) > 1:
+        return f"{env.world_size} rank(s) on {len(per_node)} node(s) of {', '.join(map(str, per_node))} rank(s)"
+    return f"{env.world_size} rank(s) = {env.num_nodes} node(s) x {env.local_world_size} rank(s)/node"
+
+
+def nodes_of(local_world_sizes):
+    """Ranks per node, largest first, from every rank's local world size: k ranks report k per node."""
+    counts = {}
+    for size in local_world_sizes:
+        counts[size] = counts.get(size, 0) + 1
+    return sorted((size for size, ranks in counts.items() for _ in range(ranks // size)), reverse=True)
+
+
 def check_shared_dir(directory, num_nodes):
     """Every host must see the same --checkpoint_dir (each rank writes its shards there, and all read them back).
     Rank 0 writes a file; after a barrier each rank looks for it; one gather of the verdicts: one line naming the
