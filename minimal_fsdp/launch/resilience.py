@@ -11,8 +11,8 @@ only then keeps the ranks' hosts from waiting for each other every step. A rank 
 is left waiting in a collective. A second Ctrl-C ends the process at once, without saving.
 
 A signal is acted on at once by a thread that watches for it (signal.set_wakeup_fd), whatever the main thread
-waits in (a long first step that compiles, a collective): rank 0 says it was heard; before the first step has
-finished there is nothing to save, so every rank that got it exits at once.
+waits in (a long first step that compiles, a collective): rank 0 says it was heard; a Ctrl-C before the first
+step has finished finds nothing to save, so every rank that got it exits at once.
 """
 import math
 import os
@@ -93,11 +93,13 @@ class StopRequests:
 
     def _record(self, signum, frame=None):
         """A stop signal, as it arrives: a flag that all ranks act on after the step in flight, said at once on
-        rank 0; before the first step has finished, or at a second Ctrl-C, an exit at once."""
+        rank 0; a Ctrl-C before the first step has finished, or a second one, is an exit at once."""
         if signum == signal.SIGINT and self.received:  # Ctrl-C again: the user will not wait for the save
             _exit_at_once("error: interrupted again: exiting at once, without saving", 130)
-        if not self.looked:  # no step has finished in this launch: there is nothing to save
-            _exit_at_once(f"{_name(signum)}: stopping before the first step: nothing to save", 128 + signum)
+        if signum == signal.SIGINT and not self.looked:  # no step has finished: nothing to save, or wait for
+            _exit_at_once(f"{_name(signum)}: stopping before the first step: nothing to save", 130)
+        # (A scheduler's SIGTERM then still waits for the first step and saves it: the job exits 0, and a
+        # chain of jobs goes on.)
         self.received = signum  # only a flag: the step in flight finishes, then all ranks decide together
         _say(f"{_name(signum)}: stop requested: will save after the step in flight")
 

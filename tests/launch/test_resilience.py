@@ -166,6 +166,10 @@ def test_a_stop_before_the_first_step_exits_at_once_and_leaves_no_lock(tmp_path,
         assert not (tmp_path / "run" / ".lock").exists()
     finally:
         lock.release()
+    said.clear()
+    stop = StopRequests()
+    stop._record(signal.SIGTERM)  # a scheduler's: the first step is saved, so a chain of jobs goes on
+    assert stop.received == signal.SIGTERM and said == ["SIGTERM: stop requested: will save after the step in flight"]
 
 
 def test_a_signal_is_acted_on_while_the_main_thread_waits_in_a_system_call(peer, monkeypatch):
