@@ -32,7 +32,7 @@ setup(
         # tests, it is never imported at run time.
         # Hugging Face datasets: openwebtext/hub/save_to_disk sources for preparation and --streaming
         "data": ["datasets"],
-        # torchao: tests/test_fp8.py runs the float8 layers on the CPU through torchao's emulation.
+        # torchao: tests/parallel/test_fp8.py runs the float8 layers on the CPU through torchao's emulation.
         # Mutation testing on demand (python tests/mutation.py): pinned, as tests/mutation.py patches one of its
         # internals to mutate functions decorated with torch.no_grad() and lru_cache too.
         "mutation": ["mutmut==3.8.1"],

@@ -35,7 +35,7 @@ fresh() {  # remove this script's own runs NAME... of an earlier call on this ma
 
 for part in $parts; do case $part in
 tests)
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/test_gpu.py tests/test_llama.py tests/test_model_size.py tests/test_fused_loss.py \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/gpu/test_gpu.py tests/models/test_llama.py tests/tools/test_model_size.py tests/models/test_fused_loss.py \
     -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
 default)
   # The README's two commands, on 2 GPUs with NCCL (data/shakespeare/input.txt carried along).
@@ -54,7 +54,7 @@ throughput)
 gossip)
   # Needs 4 GPUs: NCCL gossip against the mixing matrices, then step time and bytes sent per step of every
   # topology against all-reduce (GPT-2 124M, bf16); the table rows are printed for benchmarks/results/LOG.md.
-  timeout ${GOSSIP_TIMEOUT:-900} python3 -m pytest -m gpu tests/test_decentralized.py -q -s -p no:cacheprovider 2>&1 \
+  timeout ${GOSSIP_TIMEOUT:-900} python3 -m pytest -m gpu tests/parallel/test_decentralized.py -q -s -p no:cacheprovider 2>&1 \
     | tee "$OUT/gossip.log" | grep -E '^\||passed|failed|Error' ;;
 scaling)
   # GPT-2 124M, full-shard, bf16, compile, batch 32 per GPU (or SCALING_ARGS) on 1, 2 and 4 GPUs: per-GPU
@@ -262,7 +262,7 @@ fp8_tests)
   # --precision fp8 on 2 GPUs against bf16 (every option), resume across precisions, one GPU, gradients: over 9 min
   # on a fresh machine, so in two calls: FP8_TESTS_K="trains_close or one_rank", then "not (trains_close or one_rank)".
   fp8_setup || continue
-  timeout ${FP8_TESTS_TIMEOUT:-500} python3 -m pytest -m gpu tests/test_fp8.py -q -p no:cacheprovider \
+  timeout ${FP8_TESTS_TIMEOUT:-500} python3 -m pytest -m gpu tests/parallel/test_fp8.py -q -p no:cacheprovider \
     ${FP8_TESTS_K:+-k "$FP8_TESTS_K"} 2>&1 | tee "$OUT/fp8_tests.log" | tail -15 ;;
 fp8_7b)
   # Issue 21, target 1: Llama-2-7B, T=4096, full-shard over NG GPUs (4), compiled blocks, selective recompute, meta
@@ -424,6 +424,6 @@ document_mask_loss)
 document_mask_tests)
   # The document mask's GPU tests: varlen flash attention against dense SDPA and each document alone (GPT, Llama),
   # in compiled blocks under selective recompute, and a one-GPU training run through each CUDA kernel.
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/test_document_mask.py -q -p no:cacheprovider 2>&1 \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/models/test_document_mask.py -q -p no:cacheprovider 2>&1 \
     | tee "$OUT/document_mask_tests.log" | tail -15 ;;
 esac; done

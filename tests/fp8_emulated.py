@@ -1,4 +1,4 @@
-"""basic_training.py with --precision fp8 on the CPU, for tests/test_fp8.py: the device check is lifted and torchao
+"""basic_training.py with --precision fp8 on the CPU, for tests/parallel/test_fp8.py: the device check is lifted and torchao
 emulates the float8 matmuls (float8 casts and scales as on a GPU, matmuls in higher precision), so conversion,
 sharding, the float8 all-gather, the scale precompute and checkpoints run here as they do on an H100.
 

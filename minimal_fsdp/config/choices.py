@@ -33,7 +33,7 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 # gossip.py
 TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
 
-# Preset names of each --model (the shapes are model.PRESETS and llama.PRESETS; tests/test_llama.py checks that
+# Preset names of each --model (the shapes are model.PRESETS and llama.PRESETS; tests/models/test_llama.py checks that
 # the names agree); "tiny" exists in both.
 MODEL_PRESETS = {"gpt": ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"),
                  "llama": ("tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-tiny")}

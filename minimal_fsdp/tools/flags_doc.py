@@ -1,5 +1,5 @@
 """Writes docs/flags.md, the flag reference, from the `Config` dataclass, so the document cannot drift from the
-code: `python -m minimal_fsdp.tools.flags_doc [PATH]`, run in a checkout. tests/test_flags_doc.py fails when the
+code: `python -m minimal_fsdp.tools.flags_doc [PATH]`, run in a checkout. tests/config/test_flags_doc.py fails when the
 committed file is stale.
 """
 import dataclasses

@@ -1,5 +1,5 @@
 """config.py: the flags, their sections and help, and bad input as the user sees it (exit code 2, one `error:` line
-naming the flag), before torch is imported. Each flag's checks: tests/test_config_validation.py."""
+naming the flag), before torch is imported. Each flag's checks: tests/config/test_config_validation.py."""
 
 import pytest
 

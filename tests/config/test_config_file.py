@@ -76,6 +76,6 @@ def test_shipped_configs_load(path):
 
 
 def test_readme_links_the_flag_reference():
-    """Every flag is documented in docs/flags.md (generated: tests/test_flags_doc.py checks it is current);
+    """Every flag is documented in docs/flags.md (generated: tests/config/test_flags_doc.py checks it is current);
     the README, kept short, points there."""
     assert "docs/flags.md" in (ROOT / "README.md").read_text()

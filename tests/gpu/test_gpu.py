@@ -1,5 +1,5 @@
 """GPU checks (marked gpu: skipped without CUDA, never run in CI). Run on the GPU machine with
-`pytest -m gpu tests/test_gpu.py`: NCCL runs of every strategy against a single-process fp32 reference
+`pytest -m gpu tests/gpu/test_gpu.py`: NCCL runs of every strategy against a single-process fp32 reference
 on one GPU (same initial weights: the init generator runs on the training device)."""
 import pytest
 import torch

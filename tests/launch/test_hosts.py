@@ -75,7 +75,7 @@ def test_this_machines_interfaces_are_read():
 
 def test_shared_checkpoint_dir_probe_leaves_nothing_and_names_an_unwritable_dir(one_rank_group, tmp_path):
     """One rank (it sees its own file): the check passes and removes its probe; a --checkpoint_dir rank 0 cannot
-    write is one line. The node-local case, across hosts, is tests/test_multihost_faults.py's."""
+    write is one line. The node-local case, across hosts, is tests/multihost/test_multihost_faults.py's."""
     hosts.check_shared_dir(tmp_path / "checkpoints", num_nodes=2)
     assert list((tmp_path / "checkpoints").iterdir()) == []
     (tmp_path / "file").write_text("")

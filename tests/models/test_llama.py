@@ -35,7 +35,7 @@ def tiny(**kw):
 
 
 def test_kv_cache_holds_kv_heads_not_query_heads():
-    # Decoding with the cache equals the full forward: tests/test_model.py checks that for both models.
+    # Decoding with the cache equals the full forward: tests/models/test_model.py checks that for both models.
     cache = Llama(tiny()).new_cache(1, "cpu", torch.float32)
     assert cache.k[0].shape == (1, 2, 16, 8)
 

@@ -161,7 +161,7 @@ def test_mode_defaults():
     assert isinstance(allreduce, torch.optim.AdamW) and allreduce.defaults["betas"] == (0.9, 0.95)
 
 
-# GPU (run on the GPU machine with `pytest -m gpu tests/test_decentralized.py`).
+# GPU (run on the GPU machine with `pytest -m gpu tests/parallel/test_decentralized.py`).
 needs_four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
 
 
