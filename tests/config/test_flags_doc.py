@@ -1,4 +1,5 @@
-"""docs/flags.md is what minimal_fsdp/tools/flags_doc.py writes today, and names every Config field, as --help does."""
+"""docs/flags.md is what minimal_fsdp/tools/flags_doc.py writes today: a section for every command of
+`minimal-fsdp`, each naming every field of the command's flags dataclass, as its --help does."""
 import dataclasses
 import os
 import re
@@ -6,10 +7,21 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from minimal_fsdp.tools import flags_doc
+from minimal_fsdp.__main__ import COMMANDS
+from minimal_fsdp.config.commands import PrepareFlags
 from minimal_fsdp.config.flags import SECTIONS, Config, build_parser, load_config_file
+from minimal_fsdp.config.parser import build_parser as build_command_parser
+from minimal_fsdp.config.parser import sections
+from minimal_fsdp.tools import flags_doc
 
 FIELDS = [f.name for f in dataclasses.fields(Config)]
+
+
+def section_of(doc, command):
+    """The text of `command`'s section: from its heading to the next command's."""
+    start = doc.index(f"\n## minimal-fsdp {command}\n")
+    end = doc.find("\n## minimal-fsdp ", start + 1)
+    return doc[start:] if end < 0 else doc[start:end]
 
 
 def test_committed_flags_md_is_current(tmp_path):
@@ -18,14 +30,41 @@ def test_committed_flags_md_is_current(tmp_path):
     subprocess.run([sys.executable, "-m", "minimal_fsdp.tools.flags_doc", str(out)], check=True, capture_output=True,
                    cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert flags_doc.DOC.read_text(encoding="utf-8") == out.read_text(encoding="utf-8"), (
-        "docs/flags.md differs from what minimal_fsdp/tools/flags_doc.py writes from minimal_fsdp/config/flags.py: "
+        "docs/flags.md differs from what minimal_fsdp/tools/flags_doc.py writes from the flags dataclasses: "
         f"regenerate it with `{flags_doc.REGENERATE}` and commit docs/flags.md")
+
+
+def test_every_command_has_its_section_in_the_table_order():
+    doc = flags_doc.DOC.read_text(encoding="utf-8")
+    assert re.findall(r"^## minimal-fsdp (\w+)$", doc, re.M) == list(COMMANDS)
+    for name in COMMANDS:
+        assert f"(#minimal-fsdp-{name})" in doc, f"{name} missing from the list of commands atop docs/flags.md"
+
+
+def test_every_command_section_names_each_flag_and_section_of_its_dataclass():
+    """Each command's section lists its dataclass's sections in order and a row for every field, positional
+    arguments in capitals; a command that takes training's flags points to train's section instead."""
+    doc = flags_doc.render()
+    for name, (cls, _, _) in COMMANDS.items():
+        text = section_of(doc, name)
+        if cls is Config and name != "train":
+            assert "(#minimal-fsdp-train)" in text and "| flag |" not in text, name
+            continue
+        assert re.findall(r"^### \[(\w+)\]$", text, re.M) == list(sections(cls)), name
+        rows = re.findall(r"^\| `(?:-- )?(?:--)?(\w+)", text, re.M)
+        assert rows == [f.name.upper() if f.metadata["positional"] else f.name
+                        for section in sections(cls) for f in dataclasses.fields(cls)
+                        if f.metadata["section"] == section], name
+        options = {s for a in build_command_parser(cls)._actions for s in a.option_strings}
+        for f in dataclasses.fields(cls):
+            if not f.metadata["positional"]:
+                assert f"--{f.name}" in options, f"{name}: --{f.name} in docs/flags.md but not in --help"
 
 
 def test_every_field_is_in_help_and_in_flags_md():
     parser = build_parser()
     options = {s for action in parser._actions for s in action.option_strings}
-    help_text, doc = parser.format_help(), flags_doc.DOC.read_text(encoding="utf-8")
+    help_text, doc = parser.format_help(), section_of(flags_doc.DOC.read_text(encoding="utf-8"), "train")
     for f in dataclasses.fields(Config):
         names = [f"--{f.name}"] + ([f"--no-{f.name}"] if f.type is bool else [])
         for name in names:
@@ -36,8 +75,8 @@ def test_every_field_is_in_help_and_in_flags_md():
 
 
 def test_rows_follow_the_dataclass():
-    doc = flags_doc.render()
-    assert re.findall(r"^## \[(\w+)\]$", doc, re.M) == list(SECTIONS)
+    doc = section_of(flags_doc.render(), "train")
+    assert re.findall(r"^### \[(\w+)\]$", doc, re.M) == list(SECTIONS)
     assert re.findall(r"^\| `--(\w+)`", doc, re.M) == FIELDS  # grouped by section, in the dataclass's order
     row = next(line for line in doc.splitlines() if line.startswith("| `--sharding`"))
     assert row.split(" | ")[1:4] == ["str", "`full-shard`", ", ".join(
@@ -45,6 +84,22 @@ def test_rows_follow_the_dataclass():
     assert "| `--compile`, `--no-compile` | bool | off |" in doc
     assert "| `--tensorboard`, `--no-tensorboard` | bool | on |" in doc
     assert "step_\\<N>" in doc  # escaped, else Markdown reads <N> as an HTML tag and drops it
+
+
+def test_other_commands_rows():
+    doc = flags_doc.render()
+    assert "| `SOURCE` | str | required |" in section_of(doc, "sample")
+    assert "| `--prompt` | str | empty |" in section_of(doc, "sample")
+    assert "| `-- COMMAND ...` | list | required |" in section_of(doc, "cluster")
+    assert "| `RUN_DIR ...` | list | required |" in section_of(doc, "plot")
+    assert "| `--format` | str | `safetensors` | `safetensors`, `hf` |" in section_of(doc, "export")
+
+
+def test_a_default_computed_from_the_machine_is_written_as_what_it_means():
+    """prepare's --num_proc defaults to the CPU count: the file must not change with the machine."""
+    num_proc = next(f for f in dataclasses.fields(PrepareFlags) if f.name == "num_proc")
+    assert num_proc.default == (os.cpu_count() or 1)
+    assert "| `--num_proc` | int | the CPU count |" in section_of(flags_doc.render(), "prepare")
 
 
 def test_toml_example_is_a_valid_config_file(tmp_path):
