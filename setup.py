@@ -24,7 +24,7 @@ setup(
         # No upper bound, so that newer torch can take the newer torchao it needs.
         "fp8": ["torchao>=0.16"],
         "debug": ["debugpy"],  # attaching VS Code to one rank (.vscode/launch.json)
-        # --device xla (docs/xla.md): torch_xla's last release, 2.9, works with torch 2.9 only.
+        # --device xla (docs/parallelism.md): torch_xla's last release, 2.9, works with torch 2.9 only.
         "xla": ["torch==2.9.*", "torch_xla==2.9.*"],
         # --hf_model with a hub name (a local directory needs nothing extra).
         "hf": ["huggingface_hub"],

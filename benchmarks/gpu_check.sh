@@ -16,7 +16,7 @@ NG=${NG:-$(( $(nvidia-smi -L | wc -l) < 4 ? $(nvidia-smi -L | wc -l) : 4 ))}
 RECIPE_S="--dataset text --input_file data/shakespeare/input.txt --tokenizer char --num_layers 6 --num_heads 6 --embed_size 384 --seq_length 256 --batch_size 64 --dropout 0.2 --no-bias --lr 1e-3 --min_lr 1e-4 --beta2 0.99 --warmup_steps 100 --max_steps 5000 --max_epochs 1000 --precision bf16 --compile --eval_batches 200"
 parts=${*:-tests default throughput}
 
-fp8_setup() {  # torchao for --precision fp8, from the wheel carried in .whl/ (docs/fp8.md)
+fp8_setup() {  # torchao for --precision fp8, from the wheel carried in .whl/ (docs/performance.md)
   python3 -c "import torchao" 2>/dev/null || {
     wheel=$(ls .whl/torchao-*.whl 2>/dev/null | head -1)
     [ -n "$wheel" ] || { echo "no torchao and no .whl/torchao-*.whl to install it from"; return 1; }

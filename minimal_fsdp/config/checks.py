@@ -122,7 +122,7 @@ def check_parallel(cfg):
     if cfg.fp8_recipe != "tensorwise" and cfg.precision != "fp8":
         raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} applies with --precision fp8: add it")
     if cfg.precision == "fp8" and not cfg.generate_only and importlib.util.find_spec("torchao") is None:
-        raise ConfigError("--precision fp8 needs torchao: pip install -e \".[fp8]\" (offline: see docs/fp8.md)")
+        raise ConfigError("--precision fp8 needs torchao: pip install -e \".[fp8]\" (offline: see docs/performance.md)")
     if cfg.recompute != "full" and not cfg.activation_checkpoints:
         raise ConfigError(f"--recompute {cfg.recompute} applies with --activation_checkpoints: add it")
 
@@ -260,7 +260,7 @@ def validate_xla(cfg):
     for name, given in unsupported.items():
         if given:
             raise ConfigError(f"--{name} is not available with --device xla, which shards every parameter over "
-                              "all devices with SPMD and compiles each step whole (docs/xla.md): drop it")
+                              "all devices with SPMD and compiles each step whole (docs/parallelism.md): drop it")
 
 
 def validate_world(cfg, world_size, local_world_size, local_world_sizes=()):

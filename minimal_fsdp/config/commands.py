@@ -157,7 +157,7 @@ class ClusterFlags:
     USAGE: ClassVar[str] = "minimal-fsdp cluster [--hosts N] [--FLAG VALUE ...] -- COMMAND ..."
     DESCRIPTION: ClassVar[str] = ("Virtual hosts on one Linux machine (network namespaces; needs root and "
                                   "pyroute2): make them, run COMMAND on the first as a job script, tear down "
-                                  "(docs/virtual_cluster.md).")
+                                  "(docs/launch.md).")
     hosts: int = flag(2, "hosts to make", section="cluster")
     slots: int = flag(1, "times each host is listed in PBS_NODEFILE", section="cluster")
     rate: str = flag(None, "each host's link rate, e.g. 10gbit (up to 34gbit; unshaped above)",

@@ -100,14 +100,14 @@ class Config:
     # parallelism
     device: str = flag("auto", "auto: CUDA GPUs if present, else CPU; xla: PyTorch/XLA (TPU, or XLA:CPU with "
                        "PJRT_DEVICE=CPU), one process per host, parameters sharded over all devices with SPMD "
-                       "(docs/xla.md)", DEVICE, "parallel")
+                       "(docs/parallelism.md)", DEVICE, "parallel")
     sharding: str = flag("full-shard", "FSDP sharding strategy", SHARDING, "parallel")
     shard_group_size: int = flag(None, "ranks per shard group for hybrid sharding (default: ranks per node)",
                                  section="parallel")
     precision: str = flag("float32", "float32; bf16 params/compute with fp32 master weights (and fp32 reduction: "
                                      "--reduce_precision); or fp8: bf16 plus float8 matmuls in the blocks' large "
                                      "linear layers (torchao; GPUs of compute capability 8.9+: H100, H200, L40S; see "
-                                     "docs/fp8.md)", PRECISION,
+                                     "docs/performance.md)", PRECISION,
                           "parallel")
     fp8_recipe: str = flag("tensorwise", "--precision fp8's scaling: tensorwise (one scale per tensor; FSDP "
                                          "all-gathers the weights in float8) or rowwise (a scale per row: more "

@@ -15,7 +15,7 @@ failure and Ctrl-C too; the namespaces of a cluster whose owner was killed are s
 
 The command runs its COMMAND on the first host, as a batch script runs on a job's first node, with PBS_NODEFILE, a
 hostfile and a stand-in for ssh (first in PATH, and named to Hydra and Open MPI) that enters the named host.
-See docs/virtual_cluster.md.
+See docs/launch.md, "Rehearse on virtual hosts".
 """
 import contextlib
 import ctypes

@@ -1,7 +1,7 @@
 """--device xla (xla.py): the tiny GPT and Llama trained by torch_xla SPMD (FSDPv2) on 4 XLA:CPU devices match one
 CPU rank of the ordinary path; checkpoints move between XLA and CPU runs both ways; generation from them; the
-flag's errors. Runs where torch_xla is installed (docs/xla.md: torch 2.9 + torch_xla 2.9); the config checks, and
-the run's wiring under a stand-in torch_xla (fake_torch_xla.py: one device, the CPU), run everywhere."""
+flag's errors. Runs where torch_xla is installed (docs/parallelism.md: torch 2.9 + torch_xla 2.9); the config
+checks, and the run's wiring under a stand-in torch_xla (fake_torch_xla.py: one device, the CPU), run everywhere."""
 import importlib.util
 import io
 import json

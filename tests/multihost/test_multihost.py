@@ -326,7 +326,7 @@ def doc_command(doc, starts):
 
 @pytest.mark.slow
 def test_the_docs_rehearsal_trains_across_hosts_after_a_finished_run_and_says_what_it_proved(work):
-    """docs/virtual_cluster.md's command used to resume the quick start's finished run, train 0 steps, send no
+    """docs/launch.md's rehearsal command used to resume the quick start's finished run, train 0 steps, send no
     collective across the hosts and exit 0. After a finished run of the default name it trains a run of its
     own across both hosts and reports the hosts, ranks, interface and bytes."""
     import subprocess
@@ -334,7 +334,7 @@ def test_the_docs_rehearsal_trains_across_hosts_after_a_finished_run_and_says_wh
                    env=base_env(), check=True, capture_output=True, timeout=300)  # the quick start, short
     assert (work / "checkpoints" / "shakespeare" / "step_2").is_dir()
     (work / "pbs").symlink_to(ROOT / "pbs")  # the command runs from a checkout; the run's files stay here
-    command = doc_command("virtual_cluster.md", "minimal-fsdp cluster --hosts 2 --slots 2")
+    command = doc_command("launch.md", "minimal-fsdp cluster --hosts 2 --slots 2")
     command = command.replace("minimal-fsdp", f"{sys.executable} -m minimal_fsdp", 1)
     result = subprocess.run(["bash", "-c", command], cwd=work, env=base_env(REPO=ROOT), capture_output=True,
                             text=True, timeout=600)  # a bound on a hang only
