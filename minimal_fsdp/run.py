@@ -192,7 +192,8 @@ def check_fits(cfg, env, model_config):
     lower = c.vocab_size * c.embed_size + c.num_layers * 2 * c.embed_size ** 2
     check_sizes(cfg, c.seq_length, lower, env.local_world_size, free, env.device.type, env.world_size, at_least=True)
     num_params = count_parameters(c).total
-    check_sizes(cfg, c.seq_length, num_params, env.local_world_size, free, env.device.type, env.world_size)
+    check_sizes(cfg, c.seq_length, num_params, env.local_world_size, free, env.device.type, env.world_size,
+                vocab_size=c.vocab_size)
 
 
 def model_differences(saved, model_config):

@@ -104,18 +104,19 @@ class Config:
     sharding: str = flag("full-shard", "FSDP sharding strategy", SHARDING, "parallel")
     shard_group_size: int = flag(None, "ranks per shard group for hybrid sharding (default: ranks per node)",
                                  section="parallel")
-    precision: str = flag("float32", "float32; bf16 params/compute with fp32 master weights (and fp32 reduction: "
-                                     "--reduce_precision); or fp8: bf16 plus float8 matmuls in the blocks' large "
+    precision: str = flag("float32", "float32; bf16 params/compute with fp32 master weights (gradients summed as "
+                                     "--reduce_precision says); or fp8: bf16 plus float8 matmuls in the blocks' large "
                                      "linear layers (torchao; GPUs of compute capability 8.9+: H100, H200, L40S; see "
                                      "docs/performance.md)", PRECISION,
                           "parallel")
     fp8_recipe: str = flag("tensorwise", "--precision fp8's scaling: tensorwise (one scale per tensor; FSDP "
                                          "all-gathers the weights in float8) or rowwise (a scale per row: more "
                                          "accurate, slower)", FP8_RECIPES, "parallel")
-    reduce_precision: str = flag("float32", "the dtype gradients are summed across ranks in (FSDP's reduce-scatter, "
+    reduce_precision: str = flag("auto", "the dtype gradients are summed across ranks in (FSDP's reduce-scatter, "
                                  "DDP's all-reduce): bf16 sends half the bytes, for a slow network between hosts, "
                                  "at bf16's rounding of the sums (FSDP2 also adds --grad_accum_steps' micro-steps "
-                                 "in it); the master weights and optimizer stay fp32",
+                                 "in it); the master weights and optimizer stay fp32. auto: bf16 where the ranks "
+                                 "span hosts and the matmuls run in bf16 or fp8, else float32",
                                  REDUCE_PRECISION, "parallel")
     fsdp_unit: str = flag("auto", "what is gathered and freed at once: block (one transformer block at a time by "
                           "FSDP2, communication overlapped with compute: large models) or model (the whole model "
