@@ -301,8 +301,8 @@ def check_sizes(cfg, seq_length, num_params, processes, device_free, device="cpu
              host's `processes`;
       model: its fp32 weights where they are built (`device`, with `device_free` bytes free; a CPU's memory is
              shared by the host's processes): whole, or (--meta_init) a 1/`ranks` shard.
-      logits: on a CPU (vocab_size given), one fp32 copy of a micro-batch's logits in each process (CUDA's
-             fused loss never holds them whole).
+      logits: on a CPU (vocab_size given), a micro-batch's fp32 logits, their log-softmax and their gradient
+             in each process (CUDA's fused loss never holds them whole).
     device_free None: unknown, not checked. at_least: num_params is a lower bound (counted without torch, before
     an absurd shape could overflow torch's size arithmetic)."""
     host_free = host_memory_available()
@@ -312,10 +312,10 @@ def check_sizes(cfg, seq_length, num_params, processes, device_free, device="cpu
                           f"takes {batch / GiB:.3g} GiB of host memory over this host's {processes} process(es), "
                           f"more than the {host_free / GiB:.3g} GiB free: lower --batch_size (raise "
                           "--grad_accum_steps to keep the tokens per step)")
-    logits = cfg.batch_size * seq_length * (vocab_size or 0) * 4 * processes
+    logits = 3 * cfg.batch_size * seq_length * (vocab_size or 0) * 4 * processes
     if device == "cpu" and device_free is not None and logits > device_free:
         raise ConfigError(f"--vocab_size {vocab_size:,} with --batch_size {cfg.batch_size}: a micro-batch's logits "
-                          f"({cfg.batch_size} x {seq_length} x {vocab_size:,}) take {logits / GiB:.3g} GiB in fp32 "
+                          f"({cfg.batch_size} x {seq_length} x {vocab_size:,}, three fp32 copies) take {logits / GiB:.3g} GiB "
                           f"over this host's {processes} process(es), more than the {device_free / GiB:.3g} GiB "
                           "free: lower --batch_size (raise --grad_accum_steps to keep the tokens per step)")
     weights = num_params * 4 * (processes if device == "cpu" else 1) // (ranks if cfg.meta_init else 1)

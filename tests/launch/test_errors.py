@@ -58,9 +58,10 @@ def test_gpt2_tokenizer_offline_without_cache(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--batch_size", "1000000000"], ["--batch_size", "1000000000"]),
-    (["--vocab_size", "1000000000000"], ["32,000,000,004,096", "--vocab_size"]),  # the model's parameters
-    (["--embed_size", "1000000000000", "--num_heads", "1"], ["--embed_size"]),  # beyond torch's size arithmetic
+    # within --batch_size's range (a checkpoint's), beyond any machine's memory for its token ids
+    (["--batch_size", "16000000", "--seq_length", "1024"], ["--batch_size", "16000000"]),
+    (["--vocab_size", "16000000"], ["--vocab_size", "16,000,000", "logits"]),  # a CPU's logits
+    (["--embed_size", "262144", "--num_heads", "1"], ["--embed_size", "parameters"]),  # the parameters
 ])
 @pytest.mark.slow
 def test_sizes_beyond_the_machine_are_refused_before_allocating(tmp_path, corpus, args, words):
