@@ -263,7 +263,7 @@ def test_sizes_are_checked_against_free_memory(capsys, monkeypatch):
                               ranks=8)  # a shard of it fits
     # a CPU's logits: 16 x 128 x 50,304 fp32, three copies (logits, log-softmax, gradient), 2 processes: 2.3 GiB
     cfg = parse_args(["--batch_size", "16"])
-    names(one_error_line(capsys, config_checks.check_sizes, cfg, 128, 1000, 2, 2**31, "cpu", vocab_size=50_304),
+    names(one_error_line(capsys, config_checks.check_sizes, cfg, 128, 1000, 2, 2**31, "cpu", 1, False, 50_304),
           "--vocab_size 50,304", "--batch_size 16", "2.3 GiB")
     config_checks.check_sizes(cfg, 128, 1000, 2, 2**31, "cuda", vocab_size=50_304)  # CUDA's fused loss: not held
     config_checks.check_sizes(cfg, 128, 1000, 2, 2**33, "cpu", vocab_size=50_304)  # fits in 8 GiB
