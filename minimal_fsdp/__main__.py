@@ -1,29 +1,69 @@
-"""The command line: `minimal-fsdp COMMAND [flags]` (the console script) or `python -m minimal_fsdp COMMAND`.
+"""The command line: `minimal-fsdp COMMAND [flags]` (the console script) or `python -m minimal_fsdp
+COMMAND`.
 
-COMMANDS is the whole table: a command's name -> its flags dataclass, the module whose main() runs it, and one
-line of help. A command's flags are parsed (config.parser) before its module is imported, so --help and bad
-flags answer without importing torch; the module's main then gets the parsed flags.
+COMMANDS is the whole table: a command's name -> its flags dataclass, the module whose main() runs
+it, and one line of help. A command's flags are parsed (config.parser) before its module is
+imported, so --help and bad flags answer without importing torch; the module's main then gets the
+parsed flags.
 """
+
 import importlib
 import sys
 
-from minimal_fsdp.config.commands import (ClusterFlags, EvaluateFlags, ExportFlags, PlanFlags, PlotFlags,
-                                          PrepareFlags, SampleFlags)
+from minimal_fsdp.config.commands import (
+    ClusterFlags,
+    EvaluateFlags,
+    ExportFlags,
+    PlanFlags,
+    PlotFlags,
+    PrepareFlags,
+    SampleFlags,
+)
 from minimal_fsdp.config.flags import Config, one_line_errors
 from minimal_fsdp.config.parser import parse
 
 COMMANDS = {
-    "train": (Config, "minimal_fsdp.run", "pre-train a GPT or Llama with FSDP2 (as basic_training.py)"),
-    "sample": (SampleFlags, "minimal_fsdp.inference.sample", "text from a checkpoint, an export or a Hugging "
-                                                               "Face model"),
-    "evaluate": (EvaluateFlags, "minimal_fsdp.eval.evaluate", "lm-evaluation-harness tasks on a trained model"),
-    "export": (ExportFlags, "minimal_fsdp.hf.export", "a checkpoint -> safetensors or a Hugging Face directory"),
-    "prepare": (PrepareFlags, "minimal_fsdp.data.prepare", "tokenize a dataset into train.bin and val.bin"),
-    "progress": (Config, "minimal_fsdp.tools.progress", "how far a run has trained (STEP LAST_STEP), for job "
-                                                          "chains; takes the run's training flags"),
-    "plan": (PlanFlags, "minimal_fsdp.tools.model_size", "memory and step time of every strategy: what fits"),
-    "cluster": (ClusterFlags, "minimal_fsdp.tools.virtual_cluster", "virtual hosts on one machine, to rehearse "
-                                                                     "a multi-node job (root)"),
+    "train": (
+        Config,
+        "minimal_fsdp.run",
+        "pre-train a GPT or Llama with FSDP2 (as basic_training.py)",
+    ),
+    "sample": (
+        SampleFlags,
+        "minimal_fsdp.inference.sample",
+        "text from a checkpoint, an export or a Hugging Face model",
+    ),
+    "evaluate": (
+        EvaluateFlags,
+        "minimal_fsdp.eval.evaluate",
+        "lm-evaluation-harness tasks on a trained model",
+    ),
+    "export": (
+        ExportFlags,
+        "minimal_fsdp.hf.export",
+        "a checkpoint -> safetensors or a Hugging Face directory",
+    ),
+    "prepare": (
+        PrepareFlags,
+        "minimal_fsdp.data.prepare",
+        "tokenize a dataset into train.bin and val.bin",
+    ),
+    "progress": (
+        Config,
+        "minimal_fsdp.tools.progress",
+        "how far a run has trained (STEP LAST_STEP), for job "
+        "chains; takes the run's training flags",
+    ),
+    "plan": (
+        PlanFlags,
+        "minimal_fsdp.tools.model_size",
+        "memory and step time of every strategy: what fits",
+    ),
+    "cluster": (
+        ClusterFlags,
+        "minimal_fsdp.tools.virtual_cluster",
+        "virtual hosts on one machine, to rehearse a multi-node job (root)",
+    ),
     "plot": (PlotFlags, "minimal_fsdp.tools.plot", "a run's loss curves as a PNG"),
 }
 
@@ -31,9 +71,11 @@ COMMANDS = {
 def usage():
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {summary}" for name, (_, _, summary) in COMMANDS.items()]
-    return ("usage: minimal-fsdp COMMAND [--config FILE.toml] [--FLAG VALUE ...]   (python -m minimal_fsdp: "
-            "the same)\n\ncommands:\n" + "\n".join(lines) + "\n\n`minimal-fsdp COMMAND --help` lists a "
-            "command's flags, with their defaults.")
+    return (
+        "usage: minimal-fsdp COMMAND [--config FILE.toml] [--FLAG VALUE ...]   (python -m "
+        "minimal_fsdp: the same)\n\ncommands:\n" + "\n".join(lines) + "\n\n`minimal-fsdp COMMAND "
+        "--help` lists a command's flags, with their defaults."
+    )
 
 
 def main(argv=None):

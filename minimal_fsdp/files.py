@@ -1,15 +1,17 @@
-"""File-system safety: files written atomically, hostile files read without blocking or following links
-(open_regular, read_json), and one training run at a time per run directory.
+"""File-system safety: files written atomically, hostile files read without blocking or following
+links (open_regular, read_json), and one training run at a time per run directory.
 
-A run directory (<checkpoint_dir>/<run_name>, <log_dir>/<run_name>) holds one lock file, `.lock`, while a
-training run uses it: who holds it (host, pid, scheduler job) and a heartbeat (its modification time, touched
-every few seconds). A second run refuses to start, in one line. A lock is taken over only when its holder is
-provably gone: at once when the holder ran on this host and its process has ended; otherwise once its heartbeat
-has been silent for STALE_AFTER seconds. The same scheduler job id is no proof: two job steps of one job (or a
-requeued job whose first attempt still runs elsewhere) can hold and want the same directory at once.
-Only O_EXCL file creation, rename and mtime are used, so it works on parallel file systems (Lustre, GPFS,
-NFSv4) where fcntl/flock locks are often disabled or local to a node.
+A run directory (<checkpoint_dir>/<run_name>, <log_dir>/<run_name>) holds one lock file, `.lock`,
+while a training run uses it: who holds it (host, pid, scheduler job) and a heartbeat (its
+modification time, touched every few seconds). A second run refuses to start, in one line. A lock is
+taken over only when its holder is provably gone: at once when the holder ran on this host and its
+process has ended; otherwise once its heartbeat has been silent for STALE_AFTER seconds. The same
+scheduler job id is no proof: two job steps of one job (or a requeued job whose first attempt still
+runs elsewhere) can hold and want the same directory at once. Only O_EXCL file creation, rename and
+mtime are used, so it works on parallel file systems (Lustre, GPFS, NFSv4) where fcntl/flock locks
+are often disabled or local to a node.
 """
+
 import datetime
 import errno
 import json
@@ -29,7 +31,8 @@ from minimal_fsdp.config.choices import ConfigError
 LOCK_NAME = ".lock"
 HEARTBEAT = 10.0  # seconds between touches of a held lock
 STALE_AFTER = 60.0  # a lock untouched this long belongs to a run that died
-MAX_LOCK_BYTES = 2**16  # a lock holds one short JSON line (host, pid, job, command cut at 500 characters)
+# a lock holds one short JSON line (host, pid, job, command cut at 500 characters)
+MAX_LOCK_BYTES = 2**16
 _held = {}  # lock path -> token, for the locks this process holds
 # Names only an interrupted writer leaves behind (clean_leftovers).
 LEFTOVER = re.compile(r"\..+\.tmp\d+|\.lock\.stale-[0-9a-f]+|\.tmp-(old-)?step_\d+")
@@ -40,9 +43,10 @@ class LockError(ConfigError):
 
 
 def write_atomic(path, write, durable=False):
-    """Call write(tmp) on a temporary file beside `path`, then rename it to `path`: no reader ever sees half of it.
-    The pid in the name keeps concurrent writers (ranks sharing a file system) apart; a failed write leaves no
-    temporary behind. durable: the data and the rename also survive a power cut (fsync of file and directory)."""
+    """Call write(tmp) on a temporary file beside `path`, then rename it to `path`: no reader ever
+    sees half of it. The pid in the name keeps concurrent writers (ranks sharing a file system)
+    apart; a failed write leaves no temporary behind. durable: the data and the rename also survive
+    a power cut (fsync of file and directory)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -70,8 +74,9 @@ def _job_id():
 
 
 def _read_holder(path):
-    """The lock's JSON, or {} if it cannot be read (being written, or damaged: then only its age counts). Read
-    through open_regular: a FIFO, device or link put there is never opened (it would block, or never end)."""
+    """The lock's JSON, or {} if it cannot be read (being written, or damaged: then only its age
+    counts). Read through open_regular: a FIFO, device or link put there is never opened (it would
+    block, or never end)."""
     try:
         return read_json(path, MAX_LOCK_BYTES, 4)
     except (OSError, ValueError):
@@ -79,8 +84,9 @@ def _read_holder(path):
 
 
 def _check_lock_file(path, flag):
-    """LockError if `path` exists and is not a regular file: nothing this program writes (a FIFO, a device, a
-    directory or a symbolic link); it is neither read nor taken over, and the user is told what to remove."""
+    """LockError if `path` exists and is not a regular file: nothing this program writes (a FIFO, a
+    device, a directory or a symbolic link); it is neither read nor taken over, and the user is told
+    what to remove."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -88,11 +94,21 @@ def _check_lock_file(path, flag):
     except OSError as e:
         raise LockError(f"{flag}: cannot read the lock file {path}: {e.strerror or e}") from None
     if not stat.S_ISREG(mode):
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode) else
-                "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
-                "a socket")
-        raise LockError(f"{flag}: the run lock {path} is {kind}, not a lock file this program wrote: remove it "
-                        "if no training run uses this directory")
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a symbolic link"
+            if stat.S_ISLNK(mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket"
+        )
+        raise LockError(
+            f"{flag}: the run lock {path} is {kind}, not a lock file this program wrote: remove it "
+            "if no training run uses this directory"
+        )
 
 
 def _pid_alive(pid):
@@ -106,7 +122,8 @@ def _pid_alive(pid):
 
 
 def _boot_id():
-    """This host's boot (Linux), so that a pid recorded before a reboot is not taken for a live process."""
+    """This host's boot (Linux), so that a pid recorded before a reboot is not taken for a live
+    process."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -114,8 +131,8 @@ def _boot_id():
 
 
 def _start_time(pid):
-    """When process `pid` started, in clock ticks since boot (Linux), or None: a pid reused by another process
-    (a restarted container's pid 1, say) has another start time."""
+    """When process `pid` started, in clock ticks since boot (Linux), or None: a pid reused by
+    another process (a restarted container's pid 1, say) has another start time."""
     try:
         return int(Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[19])
     except (OSError, ValueError, TypeError, IndexError):
@@ -123,15 +140,18 @@ def _start_time(pid):
 
 
 def _holder_gone(holder):
-    """Whether the lock's holder provably ended: it ran on this host and its process is gone (this host has
-    rebooted since, or its pid is free, or now names a process started at another time)."""
+    """Whether the lock's holder provably ended: it ran on this host and its process is gone (this
+    host has rebooted since, or its pid is free, or now names a process started at another time)."""
     if holder.get("host") != socket.gethostname():
         return False  # another host's process: only its silent heartbeat can tell
     if holder.get("boot") and _boot_id() and holder["boot"] != _boot_id():
         return True
     if not _pid_alive(holder.get("pid")):
         return True
-    return holder.get("start") is not None and _start_time(holder["pid"]) not in (None, holder["start"])
+    return holder.get("start") is not None and _start_time(holder["pid"]) not in (
+        None,
+        holder["start"],
+    )
 
 
 def _stale(path, holder):
@@ -146,7 +166,8 @@ def _stale(path, holder):
 
 
 class RunLock:
-    """Held by rank 0 of a training run for the run's lifetime, over its checkpoint and log directories."""
+    """Held by rank 0 of a training run for the run's lifetime, over its checkpoint and log
+    directories."""
 
     def __init__(self, directories):
         """directories: {what the user set, e.g. "--checkpoint_dir": the run directory under it}."""
@@ -159,8 +180,9 @@ class RunLock:
         self.thread = None
 
     def acquire(self, wait=STALE_AFTER + 2 * HEARTBEAT):
-        """Take every lock, or raise LockError. A lock held from another host is waited on for up to `wait`
-        seconds (it may be a run that was killed a moment ago, whose heartbeat has not gone stale yet)."""
+        """Take every lock, or raise LockError. A lock held from another host is waited on for up to
+        `wait` seconds (it may be a run that was killed a moment ago, whose heartbeat has not gone
+        stale yet)."""
         taken = []
         try:
             for path in self.paths:
@@ -179,12 +201,22 @@ class RunLock:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise LockError(f"{self.flags[str(path)]}: cannot create the run directory {path.parent}: "
-                            f"{e.strerror or e}") from None
-        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "boot": _boot_id(),
-                           "start": _start_time(os.getpid()), "job": _job_id(), "token": self.token,
-                           "started": datetime.datetime.now().isoformat(timespec="seconds"),
-                           "command": " ".join(sys.argv)[:500]})
+            raise LockError(
+                f"{self.flags[str(path)]}: cannot create the run directory {path.parent}: "
+                f"{e.strerror or e}"
+            ) from None
+        info = json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "boot": _boot_id(),
+                "start": _start_time(os.getpid()),
+                "job": _job_id(),
+                "token": self.token,
+                "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                "command": " ".join(sys.argv)[:500],
+            }
+        )
         while True:
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
@@ -192,38 +224,50 @@ class RunLock:
                 _check_lock_file(path, self.flags[str(path)])
                 holder = _read_holder(path)
                 if _stale(path, holder):
-                    # Renamed, not deleted, so that of two runs taking it over at once usually only one
-                    # succeeds; in the microseconds where both can, the loser learns it at its first save
-                    # (check_lock).
+                    # Renamed, not deleted, so that of two runs taking it over at once usually only
+                    # one succeeds; in the microseconds where both can, the loser learns it at its
+                    # first save (check_lock).
                     try:
                         os.replace(path, path.with_name(f"{LOCK_NAME}.stale-{self.token}"))
                         path.with_name(f"{LOCK_NAME}.stale-{self.token}").unlink()
-                        print(f"warning: {path.parent}: taking over the lock of a run that ended without releasing "
-                              f"it ({_describe(holder)})", file=sys.stderr, flush=True)
+                        print(
+                            f"warning: {path.parent}: taking over the lock of a run that ended "
+                            f"without releasing it ({_describe(holder)})",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     except FileNotFoundError:
                         pass
                     except OSError as e:  # a run directory made read-only (or immutable) since
-                        raise LockError(f"{self.flags[str(path)]}: cannot take over the stale lock {path} of a run "
-                                        f"that ended ({_describe(holder)}): {e.strerror or e}") from None
+                        raise LockError(
+                            f"{self.flags[str(path)]}: cannot take over the stale lock {path} of a "
+                            f"run that ended ({_describe(holder)}): {e.strerror or e}"
+                        ) from None
                     continue
                 other_host = holder.get("host") not in (None, socket.gethostname())
                 if other_host and time.monotonic() < deadline:
                     time.sleep(min(HEARTBEAT / 2, max(0.1, deadline - time.monotonic())))
                     continue
-                raise LockError(f"{path.parent} is in use by another training run ({_describe(holder)}): give this "
-                                f"run another --run_name, or wait for that one to end (a run that died leaves "
-                                f"{path}, taken over once it has been untouched for {STALE_AFTER:.0f} s)") from None
+                raise LockError(
+                    f"{path.parent} is in use by another training run ({_describe(holder)}): give "
+                    f"this run another --run_name, or wait for that one to end (a run that died "
+                    f"leaves {path}, taken over once it has been untouched for {STALE_AFTER:.0f} s)"
+                ) from None
             except OSError as e:
-                raise LockError(f"{self.flags[str(path)]}: cannot write in the run directory {path.parent}: "
-                                f"{e.strerror or e}") from None
+                raise LockError(
+                    f"{self.flags[str(path)]}: cannot write in the run directory {path.parent}: "
+                    f"{e.strerror or e}"
+                ) from None
             try:
                 os.write(fd, info.encode())
                 os.fsync(fd)
             except OSError as e:
                 os.close(fd)
                 path.unlink(missing_ok=True)
-                raise LockError(f"{self.flags[str(path)]}: cannot write in the run directory {path.parent}: "
-                                f"{e.strerror or e}") from None
+                raise LockError(
+                    f"{self.flags[str(path)]}: cannot write in the run directory {path.parent}: "
+                    f"{e.strerror or e}"
+                ) from None
             os.close(fd)
             _held[str(path)] = self.token
             return
@@ -243,7 +287,8 @@ class RunLock:
             path.unlink(missing_ok=True)
 
     def release(self):
-        """Give the locks back (a no-op where acquire did not succeed, e.g. on ranks other than 0)."""
+        """Give the locks back (a no-op where acquire did not succeed, e.g. on ranks other than
+        0)."""
         if self.thread is None:
             return
         self.stopped.set()
@@ -257,7 +302,8 @@ class RunLock:
 
 
 def drop_held_locks():
-    """Remove the locks this process holds, at once: for an exit that skips every `finally` (Ctrl-C twice)."""
+    """Remove the locks this process holds, at once: for an exit that skips every `finally` (Ctrl-C
+    twice)."""
     for path, token in list(_held.items()):
         try:
             if _read_holder(Path(path)).get("token") == token:
@@ -267,10 +313,11 @@ def drop_held_locks():
 
 
 def clean_leftovers(directory):
-    """Remove what writers killed mid-write left in a run directory whose lock this process has just taken:
-    write_atomic's temporaries (`.latest.tmp<pid>`), a take-over's `.lock.stale-*`, a save's `.tmp-step_N` and a
-    replaced or pruned checkpoint's `.tmp-old-step_N`; the last is put back as `step_N` when that is missing (the
-    save that moved it aside died before its own rename). Best effort: what cannot be removed stays."""
+    """Remove what writers killed mid-write left in a run directory whose lock this process has just
+    taken: write_atomic's temporaries (`.latest.tmp<pid>`), a take-over's `.lock.stale-*`, a save's
+    `.tmp-step_N` and a replaced or pruned checkpoint's `.tmp-old-step_N`; the last is put back as
+    `step_N` when that is missing (the save that moved it aside died before its own rename). Best
+    effort: what cannot be removed stays."""
     try:
         entries = list(os.scandir(directory))
     except OSError:
@@ -280,7 +327,7 @@ def clean_leftovers(directory):
             continue
         path = Path(entry.path)
         try:
-            original = path.with_name(entry.name[len(".tmp-old-"):])
+            original = path.with_name(entry.name[len(".tmp-old-") :])
             if entry.name.startswith(".tmp-old-") and not os.path.lexists(original):
                 os.replace(path, original)
             elif entry.is_dir(follow_symlinks=False):
@@ -295,41 +342,53 @@ def _describe(holder):
     if not holder:
         return "unreadable lock file"
     job = f", job {holder['job']}" if holder.get("job") else ""
-    return f"host {holder.get('host')}, pid {holder.get('pid')}{job}, started {holder.get('started')}"
+    return (
+        f"host {holder.get('host')}, pid {holder.get('pid')}{job}, started {holder.get('started')}"
+    )
 
 
 def check_lock(directory):
-    """Raise LockError if another run has taken over `directory`'s lock from this process (its heartbeat
-    stalled past STALE_AFTER): then this run must not write there any more. A directory this process never
-    locked (a test calling the saver directly) passes."""
+    """Raise LockError if another run has taken over `directory`'s lock from this process (its
+    heartbeat stalled past STALE_AFTER): then this run must not write there any more. A directory
+    this process never locked (a test calling the saver directly) passes."""
     path = Path(directory) / LOCK_NAME
     token = _held.get(str(path))
     if token is not None and _read_holder(path).get("token") != token:
-        raise LockError(f"another run took over {directory} (see {path}): this run stops without writing there")
+        raise LockError(
+            f"another run took over {directory} (see {path}): this run stops without writing there"
+        )
 
 
 # ---- reading a file that may be hostile (a checkpoint's, a model directory's) ----
 
+
 def open_regular(path, max_bytes=None):
-    """`path` opened for binary reading if it is a regular file (of at most max_bytes), else OSError. A device,
-    FIFO, socket or symbolic link in a checkpoint is refused before it is opened (reading /dev/zero or a FIFO would
-    never end); the file is opened without following links and without waiting, then checked again."""
+    """`path` opened for binary reading if it is a regular file (of at most max_bytes), else
+    OSError. A device, FIFO, socket or symbolic link in a checkpoint is refused before it is opened
+    (reading /dev/zero or a FIFO would never end); the file is opened without following links and
+    without waiting, then checked again."""
     if not stat.S_ISREG(os.lstat(path).st_mode):
-        raise OSError(errno.EINVAL, "not a regular file (a link, directory, device or FIFO)", str(path))
+        raise OSError(
+            errno.EINVAL, "not a regular file (a link, directory, device or FIFO)", str(path)
+        )
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or max_bytes is not None and info.st_size > max_bytes:
         os.close(fd)
-        why = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes, over {max_bytes}"
+        why = (
+            "not a regular file"
+            if not stat.S_ISREG(info.st_mode)
+            else f"{info.st_size} bytes, over {max_bytes}"
+        )
         raise OSError(errno.EFBIG if "bytes" in why else errno.EINVAL, why, str(path))
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
 
 
 def read_json(path, max_bytes, max_depth=32):
-    """The JSON object in `path`, a regular file of at most max_bytes (open_regular), nested at most max_depth
-    deep: json.loads recurses once per level, so a deeply nested file would end in RecursionError. Raises
-    OSError, or ValueError whose text completes "<file> ..." in one line."""
+    """The JSON object in `path`, a regular file of at most max_bytes (open_regular), nested at most
+    max_depth deep: json.loads recurses once per level, so a deeply nested file would end in
+    RecursionError. Raises OSError, or ValueError whose text completes "<file> ..." in one line."""
     with open_regular(path, max_bytes) as f:
         data = f.read()
     try:
@@ -338,7 +397,9 @@ def read_json(path, max_bytes, max_depth=32):
             raise ValueError(f"nests deeper than {max_depth} levels")
         value = json.loads(text)
     except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
-        raise ValueError(f"is not JSON ({type(e).__name__}: {' '.join(str(e).split())[:100]})") from None
+        raise ValueError(
+            f"is not JSON ({type(e).__name__}: {' '.join(str(e).split())[:100]})"
+        ) from None
     if not isinstance(value, dict):
         raise ValueError(f"holds a JSON {type(value).__name__}, not an object")
     return value

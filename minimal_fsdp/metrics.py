@@ -1,10 +1,12 @@
-"""What a run tells you: the startup banner, the log of training (a progress bar on a terminal, plain lines in a
-batch job's output), the metrics rank 0 writes, and a summary at the end.
+"""What a run tells you: the startup banner, the log of training (a progress bar on a terminal,
+plain lines in a batch job's output), the metrics rank 0 writes, and a summary at the end.
 
-<log_dir>/<run_name>/ holds metrics.jsonl (always: one JSON object per logged step), TensorBoard event files
-(unless --no-tensorboard), and config.toml (the resolved flags, loadable with --config). With --wandb the
-same scalars go to Weights & Biases (WANDB_MODE=offline writes them locally for a later `wandb sync`).
+<log_dir>/<run_name>/ holds metrics.jsonl (always: one JSON object per logged step), TensorBoard
+event files (unless --no-tensorboard), and config.toml (the resolved flags, loadable with --config).
+With --wandb the same scalars go to Weights & Biases (WANDB_MODE=offline writes them locally for a
+later `wandb sync`).
 """
+
 import dataclasses
 import json
 import resource
@@ -22,21 +24,34 @@ from minimal_fsdp.launch import hosts
 from minimal_fsdp.parallel import fp8
 from minimal_fsdp.config.flags import to_toml
 
-# Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it), also with
-# --precision fp8: its float8 matmuls could run at twice the peak, but then fp8 and bf16 MFU would not compare.
+# Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it),
+# also with --precision fp8: its float8 matmuls could run at twice the peak, but then fp8 and bf16
+# MFU would not compare.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
-# JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and memory apart.
-TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-        "tokens_per_s": "perf/tokens_per_s", "step_time": "perf/step_time_s", "mfu": "perf/mfu",
-        "peak_mem_gb": "perf/peak_mem_gb", "save_blocking_s": "checkpoint/save_blocking_s",
-        "save_waited_s": "checkpoint/save_waited_s", "save_total_s": "checkpoint/save_total_s",
-        "restore_s": "checkpoint/restore_s", "alloc_retries": "perf/alloc_retries"}
+# JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and memory
+# apart.
+TAGS = {
+    "loss": "train/loss",
+    "val_loss": "val/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "step_time": "perf/step_time_s",
+    "mfu": "perf/mfu",
+    "peak_mem_gb": "perf/peak_mem_gb",
+    "save_blocking_s": "checkpoint/save_blocking_s",
+    "save_waited_s": "checkpoint/save_waited_s",
+    "save_total_s": "checkpoint/save_total_s",
+    "restore_s": "checkpoint/restore_s",
+    "alloc_retries": "perf/alloc_retries",
+}
 
 
 class Metrics:
-    """Rank 0 logs; the other ranks hold an inert object. Made by `open`, which is collective (every rank calls
-    it), so a failure on rank 0, e.g. wandb refusing to start, stops every rank with the same error."""
+    """Rank 0 logs; the other ranks hold an inert object. Made by `open`, which is collective (every
+    rank calls it), so a failure on rank 0, e.g. wandb refusing to start, stops every rank with the
+    same error."""
 
     def __init__(self, cfg):
         self.file = self.tensorboard = self.wandb = None
@@ -55,11 +70,17 @@ class Metrics:
         self.file = open(self.dir / "metrics.jsonl", "a")  # a resumed run appends
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
             self.tensorboard = SummaryWriter(str(self.dir), flush_secs=30)
         if cfg.wandb:
             import wandb  # validate() checked it is installed
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.run_name, dir=str(self.dir),
-                                    config=dataclasses.asdict(cfg))
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project,
+                name=cfg.run_name,
+                dir=str(self.dir),
+                config=dataclasses.asdict(cfg),
+            )
 
     def log(self, step, **scalars):
         if self.file is None:
@@ -93,39 +114,63 @@ def peak_flops(device):
 def peak_memory_gb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # this process's peak RSS (KB on Linux)
+    # this process's peak RSS (KB on Linux)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
 class TrainingLog:
-    """What training reports, one object per launch. On rank 0 of a one-process run at a terminal: a progress bar;
-    otherwise (a launcher, a batch job's output file) one plain line every --log_interval steps. Every logged step
-    also goes to metrics.jsonl, TensorBoard and wandb. Time spent evaluating and saving is paused out, so tokens/s
-    and MFU count training alone. Used as a context manager: the bar ends its line and the files close even when
-    training fails."""
+    """What training reports, one object per launch. On rank 0 of a one-process run at a terminal: a
+    progress bar; otherwise (a launcher, a batch job's output file) one plain line every
+    --log_interval steps. Every logged step also goes to metrics.jsonl, TensorBoard and wandb. Time
+    spent evaluating and saving is paused out, so tokens/s and MFU count training alone. Used as a
+    context manager: the bar ends its line and the files close even when training fails."""
 
     @classmethod
     def open(cls, cfg, env, model, schedule, first_step, tokens_per_step, synchronize):
         """Collective: the log of a run whose files rank 0 opens (Metrics.open)."""
-        return cls(cfg, env, model, schedule, first_step, tokens_per_step, synchronize, Metrics.open(cfg))
+        return cls(
+            cfg, env, model, schedule, first_step, tokens_per_step, synchronize, Metrics.open(cfg)
+        )
 
-    def __init__(self, cfg, env, model, schedule, first_step, tokens_per_step, synchronize, metrics):
-        """synchronize(): waits for the device's queued steps (the backend's); metrics: Metrics.open's."""
+    def __init__(
+        self, cfg, env, model, schedule, first_step, tokens_per_step, synchronize, metrics
+    ):
+        """synchronize(): waits for the device's queued steps (the backend's); metrics:
+        Metrics.open's."""
         self.metrics, self.synchronize = metrics, synchronize
         self.env, self.main, self.run_name = env, env.is_main, cfg.run_name
-        self.first_step, self.last_step, self.tokens_per_step = first_step, schedule.last_step, tokens_per_step
+        self.first_step, self.last_step, self.tokens_per_step = (
+            first_step,
+            schedule.last_step,
+            tokens_per_step,
+        )
         self.flops_per_token, self.peak = model.flops_per_token(), peak_flops(env.device)
         self.log_dir = Path(cfg.log_dir) / cfg.run_name
         self.bar, self.retries_warned = None, False
-        # A bar only for a plain `python basic_training.py` at a terminal: under a launcher stdout may be a pty
-        # (Open MPI gives each rank one) while the job's output goes to a file.
+        # A bar only for a plain `python basic_training.py` at a terminal: under a launcher stdout
+        # may be a pty (Open MPI gives each rank one) while the job's output goes to a file.
         if self.main and sys.stdout.isatty() and env.launcher == "single":
-            self.bar = tqdm(total=schedule.last_step, initial=first_step, dynamic_ncols=True, desc="train",
-                            mininterval=1.0)
+            self.bar = tqdm(
+                total=schedule.last_step,
+                initial=first_step,
+                dynamic_ncols=True,
+                desc="train",
+                mininterval=1.0,
+            )
         self.start = time.perf_counter()
         self.window_start, self.window_first, self.paused_time = self.start, first_step, 0.0
-        self.losses, self.last_val, self.best_val, self.checkpoint, self.done = [], None, None, None, first_step
-        self.retries = allocator_retries(env.device)  # at start: a restore's or compile's retries are not training's
-        self.print(f"training {schedule.length}" + (f", from step {first_step}" if first_step else ""))
+        self.losses, self.last_val, self.best_val, self.checkpoint, self.done = (
+            [],
+            None,
+            None,
+            None,
+            first_step,
+        )
+        # at start: a restore's or compile's retries are not training's
+        self.retries = allocator_retries(env.device)
+        self.print(
+            f"training {schedule.length}" + (f", from step {first_step}" if first_step else "")
+        )
 
     def print(self, text, stream=None):
         if not self.main:
@@ -140,7 +185,8 @@ class TrainingLog:
         self.print(text, sys.stderr)
 
     def step(self, loss):
-        """After every step: its loss (a device tensor), or None for a step whose update was skipped."""
+        """After every step: its loss (a device tensor), or None for a step whose update was
+        skipped."""
         self.done += 1
         if loss is not None:
             self.losses.append(loss)
@@ -148,18 +194,26 @@ class TrainingLog:
             self.bar.update(1)
 
     def row(self, step, lr, grad_norm, **extra):
-        """Collective: log the mean loss of the steps since the last row (this waits for the device). Steps whose
-        update was skipped have no loss; a window of only those has no row."""
+        """Collective: log the mean loss of the steps since the last row (this waits for the
+        device). Steps whose update was skipped have no loss; a window of only those has no row."""
         if not self.losses:
             return
-        loss, retries = sum_across_ranks(sum(self.losses) / len(self.losses),
-                                         allocator_retries(self.env.device) - self.retries)
+        loss, retries = sum_across_ranks(
+            sum(self.losses) / len(self.losses), allocator_retries(self.env.device) - self.retries
+        )
         loss /= dist.get_world_size()
         elapsed = time.perf_counter() - self.window_start - self.paused_time
         steps, self.losses = max(1, step - self.window_first), []
         tok_s = self.tokens_per_step * steps / elapsed
-        row = dict(loss=loss, lr=lr, grad_norm=float(grad_norm), tokens_per_s=tok_s, step_time=elapsed / steps,
-                   peak_mem_gb=peak_memory_gb(self.env.device), **extra)
+        row = dict(
+            loss=loss,
+            lr=lr,
+            grad_norm=float(grad_norm),
+            tokens_per_s=tok_s,
+            step_time=elapsed / steps,
+            peak_mem_gb=peak_memory_gb(self.env.device),
+            **extra,
+        )
         if self.peak:
             row["mfu"] = self.flops_per_token * tok_s / (self.peak * self.env.world_size)
         if retries:
@@ -172,14 +226,17 @@ class TrainingLog:
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
         else:
             mfu = f", MFU {row['mfu']:.1%}" if "mfu" in row else ""
-            self.print(f"step {step}/{self.last_step}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:,.0f} tokens/s, "
-                       f"{1000 * elapsed / steps:.1f} ms/step{mfu}, {row['peak_mem_gb']:.2f} GB peak")
+            self.print(
+                f"step {step}/{self.last_step}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:,.0f} "
+                f"tokens/s, {1000 * elapsed / steps:.1f} ms/step{mfu}, {row['peak_mem_gb']:.2f} GB "
+                f"peak"
+            )
         self.window_start, self.window_first, self.paused_time = time.perf_counter(), step, 0.0
 
     @contextmanager
     def paused(self):
-        """Evaluation and saving: the device finishes the queued training steps first, and the time inside is
-        left out of the next row's tokens/s."""
+        """Evaluation and saving: the device finishes the queued training steps first, and the time
+        inside is left out of the next row's tokens/s."""
         self.synchronize()
         start = time.perf_counter()
         try:
@@ -189,7 +246,8 @@ class TrainingLog:
             self.paused_time += time.perf_counter() - start
 
     def consensus(self, step, distance):
-        """A decentralized run's consensus distance (gossip.consensus_distance), measured at evaluation steps."""
+        """A decentralized run's consensus distance (gossip.consensus_distance), measured at
+        evaluation steps."""
         self.metrics.log(step, consensus=distance)
 
     def validation(self, step, val_loss):
@@ -202,28 +260,45 @@ class TrainingLog:
         self.print(f"step {step}: val loss {val_loss:.4f}")
 
     def saved(self, saves):
-        """Saves begun or ended (checkpoint_async.Saved): one line for a save that goes on in the background, one when a
-        save is committed, whose seconds (blocking, of which waited for the save before, total) also go to
-        metrics.jsonl at its step."""
+        """Saves begun or ended (checkpoint_async.Saved): one line for a save that goes on in the
+        background, one when a save is committed, whose seconds (blocking, of which waited for the
+        save before, total) also go to metrics.jsonl at its step."""
         for save in saves:
-            before = f" ({save.waited_s:.2f} s of it for the save before)" if save.waited_s >= 0.01 else ""
+            before = (
+                f" ({save.waited_s:.2f} s of it for the save before)"
+                if save.waited_s >= 0.01
+                else ""
+            )
             if save.total_s is None:
-                self.print(f"step {save.step}: training waited {save.blocking_s:.2f} s{before} to save {save.path}; "
-                           "its files are being written in the background")
+                self.print(
+                    f"step {save.step}: training waited {save.blocking_s:.2f} s{before} to save "
+                    f"{save.path}; "
+                    "its files are being written in the background"
+                )
                 continue
             self.checkpoint = save.path
-            self.metrics.log(save.step, save_blocking_s=save.blocking_s, save_waited_s=save.waited_s,
-                             save_total_s=save.total_s)
-            self.print(f"step {save.step}: saved {save.path} in {save.total_s:.2f} s; training waited "
-                       f"{save.blocking_s:.2f} s{before}")
+            self.metrics.log(
+                save.step,
+                save_blocking_s=save.blocking_s,
+                save_waited_s=save.waited_s,
+                save_total_s=save.total_s,
+            )
+            self.print(
+                f"step {save.step}: saved {save.path} in {save.total_s:.2f} s; training waited "
+                f"{save.blocking_s:.2f} s{before}"
+            )
 
     def restored(self, step, seconds):
-        """The restore at start (checkpoint.Checkpointer.restore timed it, the banner printed it) to metrics.jsonl."""
+        """The restore at start (checkpoint.Checkpointer.restore timed it, the banner printed it) to
+        metrics.jsonl."""
         if seconds is not None:
             self.metrics.log(step, restore_s=seconds)
 
     def stopped(self, step, reason):
-        self.print(f"step {step}: {reason}; saved a checkpoint and stopping. Run the same command again to resume.")
+        self.print(
+            f"step {step}: {reason}; saved a checkpoint and stopping. Run the same command again "
+            f"to resume."
+        )
 
     def __enter__(self):
         return self
@@ -238,23 +313,35 @@ class TrainingLog:
         """Rank 0's last lines: what was trained, where it went, how to sample from it."""
         minutes, seconds = divmod(round(time.perf_counter() - self.start), 60)
         trained = self.done - self.first_step
-        # A finished run resumed with a smaller --max_steps is past its last step: not 'step 600 of 20'.
-        where = (f"step {self.done} of {self.last_step}" if self.done <= self.last_step else
-                 f"step {self.done}, already past this launch's last step ({self.last_step})")
-        lines = [f"done: {where}; this launch trained {trained} steps "
-                 f"({trained * self.tokens_per_step:,} tokens) in {minutes}m{seconds:02d}s"]
+        # A finished run resumed with a smaller --max_steps is past its last step: not 'step 600 of
+        # 20'.
+        where = (
+            f"step {self.done} of {self.last_step}"
+            if self.done <= self.last_step
+            else f"step {self.done}, already past this launch's last step ({self.last_step})"
+        )
+        lines = [
+            f"done: {where}; this launch trained {trained} steps "
+            f"({trained * self.tokens_per_step:,} tokens) in {minutes}m{seconds:02d}s"
+        ]
         if self.last_val:
-            best = f" (best {self.best_val[1]:.4f} at step {self.best_val[0]})" if self.best_val != self.last_val else ""
+            best = (
+                f" (best {self.best_val[1]:.4f} at step {self.best_val[0]})"
+                if self.best_val != self.last_val
+                else ""
+            )
             lines.append(f"val loss {self.last_val[1]:.4f} at step {self.last_val[0]}{best}")
         if self.checkpoint:
             lines.append(f"checkpoint: {self.checkpoint}; logs: {self.log_dir}")
-            lines.append(f"sample from it: minimal-fsdp sample {self.checkpoint.parent} --prompt \"...\"")
+            lines.append(
+                f"sample from it: minimal-fsdp sample {self.checkpoint.parent} --prompt \"...\""
+            )
         return "\n".join(lines)
 
 
 def sum_across_ranks(*values):
-    """Each number or one-element tensor summed over the ranks, in one all-reduce (on any device; an XLA one cannot
-    take part in the ranks' collective itself, so it comes to the host first)."""
+    """Each number or one-element tensor summed over the ranks, in one all-reduce (on any device; an
+    XLA one cannot take part in the ranks' collective itself, so it comes to the host first)."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
@@ -268,27 +355,35 @@ def mean_across_ranks(value):
 
 
 def allocator_retries(device):
-    """How often the CUDA caching allocator found no room, freed its whole cache and asked the driver again (0 off
-    CUDA). Each time the GPU stalls, and a run does not fail: it runs slower. The 8B at batch 4 (T=8192,
-    grad-shard, selective recompute) peaked at 142.4 GB of an H200's 150 and ran at 7,005 tokens/s a GPU, where
-    full-shard at 136.4 GB ran 14,864, with nothing in its log (not profiled: retries are the likely cause, and
-    now the log would say)."""
-    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+    """How often the CUDA caching allocator found no room, freed its whole cache and asked the
+    driver again (0 off CUDA). Each time the GPU stalls, and a run does not fail: it runs slower.
+    The 8B at batch 4 (T=8192, grad-shard, selective recompute) peaked at 142.4 GB of an H200's 150
+    and ran at 7,005 tokens/s a GPU, where full-shard at 136.4 GB ran 14,864, with nothing in its
+    log (not profiled: retries are the likely cause, and now the log would say)."""
+    return (
+        torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+    )
 
 
 def memory_pressure(step, retries, peak_gb, device):
     """The one warning a run gets when the allocator starts retrying (allocator_retries)."""
-    total = f" of {torch.cuda.get_device_properties(device).total_memory / 1e9:.1f}" if device.type == "cuda" else ""
-    return (f"memory: by step {step} the CUDA allocator ran out of room {retries} time(s) over the ranks and freed its "
-            f"cache to retry (peak {peak_gb:.1f}{total} GB on rank 0); steps this close to the GPU's memory "
-            "can run much slower. A smaller --batch_size, --activation_checkpoints, or full-shard gives room "
-            "(minimal-fsdp plan plans it)")
+    total = (
+        f" of {torch.cuda.get_device_properties(device).total_memory / 1e9:.1f}"
+        if device.type == "cuda"
+        else ""
+    )
+    return (
+        f"memory: by step {step} the CUDA allocator ran out of room {retries} time(s) over the "
+        f"ranks and freed its cache to retry (peak {peak_gb:.1f}{total} GB on rank 0); steps this "
+        "close to the GPU's memory can run much slower. A smaller --batch_size, "
+        "--activation_checkpoints, or full-shard gives room (minimal-fsdp plan plans it)"
+    )
 
 
 def state_bytes_per_rank(num_params, shard_size):
-    """Parameters, gradients and AdamW moments, all fp32 (bf16 keeps fp32 master weights too), divided over
-    the ranks a parameter is sharded across. Activations, the gathered block being computed, and allocator
-    slack come on top."""
+    """Parameters, gradients and AdamW moments, all fp32 (bf16 keeps fp32 master weights too),
+    divided over the ranks a parameter is sharded across. Activations, the gathered block being
+    computed, and allocator slack come on top."""
     return num_params * (4 + 4 + 8) / shard_size
 
 
@@ -301,38 +396,56 @@ def _readable(num_bytes):
 
 
 def saving(cfg, env, checkpointer):
-    """The banner's line on checkpoints: synchronous or asynchronous, and the host memory the latter keeps."""
+    """The banner's line on checkpoints: synchronous or asynchronous, and the host memory the latter
+    keeps."""
     if checkpointer.mode == "sync":
-        return (f"checkpoints: synchronous (--checkpoint_mode {cfg.checkpoint_mode}): training waits while they are "
-                "written")
+        return (
+            f"checkpoints: synchronous (--checkpoint_mode {cfg.checkpoint_mode}): training waits "
+            "while they are written"
+        )
     pinned = "pinned " if env.device.type == "cuda" else ""
-    return (f"checkpoints: asynchronous (--checkpoint_mode {cfg.checkpoint_mode}): training waits while a save is "
-            f"copied into {_readable(checkpointer.staging)} of {pinned}host memory per rank (kept for the run), then "
-            "goes on while the files are written")
+    return (
+        f"checkpoints: asynchronous (--checkpoint_mode {cfg.checkpoint_mode}): training waits "
+        f"while a save is copied into {_readable(checkpointer.staging)} of {pinned}host memory per "
+        "rank (kept for the run), then goes on while the files are written"
+    )
 
 
 def banner(cfg, env, plan, model, resume_from=None, checkpointer=None):
-    """Rank 0's startup summary of a training run: layout, model size, a memory estimate, how checkpoints are saved
-    (and the host memory an asynchronous save keeps), how long the restore took, every resolved flag."""
+    """Rank 0's startup summary of a training run: layout, model size, a memory estimate, how
+    checkpoints are saved (and the host memory an asynchronous save keeps), how long the restore
+    took, every resolved flag."""
     num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
     state = _readable(state_bytes_per_rank(num_params, plan.shard_ranks))
     where = "CPU memory (--cpu_offload)" if plan.cpu_offload else f"{env.device.type} memory"
-    spread = f"sharded over {plan.shard_ranks}" if plan.shard_ranks > 1 else "a whole copy on every rank"
+    spread = (
+        f"sharded over {plan.shard_ranks}" if plan.shard_ranks > 1 else "a whole copy on every rank"
+    )
     layout = plan.describe() + (f", {plan.topology} topology" if plan.decentralized else "")
     lines = [
-        f"launch: {hosts.layout_line(env)}, started by {env.launcher}, {env.backend} on {env.device.type}; "
-        f"{layout}",
-        f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of {where} per rank "
-        f"({spread}; activations not included)",
+        f"launch: {hosts.layout_line(env)}, started by {env.launcher}, {env.backend} on "
+        f"{env.device.type}; {layout}",
+        f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of "
+        f"{where} per rank ({spread}; activations not included)",
         *([fp8.describe(plan, model)] if plan.fp8 else []),
         *([saving(cfg, env, checkpointer)] if checkpointer is not None else []),
-        (f"resuming from {resume_from}" + (f" (restored in {checkpointer.restore_s:.2f} s)" if checkpointer is not None
-                                           and checkpointer.restore_s is not None else "")
-         if resume_from else "starting fresh"),
+        (
+            f"resuming from {resume_from}"
+            + (
+                f" (restored in {checkpointer.restore_s:.2f} s)"
+                if checkpointer is not None and checkpointer.restore_s is not None
+                else ""
+            )
+            if resume_from
+            else "starting fresh"
+        ),
         "config" + (f" ({cfg.config} + command line)" if cfg.config else "") + ":",
     ]
-    replaced = ("model_preset", "tokenizer") if cfg.hf_model else ()  # the Hugging Face model's own shape and tokenizer
+    # the Hugging Face model's own shape and tokenizer
+    replaced = ("model_preset", "tokenizer") if cfg.hf_model else ()
     for section in to_toml(cfg).strip().split("\n\n"):
         header, *entries = section.splitlines()
-        lines.append(f"  {header} " + ", ".join(e for e in entries if e.split(" = ")[0] not in replaced))
+        lines.append(
+            f"  {header} " + ", ".join(e for e in entries if e.split(" = ")[0] not in replaced)
+        )
     return "\n".join(lines)

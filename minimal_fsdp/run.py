@@ -1,16 +1,19 @@
-"""One run from start to end: the launch, the parallel plan, the run lock, what to start from, the data, the
-model, then training (or only generation) and a sample. basic_training.py hands its flags here.
+"""One run from start to end: the launch, the parallel plan, the run lock, what to start from, the
+data, the model, then training (or only generation) and a sample. basic_training.py hands its flags
+here.
 
     main(argv) -> Config -> run(cfg):
       environment.setup        who and where every rank is; the process groups
       files.RunLock            one training run per run directory
       checkpoint_find.find     what to resume from (--resume, --restart_checkpoint_file)
-      train_model              data -> the model's shape -> plan.make_plan (the parallel plan, plan_run) -> the
-                               plan's backend (backends.default.Torch, or backends.xla.XLA) -> its model -> optimizer -> checkpoint
-                               or Hugging Face weights -> train.train with the backend's parts
+      train_model              data -> the model's shape -> plan.make_plan (the parallel plan,
+                               plan_run) -> the plan's backend (backends.default.Torch, or
+                               backends.xla.XLA) -> its model -> optimizer -> checkpoint or Hugging
+                               Face weights -> train.train with the backend's parts
       or generation_model      a checkpoint or a Hugging Face model, as sample.py loads it
       generate                 the sample at the end
 """
+
 import dataclasses
 from pathlib import Path
 
@@ -38,28 +41,56 @@ from minimal_fsdp.train import RunParts, build_optimizer, train
 
 # What gloo's errors say when the rank at the other end died or its link went down.
 PEER_GONE = ("timed out", "connection closed by peer", "connection reset by peer", "broken pipe")
-# Flags that change what a resumed run computes; the startup lines name those that differ from the checkpoint's.
-TRAINING_FLAGS = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                  "batch_size", "grad_accum_steps", "dropout", "precision", "fp8_recipe", "reduce_precision",
-                  "sharding", "seed")
+# Flags that change what a resumed run computes; the startup lines name those that differ from the
+# checkpoint's.
+TRAINING_FLAGS = (
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "lr_decay_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "grad_clip",
+    "batch_size",
+    "grad_accum_steps",
+    "dropout",
+    "precision",
+    "fp8_recipe",
+    "reduce_precision",
+    "sharding",
+    "seed",
+)
 
 
 def main(argv=None, cfg=None):
-    """Flags (or a Config parsed already: basic_training.py parses before importing torch) -> one run. Bad input
-    and failures end every rank with one `error:` line."""
+    """Flags (or a Config parsed already: basic_training.py parses before importing torch) -> one
+    run. Bad input and failures end every rank with one `error:` line."""
     try:
         run(cfg or parse_args(argv))
     except (ConfigError, Diverged, checkpoint.SaveError, environment.MainRankFailed) as e:
         environment.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)
-    except RuntimeError as e:  # a peer is gone: gloo raises a plain RuntimeError, torch's own a DistError
+    # a peer is gone: gloo raises a plain RuntimeError, torch's own a DistError
+    except RuntimeError as e:
         detail = str(e).splitlines()[0].split("] ", 1)[-1]  # without gloo's source location
-        if not (isinstance(e, torch.distributed.DistError) or any(m in detail.lower() for m in PEER_GONE)):
+        if not (
+            isinstance(e, torch.distributed.DistError)
+            or any(m in detail.lower() for m in PEER_GONE)
+        ):
             raise
-        waited = "waited longer than --collective_timeout" if "timed out" in detail.lower() else "failed"
-        environment.exit_on_error(f"a collective {waited}: another rank or its host has died, hangs or cannot be "
-                                  f"reached ({environment.failures.clipped(detail)})", 1)
-    except KeyboardInterrupt:  # Ctrl-C outside training (inside it, resilience.StopRequests saves and stops)
-        environment.exit_on_error("interrupted (Ctrl-C) before or after training: nothing saved", 130)
+        waited = (
+            "waited longer than --collective_timeout" if "timed out" in detail.lower() else "failed"
+        )
+        environment.exit_on_error(
+            f"a collective {waited}: another rank or its host has died, hangs or cannot be "
+            f"reached ({environment.failures.clipped(detail)})",
+            1,
+        )
+    # Ctrl-C outside training (inside it, resilience.StopRequests saves and stops)
+    except KeyboardInterrupt:
+        environment.exit_on_error(
+            "interrupted (Ctrl-C) before or after training: nothing saved", 130
+        )
 
 
 def run(cfg):
@@ -69,38 +100,58 @@ def run(cfg):
     if env.is_main and cpu_recipe_warning(cfg, env.device.type):
         print(cpu_recipe_warning(cfg, env.device.type), flush=True)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
-    hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None  # rank 0 downloads
-    # One training run per run directory: rank 0 holds the lock until the end (generation only reads).
-    lock = files.RunLock({"--checkpoint_dir": Path(cfg.checkpoint_dir) / cfg.run_name,
-                          "--log_dir": Path(cfg.log_dir) / cfg.run_name})
+    # rank 0 downloads
+    hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None
+    # One training run per run directory: rank 0 holds the lock until the end (generation only
+    # reads).
+    lock = files.RunLock(
+        {
+            "--checkpoint_dir": Path(cfg.checkpoint_dir) / cfg.run_name,
+            "--log_dir": Path(cfg.log_dir) / cfg.run_name,
+        }
+    )
     if not cfg.generate_only:
         environment.run_on_main(lock.acquire)
     try:
-        start = checkpoint_find.find(cfg)  # rank 0 picks it, all ranks check it: all load the same one
+        # rank 0 picks it, all ranks check it: all load the same one
+        start = checkpoint_find.find(cfg)
         if cfg.generate_only:
             (model, tokenizer), samples = generation_model(cfg, env, start, hf_dir), True
         else:
             model, tokenizer, samples = train_model(cfg, env, start, hf_dir, stop)
     finally:
         lock.release()
-    # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes at once.
+    # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes at
+    # once.
     if samples and cfg.num_tokens > 0 and not stop.reason:
         dtype = torch.float32 if cfg.precision == "float32" else torch.bfloat16
         if env.is_main:
             print("-" * 40, flush=True)
         # written as it is generated
-        generate(model, tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k, cfg.seed,
-                 env.device, dtype, stream=load.printer() if env.is_main else None)
+        generate(
+            model,
+            tokenizer,
+            cfg.prompt,
+            cfg.num_tokens,
+            cfg.temperature,
+            cfg.top_k,
+            cfg.seed,
+            env.device,
+            dtype,
+            stream=load.printer() if env.is_main else None,
+        )
         if env.is_main:
             print("\n" + "-" * 40, flush=True)
-    # FSDP state and the device mesh refer to the process groups: let them go, so the groups (and gloo's worker
-    # threads) end inside teardown, not during interpreter shutdown, where that can abort the process.
+    # FSDP state and the device mesh refer to the process groups: let them go, so the groups (and
+    # gloo's worker threads) end inside teardown, not during interpreter shutdown, where that can
+    # abort the process.
     del model
     environment.teardown()
 
 
 def given_tokenizer(cfg, hf_dir=None):
-    """--tokenizer_dir's tokenizer, else the --hf_model's own, else None (a --tokenizer is fit on the data)."""
+    """--tokenizer_dir's tokenizer, else the --hf_model's own, else None (a --tokenizer is fit on
+    the data)."""
     if cfg.tokenizer_dir:
         return load_tokenizer(cfg.tokenizer_dir)
     return hf.load_tokenizer(hf_dir) if hf_dir else None
@@ -110,26 +161,33 @@ def open_data(cfg, env, hf_dir):
     """The training data: a stream, or a prepared dataset (prepared by rank 0 on first use)."""
     if cfg.streaming:
         return StreamingData.open(cfg, env)
-    return TokenData(environment.run_on_main(lambda: prepared_dir(cfg, given_tokenizer(cfg, hf_dir))))
+    return TokenData(
+        environment.run_on_main(lambda: prepared_dir(cfg, given_tokenizer(cfg, hf_dir)))
+    )
 
 
 def plan_run(cfg, env, model_config, loads_weights):
-    """The run's parallel plan (plan.make_plan: every layout, sync, compile and precision decision, made once), and
-    the process-wide torch settings it needs, applied here and nowhere else."""
+    """The run's parallel plan (plan.make_plan: every layout, sync, compile and precision decision,
+    made once), and the process-wide torch settings it needs, applied here and nowhere else."""
     plan = make_plan(cfg, env, model_config, loads_weights=loads_weights)
     apply_process_settings(plan)
     return plan
 
 
 def train_model(cfg, env, start, hf_dir, stop):
-    """Open the data, build (or resume) the model and optimizer with the plan's backend, and train; returns the
-    model to sample from (the trained one; under XLA, the host's copy of the checkpoint just saved) and the data's
-    tokenizer."""
+    """Open the data, build (or resume) the model and optimizer with the plan's backend, and train;
+    returns the model to sample from (the trained one; under XLA, the host's copy of the checkpoint
+    just saved) and the data's tokenizer."""
     if start is not None:
-        check_before_data(cfg, start)  # preparing the data can take minutes: refuse another run's model first
+        # preparing the data can take minutes: refuse another run's model first
+        check_before_data(cfg, start)
     data = open_data(cfg, env, hf_dir)
     samples = check_prompt(cfg, data.tokenizer, env)
-    model_config = hf.read_model_config(hf_dir, cfg) if hf_dir else config_from_flags(cfg, data.meta["vocab_size"])
+    model_config = (
+        hf.read_model_config(hf_dir, cfg)
+        if hf_dir
+        else config_from_flags(cfg, data.meta["vocab_size"])
+    )
     model_config = with_document_mask(model_config, cfg, data.tokenizer)
     data.check(model_config.seq_length, model_config.vocab_size)
     check_fits(cfg, env, model_config)
@@ -137,9 +195,16 @@ def train_model(cfg, env, start, hf_dir, stop):
         check_resumable(cfg, start, model_config, env)
     plan = plan_run(cfg, env, model_config, loads_weights=hf_dir is not None)
     backend = backends.for_plan(cfg, env, plan)
-    # Every data-parallel member (a rank; under XLA a device) reads --batch_size sequences: this process, its own.
-    data.bind(model_config.seq_length, cfg.batch_size * backend.local_ranks, cfg.grad_accum_steps, env.rank,
-              env.world_size, cfg.seed)
+    # Every data-parallel member (a rank; under XLA a device) reads --batch_size sequences: this
+    # process, its own.
+    data.bind(
+        model_config.seq_length,
+        cfg.batch_size * backend.local_ranks,
+        cfg.grad_accum_steps,
+        env.rank,
+        env.world_size,
+        cfg.seed,
+    )
     model = backend.build_model(model_config, hf_dir if start is None else None)
     optimizer = build_optimizer(model, cfg, plan)
     checkpointer = backend.checkpointer(model_config, data.directory, model)
@@ -151,23 +216,33 @@ def train_model(cfg, env, start, hf_dir, stop):
     backend.seed(saved["step"] if saved else 0)
     if env.is_main:
         print(backend.banner(model, start, checkpointer) + "\n" + data.describe(), flush=True)
-    parts = RunParts(model, optimizer, backend.batches(data), backend.gradient_sync(model), checkpointer,
-                     backend.ranks, backend.synchronize)
+    parts = RunParts(
+        model,
+        optimizer,
+        backend.batches(data),
+        backend.gradient_sync(model),
+        checkpointer,
+        backend.ranks,
+        backend.synchronize,
+    )
     with stop.listening():
         _, log = train(parts, cfg, backend.env, plan, stop, saved)
     if env.is_main:
         print(log.summary(), flush=True)
     if not backend.samples_on_host:
         return model, data.tokenizer, samples
-    if samples and not stop.reason:  # from the checkpoint just saved (or resumed), as --max_epochs -1
-        return *generation_model(dataclasses.replace(cfg, max_epochs=-1), env, log.checkpoint or start, None), True
+    # from the checkpoint just saved (or resumed), as --max_epochs -1
+    if samples and not stop.reason:
+        return *generation_model(
+            dataclasses.replace(cfg, max_epochs=-1), env, log.checkpoint or start, None
+        ), True
     return None, data.tokenizer, False
 
 
 def check_prompt(cfg, tokenizer, env):
-    """Encode --prompt before training, not after it: a prompt the data's tokenizer cannot encode (a character
-    vocabulary without capitals) is refused now; the default prompt only drops the sample, with one line.
-    Returns whether the run ends with a sample."""
+    """Encode --prompt before training, not after it: a prompt the data's tokenizer cannot encode (a
+    character vocabulary without capitals) is refused now; the default prompt only drops the sample,
+    with one line. Returns whether the run ends with a sample."""
     if cfg.num_tokens == 0:
         return False
     try:
@@ -175,38 +250,68 @@ def check_prompt(cfg, tokenizer, env):
         return True
     except ConfigError as e:
         if cfg.prompt != Config.prompt:
-            raise ConfigError(f"--prompt {cfg.prompt!r}: {e}; or pass --num_tokens 0 for no sample") from None
+            raise ConfigError(
+                f"--prompt {cfg.prompt!r}: {e}; or pass --num_tokens 0 for no sample"
+            ) from None
         if env.is_main:
-            print(f"no sample at the end: the default --prompt {cfg.prompt!r} does not encode with this data's "
-                  f"tokenizer ({e}); pass --prompt with text from your data (or --num_tokens 0 to say so)", flush=True)
+            print(
+                f"no sample at the end: the default --prompt {cfg.prompt!r} does not encode with "
+                f"this data's tokenizer ({e}); pass --prompt with text from your data (or "
+                f"--num_tokens 0 to say so)",
+                flush=True,
+            )
         return False
 
 
 def check_fits(cfg, env, model_config):
-    """Refuse a batch or model far beyond the memory here before allocating it (config_checks.check_sizes)."""
+    """Refuse a batch or model far beyond the memory here before allocating it
+    (config_checks.check_sizes)."""
     if env.device.type == "cuda":
         free = torch.cuda.mem_get_info(env.device)[0]
     else:
         free = host_memory_available() if env.device.type == "cpu" else None
-    c = model_config  # first a lower bound in Python's integers: an absurd shape overflows torch's size arithmetic
-    lower = c.vocab_size * c.embed_size + c.num_layers * 2 * c.embed_size ** 2
-    check_sizes(cfg, c.seq_length, lower, env.local_world_size, free, env.device.type, env.world_size, at_least=True)
+    # first a lower bound in Python's integers: an absurd shape overflows torch's size arithmetic
+    c = model_config
+    lower = c.vocab_size * c.embed_size + c.num_layers * 2 * c.embed_size**2
+    check_sizes(
+        cfg,
+        c.seq_length,
+        lower,
+        env.local_world_size,
+        free,
+        env.device.type,
+        env.world_size,
+        at_least=True,
+    )
     num_params = count_parameters(c).total
-    check_sizes(cfg, c.seq_length, num_params, env.local_world_size, free, env.device.type, env.world_size,
-                vocab_size=c.vocab_size)
+    check_sizes(
+        cfg,
+        c.seq_length,
+        num_params,
+        env.local_world_size,
+        free,
+        env.device.type,
+        env.world_size,
+        vocab_size=c.vocab_size,
+    )
 
 
 def model_differences(saved, model_config):
-    """What differs between a checkpoint's model and this one, e.g. 'vocab_size 65 there, 221 here'."""
+    """What differs between a checkpoint's model and this one, e.g. 'vocab_size 65 there, 221
+    here'."""
     if saved["model_type"] != model_config.model_type:
         return f"{saved['model_type']} there, {model_config.model_type} here"
     mine, theirs = model_config.to_dict(), saved["model"]
-    return ", ".join(f"{name} {theirs.get(name)} there, {mine.get(name)} here"
-                     for name in dict.fromkeys([*theirs, *mine]) if theirs.get(name) != mine.get(name))
+    return ", ".join(
+        f"{name} {theirs.get(name)} there, {mine.get(name)} here"
+        for name in dict.fromkeys([*theirs, *mine])
+        if theirs.get(name) != mine.get(name)
+    )
 
 
 def data_source(flags):
-    """(flag, value) of the data a run's flags (a dict) name: ('input_file', 'my.txt'), ('dataset', ...)."""
+    """(flag, value) of the data a run's flags (a dict) name: ('input_file', 'my.txt'), ('dataset',
+    ...)."""
     for name in ("input_file", "dataset_path"):
         if flags.get(name):
             return name, flags[name]
@@ -214,63 +319,91 @@ def data_source(flags):
 
 
 def check_before_data(cfg, start):
-    """Refuse a checkpoint whose model these flags cannot continue before the data is prepared, naming what
-    differs: the data, where the vocabulary is built from it (--tokenizer char or sentencepiece), and the shape
-    the model flags give (with the checkpoint's vocabulary, which only the data can tell)."""
+    """Refuse a checkpoint whose model these flags cannot continue before the data is prepared,
+    naming what differs: the data, where the vocabulary is built from it (--tokenizer char or
+    sentencepiece), and the shape the model flags give (with the checkpoint's vocabulary, which only
+    the data can tell)."""
     saved = checkpoint_meta.read_meta(start)
     theirs, vocab = saved["config"], saved["model"].get("vocab_size")
     if cfg.hf_model or theirs.get("hf_model"):
         return  # the shape comes from the Hugging Face model: checked once it is read
     (kind, mine), (their_kind, before) = data_source(dataclasses.asdict(cfg)), data_source(theirs)
-    other_data = kind != their_kind or (mine != before and (kind == "dataset" or Path(mine).resolve() !=
-                                                            Path(before).resolve()))
-    if other_data and cfg.tokenizer in ("char", "sentencepiece") and not (cfg.tokenizer_dir or
-                                                                         theirs.get("tokenizer_dir")):
-        raise ConfigError(f"{start} holds a model trained on --{their_kind} {before} (--tokenizer "
-                          f"{theirs.get('tokenizer')}, vocabulary {vocab}); this run trains on --{kind} {mine}, "
-                          "whose vocabulary is built from its own text: use another --run_name (unset, it names "
-                          "the data) or --checkpoint_dir")
+    other_data = kind != their_kind or (
+        mine != before and (kind == "dataset" or Path(mine).resolve() != Path(before).resolve())
+    )
+    if (
+        other_data
+        and cfg.tokenizer in ("char", "sentencepiece")
+        and not (cfg.tokenizer_dir or theirs.get("tokenizer_dir"))
+    ):
+        raise ConfigError(
+            f"{start} holds a model trained on --{their_kind} {before} (--tokenizer "
+            f"{theirs.get('tokenizer')}, vocabulary {vocab}); this run trains on --{kind} {mine}, "
+            "whose vocabulary is built from its own text: use another --run_name (unset, it names "
+            "the data) or --checkpoint_dir"
+        )
     model_config = config_from_flags(cfg, vocab)
-    if "document_eot_id" in saved["model"]:  # --document_mask's token comes from the tokenizer: as saved
-        model_config = dataclasses.replace(model_config, document_eot_id=saved["model"]["document_eot_id"])
+    # --document_mask's token comes from the tokenizer: as saved
+    if "document_eot_id" in saved["model"]:
+        model_config = dataclasses.replace(
+            model_config, document_eot_id=saved["model"]["document_eot_id"]
+        )
     if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
-        raise ConfigError(f"{start} holds a different model ({model_differences(saved, model_config)}): use "
-                          "another --run_name or --checkpoint_dir")
+        raise ConfigError(
+            f"{start} holds a different model ({model_differences(saved, model_config)}): use "
+            "another --run_name or --checkpoint_dir"
+        )
 
 
 def check_resumable(cfg, start, model_config, env):
-    """Refuse a checkpoint this run cannot continue; say which training flags differ from it, and when it has
-    trained to the end already. The same files and flags on every rank: the same verdict everywhere."""
+    """Refuse a checkpoint this run cannot continue; say which training flags differ from it, and
+    when it has trained to the end already. The same files and flags on every rank: the same verdict
+    everywhere."""
     saved = checkpoint_meta.read_meta(start)
     if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
-        raise ConfigError(f"{start} holds a different model ({model_differences(saved, model_config)}): use "
-                          "another --run_name or --checkpoint_dir")
+        raise ConfigError(
+            f"{start} holds a different model ({model_differences(saved, model_config)}): use "
+            "another --run_name or --checkpoint_dir"
+        )
     trained_with = saved["config"].get("data_parallel", "allreduce")
     if trained_with != cfg.data_parallel:  # AdamW and AccumAdamW keep different optimizer state
-        raise ConfigError(f"{start} was trained with --data_parallel {trained_with}: resume it the same way, "
-                          "or start another --run_name")
+        raise ConfigError(
+            f"{start} was trained with --data_parallel {trained_with}: resume it the same way, "
+            "or start another --run_name"
+        )
     if not env.is_main:
         return
     now = dataclasses.asdict(cfg)
-    changed = [f"--{name} {saved['config'].get(name)} -> {now[name]}" for name in TRAINING_FLAGS
-               if name in saved["config"] and saved["config"][name] != now[name]]
+    changed = [
+        f"--{name} {saved['config'].get(name)} -> {now[name]}"
+        for name in TRAINING_FLAGS
+        if name in saved["config"] and saved["config"][name] != now[name]
+    ]
     if changed:
         print(f"resuming {start} with changed flags: {', '.join(changed)}", flush=True)
     last = saved["state"]["schedule"].get("last_step")
     if last is not None and saved["step"] >= last and cfg.max_steps <= saved["step"]:
-        print(f"{start} finished its run at step {saved['step']}: nothing to train. Pass a larger --max_steps to "
-              "train on, --max_epochs -1 to only sample from it, or another --run_name to start afresh", flush=True)
+        print(
+            f"{start} finished its run at step {saved['step']}: nothing to train. Pass a larger "
+            "--max_steps to train on, --max_epochs -1 to only sample from it, or another "
+            "--run_name to start afresh",
+            flush=True,
+        )
 
 
 def generation_model(cfg, env, start, hf_dir):
-    """The model to sample from and its tokenizer: the --hf_model itself, or the checkpoint (whose meta.json
-    gives the shape, so no model flags are repeated), loaded as the sample command loads it
-    (inference.load)."""
+    """The model to sample from and its tokenizer: the --hf_model itself, or the checkpoint (whose
+    meta.json gives the shape, so no model flags are repeated), loaded as the sample command loads
+    it (inference.load)."""
     if not hf_dir and start is None:
-        raise ConfigError(f"--max_epochs -1 generates from a checkpoint, but {Path(cfg.checkpoint_dir) / cfg.run_name} "
-                          "has none: train first or pass --restart_checkpoint_file")
-    loaded = load.load(hf_dir or start, cfg, env, cfg.seq_length, given_tokenizer(cfg),
-                       cfg.num_tokens)
+        raise ConfigError(
+            f"--max_epochs -1 generates from a checkpoint, but "
+            f"{Path(cfg.checkpoint_dir) / cfg.run_name} "
+            "has none: train first or pass --restart_checkpoint_file"
+        )
+    loaded = load.load(
+        hf_dir or start, cfg, env, cfg.seq_length, given_tokenizer(cfg), cfg.num_tokens
+    )
     if env.is_main:
         print(load.describe(loaded.source, loaded.model, loaded.tokenizer, env), flush=True)
     return loaded.model, loaded.tokenizer

@@ -1,6 +1,8 @@
-"""The training loop and its parts: AdamW, the run's length and learning-rate schedule, one optimizer step
-(accumulation, clipping), evaluation, and the loop that ties them to logging, evaluation and checkpoints. The
-loop is the same for every backend: run.train_model hands it the backend's parts (RunParts)."""
+"""The training loop and its parts: AdamW, the run's length and learning-rate schedule, one
+optimizer step (accumulation, clipping), evaluation, and the loop that ties them to logging,
+evaluation and checkpoints. The loop is the same for every backend: run.train_model hands it the
+backend's parts (RunParts)."""
+
 import gc
 import math
 from contextlib import contextmanager
@@ -17,42 +19,52 @@ from minimal_fsdp.parallel.whole_unit import LocalAdamW
 
 def build_optimizer(model, cfg, plan=None):
     """AdamW with decay on matrices only (not biases, norms); fused kernels. Decentralized runs use
-    AccumAdamW and beta2 0.98 by default, as the decentralized GPT-2 reference does. plan: the run's; under its
-    one-unit strategy AdamW steps the shards' local tensors (without it, torch's AdamW: the same numbers); where
-    the plan's backend has no fused kernels (XLA), torch's AdamW without them."""
+    AccumAdamW and beta2 0.98 by default, as the decentralized GPT-2 reference does. plan: the
+    run's; under its one-unit strategy AdamW steps the shards' local tensors (without it, torch's
+    AdamW: the same numbers); where the plan's backend has no fused kernels (XLA), torch's AdamW
+    without them."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     decentralized = cfg.data_parallel == "decentralized"
     betas = (cfg.beta1, cfg.beta2 if cfg.beta2 is not None else 0.98 if decentralized else 0.95)
     if decentralized:
         return AccumAdamW(groups, lr=cfg.lr, betas=betas, accum_steps=cfg.accum_steps)
     if plan is not None and not plan.fused_optimizer:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)
-    # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) about 7x faster than foreach.
-    # whole_unit.py's model steps it on its shards' local tensors (LocalAdamW), as a small model's step needs.
+    # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) about 7x faster
+    # than foreach. whole_unit.py's model steps it on its shards' local tensors (LocalAdamW), as a
+    # small model's step needs.
     adamw = LocalAdamW if plan is not None and plan.strategy == "one-unit" else torch.optim.AdamW
     return adamw(groups, lr=cfg.lr, betas=betas, fused=True)
 
 
 @dataclass
 class RunParts:
-    """What the loop trains and with what, built by run.train_model from the backend's builders (backend.py for
-    CUDA and CPU, xla.py for --device xla)."""
+    """What the loop trains and with what, built by run.train_model from the backend's builders
+    (backend.py for CUDA and CPU, xla.py for --device xla)."""
+
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    data: object  # steps_per_epoch(), train_batches(step), val_batch(i), state_dict(step) (and tokenizer)
+    # steps_per_epoch(), train_batches(step), val_batch(i), state_dict(step) (and tokenizer)
+    data: object
     sync: object  # the gradient sync: parallelize.gradient_sync's for the plan, or xla.StepSync
     checkpointer: object  # checkpoint.Checkpointer, or xla.Checkpointer
-    ranks: int  # how many take --batch_size sequences of every micro-batch: the ranks, or XLA's devices
-    synchronize: object = lambda: None  # waits for the device's queued steps (the backend's synchronize)
+    # how many take --batch_size sequences of every micro-batch: the ranks, or XLA's devices
+    ranks: int
+    # waits for the device's queued steps (the backend's synchronize)
+    synchronize: object = lambda: None
 
 
 @dataclass
 class Schedule:
-    """The run's length and its learning rate at every step: linear warmup to --lr, cosine decay to --min_lr at
-    decay_steps, then flat. The horizon belongs to the run, not to one launch: a checkpoint keeps it
-    (state_dict), so a resumed run decays on the schedule it began with even if its length changed."""
+    """The run's length and its learning rate at every step: linear warmup to --lr, cosine decay to
+    --min_lr at decay_steps, then flat. The horizon belongs to the run, not to one launch: a
+    checkpoint keeps it (state_dict), so a resumed run decays on the schedule it began with even if
+    its length changed."""
+
     peak_lr: float
     min_lr: float
     warmup_steps: int
@@ -66,8 +78,10 @@ class Schedule:
         last_step, length = run_length(cfg, steps_per_epoch)
         decay_steps = cfg.lr_decay_steps or (saved or {}).get("lr_decay_steps") or last_step
         if decay_steps != last_step and not cfg.lr_decay_steps:
-            length += (f"; the LR schedule spans {decay_steps} steps, as when the run began (--lr_decay_steps "
-                       "changes it)")
+            length += (
+                f"; the LR schedule spans {decay_steps} steps, as when the run began "
+                "(--lr_decay_steps changes it)"
+            )
         min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
         return cls(cfg.lr, min_lr, cfg.warmup_steps, decay_steps, last_step, length)
 
@@ -82,44 +96,60 @@ class Schedule:
         if step < self.warmup_steps:
             return self.peak_lr * (step + 1) / self.warmup_steps
         progress = (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps)
-        return self.min_lr + 0.5 * (self.peak_lr - self.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+        return self.min_lr + 0.5 * (self.peak_lr - self.min_lr) * (
+            1 + math.cos(math.pi * min(1.0, progress))
+        )
 
     def state_dict(self):
         return {"lr_decay_steps": self.decay_steps, "last_step": self.last_step}
 
 
 def run_length(cfg, steps_per_epoch):
-    """(last step, why): --max_steps alone sets it, --max_epochs alone sets it, and with both the first reached
-    ends the run. steps_per_epoch is None for a stream, whose length is unknown."""
+    """(last step, why): --max_steps alone sets it, --max_epochs alone sets it, and with both the
+    first reached ends the run. steps_per_epoch is None for a stream, whose length is unknown."""
     if steps_per_epoch is None:
         return cfg.max_steps, f"{cfg.max_steps} steps (--max_steps; a stream has no epochs)"
+
     def epochs(n):
         return f"{n:.3g} epoch{'' if n == 1 else 's'} of {steps_per_epoch} steps"
+
     if cfg.max_epochs is None or cfg.max_steps and cfg.max_steps < cfg.max_epochs * steps_per_epoch:
-        return cfg.max_steps, f"{cfg.max_steps} steps = {epochs(cfg.max_steps / steps_per_epoch)} (--max_steps)"
+        return (
+            cfg.max_steps,
+            f"{cfg.max_steps} steps = {epochs(cfg.max_steps / steps_per_epoch)} (--max_steps)",
+        )
     last = cfg.max_epochs * steps_per_epoch
     return last, f"{last} steps = {epochs(cfg.max_epochs)} (--max_epochs)"
 
 
 def _to_device(batch, device):
-    """Host batches go through pinned memory so the copy overlaps with compute. Contiguous first: inputs and
-    targets are strided views of one block of tokens, and torch copies a strided host tensor to the GPU from a
-    pageable temporary, which the CUDA driver may stage by waiting for the stream (the host then cannot run ahead)."""
+    """Host batches go through pinned memory so the copy overlaps with compute. Contiguous first:
+    inputs and targets are strided views of one block of tokens, and torch copies a strided host
+    tensor to the GPU from a pageable temporary, which the CUDA driver may stage by waiting for the
+    stream (the host then cannot run ahead)."""
     if device.type == "cuda":
-        return [t.contiguous().pin_memory().to(device, non_blocking=True) if t.device.type == "cpu" else t
-                for t in batch]
+        return [
+            t.contiguous().pin_memory().to(device, non_blocking=True)
+            if t.device.type == "cpu"
+            else t
+            for t in batch
+        ]
     return batch
 
 
-def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0, skip_nonfinite=False):
-    """One optimizer step over a list of (inputs, targets) micro-batches; returns the mean loss and the global
-    grad norm, both device tensors (the norm the same on every rank). sync synchronizes and clips gradients:
-    parallelize.gradient_sync's (by the plan's strategy), or xla.py's. With skip_nonfinite an
-    update with a NaN/Inf grad norm is not applied (it would poison every weight); that check waits for the
-    device, so it is made only when asked for. sync.after_step() ends the step: the weight scales of
-    --precision fp8's float8 all-gather, or the traced step under XLA."""
-    if device.type == "cuda":  # CUDA graphs only; its first call imports inductor, ~10 s of a CPU run's start
-        torch.compiler.cudagraph_mark_step_begin()  # --cuda_graphs: the last step's graph outputs may be reused
+def train_step(
+    model, optimizer, micro_batches, sync, grad_clip, device, step=0, skip_nonfinite=False
+):
+    """One optimizer step over a list of (inputs, targets) micro-batches; returns the mean loss and
+    the global grad norm, both device tensors (the norm the same on every rank). sync synchronizes
+    and clips gradients: parallelize.gradient_sync's (by the plan's strategy), or xla.py's. With
+    skip_nonfinite an update with a NaN/Inf grad norm is not applied (it would poison every weight);
+    that check waits for the device, so it is made only when asked for. sync.after_step() ends the
+    step: the weight scales of --precision fp8's float8 all-gather, or the traced step under XLA."""
+    # CUDA graphs only; its first call imports inductor, ~10 s of a CPU run's start
+    if device.type == "cuda":
+        # --cuda_graphs: the last step's graph outputs may be reused
+        torch.compiler.cudagraph_mark_step_begin()
     sync.start(step)  # gossip: parameters travel to the neighbours while forward and backward run
     loss_sum = 0.0
     for i, batch in enumerate(micro_batches):
@@ -130,7 +160,8 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
             loss = loss / len(micro_batches)
         loss.backward()
         loss_sum += loss.detach()
-    sync.finish()  # gossip: parameters <- the neighbours' weighted average; this step's update lands on it
+    # gossip: parameters <- the neighbours' weighted average; this step's update lands on it
+    sync.finish()
     grad_norm = sync.clip_grad_norm(model.parameters(), grad_clip)
     if not skip_nonfinite or torch.isfinite(grad_norm):
         optimizer.step()
@@ -141,7 +172,8 @@ def train_step(model, optimizer, micro_batches, sync, grad_clip, device, step=0,
 
 @torch.no_grad()
 def evaluate(model, data, batches, device):
-    """Mean loss over the first `batches` validation batches of every rank (one wait for the device)."""
+    """Mean loss over the first `batches` validation batches of every rank (one wait for the
+    device)."""
     model.eval()
     losses = torch.stack([model(*_to_device(data.val_batch(i), device)) for i in range(batches)])
     model.train()
@@ -153,11 +185,11 @@ GC_INTERVAL = 50  # steps between the loop's own collections of Python's young o
 
 @contextmanager
 def collections_in_step():
-    """Python's automatic garbage collection off while training; the loop collects on every rank at the same
-    step instead: everything after the first step (torch.compile's objects) and after each save, the young
-    generations every GC_INTERVAL steps. Left automatic, a full collection (50 ms and more with compile's
-    objects alive) pauses one rank at a time, and every other rank waits for it at the next collective, so a
-    steady multi-GPU run loses whole timing windows to it."""
+    """Python's automatic garbage collection off while training; the loop collects on every rank at
+    the same step instead: everything after the first step (torch.compile's objects) and after each
+    save, the young generations every GC_INTERVAL steps. Left automatic, a full collection (50 ms
+    and more with compile's objects alive) pauses one rank at a time, and every other rank waits for
+    it at the next collective, so a steady multi-GPU run loses whole timing windows to it."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -170,7 +202,9 @@ def collections_in_step():
 
 @dataclass(frozen=True)
 class Due:
-    """What the step just done is due for; every rank computes the same from the step and the flags."""
+    """What the step just done is due for; every rank computes the same from the step and the
+    flags."""
+
     final: bool  # the schedule's last step
     logs: bool  # a row every --log_interval steps
     saves: bool  # every --checkpoint_interval steps, and the last
@@ -186,73 +220,88 @@ class Due:
 
 def collect_garbage(done, first):
     """The loop's own collections (collections_in_step), at the same steps on every rank."""
-    if done == first + 1:  # the first step compiled: its objects go to the old generation now, at once
+    # the first step compiled: its objects go to the old generation now, at once
+    if done == first + 1:
         gc.collect()
     elif done % GC_INTERVAL == 0:
         gc.collect(1)
 
 
 def evaluate_and_save(parts, cfg, env, plan, log, done, due, stopping, run_state):
-    """The validation loss where due (and a decentralized run's consensus distance: two all-reduces of the replica,
-    so only here, off the training steps), then the save where due or when stopping; run_state(done): what the
-    checkpoint keeps besides the model and optimizer."""
-    val_loss = evaluate(parts.model, parts.data, cfg.eval_batches, env.device) if due.evaluates else None
+    """The validation loss where due (and a decentralized run's consensus distance: two all-reduces
+    of the replica, so only here, off the training steps), then the save where due or when stopping;
+    run_state(done): what the checkpoint keeps besides the model and optimizer."""
+    val_loss = (
+        evaluate(parts.model, parts.data, cfg.eval_batches, env.device) if due.evaluates else None
+    )
     log.validation(done, val_loss)
     if due.evaluates and plan.decentralized:
         log.consensus(done, parts.sync.consensus_distance())
     if due.saves or stopping:
-        parts.checkpointer.save(done, parts.model, parts.optimizer, val_loss, run_state(done))  # after the one
-        log.saved(parts.checkpointer.reports())  # in flight
+        # after the one in flight
+        parts.checkpointer.save(done, parts.model, parts.optimizer, val_loss, run_state(done))
+        log.saved(parts.checkpointer.reports())
         gc.collect()  # what outlived the young collections; a save takes seconds anyway
 
 
+def run_tasks(tasks, log, checkpointer, done, due, stop_reason):
+    """Between a logging step's row and its evaluation: a save written in the background is reported
+    (or its failure raised) at the first logging step after it ended (collective); the harness's
+    tasks (--eval_tasks) run, timed apart, before the save that records their scores."""
+    if due.logs and not due.saves:
+        checkpointer.poll()
+        log.saved(checkpointer.reports())
+    if tasks and tasks.due(done, due.final, due.saves) and not stop_reason:
+        with log.paused():
+            tasks.run(done, log)
+
+
 def train(parts, cfg, env, plan, stop, saved=None):
-    """Train parts (RunParts) from step 0, or from `saved` (the meta.json of the checkpoint just restored), to the
-    schedule's last step. Evaluates every --eval_interval steps; saves every --checkpoint_interval steps, at the
-    end, and when all ranks agree to stop (stop: resilience.StopRequests, asked at logging steps and when due).
-    Returns the last step done and the log, which holds the run's summary."""
-    model, optimizer, data, checkpointer = parts.model, parts.optimizer, parts.data, parts.checkpointer
+    """Train parts (RunParts) from step 0, or from `saved` (the meta.json of the checkpoint just
+    restored), to the schedule's last step. Evaluates every --eval_interval steps; saves every
+    --checkpoint_interval steps, at the end, and when all ranks agree to stop (stop:
+    resilience.StopRequests, asked at logging steps and when due). Returns the last step done and
+    the log, which holds the run's summary."""
+    model, data, checkpointer = parts.model, parts.data, parts.checkpointer
     schedule = Schedule.for_run(cfg, data.steps_per_epoch(), saved and saved["state"]["schedule"])
     first = done = saved["step"] if saved else 0
-    tasks = TrainingTasks.for_run(cfg, env, getattr(data, "tokenizer", None), model, saved)  # --eval_tasks
+    tasks = TrainingTasks.for_run(cfg, env, getattr(data, "tokenizer", None), model, saved)
     tokens_per_step = parts.ranks * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
     log = TrainingLog.open(cfg, env, model, schedule, first, tokens_per_step, parts.synchronize)
     guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
+    step_with = (parts.sync, cfg.grad_clip, env.device)  # train_step's arguments after the batches
 
-    def run_state(step):
-        return {"schedule": schedule.state_dict(), "data": data.state_dict(step),
-                **({"eval_tasks": tasks.state_dict(step)} if tasks else {})}
+    def run_state(step):  # what a checkpoint keeps besides the model and optimizer
+        tasks_state = {"eval_tasks": tasks.state_dict(step)} if tasks else {}
+        return {"schedule": schedule.state_dict(), "data": data.state_dict(step), **tasks_state}
 
     model.train()
-    with log, collections_in_step(), checkpointer.saving():  # a save in flight ends before train returns or raises
+    with log, collections_in_step(), checkpointer.saving():  # a save in flight ends before return
         log.restored(first, checkpointer.restore_s)
         for step in range(first, schedule.last_step):
-            lr = schedule.apply(optimizer, step)
-            loss, grad_norm = train_step(model, optimizer, data.train_batches(step), parts.sync, cfg.grad_clip,
-                                         env.device, step, skip_nonfinite=cfg.skip_nonfinite > 0)
+            lr = schedule.apply(parts.optimizer, step)
+            batches = data.train_batches(step)
+            loss, grad_norm = train_step(model, parts.optimizer, batches, *step_with, step,
+                                         skip_nonfinite=cfg.skip_nonfinite > 0)  # fmt: skip
             done = step + 1
             log.step(loss if guard.check(done, grad_norm, loss) else None)
             collect_garbage(done, first)
             due = Due.after(done, cfg, schedule.last_step)
-            if due.logs or due.saves:  # the host waits for the device here, and only here, while training
+            if due.logs or due.saves:  # the host waits for the device here, and only here
                 guard.flush()  # raises Diverged at a NaN/Inf grad norm, before anything is saved
             if due.logs:
                 log.row(done, lr, grad_norm)
-            # Collective, at steps every rank agrees on: logging steps, saves, and often enough to act on a stop
-            # request within seconds (resilience.StopRequests.due); all ranks stop at one step.
+            # Collective, at steps every rank agrees on: logging steps, saves, and often enough to
+            # act on a stop request within seconds (StopRequests.due); all ranks stop at one step.
             stop_reason = stop.agreed(done) if due.logs or due.saves or stop.due(done) else None
-            if due.logs and not due.saves:  # collective: a save written in the background is reported (or its
-                checkpointer.poll()  # failure raised) at the first logging step after it ended
-                log.saved(checkpointer.reports())
-            if tasks and tasks.due(done, due.final, due.saves) and not stop_reason:  # the harness's tasks, timed
-                with log.paused():  # apart too; before the save, which records their scores (--best_metric)
-                    tasks.run(done, log)
+            run_tasks(tasks, log, checkpointer, done, due, stop_reason)
             if due.evaluates or stop_reason:
                 with log.paused():  # evaluation and saving are timed apart from the training steps
-                    evaluate_and_save(parts, cfg, env, plan, log, done, due, bool(stop_reason), run_state)
+                    evaluate_and_save(parts, cfg, env, plan, log, done, due, bool(stop_reason),
+                                      run_state)  # fmt: skip
             if stop_reason:
                 log.stopped(done, stop_reason)
                 break
-        checkpointer.wait()  # the end of the run, or a stop: the last save is committed before the process ends
+        checkpointer.wait()  # the last save is committed before the process ends
         log.saved(checkpointer.reports())
     return done, log

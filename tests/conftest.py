@@ -1,4 +1,5 @@
 """Shared test helpers: a tiny corpus, and launching the real entry point under mpiexec."""
+
 import json
 import os
 import random
@@ -15,19 +16,39 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "basic_training.py"
-# Small enough to train in seconds on one core, big enough to exercise sharding (uneven shards included).
-TINY_MODEL = ["--num_layers", "2", "--num_heads", "2", "--embed_size", "32", "--seq_length", "32",
-              "--batch_size", "4", "--eval_batches", "2", "--num_tokens", "0"]
+# Small enough to train in seconds on one core, big enough to exercise sharding (uneven shards
+# included).
+TINY_MODEL = [
+    "--num_layers",
+    "2",
+    "--num_heads",
+    "2",
+    "--embed_size",
+    "32",
+    "--seq_length",
+    "32",
+    "--batch_size",
+    "4",
+    "--eval_batches",
+    "2",
+    "--num_tokens",
+    "0",
+]
 
 
 def pytest_addoption(parser):
-    parser.addoption("--full", action="store_true", default=False,
-                     help="the full tier: also the tests marked slow (CI runs this; tests/README.md)")
+    parser.addoption(
+        "--full",
+        action="store_true",
+        default=False,
+        help="the full tier: also the tests marked slow (CI runs this; tests/README.md)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
-    """Plain `pytest` is the quick tier: it leaves out the tests marked slow (most launches of several ranks,
-    each covered in kind by a quick one). `--full`, a named file or test, -k or -m select as pytest does."""
+    """Plain `pytest` is the quick tier: it leaves out the tests marked slow (most launches of
+    several ranks, each covered in kind by a quick one). `--full`, a named file or test, -k or -m
+    select as pytest does."""
     named = config.option.file_or_dir or config.option.keyword or config.option.markexpr
     if config.getoption("--full") or named:
         return
@@ -39,15 +60,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def no_processes_under_mutmut():
-    """Under mutmut a mutant's covering tests run once per mutant: a test that starts a process (mpiexec, a
-    second Python) takes seconds to minutes, so there it is skipped where it starts one. Elsewhere: nothing.
-    Session-scoped, so that it is in place before any module's fixtures launch runs."""
-    if "MUTANT_UNDER_TEST" not in os.environ:  # set by mutmut (tests/mutation.py) where it runs tests
+    """Under mutmut a mutant's covering tests run once per mutant: a test that starts a process
+    (mpiexec, a second Python) takes seconds to minutes, so there it is skipped where it starts one.
+    Elsewhere: nothing. Session-scoped, so that it is in place before any module's fixtures launch
+    runs."""
+    # set by mutmut (tests/mutation.py) where it runs tests
+    if "MUTANT_UNDER_TEST" not in os.environ:
         yield
         return
 
     def skip(*args, **kwargs):
         pytest.skip("starts a process: skipped under mutation testing")
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess, "Popen", skip)
         yield
@@ -55,16 +79,19 @@ def no_processes_under_mutmut():
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Every test computes with one thread, as every launched rank does (OMP_NUM_THREADS=1): the cores are
-    shared with the ranks it launches (and, on a busy machine, with more), and a second thread that waits for a
-    busy core makes a tiny model's step many times slower (the single-process reference: 7 s instead of 0.4).
-    Set before each test, since a run inside this process sets its own share (environment.cpu_threads)."""
+    """Every test computes with one thread, as every launched rank does (OMP_NUM_THREADS=1): the
+    cores are shared with the ranks it launches (and, on a busy machine, with more), and a second
+    thread that waits for a busy core makes a tiny model's step many times slower (the
+    single-process reference: 7 s instead of 0.4). Set before each test, since a run inside this
+    process sets its own share (environment.cpu_threads)."""
     torch.set_num_threads(1)
 
 
 def mpiexec():
     """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
-    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
+        "mpiexec"
+    )
     if not found:
         pytest.skip("no mpiexec (pip install -e '.[dev]' installs the mpich wheel)")
     return found
@@ -75,25 +102,36 @@ def launch(args, ranks=2, cwd=None, timeout=300, env=None, check=True, entry=ENT
     CompletedProcess. The timeout only guards against a hang; no test asserts on time."""
     cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(entry), *map(str, args)]
     environment = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environment)
+    result = subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environment
+    )
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited "
+            f"{result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     return result
 
 
-def launch_runs(flag_lists, ranks=2, cwd=None, timeout=300, entry=ROOT / "tests" / "several_runs.py"):
-    """Several runs of the real entry point, one after the other on the same `ranks` ranks of one launch
-    (tests/several_runs.py, or `entry`, a script that wraps it): Python and torch start once, not once per run.
-    Each run's flags say where its output goes; a run that fails ends the launch (AssertionError with its output)."""
+def launch_runs(
+    flag_lists, ranks=2, cwd=None, timeout=300, entry=ROOT / "tests" / "several_runs.py"
+):
+    """Several runs of the real entry point, one after the other on the same `ranks` ranks of one
+    launch (tests/several_runs.py, or `entry`, a script that wraps it): Python and torch start once,
+    not once per run. Each run's flags say where its output goes; a run that fails ends the launch
+    (AssertionError with its output)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as listed:
         json.dump([list(map(str, flags)) for flags in flag_lists], listed)
         listed.flush()
-        return launch([listed.name], ranks=ranks, cwd=cwd, timeout=timeout * len(flag_lists), entry=entry)
+        return launch(
+            [listed.name], ranks=ranks, cwd=cwd, timeout=timeout * len(flag_lists), entry=entry
+        )
 
 
 def printed_by_run(stdout):
-    """A launch_runs launch's stdout cut into what each training run printed, in order: each part starts at its
-    banner's first line ("launch: ...", rank 0's) and runs to the next banner. Returns [(run name, text)]."""
+    """A launch_runs launch's stdout cut into what each training run printed, in order: each part
+    starts at its banner's first line ("launch: ...", rank 0's) and runs to the next banner. Returns
+    [(run name, text)]."""
     parts = re.split(r"^(?=launch: )", stdout, flags=re.MULTILINE)[1:]
     return [(re.search(r'\brun_name = "([^"]*)"', part).group(1), part) for part in parts]
 
@@ -101,12 +139,18 @@ def printed_by_run(stdout):
 def make_text(n_chars=60_000, seed=0):
     """Pseudo-English from a fixed word list: learnable structure, no dependency on real data."""
     rng = random.Random(seed)
-    words = ("the king queen lord lady good night sweet love death fair heart come go speak hear thou thee "
-             "my our your sword crown night day blood tears").split()
+    words = (
+        "the king queen lord lady good night sweet love death fair heart come go speak hear thou "
+        "thee my our your sword crown night day blood tears"
+    ).split()
     lines = []
     while sum(map(len, lines)) < n_chars:
         speaker = rng.choice(["ROMEO", "JULIET", "KING", "NURSE"])
-        lines.append(f"{speaker}:\n" + " ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) + ".\n\n")
+        lines.append(
+            f"{speaker}:\n"
+            + " ".join(rng.choice(words) for _ in range(rng.randint(5, 15)))
+            + ".\n\n"
+        )
     return "".join(lines)[:n_chars]
 
 
@@ -119,11 +163,12 @@ def corpus(tmp_path):
 
 @pytest.fixture
 def single_process(monkeypatch, tmp_path):
-    """A plain `python basic_training.py` run inside this process: a world of one, in tmp_path, with the
-    rendezvous kept out of os.environ."""
+    """A plain `python basic_training.py` run inside this process: a world of one, in tmp_path, with
+    the rendezvous kept out of os.environ."""
     from minimal_fsdp.launch import discovery
     from minimal_fsdp.launch import environment
     from minimal_fsdp.launch import rendezvous
+
     for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", *discovery.MPI_RANK_VARIABLES]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -136,8 +181,12 @@ def single_process(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def one_rank_group():
     """A world of one rank in this process, so FSDP2 runs exactly as in training."""
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the cores are shared with other tests: oversubscribing them is slow
     yield
@@ -146,7 +195,8 @@ def one_rank_group():
 
 
 def global_batch(data, step, world, batch_size, seq_length, seed):
-    """Every rank's first micro-batch of optimizer step `step` of a data.TokenData, concatenated (rank 0 first)."""
+    """Every rank's first micro-batch of optimizer step `step` of a data.TokenData, concatenated
+    (rank 0 first)."""
     parts = []
     for rank in range(world):
         data.bind(seq_length, batch_size, 1, rank, world, seed)

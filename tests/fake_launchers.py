@@ -1,6 +1,7 @@
-"""Stand-ins for a cluster's commands (srun, qsub, qstat, sbatch, squeue), put first on PATH by the launcher
-tests, and `run_session`, which runs a command in a session of its own and proves that no process of it is
-left behind."""
+"""Stand-ins for a cluster's commands (srun, qsub, qstat, sbatch, squeue), put first on PATH by the
+launcher tests, and `run_session`, which runs a command in a session of its own and proves that no
+process of it is left behind."""
+
 import os
 import subprocess
 import sys
@@ -8,8 +9,10 @@ import time
 from pathlib import Path
 
 FAKE_SRUN = """#!{python}
-# srun: starts SLURM_NTASKS copies of the command on this host with srun's task variables. FAKE_TASKS_PER_NODE
-# (e.g. 2,1,1) spreads the tasks over pretend nodes; --mpi=pmix adds the variables of srun's PMIx plugin;
+# srun: starts SLURM_NTASKS copies of the command on this host with srun's task variables. \
+FAKE_TASKS_PER_NODE
+# (e.g. 2,1,1) spreads the tasks over pretend nodes; --mpi=pmix adds the variables of srun's PMIx \
+plugin;
 # --kill-on-bad-exit=1 kills the other tasks when one fails. Its argv goes to FAKE_SRUN_LOG.
 import json, os, subprocess, sys, time
 args = sys.argv[1:]
@@ -24,8 +27,10 @@ job = os.environ["SLURM_JOB_ID"]
 tasks = []
 for node, count in enumerate(per_node):
     for local in range(count):
-        env = dict(os.environ, SLURM_PROCID=str(len(tasks)), SLURM_LOCALID=str(local), SLURM_NODEID=str(node),
-                   SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS=str(n), SLURM_STEP_NUM_NODES=str(len(per_node)),
+        env = dict(os.environ, SLURM_PROCID=str(len(tasks)), SLURM_LOCALID=str(local), \
+SLURM_NODEID=str(node),
+                   SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS=str(n), \
+SLURM_STEP_NUM_NODES=str(len(per_node)),
                    SLURM_STEP_TASKS_PER_NODE=",".join(map(str, per_node)),
                    SLURM_STEP_NODELIST=os.environ["SLURM_JOB_NODELIST"])
         if "--mpi=pmix" in options:
@@ -44,8 +49,8 @@ while len(codes) < len(tasks):
 sys.exit(next((c for c in codes.values() if c), 0))
 """
 
-# qsub and sbatch put the job in FAKE_QUEUE (one JSON file per job, argv and the id given) and print its id;
-# the test runs the queued jobs one after the other, as the scheduler would.
+# qsub and sbatch put the job in FAKE_QUEUE (one JSON file per job, argv and the id given) and print
+# its id; the test runs the queued jobs one after the other, as the scheduler would.
 FAKE_SUBMIT = """#!{python}
 import json, os, sys
 from pathlib import Path
@@ -80,13 +85,22 @@ def install_fakes(bin_dir, queue_dir=None):
     """Writes the stand-ins into bin_dir; returns the environment that puts them first on PATH."""
     bin_dir.mkdir(exist_ok=True)
     python = sys.executable
-    scripts = {"srun": FAKE_SRUN.format(python=python), "qstat": FAKE_QSTAT, "squeue": FAKE_SQUEUE,
-               "qsub": FAKE_SUBMIT.format(python=python, id_format="{}.fake", printed="{}"),
-               "sbatch": FAKE_SUBMIT.format(python=python, id_format="{}", printed="Submitted batch job {}")}
+    scripts = {
+        "srun": FAKE_SRUN.format(python=python),
+        "qstat": FAKE_QSTAT,
+        "squeue": FAKE_SQUEUE,
+        "qsub": FAKE_SUBMIT.format(python=python, id_format="{}.fake", printed="{}"),
+        "sbatch": FAKE_SUBMIT.format(
+            python=python, id_format="{}", printed="Submitted batch job {}"
+        ),
+    }
     for name, text in scripts.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{Path(python).parent}:{os.environ['PATH']}", "FAKE_SRUN_LOG": str(bin_dir / "srun.log")}
+    env = {
+        "PATH": f"{bin_dir}:{Path(python).parent}:{os.environ['PATH']}",
+        "FAKE_SRUN_LOG": str(bin_dir / "srun.log"),
+    }
     if queue_dir is not None:
         queue_dir.mkdir(exist_ok=True)
         env["FAKE_QUEUE"] = str(queue_dir)
@@ -107,11 +121,18 @@ def session_processes(session):
 
 
 def run_session(cmd, env, cwd, timeout=240, linger=60):
-    """Run cmd in a new session; returns the CompletedProcess. Asserts that every process of the session has
-    exited within `linger` seconds of the command's end, and kills whatever is left (the test then fails).
-    The timeouts only catch a hang; nothing here measures time."""
-    process = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+    """Run cmd in a new session; returns the CompletedProcess. Asserts that every process of the
+    session has exited within `linger` seconds of the command's end, and kills whatever is left (the
+    test then fails). The timeouts only catch a hang; nothing here measures time."""
+    process = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = process.communicate(timeout=timeout)
         deadline = time.monotonic() + linger

@@ -1,6 +1,8 @@
-"""Run under mpiexec by test_gossip.py: real gossip steps between ranks (gloo on CPUs, NCCL on GPUs), also with
-the ranks told they are on two hosts (4 ranks). Rank 0 writes what every rank
-held before and after each step, and consensus trajectories, as JSON to argv[1]; the test checks them."""
+"""Run under mpiexec by test_gossip.py: real gossip steps between ranks (gloo on CPUs, NCCL on
+GPUs), also with the ranks told they are on two hosts (4 ranks). Rank 0 writes what every rank
+held before and after each step, and consensus trajectories, as JSON to argv[1]; the test checks
+them."""
+
 import json
 import sys
 
@@ -35,8 +37,8 @@ def gathered(vector):
 
 
 def mixing_steps(topology, rank, device, wire=torch.float32, hosts=None, bucket_mb=25):
-    """Before/after of STEPS gossip steps; the parameters are read through the model, not the flat buffer.
-    hosts: each host's ranks (None: found from the hostnames), as Gossip takes them."""
+    """Before/after of STEPS gossip steps; the parameters are read through the model, not the flat
+    buffer. hosts: each host's ranks (None: found from the hostnames), as Gossip takes them."""
     model = Replica(seed=100 + rank).to(device)
     gossip = Gossip(model, topology, wire, hosts=hosts, bucket_mb=bucket_mb)
     steps = []
@@ -44,14 +46,20 @@ def mixing_steps(topology, rank, device, wire=torch.float32, hosts=None, bucket_
         before = gathered(model.vector())
         gossip.start(step)
         gossip.finish()
-        steps.append({"before": before, "after": gathered(model.vector()),
-                      "consensus": gossip.consensus_distance()})
+        steps.append(
+            {
+                "before": before,
+                "after": gathered(model.vector()),
+                "consensus": gossip.consensus_distance(),
+            }
+        )
     return {"steps": steps, "bytes_sent": gossip.bytes_sent, "numel": model.vector().numel()}
 
 
 def quadratic(topology, rank, lr, steps, device):
-    """Decentralized gradient descent on f(x) = |x - b|^2 / 2 (one b for all), replicas starting apart, in the
-    order training uses: start the exchange, compute the gradient at x^t, finish (mix), step."""
+    """Decentralized gradient descent on f(x) = |x - b|^2 / 2 (one b for all), replicas starting
+    apart, in the order training uses: start the exchange, compute the gradient at x^t, finish
+    (mix), step."""
     model = Replica(seed=200 + rank, dtype=torch.float64).to(device)
     target = Replica(seed=7, dtype=torch.float64).to(device)
     gossip = Gossip(model, topology, torch.float64)
@@ -69,14 +77,22 @@ def quadratic(topology, rank, lr, steps, device):
 
 def main():
     env = environment.setup(parse_args(["--collective_timeout", "60"]))
-    results = {"world": env.world_size, "lr": LR, "device": env.device.type,
-               "mixing": {t: mixing_steps(t, env.rank, env.device) for t in TOPOLOGIES},
-               "quadratic": {t: quadratic(t, env.rank, LR, 12, env.device) for t in ("ring", "exp")},
-               "exp_no_lr": quadratic("exp", env.rank, 0.0, 4, env.device)}
-    if env.world_size == 4:  # two hosts of two ranks, told so: host-aware gossip over gloo's groups and a thread
+    results = {
+        "world": env.world_size,
+        "lr": LR,
+        "device": env.device.type,
+        "mixing": {t: mixing_steps(t, env.rank, env.device) for t in TOPOLOGIES},
+        "quadratic": {t: quadratic(t, env.rank, LR, 12, env.device) for t in ("ring", "exp")},
+        "exp_no_lr": quadratic("exp", env.rank, 0.0, 4, env.device),
+    }
+    # two hosts of two ranks, told so: host-aware gossip over gloo's groups and a thread
+    if env.world_size == 4:
         hosts = [(0, 1), (2, 3)]
-        results["hosts"] = {f"{t} {wire}": mixing_steps(t, env.rank, env.device, getattr(torch, wire), hosts, 1e-5)
-                            for t in TOPOLOGIES for wire in ("float32", "bfloat16")}
+        results["hosts"] = {
+            f"{t} {wire}": mixing_steps(t, env.rank, env.device, getattr(torch, wire), hosts, 1e-5)
+            for t in TOPOLOGIES
+            for wire in ("float32", "bfloat16")
+        }
     if env.is_main:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f)

@@ -1,11 +1,14 @@
-"""Run under mpiexec by test_evaluate.py (through conftest.launch_runs): several evaluations, one after the other,
-on the same ranks, each `evaluate.main` with its own arguments (what `minimal-fsdp evaluate` calls), with
-process groups of its own, set up and torn down as in a launch of its own. Python, torch and the harness start once.
+"""Run under mpiexec by test_evaluate.py (through conftest.launch_runs): several evaluations, one
+after the other, on the same ranks, each `evaluate.main` with its own arguments (what `minimal-fsdp
+evaluate` calls), with process groups of its own, set up and torn down as in a launch of its own.
+Python, torch and the harness start once.
 
-argv[1] is a JSON file holding a list of argument lists; each has --output_path. What an evaluation prints on each
-rank goes to stdout_<rank> and stderr_<rank> beside its --output_path (the descriptors themselves are redirected,
-so the harness's and the libraries' lines land there too): each evaluation's output reads as a launch of its own.
+argv[1] is a JSON file holding a list of argument lists; each has --output_path. What an evaluation
+prints on each rank goes to stdout_<rank> and stderr_<rank> beside its --output_path (the
+descriptors themselves are redirected, so the harness's and the libraries' lines land there too):
+each evaluation's output reads as a launch of its own.
 """
+
 import json
 import os
 import sys
@@ -16,8 +19,8 @@ from minimal_fsdp.launch.discovery import MPI_RANK_VARIABLES
 
 
 def redirected(folder, rank, argv):
-    """evaluate.main(argv) with this rank's stdout and stderr in folder; a failure's output is then shown in the
-    launch's stderr too, for the test's message."""
+    """evaluate.main(argv) with this rank's stdout and stderr in folder; a failure's output is then
+    shown in the launch's stderr too, for the test's message."""
     saved = [os.dup(1), os.dup(2)]
     try:
         for fd, name in ((1, "stdout"), (2, "stderr")):

@@ -3,6 +3,7 @@ logged losses, the scripts that record what ranks hold (reduce_ranks.py, gossip_
 checkpoints, Hugging Face directories, corpora, the sample a run prints. A test module imports them
 from here, never from another test module; conftest.py keeps the fixtures every test may use and
 the launchers."""
+
 import io
 import json
 import math
@@ -38,6 +39,7 @@ def _transformers():
     """transformers, imported where a Hugging Face builder runs (the modules that use one skip
     themselves without it), its logging quiet."""
     import transformers
+
     transformers.logging.set_verbosity_error()
     return transformers
 
@@ -50,10 +52,22 @@ NUM_PARAMS = GPT(CONFIG).num_params(non_embedding=False)
 
 
 def plain_plan(**fields):
-    base = dict(strategy="fsdp-block", sharding="full-shard", mesh_shape=(2,), shard_ranks=2,
-                reshard_after_forward=True, precision="bf16", fp8=None, cpu_offload=False, meta_init=False,
-                activation_checkpoints=False, recompute="full", compile=False, cuda_graphs=False,
-                num_params=NUM_PARAMS)
+    base = dict(
+        strategy="fsdp-block",
+        sharding="full-shard",
+        mesh_shape=(2,),
+        shard_ranks=2,
+        reshard_after_forward=True,
+        precision="bf16",
+        fp8=None,
+        cpu_offload=False,
+        meta_init=False,
+        activation_checkpoints=False,
+        recompute="full",
+        compile=False,
+        cuda_graphs=False,
+        num_params=NUM_PARAMS,
+    )
     base.update(fields)
     return plan_module.ParallelPlan(**base)
 
@@ -64,49 +78,104 @@ STEPS = 6
 
 def train_args(corpus, run_name, extra=()):
     work = corpus.parent
-    return ["--dataset", "text", "--input_file", corpus, "--data_dir", work / "data", "--log_dir", work / "logs",
-            "--checkpoint_dir", work / "checkpoints", *TINY_MODEL, "--max_steps", STEPS, "--log_interval", 1,
-            "--eval_interval", 0, "--run_name", run_name, "--lr", "3e-3", "--warmup_steps", 2,
-            "--dropout", "0.0", *extra]
+    return [
+        "--dataset",
+        "text",
+        "--input_file",
+        corpus,
+        "--data_dir",
+        work / "data",
+        "--log_dir",
+        work / "logs",
+        "--checkpoint_dir",
+        work / "checkpoints",
+        *TINY_MODEL,
+        "--max_steps",
+        STEPS,
+        "--log_interval",
+        1,
+        "--eval_interval",
+        0,
+        "--run_name",
+        run_name,
+        "--lr",
+        "3e-3",
+        "--warmup_steps",
+        2,
+        "--dropout",
+        "0.0",
+        *extra,
+    ]
 
 
 def reference(args, world, device="cpu", steps=STEPS):
-    """The same training in one process, plain PyTorch (reference.py): whole model, all ranks' batches
-    concatenated. Initial weights are drawn on `device` (CPU and CUDA generators differ), so compare on the
-    same kind."""
+    """The same training in one process, plain PyTorch (reference.py): whole model, all ranks'
+    batches concatenated. Initial weights are drawn on `device` (CPU and CUDA generators differ), so
+    compare on the same kind."""
     _, _, model, losses = plain.train(args, world, device, steps)
     return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 def logged_losses(cwd, run_name):
-    rows = [json.loads(line) for line in (cwd / "logs" / run_name / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (cwd / "logs" / run_name / "metrics.jsonl").read_text().splitlines()
+    ]
     return [r["loss"] for r in rows if "loss" in r]
 
 
 def run_reduce_ranks(out, ranks):
-    """What reduce_ranks.py records on each of `ranks` ranks: each strategy's gradients, reduced in fp32 and bf16."""
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(ROOT / "tests" / "reduce_ranks.py"), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", OMP_NUM_THREADS="1"))
+    """What reduce_ranks.py records on each of `ranks` ranks: each strategy's gradients, reduced in
+    fp32 and bf16."""
+    cmd = [
+        mpiexec(),
+        "-n",
+        str(ranks),
+        sys.executable,
+        str(ROOT / "tests" / "reduce_ranks.py"),
+        str(out),
+    ]
+    result = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", OMP_NUM_THREADS="1"),
+    )
     assert result.returncode == 0, result.stderr[-5000:]
     return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(ranks)]
 
 
-REDUCE_CASES = {"full-shard": "fsdp-block", "grad-shard": "fsdp-block", "hybrid-full-shard": "fsdp-block",
-                "full-shard-bf16": "fsdp-block", "one-unit": "one-unit", "one-unit-hybrid": "one-unit",
-                "one-unit-no-shard": "one-unit", "ddp": "ddp"}
+REDUCE_CASES = {
+    "full-shard": "fsdp-block",
+    "grad-shard": "fsdp-block",
+    "hybrid-full-shard": "fsdp-block",
+    "full-shard-bf16": "fsdp-block",
+    "one-unit": "one-unit",
+    "one-unit-hybrid": "one-unit",
+    "one-unit-no-shard": "one-unit",
+    "ddp": "ddp",
+}
 
 
 def check_reduce_precision(runs, case):
-    assert all(run[reduce]["strategy"] == REDUCE_CASES[case] for run in runs for reduce in ("float32", "bf16"))
+    assert all(
+        run[reduce]["strategy"] == REDUCE_CASES[case]
+        for run in runs
+        for reduce in ("float32", "bf16")
+    )
     for reduce in ("float32", "bf16"):
         assert all(run[reduce]["grads"] == runs[0][reduce]["grads"] for run in runs), reduce
-    fp32, bf16 = ({name: torch.tensor(g) for name, g in runs[0][reduce]["grads"].items()}
-                  for reduce in ("float32", "bf16"))
+    fp32, bf16 = (
+        {name: torch.tensor(g) for name, g in runs[0][reduce]["grads"].items()}
+        for reduce in ("float32", "bf16")
+    )
     assert all(torch.equal(g, g.bfloat16().float()) for g in bf16.values())
     assert not all(torch.equal(g, g.bfloat16().float()) for g in fp32.values())
     for name, exact in fp32.items():  # measured: at most 0.0093 of the largest gradient
-        torch.testing.assert_close(bf16[name], exact, rtol=0, atol=2**-5 * exact.abs().max().item(), msg=name)
+        torch.testing.assert_close(
+            bf16[name], exact, rtol=0, atol=2**-5 * exact.abs().max().item(), msg=name
+        )
 
 
 # --- gossip ---
@@ -117,8 +186,9 @@ def period(topology, world):
 
 
 def predicted_rate(topology, world, lr):
-    """Per-step contraction of the distance to consensus for x <- W_t x - lr (x - b): the spectral radius of
-    the period's product of (W_t - lr I) on the space orthogonal to consensus, to the power 1/period."""
+    """Per-step contraction of the distance to consensus for x <- W_t x - lr (x - b): the spectral
+    radius of the period's product of (W_t - lr I) on the space orthogonal to consensus, to the
+    power 1/period."""
     p = period(topology, world)
     eye = torch.eye(world, dtype=torch.float64)
     product = eye
@@ -132,7 +202,14 @@ def predicted_rate(topology, world, lr):
 def run_gossip_ranks(ranks, out):
     """tests/gossip_ranks.py on `ranks` MPI ranks; returns its JSON result."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(ROOT / "tests" / "gossip_ranks.py"), str(out)]
+    cmd = [
+        mpiexec(),
+        "-n",
+        str(ranks),
+        sys.executable,
+        str(ROOT / "tests" / "gossip_ranks.py"),
+        str(out),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-5000:]
     return json.loads(out.read_text())
@@ -144,15 +221,21 @@ def check_mixing(ranks_result, topology):
     for step, record in enumerate(run["steps"]):
         before = torch.tensor(record["before"], dtype=torch.float64)
         after = torch.tensor(record["after"], dtype=torch.float64)
-        torch.testing.assert_close(after, mixing_matrix(topology, world, step) @ before, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(after.mean(0), before.mean(0), atol=1e-6, rtol=1e-6)  # average kept
+        torch.testing.assert_close(
+            after, mixing_matrix(topology, world, step) @ before, atol=1e-6, rtol=1e-6
+        )
+        # average kept
+        torch.testing.assert_close(after.mean(0), before.mean(0), atol=1e-6, rtol=1e-6)
         if topology == "complete":  # exactly the network average on every rank
             torch.testing.assert_close(after, before.mean(0).expand_as(after), atol=1e-6, rtol=1e-6)
         consensus = (after - after.mean(0)).square().sum(1).mean().item()
         assert record["consensus"] == pytest.approx(consensus, rel=1e-4, abs=1e-9)
     # One fp32 message per peer per step: what a rank sent over the run.
     nbytes = run["numel"] * 4
-    expected = sum(len(exchange_for(topology, 0, world, s).send_to) for s in range(len(run["steps"]))) * nbytes
+    expected = (
+        sum(len(exchange_for(topology, 0, world, s).send_to) for s in range(len(run["steps"])))
+        * nbytes
+    )
     if topology == "complete":
         expected = len(run["steps"]) * round(2 * (world - 1) / world * nbytes)
     assert run["bytes_sent"] == expected
@@ -173,8 +256,9 @@ DECENTRALIZED = ["--data_parallel", "decentralized", "--topology", "alternating-
 
 
 def alternating_exp_ring(world, step):
-    """W_t of --topology alternating-exp-ring, from gossip.py's docstring: even steps are exp steps (x_i <-
-    (x_i + x_{i-d}) / 2, d = 2^(t/2 mod ceil(log2 n))), odd steps ring steps (x_i <- mean of x_{i-1}, x_i, x_{i+1})."""
+    """W_t of --topology alternating-exp-ring, from gossip.py's docstring: even steps are exp steps
+    (x_i <- (x_i + x_{i-d}) / 2, d = 2^(t/2 mod ceil(log2 n))), odd steps ring steps (x_i <- mean of
+    x_{i-1}, x_i, x_{i+1})."""
     w = torch.zeros(world, world)
     for i in range(world):
         if step % 2 == 0:
@@ -188,14 +272,22 @@ def alternating_exp_ring(world, step):
 
 
 def decentralized_reference(args, world, steps):
-    """Decentralized training on stacked replicas in one process: each replica's gradient at x^t on its rank's
-    batch, then X <- W_t X, then each replica's clipped AccumAdamW step (the optimizer test_accum_adamw checks
-    against torch's AdamW). Returns each step's (mean loss, consensus distance) and the final replicas."""
+    """Decentralized training on stacked replicas in one process: each replica's gradient at x^t on
+    its rank's batch, then X <- W_t X, then each replica's clipped AccumAdamW step (the optimizer
+    test_accum_adamw checks against torch's AdamW). Returns each step's (mean loss, consensus
+    distance) and the final replicas."""
     cfg = parse_args([str(a) for a in args])
     data = plain.PreparedTokens(cfg.data_dir)
     replicas = [plain.build(cfg, data.vocab_size, "cpu") for _ in range(world)]
-    optimizers = [AccumAdamW(plain.param_groups(m, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, 0.98),
-                             accum_steps=cfg.accum_steps) for m in replicas]
+    optimizers = [
+        AccumAdamW(
+            plain.param_groups(m, cfg.weight_decay),
+            lr=cfg.lr,
+            betas=(cfg.beta1, 0.98),
+            accum_steps=cfg.accum_steps,
+        )
+        for m in replicas
+    ]
     lr = plain.schedule(cfg, plain.run_length(cfg, world, len(data.tokens["train"])))
 
     def stacked():  # one row per replica: its parameters, flattened
@@ -205,7 +297,9 @@ def decentralized_reference(args, world, steps):
     for step in range(steps):
         losses = []
         for rank, model in enumerate(replicas):
-            loss = model(*data.batch("train", step, rank, world, cfg.batch_size, cfg.seq_length, cfg.seed))
+            loss = model(
+                *data.batch("train", step, rank, world, cfg.batch_size, cfg.seq_length, cfg.seed)
+            )
             loss.backward()
             losses.append(loss.item())
         with torch.no_grad():
@@ -227,18 +321,23 @@ EMULATED = ROOT / "tests" / "fp8_emulated.py"
 
 
 def losses_of(work, run_name):
-    rows = [json.loads(line) for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()
+    ]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def check_close_to_bf16(fp8_losses, bf16_losses, first=5e-3, every=3e-2):
-    """FP8 tolerance: the first step's loss (forward alone) within `first`, every later one (the trajectory,
-    through the float8 gradients) within `every`, relative; and not identical (float8 did run)."""
+    """FP8 tolerance: the first step's loss (forward alone) within `first`, every later one (the
+    trajectory, through the float8 gradients) within `every`, relative; and not identical (float8
+    did run)."""
     steps = sorted(bf16_losses)
     assert sorted(fp8_losses) == steps
     assert fp8_losses[steps[0]] == pytest.approx(bf16_losses[steps[0]], rel=first)
-    assert [fp8_losses[s] for s in steps] == pytest.approx([bf16_losses[s] for s in steps], rel=every), \
-        (fp8_losses, bf16_losses)
+    assert [fp8_losses[s] for s in steps] == pytest.approx(
+        [bf16_losses[s] for s in steps], rel=every
+    ), (fp8_losses, bf16_losses)
     assert fp8_losses != bf16_losses and fp8_losses[steps[-1]] < 0.9 * fp8_losses[steps[0]]
 
 
@@ -247,8 +346,8 @@ TINY = GPTConfig(vocab_size=8, seq_length=4, num_layers=2, num_heads=1, embed_si
 
 
 def tiny(seed=0):
-    """A two-block GPT (a model meta.json can describe) and an AdamW that has taken one step (so it has moments),
-    both seeded."""
+    """A two-block GPT (a model meta.json can describe) and an AdamW that has taken one step (so it
+    has moments), both seeded."""
     torch.manual_seed(seed)
     model = GPT(TINY)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -271,19 +370,33 @@ def moments(optimizer):
 
 
 def save_three(root):
-    """A run with steps 1..3 (val losses 3, 2, none), a tokenizer file in each: (run, its weights, tokenizer)."""
+    """A run with steps 1..3 (val losses 3, 2, none), a tokenizer file in each: (run, its weights,
+    tokenizer)."""
     tokenizer = root / "tokenizer"
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text('{"vocab": ["a", "b"]}')
     (tokenizer / "vocab.txt").write_text("not a tokenizer.* file: not copied")
     model, optimizer = tiny()
     for step, val_loss in [(1, 3.0), (2, 2.0), (3, None)]:
-        state = {"schedule": {"lr_decay_steps": 10, "last_step": 100 if step == 3 else None},
-                 "data": {"train_blocks_seen": 4 * step}}
-        checkpoint.save(root / "run", step, model, optimizer, {"format": 2, "val_loss": val_loss, "state": state,
-                                                               "model_type": "gpt", "model": TINY.to_dict(),
-                                                               "config": {"batch_size": 4}},
-                        tokenizer_dir=tokenizer)
+        state = {
+            "schedule": {"lr_decay_steps": 10, "last_step": 100 if step == 3 else None},
+            "data": {"train_blocks_seen": 4 * step},
+        }
+        checkpoint.save(
+            root / "run",
+            step,
+            model,
+            optimizer,
+            {
+                "format": 2,
+                "val_loss": val_loss,
+                "state": state,
+                "model_type": "gpt",
+                "model": TINY.to_dict(),
+                "config": {"batch_size": 4},
+            },
+            tokenizer_dir=tokenizer,
+        )
     return root / "run", weights(model), tokenizer
 
 
@@ -310,8 +423,9 @@ def flip_a_byte(file, at=-1):
 
 
 class Console(io.StringIO):
-    """A stream that remembers what had been flushed to it: a message that is not flushed can sit in a buffer
-    while the process hangs or dies."""
+    """A stream that remembers what had been flushed to it: a message that is not flushed can sit in
+    a buffer while the process hangs or dies."""
+
     flushed = ""
 
     def flush(self):
@@ -320,12 +434,15 @@ class Console(io.StringIO):
 
 @pytest.fixture
 def console(monkeypatch):
-    """Call it in the test's body (pytest sets its own sys.stdout and sys.stderr for each phase of a test)."""
+    """Call it in the test's body (pytest sets its own sys.stdout and sys.stderr for each phase of a
+    test)."""
+
     def install():
         out, err = Console(), Console()
         monkeypatch.setattr(sys, "stdout", out)
         monkeypatch.setattr(sys, "stderr", err)
         return out, err
+
     return install
 
 
@@ -340,7 +457,10 @@ class MakeDirectory:
 
 
 def state_of(model, optimizer):
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    return {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+    }
 
 
 # --- meta.json ---
@@ -350,52 +470,96 @@ def edited(path, edit):
     (Path(path) / "meta.json").write_text(json.dumps(meta))
 
 
-# The issue's hostile edits of a saved meta.json (each was a traceback or a hang), and what verify says of each.
+# The issue's hostile edits of a saved meta.json (each was a traceback or a hang), and what verify
+# says of each.
 HOSTILE_META = {
     "no config": (lambda m: m.pop("config"), "meta.json has no config"),
     "no model": (lambda m: m.pop("model"), "meta.json has no model"),
     "state a string": (lambda m: m.update(state="x"), 'meta.json: state is "x", not an object'),
-    "step a string": (lambda m: m.update(step="3"), 'meta.json: step is "3", not a whole number >= 0'),
-    "val_loss a string": (lambda m: m.update(val_loss="low"), 'meta.json: val_loss is "low", not a number or null'),
-    "position a string": (lambda m: m["state"]["data"].update(train_blocks_seen="12"),
-                          'meta.json: state.data.train_blocks_seen is "12", not a whole number >= 0'),
-    "position negative": (lambda m: m["state"]["data"].update(train_blocks_seen=-1),
-                          "meta.json: state.data.train_blocks_seen is -1, not a whole number >= 0"),
-    "stream of strings": (lambda m: m["state"].update(data={"stream": [["a", 0, 0]]}),
-                          "meta.json: state.data.stream is not a list of [file, document, token] positions"),
+    "step a string": (
+        lambda m: m.update(step="3"),
+        'meta.json: step is "3", not a whole number >= 0',
+    ),
+    "val_loss a string": (
+        lambda m: m.update(val_loss="low"),
+        'meta.json: val_loss is "low", not a number or null',
+    ),
+    "position a string": (
+        lambda m: m["state"]["data"].update(train_blocks_seen="12"),
+        'meta.json: state.data.train_blocks_seen is "12", not a whole number >= 0',
+    ),
+    "position negative": (
+        lambda m: m["state"]["data"].update(train_blocks_seen=-1),
+        "meta.json: state.data.train_blocks_seen is -1, not a whole number >= 0",
+    ),
+    "stream of strings": (
+        lambda m: m["state"].update(data={"stream": [["a", 0, 0]]}),
+        "meta.json: state.data.stream is not a list of [file, document, token] positions",
+    ),
     "config a list": (lambda m: m.update(config=[1]), "meta.json: config is [1], not an object"),
-    "schedule a number": (lambda m: m["state"].update(schedule=5), "meta.json: state.schedule is 5, not an object"),
-    "files entry short": (lambda m: m["files"].update({"rng_0.pt": [5]}),
-                          'meta.json: files.rng_0.pt is [5], not [size, CRC-32]'),
-    "files entry a device": (lambda m: m["files"].update({"/dev/zero": [5, 1]}),
-                             'meta.json: files names "/dev/zero", not a plain file name inside the checkpoint'),
-    "files entry outside": (lambda m: m["files"].update({"../step_2/meta.json": [5, 1]}),
-                            'meta.json: files names "../step_2/meta.json", not a plain file name inside the '
-                            'checkpoint'),
-    "absurd layers": (lambda m: m["model"].update(num_layers=10**9),
-                      "meta.json: model.num_layers is 1000000000, not a whole number in [1, 4096]"),
-    "layers the shards lack": (lambda m: m["model"].update(num_layers=300),
-                               "meta.json describes 300 layers, the shards hold 2"),
-    "another width": (lambda m: m["model"].update(embed_size=8, num_heads=2),
-                      "meta.json's model gives wte.weight the shape [8, 8], the shards hold [8, 4]"),
-    "zero heads": (lambda m: m["model"].update(num_heads=0),
-                   "meta.json: model.num_heads is 0, not a whole number in [1, 4096]"),
-    "heads not dividing": (lambda m: m["model"].update(num_heads=3),
-                           "meta.json: model: embed size 4 is not divisible by 3 heads"),
-    "unknown model field": (lambda m: m["model"].update(colour=1),
-                            "meta.json: model.colour is not a field of a gpt model"),
-    "model type": (lambda m: m.update(model_type="bert"), 'meta.json: model_type is "bert", not one of gpt, llama'),
-    "model type a list": (lambda m: m.update(model_type=["gpt"]),
-                          'meta.json: model_type is ["gpt"], not one of gpt, llama'),
-    "format": (lambda m: m.update(format=7), "meta.json: format 7 is not one this version reads (1 or 2)"),
-    "world size": (lambda m: m.update(world_size=10**9),
-                   "meta.json: world_size is 1000000000, not a whole number in [1, 16777216]"),
+    "schedule a number": (
+        lambda m: m["state"].update(schedule=5),
+        "meta.json: state.schedule is 5, not an object",
+    ),
+    "files entry short": (
+        lambda m: m["files"].update({"rng_0.pt": [5]}),
+        'meta.json: files.rng_0.pt is [5], not [size, CRC-32]',
+    ),
+    "files entry a device": (
+        lambda m: m["files"].update({"/dev/zero": [5, 1]}),
+        'meta.json: files names "/dev/zero", not a plain file name inside the checkpoint',
+    ),
+    "files entry outside": (
+        lambda m: m["files"].update({"../step_2/meta.json": [5, 1]}),
+        'meta.json: files names "../step_2/meta.json", not a plain file name inside the checkpoint',
+    ),
+    "absurd layers": (
+        lambda m: m["model"].update(num_layers=10**9),
+        "meta.json: model.num_layers is 1000000000, not a whole number in [1, 4096]",
+    ),
+    "layers the shards lack": (
+        lambda m: m["model"].update(num_layers=300),
+        "meta.json describes 300 layers, the shards hold 2",
+    ),
+    "another width": (
+        lambda m: m["model"].update(embed_size=8, num_heads=2),
+        "meta.json's model gives wte.weight the shape [8, 8], the shards hold [8, 4]",
+    ),
+    "zero heads": (
+        lambda m: m["model"].update(num_heads=0),
+        "meta.json: model.num_heads is 0, not a whole number in [1, 4096]",
+    ),
+    "heads not dividing": (
+        lambda m: m["model"].update(num_heads=3),
+        "meta.json: model: embed size 4 is not divisible by 3 heads",
+    ),
+    "unknown model field": (
+        lambda m: m["model"].update(colour=1),
+        "meta.json: model.colour is not a field of a gpt model",
+    ),
+    "model type": (
+        lambda m: m.update(model_type="bert"),
+        'meta.json: model_type is "bert", not one of gpt, llama',
+    ),
+    "model type a list": (
+        lambda m: m.update(model_type=["gpt"]),
+        'meta.json: model_type is ["gpt"], not one of gpt, llama',
+    ),
+    "format": (
+        lambda m: m.update(format=7),
+        "meta.json: format 7 is not one this version reads (1 or 2)",
+    ),
+    "world size": (
+        lambda m: m.update(world_size=10**9),
+        "meta.json: world_size is 1000000000, not a whole number in [1, 16777216]",
+    ),
 }
 
 
 # --- flags ---
 def one_error_line(capsys, call, *args):
-    """Bad input as the user sees it (config.one_line_errors): exit code 2 and one `error:` line on stderr."""
+    """Bad input as the user sees it (config.one_line_errors): exit code 2 and one `error:` line on
+    stderr."""
     with pytest.raises(SystemExit) as exited:
         one_line_errors(call)(*args)
     lines = capsys.readouterr().err.splitlines()
@@ -404,8 +568,8 @@ def one_error_line(capsys, call, *args):
 
 
 def named(line, word):
-    """`line` names `word` (a flag, a file's section.key, a package) as a whole word: --lr_decay_steps does not
-    name --lr."""
+    """`line` names `word` (a flag, a file's section.key, a package) as a whole word:
+    --lr_decay_steps does not name --lr."""
     return re.search(rf"(?<![\w-]){re.escape(str(word))}(?![\w-])", line) is not None
 
 
@@ -427,12 +591,15 @@ def make_documents(count=200, seed=0):
 
 
 def write_jsonl(directory, documents, files=2):
-    """The documents over `files` .jsonl files (file names sort in document order), blank lines between some."""
+    """The documents over `files` .jsonl files (file names sort in document order), blank lines
+    between some."""
     directory.mkdir(parents=True, exist_ok=True)
     per_file = -(-len(documents) // files)
     for f in range(files):
-        lines = [json.dumps({"text": text}) + ("\n\n" if i % 7 == 0 else "\n")
-                 for i, text in enumerate(documents[f * per_file:(f + 1) * per_file])]
+        lines = [
+            json.dumps({"text": text}) + ("\n\n" if i % 7 == 0 else "\n")
+            for i, text in enumerate(documents[f * per_file : (f + 1) * per_file])
+        ]
         (directory / f"part{f}.jsonl").write_text("".join(lines))
     return directory
 
@@ -442,15 +609,22 @@ def run_cli(*args, num_proc=1):
 
 
 # --- Hugging Face models ---
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8, "rope_theta": 500000.0}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "rope_theta": 500000.0,
+}
 
 
 def hf_gpt2(directory, **kw):
     transformers = _transformers()
     torch.manual_seed(0)
-    config = transformers.GPT2Config(**dict(dict(n_layer=2, n_head=4, n_embd=32, n_positions=24, vocab_size=53),
-                                             **kw))
+    config = transformers.GPT2Config(
+        **dict(dict(n_layer=2, n_head=4, n_embd=32, n_positions=24, vocab_size=53), **kw)
+    )
     model = transformers.GPT2LMHeadModel(config)
     model.save_pretrained(directory)
     return model.eval()
@@ -459,8 +633,16 @@ def hf_gpt2(directory, **kw):
 def hf_llama(directory, **kw):
     transformers = _transformers()
     torch.manual_seed(0)
-    fields = dict(hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=2, vocab_size=53, max_position_embeddings=24, rms_norm_eps=1e-5)
+    fields = dict(
+        hidden_size=48,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=53,
+        max_position_embeddings=24,
+        rms_norm_eps=1e-5,
+    )
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(fields, **kw)))
     model.save_pretrained(directory)
     return model.eval()
@@ -477,29 +659,52 @@ def ours_from(directory, seq_length=None):
 def assert_same_logits(ours, theirs, vocab_size, length):
     idx = torch.randint(0, vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
     expected = theirs(idx).logits
-    got = torch.stack([ours(idx[:, :t]) for t in range(1, length + 1)], dim=1)  # ours: last position only
+    # ours: last position only
+    got = torch.stack([ours(idx[:, :t]) for t in range(1, length + 1)], dim=1)
     assert (got - expected).abs().max().item() < 1e-4
-    loss = torch.nn.functional.cross_entropy(expected[:, :-1].reshape(-1, vocab_size), idx[:, 1:].reshape(-1))
+    loss = torch.nn.functional.cross_entropy(
+        expected[:, :-1].reshape(-1, vocab_size), idx[:, 1:].reshape(-1)
+    )
     assert ours(idx[:, :-1], idx[:, 1:]).item() == pytest.approx(loss.item(), abs=1e-5)
 
 
 HF_GPT = GPTConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=4, embed_size=32)
 
 
-HF_LLAMA = LlamaConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=6, num_kv_heads=2, embed_size=48,
-                    intermediate_size=72)
+HF_LLAMA = LlamaConfig(
+    vocab_size=53,
+    seq_length=24,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    embed_size=48,
+    intermediate_size=72,
+)
 
 
 def gpt2_config(**kw):
     transformers = _transformers()
-    return transformers.GPT2Config(**dict(dict(n_layer=2, n_head=4, n_embd=32, n_positions=24, vocab_size=53), **kw))
+    return transformers.GPT2Config(
+        **dict(dict(n_layer=2, n_head=4, n_embd=32, n_positions=24, vocab_size=53), **kw)
+    )
 
 
 def llama_config(**kw):
     transformers = _transformers()
-    return transformers.LlamaConfig(**dict(dict(hidden_size=48, intermediate_size=72, num_hidden_layers=2,
-                                                num_attention_heads=6, num_key_value_heads=2, vocab_size=53,
-                                                max_position_embeddings=24), **kw))
+    return transformers.LlamaConfig(
+        **dict(
+            dict(
+                hidden_size=48,
+                intermediate_size=72,
+                num_hidden_layers=2,
+                num_attention_heads=6,
+                num_key_value_heads=2,
+                vocab_size=53,
+                max_position_embeddings=24,
+            ),
+            **kw,
+        )
+    )
 
 
 def save_config(directory, config_dict):
@@ -517,14 +722,33 @@ def ours(model_type, config=None, seed=0):
 def bare(model_type):
     """The fields without which there is no model: transformers' defaults fill in the rest."""
     if model_type == "gpt2":
-        return {"model_type": "gpt2", "vocab_size": 53, "n_positions": 24, "n_embd": 32, "n_layer": 2, "n_head": 4}
-    return {"model_type": "llama", "vocab_size": 53, "max_position_embeddings": 24, "hidden_size": 48,
-            "intermediate_size": 72, "num_hidden_layers": 2, "num_attention_heads": 6}
+        return {
+            "model_type": "gpt2",
+            "vocab_size": 53,
+            "n_positions": 24,
+            "n_embd": 32,
+            "n_layer": 2,
+            "n_head": 4,
+        }
+    return {
+        "model_type": "llama",
+        "vocab_size": 53,
+        "max_position_embeddings": 24,
+        "hidden_size": 48,
+        "intermediate_size": 72,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+    }
 
 
 # --- Hugging Face configs ---
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
 
 
 # --- document masks ---
@@ -535,15 +759,16 @@ def spans(ends, T=30):
 
 
 def documents(path, n=300):
-    """A .jsonl corpus of short documents (a few BPE tokens to a few dozen): several per 32-token window."""
+    """A .jsonl corpus of short documents (a few BPE tokens to a few dozen): several per 32-token
+    window."""
     text = tokenizer_dirs.training_text().split("\n\n")
     path.write_text("".join(json.dumps({"text": t.strip()}) + "\n" for t in text[:n] if t.strip()))
     return path
 
 
 def reference_losses(args, world, eot, steps):
-    """tests/reference.py's single-process training, its loss summed over every document of each window run
-    alone (the plain model knows no document masks)."""
+    """tests/reference.py's single-process training, its loss summed over every document of each
+    window run alone (the plain model knows no document masks)."""
     cfg = plain.parse_args([str(a) for a in args])
     data = plain.PreparedTokens(cfg.data_dir)
     model = plain.build(cfg, data.vocab_size, torch.device("cpu"))
@@ -558,7 +783,9 @@ def reference_losses(args, world, eot, steps):
         for row in range(x.size(0)):
             ends = (x[row] == eot).nonzero().flatten().tolist()
             for start, stop in spans(ends, cfg.seq_length):
-                total = total + model(x[row:row + 1, start:stop], y[row:row + 1, start:stop]) * (stop - start)
+                total = total + model(
+                    x[row : row + 1, start:stop], y[row : row + 1, start:stop]
+                ) * (stop - start)
         loss = total / x.numel()
         loss.backward()
         plain.apply_gradients(model, optimizer, cfg)
@@ -585,10 +812,10 @@ def sample_of(stdout):
 
 
 def sample_of_each(stdout):
-    """Every sample in a launch's stdout, in order: several runs of one launch (conftest.launch_runs) print one
-    each. A sample is the lines between a pair of SAMPLE lines (its text holds no such line: no '-' in the tiny
-    corpus)."""
+    """Every sample in a launch's stdout, in order: several runs of one launch
+    (conftest.launch_runs) print one each. A sample is the lines between a pair of SAMPLE lines (its
+    text holds no such line: no '-' in the tiny corpus)."""
     lines = stdout.split("\n")
     marks = [i for i, line in enumerate(lines) if line == SAMPLE]
     assert len(marks) % 2 == 0, stdout[-3000:]
-    return ["\n".join(lines[a + 1:b]) for a, b in zip(marks[::2], marks[1::2])]
+    return ["\n".join(lines[a + 1 : b]) for a, b in zip(marks[::2], marks[1::2])]

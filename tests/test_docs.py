@@ -1,6 +1,7 @@
-"""The docs and the benchmark results state facts where a reader finds them: links resolve (files and RESULTS.md
-anchors), results live under benchmarks/results/, the README lists every docs page and every extra, and no text
-numbers work periods ("the ninth session") in place of a date."""
+"""The docs and the benchmark results state facts where a reader finds them: links resolve (files
+and RESULTS.md anchors), results live under benchmarks/results/, the README lists every docs page
+and every extra, and no text numbers work periods ("the ninth session") in place of a date."""
+
 import ast
 import re
 from pathlib import Path
@@ -8,13 +9,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "RESULTS.md"
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-ORDINALS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
-            "[a-z]+teenth|twentieth|twenty-[a-z]+")
+ORDINALS = (
+    "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
+    "[a-z]+teenth|twentieth|twenty-[a-z]+"
+)
 WORK_PERIOD = re.compile(rf"\b({ORDINALS})\s+(session|work period)s?\b", re.IGNORECASE)
 
 
 def pages():
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
+    return [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "benchmarks").rglob("*.md")),
+    ]
 
 
 def anchors(path):
@@ -39,7 +46,10 @@ def test_every_relative_link_in_the_docs_resolves():
 def test_results_anchors_named_in_tests_and_code_exist():
     """Comments may point at a RESULTS.md section by its anchor; the anchor must be there."""
     named = set()
-    for path in [*ROOT.joinpath("tests").rglob("*.py"), *ROOT.joinpath("minimal_fsdp").rglob("*.py")]:
+    for path in [
+        *ROOT.joinpath("tests").rglob("*.py"),
+        *ROOT.joinpath("minimal_fsdp").rglob("*.py"),
+    ]:
         for line in path.read_text().splitlines():
             if "RESULTS.md#" in line:
                 named |= set(re.findall(r"#([a-z0-9-]+)", line.split("RESULTS.md", 1)[1]))
@@ -48,7 +58,9 @@ def test_results_anchors_named_in_tests_and_code_exist():
 
 def test_results_live_under_benchmarks_results_and_scripts_beside():
     top = {p.name for p in (ROOT / "benchmarks").iterdir() if p.is_file()}
-    assert not {n for n in top if n.endswith((".md", ".jsonl"))}, "result files belong in benchmarks/results/"
+    assert not {n for n in top if n.endswith((".md", ".jsonl"))}, (
+        "result files belong in benchmarks/results/"
+    )
     assert {"RESULTS.md", "LOG.md"} <= {p.name for p in (ROOT / "benchmarks" / "results").iterdir()}
 
 
@@ -68,8 +80,13 @@ def test_readme_lists_every_docs_page_and_every_extra():
     missing = [p.name for p in (ROOT / "docs").glob("*.md") if f"(docs/{p.name})" not in readme]
     assert not missing, missing
     setup = ast.parse((ROOT / "setup.py").read_text())
-    extras = next(kw.value for node in ast.walk(setup) if isinstance(node, ast.Call)
-                  for kw in node.keywords if kw.arg == "extras_require")
+    extras = next(
+        kw.value
+        for node in ast.walk(setup)
+        if isinstance(node, ast.Call)
+        for kw in node.keywords
+        if kw.arg == "extras_require"
+    )
     names = [key.value for key in extras.keys]
     assert len(names) > 5
     assert not [n for n in names if f"`{n}`" not in readme and f"[{n}]" not in readme]
@@ -83,10 +100,19 @@ def test_readme_map_names_every_subpackage():
 
 def test_no_text_numbers_work_periods():
     """Dates name when something was measured; a count of work periods means nothing to a reader."""
-    texts = [*pages(), *(ROOT / "minimal_fsdp").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
-             *(ROOT / "benchmarks").glob("*.sh"), ROOT / "tests" / "README.md"]
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in texts
-            for i, line in enumerate(p.read_text().splitlines(), 1) if WORK_PERIOD.search(line)]
+    texts = [
+        *pages(),
+        *(ROOT / "minimal_fsdp").rglob("*.py"),
+        *(ROOT / "benchmarks").glob("*.py"),
+        *(ROOT / "benchmarks").glob("*.sh"),
+        ROOT / "tests" / "README.md",
+    ]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in texts
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if WORK_PERIOD.search(line)
+    ]
     assert not hits
 
 

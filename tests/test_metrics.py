@@ -1,5 +1,7 @@
-"""Metrics: a tiny training run (in this process, one rank) leaves the same numbers in metrics.jsonl and in
-TensorBoard's event file, a loadable config.toml, and a startup banner; wandb works offline; plots."""
+"""Metrics: a tiny training run (in this process, one rank) leaves the same numbers in metrics.jsonl
+and in TensorBoard's event file, a loadable config.toml, and a startup banner; wandb works offline;
+plots."""
+
 import importlib.util
 import json
 import sys
@@ -24,24 +26,47 @@ def rows_of(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_training_writes_jsonl_tensorboard_config_and_banner(single_process, tmp_path, corpus, capsys):
+def test_training_writes_jsonl_tensorboard_config_and_banner(
+    single_process, tmp_path, corpus, capsys
+):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    args = ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 6, "--log_interval", 2,
-            "--eval_interval", 3, "--run_name", "tb"]
+    args = [
+        "--dataset",
+        "text",
+        "--input_file",
+        corpus,
+        *TINY_MODEL,
+        "--max_steps",
+        6,
+        "--log_interval",
+        2,
+        "--eval_interval",
+        3,
+        "--run_name",
+        "tb",
+    ]
     run.main([str(a) for a in args])
     banner = capsys.readouterr().out
-    assert "launch: 1 rank(s) = 1 node(s) x 1 rank(s)/node, started by single, gloo on cpu; no FSDP: one rank" in banner
+    assert (
+        "launch: 1 rank(s) = 1 node(s) x 1 rank(s)/node, started by single, gloo on cpu; no FSDP: "
+        "one rank" in banner
+    )
     assert "M parameters; params + grads + AdamW take" in banner and "starting fresh" in banner
     assert "[train] max_steps = 6, batch_size = 4," in banner and "training 6 steps = " in banner
-    assert "step 6/6: loss " in banner and "done: step 6 of 6" in banner  # plain lines: stdout is no terminal
+    # plain lines: stdout is no terminal
+    assert "step 6/6: loss " in banner and "done: step 6 of 6" in banner
 
     run_dir = tmp_path / "logs" / "tb"
     rows = rows_of(run_dir)
     train_rows = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in train_rows] == [2, 4, 6] and all(FIELDS <= set(r) for r in train_rows)
-    assert [(r["step"], set(r)) for r in rows if "val_loss" in r] == [(3, {"step", "val_loss"}),
-                                                                      (6, {"step", "val_loss"})]
+    assert [r["step"] for r in train_rows] == [2, 4, 6] and all(
+        FIELDS <= set(r) for r in train_rows
+    )
+    assert [(r["step"], set(r)) for r in rows if "val_loss" in r] == [
+        (3, {"step", "val_loss"}),
+        (6, {"step", "val_loss"}),
+    ]
 
     events = list(run_dir.glob("events.out.tfevents.*"))
     assert len(events) == 1
@@ -53,12 +78,19 @@ def test_training_writes_jsonl_tensorboard_config_and_banner(single_process, tmp
         assert [v for _, v in board] == pytest.approx([v for _, v in logged], rel=1e-6), name
 
     saved = parse_args(["--config", run_dir / "config.toml"])  # the resolved config, reloadable
-    assert (saved.max_steps, saved.eval_interval, saved.embed_size, saved.input_file) == (6, 3, 32, str(corpus))
+    assert (saved.max_steps, saved.eval_interval, saved.embed_size, saved.input_file) == (
+        6,
+        3,
+        32,
+        str(corpus),
+    )
 
 
 @pytest.fixture
 def process_group(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
@@ -95,13 +127,16 @@ def test_wandb_offline(process_group, tmp_path, monkeypatch):
 
 def test_wandb_missing_is_a_flag_error(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
     with pytest.raises(ConfigError, match="--wandb needs the wandb package: pip install wandb"):
         parse_args(["--wandb"])
 
 
 def test_state_estimate():
-    assert state_bytes_per_rank(1000, 4) == 4000  # fp32 params + grads + two AdamW moments, over 4 ranks
+    # fp32 params + grads + two AdamW moments, over 4 ranks
+    assert state_bytes_per_rank(1000, 4) == 4000
 
 
 def write_jsonl(run_dir, rows):
@@ -110,15 +145,25 @@ def write_jsonl(run_dir, rows):
 
 
 def test_read_metrics_merges_rows_and_resumes(tmp_path):
-    write_jsonl(tmp_path / "run", [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "val_loss": 2.5},
-                                   {"step": 2, "loss": 1.9}, {"step": 3, "loss": 1.5}])
+    write_jsonl(
+        tmp_path / "run",
+        [
+            {"step": 1, "loss": 3.0},
+            {"step": 2, "loss": 2.0},
+            {"step": 2, "val_loss": 2.5},
+            {"step": 2, "loss": 1.9},
+            {"step": 3, "loss": 1.5},
+        ],
+    )
     series = read_metrics(tmp_path / "run")
     assert series["loss"] == ([1, 2, 3], [3.0, 1.9, 1.5]) and series["val_loss"] == ([2], [2.5])
 
 
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
-    write_jsonl(tmp_path / "run", [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0, "val_loss": 2.4}])
+    write_jsonl(
+        tmp_path / "run", [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0, "val_loss": 2.4}]
+    )
     plot_main([str(tmp_path / "run")])
     assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -127,10 +172,16 @@ def test_plot_compares_several_runs(tmp_path, monkeypatch):
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
     for name, loss in (("bf16", 2.0), ("fp8", 2.02)):
-        write_jsonl(tmp_path / "logs" / name, [{"step": 1, "loss": 3.0}, {"step": 2, "loss": loss, "val_loss": 2.4}])
+        write_jsonl(
+            tmp_path / "logs" / name,
+            [{"step": 1, "loss": 3.0}, {"step": 2, "loss": loss, "val_loss": 2.4}],
+        )
     labels, plot = [], matplotlib.axes.Axes.plot
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
-                        lambda ax, *a, **kw: labels.append(kw["label"]) or plot(ax, *a, **kw))
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "plot",
+        lambda ax, *a, **kw: labels.append(kw["label"]) or plot(ax, *a, **kw),
+    )
     plot_main([str(tmp_path / "logs" / "bf16"), str(tmp_path / "logs" / "fp8")])
     assert (tmp_path / "logs" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert labels == ["bf16: train loss", "bf16: val loss", "fp8: train loss", "fp8: val loss"]
@@ -142,21 +193,38 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit) as e:
         plot_main([str(tmp_path / "run")])
     assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == ("error: plotting needs matplotlib: pip install matplotlib "
-                                               "(or pip install -e '.[plot]')")
+    assert capsys.readouterr().err.strip() == (
+        "error: plotting needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')"
+    )
 
 
-def test_allocator_retries_warn_once_and_go_to_the_metrics(single_process, tmp_path, corpus, capsys, monkeypatch):
-    """A run at its GPU's memory limit does not fail, it slows down: the allocator's retries (counted since the
-    log began) go to metrics.jsonl and TensorBoard, and one warning says what to do. The count is patched here;
-    test_a_real_retry_is_counted makes one on a GPU."""
+def test_allocator_retries_warn_once_and_go_to_the_metrics(
+    single_process, tmp_path, corpus, capsys, monkeypatch
+):
+    """A run at its GPU's memory limit does not fail, it slows down: the allocator's retries
+    (counted since the log began) go to metrics.jsonl and TensorBoard, and one warning says what to
+    do. The count is patched here; test_a_real_retry_is_counted makes one on a GPU."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from minimal_fsdp import metrics
+
     counts = iter([5, 5, 8, 9])  # at start, then at the rows of steps 2, 4 and 6
     monkeypatch.setattr(metrics, "allocator_retries", lambda device: next(counts))
-    args = ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 6, "--log_interval", 2,
-            "--eval_interval", 0, "--run_name", "tight"]
+    args = [
+        "--dataset",
+        "text",
+        "--input_file",
+        corpus,
+        *TINY_MODEL,
+        "--max_steps",
+        6,
+        "--log_interval",
+        2,
+        "--eval_interval",
+        0,
+        "--run_name",
+        "tight",
+    ]
     run.main([str(a) for a in args])
     err = capsys.readouterr().err
     assert err.count("memory: by step 4 the CUDA allocator ran out of room 3 time(s)") == 1
@@ -168,8 +236,21 @@ def test_allocator_retries_warn_once_and_go_to_the_metrics(single_process, tmp_p
 
 
 def test_no_retries_no_field(single_process, tmp_path, corpus, capsys):
-    args = ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 2, "--log_interval", 1,
-            "--eval_interval", 0, "--run_name", "roomy"]
+    args = [
+        "--dataset",
+        "text",
+        "--input_file",
+        corpus,
+        *TINY_MODEL,
+        "--max_steps",
+        2,
+        "--log_interval",
+        1,
+        "--eval_interval",
+        0,
+        "--run_name",
+        "roomy",
+    ]
     run.main([str(a) for a in args])
     assert "memory:" not in capsys.readouterr().err
     assert all("alloc_retries" not in r for r in rows_of(tmp_path / "logs" / "roomy"))
@@ -178,11 +259,13 @@ def test_no_retries_no_field(single_process, tmp_path, corpus, capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_real_retry_is_counted():
-    """A cached block too small for the next request, with no room beside it: the allocator frees its cache and
-    asks again, which allocator_retries counts (expandable segments grow a segment instead: no retry to make)."""
+    """A cached block too small for the next request, with no room beside it: the allocator frees
+    its cache and asks again, which allocator_retries counts (expandable segments grow a segment
+    instead: no retry to make)."""
     import os
 
     from minimal_fsdp.metrics import allocator_retries
+
     if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         pytest.skip("expandable segments make no retry here")
     device = torch.device("cuda", 0)

@@ -1,6 +1,8 @@
-"""train.py's parts in one process, without a launch: the run's length and what the startup line says about it,
-the schedule at its boundaries, the optimizer's groups and betas, one optimizer step's calls into the gradient
-sync, and evaluation. The loop as a whole: test_run.py (in process) and test_resume.py, test_schedule.py."""
+"""train.py's parts in one process, without a launch: the run's length and what the startup line
+says about it, the schedule at its boundaries, the optimizer's groups and betas, one optimizer
+step's calls into the gradient sync, and evaluation. The loop as a whole: test_run.py (in process)
+and test_resume.py, test_schedule.py."""
+
 import gc
 import math
 from contextlib import contextmanager, nullcontext
@@ -13,8 +15,16 @@ from minimal_fsdp import train as train_module
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.launch.resilience import Diverged
-from minimal_fsdp.train import (RunParts, Schedule, _to_device, build_optimizer, evaluate, run_length, train,
-                                 train_step)
+from minimal_fsdp.train import (
+    RunParts,
+    Schedule,
+    _to_device,
+    build_optimizer,
+    evaluate,
+    run_length,
+    train,
+    train_step,
+)
 
 
 def cfg(*flags):
@@ -22,39 +32,69 @@ def cfg(*flags):
 
 
 def test_run_length_of_a_stream_is_max_steps():
-    assert run_length(cfg("--max_steps", 7), None) == (7, "7 steps (--max_steps; a stream has no epochs)")
+    assert run_length(cfg("--max_steps", 7), None) == (
+        7,
+        "7 steps (--max_steps; a stream has no epochs)",
+    )
 
 
 def test_run_length_max_steps_alone_or_first():
-    assert run_length(cfg("--max_steps", 12), 5) == (12, "12 steps = 2.4 epochs of 5 steps (--max_steps)")
+    assert run_length(cfg("--max_steps", 12), 5) == (
+        12,
+        "12 steps = 2.4 epochs of 5 steps (--max_steps)",
+    )
     assert run_length(cfg("--max_steps", 5), 5) == (5, "5 steps = 1 epoch of 5 steps (--max_steps)")
     assert run_length(cfg("--max_steps", 7, "--max_epochs", 2), 5) == (
-        7, "7 steps = 1.4 epochs of 5 steps (--max_steps)")
-    assert run_length(cfg("--max_steps", 1000, "--max_epochs", 1), 3)[1] == "3 steps = 1 epoch of 3 steps (--max_epochs)"
+        7,
+        "7 steps = 1.4 epochs of 5 steps (--max_steps)",
+    )
+    assert (
+        run_length(cfg("--max_steps", 1000, "--max_epochs", 1), 3)[1]
+        == "3 steps = 1 epoch of 3 steps (--max_epochs)"
+    )
     assert run_length(cfg("--max_steps", 2, "--max_epochs", 1), 3000)[1] == (
-        "2 steps = 0.000667 epochs of 3000 steps (--max_steps)")  # three significant digits
+        "2 steps = 0.000667 epochs of 3000 steps (--max_steps)"
+    )  # three significant digits
 
 
 def test_run_length_max_epochs_alone_or_first():
-    assert run_length(cfg("--max_steps", 0, "--max_epochs", 2), 5) == (10, "10 steps = 2 epochs of 5 steps (--max_epochs)")
+    assert run_length(cfg("--max_steps", 0, "--max_epochs", 2), 5) == (
+        10,
+        "10 steps = 2 epochs of 5 steps (--max_epochs)",
+    )
     assert run_length(cfg("--max_steps", 30, "--max_epochs", 2), 5)[0] == 10
-    assert run_length(cfg("--max_steps", 10, "--max_epochs", 2), 5) == (10, "10 steps = 2 epochs of 5 steps (--max_epochs)")
+    assert run_length(cfg("--max_steps", 10, "--max_epochs", 2), 5) == (
+        10,
+        "10 steps = 2 epochs of 5 steps (--max_epochs)",
+    )
 
 
 def test_schedule_for_a_new_run_spans_the_run():
     s = Schedule.for_run(cfg("--max_steps", 20, "--lr", 0.01, "--warmup_steps", 3), 5)
-    assert (s.peak_lr, s.min_lr, s.warmup_steps, s.decay_steps, s.last_step) == (0.01, 0.001, 3, 20, 20)
+    assert (s.peak_lr, s.min_lr, s.warmup_steps, s.decay_steps, s.last_step) == (
+        0.01,
+        0.001,
+        3,
+        20,
+        20,
+    )
     assert s.length == "20 steps = 4 epochs of 5 steps (--max_steps)"
     assert s.state_dict() == {"lr_decay_steps": 20, "last_step": 20}
     assert Schedule.for_run(cfg("--max_steps", 20, "--min_lr", 0), 5).min_lr == 0.0
 
 
 def test_schedule_of_a_resumed_run_keeps_its_horizon_unless_told():
-    resumed = Schedule.for_run(cfg("--max_steps", 30), 5, saved={"lr_decay_steps": 20, "last_step": 20})
+    resumed = Schedule.for_run(
+        cfg("--max_steps", 30), 5, saved={"lr_decay_steps": 20, "last_step": 20}
+    )
     assert (resumed.decay_steps, resumed.last_step) == (20, 30)
-    assert resumed.length == ("30 steps = 6 epochs of 5 steps (--max_steps); the LR schedule spans 20 steps, as when "
-                              "the run began (--lr_decay_steps changes it)")
-    told = Schedule.for_run(cfg("--max_steps", 30, "--lr_decay_steps", 25), 5, saved={"lr_decay_steps": 20})
+    assert resumed.length == (
+        "30 steps = 6 epochs of 5 steps (--max_steps); the LR schedule spans 20 steps, as when "
+        "the run began (--lr_decay_steps changes it)"
+    )
+    told = Schedule.for_run(
+        cfg("--max_steps", 30, "--lr_decay_steps", 25), 5, saved={"lr_decay_steps": 20}
+    )
     assert told.decay_steps == 25 and told.length == "30 steps = 6 epochs of 5 steps (--max_steps)"
     same = Schedule.for_run(cfg("--max_steps", 20), 5, saved={"lr_decay_steps": 20})
     assert same.length == "20 steps = 4 epochs of 5 steps (--max_steps)"
@@ -66,8 +106,11 @@ def test_lr_at_the_schedules_boundaries():
     assert [s.lr_at(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert s.lr_at(4) == 1.0  # the cosine starts at the peak
     assert s.lr_at(8) == pytest.approx(0.55)  # halfway
-    assert s.lr_at(12) == pytest.approx(0.1) and s.lr_at(15) == pytest.approx(0.1)  # flat past the horizon
-    no_warmup = Schedule(peak_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=2, last_step=2, length="")
+    # flat past the horizon
+    assert s.lr_at(12) == pytest.approx(0.1) and s.lr_at(15) == pytest.approx(0.1)
+    no_warmup = Schedule(
+        peak_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=2, last_step=2, length=""
+    )
     assert [no_warmup.lr_at(i) for i in range(3)] == pytest.approx([1.0, 0.5, 0.0])
     # decay as long as warmup: no division by zero; the peak once more, then min_lr
     short = Schedule(peak_lr=1.0, min_lr=0.1, warmup_steps=2, decay_steps=2, last_step=5, length="")
@@ -97,16 +140,25 @@ def test_optimizer_decays_matrices_only_with_the_betas_asked_for():
     (decayed,), (plain,) = [g["params"] for g in opt.param_groups]
     assert decayed is model.weight and plain is model.norm  # the frozen matrix is left out
     assert [g["weight_decay"] for g in opt.param_groups] == [0.3, 0.0]
-    assert build_optimizer(model, cfg("--beta1", 0.8, "--beta2", 0.99)).defaults["betas"] == (0.8, 0.99)
+    assert build_optimizer(model, cfg("--beta1", 0.8, "--beta2", 0.99)).defaults["betas"] == (
+        0.8,
+        0.99,
+    )
 
 
 def test_the_plans_one_unit_gets_adamw_on_local_tensors_and_nothing_else_does():
-    """The choice reads the plan's strategy, never the model's attributes; the same groups and settings either way."""
+    """The choice reads the plan's strategy, never the model's attributes; the same groups and
+    settings either way."""
     from minimal_fsdp.parallel.plan import STRATEGIES
     from minimal_fsdp.parallel.whole_unit import LocalAdamW
+
     model = Model()
-    unit = build_optimizer(model, cfg("--lr", 0.02), SimpleNamespace(strategy="one-unit", fused_optimizer=True))
-    assert type(unit) is LocalAdamW and unit.defaults["fused"] is True and unit.defaults["lr"] == 0.02
+    unit = build_optimizer(
+        model, cfg("--lr", 0.02), SimpleNamespace(strategy="one-unit", fused_optimizer=True)
+    )
+    assert (
+        type(unit) is LocalAdamW and unit.defaults["fused"] is True and unit.defaults["lr"] == 0.02
+    )
     for strategy in set(STRATEGIES) - {"one-unit", "gossip"}:
         plan = SimpleNamespace(strategy=strategy, fused_optimizer=True)
         assert type(build_optimizer(model, cfg(), plan)) is torch.optim.AdamW
@@ -116,10 +168,25 @@ def test_the_plans_one_unit_gets_adamw_on_local_tensors_and_nothing_else_does():
 
 def test_decentralized_runs_get_accum_adamw_with_beta2_098():
     model = Model()
-    opt = build_optimizer(model, cfg("--data_parallel", "decentralized", "--lr", 0.02, "--accum_steps", 3,
-                                     "--weight_decay", 0.3))
+    opt = build_optimizer(
+        model,
+        cfg(
+            "--data_parallel",
+            "decentralized",
+            "--lr",
+            0.02,
+            "--accum_steps",
+            3,
+            "--weight_decay",
+            0.3,
+        ),
+    )
     assert type(opt) is AccumAdamW
-    assert opt.defaults["betas"] == (0.9, 0.98) and opt.defaults["lr"] == 0.02 and opt.defaults["accum_steps"] == 3
+    assert (
+        opt.defaults["betas"] == (0.9, 0.98)
+        and opt.defaults["lr"] == 0.02
+        and opt.defaults["accum_steps"] == 3
+    )
     assert [g["weight_decay"] for g in opt.param_groups] == [0.3, 0.0]
     explicit = build_optimizer(model, cfg("--data_parallel", "decentralized", "--beta2", 0.9))
     assert explicit.defaults["betas"] == (0.9, 0.9)
@@ -162,8 +229,15 @@ def test_train_step_accumulates_micro_batches_then_steps_once():
     loss, norm = train_step(model, opt, batches, sync, 0.5, torch.device("cpu"), step=7)
     expected = sum(model(x, y).item() for x, y in batches) / 3
     assert loss.item() == pytest.approx(expected) and not loss.requires_grad and norm.item() == 1.0
-    assert sync.calls == [("start", 7), ("micro_step", False), ("micro_step", False), ("micro_step", True),
-                          ("finish",), ("clip", [(2, 3), (3,), (3, 3)], 0.5), ("after_step",)]
+    assert sync.calls == [
+        ("start", 7),
+        ("micro_step", False),
+        ("micro_step", False),
+        ("micro_step", True),
+        ("finish",),
+        ("clip", [(2, 3), (3,), (3, 3)], 0.5),
+        ("after_step",),
+    ]
     assert model.weight.grad is None and model.norm.grad is None  # zeroed by dropping them
 
 
@@ -174,6 +248,7 @@ def test_train_step_gradient_is_the_mean_over_micro_batches():
         def step(self, closure=None):
             seen["grad"] = self.param_groups[0]["params"][0].grad.clone()
             return super().step(closure)
+
     model = Model()
     batches = micro_batches(2)
     sync = Sync()
@@ -182,7 +257,9 @@ def test_train_step_gradient_is_the_mean_over_micro_batches():
     reference = Model()
     (sum(reference(x, y) for x, y in batches) / 2).backward()
     torch.testing.assert_close(seen["grad"], reference.weight.grad)
-    torch.testing.assert_close(model.weight.detach(), reference.weight.detach() - 0.1 * reference.weight.grad)
+    torch.testing.assert_close(
+        model.weight.detach(), reference.weight.detach() - 0.1 * reference.weight.grad
+    )
 
 
 @pytest.mark.parametrize("skip_nonfinite", [False, True])
@@ -190,25 +267,41 @@ def test_train_step_skips_a_nonfinite_update_only_when_asked(skip_nonfinite):
     model = Model()
     opt = torch.optim.SGD([model.weight], lr=0.1)
     before = model.weight.detach().clone()
-    _, norm = train_step(model, opt, micro_batches(1), Sync(float("nan")), 1.0, torch.device("cpu"),
-                         skip_nonfinite=skip_nonfinite)
+    _, norm = train_step(
+        model,
+        opt,
+        micro_batches(1),
+        Sync(float("nan")),
+        1.0,
+        torch.device("cpu"),
+        skip_nonfinite=skip_nonfinite,
+    )
     assert math.isnan(norm.item())
     assert torch.equal(model.weight.detach(), before) == skip_nonfinite
     assert model.weight.grad is None
-    train_step(model, opt, micro_batches(1), Sync(2.0), 1.0, torch.device("cpu"), skip_nonfinite=True)
+    train_step(
+        model, opt, micro_batches(1), Sync(2.0), 1.0, torch.device("cpu"), skip_nonfinite=True
+    )
     assert not torch.equal(model.weight.detach(), before)  # a finite step is applied either way
 
 
 def test_train_step_applies_a_nonfinite_update_by_default():
     model = Model()
     before = model.weight.detach().clone()
-    train_step(model, torch.optim.SGD([model.weight], lr=0.1), micro_batches(1), Sync(float("inf")), 1.0,
-               torch.device("cpu"))
+    train_step(
+        model,
+        torch.optim.SGD([model.weight], lr=0.1),
+        micro_batches(1),
+        Sync(float("inf")),
+        1.0,
+        torch.device("cpu"),
+    )
     assert not torch.equal(model.weight.detach(), before)
 
 
 class HostTensor:
-    """Duck-types what _to_device uses of a tensor: its device, contiguous(), pin_memory() and to()."""
+    """Duck-types what _to_device uses of a tensor: its device, contiguous(), pin_memory() and
+    to()."""
 
     def __init__(self, device_type):
         self.device, self.calls = SimpleNamespace(type=device_type), []
@@ -227,7 +320,8 @@ class HostTensor:
 
 
 def test_to_device_pins_host_batches_and_copies_them_asynchronously():
-    """Made contiguous before pinning: a strided host tensor goes to the GPU through a pageable temporary."""
+    """Made contiguous before pinning: a strided host tensor goes to the GPU through a pageable
+    temporary."""
     cuda = torch.device("cuda", 1)  # a device name only: no GPU is touched
     host, there = HostTensor("cpu"), HostTensor("cuda")
     assert _to_device([host, there], cuda) == [host, there]
@@ -240,6 +334,7 @@ def test_evaluate_is_the_mean_of_the_first_batches_in_eval_mode(one_rank_group):
     class Data:
         def val_batch(self, i):
             return micro_batches(i + 1)[i]
+
     model = Model()
     model.train()
     loss = evaluate(model, Data(), 3, torch.device("cpu"))
@@ -257,7 +352,12 @@ class Log:
         return cls(cfg, env, model, schedule, first, tokens_per_step)
 
     def __init__(self, cfg, env, model, schedule, first, tokens_per_step):
-        self.schedule, self.first, self.tokens_per_step, self.events = schedule, first, tokens_per_step, []
+        self.schedule, self.first, self.tokens_per_step, self.events = (
+            schedule,
+            first,
+            tokens_per_step,
+            [],
+        )
         Log.made = self
 
     def __enter__(self):
@@ -315,6 +415,7 @@ class Data:
 
 class Checkpointer:
     """Synchronous saves: each is reported once, when made; nothing is ever in flight."""
+
     restore_s = None
 
     def __init__(self):
@@ -345,7 +446,8 @@ def steps_so_far():
 
 
 class Stop:
-    """agreed() answers `reason` from the call at step `at` on; records the steps it was asked at."""
+    """agreed() answers `reason` from the call at step `at` on; records the steps it was asked
+    at."""
 
     def __init__(self, at=None, reason="SIGTERM received"):
         self.at, self.reason, self.asked = at, reason, []
@@ -355,7 +457,8 @@ class Stop:
         self.asked.append(step)
         return self.reason if self.at is not None and step >= self.at else None
 
-    def due(self, step):  # the real one's time-bounded looks: none here, only where the loop syncs anyway
+    # the real one's time-bounded looks: none here, only where the loop syncs anyway
+    def due(self, step):
         return False
 
 
@@ -374,16 +477,45 @@ class LoopModel(Model):
     config = SimpleNamespace(seq_length=8)
 
 
-def loop(monkeypatch, *flags, saved=None, sync="stand-in", norms=(), ranks=None, stop=None, is_main=True,
-         decentralized=False):
-    """train.train for 6 steps (unless flags say otherwise) with stand-ins for everything around the loop."""
+def loop(
+    monkeypatch,
+    *flags,
+    saved=None,
+    sync="stand-in",
+    norms=(),
+    ranks=None,
+    stop=None,
+    is_main=True,
+    decentralized=False,
+):
+    """train.train for 6 steps (unless flags say otherwise) with stand-ins for everything around the
+    loop."""
     monkeypatch.setattr(train_module, "TrainingLog", Log)
     monkeypatch.setattr(train_module, "mean_across_ranks", float)
-    options = cfg("--max_steps", 6, "--lr", 0.01, "--warmup_steps", 2, "--log_interval", 2,
-                  "--checkpoint_interval", 3, "--eval_interval", 4, "--eval_batches", 2, "--grad_clip", 0.7,
-                  "--batch_size", 4, *flags)
+    options = cfg(
+        "--max_steps",
+        6,
+        "--lr",
+        0.01,
+        "--warmup_steps",
+        2,
+        "--log_interval",
+        2,
+        "--checkpoint_interval",
+        3,
+        "--eval_interval",
+        4,
+        "--eval_batches",
+        2,
+        "--grad_clip",
+        0.7,
+        "--batch_size",
+        4,
+        *flags,
+    )
     model = LoopModel()
-    optimizer = LrSpy([{"params": [model.weight]}, {"params": [model.norm]}])  # every group gets the rate
+    # every group gets the rate
+    optimizer = LrSpy([{"params": [model.weight]}, {"params": [model.norm]}])
     if sync == "stand-in":
         sync = Sync()
     if norms:  # the grad norm of each step, in order
@@ -394,9 +526,15 @@ def loop(monkeypatch, *flags, saved=None, sync="stand-in", norms=(), ranks=None,
     checkpointer, stop = Checkpointer(), stop or Stop()
     parts = RunParts(model, optimizer, Data(), sync, checkpointer, ranks or env.world_size)
     result = train(parts, options, env, plan, stop, saved=saved)
-    return SimpleNamespace(result=result, log=Log.made, optimizer=optimizer, saves=checkpointer.saves,
-                           sync=sync,
-                           stop=stop, model=model)
+    return SimpleNamespace(
+        result=result,
+        log=Log.made,
+        optimizer=optimizer,
+        saves=checkpointer.saves,
+        sync=sync,
+        stop=stop,
+        model=model,
+    )
 
 
 def val_loss(model):
@@ -404,29 +542,52 @@ def val_loss(model):
 
 
 def kinds(events):
-    return [e[0] if e[0] not in ("row", "validation", "stopped", "saved") else e[:2] for e in events]
+    return [
+        e[0] if e[0] not in ("row", "validation", "stopped", "saved") else e[:2] for e in events
+    ]
 
 
 def test_loop_logs_evaluates_and_saves_at_their_intervals_and_the_end(monkeypatch):
     run = loop(monkeypatch)
     assert run.result == (6, run.log)
     assert kinds(run.log.events) == [
-        "step", "step", ("row", 2),
-        "step", "paused", ("validation", 3), ("saved", "step_3"), "resumed",
-        "step", ("row", 4), "paused", ("validation", 4), "resumed",
         "step",
-        "step", ("row", 6), "paused", ("validation", 6), ("saved", "step_6"), "resumed", "exit"]
+        "step",
+        ("row", 2),
+        "step",
+        "paused",
+        ("validation", 3),
+        ("saved", "step_3"),
+        "resumed",
+        "step",
+        ("row", 4),
+        "paused",
+        ("validation", 4),
+        "resumed",
+        "step",
+        "step",
+        ("row", 6),
+        "paused",
+        ("validation", 6),
+        ("saved", "step_6"),
+        "resumed",
+        "exit",
+    ]
     schedule = run.log.schedule
     assert [lrs for lrs in run.optimizer.lrs] == [[schedule.lr_at(s)] * 2 for s in range(6)]
     rows = [e for e in run.log.events if e[0] == "row"]
     assert [(step, lr, norm, extra) for _, step, lr, norm, extra in rows] == [
-        (s, schedule.lr_at(s - 1), 1.0, {}) for s in (2, 4, 6)]
+        (s, schedule.lr_at(s - 1), 1.0, {}) for s in (2, 4, 6)
+    ]
     assert [step for step, _, _ in run.saves] == [3, 6]
     assert [state for _, _, state in run.saves] == [
-        {"schedule": {"lr_decay_steps": 6, "last_step": 6}, "data": {"at": s}} for s in (3, 6)]
+        {"schedule": {"lr_decay_steps": 6, "last_step": 6}, "data": {"at": s}} for s in (3, 6)
+    ]
     for _, loss, _ in run.saves:  # the checkpoint records the validation loss just measured
         assert isinstance(loss, float)
-    assert [e[2] for e in run.log.events if e[0] == "validation"][-1] == pytest.approx(val_loss(run.model))
+    assert [e[2] for e in run.log.events if e[0] == "validation"][-1] == pytest.approx(
+        val_loss(run.model)
+    )
     assert run.stop.asked == [2, 3, 4, 6]  # only where the loop syncs anyway
     starts = [c for c in run.sync.calls if c[0] == "start"]
     assert starts == [("start", s) for s in range(6)]
@@ -442,11 +603,22 @@ def test_loop_counts_tokens_of_every_rank_and_micro_batch(monkeypatch):
 def test_loop_stops_where_the_ranks_agree_and_saves_first(monkeypatch):
     run = loop(monkeypatch, stop=Stop(at=2))
     assert run.result == (2, run.log)
-    assert kinds(run.log.events) == ["step", "step", ("row", 2), "paused", ("validation", 2), ("saved", "step_2"),
-                                     "resumed", ("stopped", 2), "exit"]
+    assert kinds(run.log.events) == [
+        "step",
+        "step",
+        ("row", 2),
+        "paused",
+        ("validation", 2),
+        ("saved", "step_2"),
+        "resumed",
+        ("stopped", 2),
+        "exit",
+    ]
     assert ("validation", 2, None) in run.log.events  # not an evaluation step: nothing measured
     assert ("stopped", 2, "SIGTERM received") in run.log.events
-    assert run.saves == [(2, None, {"schedule": {"lr_decay_steps": 6, "last_step": 6}, "data": {"at": 2}})]
+    assert run.saves == [
+        (2, None, {"schedule": {"lr_decay_steps": 6, "last_step": 6}, "data": {"at": 2}})
+    ]
     assert len(run.optimizer.lrs) == 2
 
 
@@ -467,8 +639,13 @@ def test_loop_skips_a_nonfinite_step_with_a_warning_when_allowed(monkeypatch):
     assert len(run.optimizer.lrs) == 5  # the NaN step's update is not applied
     steps = [e[1] for e in run.log.events if e[0] == "step"]
     assert steps[1] is None and None not in steps[:1] + steps[2:]
-    assert ("warn", "warning: step 2: grad norm nan; update skipped (1 of --skip_nonfinite 1)") in run.log.events
-    quiet = loop(monkeypatch, "--skip_nonfinite", 1, norms=[1.0, nan, 1.0, 1.0, 1.0, 1.0], is_main=False)
+    assert (
+        "warn",
+        "warning: step 2: grad norm nan; update skipped (1 of --skip_nonfinite 1)",
+    ) in run.log.events
+    quiet = loop(
+        monkeypatch, "--skip_nonfinite", 1, norms=[1.0, nan, 1.0, 1.0, 1.0, 1.0], is_main=False
+    )
     assert not [e for e in quiet.log.events if e[0] == "warn"]  # only rank 0 prints
     with pytest.raises(Diverged, match="^step 4: the grad norm is inf"):
         loop(monkeypatch, "--skip_nonfinite", 1, norms=[1.0, nan, 1.0, math.inf, 1.0, 1.0])
@@ -482,25 +659,33 @@ def test_loop_stops_at_a_nonfinite_step_at_the_next_log_before_saving(monkeypatc
         finally:
             run_events = Log.made.events
     assert kinds(run_events) == ["step", "step", "exit"]  # found at the step-2 log; nothing saved
-    # --skip_nonfinite 0 never checks a step before its update (that would wait for the device every step)
+    # --skip_nonfinite 0 never checks a step before its update (that would wait for the device every
+    # step)
     assert len(LrSpy.made.lrs) == 2
 
 
 def test_the_loop_logs_gossips_consensus_distance(monkeypatch):
-    """A decentralized run logs its sync's consensus distance at the evaluation steps (3 and 6: the saves, 4: the
-    --eval_interval), never in a logging row (two all-reduces of the replica: not on the hot path); another run
-    never. (The sync is the backend's: tests/backends/test_backend.py.)"""
-    run = loop(monkeypatch, "--data_parallel", "decentralized", "--topology", "ring", decentralized=True)
-    assert [e[1:] for e in run.log.events if e[0] == "consensus"] == [(3, 0.25), (4, 0.25), (6, 0.25)]
+    """A decentralized run logs its sync's consensus distance at the evaluation steps (3 and 6: the
+    saves, 4: the --eval_interval), never in a logging row (two all-reduces of the replica: not on
+    the hot path); another run never. (The sync is the backend's:
+    tests/backends/test_backend.py.)"""
+    run = loop(
+        monkeypatch, "--data_parallel", "decentralized", "--topology", "ring", decentralized=True
+    )
+    assert [e[1:] for e in run.log.events if e[0] == "consensus"] == [
+        (3, 0.25),
+        (4, 0.25),
+        (6, 0.25),
+    ]
     assert [e[4] for e in run.log.events if e[0] == "row"] == [{}] * 3
     plain = loop(monkeypatch)
     assert not [e for e in plain.log.events if e[0] == "consensus"]
 
 
 def test_loop_collects_garbage_itself_at_the_same_steps_on_every_rank(monkeypatch):
-    """Automatic collection is off inside the loop (a full one on one rank stalls the others) and back on after;
-    the loop collects everything after the first step and after each save, the young generations every
-    GC_INTERVAL steps. (steps so far, generation, automatic collection on)."""
+    """Automatic collection is off inside the loop (a full one on one rank stalls the others) and
+    back on after; the loop collects everything after the first step and after each save, the young
+    generations every GC_INTERVAL steps. (steps so far, generation, automatic collection on)."""
     collections = []
 
     def collect(generation=2):
@@ -511,17 +696,33 @@ def test_loop_collects_garbage_itself_at_the_same_steps_on_every_rank(monkeypatc
     assert gc.isenabled()
     loop(monkeypatch, "--max_steps", 7)
     assert gc.isenabled()
-    # before the loop; after step 1; the young every 2; all after the saves at 3, 6 (--checkpoint_interval 3), 7
-    assert collections == [(0, 2, True), (1, 2, False), (2, 1, False), (3, 2, False), (4, 1, False), (6, 1, False),
-                           (6, 2, False), (7, 2, False)]
+    # before the loop; after step 1; the young every 2; all after the saves at 3, 6
+    # (--checkpoint_interval 3), 7
+    assert collections == [
+        (0, 2, True),
+        (1, 2, False),
+        (2, 1, False),
+        (3, 2, False),
+        (4, 1, False),
+        (6, 1, False),
+        (6, 2, False),
+        (7, 2, False),
+    ]
     collections.clear()
-    loop(monkeypatch, "--max_steps", 7, saved={"step": 3, "state": {"schedule": {"lr_decay_steps": 7, "last_step": 7}}})
+    loop(
+        monkeypatch,
+        "--max_steps",
+        7,
+        saved={"step": 3, "state": {"schedule": {"lr_decay_steps": 7, "last_step": 7}}},
+    )
     # steps counted from the resume at 3: step 4 is the first (all), step 6 the next on the interval
     assert collections == [(0, 2, True), (1, 2, False), (3, 1, False), (3, 2, False), (4, 2, False)]
 
 
 def test_loop_leaves_garbage_collection_as_it_found_it_after_an_error(monkeypatch):
-    monkeypatch.setattr(train_module, "train_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(
+        train_module, "train_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    )
     with pytest.raises(RuntimeError, match="boom"):
         loop(monkeypatch)
     assert gc.isenabled()

@@ -1,24 +1,30 @@
-"""What differs by device, behind one seam: CUDA and CPU (default.py), torch_xla SPMD (xla.py). run.py asks
-only the two functions below; nothing outside this folder tests for XLA (config/checks.py validates its flags).
-The top of the stack below run.py: may import any subpackage but tools, eval and inference.
+"""What differs by device, behind one seam: CUDA and CPU (default.py), torch_xla SPMD (xla.py).
+run.py asks only the two functions below; nothing outside this folder tests for XLA
+(config/checks.py validates its flags). The top of the stack below run.py: may import any subpackage
+but tools, eval and inference.
 """
 
 
 def setup(cfg):
-    """The launch's environment (launch.environment.setup), as the device's backend computes on it: under
-    --device xla one process per host drives all of the host's devices."""
+    """The launch's environment (launch.environment.setup), as the device's backend computes on it:
+    under --device xla one process per host drives all of the host's devices."""
     from minimal_fsdp.launch import environment
+
     env = environment.setup(cfg)
     if cfg.device == "xla":
         from minimal_fsdp.backends import xla  # needs torch_xla: imported only for --device xla
+
         env = xla.setup(cfg, env)
     return env
 
 
 def for_plan(cfg, env, plan):
-    """The parts of the run that plan.backend computes: default.Torch (CUDA, CPU) or xla.XLA (--device xla)."""
+    """The parts of the run that plan.backend computes: default.Torch (CUDA, CPU) or xla.XLA
+    (--device xla)."""
     if plan.backend == "xla":
         from minimal_fsdp.backends.xla import XLA
+
         return XLA(cfg, env, plan)
     from minimal_fsdp.backends.default import Torch
+
     return Torch(cfg, env, plan)

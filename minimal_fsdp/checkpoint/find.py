@@ -1,7 +1,9 @@
-"""Finding a checkpoint to load: the checks that a checkpoint is complete and undamaged (verify), the run's
-newest complete one, and the one a run starts from (find). The directories, markers and the order to try them
-in are checkpoint_dirs.py's. The job chains' question (how far a run is) is `minimal-fsdp progress`
-(tools/progress.py), answered without torch by fewer checks than verify's."""
+"""Finding a checkpoint to load: the checks that a checkpoint is complete and undamaged (verify),
+the run's newest complete one, and the one a run starts from (find). The directories, markers and
+the order to try them in are checkpoint_dirs.py's. The job chains' question (how far a run is) is
+`minimal-fsdp progress` (tools/progress.py), answered without torch by fewer checks than
+verify's."""
+
 import dataclasses
 import errno
 import io
@@ -26,7 +28,8 @@ from minimal_fsdp.checkpoint.safe_load import read_dcp_metadata
 BLOCK = re.compile(r"blocks\.(\d+)\.")
 MAX_RNG_BYTES = 2**20  # torch, CUDA, numpy and python states: about 17 KB
 MAX_JSON_BYTES = 2**30  # a tokenizer.json: 9 MB for Llama 3's 128K tokens
-MAX_OBJECT_BYTES = 2**20  # one optimizer setting saved as an object (a param group's parameter names: ~2 KB)
+# one optimizer setting saved as an object (a param group's parameter names: ~2 KB)
+MAX_OBJECT_BYTES = 2**20
 
 
 def rng_file(rank):
@@ -34,11 +37,12 @@ def rng_file(rank):
 
 
 def verify(path, checksums=True, share=(0, 1)):
-    """Why `path` is not a complete checkpoint, or None if it is: meta.json passes its schema with the keys a run
-    reads (checkpoint_meta), DCP's .metadata loads (without running code), every byte range it lists lies inside
-    a regular shard file of this directory, the shards hold the model meta.json describes, every rank's RNG file
-    loads, and, with checksums, every file has the size and CRC-32 recorded at save (this caller's `share` of
-    them, (index, count), when several processes split the reading). Checkpoints from before checksums skip that."""
+    """Why `path` is not a complete checkpoint, or None if it is: meta.json passes its schema with
+    the keys a run reads (checkpoint_meta), DCP's .metadata loads (without running code), every byte
+    range it lists lies inside a regular shard file of this directory, the shards hold the model
+    meta.json describes, every rank's RNG file loads, and, with checksums, every file has the size
+    and CRC-32 recorded at save (this caller's `share` of them, (index, count), when several
+    processes split the reading). Checkpoints from before checksums skip that."""
     path = Path(path)
     if not path.is_dir():
         return "no such directory"
@@ -48,18 +52,26 @@ def verify(path, checksums=True, share=(0, 1)):
     except MetaError as e:
         return str(e)
     except OSError as e:
-        return "meta.json is missing or unreadable" + ("" if e.errno == errno.ENOENT else f" ({e.strerror})")
+        return "meta.json is missing or unreadable" + (
+            "" if e.errno == errno.ENOENT else f" ({e.strerror})"
+        )
     try:
         metadata = read_dcp_metadata(path / ".metadata")
         needed = {}
         for info in metadata.storage_data.values():
             name = info.relative_path
             if not (isinstance(name, str) and PLAIN_NAME.fullmatch(name)):
-                return f".metadata names a shard {name!r} that is not a plain file name inside the checkpoint"
+                return (
+                    f".metadata names a shard {name!r} that is not a plain file name inside "
+                    f"the checkpoint"
+                )
             needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
         problem = _storage_problem(metadata) or _model_problem(meta, metadata)
     except Exception as e:  # noqa: BLE001 - a truncated or hostile pickle fails in many ways; all mean "unusable"
-        return f".metadata is missing or unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+        return (
+            f".metadata is missing or unreadable ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:120]})"
+        )
     for name, size in sorted(needed.items()):
         try:
             info = (path / name).lstat()
@@ -72,7 +84,8 @@ def verify(path, checksums=True, share=(0, 1)):
     problem = problem or _objects_problem(path, metadata)
     if problem:
         return problem
-    for name in sorted(meta.get("files") or {}):  # the tokenizer's: json.loads recurses once per level of nesting
+    # the tokenizer's: json.loads recurses once per level of nesting
+    for name in sorted(meta.get("files") or {}):
         if name.endswith(".json"):
             try:
                 read_json(path / name, MAX_JSON_BYTES)
@@ -87,15 +100,20 @@ def verify(path, checksums=True, share=(0, 1)):
             with open_regular(path / rng_file(rank), MAX_RNG_BYTES) as f:
                 torch.load(f, weights_only=True)
         except Exception as e:  # noqa: BLE001 - missing, truncated: a few KB each, so read them all
-            why = e.strerror if isinstance(e, OSError) and e.errno != errno.ENOENT else type(e).__name__
+            why = (
+                e.strerror
+                if isinstance(e, OSError) and e.errno != errno.ENOENT
+                else type(e).__name__
+            )
             return f"{rng_file(rank)} is missing or unreadable ({why})"
     return files_problem(path, meta.get("files") or {}, share) if checksums else None
 
 
 def _storage_problem(metadata):
-    """Why DCP's .metadata does not describe loadable storage, or None: every tensor chunk and object it
-    describes has a byte range, each range is at least its chunk's bytes long, and no two ranges in a file
-    overlap (a range pointing into another tensor would load that one's bytes, or fail deep inside DCP)."""
+    """Why DCP's .metadata does not describe loadable storage, or None: every tensor chunk and
+    object it describes has a byte range, each range is at least its chunk's bytes long, and no two
+    ranges in a file overlap (a range pointing into another tensor would load that one's bytes, or
+    fail deep inside DCP)."""
     stored, spans = {}, {}
     for index, info in metadata.storage_data.items():
         offset, length = int(info.offset), int(info.length)
@@ -104,13 +122,20 @@ def _storage_problem(metadata):
         stored[(index.fqn, None if index.offset is None else tuple(index.offset))] = length
         spans.setdefault(info.relative_path, []).append((offset, length, index.fqn))
     for key, md in metadata.state_dict_metadata.items():
-        chunks = [(tuple(c.offsets), c.sizes) for c in md.chunks] if hasattr(md, "chunks") else [(None, None)]
+        chunks = (
+            [(tuple(c.offsets), c.sizes) for c in md.chunks]
+            if hasattr(md, "chunks")
+            else [(None, None)]
+        )
         for offset, sizes in chunks:
             length = stored.get((key, offset))
             if length is None:
                 return f".metadata describes {key} but gives no byte range for it"
             if sizes is not None and length < math.prod(sizes) * md.properties.dtype.itemsize:
-                return f".metadata gives {key} {length} bytes, fewer than its {list(sizes)} values take"
+                return (
+                    f".metadata gives {key} {length} bytes, fewer than its {list(sizes)} "
+                    f"values take"
+                )
     for name, ranges in spans.items():
         ranges.sort()
         for (start, length, first), (next_start, _, second) in zip(ranges, ranges[1:]):
@@ -120,16 +145,22 @@ def _storage_problem(metadata):
 
 
 def _objects_problem(path, metadata):
-    """Why an object entry of the shards (the optimizer's param_groups: numbers, strings) does not load with
-    torch.load(weights_only=True) as restoring will load it, or None. They are a few KB in all."""
+    """Why an object entry of the shards (the optimizer's param_groups: numbers, strings) does not
+    load with torch.load(weights_only=True) as restoring will load it, or None. They are a few KB in
+    all."""
     opened = {}
     try:
         for index, info in sorted(metadata.storage_data.items(), key=lambda item: item[0].fqn):
-            if hasattr(metadata.state_dict_metadata.get(index.fqn, 0), "size") or index.fqn not in \
-                    metadata.state_dict_metadata:  # a tensor, or bytes nothing loads
+            if (
+                hasattr(metadata.state_dict_metadata.get(index.fqn, 0), "size")
+                or index.fqn not in metadata.state_dict_metadata
+            ):  # a tensor, or bytes nothing loads
                 continue
             if info.length > MAX_OBJECT_BYTES:
-                return f"{index.fqn} is {info.length} bytes, over {MAX_OBJECT_BYTES}: not an optimizer setting"
+                return (
+                    f"{index.fqn} is {info.length} bytes, over {MAX_OBJECT_BYTES}: not an "
+                    f"optimizer setting"
+                )
             if info.relative_path not in opened:
                 opened[info.relative_path] = open_regular(path / info.relative_path)
             f = opened[info.relative_path]
@@ -137,7 +168,10 @@ def _objects_problem(path, metadata):
             try:
                 torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
             except Exception as e:  # noqa: BLE001 - a refused pickle or damaged bytes: either way it cannot load
-                return f"{index.fqn} does not load ({type(e).__name__}: {' '.join(str(e).split())[:100]})"
+                return (
+                    f"{index.fqn} does not load ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:100]})"
+                )
     except OSError as e:
         return f"{info.relative_path}: {e.strerror or e}"
     finally:
@@ -148,10 +182,15 @@ def _objects_problem(path, metadata):
 
 def _optimizer_problem(metadata, params):
     """Why the optimizer state saved beside the model (each of "optim.", and a decentralized run's
-    "replicas.<rank>.optim.") is not one for these parameters ({name: shape}), or None: each parameter has its
-    step and both AdamW moments of its shape. A checkpoint without optimizer state is left to the load."""
-    sizes = {key: tuple(md.size) for key, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
-    prefixes = {key[:key.index("optim.state.")] for key in sizes if "optim.state." in key}
+    "replicas.<rank>.optim.") is not one for these parameters ({name: shape}), or None: each
+    parameter has its step and both AdamW moments of its shape. A checkpoint without optimizer state
+    is left to the load."""
+    sizes = {
+        key: tuple(md.size)
+        for key, md in metadata.state_dict_metadata.items()
+        if hasattr(md, "size")
+    }
+    prefixes = {key[: key.index("optim.state.")] for key in sizes if "optim.state." in key}
     for prefix in sorted(prefixes):
         for name, shape in params.items():
             for entry, wanted in (("step", None), ("exp_avg", shape), ("exp_avg_sq", shape)):
@@ -159,16 +198,23 @@ def _optimizer_problem(metadata, params):
                 if key not in sizes:
                     return f"the shards hold no {key} for the model's {name}"
                 if wanted is not None and sizes[key] != wanted:
-                    return f"the shards hold {key} of shape {list(sizes[key])}, the parameter's is {list(wanted)}"
+                    return (
+                        f"the shards hold {key} of shape {list(sizes[key])}, the parameter's "
+                        f"is {list(wanted)}"
+                    )
     return None
 
 
 def _model_problem(meta, metadata):
-    """Why the shards do not hold the model meta.json describes, or None: the same blocks, and every parameter
-    the config implies with its shape. One block is built, on the meta device, so no config, however absurd,
-    allocates anything, and the sizes of what is built later are bounded by what the shards hold."""
-    held = {key[len("model."):]: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and hasattr(md, "size")}
+    """Why the shards do not hold the model meta.json describes, or None: the same blocks, and every
+    parameter the config implies with its shape. One block is built, on the meta device, so no
+    config, however absurd, allocates anything, and the sizes of what is built later are bounded by
+    what the shards hold."""
+    held = {
+        key[len("model.") :]: tuple(md.size)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(md, "size")
+    }
     config = config_from_dict(meta["model_type"], meta["model"])
     blocks = {int(m.group(1)) for m in map(BLOCK.match, held) if m}
     if blocks != set(range(config.num_layers)):
@@ -180,19 +226,25 @@ def _model_problem(meta, metadata):
     for name, shape in held.items():
         implied = wanted.get(BLOCK.sub("blocks.0.", name, count=1))
         if implied is not None and implied != shape:
-            return f"meta.json's model gives {name} the shape {list(implied)}, the shards hold {list(shape)}"
+            return (
+                f"meta.json's model gives {name} the shape {list(implied)}, the shards hold "
+                f"{list(shape)}"
+            )
         if implied is not None:
             params[name] = shape
     per_block = sum(name.startswith("blocks.0.") for name in wanted)
     if len(params) != len(wanted) + (config.num_layers - 1) * per_block:
-        return f"the shards hold {len(params)} of the {len(wanted) + (config.num_layers - 1) * per_block} " \
-               "tensors of the model meta.json describes"
+        return (
+            f"the shards hold {len(params)} of the "
+            f"{len(wanted) + (config.num_layers - 1) * per_block} "
+            "tensors of the model meta.json describes"
+        )
     return _optimizer_problem(metadata, params)
 
 
 def newest_complete(run_dir, checksums=True):
-    """The first complete checkpoint among candidates(run_dir), or None. Each one skipped is reported in one
-    line on stderr."""
+    """The first complete checkpoint among candidates(run_dir), or None. Each one skipped is
+    reported in one line on stderr."""
     for path in candidates(run_dir):
         problem = verify(path, checksums)
         if problem is None:
@@ -207,30 +259,42 @@ def latest(run_dir):
 
 
 def resolve(path):
-    """A checkpoint directory from what a user may pass: the directory itself, a `latest`/`best` marker, or a
-    run directory (its newest complete checkpoint, by the cheap checks; verify() the result)."""
+    """A checkpoint directory from what a user may pass: the directory itself, a `latest`/`best`
+    marker, or a run directory (its newest complete checkpoint, by the cheap checks; verify() the
+    result)."""
     path = Path(path)
     if path.is_file():
         target = marker(path.parent, path.name, warn=False)
         if target is None:
-            raise ConfigError(f"{path} is a file but not a checkpoint marker (one line naming a step_<N> directory "
-                              "beside it): pass a step_<N> directory, a run directory or its latest/best marker")
+            raise ConfigError(
+                f"{path} is a file but not a checkpoint marker (one line naming a step_<N> "
+                "directory beside it): pass a step_<N> directory, a run directory or its "
+                "latest/best marker"
+            )
         return target
-    if path.is_dir() and not (path / "meta.json").exists() and ((path / "latest").exists() or step_dirs(path)):
+    if (
+        path.is_dir()
+        and not (path / "meta.json").exists()
+        and ((path / "latest").exists() or step_dirs(path))
+    ):
         return newest_complete(path, checksums=False) or path
     return path
 
 
 def find(cfg, refused=()):
-    """Collective. The checkpoint a run starts from: --restart_checkpoint_file, else (--resume auto) the run's
-    newest complete one, else None. Rank 0 looks at the files and passes its candidates to all (so every rank
-    loads the same checkpoint even if files change meanwhile); the ranks then share the checksum reading.
-    `refused`: checkpoints that failed to load (load_first). A run directory that holds checkpoints, every one
-    of them refused, is an error: starting fresh would save over them."""
+    """Collective. The checkpoint a run starts from: --restart_checkpoint_file, else (--resume auto)
+    the run's newest complete one, else None. Rank 0 looks at the files and passes its candidates to
+    all (so every rank loads the same checkpoint even if files change meanwhile); the ranks then
+    share the checksum reading. `refused`: checkpoints that failed to load (load_first). A run
+    directory that holds checkpoints, every one of them refused, is an error: starting fresh would
+    save over them."""
     together = dist.is_initialized()  # else one process (a tool, a test) does it all
     rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
-    tried = failures.run_on_main(_cheaply_complete, cfg, refused) if together else \
-        _cheaply_complete(cfg, refused)
+    tried = (
+        failures.run_on_main(_cheaply_complete, cfg, refused)
+        if together
+        else _cheaply_complete(cfg, refused)
+    )
     for path in tried:
         problems = [verify(path, share=(rank, world))]
         if together:
@@ -240,7 +304,10 @@ def find(cfg, refused=()):
         if problem is None:
             return Path(path)
         if cfg.restart_checkpoint_file:
-            raise ConfigError(f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is damaged: {path}: {problem}")
+            raise ConfigError(
+                f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is damaged: {path}: "
+                f"{problem}"
+            )
         if rank == 0:
             skipping(path, problem)
     if tried:
@@ -250,15 +317,18 @@ def find(cfg, refused=()):
 
 def _every_one_refused(cfg):
     run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
-    return (f"every checkpoint of {run_dir} is refused (the lines above say why), and a fresh start would save "
-            "over them: nothing was changed there; repair or move them away, pick one with "
-            "--restart_checkpoint_file, or train under another --run_name")
+    return (
+        f"every checkpoint of {run_dir} is refused (the lines above say why), and a fresh start "
+        "would save over them: nothing was changed there; repair or move them away, pick one with "
+        "--restart_checkpoint_file, or train under another --run_name"
+    )
 
 
 def load_first(cfg, path, load):
-    """Collective: load(path) and return path; if loading fails (shards forged to pass every check, say: DCP
-    raises alike on every rank), one line, then (--resume auto) the next complete checkpoint, as find gives it.
-    A checkpoint named by --restart_checkpoint_file, or none left, is an error in one line."""
+    """Collective: load(path) and return path; if loading fails (shards forged to pass every check,
+    say: DCP raises alike on every rank), one line, then (--resume auto) the next complete
+    checkpoint, as find gives it. A checkpoint named by --restart_checkpoint_file, or none left, is
+    an error in one line."""
     refused = []
     while True:
         try:
@@ -268,9 +338,13 @@ def load_first(cfg, path, load):
             per_rank = getattr(e, "failures", None)
             cause = next(iter(per_rank.values())) if isinstance(per_rank, dict) and per_rank else e
             cause = cause[0] if isinstance(cause, tuple) else cause
-            problem = f"loading it failed ({type(cause).__name__}: {' '.join(str(cause).split())[:160]})"
+            problem = (
+                f"loading it failed ({type(cause).__name__}: {' '.join(str(cause).split())[:160]})"
+            )
         if cfg.restart_checkpoint_file:
-            raise ConfigError(f"--restart_checkpoint_file {cfg.restart_checkpoint_file}: {path}: {problem}")
+            raise ConfigError(
+                f"--restart_checkpoint_file {cfg.restart_checkpoint_file}: {path}: {problem}"
+            )
         if not dist.is_initialized() or dist.get_rank() == 0:
             skipping(path, problem)
         refused.append(str(path))
@@ -280,20 +354,24 @@ def load_first(cfg, path, load):
 
 
 def _cheaply_complete(cfg, refused=()):
-    """Rank 0: the checkpoints to try, in order, that pass verify's cheap checks (no checksums yet), less those
-    `refused`. None, where the run directory holds checkpoints: an error (find)."""
+    """Rank 0: the checkpoints to try, in order, that pass verify's cheap checks (no checksums yet),
+    less those `refused`. None, where the run directory holds checkpoints: an error (find)."""
     if cfg.restart_checkpoint_file:
         path = resolve(cfg.restart_checkpoint_file)
         problem = verify(path, checksums=False)
         if problem:
-            raise ConfigError(f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is not a complete "
-                              f"checkpoint: {path}: {problem}")
+            raise ConfigError(
+                f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is not a complete "
+                f"checkpoint: {path}: {problem}"
+            )
         return [str(path)]
     run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
     if cfg.resume == "never" and not cfg.generate_only:
         if step_dirs(run_dir):
-            raise ConfigError(f"--resume never, but {run_dir} already holds checkpoints: pick another --run_name, "
-                              "move that directory away, or resume from it with --resume auto")
+            raise ConfigError(
+                f"--resume never, but {run_dir} already holds checkpoints: pick another "
+                "--run_name, move that directory away, or resume from it with --resume auto"
+            )
         return []
     found = []
     for path in candidates(run_dir):

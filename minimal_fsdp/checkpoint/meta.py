@@ -1,21 +1,25 @@
 """A checkpoint's meta.json: its versioned layout, read and checked before anything uses it.
 
-meta.json, format 2 (read_meta turns a format-1 file, from before "format" existed, into this layout):
+meta.json, format 2 (read_meta turns a format-1 file, from before "format" existed, into this
+layout):
   format      2
   step        optimizer steps done; world_size: ranks that saved it; val_loss: at this step, or null
   model_type  "gpt" or "llama"; model: the model config's fields; config: every resolved flag
-  state       the JSON state of the run's other parts, each written by its own state_dict(): "schedule"
-              (train.Schedule: lr_decay_steps, last_step) and "data" (data.TokenData / streaming.StreamingData:
-              the position of the train stream); with --eval_tasks "eval_tasks" (evaluate.TrainingTasks: the
-              --best_metric choice and the step's scores, best_metric.py)
+  state       the JSON state of the run's other parts, each written by its own state_dict():
+              "schedule" (train.Schedule: lr_decay_steps, last_step) and "data" (data.TokenData /
+              streaming.StreamingData: the position of the train stream); with --eval_tasks
+              "eval_tasks" (evaluate.TrainingTasks: the --best_metric choice and the step's scores,
+              best_metric.py)
   replicas    decentralized runs: replicas saved one per rank (0: the average only)
   files       {file name: [size, CRC-32]} of every other file of the checkpoint
 
-meta.json is read before its own checksums can protect anything, so read_meta trusts nothing in it: the file
-must be a regular file of at most MAX_BYTES, nested at most MAX_DEPTH deep, and every field present must have
-its type and range (SCHEMA, model_problem); a file it names must be a plain name inside the checkpoint. Any
-failure is a MetaError, one line naming the field. check_run_keys adds the keys a training run needs.
+meta.json is read before its own checksums can protect anything, so read_meta trusts nothing in it:
+the file must be a regular file of at most MAX_BYTES, nested at most MAX_DEPTH deep, and every field
+present must have its type and range (SCHEMA, model_problem); a file it names must be a plain name
+inside the checkpoint. Any failure is a MetaError, one line naming the field. check_run_keys adds
+the keys a training run needs.
 """
+
 import dataclasses
 import json
 import math
@@ -31,22 +35,35 @@ from minimal_fsdp.models.configs import CONFIGS, check_shape
 FORMAT = 2
 MAX_BYTES = 64 * 2**20  # a few KB, plus two numbers per file: room for a run of a million ranks
 MAX_DEPTH = 32  # the deepest meta.json we write nests 4 levels (state.data.stream[rank][i])
-MAX_INT = MAX_WHOLE  # steps, positions, sizes: far beyond any run, far below where arithmetic on them overflows
-# Model sizes: each well above the largest model anyone trains, so that nothing built from them is absurd; the
-# shards then bound them exactly (checkpoint_find compares every shape with DCP's .metadata). The flags' own
-# table (config/checks.py), so a model the flags accept is one whose checkpoint is accepted.
-MODEL_BOUNDS = {name: WHOLE_RANGES[name][1] for name in ("vocab_size", "seq_length", "num_layers", "num_heads",
-                                                         "num_kv_heads", "embed_size", "intermediate_size")}
+# steps, positions, sizes: far beyond any run, far below where arithmetic on them overflows
+MAX_INT = MAX_WHOLE
+# Model sizes: each well above the largest model anyone trains, so that nothing built from them is
+# absurd; the shards then bound them exactly (checkpoint_find compares every shape with DCP's
+# .metadata). The flags' own table (config/checks.py), so a model the flags accept is one whose
+# checkpoint is accepted.
+MODEL_BOUNDS = {
+    name: WHOLE_RANGES[name][1]
+    for name in (
+        "vocab_size",
+        "seq_length",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "embed_size",
+        "intermediate_size",
+    )
+}
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}")
 
 
 class MetaError(ConfigError):
-    """meta.json is unusable; the text is one line naming the field. A checkpoint with one is damaged."""
+    """meta.json is unusable; the text is one line naming the field. A checkpoint with one is
+    damaged."""
 
 
 def read_meta(path):
-    """A checkpoint's meta.json in the current format's layout, every field present checked (the top of this
-    file); raises MetaError (or OSError when the file is missing or unreadable)."""
+    """A checkpoint's meta.json in the current format's layout, every field present checked (the top
+    of this file); raises MetaError (or OSError when the file is missing or unreadable)."""
     path = Path(path)
     numbered = STEP_NAME.fullmatch(path.name)
     if numbered and path.is_symlink():
@@ -57,17 +74,21 @@ def read_meta(path):
         raise MetaError(f"meta.json {e}") from None
     version = meta.get("format", 1)
     if version not in (1, FORMAT) or isinstance(version, bool):
-        raise MetaError(f"meta.json: format {_show(version)} is not one this version reads (1 or {FORMAT})")
+        raise MetaError(
+            f"meta.json: format {_show(version)} is not one this version reads (1 or {FORMAT})"
+        )
     if version == 1:
         meta = _from_format_1(meta)
     check(meta)
-    if numbered and meta["step"] != int(numbered.group(1)):  # a copy or rename of another step's checkpoint
+    # a copy or rename of another step's checkpoint
+    if numbered and meta["step"] != int(numbered.group(1)):
         raise MetaError(f"meta.json says step {meta['step']}, but its directory is {path.name}")
     return meta
 
 
 def _from_format_1(meta):
-    """Format 1 kept the parts' state at the top level and often no model_type (it was always GPT then)."""
+    """Format 1 kept the parts' state at the top level and often no model_type (it was always GPT
+    then)."""
     for field in ("step", "world_size", "train_batches"):
         _whole(meta, field, optional=True)
     config = meta.get("config")
@@ -83,12 +104,17 @@ def _from_format_1(meta):
         train_batches = (meta.get("step") or 0) * (config.get("grad_accum_steps") or 1)
     data = meta.get("data_position") or {"train_blocks_seen": blocks_per_micro_step * train_batches}
     schedule = {"lr_decay_steps": meta.get("lr_decay_steps"), "last_step": meta.get("last_step")}
-    return dict(meta, format=FORMAT, model_type=meta.get("model_type", "gpt"),
-                state={"schedule": schedule, "data": data})
+    return dict(
+        meta,
+        format=FORMAT,
+        model_type=meta.get("model_type", "gpt"),
+        state={"schedule": schedule, "data": data},
+    )
 
 
 def check(meta):
-    """Every field of a (format-2) meta.json that is present has its type and range: MetaError otherwise."""
+    """Every field of a (format-2) meta.json that is present has its type and range: MetaError
+    otherwise."""
     _whole(meta, "step")
     _whole(meta, "world_size", low=1, high=2**24, optional=True)
     _whole(meta, "replicas", high=2**24, optional=True)
@@ -97,27 +123,47 @@ def check(meta):
     for field in ("config", "state", "model", "files"):
         if field in meta and not isinstance(meta[field], dict):
             raise MetaError(f"meta.json: {field} is {_show(meta[field])}, not an object")
-    if "model_type" in meta and not (isinstance(meta["model_type"], str) and meta["model_type"] in CONFIGS):
-        raise MetaError(f"meta.json: model_type is {_show(meta['model_type'])}, not one of {', '.join(CONFIGS)}")
+    if "model_type" in meta and not (
+        isinstance(meta["model_type"], str) and meta["model_type"] in CONFIGS
+    ):
+        raise MetaError(
+            f"meta.json: model_type is {_show(meta['model_type'])}, not one of {', '.join(CONFIGS)}"
+        )
     state = meta.get("state", {})
     for part in ("schedule", "data"):
         if part in state and not isinstance(state[part], dict):
             raise MetaError(f"meta.json: state.{part} is {_show(state[part])}, not an object")
-    for name, (low, high) in WHOLE_RANGES.items():  # the flags a run saved: what a launch would accept
+    # the flags a run saved: what a launch would accept
+    for name, (low, high) in WHOLE_RANGES.items():
         _whole(meta.get("config", {}), name, low, high, optional=True, where="config.")
     schedule, data = state.get("schedule", {}), state.get("data", {})
     _whole(schedule, "lr_decay_steps", optional=True, where="state.schedule.")
     _whole(schedule, "last_step", optional=True, where="state.schedule.")
     _whole(data, "train_blocks_seen", optional=True, where="state.data.")
-    if "stream" in data and not (isinstance(data["stream"], list) and all(
-            isinstance(p, list) and len(p) == 3 and all(type(i) is int and 0 <= i <= MAX_INT for i in p)
-            for p in data["stream"])):
-        raise MetaError("meta.json: state.data.stream is not a list of [file, document, token] positions")
+    if "stream" in data and not (
+        isinstance(data["stream"], list)
+        and all(
+            isinstance(p, list)
+            and len(p) == 3
+            and all(type(i) is int and 0 <= i <= MAX_INT for i in p)
+            for p in data["stream"]
+        )
+    ):
+        raise MetaError(
+            "meta.json: state.data.stream is not a list of [file, document, token] positions"
+        )
     for name, entry in meta.get("files", {}).items():
         if not PLAIN_NAME.fullmatch(name) or name in (".", ".."):
-            raise MetaError(f"meta.json: files names {_show(name)}, not a plain file name inside the checkpoint")
-        if not (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int for v in entry)
-                and 0 <= entry[0] <= MAX_INT and 0 <= entry[1] < 2**32):
+            raise MetaError(
+                f"meta.json: files names {_show(name)}, not a plain file name inside the checkpoint"
+            )
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and all(type(v) is int for v in entry)
+            and 0 <= entry[0] <= MAX_INT
+            and 0 <= entry[1] < 2**32
+        ):
             raise MetaError(f"meta.json: files.{name} is {_show(entry)}, not [size, CRC-32]")
     if "model" in meta:
         problem = model_problem(meta.get("model_type", "gpt"), meta["model"])
@@ -128,16 +174,21 @@ def check(meta):
 def check_run_keys(meta):
     """The keys a training run, sampling and export read: MetaError naming the first one missing."""
     state = meta.get("state", {})
-    for present, name in [("model_type" in meta, "model_type"), ("model" in meta, "model"),
-                          ("config" in meta, "config"), ("schedule" in state, "state.schedule"),
-                          ("data" in state, "state.data")]:
+    for present, name in [
+        ("model_type" in meta, "model_type"),
+        ("model" in meta, "model"),
+        ("config" in meta, "config"),
+        ("schedule" in state, "state.schedule"),
+        ("data" in state, "state.data"),
+    ]:
         if not present:
             raise MetaError(f"meta.json has no {name}")
 
 
 def model_problem(model_type, fields):
-    """Why `fields` (meta.json's "model", or a model config read elsewhere) is not a config of our `model_type`
-    that can be built, or None: known keys only, each of its type, sizes within MODEL_BOUNDS, shapes that fit."""
+    """Why `fields` (meta.json's "model", or a model config read elsewhere) is not a config of our
+    `model_type` that can be built, or None: known keys only, each of its type, sizes within
+    MODEL_BOUNDS, shapes that fit."""
     config_class = CONFIGS[model_type]
     types = {f.name: f.type for f in dataclasses.fields(config_class)}
     for name, value in fields.items():
@@ -145,15 +196,29 @@ def model_problem(model_type, fields):
         if kind is None:
             return f"model.{name} is not a field of a {model_type} model"
         if name in MODEL_BOUNDS and not (type(value) is int and 1 <= value <= MODEL_BOUNDS[name]):
-            return f"model.{name} is {_show(value)}, not a whole number in [1, {MODEL_BOUNDS[name]}]"
-        if name == "document_eot_id" and value is not None and not (type(value) is int and value >= 0):
+            return (
+                f"model.{name} is {_show(value)}, not a whole number in [1, {MODEL_BOUNDS[name]}]"
+            )
+        if (
+            name == "document_eot_id"
+            and value is not None
+            and not (type(value) is int and value >= 0)
+        ):
             return f"model.{name} is {_show(value)}, not a token id"
-        if kind in (float, "float") and not (_number(value) and math.isfinite(value) and value >= 0):
+        if kind in (float, "float") and not (
+            _number(value) and math.isfinite(value) and value >= 0
+        ):
             return f"model.{name} is {_show(value)}, not a finite number >= 0"
         if kind in (bool, "bool") and type(value) is not bool:
             return f"model.{name} is {_show(value)}, not true or false"
-        if kind in (dict, "dict") and value is not None and not (isinstance(value, dict) and all(
-                _number(v) or isinstance(v, str) for v in value.values())):
+        if (
+            kind in (dict, "dict")
+            and value is not None
+            and not (
+                isinstance(value, dict)
+                and all(_number(v) or isinstance(v, str) for v in value.values())
+            )
+        ):
             return f"model.{name} is {_show(value)}, not an object of numbers"
     if fields.get("dropout", 0) >= 1:
         return f"model.dropout is {_show(fields['dropout'])}, not below 1"
@@ -168,7 +233,8 @@ def model_problem(model_type, fields):
 
 
 def _whole(mapping, field, low=0, high=MAX_INT, optional=False, where=""):
-    """mapping[field] is a whole number in [low, high] (or, if optional, absent or null): MetaError otherwise."""
+    """mapping[field] is a whole number in [low, high] (or, if optional, absent or null): MetaError
+    otherwise."""
     value = mapping.get(field)
     if value is None and optional:
         return

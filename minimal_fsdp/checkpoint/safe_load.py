@@ -1,7 +1,9 @@
-"""Reading a checkpoint's files without running code or blocking: files opened only when they are regular files
-inside the directory (files.open_regular), DCP's .metadata pickle through an unpickler that knows only the plain
-classes it is made of, non-tensor entries with torch.load(weights_only=True), and whole tensors in one process
-(tests, export, sampling, inspection)."""
+"""Reading a checkpoint's files without running code or blocking: files opened only when they are
+regular files inside the directory (files.open_regular), DCP's .metadata pickle through an unpickler
+that knows only the plain classes it is made of, non-tensor entries with
+torch.load(weights_only=True), and whole tensors in one process (tests, export, sampling,
+inspection)."""
+
 import enum
 import importlib
 import pickle
@@ -19,17 +21,33 @@ from minimal_fsdp.files import open_regular, read_json  # noqa: F401 (re-exporte
 
 
 def _allowed_globals():
-    """Exactly the (module, name) pairs a DCP .metadata pickle refers to: DCP's metadata classes, a few
-    containers, and torch's dtype/layout/memory-format values. torch's own weights-only unpickler is private
-    and reads torch.save archives, not DCP's bare pickle, so we keep this small allow-list ourselves."""
-    allowed = {(dcp_metadata.__name__, name) for name, value in vars(dcp_metadata).items()
-               if isinstance(value, type) and value.__module__ == dcp_metadata.__name__}
-    allowed |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict"),
-                ("torch", "Size"), ("torch.serialization", "_get_layout"), ("builtins", "set"),
-                ("builtins", "frozenset"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath")}  # Python >= 3.13
-    allowed |= {("torch", name) for name, value in vars(torch).items()
-                if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))}
+    """Exactly the (module, name) pairs a DCP .metadata pickle refers to: DCP's metadata classes, a
+    few containers, and torch's dtype/layout/memory-format values. torch's own weights-only
+    unpickler is private and reads torch.save archives, not DCP's bare pickle, so we keep this small
+    allow-list ourselves."""
+    allowed = {
+        (dcp_metadata.__name__, name)
+        for name, value in vars(dcp_metadata).items()
+        if isinstance(value, type) and value.__module__ == dcp_metadata.__name__
+    }
+    allowed |= {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("collections", "OrderedDict"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        # Python >= 3.13
+        ("pathlib._local", "PosixPath"),
+        ("pathlib._local", "PurePosixPath"),
+    }
+    allowed |= {
+        ("torch", name)
+        for name, value in vars(torch).items()
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+    }
     return frozenset(allowed)
 
 
@@ -37,36 +55,46 @@ _ALLOWED = _allowed_globals()
 
 
 def _build(unpickler):
-    """BUILD that refuses to set attributes on a class (it would change that class for the whole process)."""
+    """BUILD that refuses to set attributes on a class (it would change that class for the whole
+    process)."""
     if isinstance(unpickler.stack[-2], type):
         raise pickle.UnpicklingError("checkpoint metadata tries to modify a class")
     pickle._Unpickler.dispatch[pickle.BUILD[0]](unpickler)
 
 
 def _enum_member(cls, name):
-    """getattr limited to a member of one of the allowed Enum classes (any other getattr could reach code)."""
+    """getattr limited to a member of one of the allowed Enum classes (any other getattr could reach
+    code)."""
     if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
         return cls[name]
-    raise pickle.UnpicklingError(f"checkpoint metadata reads an attribute of {cls!r}, which is not allowed")
+    raise pickle.UnpicklingError(
+        f"checkpoint metadata reads an attribute of {cls!r}, which is not allowed"
+    )
 
 
 class _MetadataUnpickler(pickle._Unpickler):
-    """The pure-Python unpickler (its opcode table can be changed; the C one's cannot) with find_class limited
-    to _ALLOWED. A name is looked up as one attribute, never as a dotted path (protocol 4 would otherwise
-    walk 'filesystem' + 'os.system' to os.system), so nothing outside the list is reachable."""
+    """The pure-Python unpickler (its opcode table can be changed; the C one's cannot) with
+    find_class limited to _ALLOWED. A name is looked up as one attribute, never as a dotted path
+    (protocol 4 would otherwise walk 'filesystem' + 'os.system' to os.system), so nothing outside
+    the list is reachable."""
 
     dispatch = dict(pickle._Unpickler.dispatch)
     dispatch[pickle.BUILD[0]] = _build
 
     def find_class(self, module, name):
-        if (module, name) == ("builtins", "getattr"):  # Python 3.11.2 pickles an Enum member as getattr(cls, name)
+        # Python 3.11.2 pickles an Enum member as getattr(cls, name)
+        if (module, name) == ("builtins", "getattr"):
             return _enum_member
         if (module, name) not in _ALLOWED:
-            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+            raise pickle.UnpicklingError(
+                f"checkpoint metadata refers to {module}.{name}, which is not allowed"
+            )
         return getattr(importlib.import_module(module), name)
 
     def persistent_load(self, pid):
-        raise pickle.UnpicklingError("checkpoint metadata holds a persistent id, which is not allowed")
+        raise pickle.UnpicklingError(
+            "checkpoint metadata holds a persistent id, which is not allowed"
+        )
 
 
 def read_dcp_metadata(path):
@@ -77,36 +105,49 @@ def read_dcp_metadata(path):
 
 class SafeReader(FileSystemReader):
     def read_metadata(self, *args, rank=None, **kwargs):
-        metadata = read_dcp_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        metadata = read_dcp_metadata(
+            Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        )
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """Non-tensor entries (optimizer hyperparameters) are read with weights_only=True, never plain pickle."""
+    """Non-tensor entries (optimizer hyperparameters) are read with weights_only=True, never plain
+    pickle."""
 
     def load_bytes(self, read_item, value):
-        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
-                    torch.load(value, weights_only=True))
+        set_element(
+            self.original_state_dict,
+            self.mappings[read_item.dest_index.fqn],
+            torch.load(value, weights_only=True),
+        )
 
 
 def tensor_names(path, prefix="model."):
-    """Names, shapes and dtypes of the checkpoint's tensors under `prefix` (prefix stripped), in saved order."""
+    """Names, shapes and dtypes of the checkpoint's tensors under `prefix` (prefix stripped), in
+    saved order."""
     metadata = read_dcp_metadata(Path(path) / ".metadata")
-    return [(key[len(prefix):], md.size, md.properties.dtype) for key, md in metadata.state_dict_metadata.items()
-            if key.startswith(prefix) and hasattr(md, "size")]
+    return [
+        (key[len(prefix) :], md.size, md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(md, "size")
+    ]
 
 
 def read_tensors(path, names, prefix="model."):
-    """Read the named tensors, whole, in one process with no process group (tests, export, inspection).
-    Only their byte ranges are read from the shards."""
+    """Read the named tensors, whole, in one process with no process group (tests, export,
+    inspection). Only their byte ranges are read from the shards."""
     specs = {name: (size, dtype) for name, size, dtype in tensor_names(path, prefix)}
-    # DCP matches entries by their dotted key, so a flat {"model.wte.weight": t} finds the nested one.
+    # DCP matches entries by their dotted key, so a flat {"model.wte.weight": t} finds the nested
+    # one.
     flat = {prefix + name: torch.empty(specs[name][0], dtype=specs[name][1]) for name in names}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(flat, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(
+            flat, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), no_dist=True
+        )
     return {name: flat[prefix + name] for name in names}
 
 

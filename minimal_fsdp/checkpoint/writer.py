@@ -1,12 +1,15 @@
-"""How a rank's checkpoint files are written: DCP's FileSystemWriter, with every file's size and CRC-32 taken from
-the bytes on their way to it (ChecksummingWriter); for an asynchronous save, in a process of the rank's own
-(WriterProcess) that reads the staged copy from host memory both processes map (SharedMemory).
+"""How a rank's checkpoint files are written: DCP's FileSystemWriter, with every file's size and
+CRC-32 taken from the bytes on their way to it (ChecksummingWriter); for an asynchronous save, in a
+process of the rank's own (WriterProcess) that reads the staged copy from host memory both processes
+map (SharedMemory).
 
-Why a process: the write's own Python work (torch.save's pickling and zip records for each of a rank's thousands
-of tensors, DCP's per-item bookkeeping) holds the GIL, and a thread doing it beside training holds up training's
-kernel launches, which need the GIL too: GPT-2 XL on 2 H200s trained 3.6% slower while its saves were written by
-threads. The process does only the bytes; DCP's planning, its collectives and the commit stay in the rank.
+Why a process: the write's own Python work (torch.save's pickling and zip records for each of a
+rank's thousands of tensors, DCP's per-item bookkeeping) holds the GIL, and a thread doing it beside
+training holds up training's kernel launches, which need the GIL too: GPT-2 XL on 2 H200s trained
+3.6% slower while its saves were written by threads. The process does only the bytes; DCP's
+planning, its collectives and the commit stay in the rank.
 """
+
 import errno
 import io
 import mmap
@@ -33,8 +36,9 @@ FULL_BELOW = 2**20  # bytes free: a file system this full after a failed write i
 
 
 def write_failure_reason(directory):
-    """Why a write into `directory` failed when torch.save's zip writer says only "unexpected pos" or "file write
-    failed": a full file system, or the process's file size limit (ulimit -f), as the OS would have said it."""
+    """Why a write into `directory` failed when torch.save's zip writer says only "unexpected pos"
+    or "file write failed": a full file system, or the process's file size limit (ulimit -f), as the
+    OS would have said it."""
     try:
         if shutil.disk_usage(directory).free < FULL_BELOW:
             return os.strerror(errno.ENOSPC)
@@ -46,14 +50,16 @@ def write_failure_reason(directory):
 
 
 class _Checksummed:
-    """A file being written, whose size and CRC-32 follow every write (what DCP calls on its streams)."""
+    """A file being written, whose size and CRC-32 follow every write (what DCP calls on its
+    streams)."""
 
     def __init__(self, stream):
         self.stream, self.size, self.crc = stream, 0, 0
 
     def write(self, data):
         view = memoryview(data)
-        self.crc = zlib.crc32(view, self.crc)  # zlib lets go of the GIL for large buffers, as the write does
+        # zlib lets go of the GIL for large buffers, as the write does
+        self.crc = zlib.crc32(view, self.crc)
         self.size += view.nbytes
         return self.stream.write(view)
 
@@ -71,7 +77,8 @@ class _Checksummed:
 
 
 class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, recording {file name: [size, CRC-32]} of every file written through it."""
+    """DCP's local file system, recording {file name: [size, CRC-32]} of every file written through
+    it."""
 
     def __init__(self):
         super().__init__()
@@ -85,7 +92,8 @@ class _ChecksummingFileSystem(FileSystem):
                 return
             counted = _Checksummed(stream)
             yield counted
-        self.files[Path(path).name] = [counted.size, counted.crc]  # only once the file is whole and closed
+        # only once the file is whole and closed
+        self.files[Path(path).name] = [counted.size, counted.crc]
 
     def rename(self, path, new_path):  # DCP writes .metadata as .metadata.tmp, then renames it
         super().rename(path, new_path)
@@ -94,14 +102,17 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class ChecksummingWriter(dcp.FileSystemWriter):
-    """DCP's FileSystemWriter (the same files, fsynced), which also knows the size and CRC-32 of every file it
-    wrote (`checksums`), taken from the bytes as they were written: no file is read back. DCP has no hook for
-    this, so the writer's file system is swapped for one whose streams checksum what passes through them.
-    With a WriterProcess, the shards' bytes are written there (write_data); .metadata is written here."""
+    """DCP's FileSystemWriter (the same files, fsynced), which also knows the size and CRC-32 of
+    every file it wrote (`checksums`), taken from the bytes as they were written: no file is read
+    back. DCP has no hook for this, so the writer's file system is swapped for one whose streams
+    checksum what passes through them. With a WriterProcess, the shards' bytes are written there
+    (write_data); .metadata is written here."""
 
     def __init__(self, path, threads=1, staged=False, process=None):
         # Staged tensors are on the host already: nothing to copy ahead of the writes.
-        super().__init__(path, thread_count=threads, **({"per_thread_copy_ahead": 0} if staged else {}))
+        super().__init__(
+            path, thread_count=threads, **({"per_thread_copy_ahead": 0} if staged else {})
+        )
         self.fs = _ChecksummingFileSystem()
         self.process = process
 
@@ -124,23 +135,28 @@ class ChecksummingWriter(dcp.FileSystemWriter):
 
 
 def in_process():
-    """Whether asynchronous saves are written by a WriterProcess: only with $MINIMAL_FSDP_ASYNC_WRITER=process
-    (and memfd). The default stays DCP's threads in the rank until the process is measured on GPUs: it is checked
-    on CPUs only (page-locking the memfd and a writer beside CUDA ranks have not run on a GPU host yet)."""
-    return os.environ.get("MINIMAL_FSDP_ASYNC_WRITER", "thread") == "process" and hasattr(os, "memfd_create")
+    """Whether asynchronous saves are written by a WriterProcess: only with
+    $MINIMAL_FSDP_ASYNC_WRITER=process (and memfd). The default stays DCP's threads in the rank
+    until the process is measured on GPUs: it is checked on CPUs only (page-locking the memfd and a
+    writer beside CUDA ranks have not run on a GPU host yet)."""
+    return os.environ.get("MINIMAL_FSDP_ASYNC_WRITER", "thread") == "process" and hasattr(
+        os, "memfd_create"
+    )
 
 
 class SharedMemory:
-    """Host memory this process and its WriterProcess both map: anonymous files (memfd; no /dev/shm, whose size a
-    container may cap), each handed out in aligned pieces, one torch tensor (with a storage of its own) each."""
+    """Host memory this process and its WriterProcess both map: anonymous files (memfd; no /dev/shm,
+    whose size a container may cap), each handed out in aligned pieces, one torch tensor (with a
+    storage of its own) each."""
 
     def __init__(self, pin=False):
         self.segments = []  # [fd, mmap, bytes handed out, its page-locked view or None]
         self.pin = pin
 
     def reserve(self, size):
-        """A new segment of at least `size` bytes (page-locked on a GPU, so copies into it run at the link's
-        speed: cudaHostRegister, rather than torch's pinned allocator, which rounds up to a power of two)."""
+        """A new segment of at least `size` bytes (page-locked on a GPU, so copies into it run at
+        the link's speed: cudaHostRegister, rather than torch's pinned allocator, which rounds up to
+        a power of two)."""
         size = max(size, ALIGN)
         fd = os.memfd_create("minimal_fsdp-checkpoint-staging", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
@@ -179,40 +195,61 @@ def view(memory, offset, shape, dtype):
 
 
 class WriterProcess:
-    """A process that writes this rank's shard files of each save from SharedMemory, started beside the rank
-    and ended with it. It ignores SIGTERM and SIGINT (a stop waits for the save in flight, which it is writing)
-    and dies with the rank (PR_SET_PDEATHSIG, which fires when the thread that made it ends: make it on the rank's
-    main thread), so a rank killed mid-save leaves no writer behind."""
+    """A process that writes this rank's shard files of each save from SharedMemory, started beside
+    the rank and ended with it. It ignores SIGTERM and SIGINT (a stop waits for the save in flight,
+    which it is writing) and dies with the rank (PR_SET_PDEATHSIG, which fires when the thread that
+    made it ends: make it on the rank's main thread), so a rank killed mid-save leaves no writer
+    behind."""
 
     def __init__(self, memory):
         self.memory, self.sent = memory, 0  # segments the process has been handed
         here, there = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
-                   CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+            CUDA_VISIBLE_DEVICES="",
+            OMP_NUM_THREADS="1",
+        )
         self.process = subprocess.Popen(
-            [sys.executable, "-c", f"from minimal_fsdp.checkpoint.writer import serve; serve({there.fileno()}, "
-                                   f"{os.getpid()})"], pass_fds=[there.fileno()], env=env, stdin=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-c",
+                f"from minimal_fsdp.checkpoint.writer import serve; serve({there.fileno()}, "
+                f"{os.getpid()})",
+            ],
+            pass_fds=[there.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         there.close()
         self.connection = multiprocessing.connection.Connection(here.detach())
 
     def write(self, writer, plan, planner):
-        """Write `plan`'s items (tensors staged in planner.places, small objects resolved here) into writer.path;
-        returns (DCP's WriteResults, {file name: [size, CRC-32]}). Raises the write's error, or OSError if the
-        process is gone."""
+        """Write `plan`'s items (tensors staged in planner.places, small objects resolved here) into
+        writer.path; returns (DCP's WriteResults, {file name: [size, CRC-32]}). Raises the write's
+        error, or OSError if the process is gone."""
         try:
-            for fd, memory, _, _ in self.memory.segments[self.sent:]:
+            for fd, memory, _, _ in self.memory.segments[self.sent :]:
                 self.connection.send(("segment", len(memory)))
                 multiprocessing.reduction.send_handle(self.connection, fd, self.process.pid)
                 self.sent += 1
-            objects = {item.index.fqn: planner.resolve_data(item).getvalue() for item in plan.items
-                       if item.type == WriteItemType.BYTE_IO}
-            self.connection.send(("write", str(writer.path), writer.thread_count, plan, planner.places, objects))
+            objects = {
+                item.index.fqn: planner.resolve_data(item).getvalue()
+                for item in plan.items
+                if item.type == WriteItemType.BYTE_IO
+            }
+            self.connection.send(
+                ("write", str(writer.path), writer.thread_count, plan, planner.places, objects)
+            )
             outcome, *value = self.connection.recv()
         except (EOFError, OSError):
             code = self.process.poll()
-            raise OSError(errno.EIO, "the checkpoint writer process " + (
-                "broke its connection" if code is None else f"ended (exit code {code})")) from None
+            raise OSError(
+                errno.EIO,
+                "the checkpoint writer process "
+                + ("broke its connection" if code is None else f"ended (exit code {code})"),
+            ) from None
         if outcome == "error":
             raise value[0]
         return value
@@ -228,7 +265,8 @@ class WriterProcess:
 
 
 class _Resolver:
-    """What the writer asks DCP's planner for: each item's bytes, from the staged tensors or the objects sent."""
+    """What the writer asks DCP's planner for: each item's bytes, from the staged tensors or the
+    objects sent."""
 
     def __init__(self, tensors, objects):
         self.tensors, self.objects = tensors, objects
@@ -240,7 +278,8 @@ class _Resolver:
 
 
 def serve(fd, parent):
-    """The writer process: write each save asked for, answer ("done", results, checksums) or ("error", e)."""
+    """The writer process: write each save asked for, answer ("done", results, checksums) or
+    ("error", e)."""
     for name in ("SIGTERM", "SIGINT"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     _die_with(parent)
@@ -260,20 +299,32 @@ def serve(fd, parent):
             continue
         _, path, threads, plan, places, objects = message
         try:
-            tensors = {key: torch.empty(shape, dtype=dtype) if where is None else view(segments[where[0]], where[1],
-                                                                                        shape, dtype)
-                       for key, (where, shape, dtype) in places.items()}
+            tensors = {
+                key: torch.empty(shape, dtype=dtype)
+                if where is None
+                else view(segments[where[0]], where[1], shape, dtype)
+                for key, (where, shape, dtype) in places.items()
+            }
             writer = ChecksummingWriter(path, threads, staged=True)
-            answer = ("done", writer.write_data(plan, _Resolver(tensors, objects)).value(), writer.checksums)
+            answer = (
+                "done",
+                writer.write_data(plan, _Resolver(tensors, objects)).value(),
+                writer.checksums,
+            )
         except Exception as e:  # noqa: BLE001 - the rank reports it
-            answer = ("error", e if isinstance(e, OSError) else RuntimeError(f"{type(e).__name__}: {e}"))
+            answer = (
+                "error",
+                e if isinstance(e, OSError) else RuntimeError(f"{type(e).__name__}: {e}"),
+            )
         connection.send(answer)
 
 
 def _die_with(parent):
-    """Be SIGKILLed when the rank ends, however it ends (Linux; elsewhere the closed connection ends the loop)."""
+    """Be SIGKILLed when the rank ends, however it ends (Linux; elsewhere the closed connection ends
+    the loop)."""
     try:
         import ctypes
+
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass

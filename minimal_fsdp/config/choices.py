@@ -1,30 +1,33 @@
-"""The bottom of the package's imports: ConfigError and the values each choice flag accepts. It imports nothing
-from the package and nothing heavy, so config.py (and `basic_training.py --help`) reads the choices without
-importing torch, and the modules that act on a choice (plan.py, fp8.py, gossip.py) import them from here: no
-import cycle.
+"""The bottom of the package's imports: ConfigError and the values each choice flag accepts. It
+imports nothing from the package and nothing heavy, so config.py (and `basic_training.py --help`)
+reads the choices without importing torch, and the modules that act on a choice (plan.py, fp8.py,
+gossip.py) import them from here: no import cycle.
 """
 
 
 class ConfigError(ValueError):
-    """Bad user input. Raised identically on every rank before any collective, printed as one line."""
+    """Bad user input. Raised identically on every rank before any collective, printed as one
+    line."""
 
 
 # plan.py (the parallel plan)
 DEVICE = ("auto", "xla")  # xla: xla.py
 SHARDING = ("full-shard", "grad-shard", "no-shard", "hybrid-full-shard", "hybrid-grad-shard")
 PRECISION = ("float32", "bf16", "fp8")
-REDUCE_PRECISION = ("auto", "float32", "bf16")  # the gradients' sum across ranks (--reduce_precision)
+# the gradients' sum across ranks (--reduce_precision)
+REDUCE_PRECISION = ("auto", "float32", "bf16")
 DATA_PARALLEL = ("allreduce", "decentralized")
 FSDP_UNITS = ("auto", "block", "model")
-# --fsdp_unit auto: a model this small is one FSDP unit. Its step is bound by the host: FSDP2's hooks, gathers and
-# reduce-scatters per block, and a compiled graph per block, cost more than overlapping its brief communication
-# with compute saves (recipe S and GPT-2 124M ran faster so on 2 H100s), and gathering it whole costs little
-# memory.
+# --fsdp_unit auto: a model this small is one FSDP unit. Its step is bound by the host: FSDP2's
+# hooks, gathers and reduce-scatters per block, and a compiled graph per block, cost more than
+# overlapping its brief communication with compute saves (recipe S and GPT-2 124M ran faster so on 2
+# H100s), and gathering it whole costs little memory.
 SMALL_MODEL = 200_000_000
-# --cuda_graphs auto: a model this small replays its compiled graph as CUDA graphs where no FSDP hooks surround it
-# (one rank, DDP). Its step is the host launching kernels: recipe S (10.7M) took 9-12 ms a step compiled, 6.4 ms
-# replayed, on one H100; GPT-2 124M at batch 32 is bound by the GPU (graphs would save nothing there). Where between
-# the two the gain ends was not measured: 50M is a cautious bound.
+# --cuda_graphs auto: a model this small replays its compiled graph as CUDA graphs where no FSDP
+# hooks surround it (one rank, DDP). Its step is the host launching kernels: recipe S (10.7M) took
+# 9-12 ms a step compiled, 6.4 ms replayed, on one H100; GPT-2 124M at batch 32 is bound by the GPU
+# (graphs would save nothing there). Where between the two the gain ends was not measured: 50M is a
+# cautious bound.
 GRAPHS_MODEL = 50_000_000
 
 # fp8.py: torchao's scaling recipes
@@ -33,7 +36,9 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 # gossip.py
 TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
 
-# Preset names of each --model (the shapes are model.PRESETS and llama.PRESETS; tests/models/test_llama.py checks that
-# the names agree); "tiny" exists in both.
-MODEL_PRESETS = {"gpt": ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"),
-                 "llama": ("tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-tiny")}
+# Preset names of each --model (the shapes are model.PRESETS and llama.PRESETS;
+# tests/models/test_llama.py checks that the names agree); "tiny" exists in both.
+MODEL_PRESETS = {
+    "gpt": ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"),
+    "llama": ("tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-tiny"),
+}

@@ -1,12 +1,15 @@
-"""The one command-line parser of every command: argparse built from a flags dataclass, each field a flag (or a
-positional argument) with its help, choices, default and TOML section; `--config FILE.toml` read for every
-command, bounded like every other file read. Defaults < --config file < command line.
+"""The one command-line parser of every command: argparse built from a flags dataclass, each field a
+flag (or a positional argument) with its help, choices, default and TOML section; `--config
+FILE.toml` read for every command, bounded like every other file read. Defaults < --config file <
+command line.
 
-A command's dataclass may set, as class variables: PROG (the command as typed), USAGE, DESCRIPTION, and
-FILE_ALSO, dataclasses whose keys a --config file may also hold and this command ignores (so a run's own
-config.toml serves the planner, sampling and progress). A `check(given)` method, if any, runs last on the
-parsed flags (`given`: the names set by the file or the command line). Nothing here imports torch.
+A command's dataclass may set, as class variables: PROG (the command as typed), USAGE, DESCRIPTION,
+and FILE_ALSO, dataclasses whose keys a --config file may also hold and this command ignores (so a
+run's own config.toml serves the planner, sampling and progress). A `check(given)` method, if any,
+runs last on the parsed flags (`given`: the names set by the file or the command line). Nothing here
+imports torch.
 """
+
 import argparse
 import dataclasses
 import difflib
@@ -19,22 +22,35 @@ from minimal_fsdp.config.choices import ConfigError
 MAX_CONFIG_BYTES = 2**20  # a flags file is a few KB; a bigger one is not a flags file
 
 
-def flag(default, help, choices=None, section="train", positional=False, required=False, nargs=None):
-    """A flag: a dataclass field with its help text, choices and TOML section. `positional`: an argument
-    without `--` (it may come from the file too); `required`: the command refuses to run without it; `nargs`:
-    for list fields, argparse's ("+" by default, "..." for a command after `--`)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "section": section,
-                                            "positional": positional, "required": required, "nargs": nargs})
+def flag(
+    default, help, choices=None, section="train", positional=False, required=False, nargs=None
+):
+    """A flag: a dataclass field with its help text, choices and TOML section. `positional`: an
+    argument without `--` (it may come from the file too); `required`: the command refuses to run
+    without it; `nargs`: for list fields, argparse's ("+" by default, "..." for a command after
+    `--`)."""
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "choices": choices,
+            "section": section,
+            "positional": positional,
+            "required": required,
+            "nargs": nargs,
+        },
+    )
 
 
 def sections(cls):
-    """The sections of `cls` in the order its fields first name them: --help's groups, the file's tables."""
+    """The sections of `cls` in the order its fields first name them: --help's groups, the file's
+    tables."""
     return tuple(dict.fromkeys(f.metadata["section"] for f in dataclasses.fields(cls)))
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse exits with a usage dump on a bad flag; we want one line and the same exit path as other errors,
-    and a suggestion for a mistyped flag."""
+    """argparse exits with a usage dump on a bad flag; we want one line and the same exit path as
+    other errors, and a suggestion for a mistyped flag."""
 
     def error(self, message):
         raise ConfigError(message)
@@ -46,19 +62,22 @@ class _Parser(argparse.ArgumentParser):
             if extras:
                 self.error(f"unrecognized arguments: {' '.join(extras)} (flags start with --)")
             return namespace
-        close = difflib.get_close_matches(flags[0], [o for o in self._option_string_actions if o.startswith("--")],
-                                          n=1)
+        close = difflib.get_close_matches(
+            flags[0], [o for o in self._option_string_actions if o.startswith("--")], n=1
+        )
         hint = f" (did you mean {close[0]}?)" if close else ""
         self.error(f"unrecognized flag {flags[0]}{hint}; `{self.prog} --help` lists them")
 
 
 def _help(f):
-    """The field's help with its default, as argparse prints it ('%' escaped); an unset default says nothing
-    (the help says what unset means)."""
+    """The field's help with its default, as argparse prints it ('%' escaped); an unset default says
+    nothing (the help says what unset means)."""
     text = f.metadata["help"].replace("%", "%%")
     if f.default is None:
         return text
-    default = ("on" if f.default else "off") if f.type is bool else str(f.default).replace("%", "%%")
+    default = (
+        ("on" if f.default else "off") if f.type is bool else str(f.default).replace("%", "%%")
+    )
     return f"{text} (default: {default})"
 
 
@@ -66,28 +85,48 @@ _METAVARS = {int: "N", float: "NUM", str: "TEXT", list: "TEXT"}
 
 
 def build_parser(cls, prog=None, description=None):
-    """Flags grouped by their section (the tables of a --config file), each with its default. Abbreviations
-    are refused: `--max_step 5` must not quietly mean --max_steps, nor break when a flag is added."""
-    parser = _Parser(prog=prog or getattr(cls, "PROG", None), usage=getattr(cls, "USAGE", None),
-                     description=description or getattr(cls, "DESCRIPTION", None), allow_abbrev=False)
+    """Flags grouped by their section (the tables of a --config file), each with its default.
+    Abbreviations are refused: `--max_step 5` must not quietly mean --max_steps, nor break when a
+    flag is added."""
+    parser = _Parser(
+        prog=prog or getattr(cls, "PROG", None),
+        usage=getattr(cls, "USAGE", None),
+        description=description or getattr(cls, "DESCRIPTION", None),
+        allow_abbrev=False,
+    )
     fields = dataclasses.fields(cls)
     if "config" not in {f.name for f in fields}:
-        parser.add_argument("--config", metavar="FILE.toml", help="TOML file of flag values, in sections as the "
-                            "groups below; command-line flags override it")
+        parser.add_argument(
+            "--config",
+            metavar="FILE.toml",
+            help="TOML file of flag values, in sections as the "
+            "groups below; command-line flags override it",
+        )
     groups = {section: parser.add_argument_group(f"[{section}]") for section in sections(cls)}
     for f in fields:
         group, meta = groups[f.metadata["section"]], f.metadata
         if meta["positional"]:
             nargs = meta["nargs"] or ("*" if f.type is list else "?")
-            group.add_argument(f.name, nargs=nargs, default=f.default, help=_help(f), metavar=f.name.upper())
+            group.add_argument(
+                f.name, nargs=nargs, default=f.default, help=_help(f), metavar=f.name.upper()
+            )
         elif f.type is bool:
-            group.add_argument("--" + f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=_help(f))
+            group.add_argument(
+                "--" + f.name,
+                action=argparse.BooleanOptionalAction,
+                default=f.default,
+                help=_help(f),
+            )
         else:
-            group.add_argument("--" + f.name, type=str if f.type is list else f.type, default=f.default,
-                               choices=meta["choices"], help=_help(f), nargs=meta["nargs"] or
-                               ("+" if f.type is list else None),
-                               metavar=None if meta["choices"] else _METAVARS[f.type])
+            group.add_argument(
+                "--" + f.name,
+                type=str if f.type is list else f.type,
+                default=f.default,
+                choices=meta["choices"],
+                help=_help(f),
+                nargs=meta["nargs"] or ("+" if f.type is list else None),
+                metavar=None if meta["choices"] else _METAVARS[f.type],
+            )
     return parser
 
 
@@ -99,8 +138,9 @@ def _on_command_line(f, argv):
 
 
 def parse(cls, argv=None, prog=None, description=None):
-    """An instance of `cls` from the command line: defaults < --config file < command line. The command line
-    is read twice: once for --config, then in full with the file's values as the defaults."""
+    """An instance of `cls` from the command line: defaults < --config file < command line. The
+    command line is read twice: once for --config, then in full with the file's values as the
+    defaults."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = build_parser(cls, prog, description)
     config_file = parser.parse_known_args(argv)[0].config
@@ -111,7 +151,8 @@ def parse(cls, argv=None, prog=None, description=None):
     if "config" not in {f.name for f in fields}:
         del values["config"]
     for f in fields:
-        if f.type is list and values[f.name] == []:  # an empty positional list: the file's, or the default
+        # an empty positional list: the file's, or the default
+        if f.type is list and values[f.name] == []:
             values[f.name] = file_values.get(f.name, f.default)
         if f.metadata["required"] and values[f.name] in (None, []):
             name = f.name.upper() if f.metadata["positional"] else "--" + f.name
@@ -122,14 +163,20 @@ def parse(cls, argv=None, prog=None, description=None):
     return parsed
 
 
-_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-               list: "a list of strings"}
+_TYPE_NAMES = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a list of strings",
+}
 
 
 def read_toml(path):
-    """The tables of a TOML file, read as every other file the package reads from a user is (files.py): a
-    regular file (a link is followed to one; a FIFO, device or socket is refused before it is opened), of at
-    most MAX_CONFIG_BYTES, nested no deeper than the parser's recursion allows. Every failure: one line."""
+    """The tables of a TOML file, read as every other file the package reads from a user is
+    (files.py): a regular file (a link is followed to one; a FIFO, device or socket is refused
+    before it is opened), of at most MAX_CONFIG_BYTES, nested no deeper than the parser's recursion
+    allows. Every failure: one line."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python < 3.11
@@ -138,7 +185,9 @@ def read_toml(path):
         except ModuleNotFoundError:
             raise ConfigError("--config needs tomli on Python < 3.11: pip install tomli") from None
 
-    from minimal_fsdp.files import open_regular  # files.py imports ConfigError from config: not at the top
+    # files.py imports ConfigError from config: not at the top
+    from minimal_fsdp.files import open_regular
+
     try:
         with open_regular(Path(path).resolve(), MAX_CONFIG_BYTES) as f:
             return tomllib.loads(f.read().decode("utf-8"))
@@ -147,19 +196,24 @@ def read_toml(path):
     except UnicodeDecodeError:
         raise ConfigError(f"--config {path} is not a UTF-8 text file (TOML)") from None
     except RecursionError:
-        raise ConfigError(f"--config {path}: arrays or tables nest too deeply (a flags file has two levels: "
-                          "[section] and key)") from None
+        raise ConfigError(
+            f"--config {path}: arrays or tables nest too deeply (a flags file has two levels: "
+            "[section] and key)"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: {e}") from None
 
 
 def load_config_file(path, cls):
-    """{flag name: value} from a TOML file whose tables are cls's sections and whose keys are its flags (or
-    the flags of a FILE_ALSO dataclass, ignored). Unknown or misplaced keys and wrong types are one-line errors
-    that name section.key."""
+    """{flag name: value} from a TOML file whose tables are cls's sections and whose keys are its
+    flags (or the flags of a FILE_ALSO dataclass, ignored). Unknown or misplaced keys and wrong
+    types are one-line errors that name section.key."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    also = {f.name: f.metadata["section"] for other in getattr(cls, "FILE_ALSO", ())
-            for f in dataclasses.fields(other)}
+    also = {
+        f.name: f.metadata["section"]
+        for other in getattr(cls, "FILE_ALSO", ())
+        for f in dataclasses.fields(other)
+    }
     known = sections(cls) + tuple(s for s in dict.fromkeys(also.values()) if s not in sections(cls))
     values = {}
     for section, table in read_toml(path).items():
@@ -168,17 +222,25 @@ def load_config_file(path, cls):
             where = f"put it under [{home}]" if home else "sections are " + ", ".join(known)
             raise ConfigError(f"--config {path}: '{section}' is outside any section; {where}")
         if section not in known:
-            raise ConfigError(f"--config {path}: unknown section [{section}]; sections are {', '.join(known)}")
+            raise ConfigError(
+                f"--config {path}: unknown section [{section}]; sections are {', '.join(known)}"
+            )
         for key, value in table.items():
             f = fields.get(key)
-            if also.get(key) == section and (f is None or f.metadata["section"] != section or key == "config"):
+            if also.get(key) == section and (
+                f is None or f.metadata["section"] != section or key == "config"
+            ):
                 continue  # another command's flag, in its place (a run's config file)
             if f is None or key == "config":
-                close = difflib.get_close_matches(key, [n for n in (*fields, *also) if n != "config"], n=1)
+                close = difflib.get_close_matches(
+                    key, [n for n in (*fields, *also) if n != "config"], n=1
+                )
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 raise ConfigError(f"--config {path}: unknown key {section}.{key}{hint}")
             if f.metadata["section"] != section:
-                raise ConfigError(f"--config {path}: {section}.{key} belongs in [{f.metadata['section']}]")
+                raise ConfigError(
+                    f"--config {path}: {section}.{key} belongs in [{f.metadata['section']}]"
+                )
             values[key] = _checked(f, value, f"--config {path}: {section}.{key}")
     return values
 

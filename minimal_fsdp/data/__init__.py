@@ -1,3 +1,3 @@
-"""Text to tokens: tokenizers, preparation into token memmaps, documents and the validation split, the
-batch sampler and streaming. Imports config, files and launch.
+"""Text to tokens: tokenizers, preparation into token memmaps, documents and the validation split,
+the batch sampler and streaming. Imports config, files and launch.
 """

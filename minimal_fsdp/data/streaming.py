@@ -1,17 +1,19 @@
 """Train straight from documents (--dataset_path SOURCE --streaming): no preparation step.
 
-Rank r of W reads the documents with index % W == r (documents.py numbers them in source order), tokenizes
-them on the fly, and packs them, each followed by the end-of-text separator, into one endless stream of
-tokens, pass after pass. Batches take consecutive blocks of it, cut as TokenData cuts a split: block k is
-stream[k*seq_length : (k+1)*seq_length + 1]. A document goes to validation when documents.is_val says so,
-as in a prepared dataset, so a rank's stream equals the prepared train tokens of its documents.
+Rank r of W reads the documents with index % W == r (documents.py numbers them in source order),
+tokenizes them on the fly, and packs them, each followed by the end-of-text separator, into one
+endless stream of tokens, pass after pass. Batches take consecutive blocks of it, cut as TokenData
+cuts a split: block k is stream[k*seq_length : (k+1)*seq_length + 1]. A document goes to validation
+when documents.is_val says so, as in a prepared dataset, so a rank's stream equals the prepared
+train tokens of its documents.
 
-Train batches are read ahead on a thread, so tokenizing overlaps with the training step wherever the step
-waits on the device and the tokenizer lets go of the GIL. A stream cannot be indexed, so the position (pass,
-document, token offset) of every rank is saved in each checkpoint's meta.json, and a resumed run reopens each
-rank's stream there: it sees exactly the tokens the uninterrupted run would have seen. Resuming needs the
-same world size, which decides the sharding.
+Train batches are read ahead on a thread, so tokenizing overlaps with the training step wherever the
+step waits on the device and the tokenizer lets go of the GIL. A stream cannot be indexed, so the
+position (pass, document, token offset) of every rank is saved in each checkpoint's meta.json, and a
+resumed run reopens each rank's stream there: it sees exactly the tokens the uninterrupted run would
+have seen. Resuming needs the same world size, which decides the sharding.
 """
+
 import atexit
 import collections
 import queue
@@ -28,12 +30,14 @@ from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
 
 
 class TokenStream:
-    """The tokens of the documents `select` picks, in order, pass after pass; resumable at any token."""
+    """The tokens of the documents `select` picks, in order, pass after pass; resumable at any
+    token."""
 
     def __init__(self, documents, tokenizer, select, position=(0, 0, 0), what="documents"):
         self.documents, self.tokenizer, self.select, self.what = documents, tokenizer, select, what
         start_pass, start_document, self.offset = position
-        self.segments = collections.deque()  # (pass, document index, tokens): read, not fully consumed
+        # (pass, document index, tokens): read, not fully consumed
+        self.segments = collections.deque()
         self.available = 0  # tokens in segments
         self.next_position = tuple(position)  # where reading resumes once segments are used up
         self.reader = self._read(start_pass, start_document)
@@ -60,14 +64,15 @@ class TokenStream:
         return self.next_position
 
     def take(self, length, advance):
-        """The next `length` tokens; then move on by `advance` (< length: blocks overlap by the difference)."""
+        """The next `length` tokens; then move on by `advance` (< length: blocks overlap by the
+        difference)."""
         while self.available - self.offset < length:
             segment = next(self.reader)
             self.segments.append(segment)
             self.available += len(segment[2])
         parts, need, skip = [], length, self.offset
         for _, _, tokens in self.segments:
-            part = tokens[skip:skip + need]
+            part = tokens[skip : skip + need]
             parts.append(part)
             need, skip = need - len(part), 0
             if not need:
@@ -81,13 +86,15 @@ class TokenStream:
 
 
 def _take_batch(stream, batch_size, seq_length):
-    rows = torch.from_numpy(np.stack([stream.take(seq_length + 1, seq_length) for _ in range(batch_size)]))
+    rows = torch.from_numpy(
+        np.stack([stream.take(seq_length + 1, seq_length) for _ in range(batch_size)])
+    )
     return rows[:, :-1], rows[:, 1:]
 
 
 class Prefetcher:
-    """Takes a stream's next batches on a thread, each with the stream position right after it, so that a
-    checkpoint records what training consumed, not what was read ahead."""
+    """Takes a stream's next batches on a thread, each with the stream position right after it, so
+    that a checkpoint records what training consumed, not what was read ahead."""
 
     def __init__(self, stream, batch_size, seq_length, depth=16):
         self.shape = (batch_size, seq_length)
@@ -95,7 +102,8 @@ class Prefetcher:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._fill, args=(stream,), daemon=True)
         self.thread.start()
-        # A daemon thread killed inside a tokenizer's C++ code at interpreter exit aborts the process.
+        # A daemon thread killed inside a tokenizer's C++ code at interpreter exit aborts the
+        # process.
         atexit.register(self.close)
 
     def _fill(self, stream):
@@ -126,8 +134,8 @@ class Prefetcher:
 
 
 def _same_on_every_rank(fn, *args):
-    """Run fn on every rank; if it fails anywhere, every rank raises the first failure (so none is left
-    waiting in a later collective)."""
+    """Run fn on every rank; if it fails anywhere, every rank raises the first failure (so none is
+    left waiting in a later collective)."""
     try:
         outcome = (fn(*args), None)
     except ConfigError as e:
@@ -154,57 +162,94 @@ def _save_gpt2_tokenizer(directory):
 
 
 class StreamingData:
-    """The same interface as data.TokenData (meta, tokenizer, directory, check, bind, steps_per_epoch,
-    train_batches, val_batch, state_dict, load_state_dict), read from a stream. Train batches come in order."""
+    """The same interface as data.TokenData (meta, tokenizer, directory, check, bind,
+    steps_per_epoch, train_batches, val_batch, state_dict, load_state_dict), read from a stream.
+    Train batches come in order."""
 
     def __init__(self, documents, tokenizer, tokenizer_dir, rank, world_size, val_fraction, seed):
         self.documents, self.tokenizer, self.directory = documents, tokenizer, tokenizer_dir
-        self.rank, self.world_size, self.val_fraction, self.seed = rank, world_size, val_fraction, seed
+        self.rank, self.world_size, self.val_fraction, self.seed = (
+            rank,
+            world_size,
+            val_fraction,
+            seed,
+        )
         self.meta = {"tokenizer": tokenizer.kind, "vocab_size": tokenizer.vocab_size}
         self.train_position = (0, 0, 0)  # right after the last train batch handed out
         self.prefetcher = None
         self.next_step = 0  # the optimizer step whose micro-batches the stream gives next
         self.val_stream = None
-        self.val_batches = []  # evaluation always reads the same first val batches, so they are kept
+        # evaluation always reads the same first val batches, so they are kept
+        self.val_batches = []
 
     @classmethod
     def open(cls, cfg, env):
-        """Collective: every rank opens the source and the tokenizer, or every rank raises the same error."""
-        if cfg.tokenizer_dir:  # saved again in our own files, which checkpoints copy (a Hugging Face directory's
+        """Collective: every rank opens the source and the tokenizer, or every rank raises the same
+        error."""
+        # saved again in our own files, which checkpoints copy (a Hugging Face directory's
+        if cfg.tokenizer_dir:
             # vocab.json or tokenizer_config.json would not travel with them)
-            tokenizer_dir = failures.run_on_main(_save_tokenizer_of, cfg.tokenizer_dir, f"{cfg.data_dir}/streaming")
+            tokenizer_dir = failures.run_on_main(
+                _save_tokenizer_of, cfg.tokenizer_dir, f"{cfg.data_dir}/streaming"
+            )
         elif cfg.tokenizer == "gpt2":  # saved once, so checkpoints carry it for generation
-            tokenizer_dir = failures.run_on_main(_save_gpt2_tokenizer, f"{cfg.data_dir}/streaming/gpt2")
+            tokenizer_dir = failures.run_on_main(
+                _save_gpt2_tokenizer, f"{cfg.data_dir}/streaming/gpt2"
+            )
         else:
-            raise ConfigError(f"--streaming cannot fit a --tokenizer {cfg.tokenizer} on a stream: use --tokenizer "
-                              "gpt2, or --tokenizer_dir DIR with the tokenizer of a prepared dataset or checkpoint")
+            raise ConfigError(
+                f"--streaming cannot fit a --tokenizer {cfg.tokenizer} on a stream: use "
+                "--tokenizer gpt2, or --tokenizer_dir DIR with the tokenizer of a prepared dataset "
+                "or checkpoint"
+            )
         tokenizer = _same_on_every_rank(load_tokenizer, tokenizer_dir)
         documents = _same_on_every_rank(open_documents, cfg.dataset_path, "--dataset_path", True)
-        return cls(documents, tokenizer, tokenizer_dir, env.rank, env.world_size, cfg.val_fraction, cfg.seed)
+        return cls(
+            documents,
+            tokenizer,
+            tokenizer_dir,
+            env.rank,
+            env.world_size,
+            cfg.val_fraction,
+            cfg.seed,
+        )
 
     def _stream(self, split, position=(0, 0, 0)):
         rank, world, seed, fraction = self.rank, self.world_size, self.seed, self.val_fraction
-        select = lambda index: index % world == rank and is_val(index, seed, fraction) == (split == "val")  # noqa: E731
+        select = lambda index: (  # noqa: E731
+            index % world == rank and is_val(index, seed, fraction) == (split == "val")
+        )
         share = "raise --val_fraction" if split == "val" else "lower --val_fraction"
-        what = (f"{split} documents for rank {rank} of {world} (rank r streams documents r, r + {world}, ..., and "
-                f"--val_fraction {fraction} of them are val): {share}, add documents, or run on fewer ranks; or "
-                "prepare the data with minimal-fsdp prepare, which fills every rank from one file")
+        what = (
+            f"{split} documents for rank {rank} of {world} (rank r streams documents r, r + "
+            f"{world}, ..., and --val_fraction {fraction} of them are val): {share}, add "
+            "documents, or run on fewer ranks; or prepare the data with minimal-fsdp prepare, "
+            "which fills every rank from one file"
+        )
         return TokenStream(self.documents, self.tokenizer, select, position, what)
 
     def check(self, seq_length, vocab_size):
         """Collective: every rank's shard yields a train and a val block, or every rank raises."""
         if self.meta["vocab_size"] > vocab_size:
-            raise ConfigError(f"the {self.meta['tokenizer']} tokenizer has {self.meta['vocab_size']} tokens but "
-                              f"--vocab_size is {vocab_size}: token ids would be out of range")
-        # A fresh stream per split, read until the first block: a source too small to fill one repeats its
-        # documents pass after pass, which is fine, but a rank with no document at all has nothing to repeat.
+            raise ConfigError(
+                f"the {self.meta['tokenizer']} tokenizer has {self.meta['vocab_size']} tokens but "
+                f"--vocab_size is {vocab_size}: token ids would be out of range"
+            )
+
+        # A fresh stream per split, read until the first block: a source too small to fill one
+        # repeats its documents pass after pass, which is fine, but a rank with no document at all
+        # has nothing to repeat.
         def first_blocks():
             for split in ("train", "val"):
                 self._stream(split).take(seq_length + 1, seq_length)
+
         _same_on_every_rank(first_blocks)
 
     def describe(self):
-        return f"data: streaming {self.documents.source} with the {self.tokenizer.kind} tokenizer from {self.directory}"
+        return (
+            f"data: streaming {self.documents.source} with the {self.tokenizer.kind} tokenizer "
+            f"from {self.directory}"
+        )
 
     def bind(self, seq_length, batch_size, grad_accum_steps, rank, world_size, seed):
         """The run's batch shape (rank, world size and seed came with open())."""
@@ -216,9 +261,13 @@ class StreamingData:
     def train_batches(self, step):
         """The micro-batches of optimizer step `step`; steps must be asked for in order."""
         if step != self.next_step:
-            raise RuntimeError(f"a stream is read in order: step {self.next_step} is next, not {step}")
+            raise RuntimeError(
+                f"a stream is read in order: step {self.next_step} is next, not {step}"
+            )
         if self.prefetcher is None:
-            self.prefetcher = Prefetcher(self._stream("train", self.train_position), self.batch_size, self.seq_length)
+            self.prefetcher = Prefetcher(
+                self._stream("train", self.train_position), self.batch_size, self.seq_length
+            )
         batches = []
         for _ in range(self.accum):
             batch, self.train_position = self.prefetcher.next()
@@ -227,7 +276,8 @@ class StreamingData:
         return batches
 
     def val_batch(self, index):
-        """Validation batch `index`: the same first batches of this rank's val documents every time."""
+        """Validation batch `index`: the same first batches of this rank's val documents every
+        time."""
         if self.val_stream is None:
             self.val_stream = self._stream("val")
         while len(self.val_batches) <= index:
@@ -241,7 +291,8 @@ class StreamingData:
             self.prefetcher = None
 
     def state_dict(self, step):
-        """Collective: every rank's stream position before step `step`, for rank 0 to write into the checkpoint."""
+        """Collective: every rank's stream position before step `step`, for rank 0 to write into the
+        checkpoint."""
         if step != self.next_step:
             raise RuntimeError(f"the stream is at step {self.next_step}, not {step}")
         positions = [None] * self.world_size
@@ -249,15 +300,19 @@ class StreamingData:
         return {"stream": positions}
 
     def load_state_dict(self, state, step):
-        """Reopen this rank's stream where the checkpoint left it. Same flags and meta.json on every rank,
-        so every rank reaches the same verdict."""
+        """Reopen this rank's stream where the checkpoint left it. Same flags and meta.json on every
+        rank, so every rank reaches the same verdict."""
         if "stream" not in state:
-            raise ConfigError("the checkpoint holds no stream position (it was not written by a --streaming run): "
-                              "use another --run_name, or --restart_checkpoint_file from a --streaming run")
+            raise ConfigError(
+                "the checkpoint holds no stream position (it was not written by a --streaming "
+                "run): use another --run_name, or --restart_checkpoint_file from a --streaming run"
+            )
         saved = state["stream"]
         if len(saved) != self.world_size:
-            raise ConfigError(f"this --streaming run was saved on {len(saved)} rank(s) and each rank's documents "
-                              f"depend on it: resume it on {len(saved)} rank(s), not {self.world_size}")
+            raise ConfigError(
+                f"this --streaming run was saved on {len(saved)} rank(s) and each rank's documents "
+                f"depend on it: resume it on {len(saved)} rank(s), not {self.world_size}"
+            )
         self.close()
         self.train_position = tuple(saved[self.rank])
         self.next_step = step

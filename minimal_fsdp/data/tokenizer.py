@@ -1,18 +1,24 @@
 """
-Tokenizers behind one tiny interface: .kind, .vocab_size, .eot_id (end of text, or None), .bos_id (or None),
-.label (names a prepared dataset's directory), encode(text) -> list[int], encode_batch(texts) (the same, in the
-library's threads where it has them), decode(ids) -> str, save(directory).
+Tokenizers behind one tiny interface: .kind, .vocab_size, .eot_id (end of text, or None), .bos_id
+(or None), .label (names a prepared dataset's directory), encode(text) -> list[int],
+encode_batch(texts) (the same, in the library's threads where it has them), decode(ids) -> str,
+save(directory).
 
-Fit or fetched here (--tokenizer): char, gpt2 (tiktoken's BPE) and sentencepiece (trained on the text).
-Brought by a directory (load_tokenizer; --tokenizer_dir, --hf_model), looked for in this order:
+Fit or fetched here (--tokenizer): char, gpt2 (tiktoken's BPE) and sentencepiece (trained on the
+text). Brought by a directory (load_tokenizer; --tokenizer_dir, --hf_model), looked for in this
+order:
     tokenizer.json            Hugging Face's, read by the `tokenizers` library        -> kind "hf"
     vocab.json + merges.txt   GPT-2's byte-level BPE files, built with `tokenizers`   -> kind "hf"
-    tokenizer.model           a sentencepiece model (Llama 2)                         -> kind "sentencepiece"
-                              or Llama 3's tiktoken-format BPE ranks, via tiktoken    -> kind "tiktoken"
-All load offline. A saved tokenizer is our small 'tokenizer.json' naming its kind (plus 'tokenizer.model' for
-sentencepiece and tiktoken); a Hugging Face tokenizer is kept inside it as its own JSON. Never pickle.
-The Hugging Face and tiktoken-format tokenizers live in tokenizer_files.py; this module fits, fetches and finds.
+    tokenizer.model           a sentencepiece model (Llama 2)                         -> kind
+                              "sentencepiece"
+                              or Llama 3's tiktoken-format BPE ranks, via tiktoken    -> kind
+                              "tiktoken"
+All load offline. A saved tokenizer is our small 'tokenizer.json' naming its kind (plus
+'tokenizer.model' for sentencepiece and tiktoken); a Hugging Face tokenizer is kept inside it as its
+own JSON. Never pickle. The Hugging Face and tiktoken-format tokenizers live in tokenizer_files.py;
+this module fits, fetches and finds.
 """
+
 import hashlib
 import json
 import os
@@ -23,10 +29,22 @@ import urllib.request
 from pathlib import Path
 
 from minimal_fsdp.files import write_atomic
-# The tokenizers of other projects' files, and what all tokenizers share (re-exported: callers import them here).
-from minimal_fsdp.data.tokenizer_files import (LLAMA3_PATTERN, HFTokenizer, TiktokenCalls, TiktokenTokenizer,  # noqa: F401
-                              TokenizerError, _byte_level_bpe, _digest, _llama3_tokenizer, _looks_like_tiktoken,
-                              _write_json, special_tokens)
+
+# The tokenizers of other projects' files, and what all tokenizers share (re-exported: callers
+# import them here).
+from minimal_fsdp.data.tokenizer_files import (  # noqa: F401
+    LLAMA3_PATTERN,
+    HFTokenizer,
+    TiktokenCalls,
+    TiktokenTokenizer,
+    TokenizerError,
+    _byte_level_bpe,
+    _digest,
+    _llama3_tokenizer,
+    _looks_like_tiktoken,
+    _write_json,
+    special_tokens,
+)
 
 TOKENIZER_KINDS = ("char", "gpt2", "sentencepiece")  # what --tokenizer fits or fetches
 SAVED_KINDS = TOKENIZER_KINDS + ("hf", "tiktoken")  # what our tokenizer.json may name
@@ -34,6 +52,7 @@ SAVED_KINDS = TOKENIZER_KINDS + ("hf", "tiktoken")  # what our tokenizer.json ma
 
 # -----------------------------------------------------------------------------
 # char: one id per character, characters sorted by codepoint
+
 
 class CharTokenizer:
     kind = "char"
@@ -57,7 +76,8 @@ class CharTokenizer:
                 f"{'character' if one else f'{len(missing)} characters'} {shown}{more} "
                 f"{'is' if one else 'are'} not in the --tokenizer char vocabulary built from the "
                 f"training text: rebuild it from text that contains {'it' if one else 'them'}, "
-                "or use --tokenizer gpt2 / sentencepiece") from None
+                "or use --tokenizer gpt2 / sentencepiece"
+            ) from None
 
     def encode_batch(self, texts):
         return [self.encode(text) for text in texts]
@@ -66,7 +86,9 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in ids)
 
     def save(self, directory):
-        _write_json(directory, {"kind": self.kind, "vocab_size": self.vocab_size, "chars": self.chars})
+        _write_json(
+            directory, {"kind": self.kind, "vocab_size": self.vocab_size, "chars": self.chars}
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -77,9 +99,11 @@ GPT2_URLS = (
     "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
     "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
 )
-GPT2_OFFLINE = ("--tokenizer gpt2 needs tiktoken's gpt2 encoding files, which could not be downloaded "
-                "(offline?): copy a warm tiktoken cache into $TIKTOKEN_CACHE_DIR, use --tokenizer_dir with "
-                "a downloaded GPT-2's directory (its tokenizer.json), or --tokenizer char / sentencepiece")
+GPT2_OFFLINE = (
+    "--tokenizer gpt2 needs tiktoken's gpt2 encoding files, which could not be downloaded "
+    "(offline?): copy a warm tiktoken cache into $TIKTOKEN_CACHE_DIR, use --tokenizer_dir with "
+    "a downloaded GPT-2's directory (its tokenizer.json), or --tokenizer char / sentencepiece"
+)
 
 
 def tiktoken_cache_dir():
@@ -94,24 +118,27 @@ def tiktoken_cache_dir():
 def gpt2_cached():
     """True if both gpt2 files are in tiktoken's cache (it names them by the sha1 of their URL)."""
     d = tiktoken_cache_dir()
-    return d != "" and all(os.path.exists(os.path.join(d, hashlib.sha1(u.encode()).hexdigest()))
-                           for u in GPT2_URLS)
+    return d != "" and all(
+        os.path.exists(os.path.join(d, hashlib.sha1(u.encode()).hexdigest())) for u in GPT2_URLS
+    )
 
 
 def reachable(url, timeout=5.0):
-    """Whether a server answers at url: a quick HEAD (urllib honours proxy settings), so an unreachable host
-    (an offline compute node) fails in seconds, not after minutes of retries."""
+    """Whether a server answers at url: a quick HEAD (urllib honours proxy settings), so an
+    unreachable host (an offline compute node) fails in seconds, not after minutes of retries."""
     try:
         urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
         return True
     except urllib.error.HTTPError:
-        return True  # the server answered (an error page): let the caller try and report what went wrong
+        # the server answered (an error page): let the caller try and report what went wrong
+        return True
     except OSError:
         return False
 
 
 def _gpt2_encoding():
     import tiktoken
+
     if not gpt2_cached() and not reachable(GPT2_URLS[0]):
         raise TokenizerError(GPT2_OFFLINE)
     try:
@@ -128,9 +155,13 @@ class GPT2Tokenizer(TiktokenCalls):
         self.enc = _gpt2_encoding()
         self.vocab_size = self.enc.n_vocab  # 50257
         self.eot_id = self.bos_id = self.enc.eot_token  # 50256, GPT-2's bos and eos alike
-        # tiktoken keeps these without public accessors; the Hugging Face export converts them (hf.py)
-        self.ranks, self.pattern, self.special_tokens = \
-            self.enc._mergeable_ranks, self.enc._pat_str, self.enc._special_tokens
+        # tiktoken keeps these without public accessors; the Hugging Face export converts them
+        # (hf.py)
+        self.ranks, self.pattern, self.special_tokens = (
+            self.enc._mergeable_ranks,
+            self.enc._pat_str,
+            self.enc._special_tokens,
+        )
 
     def save(self, directory):
         _write_json(directory, {"kind": self.kind, "vocab_size": self.vocab_size})
@@ -139,11 +170,13 @@ class GPT2Tokenizer(TiktokenCalls):
 # -----------------------------------------------------------------------------
 # sentencepiece: wraps a serialized .model (ours, or a Llama 2 checkpoint's tokenizer.model)
 
+
 class SentencePieceTokenizer:
     kind = "sentencepiece"
 
     def __init__(self, model_proto):
         import sentencepiece as spm
+
         self.model_proto = bytes(model_proto)
         self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
         self.vocab_size = self.sp.get_piece_size()
@@ -162,8 +195,14 @@ class SentencePieceTokenizer:
         return self.sp.decode(list(ids))
 
     def save(self, directory):
-        _write_json(directory, {"kind": self.kind, "vocab_size": self.vocab_size, "model_file": "tokenizer.model"})
-        write_atomic(os.path.join(directory, "tokenizer.model"), lambda tmp: tmp.write_bytes(self.model_proto))
+        _write_json(
+            directory,
+            {"kind": self.kind, "vocab_size": self.vocab_size, "model_file": "tokenizer.model"},
+        )
+        write_atomic(
+            os.path.join(directory, "tokenizer.model"),
+            lambda tmp: tmp.write_bytes(self.model_proto),
+        )
 
 
 def load_sentencepiece(model_file):
@@ -174,17 +213,20 @@ def load_sentencepiece(model_file):
         raise TokenizerError(f"cannot read sentencepiece model {model_file}: {e}") from e
 
 
-# sentencepiece's trainer skips every line longer than this many bytes (its max_sentence_length); a text of long
-# lines (a document per line) would leave it nothing to learn from. Raising that limit instead costs the trainer
-# memory and time on huge lines, so long lines are cut into pieces this long, at a space where one is near.
+# sentencepiece's trainer skips every line longer than this many bytes (its max_sentence_length); a
+# text of long lines (a document per line) would leave it nothing to learn from. Raising that limit
+# instead costs the trainer memory and time on huge lines, so long lines are cut into pieces this
+# long, at a space where one is near.
 MAX_SENTENCE_BYTES = 4192
 
 
 def _sentences(text):
-    """The text's non-blank lines, each cut into pieces of at most MAX_SENTENCE_BYTES bytes of UTF-8."""
+    """The text's non-blank lines, each cut into pieces of at most MAX_SENTENCE_BYTES bytes of
+    UTF-8."""
     for line in text.splitlines():
         while len(line.encode()) > MAX_SENTENCE_BYTES:
-            head = line.encode()[:MAX_SENTENCE_BYTES].decode("utf-8", "ignore")  # whole characters only
+            # whole characters only
+            head = line.encode()[:MAX_SENTENCE_BYTES].decode("utf-8", "ignore")
             space = head.rfind(" ")
             cut = space + 1 if space > len(head) // 2 else len(head)
             if line[:cut].strip():
@@ -197,6 +239,7 @@ def _sentences(text):
 def _train_sentencepiece(text, vocab_size):
     import io
     import sentencepiece as spm
+
     if not vocab_size:
         raise TokenizerError("--tokenizer sentencepiece needs --vocab_size (e.g. 8000)")
     lines = list(_sentences(text))
@@ -204,40 +247,55 @@ def _train_sentencepiece(text, vocab_size):
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_writer=model,
-            model_type="bpe", vocab_size=vocab_size,
-            byte_fallback=True,                 # any text encodes: unseen characters become bytes
-            character_coverage=0.9995,          # rare characters go to bytes instead of taking vocab slots
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,  # any text encodes: unseen characters become bytes
+            # rare characters go to bytes instead of taking vocab slots
+            character_coverage=0.9995,
             normalization_rule_name="identity",  # decode(encode(text)) == text
-            remove_extra_whitespaces=False, split_digits=True,
-            num_threads=1, input_sentence_size=0, shuffle_input_sentence=False,  # deterministic
-            minloglevel=2)
+            remove_extra_whitespaces=False,
+            split_digits=True,
+            num_threads=1,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,  # deterministic
+            minloglevel=2,
+        )
     except RuntimeError as e:
-        msg = " ".join(str(e).split()).split("] ", 1)[-1] or type(e).__name__  # drop the C++ source location
+        # drop the C++ source location
+        msg = " ".join(str(e).split()).split("] ", 1)[-1] or type(e).__name__
         needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", msg)
-        if needed:  # the 256 byte pieces, 3 special ones and the text's kept characters must all fit
+        # the 256 byte pieces, 3 special ones and the text's kept characters must all fit
+        if needed:
             fix = f"use --vocab_size {needed.group(1)} or more"
         elif "too high" in msg:
             fix = "use a smaller --vocab_size, or more text to learn merges from"
         else:
             fix = "try another --vocab_size"
-        raise TokenizerError(f"--tokenizer sentencepiece cannot train a vocabulary of {vocab_size} on this text: "
-                             f"{fix} (sentencepiece: {msg})") from e
+        raise TokenizerError(
+            f"--tokenizer sentencepiece cannot train a vocabulary of {vocab_size} on this text: "
+            f"{fix} (sentencepiece: {msg})"
+        ) from e
     return SentencePieceTokenizer(model.getvalue())
 
 
 # -----------------------------------------------------------------------------
 # a directory's tokenizer
 
+
 def has_tokenizer(directory):
     d = Path(directory)
-    return any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model")) or \
-        (d / "vocab.json").exists() and (d / "merges.txt").exists()
+    return (
+        any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
+        or (d / "vocab.json").exists()
+        and (d / "merges.txt").exists()
+    )
 
 
 def load_tokenizer(directory):
-    """The tokenizer in `directory`: ours (a prepared dataset, a checkpoint, an export) or a Hugging Face
-    model's (see the module docstring for the order of the files looked for)."""
+    """The tokenizer in `directory`: ours (a prepared dataset, a checkpoint, an export) or a Hugging
+    Face model's (see the module docstring for the order of the files looked for)."""
     d = Path(directory)
     path = d / "tokenizer.json"
     if path.exists():
@@ -245,8 +303,10 @@ def load_tokenizer(directory):
             text = path.read_text(encoding="utf-8")
             meta = json.loads(text)
         except (OSError, ValueError) as e:
-            raise TokenizerError(f"cannot read {path} ({type(e).__name__}): neither ours nor a Hugging Face "
-                                 "tokenizer.json; re-run data preparation to create it") from e
+            raise TokenizerError(
+                f"cannot read {path} ({type(e).__name__}): neither ours nor a Hugging Face "
+                "tokenizer.json; re-run data preparation to create it"
+            ) from e
         if isinstance(meta, dict) and "kind" not in meta and "model" in meta:
             return HFTokenizer(text, *special_tokens(d), guess_eos=True)
         return _load_saved(d, meta if isinstance(meta, dict) else {})
@@ -258,8 +318,10 @@ def load_tokenizer(directory):
         if _looks_like_tiktoken(data):
             return _llama3_tokenizer(d, data, eos, bos)
         return load_sentencepiece(d / "tokenizer.model")
-    raise TokenizerError(f"{d} holds no tokenizer: expected tokenizer.json (ours or Hugging Face's), "
-                         "vocab.json + merges.txt, or tokenizer.model")
+    raise TokenizerError(
+        f"{d} holds no tokenizer: expected tokenizer.json (ours or Hugging Face's), "
+        "vocab.json + merges.txt, or tokenizer.model"
+    )
 
 
 def _load_saved(directory, meta):
@@ -273,25 +335,37 @@ def _load_saved(directory, meta):
     elif kind == "sentencepiece":
         tok = load_sentencepiece(directory / meta.get("model_file", "tokenizer.model"))
     elif kind == "hf":
-        tok = HFTokenizer(json.dumps(meta["tokenizer"]), meta.get("eos_token"), meta.get("bos_token"))
+        tok = HFTokenizer(
+            json.dumps(meta["tokenizer"]), meta.get("eos_token"), meta.get("bos_token")
+        )
     elif kind == "tiktoken":
         model_file = directory / meta.get("model_file", "tokenizer.model")
         try:
             data = model_file.read_bytes()
         except OSError as e:
             raise TokenizerError(f"cannot read {model_file}: {e.strerror}") from None
-        tok = TiktokenTokenizer(data, meta["special_tokens"], meta["pattern"], meta.get("eos_token"),
-                                meta.get("bos_token"))
+        tok = TiktokenTokenizer(
+            data,
+            meta["special_tokens"],
+            meta["pattern"],
+            meta.get("eos_token"),
+            meta.get("bos_token"),
+        )
     else:
-        raise TokenizerError(f"{path} has unknown tokenizer kind {kind!r} (expected one of {', '.join(SAVED_KINDS)})")
+        raise TokenizerError(
+            f"{path} has unknown tokenizer kind {kind!r} (expected one of {', '.join(SAVED_KINDS)})"
+        )
     if "vocab_size" in meta and meta["vocab_size"] != tok.vocab_size:
-        raise TokenizerError(f"{path} says vocab_size {meta['vocab_size']} but the loaded {kind} tokenizer "
-                             f"has {tok.vocab_size}: the tokenizer files do not match, re-run data preparation")
+        raise TokenizerError(
+            f"{path} says vocab_size {meta['vocab_size']} but the loaded {kind} tokenizer "
+            f"has {tok.vocab_size}: the tokenizer files do not match, re-run data preparation"
+        )
     return tok
 
 
 def train_tokenizer(kind, text, vocab_size, directory):
-    """Build a tokenizer of this kind (char and sentencepiece from text) and save it in directory."""
+    """Build a tokenizer of this kind (char and sentencepiece from text) and save it in
+    directory."""
     if kind == "char":
         tok = CharTokenizer(text)
     elif kind == "gpt2":
@@ -299,6 +373,8 @@ def train_tokenizer(kind, text, vocab_size, directory):
     elif kind == "sentencepiece":
         tok = _train_sentencepiece(text, vocab_size)
     else:
-        raise TokenizerError(f"--tokenizer must be one of {', '.join(TOKENIZER_KINDS)} (got {kind!r})")
+        raise TokenizerError(
+            f"--tokenizer must be one of {', '.join(TOKENIZER_KINDS)} (got {kind!r})"
+        )
     tok.save(directory)
     return tok

@@ -1,8 +1,10 @@
-"""Tokenizers in other projects' files, as a model directory brings them: Hugging Face's tokenizer.json (or GPT-2's
-vocab.json + merges.txt) through the `tokenizers` library, and Llama 3's tiktoken-format tokenizer.model; the
-special tokens such a directory names; and what every tokenizer shares (TokenizerError, the tokenizer.json that
-save() writes). tokenizer.py finds which one a directory holds (load_tokenizer).
+"""Tokenizers in other projects' files, as a model directory brings them: Hugging Face's
+tokenizer.json (or GPT-2's vocab.json + merges.txt) through the `tokenizers` library, and Llama 3's
+tiktoken-format tokenizer.model; the special tokens such a directory names; and what every tokenizer
+shares (TokenizerError, the tokenizer.json that save() writes). tokenizer.py finds which one a
+directory holds (load_tokenizer).
 """
+
 import base64
 import hashlib
 import json
@@ -15,7 +17,6 @@ from minimal_fsdp.files import write_atomic
 
 # End-of-text tokens to look for when no tokenizer_config.json or config.json names one.
 EOS_GUESSES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-
 
 
 class TokenizerError(ConfigError):
@@ -41,8 +42,9 @@ def _one_line(what):
     except (*INTERRUPTS, TokenizerError):
         raise
     except BaseException as e:  # noqa: BLE001
-        raise TokenizerError(f"the Hugging Face tokenizer cannot {what} ({type(e).__name__}: "
-                             f"{_first_line(e)})") from None
+        raise TokenizerError(
+            f"the Hugging Face tokenizer cannot {what} ({type(e).__name__}: {_first_line(e)})"
+        ) from None
 
 
 def _write_json(directory, meta):
@@ -58,13 +60,17 @@ def _digest(data):
 # -----------------------------------------------------------------------------
 # hf: a Hugging Face tokenizer.json, through the `tokenizers` library that defines the format
 
+
 class HFTokenizer:
-    """encode() adds no special tokens (no BOS) and reads a special token's text in the data (a literal
-    "<|endoftext|>") as ordinary text, as gpt2's encode_ordinary does: documents are separated by eot_id only."""
+    """encode() adds no special tokens (no BOS) and reads a special token's text in the data (a
+    literal "<|endoftext|>") as ordinary text, as gpt2's encode_ordinary does: documents are
+    separated by eot_id only."""
+
     kind = "hf"
 
     def __init__(self, tokenizer_json, eos_token=None, bos_token=None, guess_eos=False):
         from tokenizers import Tokenizer
+
         try:
             self.tok = Tokenizer.from_str(tokenizer_json)
             # a model the library cannot run panics here, not at the prompt or mid-training
@@ -72,21 +78,29 @@ class HFTokenizer:
         except BaseException as e:  # noqa: BLE001 - parse errors (Exception) and panics alike
             if isinstance(e, INTERRUPTS):
                 raise
-            hint = "is `tokenizers` older than the one that wrote it? pip install -U tokenizers" \
-                if type(e) is Exception else "the `tokenizers` library cannot run its model"
-            raise TokenizerError(f"cannot read this Hugging Face tokenizer.json "
-                                 f"({type(e).__name__}: {_first_line(e)}): {hint}") from None
+            hint = (
+                "is `tokenizers` older than the one that wrote it? pip install -U tokenizers"
+                if type(e) is Exception
+                else "the `tokenizers` library cannot run its model"
+            )
+            raise TokenizerError(
+                f"cannot read this Hugging Face tokenizer.json "
+                f"({type(e).__name__}: {_first_line(e)}): {hint}"
+            ) from None
         self.json = self.tok.to_str()  # canonical, so the same tokenizer always gets the same label
         self.tok.encode_special_tokens = True
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
         self.eos_token, self.bos_token = self._name(eos_token), self._name(bos_token)
         if self.eos_token is None and guess_eos:
-            self.eos_token = next((t for t in EOS_GUESSES if self.tok.token_to_id(t) is not None), None)
+            self.eos_token = next(
+                (t for t in EOS_GUESSES if self.tok.token_to_id(t) is not None), None
+            )
         self.eot_id, self.bos_id = self._id(self.eos_token), self._id(self.bos_token)
         self.label = "hf-" + _digest(self.json)
 
     def _name(self, token):
-        """A token given by name or by id (as config.json gives them) -> its name, if it is in the vocabulary."""
+        """A token given by name or by id (as config.json gives them) -> its name, if it is in the
+        vocabulary."""
         if isinstance(token, int):
             return self.tok.id_to_token(token)
         return token if token is not None and self.tok.token_to_id(token) is not None else None
@@ -99,8 +113,8 @@ class HFTokenizer:
             return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts):
-        """[encode(text) for text in texts], in the library's threads; one at a time where the tokenizer.json asks
-        for padding, which a batch would add and one text alone would not."""
+        """[encode(text) for text in texts], in the library's threads; one at a time where the
+        tokenizer.json asks for padding, which a batch would add and one text alone would not."""
         if self.tok.padding is not None:
             return [self.encode(text) for text in texts]
         with _one_line("encode a text"):
@@ -112,21 +126,32 @@ class HFTokenizer:
             return self.tok.decode(list(ids), skip_special_tokens=False)
 
     def save(self, directory):
-        _write_json(directory, {"kind": self.kind, "vocab_size": self.vocab_size, "eos_token": self.eos_token,
-                                "bos_token": self.bos_token, "tokenizer": json.loads(self.json)})
+        _write_json(
+            directory,
+            {
+                "kind": self.kind,
+                "vocab_size": self.vocab_size,
+                "eos_token": self.eos_token,
+                "bos_token": self.bos_token,
+                "tokenizer": json.loads(self.json),
+            },
+        )
 
 
 def _byte_level_bpe(directory, eos, bos):
-    """GPT-2's vocab.json + merges.txt as a tokenizers BPE, the way transformers' GPT2TokenizerFast builds it."""
+    """GPT-2's vocab.json + merges.txt as a tokenizers BPE, the way transformers' GPT2TokenizerFast
+    builds it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     d = Path(directory)
     try:
         tok = Tokenizer(models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
     except BaseException as e:  # noqa: BLE001 - merges naming tokens the vocabulary lacks, ...
         if isinstance(e, INTERRUPTS):
             raise
-        raise TokenizerError(f"cannot read {d}/vocab.json and merges.txt "
-                             f"({_first_line(e)})") from None
+        raise TokenizerError(
+            f"cannot read {d}/vocab.json and merges.txt ({_first_line(e)})"
+        ) from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     vocab = tok.get_vocab()
@@ -136,20 +161,34 @@ def _byte_level_bpe(directory, eos, bos):
 
 
 # -----------------------------------------------------------------------------
-# tiktoken: Llama 3's tokenizer.model, lines of "<base64 token bytes> <rank>"; the special tokens are not in
-# the file, they are numbered after its ranks (Meta's list, or tokenizer_config.json's added_tokens_decoder)
+# tiktoken: Llama 3's tokenizer.model, lines of "<base64 token bytes> <rank>"; the special tokens
+# are not in the file, they are numbered after its ranks (Meta's list, or tokenizer_config.json's
+# added_tokens_decoder)
 
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>",
-                  "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPECIAL = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
 LLAMA3_SPECIAL += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(LLAMA3_SPECIAL))]
 
 
 def parse_tiktoken(data, where="tokenizer.model"):
-    """{token bytes: rank}. Not tiktoken.load.load_tiktoken_bpe: that one copies a local file into tiktoken's
-    cache under its path and reads the copy next time, so a changed file at the same path would be read stale."""
+    """{token bytes: rank}. Not tiktoken.load.load_tiktoken_bpe: that one copies a local file into
+    tiktoken's cache under its path and reads the copy next time, so a changed file at the same path
+    would be read stale."""
     ranks = {}
     try:
         for line in data.splitlines():
@@ -157,19 +196,26 @@ def parse_tiktoken(data, where="tokenizer.model"):
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
     except ValueError:
-        raise TokenizerError(f"{where} is neither a sentencepiece model nor tiktoken BPE ranks "
-                             f"(bad line {line[:60]!r})") from None
+        raise TokenizerError(
+            f"{where} is neither a sentencepiece model nor tiktoken BPE ranks "
+            f"(bad line {line[:60]!r})"
+        ) from None
     return ranks
 
 
 def _looks_like_tiktoken(data):
-    first = data[:data.find(b"\n")] if b"\n" in data else data
+    first = data[: data.find(b"\n")] if b"\n" in data else data
     parts = first.split()
-    return len(parts) == 2 and parts[1].isdigit() and all(c in b"+/=" or chr(c).isalnum() for c in parts[0])
+    return (
+        len(parts) == 2
+        and parts[1].isdigit()
+        and all(c in b"+/=" or chr(c).isalnum() for c in parts[0])
+    )
 
 
 class TiktokenCalls:
-    """Encoding and decoding through a tiktoken Encoding (self.enc): GPT-2's and a Llama 3 tokenizer.model's."""
+    """Encoding and decoding through a tiktoken Encoding (self.enc): GPT-2's and a Llama 3
+    tokenizer.model's."""
 
     def encode(self, text):
         # ordinary: a literal "<|endoftext|>" in the data is just text, not the special token
@@ -186,26 +232,51 @@ class TiktokenCalls:
 class TiktokenTokenizer(TiktokenCalls):
     kind = "tiktoken"
 
-    def __init__(self, ranks_file, special_tokens, pattern=LLAMA3_PATTERN, eos_token=None, bos_token=None):
+    def __init__(
+        self, ranks_file, special_tokens, pattern=LLAMA3_PATTERN, eos_token=None, bos_token=None
+    ):
         import tiktoken
+
         self.ranks_file = bytes(ranks_file)
-        self.ranks, self.pattern, self.special_tokens = parse_tiktoken(self.ranks_file), pattern, dict(special_tokens)
+        self.ranks, self.pattern, self.special_tokens = (
+            parse_tiktoken(self.ranks_file),
+            pattern,
+            dict(special_tokens),
+        )
         try:
-            self.enc = tiktoken.Encoding(name="tokenizer.model", pat_str=pattern, mergeable_ranks=self.ranks,
-                                         special_tokens=self.special_tokens)
+            self.enc = tiktoken.Encoding(
+                name="tokenizer.model",
+                pat_str=pattern,
+                mergeable_ranks=self.ranks,
+                special_tokens=self.special_tokens,
+            )
         except ValueError as e:
             raise TokenizerError(f"tiktoken cannot build this tokenizer.model: {e}") from None
         self.vocab_size = self.enc.n_vocab
         self.eos_token = eos_token if eos_token in self.special_tokens else None
         self.bos_token = bos_token if bos_token in self.special_tokens else None
-        self.eot_id, self.bos_id = self.special_tokens.get(self.eos_token), self.special_tokens.get(self.bos_token)
+        self.eot_id, self.bos_id = (
+            self.special_tokens.get(self.eos_token),
+            self.special_tokens.get(self.bos_token),
+        )
         self.label = "tiktoken-" + _digest(self.ranks_file)
 
     def save(self, directory):
-        _write_json(directory, {"kind": self.kind, "vocab_size": self.vocab_size, "model_file": "tokenizer.model",
-                                "pattern": self.pattern, "special_tokens": self.special_tokens,
-                                "eos_token": self.eos_token, "bos_token": self.bos_token})
-        write_atomic(os.path.join(directory, "tokenizer.model"), lambda tmp: tmp.write_bytes(self.ranks_file))
+        _write_json(
+            directory,
+            {
+                "kind": self.kind,
+                "vocab_size": self.vocab_size,
+                "model_file": "tokenizer.model",
+                "pattern": self.pattern,
+                "special_tokens": self.special_tokens,
+                "eos_token": self.eos_token,
+                "bos_token": self.bos_token,
+            },
+        )
+        write_atomic(
+            os.path.join(directory, "tokenizer.model"), lambda tmp: tmp.write_bytes(self.ranks_file)
+        )
 
 
 def _llama3_tokenizer(directory, data, eos, bos):
@@ -215,12 +286,18 @@ def _llama3_tokenizer(directory, data, eos, bos):
     special = added or {name: len(ranks) + i for i, name in enumerate(LLAMA3_SPECIAL)}
     names = {i: name for name, i in special.items()}
     eos, bos = names.get(eos, eos), names.get(bos, bos)  # ids (config.json's) -> names
-    return TiktokenTokenizer(data, special, LLAMA3_PATTERN, eos if eos in special else "<|end_of_text|>",
-                             bos if bos in special else "<|begin_of_text|>")
+    return TiktokenTokenizer(
+        data,
+        special,
+        LLAMA3_PATTERN,
+        eos if eos in special else "<|end_of_text|>",
+        bos if bos in special else "<|begin_of_text|>",
+    )
 
 
 # -----------------------------------------------------------------------------
 # the special tokens a Hugging Face directory names
+
 
 def _read_json(path):
     try:
@@ -246,6 +323,12 @@ def special_tokens(directory):
     config = _read_json(d / "config.json")
 
     def first(value):  # Llama 3.1 instruct lists several eos ids
-        return value[0] if isinstance(value, list) and value else value if isinstance(value, int) else None
+        return (
+            value[0]
+            if isinstance(value, list) and value
+            else value
+            if isinstance(value, int)
+            else None
+        )
 
     return first(config.get("eos_token_id")), first(config.get("bos_token_id"))

@@ -1,8 +1,10 @@
-"""Prepared token memmaps (train.bin, val.bin, meta.json) and the sampler that reads batches from them.
+"""Prepared token memmaps (train.bin, val.bin, meta.json) and the sampler that reads batches from
+them.
 
 `minimal-fsdp prepare ...` prepares a dataset ahead of training (prepare.py); training prepares
 Shakespeare or one --input_file itself on first use (prepared_dir).
 """
+
 import functools
 import json
 import stat
@@ -13,8 +15,13 @@ import torch
 
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.documents import open_documents
-from minimal_fsdp.data.prepare import (check_prepared, output_dir, prepare_bins, read_prepared_meta,
-                                       shakespeare_documents)
+from minimal_fsdp.data.prepare import (
+    check_prepared,
+    output_dir,
+    prepare_bins,
+    read_prepared_meta,
+    shakespeare_documents,
+)
 from minimal_fsdp.files import read_json, write_atomic
 from minimal_fsdp.data.tokenizer import load_tokenizer
 
@@ -24,9 +31,9 @@ TOKEN_CACHE = ".largest_token.json"  # each split's largest token id, under the 
 
 
 def dataset_dir(cfg, tokenizer=None):
-    """--dataset_path, else data/<dataset>/<tokenizer>: one text, prepared once per tokenizer. A given
-    tokenizer (--tokenizer_dir's, a --hf_model's) names the directory by its label: its kind, and for
-    sentencepiece, Hugging Face and tiktoken ones also a hash of its files."""
+    """--dataset_path, else data/<dataset>/<tokenizer>: one text, prepared once per tokenizer. A
+    given tokenizer (--tokenizer_dir's, a --hf_model's) names the directory by its label: its kind,
+    and for sentencepiece, Hugging Face and tiktoken ones also a hash of its files."""
     if cfg.dataset_path:
         return Path(cfg.dataset_path)
     name = "shakespeare" if cfg.dataset == "shakespeare" else Path(cfg.input_file).stem
@@ -42,41 +49,62 @@ def prepared_dir(cfg, tokenizer=None):
     out = dataset_dir(cfg, tokenizer)
     if cfg.dataset_path:
         if (out / "meta.json").exists():
-            TokenData(out)  # its checks, here on rank 0 first: the token ids' maximum is then cached for all
+            # its checks, here on rank 0 first: the token ids' maximum is then cached for all
+            TokenData(out)
             return str(out)
-        raise ConfigError(f"--dataset_path {out} has no meta.json: prepare it first (minimal-fsdp prepare "
-                          f"--dataset text --input_file SOURCE --output {out}), or add --streaming to read "
-                          "a .jsonl/Hugging Face dataset directly")
+        raise ConfigError(
+            f"--dataset_path {out} has no meta.json: prepare it first (minimal-fsdp prepare "
+            f"--dataset text --input_file SOURCE --output {out}), or add --streaming to read "
+            "a .jsonl/Hugging Face dataset directly"
+        )
     if cfg.dataset == "shakespeare":
         documents = shakespeare_documents(cfg.data_dir)
     else:
         documents = open_documents(cfg.input_file, "--input_file", hub=False)
     if (out / "meta.json").exists():
-        check_prepared(out, documents, f"delete {out} to prepare it again (runs that trained on it resume on the "
-                                       "new text), or pass another --data_dir")
+        check_prepared(
+            out,
+            documents,
+            f"delete {out} to prepare it again (runs that trained on it resume on the "
+            "new text), or pass another --data_dir",
+        )
     else:
-        prepare_bins(documents, cfg.tokenizer, cfg.vocab_size, out, cfg.val_fraction, cfg.seed, tokenizer=tokenizer)
-    TokenData(out)  # its checks, here on rank 0 first: the token ids' maximum is then cached for all
+        prepare_bins(
+            documents,
+            cfg.tokenizer,
+            cfg.vocab_size,
+            out,
+            cfg.val_fraction,
+            cfg.seed,
+            tokenizer=tokenizer,
+        )
+    # its checks, here on rank 0 first: the token ids' maximum is then cached for all
+    TokenData(out)
     return str(out)
 
 
 def _check_kinds(directory):
-    """Refuse a prepared directory holding something other than files and directories (a FIFO, a device, a
-    socket, or a link to one): the tokenizer libraries would block on it, or read without end."""
+    """Refuse a prepared directory holding something other than files and directories (a FIFO, a
+    device, a socket, or a link to one): the tokenizer libraries would block on it, or read without
+    end."""
     for entry in directory.iterdir():
         try:
-            mode = entry.stat().st_mode  # through a link: a link to a regular file (on another disk) is fine
+            # through a link: a link to a regular file (on another disk) is fine
+            mode = entry.stat().st_mode
         except OSError:
             continue  # a dangling link: what is missing is reported where it is needed
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise ConfigError(f"{entry} is not a regular file (a FIFO, device or socket): a prepared dataset "
-                              f"holds none; delete {directory} to prepare it again")
+            raise ConfigError(
+                f"{entry} is not a regular file (a FIFO, device or socket): a prepared dataset "
+                f"holds none; delete {directory} to prepare it again"
+            )
 
 
 def largest_token(path, tokens):
-    """The largest token id in `tokens` (path's memmap), or None when empty: the maximum of each chunk of
-    TOKEN_CHUNK ids, read once and cached beside the file (TOKEN_CACHE) under its fingerprint (size,
-    modification time, inode), so a later start reads one small file instead of the whole split."""
+    """The largest token id in `tokens` (path's memmap), or None when empty: the maximum of each
+    chunk of TOKEN_CHUNK ids, read once and cached beside the file (TOKEN_CACHE) under its
+    fingerprint (size, modification time, inode), so a later start reads one small file instead of
+    the whole split."""
     if not len(tokens):
         return None
     info = path.stat()
@@ -88,13 +116,16 @@ def largest_token(path, tokens):
             return cached[3]
     except (OSError, ValueError, IndexError):
         pass  # none yet, or unreadable: counted again
-    top = max(int(tokens[i:i + TOKEN_CHUNK].max()) for i in range(0, len(tokens), TOKEN_CHUNK))
+    top = max(int(tokens[i : i + TOKEN_CHUNK].max()) for i in range(0, len(tokens), TOKEN_CHUNK))
     try:
         saved = read_json(cache, 2**16, 4) if cache.exists() else {}
     except (OSError, ValueError):
         saved = {}
     try:
-        write_atomic(cache, lambda tmp: tmp.write_text(json.dumps(dict(saved, **{path.name: fingerprint + [top]}))))
+        write_atomic(
+            cache,
+            lambda tmp: tmp.write_text(json.dumps(dict(saved, **{path.name: fingerprint + [top]}))),
+        )
     except OSError:
         pass  # a read-only dataset: counted again at the next start
     return top
@@ -102,31 +133,36 @@ def largest_token(path, tokens):
 
 @functools.lru_cache(maxsize=4)  # a batch can straddle two epochs; evaluation reads val in between
 def epoch_order(seed, split, num_blocks, epoch):
-    """The order in which an epoch visits the blocks of a split: a permutation seeded by (seed, split, epoch)."""
+    """The order in which an epoch visits the blocks of a split: a permutation seeded by (seed,
+    split, epoch)."""
     return np.random.default_rng([seed % 2**63, split == "train", epoch]).permutation(num_blocks)
 
 
 @functools.lru_cache(maxsize=4)
 def epoch_offset(seed, epoch, seq_length):
-    """Where an epoch's train blocks start, in [0, seq_length): a new cut every epoch, so the model does not see
-    the same windows again and again (val keeps offset 0: the same batches every evaluation)."""
+    """Where an epoch's train blocks start, in [0, seq_length): a new cut every epoch, so the model
+    does not see the same windows again and again (val keeps offset 0: the same batches every
+    evaluation)."""
     return int(np.random.default_rng([seed % 2**63, 2, epoch]).integers(seq_length))
 
 
 class TokenData:
     """Read-only token memmaps plus the batch sampler.
 
-    A split of N tokens has M = N - 1 targets and holds M // seq_length blocks per epoch: block k of epoch e
-    starts at offset_e + k * seq_length (wrapping around the end of the split) and holds seq_length + 1 tokens,
-    inputs and their next-token targets. The offset is drawn per epoch for train (0 for val), so windows differ
-    between epochs while each token is a target at most once per epoch (all but M % seq_length of them). Each
-    epoch visits its blocks in its own seeded order; the global stream of block positions is dealt out in
-    micro-batches, rank by rank. So ranks never share a block within an epoch, and a batch is a pure function of
-    (seed, split, position in the stream, rank, world size): a resumed run draws exactly what the uninterrupted
-    one would have, and a test can rebuild any rank's batch.
+    A split of N tokens has M = N - 1 targets and holds M // seq_length blocks per epoch: block k of
+    epoch e starts at offset_e + k * seq_length (wrapping around the end of the split) and holds
+    seq_length
+    + 1 tokens, inputs and their next-token targets. The offset is drawn per epoch for train (0 for
+    val), so windows differ between epochs while each token is a target at most once per epoch (all
+    but M % seq_length of them). Each epoch visits its blocks in its own seeded order; the global
+    stream of block positions is dealt out in micro-batches, rank by rank. So ranks never share a
+    block within an epoch, and a batch is a pure function of (seed, split, position in the stream,
+    rank, world size): a resumed run draws exactly what the uninterrupted one would have, and a test
+    can rebuild any rank's batch.
 
-    bind() fixes the run's constants (rank, world size, batch, accumulation, sequence length, seed); then
-    train_batches(step) gives an optimizer step's micro-batches and state_dict(step) the position to resume from.
+    bind() fixes the run's constants (rank, world size, batch, accumulation, sequence length, seed);
+    then train_batches(step) gives an optimizer step's micro-batches and state_dict(step) the
+    position to resume from.
     """
 
     def __init__(self, directory):
@@ -134,18 +170,23 @@ class TokenData:
         self.meta = read_prepared_meta(self.directory)
         _check_kinds(self.directory)
         self.tokenizer = load_tokenizer(self.directory)
-        self.origin = (0, 0)  # (optimizer step, global block position) the train sampler counts from
+        # (optimizer step, global block position) the train sampler counts from
+        self.origin = (0, 0)
         dtype = self.meta.get("dtype")
         if dtype not in TOKEN_DTYPES or np.iinfo(dtype).max < self.meta["vocab_size"] - 1:
-            raise ConfigError(f"{self.directory}/meta.json says dtype {dtype!r}, which cannot hold "
-                              f"{self.meta['vocab_size']} token ids: delete {self.directory} to prepare it again")
+            raise ConfigError(
+                f"{self.directory}/meta.json says dtype {dtype!r}, which cannot hold "
+                f"{self.meta['vocab_size']} token ids: delete {self.directory} to prepare it again"
+            )
         self.splits = {split: self._open(split, dtype) for split in ("train", "val")}
         for split, tokens in self.splits.items():
             top = largest_token(self.directory / f"{split}.bin", tokens)
             if top is not None and top >= self.meta["vocab_size"]:
-                raise ConfigError(f"{self.directory / f'{split}.bin'} holds token id {top}, but its tokenizer has "
-                                  f"{self.meta['vocab_size']} tokens (ids below {self.meta['vocab_size']}): delete "
-                                  f"{self.directory} to prepare it again")
+                raise ConfigError(
+                    f"{self.directory / f'{split}.bin'} holds token id {top}, but its tokenizer "
+                    f"has {self.meta['vocab_size']} tokens (ids below {self.meta['vocab_size']}): "
+                    f"delete {self.directory} to prepare it again"
+                )
 
     def _open(self, split, dtype):
         path = self.directory / f"{split}.bin"
@@ -156,46 +197,57 @@ class TokenData:
             for other in TOKEN_DTYPES:
                 if other != dtype and size == expected * np.dtype(other).itemsize:
                     hint = f" (its size fits {expected} {other} tokens: was it written as {other}?)"
-            raise ConfigError(f"{path} holds {size} bytes but meta.json says {expected} {dtype} tokens "
-                              f"({expected * np.dtype(dtype).itemsize} bytes){hint}: delete {self.directory} "
-                              "to prepare it again")
+            raise ConfigError(
+                f"{path} holds {size} bytes but meta.json says {expected} {dtype} tokens "
+                f"({expected * np.dtype(dtype).itemsize} bytes){hint}: delete {self.directory} "
+                "to prepare it again"
+            )
         return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
 
     def check(self, seq_length, vocab_size):
-        """Same files and flags on every rank, so every rank reaches the same verdict before any collective."""
+        """Same files and flags on every rank, so every rank reaches the same verdict before any
+        collective."""
         shortest = min(len(t) for t in self.splits.values())
         if seq_length + 1 > shortest:
-            raise ConfigError(f"--seq_length {seq_length} needs at least {seq_length + 1} tokens per split, "
-                              f"but the smaller split of {self.directory} has {shortest}")
+            raise ConfigError(
+                f"--seq_length {seq_length} needs at least {seq_length + 1} tokens per split, "
+                f"but the smaller split of {self.directory} has {shortest}"
+            )
         if self.meta["vocab_size"] > vocab_size:
-            raise ConfigError(f"the {self.meta['tokenizer']} tokenizer has {self.meta['vocab_size']} tokens but "
-                              f"--vocab_size is {vocab_size}: token ids would be out of range")
+            raise ConfigError(
+                f"the {self.meta['tokenizer']} tokenizer has {self.meta['vocab_size']} tokens but "
+                f"--vocab_size is {vocab_size}: token ids would be out of range"
+            )
 
     def describe(self):
         source = self.meta.get("source", "?")
         size = f", {Path(source).stat().st_size / 1e6:.1f} MB" if Path(source).is_file() else ""
-        return (f"data: {self.directory}: {self.meta['train_tokens']:,} train and {self.meta['val_tokens']:,} val "
-                f"{self.meta['tokenizer']} tokens of {source}{size}")
+        return (
+            f"data: {self.directory}: {self.meta['train_tokens']:,} train and "
+            f"{self.meta['val_tokens']:,} val {self.meta['tokenizer']} tokens of {source}{size}"
+        )
 
     def bind(self, seq_length, batch_size, grad_accum_steps, rank, world_size, seed):
-        """The run's constants. Same on every rank, so a refusal comes alike everywhere: a train split with
-        fewer blocks than one optimizer step deals out would hand ranks the same block in one step, and an
-        "epoch" of that step would be more than one pass."""
+        """The run's constants. Same on every rank, so a refusal comes alike everywhere: a train
+        split with fewer blocks than one optimizer step deals out would hand ranks the same block in
+        one step, and an "epoch" of that step would be more than one pass."""
         self.seq_length, self.batch_size, self.accum = seq_length, batch_size, grad_accum_steps
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.blocks_per_step = world_size * batch_size * grad_accum_steps
         blocks = self._num_blocks("train")
         if blocks < self.blocks_per_step:
             raise ConfigError(
-                f"the train split of {self.directory} holds {blocks} block(s) of --seq_length {seq_length}, fewer "
-                f"than one optimizer step deals out ({world_size} rank(s) x --batch_size {batch_size} x "
-                f"--grad_accum_steps {grad_accum_steps} = {self.blocks_per_step}), so ranks would train on the "
-                "same blocks: add text, or lower --seq_length, --batch_size or --grad_accum_steps, or run on "
-                "fewer ranks")
+                f"the train split of {self.directory} holds {blocks} block(s) of --seq_length "
+                f"{seq_length}, fewer than one optimizer step deals out ({world_size} rank(s) x "
+                f"--batch_size {batch_size} x --grad_accum_steps {grad_accum_steps} = "
+                f"{self.blocks_per_step}), "
+                "so ranks would train on the same blocks: add text, or lower --seq_length, "
+                "--batch_size or --grad_accum_steps, or run on fewer ranks"
+            )
 
     def steps_per_epoch(self):
-        """Optimizer steps in one pass over the train blocks (at least 1: bind refuses a split smaller than one
-        step)."""
+        """Optimizer steps in one pass over the train blocks (at least 1: bind refuses a split
+        smaller than one step)."""
         return self._num_blocks("train") // self.blocks_per_step
 
     def _num_blocks(self, split):
@@ -206,26 +258,33 @@ class TokenData:
         origin_step, origin_position = self.origin
         first = origin_position + (step - origin_step) * self.blocks_per_step
         per_micro = self.world_size * self.batch_size
-        return [self._batch("train", first + micro * per_micro + self.rank * self.batch_size)
-                for micro in range(self.accum)]
+        return [
+            self._batch("train", first + micro * per_micro + self.rank * self.batch_size)
+            for micro in range(self.accum)
+        ]
 
     def val_batch(self, index):
         """Validation batch `index` of this rank (the same ones at every evaluation)."""
         return self._batch("val", (index * self.world_size + self.rank) * self.batch_size)
 
     def _batch(self, split, first):
-        """batch_size blocks from position `first` of the split's block stream: (inputs, targets)."""
+        """batch_size blocks from position `first` of the split's block stream: (inputs,
+        targets)."""
         tokens, T = self.splits[split], self.seq_length
-        targets = len(tokens) - 1  # a block's inputs start anywhere in [0, targets); it wraps around the end
+        # a block's inputs start anywhere in [0, targets); it wraps around the end
+        targets = len(tokens) - 1
         num_blocks = targets // T
         epochs, ks = np.divmod(np.arange(first, first + self.batch_size), num_blocks)
         starts = np.empty_like(ks)
         for epoch in np.unique(epochs):  # one, or two where the batch straddles an epoch's end
             mine = epochs == epoch
             offset = epoch_offset(self.seed, int(epoch), T) if split == "train" else 0
-            starts[mine] = (offset + epoch_order(self.seed, split, num_blocks, int(epoch))[ks[mine]] * T) % targets
+            starts[mine] = (
+                offset + epoch_order(self.seed, split, num_blocks, int(epoch))[ks[mine]] * T
+            ) % targets
         index = starts[:, None] + np.arange(T + 1)
-        # Past the last token the block goes on at token 1: the last token's target is the first target again.
+        # Past the last token the block goes on at token 1: the last token's target is the first
+        # target again.
         index[index > targets] -= targets
         rows = torch.from_numpy(tokens[index].astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
@@ -236,6 +295,6 @@ class TokenData:
         return {"train_blocks_seen": origin_position + (step - origin_step) * self.blocks_per_step}
 
     def load_state_dict(self, state, step):
-        """Continue the block stream where a checkpoint left it, at optimizer step `step`, even if the world size
-        or batch size changed since."""
+        """Continue the block stream where a checkpoint left it, at optimizer step `step`, even if
+        the world size or batch size changed since."""
         self.origin = (step, state["train_blocks_seen"])

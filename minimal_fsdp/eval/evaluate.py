@@ -1,18 +1,23 @@
-"""Benchmarks on a trained model: EleutherAI's lm-evaluation-harness with our model as its backend, straight from a
-checkpoint sharded over the ranks (no export, no rank ever holds the whole model). pip install 'minimal_fsdp[eval]'.
+"""Benchmarks on a trained model: EleutherAI's lm-evaluation-harness with our model as its backend,
+straight from a checkpoint sharded over the ranks (no export, no rank ever holds the whole model).
+pip install 'minimal_fsdp[eval]'.
 
-    minimal-fsdp evaluate checkpoints/shakespeare --tasks tiny_mc,tiny_ppl --include_path configs/eval
-    mpiexec -n 4 minimal-fsdp evaluate checkpoints/run/best --tasks hellaswag arc_easy --batch_size 16 \\
+    minimal-fsdp evaluate checkpoints/shakespeare --tasks tiny_mc,tiny_ppl
+        --include_path configs/eval
+    mpiexec -n 4 minimal-fsdp evaluate checkpoints/run/best --tasks hellaswag arc_easy
+        --batch_size 16 \\
         --precision bf16 --output_path results/
     minimal-fsdp evaluate ~/models/Llama-3.2-1B --tasks lambada_openai --limit 200
 
-The source is anything `minimal-fsdp sample` reads (a checkpoint, a run directory, an export, a Hugging
-Face model directory), laid out over the ranks as sample.py lays it out (--sharding). The flags named as lm_eval's
-own mean what they mean there. Offline unless HF_DATASETS_OFFLINE / HF_HUB_OFFLINE say otherwise: tasks read
-local data files or the Hugging Face datasets cache (docs/evaluate.md). Prints the harness's results table;
---output_path writes its JSON results file (and --log_samples each task's samples), which its tools read.
-During training, --eval_tasks runs the same evaluation on the live model every --eval_tasks_interval steps.
+The source is anything `minimal-fsdp sample` reads (a checkpoint, a run directory, an export, a
+Hugging Face model directory), laid out over the ranks as sample.py lays it out (--sharding). The
+flags named as lm_eval's own mean what they mean there. Offline unless HF_DATASETS_OFFLINE /
+HF_HUB_OFFLINE say otherwise: tasks read local data files or the Hugging Face datasets cache
+(docs/evaluate.md). Prints the harness's results table; --output_path writes its JSON results file
+(and --log_samples each task's samples), which its tools read. During training, --eval_tasks runs
+the same evaluation on the live model every --eval_tasks_interval steps.
 """
+
 import sys
 
 import torch
@@ -23,16 +28,30 @@ from minimal_fsdp.config.flags import one_line_errors
 from minimal_fsdp.config.parser import parse
 from minimal_fsdp.config.flags import Config, ConfigError, validate, validate_world
 from minimal_fsdp.inference import load
-from minimal_fsdp.eval.harness import (TrainingTasks, _limit, compile_templates_once,  # noqa: F401
-                                      evaluate, go_offline, harness, load_tasks, report, task_names)
+from minimal_fsdp.eval.harness import (  # noqa: F401
+    TrainingTasks,
+    _limit,
+    compile_templates_once,
+    evaluate,
+    go_offline,
+    harness,
+    load_tasks,
+    report,
+    task_names,
+)
 
 
 def main(argv=None, cfg=None):
     """`minimal-fsdp evaluate`: the flags (or EvaluateFlags parsed already) -> the results table."""
     args = cfg or one_line_errors(parse)(EvaluateFlags, argv)
     go_offline()
-    cfg = Config(sharding=args.sharding, shard_group_size=args.shard_group_size, precision=args.precision,
-                 max_epochs=-1, tensorboard=False)
+    cfg = Config(
+        sharding=args.sharding,
+        shard_group_size=args.shard_group_size,
+        precision=args.precision,
+        max_epochs=-1,
+        tensorboard=False,
+    )
     load.command(lambda: _evaluate(args, cfg))
 
 
@@ -46,21 +65,44 @@ def _evaluate(args, cfg):
     validate(cfg)
     harness()
     from minimal_fsdp.eval.lm import ShardedLM
+
     env = environment.setup(cfg)
-    validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)  # --shard_group_size
-    loaded = {}  # rank 0's Task objects stay on rank 0 (run_on_main would send a result to every rank)
-    environment.run_on_main(lambda: loaded.update(tasks=load_tasks(task_names(args.tasks), args.include_path)))
+    # --shard_group_size
+    validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)
+    # rank 0's Task objects stay on rank 0 (run_on_main would send a result to every rank)
+    loaded = {}
+    environment.run_on_main(
+        lambda: loaded.update(tasks=load_tasks(task_names(args.tasks), args.include_path))
+    )
     model = load.load(args.source, cfg, env)
-    lm = ShardedLM(model.model, model.tokenizer, env.device,
-                   torch.bfloat16 if cfg.precision == "bf16" else torch.float32, args.batch_size)
+    lm = ShardedLM(
+        model.model,
+        model.tokenizer,
+        env.device,
+        torch.bfloat16 if cfg.precision == "bf16" else torch.float32,
+        args.batch_size,
+    )
     tracker = None
     if env.is_main:
-        print(load.describe(model.source, model.model, model.tokenizer, env, "evaluating") +
-              f"\nlayout: {model.plan.describe()}", file=sys.stderr, flush=True)
+        print(
+            load.describe(model.source, model.model, model.tokenizer, env, "evaluating")
+            + f"\nlayout: {model.plan.describe()}",
+            file=sys.stderr,
+            flush=True,
+        )
         from lm_eval.loggers import EvaluationTracker
+
         tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
     manager, tasks = loaded.get("tasks", (None, None))
-    results = evaluate(lm, manager, tasks, model.source.path, args.num_fewshot, _limit(args.limit),
-                       args.log_samples, tracker)
+    results = evaluate(
+        lm,
+        manager,
+        tasks,
+        model.source.path,
+        args.num_fewshot,
+        _limit(args.limit),
+        args.log_samples,
+        tracker,
+    )
     if env.is_main:
         report(results, tracker, args.log_samples)

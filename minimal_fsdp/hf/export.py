@@ -1,16 +1,19 @@
-"""A checkpoint -> one consolidated model.safetensors plus config.json and the tokenizer, for inference and sharing.
+"""A checkpoint -> one consolidated model.safetensors plus config.json and the tokenizer, for
+inference and sharing.
 
     minimal-fsdp export checkpoints/shakespeare/step_600 exported/
     minimal-fsdp export checkpoints/shakespeare exported/ --dtype bf16    # the run's newest
     minimal-fsdp export checkpoints/shakespeare/best exported/ --format hf
 
---format safetensors keeps our parameter names, config.json is our model config, and the tokenizer files are
-the checkpoint's (`minimal-fsdp sample` reads it back). --format hf writes what transformers'
-AutoModelForCausalLM and AutoTokenizer read (see hf_write.py), which --hf_model also reads.
+--format safetensors keeps our parameter names, config.json is our model config, and the tokenizer
+files are the checkpoint's (`minimal-fsdp sample` reads it back). --format hf writes what
+transformers' AutoModelForCausalLM and AutoTokenizer read (see hf_write.py), which --hf_model also
+reads.
 
-Runs in one CPU process with no process group and no GPU. Each tensor is read from the DCP shards and
-written straight into the file, so memory holds one tensor at a time, not the model.
+Runs in one CPU process with no process group and no GPU. Each tensor is read from the DCP shards
+and written straight into the file, so memory holds one tensor at a time, not the model.
 """
+
 import json
 import sys
 from pathlib import Path
@@ -30,9 +33,14 @@ DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _tokenizer(path):
-    """The checkpoint's tokenizer, or None (with a warning) when it cannot be rebuilt here, e.g. gpt2 offline."""
+    """The checkpoint's tokenizer, or None (with a warning) when it cannot be rebuilt here, e.g.
+    gpt2 offline."""
     if not has_tokenizer(path):
-        print(f"warning: {path} holds no tokenizer files: the export has none", file=sys.stderr, flush=True)
+        print(
+            f"warning: {path} holds no tokenizer files: the export has none",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     try:
         return load_tokenizer(path)
@@ -42,7 +50,8 @@ def _tokenizer(path):
 
 
 def export(ckpt, out, dtype=None, fmt="safetensors"):
-    """Write `ckpt`'s model to directory `out`; returns the path of the weights file (or of `out`)."""
+    """Write `ckpt`'s model to directory `out`; returns the path of the weights file (or of
+    `out`)."""
     # as sample and evaluate find it: a run directory's newest complete one
     path = checkpoint_path(ckpt)
     meta = checkpoint_meta.read_meta(path)
@@ -56,8 +65,17 @@ def export(ckpt, out, dtype=None, fmt="safetensors"):
     if fmt == "hf":
         return hf_write.write_hf(out, meta, specs, read, _tokenizer(path))
     weights = out / "model.safetensors"
-    hf_write.write_safetensors(weights, specs, read, {"format": "pt", "step": meta["step"], "source": path,
-                                                      "model_type": meta.get("model_type", "gpt")})
+    hf_write.write_safetensors(
+        weights,
+        specs,
+        read,
+        {
+            "format": "pt",
+            "step": meta["step"],
+            "source": path,
+            "model_type": meta.get("model_type", "gpt"),
+        },
+    )
     for f in path.glob("tokenizer.*"):
         hf_write.write_public(out / f.name, lambda p: p.write_bytes(f.read_bytes()))
     config = json.dumps(meta["model"], indent=1) + "\n"
@@ -67,6 +85,7 @@ def export(ckpt, out, dtype=None, fmt="safetensors"):
 
 @one_line_errors
 def main(argv=None, cfg=None):
-    """`minimal-fsdp export`: the flags (or ExportFlags parsed already) -> the files, and where they went."""
+    """`minimal-fsdp export`: the flags (or ExportFlags parsed already) -> the files, and where they
+    went."""
     args = cfg or parse(ExportFlags, argv)
     print(f"wrote {export(args.checkpoint, args.out, DTYPES.get(args.dtype), args.format)}")

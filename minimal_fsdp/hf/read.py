@@ -1,20 +1,23 @@
-"""Hugging Face model directories read in, for GPT-2 (GPT2LMHeadModel) and Llama 2/3 (LlamaForCausalLM).
+"""Hugging Face model directories read in, for GPT-2 (GPT2LMHeadModel) and Llama 2/3
+(LlamaForCausalLM).
 
-In:  resolve(name_or_dir)              a local directory (a hub name is downloaded if the hub answers)
-     read_config(dir, ...)             -> our model type ("gpt" or "llama") and config
-     load_weights(model, dir, type)    each rank reads only its own rows of each tensor into its shard
-     load_tokenizer(dir)               the directory's own tokenizer (tokenizer.load_tokenizer)
-Out: hf_write.py (config.json, safetensors, tokenizer files); hf_tokenizer.py (our tokenizers as tokenizer.json)
+In:  resolve(name_or_dir)            a local directory (a hub name is downloaded if the hub answers)
+     read_config(dir, ...)           -> our model type ("gpt" or "llama") and config
+     load_weights(model, dir, type)  each rank reads only its own rows of each tensor into its shard
+     load_tokenizer(dir)             the directory's own tokenizer (tokenizer.load_tokenizer)
+Out: hf_write.py (config.json, safetensors, tokenizer files); hf_tokenizer.py (our tokenizers as
+tokenizer.json)
 
-transformers itself is never imported: the formats are plain JSON, safetensors and the `tokenizers` library's
-tokenizer.json.
+transformers itself is never imported: the formats are plain JSON, safetensors and the `tokenizers`
+library's tokenizer.json.
 
-torch.distributed.checkpoint has a Hugging Face reader and writer (hf_storage.py) and a consolidation helper
-(_consolidate_hf_safetensors.py). We keep our own reader because the DCP reader needs stored names and shapes
-to equal the state dict's: it cannot transpose GPT-2's Conv1D weights, read .bin files, untie a missing lm_head
-(Llama 3.2) or keep the first rows of shortened position embeddings. sample.py does use the DCP reader, for
-our own exports, where names match.
+torch.distributed.checkpoint has a Hugging Face reader and writer (hf_storage.py) and a
+consolidation helper (_consolidate_hf_safetensors.py). We keep our own reader because the DCP reader
+needs stored names and shapes to equal the state dict's: it cannot transpose GPT-2's Conv1D weights,
+read .bin files, untie a missing lm_head (Llama 3.2) or keep the first rows of shortened position
+embeddings. sample.py does use the DCP reader, for our own exports, where names match.
 """
+
 import json
 import math
 import re
@@ -34,8 +37,13 @@ from minimal_fsdp.files import _depth
 CONFIG_MAX_BYTES = 16 * 2**20  # config.json is a few KB
 INDEX_MAX_BYTES = 64 * 2**20  # an index names each tensor once: a few MB for the largest models
 TOKENIZER_MAX_BYTES = 2**30  # tokenizer.json: 9 MB for Llama 3's 128K tokens
-TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                  "added_tokens.json")
+TOKENIZER_JSON = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "added_tokens.json",
+)
 LAYER = re.compile(r"(?:^|\.)(?:h|layers|blocks)\.(\d+)\.")  # theirs, and ours (an export of ours)
 HEADER_MAX_BYTES = 100 * 2**20  # a safetensors header, as the safetensors library bounds it
 HEADER_MAX_DEPTH = 3  # {name: {"shape": [...]}}: a deeper header is not one
@@ -44,23 +52,41 @@ HEADER_MAX_DEPTH = 3  # {name: {"shape": [...]}}: a deeper header is not one
 # -----------------------------------------------------------------------------
 # names: our parameter -> the Hugging Face tensor
 
+
 def hf_names(model_type, config):
-    """{our parameter name: its Hugging Face name}, in the names GPT2LMHeadModel / LlamaForCausalLM save."""
+    """{our parameter name: its Hugging Face name}, in the names GPT2LMHeadModel / LlamaForCausalLM
+    save."""
     if model_type == "gpt":
-        names = {"wte.weight": "transformer.wte.weight", "wpe.weight": "transformer.wpe.weight",
-                 "ln_f.weight": "transformer.ln_f.weight", "ln_f.bias": "transformer.ln_f.bias"}
-        pairs = [("ln_1", "ln_1"), ("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"), ("ln_2", "ln_2"),
-                 ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")]
+        names = {
+            "wte.weight": "transformer.wte.weight",
+            "wpe.weight": "transformer.wpe.weight",
+            "ln_f.weight": "transformer.ln_f.weight",
+            "ln_f.bias": "transformer.ln_f.bias",
+        }
+        pairs = [
+            ("ln_1", "ln_1"),
+            ("attn.qkv", "attn.c_attn"),
+            ("attn.proj", "attn.c_proj"),
+            ("ln_2", "ln_2"),
+            ("mlp.fc", "mlp.c_fc"),
+            ("mlp.proj", "mlp.c_proj"),
+        ]
         for i in range(config.num_layers):
             for ours, theirs in pairs:
                 for kind in ("weight", "bias"):
                     names[f"blocks.{i}.{ours}.{kind}"] = f"transformer.h.{i}.{theirs}.{kind}"
         return names
-    names = {"wte.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "lm_head.weight": "lm_head.weight"}
-    pairs = [("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
-             *((f"attn.{p}", f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
-             *((f"mlp.{p}", f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj"))]
+    names = {
+        "wte.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    pairs = [
+        ("attn_norm", "input_layernorm"),
+        ("mlp_norm", "post_attention_layernorm"),
+        *((f"attn.{p}", f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        *((f"mlp.{p}", f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")),
+    ]
     for i in range(config.num_layers):
         for ours, theirs in pairs:
             names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
@@ -68,78 +94,116 @@ def hf_names(model_type, config):
 
 
 def is_transposed(hf_name):
-    """GPT-2's linear layers are Conv1D modules that store weights as (in, out): ours are nn.Linear's (out, in)."""
-    return hf_name.startswith("transformer.h.") and ".ln_" not in hf_name and hf_name.endswith(".weight")
+    """GPT-2's linear layers are Conv1D modules that store weights as (in, out): ours are
+    nn.Linear's (out, in)."""
+    return (
+        hf_name.startswith("transformer.h.")
+        and ".ln_" not in hf_name
+        and hf_name.endswith(".weight")
+    )
 
 
 # -----------------------------------------------------------------------------
 # in
 
+
 def resolve(name_or_dir):
-    """A local directory holding config.json and weights. A name that is not a directory is taken from the
-    Hugging Face cache or fetched from the hub with huggingface_hub (if installed); run it on one rank."""
+    """A local directory holding config.json and weights. A name that is not a directory is taken
+    from the Hugging Face cache or fetched from the hub with huggingface_hub (if installed); run it
+    on one rank."""
     path = Path(name_or_dir)
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise ConfigError(f"--hf_model {path} has no config.json: pass a Hugging Face model directory")
+            raise ConfigError(
+                f"--hf_model {path} has no config.json: pass a Hugging Face model directory"
+            )
         if not any(path.glob("model*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
-            raise ConfigError(f"--hf_model {path} has a config.json but no weights (model.safetensors, its shards, "
-                              "or pytorch_model.bin): download them too")
+            raise ConfigError(
+                f"--hf_model {path} has a config.json but no weights (model.safetensors, its "
+                "shards, or pytorch_model.bin): download them too"
+            )
         return str(path)
     if path.exists() or name_or_dir.startswith((".", "/", "~")) or name_or_dir.count("/") > 1:
         raise ConfigError(f"--hf_model {name_or_dir} is not a directory")
     try:
         from huggingface_hub import HfApi, constants, snapshot_download
     except ImportError:
-        raise ConfigError(f"--hf_model {name_or_dir} is not a local directory, and fetching it from the Hugging "
-                          "Face hub needs huggingface_hub: pip install huggingface_hub "
-                          "(or download the model elsewhere and pass its directory)") from None
-    patterns = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "model*.safetensors",
-                "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json"]
+        raise ConfigError(
+            f"--hf_model {name_or_dir} is not a local directory, and fetching it from the Hugging "
+            "Face hub needs huggingface_hub: pip install huggingface_hub "
+            "(or download the model elsewhere and pass its directory)"
+        ) from None
+    patterns = [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+        "model*.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model*.bin",
+        "pytorch_model.bin.index.json",
+    ]
     try:  # downloaded before: no network needed
         return snapshot_download(name_or_dir, allow_patterns=patterns, local_files_only=True)
     except Exception:
         pass
-    # huggingface_hub retries an unreachable hub for half a minute; a quick look first gives a quick answer.
+    # huggingface_hub retries an unreachable hub for half a minute; a quick look first gives a quick
+    # answer.
     if constants.HF_HUB_OFFLINE or not tk.reachable(constants.ENDPOINT):
-        raise ConfigError(f"--hf_model {name_or_dir} is not a local directory nor in the Hugging Face cache, and "
-                          f"the hub ({constants.ENDPOINT}) is unreachable (offline?): download the model where the "
-                          "hub is reachable and pass its directory")
+        raise ConfigError(
+            f"--hf_model {name_or_dir} is not a local directory nor in the Hugging Face cache, and "
+            f"the hub ({constants.ENDPOINT}) is unreachable (offline?): download the model where "
+            "the hub is reachable and pass its directory"
+        )
     try:
         files = HfApi().list_repo_files(name_or_dir)
         if any(f.endswith(".safetensors") for f in files):  # fetch one format, not both
             patterns = [p for p in patterns if "pytorch_model" not in p]
         return snapshot_download(name_or_dir, allow_patterns=patterns)
-    except Exception as e:  # unknown or gated repo, lost connection, ...: one line, whatever was raised
+    # unknown or gated repo, lost connection, ...: one line, whatever was raised
+    except Exception as e:
         reason = (str(e).strip().splitlines() or [""])[0][:200]
-        raise ConfigError(f"--hf_model {name_or_dir} could not be fetched from the Hugging Face hub "
-                          f"({type(e).__name__}: {reason})") from None
+        raise ConfigError(
+            f"--hf_model {name_or_dir} could not be fetched from the Hugging Face hub "
+            f"({type(e).__name__}: {reason})"
+        ) from None
 
 
 def config_json(directory):
-    """A model directory's config.json as a dict, read defensively (safe_load.read_json): a file that is not a
-    bounded JSON object is one ConfigError naming it."""
+    """A model directory's config.json as a dict, read defensively (safe_load.read_json): a file
+    that is not a bounded JSON object is one ConfigError naming it."""
     try:
         return read_json(Path(directory) / "config.json", CONFIG_MAX_BYTES)
     except OSError as e:
-        raise ConfigError(f"--hf_model {directory}: config.json cannot be read ({e.strerror or e})") from None
+        raise ConfigError(
+            f"--hf_model {directory}: config.json cannot be read ({e.strerror or e})"
+        ) from None
     except ValueError as e:
         raise ConfigError(f"--hf_model {directory}: config.json {e}") from None
 
 
 def _field(hf, where, name, kind="size", default=None, bound=None, within=""):
-    """config.json's `name`, checked: "size" a whole number in [1, bound], "number" a finite one > 0, "text" a
-    string, "object" a JSON object; absent: `default`, or a ConfigError naming the field when there is none."""
+    """config.json's `name`, checked: "size" a whole number in [1, bound], "number" a finite one >
+    0, "text" a string, "object" a JSON object; absent: `default`, or a ConfigError naming the field
+    when there is none."""
     if name not in hf or hf[name] is None and default is not None:
         if default is None:
             raise ConfigError(f"{where}: config.json has no {within}{name}")
         return default
     value = hf[name]
-    ok, wanted = {"size": (type(value) is int and 1 <= value <= (bound or 2**62), f"a whole number in [1, {bound}]"),
-                  "number": (type(value) in (int, float) and 0 < value < math.inf, "a finite number > 0"),
-                  "text": (isinstance(value, str), "a string"),
-                  "object": (isinstance(value, dict), "an object")}[kind]
+    ok, wanted = {
+        "size": (
+            type(value) is int and 1 <= value <= (bound or 2**62),
+            f"a whole number in [1, {bound}]",
+        ),
+        "number": (type(value) in (int, float) and 0 < value < math.inf, "a finite number > 0"),
+        "text": (isinstance(value, str), "a string"),
+        "object": (isinstance(value, dict), "an object"),
+    }[kind]
     if not ok:
         shown = json.dumps(value)
         shown = shown if len(shown) <= 40 else shown[:37] + "..."
@@ -148,67 +212,124 @@ def _field(hf, where, name, kind="size", default=None, bound=None, within=""):
 
 
 def read_config(directory, seq_length=None, dropout=None):
-    """Our (model type, config) for the checkpoint in `directory`, every field it uses checked (type, range, shapes
-    that fit) before anything is built. seq_length may shorten the context (GPT-2 keeps the first seq_length
-    position embeddings); dropout defaults to 0."""
+    """Our (model type, config) for the checkpoint in `directory`, every field it uses checked
+    (type, range, shapes that fit) before anything is built. seq_length may shorten the context
+    (GPT-2 keeps the first seq_length position embeddings); dropout defaults to 0."""
     hf = config_json(directory)
     kind = hf.get("model_type")
     where = f"--hf_model {directory}"
     bound = MODEL_BOUNDS
     if kind == "gpt2":
         context = _field(hf, where, "n_positions", bound=bound["seq_length"])
-        embed, heads = _field(hf, where, "n_embd", bound=bound["embed_size"]), _field(hf, where, "n_head",
-                                                                                      bound=bound["num_heads"])
-        _check(where, _field(hf, where, "activation_function", "text", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
-               f"activation {hf.get('activation_function')} (we use GPT-2's tanh GELU)")
+        embed, heads = (
+            _field(hf, where, "n_embd", bound=bound["embed_size"]),
+            _field(hf, where, "n_head", bound=bound["num_heads"]),
+        )
+        _check(
+            where,
+            _field(hf, where, "activation_function", "text", "gelu_new")
+            in ("gelu_new", "gelu_pytorch_tanh"),
+            f"activation {hf.get('activation_function')} (we use GPT-2's tanh GELU)",
+        )
         _check(where, hf.get("n_inner") in (None, 4 * embed), "an MLP width other than 4 x n_embd")
-        _check(where, hf.get("layer_norm_epsilon", 1e-5) == 1e-5, "a LayerNorm epsilon other than 1e-5")
-        _check(where, not hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx")
+        _check(
+            where, hf.get("layer_norm_epsilon", 1e-5) == 1e-5, "a LayerNorm epsilon other than 1e-5"
+        )
+        _check(
+            where, not hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx"
+        )
         model_type, names = "gpt", ("n_embd", "n_head")
-        fields = dict(vocab_size=_field(hf, where, "vocab_size", bound=bound["vocab_size"]), embed_size=embed,
-                      num_layers=_field(hf, where, "n_layer", bound=bound["num_layers"]), num_heads=heads, bias=True)
+        fields = dict(
+            vocab_size=_field(hf, where, "vocab_size", bound=bound["vocab_size"]),
+            embed_size=embed,
+            num_layers=_field(hf, where, "n_layer", bound=bound["num_layers"]),
+            num_heads=heads,
+            bias=True,
+        )
     elif kind == "llama":
         context = _field(hf, where, "max_position_embeddings", bound=bound["seq_length"])
-        spelling = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"  # transformers 5 / 4
+        # transformers 5 / 4
+        spelling = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
         rope = _field(hf, where, spelling, "object", {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        _check(where, rope_type in ("default", "llama3"), f"rope type {rope_type!r} (supported: default, llama3)")
-        _check(where, hf.get("hidden_act", "silu") == "silu", f"activation {hf.get('hidden_act')} (we use SiLU)")
-        _check(where, not hf.get("attention_bias") and not hf.get("mlp_bias"), "biases in attention or MLP")
+        _check(
+            where,
+            rope_type in ("default", "llama3"),
+            f"rope type {rope_type!r} (supported: default, llama3)",
+        )
+        _check(
+            where,
+            hf.get("hidden_act", "silu") == "silu",
+            f"activation {hf.get('hidden_act')} (we use SiLU)",
+        )
+        _check(
+            where,
+            not hf.get("attention_bias") and not hf.get("mlp_bias"),
+            "biases in attention or MLP",
+        )
         embed = _field(hf, where, "hidden_size", bound=bound["embed_size"])
         heads = _field(hf, where, "num_attention_heads", bound=bound["num_heads"])
-        _check(where, hf.get("head_dim") in (None, embed // heads), "head_dim != hidden_size / heads")
+        _check(
+            where, hf.get("head_dim") in (None, embed // heads), "head_dim != hidden_size / heads"
+        )
         model_type, names = "llama", ("hidden_size", "num_attention_heads")
-        fields = dict(vocab_size=_field(hf, where, "vocab_size", bound=bound["vocab_size"]),
-                      num_layers=_field(hf, where, "num_hidden_layers", bound=bound["num_layers"]), num_heads=heads,
-                      num_kv_heads=_field(hf, where, "num_key_value_heads", default=heads, bound=bound["num_kv_heads"]),
-                      embed_size=embed, intermediate_size=_field(hf, where, "intermediate_size",
-                                                                 bound=bound["intermediate_size"]),
-                      norm_eps=_field(hf, where, "rms_norm_eps", "number", 1e-6),
-                      rope_theta=float(_field(hf, where, "rope_theta", "number", rope.get("rope_theta", 10000.0))),
-                      rope_scaling={k: _field(rope, where, k, "text" if k == "rope_type" else "number",
-                                              within=f"{spelling}.")
-                                    for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
-                                              "original_max_position_embeddings")}
-                      if rope_type == "llama3" else None)
+        fields = dict(
+            vocab_size=_field(hf, where, "vocab_size", bound=bound["vocab_size"]),
+            num_layers=_field(hf, where, "num_hidden_layers", bound=bound["num_layers"]),
+            num_heads=heads,
+            num_kv_heads=_field(
+                hf, where, "num_key_value_heads", default=heads, bound=bound["num_kv_heads"]
+            ),
+            embed_size=embed,
+            intermediate_size=_field(
+                hf, where, "intermediate_size", bound=bound["intermediate_size"]
+            ),
+            norm_eps=_field(hf, where, "rms_norm_eps", "number", 1e-6),
+            rope_theta=float(
+                _field(hf, where, "rope_theta", "number", rope.get("rope_theta", 10000.0))
+            ),
+            rope_scaling={
+                k: _field(
+                    rope, where, k, "text" if k == "rope_type" else "number", within=f"{spelling}."
+                )
+                for k in (
+                    "rope_type",
+                    "factor",
+                    "low_freq_factor",
+                    "high_freq_factor",
+                    "original_max_position_embeddings",
+                )
+            }
+            if rope_type == "llama3"
+            else None,
+        )
     else:
         raise ConfigError(f"{where} is a {kind!r} model; supported are gpt2 and llama")
     if embed % heads:
-        raise ConfigError(f"{where}: config.json: {names[1]} {heads} does not divide {names[0]} {embed}")
+        raise ConfigError(
+            f"{where}: config.json: {names[1]} {heads} does not divide {names[0]} {embed}"
+        )
     if seq_length and seq_length > context:
-        raise ConfigError(f"--seq_length {seq_length} is longer than {where}'s context of {context} tokens")
+        raise ConfigError(
+            f"--seq_length {seq_length} is longer than {where}'s context of {context} tokens"
+        )
     fields = dict(fields, seq_length=seq_length or context, dropout=dropout or 0.0)
-    problem = model_problem(model_type, fields)  # what the model needs beyond the fields above (kv heads, ...)
+    # what the model needs beyond the fields above (kv heads, ...)
+    problem = model_problem(model_type, fields)
     if problem:
         raise ConfigError(f"{where}: config.json: {problem}")
     return model_type, config_from_dict(model_type, fields)
 
 
 def read_model_config(directory, cfg):
-    """The --hf_model's config, with --seq_length and --dropout applied; a --model given too must match it."""
+    """The --hf_model's config, with --seq_length and --dropout applied; a --model given too must
+    match it."""
     model_type, config = read_config(directory, cfg.seq_length, cfg.dropout)
     if cfg.model and cfg.model != model_type:
-        raise ConfigError(f"--model {cfg.model}, but --hf_model {cfg.hf_model} is a {model_type} model: drop --model")
+        raise ConfigError(
+            f"--model {cfg.model}, but --hf_model {cfg.hf_model} is a {model_type} model: drop "
+            f"--model"
+        )
     check_weights(directory, model_type, config)
     return config
 
@@ -219,16 +340,18 @@ def _check(where, ok, what):
 
 
 class CheckpointFiles:
-    """The tensors of a Hugging Face directory, read a slice at a time: safetensors (one file or an index of
-    shards), else PyTorch .bin files memory-mapped with weights_only (so no pickled code runs and only the
-    pages of the slices we touch are read)."""
+    """The tensors of a Hugging Face directory, read a slice at a time: safetensors (one file or an
+    index of shards), else PyTorch .bin files memory-mapped with weights_only (so no pickled code
+    runs and only the pages of the slices we touch are read)."""
 
     def __init__(self, directory, where=None):
         d = Path(directory)
         self.file_of, self.open_files = {}, {}
         self.where = where or f"--hf_model {d}"  # how errors name the directory
-        for index, single in (("model.safetensors.index.json", "model.safetensors"),
-                              ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        for index, single in (
+            ("model.safetensors.index.json", "model.safetensors"),
+            ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+        ):
             if (d / index).exists():
                 names = _weight_map(d, index, self.where)
                 self.file_of = {name: d / file for name, file in names.items()}
@@ -236,8 +359,9 @@ class CheckpointFiles:
             if (d / single).exists():
                 self.file_of = {name: d / single for name in self._open(d / single).keys()}
                 return
-        raise ConfigError(f"{self.where} has no model.safetensors or pytorch_model.bin (nor an "
-                          "index of shards)")
+        raise ConfigError(
+            f"{self.where} has no model.safetensors or pytorch_model.bin (nor an index of shards)"
+        )
 
     def _open(self, file):
         if file not in self.open_files:
@@ -248,14 +372,17 @@ class CheckpointFiles:
                     open_regular(file).close()
                 self.open_files[file] = self._load(file)
             except Exception as e:  # noqa: BLE001 - random bytes or a hostile header fail in many ways: one line
-                raise ConfigError(f"{self.where}: {file.name} cannot be read as "
-                                  f"{'safetensors' if file.suffix == '.safetensors' else 'a PyTorch file'} "
-                                  f"({type(e).__name__}: {' '.join(str(e).split())[:150]})") from None
+                raise ConfigError(
+                    f"{self.where}: {file.name} cannot be read as "
+                    f"{'safetensors' if file.suffix == '.safetensors' else 'a PyTorch file'} "
+                    f"({type(e).__name__}: {' '.join(str(e).split())[:150]})"
+                ) from None
         return self.open_files[file]
 
     @staticmethod
     def _load(file):
-        if file.suffix == ".safetensors":  # safetensors checks the header's length and offsets against the file
+        # safetensors checks the header's length and offsets against the file
+        if file.suffix == ".safetensors":
             return safe_open(str(file), framework="pt")
         try:
             return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -272,7 +399,11 @@ class CheckpointFiles:
 
     def shape(self, name):
         f = self._open(self.file_of[name])
-        return tuple(f.get_slice(name).get_shape()) if hasattr(f, "get_slice") else tuple(f[name].shape)
+        return (
+            tuple(f.get_slice(name).get_shape())
+            if hasattr(f, "get_slice")
+            else tuple(f[name].shape)
+        )
 
     def rows(self, name, start, stop, transposed=False):
         """Rows [start, stop) of the tensor as we store it (columns of a transposed one)."""
@@ -299,59 +430,81 @@ def _weight_map(directory, index, where):
         weight_map = read_json(directory / index, INDEX_MAX_BYTES).get("weight_map")
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: {index} {getattr(e, 'strerror', None) or e}") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) and PLAIN_NAME.fullmatch(f)
-                                                   for f in weight_map.values()):
-        raise ConfigError(f"{where}: {index}: weight_map is not an object of file names in the "
-                          "directory")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(f, str) and PLAIN_NAME.fullmatch(f) for f in weight_map.values()
+    ):
+        raise ConfigError(
+            f"{where}: {index}: weight_map is not an object of file names in the directory"
+        )
     return weight_map
 
 
 def check_weights(directory, model_type, config, names=hf_names, where=None):
-    """The weight files hold exactly the model `config` describes (its layers, and every tensor with its shape):
-    ConfigError naming the file and the field otherwise. Only headers are read, and the model is built on the
-    meta device once its layer count matches the files', so a config that disagrees allocates nothing."""
+    """The weight files hold exactly the model `config` describes (its layers, and every tensor with
+    its shape): ConfigError naming the file and the field otherwise. Only headers are read, and the
+    model is built on the meta device once its layer count matches the files', so a config that
+    disagrees allocates nothing."""
     files = CheckpointFiles(directory, where)
     layers = {int(m.group(1)) for m in map(LAYER.search, files.file_of) if m}
     if len(layers) != config.num_layers:
-        field = "num_layers" if names is not hf_names else \
-            "n_layer" if model_type == "gpt" else "num_hidden_layers"
-        raise ConfigError(f"{files.where}: config.json: {field} is {config.num_layers}, but the "
-                          f"weights hold {len(layers)} layers")
+        field = (
+            "num_layers"
+            if names is not hf_names
+            else "n_layer"
+            if model_type == "gpt"
+            else "num_hidden_layers"
+        )
+        raise ConfigError(
+            f"{files.where}: config.json: {field} is {config.num_layers}, but the "
+            f"weights hold {len(layers)} layers"
+        )
     with torch.device("meta"):
         model = MODELS[model_type](config)
     _stored_names(files, model, names(model_type, config))
 
 
 def _stored_names(files, model, names):
-    """{our parameter: its name in the files}, after checking every shape: the same files give the same verdict on
-    every rank, before anything is copied."""
+    """{our parameter: its name in the files}, after checking every shape: the same files give the
+    same verdict on every rank, before anything is copied."""
     stored = {}
     for ours, param in model.named_parameters():
         name = stored[ours] = _stored_name(files, names[ours])
         shape = files.shape(name)[::-1] if is_transposed(names[ours]) else files.shape(name)
-        # Position embeddings may be cut to a shorter --seq_length; everything else must match exactly.
-        fits = shape == tuple(param.shape) or ours == "wpe.weight" and shape[1:] == tuple(param.shape[1:]) \
+        # Position embeddings may be cut to a shorter --seq_length; everything else must match
+        # exactly.
+        fits = (
+            shape == tuple(param.shape)
+            or ours == "wpe.weight"
+            and shape[1:] == tuple(param.shape[1:])
             and shape[0] >= param.shape[0]
+        )
         if not fits:
-            raise ConfigError(f"{files.where}: {name} has shape {shape}, our {ours} is "
-                              f"{tuple(param.shape)}")
+            raise ConfigError(
+                f"{files.where}: {name} has shape {shape}, our {ours} is {tuple(param.shape)}"
+            )
     return stored
 
 
 def _stored_name(files, hf_name):
-    """GPT-2 files saved from GPT2Model (the hub's `gpt2`) drop the 'transformer.' prefix, and Llama files
-    with tied embeddings (Llama 3.2 1B/3B) have no lm_head: we then untie it from the embedding."""
-    for name in (hf_name, hf_name.removeprefix("transformer."),
-                 "model.embed_tokens.weight" if hf_name == "lm_head.weight" else None):
+    """GPT-2 files saved from GPT2Model (the hub's `gpt2`) drop the 'transformer.' prefix, and Llama
+    files with tied embeddings (Llama 3.2 1B/3B) have no lm_head: we then untie it from the
+    embedding."""
+    for name in (
+        hf_name,
+        hf_name.removeprefix("transformer."),
+        "model.embed_tokens.weight" if hf_name == "lm_head.weight" else None,
+    ):
         if name in files:
             return name
-    raise ConfigError(f"{files.where} has no tensor {hf_name}: not a checkpoint of this model "
-                      "type?")
+    raise ConfigError(
+        f"{files.where} has no tensor {hf_name}: not a checkpoint of this model type?"
+    )
 
 
 def local_rows(param):
-    """The rows [start, stop) of dim 0 that this rank holds of a parameter. FSDP2 shards dim 0 over the mesh's
-    shard dimension in torch.chunk pieces (ceil(rows / ranks) each; trailing ranks may hold fewer or none)."""
+    """The rows [start, stop) of dim 0 that this rank holds of a parameter. FSDP2 shards dim 0 over
+    the mesh's shard dimension in torch.chunk pieces (ceil(rows / ranks) each; trailing ranks may
+    hold fewer or none)."""
     if not isinstance(param, DTensor):
         return 0, param.shape[0]
     start = 0
@@ -364,8 +517,9 @@ def local_rows(param):
 
 @torch.no_grad()
 def load_weights(model, directory, model_type, names=hf_names, where=None):
-    """Copy a Hugging Face checkpoint into a built (sharded or not) model. Every rank reads only the rows of
-    its own shard, one tensor at a time, so no rank ever holds more than its shard plus one tensor slice."""
+    """Copy a Hugging Face checkpoint into a built (sharded or not) model. Every rank reads only the
+    rows of its own shard, one tensor at a time, so no rank ever holds more than its shard plus one
+    tensor slice."""
     files = CheckpointFiles(directory, where)
     names = names(model_type, model.config)
     stored = _stored_names(files, model, names)
@@ -376,23 +530,29 @@ def load_weights(model, directory, model_type, names=hf_names, where=None):
 
 
 def load_tokenizer(directory):
-    """The tokenizer a Hugging Face directory brings (tokenizer.load_tokenizer says which files, in which order).
-    A GPT-2 directory of weights alone gets tiktoken's GPT-2 BPE (from tiktoken's cache, or downloaded)."""
+    """The tokenizer a Hugging Face directory brings (tokenizer.load_tokenizer says which files, in
+    which order). A GPT-2 directory of weights alone gets tiktoken's GPT-2 BPE (from tiktoken's
+    cache, or downloaded)."""
     model_type = config_json(directory).get("model_type")
-    for name in TOKENIZER_JSON:  # the tokenizers library and json.loads would recurse into a deeply nested one
+    # the tokenizers library and json.loads would recurse into a deeply nested one
+    for name in TOKENIZER_JSON:
         if (Path(directory) / name).exists():
             try:
                 read_json(Path(directory) / name, TOKENIZER_MAX_BYTES)
             except (OSError, ValueError) as e:
-                raise ConfigError(f"--hf_model {directory}: {name} {getattr(e, 'strerror', None) or e}") from None
+                raise ConfigError(
+                    f"--hf_model {directory}: {name} {getattr(e, 'strerror', None) or e}"
+                ) from None
     if model_type == "gpt2" and not tk.has_tokenizer(directory):
         try:
             return tk.GPT2Tokenizer()
         except tk.TokenizerError:
-            raise tk.TokenizerError(f"--hf_model {directory} has no tokenizer files (tokenizer.json, or vocab.json + "
-                                    "merges.txt), and tiktoken's gpt2 files are not cached nor downloadable "
-                                    "(offline?): copy the model's tokenizer files into it, or pass "
-                                    "--tokenizer_dir DIR") from None
+            raise tk.TokenizerError(
+                f"--hf_model {directory} has no tokenizer files (tokenizer.json, or vocab.json + "
+                "merges.txt), and tiktoken's gpt2 files are not cached nor downloadable "
+                "(offline?): copy the model's tokenizer files into it, or pass "
+                "--tokenizer_dir DIR"
+            ) from None
     try:
         return tk.load_tokenizer(directory)
     except tk.TokenizerError as e:

@@ -1,10 +1,13 @@
-"""Writing a Hugging Face model directory that transformers loads: config.json, the weights as safetensors
-streamed one tensor at a time (sharded with an index when large), and tokenizer.json + tokenizer_config.json.
+"""Writing a Hugging Face model directory that transformers loads: config.json, the weights as
+safetensors streamed one tensor at a time (sharded with an index when large), and tokenizer.json +
+tokenizer_config.json.
 
-torch.distributed.checkpoint's Hugging Face writer saves a state dict held in memory (all of it on rank 0, or
-shards under a process group), and its consolidation merges its own sharded safetensors: neither streams one
-tensor at a time out of our DCP checkpoints in a single process, so we keep this writer.
+torch.distributed.checkpoint's Hugging Face writer saves a state dict held in memory (all of it on
+rank 0, or shards under a process group), and its consolidation merges its own sharded safetensors:
+neither streams one tensor at a time out of our DCP checkpoints in a single process, so we keep this
+writer.
 """
+
 import json
 import math
 import os
@@ -21,13 +24,19 @@ from minimal_fsdp.hf.tokenizer import PROBE, hf_tokenizer
 from minimal_fsdp.models.families import config_from_dict
 
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                      torch.int32: "I32", torch.uint8: "U8"}
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+}
 
 
 def write_public(path, write):
-    """write_atomic, then the mode an ordinary new file gets (0666 less the umask): the temporary file is
-    created private (0600), which would keep other users of a shared model directory out."""
+    """write_atomic, then the mode an ordinary new file gets (0666 less the umask): the temporary
+    file is created private (0600), which would keep other users of a shared model directory out."""
     write_atomic(path, write)
     umask = os.umask(0)
     os.umask(umask)
@@ -35,15 +44,19 @@ def write_public(path, write):
 
 
 def write_safetensors(path, specs, read, metadata):
-    """Write a .safetensors file one tensor at a time. `specs` lists (name, shape, dtype) in file order and
-    `read(name)` returns that tensor (cast to dtype here). safetensors' own save_file wants every tensor in memory
-    at once; the format (an 8-byte header size, a JSON header of dtypes, shapes and byte offsets, then the raw
-    little-endian bytes) lets us write the header first and stream the rest."""
+    """Write a .safetensors file one tensor at a time. `specs` lists (name, shape, dtype) in file
+    order and `read(name)` returns that tensor (cast to dtype here). safetensors' own save_file
+    wants every tensor in memory at once; the format (an 8-byte header size, a JSON header of
+    dtypes, shapes and byte offsets, then the raw little-endian bytes) lets us write the header
+    first and stream the rest."""
     header, offset = {}, 0
     for name, shape, dtype in specs:
         size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     header["__metadata__"] = {key: str(value) for key, value in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -62,50 +75,91 @@ def write_safetensors(path, specs, read, metadata):
 
 
 def hf_config(model_type, config, dtype=torch.float32, bos_id=None, eos_id=None):
-    """The config.json that makes transformers build the same model. bos/eos: the tokenizer's ids, or None."""
+    """The config.json that makes transformers build the same model. bos/eos: the tokenizer's ids,
+    or None."""
     c = config
     dtype_name = str(dtype).removeprefix("torch.")
     # both spellings: transformers 5 reads dtype, 4 reads torch_dtype
-    common = {"vocab_size": c.vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id, "dtype": dtype_name,
-              "torch_dtype": dtype_name}
+    common = {
+        "vocab_size": c.vocab_size,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+    }
     if model_type == "gpt":
         if not c.bias:
             raise ConfigError("a GPT without biases has no GPT2LMHeadModel equivalent")
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
-                "n_positions": c.seq_length, "n_embd": c.embed_size, "n_layer": c.num_layers, "n_head": c.num_heads,
-                "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-                "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
-                "tie_word_embeddings": True}
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            **common,
+            "n_positions": c.seq_length,
+            "n_embd": c.embed_size,
+            "n_layer": c.num_layers,
+            "n_head": c.num_heads,
+            "n_inner": None,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5,
+            "resid_pdrop": c.dropout,
+            "embd_pdrop": c.dropout,
+            "attn_pdrop": c.dropout,
+            "tie_word_embeddings": True,
+        }
     rope = {"rope_type": "default", "rope_theta": c.rope_theta, **(c.rope_scaling or {})}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-            "max_position_embeddings": c.seq_length, "hidden_size": c.embed_size,
-            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-            "head_dim": c.embed_size // c.num_heads, "hidden_act": "silu", "rms_norm_eps": c.norm_eps,
-            # both spellings: transformers 5 reads rope_parameters, 4 reads rope_theta and rope_scaling
-            "rope_theta": c.rope_theta, "rope_parameters": rope,
-            "rope_scaling": rope if c.rope_scaling else None, "attention_bias": False, "mlp_bias": False,
-            "attention_dropout": c.dropout, "tie_word_embeddings": False}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **common,
+        "max_position_embeddings": c.seq_length,
+        "hidden_size": c.embed_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.embed_size // c.num_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.norm_eps,
+        # both spellings: transformers 5 reads rope_parameters, 4 reads rope_theta and rope_scaling
+        "rope_theta": c.rope_theta,
+        "rope_parameters": rope,
+        "rope_scaling": rope if c.rope_scaling else None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": c.dropout,
+        "tie_word_embeddings": False,
+    }
 
 
 def write_hf(out_dir, model_meta, specs, read, tokenizer=None, max_shard_bytes=5 * 2**30):
-    """Write a model as a Hugging Face directory, one tensor in memory at a time: config.json, model.safetensors
-    (or shards of at most max_shard_bytes plus model.safetensors.index.json), and the tokenizer's files.
-    model_meta is a checkpoint's meta.json: its "model" (config dict) and "model_type" ("gpt" when absent).
-    specs lists (our name, shape, dtype to write) and read(our name) returns the tensor. Each file is written
-    under a temporary name and renamed; config.json comes last, so its presence means the export is complete."""
+    """Write a model as a Hugging Face directory, one tensor in memory at a time: config.json,
+    model.safetensors (or shards of at most max_shard_bytes plus model.safetensors.index.json), and
+    the tokenizer's files. model_meta is a checkpoint's meta.json: its "model" (config dict) and
+    "model_type" ("gpt" when absent). specs lists (our name, shape, dtype to write) and read(our
+    name) returns the tensor. Each file is written under a temporary name and renamed; config.json
+    comes last, so its presence means the export is complete."""
     model_type = model_meta.get("model_type", "gpt")
     config = config_from_dict(model_type, model_meta["model"])
-    written_bytes = {}  # the config names the dtype that holds most of the weights (all of them, as we write)
+    # the config names the dtype that holds most of the weights (all of them, as we write)
+    written_bytes = {}
     for _, shape, dtype in specs:
         written_bytes[dtype] = written_bytes.get(dtype, 0) + math.prod(shape) * dtype.itemsize
-    config_json = json.dumps(hf_config(model_type, config, max(written_bytes, key=written_bytes.get),
-                                       getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eot_id", None)),
-                             indent=1)
+    config_json = json.dumps(
+        hf_config(
+            model_type,
+            config,
+            max(written_bytes, key=written_bytes.get),
+            getattr(tokenizer, "bos_id", None),
+            getattr(tokenizer, "eot_id", None),
+        ),
+        indent=1,
+    )
     names = hf_names(model_type, config)
     ours_of = {names[ours]: ours for ours, _, _ in specs}
-    hf_specs = [(names[ours], tuple(shape)[::-1] if is_transposed(names[ours]) else tuple(shape), dtype)
-                for ours, shape, dtype in specs]
+    hf_specs = [
+        (names[ours], tuple(shape)[::-1] if is_transposed(names[ours]) else tuple(shape), dtype)
+        for ours, shape, dtype in specs
+    ]
 
     def read_hf(name):
         t = read(ours_of[name])
@@ -114,7 +168,8 @@ def write_hf(out_dir, model_meta, specs, read, tokenizer=None, max_shard_bytes=5
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards, size = [[]], 0
-    for spec in hf_specs:  # greedy: start a new shard when this tensor would overflow the current one
+    # greedy: start a new shard when this tensor would overflow the current one
+    for spec in hf_specs:
         nbytes = math.prod(spec[1]) * spec[2].itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
@@ -135,7 +190,11 @@ def write_hf(out_dir, model_meta, specs, read, tokenizer=None, max_shard_bytes=5
         index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
         write_public(out / "model.safetensors.index.json", lambda p: p.write_text(index))
     # Weights of an earlier export to the same directory would otherwise be found instead of these.
-    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json", *out.glob("pytorch_model*")]:
+    for stale in [
+        *out.glob("model*.safetensors"),
+        out / "model.safetensors.index.json",
+        *out.glob("pytorch_model*"),
+    ]:
         if stale.exists() and stale.name not in written:
             stale.unlink()
     if tokenizer is not None:
@@ -151,16 +210,28 @@ def save_hf(state_dict, model_meta, out_dir, tokenizer=None, max_shard_bytes=5 *
 
 
 def write_hf_tokenizer(tokenizer, out, model_max_length):
-    """tokenizer.json and tokenizer_config.json (and a sentencepiece model's own tokenizer.model) in `out`."""
+    """tokenizer.json and tokenizer_config.json (and a sentencepiece model's own tokenizer.model) in
+    `out`."""
     tok, names = hf_tokenizer(tokenizer)
     probe = "".join(tokenizer.chars) if tokenizer.kind == "char" else PROBE
     encoded = tok.encode(probe, add_special_tokens=False).ids
     if encoded != tokenizer.encode(probe):
-        print(f"warning: the exported tokenizer.json encodes a test text differently from our {tokenizer.kind} "
-              "tokenizer: check it before relying on it", file=sys.stderr, flush=True)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, "model_max_length": model_max_length,
-              "clean_up_tokenization_spaces": False}
+        print(
+            f"warning: the exported tokenizer.json encodes a test text differently from our "
+            f"{tokenizer.kind} "
+            "tokenizer: check it before relying on it",
+            file=sys.stderr,
+            flush=True,
+        )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **names,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
     write_public(out / "tokenizer.json", lambda p: p.write_text(tok.to_str(), encoding="utf-8"))
-    write_public(out / "tokenizer_config.json", lambda p: p.write_text(json.dumps(config, indent=1) + "\n"))
+    write_public(
+        out / "tokenizer_config.json", lambda p: p.write_text(json.dumps(config, indent=1) + "\n")
+    )
     if tokenizer.kind == "sentencepiece":
         write_public(out / "tokenizer.model", lambda p: p.write_bytes(tokenizer.model_proto))

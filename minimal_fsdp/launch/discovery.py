@@ -1,10 +1,13 @@
-"""Who am I and how many are we: rank, world size, local rank, ranks per host and hosts, from the launcher's
-variables (torchrun, srun, PBS's node file) or from MPI itself; where two sources disagree, one line.
+"""Who am I and how many are we: rank, world size, local rank, ranks per host and hosts, from the
+launcher's variables (torchrun, srun, PBS's node file) or from MPI itself; where two sources
+disagree, one line.
 
-Detection order: torchrun's variables, then MPI's, then srun's. MPI comes before srun because an mpiexec
-started inside a SLURM job inherits SLURM_* variables that describe the job (or Hydra's per-node proxies),
-not the MPI ranks; only PMIx variables that srun's own plugin set (its namespace names the step) mean srun.
+Detection order: torchrun's variables, then MPI's, then srun's. MPI comes before srun because an
+mpiexec started inside a SLURM job inherits SLURM_* variables that describe the job (or Hydra's
+per-node proxies), not the MPI ranks; only PMIx variables that srun's own plugin set (its namespace
+names the step) mean srun.
 """
+
 import os
 import re
 import socket
@@ -20,19 +23,24 @@ MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 
 
 def int_variable(env, name, default=None):
-    """An integer launcher variable; a malformed one (e.g. a literal '$(PET_NNODES)') is a one-line error."""
+    """An integer launcher variable; a malformed one (e.g. a literal '$(PET_NNODES)') is a one-line
+    error."""
     value = env.get(name, default)
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} is not a number: check the launcher that set it") from None
+        raise ConfigError(
+            f"{name}={value!r} is not a number: check the launcher that set it"
+        ) from None
 
 
 # --- PBS ---
 
+
 def count_pbs_nodes(nodefile):
-    """Distinct hosts in a PBS nodefile, counted as pbs/common.sh counts them: blank lines skipped, case
-    ignored, and a fully qualified name taken as its short name (x1.hsn.example.org and x1 are one node)."""
+    """Distinct hosts in a PBS nodefile, counted as pbs/common.sh counts them: blank lines skipped,
+    case ignored, and a fully qualified name taken as its short name (x1.hsn.example.org and x1 are
+    one node)."""
     hosts = set()
     with open(nodefile) as f:
         for line in f:
@@ -48,42 +56,54 @@ def pbs_layout(world):
     """(nodes, ranks per node) from PBS_NODEFILE; every rank reads the same file, so all agree."""
     nodefile = os.environ.get("PBS_NODEFILE")
     if not nodefile:
-        raise ConfigError("--environment pbs needs PBS_NODEFILE (run inside a PBS job, or use --environment auto)")
+        raise ConfigError(
+            "--environment pbs needs PBS_NODEFILE (run inside a PBS job, or use --environment auto)"
+        )
     try:
         nodes = count_pbs_nodes(nodefile)
     except OSError as e:
-        raise ConfigError(f"--environment pbs: cannot read PBS_NODEFILE={nodefile}: {e.strerror or e} (run inside "
-                          "the PBS job that wrote it, or use --environment auto)") from None
+        raise ConfigError(
+            f"--environment pbs: cannot read PBS_NODEFILE={nodefile}: {e.strerror or e} (run "
+            "inside the PBS job that wrote it, or use --environment auto)"
+        ) from None
     if not nodes or world % nodes:
-        raise ConfigError(f"--environment pbs: {world} rank(s) cannot be spread evenly over the {nodes} node(s) of "
-                          "PBS_NODEFILE: start the same number of ranks on every node (mpiexec -n NODES*K --ppn K)")
+        raise ConfigError(
+            f"--environment pbs: {world} rank(s) cannot be spread evenly over the {nodes} node(s) "
+            "of PBS_NODEFILE: start the same number of ranks on every node (mpiexec -n NODES*K "
+            "--ppn K)"
+        )
     return nodes, world // nodes
 
 
 # --- the launcher ---
 
+
 def launcher_of(env):
-    """Which launcher started this process: 'torchrun', 'srun', 'mpi' or 'single'. Reads variables only."""
+    """Which launcher started this process: 'torchrun', 'srun', 'mpi' or 'single'. Reads variables
+    only."""
     mpi = any(v in env for v in MPI_RANK_VARIABLES)
-    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:  # torchrun, Kubernetes PyTorchJob
-        # Inside an mpiexec launch (a PyTorchJob pod's variables, or a script that exports RANK) MPI's own view
-        # wins and RANK/WORLD_SIZE are checked against it; torchrun's workers carry TORCHELASTIC_RUN_ID.
+    # torchrun, Kubernetes PyTorchJob
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        # Inside an mpiexec launch (a PyTorchJob pod's variables, or a script that exports RANK)
+        # MPI's own view wins and RANK/WORLD_SIZE are checked against it; torchrun's workers carry
+        # TORCHELASTIC_RUN_ID.
         if not mpi or "TORCHELASTIC_RUN_ID" in env:
             return "torchrun"
     if _srun_pmix(env):
         return "srun"
     if mpi:
         return "mpi"
-    # srun sets SLURM_STEP_NUM_TASKS for the tasks it starts; a batch script also has SLURM_PROCID=0 and
-    # SLURM_NTASKS, but is one process, so without the step variables it is a single rank.
+    # srun sets SLURM_STEP_NUM_TASKS for the tasks it starts; a batch script also has SLURM_PROCID=0
+    # and SLURM_NTASKS, but is one process, so without the step variables it is a single rank.
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         return "srun"
     return "single"
 
 
 def discover(launcher, env, pbs=False, timeout=300):
-    """(rank, world, local_rank, local_world, num_nodes) as `launcher` tells them; pbs: the nodes and ranks per
-    node from PBS_NODEFILE (--environment pbs). timeout: how long MPI's own discovery may wait for a rank."""
+    """(rank, world, local_rank, local_world, num_nodes) as `launcher` tells them; pbs: the nodes
+    and ranks per node from PBS_NODEFILE (--environment pbs). timeout: how long MPI's own discovery
+    may wait for a rank."""
     if launcher == "mpi":
         return _discover_mpi(env, pbs, timeout)
     if launcher == "torchrun":
@@ -92,9 +112,11 @@ def discover(launcher, env, pbs=False, timeout=300):
         found = _discover_srun(env)
     else:
         if env.get("SLURM_PROCID", "0") != "0" and "SLURM_STEP_NUM_TASKS" not in env:
-            raise ConfigError(f"SLURM_PROCID={env['SLURM_PROCID']} without srun's step variables "
-                              "(SLURM_STEP_NUM_TASKS): this process is one of several that did not come from srun, "
-                              "and each would train alone; start them with srun (or mpiexec)")
+            raise ConfigError(
+                f"SLURM_PROCID={env['SLURM_PROCID']} without srun's step variables "
+                "(SLURM_STEP_NUM_TASKS): this process is one of several that did not come from "
+                "srun, and each would train alone; start them with srun (or mpiexec)"
+            )
         found = 0, 1, 0, 1, 1
     if pbs:
         found = (*found[:3], *reversed(pbs_layout(found[1])))
@@ -102,39 +124,48 @@ def discover(launcher, env, pbs=False, timeout=300):
 
 
 def _srun_pmix(env):
-    """srun started this process through its PMIx plugin (`srun` without --mpi=none on a PMIx cluster): the
-    PMIx namespace names this job step, and no mpiexec variables are set. Every task sees the same answer.
-    srun's variables then give the layout, and MPI is never initialized (an mpi4py built against another
-    MPI would abort in MPI_Init, or see a world of one)."""
+    """srun started this process through its PMIx plugin (`srun` without --mpi=none on a PMIx
+    cluster): the PMIx namespace names this job step, and no mpiexec variables are set. Every task
+    sees the same answer. srun's variables then give the layout, and MPI is never initialized (an
+    mpi4py built against another MPI would abort in MPI_Init, or see a world of one)."""
     step = f"slurm.pmix.{env.get('SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID')}"
     mpiexec_variables = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PALS_RANKID")
-    return (env.get("PMIX_NAMESPACE") == step and "SLURM_STEP_NUM_TASKS" in env
-            and not any(name in env for name in mpiexec_variables))
+    return (
+        env.get("PMIX_NAMESPACE") == step
+        and "SLURM_STEP_NUM_TASKS" in env
+        and not any(name in env for name in mpiexec_variables)
+    )
 
 
 def _discover_torchrun(env):
-    # A Kubeflow PyTorchJob sets RANK and WORLD_SIZE per pod, for torchrun to split among its processes;
-    # read by a process that torchrun did not start (no LOCAL_RANK), they describe the wrong world.
+    # A Kubeflow PyTorchJob sets RANK and WORLD_SIZE per pod, for torchrun to split among its
+    # processes; read by a process that torchrun did not start (no LOCAL_RANK), they describe the
+    # wrong world.
     if "LOCAL_RANK" not in env and env.get("PET_NPROC_PER_NODE", "1") != "1":
-        raise ConfigError(f"RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} are the PyTorchJob pod's, for "
-                          f"torchrun to split among PET_NPROC_PER_NODE={env['PET_NPROC_PER_NODE']} processes: "
-                          "start basic_training.py with torchrun (see k8s/pytorchjob.yaml)")
+        raise ConfigError(
+            f"RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} are the PyTorchJob pod's, for "
+            f"torchrun to split among PET_NPROC_PER_NODE={env['PET_NPROC_PER_NODE']} processes: "
+            "start basic_training.py with torchrun (see k8s/pytorchjob.yaml)"
+        )
     world = int_variable(env, "WORLD_SIZE")
     local_world = _torchrun_local_world(env, world)
     if world > 1:
         try:  # torch would retry an unknown name until its timeout, then end in tracebacks
             socket.getaddrinfo(env["MASTER_ADDR"], None)
         except (socket.gaierror, UnicodeError):
-            raise ConfigError(f"MASTER_ADDR {env['MASTER_ADDR']} does not resolve on {socket.gethostname()}: set it "
-                              "to an address of rank 0's node that every node can reach") from None
+            raise ConfigError(
+                f"MASTER_ADDR {env['MASTER_ADDR']} does not resolve on {socket.gethostname()}: set "
+                "it to an address of rank 0's node that every node can reach"
+            ) from None
     rank, local_rank = int_variable(env, "RANK"), int_variable(env, "LOCAL_RANK", "0")
     return rank, world, local_rank, local_world, max(1, world // local_world)
 
 
 def _torchrun_local_world(env, world):
-    """Ranks on this node: LOCAL_WORLD_SIZE (torchrun's); without it, a PyTorchJob pod's PET_NPROC_PER_NODE, or
-    the world over PET_NNODES; never the whole world, which would put every pod on one node (one process per pod
-    would count as one node of WORLD_SIZE ranks, and hybrid sharding would shard across the pods)."""
+    """Ranks on this node: LOCAL_WORLD_SIZE (torchrun's); without it, a PyTorchJob pod's
+    PET_NPROC_PER_NODE, or the world over PET_NNODES; never the whole world, which would put every
+    pod on one node (one process per pod would count as one node of WORLD_SIZE ranks, and hybrid
+    sharding would shard across the pods)."""
     if "LOCAL_WORLD_SIZE" in env:
         return int_variable(env, "LOCAL_WORLD_SIZE")
     if env.get("PET_NPROC_PER_NODE", "").isdigit():
@@ -150,44 +181,63 @@ def _discover_srun(env):
     """Rank and layout from srun's task variables."""
     world = int_variable(env, "SLURM_STEP_NUM_TASKS")
     num_nodes = int_variable(env, "SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1"))
-    # SLURM_STEP_TASKS_PER_NODE is the step's; SLURM_TASKS_PER_NODE, the job's, is the same for the usual
-    # one step over the whole allocation.
+    # SLURM_STEP_TASKS_PER_NODE is the step's; SLURM_TASKS_PER_NODE, the job's, is the same for the
+    # usual one step over the whole allocation.
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
     local_world = tasks_on_node(per_node, int_variable(env, "SLURM_NODEID", "0"))
-    if "SLURM_LOCALID" not in env:  # srun sets it in every task; without it every rank would take local rank 0
-        raise ConfigError("SLURM_LOCALID is not set but srun's step variables are: start the tasks with srun itself "
-                          "(a wrapper that drops variables loses each task's local rank)")
-    return int_variable(env, "SLURM_PROCID"), world, int_variable(env, "SLURM_LOCALID", "0"), local_world, num_nodes
+    # srun sets it in every task; without it every rank would take local rank 0
+    if "SLURM_LOCALID" not in env:
+        raise ConfigError(
+            "SLURM_LOCALID is not set but srun's step variables are: start the tasks with srun "
+            "itself (a wrapper that drops variables loses each task's local rank)"
+        )
+    return (
+        int_variable(env, "SLURM_PROCID"),
+        world,
+        int_variable(env, "SLURM_LOCALID", "0"),
+        local_world,
+        num_nodes,
+    )
 
 
 # --- MPI ---
 
+
 def _launcher_world_size(env):
-    """How many ranks an MPI launcher says it started, from its own variables (at least rank + 1)."""
+    """How many ranks an MPI launcher says it started, from its own variables (at least rank +
+    1)."""
     for name in MPI_SIZE_VARIABLES:
         if name in env:
             return int_variable(env, name)
-    ranks = [int_variable(env, name) for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID")
-             if name in env]
+    ranks = [
+        int_variable(env, name)
+        for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID")
+        if name in env
+    ]
     return max(ranks) + 1 if ranks else 1
 
 
 def _check_not_alone(world, env):
-    """mpi4py built against another MPI than the launcher's does not fail: each process initializes a world
-    of its own and trains alone. The launcher's variables tell."""
+    """mpi4py built against another MPI than the launcher's does not fail: each process initializes
+    a world of its own and trains alone. The launcher's variables tell."""
     expected = _launcher_world_size(env)
     if world.Get_size() == 1 and expected > 1:
         from mpi4py import MPI
+
         library = _library(MPI.Get_library_version())
-        raise ConfigError(f"the launcher started {expected} ranks but mpi4py's MPI ({library}) sees a world of 1: "
-                          "mpi4py is built against a different MPI than the launcher's. Use an mpi4py built for "
-                          "the site MPI (e.g. MPICC=cc pip install --no-binary mpi4py mpi4py), or under srun add "
-                          "--mpi=none; see docs/launch.md")
+        raise ConfigError(
+            f"the launcher started {expected} ranks but mpi4py's MPI ({library}) sees a world of "
+            "1: mpi4py is built against a different MPI than the launcher's. Use an mpi4py built "
+            "for the site MPI (e.g. MPICC=cc pip install --no-binary mpi4py mpi4py), or under srun "
+            "add --mpi=none; see docs/launch.md"
+        )
 
 
 def _discover_mpi(env, pbs, timeout):
     import mpi4py
-    mpi4py.rc.initialize = False  # MPI_Init below, once the variables are checked and under a deadline
+
+    # MPI_Init below, once the variables are checked and under a deadline
+    mpi4py.rc.initialize = False
     mpi4py.rc.finalize = True
     from mpi4py import MPI
 
@@ -206,9 +256,11 @@ def _discover_mpi(env, pbs, timeout):
             try:
                 nodes, per_node = pbs_layout(found[1])
                 if (nodes, per_node) != (num_nodes, found[3]):
-                    problem = (f"PBS_NODEFILE lists {nodes} node(s) x {per_node} rank(s) but MPI finds {num_nodes} "
-                               f"host(s) with {found[3]} rank(s) on this one: start NODES*K ranks with --ppn K over "
-                               "the nodes of the job")
+                    problem = (
+                        f"PBS_NODEFILE lists {nodes} node(s) x {per_node} rank(s) but MPI finds "
+                        f"{num_nodes} host(s) with {found[3]} rank(s) on this one: start NODES*K "
+                        "ranks with --ppn K over the nodes of the job"
+                    )
             except ConfigError as e:
                 problem = str(e)
         problems = world.allgather(problem)
@@ -221,27 +273,36 @@ def _library(version):
 
 
 def _refuse_before_init(env, version):
-    """A PMIx launcher (Open MPI 5's mpirun/prterun) and an MPICH without PMIx: MPICH would abort inside MPI_Init
-    with a stack per rank. Its own launcher (Hydra, Cray PALS) sets PMI_* variables; PMIx alone says another."""
+    """A PMIx launcher (Open MPI 5's mpirun/prterun) and an MPICH without PMIx: MPICH would abort
+    inside MPI_Init with a stack per rank. Its own launcher (Hydra, Cray PALS) sets PMI_* variables;
+    PMIx alone says another."""
     pmix = [name for name in ("PMIX_RANK", "PMIX_NAMESPACE") if name in env]
     pmi = any(name in env for name in ("PMI_RANK", "PMI_FD", "PMI_PORT", "PALS_RANKID"))
     if pmix and not pmi and version.startswith("MPICH") and "pmix" not in version.lower():
         named = ", ".join(f"{name}={env[name]}" for name in pmix)
-        raise ConfigError(f"{named}: a PMIx launcher (Open MPI's mpirun or prterun) started this rank, but mpi4py's "
-                          f"MPI ({_library(version)}) cannot speak PMIx and would abort in MPI_Init: start with that "
-                          "MPI's own mpiexec, or use an mpi4py built for the launcher's MPI (see docs/launch.md)")
+        raise ConfigError(
+            f"{named}: a PMIx launcher (Open MPI's mpirun or prterun) started this rank, but "
+            f"mpi4py's MPI ({_library(version)}) cannot speak PMIx and would abort in MPI_Init: "
+            "start with that MPI's own mpiexec, or use an mpi4py built for the launcher's MPI (see "
+            "docs/launch.md)"
+        )
     if "PMI_FD" in env and not _is_socket(env["PMI_FD"]):
-        raise ConfigError(f"PMI_FD={env['PMI_FD']} is not an open socket to an MPI launcher: this process was not "
-                          "started by mpiexec (the variable was copied or exported), and MPI_Init would abort; "
-                          "start it with mpiexec, or unset PMI_FD, PMI_RANK and PMI_SIZE")
+        raise ConfigError(
+            f"PMI_FD={env['PMI_FD']} is not an open socket to an MPI launcher: this process was "
+            "not started by mpiexec (the variable was copied or exported), and MPI_Init would "
+            "abort; start it with mpiexec, or unset PMI_FD, PMI_RANK and PMI_SIZE"
+        )
     if "PALS_RANKID" in env and "PMI_SIZE" not in env:
-        raise ConfigError(f"PALS_RANKID={env['PALS_RANKID']} but no PMI_SIZE: Cray's mpiexec sets both, so these "
-                          "processes were not started by it as one job and the world size is unknown; start them "
-                          "with mpiexec (see docs/launch.md)")
+        raise ConfigError(
+            f"PALS_RANKID={env['PALS_RANKID']} but no PMI_SIZE: Cray's mpiexec sets both, so these "
+            "processes were not started by it as one job and the world size is unknown; start them "
+            "with mpiexec (see docs/launch.md)"
+        )
 
 
 def _is_socket(fd):
-    """Whether `fd` (a launcher variable's text) is an open socket of this process, as Hydra's PMI_FD is."""
+    """Whether `fd` (a launcher variable's text) is an open socket of this process, as Hydra's
+    PMI_FD is."""
     try:
         return stat.S_ISSOCK(os.fstat(int(fd)).st_mode)
     except (ValueError, OSError):
@@ -250,36 +311,64 @@ def _is_socket(fd):
 
 # What launchers say about a rank, to check against MPI's own view: (variable, who sets it).
 _VIEWS = {
-    "world size": (("PMI_SIZE", "mpiexec"), ("OMPI_COMM_WORLD_SIZE", "Open MPI"),
-                   ("WORLD_SIZE", "torchrun/PyTorchJob")),
-    "rank": (("PMI_RANK", "mpiexec"), ("OMPI_COMM_WORLD_RANK", "Open MPI"), ("PMIX_RANK", "PMIx"),
-             ("PALS_RANKID", "Cray PALS"), ("RANK", "torchrun/PyTorchJob")),
-    "local rank": (("MPI_LOCALRANKID", "Hydra"), ("PMI_LOCAL_RANK", "Cray PALS"), ("PALS_LOCAL_RANKID", "Cray PALS"),
-                   ("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"), ("LOCAL_RANK", "torchrun")),
-    "ranks on this host": (("MPI_LOCALNRANKS", "Hydra"), ("PMI_LOCAL_SIZE", "Cray PALS"),
-                           ("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"), ("LOCAL_WORLD_SIZE", "torchrun")),
+    "world size": (
+        ("PMI_SIZE", "mpiexec"),
+        ("OMPI_COMM_WORLD_SIZE", "Open MPI"),
+        ("WORLD_SIZE", "torchrun/PyTorchJob"),
+    ),
+    "rank": (
+        ("PMI_RANK", "mpiexec"),
+        ("OMPI_COMM_WORLD_RANK", "Open MPI"),
+        ("PMIX_RANK", "PMIx"),
+        ("PALS_RANKID", "Cray PALS"),
+        ("RANK", "torchrun/PyTorchJob"),
+    ),
+    "local rank": (
+        ("MPI_LOCALRANKID", "Hydra"),
+        ("PMI_LOCAL_RANK", "Cray PALS"),
+        ("PALS_LOCAL_RANKID", "Cray PALS"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"),
+        ("LOCAL_RANK", "torchrun"),
+    ),
+    "ranks on this host": (
+        ("MPI_LOCALNRANKS", "Hydra"),
+        ("PMI_LOCAL_SIZE", "Cray PALS"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"),
+        ("LOCAL_WORLD_SIZE", "torchrun"),
+    ),
 }
 
 
 def _disagreement(env, found):
-    """A line naming the first launcher variable that disagrees with MPI's view of this rank, or None."""
+    """A line naming the first launcher variable that disagrees with MPI's view of this rank, or
+    None."""
     rank, world, local_rank, local_world, _ = found
-    mpi = {"world size": world, "rank": rank, "local rank": local_rank, "ranks on this host": local_world}
+    mpi = {
+        "world size": world,
+        "rank": rank,
+        "local rank": local_rank,
+        "ranks on this host": local_world,
+    }
     for what, variables in _VIEWS.items():
         for name, source in variables:
             if name == "PMIX_RANK" and "PMI_RANK" in env:
-                continue  # Hydra started by srun's PMIx plugin: its ranks inherit the srun task's PMIX_RANK
+                # Hydra started by srun's PMIx plugin: its ranks inherit the srun task's PMIX_RANK
+                continue
             if name in env and env[name] != str(mpi[what]):
-                return (f"two sources of rank information disagree: {name}={env[name]} ({source}) but MPI's "
-                        f"{what} is {mpi[what]} (MPI_COMM_WORLD, split by shared memory): start the job under one "
-                        "launcher, with no other launcher's variables exported")
+                return (
+                    f"two sources of rank information disagree: {name}={env[name]} ({source}) but "
+                    f"MPI's {what} is {mpi[what]} (MPI_COMM_WORLD, split by shared memory): start "
+                    "the job under one launcher, with no other launcher's variables exported"
+                )
     return None
 
 
 # --- SLURM's compressed lists ---
 
+
 def first_host(nodelist):
-    """The first host of a SLURM nodelist: 'gpu[07-09,12],cpu1' -> 'gpu07', 'r[1-2]-n[3-4]' -> 'r1-n3'."""
+    """The first host of a SLURM nodelist: 'gpu[07-09,12],cpu1' -> 'gpu07', 'r[1-2]-n[3-4]' ->
+    'r1-n3'."""
     first, depth = "", 0
     for ch in nodelist:
         if ch == "," and depth == 0:

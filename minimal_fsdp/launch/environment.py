@@ -1,14 +1,15 @@
-"""The launch of a run: setup() finds every rank's place, picks its device, meets the others and initializes
-torch.distributed; teardown() lets go of it. The steps live in their own modules:
+"""The launch of a run: setup() finds every rank's place, picks its device, meets the others and
+initializes torch.distributed; teardown() lets go of it. The steps live in their own modules:
 
-    discovery     who am I, how many are we: rank, world, local rank, hosts (torchrun, MPI, srun, PBS)
-    rendezvous    where the ranks meet: rank 0's TCPStore, marked with a token of this job
-    failures      how a failure ends the job with one line (exit_on_error, run_on_main)
+    discovery   who am I, how many are we: rank, world, local rank, hosts (torchrun, MPI, srun, PBS)
+    rendezvous  where the ranks meet: rank 0's TCPStore, marked with a token of this job
+    failures    how a failure ends the job with one line (exit_on_error, run_on_main)
 
-Works under any MPI (mpiexec from the `mpich` wheel, Open MPI, Cray MPICH on PBS), under torchrun (and a
-Kubernetes PyTorchJob, which starts torchrun), under SLURM's srun, and as a plain `python basic_training.py`
-(world size 1). See docs/launch.md.
+Works under any MPI (mpiexec from the `mpich` wheel, Open MPI, Cray MPICH on PBS), under torchrun
+(and a Kubernetes PyTorchJob, which starts torchrun), under SLURM's srun, and as a plain `python
+basic_training.py` (world size 1). See docs/launch.md.
 """
+
 import datetime
 import hashlib
 import os
@@ -26,7 +27,8 @@ from minimal_fsdp.launch import rendezvous
 from minimal_fsdp.launch.failures import MainRankFailed, exit_on_error, run_on_main  # noqa: F401  (the names callers use)
 
 
-GRACE_SECONDS = 5  # past --collective_timeout, before a wait for the process group is ended from outside
+# past --collective_timeout, before a wait for the process group is ended from outside
+GRACE_SECONDS = 5
 
 
 @dataclass
@@ -39,7 +41,8 @@ class DistEnv:
     device: torch.device
     backend: str
     launcher: str
-    local_world_sizes: tuple = ()  # every rank's local world size, gathered: the same tuple on every rank
+    # every rank's local world size, gathered: the same tuple on every rank
+    local_world_sizes: tuple = ()
 
     @property
     def is_main(self):
@@ -50,26 +53,32 @@ class DistEnv:
 
 
 def setup(cfg):
-    """Discover the layout, pick the device, meet at the rendezvous and initialize torch.distributed (always,
-    even for one rank, so every code path below is the same FSDP path)."""
+    """Discover the layout, pick the device, meet at the rendezvous and initialize torch.distributed
+    (always, even for one rank, so every code path below is the same FSDP path)."""
     failures.setup_started()
     launcher = discovery.launcher_of(os.environ)
     if launcher == "mpi":
         # Process-wide: from here on, an uncaught exception on one rank aborts the whole MPI job.
         failures.abort_job_on_uncaught_exception()
     rank, world, local_rank, local_world, num_nodes = discovery.discover(
-        launcher, os.environ, pbs=cfg.environment == "pbs", timeout=cfg.collective_timeout)
+        launcher, os.environ, pbs=cfg.environment == "pbs", timeout=cfg.collective_timeout
+    )
     failures.world_known(world)
     device, backend = _pick_device(local_rank, local_world)
     with _until_grouped(launcher, rank, world, cfg.collective_timeout):
         store = rendezvous.meet(rank, world, num_nodes, launcher, cfg)
-        network = hosts.pick_interface(rendezvous.address(), num_nodes)  # before gloo picks an address itself
+        # before gloo picks an address itself
+        network = hosts.pick_interface(rendezvous.address(), num_nodes)
         hosts.nccl_socket_threads(num_nodes)  # before NCCL's first communicator reads them
         with hosts.gloo_quiet():
-            dist.init_process_group(backend, rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=cfg.collective_timeout),
-                                    device_id=device if device.type == "cuda" else None,
-                                    **(dict(store=store) if store is not None else {}))
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=cfg.collective_timeout),
+                device_id=device if device.type == "cuda" else None,
+                **(dict(store=store) if store is not None else {}),
+            )
             local_world_sizes, gpu_keys = _gather_layout(local_world, device)
     rendezvous.all_joined(rank)
     hosts.check_shared_dir(cfg.checkpoint_dir, num_nodes)
@@ -78,53 +87,73 @@ def setup(cfg):
     warning = shared_gpus_warning(gpu_keys)
     if warning and rank == 0:
         print(warning, file=sys.stderr, flush=True)
-    return DistEnv(rank, world, local_rank, local_world, num_nodes, device, backend, launcher, local_world_sizes)
+    return DistEnv(
+        rank,
+        world,
+        local_rank,
+        local_world,
+        num_nodes,
+        device,
+        backend,
+        launcher,
+        local_world_sizes,
+    )
 
 
 def _until_grouped(launcher, rank, world, timeout):
-    """srun and torchrun: every wait until the process group exists, under one deadline of --collective_timeout.
-    A store's client waits for its server's answer without any timeout (TCPStore's ping), so a rank 0 stopped
-    right after publishing its port held the others for good. MPI's steps have deadlines of their own. Rank 0,
-    whose store the others wait for, is ended last: the line then comes from a rank that waited."""
+    """srun and torchrun: every wait until the process group exists, under one deadline of
+    --collective_timeout. A store's client waits for its server's answer without any timeout
+    (TCPStore's ping), so a rank 0 stopped right after publishing its port held the others for good.
+    MPI's steps have deadlines of their own. Rank 0, whose store the others wait for, is ended last:
+    the line then comes from a rank that waited."""
     if launcher in ("srun", "torchrun") and world > 1:
-        return failures.deadline(timeout, "the rendezvous (joining rank 0's store and the process group)",
-                                 grace=GRACE_SECONDS * (2 if rank == 0 else 1))
+        return failures.deadline(
+            timeout,
+            "the rendezvous (joining rank 0's store and the process group)",
+            grace=GRACE_SECONDS * (2 if rank == 0 else 1),
+        )
     return nullcontext()
 
 
 def teardown():
-    """Destroy every process group (while the interpreter is fully alive) and drop the rendezvous store."""
+    """Destroy every process group (while the interpreter is fully alive) and drop the rendezvous
+    store."""
     failures.end_process_groups()
     rendezvous.forget()
 
 
 # --- the device ---
 
+
 def cpu_threads(local_world, environ=os.environ):
-    """Intra-op threads for one of local_world ranks on this host: OMP_NUM_THREADS if set (PBS, SLURM and
-    torchrun set it), else an equal share of the cores this process may run on. Without a share every rank
-    starts a thread per core: 4 ranks on a 64-core host would run 256."""
+    """Intra-op threads for one of local_world ranks on this host: OMP_NUM_THREADS if set (PBS,
+    SLURM and torchrun set it), else an equal share of the cores this process may run on. Without a
+    share every rank starts a thread per core: 4 ranks on a 64-core host would run 256."""
     if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
         return int(environ["OMP_NUM_THREADS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     return max(1, min(cores, (os.cpu_count() or 1) // local_world))
 
 
 def _pick_device(local_rank, local_world):
     threads = cpu_threads(local_world)
     torch.set_num_threads(threads)
-    # torch.compile's worker pool: by default 32 processes per rank (128 for 4 ranks on 64 cores), started
-    # whether or not the cache already holds the kernels.
+    # torch.compile's worker pool: by default 32 processes per rank (128 for 4 ranks on 64 cores),
+    # started whether or not the cache already holds the kernels.
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        return device, "cpu:gloo,cuda:nccl"  # gloo serves CPU tensors, e.g. grad norms of CPU-offloaded shards
+        # gloo serves CPU tensors, e.g. grad norms of CPU-offloaded shards
+        return device, "cpu:gloo,cuda:nccl"
     return torch.device("cpu"), "gloo"
 
 
 def _gpu_key(device):
-    """A number naming this rank's physical GPU (0 on CPU): equal on two ranks only if they share the GPU."""
+    """A number naming this rank's physical GPU (0 on CPU): equal on two ranks only if they share
+    the GPU."""
     if device.type != "cuda":
         return 0
     uuid = str(torch.cuda.get_device_properties(device).uuid)
@@ -132,17 +161,22 @@ def _gpu_key(device):
 
 
 def shared_gpus_warning(gpu_keys):
-    """The warning rank 0 prints when ranks share GPUs (more ranks than GPUs on a node), else None."""
+    """The warning rank 0 prints when ranks share GPUs (more ranks than GPUs on a node), else
+    None."""
     gpus = {key for key in gpu_keys if key}
     if len(gpus) == len([key for key in gpu_keys if key]):
         return None
-    return (f"warning: {len(gpu_keys)} ranks share {len(gpus)} GPU(s): each rank takes GPU local_rank % (GPUs it "
-            "sees), so some GPUs run several ranks; start one rank per GPU")
+    return (
+        f"warning: {len(gpu_keys)} ranks share {len(gpus)} GPU(s): each rank takes GPU local_rank "
+        "% (GPUs it sees), so some GPUs run several ranks; start one rank per GPU"
+    )
 
 
 def _gather_layout(local_world, device):
-    """Every rank's (local world size, GPU key), so checks of the layout reach the same verdict on every rank."""
-    mine = torch.tensor([local_world, _gpu_key(device)], dtype=torch.int64)  # CPU: gloo, no GPU wait
+    """Every rank's (local world size, GPU key), so checks of the layout reach the same verdict on
+    every rank."""
+    # CPU: gloo, no GPU wait
+    mine = torch.tensor([local_world, _gpu_key(device)], dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return tuple(int(t[0]) for t in everyone), [int(t[1]) for t in everyone]

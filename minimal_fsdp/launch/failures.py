@@ -1,7 +1,9 @@
-"""How a failure ends the job: every rank stops with one line, none is left waiting. Ranks that failed alike agree
-and rank 0 speaks for all; a rank that fails alone ends the job (exit_on_error). Bad input (ConfigError) exits 2;
-a bug exits 1 with its traceback. Also the process-wide hook that aborts an MPI job on an uncaught exception,
-and a deadline for the steps before any timeout of torch's applies (MPI discovery)."""
+"""How a failure ends the job: every rank stops with one line, none is left waiting. Ranks that
+failed alike agree and rank 0 speaks for all; a rank that fails alone ends the job (exit_on_error).
+Bad input (ConfigError) exits 2; a bug exits 1 with its traceback. Also the process-wide hook that
+aborts an MPI job on an uncaught exception, and a deadline for the steps before any timeout of
+torch's applies (MPI discovery)."""
+
 import gc
 import os
 import subprocess
@@ -16,16 +18,18 @@ import torch.distributed as dist
 from minimal_fsdp.config.choices import ConfigError
 
 FAILED_KEY = "minimal_fsdp/failed"
-AGREE_SECONDS = 10  # how long a failing rank waits for the others to fail alike before it ends the job itself
+# how long a failing rank waits for the others to fail alike before it ends the job itself
+AGREE_SECONDS = 10
 
-_error_comm = None  # MPI: a duplicate of COMM_WORLD used only to agree on errors, so it is never busy
+# MPI: a duplicate of COMM_WORLD used only to agree on errors, so it is never busy
+_error_comm = None
 _setup_started = False
 _known_world = None  # the world size, once discovered
 
 
 class MainRankFailed(Exception):
-    """run_on_main's function failed on rank 0 with an unexpected exception (a bug, not bad input): rank 0 has
-    printed its traceback; every rank raises this and exits 1."""
+    """run_on_main's function failed on rank 0 with an unexpected exception (a bug, not bad input):
+    rank 0 has printed its traceback; every rank raises this and exits 1."""
 
 
 def setup_started():
@@ -45,28 +49,36 @@ def agree_through(comm):
 
 
 def abort_job_on_uncaught_exception():
-    """Process-wide (sys.excepthook): an uncaught exception on one MPI rank must end the whole job, not leave
-    the others in a collective. Installed by environment.setup before MPI is initialized."""
+    """Process-wide (sys.excepthook): an uncaught exception on one MPI rank must end the whole job,
+    not leave the others in a collective. Installed by environment.setup before MPI is
+    initialized."""
 
     def hook(kind, value, tb):
-        # Written straight to the process's stderr: torch's own hook (which init_process_group wraps around
-        # this one) buffers what it wraps, and the buffer would die with the Abort below.
+        # Written straight to the process's stderr: torch's own hook (which init_process_group wraps
+        # around this one) buffers what it wraps, and the buffer would die with the Abort below.
         text = "".join(traceback.format_exception(kind, value, tb))
-        sys.__stderr__.write("".join(f"[rank{rank_hint()}]: {line}" for line in text.splitlines(True)))
+        sys.__stderr__.write(
+            "".join(f"[rank{rank_hint()}]: {line}" for line in text.splitlines(True))
+        )
         if "timed out" in str(value).lower():
-            print(f"error: rank {rank_hint()} waited longer than --collective_timeout in a collective: another rank "
-                  "has died or hangs", file=sys.__stderr__)
+            print(
+                f"error: rank {rank_hint()} waited longer than --collective_timeout in a "
+                "collective: another rank has died or hangs",
+                file=sys.__stderr__,
+            )
         sys.__stderr__.flush()
         time.sleep(1)  # let the launcher forward the traceback before Abort tears the job down
         from mpi4py import MPI
+
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = hook
 
 
 def raise_gathered(problems):
-    """Every rank's problem (a line, or None), gathered alike on all ranks: raise one ConfigError, the same on
-    every rank, if any rank has one; a problem all ranks share is said once, else the first rank's is named."""
+    """Every rank's problem (a line, or None), gathered alike on all ranks: raise one ConfigError,
+    the same on every rank, if any rank has one; a problem all ranks share is said once, else the
+    first rank's is named."""
     failed = [(rank, p) for rank, p in enumerate(problems) if p]
     if failed and len(failed) == len(problems) and len(set(problems)) == 1:
         raise ConfigError(problems[0])
@@ -77,17 +89,23 @@ def raise_gathered(problems):
 
 @contextmanager
 def deadline(seconds, what, grace=0):
-    """End this process with one line if the block has not finished within `seconds`: for steps that can wait
-    on another rank before any timeout of torch's applies (MPI_Init, MPI's collectives). A stopped or hung rank
-    then cannot keep the others waiting; the launcher sees a rank killed and ends the rest of the job.
-    The watch is a separate small process, because MPI_Init holds the GIL while it waits (no thread of ours
-    would run); it reads a pipe from us, so it also ends, doing nothing, when this process ends otherwise.
-    grace: seconds more before the kill, so that the block's own bounded waits say their more precise line first."""
-    line = (f"error: rank {rank_hint()}: {what} did not finish within {seconds:.0f}s (--collective_timeout): "
-            "another rank has stopped, hangs or never started")
+    """End this process with one line if the block has not finished within `seconds`: for steps that
+    can wait on another rank before any timeout of torch's applies (MPI_Init, MPI's collectives). A
+    stopped or hung rank then cannot keep the others waiting; the launcher sees a rank killed and
+    ends the rest of the job. The watch is a separate small process, because MPI_Init holds the GIL
+    while it waits (no thread of ours would run); it reads a pipe from us, so it also ends, doing
+    nothing, when this process ends otherwise. grace: seconds more before the kill, so that the
+    block's own bounded waits say their more precise line first."""
+    line = (
+        f"error: rank {rank_hint()}: {what} did not finish within {seconds:.0f}s "
+        "(--collective_timeout): another rank has stopped, hangs or never started"
+    )
     watch = 'read -t "$1" _; if [ $? -gt 128 ]; then echo "$2" >&2; kill -KILL "$3"; fi'
-    watcher = subprocess.Popen(["bash", "-c", watch, "deadline", str(int(seconds + grace)), line, str(os.getpid())],
-                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    watcher = subprocess.Popen(
+        ["bash", "-c", watch, "deadline", str(int(seconds + grace)), line, str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+    )
     try:
         yield
     finally:
@@ -96,8 +114,8 @@ def deadline(seconds, what, grace=0):
 
 
 def end_process_groups():
-    """Destroy every process group while the interpreter is fully alive; gc first, so that groups held only
-    by garbage (cycles through FSDP or DTensor state) are gone with them."""
+    """Destroy every process group while the interpreter is fully alive; gc first, so that groups
+    held only by garbage (cycles through FSDP or DTensor state) are gone with them."""
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
@@ -109,7 +127,8 @@ def _failed_alike(timeout=AGREE_SECONDS):
     if not _setup_started or _known_world == 1:
         return True  # before setup only the flags can be wrong, and every rank parses the same ones
     if _error_comm is not None:
-        request = _error_comm.Ibarrier()  # only failing ranks enter it; nobody else uses this communicator
+        # only failing ranks enter it; nobody else uses this communicator
+        request = _error_comm.Ibarrier()
         deadline_at = time.monotonic() + timeout
         while not request.Test():
             if time.monotonic() > deadline_at:
@@ -117,10 +136,12 @@ def _failed_alike(timeout=AGREE_SECONDS):
             time.sleep(0.01)
         return True
     if dist.is_initialized():  # srun, torchrun: count the failures in the rendezvous store
-        # On a thread: a store request over a link that went down waits for good (the store's timeout does not
-        # cover it), and this rank must still speak and end.
+        # On a thread: a store request over a link that went down waits for good (the store's
+        # timeout does not cover it), and this rank must still speak and end.
         verdict = []
-        counting = threading.Thread(target=lambda: verdict.append(_all_failed_in_store(timeout)), daemon=True)
+        counting = threading.Thread(
+            target=lambda: verdict.append(_all_failed_in_store(timeout)), daemon=True
+        )
         counting.start()
         counting.join(timeout + 5)
         return bool(verdict and verdict[0])
@@ -142,9 +163,10 @@ def _all_failed_in_store(timeout):
 
 
 def exit_on_error(error, code):
-    """Print `error: ...` once and end the process with `code`. Ranks that failed alike exit cleanly and rank 0
-    speaks for all; a rank that failed alone prints its own line and ends the job, because the other ranks
-    would wait for it in a collective (MPI: Abort; srun --kill-on-bad-exit and torchrun stop the rest)."""
+    """Print `error: ...` once and end the process with `code`. Ranks that failed alike exit cleanly
+    and rank 0 speaks for all; a rank that failed alone prints its own line and ends the job,
+    because the other ranks would wait for it in a collective (MPI: Abort; srun --kill-on-bad-exit
+    and torchrun stop the rest)."""
     if _failed_alike():
         if rank_hint() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -154,15 +176,17 @@ def exit_on_error(error, code):
     if _error_comm is not None:
         time.sleep(1)  # let the launcher forward the line first
         from mpi4py import MPI
+
         MPI.COMM_WORLD.Abort(code)
-    os._exit(code)  # skip interpreter shutdown, which would wait for the peers in process-group teardown
+    # skip interpreter shutdown, which would wait for the peers in process-group teardown
+    os._exit(code)
 
 
 def run_on_main(fn, *args):
-    """Run fn on rank 0 only (e.g. preparing data) while the others wait; every rank returns its result or
-    raises its error, so a failure on rank 0 can never leave the others waiting forever. The error keeps its
-    class: bad input (ConfigError) is raised as ConfigError everywhere; anything else is a bug: rank 0 prints
-    its traceback, and every rank raises MainRankFailed."""
+    """Run fn on rank 0 only (e.g. preparing data) while the others wait; every rank returns its
+    result or raises its error, so a failure on rank 0 can never leave the others waiting forever.
+    The error keeps its class: bad input (ConfigError) is raised as ConfigError everywhere; anything
+    else is a bug: rank 0 prints its traceback, and every rank raises MainRankFailed."""
     outcome = [None, None, None]  # result, error message, whether it is bad input
     if dist.get_rank() == 0:
         try:
@@ -179,7 +203,8 @@ def run_on_main(fn, *args):
 
 
 def clipped(text, limit=160):
-    """`text` on one line, at most about `limit` characters, cut between words (with '...'), never inside one."""
+    """`text` on one line, at most about `limit` characters, cut between words (with '...'), never
+    inside one."""
     text = " ".join(str(text).split())
     if len(text) <= limit:
         return text
@@ -187,12 +212,21 @@ def clipped(text, limit=160):
 
 
 def rank_hint():
-    """This process's global rank, also before (or without) torch.distributed: for printing errors once."""
+    """This process's global rank, also before (or without) torch.distributed: for printing errors
+    once."""
     if dist.is_initialized():
         return dist.get_rank()
-    if _error_comm is not None and _error_comm.Get_size() > 1:  # MPI's rank, over another launcher's variables
+    # MPI's rank, over another launcher's variables
+    if _error_comm is not None and _error_comm.Get_size() > 1:
         return _error_comm.Get_rank()
-    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID"):
+    for name in (
+        "RANK",
+        "PMI_RANK",
+        "OMPI_COMM_WORLD_RANK",
+        "PMIX_RANK",
+        "PALS_RANKID",
+        "SLURM_PROCID",
+    ):
         if name in os.environ and os.environ[name].isdigit():
             return int(os.environ[name])
     return 0

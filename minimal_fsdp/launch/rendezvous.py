@@ -1,10 +1,12 @@
-"""Where the ranks meet: the TCPStore that init_process_group uses, opened by rank 0 and marked with a token of
-this job.
+"""Where the ranks meet: the TCPStore that init_process_group uses, opened by rank 0 and marked with
+a token of this job.
 
-Rank 0 binds the store itself (on MASTER_PORT, on the step's reserved SLURM port, or on a free port it then
-publishes) and marks it with a token of this job; the other ranks check the token, so a rank can never join
-another job's store. Under MPI the ranks agree on every rendezvous error through MPI itself.
+Rank 0 binds the store itself (on MASTER_PORT, on the step's reserved SLURM port, or on a free port
+it then publishes) and marks it with a token of this job; the other ranks check the token, so a rank
+can never join another job's store. Under MPI the ranks agree on every rendezvous error through MPI
+itself.
 """
+
 import datetime
 import os
 import re
@@ -23,7 +25,8 @@ from minimal_fsdp.launch.discovery import first_host, int_variable
 TOKEN_KEY = "minimal_fsdp/launch_token"
 REACH_SECONDS = 30  # how long a rank tries to reach rank 0's store address before it says it cannot
 
-_store = None  # the rendezvous store (rank 0's server, or another rank's client of it); None under torchrun
+# the rendezvous store (rank 0's server, or another rank's client of it); None under torchrun
+_store = None
 _store_file = None  # srun: where rank 0 published its port, removed once every rank has joined
 _address = None  # where the ranks met: rank 0's address (MPI, srun)
 
@@ -35,33 +38,45 @@ def _free_port():
 
 
 def _open_store(world, port, where, token, timeout):
-    """Rank 0 binds the store itself (port 0: any free one), so no other job can take the port in between."""
+    """Rank 0 binds the store itself (port 0: any free one), so no other job can take the port in
+    between."""
     try:
-        store = dist.TCPStore("0.0.0.0", port, world, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = dist.TCPStore(
+            "0.0.0.0", port, world, is_master=True, wait_for_workers=False, timeout=timeout
+        )
     except dist.DistNetworkError as e:
         if not port:
-            raise ConfigError(f"rank 0 could not open a rendezvous port on {socket.gethostname()}: {e}") from None
-        raise ConfigError(f"{where} {port} is already in use on {socket.gethostname()}: export another "
-                          "MASTER_PORT, or unset it to let rank 0 pick a free port") from None
+            raise ConfigError(
+                f"rank 0 could not open a rendezvous port on {socket.gethostname()}: {e}"
+            ) from None
+        raise ConfigError(
+            f"{where} {port} is already in use on {socket.gethostname()}: export another "
+            "MASTER_PORT, or unset it to let rank 0 pick a free port"
+        ) from None
     store.set(TOKEN_KEY, token)
     return store
 
 
 def _check_reachable(addr, port, timeout):
-    """One plain connection to rank 0's store first: TCPStore retries an unknown name or an unreachable address
-    until its timeout and then ends in tracebacks; this says so in one line within REACH_SECONDS at most."""
+    """One plain connection to rank 0's store first: TCPStore retries an unknown name or an
+    unreachable address until its timeout and then ends in tracebacks; this says so in one line
+    within REACH_SECONDS at most."""
     try:
         socket.getaddrinfo(addr, port)
     except (socket.gaierror, UnicodeError):
-        raise ConfigError(f"MASTER_ADDR {addr} does not resolve on {socket.gethostname()}: export MASTER_ADDR as "
-                          "an address of rank 0's node that every node can reach") from None
+        raise ConfigError(
+            f"MASTER_ADDR {addr} does not resolve on {socket.gethostname()}: export MASTER_ADDR as "
+            "an address of rank 0's node that every node can reach"
+        ) from None
     seconds = min(timeout.total_seconds(), REACH_SECONDS)
     try:
         socket.create_connection((addr, port), timeout=seconds).close()
     except OSError as e:
         reason = e.strerror or f"no answer within {seconds:.0f}s"
-        raise ConfigError(f"cannot reach the rendezvous at {addr}:{port} from {socket.gethostname()} ({reason}): "
-                          "export MASTER_ADDR as an address of rank 0's node that every node can reach") from None
+        raise ConfigError(
+            f"cannot reach the rendezvous at {addr}:{port} from {socket.gethostname()} ({reason}): "
+            "export MASTER_ADDR as an address of rank 0's node that every node can reach"
+        ) from None
 
 
 def _join_store(addr, port, world, token, timeout):
@@ -70,32 +85,39 @@ def _join_store(addr, port, world, token, timeout):
     try:
         store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
     except dist.DistError:
-        raise ConfigError(f"no rendezvous at {addr}:{port} after {timeout.total_seconds():.0f}s (from "
-                          f"{socket.gethostname()}): rank 0 failed (see its error) or cannot be reached") from None
+        raise ConfigError(
+            f"no rendezvous at {addr}:{port} after {timeout.total_seconds():.0f}s (from "
+            f"{socket.gethostname()}): rank 0 failed (see its error) or cannot be reached"
+        ) from None
     try:  # rank 0 sets the token right after binding
         store.wait([TOKEN_KEY], min(timeout, datetime.timedelta(seconds=60)))
         theirs = store.get(TOKEN_KEY).decode()
     except dist.DistError:
         theirs = "no token"
     if theirs != token:
-        raise ConfigError(f"the rendezvous at {addr}:{port} belongs to another job ({theirs}, expected {token}): "
-                          "export another MASTER_PORT") from None
+        raise ConfigError(
+            f"the rendezvous at {addr}:{port} belongs to another job ({theirs}, expected {token}): "
+            "export another MASTER_PORT"
+        ) from None
     return store
 
 
 def _rendezvous_mpi(rank, world, num_nodes, timeout):
-    """Rank 0 opens the store and broadcasts where; every rank joins, and all agree on any failure through MPI,
-    so each raises the same error and none waits for another."""
+    """Rank 0 opens the store and broadcasts where; every rank joins, and all agree on any failure
+    through MPI, so each raises the same error and none waits for another."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     global _address
     offer = None
-    addr = hosts.offered_address(comm, num_nodes)  # collective; one the other hosts reach, not a hostname
+    # collective; one the other hosts reach, not a hostname
+    addr = hosts.offered_address(comm, num_nodes)
     if rank == 0:
         token = f"mpi {socket.gethostname()} {secrets.token_hex(8)}"
         try:
-            store = _open_store(world, int_variable(os.environ, "MASTER_PORT", "0"), "MASTER_PORT", token, timeout)
+            store = _open_store(
+                world, int_variable(os.environ, "MASTER_PORT", "0"), "MASTER_PORT", token, timeout
+            )
             offer = (addr, store.port, token)
         except ConfigError as e:
             offer = str(e)
@@ -117,28 +139,35 @@ def _rendezvous_mpi(rank, world, num_nodes, timeout):
 
 
 def _srun_address(env):
-    """(address, port, where the port came from) of an srun step's rendezvous. Port 0: rank 0 binds a free
-    port and publishes it in a file (a port derived from the job id would collide between jobs)."""
+    """(address, port, where the port came from) of an srun step's rendezvous. Port 0: rank 0 binds
+    a free port and publishes it in a file (a port derived from the job id would collide between
+    jobs)."""
     num_nodes = int_variable(env, "SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1"))
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
     addr = env.get("MASTER_ADDR") or ("127.0.0.1" if num_nodes == 1 else first_host(nodelist))
     if "MASTER_PORT" in env:
         return addr, int_variable(env, "MASTER_PORT"), "MASTER_PORT"
-    reserved = re.match(r"\d+", env.get("SLURM_STEP_RESV_PORTS", ""))  # srun --resv-ports: '12000-12003'
+    # srun --resv-ports: '12000-12003'
+    reserved = re.match(r"\d+", env.get("SLURM_STEP_RESV_PORTS", ""))
     if reserved:
         return addr, int(reserved[0]), "SLURM_STEP_RESV_PORTS's port"
     return addr, 0, None
 
 
 def _rendezvous_srun(rank, world, cfg, timeout):
-    """Every task knows the address, and the port unless rank 0 publishes it; the token is the job step's."""
+    """Every task knows the address, and the port unless rank 0 publishes it; the token is the job
+    step's."""
     global _store_file, _address
     env = os.environ
     addr, port, where = _srun_address(env)
     _address = addr
-    job = f"{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}.{env.get('SLURM_RESTART_COUNT', '0')}"
+    job = (
+        f"{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}."
+        f"{env.get('SLURM_RESTART_COUNT', '0')}"
+    )
     token = f"slurm {job}"
-    # The checkpoint directory is on a file system every node shares (all ranks write checkpoints there).
+    # The checkpoint directory is on a file system every node shares (all ranks write checkpoints
+    # there).
     _store_file = Path(cfg.checkpoint_dir) / ".rendezvous" / f"slurm-{job}"
     if rank == 0:
         store = _open_store(world, port, where, token, timeout)
@@ -158,20 +187,24 @@ def _published_port(path, timeout):
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline:
-            raise ConfigError(f"rank 0 did not publish its rendezvous port in {path} within {timeout:.0f}s: see "
-                              "rank 0's error; --checkpoint_dir must be on a file system that every node shares")
+            raise ConfigError(
+                f"rank 0 did not publish its rendezvous port in {path} within {timeout:.0f}s: see "
+                "rank 0's error; --checkpoint_dir must be on a file system that every node shares"
+            )
         time.sleep(0.5)
     return int(path.read_text())
 
 
 def meet(rank, world, num_nodes, launcher, cfg):
-    """The store every rank passes to init_process_group; None under torchrun, whose agent provides one."""
+    """The store every rank passes to init_process_group; None under torchrun, whose agent provides
+    one."""
     global _store
     timeout = datetime.timedelta(seconds=cfg.collective_timeout)
     if launcher == "single":
         _store = dist.HashStore()
     elif launcher == "mpi":
-        # MPI's collectives have no timeout of their own: a rank that stops here must not hold the others.
+        # MPI's collectives have no timeout of their own: a rank that stops here must not hold the
+        # others.
         with failures.deadline(2 * cfg.collective_timeout + 60, "the rendezvous"):
             _store = _rendezvous_mpi(rank, world, num_nodes, timeout)
     elif launcher == "srun":

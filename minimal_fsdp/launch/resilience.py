@@ -1,19 +1,23 @@
-"""Ending a run on purpose: preemption signals, Ctrl-C and --time_limit become one agreed stop, and a diverged
-loss stops the run with the step that broke it.
+"""Ending a run on purpose: preemption signals, Ctrl-C and --time_limit become one agreed stop, and
+a diverged loss stops the run with the step that broke it.
 
-PBS and SLURM send SIGTERM (or SIGUSR1, e.g. SLURM's --signal=USR1@120) some time before they kill a job,
-not necessarily to every rank; Ctrl-C sends SIGINT (under mpiexec, to every rank). A handler just records the
-signal; all ranks combine what they know in one tiny all_reduce(MAX) at every logging step (--log_interval)
-and, so that a stop waits for no more than about STOP_LATENCY seconds (or one step, if a step is longer), at
-steps spaced by the step time they measured and agreed on. Every rank computes the same steps from the same
-agreed numbers, so they all look at the same step, stop there together, save a checkpoint and exit 0. Checking
-only then keeps the ranks' hosts from waiting for each other every step. A rank never stops alone, so no rank
-is left waiting in a collective. A second Ctrl-C ends the process at once, without saving.
+PBS and SLURM send SIGTERM (or SIGUSR1, e.g. SLURM's --signal=USR1@120) some time before they kill a
+job, not necessarily to every rank; Ctrl-C sends SIGINT (under mpiexec, to every rank). A handler
+just records the signal; all ranks combine what they know in one tiny all_reduce(MAX) at every
+logging step (--log_interval) and, so that a stop waits for no more than about STOP_LATENCY seconds
+(or one step, if a step is longer), at steps spaced by the step time they measured and agreed on.
+Every rank computes the same steps from the same agreed numbers, so they all look at the same step,
+stop there together, save a checkpoint and exit
+0. Checking only then keeps the ranks' hosts from waiting for each other every step. A rank never
+stops alone, so no rank is left waiting in a collective. A second Ctrl-C ends the process at once,
+without saving.
 
-A signal is acted on at once by a thread that watches for it (signal.set_wakeup_fd), whatever the main thread
-waits in (a long first step that compiles, a collective): rank 0 says it was heard; a Ctrl-C before the first
-step has finished finds nothing to save, so every rank that got it exits at once.
+A signal is acted on at once by a thread that watches for it (signal.set_wakeup_fd), whatever the
+main thread waits in (a long first step that compiles, a collective): rank 0 says it was heard; a
+Ctrl-C before the first step has finished finds nothing to save, so every rank that got it exits at
+once.
 """
+
 import math
 import os
 import signal
@@ -29,44 +33,54 @@ from minimal_fsdp.launch.failures import rank_hint
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _TIME_LIMIT = 1000  # above every signal number, so MAX of the codes stays meaningful
-STOP_LATENCY = 10.0  # seconds: the longest a stop request waits for the ranks to look at it (unless a step is longer)
+# seconds: the longest a stop request waits for the ranks to look at it (unless a step is longer)
+STOP_LATENCY = 10.0
 
 
 class Diverged(RuntimeError):
-    """The loss blew up. Raised on every rank at the same step: the grad norm it is decided on is all-reduced."""
+    """The loss blew up. Raised on every rank at the same step: the grad norm it is decided on is
+    all-reduced."""
 
 
 class StopRequests:
-    """Created when the run starts (the --time_limit clock starts then); `agreed()` is called at every logging
-    step (every --log_interval steps), before every save, and at every step where `due(step)` says so."""
+    """Created when the run starts (the --time_limit clock starts then); `agreed()` is called at
+    every logging step (every --log_interval steps), before every save, and at every step where
+    `due(step)` says so."""
 
     def __init__(self, time_limit_seconds=None):
         self.start = monotonic()
         self.time_limit_seconds = time_limit_seconds
         self.received = 0  # the stop signal the watcher thread acted on
-        self.noted = 0  # the same, as the main thread's Python-level handler saw it (at its next bytecode)
-        self.looked = False  # whether the ranks have looked at stop requests together (after the first step)
+        # the same, as the main thread's Python-level handler saw it (at its next bytecode)
+        self.noted = 0
+        # whether the ranks have looked at stop requests together (after the first step)
+        self.looked = False
         self.reason = None  # set once every rank has agreed to stop
-        self.next_look = None  # the step all ranks look at next (besides logging steps); None: the first step
+        # the step all ranks look at next (besides logging steps); None: the first step
+        self.next_look = None
         self.last_look = None  # (step, time) of the last look
 
     def due(self, step):
-        """Whether the ranks look at this step (collective-safe: every rank has agreed on next_look)."""
+        """Whether the ranks look at this step (collective-safe: every rank has agreed on
+        next_look)."""
         return self.next_look is None or step >= self.next_look
 
     @contextmanager
     def listening(self):
-        """Catch the stop signals only while training: elsewhere there is nothing to save, and the default
-        action (exit) is the right one. Python runs a handler only between the main thread's bytecodes, which a
-        step that compiles for minutes does not reach: the C-level handler writes the signal's number into a
-        pipe, and a thread acts on it (_record) at once."""
+        """Catch the stop signals only while training: elsewhere there is nothing to save, and the
+        default action (exit) is the right one. Python runs a handler only between the main thread's
+        bytecodes, which a step that compiles for minutes does not reach: the C-level handler writes
+        the signal's number into a pipe, and a thread acts on it (_record) at once."""
         previous = {sig: signal.signal(sig, self._noted) for sig in STOP_SIGNALS}
         for sig in STOP_SIGNALS:
-            signal.siginterrupt(sig, False)  # restart interrupted system calls (a collective's socket waits)
+            # restart interrupted system calls (a collective's socket waits)
+            signal.siginterrupt(sig, False)
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)
         wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-        watcher = threading.Thread(target=self._watch, args=(read_end,), daemon=True, name="stop-requests")
+        watcher = threading.Thread(
+            target=self._watch, args=(read_end,), daemon=True, name="stop-requests"
+        )
         watcher.start()
         try:
             yield self
@@ -92,29 +106,39 @@ class StopRequests:
                     self._record(signum)
 
     def _record(self, signum, frame=None):
-        """A stop signal, as it arrives: a flag that all ranks act on after the step in flight, said at once on
-        rank 0; a Ctrl-C before the first step has finished, or a second one, is an exit at once."""
-        if signum == signal.SIGINT and self.received:  # Ctrl-C again: the user will not wait for the save
+        """A stop signal, as it arrives: a flag that all ranks act on after the step in flight, said
+        at once on rank 0; a Ctrl-C before the first step has finished, or a second one, is an exit
+        at once."""
+        # Ctrl-C again: the user will not wait for the save
+        if signum == signal.SIGINT and self.received:
             _exit_at_once("error: interrupted again: exiting at once, without saving", 130)
-        if signum == signal.SIGINT and not self.looked:  # no step has finished: nothing to save, or wait for
+        # no step has finished: nothing to save, or wait for
+        if signum == signal.SIGINT and not self.looked:
             _exit_at_once(f"{_name(signum)}: stopping before the first step: nothing to save", 130)
-        # (A scheduler's SIGTERM then still waits for the first step and saves it: the job exits 0, and a
-        # chain of jobs goes on.)
-        self.received = signum  # only a flag: the step in flight finishes, then all ranks decide together
+        # (A scheduler's SIGTERM then still waits for the first step and saves it: the job exits 0,
+        # and a chain of jobs goes on.)
+        # only a flag: the step in flight finishes, then all ranks decide together
+        self.received = signum
         _say(f"{_name(signum)}: stop requested: will save after the step in flight")
 
     def agreed(self, step=None):
-        """Collective: the reason every rank stops after step `step`, or None to go on. Also agrees on the
-        step of the next look: STOP_LATENCY seconds on at the slowest rank's pace since the last look."""
+        """Collective: the reason every rank stops after step `step`, or None to go on. Also agrees
+        on the step of the next look: STOP_LATENCY seconds on at the slowest rank's pace since the
+        last look."""
         now = monotonic()
         self.looked = True
         code = self.received or self.noted
-        if not code and self.time_limit_seconds is not None and now - self.start >= self.time_limit_seconds:
+        if (
+            not code
+            and self.time_limit_seconds is not None
+            and now - self.start >= self.time_limit_seconds
+        ):
             code = _TIME_LIMIT
         pace = 0.0  # seconds per step since the last look
         if step is not None and self.last_look is not None and step > self.last_look[0]:
             pace = (now - self.last_look[1]) / (step - self.last_look[0])
-        flag = torch.tensor([code, pace], dtype=torch.float64)  # a CPU tensor (gloo): no wait for the GPU
+        # a CPU tensor (gloo): no wait for the GPU
+        flag = torch.tensor([code, pace], dtype=torch.float64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         code, pace = int(flag[0].item()), float(flag[1].item())
         if step is not None:
@@ -138,7 +162,8 @@ def _say(line):
 
 
 def _exit_at_once(line, code):
-    """End this process now: the run's locks removed (a later run need not take them over), no `finally` run."""
+    """End this process now: the run's locks removed (a later run need not take them over), no
+    `finally` run."""
     _say(line)
     files.drop_held_locks()
     os._exit(code)
@@ -147,28 +172,34 @@ def _exit_at_once(line, code):
 class NonFiniteGuard:
     """Stops the run at a NaN/Inf grad norm, naming the step.
 
-    With --skip_nonfinite N > 0 every step is checked before its update (train_step skips a non-finite one),
-    which makes the host wait for the device once per step. With N = 0 (the default) the check is deferred:
-    grad norms stay on the device and are looked at whenever the loop syncs anyway (logging) and before any
-    checkpoint is written, so a poisoned model is never saved and the hot path never waits."""
+    With --skip_nonfinite N > 0 every step is checked before its update (train_step skips a
+    non-finite one), which makes the host wait for the device once per step. With N = 0 (the
+    default) the check is deferred: grad norms stay on the device and are looked at whenever the
+    loop syncs anyway (logging) and before any checkpoint is written, so a poisoned model is never
+    saved and the hot path never waits."""
 
     def __init__(self, allowed, warn=None):
         self.allowed = allowed
-        self.warn = warn  # prints a warning line on rank 0 (around its progress bar); None elsewhere
+        # prints a warning line on rank 0 (around its progress bar); None elsewhere
+        self.warn = warn
         self.skipped = 0
         self.pending = []  # (step, grad norm on the device, loss) not yet looked at
 
     def check(self, step, grad_norm, loss):
-        """True if the step's update counts. grad_norm is the all-reduced one, so every rank agrees."""
+        """True if the step's update counts. grad_norm is the all-reduced one, so every rank
+        agrees."""
         if not self.allowed:
             self.pending.append((step, grad_norm, loss))
             return True
         return self._verdict(step, float(grad_norm), loss)
 
     def flush(self):
-        """Look at the deferred grad norms (one wait for the device); raises Diverged at the first bad one."""
+        """Look at the deferred grad norms (one wait for the device); raises Diverged at the first
+        bad one."""
         pending, self.pending = self.pending, []
-        if pending and not bool(torch.stack([torch.as_tensor(n).float() for _, n, _ in pending]).isfinite().all()):
+        if pending and not bool(
+            torch.stack([torch.as_tensor(n).float() for _, n, _ in pending]).isfinite().all()
+        ):
             for step, norm, loss in pending:
                 self._verdict(step, float(norm), loss)
 
@@ -177,10 +208,14 @@ class NonFiniteGuard:
             return True
         self.skipped += 1
         if self.skipped > self.allowed:
-            raise Diverged(f"step {step}: the grad norm is {grad_norm} (loss {float(loss):.4g} on rank 0): the run "
-                           "diverged and stops here; its last checkpoint is untouched. Lower --lr or raise "
-                           "--warmup_steps, or let --skip_nonfinite N skip up to N such steps")
+            raise Diverged(
+                f"step {step}: the grad norm is {grad_norm} (loss {float(loss):.4g} on rank 0): "
+                "the run diverged and stops here; its last checkpoint is untouched. Lower --lr or "
+                "raise --warmup_steps, or let --skip_nonfinite N skip up to N such steps"
+            )
         if self.warn:
-            self.warn(f"warning: step {step}: grad norm {grad_norm}; update skipped "
-                      f"({self.skipped} of --skip_nonfinite {self.allowed})")
+            self.warn(
+                f"warning: step {step}: grad norm {grad_norm}; update skipped "
+                f"({self.skipped} of --skip_nonfinite {self.allowed})"
+            )
         return False

@@ -3,6 +3,7 @@
 Only the math lives here; how it is sharded, checkpointed and compiled lives in parallelize.py.
 Shapes: B batch, T time, C embed_size, H heads, D = C // H.
 """
+
 import math
 
 import torch
@@ -16,10 +17,18 @@ from minimal_fsdp.models.configs import GPTConfig
 # The OpenAI GPT-2 shapes (vocab 50257, 1024 positions) and a tiny one that trains on a laptop CPU.
 PRESETS = {
     "tiny": dict(num_layers=4, num_heads=4, embed_size=128, seq_length=128, dropout=0.0),
-    "gpt2": dict(num_layers=12, num_heads=12, embed_size=768, seq_length=1024, vocab_size=50257, dropout=0.0),
-    "gpt2-medium": dict(num_layers=24, num_heads=16, embed_size=1024, seq_length=1024, vocab_size=50257, dropout=0.0),
-    "gpt2-large": dict(num_layers=36, num_heads=20, embed_size=1280, seq_length=1024, vocab_size=50257, dropout=0.0),
-    "gpt2-xl": dict(num_layers=48, num_heads=25, embed_size=1600, seq_length=1024, vocab_size=50257, dropout=0.0),
+    "gpt2": dict(
+        num_layers=12, num_heads=12, embed_size=768, seq_length=1024, vocab_size=50257, dropout=0.0
+    ),
+    "gpt2-medium": dict(
+        num_layers=24, num_heads=16, embed_size=1024, seq_length=1024, vocab_size=50257, dropout=0.0
+    ),
+    "gpt2-large": dict(
+        num_layers=36, num_heads=20, embed_size=1280, seq_length=1024, vocab_size=50257, dropout=0.0
+    ),
+    "gpt2-xl": dict(
+        num_layers=48, num_heads=25, embed_size=1600, seq_length=1024, vocab_size=50257, dropout=0.0
+    ),
 }
 
 
@@ -34,11 +43,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None, layer=0, mask=None):
         B, T, C = x.shape
-        # Three matmuls on slices of the one qkv weight (GPT-2's layout): backward then adds their input gradients
-        # instead of concatenating dq, dk and dv into one tensor for a single matmul.
+        # Three matmuls on slices of the one qkv weight (GPT-2's layout): backward then adds their
+        # input gradients instead of concatenating dq, dk and dv into one tensor for a single
+        # matmul.
         biases = self.qkv.bias.split(C) if self.qkv.bias is not None else (None,) * 3
         q, k, v = (F.linear(x, w, b) for w, b in zip(self.qkv.weight.split(C), biases))
-        q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (
+            t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in (q, k, v)
+        )
         y = attend(q, k, v, cache, layer, self.dropout if self.training else 0.0, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.proj(y))
@@ -85,14 +97,16 @@ class GPT(Decoder):
         self.loss = cross_entropy  # parallelize may swap in a compiled or fused version
 
     def forward(self, idx, targets=None, cache=None):
-        """Returns the mean cross-entropy if targets are given, else the logits of the last position."""
+        """Returns the mean cross-entropy if targets are given, else the logits of the last
+        position."""
         x = self.trunk(idx, cache)
         if targets is None:
             return F.linear(x[:, -1], self.wte.weight)  # tied output embedding
         return self.loss(x, self.wte.weight, targets)  # tied output embedding
 
     def trunk(self, idx, cache=None):
-        """Token ids (B, T) -> the final normalized hidden states (B, T, C): all but the output projection."""
+        """Token ids (B, T) -> the final normalized hidden states (B, T, C): all but the output
+        projection."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         pos = torch.arange(start, start + T, device=idx.device)
@@ -105,13 +119,13 @@ class GPT(Decoder):
         return self.ln_f(x)
 
     def initial_value(self, name, shape, generator, device):
-        """The initial value of parameter `name`, a pure function of (name, seeded generator), so eager init
-        and meta-device init of one shard at a time give identical weights."""
+        """The initial value of parameter `name`, a pure function of (name, seeded generator), so
+        eager init and meta-device init of one shard at a time give identical weights."""
         if name.endswith("bias"):
             return torch.zeros(shape, device=device)
         if "ln_" in name:
             return torch.ones(shape, device=device)
-        # GPT-2: residual projections scaled by 1/sqrt(2 * layers) so the residual stream stays O(1).
+        # GPT-2: residual projections scaled by 1/sqrt(2 * layers) so the residual stream stays
+        # O(1).
         std = 0.02 / math.sqrt(2 * self.config.num_layers) if name.endswith("proj.weight") else 0.02
         return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
-

@@ -1,8 +1,10 @@
-"""What GPT and Llama share: attention over a KV cache or a document mask, the loss, parameter and FLOP counts.
+"""What GPT and Llama share: attention over a KV cache or a document mask, the loss, parameter and
+FLOP counts.
 
 Only math lives here, as in model.py and llama.py.
 Shapes: B batch, H heads, K heads with their own keys and values, T time, D head size.
 """
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -23,36 +25,41 @@ class KVCache:
 
 
 def attend(q, k, v, cache, layer, dropout, mask=None):
-    """Causal attention of q (B, H, T, D) over k, v (B, K, T, D). With a cache: this step's keys and values are
-    written at its position and the queries see every cached one. dropout: the probability, 0 when evaluating.
-    mask: a document mask (Decoder.attention_mask; never with a cache), else plain causal attention."""
+    """Causal attention of q (B, H, T, D) over k, v (B, K, T, D). With a cache: this step's keys and
+    values are written at its position and the queries see every cached one. dropout: the
+    probability, 0 when evaluating. mask: a document mask (Decoder.attention_mask; never with a
+    cache), else plain causal attention."""
     if mask is not None:
         return attend_documents(q, k, v, mask, dropout)
     T = q.size(2)
     if cache is not None:
         start = cache.pos
-        cache.k[layer][:, :, start:start + T] = k
-        cache.v[layer][:, :, start:start + T] = v
-        k, v = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
+        cache.k[layer][:, :, start : start + T] = k
+        cache.v[layer][:, :, start : start + T] = v
+        k, v = cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T]
     if k.size(1) != q.size(1):
-        # Give each query head its group's k, v. (SDPA's enable_gqa would skip the copy, but only its flash
-        # kernel supports it: fp32 on GPU would fall back to the math kernel and its T x T matrix.)
+        # Give each query head its group's k, v. (SDPA's enable_gqa would skip the copy, but only
+        # its flash kernel supports it: fp32 on GPU would fall back to the math kernel and its T x T
+        # matrix.)
         groups = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    # A prefill (T > 1) starts at position 0 and is causal; a single new token sees every cached one.
+    # A prefill (T > 1) starts at position 0 and is causal; a single new token sees every cached
+    # one.
     return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout)
 
 
 def cross_entropy(x, weight, targets):
     """Mean next-token loss of the logits x @ weight.T, computed in fp32 whatever their dtype.
-    It takes the output projection, not the logits, so that fused_loss.py can replace it whole on CUDA."""
+    It takes the output projection, not the logits, so that fused_loss.py can replace it whole on
+    CUDA."""
     logits = F.linear(x, weight)
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 class Decoder(nn.Module):
-    """The surface parallelize, train and generate rely on: `config`, `blocks`, `loss`, `initial_value`, and
-    these counts. `lookup_only` names the embedding that is a table lookup rather than a matmul."""
+    """The surface parallelize, train and generate rely on: `config`, `blocks`, `loss`,
+    `initial_value`, and these counts. `lookup_only` names the embedding that is a table lookup
+    rather than a matmul."""
 
     lookup_only = None
 
@@ -61,22 +68,29 @@ class Decoder(nn.Module):
         return n - self.get_parameter(self.lookup_only).numel() if non_embedding else n
 
     def flops_per_token(self):
-        """Training FLOPs per token: 6N for the matmuls plus attention (PaLM's count, as nanoGPT does)."""
+        """Training FLOPs per token: 6N for the matmuls plus attention (PaLM's count, as nanoGPT
+        does)."""
         c = self.config
         return 6 * self.num_params() + 12 * c.num_layers * c.embed_size * c.seq_length
 
     def attention_mask(self, idx, cache=None):
-        """The document mask of the windows idx (B, T) if the config has an end-of-text token (--document_mask),
-        built once for all blocks; None: plain causal. Decoding with a cache continues one text: causal."""
+        """The document mask of the windows idx (B, T) if the config has an end-of-text token
+        (--document_mask), built once for all blocks; None: plain causal. Decoding with a cache
+        continues one text: causal."""
         eot_id = self.config.document_eot_id
         if eot_id is None or cache is not None:
             return None
-        # Without gradients the mask is built outside any compiled graph and enters it as an input, as in blocks
-        # compiled one by one: inductor (torch 2.11, H200) failed to lower FlexAttention in a no-grad graph whose
-        # mask reads documents computed in that same graph ("convert FlexibleLayout to FixedLayout first").
+        # Without gradients the mask is built outside any compiled graph and enters it as an input,
+        # as in blocks compiled one by one: inductor (torch 2.11, H200) failed to lower
+        # FlexAttention in a no-grad graph whose mask reads documents computed in that same graph
+        # ("convert FlexibleLayout to FixedLayout first").
         build = document_mask if torch.is_grad_enabled() else _document_mask_outside_graphs
-        return build(idx, eot_id, self.config.dropout if self.training else 0.0,
-                     head_size=self.config.embed_size // self.config.num_heads)
+        return build(
+            idx,
+            eot_id,
+            self.config.dropout if self.training else 0.0,
+            head_size=self.config.embed_size // self.config.num_heads,
+        )
 
     def new_cache(self, batch_size, device, dtype):
         """An empty KV cache for generation."""

@@ -3,8 +3,10 @@ untied output head. The same surface as model.GPT, so parallelize, train and gen
 
 Only the math lives here. Rotary embeddings follow the Hugging Face layout (dimension i pairs with
 i + D/2), so Hugging Face Llama weights load without permuting q and k.
-Shapes: B batch, T time, C embed_size, H heads, K kv heads, D = C // H head size, I intermediate_size.
+Shapes: B batch, T time, C embed_size, H heads, K kv heads, D = C // H head size, I
+intermediate_size.
 """
+
 import math
 
 import torch
@@ -15,37 +17,97 @@ from minimal_fsdp.models.layers import Decoder, attend, cross_entropy
 from minimal_fsdp.models.configs import LlamaConfig
 
 
-# Llama 3.1's rotary scaling (its config.json's rope_scaling; Meta's reference code applies it to Llama 3.1 8B).
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
-# Llama 2 shapes from the paper (and the reference's table); Llama 3 8B as Meta's Llama 3.1 8B config.json (128K
-# vocabulary, 8 kv heads, rope theta 500000 and Llama 3.1's scaling, norm eps 1e-5) at its 8K training context;
-# llama3-tiny: the same family (4 query heads per kv head, theta, scaling, vocabulary) in a few blocks of width 256;
-# tiny for laptops.
+# Llama 3.1's rotary scaling (its config.json's rope_scaling; Meta's reference code applies it to
+# Llama 3.1 8B).
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# Llama 2 shapes from the paper (and the reference's table); Llama 3 8B as Meta's Llama 3.1 8B
+# config.json (128K vocabulary, 8 kv heads, rope theta 500000 and Llama 3.1's scaling, norm eps
+# 1e-5) at its 8K training context; llama3-tiny: the same family (4 query heads per kv head, theta,
+# scaling, vocabulary) in a few blocks of width 256; tiny for laptops.
 PRESETS = {
-    "tiny": dict(num_layers=4, num_heads=4, num_kv_heads=2, embed_size=128, intermediate_size=384, seq_length=128),
-    "llama2-7b": dict(num_layers=32, num_heads=32, num_kv_heads=32, embed_size=4096, intermediate_size=11008,
-                      seq_length=4096, vocab_size=32000),
-    "llama2-13b": dict(num_layers=40, num_heads=40, num_kv_heads=40, embed_size=5120, intermediate_size=13824,
-                       seq_length=4096, vocab_size=32000),
-    "llama2-70b": dict(num_layers=80, num_heads=64, num_kv_heads=8, embed_size=8192, intermediate_size=28672,
-                       seq_length=4096, vocab_size=32000),
-    "llama3-8b": dict(num_layers=32, num_heads=32, num_kv_heads=8, embed_size=4096, intermediate_size=14336,
-                      seq_length=8192, vocab_size=128256, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE),
-    "llama3-tiny": dict(num_layers=4, num_heads=8, num_kv_heads=2, embed_size=256, intermediate_size=896,
-                        seq_length=512, vocab_size=128256, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE),
+    "tiny": dict(
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_size=128,
+        intermediate_size=384,
+        seq_length=128,
+    ),
+    "llama2-7b": dict(
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        embed_size=4096,
+        intermediate_size=11008,
+        seq_length=4096,
+        vocab_size=32000,
+    ),
+    "llama2-13b": dict(
+        num_layers=40,
+        num_heads=40,
+        num_kv_heads=40,
+        embed_size=5120,
+        intermediate_size=13824,
+        seq_length=4096,
+        vocab_size=32000,
+    ),
+    "llama2-70b": dict(
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        embed_size=8192,
+        intermediate_size=28672,
+        seq_length=4096,
+        vocab_size=32000,
+    ),
+    "llama3-8b": dict(
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        embed_size=4096,
+        intermediate_size=14336,
+        seq_length=8192,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA31_ROPE,
+    ),
+    "llama3-tiny": dict(
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        embed_size=256,
+        intermediate_size=896,
+        seq_length=512,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA31_ROPE,
+    ),
 }
 
 
 def rotary_frequencies(config):
-    """Angle per position step of each of the D/2 rotating pairs: theta^(-2i/D), optionally Llama-3-scaled."""
+    """Angle per position step of each of the D/2 rotating pairs: theta^(-2i/D), optionally
+    Llama-3-scaled."""
     head_size = config.embed_size // config.num_heads
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    inv_freq = 1.0 / config.rope_theta ** (
+        torch.arange(0, head_size, 2, dtype=torch.float32) / head_size
+    )
     scaling = config.rope_scaling
     if scaling and scaling.get("rope_type") == "llama3":
-        # Llama 3.1: slow frequencies (wavelength beyond the original context) are divided by `factor`, fast
-        # ones kept, and the band in between blended, so long contexts reuse the angles seen in training.
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        # Llama 3.1: slow frequencies (wavelength beyond the original context) are divided by
+        # `factor`, fast ones kept, and the band in between blended, so long contexts reuse the
+        # angles seen in training.
+        factor, low, high = (
+            scaling["factor"],
+            scaling["low_freq_factor"],
+            scaling["high_freq_factor"],
+        )
         original = scaling["original_max_position_embeddings"]
         wavelength = 2 * math.pi / inv_freq
         blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
@@ -54,9 +116,9 @@ def rotary_frequencies(config):
 
 
 def rotary_tables(config, start, length, device):
-    """cos and sin of every (position, dimension) for positions [start, start + length): (T, D) each.
-    Computed per forward from the config (cheap next to the model), so there is no buffer for meta-device
-    init, sharding or checkpoints to handle."""
+    """cos and sin of every (position, dimension) for positions [start, start + length): (T, D)
+    each. Computed per forward from the config (cheap next to the model), so there is no buffer for
+    meta-device init, sharding or checkpoints to handle."""
     inv_freq = rotary_frequencies(config).to(device)
     positions = torch.arange(start, start + length, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
@@ -137,19 +199,22 @@ class Llama(Decoder):
         self.loss = cross_entropy  # parallelize may swap in a compiled or fused version
 
     def forward(self, idx, targets=None, cache=None):
-        """Returns the mean cross-entropy if targets are given, else the logits of the last position."""
+        """Returns the mean cross-entropy if targets are given, else the logits of the last
+        position."""
         x = self.trunk(idx, cache)
         if targets is None:
             return self.lm_head(x[:, -1])
         return self.loss(x, self.lm_head.weight, targets)
 
     def trunk(self, idx, cache=None):
-        """Token ids (B, T) -> the final normalized hidden states (B, T, C): all but the output head."""
+        """Token ids (B, T) -> the final normalized hidden states (B, T, C): all but the output
+        head."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         cos, sin = rotary_tables(self.config, start, T, idx.device)
         x = self.drop(self.wte(idx))
-        # In the compute dtype, as Hugging Face does (bf16 q, k stay bf16, like v); cast once, outside the blocks.
+        # In the compute dtype, as Hugging Face does (bf16 q, k stay bf16, like v); cast once,
+        # outside the blocks.
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         mask = self.attention_mask(idx, cache)
         for layer, block in enumerate(self.blocks):
@@ -159,11 +224,12 @@ class Llama(Decoder):
         return self.norm(x)
 
     def initial_value(self, name, shape, generator, device):
-        """The initial value of parameter `name`, a pure function of (name, seeded generator), so eager init
-        and meta-device init of one shard at a time give identical weights."""
+        """The initial value of parameter `name`, a pure function of (name, seeded generator), so
+        eager init and meta-device init of one shard at a time give identical weights."""
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=device)
-        # As GPT-2: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers) so the residual stream stays O(1).
+        # As GPT-2: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers) so the residual
+        # stream stays O(1).
         residual = name.endswith(("o_proj.weight", "down_proj.weight"))
         std = 0.02 / math.sqrt(2 * self.config.num_layers) if residual else 0.02
         return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)

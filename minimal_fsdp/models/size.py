@@ -1,5 +1,7 @@
-"""How many parameters a model has, counted from one block built on the meta device (no memory, exact numbers):
-the one counter that the plan (which strategy), the memory planner and the startup check all use."""
+"""How many parameters a model has, counted from one block built on the meta device (no memory,
+exact numbers): the one counter that the plan (which strategy), the memory planner and the startup
+check all use."""
+
 import dataclasses
 
 import torch
@@ -11,9 +13,11 @@ from minimal_fsdp.models.families import MODELS
 class Sizes:
     total: int  # every parameter, embeddings included, counted once (tied weights too)
     per_block: int
-    root: int  # everything outside the blocks: embeddings, final norm, output head (FSDP's root unit)
+    # everything outside the blocks: embeddings, final norm, output head (FSDP's root unit)
+    root: int
     lookup: int = 0  # the embedding that is only looked up (no FLOPs; layers.Decoder.lookup_only)
-    block_linears: tuple = ()  # (name in the block, in features, out features) of each linear layer of a block
+    # (name in the block, in features, out features) of each linear layer of a block
+    block_linears: tuple = ()
 
 
 def count_parameters(model_config):
@@ -23,6 +27,9 @@ def count_parameters(model_config):
     per_block = sum(p.numel() for p in block.parameters())
     root = sum(p.numel() for p in model.parameters()) - per_block
     lookup = model.get_parameter(model.lookup_only).numel() if model.lookup_only else 0
-    linears = tuple((name, m.in_features, m.out_features) for name, m in block.named_modules()
-                    if isinstance(m, torch.nn.Linear))
+    linears = tuple(
+        (name, m.in_features, m.out_features)
+        for name, m in block.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    )
     return Sizes(root + per_block * model_config.num_layers, per_block, root, lookup, linears)

@@ -1,21 +1,27 @@
-"""--precision fp8: bf16 compute as --precision bf16, plus torchao's float8 matmuls in the blocks' large linear
-layers, on GPUs with float8 tensor cores (compute capability 8.9 or newer: H100, H200, L40S).
+"""--precision fp8: bf16 compute as --precision bf16, plus torchao's float8 matmuls in the blocks'
+large linear layers, on GPUs with float8 tensor cores (compute capability 8.9 or newer: H100, H200,
+L40S).
 
-Which layers: a block's nn.Linear whose in and out features are both multiples of 16 (what float8 matmuls,
-torch._scaled_mm, accept) and both at least MIN_FEATURES. That rule keeps out only the tiny layers, whose casts
-surely cost more than their faster matmul saves; whether mid-sized ones (GPT-2 124M's 768) gain is measured, not
-assumed (docs/performance.md). Never the embeddings or the output head: the head's matmul is part of the fused loss.
+Which layers: a block's nn.Linear whose in and out features are both multiples of 16 (what float8
+matmuls, torch._scaled_mm, accept) and both at least MIN_FEATURES. That rule keeps out only the tiny
+layers, whose casts surely cost more than their faster matmul saves; whether mid-sized ones (GPT-2
+124M's
+768) gain is measured, not assumed (docs/performance.md). Never the embeddings or the output head:
+the head's matmul is part of the fused loss.
 
 Recipes (--fp8_recipe), torchao's:
-  tensorwise  one scale per tensor, cuBLAS float8 matmuls. Under FSDP over more than one rank the weights are
-              also all-gathered in float8 (half of bf16's bytes); their scales are computed after each optimizer
-              step, for all weights in one all-reduce (FSDPSync.after_step), not one all-reduce per weight later,
-              and each shard is cast to float8 in one compiled kernel (fused_shard_cast).
-  rowwise     a scale per row: more accurate with outliers, slower kernels; weights all-gathered in bf16.
+  tensorwise  one scale per tensor, cuBLAS float8 matmuls. Under FSDP over more than one rank the
+              weights are also all-gathered in float8 (half of bf16's bytes); their scales are
+              computed after each optimizer step, for all weights in one all-reduce
+              (FSDPSync.after_step), not one all-reduce per weight later, and each shard is cast to
+              float8 in one compiled kernel (fused_shard_cast).
+  rowwise     a scale per row: more accurate with outliers, slower kernels; weights all-gathered in
+              bf16.
 
-Master weights, gradients and AdamW state stay fp32 and checkpoints hold plain fp32 tensors under the same
-names, so a run can switch between bf16 and fp8 when it resumes, and export is unchanged.
+Master weights, gradients and AdamW state stay fp32 and checkpoints hold plain fp32 tensors under
+the same names, so a run can switch between bf16 and fp8 when it resumes, and export is unchanged.
 """
+
 import dataclasses
 import functools
 
@@ -27,102 +33,139 @@ from minimal_fsdp.config.choices import FP8_RECIPES as RECIPES  # noqa: F401 (--
 from minimal_fsdp.config.choices import ConfigError
 
 MIN_FEATURES = 256
-# model.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never run its forward.
+# model.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never
+# run its forward.
 NOT_CALLED = ("attn.qkv",)
 
 
 def converts(name, in_features, out_features):
     """Whether --precision fp8 turns the linear layer `name` (within a block) into a float8 one."""
-    return (not name.endswith(NOT_CALLED) and in_features % 16 == 0 and out_features % 16 == 0
-            and min(in_features, out_features) >= MIN_FEATURES)
+    return (
+        not name.endswith(NOT_CALLED)
+        and in_features % 16 == 0
+        and out_features % 16 == 0
+        and min(in_features, out_features) >= MIN_FEATURES
+    )
 
 
 def convertible(model):
     """(name, layer) of every linear layer --precision fp8 turns into a float8 one."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
-            and name.startswith("blocks.") and converts(name, m.in_features, m.out_features)]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+        and name.startswith("blocks.")
+        and converts(name, m.in_features, m.out_features)
+    ]
 
 
 def block_shapes(sizes):
-    """(in, out) features of each linear layer of one block that --precision fp8 converts (models.size.Sizes)."""
+    """(in, out) features of each linear layer of one block that --precision fp8 converts
+    (models.size.Sizes)."""
     return tuple((i, o) for name, i, o in sizes.block_linears if converts(name, i, o))
 
 
 def check_device(device):
-    """Refuse a device without float8 tensor cores; the same verdict on every rank of a homogeneous job."""
+    """Refuse a device without float8 tensor cores; the same verdict on every rank of a homogeneous
+    job."""
     if device.type != "cuda":
-        raise ConfigError(f"--precision fp8 needs an NVIDIA GPU with float8 tensor cores (compute capability 8.9+: "
-                          f"H100, H200, L40S); this run is on {device.type}: use --precision bf16")
+        raise ConfigError(
+            f"--precision fp8 needs an NVIDIA GPU with float8 tensor cores (compute capability "
+            f"8.9+: H100, H200, L40S); this run is on {device.type}: use --precision bf16"
+        )
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
-        raise ConfigError(f"--precision fp8 needs compute capability 8.9 or newer (H100, H200, L40S); "
-                          f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
-                          "use --precision bf16")
+        raise ConfigError(
+            f"--precision fp8 needs compute capability 8.9 or newer (H100, H200, L40S); "
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
+            "use --precision bf16"
+        )
 
 
 def gathers_in_float8(plan, layer):
-    """Whether FSDP all-gathers this layer's weight in float8: tensorwise, sharded over more than one rank, not
-    offloaded (the scale precompute would all-reduce CPU tensors), and evenly: torchao (0.17) cannot all-gather
-    a float8 weight whose rows do not split evenly over the ranks (pytorch/ao#3982), so such a layer gathers
-    in bf16 and casts after."""
+    """Whether FSDP all-gathers this layer's weight in float8: tensorwise, sharded over more than
+    one rank, not offloaded (the scale precompute would all-reduce CPU tensors), and evenly: torchao
+    (0.17) cannot all-gather a float8 weight whose rows do not split evenly over the ranks
+    (pytorch/ao#3982), so such a layer gathers in bf16 and casts after."""
     return plan.fp8_all_gather and layer.out_features % plan.shard_ranks == 0
 
 
 def convert(model, plan, device):
-    """Swap the convertible layers for torchao's Float8Linear, in place, before sharding (build_model)."""
+    """Swap the convertible layers for torchao's Float8Linear, in place, before sharding
+    (build_model)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     layers = convertible(model)
     if not layers:
-        raise ConfigError(f"--precision fp8 converts the blocks' linear layers whose sizes are multiples of 16 and at "
-                          f"least {MIN_FEATURES}; this model (embed size {model.config.embed_size}) has none: "
-                          "use a wider model or --precision bf16")
-    # On CPU (tests only: check_device refuses it) torchao emulates the float8 matmuls in higher precision.
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(plan.fp8), emulate=device.type != "cuda")
+        raise ConfigError(
+            f"--precision fp8 converts the blocks' linear layers whose sizes are multiples of 16 "
+            f"and at least {MIN_FEATURES}; this model (embed size {model.config.embed_size}) has "
+            "none: use a wider model or --precision bf16"
+        )
+    # On CPU (tests only: check_device refuses it) torchao emulates the float8 matmuls in higher
+    # precision.
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(plan.fp8), emulate=device.type != "cuda"
+    )
     gathered = {name for name, layer in layers if gathers_in_float8(plan, layer)}
     others = {name for name, _ in layers} - gathered
     if gathered:
         fuse_shard_cast()
-        convert_to_float8_training(model, config=dataclasses.replace(config, enable_fsdp_float8_all_gather=True),
-                                   module_filter_fn=lambda _, name: name in gathered)
+        convert_to_float8_training(
+            model,
+            config=dataclasses.replace(config, enable_fsdp_float8_all_gather=True),
+            module_filter_fn=lambda _, name: name in gathered,
+        )
     if others:
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda _, name: name in others)
+        convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda _, name: name in others
+        )
     for name in gathered:
         model.get_submodule(name).register_state_dict_post_hook(_plain_weight)
     return model
 
 
 def _plain_weight(layer, state_dict, prefix, local_metadata):
-    """A float8-gathered layer's weight is torchao's WeightWithDynamicFloat8CastTensor around the fp32 shard; DCP
-    would pickle that class into the checkpoint, which then only loads where torchao is installed. Hand DCP the
-    fp32 tensor inside (the same memory, so a load writes into the parameter)."""
+    """A float8-gathered layer's weight is torchao's WeightWithDynamicFloat8CastTensor around the
+    fp32 shard; DCP would pickle that class into the checkpoint, which then only loads where torchao
+    is installed. Hand DCP the fp32 tensor inside (the same memory, so a load writes into the
+    parameter)."""
     key = prefix + "weight"
     weight = state_dict[key]
     local = weight.to_local() if isinstance(weight, DTensor) else weight
-    plain = getattr(local, "_tensor", local).detach()  # the wrapper's only tensor (torchao's fsdp_utils.py)
+    # the wrapper's only tensor (torchao's fsdp_utils.py)
+    plain = getattr(local, "_tensor", local).detach()
     if isinstance(weight, DTensor):
-        plain = DTensor.from_local(plain, weight.device_mesh, weight.placements, run_check=False,
-                                   shape=weight.shape, stride=weight.stride())
+        plain = DTensor.from_local(
+            plain,
+            weight.device_mesh,
+            weight.placements,
+            run_check=False,
+            shape=weight.shape,
+            stride=weight.stride(),
+        )
     state_dict[key] = plain
 
 
 @functools.cache
 def _float8_cast(dtype):
-    """weight * scale, saturated to dtype's range, in dtype: one compiled kernel (any shape, no recompiles)."""
+    """weight * scale, saturated to dtype's range, in dtype: one compiled kernel (any shape, no
+    recompiles)."""
     limit = torch.finfo(dtype).max
 
     @torch.compile(dynamic=True)
     def cast(weight, scale):
         return (weight.float() * scale).clamp(-limit, limit).to(dtype)
+
     return cast
 
 
 def fused_shard_cast(self, mesh):
-    """torchao's WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather, the shard cast to float8 before its
-    all-gather, with the cast as one kernel. torchao (0.17) casts in three eager kernels (scale, clamp, copy),
-    each reading and writing the whole fp32 shard: 55 ms of Llama 3 8B's full-shard step on 2 H200s, where one
-    kernel made the step 1.6-2.0% faster. The bits are the same (tests/parallel/test_fp8.py).
-    Without a precomputed scale, torchao's own path."""
+    """torchao's WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather, the shard cast to float8
+    before its all-gather, with the cast as one kernel. torchao (0.17) casts in three eager kernels
+    (scale, clamp, copy), each reading and writing the whole fp32 shard: 55 ms of Llama 3 8B's
+    full-shard step on 2 H200s, where one kernel made the step 1.6-2.0% faster. The bits are the
+    same (tests/parallel/test_fp8.py). Without a precomputed scale, torchao's own path."""
     scale = self._precomputed_scale
     if scale is None or isinstance(self._tensor, DTensor):
         return _TORCHAO_SHARD_CAST(self, mesh)
@@ -133,29 +176,43 @@ _TORCHAO_SHARD_CAST = None
 
 
 def fuse_shard_cast():
-    """Make every float8-gathered weight cast its shard with fused_shard_cast (a class attribute of torchao's)."""
+    """Make every float8-gathered weight cast its shard with fused_shard_cast (a class attribute of
+    torchao's)."""
     global _TORCHAO_SHARD_CAST
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
+
     if Weight.fsdp_pre_all_gather is not fused_shard_cast:
         _TORCHAO_SHARD_CAST = Weight.fsdp_pre_all_gather
         Weight.fsdp_pre_all_gather = fused_shard_cast
 
 
 def scale_precompute(plan):
-    """What runs after each optimizer step: torchao's precompute of the float8 all-gather's weight scales, or
-    None. Once it has run, the all-gathers use its scales, so it must follow every step that changes weights."""
+    """What runs after each optimizer step: torchao's precompute of the float8 all-gather's weight
+    scales, or None. Once it has run, the all-gathers use its scales, so it must follow every step
+    that changes weights."""
     if not plan.fp8_all_gather:
         return None
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
     return precompute_float8_dynamic_scale_for_fsdp
 
 
 def describe(plan, model):
     """The banner's line about fp8."""
-    blocks = [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.startswith("blocks.")]
+    blocks = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name.startswith("blocks.")
+    ]
     layers = convertible(model)
     gathered = sum(gathers_in_float8(plan, layer) for _, layer in layers)
-    gather = f"{gathered} all-gathered in float8, scales computed after each optimizer step" if gathered \
+    gather = (
+        f"{gathered} all-gathered in float8, scales computed after each optimizer step"
+        if gathered
         else "each weight cast to float8 where it is used"
-    return (f"fp8: {plan.fp8} float8 matmuls in {len(layers)} of the blocks' {len(blocks)} linear layers "
-            f"({gather}); MFU is relative to the dense bf16 peak, as for bf16, so the two compare")
+    )
+    return (
+        f"fp8: {plan.fp8} float8 matmuls in {len(layers)} of the blocks' {len(blocks)} linear "
+        f"layers ({gather}); MFU is relative to the dense bf16 peak, as for bf16, so the two "
+        f"compare"
+    )

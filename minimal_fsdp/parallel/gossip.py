@@ -1,32 +1,37 @@
-"""Decentralized data parallel: each rank trains its own whole replica and, every step, averages parameters
-with a few neighbours (gossip) instead of all-reducing gradients across every rank.
+"""Decentralized data parallel: each rank trains its own whole replica and, every step, averages
+parameters with a few neighbours (gossip) instead of all-reducing gradients across every rank.
 
 Topologies, for n peers at step t (x_i is peer i's flat parameter vector):
   complete              x_i <- mean of all replicas (one all-reduce)
   ring                  x_i <- (x_{i-1} + x_i + x_{i+1}) / 3        (n = 2: (x_0 + x_1) / 2)
   exp                   one peer at distance d = 2^(t mod ceil(log2 n)): x_i <- (x_i + x_{i-d}) / 2,
-                        sending to i + d (a one-peer exponential graph; indices mod n, so any n works)
+                        sending to i + d (a one-peer exponential graph; indices mod n, so any n
+                        works)
   alternating-exp-ring  exp on even steps (cycling d over those), ring on odd steps
-Every mixing matrix is doubly stochastic, so a gossip step keeps the network average of the replicas.
+Every mixing matrix is doubly stochastic, so a gossip step keeps the network average of the
+replicas.
 
-Host-aware: on one host (or one rank a host) the peers are the ranks. On H hosts of L ranks each, the peers are
-the hosts: a step averages the L replicas of each host over its local links (reduce-scatter: local rank j holds
-the host's mean of slice j, 1/L of the vector), local rank j mixes its slice with local rank j of the peer hosts
-under the topology over hosts, and an all-gather inside the host gives every local rank the mixed vector. The
-rank-level matrix is W_hosts (x) (1/L) 11^T, doubly stochastic; one replica's bytes cross a host's link per peer
-host, not L. Replicas of one host stay distinct between steps (each trains on its own batches).
+Host-aware: on one host (or one rank a host) the peers are the ranks. On H hosts of L ranks each,
+the peers are the hosts: a step averages the L replicas of each host over its local links
+(reduce-scatter: local rank j holds the host's mean of slice j, 1/L of the vector), local rank j
+mixes its slice with local rank j of the peer hosts under the topology over hosts, and an all-gather
+inside the host gives every local rank the mixed vector. The rank-level matrix is W_hosts (x) (1/L)
+11^T, doubly stochastic; one replica's bytes cross a host's link per peer host, not L. Replicas of
+one host stay distinct between steps (each trains on its own batches).
 
-The wire: the vector travels in `wire_dtype` (bf16 by default, half fp32's bytes); the receiver mixes in fp32 as
-x_i <- x_i + sum_j w_ij (q(x_j) - q(x_i)), q the rounding to the wire dtype, which keeps the network average to
-fp32 rounding for any doubly stochastic W (the q(x_i) terms cancel over i). With an fp32 wire it is
-x_i <- w_ii x_i + sum_j w_ij x_j, as before.
+The wire: the vector travels in `wire_dtype` (bf16 by default, half fp32's bytes); the receiver
+mixes in fp32 as x_i <- x_i + sum_j w_ij (q(x_j) - q(x_i)), q the rounding to the wire dtype, which
+keeps the network average to fp32 rounding for any doubly stochastic W (the q(x_i) terms cancel over
+i). With an fp32 wire it is x_i <- w_ii x_i + sum_j w_ij x_j, as before.
 
-A step is "communicate while computing": `start(step)` posts the exchange of the current parameters x^t (the
-result of step t-1's update), forward and backward then run at x^t, and `finish()` waits and mixes, so the
-update lands on the mixed parameters: x^{t+1} = W_t x^t - lr * update(x^t). On one host the messages travel
-on gloo's or NCCL's own threads and streams; across hosts a thread of the gossip's own runs the three stages
-per bucket (bucket_mb), so one bucket crosses hosts while the next is reduced inside its host.
+A step is "communicate while computing": `start(step)` posts the exchange of the current parameters
+x^t (the result of step t-1's update), forward and backward then run at x^t, and `finish()` waits
+and mixes, so the update lands on the mixed parameters: x^{t+1} = W_t x^t - lr * update(x^t). On one
+host the messages travel on gloo's or NCCL's own threads and streams; across hosts a thread of the
+gossip's own runs the three stages per bucket (bucket_mb), so one bucket crosses hosts while the
+next is reduced inside its host.
 """
+
 import queue
 import socket
 import threading
@@ -35,15 +40,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minimal_fsdp.config.choices import TOPOLOGIES  # --topology's choices, there for config.py to read without torch
+# --topology's choices, there for config.py to read without torch
+from minimal_fsdp.config.choices import TOPOLOGIES
 
-BUCKET_MB = 25  # fp32 megabytes of the vector per pipelined bucket (across hosts), as Decent-DP's buckets
+# fp32 megabytes of the vector per pipelined bucket (across hosts), as Decent-DP's buckets
+BUCKET_MB = 25
 
 
 @dataclass(frozen=True)
 class Exchange:
-    """One peer's part of a gossip step: x_i <- self_weight * x_i + sum(weight * x_j for j, weight in recv_from),
-    while x_i goes to every peer in send_to."""
+    """One peer's part of a gossip step: x_i <- self_weight * x_i + sum(weight * x_j for j, weight
+    in recv_from), while x_i goes to every peer in send_to."""
+
     self_weight: float
     send_to: tuple
     recv_from: tuple  # ((peer, weight), ...)
@@ -51,7 +59,7 @@ class Exchange:
 
 def exp_distances(world):
     """Peer distances of the one-peer exponential graph: 1, 2, 4, ... below the world size."""
-    return [2 ** k for k in range(max(0, (world - 1).bit_length()))]
+    return [2**k for k in range(max(0, (world - 1).bit_length()))]
 
 
 def exchange_for(topology, rank, world, step):
@@ -76,7 +84,8 @@ def exchange_for(topology, rank, world, step):
 
 
 def mixing_matrix(topology, world, step):
-    """The dense n x n matrix W_t of a gossip step (row i: what peer i ends up with); for tests and analysis."""
+    """The dense n x n matrix W_t of a gossip step (row i: what peer i ends up with); for tests and
+    analysis."""
     w = torch.zeros(world, world, dtype=torch.float64)
     for i in range(world):
         ex = exchange_for(topology, i, world, step)
@@ -87,8 +96,9 @@ def mixing_matrix(topology, world, step):
 
 
 def rank_mixing_matrix(topology, hosts, step):
-    """W_t over ranks for a host layout (hosts: each host's ranks): the host-level matrix, each host's replicas
-    averaged inside it. One host, or one rank a host: the topology over the ranks."""
+    """W_t over ranks for a host layout (hosts: each host's ranks): the host-level matrix, each
+    host's replicas averaged inside it. One host, or one rank a host: the topology over the
+    ranks."""
     world = sum(map(len, hosts))
     if not hierarchical(hosts):
         return mixing_matrix(topology, world, step)
@@ -108,8 +118,8 @@ def hierarchical(hosts):
 
 
 def host_layout():
-    """Every host's ranks, in order of their first rank, from each rank's hostname (collective). Virtual hosts
-    (tools/virtual_cluster.py) have hostnames of their own, as real ones do."""
+    """Every host's ranks, in order of their first rank, from each rank's hostname (collective).
+    Virtual hosts (tools/virtual_cluster.py) have hostnames of their own, as real ones do."""
     names = [None] * dist.get_world_size()
     dist.all_gather_object(names, socket.gethostname())
     hosts = {}
@@ -121,9 +131,10 @@ def host_layout():
 class Gossip:
     """Gossip averaging of one model's parameters with its neighbours' replicas.
 
-    The parameters are moved into one flat buffer (each parameter becomes a view of it), so a step sends one
-    message per peer with no copy, and mixing is a few vector operations.
-    hosts: each host's ranks (default: found from the hostnames); wire_dtype: what the vector travels in.
+    The parameters are moved into one flat buffer (each parameter becomes a view of it), so a step
+    sends one message per peer with no copy, and mixing is a few vector operations.
+    hosts: each host's ranks (default: found from the hostnames); wire_dtype: what the vector
+    travels in.
     """
 
     def __init__(self, model, topology, wire_dtype=torch.bfloat16, hosts=None, bucket_mb=BUCKET_MB):
@@ -138,14 +149,16 @@ class Gossip:
         offset = 0
         with torch.no_grad():
             for p in params:
-                p.data = self.flat[offset:offset + p.numel()].view_as(p)
+                p.data = self.flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
         self.lossy = wire_dtype != self.flat.dtype
         self.received = []  # one buffer per incoming message, allocated on first use
         self.pending = None  # (exchange, work handles) between start and finish
         self.bytes_sent = 0  # payload this rank has sent so far (across hosts, when host-aware)
-        self.hosts = [tuple(h) for h in (hosts if hosts is not None else
-                                         host_layout() if self.world > 1 else [(0,)])]
+        self.hosts = [
+            tuple(h)
+            for h in (hosts if hosts is not None else host_layout() if self.world > 1 else [(0,)])
+        ]
         self.relay = Relay(self, bucket_mb) if hierarchical(self.hosts) else None
 
     def _buffers(self, count):
@@ -154,8 +167,8 @@ class Gossip:
         return self.received[:count]
 
     def start(self, step):
-        """Post the exchange of the current parameters; returns at once. The parameters must not change
-        until finish() (forward and backward only read them)."""
+        """Post the exchange of the current parameters; returns at once. The parameters must not
+        change until finish() (forward and backward only read them)."""
         assert self.pending is None, "gossip start() twice without finish()"
         if self.relay:
             self.pending = (None, self.relay.start(step))
@@ -167,14 +180,20 @@ class Gossip:
             works = []
         elif self.topology == "complete":
             (total,) = self._buffers(1)
-            total.copy_(self.sent)  # forward reads the parameters while the all-reduce writes its buffer
+            # forward reads the parameters while the all-reduce writes its buffer
+            total.copy_(self.sent)
             works = [dist.all_reduce(total, async_op=True)]
-            self.bytes_sent += round(2 * (self.world - 1) / self.world * nbytes)  # ring all-reduce's share
+            # ring all-reduce's share
+            self.bytes_sent += round(2 * (self.world - 1) / self.world * nbytes)
         else:
             buffers = self._buffers(len(exchange.recv_from))
-            # Receives posted before sends: on gloo, sends first moved the exchange at half the link's rate in about
-            # half the tries (both ways at once over one connection), receives first at its rate every time.
-            ops = [dist.P2POp(dist.irecv, buf, peer) for buf, (peer, _) in zip(buffers, exchange.recv_from)]
+            # Receives posted before sends: on gloo, sends first moved the exchange at half the
+            # link's rate in about half the tries (both ways at once over one connection), receives
+            # first at its rate every time.
+            ops = [
+                dist.P2POp(dist.irecv, buf, peer)
+                for buf, (peer, _) in zip(buffers, exchange.recv_from)
+            ]
             ops += [dist.P2POp(dist.isend, self.sent, peer) for peer in exchange.send_to]
             works = dist.batch_isend_irecv(ops)
             self.bytes_sent += nbytes * len(exchange.send_to)
@@ -193,7 +212,8 @@ class Gossip:
         if self.world == 1:
             return
         if self.topology == "complete":
-            if self.lossy:  # x_i + mean(q) - q(x_i): the average kept, q's rounding left on each replica
+            # x_i + mean(q) - q(x_i): the average kept, q's rounding left on each replica
+            if self.lossy:
                 self.flat.add_(self.received[0].float().div_(self.world) - self.sent)
             else:
                 self.flat.copy_(self.received[0]).div_(self.world)
@@ -215,16 +235,21 @@ class Gossip:
         pass
 
     def clip_grad_norm(self, parameters, max_norm):
-        """Clip this replica's own gradient to max_norm; returns the mean of the replicas' grad norms (collective):
-        non-finite on every rank if any replica's is, so all ranks skip or stop at the same step."""
-        total = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm or float("inf")).detach().clone()
+        """Clip this replica's own gradient to max_norm; returns the mean of the replicas' grad
+        norms (collective): non-finite on every rank if any replica's is, so all ranks skip or stop
+        at the same step."""
+        total = (
+            torch.nn.utils.clip_grad_norm_(list(parameters), max_norm or float("inf"))
+            .detach()
+            .clone()
+        )
         dist.all_reduce(total)
         return total / self.world
 
     @torch.no_grad()
     def consensus_distance(self):
-        """Mean over ranks of ||x_i - x_mean||^2. Collective (two all-reduces of the replica): training calls it at
-        evaluation steps only, never on the hot path."""
+        """Mean over ranks of ||x_i - x_mean||^2. Collective (two all-reduces of the replica):
+        training calls it at evaluation steps only, never on the hot path."""
         mean = self.flat.clone()
         dist.all_reduce(mean)
         mean.div_(self.world)
@@ -234,9 +259,10 @@ class Gossip:
 
 
 class Relay:
-    """Host-aware gossip's exchange (module docstring): per bucket, the host's mean of this local rank's slice
-    (reduce-scatter), mixed with the same slice of the peer hosts, all-gathered inside the host; on a thread of
-    its own, so the three stages of each bucket run while forward and backward do."""
+    """Host-aware gossip's exchange (module docstring): per bucket, the host's mean of this local
+    rank's slice (reduce-scatter), mixed with the same slice of the peer hosts, all-gathered inside
+    the host; on a thread of its own, so the three stages of each bucket run while forward and
+    backward do."""
 
     def __init__(self, gossip, bucket_mb):
         self.gossip = g = gossip
@@ -244,10 +270,12 @@ class Relay:
         self.local_size, self.host_count = len(hosts[0]), len(hosts)
         self.host = next(h for h, ranks in enumerate(hosts) if g.rank in ranks)
         self.local = hosts[self.host].index(g.rank)
-        # Groups of its own, so the thread's collectives never interleave with the loop's on the default group;
-        # new_group is collective: every rank makes every group, in one order.
+        # Groups of its own, so the thread's collectives never interleave with the loop's on the
+        # default group; new_group is collective: every rank makes every group, in one order.
         local_groups = [dist.new_group(list(ranks)) for ranks in hosts]
-        cross_groups = [dist.new_group([ranks[j] for ranks in hosts]) for j in range(self.local_size)]
+        cross_groups = [
+            dist.new_group([ranks[j] for ranks in hosts]) for j in range(self.local_size)
+        ]
         self.local_group, self.cross_group = local_groups[self.host], cross_groups[self.local]
         self.p2p_group = dist.new_group(list(range(g.world)))
         numel = g.flat.numel()
@@ -255,17 +283,20 @@ class Relay:
         self.chunk = max(1, per_bucket // self.local_size)  # one local rank's slice of a bucket
         buckets = -(-numel // (self.chunk * self.local_size))
         like = dict(dtype=g.flat.dtype, device=g.flat.device)
-        self.full = torch.zeros(buckets, self.local_size * self.chunk, **like)  # the vector, zero-padded
-        self.slices = torch.empty(buckets, self.chunk, **like)  # the host's mean of my slices, then mixed
+        # the vector, zero-padded
+        self.full = torch.zeros(buckets, self.local_size * self.chunk, **like)
+        # the host's mean of my slices, then mixed
+        self.slices = torch.empty(buckets, self.chunk, **like)
         self.mixed = torch.empty_like(self.full)
         self.sent = torch.empty(buckets, self.chunk, dtype=g.wire_dtype, device=g.flat.device)
-        self.received = [torch.empty_like(self.sent) for _ in range(2)]  # ring: two peer hosts at most
+        # ring: two peer hosts at most
+        self.received = [torch.empty_like(self.sent) for _ in range(2)]
         self.stream = torch.cuda.Stream(g.flat.device) if g.flat.device.type == "cuda" else None
         self.jobs, self.results = queue.Queue(), queue.Queue()
         threading.Thread(target=self._serve, name="gossip", daemon=True).start()
 
     def start(self, step):
-        self.full.view(-1)[:self.gossip.flat.numel()].copy_(self.gossip.flat)
+        self.full.view(-1)[: self.gossip.flat.numel()].copy_(self.gossip.flat)
         if self.stream:  # the thread's kernels wait for the copy, not for forward and backward
             self.stream.wait_stream(torch.cuda.current_stream())
         self.jobs.put(step)
@@ -277,7 +308,7 @@ class Relay:
             raise error
         if self.stream:
             torch.cuda.current_stream().wait_stream(self.stream)
-        return self.mixed.view(-1)[:self.gossip.flat.numel()]
+        return self.mixed.view(-1)[: self.gossip.flat.numel()]
 
     def _serve(self):
         if self.stream:
@@ -299,8 +330,12 @@ class Relay:
         g, hosts = self.gossip, self.gossip.hosts
         ex = exchange_for(g.topology, self.host, self.host_count, step)
         complete = g.topology == "complete"
-        reduced = [dist.reduce_scatter_tensor(self.slices[k], self.full[k], group=self.local_group, async_op=True)
-                   for k in range(len(self.full))]
+        reduced = [
+            dist.reduce_scatter_tensor(
+                self.slices[k], self.full[k], group=self.local_group, async_op=True
+            )
+            for k in range(len(self.full))
+        ]
         crossing = []
         for k, work in enumerate(reduced):  # bucket k crosses hosts while k + 1 is still reduced
             work.wait()
@@ -308,13 +343,23 @@ class Relay:
             self.sent[k].copy_(self.slices[k])
             if complete:
                 self.received[0][k].copy_(self.sent[k])
-                crossing.append([dist.all_reduce(self.received[0][k], group=self.cross_group, async_op=True)])
-                g.bytes_sent += round(2 * (self.host_count - 1) / self.host_count * self.sent[k].nbytes)
+                crossing.append(
+                    [dist.all_reduce(self.received[0][k], group=self.cross_group, async_op=True)]
+                )
+                g.bytes_sent += round(
+                    2 * (self.host_count - 1) / self.host_count * self.sent[k].nbytes
+                )
                 continue
-            peer = [hosts[h][self.local] for h in range(self.host_count)]  # local rank j of each host
-            ops = [dist.P2POp(dist.irecv, buf[k], peer[h], group=self.p2p_group)
-                   for buf, (h, _) in zip(self.received, ex.recv_from)]
-            ops += [dist.P2POp(dist.isend, self.sent[k], peer[h], group=self.p2p_group) for h in ex.send_to]
+            # local rank j of each host
+            peer = [hosts[h][self.local] for h in range(self.host_count)]
+            ops = [
+                dist.P2POp(dist.irecv, buf[k], peer[h], group=self.p2p_group)
+                for buf, (h, _) in zip(self.received, ex.recv_from)
+            ]
+            ops += [
+                dist.P2POp(dist.isend, self.sent[k], peer[h], group=self.p2p_group)
+                for h in ex.send_to
+            ]
             crossing.append(dist.batch_isend_irecv(ops))
             g.bytes_sent += self.sent[k].nbytes * len(ex.send_to)
         gathered = []
@@ -332,6 +377,8 @@ class Relay:
                     y.mul_(ex.self_weight)
                 for buf, (_, weight) in zip(self.received, ex.recv_from):
                     y.add_(buf[k].float(), alpha=weight)
-            gathered.append(dist.all_gather_into_tensor(self.mixed[k], y, group=self.local_group, async_op=True))
+            gathered.append(
+                dist.all_gather_into_tensor(self.mixed[k], y, group=self.local_group, async_op=True)
+            )
         for work in gathered:
             work.wait()

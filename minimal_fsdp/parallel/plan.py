@@ -1,25 +1,31 @@
-"""The parallel plan: how a run lays its model out over the ranks, synchronizes its gradients, compiles it and in
-which precision it computes, decided once (make_plan) from the flags, the launch and the model's parameter count
-(counted from its config, before anything is built). Model building, the gradient sync (parallelize.py), the
-optimizer (train.build_optimizer), the startup banner and the memory planner (model_size.py, through strategy())
-read the plan; none of them decides again.
+"""The parallel plan: how a run lays its model out over the ranks, synchronizes its gradients,
+compiles it and in which precision it computes, decided once (make_plan) from the flags, the launch
+and the model's parameter count (counted from its config, before anything is built). Model building,
+the gradient sync (parallelize.py), the optimizer (train.build_optimizer), the startup banner and
+the memory planner (model_size.py, through strategy()) read the plan; none of them decides again.
 
 plan.strategy is one of STRATEGIES:
   local       one rank: a plain module (bf16 by autocast), nothing to shard or average
-  ddp         no-shard over several ranks of a large model (or --fsdp_unit block, or float8 layers): a plain module
-              whose gradients torch's DDP all-reduces (replicate(), which keeps the module and its state-dict keys)
-  one-unit    a small model (the --fsdp_unit rule) over several ranks: whole_unit.py's one sharded unit, one
-              all-gather into parameters that keep their addresses (so the compiled model can replay as CUDA graphs)
-              and one reduce-scatter a step; under no-shard a (world x 1) mesh, so its one collective is an all-reduce
-  fsdp-whole  FSDP2 with the whole model one unit: a small model with --cpu_offload or float8 all-gathers, which
-              need FSDP2's offload policy and torchao's FSDP2 extension
-  fsdp-block  FSDP2, one unit per block (gathered, freed and overlapped with its neighbours' compute), then the root
-  gossip      --data_parallel decentralized: a whole replica per rank, averaged with its neighbours' by gossip.py
+  ddp         no-shard over several ranks of a large model (or --fsdp_unit block, or float8 layers):
+              a plain module whose gradients torch's DDP all-reduces (replicate(), which keeps the
+              module and its state-dict keys)
+  one-unit    a small model (the --fsdp_unit rule) over several ranks: whole_unit.py's one sharded
+              unit, one all-gather into parameters that keep their addresses (so the compiled model
+              can replay as CUDA graphs) and one reduce-scatter a step; under no-shard a (world x 1)
+              mesh, so its one collective is an all-reduce
+  fsdp-whole  FSDP2 with the whole model one unit: a small model with --cpu_offload or float8
+              all-gathers, which need FSDP2's offload policy and torchao's FSDP2 extension
+  fsdp-block  FSDP2, one unit per block (gathered, freed and overlapped with its neighbours'
+              compute), then the root
+  gossip      --data_parallel decentralized: a whole replica per rank, averaged with its neighbours'
+              by gossip.py
 
-plan.backend is one of BACKENDS: torch (CUDA or CPU through torch.distributed, backend.py) or xla (--device xla's
-training under torch_xla, xla.py: FSDPv2 wraps each block, then the root, over torch_xla's own mesh of every
-device: the strategy fsdp-block). run.train_model takes the run's builders from it.
+plan.backend is one of BACKENDS: torch (CUDA or CPU through torch.distributed, backend.py) or xla
+(--device xla's training under torch_xla, xla.py: FSDPv2 wraps each block, then the root, over
+torch_xla's own mesh of every device: the strategy fsdp-block). run.train_model takes the run's
+builders from it.
 """
+
 import dataclasses
 
 import torch
@@ -31,20 +37,27 @@ from minimal_fsdp.models.size import count_parameters
 
 STRATEGIES = ("local", "ddp", "one-unit", "fsdp-whole", "fsdp-block", "gossip")
 FSDP2 = ("fsdp-whole", "fsdp-block")  # the strategies where FSDP2's fully_shard wraps the model
-WHOLE_GRAPH = ("local", "ddp", "one-unit", "fsdp-whole", "gossip")  # --compile: the whole trunk in one graph
-REPLAYABLE = ("local", "ddp", "one-unit", "gossip")  # parameters keep their addresses: CUDA graphs can replay
+# --compile: the whole trunk in one graph
+WHOLE_GRAPH = ("local", "ddp", "one-unit", "fsdp-whole", "gossip")
+# parameters keep their addresses: CUDA graphs can replay
+REPLAYABLE = ("local", "ddp", "one-unit", "gossip")
 BACKENDS = ("torch", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelPlan:
-    """Every decision about the model's layout, sync, compilation and precision, made once (make_plan)."""
+    """Every decision about the model's layout, sync, compilation and precision, made once
+    (make_plan)."""
+
     strategy: str  # STRATEGIES
-    sharding: str  # as asked (--sharding); what it means on this launch is the strategy and mesh_shape
+    # as asked (--sharding); what it means on this launch is the strategy and mesh_shape
+    sharding: str
     mesh_shape: tuple  # (ranks,) or (replica groups, ranks per shard group)
     shard_ranks: int  # ranks one parameter is spread over (1: every rank holds it whole)
-    reshard_after_forward: bool  # FSDP2 per block: gathered params are freed after forward, gathered again later
-    precision: str  # the path the matmuls take: float32, bf16, or fp8 (training only; generation runs bf16)
+    # FSDP2 per block: gathered params are freed after forward, gathered again later
+    reshard_after_forward: bool
+    # the path the matmuls take: float32, bf16, or fp8 (training only; generation runs bf16)
+    precision: str
     fp8: str  # --precision fp8: the float8 recipe (fp8.RECIPES); None otherwise
     cpu_offload: bool
     meta_init: bool  # built on the meta device, each rank initializing only its shard
@@ -56,12 +69,14 @@ class ParallelPlan:
     topology: str = None  # gossip's (--topology)
     mesh: object = None  # the DeviceMesh (one-unit and FSDP2), built by make_plan
     backend: str = "torch"  # BACKENDS: what builds and steps the model in training
-    reduce_precision: str = "float32"  # the dtype gradients are summed across ranks in (FSDP2, the one unit, DDP)
+    # the dtype gradients are summed across ranks in (FSDP2, the one unit, DDP)
+    reduce_precision: str = "float32"
     gossip_dtype: str = None  # gossip's wire (--gossip_dtype)
 
     @property
     def fused_optimizer(self):
-        """AdamW's fused kernels are CUDA's and CPU's; torch_xla compiles the update into the step anyway."""
+        """AdamW's fused kernels are CUDA's and CPU's; torch_xla compiles the update into the step
+        anyway."""
         return self.backend == "torch"
 
     @property
@@ -79,7 +94,8 @@ class ParallelPlan:
 
     @property
     def compiles_whole(self):
-        """--compile compiles the whole trunk as one graph (FSDP2 per block: each block, between FSDP2's hooks)."""
+        """--compile compiles the whole trunk as one graph (FSDP2 per block: each block, between
+        FSDP2's hooks)."""
         return self.compile and self.strategy in WHOLE_GRAPH
 
     @property
@@ -97,37 +113,55 @@ class ParallelPlan:
 
     @property
     def fp8_all_gather(self):
-        """FSDP all-gathers the float8 layers' weights in float8 (fp8.gathers_in_float8 has the last word per layer)."""
-        return self.fp8 == "tensorwise" and self.fsdp and self.shard_ranks > 1 and not self.cpu_offload
+        """FSDP all-gathers the float8 layers' weights in float8 (fp8.gathers_in_float8 has the last
+        word per layer)."""
+        return (
+            self.fp8 == "tensorwise" and self.fsdp and self.shard_ranks > 1 and not self.cpu_offload
+        )
 
     @property
     def stays_gathered(self):
-        """FSDP2's params stay gathered from forward to backward anyway (the whole model as one unit, or no reshard
-        after forward), so also across an accumulation's micro-steps."""
+        """FSDP2's params stay gathered from forward to backward anyway (the whole model as one
+        unit, or no reshard after forward), so also across an accumulation's micro-steps."""
         return self.strategy == "fsdp-whole" or self.fsdp and not self.reshard_after_forward
 
     def describe(self):
         """The layout, in the words of the startup banner's first line."""
         graphs = ", replayed as CUDA graphs" if self.cuda_graphs else ""
         if self.strategy == "gossip":
-            return "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip" + graphs
+            return (
+                "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip"
+                + graphs
+            )
         if self.strategy == "local":
             return "no FSDP: one rank holds the whole model" + graphs
         if self.strategy == "ddp":
-            return "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)" + graphs
+            return (
+                "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
+                + graphs
+            )
         if self.strategy == "one-unit" and self.shard_ranks == 1 and self.sharding == "no-shard":
-            return "no sharding: the whole model on every rank as one unit, gradients averaged by one all-reduce " \
-                "a step (no-shard)" + graphs
+            return (
+                "no sharding: the whole model on every rank as one unit, gradients averaged by one "
+                "all-reduce a step (no-shard)" + graphs
+            )
         dims = ("shard",) if len(self.mesh_shape) == 1 else ("replicate", "shard")
-        units = {"one-unit": "the whole model as one unit, one all-gather a step",
-                 "fsdp-whole": "the whole model as one FSDP unit", "fsdp-block": "an FSDP unit per block"}
-        return "mesh " + " x ".join(f"{name}={size}" for name, size in zip(dims, self.mesh_shape)) + \
-            f" ({self.sharding}), {units[self.strategy]}{graphs}"
+        units = {
+            "one-unit": "the whole model as one unit, one all-gather a step",
+            "fsdp-whole": "the whole model as one FSDP unit",
+            "fsdp-block": "an FSDP unit per block",
+        }
+        return (
+            "mesh "
+            + " x ".join(f"{name}={size}" for name, size in zip(dims, self.mesh_shape))
+            + f" ({self.sharding}), {units[self.strategy]}{graphs}"
+        )
 
 
 def layout(sharding, world_size, shard_group_size):
-    """(mesh shape, ranks a parameter is sharded over, reshard after forward) of a strategy. The last is pointless
-    over a shard group of one rank; the last block never reshards anyway (its backward comes right after)."""
+    """(mesh shape, ranks a parameter is sharded over, reshard after forward) of a strategy. The
+    last is pointless over a shard group of one rank; the last block never reshards anyway (its
+    backward comes right after)."""
     if sharding in ("full-shard", "grad-shard"):
         shape = (world_size,)
     else:
@@ -137,21 +171,33 @@ def layout(sharding, world_size, shard_group_size):
 
 
 def small_model(fsdp_unit, num_params):
-    """--fsdp_unit's rule: is the whole model gathered as one unit? auto: up to SMALL_MODEL parameters."""
+    """--fsdp_unit's rule: is the whole model gathered as one unit? auto: up to SMALL_MODEL
+    parameters."""
     return fsdp_unit == "model" or fsdp_unit == "auto" and num_params <= SMALL_MODEL
 
 
-def strategy(sharding, world_size, num_params, fsdp_unit="auto", cpu_offload=False, float8=False,
-             decentralized=False, fsdp_on_one_rank=False):
+def strategy(
+    sharding,
+    world_size,
+    num_params,
+    fsdp_unit="auto",
+    cpu_offload=False,
+    float8=False,
+    decentralized=False,
+    fsdp_on_one_rank=False,
+):
     """The strategy (STRATEGIES) of a launch: pure, so the memory planner asks it without a launch.
     fsdp_on_one_rank: shard even a world of one (tests and benchmarks compare the two)."""
     if decentralized:
         return "gossip"
-    replicas = sharding == "no-shard" and world_size > 1 and not cpu_offload and not fsdp_on_one_rank
+    replicas = (
+        sharding == "no-shard" and world_size > 1 and not cpu_offload and not fsdp_on_one_rank
+    )
     if not replicas and world_size == 1 and not cpu_offload and not fsdp_on_one_rank:
         return "local"  # nothing to shard: FSDP's per-step work would buy nothing
     small = small_model(fsdp_unit, num_params)
-    if small and not cpu_offload and not float8:  # offloading and float8 all-gathers are FSDP2's features
+    # offloading and float8 all-gathers are FSDP2's features
+    if small and not cpu_offload and not float8:
         return "one-unit"
     if replicas:  # one all-reduce a step, with a fraction of FSDP's host work
         return "ddp"
@@ -159,21 +205,38 @@ def strategy(sharding, world_size, num_params, fsdp_unit="auto", cpu_offload=Fal
 
 
 def cuda_graphs(cfg, device, strategy, num_params, float8):
-    """Whether the compiled whole model replays as CUDA graphs: where --compile compiles it whole, on CUDA, and
-    no FSDP2 hooks surround it (FSDP2 gathers the parameters at new addresses every step, which a replayed graph
-    would not see). --cuda_graphs asks for it, and is refused where it cannot apply; unset, a model of at most
-    GRAPHS_MODEL parameters replays (not gossip's replicas or float8 layers, which were not measured under graphs)."""
+    """Whether the compiled whole model replays as CUDA graphs: where --compile compiles it whole,
+    on CUDA, and no FSDP2 hooks surround it (FSDP2 gathers the parameters at new addresses every
+    step, which a replayed graph would not see). --cuda_graphs asks for it, and is refused where it
+    cannot apply; unset, a model of at most GRAPHS_MODEL parameters replays (not gossip's replicas
+    or float8 layers, which were not measured under graphs)."""
     if cfg.cuda_graphs:
         if device.type != "cuda":
-            raise ConfigError(f"--cuda_graphs replays CUDA graphs; this run is on {device.type}: drop --cuda_graphs")
+            raise ConfigError(
+                f"--cuda_graphs replays CUDA graphs; this run is on {device.type}: drop "
+                f"--cuda_graphs"
+            )
         if strategy not in REPLAYABLE:
-            why = "--cpu_offload" if cfg.cpu_offload else "--precision fp8's float8 all-gathers" if float8 and \
-                strategy == "fsdp-whole" else "--fsdp_unit block" if cfg.fsdp_unit == "block" else \
-                f"a model of over {SMALL_MODEL // 10**6}M parameters"
-            raise ConfigError(f"--cuda_graphs replays the compiled model where no FSDP2 hooks surround it; here FSDP2 "
-                              f"shards it ({why}, --sharding {cfg.sharding}) and gathers its parameters at new "
-                              "addresses every step: drop --cuda_graphs")
-    if not cfg.compile or device.type != "cuda" or strategy not in REPLAYABLE or cfg.cuda_graphs is False:
+            why = (
+                "--cpu_offload"
+                if cfg.cpu_offload
+                else "--precision fp8's float8 all-gathers"
+                if float8 and strategy == "fsdp-whole"
+                else "--fsdp_unit block"
+                if cfg.fsdp_unit == "block"
+                else f"a model of over {SMALL_MODEL // 10**6}M parameters"
+            )
+            raise ConfigError(
+                f"--cuda_graphs replays the compiled model where no FSDP2 hooks surround it; here "
+                f"FSDP2 shards it ({why}, --sharding {cfg.sharding}) and gathers its parameters at "
+                "new addresses every step: drop --cuda_graphs"
+            )
+    if (
+        not cfg.compile
+        or device.type != "cuda"
+        or strategy not in REPLAYABLE
+        or cfg.cuda_graphs is False
+    ):
         return False
     if cfg.cuda_graphs:
         return True
@@ -181,60 +244,92 @@ def cuda_graphs(cfg, device, strategy, num_params, float8):
 
 
 def make_plan(cfg, env, model_config, loads_weights=False, fsdp_on_one_rank=False):
-    """The plan for this launch and this model (model_config: its shape; only its parameter count matters here).
-    loads_weights: all weights will be loaded (a Hugging Face model, a model to sample from), so the model is
-    built on the meta device and no rank ever holds more than its shard of it. fsdp_on_one_rank: shard even a
-    world of one (tests and benchmarks compare the two). Generation alone (--max_epochs -1) with --precision fp8
-    runs in bf16: float8 pays in training's large matmuls. Raises ConfigError, alike on every rank, where an
-    explicit flag cannot apply."""
+    """The plan for this launch and this model (model_config: its shape; only its parameter count
+    matters here). loads_weights: all weights will be loaded (a Hugging Face model, a model to
+    sample from), so the model is built on the meta device and no rank ever holds more than its
+    shard of it. fsdp_on_one_rank: shard even a world of one (tests and benchmarks compare the two).
+    Generation alone (--max_epochs -1) with --precision fp8 runs in bf16: float8 pays in training's
+    large matmuls. Raises ConfigError, alike on every rank, where an explicit flag cannot apply."""
     num_params = count_parameters(model_config).total
     recipe = cfg.fp8_recipe if cfg.precision == "fp8" and not cfg.generate_only else None
     if recipe:
         fp8.check_device(env.device)
-    # --device xla trains under torch_xla; generation (--max_epochs -1, the sample after training) runs on the host.
+    # --device xla trains under torch_xla; generation (--max_epochs -1, the sample after training)
+    # runs on the host.
     backend = "xla" if cfg.device == "xla" and not cfg.generate_only else "torch"
-    chosen = "fsdp-block" if backend == "xla" else strategy(
-        cfg.sharding, env.world_size, num_params, cfg.fsdp_unit, cfg.cpu_offload, recipe is not None,
-        cfg.data_parallel == "decentralized", fsdp_on_one_rank)
-    shape, shard_ranks, reshard = layout(cfg.sharding, env.world_size, cfg.shard_group_size or env.local_world_size)
+    chosen = (
+        "fsdp-block"
+        if backend == "xla"
+        else strategy(
+            cfg.sharding,
+            env.world_size,
+            num_params,
+            cfg.fsdp_unit,
+            cfg.cpu_offload,
+            recipe is not None,
+            cfg.data_parallel == "decentralized",
+            fsdp_on_one_rank,
+        )
+    )
+    shape, shard_ranks, reshard = layout(
+        cfg.sharding, env.world_size, cfg.shard_group_size or env.local_world_size
+    )
     if chosen in ("local", "gossip"):
         shape, shard_ranks, reshard = (env.world_size,), 1, False
-    plan = ParallelPlan(chosen, cfg.sharding, shape, shard_ranks, reshard,
-                        "bf16" if cfg.precision == "fp8" and not recipe else cfg.precision, recipe, cfg.cpu_offload,
-                        cfg.meta_init or loads_weights, cfg.activation_checkpoints, cfg.recompute, cfg.compile,
-                        cuda_graphs(cfg, env.device, chosen, num_params, recipe is not None), num_params,
-                        cfg.topology if chosen == "gossip" else None, backend=backend,
-                        reduce_precision=reduce_precision(cfg.reduce_precision, env.num_nodes, cfg.precision),
-                        gossip_dtype=cfg.gossip_dtype if chosen == "gossip" else None)
-    if backend == "torch" and (chosen in FSDP2 or chosen == "one-unit"):  # torch_xla builds its own (xla.py)
+    plan = ParallelPlan(
+        chosen,
+        cfg.sharding,
+        shape,
+        shard_ranks,
+        reshard,
+        "bf16" if cfg.precision == "fp8" and not recipe else cfg.precision,
+        recipe,
+        cfg.cpu_offload,
+        cfg.meta_init or loads_weights,
+        cfg.activation_checkpoints,
+        cfg.recompute,
+        cfg.compile,
+        cuda_graphs(cfg, env.device, chosen, num_params, recipe is not None),
+        num_params,
+        cfg.topology if chosen == "gossip" else None,
+        backend=backend,
+        reduce_precision=reduce_precision(cfg.reduce_precision, env.num_nodes, cfg.precision),
+        gossip_dtype=cfg.gossip_dtype if chosen == "gossip" else None,
+    )
+    # torch_xla builds its own (xla.py)
+    if backend == "torch" and (chosen in FSDP2 or chosen == "one-unit"):
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-        plan = dataclasses.replace(plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names))
+        plan = dataclasses.replace(
+            plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names)
+        )
     return plan
 
 
 def reduce_precision(asked, hosts, precision):
-    """--reduce_precision's dtype on this launch. auto: bf16 across hosts where the matmuls run in bf16 (or fp8):
-    the link, not the GPU, bounds such a step, and half the bytes cross it (on 2 hosts x 1 H200 at 10 Gbit/s,
-    GPT-2 124M's step took 282 ms full-shard in bf16 against torch DDP's 487 ms in fp32); within a host the
-    fp32 sum costs nothing measurable."""
+    """--reduce_precision's dtype on this launch. auto: bf16 across hosts where the matmuls run in
+    bf16 (or fp8): the link, not the GPU, bounds such a step, and half the bytes cross it (on 2
+    hosts x 1 H200 at 10 Gbit/s, GPT-2 124M's step took 282 ms full-shard in bf16 against torch
+    DDP's 487 ms in fp32); within a host the fp32 sum costs nothing measurable."""
     if asked != "auto":
         return asked
     return "bf16" if hosts > 1 and precision != "float32" else "float32"
 
 
 def process_settings(plan):
-    """The process-wide settings this plan needs (torch's own globals), applied once at the start of a run
-    (apply_process_settings): {dotted name: value}.
-    torch._dynamo.config.optimize_ddp off under DDP with CUDA graphs: one compiled graph, not one per DDP bucket
-    (Dynamo's DDPOptimizer cuts the model at the buckets, each piece its own replay and autograd node). A model
-    replayed as graphs waits on host time, and its all-reduce, after the backward instead of overlapping it, is
-    brief."""
+    """The process-wide settings this plan needs (torch's own globals), applied once at the start of
+    a run (apply_process_settings): {dotted name: value}.
+    torch._dynamo.config.optimize_ddp off under DDP with CUDA graphs: one compiled graph, not one
+    per DDP bucket (Dynamo's DDPOptimizer cuts the model at the buckets, each piece its own replay
+    and autograd node). A model replayed as graphs waits on host time, and its all-reduce, after the
+    backward instead of overlapping it, is brief."""
     return {"torch._dynamo.config.optimize_ddp": False} if plan.ddp and plan.cuda_graphs else {}
 
 
 def apply_process_settings(plan):
-    """Apply process_settings(plan): the plan's only changes to torch's process-wide configuration."""
+    """Apply process_settings(plan): the plan's only changes to torch's process-wide
+    configuration."""
     import torch._dynamo  # noqa: F401 (torch._dynamo.config)
+
     for name, value in process_settings(plan).items():
         *path, attribute = name.split(".")[1:]
         owner = torch

@@ -1,18 +1,21 @@
-"""How far a run has trained, answered without importing torch: `minimal-fsdp progress [the run's training
-flags]` prints "STEP LAST_STEP" of the run's newest complete checkpoint ("0 none" without one). The PBS
-and SLURM job chains ask it twice a job (is the run done? did this job get anywhere?); importing torch made each
-question take 5 s on a 2-core machine (10 s under load), against 0.2 s without.
+"""How far a run has trained, answered without importing torch: `minimal-fsdp progress [the run's
+training flags]` prints "STEP LAST_STEP" of the run's newest complete checkpoint ("0 none" without
+one). The PBS and SLURM job chains ask it twice a job (is the run done? did this job get anywhere?);
+importing torch made each question take 5 s on a 2-core machine (10 s under load), against 0.2 s
+without.
 
-Complete here means, in the order resume tries the checkpoints: meta.json passes its schema with the keys a run
-reads (checkpoint_meta, as verify reads it), every file it records is a regular file of the size recorded at
-save, and every file but the shards (.metadata, the RNG states, the tokenizer: small) has its recorded CRC-32.
-So a missing, truncated or damaged file is found, and a save that crashed before its rename is never a
-candidate. Weaker than checkpoint_find.verify, which resume runs: the shards' bytes are not read (they are
-nearly all of a checkpoint), and DCP's .metadata, a pickle of torch classes
-that only safe_load's unpickler reads, is not unpickled, so a meta.json edited to describe another model than
-the shards hold is not noticed. A checkpoint damaged only that way is counted here, and the training run then
-skips it for an older one: docs/checkpoints.md says what that can do to a chain.
+Complete here means, in the order resume tries the checkpoints: meta.json passes its schema with the
+keys a run reads (checkpoint_meta, as verify reads it), every file it records is a regular file of
+the size recorded at save, and every file but the shards (.metadata, the RNG states, the tokenizer:
+small) has its recorded CRC-32. So a missing, truncated or damaged file is found, and a save that
+crashed before its rename is never a candidate. Weaker than checkpoint_find.verify, which resume
+runs: the shards' bytes are not read (they are nearly all of a checkpoint), and DCP's .metadata, a
+pickle of torch classes that only safe_load's unpickler reads, is not unpickled, so a meta.json
+edited to describe another model than the shards hold is not noticed. A checkpoint damaged only that
+way is counted here, and the training run then skips it for an older one: docs/checkpoints.md says
+what that can do to a chain.
 """
+
 import errno
 from pathlib import Path
 
@@ -22,22 +25,28 @@ from minimal_fsdp.config.flags import one_line_errors, parse_args
 
 
 def problem(path):
-    """(why `path` is not a complete checkpoint by the checks above, or None; its meta.json when read)."""
+    """(why `path` is not a complete checkpoint by the checks above, or None; its meta.json when
+    read)."""
     try:
         meta = read_meta(path)
         check_run_keys(meta)
     except MetaError as e:
         return str(e), None
     except OSError as e:
-        return "meta.json is missing or unreadable" + ("" if e.errno == errno.ENOENT else f" ({e.strerror})"), None
-    if not meta.get("files"):  # saved before meta.json listed its files: only verify can tell, with torch
+        return "meta.json is missing or unreadable" + (
+            "" if e.errno == errno.ENOENT else f" ({e.strerror})"
+        ), None
+    # saved before meta.json listed its files: only verify can tell, with torch
+    if not meta.get("files"):
         from minimal_fsdp.checkpoint.find import verify
+
         return verify(path, checksums=False), meta
     return files_problem(path, meta["files"], read=lambda name: not name.endswith(".distcp")), meta
 
 
 def newest(run_dir):
-    """The meta.json of the run's newest complete checkpoint, or None; each one skipped is reported in one line."""
+    """The meta.json of the run's newest complete checkpoint, or None; each one skipped is reported
+    in one line."""
     for path in candidates(run_dir):
         why, meta = problem(path)
         if why is None:
@@ -48,7 +57,8 @@ def newest(run_dir):
 
 @one_line_errors
 def main(argv=None, cfg=None):
-    """The run's training flags (or a Config parsed already, by `minimal-fsdp progress`) -> "STEP LAST_STEP"."""
+    """The run's training flags (or a Config parsed already, by `minimal-fsdp progress`) -> "STEP
+    LAST_STEP"."""
     cfg = cfg or parse_args(argv, "minimal-fsdp progress")
     meta = newest(Path(cfg.checkpoint_dir) / cfg.run_name)
     if meta is None:

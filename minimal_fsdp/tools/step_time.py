@@ -1,18 +1,20 @@
 """How long a training step takes across hosts, per strategy: the planner's estimate (`python -m
-minimal_fsdp.tools.model_size --inter_node_gbps G`) from the model's FLOPs, one GPU's measured throughput and the bytes
-each strategy sends over each host's link per step.
+minimal_fsdp.tools.model_size --inter_node_gbps G`) from the model's FLOPs, one GPU's measured
+throughput and the bytes each strategy sends over each host's link per step.
 
 The model, in three parts (docs/performance.md sets it beside the measured steps):
-- compute: tokens per GPU x FLOPs per token (6N + 12·L·C·T, what the training log's MFU counts) / (the card's
-  bf16 peak x an MFU measured on one GPU, CARDS);
-- the link: each host has one full-duplex link of --inter_node_gbps to a switch that does not block; NCCL over
-  TCP carries the payload of its frames (PAYLOAD). Inside a host NVLink is taken as free: gathering GPT-2 124M
-  over NVLink takes about a millisecond, sending it over a 10 Gbit/s link a hundred times that;
-- overlap: the one unit (whole_unit.py) and FSDP2's whole-model unit gather before forward and reduce after
-  backward, so their communication adds to compute; FSDP2's per-block units, DDP's buckets and gossip's exchange
-  run beside compute, so the longer of the two counts.
+- compute: tokens per GPU x FLOPs per token (6N + 12·L·C·T, what the training log's MFU counts) /
+  (the card's bf16 peak x an MFU measured on one GPU, CARDS);
+- the link: each host has one full-duplex link of --inter_node_gbps to a switch that does not block;
+  NCCL over TCP carries the payload of its frames (PAYLOAD). Inside a host NVLink is taken as free:
+  gathering GPT-2 124M over NVLink takes about a millisecond, sending it over a 10 Gbit/s link a
+  hundred times that;
+- overlap: the one unit (whole_unit.py) and FSDP2's whole-model unit gather before forward and
+  reduce after backward, so their communication adds to compute; FSDP2's per-block units, DDP's
+  buckets and gossip's exchange run beside compute, so the longer of the two counts.
 Ranks are placed host by host (rank r on host r // gpus_per_host), as the launchers place them.
 """
+
 import dataclasses
 import functools
 import statistics
@@ -21,11 +23,14 @@ from minimal_fsdp.parallel.gossip import exchange_for, exp_distances
 from minimal_fsdp.metrics import PEAK_FLOPS
 from minimal_fsdp.parallel.plan import layout, reduce_precision, strategy
 
-# Of the bytes a shaped link passes, the TCP payload: 1448 of each 1500-byte frame (IP and TCP headers with
-# timestamps). One TCP stream measured 9.71 Gbit/s through a 10 Gbit/s tbf and 0.96 through 1 (96-97%).
+# Of the bytes a shaped link passes, the TCP payload: 1448 of each 1500-byte frame (IP and TCP
+# headers with timestamps). One TCP stream measured 9.71 Gbit/s through a 10 Gbit/s tbf and 0.96
+# through 1 (96-97%).
 PAYLOAD = 1448 / 1500
-GRAD_BYTES = {"float32": 4, "bf16": 2}  # the gradients' sums across ranks, in --reduce_precision's dtype
-GOSSIP_BYTES = {"bf16": 2, "float32": 4}  # gossip's wire (--gossip_dtype); "flat-fp32" below: before hosts
+# the gradients' sums across ranks, in --reduce_precision's dtype
+GRAD_BYTES = {"float32": 4, "bf16": 2}
+# gossip's wire (--gossip_dtype); "flat-fp32" below: before hosts
+GOSSIP_BYTES = {"bf16": 2, "float32": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,26 +42,32 @@ class Card:
 
 # The planner's calibration, measured on one GPU: GPT-2 124M at batch 32, 855.4 MFLOPs a token:
 # H100 compiled 489,882 tok/s (42.4%), eager 347,827 tok/s (30.1%, measured before the fused loss);
-# H200 compiled 503-507K tok/s (43.7%); H200 eager was not measured at batch 32: the H100's (the same peak).
-# A larger model uses the GPU better (Llama-2-7B: 52%): give its MFU with --mfu.
-CARDS = {"H100": Card(PEAK_FLOPS["H100"], 0.424, 0.301), "H200": Card(PEAK_FLOPS["H200"], 0.437, 0.301)}
+# H200 compiled 503-507K tok/s (43.7%); H200 eager was not measured at batch 32: the H100's (the
+# same peak). A larger model uses the GPU better (Llama-2-7B: 52%): give its MFU with --mfu.
+CARDS = {
+    "H100": Card(PEAK_FLOPS["H100"], 0.424, 0.301),
+    "H200": Card(PEAK_FLOPS["H200"], 0.437, 0.301),
+}
 
 
 def ring_share(ranks, per_host):
-    """Of a ring all-gather's (or reduce-scatter's) whole tensor, the part that crosses each host's link each way:
-    a ring over hosts placed in turn leaves every host once, and each of its edges carries (n-1)/n of the tensor."""
+    """Of a ring all-gather's (or reduce-scatter's) whole tensor, the part that crosses each host's
+    link each way: a ring over hosts placed in turn leaves every host once, and each of its edges
+    carries (n-1)/n of the tensor."""
     return (ranks - 1) / ranks if ranks > per_host else 0.0
 
 
 def all_reduce_share(hosts):
-    """An all-reduce's bytes over each host's link each way, per byte reduced: 2(H-1)/H, a ring over the hosts after
-    a reduction inside each (what hybrid sharding does itself, and NCCL's tree does between two hosts)."""
+    """An all-reduce's bytes over each host's link each way, per byte reduced: 2(H-1)/H, a ring over
+    the hosts after a reduction inside each (what hybrid sharding does itself, and NCCL's tree does
+    between two hosts)."""
     return 2 * (hosts - 1) / hosts
 
 
 def gossip_messages(topology, hosts, per_host, step, host_aware=True):
-    """The most replicas any host sends or receives over its link at one gossip step (gossip.exchange_for's).
-    Host-aware gossip (several ranks a host) sends each peer host one replica, split over the local ranks."""
+    """The most replicas any host sends or receives over its link at one gossip step
+    (gossip.exchange_for's). Host-aware gossip (several ranks a host) sends each peer host one
+    replica, split over the local ranks."""
     if host_aware and hosts > 1 and per_host > 1:
         return len(exchange_for(topology, 0, hosts, step).send_to)
     world = hosts * per_host
@@ -75,12 +86,25 @@ def gossip_period(topology, world):
     return {"exp": period, "alternating-exp-ring": 2 * period}.get(topology, 1)
 
 
-def link_bytes(chosen, sharding, params, world, per_host, shard_group, compute_bytes, micro_steps=1,
-               topology="alternating-exp-ring", log_interval=10, grad_bytes=4, gossip="bf16"):
-    """(bytes a step waits for, bytes that run beside compute) over each host's link each way, under the strategy
-    `chosen` (plan.strategy's). Gossip's second is the mean over a period of its topology's exchanges, in the
-    wire's dtype (`gossip`: bf16, float32, or flat-fp32, the gossip before it knew hosts, whose first was the
-    consensus distance of each logging step, an all-reduce of the replica spread over log_interval steps)."""
+def link_bytes(
+    chosen,
+    sharding,
+    params,
+    world,
+    per_host,
+    shard_group,
+    compute_bytes,
+    micro_steps=1,
+    topology="alternating-exp-ring",
+    log_interval=10,
+    grad_bytes=4,
+    gossip="bf16",
+):
+    """(bytes a step waits for, bytes that run beside compute) over each host's link each way, under
+    the strategy `chosen` (plan.strategy's). Gossip's second is the mean over a period of its
+    topology's exchanges, in the wire's dtype (`gossip`: bf16, float32, or flat-fp32, the gossip
+    before it knew hosts, whose first was the consensus distance of each logging step, an all-reduce
+    of the replica spread over log_interval steps)."""
     hosts = world // per_host
     if hosts == 1 or chosen == "local":
         return 0.0, 0.0
@@ -91,17 +115,26 @@ def link_bytes(chosen, sharding, params, world, per_host, shard_group, compute_b
         if topology == "complete":
             return consensus, all_reduce_share(hosts) * replica
         period = gossip_period(topology, hosts if not flat and per_host > 1 else world)
-        return consensus, replica * statistics.mean(gossip_messages(topology, hosts, per_host, t, not flat)
-                                                    for t in range(period))
+        return consensus, replica * statistics.mean(
+            gossip_messages(topology, hosts, per_host, t, not flat) for t in range(period)
+        )
     _, shards, reshard = layout(sharding, world, shard_group)
-    # Gathers a step: FSDP2's blocks twice a micro-step when resharded after forward; otherwise the parameters
-    # stay gathered from the first forward to the last backward of the step.
+    # Gathers a step: FSDP2's blocks twice a micro-step when resharded after forward; otherwise the
+    # parameters stay gathered from the first forward to the last backward of the step.
     gathers = 2 * micro_steps if chosen == "fsdp-block" and reshard else 1
     total = gathers * ring_share(shards, per_host) * compute_bytes * params
-    total += ring_share(shards, per_host) * grad_bytes * params  # reduce-scatter, after the last micro-step
+    # reduce-scatter, after the last micro-step
+    total += ring_share(shards, per_host) * grad_bytes * params
     replicas = world // shards
-    if replicas > 1:  # each host holds min(shards, per_host) distinct shards; their replicas span world / max hosts
-        total += all_reduce_share(world // max(shards, per_host)) * grad_bytes * params * min(shards, per_host) / shards
+    # each host holds min(shards, per_host) distinct shards; their replicas span world / max hosts
+    if replicas > 1:
+        total += (
+            all_reduce_share(world // max(shards, per_host))
+            * grad_bytes
+            * params
+            * min(shards, per_host)
+            / shards
+        )
     return (total, 0.0) if chosen in ("one-unit", "fsdp-whole") else (0.0, total)
 
 
@@ -115,24 +148,64 @@ class StepTime:
     bytes_per_step: float  # over each host's link, each way
 
 
-def estimate_step(sharding, params, flops_per_token, tokens_per_gpu, world, per_host, shard_group, gbps, flops,
-                  precision="bf16", micro_steps=1, fsdp_unit="auto", topology="alternating-exp-ring",
-                  log_interval=10, reduce_precision="float32", gossip="bf16"):
-    """The step time of `sharding` (or "decentralized", gossip) for tokens_per_gpu tokens a step on each of world
-    GPUs of per_host a host, each computing at `flops` FLOP/s, the hosts joined by links of `gbps` Gbit/s."""
+def estimate_step(
+    sharding,
+    params,
+    flops_per_token,
+    tokens_per_gpu,
+    world,
+    per_host,
+    shard_group,
+    gbps,
+    flops,
+    precision="bf16",
+    micro_steps=1,
+    fsdp_unit="auto",
+    topology="alternating-exp-ring",
+    log_interval=10,
+    reduce_precision="float32",
+    gossip="bf16",
+):
+    """The step time of `sharding` (or "decentralized", gossip) for tokens_per_gpu tokens a step on
+    each of world GPUs of per_host a host, each computing at `flops` FLOP/s, the hosts joined by
+    links of `gbps` Gbit/s."""
     decentralized = sharding == "decentralized"
-    chosen = strategy("no-shard" if decentralized else sharding, world, params, fsdp_unit,
-                      float8=precision == "fp8", decentralized=decentralized)
-    waited, beside = link_bytes(chosen, sharding, params, world, per_host, shard_group,
-                                4 if precision == "float32" else 2, micro_steps, topology, log_interval,
-                                GRAD_BYTES[reduce_precision], gossip)
+    chosen = strategy(
+        "no-shard" if decentralized else sharding,
+        world,
+        params,
+        fsdp_unit,
+        float8=precision == "fp8",
+        decentralized=decentralized,
+    )
+    waited, beside = link_bytes(
+        chosen,
+        sharding,
+        params,
+        world,
+        per_host,
+        shard_group,
+        4 if precision == "float32" else 2,
+        micro_steps,
+        topology,
+        log_interval,
+        GRAD_BYTES[reduce_precision],
+        gossip,
+    )
     rate = gbps * 1e9 / 8 * PAYLOAD  # bytes/s
     compute = tokens_per_gpu * flops_per_token / flops
     if chosen == "ddp":  # buckets all-reduce during backward, about two thirds of the compute
         step = compute / 3 + max(2 * compute / 3, beside / rate)
     else:
         step = max(compute, beside / rate) + waited / rate
-    return StepTime(chosen, compute, (waited + beside) / rate, step, world * tokens_per_gpu / step, waited + beside)
+    return StepTime(
+        chosen,
+        compute,
+        (waited + beside) / rate,
+        step,
+        world * tokens_per_gpu / step,
+        waited + beside,
+    )
 
 
 HOST_COUNTS = (2, 4, 8, 16, 32, 64)
@@ -140,38 +213,64 @@ RATES_GBPS = (400, 200, 100, 50, 25, 10, 5, 2, 1, 0.5, 0.2, 0.1)
 
 
 def gossip_gain(params, per_token, tokens_per_gpu, hosts, per_host, gbps, flops, **options):
-    """Decentralized's tokens/s over the fastest all-reduce strategy's, on `hosts` hosts at `gbps`."""
+    """Decentralized's tokens/s over the fastest all-reduce strategy's, on `hosts` hosts at
+    `gbps`."""
     world = hosts * per_host
-    step = functools.partial(estimate_step, params=params, flops_per_token=per_token, tokens_per_gpu=tokens_per_gpu,
-                             world=world, per_host=per_host, shard_group=per_host, gbps=gbps, flops=flops)
-    best = max(step(s, **options).tokens_per_s for s in ("full-shard", "hybrid-full-shard", "no-shard"))
+    step = functools.partial(
+        estimate_step,
+        params=params,
+        flops_per_token=per_token,
+        tokens_per_gpu=tokens_per_gpu,
+        world=world,
+        per_host=per_host,
+        shard_group=per_host,
+        gbps=gbps,
+        flops=flops,
+    )
+    best = max(
+        step(s, **options).tokens_per_s for s in ("full-shard", "hybrid-full-shard", "no-shard")
+    )
     gossip = {k: v for k, v in options.items() if k != "reduce_precision"}
     return step("decentralized", **gossip).tokens_per_s / best
 
 
 def where_gossip_pays(params, per_token, tokens_per_gpu, hosts, per_host, gbps, flops, **options):
-    """One line: below which link rate (on these hosts) and from how many hosts (at this rate) decentralized
-    training is faster than every all-reduce strategy, by the estimates above."""
+    """One line: below which link rate (on these hosts) and from how many hosts (at this rate)
+    decentralized training is faster than every all-reduce strategy, by the estimates above."""
+
     def gain(h, g):
         return gossip_gain(params, per_token, tokens_per_gpu, h, per_host, g, flops, **options)
+
     rates = [g for g in RATES_GBPS if gain(hosts, g) > 1]
     counts = [h for h in HOST_COUNTS if gain(h, gbps) > 1]
     here = gain(hosts, gbps)
-    return (f"decentralized: {here:.2f}x the fastest all-reduce strategy here; on {hosts} host(s) it is faster "
-            + (f"at every rate from {RATES_GBPS[0]:g} Gbit/s down" if rates and rates[0] == RATES_GBPS[0] else
-               f"at {rates[0]:g} Gbit/s and below" if rates else f"at no rate down to {RATES_GBPS[-1]:g} Gbit/s")
-            + f"; at {gbps:g} Gbit/s, " + (f"from {counts[0]} hosts" if counts else
-                                           f"at no host count up to {HOST_COUNTS[-1]}"))
+    return (
+        f"decentralized: {here:.2f}x the fastest all-reduce strategy here; on {hosts} host(s) it "
+        f"is faster "
+        + (
+            f"at every rate from {RATES_GBPS[0]:g} Gbit/s down"
+            if rates and rates[0] == RATES_GBPS[0]
+            else f"at {rates[0]:g} Gbit/s and below"
+            if rates
+            else f"at no rate down to {RATES_GBPS[-1]:g} Gbit/s"
+        )
+        + f"; at {gbps:g} Gbit/s, "
+        + (f"from {counts[0]} hosts" if counts else f"at no host count up to {HOST_COUNTS[-1]}")
+    )
 
 
 def flops_per_token(sizes, config):
-    """Training FLOPs per token, as layers.Decoder.flops_per_token counts them (6N without the lookup-only embedding,
-    plus attention), from the planner's parameter counts."""
-    return 6 * (sizes.total - sizes.lookup) + 12 * config.num_layers * config.embed_size * config.seq_length
+    """Training FLOPs per token, as layers.Decoder.flops_per_token counts them (6N without the
+    lookup-only embedding, plus attention), from the planner's parameter counts."""
+    return (
+        6 * (sizes.total - sizes.lookup)
+        + 12 * config.num_layers * config.embed_size * config.seq_length
+    )
 
 
 def achieved_flops(gpu_type, mfu, compile, precision):
-    """(FLOP/s one GPU achieves, the MFU it came from): --mfu, or the card's measured MFU for the run's compile."""
+    """(FLOP/s one GPU achieves, the MFU it came from): --mfu, or the card's measured MFU for the
+    run's compile."""
     card = CARDS[gpu_type]
     if mfu is None:
         mfu = card.mfu_compiled if compile else card.mfu_eager
@@ -184,23 +283,58 @@ def print_step_times(args, config, sizes, per_host, shard_group, strategies):
     tokens_per_gpu = args.batch_size * args.grad_accum_steps * config.seq_length
     per_token = flops_per_token(sizes, config)
     hosts = args.gpus // per_host
-    print(f"\nstep time: {hosts} host(s) x {per_host} GPU(s), {args.inter_node_gbps:g} Gbit/s between hosts "
-          f"({args.inter_node_gbps * PAYLOAD:.2f} of TCP payload), NVLink inside taken as free; {args.gpu_type} at "
-          f"{mfu:.1%} MFU ({flops / 1e12:.0f} TFLOP/s, {'compiled' if args.compile else 'eager'}), "
-          f"{per_token / 1e6:.1f} MFLOPs a token")
-    header = f"{'strategy':<19}{'as':<12}{'GB/step':>9}{'compute ms':>12}{'link ms':>10}{'step ms':>10}" \
-             f"{'tokens/s':>13}"
+    print(
+        f"\nstep time: {hosts} host(s) x {per_host} GPU(s), {args.inter_node_gbps:g} Gbit/s "
+        f"between hosts ({args.inter_node_gbps * PAYLOAD:.2f} of TCP payload), NVLink inside taken "
+        f"as free; {args.gpu_type} at {mfu:.1%} MFU ({flops / 1e12:.0f} TFLOP/s, "
+        f"{'compiled' if args.compile else 'eager'}), {per_token / 1e6:.1f} MFLOPs a token"
+    )
+    header = (
+        f"{'strategy':<19}{'as':<12}{'GB/step':>9}{'compute ms':>12}{'link ms':>10}{'step ms':>10}"
+        f"{'tokens/s':>13}"
+    )
     print(header + "\n" + "-" * len(header))
     for sharding in strategies:
-        t = estimate_step(sharding, sizes.total, per_token, tokens_per_gpu, args.gpus, per_host, shard_group,
-                          args.inter_node_gbps, flops, args.precision, args.grad_accum_steps, args.fsdp_unit,
-                          args.topology, args.log_interval,
-                          reduce_precision(args.reduce_precision, hosts, args.precision))
-        print(f"{sharding:<19}{t.strategy:<12}{t.bytes_per_step / 1e9:>9.2f}{1000 * t.compute:>12.1f}"
-              f"{1000 * t.link:>10.1f}{1000 * t.step:>10.1f}{t.tokens_per_s:>13,.0f}")
-    print(where_gossip_pays(sizes.total, per_token, tokens_per_gpu, hosts, per_host, args.inter_node_gbps, flops,
-                            precision=args.precision, micro_steps=args.grad_accum_steps, fsdp_unit=args.fsdp_unit,
-                            topology=args.topology, log_interval=args.log_interval,
-                            reduce_precision=reduce_precision(args.reduce_precision, hosts, args.precision)))
-    print("as: how training runs it (plan.strategy); GB/step: over each host's link each way; link ms: time on the "
-          "link; one-unit and fsdp-whole wait for it after compute, the others overlap it (docs/performance.md)")
+        t = estimate_step(
+            sharding,
+            sizes.total,
+            per_token,
+            tokens_per_gpu,
+            args.gpus,
+            per_host,
+            shard_group,
+            args.inter_node_gbps,
+            flops,
+            args.precision,
+            args.grad_accum_steps,
+            args.fsdp_unit,
+            args.topology,
+            args.log_interval,
+            reduce_precision(args.reduce_precision, hosts, args.precision),
+        )
+        print(
+            f"{sharding:<19}{t.strategy:<12}{t.bytes_per_step / 1e9:>9.2f}{1000 * t.compute:>12.1f}"
+            f"{1000 * t.link:>10.1f}{1000 * t.step:>10.1f}{t.tokens_per_s:>13,.0f}"
+        )
+    print(
+        where_gossip_pays(
+            sizes.total,
+            per_token,
+            tokens_per_gpu,
+            hosts,
+            per_host,
+            args.inter_node_gbps,
+            flops,
+            precision=args.precision,
+            micro_steps=args.grad_accum_steps,
+            fsdp_unit=args.fsdp_unit,
+            topology=args.topology,
+            log_interval=args.log_interval,
+            reduce_precision=reduce_precision(args.reduce_precision, hosts, args.precision),
+        )
+    )
+    print(
+        "as: how training runs it (plan.strategy); GB/step: over each host's link each way; link "
+        "ms: time on the link; one-unit and fsdp-whole wait for it after compute, the others "
+        "overlap it (docs/performance.md)"
+    )

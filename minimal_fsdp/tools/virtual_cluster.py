@@ -1,22 +1,24 @@
-"""A cluster in a box: N hosts on one Linux machine, to rehearse a multi-node job before spending an allocation
-(and for the multi-host tests, tests/test_multihost*.py).
+"""A cluster in a box: N hosts on one Linux machine, to rehearse a multi-node job before spending an
+allocation (and for the multi-host tests, tests/test_multihost*.py).
 
-A host is a network namespace with its own hostname, its own /etc/hosts and, if asked, a node-local disk (a
-directory of its own bound over one path, e.g. the --checkpoint_dir, in each of its processes). The hosts hang off
-one bridge through veth links that can be shaped (rate, delay, loss) and cut; the bridge lives in a namespace of
-its own, so the machine's own network is never touched. Built with pyroute2 (pure Python: no iproute2 needed, as
-on GPU machines that lack it); needs root. Everything is torn down when the `with` block or the command ends, on
-failure and Ctrl-C too; the namespaces of a cluster whose owner was killed are swept at the next start.
+A host is a network namespace with its own hostname, its own /etc/hosts and, if asked, a node-local
+disk (a directory of its own bound over one path, e.g. the --checkpoint_dir, in each of its
+processes). The hosts hang off one bridge through veth links that can be shaped (rate, delay, loss)
+and cut; the bridge lives in a namespace of its own, so the machine's own network is never touched.
+Built with pyroute2 (pure Python: no iproute2 needed, as on GPU machines that lack it); needs root.
+Everything is torn down when the `with` block or the command ends, on failure and Ctrl-C too; the
+namespaces of a cluster whose owner was killed are swept at the next start.
 
     minimal-fsdp cluster --hosts 2 -- bash pbs/train_multi_node.sh
     minimal-fsdp cluster --hosts 2 --rate 10gbit --delay 1ms -- \\
         mpiexec -n 4 -ppn 2 -hosts node0,node1 python basic_training.py --sharding hybrid-full-shard
     minimal-fsdp cluster --hosts 2 -- bash       # a shell on node0; `ssh node1 hostname`
 
-The command runs its COMMAND on the first host, as a batch script runs on a job's first node, with PBS_NODEFILE, a
-hostfile and a stand-in for ssh (first in PATH, and named to Hydra and Open MPI) that enters the named host.
-See docs/launch.md, "Rehearse on virtual hosts".
+The command runs its COMMAND on the first host, as a batch script runs on a job's first node, with
+PBS_NODEFILE, a hostfile and a stand-in for ssh (first in PATH, and named to Hydra and Open MPI)
+that enters the named host. See docs/launch.md, "Rehearse on virtual hosts".
 """
+
 import contextlib
 import ctypes
 import itertools
@@ -37,7 +39,8 @@ ETC_NETNS = Path("/etc/netns")  # where `ip netns exec` finds a namespace's own 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
-# tbf's rate is a 32-bit count of bytes/s (pyroute2 sends no 64-bit rate): faster links stay unshaped.
+# tbf's rate is a 32-bit count of bytes/s (pyroute2 sends no 64-bit rate): faster links stay
+# unshaped.
 TBF_MAX_BITS = 8 * (2**32 - 1)
 UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _clusters = itertools.count()
@@ -67,8 +70,11 @@ def unavailable():
         import pyroute2  # noqa: F401
     except ImportError:
         return "pyroute2 is not installed (pip install -e '.[cluster]')"
-    probe = subprocess.run([sys.executable, "-c", f"import ctypes; print(ctypes.CDLL(None).unshare({CLONE_NEWNET}))"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import ctypes; print(ctypes.CDLL(None).unshare({CLONE_NEWNET}))"],
+        capture_output=True,
+        text=True,
+    )
     return None if probe.stdout.strip() == "0" else "this process may not create network namespaces"
 
 
@@ -93,13 +99,15 @@ class Host:
 
 
 def enter(state, name):
-    """Turn this (single-threaded) process into a process of host `name`: its network, hostname, /etc/hosts and
-    node-local disk. The mount namespace is this process's own, so the binds vanish with it."""
+    """Turn this (single-threaded) process into a process of host `name`: its network, hostname,
+    /etc/hosts and node-local disk. The mount namespace is this process's own, so the binds vanish
+    with it."""
     host = Host(**state["hosts"][name])
     with open(NETNS_DIR / host.netns) as f:
         _libc("setns", f.fileno(), CLONE_NEWNET)
     _libc("unshare", CLONE_NEWUTS | CLONE_NEWNS)
-    _libc("mount", b"none", b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None)  # binds stay here
+    # binds stay here
+    _libc("mount", b"none", b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None)
     socket.sethostname(host.name)
     _bind(ETC_NETNS / host.netns / "hosts", "/etc/hosts")
     if state["node_local"]:
@@ -111,20 +119,32 @@ def enter(state, name):
 
 def _ipr(netns):
     from pyroute2 import NetNS
+
     return contextlib.closing(NetNS(netns))
 
 
 class Cluster:
     """`hosts` hosts named node0.. at 10.77.0.1.. (`subnet`), links shaped to `rate`/`delay`/`loss`.
-    resolve: 'all' (every host resolves every name), 'none' (only localhost: hostnames do not resolve) or
-    'loopback' (a host's own name is 127.0.1.1, as Debian's installer writes it). node_local: a path that is a
-    different directory on each host (a node-local disk)."""
+    resolve: 'all' (every host resolves every name), 'none' (only localhost: hostnames do not
+    resolve) or 'loopback' (a host's own name is 127.0.1.1, as Debian's installer writes it).
+    node_local: a path that is a different directory on each host (a node-local disk)."""
 
-    def __init__(self, hosts=2, rate=None, delay=None, loss=None, node_local=None, resolve="all", subnet="10.77.0",
-                 state_dir=None):
+    def __init__(
+        self,
+        hosts=2,
+        rate=None,
+        delay=None,
+        loss=None,
+        node_local=None,
+        resolve="all",
+        subnet="10.77.0",
+        state_dir=None,
+    ):
         tag = f"vc{os.getpid()}x{next(_clusters)}"
         self.switch = f"{tag}-sw"
-        self.hosts = [Host(f"node{i}", f"{tag}-{i}", f"{subnet}.{i + 1}", f"{tag}p{i}") for i in range(hosts)]
+        self.hosts = [
+            Host(f"node{i}", f"{tag}-{i}", f"{subnet}.{i + 1}", f"{tag}p{i}") for i in range(hosts)
+        ]
         self.shaping = dict(rate=rate, delay=delay, loss=loss)
         self.node_local, self.resolve = node_local and str(node_local), resolve
         self._own_dir = state_dir is None
@@ -148,15 +168,22 @@ class Cluster:
 
     def up(self):
         from pyroute2 import netns
+
         sweep()
-        for name in (self.switch, *(h.netns for h in self.hosts)):  # all before any NetNS socket is open
+        # all before any NetNS socket is open
+        for name in (self.switch, *(h.netns for h in self.hosts)):
             netns.create(name)
         with _ipr(self.switch) as sw:
             sw.link("add", ifname="br0", kind="bridge")
             bridge = sw.link_lookup(ifname="br0")[0]
             sw.link("set", index=bridge, state="up")
             for host in self.hosts:
-                sw.link("add", ifname=host.port, kind="veth", peer={"ifname": host.interface, "net_ns_fd": host.netns})
+                sw.link(
+                    "add",
+                    ifname=host.port,
+                    kind="veth",
+                    peer={"ifname": host.interface, "net_ns_fd": host.netns},
+                )
                 sw.link("set", index=sw.link_lookup(ifname=host.port)[0], master=bridge, state="up")
         for host in self.hosts:  # one NetNS socket open at a time: pyroute2 mixes them up otherwise
             with _ipr(host.netns) as ipr:
@@ -167,7 +194,11 @@ class Cluster:
             self.shape(host.name, **self.shaping)
             self._write_hosts_file(host)
         self.dir.mkdir(parents=True, exist_ok=True)
-        state = {"dir": str(self.dir), "node_local": self.node_local, "hosts": {h.name: asdict(h) for h in self.hosts}}
+        state = {
+            "dir": str(self.dir),
+            "node_local": self.node_local,
+            "hosts": {h.name: asdict(h) for h in self.hosts},
+        }
         (self.dir / "cluster.json").write_text(json.dumps(state))
         self._write_ssh()
 
@@ -181,15 +212,20 @@ class Cluster:
         (ETC_NETNS / host.netns / "hosts").write_text("\n".join(lines) + "\n")
 
     def _write_ssh(self):
-        """bin/ssh: `ssh [options] HOST COMMAND...` runs COMMAND through a shell on HOST, as ssh does."""
+        """bin/ssh: `ssh [options] HOST COMMAND...` runs COMMAND through a shell on HOST, as ssh
+        does."""
         (self.dir / "bin").mkdir(exist_ok=True)
         self.ssh = self.dir / "bin" / "ssh"
         self.ssh.write_text(
-            "#!/bin/sh\n# ssh to a virtual host (minimal_fsdp.tools.virtual_cluster): options skipped, command run by sh\n"
-            'while [ $# -gt 0 ]; do case "$1" in -[bcDEeFIiJLlmOopQRSWw]) shift 2;; -*) shift;; *) break;; esac; done\n'
+            "#!/bin/sh\n# ssh to a virtual host (minimal_fsdp.tools.virtual_cluster): options "
+            "skipped, command run by sh\n"
+            'while [ $# -gt 0 ]; do case "$1" in -[bcDEeFIiJLlmOopQRSWw]) shift 2;; -*) shift;; *) '
+            'break;; esac; done\n'
             'host=$1; shift\n'
-            f'PYTHONPATH="{PACKAGE_PARENT}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" -m '
-            f'minimal_fsdp.tools.virtual_cluster exec --state "{self.dir}" "$host" -- sh -c "$*"\n')
+            f'PYTHONPATH="{PACKAGE_PARENT}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" '
+            f'-m minimal_fsdp.tools.virtual_cluster exec --state "{self.dir}" "$host" -- sh -c '
+            f'"$*"\n'
+        )
         self.ssh.chmod(0o755)
 
     def nodefile(self, slots=1):
@@ -199,29 +235,49 @@ class Cluster:
         return path
 
     def job_env(self, slots=1):
-        """What a batch script sees on the first node: the node list, and ssh that reaches the other hosts."""
+        """What a batch script sees on the first node: the node list, and ssh that reaches the other
+        hosts."""
         nodefile = self.nodefile(slots)
-        return {"PBS_NODEFILE": str(nodefile), "PBS_JOBID": f"{self.switch}.virtual", "HOSTFILE": str(nodefile),
-                "PATH": f"{self.ssh.parent}:{os.environ.get('PATH', '')}", "HYDRA_LAUNCHER": "ssh",
-                "HYDRA_LAUNCHER_EXEC": str(self.ssh), "OMPI_MCA_plm_rsh_agent": str(self.ssh)}
+        return {
+            "PBS_NODEFILE": str(nodefile),
+            "PBS_JOBID": f"{self.switch}.virtual",
+            "HOSTFILE": str(nodefile),
+            "PATH": f"{self.ssh.parent}:{os.environ.get('PATH', '')}",
+            "HYDRA_LAUNCHER": "ssh",
+            "HYDRA_LAUNCHER_EXEC": str(self.ssh),
+            "OMPI_MCA_plm_rsh_agent": str(self.ssh),
+        }
 
     def command(self, name, argv):
         """argv as run on host `name`."""
-        return [sys.executable, "-m", "minimal_fsdp.tools.virtual_cluster", "exec", "--state", str(self.dir), name, "--",
-                *map(str, argv)]
+        return [
+            sys.executable,
+            "-m",
+            "minimal_fsdp.tools.virtual_cluster",
+            "exec",
+            "--state",
+            str(self.dir),
+            name,
+            "--",
+            *map(str, argv),
+        ]
 
     def run(self, name, argv, env=None, **popen):
-        """Start argv on host `name` (a process group of its own, killed at teardown); returns the Popen."""
+        """Start argv on host `name` (a process group of its own, killed at teardown); returns the
+        Popen."""
         env = dict(os.environ if env is None else env)
-        env["PYTHONPATH"] = PACKAGE_PARENT + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = PACKAGE_PARENT + (
+            ":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+        )
         proc = subprocess.Popen(self.command(name, argv), env=env, start_new_session=True, **popen)
         self._procs.append(proc)
         return proc
 
     def shape(self, name, rate=None, delay=None, loss=None):
-        """Shape host `name`'s outgoing link: netem for delay and loss, tbf for the rate (under netem where both).
-        Replaces what was there (a second root qdisc cannot be added)."""
+        """Shape host `name`'s outgoing link: netem for delay and loss, tbf for the rate (under
+        netem where both). Replaces what was there (a second root qdisc cannot be added)."""
         from pyroute2.netlink.exceptions import NetlinkError
+
         host = self.host(name)
         rate = rate and bits_per_second(rate)
         with _ipr(host.netns) as ipr:
@@ -231,42 +287,74 @@ class Cluster:
             parent = {}
             if delay or loss:
                 try:
-                    ipr.tc("add", kind="netem", index=link, handle="1:", delay=microseconds(delay or 0),
-                           loss=float(loss or 0), limit=100_000)
+                    ipr.tc(
+                        "add",
+                        kind="netem",
+                        index=link,
+                        handle="1:",
+                        delay=microseconds(delay or 0),
+                        loss=float(loss or 0),
+                        limit=100_000,
+                    )
                 except NetlinkError as e:
-                    raise ValueError(f"delay and loss need the kernel's netem qdisc (sch_netem), which this machine "
-                                     f"lacks ({e}); the rate alone (tbf) works without it") from None
+                    raise ValueError(
+                        f"delay and loss need the kernel's netem qdisc (sch_netem), which this "
+                        f"machine lacks ({e}); the rate alone (tbf) works without it"
+                    ) from None
                 parent = {"parent": "1:1"}
             if rate and rate <= TBF_MAX_BITS:
-                # A burst of 1 ms at the rate (at least 256 KB: veth sends 64 KB segments); packets wait <= 50 ms.
+                # A burst of 1 ms at the rate (at least 256 KB: veth sends 64 KB segments); packets
+                # wait <= 50 ms.
                 burst = max(1 << 18, int(rate / 8 / 1000))
-                ipr.tc("add", kind="tbf", index=link, handle="10:" if parent else "1:", rate=f"{int(rate)}bit",
-                       burst=burst, latency="50ms", **parent)
+                ipr.tc(
+                    "add",
+                    kind="tbf",
+                    index=link,
+                    handle="10:" if parent else "1:",
+                    rate=f"{int(rate)}bit",
+                    burst=burst,
+                    latency="50ms",
+                    **parent,
+                )
 
     def cut(self, name, up=False):
         """Take host `name`'s link down at the bridge (as a pulled cable), or back up."""
         with _ipr(self.switch) as sw:
-            sw.link("set", index=sw.link_lookup(ifname=self.host(name).port)[0], state="up" if up else "down")
+            sw.link(
+                "set",
+                index=sw.link_lookup(ifname=self.host(name).port)[0],
+                state="up" if up else "down",
+            )
 
     def bytes_moved(self, name):
         """Bytes host `name`'s link has carried both ways so far (counted at the bridge)."""
         with _ipr(self.switch) as sw:
-            stats = sw.get_links(sw.link_lookup(ifname=self.host(name).port)[0])[0].get("IFLA_STATS64")
+            stats = sw.get_links(sw.link_lookup(ifname=self.host(name).port)[0])[0].get(
+                "IFLA_STATS64"
+            )
         return stats["rx_bytes"] + stats["tx_bytes"]
 
     def throughput(self, sender, receiver, megabytes=32):
         """Gbit/s of one TCP stream from host `sender` to host `receiver` (first byte to last)."""
         port = 5201
-        server = self.run(receiver, [sys.executable, "-c", _RECEIVER, str(port)], stdout=subprocess.PIPE, text=True)
-        client = self.run(sender, [sys.executable, "-c", _SENDER, self.host(receiver).address, str(port),
-                                   str(megabytes)])
+        server = self.run(
+            receiver,
+            [sys.executable, "-c", _RECEIVER, str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        client = self.run(
+            sender,
+            [sys.executable, "-c", _SENDER, self.host(receiver).address, str(port), str(megabytes)],
+        )
         client.wait(timeout=120)
         received, seconds = map(float, server.communicate(timeout=120)[0].split())
         return received * 8 / seconds / 1e9
 
     def down(self):
         """Kill what runs on the hosts, remove the namespaces and files. Safe to call twice."""
-        if os.getpid() != self._owner:  # a forked child (pyroute2 forks) unwinding: not its cluster to remove
+        # a forked child (pyroute2 forks) unwinding: not its cluster to remove
+        if os.getpid() != self._owner:
             return
         for proc in self._procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -299,6 +387,7 @@ c.close()"""
 def _remove(names):
     """Kill every process inside these namespaces, then remove them and their /etc/netns files."""
     from pyroute2 import netns
+
     inodes = {}
     for name in names:
         with contextlib.suppress(OSError):
@@ -314,8 +403,10 @@ def _remove(names):
 
 
 def sweep():
-    """Remove the namespaces of clusters whose owning process is gone (killed before it could tear down)."""
+    """Remove the namespaces of clusters whose owning process is gone (killed before it could tear
+    down)."""
     from pyroute2 import netns
+
     stale = []
     for name in netns.listnetns():
         match = re.fullmatch(r"vc(\d+)x\d+-\w+", name)
@@ -325,11 +416,12 @@ def sweep():
 
 
 def main(argv=None, cfg=None):
-    """`minimal-fsdp cluster`: the flags (or ClusterFlags parsed already) -> the hosts, the command run on the
-    first, its exit code."""
+    """`minimal-fsdp cluster`: the flags (or ClusterFlags parsed already) -> the hosts, the command
+    run on the first, its exit code."""
     if cfg is None:
         from minimal_fsdp.config.commands import ClusterFlags
         from minimal_fsdp.config.parser import parse
+
         cfg = parse(ClusterFlags, argv)
     args = cfg
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -339,15 +431,23 @@ def main(argv=None, cfg=None):
     if why:
         sys.exit(f"error: cannot make virtual hosts here: {why}")
     owner = os.getpid()
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # unwind through the teardown below (only in this process)
-        signal.signal(signum, lambda signum, _: (sys.exit if os.getpid() == owner else os._exit)(128 + signum))
+    # unwind through the teardown below (only in this process)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(
+            signum, lambda signum, _: (sys.exit if os.getpid() == owner else os._exit)(128 + signum)
+        )
     try:
-        cluster = Cluster(args.hosts, args.rate, args.delay, args.loss, args.node_local, args.resolve).__enter__()
+        cluster = Cluster(
+            args.hosts, args.rate, args.delay, args.loss, args.node_local, args.resolve
+        ).__enter__()
     except ValueError as e:  # shaping this kernel cannot do (torn down already)
         sys.exit(f"error: {e}")
     try:
         names = ", ".join(f"{h.name} {h.address}" for h in cluster.hosts)
-        print(f"virtual cluster: {names}; running on {cluster.hosts[0].name}: {' '.join(command)}", flush=True)
+        print(
+            f"virtual cluster: {names}; running on {cluster.hosts[0].name}: {' '.join(command)}",
+            flush=True,
+        )
         env = dict(os.environ, PBS_O_WORKDIR=os.getcwd(), **cluster.job_env(args.slots))
         proc = cluster.run(cluster.hosts[0].name, command, env=env, stdout=subprocess.PIPE)
         try:
@@ -363,9 +463,12 @@ def main(argv=None, cfg=None):
 
 
 class Rehearsal:
-    """What a job run on the hosts printed that says what it proved: the training run's launch line (ranks,
-    nodes), the network it picked and how far it trained. The job's output passes through unchanged."""
-    TALKED = 100_000  # bytes across the hosts' links below which no training collective crossed them
+    """What a job run on the hosts printed that says what it proved: the training run's launch line
+    (ranks, nodes), the network it picked and how far it trained. The job's output passes through
+    unchanged."""
+
+    # bytes across the hosts' links below which no training collective crossed them
+    TALKED = 100_000
 
     def __init__(self):
         self.launch = self.network = self.done = None
@@ -377,14 +480,18 @@ class Rehearsal:
             sys.stdout.buffer.write(raw)
             sys.stdout.flush()
             line = raw.decode(errors="replace").strip()
-            for key, prefix in (("launch", "launch: "), ("network", "network: "), ("done", "done: ")):
+            for key, prefix in (
+                ("launch", "launch: "),
+                ("network", "network: "),
+                ("done", "done: "),
+            ):
                 if line.startswith(prefix):
-                    setattr(seen, key, line[len(prefix):])
+                    setattr(seen, key, line[len(prefix) :])
         return seen
 
     def report(self, cluster, code):
-        """Print what the job proved across the hosts (nothing for a command that trained no run); the exit
-        code: the job's, or 1 where it exited 0 but trained nothing across the hosts."""
+        """Print what the job proved across the hosts (nothing for a command that trained no run);
+        the exit code: the job's, or 1 where it exited 0 but trained nothing across the hosts."""
         if self.launch is None:
             return code
         moved = sum(cluster.bytes_moved(h.name) for h in cluster.hosts[1:])
@@ -393,25 +500,36 @@ class Rehearsal:
         trained = re.search(r"this launch trained (\d+) steps", self.done or "")
         problems = []
         if moved < self.TALKED:
-            problems.append(f"only {moved:,} bytes crossed the links: no training collective crossed the hosts")
+            problems.append(
+                f"only {moved:,} bytes crossed the links: no training collective crossed the hosts"
+            )
         if trained and trained[1] == "0":
-            problems.append("this launch trained 0 steps (it resumed a finished run: give the rehearsal its own "
-                            "--run_name)")
+            problems.append(
+                "this launch trained 0 steps (it resumed a finished run: give the rehearsal its "
+                "own --run_name)"
+            )
         if code or problems:
             why = "; ".join(problems) or f"the job exited {code}"
             print(f"rehearsal: proved nothing across {hosts}: {why}", flush=True)
             return code or 1
         network = self.network.split(",")[0] if self.network else "the interface gloo found itself"
-        print(f"rehearsal: trained across {hosts}: {ranks}; network {network}; {moved / 1e6:.1f} MB crossed "
-              f"the links between the hosts; {trained[1] if trained else 'its'} steps trained", flush=True)
+        print(
+            f"rehearsal: trained across {hosts}: {ranks}; network {network}; {moved / 1e6:.1f} MB "
+            f"crossed the links between the hosts; {trained[1] if trained else 'its'} steps "
+            f"trained",
+            flush=True,
+        )
         return code
 
 
 def exec_on_host(argv):
-    """The ssh stand-in's `exec --state DIR HOST -- COMMAND...` (written by Cluster, never typed): COMMAND run
-    inside HOST's namespaces."""
+    """The ssh stand-in's `exec --state DIR HOST -- COMMAND...` (written by Cluster, never typed):
+    COMMAND run inside HOST's namespaces."""
     if len(argv) < 6 or argv[:2] != ["exec", "--state"] or argv[4] != "--":
-        sys.exit("usage: python -m minimal_fsdp.tools.virtual_cluster exec --state DIR HOST -- COMMAND ...")
+        sys.exit(
+            "usage: python -m minimal_fsdp.tools.virtual_cluster exec --state DIR HOST -- COMMAND "
+            "..."
+        )
     state_dir, host, command = argv[2], argv[3], argv[5:]
     state = json.loads((Path(state_dir) / "cluster.json").read_text())
     if host not in state["hosts"]:

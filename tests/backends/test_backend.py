@@ -1,4 +1,6 @@
-"""backend.py: the parts of a CUDA or CPU run that run.train_model wires (xla.py's are tested in test_xla.py)."""
+"""backend.py: the parts of a CUDA or CPU run that run.train_model wires (xla.py's are tested in
+test_xla.py)."""
+
 import dataclasses
 
 import torch
@@ -15,9 +17,9 @@ CONFIG = GPTConfig(vocab_size=16, seq_length=8, num_layers=2, num_heads=2, embed
 
 
 def test_torch_gives_the_plans_model_sync_and_checkpointer(monkeypatch, one_rank_group):
-    """The model as parallelize.build_model lays it out for the plan (here one rank: a plain module with
-    init_weights' values), the sync parallelize.gradient_sync picks for the plan (gossip's too), the data as
-    it is, every rank one data-parallel member."""
+    """The model as parallelize.build_model lays it out for the plan (here one rank: a plain module
+    with init_weights' values), the sync parallelize.gradient_sync picks for the plan (gossip's
+    too), the data as it is, every rank one data-parallel member."""
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     cfg = parse_args(["--seed", 7])
     plan = make_plan(cfg, env, CONFIG)
@@ -26,13 +28,23 @@ def test_torch_gives_the_plans_model_sync_and_checkpointer(monkeypatch, one_rank
     model = parts.build_model(CONFIG)
     reference = GPT(CONFIG)
     init_weights(reference, 7, "cpu")
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), reference.state_dict().values())
+    )
     assert type(parts.gradient_sync(model)) is LocalSync
     data = object()
     assert parts.batches(data) is data
-    saver = parts.checkpointer(CONFIG, None, model)  # collective: the ranks agree on background saves
-    assert type(saver) is checkpoint.Checkpointer and not saver.decentralized and saver.mode == "sync"
+    # collective: the ranks agree on background saves
+    saver = parts.checkpointer(CONFIG, None, model)
+    assert (
+        type(saver) is checkpoint.Checkpointer and not saver.decentralized and saver.mode == "sync"
+    )
     made = []
-    monkeypatch.setattr(backend, "gradient_sync", lambda model, plan: made.append((model, plan)) or "sync")
+    monkeypatch.setattr(
+        backend, "gradient_sync", lambda model, plan: made.append((model, plan)) or "sync"
+    )
     gossip = dataclasses.replace(plan, strategy="gossip")
-    assert backend.Torch(cfg, env, gossip).gradient_sync(model) == "sync" and made == [(model, gossip)]
+    assert backend.Torch(cfg, env, gossip).gradient_sync(model) == "sync" and made == [
+        (model, gossip)
+    ]

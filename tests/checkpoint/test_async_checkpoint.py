@@ -1,13 +1,17 @@
-"""checkpoint_async.py and checkpoint_writer.py: saves written beside training (--checkpoint_mode async) and the
-checksums every save takes as it writes. In this process, on a one-rank group: the checksums equal a re-read's and
-no file of the checkpoint is read back, and the shards of an asynchronous save are written by the rank's writer
-process (or, with MINIMAL_FSDP_ASYNC_WRITER=thread, by DCP's threads here); an asynchronous save returns before its
-files are written and holds the values of its own step while training changes them; later saves reuse the first
-one's plan; a second save waits for the one in flight; the writer process ignores SIGTERM, a dead one fails the
-save in one line, and it dies with its rank; the choice of mode, the staging memory in the planner and the banner. Through the real entry point on two ranks (faults.py): kill -9 during the
-background write leaves the previous checkpoint, from which the run resumes bit for bit (the same losses as an
-uninterrupted synchronous run); a save in flight at SIGTERM is committed before the exit 0; a failed background
-write ends the run with one line and keeps the last good checkpoint."""
+"""checkpoint_async.py and checkpoint_writer.py: saves written beside training (--checkpoint_mode
+async) and the checksums every save takes as it writes. In this process, on a one-rank group: the
+checksums equal a re-read's and no file of the checkpoint is read back, and the shards of an
+asynchronous save are written by the rank's writer process (or, with
+MINIMAL_FSDP_ASYNC_WRITER=thread, by DCP's threads here); an asynchronous save returns before its
+files are written and holds the values of its own step while training changes them; later saves
+reuse the first one's plan; a second save waits for the one in flight; the writer process ignores
+SIGTERM, a dead one fails the save in one line, and it dies with its rank; the choice of mode, the
+staging memory in the planner and the banner. Through the real entry point on two ranks (faults.py):
+kill -9 during the background write leaves the previous checkpoint, from which the run resumes bit
+for bit (the same losses as an uninterrupted synchronous run); a save in flight at SIGTERM is
+committed before the exit 0; a failed background write ends the run with one line and keeps the last
+good checkpoint."""
+
 import builtins
 import io
 import json
@@ -69,8 +73,11 @@ def values(model, optimizer):
 
 def saved_values(path):
     names = [name for name, _, _ in safe_load.tensor_names(path, "")]
-    return safe_load.read_tensors(path, [n for n in names if n.startswith(("model.", "optim.state."))
-                                         and not n.endswith(".step")], "")
+    return safe_load.read_tensors(
+        path,
+        [n for n in names if n.startswith(("model.", "optim.state.")) and not n.endswith(".step")],
+        "",
+    )
 
 
 @pytest.fixture
@@ -82,7 +89,9 @@ def background(one_rank_group, monkeypatch):
 
 
 @pytest.mark.parametrize("writer", ["process", "thread"])
-def test_checksums_are_taken_while_writing_and_equal_a_reread(one_rank_group, tmp_path, monkeypatch, writer):
+def test_checksums_are_taken_while_writing_and_equal_a_reread(
+    one_rank_group, tmp_path, monkeypatch, writer
+):
     monkeypatch.setenv("MINIMAL_FSDP_ASYNC_WRITER", writer)
     reads, writes = [], []
     for module in (builtins, io):  # Path.open and DCP's streams open through io.open
@@ -90,8 +99,11 @@ def test_checksums_are_taken_while_writing_and_equal_a_reread(one_rank_group, tm
 
         def recording(file, mode="r", *args, _real=real, **kwargs):
             if isinstance(file, (str, Path)) and "step_" in str(file):
-                (reads if "r" in mode else writes).append(Path(file).parent.name + "/" + Path(file).name)
+                (reads if "r" in mode else writes).append(
+                    Path(file).parent.name + "/" + Path(file).name
+                )
             return _real(file, mode, *args, **kwargs)
+
         monkeypatch.setattr(module, "open", recording)
     model, optimizer = tiny()
     tokenizer = tmp_path / "tokenizer"
@@ -101,29 +113,40 @@ def test_checksums_are_taken_while_writing_and_equal_a_reread(one_rank_group, tm
     assert (made.writer is None) == (writer == "thread")
     try:
         sync = checkpoint.save(tmp_path / "run", 1, model, optimizer, {"val_loss": None}, tokenizer)
-        asynchronous = checkpoint.save(tmp_path / "run", 2, model, optimizer, {"val_loss": None}, tokenizer,
-                                       background=made)
+        asynchronous = checkpoint.save(
+            tmp_path / "run", 2, model, optimizer, {"val_loss": None}, tokenizer, background=made
+        )
         made.wait()
     finally:
         made.close()
     assert reads == []  # no file of either checkpoint was read while it was saved
-    # The asynchronous save's shard is written by the rank's writer process (not this one) or by DCP's thread here.
-    assert ((".tmp-step_2/__0_0.distcp" in writes) == (writer == "thread")) and ".tmp-step_1/__0_0.distcp" in writes
+    # The asynchronous save's shard is written by the rank's writer process (not this one) or by
+    # DCP's thread here.
+    assert (
+        (".tmp-step_2/__0_0.distcp" in writes) == (writer == "thread")
+    ) and ".tmp-step_1/__0_0.distcp" in writes
     monkeypatch.undo()
     for path in (sync, asynchronous):
         recorded = json.loads((path / "meta.json").read_text())["files"]
         on_disk = {p.name: p.read_bytes() for p in path.iterdir() if p.name != "meta.json"}
-        assert sorted(recorded) == sorted(on_disk) == [".metadata", "__0_0.distcp", "rng_0.pt", "tokenizer.json"]
+        assert (
+            sorted(recorded)
+            == sorted(on_disk)
+            == [".metadata", "__0_0.distcp", "rng_0.pt", "tokenizer.json"]
+        )
         assert recorded == {name: [len(data), zlib.crc32(data)] for name, data in on_disk.items()}
 
 
-def test_an_async_save_returns_before_writing_and_keeps_the_values_of_its_step(background, tmp_path, monkeypatch):
+def test_an_async_save_returns_before_writing_and_keeps_the_values_of_its_step(
+    background, tmp_path, monkeypatch
+):
     release = threading.Event()
     write_data = ChecksummingWriter.write_data
 
     def held(writer, plan, planner):
         release.wait(HANG_GUARD)
         return write_data(writer, plan, planner)
+
     monkeypatch.setattr(ChecksummingWriter, "write_data", held)
     model, optimizer = tiny()
     expected = values(model, optimizer)
@@ -131,7 +154,8 @@ def test_an_async_save_returns_before_writing_and_keeps_the_values_of_its_step(b
     path = checkpoint.save(run, 1, model, optimizer, {"val_loss": None}, background=background)
     assert background.pending is not None and not background.pending.done()
     assert (run / ".tmp-step_1").is_dir() and not path.exists() and not (run / "latest").exists()
-    train_step(model, optimizer)  # training goes on: every weight and moment changes while the save is written
+    # training goes on: every weight and moment changes while the save is written
+    train_step(model, optimizer)
     changed = values(model, optimizer)
     assert all(not torch.equal(changed[name], expected[name]) for name in expected)
     release.set()
@@ -139,21 +163,31 @@ def test_an_async_save_returns_before_writing_and_keeps_the_values_of_its_step(b
     assert checkpoint_find.marker(run, "latest") == path
     saved = saved_values(path)
     assert sorted(saved) == sorted(expected)
-    assert all(torch.equal(saved[name], expected[name]) for name in expected), "not the values of the save's step"
+    assert all(torch.equal(saved[name], expected[name]) for name in expected), (
+        "not the values of the save's step"
+    )
 
 
-def test_later_saves_reuse_the_first_ones_plan_and_hold_their_own_values(background, tmp_path, monkeypatch):
+def test_later_saves_reuse_the_first_ones_plan_and_hold_their_own_values(
+    background, tmp_path, monkeypatch
+):
     plans = []
     make_plan = checkpoint_async.DefaultSavePlanner._create_global_plan
-    monkeypatch.setattr(checkpoint_async.DefaultSavePlanner, "_create_global_plan",
-                        lambda planner, all_plans: plans.append(1) or make_plan(planner, all_plans))
+    monkeypatch.setattr(
+        checkpoint_async.DefaultSavePlanner,
+        "_create_global_plan",
+        lambda planner, all_plans: plans.append(1) or make_plan(planner, all_plans),
+    )
     for cache in [name for name, value in vars(SavePlanner).items() if name.startswith("_cached_")]:
-        monkeypatch.setattr(SavePlanner, cache, {})  # DCP's plan caches start empty: no earlier test's plan
+        # DCP's plan caches start empty: no earlier test's plan
+        monkeypatch.setattr(SavePlanner, cache, {})
     model, optimizer = tiny()
     run = tmp_path / "run"
     for step in (1, 2, 3):
         expected = values(model, optimizer)
-        path = checkpoint.save(run, step, model, optimizer, {"val_loss": None}, background=background)
+        path = checkpoint.save(
+            run, step, model, optimizer, {"val_loss": None}, background=background
+        )
         background.wait()
         saved = saved_values(path)
         assert sorted(saved) == sorted(expected)
@@ -162,7 +196,9 @@ def test_later_saves_reuse_the_first_ones_plan_and_hold_their_own_values(backgro
     assert plans == [1]  # planned once, at the first save
 
 
-def test_a_save_waits_for_the_one_in_flight_so_two_never_overlap(one_rank_group, tmp_path, monkeypatch):
+def test_a_save_waits_for_the_one_in_flight_so_two_never_overlap(
+    one_rank_group, tmp_path, monkeypatch
+):
     first_writes, release, second_waits = threading.Event(), threading.Event(), threading.Event()
     started, active, most = [], [0], [0]
     write_data = ChecksummingWriter.write_data
@@ -178,6 +214,7 @@ def test_a_save_waits_for_the_one_in_flight_so_two_never_overlap(one_rank_group,
             return write_data(writer, plan, planner)
         finally:
             active[0] -= 1
+
     monkeypatch.setattr(ChecksummingWriter, "write_data", counted)
     cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--run_name", "run", "--keep_last", "0"])
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
@@ -188,6 +225,7 @@ def test_a_save_waits_for_the_one_in_flight_so_two_never_overlap(one_rank_group,
     def announced():
         second_waits.set()
         return wait()
+
     model, optimizer = tiny()
     with saver.saving():
         saver.save(1, model, optimizer, None, {})
@@ -205,32 +243,52 @@ def test_a_save_waits_for_the_one_in_flight_so_two_never_overlap(one_rank_group,
     assert checkpoint_find.marker(run, "latest") == run / "step_2"
     reports = saver.reports()
     ended = [r for r in reports if r.total_s is not None]
-    assert [r.step for r in reports if r.total_s is None] == [1, 2] and [r.step for r in ended] == [1, 2]
+    assert [r.step for r in reports if r.total_s is None] == [1, 2] and [r.step for r in ended] == [
+        1,
+        2,
+    ]
     assert all(0 <= r.blocking_s <= r.total_s for r in ended if r.step == 1)
-    assert ended[1].waited_s > 0 and ended[1].blocking_s > ended[1].waited_s  # the first save's write, then its own
+    # the first save's write, then its own
+    assert ended[1].waited_s > 0 and ended[1].blocking_s > ended[1].waited_s
 
 
-def test_the_writer_process_ignores_sigterm_and_a_dead_one_fails_the_save_in_one_line(background, tmp_path):
+def test_the_writer_process_ignores_sigterm_and_a_dead_one_fails_the_save_in_one_line(
+    background, tmp_path
+):
     model, optimizer = tiny()
     run = tmp_path / "run"
     first = checkpoint.save(run, 1, model, optimizer, {"val_loss": None}, background=background)
     background.wait()
-    # A stop's SIGTERM, sent to every process of the job, leaves the writer writing: the save in flight completes.
+    # A stop's SIGTERM, sent to every process of the job, leaves the writer writing: the save in
+    # flight completes.
     os.kill(background.writer.process.pid, signal.SIGTERM)
     second = checkpoint.save(run, 2, model, optimizer, {"val_loss": None}, background=background)
     background.wait()
     assert checkpoint_find.marker(run, "latest") == second
     recorded = json.loads((second / "meta.json").read_text())["files"]
-    assert recorded == {p.name: [len(p.read_bytes()), zlib.crc32(p.read_bytes())] for p in second.iterdir()
-                        if p.name != "meta.json"} and "__0_0.distcp" in recorded
+    assert (
+        recorded
+        == {
+            p.name: [len(p.read_bytes()), zlib.crc32(p.read_bytes())]
+            for p in second.iterdir()
+            if p.name != "meta.json"
+        }
+        and "__0_0.distcp" in recorded
+    )
     os.kill(background.writer.process.pid, signal.SIGKILL)  # the writer lost (the OOM killer, say)
     background.writer.process.wait(HANG_GUARD)
     checkpoint.save(run, 3, model, optimizer, {"val_loss": None}, background=background)
     with pytest.raises(checkpoint.SaveError) as failed:
         background.wait()
-    assert str(failed.value) == (f"writing checkpoint {run / 'step_3'} failed (rank 0: the checkpoint writer process "
-                                 f"ended (exit code -9): {run / '.tmp-step_3'}); the previous checkpoint is untouched")
-    assert checkpoint_find.marker(run, "latest") == second and first.is_dir() and not (run / ".tmp-step_3").exists()
+    assert str(failed.value) == (
+        f"writing checkpoint {run / 'step_3'} failed (rank 0: the checkpoint writer process "
+        f"ended (exit code -9): {run / '.tmp-step_3'}); the previous checkpoint is untouched"
+    )
+    assert (
+        checkpoint_find.marker(run, "latest") == second
+        and first.is_dir()
+        and not (run / ".tmp-step_3").exists()
+    )
 
 
 RANK_WITH_A_WRITER = """
@@ -244,12 +302,20 @@ time.sleep(600)
 
 
 def test_the_writer_process_dies_with_its_rank(tmp_path):
-    rank = subprocess.Popen([sys.executable, "-c", RANK_WITH_A_WRITER], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-                                     MINIMAL_FSDP_ASYNC_WRITER="process"))
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK_WITH_A_WRITER],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(
+            os.environ,
+            PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+            MINIMAL_FSDP_ASYNC_WRITER="process",
+        ),
+    )
     try:
         line = rank.stdout.readline()
-        while line and not line.startswith("writer "):  # torch 2.9's Gloo prints its connections on stdout
+        # torch 2.9's Gloo prints its connections on stdout
+        while line and not line.startswith("writer "):
             line = rank.stdout.readline()
         writer = int(line.split()[1])
         os.kill(rank.pid, signal.SIGKILL)  # kill -9: no cleanup of the rank's runs
@@ -278,23 +344,37 @@ def test_auto_is_async_on_gpus_and_sync_on_cpus_and_a_short_host_saves_in_sync()
     assert choose("auto", "cpu", 9 * gb, 2, 100 * gb) == ("sync", None)
     assert choose("sync", "cuda", 9 * gb, 2, 100 * gb) == ("sync", None)
     assert choose("async", "cpu", 9 * gb, 2, 100 * gb) == ("async", None)
-    assert choose("async", "cuda", 9 * gb, 2, None) == ("async", None)  # unknown memory: not refused
-    mode, note = choose("auto", "cuda", 9 * gb, 4, 40 * gb)  # 36 GB of 40 free: over the 80% allowed
-    assert mode == "sync" and note == ("warning: asynchronous checkpoint saves would keep 36.0 GB of host memory "
-                                       "on this node (9.0 GB per rank) and 40.0 GB is free: saving synchronously "
-                                       "(--checkpoint_mode sync says so in advance)")
+    # unknown memory: not refused
+    assert choose("async", "cuda", 9 * gb, 2, None) == ("async", None)
+    # 36 GB of 40 free: over the 80% allowed
+    mode, note = choose("auto", "cuda", 9 * gb, 4, 40 * gb)
+    assert mode == "sync" and note == (
+        "warning: asynchronous checkpoint saves would keep 36.0 GB of host memory "
+        "on this node (9.0 GB per rank) and 40.0 GB is free: saving synchronously "
+        "(--checkpoint_mode sync says so in advance)"
+    )
     assert "\n" not in note
 
 
 def test_staging_memory_is_the_ranks_weights_and_moments_in_the_planner_and_the_banner():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # 23 parameters
     assert checkpoint_async.staging_bytes(model) == 23 * 12
-    assert checkpoint_async.staging_bytes(model, decentralized=True) == 23 * 24  # each replica and the average
+    # each replica and the average
+    assert checkpoint_async.staging_bytes(model, decentralized=True) == 23 * 24
     assert checkpoint_async.staging_bytes(model, decentralized=True, average_only=True) == 23 * 12
     config = make_config("llama", "llama2-7b")
     total = count_parameters(config).total
-    plan = dict(model_type="llama", config=config, batch_size=1, sharding="full-shard", world_size=8,
-                shard_group_size=8, recompute="full", cpu_offload=False, precision="bf16")
+    plan = dict(
+        model_type="llama",
+        config=config,
+        batch_size=1,
+        sharding="full-shard",
+        world_size=8,
+        shard_group_size=8,
+        recompute="full",
+        cpu_offload=False,
+        precision="bf16",
+    )
     synchronous = model_size.estimate(**plan, checkpoint_mode="sync")
     asynchronous = model_size.estimate(**plan, checkpoint_mode="async")
     assert asynchronous["host"] - synchronous["host"] == asynchronous["staging"] == 12 * total / 8
@@ -302,8 +382,10 @@ def test_staging_memory_is_the_ranks_weights_and_moments_in_the_planner_and_the_
     env = SimpleNamespace(device=torch.device("cuda"))
     cfg = SimpleNamespace(checkpoint_mode="auto")
     line = metrics.saving(cfg, env, SimpleNamespace(mode="async", staging=9.4e9))
-    assert line.startswith("checkpoints: asynchronous (--checkpoint_mode auto): training waits while a save is "
-                           "copied into 9.4 GB of pinned host memory per rank")
+    assert line.startswith(
+        "checkpoints: asynchronous (--checkpoint_mode auto): training waits while a save is "
+        "copied into 9.4 GB of pinned host memory per rank"
+    )
     assert "synchronous" in metrics.saving(cfg, env, SimpleNamespace(mode="sync", staging=0))
 
 
@@ -320,13 +402,39 @@ def work(tmp_path_factory):
 
 
 def args(run_name, *extra):
-    return ["--dataset", "text", "--input_file", "corpus.txt", *TINY_MODEL, "--dropout", 0.1, "--log_interval", 1,
-            "--eval_interval", 0, "--warmup_steps", 2, "--lr_decay_steps", STEPS, "--max_steps", STEPS,
-            "--checkpoint_interval", 2, "--checkpoint_mode", "async", "--run_name", run_name, *extra]
+    return [
+        "--dataset",
+        "text",
+        "--input_file",
+        "corpus.txt",
+        *TINY_MODEL,
+        "--dropout",
+        0.1,
+        "--log_interval",
+        1,
+        "--eval_interval",
+        0,
+        "--warmup_steps",
+        2,
+        "--lr_decay_steps",
+        STEPS,
+        "--max_steps",
+        STEPS,
+        "--checkpoint_interval",
+        2,
+        "--checkpoint_mode",
+        "async",
+        "--run_name",
+        run_name,
+        *extra,
+    ]
 
 
 def rows(work, run_name):
-    return [json.loads(line) for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)
+        for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.mark.slow
@@ -346,13 +454,18 @@ def test_killed_during_a_background_write_resumes_bit_for_bit_from_the_previous_
     logged = rows(work, "killed")
     losses = [(r["step"], r["loss"]) for r in logged if "loss" in r]
     assert sorted({step for step, _ in losses}) == list(range(1, STEPS + 1))
-    for step, loss in losses:  # the crashed launch's and the resumed one's, against the synchronous run's
+    # the crashed launch's and the resumed one's, against the synchronous run's
+    for step, loss in losses:
         assert loss == straight[step], (step, loss, straight[step])
-    assert [r["step"] for r in logged if "restore_s" in r] == [2] and all(r["restore_s"] > 0 for r in logged
-                                                                          if "restore_s" in r)
+    assert [r["step"] for r in logged if "restore_s" in r] == [2] and all(
+        r["restore_s"] > 0 for r in logged if "restore_s" in r
+    )
     saves = [r for r in logged if "save_total_s" in r]
-    assert [r["step"] for r in saves] == [2, 4, 6, 8]  # the crashed launch's step 2, the resumed launch's
-    assert all(0 <= r["save_waited_s"] < r["save_blocking_s"] and r["save_total_s"] > 0 for r in saves)
+    # the crashed launch's step 2, the resumed launch's
+    assert [r["step"] for r in saves] == [2, 4, 6, 8]
+    assert all(
+        0 <= r["save_waited_s"] < r["save_blocking_s"] and r["save_total_s"] > 0 for r in saves
+    )
 
 
 @pytest.mark.slow
@@ -361,9 +474,15 @@ def test_a_save_in_flight_at_sigterm_is_committed_before_the_exit(work):
     # Step 2's files start to be written only once the SIGTERM of step 3 has been sent.
     term = launch_with_faults(args("term"), faults="slow_write@2,sigterm@3", cwd=work)
     lines = term.stdout.splitlines()
-    background = lines.index(next(line for line in lines if line.startswith("step 2: training waited")))
-    committed = lines.index(next(line for line in lines if line.startswith("step 2: saved checkpoints/term/step_2")))
-    stopped = lines.index(next(line for line in lines if line.startswith("step 3: SIGTERM received; saved")))
+    background = lines.index(
+        next(line for line in lines if line.startswith("step 2: training waited"))
+    )
+    committed = lines.index(
+        next(line for line in lines if line.startswith("step 2: saved checkpoints/term/step_2"))
+    )
+    stopped = lines.index(
+        next(line for line in lines if line.startswith("step 3: SIGTERM received; saved"))
+    )
     assert background < committed < stopped
     assert [p.name for p in checkpoint_find.step_dirs(run)] == ["step_3", "step_2"]
     assert all(checkpoint_find.verify(run / name) is None for name in ("step_2", "step_3"))
@@ -371,13 +490,21 @@ def test_a_save_in_flight_at_sigterm_is_committed_before_the_exit(work):
 
 
 @pytest.mark.slow
-def test_a_failed_background_write_ends_the_run_in_one_line_and_keeps_the_last_good_checkpoint(work):
+def test_a_failed_background_write_ends_the_run_in_one_line_and_keeps_the_last_good_checkpoint(
+    work,
+):
     run = work / "checkpoints" / "full"
     failed = launch_with_faults(args("full"), faults="enospc_in_write@4:1", cwd=work, check=False)
     assert failed.returncode == 1
     errors = [line for line in failed.stderr.splitlines() if "error" in line.lower()]
-    assert errors == ["error: writing checkpoint checkpoints/full/step_4 failed (rank 1: No space left on device: "
-                      "checkpoints/full/.tmp-step_4); the previous checkpoint is untouched"], failed.stderr
+    assert errors == [
+        "error: writing checkpoint checkpoints/full/step_4 failed (rank 1: No space left on "
+        "device: checkpoints/full/.tmp-step_4); the previous checkpoint is untouched"
+    ], failed.stderr
     assert "Traceback" not in failed.stderr
-    assert sorted(p.name for p in run.iterdir() if p.name != ".lock") == ["best", "latest", "step_2"]
+    assert sorted(p.name for p in run.iterdir() if p.name != ".lock") == [
+        "best",
+        "latest",
+        "step_2",
+    ]
     assert checkpoint_find.latest(run) == run / "step_2"

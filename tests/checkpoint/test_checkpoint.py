@@ -1,10 +1,12 @@
-"""checkpoint.py: what a save writes (every file with its size and CRC-32, meta.json, the tokenizer, `latest` and
-`best`, pruning, a step saved again), how a failed save is reported (one line on every rank, the partial directory
-removed, `latest` untouched), decentralized replicas, the RNG states; and through real training on 2 ranks, a
-complete checkpoint whose resume restores weights, moments, step and data position, and a logged throughput that
-leaves out evaluation and saving. In this process where it can be (fast, and what mutation testing can see).
-Reading a checkpoint without running code is test_safe_load.py's; verifying one and finding the one to start
-from, test_checkpoint_find.py's."""
+"""checkpoint.py: what a save writes (every file with its size and CRC-32, meta.json, the tokenizer,
+`latest` and `best`, pruning, a step saved again), how a failed save is reported (one line on every
+rank, the partial directory removed, `latest` untouched), decentralized replicas, the RNG states;
+and through real training on 2 ranks, a complete checkpoint whose resume restores weights, moments,
+step and data position, and a logged throughput that leaves out evaluation and saving. In this
+process where it can be (fast, and what mutation testing can see). Reading a checkpoint without
+running code is test_safe_load.py's; verifying one and finding the one to start from,
+test_checkpoint_find.py's."""
+
 import dataclasses
 import errno
 import json
@@ -44,9 +46,26 @@ pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def train_args(corpus, work, *extra):
-    return ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", 4, "--checkpoint_interval", 2,
-            "--eval_interval", 0, "--log_interval", 1, "--checkpoint_dir", work / "checkpoints", "--log_dir",
-            work / "logs", *extra]
+    return [
+        "--dataset",
+        "text",
+        "--input_file",
+        corpus,
+        *TINY_MODEL,
+        "--max_steps",
+        4,
+        "--checkpoint_interval",
+        2,
+        "--eval_interval",
+        0,
+        "--log_interval",
+        1,
+        "--checkpoint_dir",
+        work / "checkpoints",
+        "--log_dir",
+        work / "logs",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +79,31 @@ def four_steps(tmp_path_factory):
 
 
 def all_tensors(path):
-    """Every tensor of a checkpoint (model weights, optimizer moments and step counts), read in this process."""
-    return safe_load.read_tensors(path, [name for name, _, _ in safe_load.tensor_names(path, "")], "")
+    """Every tensor of a checkpoint (model weights, optimizer moments and step counts), read in this
+    process."""
+    return safe_load.read_tensors(
+        path, [name for name, _, _ in safe_load.tensor_names(path, "")], ""
+    )
 
 
 def test_save_writes_complete_checkpoint_and_latest(four_steps):
     work, _ = four_steps
     run = work / "checkpoints" / "corpus"
-    assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2", "step_4"]  # no temporary leftovers
+    # no temporary leftovers
+    assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2", "step_4"]
     assert checkpoint_find.latest(run) == run / "step_4"
     meta = checkpoint_meta.read_meta(run / "step_4")
-    assert meta["format"] == 2 and json.loads((run / "step_4" / "meta.json").read_text())["format"] == 2
-    assert meta["step"] == 4 and meta["model"]["num_layers"] == 2 and meta["config"]["max_steps"] == 4
-    assert meta["world_size"] == 2 and meta["state"]["schedule"] == {"lr_decay_steps": 4, "last_step": 4}
+    assert (
+        meta["format"] == 2
+        and json.loads((run / "step_4" / "meta.json").read_text())["format"] == 2
+    )
+    assert (
+        meta["step"] == 4 and meta["model"]["num_layers"] == 2 and meta["config"]["max_steps"] == 4
+    )
+    assert meta["world_size"] == 2 and meta["state"]["schedule"] == {
+        "lr_decay_steps": 4,
+        "last_step": 4,
+    }
     assert meta["state"]["data"] == {"train_blocks_seen": 4 * 2 * 4}  # steps x ranks x batch
     assert {"rng_0.pt", "rng_1.pt"} <= {p.name for p in (run / "step_4").iterdir()}
     assert (run / "step_4" / "tokenizer.json").exists()
@@ -82,9 +113,9 @@ def test_save_writes_complete_checkpoint_and_latest(four_steps):
 
 @pytest.mark.slow
 def test_resume_restores_weights_moments_step_and_data_position(four_steps):
-    """A run whose newest checkpoint is step_2 resumes from it: the live model and optimizer equal the files
-    right after loading, and its step_4 equals the uninterrupted run's bitwise, in every weight, Adam moment
-    and step count (so steps 3 and 4 also read the same batches)."""
+    """A run whose newest checkpoint is step_2 resumes from it: the live model and optimizer equal
+    the files right after loading, and its step_4 equals the uninterrupted run's bitwise, in every
+    weight, Adam moment and step count (so steps 3 and 4 also read the same batches)."""
     work, corpus = four_steps
     whole, resumed = work / "checkpoints" / "corpus", work / "resumed" / "checkpoints" / "corpus"
     resumed.mkdir(parents=True)
@@ -94,7 +125,10 @@ def test_resume_restores_weights_moments_step_and_data_position(four_steps):
     out = launch_with_faults(train_args(corpus, work / "resumed"), cwd=work, check_load=report)
     assert "resuming from" in out.stdout and "step_2" in out.stdout
     verdict = json.loads(report.read_text())
-    assert verdict["checked"] > 50 and verdict["only_live"] == verdict["only_saved"] == verdict["different"] == []
+    assert (
+        verdict["checked"] > 50
+        and verdict["only_live"] == verdict["only_saved"] == verdict["different"] == []
+    )
 
     expected, got = all_tensors(whole / "step_4"), all_tensors(resumed / "step_4")
     assert expected.keys() == got.keys() and any(k.endswith("exp_avg_sq") for k in got)
@@ -112,7 +146,8 @@ ONE_RANK_MODEL = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=
 
 @pytest.fixture
 def one_rank(one_rank_group):
-    """A tiny sharded model on this process's one-rank process group: enough to save, damage and load."""
+    """A tiny sharded model on this process's one-rank process group: enough to save, damage and
+    load."""
     cfg = parse_args([])
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     plan = make_plan(cfg, env, ONE_RANK_MODEL, fsdp_on_one_rank=True)
@@ -121,19 +156,31 @@ def one_rank(one_rank_group):
 
 
 def save_steps(run, model, optimizer, val_losses, keep_last=0):
-    meta = {"format": 2, "model_type": "gpt", "model": model.config.to_dict(), "config": {},
-            "state": {"schedule": {}, "data": {"train_blocks_seen": 0}}}
+    meta = {
+        "format": 2,
+        "model_type": "gpt",
+        "model": model.config.to_dict(),
+        "config": {},
+        "state": {"schedule": {}, "data": {"train_blocks_seen": 0}},
+    }
     for step, val_loss in enumerate(val_losses, start=1):
-        checkpoint.save(run, step, model, optimizer, dict(meta, val_loss=val_loss), keep_last=keep_last)
+        checkpoint.save(
+            run, step, model, optimizer, dict(meta, val_loss=val_loss), keep_last=keep_last
+        )
 
 
 def test_keep_last_prunes_older_checkpoints_but_spares_best(one_rank, tmp_path):
     run = tmp_path / "run"
     save_steps(run, *one_rank, [3.0, 2.0, 2.5, None, 2.7], keep_last=2)
     assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2", "step_4", "step_5"]
-    assert (run / "latest").read_text().strip() == "step_5" and (run / "best").read_text().strip() == "step_2"
+    assert (run / "latest").read_text().strip() == "step_5" and (
+        run / "best"
+    ).read_text().strip() == "step_2"
     assert checkpoint_find.resolve(run / "best") == run / "step_2"
-    assert checkpoint_find.find(parse_args(["--restart_checkpoint_file", str(run / "best")])) == run / "step_2"
+    assert (
+        checkpoint_find.find(parse_args(["--restart_checkpoint_file", str(run / "best")]))
+        == run / "step_2"
+    )
 
 
 def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_path, capsys):
@@ -157,7 +204,9 @@ def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_
     assert "step_4: __0_0.distcp is truncated (100 of" in lines[1]
     assert "step_3: .metadata is missing or unreadable" in lines[2]
     assert "step_2: meta.json is not JSON" in lines[3]
-    with pytest.raises(ConfigError, match="--restart_checkpoint_file .*step_4 is not a complete checkpoint"):
+    with pytest.raises(
+        ConfigError, match="--restart_checkpoint_file .*step_4 is not a complete checkpoint"
+    ):
         checkpoint_find.find(parse_args(["--restart_checkpoint_file", str(run / "step_4")]))
 
 
@@ -167,7 +216,11 @@ def test_rng_states_come_back(one_rank, tmp_path):
     expected = (torch.rand(4), np.random.rand(4), random.random())
     assert checkpoint.restore_rng(run / "step_1", rank=0, world_size=1, seed=0)
     again = (torch.rand(4), np.random.rand(4), random.random())
-    assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
+    assert (
+        torch.equal(expected[0], again[0])
+        and np.array_equal(expected[1], again[1])
+        and expected[2] == again[2]
+    )
     # Written by one rank, resumed on two: no stream is "this rank's", so reseed rather than replay.
     assert not checkpoint.restore_rng(run / "step_1", rank=0, world_size=2, seed=0)
     assert not torch.equal(torch.rand(4), expected[0])
@@ -183,6 +236,7 @@ def test_resume_never_refuses_a_run_that_has_checkpoints(tmp_path):
 
 class RandomTokens:
     """Random tokens for training, with the data interface of data.TokenData."""
+
     directory = None
 
     def steps_per_epoch(self):
@@ -197,8 +251,8 @@ class RandomTokens:
 
 
 def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, monkeypatch):
-    """On a fake clock where a training step takes 1 s, an evaluation 100 s and a save 10 s, every logged
-    step time is 1 s: the evaluations and saves inside each logging window are left out."""
+    """On a fake clock where a training step takes 1 s, an evaluation 100 s and a save 10 s, every
+    logged step time is 1 s: the evaluations and saves inside each logging window are left out."""
     model, optimizer = one_rank
     clock = [0.0]
 
@@ -206,22 +260,51 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
         def run(*args, **kwargs):
             clock[0] += seconds
             return then(*args, **kwargs)
+
         return run
 
     monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(train_module, "train_step", advance(1.0, train_module.train_step))
     monkeypatch.setattr(train_module, "evaluate", advance(100.0, lambda *args: 1.0))
-    saver = SimpleNamespace(save=advance(10.0, lambda *args: None), saving=nullcontext, poll=lambda: None,
-                            wait=lambda: None, reports=lambda: [], restore_s=None)  # synchronous saves
-    cfg = dataclasses.replace(parse_args(["--max_steps", "6", "--eval_interval", "1", "--log_interval", "2",
-                                          "--checkpoint_interval", "3", "--batch_size", "2",
-                                          "--log_dir", str(tmp_path / "logs")]), tensorboard=False)
+    saver = SimpleNamespace(
+        save=advance(10.0, lambda *args: None),
+        saving=nullcontext,
+        poll=lambda: None,
+        # synchronous saves
+        wait=lambda: None,
+        reports=lambda: [],
+        restore_s=None,
+    )
+    cfg = dataclasses.replace(
+        parse_args(
+            [
+                "--max_steps",
+                "6",
+                "--eval_interval",
+                "1",
+                "--log_interval",
+                "2",
+                "--checkpoint_interval",
+                "3",
+                "--batch_size",
+                "2",
+                "--log_dir",
+                str(tmp_path / "logs"),
+            ]
+        ),
+        tensorboard=False,
+    )
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     plan = make_plan(cfg, env, ONE_RANK_MODEL, fsdp_on_one_rank=True)
     stop = SimpleNamespace(agreed=lambda step=None: None, due=lambda step: False)
-    parts = train_module.RunParts(model, optimizer, RandomTokens(), gradient_sync(model, plan), saver, ranks=1)
+    parts = train_module.RunParts(
+        model, optimizer, RandomTokens(), gradient_sync(model, plan), saver, ranks=1
+    )
     train_module.train(parts, cfg, env, plan, stop)
-    rows = [json.loads(line) for line in (tmp_path / "logs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "logs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()
+    ]
     timed = [r for r in rows if "step_time" in r]
     assert [r["step"] for r in timed] == [2, 4, 6]
     assert [r["step_time"] for r in timed] == [1.0, 1.0, 1.0]
@@ -229,11 +312,18 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
 
 # ---- saving ----
 
+
 def test_a_save_writes_every_file_with_its_size_and_crc32(tmp_path):
-    run, model_weights, _ = save_three(tmp_path)  # here, not in a fixture: mutation testing sees what a test calls
+    # here, not in a fixture: mutation testing sees what a test calls
+    run, model_weights, _ = save_three(tmp_path)
     step = run / "step_3"
-    assert sorted(p.name for p in step.iterdir()) == [".metadata", "__0_0.distcp", "meta.json", "rng_0.pt",
-                                                      "tokenizer.json"]
+    assert sorted(p.name for p in step.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "meta.json",
+        "rng_0.pt",
+        "tokenizer.json",
+    ]
     assert (step / "tokenizer.json").read_text() == '{"vocab": ["a", "b"]}'
     meta = meta_of(step)
     assert sorted(meta["files"]) == [".metadata", "__0_0.distcp", "rng_0.pt", "tokenizer.json"]
@@ -242,16 +332,22 @@ def test_a_save_writes_every_file_with_its_size_and_crc32(tmp_path):
         assert (size, crc) == (len(data), zlib.crc32(data)), name
     assert (meta["step"], meta["world_size"], meta["format"], meta["val_loss"]) == (3, 1, 2, None)
     assert meta["state"]["schedule"] == {"lr_decay_steps": 10, "last_step": 100}
-    assert (step / "meta.json").read_text().startswith('{\n "')  # one key a line, for people who read it
+    # one key a line, for people who read it
+    assert (step / "meta.json").read_text().startswith('{\n "')
     assert (run / "latest").read_text() == "step_3\n" and (run / "best").read_text() == "step_2\n"
-    assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_1", "step_2", "step_3"]  # keep all
+    # keep all
+    assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_1", "step_2", "step_3"]
     assert same(safe_load.load_full_model_state(step), model_weights)
 
 
 def test_crc32_reads_a_file_in_chunks(tmp_path):
     data = bytes(range(256)) * 3
     (tmp_path / "f").write_bytes(data)
-    assert checkpoint_find.crc32(tmp_path / "f", chunk=7) == checkpoint_find.crc32(tmp_path / "f") == zlib.crc32(data)
+    assert (
+        checkpoint_find.crc32(tmp_path / "f", chunk=7)
+        == checkpoint_find.crc32(tmp_path / "f")
+        == zlib.crc32(data)
+    )
 
 
 def test_best_moves_only_to_a_strictly_lower_val_loss(tmp_path):
@@ -265,7 +361,8 @@ def test_best_moves_only_to_a_strictly_lower_val_loss(tmp_path):
 
 
 def test_best_resaved_without_a_val_loss_gives_way_to_the_next_validated_save(tmp_path):
-    """A run restarted from an older checkpoint saves the step `best` names again, this time without a val loss."""
+    """A run restarted from an older checkpoint saves the step `best` names again, this time without
+    a val loss."""
     model, optimizer = tiny()
     run = tmp_path / "run"
     checkpoint.save(run, 1, model, optimizer, {"val_loss": 1.0})
@@ -281,7 +378,8 @@ def test_a_step_saved_again_replaces_the_old_one_whole(tmp_path):
     second, optimizer = tiny(seed=2)
     checkpoint.save(run, 2, second, optimizer, {})
     assert same(safe_load.load_full_model_state(run / "step_2"), weights(second))
-    assert sorted(p.name for p in run.iterdir()) == ["latest", "step_2"]  # nothing of the old one left aside
+    # nothing of the old one left aside
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "step_2"]
 
 
 def test_a_save_removes_what_a_crashed_save_left(tmp_path):
@@ -314,7 +412,8 @@ def test_markers_are_written_durably(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "sync", lambda path: synced.append(Path(path).name) or sync(path))
     model, optimizer = tiny()
     checkpoint.save(tmp_path / "run", 1, model, optimizer, {"val_loss": 1.0})
-    assert any(name.startswith(".latest.tmp") for name in synced)  # the marker's data, before its rename
+    # the marker's data, before its rename
+    assert any(name.startswith(".latest.tmp") for name in synced)
     assert any(name.startswith(".best.tmp") for name in synced)
     assert synced.count("run") >= 3  # the checkpoint's rename and both markers' renames
 
@@ -332,7 +431,9 @@ def test_save_hands_dcp_the_callers_planner(tmp_path):
     assert Recording.used
 
 
-# ---- a failed save: one line on every rank, the partial directory removed, the previous checkpoint kept ----
+# ---- a failed save: one line on every rank, the partial directory removed, the previous checkpoint
+# kept ----
+
 
 def test_a_save_that_cannot_start_fails_in_one_line(tmp_path):
     model, optimizer = tiny()
@@ -340,39 +441,50 @@ def test_a_save_that_cannot_start_fails_in_one_line(tmp_path):
     run = tmp_path / "file" / "run"
     with pytest.raises(checkpoint.SaveError) as raised:
         checkpoint.save(run, 1, model, optimizer, {})
-    assert str(raised.value) == (f"cannot start checkpoint {run}/step_1 (rank 0: Not a directory: {run}/.tmp-step_1); "
-                                 "the previous checkpoint is untouched")
+    assert str(raised.value) == (
+        f"cannot start checkpoint {run}/step_1 (rank 0: Not a directory: {run}/.tmp-step_1); "
+        "the previous checkpoint is untouched"
+    )
 
 
 def test_a_save_after_another_run_took_the_lock_writes_nothing(tmp_path):
     model, optimizer = tiny()
     run = tmp_path / "run"
     checkpoint.save(run, 1, model, optimizer, {})
-    (run / ".tmp-step_2").mkdir()  # left by a save of step 2 that crashed: gone too, as the failed save's own
+    # left by a save of step 2 that crashed: gone too, as the failed save's own
+    (run / ".tmp-step_2").mkdir()
     lock = files.RunLock({"--checkpoint_dir": run})
     lock.acquire()
     try:
         (run / ".lock").write_text(json.dumps({"token": "another run's"}))
-        with pytest.raises(checkpoint.SaveError, match=rf"^cannot start checkpoint {run}/step_2 \(rank 0: "
-                                                       r"LockError: another run took over .*\); the previous"):
+        with pytest.raises(
+            checkpoint.SaveError,
+            match=rf"^cannot start checkpoint {run}/step_2 \(rank 0: "
+            r"LockError: another run took over .*\); the previous",
+        ):
             checkpoint.save(run, 2, model, optimizer, {})
     finally:
         lock.release()
     assert sorted(p.name for p in run.iterdir()) == [".lock", "latest", "step_1"]
 
 
-def test_a_full_disk_while_writing_fails_in_one_line_and_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+def test_a_full_disk_while_writing_fails_in_one_line_and_leaves_the_previous_checkpoint(
+    tmp_path, monkeypatch
+):
     model, optimizer = tiny()
     run = tmp_path / "run"
     checkpoint.save(run, 1, model, optimizer, {})
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "/scratch/__0_0.distcp")
+
     monkeypatch.setattr(dcp, "save", full)
     with pytest.raises(checkpoint.SaveError) as raised:
         checkpoint.save(run, 2, model, optimizer, {})
-    assert str(raised.value) == (f"writing checkpoint {run}/step_2 failed (rank 0: No space left on device: "
-                                 "/scratch/__0_0.distcp); the previous checkpoint is untouched")
+    assert str(raised.value) == (
+        f"writing checkpoint {run}/step_2 failed (rank 0: No space left on device: "
+        "/scratch/__0_0.distcp); the previous checkpoint is untouched"
+    )
     assert sorted(p.name for p in run.iterdir()) == ["latest", "step_1"]
     assert (run / "latest").read_text() == "step_1\n"
 
@@ -381,10 +493,12 @@ def test_a_failure_that_cannot_be_pickled_is_still_reported(tmp_path, monkeypatc
     class Stuck(RuntimeError):
         def __init__(self):
             super().__init__("the writer is stuck")
-            self.lock = threading.Lock()  # an exception is not always picklable: only its text travels
+            # an exception is not always picklable: only its text travels
+            self.lock = threading.Lock()
 
     def stuck(*args, **kwargs):
         raise Stuck()
+
     monkeypatch.setattr(dcp, "save", stuck)
     model, optimizer = tiny()
     with pytest.raises(checkpoint.SaveError, match=r"\(rank 0: Stuck: the writer is stuck\)"):
@@ -400,24 +514,37 @@ def test_a_save_that_fails_while_finishing_leaves_the_previous_checkpoint(tmp_pa
     (tokenizer / "tokenizer.d").mkdir(parents=True)  # unreadable as a file
     with pytest.raises(checkpoint.SaveError) as raised:
         checkpoint.save(run, 2, model, optimizer, {}, tokenizer_dir=tokenizer)
-    assert str(raised.value) == (f"finishing checkpoint {run}/step_2 failed (rank 0: Is a directory: "
-                                 f"{tokenizer}/tokenizer.d); the previous checkpoint is untouched")
+    assert str(raised.value) == (
+        f"finishing checkpoint {run}/step_2 failed (rank 0: Is a directory: "
+        f"{tokenizer}/tokenizer.d); the previous checkpoint is untouched"
+    )
     assert sorted(p.name for p in run.iterdir()) == ["latest", "step_1"]
 
 
 def test_failure_names_the_first_failing_rank_in_one_line():
-    assert checkpoint._failure(OSError(errno.ENOSPC, "No space left on device", "/a/b"), 3) == \
-        (3, "No space left on device: /a/b")
-    assert checkpoint._failure(OSError(errno.EIO, "Input/output error"), 1) == (1, "Input/output error")
+    assert checkpoint._failure(OSError(errno.ENOSPC, "No space left on device", "/a/b"), 3) == (
+        3,
+        "No space left on device: /a/b",
+    )
+    assert checkpoint._failure(OSError(errno.EIO, "Input/output error"), 1) == (
+        1,
+        "Input/output error",
+    )
     assert checkpoint._failure(OSError("no errno"), 2) == (2, "OSError: no errno")
     assert checkpoint._failure(ValueError("two\n   lines"), 0) == (0, "ValueError: two lines")
     assert checkpoint._failure(ValueError("x" * 400), 0) == (0, "ValueError: " + "x" * 300)
-    both = CheckpointException("save failed", {2: (ValueError("on two"), "traceback"), 1: OSError(errno.EIO, "EIO")})
+    both = CheckpointException(
+        "save failed", {2: (ValueError("on two"), "traceback"), 1: OSError(errno.EIO, "EIO")}
+    )
     assert checkpoint._failure(both, 0) == (1, "EIO")
-    one = CheckpointException("save failed", {2: (OSError(errno.ENOSPC, "full", "/x"), "traceback")})
+    one = CheckpointException(
+        "save failed", {2: (OSError(errno.ENOSPC, "full", "/x"), "traceback")}
+    )
     assert checkpoint._failure(one, 0) == (2, "full: /x")
     assert checkpoint._failure(CheckpointException("nothing known", {}), 5) == (
-        5, "CheckpointException: CheckpointException ranks:dict_keys([])")
+        5,
+        "CheckpointException: CheckpointException ranks:dict_keys([])",
+    )
 
 
 # ---- decentralized replicas ----
@@ -427,21 +554,26 @@ def test_save_replicas_keeps_this_ranks_replica_beside_the_average(tmp_path):
     model, optimizer = tiny()
     path = checkpoint.save_replicas(tmp_path / "run", 1, model, optimizer, {"val_loss": None})
     checkpoint.save_replicas(tmp_path / "run", 2, model, optimizer, {"val_loss": None})
-    assert path == tmp_path / "run" / "step_1" and (tmp_path / "run" / "step_2").is_dir()  # keep_last: all
+    # keep_last: all
+    assert path == tmp_path / "run" / "step_1" and (tmp_path / "run" / "step_2").is_dir()
     assert meta_of(path)["replicas"] == 1
     names = [name for name, _, _ in safe_load.tensor_names(path)]
     assert same(safe_load.read_tensors(path, names), weights(model))  # the average of one replica
     assert same(safe_load.read_tensors(path, names, prefix="replicas.0.model."), weights(model))
-    moments_saved = [n for n, _, _ in safe_load.tensor_names(path, "replicas.0.optim.state.") if "exp_avg" in n]
+    moments_saved = [
+        n for n, _, _ in safe_load.tensor_names(path, "replicas.0.optim.state.") if "exp_avg" in n
+    ]
     assert len(moments_saved) == 2 * len(list(model.parameters()))
-    path = checkpoint.save_replicas(tmp_path / "average", 1, model, optimizer, {}, average_only=True)
+    path = checkpoint.save_replicas(
+        tmp_path / "average", 1, model, optimizer, {}, average_only=True
+    )
     assert meta_of(path)["replicas"] == 0
     assert safe_load.tensor_names(path, "replicas.") == []
 
 
 def crafted_replicas(tmp_path, replicas):
-    """A checkpoint whose average (model b) differs from this rank's replica (model a): one rank cannot make
-    one by training, so it is written directly."""
+    """A checkpoint whose average (model b) differs from this rank's replica (model a): one rank
+    cannot make one by training, so it is written directly."""
     a, b = tiny(seed=1), tiny(seed=2)
     state = dict(state_of(*b), replicas={"0": state_of(*a)})
     path = checkpoint.save(tmp_path / "run", 1, None, None, {"replicas": replicas}, state=state)
@@ -473,7 +605,11 @@ def test_load_replicas_from_another_world_starts_from_the_average(tmp_path, cons
     assert all(torch.equal(x, y) for x, y in zip(moments(optimizer), moments(b_optimizer)))
     said = out.flushed
     if replicas == 2:
-        assert said == f"{path} holds 2 replicas and this run has 1 ranks: every rank starts from their average\n"
+        assert (
+            said
+            == f"{path} holds 2 replicas and this run has 1 ranks: every rank starts from their "
+            f"average\n"
+        )
     else:
         assert said == ""
 
@@ -490,13 +626,24 @@ def test_checkpointer_of_a_decentralized_run(tmp_path):
     path = saver.save(2, model, optimizer, 1.0, {"data": {"train_blocks_seen": 8}})
     assert sorted(p.name for p in path.parent.iterdir()) == ["best", "latest", "step_2"]
     meta = meta_of(path)
-    assert (meta["replicas"], meta["val_loss"], meta["model_type"], meta["model"]["embed_size"]) == (1, 1.0, "gpt", 8)
+    assert (
+        meta["replicas"],
+        meta["val_loss"],
+        meta["model_type"],
+        meta["model"]["embed_size"],
+    ) == (1, 1.0, "gpt", 8)
     assert meta["config"]["keep_last"] == 1 and meta["state"] == {"data": {"train_blocks_seen": 8}}
     assert (path / "tokenizer.json").read_text() == "{}"
     # step, exp_avg, exp_avg_sq of each parameter
-    assert len(safe_load.tensor_names(path, "replicas.0.optim.state.")) == 3 * len(list(tiny()[0].parameters()))
-    average_only = checkpoint.Checkpointer(dataclasses.replace(cfg, run_name="avg", save_average=True), config,
-                                           None, decentralized=True)
+    assert len(safe_load.tensor_names(path, "replicas.0.optim.state.")) == 3 * len(
+        list(tiny()[0].parameters())
+    )
+    average_only = checkpoint.Checkpointer(
+        dataclasses.replace(cfg, run_name="avg", save_average=True),
+        config,
+        None,
+        decentralized=True,
+    )
     assert meta_of(average_only.save(1, model, optimizer, None, {}))["replicas"] == 0
 
 
@@ -506,7 +653,9 @@ def test_checkpointer_restores_the_replica_only_for_a_decentralized_run(tmp_path
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
     for decentralized, expected in [(True, a), (False, b)]:
         model, optimizer = tiny(seed=3)
-        checkpoint.Checkpointer(cfg, config, None, decentralized).restore(path, model, optimizer, seed=0)
+        checkpoint.Checkpointer(cfg, config, None, decentralized).restore(
+            path, model, optimizer, seed=0
+        )
         assert same(weights(model), weights(expected))
 
 
@@ -525,13 +674,18 @@ def test_checkpointer_saves_and_restores_model_optimizer_and_rng(tmp_path):
     assert (path / "tokenizer.model").read_bytes() == b"\x00\x01"
     restored, restored_optimizer = tiny(seed=5)
     meta = saver.restore(path, restored, restored_optimizer, seed=0)
-    assert (meta["step"], meta["val_loss"], meta["state"]) == (2, 2.0, {"schedule": {"last_step": 9}})
+    assert (meta["step"], meta["val_loss"], meta["state"]) == (
+        2,
+        2.0,
+        {"schedule": {"last_step": 9}},
+    )
     assert same(weights(restored), expected[0])
     assert all(torch.equal(x, y) for x, y in zip(moments(restored_optimizer), expected[1]))
     assert torch.equal(torch.rand(3), expected[2])  # the RNG continues from the save
 
 
 # ---- RNG states ----
+
 
 def test_another_world_size_reseeds_each_rank_from_seed_rank_and_step(run):
     meta = meta_of(run / "step_3")
@@ -542,25 +696,32 @@ def test_another_world_size_reseeds_each_rank_from_seed_rank_and_step(run):
         streams[seed, rank] = torch.rand(3)
         torch.manual_seed((seed * 1_000_003 + rank) * 1_000_000_007 + 3)
         assert torch.equal(streams[seed, rank], torch.rand(3))
-    assert not torch.equal(streams[7, 0], streams[7, 1]) and not torch.equal(streams[7, 1], streams[8, 1])
-    for seed in (10**6, -10**6):  # past what torch.manual_seed takes once multiplied out
+    assert not torch.equal(streams[7, 0], streams[7, 1]) and not torch.equal(
+        streams[7, 1], streams[8, 1]
+    )
+    for seed in (10**6, -(10**6)):  # past what torch.manual_seed takes once multiplied out
         assert not checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=seed)
     model, optimizer = tiny()
     cfg = parse_args(["--checkpoint_dir", str(run.parent), "--run_name", "run"])
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
-    checkpoint.Checkpointer(cfg, config, None, False).restore(run / "step_3", model, optimizer, seed=7)
+    checkpoint.Checkpointer(cfg, config, None, False).restore(
+        run / "step_3", model, optimizer, seed=7
+    )
     assert torch.equal(torch.rand(3), streams[7, 0])
 
 
 def test_cuda_rng_state_is_saved_and_restored_where_cuda_is(run, monkeypatch):
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([7, 8, 9], dtype=torch.uint8))
+    monkeypatch.setattr(
+        torch.cuda, "get_rng_state", lambda: torch.tensor([7, 8, 9], dtype=torch.uint8)
+    )
     monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
     (run / "step_2" / "rng_0.pt").write_bytes(checkpoint._rng_bytes())
     assert checkpoint.restore_rng(run / "step_2", rank=0, world_size=1, seed=0)
     assert len(restored) == 1 and restored[0].tolist() == [7, 8, 9]
-    assert checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)  # saved without CUDA
+    # saved without CUDA
+    assert checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
     assert len(restored) == 1
 
 

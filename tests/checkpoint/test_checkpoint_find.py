@@ -1,7 +1,9 @@
-"""checkpoint_find.py and checkpoint_meta.py: what verify() finds wrong with a damaged or crafted checkpoint (each
-hostile field of meta.json, files that are not regular or lie outside the checkpoint, a model the shards do not
-hold, sizes and checksums), the markers and the order checkpoints are tried in, resolve(), find() as one rank of
-two, the format-1 meta.json, and the `progress` command line of the job chains."""
+"""checkpoint_find.py and checkpoint_meta.py: what verify() finds wrong with a damaged or crafted
+checkpoint (each hostile field of meta.json, files that are not regular or lie outside the
+checkpoint, a model the shards do not hold, sizes and checksums), the markers and the order
+checkpoints are tried in, resolve(), find() as one rank of two, the format-1 meta.json, and the
+`progress` command line of the job chains."""
+
 import dataclasses
 import json
 import os
@@ -27,12 +29,16 @@ pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 # ---- verify: one line on what is wrong ----
 
+
 def test_verify_names_what_is_wrong_with_meta_json(run):
     assert checkpoint_find.verify(run / "step_9") == "no such directory"
     meta = run / "step_3" / "meta.json"
-    for text, problem in [("[1, 2]", "meta.json holds a JSON list, not an object"), ("{}", "meta.json has no step"),
-                          ('{"step": "3"}', 'meta.json: step is "3", not a whole number >= 0'),
-                          ('{"step": 3, "wor', "meta.json is not JSON (JSONDecodeError: Unterminated string")]:
+    for text, problem in [
+        ("[1, 2]", "meta.json holds a JSON list, not an object"),
+        ("{}", "meta.json has no step"),
+        ('{"step": "3"}', 'meta.json: step is "3", not a whole number >= 0'),
+        ('{"step": 3, "wor', "meta.json is not JSON (JSONDecodeError: Unterminated string"),
+    ]:
         meta.write_text(text)
         assert checkpoint_find.verify(run / "step_3").startswith(problem)
     meta.unlink()
@@ -45,9 +51,11 @@ def test_a_hostile_meta_json_makes_its_checkpoint_damaged_in_one_line(run, conso
     edited(run / "step_3", edit)
     assert checkpoint_find.verify(run / "step_3") == problem
     out, err = console()
-    assert checkpoint_find.latest(run) == run / "step_2"  # the newest good one instead, with one line
+    # the newest good one instead, with one line
+    assert checkpoint_find.latest(run) == run / "step_2"
     assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
-    assert checkpoint_find.newest_complete(run, checksums=False) == run / "step_2"  # what progress would count
+    # what progress would count
+    assert checkpoint_find.newest_complete(run, checksums=False) == run / "step_2"
 
 
 def test_a_deeply_nested_or_oversized_meta_json_is_refused_unread(run):
@@ -59,16 +67,24 @@ def test_a_deeply_nested_or_oversized_meta_json_is_refused_unread(run):
     with open(meta, "r+b") as f:
         f.truncate(checkpoint_meta.MAX_BYTES + 1)  # sparse: no disk used
     assert checkpoint_find.verify(run / "step_3") == (
-        f"meta.json is missing or unreadable ({checkpoint_meta.MAX_BYTES + 1} bytes, over {checkpoint_meta.MAX_BYTES})")
+        f"meta.json is missing or unreadable ({checkpoint_meta.MAX_BYTES + 1} bytes, over "
+        f"{checkpoint_meta.MAX_BYTES})"
+    )
 
 
 def test_a_deeply_nested_tokenizer_json_makes_its_checkpoint_damaged(run):
-    (run / "step_3" / "tokenizer.json").write_text('{"vocab": ' + "[" * 100_000 + "]" * 100_000 + "}")
-    assert checkpoint_find.verify(run / "step_3", checksums=False) == "tokenizer.json nests deeper than 32 levels"
+    (run / "step_3" / "tokenizer.json").write_text(
+        '{"vocab": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    )
+    assert (
+        checkpoint_find.verify(run / "step_3", checksums=False)
+        == "tokenizer.json nests deeper than 32 levels"
+    )
 
 
 def bounded(function, seconds=60):
-    """function() in a thread: its result, or a failure if it is still running after `seconds` (a hang)."""
+    """function() in a thread: its result, or a failure if it is still running after `seconds` (a
+    hang)."""
     result = []
     thread = threading.Thread(target=lambda: result.append(function()), daemon=True)
     thread.start()
@@ -77,7 +93,9 @@ def bounded(function, seconds=60):
     return result[0]
 
 
-@pytest.mark.parametrize("name", ["meta.json", ".metadata", "__0_0.distcp", "rng_0.pt", "tokenizer.json"])
+@pytest.mark.parametrize(
+    "name", ["meta.json", ".metadata", "__0_0.distcp", "rng_0.pt", "tokenizer.json"]
+)
 @pytest.mark.parametrize("kind", ["fifo", "link to a device", "link inside"])
 def test_files_that_are_not_regular_are_never_read(run, name, kind):
     step = run / "step_3"
@@ -96,21 +114,31 @@ def test_metadata_naming_a_shard_outside_the_checkpoint_is_refused(run):
     step = run / "step_3"
     metadata = safe_load.read_dcp_metadata(step / ".metadata")
     index, info = next(iter(metadata.storage_data.items()))
-    metadata.storage_data = {index: dataclasses.replace(info, relative_path="../step_2/__0_0.distcp")}
+    metadata.storage_data = {
+        index: dataclasses.replace(info, relative_path="../step_2/__0_0.distcp")
+    }
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
-    assert checkpoint_find.verify(step, checksums=False) == (".metadata names a shard '../step_2/__0_0.distcp' that is "
-                                                             "not a plain file name inside the checkpoint")
+    assert checkpoint_find.verify(step, checksums=False) == (
+        ".metadata names a shard '../step_2/__0_0.distcp' that is "
+        "not a plain file name inside the checkpoint"
+    )
 
 
 def test_verify_reports_crafted_metadata_in_one_bounded_line(run):
     step = run / "step_3"
     (step / ".metadata").write_bytes(pickle.dumps(MakeDirectory(run / "code-ran")))
-    assert checkpoint_find.verify(step) == (".metadata is missing or unreadable (UnpicklingError: checkpoint metadata "
-                                            "refers to posix.mkdir, which is not allowed)")
+    assert checkpoint_find.verify(step) == (
+        ".metadata is missing or unreadable (UnpicklingError: checkpoint metadata "
+        "refers to posix.mkdir, which is not allowed)"
+    )
     (step / ".metadata").write_bytes(b"c" + b"m" * 200 + b"\nx\n.")
     problem = checkpoint_find.verify(step)
-    assert problem == ".metadata is missing or unreadable (UnpicklingError: " + (
-        "checkpoint metadata refers to " + "m" * 200)[:120] + ")"
+    assert (
+        problem
+        == ".metadata is missing or unreadable (UnpicklingError: "
+        + ("checkpoint metadata refers to " + "m" * 200)[:120]
+        + ")"
+    )
     assert not (run / "code-ran").exists()
 
 
@@ -123,7 +151,10 @@ def test_verify_finds_a_truncated_shard_whatever_order_the_metadata_lists_it_in(
     metadata = safe_load.read_dcp_metadata(step / ".metadata")
     metadata.storage_data = dict(reversed(list(metadata.storage_data.items())))
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
-    assert checkpoint_find.verify(step, checksums=False) == f"__0_0.distcp is truncated ({size - 1} of {size} bytes)"
+    assert (
+        checkpoint_find.verify(step, checksums=False)
+        == f"__0_0.distcp is truncated ({size - 1} of {size} bytes)"
+    )
     shard.unlink()
     assert checkpoint_find.verify(step) == "__0_0.distcp is missing"
 
@@ -133,7 +164,8 @@ def test_verify_needs_no_bytes_for_an_empty_byte_range(run):
     metadata = safe_load.read_dcp_metadata(step / ".metadata")
     index, info = next(iter(metadata.storage_data.items()))
     metadata.storage_data[dataclasses.replace(index, fqn="unused")] = dataclasses.replace(
-        info, relative_path="__9_0.distcp", offset=0, length=0)
+        info, relative_path="__9_0.distcp", offset=0, length=0
+    )
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
     (step / "__9_0.distcp").write_bytes(b"")
     assert checkpoint_find.verify(step, checksums=False) is None
@@ -141,7 +173,10 @@ def test_verify_needs_no_bytes_for_an_empty_byte_range(run):
 
 def test_verify_checks_every_ranks_rng_file(run):
     (run / "step_3" / "rng_0.pt").unlink()
-    assert checkpoint_find.verify(run / "step_3") == "rng_0.pt is missing or unreadable (FileNotFoundError)"
+    assert (
+        checkpoint_find.verify(run / "step_3")
+        == "rng_0.pt is missing or unreadable (FileNotFoundError)"
+    )
 
 
 def test_verify_checks_sizes_and_checksums_unless_told_not_to(run):
@@ -150,8 +185,12 @@ def test_verify_checks_sizes_and_checksums_unless_told_not_to(run):
     problem = "__0_0.distcp does not match its checksum: the file was damaged after it was saved"
     assert checkpoint_find.verify(step) == problem
     assert checkpoint_find.verify(step, checksums=False) is None
-    # The reading shared by two processes: sorted names .metadata, __0_0.distcp, rng_0.pt, tokenizer.json.
-    assert checkpoint_find.verify(step, share=(0, 2)) is None and checkpoint_find.verify(step, share=(1, 2)) == problem
+    # The reading shared by two processes: sorted names .metadata, __0_0.distcp, rng_0.pt,
+    # tokenizer.json.
+    assert (
+        checkpoint_find.verify(step, share=(0, 2)) is None
+        and checkpoint_find.verify(step, share=(1, 2)) == problem
+    )
     step = run / "step_2"
     size = (step / "tokenizer.json").stat().st_size
     with open(step / "tokenizer.json", "a") as f:
@@ -165,8 +204,16 @@ def test_verify_checks_sizes_and_checksums_unless_told_not_to(run):
 def test_verify_accepts_a_checkpoint_from_before_checksums_and_world_size(run):
     step = run / "step_3"
     meta = meta_of(step)
-    (step / "meta.json").write_text(json.dumps({"step": 3, "val_loss": meta["val_loss"], "model": meta["model"],
-                                                "config": meta["config"]}))  # format 1
+    (step / "meta.json").write_text(
+        json.dumps(
+            {
+                "step": 3,
+                "val_loss": meta["val_loss"],
+                "model": meta["model"],
+                "config": meta["config"],
+            }
+        )
+    )  # format 1
     (step / "rng_0.pt").unlink()
     flip_a_byte(step / "__0_0.distcp")
     assert checkpoint_find.verify(step) is None
@@ -174,11 +221,16 @@ def test_verify_accepts_a_checkpoint_from_before_checksums_and_world_size(run):
 
 # ---- markers, the order checkpoints are tried in ----
 
+
 def test_step_dirs_are_numbered_directories_newest_first(tmp_path):
     for name in ["step_9", "step_10", "step_2", "step_x", "step_3.old"]:
         (tmp_path / name).mkdir()
     (tmp_path / "step_11").write_text("a file")
-    assert checkpoint_find.step_dirs(tmp_path) == [tmp_path / "step_10", tmp_path / "step_9", tmp_path / "step_2"]
+    assert checkpoint_find.step_dirs(tmp_path) == [
+        tmp_path / "step_10",
+        tmp_path / "step_9",
+        tmp_path / "step_2",
+    ]
 
 
 def test_candidates_start_at_latest_then_older_then_newer(tmp_path):
@@ -195,7 +247,10 @@ def test_a_bad_marker_is_ignored_with_one_flushed_warning(tmp_path, console):
     for data in [b"\xff\xfe\n", b"../other_run/step_3\n", b"step_3 and more"]:
         marker.write_bytes(data)
         assert checkpoint_find.marker(tmp_path, "latest") is None
-        assert err.flushed == f"warning: ignoring {marker}: it does not name a step_<N> checkpoint of this run\n"
+        assert (
+            err.flushed
+            == f"warning: ignoring {marker}: it does not name a step_<N> checkpoint of this run\n"
+        )
         assert out.getvalue() == ""
         err.seek(0), err.truncate(), err.flush()
     marker.write_text("  step_3\n")
@@ -208,8 +263,10 @@ def test_latest_skips_damaged_checkpoints_with_a_line_each(run, console):
     out, err = console()
     flip_a_byte(run / "step_3" / "__0_0.distcp")
     assert checkpoint_find.latest(run) == run / "step_2"
-    assert err.flushed == (f"warning: skipping checkpoint {run / 'step_3'}: __0_0.distcp does not match its "
-                                  "checksum: the file was damaged after it was saved\n")
+    assert err.flushed == (
+        f"warning: skipping checkpoint {run / 'step_3'}: __0_0.distcp does not match its "
+        "checksum: the file was damaged after it was saved\n"
+    )
     assert checkpoint_find.newest_complete(run, checksums=False) == run / "step_3"
     for step in (1, 2):
         (run / f"step_{step}" / "rng_0.pt").unlink()
@@ -223,7 +280,8 @@ def test_resolve_accepts_a_checkpoint_a_marker_or_a_run(run, console):
     assert checkpoint_find.resolve(run / "best") == run / "step_2"
     assert checkpoint_find.resolve(run) == run / "step_3"
     flip_a_byte(run / "step_3" / "__0_0.distcp")
-    assert checkpoint_find.resolve(run) == run / "step_3"  # the cheap checks: the caller verifies the checksums
+    # the cheap checks: the caller verifies the checksums
+    assert checkpoint_find.resolve(run) == run / "step_3"
     (run / "step_3" / "rng_0.pt").unlink()
     assert checkpoint_find.resolve(run) == run / "step_2"
     (run / "latest").unlink()
@@ -231,7 +289,8 @@ def test_resolve_accepts_a_checkpoint_a_marker_or_a_run(run, console):
     assert checkpoint_find.resolve(run.parent / "nothing") == run.parent / "nothing"
     (run.parent / "empty").mkdir()
     assert checkpoint_find.resolve(run.parent / "empty") == run.parent / "empty"
-    shutil.copytree(run / "step_1", run / "step_2" / "step_1")  # meta.json makes a checkpoint, whatever else is there
+    # meta.json makes a checkpoint, whatever else is there
+    shutil.copytree(run / "step_1", run / "step_2" / "step_1")
     (run / "step_2" / "latest").write_text("step_1\n")
     assert checkpoint_find.resolve(run / "step_2") == run / "step_2"
 
@@ -241,9 +300,11 @@ def test_resolve_refuses_a_file_that_is_not_a_marker_in_one_line(run, console):
     (run / "notes.txt").write_text("step 3 was good")
     with pytest.raises(ConfigError) as raised:
         checkpoint_find.resolve(run / "notes.txt")
-    assert str(raised.value) == (f"{run / 'notes.txt'} is a file but not a checkpoint marker (one line naming a "
-                                 "step_<N> directory beside it): pass a step_<N> directory, a run directory or its "
-                                 "latest/best marker")
+    assert str(raised.value) == (
+        f"{run / 'notes.txt'} is a file but not a checkpoint marker (one line naming a "
+        "step_<N> directory beside it): pass a step_<N> directory, a run directory or its "
+        "latest/best marker"
+    )
     assert err.getvalue() == ""
 
 
@@ -251,10 +312,13 @@ def test_resolve_of_a_run_with_nothing_complete_says_why_and_returns_the_run(tmp
     out, err = console()
     (tmp_path / "latest").write_text("step_4\n")
     assert checkpoint_find.resolve(tmp_path) == tmp_path
-    assert err.getvalue() == f"warning: skipping checkpoint {tmp_path / 'step_4'}: no such directory\n"
+    assert (
+        err.getvalue() == f"warning: skipping checkpoint {tmp_path / 'step_4'}: no such directory\n"
+    )
 
 
 # ---- find: the checkpoint a run starts from ----
+
 
 def args_for(run, *extra):
     return parse_args(["--checkpoint_dir", str(run.parent), "--run_name", run.name, *extra])
@@ -264,28 +328,36 @@ def test_find_skips_a_checkpoint_whose_checksums_fail(run, console):
     out, err = console()
     flip_a_byte(run / "step_3" / "__0_0.distcp")
     assert checkpoint_find.find(args_for(run)) == run / "step_2"
-    assert err.getvalue() == (f"warning: skipping checkpoint {run / 'step_3'}: __0_0.distcp does not match "
-                                     "its checksum: the file was damaged after it was saved\n")
+    assert err.getvalue() == (
+        f"warning: skipping checkpoint {run / 'step_3'}: __0_0.distcp does not match "
+        "its checksum: the file was damaged after it was saved\n"
+    )
 
 
 def test_find_refuses_a_damaged_restart_checkpoint_in_one_line(run):
     flip_a_byte(run / "step_3" / "__0_0.distcp")
     with pytest.raises(ConfigError) as raised:
         checkpoint_find.find(args_for(run, "--restart_checkpoint_file", str(run / "latest")))
-    assert str(raised.value) == (f"--restart_checkpoint_file {run / 'latest'} is damaged: {run / 'step_3'}: "
-                                 "__0_0.distcp does not match its checksum: the file was damaged after it was saved")
+    assert str(raised.value) == (
+        f"--restart_checkpoint_file {run / 'latest'} is damaged: {run / 'step_3'}: "
+        "__0_0.distcp does not match its checksum: the file was damaged after it was saved"
+    )
     (run / "step_2" / "rng_0.pt").unlink()
     with pytest.raises(ConfigError) as raised:
         checkpoint_find.find(args_for(run, "--restart_checkpoint_file", str(run / "step_2")))
-    assert str(raised.value) == (f"--restart_checkpoint_file {run / 'step_2'} is not a complete checkpoint: "
-                                 f"{run / 'step_2'}: rng_0.pt is missing or unreadable (FileNotFoundError)")
+    assert str(raised.value) == (
+        f"--restart_checkpoint_file {run / 'step_2'} is not a complete checkpoint: "
+        f"{run / 'step_2'}: rng_0.pt is missing or unreadable (FileNotFoundError)"
+    )
 
 
 def test_resume_never_refuses_a_run_with_checkpoints_in_one_line(run):
     with pytest.raises(ConfigError) as raised:
         checkpoint_find.find(args_for(run, "--resume", "never"))
-    assert str(raised.value) == (f"--resume never, but {run} already holds checkpoints: pick another --run_name, "
-                                 "move that directory away, or resume from it with --resume auto")
+    assert str(raised.value) == (
+        f"--resume never, but {run} already holds checkpoints: pick another --run_name, "
+        "move that directory away, or resume from it with --resume auto"
+    )
 
 
 @pytest.mark.parametrize("damaged", [".metadata", "__0_0.distcp"])
@@ -293,17 +365,21 @@ def test_find_in_one_process_reads_every_checksum(run, monkeypatch, damaged):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     step = run / "step_3"
     if damaged == ".metadata":  # still readable, but not the bytes that were saved
-        (step / ".metadata").write_bytes(pickle.dumps(safe_load.read_dcp_metadata(step / ".metadata"), protocol=2))
+        (step / ".metadata").write_bytes(
+            pickle.dumps(safe_load.read_dcp_metadata(step / ".metadata"), protocol=2)
+        )
     else:
         flip_a_byte(step / damaged)
     assert checkpoint_find.find(args_for(run)) == run / "step_2"
 
 
 @pytest.mark.parametrize("damaged,rank_0_reads_it", [("__0_0.distcp", False), ("rng_0.pt", True)])
-def test_find_as_rank_1_of_2_reads_its_share_and_takes_rank_0s_list(run, monkeypatch, console, damaged,
-                                                                    rank_0_reads_it):
-    """Rank 0 lists the candidates and passes them on (run_on_main); each rank reads every other file's checksum
-    (rank 1: the 2nd and 4th of .metadata, __0_0.distcp, rng_0.pt, tokenizer.json); the verdicts are gathered."""
+def test_find_as_rank_1_of_2_reads_its_share_and_takes_rank_0s_list(
+    run, monkeypatch, console, damaged, rank_0_reads_it
+):
+    """Rank 0 lists the candidates and passes them on (run_on_main); each rank reads every other
+    file's checksum (rank 1: the 2nd and 4th of .metadata, __0_0.distcp, rng_0.pt, tokenizer.json);
+    the verdicts are gathered."""
     out, err = console()
     flip_a_byte(run / "step_3" / damaged)
     listed, sent = [], []
@@ -320,9 +396,11 @@ def test_find_as_rank_1_of_2_reads_its_share_and_takes_rank_0s_list(run, monkeyp
         checked.append(path)
         return verify(path, *args, **kwargs)
 
-    def all_gather_object(out, mine):  # rank 0's verdict on its share of the checkpoint being checked, then ours
+    # rank 0's verdict on its share of the checkpoint being checked, then ours
+    def all_gather_object(out, mine):
         sent.append(mine)
         out[:] = [verify(checked[-1], share=(0, 2)), mine]
+
     monkeypatch.setattr(checkpoint_find, "verify", verify_noting)
     monkeypatch.setattr(failures, "run_on_main", run_on_main)
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
@@ -335,6 +413,7 @@ def test_find_as_rank_1_of_2_reads_its_share_and_takes_rank_0s_list(run, monkeyp
 
 # ---- format-1 meta.json (before "format" existed) ----
 
+
 def read_meta(tmp_path, meta):
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     return checkpoint_meta.read_meta(tmp_path)
@@ -343,36 +422,63 @@ def read_meta(tmp_path, meta):
 def test_read_meta_keeps_the_current_format_as_it_is(tmp_path):
     meta = {"format": 2, "step": 3, "lr_decay_steps": 5, "state": {"x": 1}}
     assert read_meta(tmp_path, meta) == meta
-    with pytest.raises(checkpoint_meta.MetaError, match="^meta.json holds a JSON list, not an object$"):
+    with pytest.raises(
+        checkpoint_meta.MetaError, match="^meta.json holds a JSON list, not an object$"
+    ):
         read_meta(tmp_path, [1, 2])
 
 
 def test_read_meta_moves_format_1s_state_into_place(tmp_path):
-    meta = {"step": 7, "world_size": 2, "config": {"batch_size": 3, "grad_accum_steps": 5}, "lr_decay_steps": 90,
-            "last_step": 100, "val_loss": 1.5, "data_position": {"train_blocks_seen": 11}}
-    assert read_meta(tmp_path, meta) == dict(meta, format=2, model_type="gpt", state={
-        "schedule": {"lr_decay_steps": 90, "last_step": 100}, "data": {"train_blocks_seen": 11}})
+    meta = {
+        "step": 7,
+        "world_size": 2,
+        "config": {"batch_size": 3, "grad_accum_steps": 5},
+        "lr_decay_steps": 90,
+        "last_step": 100,
+        "val_loss": 1.5,
+        "data_position": {"train_blocks_seen": 11},
+    }
+    assert read_meta(tmp_path, meta) == dict(
+        meta,
+        format=2,
+        model_type="gpt",
+        state={
+            "schedule": {"lr_decay_steps": 90, "last_step": 100},
+            "data": {"train_blocks_seen": 11},
+        },
+    )
     assert read_meta(tmp_path, dict(meta, model_type="llama"))["model_type"] == "llama"
 
 
 def test_read_meta_counts_format_1s_train_position_from_what_it_kept(tmp_path):
     def seen(**meta):
         return read_meta(tmp_path, meta)["state"]["data"]
+
     config = {"batch_size": 3, "grad_accum_steps": 5}
-    assert seen(step=7, world_size=2, train_batches=11, config=config) == {"train_blocks_seen": 2 * 3 * 11}
+    assert seen(step=7, world_size=2, train_batches=11, config=config) == {
+        "train_blocks_seen": 2 * 3 * 11
+    }
     assert seen(step=7, world_size=2, config=config) == {"train_blocks_seen": 2 * 3 * 7 * 5}
     assert seen(step=7, config=None) == {"train_blocks_seen": 7}
     assert seen(step=7) == {"train_blocks_seen": 7}
     with pytest.raises(checkpoint_meta.MetaError, match="^meta.json has no step$"):
         seen()
-    with pytest.raises(checkpoint_meta.MetaError, match='^meta.json: config.batch_size is "3", not a whole number'):
+    with pytest.raises(
+        checkpoint_meta.MetaError, match='^meta.json: config.batch_size is "3", not a whole number'
+    ):
         seen(step=7, world_size=2, config={"batch_size": "3"})
-    assert read_meta(tmp_path, {"step": 7})["state"]["schedule"] == {"lr_decay_steps": None, "last_step": None}
+    assert read_meta(tmp_path, {"step": 7})["state"]["schedule"] == {
+        "lr_decay_steps": None,
+        "last_step": None,
+    }
 
 
 # ---- `minimal-fsdp progress` (the job chains; tools/progress.py) ----
 
-def test_progress_prints_step_and_last_step_of_the_newest_complete_checkpoint(run, console, monkeypatch):
+
+def test_progress_prints_step_and_last_step_of_the_newest_complete_checkpoint(
+    run, console, monkeypatch
+):
     out, err = console()
     flags = ["--checkpoint_dir", str(run.parent), "--run_name", run.name]
     flip_a_byte(run / "step_3" / "__0_0.distcp")  # only the cheap checks: the chains ask often
@@ -386,5 +492,3 @@ def test_progress_prints_step_and_last_step_of_the_newest_complete_checkpoint(ru
     (run / "step_2" / "meta.json").write_text(json.dumps(dict(meta, last_step=50)))  # format 1
     progress.main(flags)
     assert out.getvalue() == "3 100\n2 none\n0 none\n2 50\n"
-
-

@@ -1,8 +1,9 @@
-"""Everything a run reads from its run directory treated as hostile: checkpoints forged so that their checksums
-pass (optimizer state, byte ranges, shard bytes, pickles), step directories that are links or renamed copies,
-lock files that are not lock files, leftovers of killed writers, a run directory whose every checkpoint is
-refused, numbers that cannot round-trip through meta.json, and a full disk named as one. Each refusal is one
-line; nothing hangs."""
+"""Everything a run reads from its run directory treated as hostile: checkpoints forged so that
+their checksums pass (optimizer state, byte ranges, shard bytes, pickles), step directories that are
+links or renamed copies, lock files that are not lock files, leftovers of killed writers, a run
+directory whose every checkpoint is refused, numbers that cannot round-trip through meta.json, and a
+full disk named as one. Each refusal is one line; nothing hangs."""
+
 import dataclasses
 import json
 import os
@@ -71,32 +72,57 @@ def storage(metadata, fqn):
 
 def overlap(metadata):
     moved, into = storage(metadata, "model.wpe.weight"), storage(metadata, "model.wte.weight")
-    metadata.storage_data[moved] = dataclasses.replace(metadata.storage_data[moved],
-                                                       offset=metadata.storage_data[into].offset)
+    metadata.storage_data[moved] = dataclasses.replace(
+        metadata.storage_data[moved], offset=metadata.storage_data[into].offset
+    )
 
 
 FORGED = {
     "moment of another shape": (
-        lambda step: forge_state(step, lambda s: s["optim"]["state"]["wte.weight"].update(exp_avg=torch.zeros(3, 3))),
-        "the shards hold optim.state.wte.weight.exp_avg of shape [3, 3], the parameter's is [8, 4]"),
+        lambda step: forge_state(
+            step, lambda s: s["optim"]["state"]["wte.weight"].update(exp_avg=torch.zeros(3, 3))
+        ),
+        "the shards hold optim.state.wte.weight.exp_avg of shape [3, 3], the parameter's is [8, 4]",
+    ),
     "moment missing": (
-        lambda step: forge_state(step, lambda s: s["optim"]["state"]["ln_f.bias"].pop("exp_avg_sq")),
-        "the shards hold no optim.state.ln_f.bias.exp_avg_sq for the model's ln_f.bias"),
+        lambda step: forge_state(
+            step, lambda s: s["optim"]["state"]["ln_f.bias"].pop("exp_avg_sq")
+        ),
+        "the shards hold no optim.state.ln_f.bias.exp_avg_sq for the model's ln_f.bias",
+    ),
     "byte range inside another tensor": (
         lambda step: forge_metadata(step, overlap),
-        ".metadata places model.wpe.weight and model.wte.weight in overlapping bytes of __0_0.distcp"),
+        ".metadata places model.wpe.weight and model.wte.weight in overlapping bytes of "
+        "__0_0.distcp",
+    ),
     "byte range too short": (
-        lambda step: forge_metadata(step, lambda m: m.storage_data.update({storage(m, "model.wte.weight"): (
-            dataclasses.replace(m.storage_data[storage(m, "model.wte.weight")], length=16))})),
-        ".metadata gives model.wte.weight 16 bytes, fewer than its [8, 4] values take"),
+        lambda step: forge_metadata(
+            step,
+            lambda m: m.storage_data.update(
+                {
+                    storage(m, "model.wte.weight"): (
+                        dataclasses.replace(
+                            m.storage_data[storage(m, "model.wte.weight")], length=16
+                        )
+                    )
+                }
+            ),
+        ),
+        ".metadata gives model.wte.weight 16 bytes, fewer than its [8, 4] values take",
+    ),
     "tensor without bytes": (
-        lambda step: forge_metadata(step, lambda m: m.storage_data.pop(storage(m, "model.ln_f.weight"))),
-        ".metadata describes model.ln_f.weight but gives no byte range for it"),
+        lambda step: forge_metadata(
+            step, lambda m: m.storage_data.pop(storage(m, "model.ln_f.weight"))
+        ),
+        ".metadata describes model.ln_f.weight but gives no byte range for it",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", FORGED)
-def test_forged_checkpoints_that_pass_their_checksums_are_refused_before_loading(run, console, case):
+def test_forged_checkpoints_that_pass_their_checksums_are_refused_before_loading(
+    run, console, case
+):
     forge, problem = FORGED[case]
     forge(run / "step_3")
     assert checkpoint_find.verify(run / "step_3") == problem
@@ -107,9 +133,14 @@ def test_forged_checkpoints_that_pass_their_checksums_are_refused_before_loading
 
 def test_a_refused_pickle_in_param_groups_is_refused_before_loading_and_runs_nothing(run, tmp_path):
     marker = tmp_path / "code-ran"
-    forge_state(run / "step_3", lambda s: s["optim"]["param_groups"][0].update(lr=MakeDirectory(marker)))
+    forge_state(
+        run / "step_3", lambda s: s["optim"]["param_groups"][0].update(lr=MakeDirectory(marker))
+    )
     problem = checkpoint_find.verify(run / "step_3")
-    assert problem.startswith("optim.param_groups.0.lr does not load (UnpicklingError: ") and "\n" not in problem
+    assert (
+        problem.startswith("optim.param_groups.0.lr does not load (UnpicklingError: ")
+        and "\n" not in problem
+    )
     assert not marker.exists()
 
 
@@ -121,11 +152,12 @@ def restore(run, *extra):
 
 
 def scramble_a_tensor(step):
-    """Random bytes over the start of one tensor's record in the shard: no check before loading can tell."""
+    """Random bytes over the start of one tensor's record in the shard: no check before loading can
+    tell."""
     metadata = safe_load.read_dcp_metadata(step / ".metadata")
     info = metadata.storage_data[storage(metadata, "model.wte.weight")]
     data = bytearray((step / info.relative_path).read_bytes())
-    data[info.offset:info.offset + 64] = os.urandom(64)
+    data[info.offset : info.offset + 64] = os.urandom(64)
     (step / info.relative_path).write_bytes(bytes(data))
     recompute_checksums(step)
 
@@ -137,17 +169,23 @@ def test_shards_that_fail_to_load_are_one_line_and_resume_takes_the_next_checkpo
     saver, meta = restore(run)
     assert saver.restored_from == run / "step_2" and meta["step"] == 2
     said = err.getvalue()
-    assert said.startswith(f"warning: skipping checkpoint {run / 'step_3'}: loading it failed (") and \
-        said.count("\n") == 1
-    with pytest.raises(ConfigError) as raised:  # a checkpoint the user named: no other is taken for it
+    assert (
+        said.startswith(f"warning: skipping checkpoint {run / 'step_3'}: loading it failed (")
+        and said.count("\n") == 1
+    )
+    # a checkpoint the user named: no other is taken for it
+    with pytest.raises(ConfigError) as raised:
         restore(run, "--restart_checkpoint_file", str(run / "step_3"))
-    assert str(raised.value).startswith(f"--restart_checkpoint_file {run / 'step_3'}: {run / 'step_3'}: loading it "
-                                        "failed (") and "\n" not in str(raised.value)
+    assert str(raised.value).startswith(
+        f"--restart_checkpoint_file {run / 'step_3'}: {run / 'step_3'}: loading it failed ("
+    ) and "\n" not in str(raised.value)
 
 
 def listing(directory):
-    return sorted((str(p.relative_to(directory)), p.stat().st_mtime_ns, p.stat().st_size)
-                  for p in Path(directory).rglob("*"))
+    return sorted(
+        (str(p.relative_to(directory)), p.stat().st_mtime_ns, p.stat().st_size)
+        for p in Path(directory).rglob("*")
+    )
 
 
 def test_a_run_whose_every_checkpoint_is_refused_never_starts_fresh_over_them(run, console):
@@ -160,9 +198,10 @@ def test_a_run_whose_every_checkpoint_is_refused_never_starts_fresh_over_them(ru
     with pytest.raises(ConfigError) as raised:
         checkpoint_find.find(args_for(run))
     assert str(raised.value) == (
-        f"every checkpoint of {run} is refused (the lines above say why), and a fresh start would save over them: "
-        "nothing was changed there; repair or move them away, pick one with --restart_checkpoint_file, or train "
-        "under another --run_name")
+        f"every checkpoint of {run} is refused (the lines above say why), and a fresh start would "
+        "save over them: nothing was changed there; repair or move them away, pick one with "
+        "--restart_checkpoint_file, or train under another --run_name"
+    )
     assert err.getvalue().count("warning: skipping checkpoint") == 3 and listing(run) == before
     scramble_a_tensor(run / "step_1")  # and when the last one left fails to load
     for step in (1, 2, 3):
@@ -179,10 +218,17 @@ def test_a_run_whose_every_checkpoint_is_refused_never_starts_fresh_over_them(ru
 
 # ---- numbers that cannot round-trip ----
 
+
 def test_every_whole_number_flag_has_the_range_its_checkpoint_accepts():
     whole = {f.name for f in dataclasses.fields(Config) if f.type in (int, "int")}
     assert whole == set(WHOLE_RANGES)  # a new flag gets its range, or this fails
-    for flag in ("max_steps", "lr_decay_steps", "max_epochs", "warmup_steps", "checkpoint_interval"):
+    for flag in (
+        "max_steps",
+        "lr_decay_steps",
+        "max_epochs",
+        "warmup_steps",
+        "checkpoint_interval",
+    ):
         high = WHOLE_RANGES[flag][1]
         parse_args([f"--{flag}", str(high)])  # the highest accepted value ...
         with pytest.raises(ConfigError) as raised:
@@ -194,7 +240,10 @@ def test_the_largest_values_a_run_accepts_are_read_back_from_its_checkpoint(run)
     meta = meta_of(run / "step_3")
     highest = {name: high for name, (_, high) in WHOLE_RANGES.items()}
     meta["config"].update(highest)
-    meta["state"]["schedule"] = {"lr_decay_steps": highest["lr_decay_steps"], "last_step": highest["max_steps"]}
+    meta["state"]["schedule"] = {
+        "lr_decay_steps": highest["lr_decay_steps"],
+        "last_step": highest["max_steps"],
+    }
     (run / "step_3" / "meta.json").write_text(json.dumps(meta))
     assert checkpoint_meta.read_meta(run / "step_3")["config"]["max_steps"] == highest["max_steps"]
     meta["config"]["max_steps"] += 1
@@ -205,6 +254,7 @@ def test_the_largest_values_a_run_accepts_are_read_back_from_its_checkpoint(run)
 
 # ---- step directories are real directories of the run, named by their step ----
 
+
 def test_a_step_directory_that_is_a_link_or_a_renamed_copy_is_never_used(run, tmp_path, console):
     other = tmp_path / "other"
     shutil.copytree(run, other)
@@ -212,8 +262,11 @@ def test_a_step_directory_that_is_a_link_or_a_renamed_copy_is_never_used(run, tm
     (run / "step_20").symlink_to(run / "step_2")  # this run's older checkpoint: a silent roll-back
     (run / "latest").write_text("step_30\n")
     out, err = console()
-    assert checkpoint_find.verify(run / "step_30") == "step_30 is a symbolic link, not a checkpoint directory of " \
-                                                     "this run"
+    assert (
+        checkpoint_find.verify(run / "step_30")
+        == "step_30 is a symbolic link, not a checkpoint directory of "
+        "this run"
+    )
     assert checkpoint_find.find(args_for(run)) == run / "step_3"
     assert progress.newest(run)["step"] == 3
     with pytest.raises(ConfigError) as raised:
@@ -221,7 +274,10 @@ def test_a_step_directory_that_is_a_link_or_a_renamed_copy_is_never_used(run, tm
     assert "step_30 is a symbolic link" in str(raised.value)
     (run / "step_30").unlink()
     shutil.copytree(run / "step_2", run / "step_30")  # a copy under another step's name
-    assert checkpoint_find.verify(run / "step_30") == "meta.json says step 2, but its directory is step_30"
+    assert (
+        checkpoint_find.verify(run / "step_30")
+        == "meta.json says step 2, but its directory is step_30"
+    )
     assert checkpoint_find.find(args_for(run)) == run / "step_3"
 
 
@@ -229,13 +285,17 @@ def test_pruning_leaves_a_linked_step_directory_and_what_it_points_to(run, tmp_p
     shutil.copytree(run / "step_1", tmp_path / "elsewhere")
     (run / "step_0").symlink_to(tmp_path / "elsewhere")
     model, optimizer = tiny()
-    meta = {k: v for k, v in meta_of(run / "step_3").items() if k not in ("step", "world_size", "files")}
-    checkpoint.save(run, 4, model, optimizer, meta, keep_last=1)  # commits, prunes, reports no failure
+    meta = {
+        k: v for k, v in meta_of(run / "step_3").items() if k not in ("step", "world_size", "files")
+    }
+    # commits, prunes, reports no failure
+    checkpoint.save(run, 4, model, optimizer, meta, keep_last=1)
     assert (run / "step_0").is_symlink() and (tmp_path / "elsewhere" / "meta.json").exists()
     assert checkpoint_find.marker(run, "latest") == run / "step_4"
 
 
 # ---- the run lock: never read, followed or waited on when it is not a lock file ----
+
 
 def bounded(function, seconds=60):
     outcome = []
@@ -245,6 +305,7 @@ def bounded(function, seconds=60):
             outcome.append(function())
         except Exception as e:  # noqa: BLE001 - the test looks at it
             outcome.append(e)
+
     thread = threading.Thread(target=call, daemon=True)
     thread.start()
     thread.join(seconds)
@@ -256,12 +317,16 @@ def bounded(function, seconds=60):
 def test_a_lock_file_that_is_not_one_is_refused_in_one_line_without_blocking(tmp_path, kind):
     lock = tmp_path / "run" / ".lock"
     lock.parent.mkdir()
-    {"a FIFO": lambda: os.mkfifo(lock), "a symbolic link": lambda: lock.symlink_to("/dev/zero"),
-     "a directory": lock.mkdir}[kind]()
+    {
+        "a FIFO": lambda: os.mkfifo(lock),
+        "a symbolic link": lambda: lock.symlink_to("/dev/zero"),
+        "a directory": lock.mkdir,
+    }[kind]()
     error = bounded(lambda: files.RunLock({"--checkpoint_dir": lock.parent}).acquire(wait=0))
     assert isinstance(error, files.LockError) and str(error) == (
-        f"--checkpoint_dir: the run lock {lock} is {kind}, not a lock file this program wrote: remove it if no "
-        "training run uses this directory")
+        f"--checkpoint_dir: the run lock {lock} is {kind}, not a lock file this program wrote: "
+        "remove it if no training run uses this directory"
+    )
 
 
 def test_a_stale_lock_that_cannot_be_taken_over_is_one_line(tmp_path, monkeypatch):
@@ -269,21 +334,27 @@ def test_a_stale_lock_that_cannot_be_taken_over_is_one_line(tmp_path, monkeypatc
     lock.parent.mkdir()
     lock.write_text(json.dumps({"host": "elsewhere", "pid": 1}))
     os.utime(lock, (1, 1))  # silent for decades
+
     def refuse(*args):
         raise PermissionError(1, "Operation not permitted")
+
     monkeypatch.setattr(files.os, "replace", refuse)  # an immutable run directory (chattr +i)
     with pytest.raises(files.LockError) as raised:
         files.RunLock({"--checkpoint_dir": lock.parent}).acquire(wait=0)
-    assert str(raised.value) == (f"--checkpoint_dir: cannot take over the stale lock {lock} of a run that ended "
-                                 "(host elsewhere, pid 1, started None): Operation not permitted")
+    assert str(raised.value) == (
+        f"--checkpoint_dir: cannot take over the stale lock {lock} of a run that ended "
+        "(host elsewhere, pid 1, started None): Operation not permitted"
+    )
 
 
 def test_leftovers_of_killed_writers_are_removed_once_the_lock_is_held(run):
     (run / ".latest.tmp4242").write_text("step_3\n")
     (run / ".lock.stale-0123abcd").write_text("{}")
     (run / ".tmp-step_7").mkdir()
-    shutil.copytree(run / "step_2", run / ".tmp-old-step_2")  # a prune that died after its rename...
-    shutil.move(run / "step_1", run / ".tmp-old-step_1")  # ... or a save that died between its two renames
+    # a prune that died after its rename...
+    shutil.copytree(run / "step_2", run / ".tmp-old-step_2")
+    # ... or a save that died between its two renames
+    shutil.move(run / "step_1", run / ".tmp-old-step_1")
     keep = run / "notes.tmp"
     keep.write_text("not ours")
     lock = files.RunLock({"--checkpoint_dir": run})
@@ -305,12 +376,15 @@ import torch
 import torch.distributed as dist
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
-# A tensor larger than the limit: torch.save writes it straight into the file, and its zip writer reports the
-# failed write as "[enforce fail at inline_container.cc:672] . unexpected pos ...", the OS's reason lost.
+# A tensor larger than the limit: torch.save writes it straight into the file, and its zip writer \
+reports the
+# failed write as "[enforce fail at inline_container.cc:672] . unexpected pos ...", the OS's \
+reason lost.
 resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, 600_000))
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 try:
-    checkpoint.save(Path({run!r}), 1, None, None, {{"format": 2}}, state={{"model": {{"w": torch.zeros(2**20)}}}})
+    checkpoint.save(Path({run!r}), 1, None, None, {{"format": 2}}, state={{"model": {{"w": \
+torch.zeros(2**20)}}}})
 except checkpoint.SaveError as e:
     print(e)
 """
@@ -318,9 +392,15 @@ except checkpoint.SaveError as e:
 
 def test_a_write_past_the_file_size_limit_is_named_not_torchs_zip_error(tmp_path):
     script = FILE_SIZE_LIMIT.format(run=str(tmp_path / "run"))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert result.stdout == (f"writing checkpoint {tmp_path / 'run' / 'step_1'} failed (rank 0: File too large (over "
-                             "this process's file size limit, ulimit -f): "
-                             f"{tmp_path / 'run' / '.tmp-step_1'}); the previous checkpoint is untouched\n"), \
-        result.stdout + result.stderr
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert result.stdout == (
+        f"writing checkpoint {tmp_path / 'run' / 'step_1'} failed (rank 0: File too large (over "
+        "this process's file size limit, ulimit -f): "
+        f"{tmp_path / 'run' / '.tmp-step_1'}); the previous checkpoint is untouched\n"
+    ), result.stdout + result.stderr

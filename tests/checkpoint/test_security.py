@@ -1,5 +1,7 @@
-"""What a hostile or damaged file, a second run, or a careless value can do: no code runs from a checkpoint,
-one run per run directory, damage is found before loading, every save failure and bad value is one line."""
+"""What a hostile or damaged file, a second run, or a careless value can do: no code runs from a
+checkpoint, one run per run directory, damage is found before loading, every save failure and bad
+value is one line."""
+
 import copyreg
 import json
 import os
@@ -28,11 +30,15 @@ from minimal_fsdp.config.flags import ConfigError, parse_args
 
 # ---- a corpus of hostile pickles: none may run, every one is refused ----
 
+
 @pytest.fixture(scope="module")
 def real_metadata(tmp_path_factory):
     """A genuine DCP checkpoint (tensors and a non-tensor entry), saved in this process."""
     path = tmp_path_factory.mktemp("dcp")
-    state = {"model": {"w": torch.randn(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16)}, "optim": {"lr": 0.1}}
+    state = {
+        "model": {"w": torch.randn(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16)},
+        "optim": {"lr": 0.1},
+    }
     dcp.save(state, checkpoint_id=str(path), no_dist=True)
     return path, safe_load.read_dcp_metadata(path / ".metadata")
 
@@ -53,37 +59,83 @@ def hostile(marker):
     text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()  # noqa: E731 - SHORT_BINUNICODE
     payloads = []
     for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
-        for function, args in ((os.system, (cmd,)), (eval, (f"__import__('os').system({cmd!r})",)),
-                               (exec, (f"import os; os.system({cmd!r})",)), (subprocess.call, (cmd.split(),))):
-            payloads.append((f"REDUCE {function.__name__} p{protocol}", pickle.dumps(Reduce(function, *args),
-                                                                                   protocol=protocol)))
+        for function, args in (
+            (os.system, (cmd,)),
+            (eval, (f"__import__('os').system({cmd!r})",)),
+            (exec, (f"import os; os.system({cmd!r})",)),
+            (subprocess.call, (cmd.split(),)),
+        ):
+            payloads.append(
+                (
+                    f"REDUCE {function.__name__} p{protocol}",
+                    pickle.dumps(Reduce(function, *args), protocol=protocol),
+                )
+            )
     payloads += [
         # The issue's payload: protocol 4 resolves a dotted name attribute by attribute.
-        ("STACK_GLOBAL dotted", b"\x80\x04" + text("torch.distributed.checkpoint.filesystem") + text("os.system")
-         + b"\x93" + text(cmd) + b"\x85R."),
-        ("STACK_GLOBAL dotted from an allowed class", b"\x80\x04" + text("torch.distributed.checkpoint.metadata")
-         + text("Metadata.__init__.__globals__") + b"\x93."),
-        ("GLOBAL dotted", f"ctorch.distributed.checkpoint.filesystem\nos.system\n(V{cmd}\ntR.".encode()),
-        ("GLOBAL getattr + __import__", f"cbuiltins\ngetattr\n(cbuiltins\n__import__\n(Vos\ntRVsystem\ntR(V{cmd}\ntR."
-         .encode()),
+        (
+            "STACK_GLOBAL dotted",
+            b"\x80\x04"
+            + text("torch.distributed.checkpoint.filesystem")
+            + text("os.system")
+            + b"\x93"
+            + text(cmd)
+            + b"\x85R.",
+        ),
+        (
+            "STACK_GLOBAL dotted from an allowed class",
+            b"\x80\x04"
+            + text("torch.distributed.checkpoint.metadata")
+            + text("Metadata.__init__.__globals__")
+            + b"\x93.",
+        ),
+        (
+            "GLOBAL dotted",
+            f"ctorch.distributed.checkpoint.filesystem\nos.system\n(V{cmd}\ntR.".encode(),
+        ),
+        (
+            "GLOBAL getattr + __import__",
+            f"cbuiltins\ngetattr\n(cbuiltins\n__import__\n(Vos\ntRVsystem\ntR(V{cmd}\ntR.".encode(),
+        ),
         ("INST", f"(V{cmd}\nios\nsystem\n.".encode()),
         ("OBJ", f"(cos\nsystem\nV{cmd}\no.".encode()),
         ("NEWOBJ", b"\x80\x02cposix\nsystem\n)\x81."),
         ("NEWOBJ_EX", b"\x80\x04" + text("subprocess") + text("Popen") + b"\x93)}\x92."),
-        ("BUILD on an allowed class", b"\x80\x04" + text("torch.distributed.checkpoint.metadata") + text("Metadata")
-         + b"\x93N}" + text("__eq__") + text("x") + b"s\x86b."),
-        ("REDUCE on an allowed class with junk", b"\x80\x04" + text("torch") + text("Size") + b"\x93" + text(cmd)
-         + b"\x85R."),
+        (
+            "BUILD on an allowed class",
+            b"\x80\x04"
+            + text("torch.distributed.checkpoint.metadata")
+            + text("Metadata")
+            + b"\x93N}"
+            + text("__eq__")
+            + text("x")
+            + b"s\x86b.",
+        ),
+        (
+            "REDUCE on an allowed class with junk",
+            b"\x80\x04" + text("torch") + text("Size") + b"\x93" + text(cmd) + b"\x85R.",
+        ),
         ("persistent id", b"Pos.system\n."),
-        ("getattr of an allowed class", b"\x80\x04" + text("builtins") + text("getattr") + b"\x93"
-         + text("torch.distributed.checkpoint.metadata") + text("Metadata") + b"\x93" + text("__init__") + b"\x86R."),
+        (
+            "getattr of an allowed class",
+            b"\x80\x04"
+            + text("builtins")
+            + text("getattr")
+            + b"\x93"
+            + text("torch.distributed.checkpoint.metadata")
+            + text("Metadata")
+            + b"\x93"
+            + text("__init__")
+            + b"\x86R.",
+        ),
     ]
     return payloads
 
 
 def test_hostile_pickles_never_run(tmp_path):
     marker = tmp_path / "pwned"
-    copyreg.add_extension("os", "system", 0xF0)  # EXT opcodes reach find_class through the extension registry
+    # EXT opcodes reach find_class through the extension registry
+    copyreg.add_extension("os", "system", 0xF0)
     try:
         corpus = hostile(marker) + [("EXT1", b"\x80\x02\x82\xf0.")]
         for label, payload in corpus:
@@ -94,7 +146,8 @@ def test_hostile_pickles_never_run(tmp_path):
             assert not marker.exists(), label
     finally:
         copyreg.remove_extension("os", "system", 0xF0)
-    assert callable(dcp_metadata.Metadata.__eq__)  # BUILD could not set attributes on an allowed class
+    # BUILD could not set attributes on an allowed class
+    assert callable(dcp_metadata.Metadata.__eq__)
 
 
 def test_hostile_payload_nested_in_valid_metadata_is_refused(tmp_path, real_metadata):
@@ -112,12 +165,25 @@ def test_hostile_payload_nested_in_valid_metadata_is_refused(tmp_path, real_meta
 
 
 def test_an_enum_member_pickled_as_getattr_loads(tmp_path):
-    """Python 3.11.2 pickles an Enum member as builtins.getattr(cls, name): that one getattr is allowed."""
+    """Python 3.11.2 pickles an Enum member as builtins.getattr(cls, name): that one getattr is
+    allowed."""
     text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()  # noqa: E731
     path = tmp_path / "metadata"
-    path.write_bytes(b"\x80\x04" + text("builtins") + text("getattr") + b"\x93" + text(dcp_metadata.__name__)
-                     + text("_MEM_FORMAT_ENCODING") + b"\x93" + text("TORCH_CONTIGUOUS_FORMAT") + b"\x86R.")
-    assert safe_load.read_dcp_metadata(path) is dcp_metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    path.write_bytes(
+        b"\x80\x04"
+        + text("builtins")
+        + text("getattr")
+        + b"\x93"
+        + text(dcp_metadata.__name__)
+        + text("_MEM_FORMAT_ENCODING")
+        + b"\x93"
+        + text("TORCH_CONTIGUOUS_FORMAT")
+        + b"\x86R."
+    )
+    assert (
+        safe_load.read_dcp_metadata(path)
+        is dcp_metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    )
 
 
 def test_genuine_metadata_loads_in_every_protocol_from_2(tmp_path, real_metadata):
@@ -133,17 +199,36 @@ def test_genuine_metadata_loads_in_every_protocol_from_2(tmp_path, real_metadata
 
 # ---- runs through the entry point ----
 
+
 def train_args(run_name="run", steps=4, extra=(), corpus="corpus.txt"):
     """A tiny run's flags, with checkpoints every 2 steps."""
-    return ["--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--max_steps", steps, "--eval_interval", 0,
-            "--log_interval", 1, "--checkpoint_interval", 2, "--run_name", run_name, *extra]
+    return [
+        "--dataset",
+        "text",
+        "--input_file",
+        corpus,
+        *TINY_MODEL,
+        "--max_steps",
+        steps,
+        "--eval_interval",
+        0,
+        "--log_interval",
+        1,
+        "--checkpoint_interval",
+        2,
+        "--run_name",
+        run_name,
+        *extra,
+    ]
 
 
 def train(work, run_name="run", steps=4, ranks=2, extra=(), check=True, faults=None):
     """A tiny run in `work` with checkpoints every 2 steps."""
     args = train_args(run_name, steps, extra)
     if faults:
-        return launch_with_faults(args, faults=faults, ranks=ranks, cwd=work, check=check, timeout=180)
+        return launch_with_faults(
+            args, faults=faults, ranks=ranks, cwd=work, check=check, timeout=180
+        )
     return launch(args, ranks=ranks, cwd=work, check=check, timeout=180)
 
 
@@ -159,8 +244,15 @@ def plant_payload(step_dir, marker):
     path = step_dir / ".metadata"
     original = path.read_bytes()
     text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()  # noqa: E731
-    path.write_bytes(b"\x80\x04" + text("torch.distributed.checkpoint.filesystem") + text("os.system") + b"\x93"
-                     + text(f"touch {marker}") + b"\x85R0" + original[2:])
+    path.write_bytes(
+        b"\x80\x04"
+        + text("torch.distributed.checkpoint.filesystem")
+        + text("os.system")
+        + b"\x93"
+        + text(f"touch {marker}")
+        + b"\x85R0"
+        + original[2:]
+    )
 
 
 def losses(work, run_name):
@@ -170,7 +262,8 @@ def losses(work, run_name):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """A 2-rank run of 6 steps with checkpoints at steps 2, 4 and 6, its prepared data and its logs."""
+    """A 2-rank run of 6 steps with checkpoints at steps 2, 4 and 6, its prepared data and its
+    logs."""
     work = tmp_path_factory.mktemp("straight")
     (work / "corpus.txt").write_text(make_text())
     train(work, run_name="straight", steps=6)
@@ -179,13 +272,18 @@ def straight(tmp_path_factory):
 
 @pytest.fixture
 def trained(tmp_path, straight):
-    """A copy of the straight run's first 4 steps as run "run" in tmp_path (`latest` names step_4)."""
+    """A copy of the straight run's first 4 steps as run "run" in tmp_path (`latest` names
+    step_4)."""
     for name in ("corpus.txt", "data"):
-        (shutil.copytree if (straight / name).is_dir() else shutil.copy)(straight / name, tmp_path / name)
+        (shutil.copytree if (straight / name).is_dir() else shutil.copy)(
+            straight / name, tmp_path / name
+        )
     run = tmp_path / "checkpoints" / "run"
     run.mkdir(parents=True)
     for step in (2, 4):
-        shutil.copytree(straight / "checkpoints" / "straight" / f"step_{step}", run / f"step_{step}")
+        shutil.copytree(
+            straight / "checkpoints" / "straight" / f"step_{step}", run / f"step_{step}"
+        )
     (run / "latest").write_text("step_4\n")
     return run
 
@@ -194,17 +292,38 @@ def trained(tmp_path, straight):
 def test_crafted_checkpoint_runs_nothing_anywhere(tmp_path, trained):
     marker = tmp_path / "pwned"
     plant_payload(trained / "step_4", marker)
-    export = subprocess.run([sys.executable, "-m", "minimal_fsdp", "export", str(trained / "step_4"), str(tmp_path / "o")],
-                            cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    export = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minimal_fsdp",
+            "export",
+            str(trained / "step_4"),
+            str(tmp_path / "o"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert "not allowed" in one_error(export)
-    restart = launch(["--restart_checkpoint_file", trained / "step_4", "--max_steps", 6, "--run_name", "other"],
-                     cwd=tmp_path, check=False)
+    restart = launch(
+        ["--restart_checkpoint_file", trained / "step_4", "--max_steps", 6, "--run_name", "other"],
+        cwd=tmp_path,
+        check=False,
+    )
     assert "not a complete checkpoint" in one_error(restart)
-    # A generation, then the resumed run, one after the other in one launch. The resumed run names its checkpoint
-    # directory by its absolute path, so that what it prints is told apart from what the generation prints.
-    sample_then_resumed = launch_runs([["--max_epochs", "-1", "--num_tokens", "5", "--run_name", "run"],
-                                       train_args(steps=6, extra=["--checkpoint_dir", tmp_path / "checkpoints"])],
-                                      cwd=tmp_path, timeout=180)
+    # A generation, then the resumed run, one after the other in one launch. The resumed run names
+    # its checkpoint directory by its absolute path, so that what it prints is told apart from what
+    # the generation prints.
+    sample_then_resumed = launch_runs(
+        [
+            ["--max_epochs", "-1", "--num_tokens", "5", "--run_name", "run"],
+            train_args(steps=6, extra=["--checkpoint_dir", tmp_path / "checkpoints"]),
+        ],
+        cwd=tmp_path,
+        timeout=180,
+    )
     assert "generating from checkpoints/run/step_2" in sample_then_resumed.stdout
     assert f"resuming from {trained}/step_2" in sample_then_resumed.stdout
     assert f"skipping checkpoint {trained}/step_4" in sample_then_resumed.stderr
@@ -213,33 +332,57 @@ def test_crafted_checkpoint_runs_nothing_anywhere(tmp_path, trained):
 
 def module(*args, cwd):
     """`python -m minimal_fsdp.<args>` in cwd; the timeout only guards against a hang."""
-    return subprocess.run([sys.executable, "-m", *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          timeout=180, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    return subprocess.run(
+        [sys.executable, "-m", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+    )
 
 
 @pytest.mark.slow
-def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_progress(tmp_path, trained,
-                                                                                         single_process, capfd):
-    """The issue's two hangs: sample built a model of a million layers; a `files` entry naming a device outside
-    the checkpoint was read forever. Now the newest good checkpoint is used, with one line naming the bad one."""
+def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_progress(
+    tmp_path, trained, single_process, capfd
+):
+    """The issue's two hangs: sample built a model of a million layers; a `files` entry naming a
+    device outside the checkpoint was read forever. Now the newest good checkpoint is used, with one
+    line naming the bad one."""
     meta = json.loads((trained / "step_4" / "meta.json").read_text())
     meta["model"]["num_layers"] = 10**6
     meta["files"]["/dev/zero"] = [1, 0]
     (trained / "step_4" / "meta.json").write_text(json.dumps(meta))
-    skipped = ('warning: skipping checkpoint checkpoints/run/step_4: meta.json: files names "/dev/zero", not a plain '
-               'file name inside the checkpoint')
-    # The sample command's main in this process (single_process: a world of one in tmp_path); it returns (exit 0).
+    skipped = (
+        'warning: skipping checkpoint checkpoints/run/step_4: meta.json: files names "/dev/zero", '
+        'not a plain file name inside the checkpoint'
+    )
+    # The sample command's main in this process (single_process: a world of one in tmp_path); it
+    # returns (exit 0).
     capfd.readouterr()
     sample_command.main(["checkpoints/run", "--num_tokens", "5"])
     sample = SimpleNamespace(stderr=capfd.readouterr().err)
     assert "generating from checkpoints/run/step_2" in sample.stderr, sample.stderr
     assert [line for line in sample.stderr.splitlines() if "step_4" in line] == [skipped]
-    export = module("minimal_fsdp.hf.export", "checkpoints/run/step_4", tmp_path / "out", cwd=tmp_path)
-    assert one_error(export) == ("error: checkpoints/run/step_4 is not a complete checkpoint: checkpoints/run/step_4: "
-                                 + skipped.split(": ", 2)[2])
-    for progress in (module("minimal_fsdp.tools.progress", "--run_name", "run", cwd=tmp_path),  # the job chains'
-                     module("minimal_fsdp.checkpoint.checkpointer", "progress", "--run_name", "run", cwd=tmp_path)):
-        assert (progress.returncode, progress.stdout, progress.stderr) == (0, "2 6\n", skipped + "\n")
+    export = module(
+        "minimal_fsdp.hf.export", "checkpoints/run/step_4", tmp_path / "out", cwd=tmp_path
+    )
+    assert one_error(export) == (
+        "error: checkpoints/run/step_4 is not a complete checkpoint: checkpoints/run/step_4: "
+        + skipped.split(": ", 2)[2]
+    )
+    # the job chains'
+    for progress in (
+        module("minimal_fsdp.tools.progress", "--run_name", "run", cwd=tmp_path),
+        module(
+            "minimal_fsdp.checkpoint.checkpointer", "progress", "--run_name", "run", cwd=tmp_path
+        ),
+    ):
+        assert (progress.returncode, progress.stdout, progress.stderr) == (
+            0,
+            "2 6\n",
+            skipped + "\n",
+        )
     resumed = train(tmp_path, steps=6)
     assert "resuming from checkpoints/run/step_2" in resumed.stdout
     assert [line for line in resumed.stderr.splitlines() if "step_4" in line] == [skipped]
@@ -253,8 +396,15 @@ def test_damaged_shard_is_found_before_loading(tmp_path, trained):
     with open(shard, "r+b") as f:  # 64 KiB overwritten in place: the size stays, the bytes do not
         f.seek(size // 3)
         f.write(b"\0" * min(65536, size // 3))
-    assert shard.stat().st_size == size and checkpoint_find.verify(trained / "step_4", checksums=False) is None
-    restart = launch(["--restart_checkpoint_file", trained / "step_4", "--run_name", "other"], cwd=tmp_path, check=False)
+    assert (
+        shard.stat().st_size == size
+        and checkpoint_find.verify(trained / "step_4", checksums=False) is None
+    )
+    restart = launch(
+        ["--restart_checkpoint_file", trained / "step_4", "--run_name", "other"],
+        cwd=tmp_path,
+        check=False,
+    )
     assert "__1_0.distcp does not match its checksum" in one_error(restart)
     resumed = train(tmp_path, steps=6)
     assert "resuming from checkpoints/run/step_2" in resumed.stdout
@@ -267,42 +417,82 @@ def test_markers_that_name_no_checkpoint_of_this_run_are_ignored(tmp_path, train
     result = train(tmp_path, steps=6)
     assert "ignoring checkpoints/run/latest" in result.stderr
     assert "resuming from checkpoints/run/step_4" in result.stdout
-    (trained / "latest").write_text(str(trained / "step_2") + "\n")  # an absolute path: not a name beside it
+    # an absolute path: not a name beside it
+    (trained / "latest").write_text(str(trained / "step_2") + "\n")
     assert checkpoint_find.candidates(trained)[0] == trained / "step_6"
     (trained / "latest").write_text("../other/step_6\n")
     assert checkpoint_find.candidates(trained)[0] == trained / "step_6"
     binary = tmp_path / "binary"
     binary.write_bytes(b"\x00\xff" * 100)
-    result = launch(["--restart_checkpoint_file", binary, "--run_name", "other"], cwd=tmp_path, check=False)
+    result = launch(
+        ["--restart_checkpoint_file", binary, "--run_name", "other"], cwd=tmp_path, check=False
+    )
     assert "is a file but not a checkpoint marker" in one_error(result)
 
 
 @pytest.mark.slow
 def test_a_second_run_on_the_same_directory_refuses(tmp_path, corpus):
-    """The first run pauses at step 5 (tests/faults.py) until the second one has been refused, then finishes."""
-    args = [sys.executable, str(ROOT / "tests" / "faults.py"), "--dataset", "text", "--input_file", corpus,
-            *TINY_MODEL, "--eval_interval", 0, "--log_interval", 1, "--run_name", "shared", "--max_steps", 10]
+    """The first run pauses at step 5 (tests/faults.py) until the second one has been refused, then
+    finishes."""
+    args = [
+        sys.executable,
+        str(ROOT / "tests" / "faults.py"),
+        "--dataset",
+        "text",
+        "--input_file",
+        corpus,
+        *TINY_MODEL,
+        "--eval_interval",
+        0,
+        "--log_interval",
+        1,
+        "--run_name",
+        "shared",
+        "--max_steps",
+        10,
+    ]
     release = tmp_path / "release"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MINIMAL_FSDP_FAULTS="pause@5",
-               MINIMAL_FSDP_RELEASE=str(release))
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        MINIMAL_FSDP_FAULTS="pause@5",
+        MINIMAL_FSDP_RELEASE=str(release),
+    )
     lock = tmp_path / "checkpoints" / "shared" / files.LOCK_NAME
-    first = subprocess.Popen([*map(str, args), "--checkpoint_interval", "3"], cwd=tmp_path, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [*map(str, args), "--checkpoint_interval", "3"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "checkpoints" / "shared" / "step_3").exists():
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.2)
-        second = subprocess.run([*map(str, args), "--seed", "7"], cwd=tmp_path, capture_output=True, text=True,
-                                timeout=120, env=dict(env, MINIMAL_FSDP_FAULTS=""))
+        second = subprocess.run(
+            [*map(str, args), "--seed", "7"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(env, MINIMAL_FSDP_FAULTS=""),
+        )
         assert "is in use by another training run" in one_error(second)
         release.touch()
         out, err = first.communicate(timeout=240)
     finally:
         first.kill()
     assert first.returncode == 0, err[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "logs" / "shared" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 11))  # the first run's alone, in order
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "logs" / "shared" / "metrics.jsonl").read_text().splitlines()
+    ]
+    # the first run's alone, in order
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 11))
     assert (tmp_path / "checkpoints" / "shared" / "latest").read_text().strip() == "step_10"
     assert not lock.exists() and not (tmp_path / "logs" / "shared" / files.LOCK_NAME).exists()
 
@@ -312,7 +502,9 @@ def test_a_dead_runs_lock_is_taken_over(tmp_path):
     dead.wait()
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / files.LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    (run_dir / files.LOCK_NAME).write_text(
+        json.dumps({"host": socket.gethostname(), "pid": dead.pid})
+    )
     lock = files.RunLock({"--checkpoint_dir": run_dir})
     lock.acquire()
     assert json.loads((run_dir / files.LOCK_NAME).read_text())["pid"] == os.getpid()
@@ -333,7 +525,8 @@ def test_a_live_lock_from_another_host_is_waited_for_then_refused(tmp_path, monk
     os.utime(path, (old, old))  # silent for longer than STALE_AFTER: its run died
     lock = files.RunLock({"--checkpoint_dir": run_dir})
     lock.acquire(wait=0.5)
-    path.write_text(json.dumps({"host": "elsewhere", "token": "theirs"}))  # someone took it over from us
+    # someone took it over from us
+    path.write_text(json.dumps({"host": "elsewhere", "token": "theirs"}))
     with pytest.raises(files.LockError, match="another run took over"):
         files.check_lock(run_dir)
     lock.release()
@@ -341,12 +534,26 @@ def test_a_live_lock_from_another_host_is_waited_for_then_refused(tmp_path, monk
 
 
 # one launch each; the quick tier runs the first (the same check of the directories made at startup)
-@pytest.mark.parametrize("flag", ["--checkpoint_dir", pytest.param("--log_dir", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "flag", ["--checkpoint_dir", pytest.param("--log_dir", marks=pytest.mark.slow)]
+)
 def test_unwritable_directories_are_found_at_startup(tmp_path, corpus, flag):
     (tmp_path / "a_file").write_text("")
-    # Below a file: the flag's own path is no file (config_checks refuses that at once), yet nothing can be made there.
-    result = launch(["--dataset", "text", "--input_file", corpus, *TINY_MODEL, flag, tmp_path / "a_file" / "runs"],
-                    cwd=tmp_path, check=False)
+    # Below a file: the flag's own path is no file (config_checks refuses that at once), yet nothing
+    # can be made there.
+    result = launch(
+        [
+            "--dataset",
+            "text",
+            "--input_file",
+            corpus,
+            *TINY_MODEL,
+            flag,
+            tmp_path / "a_file" / "runs",
+        ],
+        cwd=tmp_path,
+        check=False,
+    )
     assert f"{flag}: cannot create the run directory" in one_error(result)
     assert not (tmp_path / "checkpoints").exists() or flag == "--log_dir"
 
@@ -357,21 +564,32 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(tmp_path, trained):
     line = one_error(result, code=1)
     assert "checkpoint checkpoints/run/step_6" in line and "No space left on device" in line, line
     assert "rank 1" in line and "the previous checkpoint is untouched" in line
-    assert (trained / "latest").read_text().strip() == "step_4" and checkpoint_find.verify(trained / "step_4") is None
+    assert (trained / "latest").read_text().strip() == "step_4" and checkpoint_find.verify(
+        trained / "step_4"
+    ) is None
     assert not (trained / "step_6").exists() and not list(trained.glob(".tmp-*"))
     assert "resuming from checkpoints/run/step_4" in train(tmp_path, steps=8).stdout
 
 
-WINDOWS = {"kill_after_shards": 2, "kill_after_meta": 2, "kill_after_rename": 2, "kill_after_latest": 4}
+WINDOWS = {
+    "kill_after_shards": 2,
+    "kill_after_meta": 2,
+    "kill_after_rename": 2,
+    "kill_after_latest": 4,
+}
 
 
 @pytest.fixture(scope="module")
 def crashed_then_resumed(request, straight, tmp_path_factory):
-    """For each selected window, a run in a directory of its own killed inside step 4's save (a launch each: a kill
-    ends its launch), and what it left (`latest`, and what verify says of the checkpoint `latest` names); then
-    every one of them resumed to step 6, one after the other in one launch (conftest.launch_runs)."""
-    selected = {item.callspec.params["window"] for item in request.session.items
-                if item.originalname == "test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit"}
+    """For each selected window, a run in a directory of its own killed inside step 4's save (a
+    launch each: a kill ends its launch), and what it left (`latest`, and what verify says of the
+    checkpoint `latest` names); then every one of them resumed to step 6, one after the other in one
+    launch (conftest.launch_runs)."""
+    selected = {
+        item.callspec.params["window"]
+        for item in request.session.items
+        if item.originalname == "test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit"
+    }
     work = tmp_path_factory.mktemp("crashes")
     left, resumes = {}, []
     for window in WINDOWS:
@@ -383,17 +601,36 @@ def crashed_then_resumed(request, straight, tmp_path_factory):
         crashed = train(crash, steps=6, faults=f"{window}@4", check=False)
         marker = crash / "checkpoints" / "run" / "latest"
         latest = marker.read_text().strip() if marker.exists() else None
-        left[window] = crash, crashed.returncode, latest, latest and checkpoint_find.verify(marker.parent / latest)
-        resumes.append(train_args(steps=6, corpus=crash / "corpus.txt", extra=[
-            "--checkpoint_dir", crash / "checkpoints", "--log_dir", crash / "logs", "--data_dir", crash / "data"]))
+        left[window] = (
+            crash,
+            crashed.returncode,
+            latest,
+            latest and checkpoint_find.verify(marker.parent / latest),
+        )
+        resumes.append(
+            train_args(
+                steps=6,
+                corpus=crash / "corpus.txt",
+                extra=[
+                    "--checkpoint_dir",
+                    crash / "checkpoints",
+                    "--log_dir",
+                    crash / "logs",
+                    "--data_dir",
+                    crash / "data",
+                ],
+            )
+        )
     return left, launch_runs(resumes, ranks=2, cwd=work, timeout=180).stdout
 
 
 @pytest.mark.parametrize("window,resumed", WINDOWS.items())
 @pytest.mark.slow
-def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(crashed_then_resumed, straight, window, resumed):
-    """Killed inside step 4's save: `latest` always names a complete checkpoint, the run resumes from it, and
-    finishes with the same losses as a run that never crashed."""
+def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(
+    crashed_then_resumed, straight, window, resumed
+):
+    """Killed inside step 4's save: `latest` always names a complete checkpoint, the run resumes
+    from it, and finishes with the same losses as a run that never crashed."""
     left, resumes = crashed_then_resumed
     crash, returncode, latest, problem = left[window]
     assert returncode != 0
@@ -411,27 +648,31 @@ def test_a_hugging_face_directory_without_weights_says_so(tmp_path):
 
 # ---- values ----
 
-@pytest.mark.parametrize("flags,message", [
-    (["--lr", "0"], "--lr must be a finite number > 0"),
-    (["--lr", "-1"], "--lr must be a finite number > 0"),
-    (["--lr", "nan"], "--lr must be a finite number > 0"),
-    (["--min_lr", "-0.003"], "--min_lr must be a finite number >= 0"),
-    (["--lr", "1e-3", "--min_lr", "2e-3"], "--min_lr 0.002 is above --lr 0.001"),
-    (["--grad_clip", "-1"], "--grad_clip must be a finite number >= 0"),
-    (["--beta1", "2"], "--beta1 must be a finite number in [0, 1)"),
-    (["--beta2", "1"], "--beta2 must be a finite number in [0, 1)"),
-    (["--weight_decay", "-0.1"], "--weight_decay must be a finite number >= 0"),
-    (["--dropout", "1.5"], "--dropout must be a finite number in [0, 1)"),
-    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
-    (["--top_k", "-3"], "--top_k must be a finite number >= 0"),
-    (["--collective_timeout", "0"], "--collective_timeout must be a finite number in (0, "),
-    (["--collective_timeout", "-5"], "--collective_timeout must be a finite number in (0, "),
-    (["--max_epochs", "0"], "--max_epochs must be positive, or -1"),
-    (["--max_epochs", "-2"], "--max_epochs must be positive, or -1"),
-    (["--run_name", "../x"], "--run_name must be one plain directory name"),
-    (["--run_name", ""], "--run_name must be one plain directory name"),
-    (["--run_name", "a/b"], "--run_name must be one plain directory name"),
-])
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--lr", "0"], "--lr must be a finite number > 0"),
+        (["--lr", "-1"], "--lr must be a finite number > 0"),
+        (["--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--min_lr", "-0.003"], "--min_lr must be a finite number >= 0"),
+        (["--lr", "1e-3", "--min_lr", "2e-3"], "--min_lr 0.002 is above --lr 0.001"),
+        (["--grad_clip", "-1"], "--grad_clip must be a finite number >= 0"),
+        (["--beta1", "2"], "--beta1 must be a finite number in [0, 1)"),
+        (["--beta2", "1"], "--beta2 must be a finite number in [0, 1)"),
+        (["--weight_decay", "-0.1"], "--weight_decay must be a finite number >= 0"),
+        (["--dropout", "1.5"], "--dropout must be a finite number in [0, 1)"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["--top_k", "-3"], "--top_k must be a finite number >= 0"),
+        (["--collective_timeout", "0"], "--collective_timeout must be a finite number in (0, "),
+        (["--collective_timeout", "-5"], "--collective_timeout must be a finite number in (0, "),
+        (["--max_epochs", "0"], "--max_epochs must be positive, or -1"),
+        (["--max_epochs", "-2"], "--max_epochs must be positive, or -1"),
+        (["--run_name", "../x"], "--run_name must be one plain directory name"),
+        (["--run_name", ""], "--run_name must be one plain directory name"),
+        (["--run_name", "a/b"], "--run_name must be one plain directory name"),
+    ],
+)
 def test_values_that_would_corrupt_training_are_refused(flags, message):
     with pytest.raises(ConfigError, match=None) as raised:
         parse_args(flags)

@@ -1,6 +1,7 @@
-"""`minimal-fsdp COMMAND` (minimal_fsdp/__main__.py): every command's --help shows its defaults without importing
-torch; every command reads --config and the command line overrides it; the config reader refuses hostile files
-in one line (config/parser.py)."""
+"""`minimal-fsdp COMMAND` (minimal_fsdp/__main__.py): every command's --help shows its defaults
+without importing torch; every command reads --config and the command line overrides it; the config
+reader refuses hostile files in one line (config/parser.py)."""
+
 import dataclasses
 import os
 import re
@@ -15,31 +16,66 @@ from minimal_fsdp.config import commands
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.config.parser import parse
 
-# A small --config file per command and one flag given on the command line as well: the command line wins.
+# A small --config file per command and one flag given on the command line as well: the command line
+# wins.
 CONFIGS = {
-    "train": ('[train]\nbatch_size = 4\n[model]\nembed_size = 32\n', ["--batch_size", "8"],
-              {"batch_size": 8, "embed_size": 32}),
-    "sample": ('[source]\nsource = "ckpt"\n[generate]\nnum_tokens = 7\ntop_k = 3\n', ["--top_k", "5"],
-               {"source": "ckpt", "num_tokens": 7, "top_k": 5}),
-    "evaluate": ('[source]\nsource = "ckpt"\n[evaluate]\ntasks = ["a", "b"]\nbatch_size = 4\n',
-                 ["--tasks", "c"], {"tasks": ["c"], "batch_size": 4, "source": "ckpt"}),
-    "export": ('[export]\ncheckpoint = "ckpt"\nout = "o"\nformat = "hf"\n', ["ckpt2", "o2"],
-               {"checkpoint": "ckpt2", "out": "o2", "format": "hf"}),
-    "prepare": ('[data]\ndataset = "text"\ninput_file = "a.txt"\n[prepare]\nnum_proc = 3\n', ["--num_proc", "1"],
-                {"dataset": "text", "input_file": "a.txt", "num_proc": 1}),
-    "progress": ('[launch]\nrun_name = "r"\n[checkpoint]\ncheckpoint_dir = "c"\n', ["--run_name", "s"],
-                 {"run_name": "s", "checkpoint_dir": "c"}),
-    "plan": ('[plan]\ngpus = 4\ngpu_memory = "40GB"\n[model]\nmodel_preset = "gpt2"\n', ["--gpus", "8"],
-             {"gpus": 8, "gpu_memory": "40GB", "model_preset": "gpt2"}),
-    "cluster": ('[cluster]\nhosts = 3\ncommand = ["true"]\n', ["--hosts", "4", "--", "false"],
-                {"hosts": 4}),
-    "plot": ('[plot]\nrun_dir = ["logs/a"]\nout = "x.png"\n', ["logs/b"], {"run_dir": ["logs/b"], "out": "x.png"}),
+    "train": (
+        '[train]\nbatch_size = 4\n[model]\nembed_size = 32\n',
+        ["--batch_size", "8"],
+        {"batch_size": 8, "embed_size": 32},
+    ),
+    "sample": (
+        '[source]\nsource = "ckpt"\n[generate]\nnum_tokens = 7\ntop_k = 3\n',
+        ["--top_k", "5"],
+        {"source": "ckpt", "num_tokens": 7, "top_k": 5},
+    ),
+    "evaluate": (
+        '[source]\nsource = "ckpt"\n[evaluate]\ntasks = ["a", "b"]\nbatch_size = 4\n',
+        ["--tasks", "c"],
+        {"tasks": ["c"], "batch_size": 4, "source": "ckpt"},
+    ),
+    "export": (
+        '[export]\ncheckpoint = "ckpt"\nout = "o"\nformat = "hf"\n',
+        ["ckpt2", "o2"],
+        {"checkpoint": "ckpt2", "out": "o2", "format": "hf"},
+    ),
+    "prepare": (
+        '[data]\ndataset = "text"\ninput_file = "a.txt"\n[prepare]\nnum_proc = 3\n',
+        ["--num_proc", "1"],
+        {"dataset": "text", "input_file": "a.txt", "num_proc": 1},
+    ),
+    "progress": (
+        '[launch]\nrun_name = "r"\n[checkpoint]\ncheckpoint_dir = "c"\n',
+        ["--run_name", "s"],
+        {"run_name": "s", "checkpoint_dir": "c"},
+    ),
+    "plan": (
+        '[plan]\ngpus = 4\ngpu_memory = "40GB"\n[model]\nmodel_preset = "gpt2"\n',
+        ["--gpus", "8"],
+        {"gpus": 8, "gpu_memory": "40GB", "model_preset": "gpt2"},
+    ),
+    "cluster": (
+        '[cluster]\nhosts = 3\ncommand = ["true"]\n',
+        ["--hosts", "4", "--", "false"],
+        {"hosts": 4},
+    ),
+    "plot": (
+        '[plot]\nrun_dir = ["logs/a"]\nout = "x.png"\n',
+        ["logs/b"],
+        {"run_dir": ["logs/b"], "out": "x.png"},
+    ),
 }
 
 
 def python(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
 
 
 def test_every_command_has_a_config_case():
@@ -56,17 +92,23 @@ def test_the_command_list_names_every_command_in_one_line_each():
 
 
 def test_every_help_shows_defaults_without_importing_torch():
-    """Each command's --help in a fresh interpreter: exit 0, every flag with a default shows it, no torch."""
-    probe = ("import sys, runpy\nsys.argv = ['minimal-fsdp', *sys.argv[1:]]\ntry:\n"
-             "    runpy.run_module('minimal_fsdp', run_name='__main__')\nexcept SystemExit as e:\n"
-             "    print('EXIT', e.code)\nprint('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
+    """Each command's --help in a fresh interpreter: exit 0, every flag with a default shows it, no
+    torch."""
+    probe = (
+        "import sys, runpy\nsys.argv = ['minimal-fsdp', *sys.argv[1:]]\ntry:\n"
+        "    runpy.run_module('minimal_fsdp', run_name='__main__')\nexcept SystemExit as e:\n"
+        "    print('EXIT', e.code)\nprint('TORCH' if 'torch' in sys.modules else 'NO TORCH')"
+    )
     for name, (flags, _, _) in COMMANDS.items():
         result = python("-c", probe, name, "--help")
         out = result.stdout
         assert out.rstrip().endswith("EXIT 0\nNO TORCH"), (name, out[-300:], result.stderr[-2000:])
         text = re.sub(r"-\s+", "-", " ".join(out.split()))  # argparse wraps lines at hyphens too
-        defaults = [f for f in dataclasses.fields(flags) if f.default is not None and f.name != "config"]
-        assert text.count("(default: ") >= len(defaults), name  # (a help text may say what unset means)
+        defaults = [
+            f for f in dataclasses.fields(flags) if f.default is not None and f.name != "config"
+        ]
+        # (a help text may say what unset means)
+        assert text.count("(default: ") >= len(defaults), name
         for f in defaults:
             shown = ("on" if f.default else "off") if f.type is bool else str(f.default)
             assert f"(default: {shown})" in text, (name, f.name)
@@ -82,14 +124,24 @@ def test_every_command_reads_config_and_the_command_line_overrides_it(tmp_path, 
     parsed = parse(flags, ["--config", "run.toml", *argv])
     assert {key: getattr(parsed, key) for key in expected} == expected
     alone = parse(flags, ["--config", "run.toml"] + (["x"] if name == "plot" else []))
-    assert {k for k in expected if getattr(alone, k) != expected[k]}, "the file alone gives other values"
+    assert {k for k in expected if getattr(alone, k) != expected[k]}, (
+        "the file alone gives other values"
+    )
 
 
 def test_a_runs_config_file_plans_that_run(monkeypatch):
-    """configs/llama2_7b_4gpu.toml sends you to the planner: its training keys are ignored, the shared ones read."""
-    plan = parse(commands.PlanFlags, ["--config", ROOT / "configs" / "llama2_7b_4gpu.toml", "--gpus", "4"])
-    assert (plan.model_preset, plan.precision, plan.batch_size, plan.grad_accum_steps, plan.compile) == (
-        "llama2-7b", "bf16", 2, 4, True)
+    """configs/llama2_7b_4gpu.toml sends you to the planner: its training keys are ignored, the
+    shared ones read."""
+    plan = parse(
+        commands.PlanFlags, ["--config", ROOT / "configs" / "llama2_7b_4gpu.toml", "--gpus", "4"]
+    )
+    assert (
+        plan.model_preset,
+        plan.precision,
+        plan.batch_size,
+        plan.grad_accum_steps,
+        plan.compile,
+    ) == ("llama2-7b", "bf16", 2, 4, True)
 
 
 def test_a_key_no_command_knows_is_refused(tmp_path):
@@ -107,6 +159,7 @@ def test_the_hardcoded_choices_are_the_modules():
     from minimal_fsdp.data.tokenizer import TOKENIZER_KINDS
     from minimal_fsdp.hf.export import DTYPES
     from minimal_fsdp.tools.step_time import CARDS
+
     assert commands.GPU_TYPES == tuple(CARDS) and commands.TOKENIZER_KINDS == TOKENIZER_KINDS
     assert commands.EXPORT_DTYPES == tuple(DTYPES)
 
@@ -120,7 +173,12 @@ def _one_line(path):
 def test_a_fifo_config_is_refused_in_one_line_without_hanging(tmp_path):
     os.mkfifo(tmp_path / "fifo.toml")
     code, lines = _one_line(tmp_path / "fifo.toml")  # the timeout only bounds a hang
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --config") and "not a regular" in lines[0]
+    assert (
+        code == 2
+        and len(lines) == 1
+        and lines[0].startswith("error: --config")
+        and "not a regular" in lines[0]
+    )
 
 
 def test_a_deeply_nested_config_is_refused_in_one_line(tmp_path):

@@ -6,15 +6,43 @@ import pytest
 
 import tokenizer_dirs
 from minimal_fsdp.data import tokenizer as tk
-from minimal_fsdp.data.tokenizer import (CharTokenizer, SentencePieceTokenizer, TokenizerError,
-                                    load_sentencepiece, load_tokenizer, train_tokenizer)
+from minimal_fsdp.data.tokenizer import (
+    CharTokenizer,
+    SentencePieceTokenizer,
+    TokenizerError,
+    load_sentencepiece,
+    load_tokenizer,
+    train_tokenizer,
+)
 
 
 def sample_text(n_lines=1500, seed=0):
     rng = random.Random(seed)
-    words = ["the", "king", "queen", "thou", "art", "my", "lord", "sweet", "night", "day",
-             "love", "death", "sword", "crown", "hath", "doth", "O", "Romeo,", "farewell!", "42"]
-    return "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 14))) for _ in range(n_lines))
+    words = [
+        "the",
+        "king",
+        "queen",
+        "thou",
+        "art",
+        "my",
+        "lord",
+        "sweet",
+        "night",
+        "day",
+        "love",
+        "death",
+        "sword",
+        "crown",
+        "hath",
+        "doth",
+        "O",
+        "Romeo,",
+        "farewell!",
+        "42",
+    ]
+    return "\n".join(
+        " ".join(rng.choice(words) for _ in range(rng.randint(3, 14))) for _ in range(n_lines)
+    )
 
 
 def test_char_round_trip(tmp_path):
@@ -25,7 +53,11 @@ def test_char_round_trip(tmp_path):
     ids = tok.encode(text)
     assert tok.decode(ids) == text
     meta = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
-    assert meta["kind"] == "char" and meta["vocab_size"] == tok.vocab_size and meta["chars"] == tok.chars
+    assert (
+        meta["kind"] == "char"
+        and meta["vocab_size"] == tok.vocab_size
+        and meta["chars"] == tok.chars
+    )
     again = load_tokenizer(tmp_path)
     assert isinstance(again, CharTokenizer) and again.encode(text) == ids
 
@@ -90,17 +122,20 @@ def test_load_tokenizer_missing(tmp_path):
 
 def _forget_loaded_encodings(monkeypatch):
     import tiktoken.registry
+
     monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
 
 
 def test_gpt2_offline_error(tmp_path, monkeypatch):
     # empty cache + every download failing at once: must raise TokenizerError quickly, not hang
     import tiktoken.load
+
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     _forget_loaded_encodings(monkeypatch)
 
     def offline(*a, **k):
         raise OSError("network is unreachable (simulated)")
+
     monkeypatch.setattr(tk.urllib.request, "urlopen", offline)
     monkeypatch.setattr(tiktoken.load, "read_file", offline)
     with pytest.raises(TokenizerError, match="--tokenizer gpt2") as e:
@@ -112,12 +147,14 @@ def test_gpt2_offline_error(tmp_path, monkeypatch):
 def test_gpt2_download_error_after_probe(tmp_path, monkeypatch):
     # the host answers the probe but tiktoken's own download still fails
     import tiktoken.load
+
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     _forget_loaded_encodings(monkeypatch)
     monkeypatch.setattr(tk, "reachable", lambda url, timeout=5.0: True)
 
     def broken(*a, **k):
         raise ConnectionError("simulated")
+
     monkeypatch.setattr(tiktoken.load, "read_file", broken)
     with pytest.raises(TokenizerError, match="--tokenizer gpt2"):
         tk.GPT2Tokenizer()
@@ -136,10 +173,16 @@ def test_gpt2_round_trip(tmp_path):
 
 
 def test_gpt2_wrapper_with_stub_encoding(tmp_path, monkeypatch):
-    # no real gpt2 files offline: check our wrapper (ordinary encode, save/load) on a byte-level stand-in
+    # no real gpt2 files offline: check our wrapper (ordinary encode, save/load) on a byte-level
+    # stand-in
     import tiktoken
-    stub = tiktoken.Encoding(name="stub", pat_str=r"\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
-                             special_tokens={"<|endoftext|>": 256})
+
+    stub = tiktoken.Encoding(
+        name="stub",
+        pat_str=r"\S+|\s+",
+        mergeable_ranks={bytes([i]): i for i in range(256)},
+        special_tokens={"<|endoftext|>": 256},
+    )
     monkeypatch.setattr(tk, "gpt2_cached", lambda: True)
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: stub)
     tok = train_tokenizer("gpt2", "ignored", None, tmp_path)
@@ -147,12 +190,17 @@ def test_gpt2_wrapper_with_stub_encoding(tmp_path, monkeypatch):
     text = "héllo <|endoftext|> world"
     ids = tok.encode(text)
     assert 256 not in ids and tok.decode(ids) == text
-    assert json.loads((tmp_path / "tokenizer.json").read_text()) == {"kind": "gpt2", "vocab_size": 257}
+    assert json.loads((tmp_path / "tokenizer.json").read_text()) == {
+        "kind": "gpt2",
+        "vocab_size": 257,
+    }
     assert load_tokenizer(tmp_path).encode(text) == ids
 
 
 # -----------------------------------------------------------------------------
-# a Hugging Face directory's own tokenizer, offline: each kind loads, and encodes as transformers does
+# a Hugging Face directory's own tokenizer, offline: each kind loads, and encodes as transformers
+# does
+
 
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
@@ -190,7 +238,9 @@ def test_vocab_json_and_merges_txt(tmp_path, offline):
     (directory / "config.json").write_text(json.dumps({"model_type": "gpt2", "eos_token_id": 0}))
     tok = load_tokenizer(directory)
     assert tok.kind == "hf" and tok.eot_id == 0  # <|endoftext|>, id 0 in this vocabulary
-    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "GPT2Tokenizer"})
+    )
     assert_encodes_like(tok, auto_tokenizer(directory), tokenizer_dirs.MIXED)
 
 
@@ -198,23 +248,33 @@ def test_sentencepiece_tokenizer_model(tmp_path, offline):
     directory = tokenizer_dirs.write_sentencepiece(tmp_path / "llama2")
     tok = load_tokenizer(directory)
     assert isinstance(tok, SentencePieceTokenizer) and tok.eot_id == 2 and tok.bos_id == 1
-    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
-    # transformers' (non-legacy) Llama tokenizer drops sentencepiece's dummy-prefix "▁" before a leading
-    # space; on text that starts with a letter the two agree
-    assert_encodes_like(tok, auto_tokenizer(directory), [t for t in tokenizer_dirs.MIXED if not t[0].isspace()])
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "LlamaTokenizer"})
+    )
+    # transformers' (non-legacy) Llama tokenizer drops sentencepiece's dummy-prefix "▁" before a
+    # leading space; on text that starts with a letter the two agree
+    assert_encodes_like(
+        tok, auto_tokenizer(directory), [t for t in tokenizer_dirs.MIXED if not t[0].isspace()]
+    )
 
 
 def test_llama3_tiktoken_tokenizer_model(tmp_path, offline):
     directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
     tok = load_tokenizer(directory)
-    assert tok.kind == "tiktoken" and tok.vocab_size == num_ranks + 256  # Meta's 256 special tokens follow
-    assert tok.bos_id == num_ranks and tok.eot_id == num_ranks + 1  # <|begin_of_text|>, <|end_of_text|>
+    # Meta's 256 special tokens follow
+    assert tok.kind == "tiktoken" and tok.vocab_size == num_ranks + 256
+    # <|begin_of_text|>, <|end_of_text|>
+    assert tok.bos_id == num_ranks and tok.eot_id == num_ranks + 1
     assert tok.decode([num_ranks + 9]) == "<|eot_id|>"
     # transformers converts a tiktoken file itself when told to build a fast tokenizer from it
-    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
+    )
     assert_encodes_like(tok, auto_tokenizer(directory), tokenizer_dirs.MIXED)
     # config.json's ids name the special tokens, as a Llama 3 checkpoint's do
-    (directory / "config.json").write_text(json.dumps({"eos_token_id": num_ranks + 9, "bos_token_id": num_ranks}))
+    (directory / "config.json").write_text(
+        json.dumps({"eos_token_id": num_ranks + 9, "bos_token_id": num_ranks})
+    )
     (directory / "tokenizer_config.json").unlink()
     assert load_tokenizer(directory).eot_id == num_ranks + 9
 
@@ -230,8 +290,13 @@ def test_directory_tokenizers_save_and_load_as_json(tmp_path, offline, monkeypat
     assert json.loads((tmp_path / "saved" / "tokenizer.json").read_text())["kind"] == kind
     monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("pickle.load called"))
     again = load_tokenizer(tmp_path / "saved")
-    assert (again.kind, again.vocab_size, again.eot_id, again.bos_id, again.label) == \
-        (tok.kind, tok.vocab_size, tok.eot_id, tok.bos_id, tok.label)
+    assert (again.kind, again.vocab_size, again.eot_id, again.bos_id, again.label) == (
+        tok.kind,
+        tok.vocab_size,
+        tok.eot_id,
+        tok.bos_id,
+        tok.label,
+    )
     assert all(again.encode(t) == tok.encode(t) for t in tokenizer_dirs.MIXED)
 
 
@@ -246,12 +311,18 @@ def test_a_directory_without_a_tokenizer_or_with_a_bad_one(tmp_path, offline):
 # -----------------------------------------------------------------------------
 # --tokenizer_dir: a directory's tokenizer for a fresh model, and for `minimal-fsdp prepare`
 
+
 def test_tokenizer_dir_flag_rules():
     from minimal_fsdp.config.flags import ConfigError, parse_args
+
     assert parse_args(["--tokenizer_dir", "some/dir"]).tokenizer_dir == "some/dir"
-    with pytest.raises(ConfigError, match="--tokenizer_dir replaces --tokenizer: drop --tokenizer gpt2"):
+    with pytest.raises(
+        ConfigError, match="--tokenizer_dir replaces --tokenizer: drop --tokenizer gpt2"
+    ):
         parse_args(["--tokenizer_dir", "some/dir", "--tokenizer", "gpt2"])
-    with pytest.raises(ConfigError, match="prepared --dataset_path carries its own tokenizer: drop --tokenizer_dir"):
+    with pytest.raises(
+        ConfigError, match="prepared --dataset_path carries its own tokenizer: drop --tokenizer_dir"
+    ):
         parse_args(["--tokenizer_dir", "some/dir", "--dataset_path", "data/x"])
 
 
@@ -261,51 +332,109 @@ def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
     from minimal_fsdp.checkpoint import find as checkpoint_find
     from minimal_fsdp.checkpoint import meta as checkpoint_meta
     from minimal_fsdp.data.tokens import TokenData
+
     directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
-    offline = {"HF_HUB_OFFLINE": "1", "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache"),
-               "HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
-    launch(["--tokenizer_dir", directory, "--dataset", "text", "--input_file", corpus, *TINY_MODEL, "--model", "llama",
-            "--num_kv_heads", 1, "--max_steps", 2, "--eval_interval", 0], ranks=2, cwd=tmp_path, env=offline)
+    offline = {
+        "HF_HUB_OFFLINE": "1",
+        "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache"),
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "https_proxy": "http://127.0.0.1:9",
+    }
+    launch(
+        [
+            "--tokenizer_dir",
+            directory,
+            "--dataset",
+            "text",
+            "--input_file",
+            corpus,
+            *TINY_MODEL,
+            "--model",
+            "llama",
+            "--num_kv_heads",
+            1,
+            "--max_steps",
+            2,
+            "--eval_interval",
+            0,
+        ],
+        ranks=2,
+        cwd=tmp_path,
+        env=offline,
+    )
     tokenizer = load_tokenizer(directory)
-    data = TokenData(tmp_path / "data" / "corpus" / tokenizer.label)  # named by the tokenizer's files
+    # named by the tokenizer's files
+    data = TokenData(tmp_path / "data" / "corpus" / tokenizer.label)
     text = corpus.read_text()
-    assert data.tokenizer.kind == "tiktoken" and data.splits["train"][:500].tolist() == tokenizer.encode(text)[:500]
+    assert (
+        data.tokenizer.kind == "tiktoken"
+        and data.splits["train"][:500].tolist() == tokenizer.encode(text)[:500]
+    )
     saved = checkpoint_find.latest(tmp_path / "checkpoints" / "corpus")
-    assert checkpoint_meta.read_meta(saved)["model"]["vocab_size"] == num_ranks + 256  # the tokenizer's vocabulary
-    assert load_tokenizer(saved).encode(text[:1000]) == tokenizer.encode(text[:1000])  # the checkpoint carries it
+    # the tokenizer's vocabulary
+    assert checkpoint_meta.read_meta(saved)["model"]["vocab_size"] == num_ranks + 256
+    # the checkpoint carries it
+    assert load_tokenizer(saved).encode(text[:1000]) == tokenizer.encode(text[:1000])
 
 
 def test_prepare_with_a_tokenizer_dir(tmp_path, offline):
     from minimal_fsdp.data import prepare
     from minimal_fsdp.data.tokens import TokenData
     from minimal_fsdp.data.documents import encode_document, is_val
+
     directory = tokenizer_dirs.write_tokenizer_json(tmp_path / "hf")
     tokenizer = load_tokenizer(directory)
-    documents = [sample_text(20, seed=i) + f"\ndocument {i} \u00e9\u00e8 \U0001F600" for i in range(40)]
+    documents = [
+        sample_text(20, seed=i) + f"\ndocument {i} \u00e9\u00e8 \U0001f600" for i in range(40)
+    ]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
-    out = prepare.main(["--dataset", "text", "--input_file", str(tmp_path / "docs.jsonl"), "--tokenizer_dir",
-                        str(directory), "--data_dir", str(tmp_path / "data"), "--num_proc", "2"])
+    out = prepare.main(
+        [
+            "--dataset",
+            "text",
+            "--input_file",
+            str(tmp_path / "docs.jsonl"),
+            "--tokenizer_dir",
+            str(directory),
+            "--data_dir",
+            str(tmp_path / "data"),
+            "--num_proc",
+            "2",
+        ]
+    )
     assert out == tmp_path / "data" / "docs" / tokenizer.label
     data = TokenData(out)  # the workers tokenized with the tokenizer saved there
-    expected = [t for i, d in enumerate(documents) if not is_val(i, 1337, 0.1) for t in encode_document(tokenizer, d)]
+    expected = [
+        t
+        for i, d in enumerate(documents)
+        if not is_val(i, 1337, 0.1)
+        for t in encode_document(tokenizer, d)
+    ]
     assert data.splits["train"].tolist() == expected and tokenizer.eot_id in expected
 
 
-@pytest.mark.parametrize("vocab_size,fix", [(300, r"use --vocab_size \d+ or more"),
-                                            (100_000, "use a smaller --vocab_size, or more text")])
+@pytest.mark.parametrize(
+    "vocab_size,fix",
+    [(300, r"use --vocab_size \d+ or more"), (100_000, "use a smaller --vocab_size, or more text")],
+)
 def test_sentencepiece_vocabulary_errors_say_which_way_to_go(vocab_size, fix):
     text = "".join(f"{chr(0x100 + i)} the king and the queen, line {i}\n" for i in range(400))
     with pytest.raises(tk.TokenizerError, match=fix) as raised:
         tk.train_tokenizer("sentencepiece", text, vocab_size, None)
-    assert ("or more text" in str(raised.value)) == (vocab_size > 1000)  # never both directions at once
+    # never both directions at once
+    assert ("or more text" in str(raised.value)) == (vocab_size > 1000)
 
 
 def test_sentencepiece_learns_from_lines_longer_than_its_limit(tmp_path):
-    """sentencepiece's trainer skips lines over 4192 bytes; a text of long lines (one document a line) used to
-    leave it nothing ("!sentences_.empty()") at every --vocab_size. Long lines are cut into pieces first."""
+    """sentencepiece's trainer skips lines over 4192 bytes; a text of long lines (one document a
+    line) used to leave it nothing ("!sentences_.empty()") at every --vocab_size. Long lines are cut
+    into pieces first."""
     from minimal_fsdp.data import tokenizer
+
     long_lines = "\n".join(sample_text(2_000).replace("\n", " ") + f" line {i} é" for i in range(5))
-    assert min(len(line.encode()) for line in long_lines.splitlines()) > tokenizer.MAX_SENTENCE_BYTES
+    assert (
+        min(len(line.encode()) for line in long_lines.splitlines()) > tokenizer.MAX_SENTENCE_BYTES
+    )
     tok = train_tokenizer("sentencepiece", long_lines, 300, tmp_path)
     assert tok.vocab_size == 300 and tok.decode(tok.encode(long_lines)) == long_lines
     pieces = list(tokenizer._sentences(long_lines))
@@ -316,55 +445,95 @@ def test_sentencepiece_learns_from_lines_longer_than_its_limit(tmp_path):
 # -----------------------------------------------------------------------------
 # bad or unusual tokenizer files: one line, and decoding as transformers decodes
 
+
 def test_char_encoding_names_every_missing_character():
     """A prompt with several characters the vocabulary lacks names them all, not the first alone."""
     tok = CharTokenizer("abc ")
     with pytest.raises(TokenizerError) as error:
         tok.encode("a bzQz\u00e9x")
     message = str(error.value)
-    assert message.startswith("4 characters 'Q' (U+0051), 'x' (U+0078), 'z' (U+007A), '\u00e9' (U+00E9) are not in")
+    assert message.startswith(
+        "4 characters 'Q' (U+0051), 'x' (U+0078), 'z' (U+007A), '\u00e9' (U+00E9) are not in"
+    )
     assert "\n" not in message
 
 
 def bpe_json(**model):
-    """A tiny tokenizer.json with a BPE model: vocabulary a, b, ab and one merge, changed by `model`."""
-    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-            "pre_tokenizer": None, "post_processor": None, "decoder": None,
-            "model": dict({"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                           "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]}, **model)}
+    """A tiny tokenizer.json with a BPE model: vocabulary a, b, ab and one merge, changed by
+    `model`."""
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": None,
+        "post_processor": None,
+        "decoder": None,
+        "model": dict(
+            {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "vocab": {"a": 0, "b": 1, "ab": 2},
+                "merges": ["a b"],
+            },
+            **model,
+        ),
+    }
 
 
-@pytest.mark.parametrize("model, named", [
-    ({"merges": ["a b", "x y"]}, "Token `x` out of vocabulary"),  # merges naming tokens the vocabulary lacks
-    ({"continuing_subword_prefix": "##", "end_of_word_suffix": "</w>"}, "PanicException"),  # the library panics
-])
+@pytest.mark.parametrize(
+    "model, named",
+    [
+        # merges naming tokens the vocabulary lacks
+        ({"merges": ["a b", "x y"]}, "Token `x` out of vocabulary"),
+        # the library panics
+        ({"continuing_subword_prefix": "##", "end_of_word_suffix": "</w>"}, "PanicException"),
+    ],
+)
 def test_a_tokenizer_json_the_library_cannot_run_is_one_line(tmp_path, offline, model, named):
     (tmp_path / "tokenizer.json").write_text(json.dumps(bpe_json(**model)))
     with pytest.raises(TokenizerError) as error:
-        load_tokenizer(tmp_path)  # at load, alike on every rank: not at the prompt, nor mid-training
+        # at load, alike on every rank: not at the prompt, nor mid-training
+        load_tokenizer(tmp_path)
     assert named in str(error.value) and "\n" not in str(error.value)
 
 
 def test_merges_txt_naming_tokens_the_vocabulary_lacks_is_one_line(tmp_path, offline):
     (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 2}))
     (tmp_path / "merges.txt").write_text("#version: 0.2\na b\nb a\n")
-    with pytest.raises(TokenizerError, match="cannot read .*vocab.json and merges.txt .*`ba` out of vocabulary"):
+    with pytest.raises(
+        TokenizerError, match="cannot read .*vocab.json and merges.txt .*`ba` out of vocabulary"
+    ):
         load_tokenizer(tmp_path)
 
 
 @pytest.mark.parametrize("layout", ["tokenizer.json", "vocab.json + merges.txt"])
 def test_decoding_special_tokens_is_transformers_decoding(tmp_path, offline, layout):
-    """Ids with special tokens among them (an end of text mid-sample) decode as transformers decodes them: the
-    special token's text kept where it stands."""
+    """Ids with special tokens among them (an end of text mid-sample) decode as transformers decodes
+    them: the special token's text kept where it stands."""
     if layout == "tokenizer.json":
         directory = tokenizer_dirs.write_tokenizer_json(tmp_path / "hf")
     else:
         directory = tokenizer_dirs.write_vocab_merges(tmp_path / "hf")
-        (directory / "config.json").write_text(json.dumps({"model_type": "gpt2", "eos_token_id": 0}))
-        (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer",
-                                                                     "eos_token": "<|endoftext|>"}))
+        (directory / "config.json").write_text(
+            json.dumps({"model_type": "gpt2", "eos_token_id": 0})
+        )
+        (directory / "tokenizer_config.json").write_text(
+            json.dumps({"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"})
+        )
     ours, theirs = load_tokenizer(directory), auto_tokenizer(directory)
     assert ours.eot_id is not None
-    ids = [*ours.encode("the king"), ours.eot_id, *ours.encode(" ROMEO:\n"), ours.eot_id, ours.eot_id]
+    ids = [
+        *ours.encode("the king"),
+        ours.eot_id,
+        *ours.encode(" ROMEO:\n"),
+        ours.eot_id,
+        ours.eot_id,
+    ]
     assert ours.decode(ids) == theirs.decode(ids) and ours.decode(ids).count("<|endoftext|>") == 3

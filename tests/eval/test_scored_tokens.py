@@ -1,7 +1,9 @@
-"""What the lm-eval backend scores for a (context, continuation) request: the continuation's tokens and no
-others, their log-probabilities summed. Checked in this process on a tiny model, through the harness's own
-loglikelihood entry (the path a task's requests take), against the model's full logits summed here; only the
-comparison with lm_eval's hf backend (test_evaluate.py, a launch) saw a context scored too."""
+"""What the lm-eval backend scores for a (context, continuation) request: the continuation's tokens
+and no others, their log-probabilities summed. Checked in this process on a tiny model, through the
+harness's own loglikelihood entry (the path a task's requests take), against the model's full logits
+summed here; only the comparison with lm_eval's hf backend (test_evaluate.py, a launch) saw a
+context scored too."""
+
 import pytest
 import torch
 
@@ -9,7 +11,12 @@ from minimal_fsdp.data.tokenizer import CharTokenizer
 
 lm_eval = pytest.importorskip("lm_eval")
 
-REQUESTS = [("the king said", " yes."), ("a lady", ", good night"), ("x", "yz"), ("thee", " sweet king")]
+REQUESTS = [
+    ("the king said", " yes."),
+    ("a lady", ", good night"),
+    ("x", "yz"),
+    ("thee", " sweet king"),
+]
 
 
 def test_only_the_continuation_is_scored_and_summed(one_rank_group, monkeypatch):
@@ -20,12 +27,23 @@ def test_only_the_continuation_is_scored_and_summed(one_rank_group, monkeypatch)
 
     tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.\n")
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, seq_length=32, num_layers=2, num_heads=2,
-                          embed_size=16, dropout=0.0))
+    model = GPT(
+        GPTConfig(
+            vocab_size=tokenizer.vocab_size,
+            seq_length=32,
+            num_layers=2,
+            num_heads=2,
+            embed_size=16,
+            dropout=0.0,
+        )
+    )
     scored = []  # how many positions each forward call projects onto the vocabulary
     scores = eval_lm.token_scores
-    monkeypatch.setattr(eval_lm, "token_scores", lambda x, weight, targets:
-                        scored.append(len(targets[0])) or scores(x, weight, targets))
+    monkeypatch.setattr(
+        eval_lm,
+        "token_scores",
+        lambda x, weight, targets: scored.append(len(targets[0])) or scores(x, weight, targets),
+    )
     lm = eval_lm.ShardedLM(model, tokenizer, torch.device("cpu"), batch_size=1)
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(REQUESTS)]
     got = lm.loglikelihood(requests, disable_tqdm=True)
@@ -36,6 +54,7 @@ def test_only_the_continuation_is_scored_and_summed(one_rank_group, monkeypatch)
             tokens = tokenizer.encode(context + continuation)
             logits = model.trunk(torch.tensor([tokens[:-1]])) @ model.wte.weight.T
             picked = logits[0].log_softmax(-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
-            assert logprob == pytest.approx(picked[-len(continuation):].sum().item(), rel=1e-5)
-            if len(context) > 1:  # the context's positions would change the sum: the check tells them apart
+            assert logprob == pytest.approx(picked[-len(continuation) :].sum().item(), rel=1e-5)
+            # the context's positions would change the sum: the check tells them apart
+            if len(context) > 1:
                 assert picked.sum().item() != pytest.approx(logprob, rel=1e-3)

@@ -1,6 +1,8 @@
-"""export.py: a 2-rank sharded checkpoint -> one safetensors file whose tensors equal the checkpoint's, as
-torch's own DCP converter reads them; --format hf -> what transformers' AutoModelForCausalLM and AutoTokenizer
-read, with our logits and our token ids, in the dtype its config names. Files get ordinary permissions."""
+"""export.py: a 2-rank sharded checkpoint -> one safetensors file whose tensors equal the
+checkpoint's, as torch's own DCP converter reads them; --format hf -> what transformers'
+AutoModelForCausalLM and AutoTokenizer read, with our logits and our token ids, in the dtype its
+config names. Files get ordinary permissions."""
+
 import json
 import os
 
@@ -31,8 +33,21 @@ def assert_ordinary_permissions(directory):
 def ckpt(tmp_path_factory):
     work = tmp_path_factory.mktemp("export")
     (work / "corpus.txt").write_text(make_text())
-    launch(["--dataset", "text", "--input_file", "corpus.txt", *TINY_MODEL, "--max_steps", 2, "--eval_interval", 0],
-           ranks=2, cwd=work)
+    launch(
+        [
+            "--dataset",
+            "text",
+            "--input_file",
+            "corpus.txt",
+            *TINY_MODEL,
+            "--max_steps",
+            2,
+            "--eval_interval",
+            0,
+        ],
+        ranks=2,
+        cwd=work,
+    )
     return work / "checkpoints" / "corpus"
 
 
@@ -50,7 +65,8 @@ def test_export_round_trip(ckpt, tmp_path):
     config = GPTConfig(**json.loads((tmp_path / "out" / "config.json").read_text()))
     model = GPT(config)
     model.load_state_dict(exported)  # the files are enough to rebuild the model for inference
-    assert load_tokenizer(tmp_path / "out").chars == load_tokenizer(step).chars  # the checkpoint's tokenizer
+    # the checkpoint's tokenizer
+    assert load_tokenizer(tmp_path / "out").chars == load_tokenizer(step).chars
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         assert f.metadata()["model_type"] == "gpt"  # what minimal-fsdp sample rebuilds
     assert_ordinary_permissions(tmp_path / "out")
@@ -60,7 +76,10 @@ def test_export_casts_to_bf16(ckpt, tmp_path):
     export.main([str(ckpt / "latest"), str(tmp_path / "out"), "--dtype", "bf16"])
     exported = load_file(tmp_path / "out" / "model.safetensors")
     full = safe_load.load_full_model_state(checkpoint_find.latest(ckpt))
-    assert all(exported[k].dtype == torch.bfloat16 and torch.equal(exported[k], v.bfloat16()) for k, v in full.items())
+    assert all(
+        exported[k].dtype == torch.bfloat16 and torch.equal(exported[k], v.bfloat16())
+        for k, v in full.items()
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bf16"])
@@ -71,10 +90,14 @@ def test_hf_format_loads_in_transformers_with_the_same_logits_and_tokens(ckpt, t
     meta = checkpoint_meta.read_meta(step)
     ours = GPT(GPTConfig(**meta["model"])).eval()
     state = safe_load.load_full_model_state(step)
-    ours.load_state_dict({k: v.bfloat16().float() for k, v in state.items()} if dtype == "bf16" else state)
+    ours.load_state_dict(
+        {k: v.bfloat16().float() for k, v in state.items()} if dtype == "bf16" else state
+    )
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["dtype"] == {"float32": "float32", "bf16": "bfloat16"}[dtype]
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32
+    ).eval()
     idx = torch.randint(0, meta["model"]["vocab_size"], (2, 16))
     with torch.no_grad():
         expected = ours(idx)  # logits of the last position
@@ -94,5 +117,8 @@ def test_bad_checkpoint_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         export.main([str(tmp_path / "missing"), str(tmp_path / "out")])
     assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'missing'} is not a complete checkpoint: " \
-                                              f"{tmp_path / 'missing'}: no such directory"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: {tmp_path / 'missing'} is not a complete checkpoint: "
+        f"{tmp_path / 'missing'}: no such directory"
+    )

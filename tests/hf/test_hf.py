@@ -1,11 +1,13 @@
-"""hf.py, reading a Hugging Face model, with transformers as the reference wherever it has an answer: tiny random
-GPT2LMHeadModel / LlamaForCausalLM built locally (no network) and imported into our models with the same logits
-(fp32, max abs diff < 1e-4); the name map and which tensors GPT-2 stores transposed (against transformers' own
-parameters); the weight files in every form (.safetensors, sharded with an index, .bin saved on a GPU,
-memory-mapped, never unpickling code) and load_weights' shape checks; the rows each rank of an FSDP2 mesh reads
-(torch's fake process group: several ranks' shards in one process); the directory's tokenizer. The directory's
-config.json and resolve are test_hf_config.py's; writing one, test_hf_write.py's; tokenizer.json,
+"""hf.py, reading a Hugging Face model, with transformers as the reference wherever it has an
+answer: tiny random GPT2LMHeadModel / LlamaForCausalLM built locally (no network) and imported into
+our models with the same logits (fp32, max abs diff < 1e-4); the name map and which tensors GPT-2
+stores transposed (against transformers' own parameters); the weight files in every form
+(.safetensors, sharded with an index, .bin saved on a GPU, memory-mapped, never unpickling code) and
+load_weights' shape checks; the rows each rank of an FSDP2 mesh reads (torch's fake process group:
+several ranks' shards in one process); the directory's tokenizer. The directory's config.json and
+resolve are test_hf_config.py's; writing one, test_hf_write.py's; tokenizer.json,
 test_hf_tokenizer.py's; --hf_model on 2 ranks, test_hf_runs.py's."""
+
 import json
 import os
 import shutil
@@ -22,8 +24,20 @@ from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.models.families import MODELS
-from support import (HF_GPT as GPT, HF_LLAMA as LLAMA, LLAMA3_ROPE, assert_same_logits, bare,
-                     gpt2_config, hf_gpt2, hf_llama, llama_config, ours, ours_from, save_config)
+from support import (
+    HF_GPT as GPT,
+    HF_LLAMA as LLAMA,
+    LLAMA3_ROPE,
+    assert_same_logits,
+    bare,
+    gpt2_config,
+    hf_gpt2,
+    hf_llama,
+    llama_config,
+    ours,
+    ours_from,
+    save_config,
+)
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -32,30 +46,42 @@ transformers.logging.set_verbosity_error()
 # -----------------------------------------------------------------------------
 # names
 
+
 @pytest.mark.parametrize("model_type", ["gpt", "llama"])
 def test_names_map_every_parameter_onto_transformers_own(model_type):
-    theirs = (transformers.GPT2LMHeadModel(gpt2_config()) if model_type == "gpt"
-              else transformers.LlamaForCausalLM(llama_config()))
+    theirs = (
+        transformers.GPT2LMHeadModel(gpt2_config())
+        if model_type == "gpt"
+        else transformers.LlamaForCausalLM(llama_config())
+    )
     model = ours(model_type)
     names = hf.hf_names(model_type, model.config)
     assert sorted(names) == sorted(name for name, _ in model.named_parameters())
     their_shapes = {name: tuple(p.shape) for name, p in theirs.named_parameters()}
-    if model_type == "gpt":  # GPT-2's lm_head is the tied embedding: transformers lists it once, as wte
+    # GPT-2's lm_head is the tied embedding: transformers lists it once, as wte
+    if model_type == "gpt":
         assert "lm_head.weight" not in names
     assert set(names.values()) == set(their_shapes)
     for name, param in model.named_parameters():
         theirs_name = names[name]
-        expected = their_shapes[theirs_name][::-1] if hf.is_transposed(theirs_name) else their_shapes[theirs_name]
+        expected = (
+            their_shapes[theirs_name][::-1]
+            if hf.is_transposed(theirs_name)
+            else their_shapes[theirs_name]
+        )
         assert tuple(param.shape) == expected, name
 
 
 def test_transposed_are_exactly_gpt2s_conv1d_weights():
     from transformers.pytorch_utils import Conv1D
+
     theirs = transformers.GPT2LMHeadModel(gpt2_config())
     modules = dict(theirs.named_modules())
     for name, _ in theirs.named_parameters():
         module, _, kind = name.rpartition(".")
-        assert hf.is_transposed(name) == (isinstance(modules[module], Conv1D) and kind == "weight"), name
+        assert hf.is_transposed(name) == (
+            isinstance(modules[module], Conv1D) and kind == "weight"
+        ), name
     assert any(hf.is_transposed(name) for name, _ in theirs.named_parameters())
     for name, _ in transformers.LlamaForCausalLM(llama_config()).named_parameters():
         assert not hf.is_transposed(name), name
@@ -64,10 +90,13 @@ def test_transposed_are_exactly_gpt2s_conv1d_weights():
 # -----------------------------------------------------------------------------
 # in
 
+
 def test_gpt2_import(tmp_path):
     theirs = hf_gpt2(tmp_path)
     ours = ours_from(tmp_path)
-    assert ours.config == GPTConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=4, embed_size=32)
+    assert ours.config == GPTConfig(
+        vocab_size=53, seq_length=24, num_layers=2, num_heads=4, embed_size=32
+    )
     assert_same_logits(ours, theirs, 53, 24)
 
 
@@ -80,14 +109,19 @@ def test_gpt2_import_with_a_shorter_context_keeps_the_first_positions(tmp_path):
 
 @pytest.mark.parametrize("variant", ["gqa", "llama3-rope", "tied-embeddings"])
 def test_llama_import(tmp_path, variant):
-    kw = {"gqa": {}, "llama3-rope": {"rope_parameters": LLAMA3_ROPE},
-          "tied-embeddings": {"tie_word_embeddings": True, "num_key_value_heads": 6}}[variant]
+    kw = {
+        "gqa": {},
+        "llama3-rope": {"rope_parameters": LLAMA3_ROPE},
+        "tied-embeddings": {"tie_word_embeddings": True, "num_key_value_heads": 6},
+    }[variant]
     theirs = hf_llama(tmp_path, **kw)
     ours = ours_from(tmp_path)
     assert_same_logits(ours, theirs, 53, 24)
     if variant == "llama3-rope":  # the scaling is applied, and it matters at these lengths
         assert ours.config.rope_scaling["factor"] == 8.0 and ours.config.rope_theta == 500000.0
-        plain = MODELS["llama"](LlamaConfig(**dict(ours.config.to_dict(), rope_scaling=None))).eval()
+        plain = MODELS["llama"](
+            LlamaConfig(**dict(ours.config.to_dict(), rope_scaling=None))
+        ).eval()
         plain.load_state_dict(ours.state_dict())
         with pytest.raises(AssertionError):
             assert_same_logits(plain, theirs, 53, 24)
@@ -134,9 +168,12 @@ def test_hub_name_offline_or_without_huggingface_hub(tmp_path, monkeypatch):
 # -----------------------------------------------------------------------------
 # reading the weights
 
+
 def write_state(directory, state, form):
-    """A state dict saved as a Hugging Face directory holds it: one file or an index of shards, either format."""
+    """A state dict saved as a Hugging Face directory holds it: one file or an index of shards,
+    either format."""
     from safetensors.torch import save_file
+
     directory.mkdir(parents=True, exist_ok=True)
     names = list(state)
     if form == "safetensors":
@@ -146,21 +183,31 @@ def write_state(directory, state, form):
     elif form == "old bin":  # torch < 1.6's format, which cannot be memory-mapped
         torch.save(state, directory / "pytorch_model.bin", _use_new_zipfile_serialization=False)
     else:
-        parts = [names[:len(names) // 2], names[len(names) // 2:]]
+        parts = [names[: len(names) // 2], names[len(names) // 2 :]]
         ext = "safetensors" if form == "sharded safetensors" else "bin"
         prefix = "model" if ext == "safetensors" else "pytorch_model"
         weight_map = {}
         for i, part in enumerate(parts, 1):
             file = f"{prefix}-{i:05d}-of-00002.{ext}"
-            (save_file if ext == "safetensors" else torch.save)({n: state[n] for n in part}, directory / file)
+            (save_file if ext == "safetensors" else torch.save)(
+                {n: state[n] for n in part}, directory / file
+            )
             weight_map.update({n: file for n in part})
-        (directory / f"{prefix}.{ext}.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        (directory / f"{prefix}.{ext}.index.json").write_text(
+            json.dumps({"weight_map": weight_map})
+        )
     return directory
 
 
-@pytest.mark.parametrize("form", ["safetensors", "bin", "old bin", "sharded safetensors", "sharded bin"])
+@pytest.mark.parametrize(
+    "form", ["safetensors", "bin", "old bin", "sharded safetensors", "sharded bin"]
+)
 def test_checkpoint_files_read_rows_and_shapes_in_every_form(tmp_path, form):
-    state = {"a": torch.arange(12.).reshape(3, 4), "b": torch.arange(5.), "c": torch.arange(6.).reshape(2, 3)}
+    state = {
+        "a": torch.arange(12.0).reshape(3, 4),
+        "b": torch.arange(5.0),
+        "c": torch.arange(6.0).reshape(2, 3),
+    }
     files = hf.CheckpointFiles(write_state(tmp_path, state, form))
     assert all(name in files for name in state) and "d" not in files
     assert [files.shape(n) for n in state] == [(3, 4), (5,), (2, 3)]
@@ -172,43 +219,51 @@ def test_checkpoint_files_read_rows_and_shapes_in_every_form(tmp_path, form):
 
 def test_checkpoint_files_prefer_safetensors_and_an_index(tmp_path):
     state = {"a": torch.ones(2)}
-    write_state(tmp_path, {"a": torch.full((2,), 3.)}, "bin")
-    write_state(tmp_path, {"a": torch.full((2,), 2.)}, "sharded bin")
+    write_state(tmp_path, {"a": torch.full((2,), 3.0)}, "bin")
+    write_state(tmp_path, {"a": torch.full((2,), 2.0)}, "sharded bin")
     write_state(tmp_path, state, "safetensors")
     assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.ones(2))
     write_state(tmp_path, {"a": torch.zeros(2)}, "sharded safetensors")
     assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.zeros(2))
     for file in tmp_path.glob("model*"):
         file.unlink()
-    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.full((2,), 2.))
+    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.full((2,), 2.0))
     (tmp_path / "pytorch_model.bin.index.json").unlink()
-    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.full((2,), 3.))
+    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.full((2,), 3.0))
     (tmp_path / "pytorch_model.bin").unlink()
     with pytest.raises(ConfigError) as error:
         hf.CheckpointFiles(tmp_path)
-    assert str(error.value) == (f"--hf_model {tmp_path} has no model.safetensors or pytorch_model.bin (nor an "
-                                "index of shards)")
+    assert str(error.value) == (
+        f"--hf_model {tmp_path} has no model.safetensors or pytorch_model.bin (nor an "
+        "index of shards)"
+    )
 
 
 def test_checkpoint_files_open_each_file_once(tmp_path):
-    files = hf.CheckpointFiles(write_state(tmp_path, {"a": torch.ones(2, 2), "b": torch.ones(3)},
-                                           "sharded safetensors"))
+    files = hf.CheckpointFiles(
+        write_state(tmp_path, {"a": torch.ones(2, 2), "b": torch.ones(3)}, "sharded safetensors")
+    )
     for _ in range(3):
         files.shape("a"), files.rows("b", 0, 1)
-    assert sorted(f.name for f in files.open_files) == ["model-00001-of-00002.safetensors",
-                                                        "model-00002-of-00002.safetensors"]
+    assert sorted(f.name for f in files.open_files) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     first = dict(files.open_files)
     files.rows("a", 0, 1)
     assert all(files.open_files[f] is first[f] for f in first)
 
 
 def hf_state(model_type, config):
-    """A random transformers model of this config, saved as its directory would hold it: {name: tensor}."""
+    """A random transformers model of this config, saved as its directory would hold it: {name:
+    tensor}."""
     torch.manual_seed(0)
     if model_type == "gpt":
         theirs = transformers.GPT2LMHeadModel(gpt2_config(n_positions=config.seq_length))
     else:
-        theirs = transformers.LlamaForCausalLM(llama_config(max_position_embeddings=config.seq_length))
+        theirs = transformers.LlamaForCausalLM(
+            llama_config(max_position_embeddings=config.seq_length)
+        )
     state = {name: p.detach().clone() for name, p in theirs.named_parameters()}
     if model_type == "llama":  # as save_pretrained would (untied)
         state["lm_head.weight"] = theirs.lm_head.weight.detach().clone()
@@ -216,9 +271,13 @@ def hf_state(model_type, config):
 
 
 def expected_params(model_type, config, state):
-    """Our parameters from their tensors, by the name map (transposed where GPT-2 stores Conv1D weights)."""
+    """Our parameters from their tensors, by the name map (transposed where GPT-2 stores Conv1D
+    weights)."""
     names = hf.hf_names(model_type, config)
-    return {ours: state[theirs].t() if hf.is_transposed(theirs) else state[theirs] for ours, theirs in names.items()}
+    return {
+        ours: state[theirs].t() if hf.is_transposed(theirs) else state[theirs]
+        for ours, theirs in names.items()
+    }
 
 
 @pytest.mark.parametrize("model_type", ["gpt", "llama"])
@@ -235,22 +294,34 @@ def test_load_weights_copies_every_tensor(tmp_path, model_type):
 def test_stored_names_hub_gpt2_prefix_and_tied_llama_head(tmp_path):
     gpt = hf_state("gpt", GPT)
     model = ours("gpt")  # the hub's gpt2 was saved from GPT2Model: no "transformer." prefix
-    hf.load_weights(model, write_state(tmp_path / "gpt", {n.removeprefix("transformer."): t for n, t in gpt.items()},
-                                       "safetensors"), "gpt")
-    assert torch.equal(model.blocks[1].attn.qkv.weight, gpt["transformer.h.1.attn.c_attn.weight"].t())
+    hf.load_weights(
+        model,
+        write_state(
+            tmp_path / "gpt",
+            {n.removeprefix("transformer."): t for n, t in gpt.items()},
+            "safetensors",
+        ),
+        "gpt",
+    )
+    assert torch.equal(
+        model.blocks[1].attn.qkv.weight, gpt["transformer.h.1.attn.c_attn.weight"].t()
+    )
     assert torch.equal(model.wpe.weight, gpt["transformer.wpe.weight"])
     llama = hf_state("llama", LLAMA)
     del llama["lm_head.weight"]  # Llama 3.2's tied embeddings
     model = ours("llama")
     hf.load_weights(model, write_state(tmp_path / "llama", llama, "safetensors"), "llama")
     assert torch.equal(model.lm_head.weight, llama["model.embed_tokens.weight"])
-    assert model.lm_head.weight.data_ptr() != model.wte.weight.data_ptr()  # untied: trained apart from here on
+    # untied: trained apart from here on
+    assert model.lm_head.weight.data_ptr() != model.wte.weight.data_ptr()
     del llama["model.norm.weight"]
     write_state(tmp_path / "llama", llama, "safetensors")
     with pytest.raises(ConfigError) as error:
         hf.load_weights(model, tmp_path / "llama", "llama")
-    assert str(error.value) == (f"--hf_model {tmp_path / 'llama'} has no tensor model.norm.weight: not a "
-                                "checkpoint of this model type?")
+    assert str(error.value) == (
+        f"--hf_model {tmp_path / 'llama'} has no tensor model.norm.weight: not a "
+        "checkpoint of this model type?"
+    )
 
 
 def test_shapes_are_checked_before_anything_is_copied(tmp_path):
@@ -260,8 +331,10 @@ def test_shapes_are_checked_before_anything_is_copied(tmp_path):
     before = {n: p.clone() for n, p in model.named_parameters()}
     with pytest.raises(ConfigError) as error:
         hf.load_weights(model, write_state(tmp_path, state, "safetensors"), "llama")
-    assert str(error.value) == (f"--hf_model {tmp_path}: model.layers.1.mlp.down_proj.weight has shape (48, 71), "
-                                "our blocks.1.mlp.down_proj.weight is (48, 72)")
+    assert str(error.value) == (
+        f"--hf_model {tmp_path}: model.layers.1.mlp.down_proj.weight has shape (48, 71), "
+        "our blocks.1.mlp.down_proj.weight is (48, 72)"
+    )
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
@@ -271,28 +344,40 @@ def test_gpt2_positions_may_be_cut_to_a_shorter_context_only(tmp_path):
     model = ours("gpt", short)
     hf.load_weights(model, write_state(tmp_path / "a", state, "safetensors"), "gpt")
     assert torch.equal(model.wpe.weight, state["transformer.wpe.weight"][:10])
-    for config, bad, shape in [(GPTConfig(**dict(GPT.to_dict(), seq_length=25)), None, (24, 32)),
-                               (short, torch.zeros(24, 31), (24, 31)), (short, torch.zeros(24), (24,))]:
+    for config, bad, shape in [
+        (GPTConfig(**dict(GPT.to_dict(), seq_length=25)), None, (24, 32)),
+        (short, torch.zeros(24, 31), (24, 31)),
+        (short, torch.zeros(24), (24,)),
+    ]:
         if bad is not None:
             state["transformer.wpe.weight"] = bad
         model = ours("gpt", config)
         with pytest.raises(ConfigError) as error:
             hf.load_weights(model, write_state(tmp_path / "b", state, "safetensors"), "gpt")
-        assert str(error.value) == (f"--hf_model {tmp_path / 'b'}: transformer.wpe.weight has shape {shape}, our "
-                                    f"wpe.weight is {tuple(model.wpe.weight.shape)}")
+        assert str(error.value) == (
+            f"--hf_model {tmp_path / 'b'}: transformer.wpe.weight has shape {shape}, our "
+            f"wpe.weight is {tuple(model.wpe.weight.shape)}"
+        )
     state = hf_state("llama", LLAMA)  # anything else, even with more rows, must match exactly
     state["model.embed_tokens.weight"] = torch.zeros(54, 48)
     with pytest.raises(ConfigError, match=r"model.embed_tokens.weight has shape \(54, 48\)"):
         hf.load_weights(ours("llama"), write_state(tmp_path / "c", state, "safetensors"), "llama")
     state = hf_state("gpt", GPT)  # a transposed tensor is compared as we store it
-    state["transformer.h.0.mlp.c_fc.weight"] = state["transformer.h.0.mlp.c_fc.weight"].t().contiguous()
-    with pytest.raises(ConfigError, match=r"transformer.h.0.mlp.c_fc.weight has shape \(32, 128\), our "
-                                          r"blocks.0.mlp.fc.weight is \(128, 32\)"):
+    state["transformer.h.0.mlp.c_fc.weight"] = (
+        state["transformer.h.0.mlp.c_fc.weight"].t().contiguous()
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"transformer.h.0.mlp.c_fc.weight has shape \(32, 128\), our "
+        r"blocks.0.mlp.fc.weight is \(128, 32\)",
+    ):
         hf.load_weights(ours("gpt"), write_state(tmp_path / "d", state, "safetensors"), "gpt")
 
 
 # -----------------------------------------------------------------------------
-# each rank reads its own rows: FSDP2 meshes on torch's fake process group, one rank at a time in this process
+# each rank reads its own rows: FSDP2 meshes on torch's fake process group, one rank at a time in
+# this process
+
 
 @pytest.fixture
 def fake_rank():
@@ -300,8 +385,11 @@ def fake_rank():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     def join(rank, shape):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=int(torch.tensor(shape).prod()))
-        return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+        dist.init_process_group(
+            "fake", store=FakeStore(), rank=rank, world_size=int(torch.tensor(shape).prod())
+        )
+        return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
+
     yield join
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -310,7 +398,8 @@ def fake_rank():
 @pytest.mark.parametrize("rows,ranks", [(7, 3), (5, 4), (8, 4), (2, 3)])
 def test_local_rows_are_torch_chunk_pieces(fake_rank, rows, ranks):
     from torch.distributed.tensor import DTensor, Shard
-    full = torch.arange(rows * 3.).reshape(rows, 3)
+
+    full = torch.arange(rows * 3.0).reshape(rows, 3)
     starts = [0] + [len(piece) for piece in torch.chunk(full, ranks)]
     starts = torch.tensor(starts + [0] * (ranks + 1 - len(starts))).cumsum(0).tolist()
     for rank in range(ranks):
@@ -325,18 +414,31 @@ def test_local_rows_are_torch_chunk_pieces(fake_rank, rows, ranks):
 
 def test_a_replicated_parameter_holds_every_row(fake_rank):
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    full = torch.arange(10.).reshape(5, 2)
+
+    full = torch.arange(10.0).reshape(5, 2)
     mesh = fake_rank(3, (2, 2))
     assert hf.local_rows(DTensor.from_local(full, mesh, [Replicate(), Replicate()])) == (0, 5)
     piece = torch.chunk(full, 2)[1]
-    assert hf.local_rows(DTensor.from_local(piece, mesh, [Replicate(), Shard(0)], shape=full.shape,
-                                            stride=full.stride())) == (3, 5)
+    assert hf.local_rows(
+        DTensor.from_local(
+            piece, mesh, [Replicate(), Shard(0)], shape=full.shape, stride=full.stride()
+        )
+    ) == (3, 5)
 
 
-@pytest.mark.parametrize("model_type,shape,rank", [("llama", (3,), 2), ("llama", (3,), 1), ("gpt", (4,), 3),
-                                                   ("llama", (2, 3), 5), ("gpt", (2, 2), 2)])
+@pytest.mark.parametrize(
+    "model_type,shape,rank",
+    [
+        ("llama", (3,), 2),
+        ("llama", (3,), 1),
+        ("gpt", (4,), 3),
+        ("llama", (2, 3), 5),
+        ("gpt", (2, 2), 2),
+    ],
+)
 def test_each_rank_of_a_mesh_loads_its_own_shard(tmp_path, fake_rank, model_type, shape, rank):
     from torch.distributed.fsdp import fully_shard
+
     config = {"gpt": GPT, "llama": LLAMA}[model_type]
     state = hf_state(model_type, config)
     directory = write_state(tmp_path, state, "safetensors")
@@ -355,8 +457,10 @@ def test_each_rank_of_a_mesh_loads_its_own_shard(tmp_path, fake_rank, model_type
 # -----------------------------------------------------------------------------
 # the directory's tokenizer
 
+
 def stub_gpt2(monkeypatch):
-    """tiktoken's gpt2 encoding stood in for by a tiny one with GPT-2's split pattern (no gpt2 files offline)."""
+    """tiktoken's gpt2 encoding stood in for by a tiny one with GPT-2's split pattern (no gpt2 files
+    offline)."""
     return tokenizer_dirs.stub_gpt2_encoding(monkeypatch)
 
 
@@ -370,8 +474,10 @@ def test_load_tokenizer_of_a_directory(tmp_path, monkeypatch):
     llama = save_config(tmp_path / "llama", bare("llama"))  # a Llama has no default
     with pytest.raises(tk.TokenizerError) as error:
         hf.load_tokenizer(llama)
-    assert str(error.value) == (f"--hf_model: {llama} holds no tokenizer: expected tokenizer.json (ours or Hugging "
-                                "Face's), vocab.json + merges.txt, or tokenizer.model (or pass --tokenizer_dir DIR)")
+    assert str(error.value) == (
+        f"--hf_model: {llama} holds no tokenizer: expected tokenizer.json (ours or Hugging "
+        "Face's), vocab.json + merges.txt, or tokenizer.model (or pass --tokenizer_dir DIR)"
+    )
     assert error.value.__cause__ is None and error.value.__suppress_context__
     tokenizer_dirs.write_vocab_merges(llama)
     assert hf.load_tokenizer(llama).kind == "hf"
@@ -383,9 +489,11 @@ def test_gpt2_without_tokenizer_files_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(tk, "reachable", lambda url, timeout=5.0: False)
     with pytest.raises(tk.TokenizerError) as error:
         hf.load_tokenizer(gpt2)
-    assert str(error.value) == (f"--hf_model {gpt2} has no tokenizer files (tokenizer.json, or vocab.json + "
-                                "merges.txt), and tiktoken's gpt2 files are not cached nor downloadable (offline?): "
-                                "copy the model's tokenizer files into it, or pass --tokenizer_dir DIR")
+    assert str(error.value) == (
+        f"--hf_model {gpt2} has no tokenizer files (tokenizer.json, or vocab.json + "
+        "merges.txt), and tiktoken's gpt2 files are not cached nor downloadable (offline?): "
+        "copy the model's tokenizer files into it, or pass --tokenizer_dir DIR"
+    )
     assert error.value.__cause__ is None and error.value.__suppress_context__
 
 
@@ -400,8 +508,10 @@ def test_gpt2_weights_without_tokenizer_files_offline_is_one_line(tmp_path, monk
 # -----------------------------------------------------------------------------
 # .bin files: memory-mapped, weights only, on a CPU whichever device saved them
 
+
 class Payload:
     """What a pickle can smuggle in: unpickling it runs code."""
+
     ran = []
 
     def __reduce__(self):
@@ -409,8 +519,10 @@ class Payload:
 
 
 def save_as_from_gpu(state, path, **kw):
-    """torch.save as a GPU's tensors would be saved (their storages tagged cuda:0), without a GPU."""
+    """torch.save as a GPU's tensors would be saved (their storages tagged cuda:0), without a
+    GPU."""
     import torch.serialization as serialization
+
     location_tag = serialization.location_tag
     serialization.location_tag = lambda storage: "cuda:0"
     try:
@@ -427,7 +539,7 @@ def mapped(path):
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
 @pytest.mark.parametrize("zipfile", [True, False])
 def test_bin_files_saved_on_a_gpu_load_on_a_cpu_memory_mapped(tmp_path, zipfile):
-    state = {"a": torch.arange(12.).reshape(3, 4)}
+    state = {"a": torch.arange(12.0).reshape(3, 4)}
     save_as_from_gpu(state, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=zipfile)
     files = hf.CheckpointFiles(tmp_path)
     assert files.shape("a") == (3, 4) and torch.equal(files.rows("a", 1, 2), state["a"][1:2])
@@ -437,11 +549,17 @@ def test_bin_files_saved_on_a_gpu_load_on_a_cpu_memory_mapped(tmp_path, zipfile)
 
 @pytest.mark.parametrize("zipfile", [True, False])
 def test_bin_files_never_run_pickled_code(tmp_path, monkeypatch, zipfile):
-    """Not even where the environment asks torch.load to unpickle anything it is not told otherwise."""
-    torch.save({"a": torch.ones(2), "b": Payload()}, tmp_path / "pytorch_model.bin",
-               _use_new_zipfile_serialization=zipfile)
+    """Not even where the environment asks torch.load to unpickle anything it is not told
+    otherwise."""
+    torch.save(
+        {"a": torch.ones(2), "b": Payload()},
+        tmp_path / "pytorch_model.bin",
+        _use_new_zipfile_serialization=zipfile,
+    )
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     Payload.ran.clear()
-    with pytest.raises(ConfigError, match=r"pytorch_model.bin cannot be read as a PyTorch file \(UnpicklingError: "):
+    with pytest.raises(
+        ConfigError, match=r"pytorch_model.bin cannot be read as a PyTorch file \(UnpicklingError: "
+    ):
         hf.CheckpointFiles(tmp_path)
     assert Payload.ran == []

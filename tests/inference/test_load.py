@@ -102,8 +102,9 @@ def exported(tmp_path):
     from minimal_fsdp.models.gpt import GPT, GPTConfig
 
     tokenizer = CharTokenizer(make_text(5_000))
-    config = GPTConfig(vocab_size=tokenizer.vocab_size, seq_length=32, num_layers=2, num_heads=2,
-                       embed_size=32)
+    config = GPTConfig(
+        vocab_size=tokenizer.vocab_size, seq_length=32, num_layers=2, num_heads=2, embed_size=32
+    )
     torch.manual_seed(0)
     state = {name: tensor.contiguous() for name, tensor in GPT(config).state_dict().items()}
     out = tmp_path / "exported"

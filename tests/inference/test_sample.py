@@ -1,7 +1,9 @@
 """minimal-fsdp sample on each kind of SOURCE: a checkpoint (step directory, run directory, `best`
-marker), both export formats, and a Hugging Face directory. Greedy text equals a plain single-process PyTorch
-decode of the checkpoint (and transformers' for the Hugging Face model); the same weights give the same text
-from every source and on 2 ranks; the banner shows the model and tokenizer actually loaded."""
+marker), both export formats, and a Hugging Face directory. Greedy text equals a plain
+single-process PyTorch decode of the checkpoint (and transformers' for the Hugging Face model); the
+same weights give the same text from every source and on 2 ranks; the banner shows the model and
+tokenizer actually loaded."""
+
 import os
 import subprocess
 import sys
@@ -33,14 +35,17 @@ def sample(source, *args, ranks=None, check=True, cwd=None):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+        )
     return result
 
 
 @pytest.fixture
 def sample_here(single_process, capfd, monkeypatch):
     """The sample command's main in this process (a world of one rank, as `minimal-fsdp sample`
-    without mpiexec): what it prints to stdout and stderr, without starting Python and torch again."""
+    without mpiexec): what it prints to stdout and stderr, without starting Python and torch
+    again."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     def sample_in_this_process(source, *args):
@@ -48,23 +53,48 @@ def sample_here(single_process, capfd, monkeypatch):
         sample_command.main([str(source), *map(str, args)])
         out, err = capfd.readouterr()
         return SimpleNamespace(stdout=out, stderr=err)
+
     return sample_in_this_process
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A Llama with a sentencepiece tokenizer, trained on 2 ranks: checkpoints at steps 10 and 20."""
+    """A Llama with a sentencepiece tokenizer, trained on 2 ranks: checkpoints at steps 10 and
+    20."""
     work = tmp_path_factory.mktemp("sample")
     (work / "corpus.txt").write_text(make_text())
-    launch(["--dataset", "text", "--input_file", "corpus.txt", *TINY_MODEL, "--model", "llama", "--num_kv_heads", 1,
-            "--tokenizer", "sentencepiece", "--vocab_size", 300, "--max_steps", 20, "--checkpoint_interval", 10,
-            "--eval_interval", 0], ranks=2, cwd=work)
+    launch(
+        [
+            "--dataset",
+            "text",
+            "--input_file",
+            "corpus.txt",
+            *TINY_MODEL,
+            "--model",
+            "llama",
+            "--num_kv_heads",
+            1,
+            "--tokenizer",
+            "sentencepiece",
+            "--vocab_size",
+            300,
+            "--max_steps",
+            20,
+            "--checkpoint_interval",
+            10,
+            "--eval_interval",
+            0,
+        ],
+        ranks=2,
+        cwd=work,
+    )
     return work / "checkpoints" / "corpus"
 
 
 @torch.no_grad()
 def plain_greedy(step, prompt, num_tokens):
-    """Reference: the checkpoint's weights in a plain module, the whole context re-run for every token."""
+    """Reference: the checkpoint's weights in a plain module, the whole context re-run for every
+    token."""
     model = Llama(LlamaConfig(**checkpoint_meta.read_meta(step)["model"])).eval()
     model.load_state_dict(safe_load.load_full_model_state(step))
     tokenizer = load_tokenizer(step)
@@ -83,7 +113,8 @@ def test_checkpoint_sources_match_a_plain_decode(run, sample_here):
     expected = plain_greedy(step, PROMPT, 10)
     out = sample(step, *GREEDY)  # the command as typed: `minimal-fsdp sample`
     assert out.stdout == expected + "\n"
-    # the banner (stderr) shows what was loaded, not defaults: a 2-layer Llama with its sentencepiece tokenizer
+    # the banner (stderr) shows what was loaded, not defaults: a 2-layer Llama with its
+    # sentencepiece tokenizer
     assert f"generating from {step} (checkpoint, step 20)" in out.stderr
     assert "model: llama, 2 layers, 2 heads (1 kv), width 32, context 32, vocab 300" in out.stderr
     assert "tokenizer: sentencepiece, 300 tokens" in out.stderr
@@ -91,14 +122,18 @@ def test_checkpoint_sources_match_a_plain_decode(run, sample_here):
     assert sample_here(run, *GREEDY).stdout == out.stdout  # a run directory: its newest checkpoint
     best = checkpoint_find.resolve(run / "best")
     by_marker = sample_here(run / "best", *GREEDY)
-    assert by_marker.stdout == plain_greedy(best, PROMPT, 10) + "\n" and f"generating from {best}" in by_marker.stderr
+    assert (
+        by_marker.stdout == plain_greedy(best, PROMPT, 10) + "\n"
+        and f"generating from {best}" in by_marker.stderr
+    )
 
 
 @pytest.mark.slow
 def test_exports_give_the_checkpoint_text_also_sharded_over_two_ranks(run, tmp_path, sample_here):
     step = checkpoint_find.latest(run)
     # One rank's samples in this process (sample_here); the 2 ranks' under mpiexec.
-    expected = sample_here(step, *GREEDY, "--seed", 5, "--temperature", 0.9).stdout  # sampled, not greedy
+    # sampled, not greedy
+    expected = sample_here(step, *GREEDY, "--seed", 5, "--temperature", 0.9).stdout
     assert expected.startswith(PROMPT)
     export.main([str(step), str(tmp_path / "ours")])
     export.main([str(step), str(tmp_path / "hf"), "--format", "hf"])
@@ -114,8 +149,11 @@ def test_exports_give_the_checkpoint_text_also_sharded_over_two_ranks(run, tmp_p
 @pytest.mark.slow
 def test_hugging_face_directory_matches_transformers_greedy(tmp_path, sample_here):
     from support import hf_llama
+
     directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
-    theirs = hf_llama(directory, vocab_size=num_ranks + 256, max_position_embeddings=64, initializer_range=0.2)
+    theirs = hf_llama(
+        directory, vocab_size=num_ranks + 256, max_position_embeddings=64, initializer_range=0.2
+    )
     tokenizer = load_tokenizer(directory)
     ids = tokenizer.encode(PROMPT)
     with torch.no_grad():
@@ -127,11 +165,16 @@ def test_hugging_face_directory_matches_transformers_greedy(tmp_path, sample_her
 
 
 @pytest.mark.slow
-def test_generation_banner_of_basic_training_shows_the_loaded_model(run, single_process, monkeypatch, capfd):
-    # run.main (what basic_training.py hands its flags to) in this process, one rank, in the run's directory
+def test_generation_banner_of_basic_training_shows_the_loaded_model(
+    run, single_process, monkeypatch, capfd
+):
+    # run.main (what basic_training.py hands its flags to) in this process, one rank, in the run's
+    # directory
     monkeypatch.chdir(run.parent.parent)
     capfd.readouterr()
-    run_command.main(["--run_name", "corpus", "--max_epochs", "-1", "--num_tokens", "5", "--prompt", PROMPT])
+    run_command.main(
+        ["--run_name", "corpus", "--max_epochs", "-1", "--num_tokens", "5", "--prompt", PROMPT]
+    )
     out = capfd.readouterr().out
     assert "model: llama, 2 layers, 2 heads (1 kv), width 32, context 32, vocab 300" in out
     assert "tokenizer: sentencepiece, 300 tokens" in out
@@ -143,6 +186,8 @@ def test_a_source_that_is_none_of_them_is_one_line(tmp_path):
     (tmp_path / "notes.d").mkdir()
     out = sample(tmp_path / "notes.d", check=False)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [f"error: {tmp_path / 'notes.d'} is not a checkpoint (a step_<N> "
-                                               "directory, a run directory or its latest/best marker), an export, "
-                                               "or a Hugging Face model directory (config.json + weights)"]
+    assert out.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'notes.d'} is not a checkpoint (a step_<N> "
+        "directory, a run directory or its latest/best marker), an export, "
+        "or a Hugging Face model directory (config.json + weights)"
+    ]

@@ -1,6 +1,7 @@
-"""resilience.py in one process: the NaN/Inf guard's verdicts and messages, and how ranks combine their stop
-requests (another rank's contribution is simulated by a stand-in for all_reduce). The same behaviour across
-real ranks: test_resume.py."""
+"""resilience.py in one process: the NaN/Inf guard's verdicts and messages, and how ranks combine
+their stop requests (another rank's contribution is simulated by a stand-in for all_reduce). The
+same behaviour across real ranks: test_resume.py."""
+
 import math
 import signal
 
@@ -23,8 +24,10 @@ def test_deferred_guard_never_skips_and_flush_names_the_first_bad_step():
     with pytest.raises(Diverged) as raised:
         guard.flush()
     assert str(raised.value) == (
-        "step 2: the grad norm is inf (loss 2.5 on rank 0): the run diverged and stops here; its last checkpoint "
-        "is untouched. Lower --lr or raise --warmup_steps, or let --skip_nonfinite N skip up to N such steps")
+        "step 2: the grad norm is inf (loss 2.5 on rank 0): the run diverged and stops here; its "
+        "last checkpoint is untouched. Lower --lr or raise --warmup_steps, or let --skip_nonfinite "
+        "N skip up to N such steps"
+    )
     assert guard.pending == [] and guard.flush() is None  # looked at once; nothing left
 
 
@@ -46,9 +49,13 @@ def test_skipping_guard_skips_up_to_n_steps_with_a_warning_then_stops():
     assert guard.check(3, torch.tensor(1.0), torch.tensor(3.0)) is True
     assert guard.check(4, torch.tensor(-math.inf), torch.tensor(3.0)) is False
     assert guard.pending == [] and guard.skipped == 2
-    assert warnings == ["warning: step 2: grad norm nan; update skipped (1 of --skip_nonfinite 2)",
-                        "warning: step 4: grad norm -inf; update skipped (2 of --skip_nonfinite 2)"]
-    with pytest.raises(Diverged, match=r"^step 7: the grad norm is nan \(loss 1.25 on rank 0\): the run diverged"):
+    assert warnings == [
+        "warning: step 2: grad norm nan; update skipped (1 of --skip_nonfinite 2)",
+        "warning: step 4: grad norm -inf; update skipped (2 of --skip_nonfinite 2)",
+    ]
+    with pytest.raises(
+        Diverged, match=r"^step 7: the grad norm is nan \(loss 1.25 on rank 0\): the run diverged"
+    ):
         guard.check(7, torch.tensor(NAN), torch.tensor(1.25))
     assert len(warnings) == 2
 
@@ -62,14 +69,24 @@ def test_skipping_guard_without_a_warn_callback_still_skips():
 
 @pytest.fixture
 def peer(monkeypatch):
-    """all_reduce over this rank and one simulated other rank holding `peer.code` (0: nothing to report)."""
+    """all_reduce over this rank and one simulated other rank holding `peer.code` (0: nothing to
+    report)."""
+
     class Peer:
         code = 0
         pace = 0.0  # its seconds per step since the last look
-    ops = {dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MIN: torch.minimum}
+
+    ops = {
+        dist.ReduceOp.MAX: torch.maximum,
+        dist.ReduceOp.SUM: torch.add,
+        dist.ReduceOp.MIN: torch.minimum,
+    }
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        tensor.copy_(ops[op](tensor, torch.tensor([Peer.code, Peer.pace][:len(tensor)], dtype=tensor.dtype)))
+        tensor.copy_(
+            ops[op](tensor, torch.tensor([Peer.code, Peer.pace][: len(tensor)], dtype=tensor.dtype))
+        )
+
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     return Peer
 
@@ -106,8 +123,9 @@ def test_time_limit_is_reached_at_exactly_its_length(peer, monkeypatch):
 
 
 def test_looks_come_within_the_latency_bound_at_the_slowest_ranks_pace(peer, monkeypatch):
-    """Besides logging steps, the ranks look at a stop request at steps every rank derives alike from the agreed
-    (slowest) pace: about STOP_LATENCY seconds apart, at least every step when a step is longer."""
+    """Besides logging steps, the ranks look at a stop request at steps every rank derives alike
+    from the agreed (slowest) pace: about STOP_LATENCY seconds apart, at least every step when a
+    step is longer."""
     clock = [0.0]
     monkeypatch.setattr(resilience, "monotonic", lambda: clock[0])
     stop = StopRequests()
@@ -116,7 +134,9 @@ def test_looks_come_within_the_latency_bound_at_the_slowest_ranks_pace(peer, mon
     assert stop.due(2)  # one look gives no pace yet
     clock[0] = 0.5
     stop.agreed(2)  # 0.5 s a step here
-    assert stop.next_look == 2 + int(resilience.STOP_LATENCY / 0.5) and not stop.due(stop.next_look - 1)
+    assert stop.next_look == 2 + int(resilience.STOP_LATENCY / 0.5) and not stop.due(
+        stop.next_look - 1
+    )
     peer.pace = 2.0  # the other rank is slower: its pace decides, for both
     clock[0] = 0.5 + 20 * 0.5
     stop.agreed(22)
@@ -129,9 +149,11 @@ def test_looks_come_within_the_latency_bound_at_the_slowest_ranks_pace(peer, mon
 
 def exiting(exits):
     """os._exit as a test sees it: the code noted, SystemExit raised (the process goes on)."""
+
     def exit_now(code):
         exits.append(code)
         raise SystemExit(code)
+
     return exit_now
 
 
@@ -144,16 +166,20 @@ def test_ctrl_c_is_a_stop_request_and_a_second_one_exits_at_once(peer, monkeypat
     stop.agreed(1)  # a step has finished
     stop._record(signal.SIGINT, None)
     assert exits == [] and stop.agreed(2) == "SIGINT received"
-    assert said == ["SIGINT (Ctrl-C): stop requested: will save after the step in flight"]  # at once
+    # at once
+    assert said == ["SIGINT (Ctrl-C): stop requested: will save after the step in flight"]
     with pytest.raises(SystemExit):
         stop._record(signal.SIGINT, None)
-    assert exits == [130] and said[-1] == "error: interrupted again: exiting at once, without saving"
+    assert (
+        exits == [130] and said[-1] == "error: interrupted again: exiting at once, without saving"
+    )
 
 
 def test_a_stop_before_the_first_step_exits_at_once_and_leaves_no_lock(tmp_path, monkeypatch):
-    """Nothing is saved before the first step, so there is nothing to wait for: one line, exit, and the run's
-    lock is gone (a later run would have to take it over)."""
+    """Nothing is saved before the first step, so there is nothing to wait for: one line, exit, and
+    the run's lock is gone (a later run would have to take it over)."""
     from minimal_fsdp import files
+
     exits, said = [], []
     monkeypatch.setattr(resilience.os, "_exit", exiting(exits))
     monkeypatch.setattr(resilience, "_say", said.append)
@@ -162,25 +188,34 @@ def test_a_stop_before_the_first_step_exits_at_once_and_leaves_no_lock(tmp_path,
     try:
         with pytest.raises(SystemExit):
             StopRequests()._record(signal.SIGINT)
-        assert said == ["SIGINT (Ctrl-C): stopping before the first step: nothing to save"] and exits == [130]
+        assert said == [
+            "SIGINT (Ctrl-C): stopping before the first step: nothing to save"
+        ] and exits == [130]
         assert not (tmp_path / "run" / ".lock").exists()
     finally:
         lock.release()
     said.clear()
     stop = StopRequests()
-    stop._record(signal.SIGTERM)  # a scheduler's: the first step is saved, so a chain of jobs goes on
-    assert stop.received == signal.SIGTERM and said == ["SIGTERM: stop requested: will save after the step in flight"]
+    # a scheduler's: the first step is saved, so a chain of jobs goes on
+    stop._record(signal.SIGTERM)
+    assert stop.received == signal.SIGTERM and said == [
+        "SIGTERM: stop requested: will save after the step in flight"
+    ]
 
 
 def test_a_signal_is_acted_on_while_the_main_thread_waits_in_a_system_call(peer, monkeypatch):
-    """A long first step (compiling) never returns to Python's signal handler: the Ctrl-C used to be heard only
-    after it. Here the main thread blocks in a read that the stop request itself ends (restarted on signals);
-    a timer ends it too, so that a broken watcher fails the test instead of hanging it."""
+    """A long first step (compiling) never returns to Python's signal handler: the Ctrl-C used to be
+    heard only after it. Here the main thread blocks in a read that the stop request itself ends
+    (restarted on signals); a timer ends it too, so that a broken watcher fails the test instead of
+    hanging it."""
     import os
     import threading
+
     read_end, write_end = os.pipe()
     said = []
-    monkeypatch.setattr(resilience, "_say", lambda line: (said.append(line), os.write(write_end, b"x")))
+    monkeypatch.setattr(
+        resilience, "_say", lambda line: (said.append(line), os.write(write_end, b"x"))
+    )
     stop = StopRequests()
     stop.agreed(1)
     guard = threading.Timer(60, os.write, (write_end, b"t"))
@@ -193,5 +228,7 @@ def test_a_signal_is_acted_on_while_the_main_thread_waits_in_a_system_call(peer,
         guard.cancel()
         os.close(read_end)
         os.close(write_end)
-    assert woken_by == b"x" and said == ["SIGINT (Ctrl-C): stop requested: will save after the step in flight"]
+    assert woken_by == b"x" and said == [
+        "SIGINT (Ctrl-C): stop requested: will save after the step in flight"
+    ]
     assert stop.received == signal.SIGINT

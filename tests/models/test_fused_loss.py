@@ -1,11 +1,16 @@
 """The fused Triton loss (CUDA only, marked gpu) against PyTorch's cross-entropy in fp32."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
-# bf16 logits are rounded to 8 bits of mantissa before the softmax; fp32 differs only in summation order.
+# bf16 logits are rounded to 8 bits of mantissa before the softmax; fp32 differs only in summation
+# order.
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
 
 
@@ -22,9 +27,11 @@ def relative(a, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("vocab", [50, 5003, 50304])  # below, across and many times the kernel's block
+# below, across and many times the kernel's block
+@pytest.mark.parametrize("vocab", [50, 5003, 50304])
 def test_loss_and_gradients_match_pytorch(dtype, vocab):
     from minimal_fsdp.models.fused_loss import linear_cross_entropy
+
     torch.manual_seed(0)
     x = torch.randn(3, 37, 64, device="cuda", dtype=dtype, requires_grad=True)
     weight = (0.5 * torch.randn(vocab, 64, device="cuda")).to(dtype).requires_grad_()
@@ -41,8 +48,10 @@ def test_loss_and_gradients_match_pytorch(dtype, vocab):
 
 
 def test_autocast_with_fp32_weights():
-    """Decentralized replicas keep fp32 weights and run under bf16 autocast: gradients come back in fp32."""
+    """Decentralized replicas keep fp32 weights and run under bf16 autocast: gradients come back in
+    fp32."""
     from minimal_fsdp.models.fused_loss import linear_cross_entropy
+
     torch.manual_seed(0)
     x = torch.randn(64, 32, device="cuda", requires_grad=True)
     weight = torch.randn(1000, 32, device="cuda", requires_grad=True)
@@ -65,10 +74,14 @@ def test_models_on_cuda_use_it():
     from minimal_fsdp.models.gpt import GPT, GPTConfig
     from minimal_fsdp.parallel.parallelize import build_model
     from minimal_fsdp.parallel.plan import make_plan
+
     cfg = Config(precision="float32")
-    env = SimpleNamespace(device=torch.device("cuda"), world_size=1, local_world_size=1, num_nodes=1)
+    env = SimpleNamespace(
+        device=torch.device("cuda"), world_size=1, local_world_size=1, num_nodes=1
+    )
     config = GPTConfig(vocab_size=300)
-    model = build_model(GPT, config, make_plan(cfg, env, config), env, cfg.seed)  # one rank: no FSDP
+    # one rank: no FSDP
+    model = build_model(GPT, config, make_plan(cfg, env, config), env, cfg.seed)
     assert model.loss is linear_cross_entropy
     x = torch.randint(0, 300, (2, 128), device="cuda")
     fused = model(x, x)
@@ -78,8 +91,10 @@ def test_models_on_cuda_use_it():
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 def test_evaluation_computes_the_loss_without_the_gradient_pass(autocast):
-    """Under no_grad the loss is the same, and the kernel leaves the logits as they were (no gradient pass)."""
+    """Under no_grad the loss is the same, and the kernel leaves the logits as they were (no
+    gradient pass)."""
     from minimal_fsdp.models.fused_loss import linear_cross_entropy, loss_and_grad
+
     torch.manual_seed(0)
     x = torch.randn(2, 50, 32, device="cuda", requires_grad=True)
     weight = torch.randn(5003, 32, device="cuda", requires_grad=True)
@@ -92,4 +107,6 @@ def test_evaluation_computes_the_loss_without_the_gradient_pass(autocast):
     kept, losses = logits.clone(), torch.empty(100, device="cuda")
     loss_and_grad(logits, targets.view(-1), losses, with_grad=False)
     assert torch.equal(logits, kept)
-    assert torch.allclose(losses, F.cross_entropy(kept, targets.view(-1), reduction="none"), rtol=1e-5)
+    assert torch.allclose(
+        losses, F.cross_entropy(kept, targets.view(-1), reduction="none"), rtol=1e-5
+    )

@@ -1,9 +1,11 @@
-"""Training across hosts, for real, on one machine: hosts are network namespaces (minimal_fsdp.tools.virtual_cluster),
-each with its own hostname and /etc/hosts, joined by veth links. Every launcher as a cluster runs it (mpiexec
-with a host list and ssh, our PBS script, SLURM- and torchrun-style per-host variables, a Kubernetes
-PyTorchJob's torchrun), every strategy on 2 hosts x 2 ranks against the single-process reference, the data
-side (evaluation, --streaming documents, the data position through an elastic resume 2x2 -> 1x2 -> 2x2), and
-the link's byte counter shows that the ranks talked over it. Needs root (skipped elsewhere)."""
+"""Training across hosts, for real, on one machine: hosts are network namespaces
+(minimal_fsdp.tools.virtual_cluster), each with its own hostname and /etc/hosts, joined by veth
+links. Every launcher as a cluster runs it (mpiexec with a host list and ssh, our PBS script, SLURM-
+and torchrun-style per-host variables, a Kubernetes PyTorchJob's torchrun), every strategy on 2
+hosts x 2 ranks against the single-process reference, the data side (evaluation, --streaming
+documents, the data position through an elastic resume 2x2 -> 1x2 -> 2x2), and the link's byte
+counter shows that the ranks talked over it. Needs root (skipped elsewhere)."""
+
 import json
 import os
 import sys
@@ -21,33 +23,67 @@ from minimal_fsdp.tools.virtual_cluster import Cluster
 
 WHY = virtual_cluster.unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no virtual hosts here: {WHY}")
-LAUNCH_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM_", "PMI", "OMPI_", "PET_", "GLOO_SOCKET",
-                   "NCCL_SOCKET", "HYDRA_", "PBS_", "TORCHELASTIC")
-TALKED = 100_000  # bytes a 2-host run moves over host 1's link at the least (the model alone is ~120 KB)
+LAUNCH_PREFIXES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_",
+    "MASTER_",
+    "SLURM_",
+    "PMI",
+    "OMPI_",
+    "PET_",
+    "GLOO_SOCKET",
+    "NCCL_SOCKET",
+    "HYDRA_",
+    "PBS_",
+    "TORCHELASTIC",
+)
+# bytes a 2-host run moves over host 1's link at the least (the model alone is ~120 KB)
+TALKED = 100_000
 
 
 def base_env(**extra):
-    """This process's environment without any launcher's variables, for a process on a virtual host."""
+    """This process's environment without any launcher's variables, for a process on a virtual
+    host."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_PREFIXES)}
-    return dict(env, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{k: str(v) for k, v in extra.items()})
+    return dict(
+        env, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{k: str(v) for k, v in extra.items()}
+    )
 
 
 def torchrun_env(rank, local_rank, host, layout):
-    return dict(MASTER_ADDR="10.77.0.1", MASTER_PORT=29500, WORLD_SIZE=sum(layout), RANK=rank,
-                LOCAL_RANK=local_rank, LOCAL_WORLD_SIZE=layout[host])
+    return dict(
+        MASTER_ADDR="10.77.0.1",
+        MASTER_PORT=29500,
+        WORLD_SIZE=sum(layout),
+        RANK=rank,
+        LOCAL_RANK=local_rank,
+        LOCAL_WORLD_SIZE=layout[host],
+    )
 
 
 def slurm_env(rank, local_rank, host, layout):
-    """What srun gives each task of a step over len(layout) nodes (its rendezvous: the first node's name)."""
+    """What srun gives each task of a step over len(layout) nodes (its rendezvous: the first node's
+    name)."""
     nodes = f"node[0-{len(layout) - 1}]"
-    return dict(SLURM_JOB_ID=4242, SLURM_STEP_ID=0, SLURM_PROCID=rank, SLURM_LOCALID=local_rank, SLURM_NODEID=host,
-                SLURM_STEP_NUM_TASKS=sum(layout), SLURM_NTASKS=sum(layout), SLURM_STEP_NUM_NODES=len(layout),
-                SLURM_STEP_TASKS_PER_NODE=",".join(map(str, layout)), SLURM_STEP_NODELIST=nodes,
-                SLURM_JOB_NODELIST=nodes)
+    return dict(
+        SLURM_JOB_ID=4242,
+        SLURM_STEP_ID=0,
+        SLURM_PROCID=rank,
+        SLURM_LOCALID=local_rank,
+        SLURM_NODEID=host,
+        SLURM_STEP_NUM_TASKS=sum(layout),
+        SLURM_NTASKS=sum(layout),
+        SLURM_STEP_NUM_NODES=len(layout),
+        SLURM_STEP_TASKS_PER_NODE=",".join(map(str, layout)),
+        SLURM_STEP_NODELIST=nodes,
+        SLURM_JOB_NODELIST=nodes,
+    )
 
 
 class Ranks:
-    """Processes started on the hosts; each one's output in a file (a pipe left unread could fill and block)."""
+    """Processes started on the hosts; each one's output in a file (a pipe left unread could fill
+    and block)."""
 
     def __init__(self, cluster, work):
         self.cluster, self.work, self.procs = cluster, work, []
@@ -55,19 +91,28 @@ class Ranks:
     def start(self, host, argv, env, cwd=None):
         name = f"{len(self.procs)}"
         out, err = open(self.work / f"p{name}.out", "w"), open(self.work / f"p{name}.err", "w")
-        self.procs.append(self.cluster.run(host, argv, env=env, cwd=cwd or self.work, stdout=out, stderr=err))
+        self.procs.append(
+            self.cluster.run(host, argv, env=env, cwd=cwd or self.work, stdout=out, stderr=err)
+        )
         return self
 
     def wait(self, timeout=300):
         """[(exit code, stdout, stderr)] of every process, in start order."""
         for proc in self.procs:
             proc.wait(timeout=timeout)
-        return [(p.returncode, (self.work / f"p{i}.out").read_text(), (self.work / f"p{i}.err").read_text())
-                for i, p in enumerate(self.procs)]
+        return [
+            (
+                p.returncode,
+                (self.work / f"p{i}.out").read_text(),
+                (self.work / f"p{i}.err").read_text(),
+            )
+            for i, p in enumerate(self.procs)
+        ]
 
 
 def per_host_launch(cluster, work, layout, args, env_of, extra_env=None):
-    """One process per rank, started on its host with the variables `env_of` gives it (rank 0 first)."""
+    """One process per rank, started on its host with the variables `env_of` gives it (rank 0
+    first)."""
     ranks, rank = Ranks(cluster, work), 0
     for host, count in enumerate(layout):
         for local_rank in range(count):
@@ -78,10 +123,25 @@ def per_host_launch(cluster, work, layout, args, env_of, extra_env=None):
 
 
 def mpi_launch(cluster, work, hosts, per_host, args, entry=ENTRY):
-    """mpiexec (Hydra) on node0 with a host list; it reaches the other hosts through the cluster's ssh."""
-    cmd = [mpiexec(), "-n", len(hosts) * per_host, "-ppn", per_host, "-hosts", ",".join(hosts), sys.executable,
-           entry, *args]
-    return Ranks(cluster, work).start("node0", list(map(str, cmd)), base_env(**cluster.job_env())).wait()[0]
+    """mpiexec (Hydra) on node0 with a host list; it reaches the other hosts through the cluster's
+    ssh."""
+    cmd = [
+        mpiexec(),
+        "-n",
+        len(hosts) * per_host,
+        "-ppn",
+        per_host,
+        "-hosts",
+        ",".join(hosts),
+        sys.executable,
+        entry,
+        *args,
+    ]
+    return (
+        Ranks(cluster, work)
+        .start("node0", list(map(str, cmd)), base_env(**cluster.job_env()))
+        .wait()[0]
+    )
 
 
 def succeeded(results):
@@ -97,24 +157,53 @@ def hosts(**kwargs):
 
 
 def tiny_args(work, run_name, steps, *extra):
-    return ["--dataset", "text", "--input_file", work / "corpus.txt", "--data_dir", work / "data", "--log_dir",
-            work / "logs", "--checkpoint_dir", work / "checkpoints", *TINY_MODEL, "--max_steps", steps,
-            "--log_interval", 1, "--eval_interval", steps, "--run_name", run_name, "--lr", "3e-3",
-            "--warmup_steps", 2, "--dropout", "0.0", *extra]
+    return [
+        "--dataset",
+        "text",
+        "--input_file",
+        work / "corpus.txt",
+        "--data_dir",
+        work / "data",
+        "--log_dir",
+        work / "logs",
+        "--checkpoint_dir",
+        work / "checkpoints",
+        *TINY_MODEL,
+        "--max_steps",
+        steps,
+        "--log_interval",
+        1,
+        "--eval_interval",
+        steps,
+        "--run_name",
+        run_name,
+        "--lr",
+        "3e-3",
+        "--warmup_steps",
+        2,
+        "--dropout",
+        "0.0",
+        *extra,
+    ]
 
 
 def metrics(work, run_name):
-    return [json.loads(line) for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)
+        for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def check_against_reference(work, run_name, args, world, steps):
-    """Logged losses, the final val loss and the saved weights equal plain single-process training's."""
+    """Logged losses, the final val loss and the saved weights equal plain single-process
+    training's."""
     cfg, data, model, ref_losses = plain.train(args, world, steps=steps)
     rows = metrics(work, run_name)
     assert [r["loss"] for r in rows if "loss" in r] == pytest.approx(ref_losses, abs=5e-6)
     assert ref_losses[-1] < ref_losses[0]
     val = [r["val_loss"] for r in rows if "val_loss" in r][-1]
-    assert val == pytest.approx(plain.val_loss(model, data, cfg, world), abs=5e-6)  # every rank's val batches
+    # every rank's val batches
+    assert val == pytest.approx(plain.val_loss(model, data, cfg, world), abs=5e-6)
     saved = safe_load.load_full_model_state(work / "checkpoints" / run_name / f"step_{steps}")
     for name, value in model.state_dict().items():
         torch.testing.assert_close(saved[name], value.detach(), atol=1e-5, rtol=1e-5, msg=name)
@@ -123,13 +212,15 @@ def check_against_reference(work, run_name, args, world, steps):
 @pytest.fixture
 def work(tmp_path):
     from conftest import make_text
+
     (tmp_path / "corpus.txt").write_text(make_text())
     return tmp_path
 
 
 @pytest.mark.slow
 def test_mpiexec_across_hosts_full_shard(work):
-    """Hydra's mpiexec on node0 starts node1's ranks through ssh; MPI's own shared-memory split counts the nodes."""
+    """Hydra's mpiexec on node0 starts node1's ranks through ssh; MPI's own shared-memory split
+    counts the nodes."""
     args = tiny_args(work, "mpi", 4, "--sharding", "full-shard")
     with hosts() as cluster:
         out = succeeded([mpi_launch(cluster, work, ["node0", "node1"], 2, args)])
@@ -141,14 +232,24 @@ def test_mpiexec_across_hosts_full_shard(work):
 
 @pytest.mark.slow
 def test_bf16_sums_move_fewer_bytes_across_hosts(work):
-    """--reduce_precision bf16 over 2 hosts x 1 rank (the one unit, bf16): each step the link carries half of the
-    bf16 gather and half of the reduce-scatter, 2 + 4 bytes a parameter in fp32 sums, 2 + 2 in bf16; the counted
-    bytes (rendezvous and checkpoint traffic included) fall by over a fifth (measured: 8.79 to 5.45 MB over 30
-    steps), and the run trains as the fp32 one does, to bf16's rounding."""
+    """--reduce_precision bf16 over 2 hosts x 1 rank (the one unit, bf16): each step the link
+    carries half of the bf16 gather and half of the reduce-scatter, 2 + 4 bytes a parameter in fp32
+    sums, 2 + 2 in bf16; the counted bytes (rendezvous and checkpoint traffic included) fall by over
+    a fifth (measured: 8.79 to 5.45 MB over 30 steps), and the run trains as the fp32 one does, to
+    bf16's rounding."""
     moved, losses = {}, {}
     for reduce in ("float32", "bf16"):
-        args = tiny_args(work, f"sums-{reduce}", 30, "--precision", "bf16", "--reduce_precision", reduce,
-                         "--checkpoint_interval", 0)
+        args = tiny_args(
+            work,
+            f"sums-{reduce}",
+            30,
+            "--precision",
+            "bf16",
+            "--reduce_precision",
+            reduce,
+            "--checkpoint_interval",
+            0,
+        )
         with hosts() as cluster:
             out = succeeded(per_host_launch(cluster, work, [1, 1], args, torchrun_env))
             moved[reduce] = cluster.bytes_moved("node1")
@@ -161,33 +262,49 @@ def test_bf16_sums_move_fewer_bytes_across_hosts(work):
 
 @pytest.mark.slow
 def test_torchrun_style_across_hosts_whose_names_do_not_resolve(work):
-    """No host resolves another's name (nor its own): gloo would advertise 127.0.0.1 and the job would hang;
-    the interface on the route to MASTER_ADDR is picked instead, and the run trains."""
+    """No host resolves another's name (nor its own): gloo would advertise 127.0.0.1 and the job
+    would hang; the interface on the route to MASTER_ADDR is picked instead, and the run trains."""
     args = tiny_args(work, "torchrun", 4, "--sharding", "hybrid-grad-shard")
     with hosts(resolve="none") as cluster:
         out = succeeded(per_host_launch(cluster, work, [2, 2], args, torchrun_env))
         assert cluster.bytes_moved("node1") > TALKED
     assert "launch: 4 rank(s) = 2 node(s) x 2 rank(s)/node, started by torchrun" in out
-    assert "mesh replicate=2 x shard=2 (hybrid-grad-shard)" in out  # shard within a host, replicate across
+    # shard within a host, replicate across
+    assert "mesh replicate=2 x shard=2 (hybrid-grad-shard)" in out
     check_against_reference(work, "torchrun", args, 4, 4)
 
 
 @pytest.mark.slow
 def test_kubernetes_pytorchjob_pods_run_torchrun(work):
-    """Each pod (host) runs the manifest's torchrun command with the variables the training operator sets."""
+    """Each pod (host) runs the manifest's torchrun command with the variables the training operator
+    sets."""
     yaml = pytest.importorskip("yaml")
     from support import envsubst, kubelet_expand
+
     train = tiny_args(work, "k8s", 4, "--sharding", "no-shard")
-    values = {"JOB_NAME": "tiny", "IMAGE_URI": "x", "NUM_WORKERS": "1", "GPU_PER_NODE": "2", "INSTANCE_TYPE": "cpu",
-              "SHARED_PVC": "claim", "SHARED_DIR": str(work), "TRAINING_ARGS": " ".join(map(str, train))}
+    values = {
+        "JOB_NAME": "tiny",
+        "IMAGE_URI": "x",
+        "NUM_WORKERS": "1",
+        "GPU_PER_NODE": "2",
+        "INSTANCE_TYPE": "cpu",
+        "SHARED_PVC": "claim",
+        "SHARED_DIR": str(work),
+        "TRAINING_ARGS": " ".join(map(str, train)),
+    }
     job = yaml.safe_load(envsubst((ROOT / "k8s" / "pytorchjob.yaml").read_text(), values))
     container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     torchrun_dir = os.path.dirname(sys.executable)
     with hosts() as cluster:
         ranks = Ranks(cluster, work)
         for pod in range(2):
-            pod_env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"], "PET_NODE_RANK": str(pod),
-                       "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+            pod_env = {
+                "PET_NNODES": "2",
+                "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
+                "PET_NODE_RANK": str(pod),
+                "MASTER_ADDR": "node0",
+                "MASTER_PORT": "29500",
+            }
             command = [*container["command"], kubelet_expand(container["args"][0], pod_env)]
             env = base_env(**pod_env, PATH=f"{torchrun_dir}:{os.environ['PATH']}")
             ranks.start(f"node{pod}", command, env, cwd=ROOT)
@@ -199,17 +316,26 @@ def test_kubernetes_pytorchjob_pods_run_torchrun(work):
 
 
 def stream_reference(args, world, steps):
-    """Plain training on the global batch of every rank's --streaming batches (rank r of `world` reads the
-    documents r, r + world, ...; StreamingData, which test_streaming checks against prepared tokens)."""
+    """Plain training on the global batch of every rank's --streaming batches (rank r of `world`
+    reads the documents r, r + world, ...; StreamingData, which test_streaming checks against
+    prepared tokens)."""
     from minimal_fsdp.data.documents import open_documents
     from minimal_fsdp.data.streaming import StreamingData
     from minimal_fsdp.data.tokenizer import load_tokenizer
+
     cfg = parse_args([str(a) for a in args])
     tokenizer = load_tokenizer(cfg.tokenizer_dir)
     streams = []
     for rank in range(world):
-        stream = StreamingData(open_documents(cfg.dataset_path, "--dataset_path"), tokenizer, cfg.tokenizer_dir,
-                               rank, world, cfg.val_fraction, cfg.seed)
+        stream = StreamingData(
+            open_documents(cfg.dataset_path, "--dataset_path"),
+            tokenizer,
+            cfg.tokenizer_dir,
+            rank,
+            world,
+            cfg.val_fraction,
+            cfg.seed,
+        )
         stream.bind(cfg.seq_length, cfg.batch_size, 1, rank, world, cfg.seed)
         streams.append(stream)
     model = plain.build(cfg, tokenizer.vocab_size, "cpu")
@@ -228,15 +354,53 @@ def stream_reference(args, world, steps):
 
 @pytest.mark.slow
 def test_slurm_style_tasks_stream_documents_across_hosts(work):
-    """srun's per-task variables on two nodes (the rendezvous at the first node's name), --streaming: each rank
-    reads the documents of its global rank, not of its local rank."""
+    """srun's per-task variables on two nodes (the rendezvous at the first node's name),
+    --streaming: each rank reads the documents of its global rank, not of its local rank."""
     from support import make_documents, run_cli, write_jsonl
+
     source = write_jsonl(work / "docs", make_documents())
-    tokenizer = run_cli("--dataset", "text", "--input_file", source, "--tokenizer", "char", "--output", work / "prep")
-    args = ["--dataset_path", source, "--streaming", "--tokenizer_dir", tokenizer, "--data_dir", work / "data",
-            "--log_dir", work / "logs", "--checkpoint_dir", work / "checkpoints", *TINY_MODEL, "--max_steps", 4,
-            "--log_interval", 1, "--eval_interval", 0, "--run_name", "slurm", "--lr", "3e-3", "--warmup_steps", 2,
-            "--lr_decay_steps", 10, "--dropout", "0.0", "--sharding", "grad-shard"]
+    tokenizer = run_cli(
+        "--dataset",
+        "text",
+        "--input_file",
+        source,
+        "--tokenizer",
+        "char",
+        "--output",
+        work / "prep",
+    )
+    args = [
+        "--dataset_path",
+        source,
+        "--streaming",
+        "--tokenizer_dir",
+        tokenizer,
+        "--data_dir",
+        work / "data",
+        "--log_dir",
+        work / "logs",
+        "--checkpoint_dir",
+        work / "checkpoints",
+        *TINY_MODEL,
+        "--max_steps",
+        4,
+        "--log_interval",
+        1,
+        "--eval_interval",
+        0,
+        "--run_name",
+        "slurm",
+        "--lr",
+        "3e-3",
+        "--warmup_steps",
+        2,
+        "--lr_decay_steps",
+        10,
+        "--dropout",
+        "0.0",
+        "--sharding",
+        "grad-shard",
+    ]
     with hosts() as cluster:
         out = succeeded(per_host_launch(cluster, work, [2, 2], args, slurm_env))
         assert cluster.bytes_moved("node1") > TALKED
@@ -249,6 +413,7 @@ def test_slurm_style_tasks_stream_documents_across_hosts(work):
 @pytest.mark.slow
 def test_decentralized_gossip_across_hosts(work):
     from support import DECENTRALIZED, decentralized_reference
+
     args = tiny_args(work, "gossip", 4, *DECENTRALIZED, "--accum_steps", 1)
     with hosts() as cluster:
         out = succeeded([mpi_launch(cluster, work, ["node0", "node1"], 2, args)])
@@ -260,8 +425,9 @@ def test_decentralized_gossip_across_hosts(work):
 
 
 def elastic_reference(args, phases):
-    """Plain training through world-size changes: phases [(world, steps)], each step's global batch the next
-    world * batch_size blocks of the one block stream (the data position carries over, whatever the world)."""
+    """Plain training through world-size changes: phases [(world, steps)], each step's global batch
+    the next world * batch_size blocks of the one block stream (the data position carries over,
+    whatever the world)."""
     cfg = parse_args([str(a) for a in args])
     data = plain.PreparedTokens(cfg.data_dir)
     model = plain.build(cfg, data.vocab_size, "cpu")
@@ -269,8 +435,10 @@ def elastic_reference(args, phases):
     losses, position, step = [], 0, 0
     for world, steps in phases:
         for _ in range(steps):
-            blocks = [data.batch("train", position + i, 0, 1, 1, cfg.seq_length, cfg.seed)
-                      for i in range(world * cfg.batch_size)]
+            blocks = [
+                data.batch("train", position + i, 0, 1, 1, cfg.seq_length, cfg.seed)
+                for i in range(world * cfg.batch_size)
+            ]
             position += world * cfg.batch_size
             x, y = torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
             for group in optimizer.param_groups:
@@ -285,15 +453,28 @@ def elastic_reference(args, phases):
 
 @pytest.mark.slow
 def test_elastic_resume_two_hosts_to_one_and_back(work):
-    """2 hosts x 2 ranks (our PBS job script, hybrid-full-shard), then 1 host x 2 (mpiexec, grad-shard), then 2 x 2
-    again (mpiexec, hybrid-grad-shard): each resumes the one before; the losses are those of one process that
-    trained on the same block stream, the data position carried across the world-size changes."""
+    """2 hosts x 2 ranks (our PBS job script, hybrid-full-shard), then 1 host x 2 (mpiexec,
+    grad-shard), then 2 x 2 again (mpiexec, hybrid-grad-shard): each resumes the one before; the
+    losses are those of one process that trained on the same block stream, the data position carried
+    across the world-size changes."""
     args = tiny_args(work, "elastic", 3, "--lr_decay_steps", 10)
     with hosts() as cluster:
-        pbs_env = dict(cluster.job_env(slots=2), PBS_O_WORKDIR=work, REPO=ROOT, MPIEXEC=mpiexec(), NRANKS_PER_NODE=2,
-                       NDEPTH=1, CPU_BIND="", PYTHON=sys.executable, ARGS=" ".join(map(str, args)))
-        first = Ranks(cluster, work).start("node0", ["bash", ROOT / "pbs" / "train_multi_node.sh"],
-                                           base_env(**pbs_env)).wait()
+        pbs_env = dict(
+            cluster.job_env(slots=2),
+            PBS_O_WORKDIR=work,
+            REPO=ROOT,
+            MPIEXEC=mpiexec(),
+            NRANKS_PER_NODE=2,
+            NDEPTH=1,
+            CPU_BIND="",
+            PYTHON=sys.executable,
+            ARGS=" ".join(map(str, args)),
+        )
+        first = (
+            Ranks(cluster, work)
+            .start("node0", ["bash", ROOT / "pbs" / "train_multi_node.sh"], base_env(**pbs_env))
+            .wait()
+        )
         out = succeeded(first)
         assert "2 node(s) x 2 rank(s) = 4 rank(s)" in out  # the script's own count of PBS_NODEFILE
         assert "launch: 4 rank(s) = 2 node(s) x 2 rank(s)/node" in out
@@ -304,8 +485,17 @@ def test_elastic_resume_two_hosts_to_one_and_back(work):
         out = succeeded([mpi_launch(cluster, work, ["node0"], 2, resumed)])
         assert "launch: 2 rank(s) = 1 node(s) x 2 rank(s)/node" in out and "resuming from" in out
         assert cluster.bytes_moved("node1") - moved < TALKED  # node1 took no part
-        out = succeeded([mpi_launch(cluster, work, ["node0", "node1"], 2,
-                                    [*args, "--max_steps", 7, "--sharding", "hybrid-grad-shard"])])
+        out = succeeded(
+            [
+                mpi_launch(
+                    cluster,
+                    work,
+                    ["node0", "node1"],
+                    2,
+                    [*args, "--max_steps", 7, "--sharding", "hybrid-grad-shard"],
+                )
+            ]
+        )
         assert "mesh replicate=2 x shard=2 (hybrid-grad-shard)" in out and "resuming from" in out
     losses = {r["step"]: r["loss"] for r in metrics(work, "elastic") if "loss" in r}
     assert sorted(losses) == list(range(1, 8))
@@ -314,7 +504,8 @@ def test_elastic_resume_two_hosts_to_one_and_back(work):
 
 
 def doc_command(doc, starts):
-    """The shell command of a fenced block in `doc` that starts with `starts`, its continuation lines joined."""
+    """The shell command of a fenced block in `doc` that starts with `starts`, its continuation
+    lines joined."""
     lines = (ROOT / "docs" / doc).read_text().splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith(starts))
     command = []
@@ -326,21 +517,41 @@ def doc_command(doc, starts):
 
 @pytest.mark.slow
 def test_the_docs_rehearsal_trains_across_hosts_after_a_finished_run_and_says_what_it_proved(work):
-    """docs/launch.md's rehearsal command used to resume the quick start's finished run, train 0 steps, send no
-    collective across the hosts and exit 0. After a finished run of the default name it trains a run of its
-    own across both hosts and reports the hosts, ranks, interface and bytes."""
+    """docs/launch.md's rehearsal command used to resume the quick start's finished run, train 0
+    steps, send no collective across the hosts and exit 0. After a finished run of the default name
+    it trains a run of its own across both hosts and reports the hosts, ranks, interface and
+    bytes."""
     import subprocess
-    subprocess.run([sys.executable, ENTRY, *TINY_MODEL, "--max_steps", "2", "--eval_interval", "0"], cwd=work,
-                   env=base_env(), check=True, capture_output=True, timeout=300)  # the quick start, short
+
+    subprocess.run(
+        [sys.executable, ENTRY, *TINY_MODEL, "--max_steps", "2", "--eval_interval", "0"],
+        cwd=work,
+        # the quick start, short
+        env=base_env(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert (work / "checkpoints" / "shakespeare" / "step_2").is_dir()
-    (work / "pbs").symlink_to(ROOT / "pbs")  # the command runs from a checkout; the run's files stay here
+    # the command runs from a checkout; the run's files stay here
+    (work / "pbs").symlink_to(ROOT / "pbs")
     command = doc_command("launch.md", "minimal-fsdp cluster --hosts 2 --slots 2")
     command = command.replace("minimal-fsdp", f"{sys.executable} -m minimal_fsdp", 1)
-    result = subprocess.run(["bash", "-c", command], cwd=work, env=base_env(REPO=ROOT), capture_output=True,
-                            text=True, timeout=600)  # a bound on a hang only
+    result = subprocess.run(
+        ["bash", "-c", command],
+        cwd=work,
+        env=base_env(REPO=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # a bound on a hang only
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = [line for line in result.stdout.splitlines() if line.startswith("rehearsal: ")]
-    assert len(report) == 1 and report[0].startswith("rehearsal: trained across 2 hosts (node0, node1): 4 rank(s) "
-                                                     "= 2 node(s) x 2 rank(s)/node; network eth0 (10.77.0.1); ")
-    assert float(report[0].split("; ")[2].split(" MB")[0]) * 1e6 > TALKED and report[0].endswith("20 steps trained")
+    assert len(report) == 1 and report[0].startswith(
+        "rehearsal: trained across 2 hosts (node0, node1): 4 rank(s) "
+        "= 2 node(s) x 2 rank(s)/node; network eth0 (10.77.0.1); "
+    )
+    assert float(report[0].split("; ")[2].split(" MB")[0]) * 1e6 > TALKED and report[0].endswith(
+        "20 steps trained"
+    )
     assert len(list((work / "checkpoints").glob("rehearsal-*/step_20"))) == 1

@@ -1,7 +1,9 @@
-"""The guard rails of a job across hosts (hosts as network namespaces, minimal_fsdp.tools.virtual_cluster): an address
-that does not route between hosts, a --checkpoint_dir on node-local disks, a link cut mid-run and a host killed
-mid-save. Each ends every rank within a bound (generous: it only tells a stop from a hang) with one `error:` line
-and no traceback, and the last good checkpoint resumes. Needs root (skipped elsewhere)."""
+"""The guard rails of a job across hosts (hosts as network namespaces,
+minimal_fsdp.tools.virtual_cluster): an address that does not route between hosts, a
+--checkpoint_dir on node-local disks, a link cut mid-run and a host killed mid-save. Each ends every
+rank within a bound (generous: it only tells a stop from a hang) with one `error:` line and no
+traceback, and the last good checkpoint resumes. Needs root (skipped elsewhere)."""
+
 import sys
 import time
 
@@ -33,33 +35,50 @@ def start(cluster, work, args, entry=ROOT / "basic_training.py", **extra_env):
 
 
 def one_line_each(results, code, starts):
-    """Every rank exited `code`, none with a traceback; one `error:` line (starting with `starts`) from each rank,
-    or from rank 0 alone where the ranks agreed on the failure and rank 0 speaks for all. Returns the lines."""
+    """Every rank exited `code`, none with a traceback; one `error:` line (starting with `starts`)
+    from each rank, or from rank 0 alone where the ranks agreed on the failure and rank 0 speaks for
+    all. Returns the lines."""
     lines = []
     for exit_code, out, err in results:
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
-        assert exit_code == code and len(errors) <= 1 and "Traceback" not in err, (exit_code, err[-3000:])
+        assert exit_code == code and len(errors) <= 1 and "Traceback" not in err, (
+            exit_code,
+            err[-3000:],
+        )
         assert all(line.startswith(starts) for line in errors), errors
         lines += errors
-    assert len(lines) in (1, len(results)) and results[0][2].count("error: ") == 1, [r[2][-2000:] for r in results]
+    assert len(lines) in (1, len(results)) and results[0][2].count("error: ") == 1, [
+        r[2][-2000:] for r in results
+    ]
     return lines
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["loopback interface", "no such interface", "loopback MASTER_ADDR"])
+@pytest.mark.parametrize(
+    "case", ["loopback interface", "no such interface", "loopback MASTER_ADDR"]
+)
 def test_an_address_that_does_not_route_between_hosts_ends_every_rank_at_once(work, case):
-    env = {"loopback interface": {"GLOO_SOCKET_IFNAME": "lo"}, "no such interface": {"GLOO_SOCKET_IFNAME": "ib0"},
-           "loopback MASTER_ADDR": {"MASTER_ADDR": "127.0.0.1"}}[case]
+    env = {
+        "loopback interface": {"GLOO_SOCKET_IFNAME": "lo"},
+        "no such interface": {"GLOO_SOCKET_IFNAME": "ib0"},
+        "loopback MASTER_ADDR": {"MASTER_ADDR": "127.0.0.1"},
+    }[case]
     began = time.monotonic()
     with Cluster(2) as cluster:
         results = start(cluster, work, tiny_args(work, "net", 2), **env).wait(timeout=240)
-    assert time.monotonic() - began < 120  # without the check: a hang until --collective_timeout (300 s)
+    # without the check: a hang until --collective_timeout (300 s)
+    assert time.monotonic() - began < 120
     lines = one_line_each(results, 2, "error: rank ")
     if case == "loopback MASTER_ADDR":
-        assert all("127.0.0.1 is this host's loopback" in line and "eth0 10.77.0." in line for line in lines)
+        assert all(
+            "127.0.0.1 is this host's loopback" in line and "eth0 10.77.0." in line
+            for line in lines
+        )
     else:
-        assert all(f"GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']}" in line and "eth0 10.77.0." in line
-                   for line in lines)
+        assert all(
+            f"GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']}" in line and "eth0 10.77.0." in line
+            for line in lines
+        )
 
 
 @pytest.mark.slow
@@ -67,8 +86,11 @@ def test_a_checkpoint_dir_on_node_local_disks_is_refused_before_training(work):
     with Cluster(2, node_local=work / "checkpoints") as cluster:
         results = start(cluster, work, tiny_args(work, "local", 2)).wait(timeout=240)
     lines = one_line_each(results, 2, "error:")
-    assert any("is not shared by every host: node1 cannot see the file rank 0 wrote there (on node0)" in line
-               for line in lines), lines
+    assert any(
+        "is not shared by every host: node1 cannot see the file rank 0 wrote there (on node0)"
+        in line
+        for line in lines
+    ), lines
     assert not any("step 1" in out for _, out, _ in results)  # refused before training
 
 
@@ -82,14 +104,21 @@ def wait_for(path, seconds=240):
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["link cut", "host killed mid-save"])
 def test_a_lost_host_ends_every_rank_and_the_last_checkpoint_resumes(work, fault):
-    """Step 2 is saved; then node1's link goes down while both ranks wait in step 4 (or node1 is killed while it
-    writes its part of step 4): every rank ends within --collective_timeout and a margin, with one line; the
-    next launch resumes from step 2."""
+    """Step 2 is saved; then node1's link goes down while both ranks wait in step 4 (or node1 is
+    killed while it writes its part of step 4): every rank ends within --collective_timeout and a
+    margin, with one line; the next launch resumes from step 2."""
     args = tiny_args(work, "lost", 6, "--checkpoint_interval", 2, "--collective_timeout", TIMEOUT)
     release = work / "release"
     faults = "pause@4" if fault == "link cut" else "kill_in_save@4:1"
     with Cluster(2) as cluster:
-        ranks = start(cluster, work, args, entry=FAULTS, MINIMAL_FSDP_FAULTS=faults, MINIMAL_FSDP_RELEASE=release)
+        ranks = start(
+            cluster,
+            work,
+            args,
+            entry=FAULTS,
+            MINIMAL_FSDP_FAULTS=faults,
+            MINIMAL_FSDP_RELEASE=release,
+        )
         if fault == "link cut":
             wait_for(work / "checkpoints" / "lost" / "step_2")
             time.sleep(2)  # both ranks are in step 4's pause

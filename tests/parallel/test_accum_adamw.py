@@ -1,5 +1,7 @@
-"""AccumAdamW against torch.optim.AdamW: identical with accum_steps=1; with k, every step is the AdamW step whose
-gradient history is the means of the completed k-step windows followed by the current gradient."""
+"""AccumAdamW against torch.optim.AdamW: identical with accum_steps=1; with k, every step is the
+AdamW step whose gradient history is the means of the completed k-step windows followed by the
+current gradient."""
+
 import sys
 
 import pytest
@@ -15,17 +17,25 @@ HYPER = dict(betas=(0.9, 0.98), eps=1e-8)
 
 def make_params(seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(6, 4, generator=generator)),
-            torch.nn.Parameter(torch.randn(4, generator=generator))]
+    return [
+        torch.nn.Parameter(torch.randn(6, 4, generator=generator)),
+        torch.nn.Parameter(torch.randn(4, generator=generator)),
+    ]
 
 
 def groups(params):
-    return [{"params": [params[0]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}]
+    return [
+        {"params": [params[0]], "weight_decay": 0.1},
+        {"params": [params[1]], "weight_decay": 0.0},
+    ]
 
 
 def gradients(steps, seed=1):
     generator = torch.Generator().manual_seed(seed)
-    return [[torch.randn(6, 4, generator=generator), torch.randn(4, generator=generator)] for _ in range(steps)]
+    return [
+        [torch.randn(6, 4, generator=generator), torch.randn(4, generator=generator)]
+        for _ in range(steps)
+    ]
 
 
 def lr_at(step):
@@ -56,12 +66,15 @@ def test_k_step_windows_match_adamw_on_window_means(k):
     optimizer = AccumAdamW(groups(params), accum_steps=k, **HYPER)
     grads = gradients(4 * k + 1)
     for t, gs in enumerate(grads):
-        # Reference: a fresh AdamW on a copy of the parameters is shown the completed windows' mean gradients
-        # with lr 0 (moments only), then this step's gradient at this step's lr.
+        # Reference: a fresh AdamW on a copy of the parameters is shown the completed windows' mean
+        # gradients with lr 0 (moments only), then this step's gradient at this step's lr.
         probe = [torch.nn.Parameter(p.detach().clone()) for p in params]
         adamw = torch.optim.AdamW(groups(probe), foreach=True, **HYPER)
         for window in range(t // k):
-            means = [torch.stack([grads[s][i] for s in range(window * k, window * k + k)]).mean(0) for i in range(2)]
+            means = [
+                torch.stack([grads[s][i] for s in range(window * k, window * k + k)]).mean(0)
+                for i in range(2)
+            ]
             for q, g in zip(probe, means):
                 q.grad = g
             for group in adamw.param_groups:
@@ -76,7 +89,8 @@ def test_k_step_windows_match_adamw_on_window_means(k):
         run(optimizer, params, [gs], start=t)
         for p, q in zip(params, probe):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {t + 1}")
-    assert not torch.equal(params[0], make_params()[0])  # it moved, so the comparison is not vacuous
+    # it moved, so the comparison is not vacuous
+    assert not torch.equal(params[0], make_params()[0])
 
 
 def test_state_dict_resumes_mid_window_exactly():
@@ -110,11 +124,14 @@ def step_with(optimizer, params, grads):
 
 
 def test_defaults_are_adamw_with_beta2_098_and_no_weight_decay():
-    """build_optimizer leaves eps (and here lr) to the defaults: they must be torch.optim.AdamW's."""
+    """build_optimizer leaves eps (and here lr) to the defaults: they must be
+    torch.optim.AdamW's."""
     ours, theirs = make_params(), make_params()
     grads = gradients(6)
     step_with(AccumAdamW(ours), ours, grads)
-    step_with(torch.optim.AdamW(theirs, betas=(0.9, 0.98), weight_decay=0.0, foreach=True), theirs, grads)
+    step_with(
+        torch.optim.AdamW(theirs, betas=(0.9, 0.98), weight_decay=0.0, foreach=True), theirs, grads
+    )
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 
@@ -130,16 +147,27 @@ def test_constructor_arguments_reach_groups_that_do_not_set_them():
 
 
 def test_parameters_without_gradients_are_left_alone():
-    """A frozen parameter before a trained one in a group, and a group with no gradient at all before another."""
+    """A frozen parameter before a trained one in a group, and a group with no gradient at all
+    before another."""
+
     def layout(trained):
         frozen = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
-        return frozen, [{"params": [frozen[0], trained[0]]}, {"params": [frozen[1]]}, {"params": [trained[1]]}]
+        return frozen, [
+            {"params": [frozen[0], trained[0]]},
+            {"params": [frozen[1]]},
+            {"params": [trained[1]]},
+        ]
+
     ours, theirs = make_params(), make_params()
     frozen_ours, groups_ours = layout(ours)
     frozen_theirs, groups_theirs = layout(theirs)
     grads = gradients(4)
     step_with(AccumAdamW(groups_ours, lr=1e-2, **HYPER), ours, grads)
-    step_with(torch.optim.AdamW(groups_theirs, lr=1e-2, weight_decay=0.0, foreach=True, **HYPER), theirs, grads)
+    step_with(
+        torch.optim.AdamW(groups_theirs, lr=1e-2, weight_decay=0.0, foreach=True, **HYPER),
+        theirs,
+        grads,
+    )
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
     assert not torch.equal(ours[1], make_params()[1])  # the last group moved
@@ -147,14 +175,18 @@ def test_parameters_without_gradients_are_left_alone():
 
 
 def test_step_returns_the_closure_loss_computed_with_gradients():
-    """As torch.optim.AdamW: step(closure) evaluates the closure with autograd on and returns its loss."""
+    """As torch.optim.AdamW: step(closure) evaluates the closure with autograd on and returns its
+    loss."""
+
     def closure_for(params, optimizer):
         def closure():
             optimizer.zero_grad()
             loss = (params[0] ** 2).sum() + params[1].sum()
             loss.backward()
             return loss
+
         return closure
+
     ours, theirs = make_params(), make_params()
     ours_optimizer = AccumAdamW(ours, lr=1e-2, **HYPER)
     theirs_optimizer = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.0, foreach=True, **HYPER)
@@ -166,8 +198,9 @@ def test_step_returns_the_closure_loss_computed_with_gradients():
 
 
 def reference_accum_adamw(param, grads, lrs, k, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.1):
-    """AccumAdamW written out element by element in float64, from accum_adamw.py's docstring: the moments move
-    once a window, on the window's mean gradient; each step's update uses them as if g_t ended the window."""
+    """AccumAdamW written out element by element in float64, from accum_adamw.py's docstring: the
+    moments move once a window, on the window's mean gradient; each step's update uses them as if
+    g_t ended the window."""
     p = param.double().clone()
     m, v, window_sum = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
     for t, (g, lr) in enumerate(zip(grads, lrs), 1):
@@ -175,11 +208,15 @@ def reference_accum_adamw(param, grads, lrs, k, beta1=0.9, beta2=0.98, eps=1e-8,
         r = -(-t // k)  # the window this step belongs to, from 1
         p = p * (1 - lr * weight_decay)
         m_now, v_now = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
-        p = p - lr * (m_now / (1 - beta1 ** r)) / ((v_now / (1 - beta2 ** r)).sqrt() + eps)
+        p = p - lr * (m_now / (1 - beta1**r)) / ((v_now / (1 - beta2**r)).sqrt() + eps)
         window_sum = window_sum + g
         if t % k == 0:
             a = window_sum / k
-            m, v, window_sum = beta1 * m + (1 - beta1) * a, beta2 * v + (1 - beta2) * a * a, torch.zeros_like(p)
+            m, v, window_sum = (
+                beta1 * m + (1 - beta1) * a,
+                beta2 * v + (1 - beta2) * a * a,
+                torch.zeros_like(p),
+            )
     return p
 
 
@@ -191,24 +228,40 @@ def test_update_equals_an_independent_elementwise_reference(k):
     lrs = [lr_at(step) for step in range(len(grads))]
     expected = reference_accum_adamw(make_params()[0].detach(), [g[0] for g in grads], lrs, k)
     torch.testing.assert_close(params[0].detach().double(), expected, rtol=1e-5, atol=1e-6)
-    no_decay = reference_accum_adamw(make_params()[1].detach(), [g[1] for g in grads], lrs, k, weight_decay=0.0)
+    no_decay = reference_accum_adamw(
+        make_params()[1].detach(), [g[1] for g in grads], lrs, k, weight_decay=0.0
+    )
     torch.testing.assert_close(params[1].detach().double(), no_decay, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_update_equals_decent_dps_accum_adamw(k):
-    """Decent-DP 0.2.3's accum_adamw_foreach (its AccumAdamW class calls a torch-internal name torch 2.11 renamed,
-    so its update function is called directly) keeps Adam's moments pre-multiplied by beta; the same updates."""
+    """Decent-DP 0.2.3's accum_adamw_foreach (its AccumAdamW class calls a torch-internal name torch
+    2.11 renamed, so its update function is called directly) keeps Adam's moments pre-multiplied by
+    beta; the same updates."""
     optim = pytest.importorskip("decent_dp.optim")
     ours = make_params()
     grads = gradients(3 * k + 2)
     run(AccumAdamW(groups(ours), accum_steps=k, **HYPER), ours, grads)
     theirs = [p.detach().clone() for p in make_params()]
-    state = [[torch.zeros_like(p) for p in theirs] for _ in range(3)]  # exp_avg, exp_avg_sq, accum_grad
+    # exp_avg, exp_avg_sq, accum_grad
+    state = [[torch.zeros_like(p) for p in theirs] for _ in range(3)]
     for step, gs in enumerate(grads):
         for group, decay in ((0, 0.1), (1, 0.0)):  # each parameter group as our groups() has it
             steps = [torch.tensor(step, dtype=torch.int64)]
-            optim.accum_adamw_foreach([theirs[group]], [gs[group]], [state[0][group]], [state[1][group]],
-                                      [state[2][group]], steps, 0.9, 0.98, lr_at(step), decay, 1e-8, k)
+            optim.accum_adamw_foreach(
+                [theirs[group]],
+                [gs[group]],
+                [state[0][group]],
+                [state[1][group]],
+                [state[2][group]],
+                steps,
+                0.9,
+                0.98,
+                lr_at(step),
+                decay,
+                1e-8,
+                k,
+            )
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)

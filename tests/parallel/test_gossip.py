@@ -1,9 +1,11 @@
-"""Gossip: the mixing matrices of every topology, and what gossip.py does with them, twice over. In one process,
-ranks as threads with a small stand-in for torch.distributed (the calls gossip.py makes: all_reduce, all_gather,
-batched isend/irecv): each step applies W_t and counts its bytes, the quadratic's rate, buffers, clipping and
-misuse. Then real exchanges between 4 and 3 ranks over gloo (tests/gossip_ranks.py under mpiexec), checked the
-same way: each step applies exactly W_t, complete gives the network average, and ring and exp drive replicas of a
-quadratic toy problem to consensus at the rate the spectrum of W predicts."""
+"""Gossip: the mixing matrices of every topology, and what gossip.py does with them, twice over. In
+one process, ranks as threads with a small stand-in for torch.distributed (the calls gossip.py
+makes: all_reduce, all_gather, batched isend/irecv): each step applies W_t and counts its bytes, the
+quadratic's rate, buffers, clipping and misuse. Then real exchanges between 4 and 3 ranks over gloo
+(tests/gossip_ranks.py under mpiexec), checked the same way: each step applies exactly W_t, complete
+gives the network average, and ring and exp drive replicas of a quadratic toy problem to consensus
+at the rate the spectrum of W predicts."""
+
 import queue
 import threading
 import types
@@ -13,7 +15,13 @@ import torch
 
 import gossip_ranks
 from minimal_fsdp.parallel import gossip
-from minimal_fsdp.parallel.gossip import Gossip, TOPOLOGIES, exchange_for, exp_distances, mixing_matrix
+from minimal_fsdp.parallel.gossip import (
+    Gossip,
+    TOPOLOGIES,
+    exchange_for,
+    exp_distances,
+    mixing_matrix,
+)
 from support import check_mixing, check_quadratic, period, predicted_rate, run_gossip_ranks
 
 
@@ -28,8 +36,11 @@ def test_mixing_is_doubly_stochastic_and_sends_match_receives(topology, world):
         torch.testing.assert_close(w.sum(dim=0), ones)  # ... that keeps the network average
         for rank in range(world):
             sends = set(exchange_for(topology, rank, world, step).send_to)
-            receivers = {j for j in range(world)
-                         if rank in [peer for peer, _ in exchange_for(topology, j, world, step).recv_from]}
+            receivers = {
+                j
+                for j in range(world)
+                if rank in [peer for peer, _ in exchange_for(topology, j, world, step).recv_from]
+            }
             assert sends == receivers, (step, rank)  # every message posted has a matching receive
 
 
@@ -61,7 +72,9 @@ def test_ring_spectrum(world):
 
 
 # a launch each: the quick tier runs 4 ranks; 3 (an odd world) only with --full
-@pytest.fixture(scope="module", params=[4, pytest.param(3, marks=pytest.mark.slow)], ids=["4 ranks", "3 ranks"])
+@pytest.fixture(
+    scope="module", params=[4, pytest.param(3, marks=pytest.mark.slow)], ids=["4 ranks", "3 ranks"]
+)
 def ranks_result(request, tmp_path_factory):
     return run_gossip_ranks(request.param, tmp_path_factory.mktemp("gossip") / "result.json")
 
@@ -86,7 +99,8 @@ def test_exp_without_gradient_steps_is_exact_averaging_for_powers_of_two(ranks_r
     else:
         rate, p = predicted_rate("exp", world, 0.0)
         assert distances[p] / distances[0] <= rate ** (2 * p) * (1 + 1e-9)
-        assert distances[p] > 1e-3 * distances[0]  # not exact: the one-peer graph needs 2^k ranks for that
+        # not exact: the one-peer graph needs 2^k ranks for that
+        assert distances[p] > 1e-3 * distances[0]
 
 
 WAIT = 10  # seconds: a mismatched exchange fails instead of hanging
@@ -106,8 +120,10 @@ class Receive:
 
 
 class ThreadWorld:
-    """torch.distributed as seen by `world` threads, thread i being rank i (only what gossip uses). Groups are
-    numbered by creation, as every rank makes them in one order; a thread a rank starts is that rank's too."""
+    """torch.distributed as seen by `world` threads, thread i being rank i (only what gossip uses).
+    Groups are numbered by creation, as every rank makes them in one order; a thread a rank starts
+    is that rank's too."""
+
     ReduceOp = torch.distributed.ReduceOp
 
     def __init__(self, world):
@@ -127,6 +143,7 @@ class ThreadWorld:
             def run(self):
                 fake.local.rank = self.rank
                 super().run()
+
         self.threading = types.SimpleNamespace(Thread=RankThread)
 
     def get_rank(self):
@@ -147,7 +164,8 @@ class ThreadWorld:
             return self.groups[group]
 
     def _everyone(self, value, group=None):
-        """Every rank's value (a tensor, cloned), in the group's order, once all have posted theirs."""
+        """Every rank's value (a tensor, cloned), in the group's order, once all have posted
+        theirs."""
         group = group or self.default
         barrier, slots = self._state(group)
         slots[self.local.rank] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -163,7 +181,11 @@ class ThreadWorld:
 
     def reduce_scatter_tensor(self, out, tensor, group=None, async_op=False):
         total = torch.stack(self._everyone(tensor, group)).sum(0)
-        out.copy_(total.view(len((group or self.default)[1]), -1)[(group or self.default)[1].index(self.get_rank())])
+        out.copy_(
+            total.view(len((group or self.default)[1]), -1)[
+                (group or self.default)[1].index(self.get_rank())
+            ]
+        )
         return Done() if async_op else None
 
     def all_gather_into_tensor(self, out, tensor, group=None, async_op=False):
@@ -207,6 +229,7 @@ class ThreadWorld:
                 errors.append(e)
                 for barrier, _ in list(self.groups.values()):
                     barrier.abort()
+
         threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(self.world)]
         for t in threads:
             t.start()
@@ -225,13 +248,16 @@ def world(monkeypatch):
         monkeypatch.setattr(gossip, "threading", fake.threading)
         monkeypatch.setattr(gossip_ranks, "dist", fake)
         return fake
+
     return make
 
 
 @pytest.mark.parametrize("ranks", [4, 3, 2])
 def test_each_step_applies_its_mixing_matrix_and_counts_its_bytes(world, ranks):
     fake = world(ranks)
-    mixing = {t: fake.run(lambda rank: gossip_ranks.mixing_steps(t, rank, "cpu"))[0] for t in TOPOLOGIES}
+    mixing = {
+        t: fake.run(lambda rank: gossip_ranks.mixing_steps(t, rank, "cpu"))[0] for t in TOPOLOGIES
+    }
     for topology in TOPOLOGIES:
         check_mixing({"world": ranks, "mixing": mixing}, topology)
 
@@ -239,9 +265,14 @@ def test_each_step_applies_its_mixing_matrix_and_counts_its_bytes(world, ranks):
 @pytest.mark.parametrize("ranks", [4, 3])
 def test_quadratic_in_threads_reaches_consensus_at_the_predicted_rate(world, ranks):
     fake = world(ranks)
-    result = {"world": ranks, "lr": gossip_ranks.LR,
-              "quadratic": {t: fake.run(lambda rank: gossip_ranks.quadratic(t, rank, gossip_ranks.LR, 12, "cpu"))[0]
-                            for t in ("ring", "exp")}}
+    result = {
+        "world": ranks,
+        "lr": gossip_ranks.LR,
+        "quadratic": {
+            t: fake.run(lambda rank: gossip_ranks.quadratic(t, rank, gossip_ranks.LR, 12, "cpu"))[0]
+            for t in ("ring", "exp")
+        },
+    }
     for topology in ("ring", "exp"):
         check_quadratic(result, topology)
 
@@ -257,27 +288,33 @@ def test_one_buffer_per_incoming_message_reused_across_steps(world):
             g.finish()
             counts.append(len(g.received))
         return counts, g.received
+
     for counts, buffers in fake.run(steps):
         assert counts == [1, 2, 2, 2] and all(b.shape == buffers[0].shape for b in buffers)
 
 
 def test_receives_are_posted_before_sends(world, monkeypatch):
-    """On gloo, an exchange posted sends-first moved at half a shaped link's rate in about half the tries, and
-    receives-first at its rate every time (docs/performance.md): every step posts its receives first."""
+    """On gloo, an exchange posted sends-first moved at half a shaped link's rate in about half the
+    tries, and receives-first at its rate every time (docs/performance.md): every step posts its
+    receives first."""
     fake = world(4)
     posted = []
     batch = fake.batch_isend_irecv
-    monkeypatch.setattr(fake, "batch_isend_irecv", lambda ops: posted.append([op.op for op in ops]) or batch(ops))
+    monkeypatch.setattr(
+        fake, "batch_isend_irecv", lambda ops: posted.append([op.op for op in ops]) or batch(ops)
+    )
 
     def steps(rank):
         g = Gossip(gossip_ranks.Replica(seed=rank), "alternating-exp-ring")
         for step in range(4):  # exp (one message each way), ring (two)
             g.start(step)
             g.finish()
+
     fake.run(steps)
     assert len(posted) == 16 and {len(ops) for ops in posted} == {2, 4}
     for ops in posted:
-        assert ops == sorted(ops, key=lambda op: op != fake.irecv), ops  # every irecv before any isend
+        # every irecv before any isend
+        assert ops == sorted(ops, key=lambda op: op != fake.irecv), ops
 
 
 def test_clip_grad_norm_clips_this_replica_and_returns_the_mean_norm(world):
@@ -287,10 +324,14 @@ def test_clip_grad_norm_clips_this_replica_and_returns_the_mean_norm(world):
         model = gossip_ranks.Replica(seed=rank, dtype=torch.float64)
         g = Gossip(model, "ring")
         for p in model.parameters():
-            p.grad = torch.full_like(p, 3.0 * (rank + 1))  # 17 elements: norm 3 * (rank + 1) * sqrt(17)
+            # 17 elements: norm 3 * (rank + 1) * sqrt(17)
+            p.grad = torch.full_like(p, 3.0 * (rank + 1))
         norm = g.clip_grad_norm(model.parameters(), max_norm)
-        return norm.item(), torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm().item()
-    own = [3 * 17 ** 0.5, 6 * 17 ** 0.5]
+        return norm.item(), torch.cat(
+            [p.grad.reshape(-1) for p in model.parameters()]
+        ).norm().item()
+
+    own = [3 * 17**0.5, 6 * 17**0.5]
     for norm, after in fake.run(lambda rank: clip(rank, 1.0)):
         assert norm == pytest.approx(sum(own) / 2) and after == pytest.approx(1.0)
     for max_norm in (None, 0.0):  # no --grad_clip: gradients untouched
@@ -308,7 +349,9 @@ def test_a_nonfinite_grad_norm_on_one_replica_reaches_every_rank(world):
         for p in model.parameters():
             p.grad = torch.full_like(p, float("nan") if rank == 1 else 1.0)
         return g.clip_grad_norm(model.parameters(), 1.0).item()
-    assert all(norm != norm for norm in fake.run(clip))  # NaN everywhere: every rank skips or stops together
+
+    # NaN everywhere: every rank skips or stops together
+    assert all(norm != norm for norm in fake.run(clip))
 
 
 def test_one_rank_gossip_leaves_parameters_alone(world):
@@ -322,6 +365,7 @@ def test_one_rank_gossip_leaves_parameters_alone(world):
             g.start(step)
             g.finish()
         return before, model.vector(), g.bytes_sent, g.consensus_distance()
+
     ((before, after, sent, distance),) = fake.run(steps)
     assert torch.equal(before, after) and sent == 0 and distance == 0.0
 
@@ -331,12 +375,14 @@ def test_parameters_become_views_of_one_flat_buffer(world):
 
     def build(rank):
         model = gossip_ranks.Replica(seed=0)
-        model.scale = torch.nn.Parameter(torch.tensor([2.0, 3.0]))  # three parameters: offsets add up
+        # three parameters: offsets add up
+        model.scale = torch.nn.Parameter(torch.tensor([2.0, 3.0]))
         values = model.vector().clone()
         g = Gossip(model, "ring")
         assert torch.equal(g.flat, values)  # the same values, in parameter order
         g.flat.add_(1.0)
         return values, model.vector()
+
     ((values, through_model),) = fake.run(build)
     assert torch.equal(through_model, values + 1)
 
@@ -345,12 +391,17 @@ def test_misuse_is_refused(world):
     fake = world(1)
 
     def refuse(rank):
-        with pytest.raises(ValueError, match="^unknown topology 'star'; choose from complete, ring, exp, "
-                                             "alternating-exp-ring$"):
+        with pytest.raises(
+            ValueError,
+            match="^unknown topology 'star'; choose from complete, ring, exp, "
+            "alternating-exp-ring$",
+        ):
             Gossip(gossip_ranks.Replica(seed=0), "star")
         mixed = gossip_ranks.Replica(seed=0)
         mixed.bias.data = mixed.bias.data.double()
-        with pytest.raises(ValueError, match="^gossip needs every parameter on one device with one dtype$"):
+        with pytest.raises(
+            ValueError, match="^gossip needs every parameter on one device with one dtype$"
+        ):
             Gossip(mixed, "ring")
         frozen = gossip_ranks.Replica(seed=0)
         frozen.bias.requires_grad_(False)
@@ -359,26 +410,39 @@ def test_misuse_is_refused(world):
         g.start(0)
         with pytest.raises(AssertionError, match="^gossip start\\(\\) twice without finish\\(\\)$"):
             g.start(1)
+
     fake.run(refuse)
-    with pytest.raises(ValueError, match="^unknown topology 'star'; choose from complete, ring, exp, "
-                                         "alternating-exp-ring$"):
+    with pytest.raises(
+        ValueError,
+        match="^unknown topology 'star'; choose from complete, ring, exp, alternating-exp-ring$",
+    ):
         gossip.exchange_for("star", 0, 4, 0)
 
 
 # Host-aware gossip: ranks of one machine told they are on several hosts (hosts=), every topology.
-LAYOUTS = {"1x1": [(0,)], "1x2": [(0, 1)], "2x1": [(0,), (1,)], "2x2": [(0, 1), (2, 3)],
-           "4x1": [(0,), (1,), (2,), (3,)], "4x2": [(0, 1), (2, 3), (4, 5), (6, 7)]}
-BF16_ROUNDING = 2.0 ** -8  # twice bf16's unit roundoff (2^-9): q(x_j) - x_j and q(x_i) - x_i, relative
+LAYOUTS = {
+    "1x1": [(0,)],
+    "1x2": [(0, 1)],
+    "2x1": [(0,), (1,)],
+    "2x2": [(0, 1), (2, 3)],
+    "4x1": [(0,), (1,), (2,), (3,)],
+    "4x2": [(0, 1), (2, 3), (4, 5), (6, 7)],
+}
+# twice bf16's unit roundoff (2^-9): q(x_j) - x_j and q(x_i) - x_i, relative
+BF16_ROUNDING = 2.0**-8
 
 
 def host_matrix(topology, layout, step):
-    """W_t over ranks, written from gossip.py's docstring: the topology over hosts, each host's L replicas averaged
-    (hosts of contiguous ranks); one host, or one rank a host: the topology over ranks."""
+    """W_t over ranks, written from gossip.py's docstring: the topology over hosts, each host's L
+    replicas averaged (hosts of contiguous ranks); one host, or one rank a host: the topology over
+    ranks."""
     hosts, per_host = len(layout), len(layout[0])
     if hosts == 1 or per_host == 1:
         return mixing_matrix(topology, hosts * per_host, step)
-    return torch.kron(mixing_matrix(topology, hosts, step),
-                      torch.full((per_host, per_host), 1 / per_host, dtype=torch.float64))
+    return torch.kron(
+        mixing_matrix(topology, hosts, step),
+        torch.full((per_host, per_host), 1 / per_host, dtype=torch.float64),
+    )
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -388,8 +452,11 @@ def test_host_aware_gossip_applies_its_matrix_and_keeps_the_average(world, name,
     fake = world(sum(map(len, layout)))
     for topology in TOPOLOGIES:
         # bucket_mb so small that the 17 numbers travel as several buckets of 2 (padding the last)
-        run = fake.run(lambda rank: gossip_ranks.mixing_steps(topology, rank, "cpu", getattr(torch, wire),
-                                                             layout, 1e-5))[0]
+        run = fake.run(
+            lambda rank: gossip_ranks.mixing_steps(
+                topology, rank, "cpu", getattr(torch, wire), layout, 1e-5
+            )
+        )[0]
         check_host_mixing(run, layout, topology, wire)
 
 
@@ -401,12 +468,18 @@ def check_host_mixing(run, layout, topology, wire):
         torch.testing.assert_close(gossip.rank_mixing_matrix(topology, layout, step), w)
         if wire == "float32" or topology != "complete":  # the network average, to fp32 rounding
             torch.testing.assert_close(after.mean(0), before.mean(0), atol=1e-6, rtol=1e-6)
-        else:  # complete sums the bf16 vectors in bf16 (an all-reduce): the average moves by its rounding
-            assert (after.mean(0) - before.mean(0)).abs().max() <= BF16_ROUNDING * before.abs().max()
+        # complete sums the bf16 vectors in bf16 (an all-reduce): the average moves by its rounding
+        else:
+            assert (
+                after.mean(0) - before.mean(0)
+            ).abs().max() <= BF16_ROUNDING * before.abs().max()
         if wire == "float32":
             torch.testing.assert_close(after, w @ before, atol=1e-6, rtol=1e-6)
         else:  # each replica off the exact mix by no more than bf16's rounding of what travelled
-            assert (after - w @ before).abs().max() <= BF16_ROUNDING * before.abs().max() + 1e-6, (topology, step)
+            assert (after - w @ before).abs().max() <= BF16_ROUNDING * before.abs().max() + 1e-6, (
+                topology,
+                step,
+            )
             if len(before) > 1:  # the rounding is there (one rank alone has nothing to send)
                 assert not torch.equal(after, (w @ before).float().double())
         consensus = (after - after.mean(0)).square().sum(1).mean().item()
@@ -415,30 +488,43 @@ def check_host_mixing(run, layout, topology, wire):
 
 @pytest.mark.parametrize("name", ["2x2", "4x2"])
 def test_one_replica_crosses_a_host_pair_per_step_not_one_per_rank(world, name):
-    """Each local rank carries its half of the host's mean (17 numbers: 9 each, one padded) across, so a host's
-    two ranks together send one replica to each peer host a step; flat gossip sent two."""
+    """Each local rank carries its half of the host's mean (17 numbers: 9 each, one padded) across,
+    so a host's two ranks together send one replica to each peer host a step; flat gossip sent
+    two."""
     layout = LAYOUTS[name]
     fake = world(sum(map(len, layout)))
-    for topology, wire in (("exp", torch.bfloat16), ("ring", torch.float32), ("complete", torch.bfloat16)):
-        runs = fake.run(lambda rank: gossip_ranks.mixing_steps(topology, rank, "cpu", wire, layout, 1e-5))
+    for topology, wire in (
+        ("exp", torch.bfloat16),
+        ("ring", torch.float32),
+        ("complete", torch.bfloat16),
+    ):
+        runs = fake.run(
+            lambda rank: gossip_ranks.mixing_steps(topology, rank, "cpu", wire, layout, 1e-5)
+        )
         size = torch.finfo(wire).bits // 8
         hosts = len(layout)
         if topology == "complete":  # a ring all-reduce over the hosts of each local rank's half
             per_step = [round(2 * (hosts - 1) / hosts * size) * 9] * gossip_ranks.STEPS
         else:
-            per_step = [len(exchange_for(topology, 0, hosts, s).send_to) * 9 * size
-                        for s in range(gossip_ranks.STEPS)]
+            per_step = [
+                len(exchange_for(topology, 0, hosts, s).send_to) * 9 * size
+                for s in range(gossip_ranks.STEPS)
+            ]
         assert [r["bytes_sent"] for r in runs] == [sum(per_step)] * len(runs), topology
-        assert 2 * 9 < 2 * 17  # the host's two ranks: one padded replica, where flat gossip sent two
+        # the host's two ranks: one padded replica, where flat gossip sent two
+        assert 2 * 9 < 2 * 17
 
 
 def test_one_host_is_the_single_host_gossip_bit_for_bit(world):
-    """Four ranks on one host, fp32 wire: x_i <- w_ii x_i + sum w_ij x_j in the order the receives are listed,
-    as gossip did before it knew hosts; complete: the sum over ranks / 4."""
+    """Four ranks on one host, fp32 wire: x_i <- w_ii x_i + sum w_ij x_j in the order the receives
+    are listed, as gossip did before it knew hosts; complete: the sum over ranks / 4."""
     fake = world(4)
     for topology in TOPOLOGIES:
-        run = fake.run(lambda rank: gossip_ranks.mixing_steps(topology, rank, "cpu", torch.float32,
-                                                             [(0, 1, 2, 3)]))[0]
+        run = fake.run(
+            lambda rank: gossip_ranks.mixing_steps(
+                topology, rank, "cpu", torch.float32, [(0, 1, 2, 3)]
+            )
+        )[0]
         for step, record in enumerate(run["steps"]):
             before = torch.tensor(record["before"], dtype=torch.float32)
             for rank in range(4):
@@ -449,7 +535,9 @@ def test_one_host_is_the_single_host_gossip_bit_for_bit(world):
                     expected = before[rank].clone().mul_(ex.self_weight)
                     for peer, weight in ex.recv_from:
                         expected.add_(before[peer], alpha=weight)
-                assert torch.equal(torch.tensor(record["after"][rank], dtype=torch.float32), expected)
+                assert torch.equal(
+                    torch.tensor(record["after"][rank], dtype=torch.float32), expected
+                )
 
 
 def test_a_failed_exchange_across_hosts_is_raised_in_the_training_thread(world, monkeypatch):
@@ -457,6 +545,7 @@ def test_a_failed_exchange_across_hosts_is_raised_in_the_training_thread(world, 
 
     def broken(*args, **kwargs):
         raise RuntimeError("link down")
+
     monkeypatch.setattr(fake, "reduce_scatter_tensor", broken)
 
     def step(rank):
@@ -464,11 +553,13 @@ def test_a_failed_exchange_across_hosts_is_raised_in_the_training_thread(world, 
         g.start(0)
         with pytest.raises(RuntimeError, match="^link down$"):
             g.finish()
+
     fake.run(step)
 
 
 def test_host_aware_gossip_over_gloo(ranks_result):
-    """Four real ranks told they are two hosts of two: gloo's groups, the exchange's own thread, both wires."""
+    """Four real ranks told they are two hosts of two: gloo's groups, the exchange's own thread,
+    both wires."""
     if ranks_result["world"] != 4:
         pytest.skip("two hosts of two ranks: the 4-rank launch")
     assert len(ranks_result["hosts"]) == 2 * len(TOPOLOGIES)

@@ -1,8 +1,9 @@
-"""plan.py's decisions, in this process (fast, and what mutation testing can see): the layout of every sharding,
-the one strategy and the plan make_plan builds from the flags, the launch and the model's size (its parameters
-counted from the config alone), what it refuses (an explicit --cuda_graphs where FSDP2's hooks surround the graph,
-an fp8 recipe it cannot train), and what the plan says of itself. What parallelize.py builds from a plan is
-test_parallelize.py's."""
+"""plan.py's decisions, in this process (fast, and what mutation testing can see): the layout of
+every sharding, the one strategy and the plan make_plan builds from the flags, the launch and the
+model's size (its parameters counted from the config alone), what it refuses (an explicit
+--cuda_graphs where FSDP2's hooks surround the graph, an fp8 recipe it cannot train), and what the
+plan says of itself. What parallelize.py builds from a plan is test_parallelize.py's."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -18,16 +19,19 @@ from minimal_fsdp.parallel.plan import STRATEGIES, layout, make_plan, strategy
 from support import CONFIG, NUM_PARAMS, plain_plan
 
 
-@pytest.mark.parametrize("sharding,world,group,expected", [
-    ("full-shard", 4, 2, ((4,), 4, True)),
-    ("full-shard", 2, 2, ((2,), 2, True)),
-    ("grad-shard", 4, 2, ((4,), 4, False)),
-    ("no-shard", 4, 2, ((4, 1), 1, False)),
-    ("hybrid-full-shard", 8, 4, ((2, 4), 4, True)),
-    ("hybrid-grad-shard", 8, 4, ((2, 4), 4, False)),
-    ("hybrid-full-shard", 4, 1, ((4, 1), 1, False)),  # a shard group of one: nothing to reshard
-    ("full-shard", 1, 1, ((1,), 1, False)),
-])
+@pytest.mark.parametrize(
+    "sharding,world,group,expected",
+    [
+        ("full-shard", 4, 2, ((4,), 4, True)),
+        ("full-shard", 2, 2, ((2,), 2, True)),
+        ("grad-shard", 4, 2, ((4,), 4, False)),
+        ("no-shard", 4, 2, ((4, 1), 1, False)),
+        ("hybrid-full-shard", 8, 4, ((2, 4), 4, True)),
+        ("hybrid-grad-shard", 8, 4, ((2, 4), 4, False)),
+        ("hybrid-full-shard", 4, 1, ((4, 1), 1, False)),  # a shard group of one: nothing to reshard
+        ("full-shard", 1, 1, ((1,), 1, False)),
+    ],
+)
 def test_layout_of_every_strategy(sharding, world, group, expected):
     assert layout(sharding, world, group) == expected
 
@@ -35,10 +39,17 @@ def test_layout_of_every_strategy(sharding, world, group, expected):
 def plan_for(monkeypatch, flags, world=1, local=None, device="cpu", config=CONFIG, **options):
     """make_plan on a pretend launch; the mesh make_plan asks for is recorded, not built."""
     meshes = []
-    monkeypatch.setattr(plan_module, "init_device_mesh",
-                        lambda kind, shape, mesh_dim_names: meshes.append((kind, shape, mesh_dim_names)) or "mesh")
-    env = SimpleNamespace(device=torch.device(device), world_size=world, local_world_size=local or world,
-                          num_nodes=world // (local or world))
+    monkeypatch.setattr(
+        plan_module,
+        "init_device_mesh",
+        lambda kind, shape, mesh_dim_names: meshes.append((kind, shape, mesh_dim_names)) or "mesh",
+    )
+    env = SimpleNamespace(
+        device=torch.device(device),
+        world_size=world,
+        local_world_size=local or world,
+        num_nodes=world // (local or world),
+    )
     plan = make_plan(parse_args([str(f) for f in flags]), env, config, **options)
     return plan, meshes
 
@@ -50,23 +61,42 @@ def large(monkeypatch):
 
 
 def test_one_rank_is_a_plain_module(monkeypatch):
-    plan, meshes = plan_for(monkeypatch, ["--precision", "bf16", "--compile", "--activation_checkpoints",
-                                          "--recompute", "selective", "--fsdp_unit", "block"])
+    plan, meshes = plan_for(
+        monkeypatch,
+        [
+            "--precision",
+            "bf16",
+            "--compile",
+            "--activation_checkpoints",
+            "--recompute",
+            "selective",
+            "--fsdp_unit",
+            "block",
+        ],
+    )
     assert plan.strategy == "local" and not plan.fsdp and not plan.ddp and not plan.decentralized
     assert meshes == [] and plan.mesh is None and plan.num_params == NUM_PARAMS
     assert (plan.mesh_shape, plan.shard_ranks, plan.reshard_after_forward) == ((1,), 1, False)
-    assert (plan.precision, plan.compile, plan.activation_checkpoints, plan.recompute) == \
-        ("bf16", True, True, "selective")
+    assert (plan.precision, plan.compile, plan.activation_checkpoints, plan.recompute) == (
+        "bf16",
+        True,
+        True,
+        "selective",
+    )
     assert not plan.meta_init and not plan.cpu_offload and plan.fp8 is None and not plan.cuda_graphs
     assert plan.describe() == "no FSDP: one rank holds the whole model"
 
 
 def test_fsdp_over_ranks_asks_for_the_strategys_mesh(monkeypatch):
     plan, meshes = plan_for(monkeypatch, ["--sharding", "full-shard"], world=4)
-    assert plan.strategy == "one-unit" and not plan.fsdp and plan.mesh == "mesh"  # a small model: whole_unit.py
+    # a small model: whole_unit.py
+    assert plan.strategy == "one-unit" and not plan.fsdp and plan.mesh == "mesh"
     assert meshes == [("cpu", (4,), ("shard",))]
     assert (plan.mesh_shape, plan.shard_ranks, plan.reshard_after_forward) == ((4,), 4, True)
-    assert plan.describe() == "mesh shard=4 (full-shard), the whole model as one unit, one all-gather a step"
+    assert (
+        plan.describe()
+        == "mesh shard=4 (full-shard), the whole model as one unit, one all-gather a step"
+    )
     large(monkeypatch)
     plan, meshes = plan_for(monkeypatch, ["--sharding", "full-shard"], world=4)
     assert plan.strategy == "fsdp-block" and plan.fsdp and meshes == [("cpu", (4,), ("shard",))]
@@ -77,25 +107,43 @@ def test_hybrid_shards_over_the_ranks_of_a_node_unless_told(monkeypatch):
     plan, meshes = plan_for(monkeypatch, ["--sharding", "hybrid-grad-shard"], world=8, local=4)
     assert meshes == [("cpu", (2, 4), ("replicate", "shard"))] and plan.shard_ranks == 4
     assert not plan.reshard_after_forward and not plan.stays_gathered  # the one unit is not FSDP2
-    assert plan.describe() == \
-        "mesh replicate=2 x shard=4 (hybrid-grad-shard), the whole model as one unit, one all-gather a step"
-    _, meshes = plan_for(monkeypatch, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2], world=8, local=4)
+    assert (
+        plan.describe()
+        == "mesh replicate=2 x shard=4 (hybrid-grad-shard), the whole model as one unit, one "
+        "all-gather a step"
+    )
+    _, meshes = plan_for(
+        monkeypatch, ["--sharding", "hybrid-full-shard", "--shard_group_size", 2], world=8, local=4
+    )
     assert meshes == [("cpu", (4, 2), ("replicate", "shard"))]
 
 
 def test_no_shard_is_the_one_unit_or_ddp_unless_offloaded(monkeypatch):
-    """no-shard over several ranks: a small model is whole_unit.py's unit on a (ranks x 1) mesh (a large one, or
-    --fsdp_unit block, or float8 layers, is DDP's: no mesh); offloaded, FSDP2 over that mesh."""
+    """no-shard over several ranks: a small model is whole_unit.py's unit on a (ranks x 1) mesh (a
+    large one, or --fsdp_unit block, or float8 layers, is DDP's: no mesh); offloaded, FSDP2 over
+    that mesh."""
     plan, meshes = plan_for(monkeypatch, ["--sharding", "no-shard"], world=2)
     assert plan.strategy == "one-unit" and meshes == [("cpu", (2, 1), ("replicate", "shard"))]
     assert plan.shard_ranks == 1 and plan.mesh_shape == (2, 1)
-    assert plan.describe() == "no sharding: the whole model on every rank as one unit, gradients averaged by one " \
+    assert (
+        plan.describe()
+        == "no sharding: the whole model on every rank as one unit, gradients averaged by one "
         "all-reduce a step (no-shard)"
-    plan, meshes = plan_for(monkeypatch, ["--sharding", "no-shard", "--fsdp_unit", "block"], world=2)
+    )
+    plan, meshes = plan_for(
+        monkeypatch, ["--sharding", "no-shard", "--fsdp_unit", "block"], world=2
+    )
     assert plan.strategy == "ddp" and plan.ddp and meshes == [] and plan.mesh is None
-    assert plan.describe() == "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
+    assert (
+        plan.describe()
+        == "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"
+    )
     plan, meshes = plan_for(monkeypatch, ["--sharding", "no-shard", "--cpu_offload"], world=2)
-    assert plan.strategy == "fsdp-whole" and plan.cpu_offload and meshes == [("cpu", (2, 1), ("replicate", "shard"))]
+    assert (
+        plan.strategy == "fsdp-whole"
+        and plan.cpu_offload
+        and meshes == [("cpu", (2, 1), ("replicate", "shard"))]
+    )
     plan, _ = plan_for(monkeypatch, ["--sharding", "no-shard"], world=1)
     assert plan.strategy == "local"  # one rank: nothing to average
     large(monkeypatch)
@@ -104,20 +152,42 @@ def test_no_shard_is_the_one_unit_or_ddp_unless_offloaded(monkeypatch):
 
 def test_fsdp_on_one_rank_and_offload_on_one_rank(monkeypatch):
     plan, meshes = plan_for(monkeypatch, [], fsdp_on_one_rank=True)
-    assert plan.strategy == "one-unit" and meshes == [("cpu", (1,), ("shard",))] and not plan.reshard_after_forward
+    assert (
+        plan.strategy == "one-unit"
+        and meshes == [("cpu", (1,), ("shard",))]
+        and not plan.reshard_after_forward
+    )
     plan, _ = plan_for(monkeypatch, ["--fsdp_unit", "block"], fsdp_on_one_rank=True)
-    assert plan.strategy == "fsdp-block" and plan.stays_gathered  # one rank: nothing reshards after forward
-    plan, _ = plan_for(monkeypatch, ["--sharding", "no-shard", "--fsdp_unit", "block"], world=2, fsdp_on_one_rank=True)
+    # one rank: nothing reshards after forward
+    assert plan.strategy == "fsdp-block" and plan.stays_gathered
+    plan, _ = plan_for(
+        monkeypatch,
+        ["--sharding", "no-shard", "--fsdp_unit", "block"],
+        world=2,
+        fsdp_on_one_rank=True,
+    )
     assert plan.strategy == "fsdp-block"
     plan, meshes = plan_for(monkeypatch, ["--cpu_offload"])
-    assert plan.strategy == "fsdp-whole" and plan.cpu_offload and meshes == [("cpu", (1,), ("shard",))]
+    assert (
+        plan.strategy == "fsdp-whole" and plan.cpu_offload and meshes == [("cpu", (1,), ("shard",))]
+    )
 
 
 def test_decentralized_has_no_fsdp_and_no_ddp(monkeypatch):
-    plan, meshes = plan_for(monkeypatch, ["--data_parallel", "decentralized", "--topology", "ring"], world=4)
-    assert plan.strategy == "gossip" and plan.decentralized and plan.topology == "ring" and meshes == []
+    plan, meshes = plan_for(
+        monkeypatch, ["--data_parallel", "decentralized", "--topology", "ring"], world=4
+    )
+    assert (
+        plan.strategy == "gossip"
+        and plan.decentralized
+        and plan.topology == "ring"
+        and meshes == []
+    )
     assert (plan.mesh_shape, plan.shard_ranks) == ((4,), 1)
-    assert plan.describe() == "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip"
+    assert (
+        plan.describe()
+        == "no FSDP: a whole replica per rank, averaged with its neighbours' by gossip"
+    )
     assert plan_for(monkeypatch, [], world=1)[0].topology is None
 
 
@@ -137,35 +207,56 @@ def test_fp8_recipe_is_checked_for_training_and_dropped_for_generation(monkeypat
     plan, _ = plan_for(monkeypatch, ["--precision", "fp8", "--fp8_recipe", "rowwise"])
     assert plan.fp8 == "rowwise" and plan.precision == "fp8" and checked == [torch.device("cpu")]
     plan, _ = plan_for(monkeypatch, ["--precision", "fp8", "--sharding", "full-shard"], world=2)
-    assert plan.strategy == "fsdp-whole"  # float8 all-gathers are FSDP2's (torchao): not the one unit
+    # float8 all-gathers are FSDP2's (torchao): not the one unit
+    assert plan.strategy == "fsdp-whole"
 
 
-@pytest.mark.parametrize("flags,world,graphs", [
-    (["--compile"], 1, True),  # unset: by the model's size (CONFIG's is tiny)
-    (["--compile", "--sharding", "no-shard"], 2, True),  # the one unit over replicas
-    (["--compile", "--sharding", "no-shard", "--fsdp_unit", "block"], 2, True),  # DDP
-    (["--compile", "--cuda_graphs"], 1, True), (["--compile", "--no-cuda_graphs"], 1, False),
-    ([], 1, False),  # nothing compiled, nothing to replay
-    (["--compile"], 2, True),  # full-shard's one unit
-    (["--compile", "--fsdp_unit", "block"], 2, False),  # FSDP2's hooks surround each block
-    (["--compile", "--cpu_offload"], 2, False),  # FSDP2's whole unit
-    (["--compile", "--data_parallel", "decentralized"], 2, False),  # gossip: only when asked for
-    (["--compile", "--data_parallel", "decentralized", "--cuda_graphs"], 2, True)])
+@pytest.mark.parametrize(
+    "flags,world,graphs",
+    [
+        (["--compile"], 1, True),  # unset: by the model's size (CONFIG's is tiny)
+        (["--compile", "--sharding", "no-shard"], 2, True),  # the one unit over replicas
+        (["--compile", "--sharding", "no-shard", "--fsdp_unit", "block"], 2, True),  # DDP
+        (["--compile", "--cuda_graphs"], 1, True),
+        (["--compile", "--no-cuda_graphs"], 1, False),
+        ([], 1, False),  # nothing compiled, nothing to replay
+        (["--compile"], 2, True),  # full-shard's one unit
+        (["--compile", "--fsdp_unit", "block"], 2, False),  # FSDP2's hooks surround each block
+        (["--compile", "--cpu_offload"], 2, False),  # FSDP2's whole unit
+        (
+            ["--compile", "--data_parallel", "decentralized"],
+            2,
+            False,
+        ),  # gossip: only when asked for
+        (["--compile", "--data_parallel", "decentralized", "--cuda_graphs"], 2, True),
+    ],
+)
 def test_cuda_graphs_decided_once_for_each_launch(monkeypatch, flags, world, graphs):
     plan, _ = plan_for(monkeypatch, flags, world=world, device="cuda")
     assert plan.cuda_graphs is graphs
     assert ("replayed as CUDA graphs" in plan.describe()) == graphs
     if "--cuda_graphs" not in flags:
-        assert plan_for(monkeypatch, flags, world=world)[0].cuda_graphs is False  # CPU: no CUDA graphs
+        # CPU: no CUDA graphs
+        assert plan_for(monkeypatch, flags, world=world)[0].cuda_graphs is False
 
 
-@pytest.mark.parametrize("flags,world,named", [
-    (["--fsdp_unit", "block"], 2, "--fsdp_unit block"),
-    (["--cpu_offload"], 2, "--cpu_offload"), (["--cpu_offload"], 1, "--cpu_offload"),
-    (["--sharding", "hybrid-full-shard", "--shard_group_size", 1, "--fsdp_unit", "block"], 2, "--fsdp_unit block")])
+@pytest.mark.parametrize(
+    "flags,world,named",
+    [
+        (["--fsdp_unit", "block"], 2, "--fsdp_unit block"),
+        (["--cpu_offload"], 2, "--cpu_offload"),
+        (["--cpu_offload"], 1, "--cpu_offload"),
+        (
+            ["--sharding", "hybrid-full-shard", "--shard_group_size", 1, "--fsdp_unit", "block"],
+            2,
+            "--fsdp_unit block",
+        ),
+    ],
+)
 def test_an_explicit_cuda_graphs_that_cannot_apply_is_refused(monkeypatch, flags, world, named):
-    """FSDP2 gathers the parameters at new addresses every step, which replayed graphs would not see: --cuda_graphs
-    there is refused in one line naming both flags, not dropped; on the CPU there are no CUDA graphs at all."""
+    """FSDP2 gathers the parameters at new addresses every step, which replayed graphs would not
+    see: --cuda_graphs there is refused in one line naming both flags, not dropped; on the CPU there
+    are no CUDA graphs at all."""
     with pytest.raises(ConfigError, match="--cuda_graphs") as refused:
         plan_for(monkeypatch, [*flags, "--compile", "--cuda_graphs"], world=world, device="cuda")
     assert named in str(refused.value) and "\n" not in str(refused.value)
@@ -179,85 +270,138 @@ def test_an_explicit_cuda_graphs_that_cannot_apply_is_refused(monkeypatch, flags
 def test_cuda_graphs_unset_replay_small_models_only(monkeypatch):
     monkeypatch.setattr(plan_module.fp8, "check_device", lambda device: None)
     plan, _ = plan_for(monkeypatch, ["--compile", "--precision", "fp8"], device="cuda")
-    assert plan.cuda_graphs is False  # float8 layers: not measured under graphs, so only when asked for
-    plan, _ = plan_for(monkeypatch, ["--compile", "--precision", "fp8", "--cuda_graphs"], device="cuda")
+    # float8 layers: not measured under graphs, so only when asked for
+    assert plan.cuda_graphs is False
+    plan, _ = plan_for(
+        monkeypatch, ["--compile", "--precision", "fp8", "--cuda_graphs"], device="cuda"
+    )
     assert plan.cuda_graphs is True  # asked for, on one rank: no FSDP2 hooks
     monkeypatch.setattr(plan_module, "GRAPHS_MODEL", NUM_PARAMS)
     assert plan_for(monkeypatch, ["--compile"], device="cuda")[0].cuda_graphs
     monkeypatch.setattr(plan_module, "GRAPHS_MODEL", NUM_PARAMS - 1)
     assert not plan_for(monkeypatch, ["--compile"], device="cuda")[0].cuda_graphs
-    assert plan_for(monkeypatch, ["--compile", "--cuda_graphs"], device="cuda")[0].cuda_graphs  # any size
+    # any size
+    assert plan_for(monkeypatch, ["--compile", "--cuda_graphs"], device="cuda")[0].cuda_graphs
 
 
 def test_what_the_plan_says_of_itself():
     assert plain_plan(precision="bf16").bf16 and plain_plan(precision="fp8").bf16
-    assert not plain_plan(precision="float32").bf16 and plain_plan(precision="float32").compute_dtype == torch.float32
+    assert (
+        not plain_plan(precision="float32").bf16
+        and plain_plan(precision="float32").compute_dtype == torch.float32
+    )
     assert plain_plan(fp8="tensorwise").fp8_all_gather
     assert not plain_plan(fp8="rowwise").fp8_all_gather and not plain_plan(fp8=None).fp8_all_gather
-    for no in (dict(strategy="local"), dict(strategy="ddp"), dict(shard_ranks=1), dict(cpu_offload=True)):
+    for no in (
+        dict(strategy="local"),
+        dict(strategy="ddp"),
+        dict(shard_ranks=1),
+        dict(cpu_offload=True),
+    ):
         assert not plain_plan(fp8="tensorwise", **no).fp8_all_gather, no
     assert plain_plan(reshard_after_forward=False).stays_gathered
     assert not plain_plan(reshard_after_forward=True).stays_gathered
-    assert plain_plan(strategy="fsdp-whole", reshard_after_forward=True).stays_gathered  # FSDP2's one unit
-    assert not plain_plan(strategy="one-unit", reshard_after_forward=False).stays_gathered  # not FSDP2
-    assert [plain_plan(strategy=s, compile=True).compiles_whole for s in STRATEGIES] == \
-        [s != "fsdp-block" for s in STRATEGIES]
+    # FSDP2's one unit
+    assert plain_plan(strategy="fsdp-whole", reshard_after_forward=True).stays_gathered
+    # not FSDP2
+    assert not plain_plan(strategy="one-unit", reshard_after_forward=False).stays_gathered
+    assert [plain_plan(strategy=s, compile=True).compiles_whole for s in STRATEGIES] == [
+        s != "fsdp-block" for s in STRATEGIES
+    ]
     assert not plain_plan(strategy="local", compile=False).compiles_whole
 
 
-@pytest.mark.parametrize("args,chosen", [
-    (("full-shard", 1, 10), "local"), (("no-shard", 1, 10), "local"),
-    (("full-shard", 2, SMALL_MODEL), "one-unit"), (("full-shard", 2, SMALL_MODEL + 1), "fsdp-block"),
-    (("full-shard", 2, 10, "block"), "fsdp-block"), (("full-shard", 2, 10 * SMALL_MODEL, "model"), "one-unit"),
-    (("no-shard", 2, SMALL_MODEL), "one-unit"), (("no-shard", 2, SMALL_MODEL + 1), "ddp"),
-    (("no-shard", 2, 10, "block"), "ddp"), (("no-shard", 2, 10, "auto", False, True), "ddp"),
-    (("no-shard", 2, 10, "auto", True), "fsdp-whole"), (("full-shard", 1, 10, "auto", True), "fsdp-whole"),
-    (("full-shard", 1, SMALL_MODEL + 1, "auto", True), "fsdp-block"),
-    (("full-shard", 2, 10, "auto", False, True), "fsdp-whole"),
-    (("hybrid-grad-shard", 8, 10, "model", False, False, True), "gossip"),
-    (("full-shard", 1, 10, "auto", False, False, False, True), "one-unit"),
-    (("full-shard", 1, 10, "block", False, False, False, True), "fsdp-block")])
+@pytest.mark.parametrize(
+    "args,chosen",
+    [
+        (("full-shard", 1, 10), "local"),
+        (("no-shard", 1, 10), "local"),
+        (("full-shard", 2, SMALL_MODEL), "one-unit"),
+        (("full-shard", 2, SMALL_MODEL + 1), "fsdp-block"),
+        (("full-shard", 2, 10, "block"), "fsdp-block"),
+        (("full-shard", 2, 10 * SMALL_MODEL, "model"), "one-unit"),
+        (("no-shard", 2, SMALL_MODEL), "one-unit"),
+        (("no-shard", 2, SMALL_MODEL + 1), "ddp"),
+        (("no-shard", 2, 10, "block"), "ddp"),
+        (("no-shard", 2, 10, "auto", False, True), "ddp"),
+        (("no-shard", 2, 10, "auto", True), "fsdp-whole"),
+        (("full-shard", 1, 10, "auto", True), "fsdp-whole"),
+        (("full-shard", 1, SMALL_MODEL + 1, "auto", True), "fsdp-block"),
+        (("full-shard", 2, 10, "auto", False, True), "fsdp-whole"),
+        (("hybrid-grad-shard", 8, 10, "model", False, False, True), "gossip"),
+        (("full-shard", 1, 10, "auto", False, False, False, True), "one-unit"),
+        (("full-shard", 1, 10, "block", False, False, False, True), "fsdp-block"),
+    ],
+)
 def test_one_strategy_per_launch_and_model(args, chosen):
-    """plan.strategy: (sharding, world, parameters, fsdp_unit, cpu_offload, float8, decentralized, fsdp_on_one_rank)
-    -> the one strategy; the memory planner asks the same function."""
+    """plan.strategy: (sharding, world, parameters, fsdp_unit, cpu_offload, float8, decentralized,
+    fsdp_on_one_rank) -> the one strategy; the memory planner asks the same function."""
     assert strategy(*args) == chosen
 
 
-@pytest.mark.parametrize("make", [lambda: CONFIG, lambda: LlamaConfig(vocab_size=64, seq_length=16, num_layers=3,
-                                                                        num_heads=2, num_kv_heads=1, embed_size=16,
-                                                                        intermediate_size=32)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: CONFIG,
+        lambda: LlamaConfig(
+            vocab_size=64,
+            seq_length=16,
+            num_layers=3,
+            num_heads=2,
+            num_kv_heads=1,
+            embed_size=16,
+            intermediate_size=32,
+        ),
+    ],
+)
 def test_the_plan_counts_every_parameter_from_the_config(make):
-    """From the config alone (one block on the meta device), exactly what the built model counts: embeddings and
-    tied weights included, once."""
+    """From the config alone (one block on the meta device), exactly what the built model counts:
+    embeddings and tied weights included, once."""
     config = make()
     with torch.device("meta"):
         model = MODELS[config.model_type](config)
-    assert count_parameters(config).total == model.num_params(non_embedding=False) == \
-        sum(p.numel() for p in model.parameters())
+    assert (
+        count_parameters(config).total
+        == model.num_params(non_embedding=False)
+        == sum(p.numel() for p in model.parameters())
+    )
 
 
-@pytest.mark.parametrize("flags,ranks,graphs", [(["--sharding", "full-shard"], 1, True),
-                                               (["--sharding", "no-shard"], 2, True),
-                                               (["--sharding", "no-shard", "--fsdp_unit", "block"], 2, True),  # DDP
-                                               (["--sharding", "full-shard"], 2, True),  # one unit: whole_unit.py
-                                               (["--sharding", "grad-shard"], 2, True),
-                                               (["--sharding", "full-shard", "--fsdp_unit", "block"], 2, False),
-                                               (["--sharding", "full-shard", "--cpu_offload"], 2, False)])
+@pytest.mark.parametrize(
+    "flags,ranks,graphs",
+    [
+        (["--sharding", "full-shard"], 1, True),
+        (["--sharding", "no-shard"], 2, True),
+        # DDP
+        (["--sharding", "no-shard", "--fsdp_unit", "block"], 2, True),
+        # one unit: whole_unit.py
+        (["--sharding", "full-shard"], 2, True),
+        (["--sharding", "grad-shard"], 2, True),
+        (["--sharding", "full-shard", "--fsdp_unit", "block"], 2, False),
+        (["--sharding", "full-shard", "--cpu_offload"], 2, False),
+    ],
+)
 def test_cuda_graphs_only_where_no_fsdp_hooks_surround_the_graph(monkeypatch, flags, ranks, graphs):
-    """--cuda_graphs replays the compiled model: on one rank, under DDP (its all-reduce runs outside the graphs,
-    on the gradients backward leaves) and as whole_unit.py's one unit (its parameters keep their addresses).
-    FSDP2 frees and re-gathers the parameters each step at new addresses, which a replayed graph would not see:
-    asked for there, it is refused in one line, not dropped. (Plans only: no mesh is built, no GPU needed;
-    test_gpu.py trains no-shard and the one unit with CUDA graphs against the reference.)"""
+    """--cuda_graphs replays the compiled model: on one rank, under DDP (its all-reduce runs outside
+    the graphs, on the gradients backward leaves) and as whole_unit.py's one unit (its parameters
+    keep their addresses). FSDP2 frees and re-gathers the parameters each step at new addresses,
+    which a replayed graph would not see: asked for there, it is refused in one line, not dropped.
+    (Plans only: no mesh is built, no GPU needed; test_gpu.py trains no-shard and the one unit with
+    CUDA graphs against the reference.)"""
     from types import SimpleNamespace
     from minimal_fsdp.parallel import plan as plan_module
     from minimal_fsdp.config.flags import ConfigError, parse_args
-    env = SimpleNamespace(device=torch.device("cuda"), world_size=ranks, local_world_size=ranks, num_nodes=1)
+
+    env = SimpleNamespace(
+        device=torch.device("cuda"), world_size=ranks, local_world_size=ranks, num_nodes=1
+    )
     cfg = parse_args([*flags, "--compile", "--cuda_graphs"])
     monkeypatch.setattr(plan_module, "init_device_mesh", lambda *args, **kwargs: "mesh")
     tiny = make_config("gpt", "tiny", vocab_size=65)
     if not graphs:
-        with pytest.raises(ConfigError, match="^--cuda_graphs replays the compiled model where no FSDP2 hooks"):
+        with pytest.raises(
+            ConfigError, match="^--cuda_graphs replays the compiled model where no FSDP2 hooks"
+        ):
             plan_module.make_plan(cfg, env, tiny)
         return
     plan = plan_module.make_plan(cfg, env, tiny)

@@ -1,6 +1,7 @@
-"""The benchmark scripts run the real training step; a tiny CPU run keeps them working between GPU runs
-and checks that what they report is consistent: tokens per step over the step time, parameter and byte
-counts from the model's shape."""
+"""The benchmark scripts run the real training step; a tiny CPU run keeps them working between GPU
+runs and checks that what they report is consistent: tokens per step over the step time, parameter
+and byte counts from the model's shape."""
+
 import json
 import math
 import os
@@ -12,16 +13,48 @@ import pytest
 from conftest import ROOT, mpiexec
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 
-TINY = ["--num_layers", "1", "--num_heads", "2", "--embed_size", "32", "--seq_length", "16", "--vocab_size", "64",
-        "--batch_size", "2", "--warmup", "1", "--steps", "2"]
-PARAMS = GPT(GPTConfig(vocab_size=64, seq_length=16, num_layers=1, num_heads=2, embed_size=32)).num_params(False)
+TINY = [
+    "--num_layers",
+    "1",
+    "--num_heads",
+    "2",
+    "--embed_size",
+    "32",
+    "--seq_length",
+    "16",
+    "--vocab_size",
+    "64",
+    "--batch_size",
+    "2",
+    "--warmup",
+    "1",
+    "--steps",
+    "2",
+]
+PARAMS = GPT(
+    GPTConfig(vocab_size=64, seq_length=16, num_layers=1, num_heads=2, embed_size=32)
+).num_params(False)
 
 
 def run(script, out, ranks=2, extra=()):
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(ROOT / "benchmarks" / script), *TINY, "--out", str(out),
-           *extra]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    cmd = [
+        mpiexec(),
+        "-n",
+        str(ranks),
+        sys.executable,
+        str(ROOT / "benchmarks" / script),
+        *TINY,
+        "--out",
+        str(out),
+        *extra,
+    ]
+    result = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -33,15 +66,26 @@ def positive(value):
 @pytest.mark.slow
 def test_throughput_reports_a_consistent_row(tmp_path):
     (row,) = run("throughput.py", tmp_path / "t.jsonl")
-    assert (row["gpus"], row["batch"], row["seq"], row["sharding"], row["device"]) == (2, 2, 16, "full-shard", "cpu")
-    assert all(positive(row[key]) for key in ("tok_s", "tok_s_gpu", "step_ms", "peak_gb", "host_rss_gb")), row
+    assert (row["gpus"], row["batch"], row["seq"], row["sharding"], row["device"]) == (
+        2,
+        2,
+        16,
+        "full-shard",
+        "cpu",
+    )
+    assert all(
+        positive(row[key]) for key in ("tok_s", "tok_s_gpu", "step_ms", "peak_gb", "host_rss_gb")
+    ), row
     tokens_per_step = 2 * 2 * 16  # ranks x batch x seq
     assert row["tok_s"] == pytest.approx(tokens_per_step / (row["step_ms"] / 1000))
     assert row["tok_s_gpu"] == pytest.approx(row["tok_s"] / 2)
     assert math.isnan(row["mfu"])  # no peak FLOP/s is known for a CPU
-    # rank 0's loss at the last step: the same seed and synthetic batches give the same training under no-shard
+    # rank 0's loss at the last step: the same seed and synthetic batches give the same training
+    # under no-shard
     (ddp,) = run("throughput.py", tmp_path / "d.jsonl", extra=["--sharding", "no-shard"])
-    assert 3 < row["last_loss"] < 6 and ddp["last_loss"] == pytest.approx(row["last_loss"], abs=1e-5), (row, ddp)
+    assert 3 < row["last_loss"] < 6 and ddp["last_loss"] == pytest.approx(
+        row["last_loss"], abs=1e-5
+    ), (row, ddp)
 
 
 @pytest.mark.slow
@@ -50,55 +94,127 @@ def test_gossip_bench_reports_every_mode(tmp_path):
     assert [r["topology"] for r in rows] == ["-", "complete", "ring", "exp", "alternating-exp-ring"]
     assert all(positive(r["step_ms"]) and r["gpus"] == 2 and r["batch"] == 2 for r in rows), rows
     assert all(r["params"] == PARAMS for r in rows), (PARAMS, rows)
-    # On 2 ranks every mode moves one copy of the parameters per step: all-reduce 2(n-1)/n of the fp32 gradient
-    # bytes, each gossip topology one bf16 message (--gossip_dtype's default) to its single peer.
-    assert all(r["bytes_per_step"] == pytest.approx((2 if r["wire"] == "bf16" else 4) * PARAMS) for r in rows)
+    # On 2 ranks every mode moves one copy of the parameters per step: all-reduce 2(n-1)/n of the
+    # fp32 gradient bytes, each gossip topology one bf16 message (--gossip_dtype's default) to its
+    # single peer.
+    assert all(
+        r["bytes_per_step"] == pytest.approx((2 if r["wire"] == "bf16" else 4) * PARAMS)
+        for r in rows
+    )
     assert [r["wire"] for r in rows] == ["float32"] + ["bf16"] * 4
 
 
 def test_fp8_table_gives_each_row_its_speed_over_bf16(tmp_path):
-    rows = [dict(model="llama2-7b(6.7B)", gpus=4, precision=p, options="compile", batch=2, seq=4096, tok_s=t,
-                 tok_s_gpu=t / 4, mfu=0.5, step_ms=700.0, peak_gb=47.5)
-            for p, t in (("bf16", 40_000.0), ("fp8-tensorwise", 52_000.0), ("fp8-rowwise", 46_000.0))]
+    rows = [
+        dict(
+            model="llama2-7b(6.7B)",
+            gpus=4,
+            precision=p,
+            options="compile",
+            batch=2,
+            seq=4096,
+            tok_s=t,
+            tok_s_gpu=t / 4,
+            mfu=0.5,
+            step_ms=700.0,
+            peak_gb=47.5,
+        )
+        for p, t in (("bf16", 40_000.0), ("fp8-tensorwise", 52_000.0), ("fp8-rowwise", 46_000.0))
+    ]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_table.py"), str(tmp_path / "rows.jsonl")],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fp8_table.py"), str(tmp_path / "rows.jsonl")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert [line.rsplit("|", 2)[1].strip() for line in out[2:]] == ["1.00x", "1.30x", "1.15x"]
     assert "| 13,000 |" in out[3]
 
 
 @pytest.mark.slow
 def test_eval_speed_scores_alike_with_both_backends(tmp_path):
-    """benchmarks/eval_speed.py on a tiny model in float32 on CPU: ours over 2 ranks and lm_eval's hf backend pick
-    the same answer for every item, so the accuracies in its table agree."""
+    """benchmarks/eval_speed.py on a tiny model in float32 on CPU: ours over 2 ranks and lm_eval's
+    hf backend pick the same answer for every item, so the accuracies in its table agree."""
     pytest.importorskip("lm_eval")
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eval_speed.py"), "--shapes", "tiny",
-                             "--device", "cpu", "--ranks", "2", "--items", "24", "--batch_size", "4", "--precision",
-                             "float32", "--work", str(tmp_path / "work"), "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "eval_speed.py"),
+            "--shapes",
+            "tiny",
+            "--device",
+            "cpu",
+            "--ranks",
+            "2",
+            "--items",
+            "24",
+            "--batch_size",
+            "4",
+            "--precision",
+            "float32",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+    )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-    ours, hf = [json.loads(line) for line in (tmp_path / "eval_speed.jsonl").read_text().splitlines()]
+    ours, hf = [
+        json.loads(line) for line in (tmp_path / "eval_speed.jsonl").read_text().splitlines()
+    ]
     assert (ours["backend"], ours["gpus"], hf["backend"], hf["gpus"]) == ("ours", 2, "hf", 1)
-    assert ours["same_choice"] == 1.0 and (ours["acc"], ours["acc_norm"]) == (hf["acc"], hf["acc_norm"])
-    assert all(positive(row["eval_s"]) and row["items_per_s"] == pytest.approx(24 / row["eval_s"])
-               for row in (ours, hf))
+    assert ours["same_choice"] == 1.0 and (ours["acc"], ours["acc_norm"]) == (
+        hf["acc"],
+        hf["acc_norm"],
+    )
+    assert all(
+        positive(row["eval_s"]) and row["items_per_s"] == pytest.approx(24 / row["eval_s"])
+        for row in (ours, hf)
+    )
 
 
 @pytest.mark.slow
 def test_multihost_probe_times_both_collectives_across_two_virtual_hosts(tmp_path):
-    """benchmarks/multihost.py --probe (CPU, gloo): link_probe.py runs on two network namespaces joined by a link
-    shaped to 1 Gbit/s; neither collective moves its bytes faster than that (so they crossed the link)."""
+    """benchmarks/multihost.py --probe (CPU, gloo): link_probe.py runs on two network namespaces
+    joined by a link shaped to 1 Gbit/s; neither collective moves its bytes faster than that (so
+    they crossed the link)."""
     from minimal_fsdp.tools.virtual_cluster import unavailable
+
     why = unavailable()
     if why:
         pytest.skip(why)
     out = tmp_path / "probe.jsonl"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multihost.py"), "--tiny", "--gbps", "1",
-                             "--probe", "4", "--out", str(out), "--work", str(tmp_path / "work"), "--timeout", "120"],
-                            capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "multihost.py"),
+            "--tiny",
+            "--gbps",
+            "1",
+            "--probe",
+            "4",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+            "--timeout",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert (row["hosts"], row["world"], row["gbps_set"], row["probe_mb"]) == (2, 2, 1.0, 4.0), row
-    assert all(positive(row[k]) for k in ("all_reduce_ms", "all_reduce_gbps", "exchange_ms", "exchange_gbps")), row
+    assert all(
+        positive(row[k])
+        for k in ("all_reduce_ms", "all_reduce_gbps", "exchange_ms", "exchange_gbps")
+    ), row
     assert row["all_reduce_gbps"] <= 1.05 and row["exchange_gbps"] <= 1.05, row

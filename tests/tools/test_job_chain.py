@@ -1,7 +1,9 @@
-"""Job chains (CHAIN=1) of the PBS and SLURM scripts, under a stand-in scheduler: qsub/sbatch queue the
-successor, the test runs the queue in order. Three jobs of one step each (--time_limit 00:00:00 stops a job
-after its first step, deterministically) train one 3-step run whose logged losses equal, bit for bit, those of
-the same run trained in one go; so does a chain past a checkpoint damaged where progress.py cannot see it."""
+"""Job chains (CHAIN=1) of the PBS and SLURM scripts, under a stand-in scheduler: qsub/sbatch queue
+the successor, the test runs the queue in order. Three jobs of one step each (--time_limit 00:00:00
+stops a job after its first step, deterministically) train one 3-step run whose logged losses equal,
+bit for bit, those of the same run trained in one go; so does a chain past a checkpoint damaged
+where progress.py cannot see it."""
+
 import json
 import os
 import re
@@ -16,22 +18,60 @@ from minimal_fsdp.checkpoint import find as checkpoint_find
 from support import flip_a_byte
 
 STEPS = 3
-# Settings a job gets only from the scheduler (qsub -v, or sbatch's exported environment), never from the test.
-SETTINGS = ("ARGS", "VENV", "NRANKS_PER_NODE", "NDEPTH", "CPU_BIND", "MPIEXEC", "PYTHON", "ENTRY", "REPO", "CHAIN",
-            "CHAIN_MARGIN", "JOB_SCRIPT")
+# Settings a job gets only from the scheduler (qsub -v, or sbatch's exported environment), never
+# from the test.
+SETTINGS = (
+    "ARGS",
+    "VENV",
+    "NRANKS_PER_NODE",
+    "NDEPTH",
+    "CPU_BIND",
+    "MPIEXEC",
+    "PYTHON",
+    "ENTRY",
+    "REPO",
+    "CHAIN",
+    "CHAIN_MARGIN",
+    "JOB_SCRIPT",
+)
 
 
 def run_args(corpus):
-    return ["--dataset", "text", "--input_file", str(corpus), *TINY_MODEL, "--dropout", "0.1", "--warmup_steps", "1",
-            "--max_steps", str(STEPS), "--eval_interval", "0", "--log_interval", "1", "--run_name", "chain",
-            "--no-tensorboard"]
+    return [
+        "--dataset",
+        "text",
+        "--input_file",
+        str(corpus),
+        *TINY_MODEL,
+        "--dropout",
+        "0.1",
+        "--warmup_steps",
+        "1",
+        "--max_steps",
+        str(STEPS),
+        "--eval_interval",
+        "0",
+        "--log_interval",
+        "1",
+        "--run_name",
+        "chain",
+        "--no-tensorboard",
+    ]
 
 
 def logged(work):
-    """Every loss and val loss row of the run, across all its jobs: (step, loss) and (step, val_loss). The rows of
-    save and restore seconds differ between a chain and one job (each job restores, and saves when it stops)."""
-    rows = [json.loads(line) for line in (work / "logs" / "chain" / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in rows if "loss" in r or "val_loss" in r]
+    """Every loss and val loss row of the run, across all its jobs: (step, loss) and (step,
+    val_loss). The rows of save and restore seconds differ between a chain and one job (each job
+    restores, and saves when it stops)."""
+    rows = [
+        json.loads(line)
+        for line in (work / "logs" / "chain" / "metrics.jsonl").read_text().splitlines()
+    ]
+    return [
+        (r["step"], r.get("loss"), r.get("val_loss"))
+        for r in rows
+        if "loss" in r or "val_loss" in r
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +84,22 @@ def straight(tmp_path_factory):
 
 
 def base_env(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in SETTINGS and not k.startswith(("PBS_", "SLURM_"))}
-    return dict(env, **install_fakes(tmp_path / "bin", tmp_path / "queue"), PYTHONPATH=str(ROOT),
-                OMP_NUM_THREADS="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in SETTINGS and not k.startswith(("PBS_", "SLURM_"))
+    }
+    return dict(
+        env,
+        **install_fakes(tmp_path / "bin", tmp_path / "queue"),
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+    )
 
 
 def run_chain(tmp_path, first_job, next_job, max_jobs=6):
-    """Runs the first job, then each job the last one queued, until none is queued; returns the outputs.
-    A job is (command, environment, directory)."""
+    """Runs the first job, then each job the last one queued, until none is queued; returns the
+    outputs. A job is (command, environment, directory)."""
     outputs, job = [], first_job
     while job is not None:
         assert len(outputs) < max_jobs, "the chain does not end"
@@ -67,13 +115,22 @@ def run_chain(tmp_path, first_job, next_job, max_jobs=6):
 def test_pbs_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, straight):
     env = base_env(tmp_path)
     (tmp_path / "nodefile").write_text(f"{socket.gethostname()}\n" * 2)
-    (tmp_path / "python").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/python.log\nexec {sys.executable} "$@"\n')
+    (tmp_path / "python").write_text(
+        f'#!/bin/bash\necho "$*" >> {tmp_path}/python.log\nexec {sys.executable} "$@"\n'
+    )
     (tmp_path / "python").chmod(0o755)
     pbs = dict(PBS_NODEFILE=str(tmp_path / "nodefile"), PBS_O_WORKDIR=str(tmp_path))
     # CPU_BIND empty: Hydra's mpiexec knows --ppn but not Cray's --depth.
-    settings = dict(REPO=str(ROOT), MPIEXEC=mpiexec(), NRANKS_PER_NODE="2", NDEPTH="1", CPU_BIND="",
-                    PYTHON=str(tmp_path / "python"), CHAIN="1",
-                    ARGS=" ".join([*run_args(corpus), "--time_limit", "00:00:00"]))
+    settings = dict(
+        REPO=str(ROOT),
+        MPIEXEC=mpiexec(),
+        NRANKS_PER_NODE="2",
+        NDEPTH="1",
+        CPU_BIND="",
+        PYTHON=str(tmp_path / "python"),
+        CHAIN="1",
+        ARGS=" ".join([*run_args(corpus), "--time_limit", "00:00:00"]),
+    )
     script = str(ROOT / "pbs" / "train_single_node.sh")
     jobs = ["1.fake"]
 
@@ -81,15 +138,20 @@ def test_pbs_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, st
         argv = queued["argv"]
         assert argv[:2] == ["-W", f"depend=afterany:{jobs[-1]}"] and argv[-1] == script
         # This job's queue, account and resources (from qstat -f) go to the successor.
-        assert " ".join(argv[2:-3]) == ("-A PROJECT -q debug -l filesystems=home:eagle -l place=scatter "
-                                        "-l select=1:system=polaris -l walltime=01:00:00")
+        assert " ".join(argv[2:-3]) == (
+            "-A PROJECT -q debug -l filesystems=home:eagle -l place=scatter "
+            "-l select=1:system=polaris -l walltime=01:00:00"
+        )
         passed = dict(item.split("=", 1) for item in argv[-2].split(","))
         assert passed == {**settings, "ENTRY": f"{ROOT}/basic_training.py", "CHAIN_MARGIN": "300"}
         jobs.append(queued["id"])
         return ["bash", script], dict(env, **pbs, **passed, PBS_JOBID=queued["id"]), tmp_path
 
-    outputs = run_chain(tmp_path, (["bash", script], dict(env, **pbs, **settings, PBS_JOBID="1.fake"), tmp_path),
-                        next_job)
+    outputs = run_chain(
+        tmp_path,
+        (["bash", script], dict(env, **pbs, **settings, PBS_JOBID="1.fake"), tmp_path),
+        next_job,
+    )
     assert len(outputs) == STEPS and jobs == ["1.fake", "2.fake", "3.fake"]
     assert "chain: at step 1 of 3; submitting the next job" in outputs[0]
     assert "chain: the run reached its last step (3)" in outputs[-1]
@@ -97,38 +159,65 @@ def test_pbs_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, st
     # Each job asks progress.py twice (the run's step before and after training).
     calls = (tmp_path / "python.log").read_text().splitlines()
     assert sum(line.startswith("-m minimal_fsdp progress ") for line in calls) == 2 * STEPS
-    # --time_limit from the walltime (01:00:00 less CHAIN_MARGIN and the seconds the job has run), before
-    # ARGS, whose own --time_limit wins.
-    assert re.search(r"--time_limit 00:5[45]:\d\d .*--time_limit 00:00:00", (tmp_path / "python.log").read_text())
+    # --time_limit from the walltime (01:00:00 less CHAIN_MARGIN and the seconds the job has run),
+    # before ARGS, whose own --time_limit wins.
+    assert re.search(
+        r"--time_limit 00:5[45]:\d\d .*--time_limit 00:00:00", (tmp_path / "python.log").read_text()
+    )
     # The message names the --time_limit that applies: the user's.
-    assert "chain: walltime 01:00:00, --time_limit 00:00:00 (yours; the walltime would allow 00:5" in outputs[0]
+    assert (
+        "chain: walltime 01:00:00, --time_limit 00:00:00 (yours; the walltime would allow 00:5"
+        in outputs[0]
+    )
 
 
 @pytest.mark.slow
 def test_slurm_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, straight):
     env = base_env(tmp_path)
-    slurm = dict(SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST=socket.gethostname(),
-                 SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ACCOUNT="ACCOUNT")
+    slurm = dict(
+        SLURM_NTASKS="2",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_JOB_NODELIST=socket.gethostname(),
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        SLURM_JOB_ACCOUNT="ACCOUNT",
+    )
     settings = dict(ENTRY=str(ENTRY), CHAIN="1", JOB_SCRIPT=str(ROOT / "slurm" / "train.sbatch"))
     flags = [*run_args(corpus), "--time_limit", "00:00:00"]
     jobs = ["1"]
 
     def next_job(queued):
         argv = queued["argv"]
-        assert argv[:5] == [f"--dependency=afterany:{jobs[-1]}", "--nodes=1", "--time=1:00:00",
-                            "--account=ACCOUNT", settings["JOB_SCRIPT"]]
+        assert argv[:5] == [
+            f"--dependency=afterany:{jobs[-1]}",
+            "--nodes=1",
+            "--time=1:00:00",
+            "--account=ACCOUNT",
+            settings["JOB_SCRIPT"],
+        ]
         assert argv[5:] == flags
         jobs.append(queued["id"])
         # sbatch passes the submitting environment on (--export=ALL): the settings come along.
-        return ["bash", *argv[4:]], dict(env, **slurm, **settings, SLURM_JOB_ID=queued["id"]), tmp_path
+        return (
+            ["bash", *argv[4:]],
+            dict(env, **slurm, **settings, SLURM_JOB_ID=queued["id"]),
+            tmp_path,
+        )
 
-    outputs = run_chain(tmp_path, (["bash", settings["JOB_SCRIPT"], *flags],
-                                   dict(env, **slurm, **settings, SLURM_JOB_ID="1"), tmp_path), next_job)
+    outputs = run_chain(
+        tmp_path,
+        (
+            ["bash", settings["JOB_SCRIPT"], *flags],
+            dict(env, **slurm, **settings, SLURM_JOB_ID="1"),
+            tmp_path,
+        ),
+        next_job,
+    )
     assert len(outputs) == STEPS and jobs == ["1", "2", "3"]
     assert "chain: the run reached its last step (3)" in outputs[-1]
     assert logged(tmp_path) == straight
     srun = [json.loads(line) for line in (tmp_path / "bin" / "srun.log").read_text().splitlines()]
-    # squeue says 58:30 left; less CHAIN_MARGIN (300 s) is 53:30, and the flags' own --time_limit comes after.
+    # squeue says 58:30 left; less CHAIN_MARGIN (300 s) is 53:30, and the flags' own --time_limit
+    # comes after.
     assert all(" --time_limit 00:53:30 " in " ".join(argv) + " " for argv in srun)
     # The message names the --time_limit that applies: the flags' own.
     assert "--time_limit 00:00:00 (yours; the time left would allow 00:53:30)" in outputs[0]
@@ -136,18 +225,30 @@ def test_slurm_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, 
 
 
 @pytest.mark.slow
-def test_a_chain_stops_at_a_checkpoint_damaged_where_progress_cannot_see_and_a_resubmit_finishes(tmp_path, corpus,
-                                                                                                straight):
-    """progress.py does not read the shards' bytes (docs/checkpoints.md). A job that starts where it names a
-    checkpoint with a damaged shard resumes from the one before, saves that step again and stops: the chain stops
-    as if the job made no progress. Nothing is lost: the job submitted again finishes the run, losses unchanged."""
-    env = dict(base_env(tmp_path), SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST=socket.gethostname(),
-               SLURM_SUBMIT_DIR=str(tmp_path), ENTRY=str(ENTRY), CHAIN="1",
-               JOB_SCRIPT=str(ROOT / "slurm" / "train.sbatch"))
+def test_a_chain_stops_at_a_checkpoint_damaged_where_progress_cannot_see_and_a_resubmit_finishes(
+    tmp_path, corpus, straight
+):
+    """progress.py does not read the shards' bytes (docs/checkpoints.md). A job that starts where it
+    names a checkpoint with a damaged shard resumes from the one before, saves that step again and
+    stops: the chain stops as if the job made no progress. Nothing is lost: the job submitted again
+    finishes the run, losses unchanged."""
+    env = dict(
+        base_env(tmp_path),
+        SLURM_NTASKS="2",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_JOB_NODELIST=socket.gethostname(),
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        ENTRY=str(ENTRY),
+        CHAIN="1",
+        JOB_SCRIPT=str(ROOT / "slurm" / "train.sbatch"),
+    )
 
     def job(job_id):
-        result = run_session(["bash", env["JOB_SCRIPT"], *run_args(corpus), "--time_limit", "00:00:00"],
-                             dict(env, SLURM_JOB_ID=job_id), tmp_path)
+        result = run_session(
+            ["bash", env["JOB_SCRIPT"], *run_args(corpus), "--time_limit", "00:00:00"],
+            dict(env, SLURM_JOB_ID=job_id),
+            tmp_path,
+        )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return result
 
@@ -156,7 +257,10 @@ def test_a_chain_stops_at_a_checkpoint_damaged_where_progress_cannot_see_and_a_r
     step_2 = tmp_path / "checkpoints" / "chain" / "step_2"
     flip_a_byte(step_2 / "__0_0.distcp")
     third = job("3")
-    assert "the run is at step 2" in third.stdout and "resuming from checkpoints/chain/step_1" in third.stdout
+    assert (
+        "the run is at step 2" in third.stdout
+        and "resuming from checkpoints/chain/step_1" in third.stdout
+    )
     assert "__0_0.distcp does not match its checksum" in third.stderr
     assert "chain: stops: this job made no progress (still at step 2)" in third.stderr
     assert checkpoint_find.verify(step_2) is None  # saved again, whole

@@ -1,7 +1,9 @@
-"""progress.py, the job chains' `minimal-fsdp progress [training flags]`: it imports no torch; it answers as
-checkpoint_find.newest_complete without checksums (verify's cheap checks) does on intact, damaged, torn and hostile
-checkpoints; it never counts a checkpoint that resume skips for a missing, resized, replaced or damaged file;
-and, as documented, it counts one whose meta.json was edited to describe a model the shards do not hold."""
+"""progress.py, the job chains' `minimal-fsdp progress [training flags]`: it imports no torch; it
+answers as checkpoint_find.newest_complete without checksums (verify's cheap checks) does on intact,
+damaged, torn and hostile checkpoints; it never counts a checkpoint that resume skips for a missing,
+resized, replaced or damaged file; and, as documented, it counts one whose meta.json was edited to
+describe a model the shards do not hold."""
+
 import os
 import shutil
 import subprocess
@@ -25,7 +27,8 @@ def flags(run):
 
 
 def verified(run_dir):
-    """"STEP LAST_STEP" of the newest checkpoint that passes verify's cheap checks, as progress prints it."""
+    """ "STEP LAST_STEP" of the newest checkpoint that passes verify's cheap checks, as progress
+    prints it."""
     path = checkpoint_find.newest_complete(run_dir, checksums=False)
     if path is None:
         return "0 none\n"
@@ -39,17 +42,25 @@ def answers(run, console, **flag_values):
     out, err = console()
     progress.main(argv)
     console()
-    return out.getvalue(), err.getvalue(), verified(run.parent / flag_values.get("run_name", run.name))
+    return (
+        out.getvalue(),
+        err.getvalue(),
+        verified(run.parent / flag_values.get("run_name", run.name)),
+    )
 
 
 def test_progress_answers_as_checkpoint_progress_does(run, console):
     assert answers(run, console)[::2] == ("3 100\n", "3 100\n")
-    flip_a_byte(run / "step_3" / "__0_0.distcp")  # the shards' bytes: neither reads them (resume does)
+    # the shards' bytes: neither reads them (resume does)
+    flip_a_byte(run / "step_3" / "__0_0.distcp")
     assert answers(run, console)[::2] == ("3 100\n", "3 100\n")
     (run / "step_3" / "rng_0.pt").unlink()
     mine, said, theirs = answers(run, console)
     assert (mine, theirs) == ("2 none\n", "2 none\n")
-    assert said == f"warning: skipping checkpoint {run / 'step_3'}: rng_0.pt: No such file or directory\n"
+    assert (
+        said
+        == f"warning: skipping checkpoint {run / 'step_3'}: rng_0.pt: No such file or directory\n"
+    )
     meta = meta_of(run / "step_2")
     del meta["format"], meta["state"]
     edited(run / "step_2", lambda m: (m.clear(), m.update(meta, last_step=50)))  # format 1
@@ -65,7 +76,8 @@ def test_a_hostile_meta_json_is_skipped_in_verifys_words(run, console, case):
     progress.main(flags(run))
     if case in SHARDS_DISAGREE:  # documented: meta.json agrees with itself, only the shards tell
         assert (out.getvalue(), err.getvalue()) == ("3 100\n", "")
-        assert checkpoint_find.verify(run / "step_3", checksums=False) == problem  # so resume skips it
+        # so resume skips it
+        assert checkpoint_find.verify(run / "step_3", checksums=False) == problem
     else:
         assert out.getvalue() == "2 none\n"
         assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
@@ -92,15 +104,34 @@ def fifo(file):
 
 # What a file system can do to a saved file, and the line progress skips the checkpoint with.
 DAMAGE = {
-    "a truncated shard": ("__0_0.distcp", truncate, "__0_0.distcp has {size_less_1} bytes, {size} when saved"),
-    "a grown shard": ("__0_0.distcp", grow, "__0_0.distcp has {size_plus_1} bytes, {size} when saved"),
+    "a truncated shard": (
+        "__0_0.distcp",
+        truncate,
+        "__0_0.distcp has {size_less_1} bytes, {size} when saved",
+    ),
+    "a grown shard": (
+        "__0_0.distcp",
+        grow,
+        "__0_0.distcp has {size_plus_1} bytes, {size} when saved",
+    ),
     "a missing .metadata": (".metadata", os.unlink, ".metadata: No such file or directory"),
-    "a damaged .metadata": (".metadata", flip_a_byte,
-                            ".metadata does not match its checksum: the file was damaged after it was saved"),
-    "a damaged RNG file": ("rng_0.pt", flip_a_byte,
-                           "rng_0.pt does not match its checksum: the file was damaged after it was saved"),
+    "a damaged .metadata": (
+        ".metadata",
+        flip_a_byte,
+        ".metadata does not match its checksum: the file was damaged after it was saved",
+    ),
+    "a damaged RNG file": (
+        "rng_0.pt",
+        flip_a_byte,
+        "rng_0.pt does not match its checksum: the file was damaged after it was saved",
+    ),
     "an RNG file linked elsewhere": ("rng_0.pt", link, "rng_0.pt is not a regular file"),
-    "a tokenizer file turned FIFO": ("tokenizer.json", fifo, "tokenizer.json is not a regular file"),  # never opened
+    # never opened
+    "a tokenizer file turned FIFO": (
+        "tokenizer.json",
+        fifo,
+        "tokenizer.json is not a regular file",
+    ),
 }
 
 
@@ -119,20 +150,26 @@ def test_a_file_resume_would_refuse_makes_progress_skip_its_checkpoint(run, cons
 
 
 def test_a_torn_save_is_never_counted_and_an_uncommitted_one_comes_after_latest(run, console):
-    shutil.copytree(run / "step_3", run / ".tmp-step_4")  # crashed before its rename: not a step_<N>
+    # crashed before its rename: not a step_<N>
+    shutil.copytree(run / "step_3", run / ".tmp-step_4")
     shutil.copytree(run / "step_3", run / "step_5")
     (run / "step_5" / "meta.json").unlink()  # a directory torn some other way
-    shutil.copytree(run / "step_3", run / "step_4")  # renamed, but `latest` not yet moved: not committed
+    # renamed, but `latest` not yet moved: not committed
+    shutil.copytree(run / "step_3", run / "step_4")
     edited(run / "step_4", lambda m: m.update(step=4))
     out, err = console()
     progress.main(flags(run))
-    assert out.getvalue() == "3 100\n" and err.getvalue() == ""  # resume's order: what `latest` names first
+    # resume's order: what `latest` names first
+    assert out.getvalue() == "3 100\n" and err.getvalue() == ""
     assert checkpoint_find.latest(run) == run / "step_3"
     (run / "latest").unlink()
     out, err = console()
     progress.main(flags(run))
     assert out.getvalue() == "4 100\n"
-    assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_5'}: meta.json is missing or unreadable\n"
+    assert (
+        err.getvalue()
+        == f"warning: skipping checkpoint {run / 'step_5'}: meta.json is missing or unreadable\n"
+    )
 
 
 def test_a_checkpoint_from_before_meta_json_listed_its_files_is_checked_by_verify(run, console):
@@ -142,28 +179,62 @@ def test_a_checkpoint_from_before_meta_json_listed_its_files_is_checked_by_verif
     (run / "step_3" / "rng_0.pt").unlink()
     mine, said, theirs = answers(run, console)
     assert (mine, theirs) == ("2 none\n", "2 none\n")
-    assert said == f"warning: skipping checkpoint {run / 'step_3'}: rng_0.pt is missing or unreadable " \
-                   "(FileNotFoundError)\n"
+    assert (
+        said == f"warning: skipping checkpoint {run / 'step_3'}: rng_0.pt is missing or unreadable "
+        "(FileNotFoundError)\n"
+    )
 
 
 def python(*args, cwd):
-    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
 
 
 def imported(importtime_lines):
     """The modules `python -X importtime` reports."""
-    return {line.rsplit("|", 1)[1].strip() for line in importtime_lines.splitlines() if line.startswith("import time:")}
+    return {
+        line.rsplit("|", 1)[1].strip()
+        for line in importtime_lines.splitlines()
+        if line.startswith("import time:")
+    }
 
 
 def test_the_command_imports_no_torch_and_answers_bad_flags_in_one_line(run, tmp_path):
-    result = python("-X", "importtime", "-m", "minimal_fsdp", "progress", *flags(run), "--precision", "bf16",
-                    cwd=tmp_path)
+    result = python(
+        "-X",
+        "importtime",
+        "-m",
+        "minimal_fsdp",
+        "progress",
+        *flags(run),
+        "--precision",
+        "bf16",
+        cwd=tmp_path,
+    )
     assert (result.returncode, result.stdout) == (0, "3 100\n"), result.stderr[-2000:]
     modules = imported(result.stderr)
-    assert {"minimal_fsdp.checkpoint.dirs", "minimal_fsdp.checkpoint.meta"} <= modules  # what it reads with
+    # what it reads with
+    assert {"minimal_fsdp.checkpoint.dirs", "minimal_fsdp.checkpoint.meta"} <= modules
     assert not {m for m in modules if m.split(".")[0] == "torch"}
-    result = python("-X", "importtime", "-m", "minimal_fsdp", "progress", *flags(run), "--lr", "-1", cwd=tmp_path)
+    result = python(
+        "-X",
+        "importtime",
+        "-m",
+        "minimal_fsdp",
+        "progress",
+        *flags(run),
+        "--lr",
+        "-1",
+        cwd=tmp_path,
+    )
     lines = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --lr"), result.stderr[-2000:]
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --lr"), (
+        result.stderr[-2000:]
+    )
     assert not {m for m in imported(result.stderr) if m.split(".")[0] == "torch"}
