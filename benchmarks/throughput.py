@@ -24,7 +24,7 @@ from minimal_fsdp.config.flags import Config, build_parser, validate, validate_w
 from minimal_fsdp.metrics import allocator_retries, peak_flops, peak_memory_gb  # noqa: E402
 from minimal_fsdp.models.families import MODELS, config_from_flags  # noqa: E402
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync  # noqa: E402
-from minimal_fsdp.parallel.plan import apply_process_settings, make_plan  # noqa: E402
+from minimal_fsdp.parallel.plan import apply_process_settings, make_plan, reduce_precision  # noqa: E402
 from minimal_fsdp.train import build_optimizer, collections_in_step, train_step  # noqa: E402
 
 HEADER = (
@@ -127,7 +127,10 @@ def main():
         if getattr(cfg, o)
     ]
     named = [f"ckpt:{cfg.recompute}" if o == "activation_checkpoints" else o for o in named]
-    named += [f"reduce:{cfg.reduce_precision}"] if cfg.reduce_precision != "float32" else []
+    summed = reduce_precision(
+        cfg.reduce_precision, env.num_nodes, cfg.precision
+    )  # as the plan has it
+    named += [f"reduce:{summed}"] if summed != "float32" else []
     options = bench["label"] or " ".join(named) or "-"
     n = model.num_params(non_embedding=False)
     layers = f"·{cfg.num_layers}L" if cfg.num_layers else ""  # a preset cut to fewer or more blocks
