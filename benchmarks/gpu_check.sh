@@ -278,7 +278,7 @@ fp8_7b)
     prec="--precision fp8 --fp8_recipe $p"; [ $p = bf16 ] && prec="--precision bf16"
     timeout ${FP8_7B_TIMEOUT:-160} $MPI $alloc -n $NG $B $prec >> "$OUT/fp8_7b.log" 2>&1
     echo "$p, batch $b: exit $?"; grep -E 'OutOfMemory|Error' "$OUT/fp8_7b.log" | tail -2
-    python3 -m minimal_fsdp.tools.model_size --model_preset llama2-7b --gpus $NG --batch_size $b $prec \
+    python3 -m minimal_fsdp plan --model_preset llama2-7b --gpus $NG --batch_size $b $prec \
       | grep -E "^$sh +selective +no " | awk -v p=$p '{print "  planner, " p ": " $6 " GiB estimated"}'
   done
   python3 benchmarks/fp8_table.py "$OUT/fp8_7b.jsonl" | tee -a "$OUT/fp8_summary.md" ;;
@@ -309,7 +309,7 @@ fp8_numerics)
     wait $run; rm -rf /tmp/fp8_numerics/fp8n_$p; grep -E '^step|Error|error' "$OUT/fp8n_$p.log" | tail -3
   done
   [ -f "$OUT/logs/fp8n_bf16/metrics.jsonl" ] && [ -f "$OUT/logs/fp8n_fp8/metrics.jsonl" ] || continue
-  python3 -m minimal_fsdp.tools.plot "$OUT/logs/fp8n_bf16" "$OUT/logs/fp8n_fp8" --out "$OUT/fp8_numerics.png"
+  python3 -m minimal_fsdp plot "$OUT/logs/fp8n_bf16" "$OUT/logs/fp8n_fp8" --out "$OUT/fp8_numerics.png"
   python3 - "$OUT/logs" <<'PY' | tee -a "$OUT/fp8_summary.md"
 import sys
 from minimal_fsdp.tools.plot import read_metrics
@@ -363,7 +363,7 @@ llama3_8b)
       >> "$OUT/llama3_8b.log" 2>&1
     echo "$p, batch $b: exit $?"; grep -E '^\|' "$OUT/llama3_8b.log" | tail -1
     grep -E 'OutOfMemory|Error' "$OUT/llama3_8b.log" | tail -2
-    python3 -m minimal_fsdp.tools.model_size --model_preset llama3-8b --gpus $NG --batch_size $b $prec \
+    python3 -m minimal_fsdp plan --model_preset llama3-8b --gpus $NG --batch_size $b $prec \
       | grep -E "^$sh +$rc +no " | awk -v p=$p '{print "  planner, " p ": " $6 " GiB estimated"}'
   done
   python3 benchmarks/fp8_table.py "$OUT/llama3_8b.jsonl" | tee -a "$OUT/llama3_summary.md" ;;

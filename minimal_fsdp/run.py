@@ -318,6 +318,15 @@ def data_source(flags):
     return "dataset", flags.get("dataset")
 
 
+def other_file(mine, before):
+    """Whether two --input_file/--dataset_path values surely name other data. A relative path was
+    relative to its launch's directory, which the checkpoint does not keep: only a different name,
+    or two absolute paths that differ, are sure (the vocabulary is checked later anyway)."""
+    if Path(mine).name != Path(before).name:
+        return True
+    return Path(mine).is_absolute() and Path(before).is_absolute() and Path(mine) != Path(before)
+
+
 def check_before_data(cfg, start):
     """Refuse a checkpoint whose model these flags cannot continue before the data is prepared,
     naming what differs: the data, where the vocabulary is built from it (--tokenizer char or
@@ -329,7 +338,7 @@ def check_before_data(cfg, start):
         return  # the shape comes from the Hugging Face model: checked once it is read
     (kind, mine), (their_kind, before) = data_source(dataclasses.asdict(cfg)), data_source(theirs)
     other_data = kind != their_kind or (
-        mine != before and (kind == "dataset" or Path(mine).resolve() != Path(before).resolve())
+        mine != before and (kind == "dataset" or other_file(mine, before))
     )
     if (
         other_data

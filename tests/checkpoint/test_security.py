@@ -331,7 +331,7 @@ def test_crafted_checkpoint_runs_nothing_anywhere(tmp_path, trained):
 
 
 def module(*args, cwd):
-    """`python -m minimal_fsdp.<args>` in cwd; the timeout only guards against a hang."""
+    """`python -m <args>` in cwd; the timeout only guards against a hang."""
     return subprocess.run(
         [sys.executable, "-m", *map(str, args)],
         cwd=cwd,
@@ -365,24 +365,14 @@ def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_
     assert "generating from checkpoints/run/step_2" in sample.stderr, sample.stderr
     assert [line for line in sample.stderr.splitlines() if "step_4" in line] == [skipped]
     export = module(
-        "minimal_fsdp.hf.export", "checkpoints/run/step_4", tmp_path / "out", cwd=tmp_path
+        "minimal_fsdp", "export", "checkpoints/run/step_4", tmp_path / "out", cwd=tmp_path
     )
     assert one_error(export) == (
         "error: checkpoints/run/step_4 is not a complete checkpoint: checkpoints/run/step_4: "
         + skipped.split(": ", 2)[2]
     )
-    # the job chains'
-    for progress in (
-        module("minimal_fsdp.tools.progress", "--run_name", "run", cwd=tmp_path),
-        module(
-            "minimal_fsdp.checkpoint.checkpointer", "progress", "--run_name", "run", cwd=tmp_path
-        ),
-    ):
-        assert (progress.returncode, progress.stdout, progress.stderr) == (
-            0,
-            "2 6\n",
-            skipped + "\n",
-        )
+    progress = module("minimal_fsdp", "progress", "--run_name", "run", cwd=tmp_path)  # job chains'
+    assert (progress.returncode, progress.stdout, progress.stderr) == (0, "2 6\n", skipped + "\n")
     resumed = train(tmp_path, steps=6)
     assert "resuming from checkpoints/run/step_2" in resumed.stdout
     assert [line for line in resumed.stderr.splitlines() if "step_4" in line] == [skipped]
