@@ -63,6 +63,7 @@ def modules():
         "torch_xla.core.xla_model": _module(
             "torch_xla.core.xla_model",
             set_rng_state=nothing,
+            wait_device_ops=nothing,  # the backend's synchronize: the CPU stand-in runs eagerly
             send_cpu_data_to_device=lambda data, device, spec: list(data),
         ),
         "torch_xla.distributed": _module("torch_xla.distributed"),
