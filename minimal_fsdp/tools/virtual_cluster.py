@@ -203,9 +203,12 @@ class Cluster:
         self._write_ssh()
 
     def _write_hosts_file(self, host):
-        lines = ["127.0.0.1 localhost"]
+        lines = ["127.0.0.1 localhost", "::1 localhost"]
         if self.resolve == "all":
             lines += [f"{h.address} {h.name}" for h in self.hosts]
+            # c10d's store sees its clients at IPv4-mapped addresses and names each one: with no
+            # entry, the lookup goes to a DNS server no namespace reaches (a warning per client)
+            lines += [f"::ffff:{h.address} {h.name}" for h in self.hosts]
         elif self.resolve == "loopback":
             lines.append(f"127.0.1.1 {host.name}")
         (ETC_NETNS / host.netns).mkdir(parents=True, exist_ok=True)
