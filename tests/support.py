@@ -29,6 +29,7 @@ from minimal_fsdp.hf import read as hf
 from minimal_fsdp.models.families import MODELS
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.parallel import gossip
 from minimal_fsdp.parallel import plan as plan_module
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.parallel.gossip import exchange_for, exp_distances, mixing_matrix
@@ -271,11 +272,12 @@ def alternating_exp_ring(world, step):
     return w
 
 
-def decentralized_reference(args, world, steps):
+def decentralized_reference(args, world, steps, hosts=None):
     """Decentralized training on stacked replicas in one process: each replica's gradient at x^t on
     its rank's batch, then X <- W_t X, then each replica's clipped AccumAdamW step (the optimizer
-    test_accum_adamw checks against torch's AdamW). Returns each step's (mean loss, consensus
-    distance) and the final replicas."""
+    test_accum_adamw checks against torch's AdamW). hosts: each host's ranks, for host-aware
+    gossip's W_t (default: every rank its own peer, the topology over the ranks). Returns each
+    step's (mean loss, consensus distance) and the final replicas."""
     cfg = parse_args([str(a) for a in args])
     data = plain.PreparedTokens(cfg.data_dir)
     replicas = [plain.build(cfg, data.vocab_size, "cpu") for _ in range(world)]
@@ -303,7 +305,12 @@ def decentralized_reference(args, world, steps):
             loss.backward()
             losses.append(loss.item())
         with torch.no_grad():
-            for model, mixed in zip(replicas, alternating_exp_ring(world, step) @ stacked()):
+            w = (
+                alternating_exp_ring(world, step)
+                if hosts is None
+                else gossip.rank_mixing_matrix("alternating-exp-ring", hosts, step).float()
+            )
+            for model, mixed in zip(replicas, w @ stacked()):
                 torch.nn.utils.vector_to_parameters(mixed, model.parameters())
         for model, optimizer in zip(replicas, optimizers):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
