@@ -53,8 +53,19 @@ LAYERS = {
         "train",
         "backends",
     },
+    # tools/flags_doc.py documents every command of __main__'s table (which imports only config)
     "tools": GROUND
-    | {"launch", "models", "data", "parallel", "checkpoint", "hf", "inference", "metrics"},
+    | {
+        "launch",
+        "models",
+        "data",
+        "parallel",
+        "checkpoint",
+        "hf",
+        "inference",
+        "metrics",
+        "__main__",
+    },
     "__main__": GROUND,
     "__init__": set(),
 }

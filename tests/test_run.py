@@ -94,7 +94,7 @@ def test_a_finished_run_and_changed_flags_are_said_in_one_line(single, capsys):
     )
     assert (
         "resuming checkpoints/again/step_4 with changed flags: --lr 0.003 -> 0.001, --batch_size "
-        "16 -> 8, --reduce_precision float32 -> bf16" in out
+        "16 -> 8, --reduce_precision auto -> bf16" in out
     )
     assert logged_steps("again") == [1, 2, 3, 4, 5, 6]
 

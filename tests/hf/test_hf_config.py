@@ -505,7 +505,8 @@ PATTERNS = [
 ]
 
 
-def test_paths_that_are_not_directories_never_reach_the_hub(tmp_path, hub):
+def test_paths_that_are_not_directories_never_reach_the_hub(tmp_path, hub, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative names resolve here, not wherever pytest runs
     (tmp_path / "file").write_text("")
     for name in (
         str(tmp_path / "file"),

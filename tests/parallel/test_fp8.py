@@ -623,7 +623,7 @@ def test_export_reads_an_fp8_checkpoint_without_torchao(work, emulated, tmp_path
     )
     script = (
         "import sys; sys.modules['torchao'] = None\n"
-        "from minimal_fsdp import export\n"
+        "from minimal_fsdp.hf import export\n"
         f"print(export.export({str(saved)!r}, {str(tmp_path / 'out')!r}))"
     )
     subprocess.run(
