@@ -287,6 +287,8 @@ def skipped(command):
         return "the test runs in the installed environment"
     if command.split()[0] == "pytest":
         return "the test suite itself"
+    if any(word.isalpha() and word.isupper() for word in command.split()):
+        return "a form with a placeholder (COMMAND, FILE), not a command"
     if "configs/shakespeare_char.toml" in command:
         return "a GPU recipe (the README: on a CPU it may not reach its first step for a long time)"
     return None
