@@ -30,7 +30,6 @@ from minimal_fsdp import backends
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args, validate_world
 from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
 from minimal_fsdp.data.tokens import TokenData, prepared_dir
-from minimal_fsdp.inference.generate import generate
 from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.models.families import config_from_flags, with_document_mask
 from minimal_fsdp.parallel.plan import apply_process_settings, make_plan
@@ -127,19 +126,7 @@ def run(cfg):
         dtype = torch.float32 if cfg.precision == "float32" else torch.bfloat16
         if env.is_main:
             print("-" * 40, flush=True)
-        # written as it is generated
-        generate(
-            model,
-            tokenizer,
-            cfg.prompt,
-            cfg.num_tokens,
-            cfg.temperature,
-            cfg.top_k,
-            cfg.seed,
-            env.device,
-            dtype,
-            stream=load.printer() if env.is_main else None,
-        )
+        load.stream_sample(model, tokenizer, cfg, env, dtype)  # written as it is generated
         if env.is_main:
             print("\n" + "-" * 40, flush=True)
     # FSDP state and the device mesh refer to the process groups: let them go, so the groups (and

@@ -25,7 +25,7 @@ from minimal_fsdp.checkpoint.dirs import step_dirs
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import load_tokenizer
 from minimal_fsdp.hf import read as hf
-from minimal_fsdp.inference.generate import check_num_tokens
+from minimal_fsdp.inference.generate import check_num_tokens, generate
 from minimal_fsdp.launch import environment
 from minimal_fsdp.models.families import MODELS, config_from_dict
 from minimal_fsdp.parallel.parallelize import build_model
@@ -261,3 +261,12 @@ def printer():
         print(text, end="", flush=True)
 
     return write
+
+
+def stream_sample(model, tokenizer, cfg, env, dtype):
+    """--num_tokens after --prompt, sampled as --temperature, --top_k and --seed say (collective),
+    the text written on rank 0 as it is produced: the sample command's and the one after
+    training."""
+    stream = printer() if env.is_main else None
+    generate(model, tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k, cfg.seed,
+             env.device, dtype, stream=stream)  # fmt: skip

@@ -22,7 +22,6 @@ from minimal_fsdp.config.flags import one_line_errors
 from minimal_fsdp.config.parser import parse
 from minimal_fsdp.config.flags import Config, validate
 from minimal_fsdp.inference import load
-from minimal_fsdp.inference.generate import generate
 from minimal_fsdp.inference.load import (  # noqa: F401
     describe,
     load_model,
@@ -61,17 +60,6 @@ def _sample(source, cfg):
             flush=True,
         )
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    generate(
-        loaded.model,
-        loaded.tokenizer,
-        cfg.prompt,
-        cfg.num_tokens,
-        cfg.temperature,
-        cfg.top_k,
-        cfg.seed,
-        env.device,
-        dtype,
-        stream=load.printer() if env.is_main else None,
-    )
+    load.stream_sample(loaded.model, loaded.tokenizer, cfg, env, dtype)
     if env.is_main:
         print(flush=True)
