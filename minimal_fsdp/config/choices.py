@@ -42,3 +42,14 @@ MODEL_PRESETS = {
     "gpt": ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"),
     "llama": ("tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-tiny"),
 }
+
+# The launchers' rank variables: which rank prints a flag error (config.flags) or a failure's one
+# line (launch.failures) before torch.distributed has started.
+RANK_VARIABLES = (
+    "RANK",
+    "PMI_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "PMIX_RANK",
+    "PALS_RANKID",
+    "SLURM_PROCID",
+)

@@ -23,6 +23,7 @@ from minimal_fsdp.config.choices import (
     GRAPHS_MODEL,
     MODEL_PRESETS,
     PRECISION,
+    RANK_VARIABLES,
     REDUCE_PRECISION,
     SHARDING,
     SMALL_MODEL,
@@ -32,17 +33,6 @@ from minimal_fsdp.config.choices import (
 from minimal_fsdp.config.checks import model_family, parse_duration, validate, validate_world  # noqa: F401 (re-exported)
 from minimal_fsdp.config import parser
 from minimal_fsdp.config.parser import flag
-
-# The launchers' rank variables (environment.py reads the same ones), for printing a flag error
-# once.
-RANK_VARIABLES = (
-    "RANK",
-    "PMI_RANK",
-    "OMPI_COMM_WORLD_RANK",
-    "PMIX_RANK",
-    "PALS_RANKID",
-    "SLURM_PROCID",
-)
 
 
 def launcher_rank():

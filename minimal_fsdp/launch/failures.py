@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.config.choices import RANK_VARIABLES, ConfigError
 
 FAILED_KEY = "minimal_fsdp/failed"
 # how long a failing rank waits for the others to fail alike before it ends the job itself
@@ -219,14 +219,7 @@ def rank_hint():
     # MPI's rank, over another launcher's variables
     if _error_comm is not None and _error_comm.Get_size() > 1:
         return _error_comm.Get_rank()
-    for name in (
-        "RANK",
-        "PMI_RANK",
-        "OMPI_COMM_WORLD_RANK",
-        "PMIX_RANK",
-        "PALS_RANKID",
-        "SLURM_PROCID",
-    ):
+    for name in RANK_VARIABLES:
         if name in os.environ and os.environ[name].isdigit():
             return int(os.environ[name])
     return 0
