@@ -40,9 +40,12 @@ def _free_port():
 def _open_store(world, port, where, token, timeout):
     """Rank 0 binds the store itself (port 0: any free one), so no other job can take the port in
     between."""
+    # The server listens on every address whatever the name; the name is where rank 0's own
+    # client connects. 127.0.0.1, not 0.0.0.0: c10d names the addresses it logs, and a node with
+    # no reachable name server names 127.0.0.1 from /etc/hosts but not 0.0.0.0 (a warning, it was)
     try:
         store = dist.TCPStore(
-            "0.0.0.0", port, world, is_master=True, wait_for_workers=False, timeout=timeout
+            "127.0.0.1", port, world, is_master=True, wait_for_workers=False, timeout=timeout
         )
     except dist.DistNetworkError as e:
         if not port:

@@ -203,11 +203,12 @@ class Cluster:
         self._write_ssh()
 
     def _write_hosts_file(self, host):
-        lines = ["127.0.0.1 localhost", "::1 localhost"]
+        # c10d's store sees its clients at IPv4-mapped addresses (a client on its own host at
+        # ::ffff:127.0.0.1) and names each one: with no entry, the lookup goes to a DNS server no
+        # namespace reaches (a warning per client)
+        lines = ["127.0.0.1 localhost", "::1 localhost", "::ffff:127.0.0.1 localhost"]
         if self.resolve == "all":
             lines += [f"{h.address} {h.name}" for h in self.hosts]
-            # c10d's store sees its clients at IPv4-mapped addresses and names each one: with no
-            # entry, the lookup goes to a DNS server no namespace reaches (a warning per client)
             lines += [f"::ffff:{h.address} {h.name}" for h in self.hosts]
         elif self.resolve == "loopback":
             lines.append(f"127.0.1.1 {host.name}")
