@@ -171,3 +171,31 @@ def test_a_bug_on_rank_0_is_exit_1_with_its_traceback_and_bad_input_stays_exit_2
         run.main(flags)
     err = capsys.readouterr().err
     assert exit_code.value.code == 2 and err == "error: --hf_model gpt2: not found\n"
+
+
+def test_a_prompt_the_data_cannot_encode_is_refused_and_the_default_prompt_only_drops_the_sample(
+    capsys,
+):
+    """check_prompt, before training: a --prompt with characters the data lacks is refused, naming
+    the flag, the prompt, a missing character and the way out; the default prompt only drops the
+    sample, in one line on rank 0; --num_tokens 0 asks for no sample. (tests/launch/test_errors.py
+    launches the refusal on two ranks in the full tier.)"""
+    from types import SimpleNamespace
+
+    from support import names
+
+    lower = tokenizer.CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.;'\n")
+    rank0 = SimpleNamespace(is_main=True)
+    with pytest.raises(ConfigError) as error:
+        run.check_prompt(parse_args(["--prompt", "HAMLET", "--num_tokens", "20"]), lower, rank0)
+    names(str(error.value), "--prompt", "'HAMLET'", "'H'", "--num_tokens")
+    assert "\n" not in str(error.value)
+
+    assert run.check_prompt(parse_args(["--prompt", "hamlet"]), lower, rank0) is True
+    capsys.readouterr()
+    assert run.check_prompt(parse_args([]), lower, rank0) is False
+    notes = capsys.readouterr().out.splitlines()
+    assert len(notes) == 1 and notes[0].startswith("no sample at the end: the default --prompt")
+    assert run.check_prompt(parse_args([]), lower, SimpleNamespace(is_main=False)) is False
+    assert capsys.readouterr().out == ""  # said once, by rank 0
+    assert run.check_prompt(parse_args(["--num_tokens", "0"]), lower, rank0) is False

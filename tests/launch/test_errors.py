@@ -51,6 +51,7 @@ def test_seq_length_longer_than_data(tmp_path):
     )
 
 
+@pytest.mark.slow  # quick in process: tests/data/test_data.py
 def test_vocab_smaller_than_tokenizer(tmp_path, corpus):
     names(
         run_bad(
@@ -95,6 +96,7 @@ def test_seq_length_longer_than_checkpoint_context(tmp_path, corpus, single_proc
     )
 
 
+@pytest.mark.slow  # quick in process: tests/data/test_tokenizer.py
 def test_gpt2_tokenizer_offline_without_cache(tmp_path, corpus):
     offline = {
         "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"),
@@ -163,6 +165,7 @@ def test_the_default_prompt_outside_the_vocabulary_skips_the_sample_with_one_lin
     assert (tmp_path / "checkpoints" / "lower" / "latest").exists()
 
 
+@pytest.mark.slow  # quick in process: tests/test_run.py
 def test_a_prompt_outside_the_vocabulary_is_refused_before_training(tmp_path):
     line = run_bad(
         [

@@ -84,6 +84,7 @@ def held_port():
         yield s.getsockname()[1]
 
 
+@pytest.mark.slow  # in process: test_launchers.py
 def test_mpi4py_of_another_mpi_is_not_a_silent_world_of_one(tmp_path, corpus):
     """Cray's mpiexec (PALS) starting ranks whose mpi4py comes from the mpich wheel: MPI_Init gives
     each process a world of its own. Both stop; the launcher's rank 0 says why."""
@@ -99,6 +100,7 @@ def test_mpi4py_of_another_mpi_is_not_a_silent_world_of_one(tmp_path, corpus):
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow  # quick launch of the same refusal: the srun port below
 def test_master_port_in_use_ends_the_mpi_job(tmp_path, corpus, held_port):
     result = run_session(
         [mpiexec(), "-n", "2", *training(corpus)], job_env(MASTER_PORT=str(held_port)), tmp_path
@@ -107,6 +109,7 @@ def test_master_port_in_use_ends_the_mpi_job(tmp_path, corpus, held_port):
     assert result.returncode == 2
 
 
+@pytest.mark.slow  # quick: the torchrun one below
 def test_unresolvable_master_addr_ends_the_mpi_job(tmp_path, corpus):
     result = run_session(
         [mpiexec(), "-n", "2", *training(corpus)],
@@ -118,6 +121,7 @@ def test_unresolvable_master_addr_ends_the_mpi_job(tmp_path, corpus):
     assert result.returncode == 2
 
 
+@pytest.mark.slow  # quick: test_launchers.py, and one rank alone below
 def test_pbs_without_nodefile_ends_the_mpi_job(tmp_path, corpus):
     result = run_session(
         [mpiexec(), "-n", "2", *training(corpus, "--environment", "pbs")], job_env(), tmp_path
@@ -232,6 +236,7 @@ def test_uneven_ranks_per_node_with_hybrid_sharding(tmp_path, corpus):
     assert result.returncode == 2
 
 
+@pytest.mark.slow  # in process: test_launchers.py
 def test_pod_level_world_without_torchrun(tmp_path, corpus):
     """`python basic_training.py` in a PyTorchJob pod, torchrun forgotten: one line, not a wait for
     8 ranks."""
@@ -335,6 +340,7 @@ def test_cray_pals_variables_without_pmi_stop_every_process(tmp_path, corpus):
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow  # in process: test_launchers.py
 def test_open_mpi_5_pmix_variables_with_an_mpich_mpi4py_say_so_before_mpi_init(tmp_path, corpus):
     """What Open MPI 5's mpirun sets in its ranks; the mpich wheel's MPI_Init would abort with a
     stack per rank (exit 16). Each rank says why in one line instead, before MPI_Init."""
@@ -404,6 +410,7 @@ def test_pbs_scripts_stop_on_a_nodefile_that_does_not_exist(tmp_path, script):
     assert result.returncode == 2 and not (tmp_path / "ran").exists()
 
 
+@pytest.mark.slow  # in process: test_launchers.py
 def test_torchrun_variables_inside_an_mpiexec_launch_are_refused(tmp_path, corpus):
     """A PyTorchJob pod's RANK=0 and WORLD_SIZE seen by every rank of an mpiexec: the torchrun rule
     used to win, every rank took rank 0, one died of address-in-use and the other waited. Two

@@ -275,6 +275,21 @@ def fake_env(monkeypatch):
     return env
 
 
+def test_pbs_layout_refuses_a_missing_unreadable_or_uneven_nodefile(fake_env, tmp_path):
+    """--environment pbs: no PBS_NODEFILE, one that cannot be read, or ranks that do not divide
+    over its hosts is one line each, naming the way out (test_launch_errors.py: the same under
+    mpiexec, rank 1 alone failing)."""
+    with pytest.raises(ConfigError, match=r"--environment pbs needs PBS_NODEFILE \(run inside"):
+        discovery.pbs_layout(2)
+    fake_env.update(PBS_NODEFILE=str(tmp_path / "gone"))
+    with pytest.raises(ConfigError, match="cannot read PBS_NODEFILE=.*gone: No such file"):
+        discovery.pbs_layout(2)
+    (tmp_path / "gone").write_text("x1001c0s0b0n0.hsn.cm.polaris.alcf.anl.gov\nx1001c0s0b0n1\n")
+    assert discovery.pbs_layout(4) == (2, 2)
+    with pytest.raises(ConfigError, match=r"3 rank\(s\) cannot be spread evenly over the 2 node"):
+        discovery.pbs_layout(3)
+
+
 def test_srun_task_variables(fake_env):
     fake_env.update(SLURM_TASK)
     assert discovered() == (5, 7, 1, 3, 2, "srun")
