@@ -406,6 +406,25 @@ def test_training_with_document_mask_on_two_ranks_matches_documents_alone(tmp_pa
     assert logged_losses(tmp_path, "plain")[0] != pytest.approx(losses[0], abs=1e-4)
 
 
+def test_document_mask_refuses_a_tokenizer_without_an_end_of_text_token():
+    """A char vocabulary has no end-of-text token to keep documents apart at: the run's model
+    config is refused in one line, before any collective (below: the same through the entry)."""
+    from minimal_fsdp.data.tokenizer import CharTokenizer
+
+    flags = SimpleNamespace(document_mask=True)
+    with pytest.raises(ConfigError) as error:
+        models.with_document_mask(model_of("gpt", eot=None).config, flags, CharTokenizer("ab "))
+    assert str(error.value).startswith(
+        "--document_mask needs a tokenizer with an end-of-text token, and char has none: use "
+        "--tokenizer gpt2 or sentencepiece"
+    )
+    unmasked = model_of("gpt", eot=None).config
+    assert models.with_document_mask(unmasked, SimpleNamespace(document_mask=False), None) is (
+        unmasked
+    )
+
+
+@pytest.mark.slow  # quick in process: above
 def test_document_mask_needs_an_end_of_text_token(tmp_path, corpus):
     out = launch(
         [
