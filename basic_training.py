@@ -1,9 +1,10 @@
 """Train a GPT or Llama with FSDP2, then generate from a prompt: `minimal-fsdp train`, as a script.
 
-    mpiexec -n 2 python basic_training.py  # train on Shakespeare, print a sample
+    # train on Shakespeare, print a sample; generate from the last checkpoint; start from a Hugging
+    # Face GPT-2 or Llama
+    mpiexec -n 2 python basic_training.py
     mpiexec -n 2 python basic_training.py --max_epochs -1 --prompt "ROMEO:"
-                                                                 # generate from the last checkpoint
-    mpiexec -n 2 python basic_training.py --hf_model DIR  # start from a Hugging Face GPT-2 or Llama
+    mpiexec -n 2 python basic_training.py --hf_model DIR
 
 Flags -> Config (minimal_fsdp/config/flags.py, which imports no torch, so --help and a mistyped flag
 answer at once) -> one run (minimal_fsdp/run.py), through the command table of

@@ -1,7 +1,7 @@
 """How much an asynchronous checkpoint save in flight slows training's own thread, on a CPU.
 
-    python benchmarks/async_save_overhead.py --gb 2
-        --repeats 3 [--writer process|thread] [--sink disk|null]
+    python benchmarks/async_save_overhead.py --gb 2 --repeats 3 \
+        [--writer process|thread] [--sink disk|null]
 
 A GPU training step is, for its Python thread, a loop of thousands of small kernel launches, each of
 which lets go of the GIL and takes it back: whatever the save's background work does while holding

@@ -5,9 +5,9 @@ minimal_fsdp/models/attention.py), and torch's variable-length flash attention
 (torch.nn.attention.varlen, what it runs with MINIMAL_FSDP_DOCUMENT_KERNEL=varlen), each forward and
 forward+backward.
 
-    python benchmarks/document_attention.py --batch 1 --heads 32 --kv_heads 8 --seq 8192
-        --head_dim 128 \
-        --document_length 2048
+    python benchmarks/document_attention.py --batch 1 --heads 32 --kv_heads 8 --seq 8192 \
+        --head_dim 128 --document_length 2048
+
 Prints one markdown row per kernel: the time to build its mask (or packed starts) for a batch,
 forward, forward + backward, and for the document kernels the relative error against dense-mask math
 on a small input.

@@ -4,11 +4,10 @@ documents (each ended by an end-of-text token, lengths drawn uniformly from 1 to
 without --document_mask, plain causal attention over the same tokens. Run it twice, with and without
 the flag, and compare the rows.
 
-    mpiexec -n 4 python benchmarks/document_mask.py --model_preset llama3-8b --precision bf16
-        --compile \
-        --meta_init --activation_checkpoints --recompute selective --batch_size 1
-            --document_length 2048 \
-        [--document_mask]
+    mpiexec -n 4 python benchmarks/document_mask.py --model_preset llama3-8b --precision bf16 \
+        --compile --meta_init --activation_checkpoints --recompute selective --batch_size 1 \
+        --document_length 2048 [--document_mask]
+
 Prints throughput.py's row. MFU counts full causal attention as throughput.py does
 (Decoder.flops_per_token), so a masked run, which skips the tiles between documents, does less work
 than its MFU says.

@@ -7,8 +7,8 @@ for a CPU check) it trains one step from random weights (a byte-level BPE of 409
 data/shakespeare, the embedding rows padded to the shape's vocabulary), exports the checkpoint with
 minimal-fsdp export --format hf, and scores ITEMS four-way items of hellaswag's lengths with
   ours      mpiexec -n N minimal-fsdp evaluate <checkpoint> --precision bf16 --batch_size B
-  hf        what lm_eval --model hf --model_args pretrained=<export>,dtype=bfloat16 --device cuda:0
-            --batch_size B builds (HFLM.create_from_arg_string), run by the harness's
+  hf        what `lm_eval --model hf --model_args pretrained=<export>,dtype=bfloat16 --device
+            cuda:0 --batch_size B` builds (HFLM.create_from_arg_string), run by the harness's
             simple_evaluate
 Seconds are the evaluation's (the harness's total_evaluation_time_seconds, its tracker made once the
 model is loaded, alike for both) and the whole command's (start, loading, evaluation; "outside": the
@@ -20,10 +20,10 @@ its aggregation and notes). The accuracies should agree; "same choice" is the sh
 both backends pick the same answer (bf16 may flip near-ties).
 
     python3 benchmarks/eval_speed.py  # on the GPU machine: both shapes, N=4, 1000 items
-    python3 benchmarks/eval_speed.py --shapes tiny --device cpu --ranks 2 --items 40
+    python3 benchmarks/eval_speed.py --shapes tiny --device cpu --ranks 2 --items 40 \
         --precision float32
+    # here (with pip's index): .whl/eval/evalsite-cp312.tar.xz
     python3 benchmarks/eval_speed.py pack
-                                          # here (with pip's index): .whl/eval/evalsite-cp312.tar.xz
 
 The GPU machine has no lm-eval nor datasets and no package index: when lm_eval is missing, the
 script unpacks .whl/eval/evalsite-*.tar.xz (carry .whl/eval) into /tmp/evalsite, made by `pack` from

@@ -1,9 +1,9 @@
 """Decentralized (gossip) against all-reduce training: step time and bytes each GPU sends per step,
 through the same build_model/build_optimizer/train_step as real training, on synthetic tokens.
 
-    mpiexec -n 4 python benchmarks/gossip_bench.py --model_preset gpt2 --vocab_size 50304
-        --batch_size 16 \
-        --precision bf16 --out gossip.jsonl
+    mpiexec -n 4 python benchmarks/gossip_bench.py --model_preset gpt2 --vocab_size 50304 \
+        --batch_size 16 --precision bf16 --out gossip.jsonl
+
 Runs, in one launch: all-reduce (FSDP --sharding no-shard, i.e. DDP: gradients all-reduced in fp32),
 then --data_parallel decentralized with each topology (its wire: --gossip_dtype, bf16 unless told).
 Prints one markdown row per mode. Bytes: for gossip, the

@@ -4,18 +4,19 @@ hosts are made of network namespaces (minimal_fsdp.tools.virtual_cluster), G GPU
 each strategy, and one markdown row per run gives the median step time and tokens/s after the
 warm-up steps, and the final val loss (decentralized against all-reduce at equal steps).
 
+    # a 2-GPU machine
     python benchmarks/multihost.py --hosts 2 --gpus_per_host 1 --gbps 25,10,1 --models gpt2
-                                                                                   # a 2-GPU machine
+    # a 4-GPU machine
     python benchmarks/multihost.py --hosts 2 --gpus_per_host 2 --gbps 10 --models llama-1b
-                                                                                   # a 4-GPU machine
-    python benchmarks/multihost.py --table multihost.jsonl                        # the table so far
+    # the table so far
+    python benchmarks/multihost.py --table multihost.jsonl
+    # the logic, on CPU
     python benchmarks/multihost.py --tiny --gbps 1 --strategies full-shard,decentralized
-                                                                                 # the logic, on CPU
-    python benchmarks/multihost.py --cpu --hosts 8 --models cpu-10m --gbps 0.1
+    # where gossip should win, on any machine (gloo, 1 rank a host)
+    python benchmarks/multihost.py --cpu --hosts 8 --models cpu-10m --gbps 0.1 \
         --strategies no-shard,decentralized
-                                     # where gossip should win, on any machine (gloo, 1 rank a host)
+    # the link alone
     python benchmarks/multihost.py --gbps 25 --probe 512 --env NCCL_NCHANNELS_PER_NET_PEER=4
-                                                                                    # the link alone
 
 Each run appends its result to --out (JSON lines), so a grid too long for one command is run in
 parts. Between hosts NCCL goes over TCP sockets on the veth (NCCL_NET=Socket, NCCL_IB_DISABLE=1,

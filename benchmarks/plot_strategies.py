@@ -4,7 +4,7 @@ the measured runs of benchmarks/multihost.py (its JSON lines) as points and the 
 strategy.
 
     python benchmarks/plot_strategies.py  # docs/strategies.svg from the H200 runs
-    python benchmarks/plot_strategies.py --results multihost.jsonl --gpu_type H100
+    python benchmarks/plot_strategies.py --results multihost.jsonl --gpu_type H100 \
         --out /tmp/strategies.svg
 
 benchmarks/results/multihost_h200.jsonl holds the runs of RESULTS.md's "Across hosts" rows (2

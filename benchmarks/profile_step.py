@@ -1,8 +1,8 @@
 """Where does a training step's time go? torch.profiler over a few steps of the real train_step.
 
-    mpiexec -n 1 python benchmarks/profile_step.py --model_preset gpt2 --vocab_size 50304
-        --precision bf16 \
-        --batch_size 32 --compile [--out DIR]
+    mpiexec -n 1 python benchmarks/profile_step.py --model_preset gpt2 --vocab_size 50304 \
+        --precision bf16 --batch_size 32 --compile [--out DIR]
+
 Prints the host time to issue one step while the device is held busy (so the launch queue never
 fills and blocks the host), the wall time of a step, and the device time per step split into kinds
 of kernel (matmul, attention, fused element-wise, optimizer, copies), then the top kernels. Host

@@ -1,9 +1,9 @@
 """Training throughput on synthetic tokens, through the same build_model/train_step as real
 training.
 
-    mpiexec -n 1 python benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304
-        --batch_size 16 \
-        --precision bf16 --compile
+    mpiexec -n 1 python benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 \
+        --batch_size 16 --precision bf16 --compile
+
 Prints one markdown row: model, world, sharding, precision, batch, seq, tokens/s (total and per
 GPU), MFU, median step time, peak memory. MFU = (6N + attention) FLOPs per token x tokens/s / (peak
 x GPUs), with the dense bf16 peak of the card (989 TFLOP/s for H100 SXM), also for --precision fp8

@@ -1,7 +1,6 @@
 """basic_training.py with faults injected at chosen steps, for the resilience tests.
 
-    MINIMAL_FSDP_FAULTS="sigterm@10:1,nan@7" mpiexec
-        -n 2 python tests/faults.py <basic_training flags>
+    MINIMAL_FSDP_FAULTS="sigterm@10:1,nan@7" mpiexec -n 2 python tests/faults.py <training flags>
 
 Each fault is KIND@STEP[:RANK] (every rank if RANK is left out); STEP is the optimizer step being
 done, counted from 1 as in the logs. Kinds:
@@ -12,19 +11,18 @@ done, counted from 1 as in the logs. Kinds:
   hang              this rank stops responding during the step
   pause             this rank waits during the step until the file $MINIMAL_FSDP_RELEASE exists
   kill_in_save      this rank is SIGKILLed while it writes its shard of this step's checkpoint
-  enospc_in_save    this rank's writes of this step's checkpoint fail with "No space left on device"
+  enospc_in_save    this rank's writes of this step's checkpoint fail with "No space left on
+                    device"
   kill_after_shards, kill_after_meta, kill_after_rename, kill_after_latest
-                     rank 0 is SIGKILLed inside this step's save: once every shard is written, once
-                         meta.json
-                     is written, once the directory is renamed into place, once `latest` names it
+                    rank 0 is SIGKILLed inside this step's save: once every shard is written,
+                    once meta.json is written, once the directory is renamed into place, once
+                    `latest` names it
   kill_in_write, enospc_in_write, slow_write
-                     this step's save's DCP writer on this rank (under
-                         --checkpoint_mode async, in the background
-                     while training goes on): is SIGKILLed once its first bytes are on disk (with a
-                         writer
-                     process: once it has written this rank's shard) / fails with "No space
-                     left on device" / starts writing only after this process has sent a sigterm or
-                         sigusr1 fault
+                    this step's save's DCP writer on this rank (under --checkpoint_mode async, in
+                    the background while training goes on): is SIGKILLed once its first bytes are
+                    on disk (with a writer process: once it has written this rank's shard) / fails
+                    with "No space left on device" / starts writing only after this process has
+                    sent a sigterm or sigusr1 fault
 MINIMAL_FSDP_CHECK_LOAD=report.json: right after a checkpoint is loaded, compare every model and
 optimizer tensor of the live sharded model with the checkpoint's files (read in one process) and
 write the verdict.

@@ -4,8 +4,8 @@ matmuls in higher precision), so conversion, sharding, the float8 all-gather, th
 and checkpoints run here as they do on an H100.
 
     mpiexec -n 2 python tests/fp8_emulated.py <basic_training flags>
+    # several runs, as tests/several_runs.py (launch_runs)
     mpiexec -n 2 python tests/fp8_emulated.py runs.json
-                                              # several runs, as tests/several_runs.py (launch_runs)
 """
 
 import runpy

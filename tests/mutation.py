@@ -5,12 +5,12 @@ most.
     python tests/mutation.py           # every module in MODULES, one after another, then the scores
     python tests/mutation.py resilience gossip  # some of them
     python tests/mutation.py --report           # the scores of what has run (no run)
+    # the changed lines of each mutant not killed (no run)
     python tests/mutation.py --survivors gossip
-                                              # the changed lines of each mutant not killed (no run)
+    # run again only the mutants not killed (after adding tests)
     python tests/mutation.py --retest gossip
-                                        # run again only the mutants not killed (after adding tests)
+    # 4 mutants at a time (default 1: one process beside this one)
     python tests/mutation.py -j 4 gossip
-                                      # 4 mutants at a time (default 1: one process beside this one)
 
 mutmut's settings are in setup.cfg's [mutmut] section; its work stays in mutants/ (ignored by git),
 where `mutmut show NAME` prints a mutant's diff and `mutmut browse` lists them all. Each mutant runs

@@ -243,3 +243,24 @@ def test_no_comment_points_into_the_benchmark_log():
         if pattern.search(line)
     ]
     assert not hits
+
+
+USAGE = re.compile(r"    (MINIMAL_FSDP_\w+=\S+ )?(python3?|mpiexec|minimal-fsdp|torchrun|srun) ")
+
+
+def test_every_usage_line_in_a_module_docstring_is_a_whole_command():
+    """A usage example atop a module (the package, benchmarks/, tests/, the entry) copies into a
+    shell as it reads: a command that goes on below its first line ends that line with a
+    backslash, and a comment sits on its own line above (a wrap had cut 16 examples mid-command)."""
+    root = PACKAGE.parent
+    cut = []
+    for path in sorted(root.glob("*.py")) + sorted(
+        p
+        for folder in ("minimal_fsdp", "benchmarks", "tests")
+        for p in (root / folder).rglob("*.py")
+    ):
+        lines = (ast.get_docstring(ast.parse(path.read_text()), clean=False) or "").splitlines()
+        for line, below in zip(lines, lines[1:]):
+            if USAGE.match(line) and below.startswith("     ") and not line.endswith("\\"):
+                cut.append(f"{path.relative_to(root)}: {line.strip()[:60]}")
+    assert not cut, cut

@@ -2,7 +2,7 @@
 
     minimal-fsdp prepare --dataset openwebtext --tokenizer gpt2 --val_fraction 0.0005
     minimal-fsdp prepare --dataset text --input_file my_docs/ --tokenizer gpt2
-    minimal-fsdp prepare --dataset hf --input_file ./saved_dataset --tokenizer sentencepiece
+    minimal-fsdp prepare --dataset hf --input_file ./saved_dataset --tokenizer sentencepiece \
         --vocab_size 8000
     python basic_training.py --dataset_path data/openwebtext/gpt2 ...
 

@@ -2,11 +2,10 @@
 straight from a checkpoint sharded over the ranks (no export, no rank ever holds the whole model).
 pip install 'minimal_fsdp[eval]'.
 
-    minimal-fsdp evaluate checkpoints/shakespeare --tasks tiny_mc,tiny_ppl
+    minimal-fsdp evaluate checkpoints/shakespeare --tasks tiny_mc,tiny_ppl \\
         --include_path configs/eval
-    mpiexec -n 4 minimal-fsdp evaluate checkpoints/run/best --tasks hellaswag arc_easy
-        --batch_size 16 \\
-        --precision bf16 --output_path results/
+    mpiexec -n 4 minimal-fsdp evaluate checkpoints/run/best --tasks hellaswag arc_easy \\
+        --batch_size 16 --precision bf16 --output_path results/
     minimal-fsdp evaluate ~/models/Llama-3.2-1B --tasks lambada_openai --limit 200
 
 The source is anything `minimal-fsdp sample` reads (a checkpoint, a run directory, an export, a

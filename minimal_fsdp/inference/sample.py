@@ -1,9 +1,8 @@
 """Text from a trained model: a checkpoint, an export, or a Hugging Face model directory.
 
-    minimal-fsdp sample checkpoints/shakespeare --prompt "ROMEO:"  # the run's newest checkpoint
-    minimal-fsdp sample checkpoints/shakespeare/best --temperature 0     # greedy, from the best one
-    minimal-fsdp sample exported/ --prompt "Once upon a time" --top_k 20
-                                                                        # an export, either --format
+    minimal-fsdp sample checkpoints/shakespeare --prompt "ROMEO:"     # the run's newest checkpoint
+    minimal-fsdp sample checkpoints/shakespeare/best --temperature 0    # greedy, from the best one
+    minimal-fsdp sample exported/ --prompt "Once upon a time" --top_k 20  # an export, any --format
     minimal-fsdp sample ~/models/Llama-3.2-1B --prompt "The capital of France is" --num_tokens 20
     mpiexec -n 4 minimal-fsdp sample ~/models/Llama-2-13b-hf --precision bf16  # sharded over 4 GPUs
 

@@ -5,8 +5,8 @@ CPU offload; with --inter_node_gbps, each strategy's step time and tokens/s acro
 
     minimal-fsdp plan --model_preset llama2-70b --gpus 16 --gpus_per_node 4 \\
         --gpu_memory 40GB --seq_length 4096 --batch_size 1
+    # the run a training config describes
     minimal-fsdp plan --config configs/llama2_7b_4gpu.toml --gpus 4
-                                                               # the run a training config describes
     minimal-fsdp plan --model_preset gpt2 --vocab_size 50304 --batch_size 32 --precision bf16 \\
         --gpus 4 --gpus_per_node 2 --gpu_type H200 --inter_node_gbps 10
 
