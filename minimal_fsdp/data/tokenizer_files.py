@@ -9,6 +9,8 @@ import base64
 import hashlib
 import json
 import os
+import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -47,6 +49,32 @@ def _one_line(what):
         ) from None
 
 
+@contextmanager
+def _panic_text_held():
+    """A panic in the Rust library writes "thread ... panicked at" (and, with RUST_BACKTRACE, a
+    backtrace) straight to file descriptor 2 before Python sees the PanicException: what is written
+    there meanwhile is held in a file, dropped when the block fails (its one-line error carries the
+    panic's message) and passed on when it succeeds."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    failed = False
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not failed:
+                held.seek(0)
+                text = held.read()
+                if text:
+                    os.write(2, text)
+
+
 def _write_json(directory, meta):
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
@@ -72,9 +100,10 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         try:
-            self.tok = Tokenizer.from_str(tokenizer_json)
-            # a model the library cannot run panics here, not at the prompt or mid-training
-            self.tok.encode(PROBE, add_special_tokens=False)
+            with _panic_text_held():
+                self.tok = Tokenizer.from_str(tokenizer_json)
+                # a model the library cannot run panics here, not at the prompt or mid-training
+                self.tok.encode(PROBE, add_special_tokens=False)
         except BaseException as e:  # noqa: BLE001 - parse errors (Exception) and panics alike
             if isinstance(e, INTERRUPTS):
                 raise

@@ -496,12 +496,28 @@ def bpe_json(**model):
         ({"continuing_subword_prefix": "##", "end_of_word_suffix": "</w>"}, "PanicException"),
     ],
 )
-def test_a_tokenizer_json_the_library_cannot_run_is_one_line(tmp_path, offline, model, named):
+def test_a_tokenizer_json_the_library_cannot_run_is_one_line(
+    tmp_path, offline, model, named, capfd, monkeypatch
+):
+    monkeypatch.setenv("RUST_BACKTRACE", "1")  # read by the panic hook on each panic
     (tmp_path / "tokenizer.json").write_text(json.dumps(bpe_json(**model)))
     with pytest.raises(TokenizerError) as error:
         # at load, alike on every rank: not at the prompt, nor mid-training
         load_tokenizer(tmp_path)
     assert named in str(error.value) and "\n" not in str(error.value)
+    # the library's own panic text and backtrace are not printed before the one line
+    assert capfd.readouterr().err == ""
+
+
+def test_what_the_library_writes_to_stderr_while_a_tokenizer_loads_is_passed_on(capfd):
+    """Held only to drop a failure's panic text: a load that succeeds passes it on."""
+    import os
+
+    from minimal_fsdp.data import tokenizer_files
+
+    with tokenizer_files._panic_text_held():
+        os.write(2, b"a warning from the library\n")
+    assert capfd.readouterr().err == "a warning from the library\n"
 
 
 def test_merges_txt_naming_tokens_the_vocabulary_lacks_is_one_line(tmp_path, offline):
