@@ -20,6 +20,7 @@ judged equivalent to the original code are listed, each with its reason, in
 tests/mutation_equivalent.txt. Scores and survivors: tests/README.md.
 """
 
+import configparser
 import json
 import subprocess
 import sys
@@ -27,22 +28,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = [
-    "accum_adamw",
-    "resilience",
-    "gossip",
-    "config",
-    "config_checks",
-    "data",
-    "train",
-    "checkpoint",
-    "parallelize",
-    "hf",
-]
+
+
+def mutated_modules():
+    """setup.cfg's [mutmut] only_mutate, as names under the package (parallel/gossip.py ->
+    parallel.gossip): the one list of what is mutated."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    paths = config["mutmut"]["only_mutate"].split()
+    return [".".join(Path(p).with_suffix("").parts[1:]) for p in paths]
+
+
+MODULES = mutated_modules()
 # Where only part of a module is in scope: the functions (mutmut's names, globs) mutated and scored.
-# config.py: the --config file's values, not the flag table or the parser; the flags' checks are
-# config_checks.py, whole.
-SCOPE = {"config": ["x__checked__*", "x_load_config_file__*"]}
+# config/parser.py: the --config file's values, not the command line's parser (argparse's).
+SCOPE = {"config.parser": ["x__checked__*", "x_load_config_file__*"]}
 EQUIVALENT = ROOT / "tests" / "mutation_equivalent.txt"
 # These decorators leave a function's body safe to copy and call through mutmut's trampoline, so
 # their functions get mutated too. mutmut 3 skips every decorated function (other than staticmethod
@@ -87,7 +87,7 @@ def results(module):
     """{mutant name: status} of one module's last run, or None if it never ran."""
     from mutmut.stats import status_by_exit_code
 
-    meta = ROOT / "mutants" / "minimal_fsdp" / f"{module}.py.meta"
+    meta = ROOT / "mutants" / source(module).with_suffix(".py.meta")
     if not meta.exists():
         return None
     return {
@@ -95,6 +95,25 @@ def results(module):
         for name, code in json.loads(meta.read_text())["exit_code_by_key"].items()
         if in_scope(module, name)
     }
+
+
+def source(module):
+    """parallel.gossip -> minimal_fsdp/parallel/gossip.py (relative to the repository)."""
+    return Path("minimal_fsdp", *module.split(".")).with_suffix(".py")
+
+
+def named(modules):
+    """The modules asked for: a full name (parallel.gossip) or its last part alone (gossip)."""
+    found = []
+    for name in modules:
+        matches = [m for m in MODULES if name in (m, m.rsplit(".", 1)[-1])]
+        if len(matches) != 1:
+            sys.exit(
+                f"error: {'ambiguous' if matches else 'unknown'} module {name}; choose from "
+                f"{', '.join(MODULES)}"
+            )
+        found += matches
+    return found
 
 
 def patterns(module):
@@ -111,7 +130,7 @@ def in_scope(module, name):
 def report(modules, seconds=None):
     equivalent = equivalent_mutants()
     print(
-        f"\n{'module':<12} {'mutants':>7} {'killed':>6} {'survived':>8} {'no tests':>8} "
+        f"\n{'module':<24} {'mutants':>7} {'killed':>6} {'survived':>8} {'no tests':>8} "
         f"{'equivalent':>10} {'score':>6} {'w/o equiv':>9} {'time':>6}"
     )
     survivors = []
@@ -119,11 +138,11 @@ def report(modules, seconds=None):
         status = results(module)
         unrun = [n for n, s in (status or {}).items() if s == "not checked"]
         if not status or len(unrun) == len(status):
-            print(f"{module:<12} not run")
+            print(f"{module:<24} not run")
             continue
         if unrun:
             print(
-                f"{module:<12} {len(unrun)} of {len(status)} mutants not run yet: scored on the "
+                f"{module:<24} {len(unrun)} of {len(status)} mutants not run yet: scored on the "
                 f"others"
             )
             status = {n: s for n, s in status.items() if s != "not checked"}
@@ -140,7 +159,7 @@ def report(modules, seconds=None):
         total = len(status)
         took = f"{seconds[module]:.0f}s" if seconds and module in seconds else ""
         print(
-            f"{module:<12} {total:>7} {killed:>6} {len(survived) - len(same):>8} "
+            f"{module:<24} {total:>7} {killed:>6} {len(survived) - len(same):>8} "
             f"{sum(status[n] == 'no tests' for n in survived):>8} {len(same):>10} "
             f"{100 * killed / total:>5.1f}% {100 * killed / max(1, total - len(same)):>8.1f}% "
             f"{took:>6}"
@@ -157,9 +176,7 @@ def show_survivors(modules):
     for module in modules:
         for name, status in (results(module) or {}).items():
             if status not in ("killed", "timeout") and name not in equivalent:
-                diff = get_diff_for_mutant(
-                    name, path=Path("minimal_fsdp") / f"{module}.py"
-                ).splitlines()
+                diff = get_diff_for_mutant(name, path=source(module)).splitlines()
                 print(f"{name}: {status}")
                 print(
                     "\n".join(
@@ -181,10 +198,10 @@ def main(argv):
         cli(argv[1:])
         return
     if argv[:1] == ["--survivors"]:
-        show_survivors(argv[1:] or MODULES)
+        show_survivors(named(argv[1:]) or MODULES)
         return
     if argv[:1] == ["--retest"]:
-        modules = argv[1:] or MODULES
+        modules = named(argv[1:]) or MODULES
         names = [
             n
             for m in modules
@@ -199,15 +216,9 @@ def main(argv):
         report(modules)
         return
     if argv[:1] == ["--report"]:
-        report(argv[1:] or MODULES)
+        report(named(argv[1:]) or MODULES)
         return
-    modules = argv or MODULES
-    unknown = set(modules) - set(MODULES)
-    if unknown:
-        sys.exit(
-            f"error: unknown module(s) {', '.join(sorted(unknown))}; choose from "
-            f"{', '.join(MODULES)}"
-        )
+    modules = named(argv) or MODULES
     seconds = {}
     for module in modules:
         start = time.monotonic()
