@@ -503,6 +503,25 @@ def test_a_dead_runs_lock_is_taken_over(tmp_path):
     assert not (run_dir / files.LOCK_NAME).exists()
 
 
+def test_a_live_lock_of_the_same_job_is_refused(tmp_path, monkeypatch):
+    """A second step of one SLURM job (or a requeued job whose first attempt lives): the job id is
+    no proof that the holder ended, its live pid on this host is (test_launch_errors.py launches it
+    in the full tier)."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        (run_dir / files.LOCK_NAME).write_text(
+            json.dumps({"host": socket.gethostname(), "pid": holder.pid, "job": "4242"})
+        )
+        with pytest.raises(files.LockError, match="in use by another training run"):
+            files.RunLock({"--checkpoint_dir": run_dir}).acquire(wait=0.5)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_live_lock_from_another_host_is_waited_for_then_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "STALE_AFTER", 2.0)
     run_dir = tmp_path / "run"

@@ -264,6 +264,7 @@ lock.release()
 """
 
 
+@pytest.mark.slow  # in process: test_security.py
 def test_a_second_step_of_the_same_slurm_job_refuses_a_run_directory_in_use(tmp_path, corpus):
     """Two job steps of one SLURM job on one run directory: the job id is no proof that the first
     has ended, so while it lives the second refuses in one line (it used to take the lock over and
@@ -330,6 +331,7 @@ def refused_alike(results, expected):
     return results
 
 
+@pytest.mark.slow  # in process: test_launchers.py (the PMI_FD one: a quick launch of the kind)
 def test_cray_pals_variables_without_pmi_stop_every_process(tmp_path, corpus):
     """PALS_RANKID on plain python processes, no PMI_SIZE: rank 0 used to train alone and rank 1 to
     exit 2 silently. Neither can know the world size: both refuse, before MPI_Init."""
