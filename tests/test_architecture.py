@@ -251,7 +251,8 @@ USAGE = re.compile(r"    (MINIMAL_FSDP_\w+=\S+ )?(python3?|mpiexec|minimal-fsdp|
 def test_every_usage_line_in_a_module_docstring_is_a_whole_command():
     """A usage example atop a module (the package, benchmarks/, tests/, the entry) copies into a
     shell as it reads: a command that goes on below its first line ends that line with a
-    backslash, and a comment sits on its own line above (a wrap had cut 16 examples mid-command)."""
+    backslash, and a comment sits on its own line above (a line wrap had cut 14 commands between
+    their flags)."""
     root = PACKAGE.parent
     cut = []
     for path in sorted(root.glob("*.py")) + sorted(
