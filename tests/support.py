@@ -77,6 +77,18 @@ def plain_plan(**fields):
 STEPS = 6
 
 
+def run_dirs(work):
+    """A run's data, logs and checkpoints in folders of `work`, as training flags."""
+    return [
+        "--data_dir",
+        work / "data",
+        "--log_dir",
+        work / "logs",
+        "--checkpoint_dir",
+        work / "checkpoints",
+    ]
+
+
 def train_args(corpus, run_name, extra=()):
     work = corpus.parent
     return [
@@ -84,12 +96,7 @@ def train_args(corpus, run_name, extra=()):
         "text",
         "--input_file",
         corpus,
-        "--data_dir",
-        work / "data",
-        "--log_dir",
-        work / "logs",
-        "--checkpoint_dir",
-        work / "checkpoints",
+        *run_dirs(work),
         *TINY_MODEL,
         "--max_steps",
         STEPS,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, launch
-from support import documents, logged_losses, reference_losses, spans
+from support import documents, logged_losses, reference_losses, run_dirs, spans
 
 sys.path.insert(0, str(ROOT))
 import tokenizer_dirs  # noqa: E402
@@ -347,12 +347,7 @@ def train_args(tmp_path, run, extra=()):
         documents(tmp_path / "docs.jsonl"),
         "--tokenizer_dir",
         tokenizer_dirs.write_tokenizer_json(tmp_path / "tok"),
-        "--data_dir",
-        tmp_path / "data",
-        "--log_dir",
-        tmp_path / "logs",
-        "--checkpoint_dir",
-        tmp_path / "checkpoints",
+        *run_dirs(tmp_path),
         "--run_name",
         run,
         "--model",

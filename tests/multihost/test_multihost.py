@@ -16,6 +16,7 @@ import torch
 
 import reference as plain
 from conftest import ENTRY, ROOT, TINY_MODEL, mpiexec
+from support import run_dirs
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.tools import virtual_cluster
 from minimal_fsdp.config.flags import parse_args
@@ -162,12 +163,7 @@ def tiny_args(work, run_name, steps, *extra):
         "text",
         "--input_file",
         work / "corpus.txt",
-        "--data_dir",
-        work / "data",
-        "--log_dir",
-        work / "logs",
-        "--checkpoint_dir",
-        work / "checkpoints",
+        *run_dirs(work),
         *TINY_MODEL,
         "--max_steps",
         steps,
@@ -375,12 +371,7 @@ def test_slurm_style_tasks_stream_documents_across_hosts(work):
         "--streaming",
         "--tokenizer_dir",
         tokenizer,
-        "--data_dir",
-        work / "data",
-        "--log_dir",
-        work / "logs",
-        "--checkpoint_dir",
-        work / "checkpoints",
+        *run_dirs(work),
         *TINY_MODEL,
         "--max_steps",
         4,

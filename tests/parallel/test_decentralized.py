@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import reference as plain
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text, mpiexec, printed_by_run
 from support import (
+    run_dirs,
     DECENTRALIZED,
     check_mixing,
     check_quadratic,
@@ -42,12 +43,7 @@ def common_args(corpus, extra=()):
         "text",
         "--input_file",
         corpus,
-        "--data_dir",
-        work / "data",
-        "--log_dir",
-        work / "logs",
-        "--checkpoint_dir",
-        work / "checkpoints",
+        *run_dirs(work),
         *TINY_MODEL,
         "--dropout",
         "0.0",

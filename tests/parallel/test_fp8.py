@@ -26,7 +26,7 @@ from minimal_fsdp.models.llama import Llama, LlamaConfig
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel.parallelize import build_model
 from minimal_fsdp.parallel.plan import make_plan
-from support import EMULATED, check_close_to_bf16, losses_of
+from support import EMULATED, check_close_to_bf16, losses_of, run_dirs
 
 # What builds float8 layers needs torchao (pip install -e ".[fp8]"); the flag, device and planner
 # checks do not.
@@ -430,12 +430,7 @@ def train_args(corpus, run_name, extra=(), steps=STEPS):
         "text",
         "--input_file",
         corpus,
-        "--data_dir",
-        work / "data",
-        "--log_dir",
-        work / "logs",
-        "--checkpoint_dir",
-        work / "checkpoints",
+        *run_dirs(work),
         *LLAMA_FLAGS,
         "--max_steps",
         steps,
