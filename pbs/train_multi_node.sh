@@ -15,13 +15,15 @@
 #PBS -l filesystems=home:eagle
 #PBS -q debug-scaling
 #PBS -j oe
+#PBS -r y
 
 REPO=${REPO:-${PBS_O_WORKDIR:-$PWD}}
 JOB_SCRIPT=pbs/train_multi_node.sh  # what a chain (CHAIN=1) submits again
-cd "${PBS_O_WORKDIR:-$PWD}"  # data/, checkpoints/ and logs/ go where qsub ran
+cd "${PBS_O_WORKDIR:-$PWD}"  # checkpoints/, data/ and logs/ go here, or under WORK_DIR
 # Checked first, then sourced on its own: inside `source ... || ...` bash ignores set -e, and a failing line of
 # common.sh would go unnoticed.
 [ -f "$REPO/pbs/common.sh" ] || { echo "error: pbs/common.sh not found in $REPO: qsub from the checkout or pass -v REPO=..." >&2; exit 2; }
+DEFAULT_ARGS=(--config "$REPO/configs/shakespeare_char.toml")  # without ARGS or ARGS_FILE
 source "$REPO/pbs/common.sh"
 
 launch --sharding hybrid-full-shard
