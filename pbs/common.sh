@@ -153,12 +153,12 @@ if [ "$(cd "$WORK_DIR" 2>/dev/null && pwd -P)" != "$(pwd -P)" ]; then
     mkdir -p "$WORK_DIR" || { echo "error: WORK_DIR=$WORK_DIR cannot be made: name a writable directory" >&2; exit 2; }
     WORK_FLAGS=(--checkpoint_dir "$WORK_DIR/checkpoints" --data_dir "$WORK_DIR/data" --log_dir "$WORK_DIR/logs")
 fi
-case "$(cd "$WORK_DIR" && pwd -P)/" in
-    "$(cd "${HOME:-/nonexistent}" 2>/dev/null && pwd -P)"/*)
-        echo "warning: WORK_DIR=$WORK_DIR is under \$HOME (small quotas; a Llama 3 8B checkpoint is ~90 GiB):" \
-             "pass -v WORK_DIR=/eagle/PROJECT/... (the project file system) for checkpoints, data and logs" >&2 ;;
-esac
-if [ -n "${PBS_JOBID:-}" ]; then
+home=$(cd "${HOME:-/nonexistent}" 2>/dev/null && pwd -P || true)
+if [ -n "$home" ] && [[ "$(cd "$WORK_DIR" && pwd -P)/" == "$home"/* ]]; then
+    echo "warning: WORK_DIR=$WORK_DIR is under \$HOME (small quotas; a Llama 3 8B checkpoint is ~90 GiB):" \
+         "pass -v WORK_DIR=/eagle/PROJECT/... (the project file system) for checkpoints, data and logs" >&2
+fi
+if [ "${PBS_ENVIRONMENT:-}" = PBS_BATCH ]; then  # set by PBS in a batch job
     echo "work: checkpoints, data and logs under $WORK_DIR; this job's output goes to" \
          "${PBS_O_WORKDIR:-$PWD}/${PBS_JOBNAME:-minimal_fsdp}.o${PBS_JOBID%%.*} when the job ends (qsub -o chooses)"
 else

@@ -1,11 +1,14 @@
 #!/bin/bash
 # Train on one Polaris node (4 GPUs). Submit from the minimal_fsdp checkout:
-#   qsub -A PROJECT pbs/train_single_node.sh
-#   qsub -A PROJECT -v ARGS="--model_preset gpt2 --tokenizer gpt2 --precision bf16" pbs/train_single_node.sh
+#   qsub -A PROJECT -v WORK_DIR=/eagle/PROJECT/$USER/fsdp pbs/train_single_node.sh
+#   qsub -A PROJECT -v VENV=$HOME/venvs/fsdp,ARGS="--model_preset gpt2 --tokenizer gpt2 --precision bf16" \
+#       pbs/train_single_node.sh
 #   qsub -A PROJECT -q preemptable -l walltime=06:00:00 -v CHAIN=1,ARGS="--run_name long --max_steps 20000" \
 #       pbs/train_single_node.sh   # a chain of 6-hour jobs
-# The queue below, debug, takes 1-2 nodes for up to 1 h; for longer jobs pass -q preemptable (72 h). Settings
-# you can pass with -v (CHAIN=1 among them) and the queues' limits are in pbs/common.sh.
+# The queue below, debug, takes 1-2 nodes for up to 1 h; for longer jobs pass -q preemptable (72 h, may be
+# preempted: the job is rerunnable and resumes). Without ARGS it trains configs/shakespeare_char.toml (a small
+# GPU recipe). Settings you can pass with -v (WORK_DIR, VENV, ARGS, CHAIN=1, ...) and the queues' limits are
+# in pbs/common.sh.
 #PBS -N minimal_fsdp
 #PBS -l select=1:system=polaris
 #PBS -l place=scatter
