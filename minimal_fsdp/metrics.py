@@ -24,10 +24,8 @@ from minimal_fsdp.launch import hosts
 from minimal_fsdp.parallel import fp8
 from minimal_fsdp.config.flags import to_toml
 
-# Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it),
-# also with --precision fp8: its float8 matmuls could run at twice the peak, but then fp8 and bf16
-# MFU would not compare.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+# the cards' dense bf16 peaks, in config/choices.py (torch-free, for the planner too)
+from minimal_fsdp.config.choices import PEAK_FLOPS  # noqa: E402
 
 # JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and memory
 # apart.

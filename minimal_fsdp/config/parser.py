@@ -13,6 +13,7 @@ imports torch.
 import argparse
 import dataclasses
 import difflib
+import re
 import sys
 from dataclasses import field
 from pathlib import Path
@@ -53,6 +54,18 @@ class _Parser(argparse.ArgumentParser):
     other errors, and a suggestion for a mistyped flag."""
 
     def error(self, message):
+        # argparse's invalid choice, with the choices the value starts (or nearly) like
+        bad = re.fullmatch(r"argument (\S+): invalid choice: '(.*)' \(choose from (.*)\)", message)
+        if bad:
+            choices = re.findall(r"'([^']*)'", bad[3])
+            value = bad[2].lower()
+            close = [c for c in choices if c.lower().startswith(value)] or [
+                c
+                for c in choices
+                if c.lower() in difflib.get_close_matches(value, [c.lower() for c in choices], n=1)
+            ]
+            if close:
+                message += f" (did you mean {' or '.join(close)}?)"
         raise ConfigError(message)
 
     def parse_args(self, args=None, namespace=None):

@@ -12,16 +12,9 @@ from minimal_fsdp.config.checks import model_family
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.models.llama import Llama
 from minimal_fsdp.models.gpt import GPT
-from minimal_fsdp.models.configs import check_shape
+from minimal_fsdp.models.configs import check_shape, make_config  # noqa: F401 (torch-free)
 
 MODELS = {"gpt": GPT, "llama": Llama}
-
-
-def make_config(model_type, preset, **overrides):
-    """A preset's shape with any explicitly given (non-None) fields replacing it."""
-    fields = dict(MODELS[model_type].presets[preset])
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    return MODELS[model_type].config_class(**fields)
 
 
 def config_from_dict(model_type, fields):

@@ -19,9 +19,10 @@ import dataclasses
 import functools
 import statistics
 
-from minimal_fsdp.parallel.gossip import exchange_for, exp_distances
-from minimal_fsdp.metrics import PEAK_FLOPS
-from minimal_fsdp.parallel.plan import layout, reduce_precision, strategy
+# torch-free, as the planner must be
+from minimal_fsdp.config.choices import PEAK_FLOPS, ConfigError
+from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
+from minimal_fsdp.parallel.topology import exchange_for, exp_distances
 
 # Of the bytes a shaped link passes, the TCP payload: 1448 of each 1500-byte frame (IP and TCP
 # headers with timestamps). One TCP stream measured 9.71 Gbit/s through a 10 Gbit/s tbf and 0.96
@@ -36,17 +37,21 @@ GOSSIP_BYTES = {"bf16": 2, "float32": 4}
 @dataclasses.dataclass(frozen=True)
 class Card:
     peak: float  # dense bf16 FLOP/s
-    mfu_compiled: float  # achieved on one GPU: GPT-2 124M, batch 32, bf16, --compile
-    mfu_eager: float  # the same without --compile
+    memory: str  # one card's memory, --gpu_memory's default (nvidia-smi's total)
+    mfu_compiled: float = None  # achieved on one GPU: GPT-2 124M, batch 32, bf16, --compile
+    mfu_eager: float = None  # the same without --compile
 
 
 # The planner's calibration, measured on one GPU: GPT-2 124M at batch 32, 855.4 MFLOPs a token:
 # H100 compiled 489,882 tok/s (42.4%), eager 347,827 tok/s (30.1%, measured before the fused loss);
 # H200 compiled 503-507K tok/s (43.7%); H200 eager was not measured at batch 32: the H100's (the
-# same peak). A larger model uses the GPU better (Llama-2-7B: 52%): give its MFU with --mfu.
+# same peak). A larger model uses the GPU better (Llama-2-7B: 52%): give its MFU with --mfu. No
+# A100 was measured: its step time needs --mfu. Memory: nvidia-smi's totals (MiB).
 CARDS = {
-    "H100": Card(PEAK_FLOPS["H100"], 0.424, 0.301),
-    "H200": Card(PEAK_FLOPS["H200"], 0.437, 0.301),
+    "A100-40GB": Card(PEAK_FLOPS["A100"], "40960MiB"),
+    "A100-80GB": Card(PEAK_FLOPS["A100"], "81920MiB"),
+    "H100": Card(PEAK_FLOPS["H100"], "81559MiB", 0.424, 0.301),
+    "H200": Card(PEAK_FLOPS["H200"], "143771MiB", 0.437, 0.301),
 }
 
 
@@ -274,6 +279,12 @@ def achieved_flops(gpu_type, mfu, compile, precision):
     card = CARDS[gpu_type]
     if mfu is None:
         mfu = card.mfu_compiled if compile else card.mfu_eager
+    if mfu is None:
+        raise ConfigError(
+            f"--gpu_type {gpu_type}: no MFU was measured on this card, so the step time needs "
+            f"--mfu (the fraction of its {card.peak / 1e12:.0f} TFLOP/s bf16 peak your runs "
+            "reach: the training log's mfu)"
+        )
     return card.peak * mfu, mfu
 
 

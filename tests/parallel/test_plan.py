@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from minimal_fsdp.parallel import choose
 from minimal_fsdp.parallel import plan as plan_module
 from minimal_fsdp.config.choices import SMALL_MODEL
 from minimal_fsdp.config.flags import ConfigError, parse_args
@@ -56,7 +57,7 @@ def plan_for(monkeypatch, flags, world=1, local=None, device="cpu", config=CONFI
 
 def large(monkeypatch):
     """CONFIG counts as a large model: over --fsdp_unit auto's and --cuda_graphs auto's bounds."""
-    monkeypatch.setattr(plan_module, "SMALL_MODEL", NUM_PARAMS - 1)
+    monkeypatch.setattr(choose, "SMALL_MODEL", NUM_PARAMS - 1)
     monkeypatch.setattr(plan_module, "GRAPHS_MODEL", NUM_PARAMS - 1)
 
 
