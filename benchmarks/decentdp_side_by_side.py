@@ -319,7 +319,12 @@ def val_loss(model, batches):
 def drive(build, tokens, bench):
     """Build one implementation, run it; (median step s, per-step losses averaged over ranks,
     per-step seconds on rank 0, val loss)."""
-    step, model, skip = build()
+    try:
+        step, model, skip = build()
+    except (ValueError, ZeroDivisionError) as e:
+        # the same on every rank, before any step (Decent-DP's alternating-exp-ring needs 2^k
+        # nodes of 2+ ranks): a row that says so, and the launch goes on
+        return None, None, None, f"{type(e).__name__}: {e}"[:60]
     warmup = max(skip, bench["warmup"])
     times, losses = [], []
     dist.barrier()
@@ -424,6 +429,8 @@ def main():
         print(HEADER, flush=True)
     for name, which, wire, build in runs:
         step, losses, times, val = drive(build, tokens, bench) if build else (None,) * 4
+        failed = val if isinstance(val, str) else None
+        val = None if failed else val
         if not env.is_main:
             continue
         row = dict(
@@ -434,10 +441,17 @@ def main():
             params=params,
             batch=cfg.batch_size,
             seq=model_config.seq_length,
+            layers=model_config.num_layers,
+            heads=model_config.num_heads,
+            embed=model_config.embed_size,
+            vocab=model_config.vocab_size,
+            precision=cfg.precision,
+            steps=bench["steps"],
             wire=wire,
             step_ms=step and 1000 * step,
             tokens_per_s=step and per_step / step,
             val_loss=val,
+            **({"failed": failed} if failed else {}),
             data=bench["text"] or "synthetic",
             torch=torch.__version__,
         )
@@ -449,7 +463,7 @@ def main():
             f"{params / 1e6:.2f}M",
             cfg.batch_size,
             wire,
-            f"{1000 * step:.1f}" if step else "-",
+            f"{1000 * step:.1f}" if step else failed or "-",
             f"{per_step / step:,.0f}" if step else "-",
             f"{val:.4f}" if val else "-",
         )
