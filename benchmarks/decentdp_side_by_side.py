@@ -30,12 +30,16 @@ model.py from --nanogpt, or both):
 - Decent-DP 0.2.3: its DecentralizedDataParallel around the model with its per-bucket AdamW
   (optim_fn_adamw, the same lr, betas, weight decay), as its quick start shows; every bucket's
   update and next exchange start in the bucket's gradient hook. A benchmark-only dependency (`pip
-  install decent-dp==0.2.3 loguru`); a no-op loguru stands in where loguru is absent.
+  install decent-dp==0.2.3 loguru`); a no-op loguru stands in where loguru is absent. Its
+  alternating-exp-ring is a two-level graph of its own that needs 2^k nodes of 2+ ranks: with one
+  rank a host (or every rank on one host) use --topology exp or ring; a layout that cannot be built
+  is a row that says so.
 - Ours: build_model + the plan training makes (--allreduce SHARDING[:REDUCE_PRECISION],...) and
   decentralized (Gossip, --gossip_dtype, host-aware) through train.train_step, as training runs.
 - compute alone (--compute_row 1): our model, each rank stepping alone (no collective at all):
   the compute part of every step above under the same load, for the planner's estimate.
-Every row: constant lr, the same optimizer settings, the same batches (each rank its own).
+Every row: constant lr, the same optimizer settings, the same batches (each rank its own); PowerSGD
+and Decent-DP run their untimed first steps on top of --warmup + --steps (longer loss rows).
 Step time: the median over --steps after --warmup (host clock; each step ends with the loss on the
 host). --text: character tokens of the file, the last 10% held out; the val loss is the mean over
 ranks of each rank's model on --val_batches held-out batches (a decentralized rank: its own

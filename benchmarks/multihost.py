@@ -167,7 +167,8 @@ def parse():
         "--side_by_side",
         metavar="FLAGS",
         help="instead of training: decentdp_side_by_side.py "
-        "FLAGS at each rate (torch DDP, Decent-DP and ours in one launch); rank 0's table",
+        "FLAGS at each rate (the plain-PyTorch references, Decent-DP and ours in one launch); rank "
+        "0's table, its rows into --out with the link",
     )
     parser.add_argument(
         "--out", default="multihost.jsonl", help="results are appended here, one JSON line a run"
