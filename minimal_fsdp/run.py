@@ -397,8 +397,15 @@ def generation_model(cfg, env, start, hf_dir):
             f"{Path(cfg.checkpoint_dir) / cfg.run_name} "
             "has none: train first or pass --restart_checkpoint_file"
         )
+    # a checkpoint that fails to load: the next one find gives, as a resumed run takes it
     loaded = load.load(
-        hf_dir or start, cfg, env, cfg.seq_length, given_tokenizer(cfg), cfg.num_tokens
+        hf_dir or start,
+        cfg,
+        env,
+        cfg.seq_length,
+        given_tokenizer(cfg),
+        cfg.num_tokens,
+        None if hf_dir else checkpoint_find.run_fallback(cfg),
     )
     if env.is_main:
         print(load.describe(loaded.source, loaded.model, loaded.tokenizer, env), flush=True)

@@ -353,10 +353,12 @@ def _model_problem(meta, metadata):
     return _optimizer_problem(metadata, params)
 
 
-def newest_complete(run_dir, checksums=True):
-    """The first complete checkpoint among candidates(run_dir), or None. Each one skipped is
-    reported in one line on stderr."""
+def newest_complete(run_dir, checksums=True, refused=()):
+    """The first complete checkpoint among candidates(run_dir), less those `refused` (they failed
+    to load: first_loading), or None. Each one skipped is reported in one line on stderr."""
     for path in candidates(run_dir):
+        if str(path) in refused:
+            continue
         problem = verify(path, checksums)
         if problem is None:
             return path
@@ -440,28 +442,59 @@ def load_first(cfg, path, load):
     say: DCP raises alike on every rank), one line, then (--resume auto) the next complete
     checkpoint, as find gives it. A checkpoint named by --restart_checkpoint_file, or none left, is
     an error in one line."""
+
+    def next_one(refused):
+        found = find(cfg, refused)
+        if found is None:
+            raise ConfigError(_every_one_refused(cfg))
+        return found
+
+    named = (
+        cfg.restart_checkpoint_file and f"--restart_checkpoint_file {cfg.restart_checkpoint_file}"
+    )
+    return first_loading(path, load, next_one, named)[0]
+
+
+def first_loading(path, load, next_one, named=None, failures=(Exception, CheckpointException)):
+    """Collective where load is: (path, load(path)) for the first checkpoint that loads, starting at
+    `path`. One that fails (with one of `failures`: damaged shard bytes under recomputed checksums
+    pass every check and fail only here) is reported in one line, as find skips one, and
+    next_one(the paths refused so far) gives the next (it raises when none is left). `named`: how
+    the user named `path` (a flag, a command's argument); then no other checkpoint is taken for it,
+    and its failure is an error in one line. Resume (load_first), sample, export and generation
+    only all fall back through here."""
     refused = []
     while True:
         try:
-            load(path)
-            return Path(path)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
-            per_rank = getattr(e, "failures", None)
-            cause = next(iter(per_rank.values())) if isinstance(per_rank, dict) and per_rank else e
-            cause = cause[0] if isinstance(cause, tuple) else cause
+            return Path(path), load(path)
+        except failures as e:
+            cause = _cause(e)
             problem = (
                 f"loading it failed ({type(cause).__name__}: {' '.join(str(cause).split())[:160]})"
             )
-        if cfg.restart_checkpoint_file:
-            raise ConfigError(
-                f"--restart_checkpoint_file {cfg.restart_checkpoint_file}: {path}: {problem}"
-            )
+        if named:
+            raise ConfigError(f"{named}: {path}: {problem}")
         if not dist.is_initialized() or dist.get_rank() == 0:
             skipping(path, problem)
         refused.append(str(path))
-        path = find(cfg, refused)
-        if path is None:
-            raise ConfigError(_every_one_refused(cfg))
+        path = next_one(refused)
+
+
+def _cause(error):
+    """The exception behind a failed load: DCP's CheckpointException holds each rank's (one rank's
+    is named), LoadFailed its __cause__."""
+    per_rank = getattr(error, "failures", None)
+    if isinstance(per_rank, dict) and per_rank:
+        error = next(iter(per_rank.values()))
+        error = error[0] if isinstance(error, tuple) else error
+    if isinstance(error, LoadFailed) and error.__cause__ is not None:
+        return _cause(error.__cause__)
+    return error
+
+
+class LoadFailed(Exception):
+    """Reading a checkpoint's tensors failed (its __cause__ says how), where a caller must tell that
+    from its own failures (export's writing)."""
 
 
 def _cheaply_complete(cfg, refused=()):
