@@ -442,6 +442,13 @@ def load_first(cfg, path, load):
     say: DCP raises alike on every rank), one line, then (--resume auto) the next complete
     checkpoint, as find gives it. A checkpoint named by --restart_checkpoint_file, or none left, is
     an error in one line."""
+    return first_loading(path, load, *run_fallback(cfg))[0]
+
+
+def run_fallback(cfg):
+    """(named, next_one) for first_loading: how a run (training, or --max_epochs -1) replaces a
+    checkpoint find gave it that fails to load: the next one find gives (collective), or, for
+    --restart_checkpoint_file's, none."""
 
     def next_one(refused):
         found = find(cfg, refused)
@@ -449,10 +456,10 @@ def load_first(cfg, path, load):
             raise ConfigError(_every_one_refused(cfg))
         return found
 
-    named = (
-        cfg.restart_checkpoint_file and f"--restart_checkpoint_file {cfg.restart_checkpoint_file}"
+    named = cfg.restart_checkpoint_file and (
+        f"--restart_checkpoint_file {cfg.restart_checkpoint_file}"
     )
-    return first_loading(path, load, next_one, named)[0]
+    return named, next_one
 
 
 def first_loading(path, load, next_one, named=None, failures=(Exception, CheckpointException)):
