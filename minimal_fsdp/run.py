@@ -23,6 +23,7 @@ from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import hangs
 from minimal_fsdp import files
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.inference import load
@@ -77,11 +78,12 @@ def main(argv=None, cfg=None):
             or any(m in detail.lower() for m in PEER_GONE)
         ):
             raise
-        waited = (
-            "waited longer than --collective_timeout" if "timed out" in detail.lower() else "failed"
-        )
+        if "timed out" in detail.lower():  # which collective, on which ranks, at which step
+            environment.exit_on_error(
+                hangs.timeout_line(environment.failures.clipped(detail, 80)), 1
+            )
         environment.exit_on_error(
-            f"a collective {waited}: another rank or its host has died, hangs or cannot be "
+            "a collective failed: another rank or its host has died, hangs or cannot be "
             f"reached ({environment.failures.clipped(detail)})",
             1,
         )
