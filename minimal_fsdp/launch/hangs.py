@@ -28,10 +28,11 @@ _step = None  # the optimizer step in progress, counted from 1 as in the logs
 
 
 def record():
-    """Turn the flight recorder on for the process groups made after this (a user's own setting
-    wins). TORCH_FR_BUFFER_SIZE is what gloo reads; NCCL reads its older name."""
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(BUFFER_ENTRIES))
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(BUFFER_ENTRIES))
+    """Turn the flight recorder on for the process groups made after this, gloo's and NCCL's (a
+    user's own setting wins, under either name: torch warns on every rank when it reads the older
+    TORCH_NCCL_TRACE_BUFFER_SIZE, so that one is never set here)."""
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(BUFFER_ENTRIES))
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 
