@@ -23,6 +23,7 @@ from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import hangs
 from minimal_fsdp import files
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.inference import load
@@ -77,11 +78,12 @@ def main(argv=None, cfg=None):
             or any(m in detail.lower() for m in PEER_GONE)
         ):
             raise
-        waited = (
-            "waited longer than --collective_timeout" if "timed out" in detail.lower() else "failed"
-        )
+        if "timed out" in detail.lower():  # which collective, on which ranks, at which step
+            environment.exit_on_error(
+                hangs.timeout_line(environment.failures.clipped(detail, 80)), 1
+            )
         environment.exit_on_error(
-            f"a collective {waited}: another rank or its host has died, hangs or cannot be "
+            "a collective failed: another rank or its host has died, hangs or cannot be "
             f"reached ({environment.failures.clipped(detail)})",
             1,
         )
@@ -397,8 +399,15 @@ def generation_model(cfg, env, start, hf_dir):
             f"{Path(cfg.checkpoint_dir) / cfg.run_name} "
             "has none: train first or pass --restart_checkpoint_file"
         )
+    # a checkpoint that fails to load: the next one find gives, as a resumed run takes it
     loaded = load.load(
-        hf_dir or start, cfg, env, cfg.seq_length, given_tokenizer(cfg), cfg.num_tokens
+        hf_dir or start,
+        cfg,
+        env,
+        cfg.seq_length,
+        given_tokenizer(cfg),
+        cfg.num_tokens,
+        None if hf_dir else checkpoint_find.run_fallback(cfg),
     )
     if env.is_main:
         print(load.describe(loaded.source, loaded.model, loaded.tokenizer, env), flush=True)

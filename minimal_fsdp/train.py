@@ -13,6 +13,7 @@ import torch
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.eval.harness import TrainingTasks
 from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
+from minimal_fsdp.launch import hangs
 from minimal_fsdp.launch.resilience import NonFiniteGuard
 from minimal_fsdp.parallel.whole_unit import LocalAdamW
 
@@ -279,6 +280,7 @@ def train(parts, cfg, env, plan, stop, saved=None):
     with log, collections_in_step(), checkpointer.saving():  # a save in flight ends before return
         log.restored(first, checkpointer.restore_s)
         for step in range(first, schedule.last_step):
+            hangs.at_step(step + 1)  # named by the line a collective timeout ends with
             lr = schedule.apply(parts.optimizer, step)
             batches = data.train_batches(step)
             loss, grad_norm = train_step(model, parts.optimizer, batches, *step_with, step,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from minimal_fsdp.launch import discovery
 from minimal_fsdp.launch import failures
+from minimal_fsdp.launch import hangs
 from minimal_fsdp.launch import hosts
 from minimal_fsdp.launch import rendezvous
 from minimal_fsdp.launch.failures import MainRankFailed, exit_on_error, run_on_main  # noqa: F401  (the names callers use)
@@ -70,6 +71,7 @@ def setup(cfg):
         # before gloo picks an address itself
         network = hosts.pick_interface(rendezvous.address(), num_nodes)
         hosts.nccl_socket_threads(num_nodes)  # before NCCL's first communicator reads them
+        hangs.record()  # the flight recorder, for the line a collective timeout ends with
         with hosts.gloo_quiet():
             dist.init_process_group(
                 backend,
