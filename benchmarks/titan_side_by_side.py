@@ -93,8 +93,8 @@ def titan_flags(args, data, tok, dump):
         flags += ["--model.converters", "float8"]
     if args.profile:
         # one traced step, the last: profile_freq = steps, after 3 warm-up steps of the profiler
-        flags += ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps),
-                  "--profiling.profiler_active", "1", "--profiling.profiler_warmup", "3"]  # fmt: skip
+        flags += ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps)]
+        flags += ["--profiling.profiler_active", "1", "--profiling.profiler_warmup", "3"]
     return flags
 
 

@@ -97,8 +97,8 @@ def breakdown(path, steps=1):
 
 def print_breakdown(who, parts, step_ms=None):
     idle = step_ms - parts["busy"] if step_ms else parts["idle"]
-    print(f"\n{who}: device busy {parts['busy']:.1f} ms a step" +
-          (f" of {step_ms:.1f} ms measured" if step_ms else f" of a {parts['span']:.1f} ms span"))  # fmt: skip
+    of = f" of {step_ms:.1f} ms measured" if step_ms else f" of a {parts['span']:.1f} ms span"
+    print(f"\n{who}: device busy {parts['busy']:.1f} ms a step{of}")
     for k, _ in KINDS:
         print(f"  {k:22s} {parts[k]:7.1f} ms")
     print(f"  {'idle':22s} {idle:7.1f} ms")
