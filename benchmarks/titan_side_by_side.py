@@ -2,7 +2,7 @@
 both rows (and, with --profile, each one's kernel time by kind, trace_breakdown.py).
 
     python benchmarks/titan_side_by_side.py --layers 8 --seq 8192 --batch 1 \
-        --precision bf16 --ac none [--profile] [--ours default,cudnn] [--work DIR]
+        --precision bf16 --ac none [--profile] [--ours_root DIR,...] [--work DIR]
 
 torchtitan runs as its user gets it on one GPU (torchrun, its own train.py, autocast without FSDP,
 its compile of model and loss), on Llama 3 8B's flavor cut to --layers blocks (registered here as
@@ -10,8 +10,9 @@ the flavor 8B_<L>L: its wheel has no train configs), a small JSON-lines dataset 
 tokenizer written into --work (its vocab stays 128256: the tokenizer only feeds ids). Its tokens/s
 is the median of its logged `tps` after --warmup steps (host clock between steps); its memory is
 its `memory:` (the allocator's peak reserved, GiB). Ours is benchmarks/throughput.py
---model_preset llama3-8b (median of CUDA-event step times; peak allocated, GB). --ours runs ours
-once per attention order (MINIMAL_FSDP_SDPA: cudnn, the default on Hopper, or default: SDPA's own).
+--model_preset llama3-8b (median of CUDA-event step times; peak allocated, GB). --ours_root runs
+ours from each of several checkouts (e.g. a copy of an earlier commit), for a before/after in the
+same launch.
 
 torchtitan is a benchmark-only dependency: on the GPU machine, which has no package index, install
 its wheels first (torchtitan==0.2.2, torchdata, tyro, docstring-parser, typeguard, tomli, datasets,
@@ -59,6 +60,8 @@ def prepare(work):
 def titan_child(argv):
     """Inside torchrun: torchtitan's own main, after registering Llama 3 8B cut to `layers`."""
     layers = int(os.environ["TITAN_LAYERS"])
+    # before torchtitan's import: its ConfigManager.parse_args defaults to sys.argv[1:] as imported
+    sys.argv = [sys.argv[0], *argv]
     import dataclasses
 
     from torchtitan.models import llama3
@@ -67,7 +70,6 @@ def titan_child(argv):
     llama3.llama3_args[f"8B_{layers}L"] = dataclasses.replace(
         llama3.llama3_args["8B"], n_layers=layers
     )
-    sys.argv = [sys.argv[0], *argv]
     main(Trainer)
 
 
@@ -122,11 +124,12 @@ def run_titan(args, data, tok, log):
     )
 
 
-def run_ours(args, order, log):
-    run_name = f"ours-{order}-{args.precision}-{args.ac}"
+def run_ours(args, root, log):
+    label = Path(root).name
+    run_name = f"ours-{label}-{args.precision}-{args.ac}"
     out = args.work / f"{run_name}.jsonl"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"),
+    cmd = [sys.executable, str(Path(root) / "benchmarks" / "throughput.py"),
            "--model_preset", "llama3-8b", "--num_layers", str(args.layers),
            "--seq_length", str(args.seq), "--batch_size", str(args.batch),
            "--precision", args.precision, "--meta_init",
@@ -139,16 +142,17 @@ def run_ours(args, order, log):
         cmd += ["--activation_checkpoints", "--recompute", args.ac]
     if args.profile:
         cmd += ["--profile", "0:1"]
-    env = dict(os.environ, MINIMAL_FSDP_SDPA=order, PYTHONUNBUFFERED="1")
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+        [str(Path(root).resolve()), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root)
     log.write(result.stdout + result.stderr)
     if result.returncode or not out.exists():
-        print(f"ours ({order}) failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+        print(f"ours ({root}) failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
         return None
     row = json.loads(out.read_text().splitlines()[-1])
     traces = sorted((args.work / "logs" / run_name).rglob("*trace.json"))
     return dict(
-        who=f"ours, attention {order}",
+        who=f"ours ({label})",
         tok_s=row["tok_s"],
         memory=f"{row['peak_gb']:.1f} GB allocated",
         step_ms=row["step_ms"],
@@ -169,7 +173,7 @@ def main():
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the median")
     p.add_argument("--no_compile", dest="compile", action="store_false")
     p.add_argument("--profile", action="store_true", help="trace one step of each, break it down")
-    p.add_argument("--ours", default="cudnn", help="attention orders for ours, comma-separated")
+    p.add_argument("--ours_root", default=str(ROOT), help="checkouts of ours, comma-separated")
     p.add_argument("--ours_flags", default="", help="more flags for ours, space-separated")
     p.add_argument("--skip_titan", action="store_true")
     p.add_argument("--work", type=Path, default=Path("side_by_side"))
@@ -181,8 +185,8 @@ def main():
     with open(args.work / f"log-{args.precision}-{args.ac}.txt", "a") as log:
         if not args.skip_titan:
             rows.append(run_titan(args, data, tok, log))
-        for order in args.ours.split(","):
-            rows.append(run_ours(args, order, log))
+        for root in args.ours_root.split(","):
+            rows.append(run_ours(args, root, log))
     rows = [r for r in rows if r]
     shape = f"Llama 3 8B shape, {args.layers} layers, T={args.seq}, batch {args.batch}"
     print(f"\n{shape}, {args.precision}, AC {args.ac}, compile {args.compile}")

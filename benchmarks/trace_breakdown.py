@@ -13,51 +13,36 @@ the measured step less busy, which also counts the gap between steps).
 """
 
 import argparse
+import gzip
 import json
+import re
 
 KINDS = [
     (
         "attention bwd",
-        lambda n: _attention(n) and any(k in n for k in ("bwd", "bprop", "backward")),
+        lambda n: _attention(n) and any(k in n for k in ("bwd", "bprop", "dot_do_o")),
     ),
     ("attention fwd", lambda n: _attention(n)),
-    (
-        "matmul",
-        lambda n: any(
-            k in n
-            for k in ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "wgmma", "cublas", "splitk")
-        ),
-    ),  # fmt: skip
+    ("matmul", lambda n: any(k in n for k in MATMULS)),
     ("optimizer", lambda n: any(k in n for k in ("adam", "multi_tensor", "foreach", "lpnorm"))),
-    (
-        "FSDP copies / casts",
-        lambda n: any(
-            k in n
-            for k in (
-                "chunk_cat",
-                "split_with_sizes",
-                "all_gather",
-                "nccl",
-                "memcpy",
-                "memset",
-                "copy_kernel",
-                "to_copy",
-                "_to_copy",
-            )
-        ),
-    ),  # fmt: skip
-    (
-        "loss",
-        lambda n: any(
-            k in n for k in ("cross_entropy", "log_softmax", "nll_loss", "loss_and_grad")
-        ),
-    ),  # fmt: skip
+    ("FSDP copies / casts", lambda n: _copy(n)),
+    ("loss", lambda n: any(k in n for k in LOSSES)),
     ("elementwise", lambda n: True),
 ]
+MATMULS = ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "wgmma", "cublas", "splitk")
+LOSSES = ("cross_entropy", "log_softmax", "nll_loss", "loss_and_grad")
+COPIES = ("chunk_cat", "split_with_sizes", "all_gather", "nccl", "memcpy", "memset", "copy_kernel")
+
+
+def _copy(n):
+    """Copies and dtype casts: FSDP's all-gather copy-in/out, torch's copy kernels, and compiled
+    kernels that only cast (Triton names a kernel after every op it fused, so a cast fused into
+    other work counts as elementwise)."""
+    return any(k in n for k in COPIES) or re.fullmatch(r"triton_\w+?_fused__to_copy(_t)?_\d+", n)
 
 
 def _attention(n):
-    return any(k in n for k in ("flash", "fmha", "sdpa", "attention", "attn"))
+    return any(k in n for k in ("flash", "fmha", "sdpa", "attention", "attn", "cudnn"))
 
 
 def kind(name):
@@ -66,7 +51,9 @@ def kind(name):
 
 
 def device_events(path):
-    events = json.load(open(path))["traceEvents"]
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
     return [
         e
         for e in events

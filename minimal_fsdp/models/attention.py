@@ -102,46 +102,6 @@ def document_starts(ids):
     return starts.int(), longest
 
 
-# --- plain causal attention's kernel (layers.attend) ---
-
-SDPA_VARIABLE = "MINIMAL_FSDP_SDPA"  # cudnn (the default on Hopper) or default: SDPA's own order
-CUDNN_MIN_VERSION = 90500  # cuDNN 9.5: the first release torch 2.5+ turned its attention on with
-
-
-def prefer_cudnn_attention(environ=os.environ):
-    """Puts cuDNN's attention first in SDPA's backend order on Hopper (compute capability 9.x),
-    where its fused kernel ran the Llama 3 8B attention shape (T=8192, head 128, causal, bf16)
-    forward and backward at 1.85x SDPA's default flash path on an H200 (benchmarks/attention.py);
-    torchtitan does the same. The order is a priority, not a restriction: inputs cuDNN does not
-    take (fp32, some head sizes, masks) fall through to flash, memory-efficient, math, as before,
-    and a context that disables cuDNN (generation's sdpa_kernel) still wins. Set once per process,
-    before compiling: torch.compile picks SDPA's kernel when it traces. Returns what was chosen,
-    in words, for the banner; MINIMAL_FSDP_SDPA=default leaves SDPA's own order."""
-    from torch.nn.attention import SDPBackend
-
-    asked = environ.get(SDPA_VARIABLE, "cudnn")
-    if asked not in ("cudnn", "default"):
-        raise KernelError(
-            f"{SDPA_VARIABLE}={asked} is not an attention order: use cudnn (the default on "
-            "Hopper) or default (SDPA's own order)"
-        )
-    if asked == "default":
-        return f"SDPA's own kernel order ({SDPA_VARIABLE}=default)"
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        return None  # elsewhere SDPA's own order; cuDNN's lead is measured on Hopper only
-    cudnn = torch.backends.cudnn
-    if not cudnn.is_available() or (cudnn.version() or 0) < CUDNN_MIN_VERSION:
-        return f"SDPA's own kernel order (cuDNN {cudnn.version()} is older than 9.5)"
-    # torch's own sdpa_kernel(..., set_priority=True) sets it the same way, for a block only
-    set_order = getattr(torch._C, "_set_sdp_priority_order", None)
-    if set_order is None:
-        return "SDPA's own kernel order (this torch cannot reorder it)"
-    first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-    order = [int(b) for b in first]
-    set_order(order + [b for b in torch._C._get_sdp_priority_order() if b not in order])
-    return "cuDNN first (flash, memory-efficient, math after it)"
-
-
 # FlexAttention's CUDA kernel multiplies q by k with Triton's tl.dot, which takes heads of 16 or
 # more values.
 FLEX_MIN_HEAD_SIZE = 16

@@ -33,7 +33,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from minimal_fsdp.parallel import fp8
 from minimal_fsdp.config.choices import GRAPHS_MODEL, SMALL_MODEL, ConfigError
-from minimal_fsdp.models import attention
 from minimal_fsdp.models.size import count_parameters
 
 STRATEGIES = ("local", "ddp", "one-unit", "fsdp-whole", "fsdp-block", "gossip")
@@ -328,15 +327,12 @@ def process_settings(plan):
 
 def apply_process_settings(plan):
     """Apply process_settings(plan): the plan's only changes to torch's process-wide
-    configuration, and SDPA's kernel order (attention.prefer_cudnn_attention; returns what it
-    chose, in words, or None)."""
+    configuration."""
     import torch._dynamo  # noqa: F401 (torch._dynamo.config)
 
-    chosen = attention.prefer_cudnn_attention()
     for name, value in process_settings(plan).items():
         *path, attribute = name.split(".")[1:]
         owner = torch
         for part in path:
             owner = getattr(owner, part)
         setattr(owner, attribute, value)
-    return chosen
