@@ -92,12 +92,15 @@ def titan_flags(args, data, tok, dump):
     if args.compile:
         flags += ["--compile.enable"]
     if args.precision == "fp8":
-        flags += ["--model.converters", "float8"]
+        # tensorwise (its default recipe), the output head left in bf16 as ours leaves it (its
+        # Llama 3 8B config does the same; without a filter it would convert the head too)
+        flags += ["--model.converters", "quantize.linear.float8"]
+        flags += ["--quantize.linear.float8.filter_fqns", "output"]
     if args.profile:
         # one traced step, the last: profile_freq = steps, after 3 warm-up steps of the profiler
         flags += ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps)]
         flags += ["--profiling.profiler_active", "1", "--profiling.profiler_warmup", "3"]
-    return flags
+    return flags + args.titan_flags
 
 
 def run_titan(args, data, tok, log):
@@ -175,10 +178,11 @@ def main():
     p.add_argument("--profile", action="store_true", help="trace one step of each, break it down")
     p.add_argument("--ours_root", default=str(ROOT), help="checkouts of ours, comma-separated")
     p.add_argument("--ours_flags", default="", help="more flags for ours, space-separated")
+    p.add_argument("--titan_flags", default="", help="more flags for torchtitan, space-separated")
     p.add_argument("--skip_titan", action="store_true")
     p.add_argument("--work", type=Path, default=Path("side_by_side"))
     args = p.parse_args()
-    args.ours_flags = args.ours_flags.split()
+    args.ours_flags, args.titan_flags = args.ours_flags.split(), args.titan_flags.split()
     args.work.mkdir(parents=True, exist_ok=True)
     data, tok = prepare(args.work)
     rows = []
