@@ -303,9 +303,29 @@ def check_generate(cfg):
 
 def check_log(cfg):
     _directory(cfg, "log_dir")
+    if cfg.profile is not None:
+        profile_range(cfg.profile)
     for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
         if getattr(cfg, name) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"--{name} needs the {package} package: pip install {package}")
+
+
+def profile_range(text):
+    """--profile's 'START:END' -> (start, end), whole numbers with 0 <= start < end (profiling.py
+    traces steps START to END-1)."""
+    start, sep, end = text.partition(":")
+    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+        raise ConfigError(
+            f"--profile takes START:END, two whole numbers 0 or more (got {text!r}); e.g. "
+            "--profile 10:12 traces steps 10 and 11"
+        )
+    start, end = int(start), int(end)
+    if end <= start:
+        raise ConfigError(
+            f"--profile {text}: END must be after START (steps START to END-1 are traced), "
+            f"e.g. --profile {start}:{start + 2}"
+        )
+    return start, end
 
 
 def _positive(cfg, *names):
