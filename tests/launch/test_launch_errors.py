@@ -581,3 +581,29 @@ def test_an_unresolvable_master_addr_under_torchrun_variables_is_one_line(tmp_pa
     result = run_session(training(corpus), env, tmp_path, timeout=120)
     one_error(result, "MASTER_ADDR master-0.no-such-job.invalid does not resolve on")
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_claiming_one_local_rank_on_one_node_are_refused_at_the_first_gather(
+    tmp_path, corpus
+):
+    """RANK/WORLD_SIZE/LOCAL_* exported by hand with LOCAL_RANK=0 in both processes of one host:
+    both used to take local rank 0 (one GPU). Each rank sees only its own variables, so the clash is
+    found at the first collective, which gathers every rank's host and local rank: every rank ends
+    alike, and rank 0 says it once."""
+    world = dict(
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(rendezvous._free_port()),
+    )
+    results = each_process(tmp_path, corpus, [dict(world, RANK=str(rank)) for rank in (0, 1)])
+    assert [lines[0] for lines in results] == ["2", "2"], results
+    errors = [line for lines in results for line in lines if line.startswith("error: ")]
+    assert errors == [
+        "error: ranks 0 and 1 both have LOCAL_RANK=0 on one node: they would share its GPU and its "
+        "share of cores; give each rank of a node its own local rank (torchrun and srun do; set by "
+        "hand, check them)"
+    ], results
+    assert not any("Traceback" in line for lines in results for line in lines)
