@@ -607,3 +607,28 @@ def test_two_ranks_claiming_one_local_rank_on_one_node_are_refused_at_the_first_
         "hand, check them)"
     ], results
     assert not any("Traceback" in line for lines in results for line in lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_a_rank_stopped_during_a_save_ends_the_others_in_one_line(tmp_path, corpus, launcher):
+    """Rank 1 stops (SIGSTOP: a host that no longer answers) while it writes its shard of step 2's
+    checkpoint. Rank 0 waits in DCP's gather, then finds gloo's pair closed in the save's own
+    gather: it used to print a 60-line traceback and no `error:` line. Now one line, and the job
+    ends (MPI's Abort; srun's --kill-on-bad-exit)."""
+    train = training(corpus, "--checkpoint_interval", "2", "--num_tokens", "0")
+    train[train.index("--collective_timeout") + 1] = "10"
+    train[1] = str(ROOT / "tests" / "faults.py")
+    faults = dict(MINIMAL_FSDP_FAULTS="stop_in_save@2:1")
+    if launcher == "mpiexec":
+        result = run_session([mpiexec(), "-n", "2", *train], job_env(**faults), tmp_path)
+    else:
+        cmd = ["srun", "--mpi=none", "--kill-on-bad-exit=1", *train]
+        result = run_session(cmd, slurm_job(tmp_path, 2, **faults), tmp_path)
+    line = one_error(
+        result,
+        "rank 0: a collective waited longer than --collective_timeout: another rank or its host "
+        "has died, hangs or cannot be reached (Timed out waiting 10000ms",
+    )
+    assert "Traceback" not in result.stderr, line
+    assert not (tmp_path / "checkpoints" / "corpus" / "step_2").exists()

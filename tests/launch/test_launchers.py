@@ -696,6 +696,65 @@ def test_a_lost_peers_error_is_cut_between_words(monkeypatch):
     assert code == 1 and error.endswith("word ...)") and "Connection closed by peer" in error
 
 
+def raised(error, during):
+    """`error` as Python raises it while handling `during` (its __context__ set)."""
+    try:
+        try:
+            raise during
+        except BaseException:
+            raise error
+    except BaseException as e:
+        return e
+
+
+def test_a_peer_lost_during_a_save_is_one_line(monkeypatch):
+    """A rank stopped while the others save: DCP's gather timed out, then the save's own
+    all_gather_object found gloo's pair closed. This used to end in a 60-line traceback with no
+    `error:` line ("Application timeout caused pair closure" was no peer-gone text); the line names
+    the first failure."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from minimal_fsdp import run
+
+    timed_out = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed "
+        "out waiting 10000ms for send operation to complete"
+    )
+    closed = raised(RuntimeError("Application timeout caused pair closure"), during=timed_out)
+    reset = RuntimeError("[../gloo/transport/tcp/pair.cc:598] Connection reset by peer [::1]:2")
+    inside_dcp = CheckpointException("gather failed", {1: (reset, None)})
+    said = []
+    monkeypatch.setattr(
+        run.environment, "exit_on_error", lambda error, code: said.append((error, code))
+    )
+    for error in (closed, inside_dcp, raised(RuntimeError("pair closure"), during=inside_dcp)):
+        monkeypatch.setattr(run, "run", lambda cfg, error=error: (_ for _ in ()).throw(error))
+        run.main(cfg=object())
+    assert said == [
+        (
+            "a collective waited longer than --collective_timeout: another rank or its host has "
+            "died, hangs or cannot be reached (Timed out waiting 10000ms for send operation to "
+            "complete)",
+            1,
+        ),
+        (
+            "a collective failed: another rank or its host has died, hangs or cannot be reached "
+            "(Connection reset by peer [::1]:2)",
+            1,
+        ),
+        (
+            "a collective failed: another rank or its host has died, hangs or cannot be reached "
+            "(Connection reset by peer [::1]:2)",
+            1,
+        ),
+    ]
+    # any other RuntimeError is a bug: its traceback stays
+    bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    monkeypatch.setattr(run, "run", lambda cfg: (_ for _ in ()).throw(bug))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        run.main(cfg=object())
+
+
 @pytest.mark.slow
 def test_torchrun_waiting_for_a_node_that_never_starts_is_bounded_by_the_documented_flag(tmp_path):
     """`torchrun --nnodes 2` without the second node waits silently (600 s by default, torchrun's
