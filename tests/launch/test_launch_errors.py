@@ -632,3 +632,37 @@ def test_a_rank_stopped_during_a_save_ends_the_others_in_one_line(tmp_path, corp
     )
     assert "Traceback" not in result.stderr, line
     assert not (tmp_path / "checkpoints" / "corpus" / "step_2").exists()
+
+
+# --- commands under a launcher's several ranks ---
+
+
+def test_a_command_of_one_process_runs_on_rank_0_only(monkeypatch, capsys):
+    """`mpiexec -n 2 minimal-fsdp export` made every rank do the whole export into one folder; now
+    rank 0 runs it and the other ranks exit at once, before parsing or importing anything."""
+    import importlib
+
+    from minimal_fsdp import __main__ as cli
+
+    ran = []
+    stub = type("Module", (), {"main": staticmethod(lambda cfg: ran.append(cfg.out))})
+    monkeypatch.setattr(importlib, "import_module", lambda name: stub)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("PMI_RANK", "1")
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["export", "checkpoints/run", "exported"])
+    assert ended.value.code == 0 and ran == [] and capsys.readouterr() == ("", "")
+    monkeypatch.setenv("PMI_RANK", "0")
+    cli.main(["export", "checkpoints/run", "exported"])
+    assert ran == ["exported"]
+
+
+def test_an_unknown_command_under_mpiexec_is_said_once(tmp_path):
+    """It was said by every rank, the lines glued into one."""
+    result = run_session(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "minimal_fsdp", "trian"], job_env(), tmp_path
+    )
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "error: no command 'trian'; commands: train, sample, evaluate, export, prepare, progress, "
+        "plan, cluster, plot"
+    ], result.stderr
