@@ -18,6 +18,7 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.checkpoint import find as checkpoint_find
@@ -39,8 +40,6 @@ from minimal_fsdp.data.streaming import StreamingData
 from minimal_fsdp.data.tokenizer import load_tokenizer
 from minimal_fsdp.train import RunParts, build_optimizer, train
 
-# What gloo's errors say when the rank at the other end died or its link went down.
-PEER_GONE = ("timed out", "connection closed by peer", "connection reset by peer", "broken pipe")
 # Flags that change what a resumed run computes; the startup lines name those that differ from the
 # checkpoint's.
 TRAINING_FLAGS = (
@@ -70,23 +69,18 @@ def main(argv=None, cfg=None):
         run(cfg or parse_args(argv))
     except (ConfigError, Diverged, checkpoint.SaveError, environment.MainRankFailed) as e:
         environment.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)
-    # a peer is gone: gloo raises a plain RuntimeError, torch's own a DistError
-    except RuntimeError as e:
-        detail = str(e).splitlines()[0].split("] ", 1)[-1]  # without gloo's source location
-        if not (
-            isinstance(e, torch.distributed.DistError)
-            or any(m in detail.lower() for m in PEER_GONE)
-        ):
+    # a peer is gone: gloo raises a plain RuntimeError, torch's own a DistError, DCP (in a save) a
+    # CheckpointException (a BaseException)
+    except (RuntimeError, CheckpointException) as e:
+        line = environment.failures.lost_peer(e)
+        if line is None:
             raise
-        if "timed out" in detail.lower():  # which collective, on which ranks, at which step
+        if "waited longer" in line:  # which collective, on which ranks, at which step
+            detail = str(e).strip().splitlines()[0].split("] ", 1)[-1] if str(e).strip() else ""
             environment.exit_on_error(
                 hangs.timeout_line(environment.failures.clipped(detail, 80)), 1
             )
-        environment.exit_on_error(
-            "a collective failed: another rank or its host has died, hangs or cannot be "
-            f"reached ({environment.failures.clipped(detail)})",
-            1,
-        )
+        environment.exit_on_error(line, 1)
     # Ctrl-C outside training (inside it, resilience.StopRequests saves and stops)
     except KeyboardInterrupt:
         environment.exit_on_error(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.launch import discovery
 from minimal_fsdp.launch import failures
 from minimal_fsdp.launch import hangs
@@ -81,8 +82,12 @@ def setup(cfg):
                 device_id=device if device.type == "cuda" else None,
                 **(dict(store=store) if store is not None else {}),
             )
-            local_world_sizes, gpu_keys = _gather_layout(local_world, device)
+            local_world_sizes, gpu_keys, clash = _gather_layout(
+                local_rank, local_world, device, discovery.node_of(launcher, os.environ)
+            )
     rendezvous.all_joined(rank)
+    if clash:  # gathered alike: every rank raises the same line
+        raise ConfigError(clash)
     hosts.check_shared_dir(cfg.checkpoint_dir, num_nodes)
     if network and rank == 0:
         print(network, flush=True)
@@ -174,11 +179,20 @@ def shared_gpus_warning(gpu_keys):
     )
 
 
-def _gather_layout(local_world, device):
-    """Every rank's (local world size, GPU key), so checks of the layout reach the same verdict on
-    every rank."""
+def _gather_layout(local_rank, local_world, device, node):
+    """Every rank's local world size and GPU key, and a line if two ranks of one node claim the same
+    local rank (or a node's rank count disagrees with its ranks' view; see hosts.local_rank_clash),
+    so that checks of the layout reach the same verdict on every rank. node: discovery.node_of's
+    answer, None where the launcher's layout needs no check."""
+    node_id, variable = node if node is not None else (-1, None)
     # CPU: gloo, no GPU wait
-    mine = torch.tensor([local_world, _gpu_key(device)], dtype=torch.int64)
+    mine = torch.tensor(
+        [local_world, _gpu_key(device), hosts.host_key(), node_id, local_rank], dtype=torch.int64
+    )
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    return tuple(int(t[0]) for t in everyone), [int(t[1]) for t in everyone]
+    rows = [[int(x) for x in t] for t in everyone]
+    clash = None
+    if node is not None:
+        clash = hosts.local_rank_clash([(r[2], r[3], r[4], r[0]) for r in rows], variable)
+    return tuple(r[0] for r in rows), [r[1] for r in rows], clash
