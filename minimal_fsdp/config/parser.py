@@ -15,7 +15,6 @@ import dataclasses
 import difflib
 import sys
 from dataclasses import field
-from pathlib import Path
 
 from minimal_fsdp.config.choices import ConfigError
 

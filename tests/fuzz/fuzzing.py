@@ -1,4 +1,5 @@
-"""The fuzzer's library (its Hypothesis profiles, quick and full, are set in tests/conftest.py): Hypothesis strategies for what our readers are fed (TOML, JSON, binary blobs,
+"""The fuzzer's library (its Hypothesis profiles, quick and full, are in tests/conftest.py):
+Hypothesis strategies for what our readers are fed (TOML, JSON, binary blobs,
 paths, numbers at and past every bound, text with control characters), the files they are written
 into, and the one property every reader must keep:
 
@@ -295,7 +296,7 @@ def toml_value(value):
 
 
 def toml_document(tables):
-    """{section: {key: value}} (a value that is not a dict: a key outside any table) as TOML text."""
+    """{section: {key: value}} (a value not a dict: a key outside any table) as TOML text."""
     lines = []
     for section, table in tables.items():
         if not isinstance(table, dict):
