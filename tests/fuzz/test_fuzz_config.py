@@ -1,8 +1,8 @@
 """Fuzzing `--config FILE.toml` of every command (config/parser.py): the file's kind (a symbolic
 link loop, a FIFO, a directory...), its bytes, and its tables and values (numbers past every bound,
-text with NUL and newlines) drawn for each command's own flags. Each parse either gives flags that every
-consumer can use (finite numbers inside 64 bits, no NUL in text, a run name on one line, hosts with
-addresses, a loss percentage), or one line naming --config's file."""
+text with NUL and newlines) drawn for each command's own flags. Each parse either gives flags that
+every consumer can use (finite numbers inside 64 bits, no NUL in text, a run name on one line, hosts
+with addresses, a loss percentage), or one line naming --config's file."""
 
 import dataclasses
 import ipaddress

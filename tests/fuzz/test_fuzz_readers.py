@@ -1,6 +1,6 @@
 """Fuzzing the readers of the files a run, a dataset or a model directory brings, in this
-process: tokenizers (char, sentencepiece, Hugging Face), a prepared dataset (meta.json,
-train.bin/val.bin, the largest-token cache), metrics.jsonl (plot), the run lock, a Hugging Face model's config.json,
+process: tokenizers (char, sentencepiece, Hugging Face), a prepared dataset (meta.json, the splits,
+the largest-token cache), metrics.jsonl (plot), the run lock, a Hugging Face model's config.json,
 safetensors headers and index, and the launcher's variables (discovery). Each either gives a value
 that passes every check (stated per reader below), or one line naming the file (fuzzing.holds)."""
 
