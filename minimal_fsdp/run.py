@@ -28,6 +28,7 @@ from minimal_fsdp.launch import hangs
 from minimal_fsdp import files
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.inference import load
+from minimal_fsdp.inference.generate import check_num_tokens
 from minimal_fsdp import backends
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args, validate_world
 from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
@@ -172,6 +173,8 @@ def train_model(cfg, env, start, hf_dir, stop):
         else config_from_flags(cfg, data.meta["vocab_size"])
     )
     model_config = with_document_mask(model_config, cfg, data.tokenizer)
+    if samples:  # the sample's length, refused now rather than after hours of training
+        check_num_tokens(cfg.num_tokens, model_config)
     data.check(model_config.seq_length, model_config.vocab_size)
     check_fits(cfg, env, model_config)
     if start is not None:

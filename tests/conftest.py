@@ -45,6 +45,25 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_configure(config):
+    """The fuzzer's Hypothesis profiles (tests/fuzz/, tests/README.md): quick, derandomized and
+    without a database in the quick tier; with --full, 40 times the examples, random, keeping the
+    failing ones in .hypothesis/ (ignored by git) to try first next time."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    common = dict(
+        deadline=None,  # a hang is the fuzzer's alarm's to catch: no verdict depends on the load
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+    settings.register_profile(
+        "fuzz-quick", max_examples=20, derandomize=True, database=None, **common
+    )
+    database = DirectoryBasedExampleDatabase(str(ROOT / ".hypothesis" / "examples"))
+    settings.register_profile("fuzz-full", max_examples=800, database=database, **common)
+    settings.load_profile("fuzz-full" if config.getoption("--full") else "fuzz-quick")
+
+
 def pytest_collection_modifyitems(config, items):
     """Plain `pytest` is the quick tier: it leaves out the tests marked slow (most launches of
     several ranks, each covered in kind by a quick one). `--full`, a named file or test, -k or -m

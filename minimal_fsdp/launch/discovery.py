@@ -8,6 +8,7 @@ per-node proxies), not the MPI ranks; only PMIx variables that srun's own plugin
 names the step) mean srun.
 """
 
+import errno
 import os
 import re
 import socket
@@ -15,7 +16,9 @@ import stat
 
 from minimal_fsdp.launch import failures
 from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.files import read_text
 
+MAX_WORLD = 2**24  # ranks: config/checks.py's cap on a checkpoint's world_size
 # Variables that MPI launchers set in every rank: MPICH/Hydra, Open MPI, PMIx, Cray PALS.
 MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "PMI_SIZE")
 # Where a launcher says how many ranks it started (PMIx has no such variable).
@@ -42,13 +45,17 @@ def count_pbs_nodes(nodefile):
     case ignored, and a fully qualified name taken as its short name (x1.hsn.example.org and x1 are
     one node)."""
     hosts = set()
-    with open(nodefile) as f:
-        for line in f:
-            host = (line.split() or [""])[0].lower()
-            if not re.fullmatch(r"[\d.]*", host):  # an IPv4 address stays whole
-                host = host.split(".")[0]
-            if host:
-                hosts.add(host)
+    # a regular file (a FIFO would block) of at most 64 MiB: a line per rank of the job
+    try:
+        text = read_text(nodefile, 64 * 2**20, follow_links=True)
+    except ValueError as e:
+        raise OSError(errno.EINVAL, str(e), nodefile) from None
+    for line in text.splitlines():
+        host = (line.split() or [""])[0].lower()
+        if not re.fullmatch(r"[\d.]*", host):  # an IPv4 address stays whole
+            host = host.split(".")[0]
+        if host:
+            hosts.add(host)
     return len(hosts)
 
 
@@ -120,6 +127,25 @@ def discover(launcher, env, pbs=False, timeout=300):
         found = 0, 1, 0, 1, 1
     if pbs:
         found = (*found[:3], *reversed(pbs_layout(found[1])))
+    return _checked_layout(launcher, found)
+
+
+def _checked_layout(launcher, found):
+    """(rank, world, local_rank, local_world, num_nodes) that describe a world: ConfigError naming
+    the launcher's variables otherwise (a negative or zero size, a rank past the world)."""
+    rank, world, local_rank, local_world, nodes = found
+    if not (
+        1 <= world <= MAX_WORLD
+        and 0 <= rank < world
+        and 1 <= local_world <= world
+        and 0 <= local_rank < local_world
+        and 1 <= nodes <= world
+    ):
+        raise ConfigError(
+            f"the {launcher} launcher's variables describe no world: rank {rank} of {world}, "
+            f"local rank {local_rank} of {local_world}, {nodes} node(s) (the world at most "
+            f"{MAX_WORLD}): check the launcher that set them"
+        )
     return found
 
 
@@ -517,8 +543,9 @@ def tasks_per_node(text, name="SLURM_TASKS_PER_NODE"):
     """SLURM's compressed per-node task counts, '4(x2),3' -> [4, 4, 3]; one line if malformed."""
     counts = []
     for item in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
-        if not match:
+        match = re.fullmatch(r"\s*(\d{1,9})(?:\(x(\d{1,9})\))?\s*", item)
+        # no allocation has a million nodes: a larger repeat is junk, not a list to build
+        if not match or len(counts) + int(match[2] or 1) > 1_000_000:
             raise ConfigError(
                 f"{name}={text!r} is not a list of task counts (e.g. '4(x2),3'): check the "
                 "launcher that set it"
