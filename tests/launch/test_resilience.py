@@ -349,8 +349,9 @@ def training_command(corpus, run_name):
 
 def interrupted(cmd, work, run_name, times):
     """cmd (a shell line) in a session of its own, sent SIGINT `times` times (as Ctrl-C sends it to
-    the terminal's foreground group: the shell, the launcher, tee) once training has logged a step;
-    returns once every process of it has ended."""
+    the terminal's foreground group: the shell, the launcher, tee) once training has logged two
+    steps (after the first, the ranks have looked at stop requests together: there is something to
+    save); returns once every process of it has ended."""
     process = subprocess.Popen(
         ["bash", "-c", cmd],
         cwd=work,
@@ -361,7 +362,7 @@ def interrupted(cmd, work, run_name, times):
     )
     metrics = work / "logs" / run_name / "metrics.jsonl"
     deadline = time.monotonic() + 400  # bounds on a hang only
-    while not (metrics.exists() and '"loss"' in metrics.read_text()):
+    while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):
         assert process.poll() is None and time.monotonic() < deadline, "training never started"
         time.sleep(0.2)
     for _ in range(times):
