@@ -20,6 +20,7 @@ import re
 import shutil
 import socket
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -185,6 +186,7 @@ class RunLock:
         self.token = uuid.uuid4().hex
         self.stopped = threading.Event()
         self.thread = None
+        self.watcher = None
 
     def acquire(self, wait=STALE_AFTER + 2 * HEARTBEAT):
         """Take every lock, or raise LockError. A lock held from another host is waited on for up to
@@ -201,6 +203,7 @@ class RunLock:
             raise
         self.thread = threading.Thread(target=self._beat, daemon=True, name="run-lock-heartbeat")
         self.thread.start()
+        self.watcher = _remove_when_gone(self.paths, self.token)
         for path in self.paths:  # no one else writes there now: what killed writers left can go
             clean_leftovers(path.parent)
 
@@ -306,6 +309,35 @@ class RunLock:
                 self._drop(path)
             except OSError:
                 pass
+        if self.watcher is not None:  # nothing left for it to remove: it ends on the closed pipe
+            self.watcher.stdin.close()
+            self.watcher.wait()
+            self.watcher = None
+
+
+# Removes the lock files that still hold TOKEN once its stdin closes (read ends at EOF). A Ctrl-C
+# twice under mpiexec, or mpiexec killed by SIGPIPE (`| tee` ended by the same Ctrl-C), ends the
+# ranks with SIGKILL from their launcher: no code of this process runs, yet its locks go (the next
+# run would take them over, with a warning each).
+_WATCH = 'read -r _; for f in "$@"; do grep -qsF "$TOKEN" "$f" && rm -f "$f"; done; exit 0'
+
+
+def _remove_when_gone(paths, token):
+    """A small process of its own session (a Ctrl-C or the launcher's kill of this process group
+    does not reach it) holding a pipe from this process: when this process ends, however it ends,
+    the pipe closes and the lock files that still name `token` are removed. None where it cannot
+    start (the heartbeat's staleness rule still frees the locks)."""
+    try:
+        return subprocess.Popen(
+            ["bash", "-c", _WATCH, "run-lock-watch", *map(str, paths)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(os.environ, TOKEN=token),
+            start_new_session=True,
+        )
+    except OSError:
+        return None
 
 
 def drop_held_locks():
