@@ -18,6 +18,7 @@ import os
 import resource
 import signal
 import string
+import sys
 import warnings
 
 from hypothesis import settings
@@ -196,10 +197,12 @@ def deep(depth):
 def dumps(value):
     """JSON text of a value that may hold inf/nan and integers past 4300 digits (json.dumps writes
     Infinity, NaN; an integer past Python's digit limit is written out by hand)."""
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # written out whole: the reader meets Python's limit
     try:
         return json.dumps(value, ensure_ascii=False)
-    except ValueError:
-        return json.dumps(value, ensure_ascii=False, default=str)
+    finally:
+        sys.set_int_max_str_digits(limit)
 
 
 def mutated(text):

@@ -355,7 +355,7 @@ def hf_example(template):
 @settings(max_examples=fuzzing.scaled(30))
 @given(data=st.data())
 def test_hf_model_directory(hf_directory, data):
-    from minimal_fsdp import hf
+    from minimal_fsdp.hf import read as hf
 
     part, blob = data.draw(hf_example(hf_directory))
     with tempfile.TemporaryDirectory() as d:
