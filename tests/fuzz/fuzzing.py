@@ -18,6 +18,7 @@ import os
 import resource
 import signal
 import string
+import sys
 import warnings
 
 from hypothesis import settings
@@ -25,7 +26,6 @@ from hypothesis import strategies as st
 
 from minimal_fsdp.config.choices import ConfigError
 
-FULL = 40  # how many times more examples the full profile runs than the quick one
 TIMEOUT = 30  # seconds: far above any reader's time on a tiny file, even on a loaded machine
 MEMORY = 3 * 2**30  # bytes of address space a reader may add while it runs
 
@@ -35,9 +35,10 @@ def full_tier():
     return settings.default.max_examples > 100
 
 
-def scaled(quick):
-    """A test's example count: `quick` in the quick tier, FULL times it under --full."""
-    return quick * FULL if full_tier() else quick
+def scaled(quick, full):
+    """A test's example count: `quick` in the quick tier, `full` under --full (the cheap readers
+    get the most: over 10,000 examples in all)."""
+    return full if full_tier() else quick
 
 
 class Hang(BaseException):
@@ -196,10 +197,12 @@ def deep(depth):
 def dumps(value):
     """JSON text of a value that may hold inf/nan and integers past 4300 digits (json.dumps writes
     Infinity, NaN; an integer past Python's digit limit is written out by hand)."""
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # written out whole: the reader meets Python's limit
     try:
         return json.dumps(value, ensure_ascii=False)
-    except ValueError:
-        return json.dumps(value, ensure_ascii=False, default=str)
+    finally:
+        sys.set_int_max_str_digits(limit)
 
 
 def mutated(text):

@@ -74,7 +74,7 @@ def config_example(name):
 
 
 def _fuzz(name):
-    @settings(max_examples=fuzzing.scaled(25))
+    @settings(max_examples=fuzzing.scaled(30, 700))
     @given(config_example(name))
     def test(example):
         check_command(name, *example)

@@ -51,7 +51,7 @@ def char_json():
     )
 
 
-@settings(max_examples=fuzzing.scaled(40))
+@settings(max_examples=fuzzing.scaled(40, 1000))
 @given(
     st.one_of(
         char_json().map(fuzzing.dumps), char_json().map(fuzzing.dumps).flatmap(fuzzing.mutated)
@@ -70,7 +70,7 @@ def sentencepiece_model():
     return tk._train_sentencepiece(TEXT, 300).model_proto
 
 
-@settings(max_examples=fuzzing.scaled(15))
+@settings(max_examples=fuzzing.scaled(5, 200))
 @given(data=st.data())
 def test_sentencepiece_tokenizer(sentencepiece_model, data):
     blob = data.draw(fuzzing.mutated(sentencepiece_model))
@@ -134,7 +134,7 @@ def hf_edit(template):
     return build()
 
 
-@settings(max_examples=fuzzing.scaled(30))
+@settings(max_examples=fuzzing.scaled(10, 300))
 @given(data=st.data())
 def test_hf_tokenizer(hf_tokenizer_json, data):
     blob = data.draw(hf_edit(hf_tokenizer_json))
@@ -205,7 +205,7 @@ def consistent(meta, train, val):
     return dict(meta, train_tokens=len(train) // 2, val_tokens=len(val) // 2)
 
 
-@settings(max_examples=fuzzing.scaled(40))
+@settings(max_examples=fuzzing.scaled(40, 800))
 @given(dataset_example())
 def test_prepared_dataset(example):
     meta, train, val, cache, forged, kinds, fit = example
@@ -241,7 +241,7 @@ def metrics_lines():
     )
 
 
-@settings(max_examples=fuzzing.scaled(40))
+@settings(max_examples=fuzzing.scaled(60, 1000))
 @given(metrics_lines(), fuzzing.path_kinds())
 def test_plot_metrics(blob, kind):
     with tempfile.TemporaryDirectory() as d:
@@ -274,7 +274,7 @@ def lock_content():
     return st.one_of(text.map(str.encode), text.flatmap(fuzzing.mutated))
 
 
-@settings(max_examples=fuzzing.scaled(30))
+@settings(max_examples=fuzzing.scaled(15, 500))
 @given(lock_content(), fuzzing.path_kinds())
 def test_run_lock(blob, kind):
     with tempfile.TemporaryDirectory() as d:
@@ -352,10 +352,10 @@ def hf_example(template):
     return build()
 
 
-@settings(max_examples=fuzzing.scaled(30))
+@settings(max_examples=fuzzing.scaled(10, 300))
 @given(data=st.data())
 def test_hf_model_directory(hf_directory, data):
-    from minimal_fsdp import hf
+    from minimal_fsdp.hf import read as hf
 
     part, blob = data.draw(hf_example(hf_directory))
     with tempfile.TemporaryDirectory() as d:
@@ -410,7 +410,7 @@ def launch_env():
     )
 
 
-@settings(max_examples=fuzzing.scaled(60))
+@settings(max_examples=fuzzing.scaled(80, 2000))
 @given(launch_env(), st.booleans(), st.binary(max_size=40), fuzzing.path_kinds())
 def test_launcher_variables(env, pbs, nodefile, kind):
     launcher = discovery.launcher_of(env)
