@@ -4,10 +4,11 @@ torchtitan's profile_traces/iteration_N/rank0_trace.json), traced over `steps` s
     python benchmarks/trace_breakdown.py TRACE [--steps 1] [--step_ms MS]
 
 Kinds, by kernel name (the first that matches): attention forward / backward (cuDNN, flash,
-memory-efficient), matmuls (cuBLAS, CUTLASS, nvjet, scaled fp8), optimizer (AdamW's and the grad
-norm's multi-tensor kernels), FSDP copies and casts (all-gather copy-in/out, chunk_cat, dtype casts,
-memcpy/memset, NCCL), loss (cross-entropy kernels), elementwise (everything else: Triton kernels
-compile made, torch's elementwise and reduction kernels). busy = the union of kernel intervals;
+memory-efficient), matmuls (cuBLAS, CUTLASS, nvjet, fp8 included), optimizer (AdamW's and the grad
+norm and clipping's multi-tensor kernels), copies and casts (FSDP's all-gather copy-in/out,
+chunk_cat, dtype casts, memcpy/memset, NCCL, and compiled kernels that scale and cast float8 matmul
+inputs), loss (cross-entropy kernels), elementwise (everything else: Triton kernels compile made,
+torch's elementwise and reduction kernels). busy = the union of kernel intervals;
 idle = the span from the first kernel's start to the last one's end, less busy (with --step_ms:
 the measured step less busy, which also counts the gap between steps).
 """
@@ -23,9 +24,9 @@ KINDS = [
         lambda n: _attention(n) and any(k in n for k in ("bwd", "bprop", "dot_do_o")),
     ),
     ("attention fwd", lambda n: _attention(n)),
-    ("matmul", lambda n: any(k in n for k in MATMULS)),
+    ("matmul", lambda n: not n.startswith("triton") and any(k in n for k in MATMULS)),
     ("optimizer", lambda n: any(k in n for k in ("adam", "multi_tensor", "foreach", "lpnorm"))),
-    ("FSDP copies / casts", lambda n: _copy(n)),
+    ("copies / casts (FSDP, dtype, fp8)", lambda n: _copy(n)),
     ("loss", lambda n: any(k in n for k in LOSSES)),
     ("elementwise", lambda n: True),
 ]
@@ -35,10 +36,15 @@ COPIES = ("chunk_cat", "split_with_sizes", "all_gather", "nccl", "memcpy", "mems
 
 
 def _copy(n):
-    """Copies and dtype casts: FSDP's all-gather copy-in/out, torch's copy kernels, and compiled
-    kernels that only cast (Triton names a kernel after every op it fused, so a cast fused into
-    other work counts as elementwise)."""
-    return any(k in n for k in COPIES) or re.fullmatch(r"triton_\w+?_fused__to_copy(_t)?_\d+", n)
+    """Copies and dtype casts: FSDP's all-gather copy-in/out, torch's copy kernels, compiled kernels
+    that only cast, and compiled kernels that make float8 matmul inputs (Triton names a kernel after
+    every op it fused: a bf16 cast fused into other work counts as elementwise)."""
+    return (
+        any(k in n for k in COPIES)
+        or re.fullmatch(r"triton_\w+?_fused__to_copy(_t)?_\d+", n)
+        or n.startswith("triton")
+        and "scaled_mm" in n  # float8 scales and casts of matmul inputs
+    )
 
 
 def _attention(n):
@@ -87,8 +93,8 @@ def print_breakdown(who, parts, step_ms=None):
     of = f" of {step_ms:.1f} ms measured" if step_ms else f" of a {parts['span']:.1f} ms span"
     print(f"\n{who}: device busy {parts['busy']:.1f} ms a step{of}")
     for k, _ in KINDS:
-        print(f"  {k:22s} {parts[k]:7.1f} ms")
-    print(f"  {'idle':22s} {idle:7.1f} ms")
+        print(f"  {k:34s} {parts[k]:7.1f} ms")
+    print(f"  {'idle':34s} {idle:7.1f} ms")
 
 
 def main():

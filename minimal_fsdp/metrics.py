@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from minimal_fsdp.launch import environment
 from minimal_fsdp.launch import failures
 from minimal_fsdp.launch import hosts
 from minimal_fsdp.parallel import fp8
@@ -422,7 +423,8 @@ def banner(cfg, env, plan, model, resume_from=None, checkpointer=None):
     layout = plan.describe() + (f", {plan.topology} topology" if plan.decentralized else "")
     lines = [
         f"launch: {hosts.layout_line(env)}, started by {env.launcher}, {env.backend} on "
-        f"{env.device.type}; {layout}",
+        f"{env.device.type}; {layout}"
+        + (f"; {environment.THREADS['line']}" if environment.THREADS["line"] else ""),
         f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of "
         f"{where} per rank ({spread}; activations not included)",
         *([fp8.describe(plan, model)] if plan.fp8 else []),

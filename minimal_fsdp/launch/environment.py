@@ -133,19 +133,41 @@ def teardown():
 
 
 def cpu_threads(local_world, environ=os.environ):
-    """Intra-op threads for one of local_world ranks on this host: OMP_NUM_THREADS if set (PBS,
-    SLURM and torchrun set it), else an equal share of the cores this process may run on. Without a
-    share every rank starts a thread per core: 4 ranks on a 64-core host would run 256."""
-    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
-        return int(environ["OMP_NUM_THREADS"])
+    """Intra-op threads for one of local_world ranks on this host (threads_choice's number)."""
+    return threads_choice(local_world, environ)[0]
+
+
+def threads_choice(local_world, environ=os.environ, load=None):
+    """(threads, why) for one of local_world ranks on this host: OMP_NUM_THREADS if set (PBS,
+    SLURM and torchrun set it); else an equal share of the cores this process may run on, cut to
+    the cores the rest of the machine leaves idle (its 1-minute load average; load: given, for
+    tests). Without a share every rank starts a thread per core: 4 ranks on a 64-core host would
+    run 256. Without the cut, one process on 2 cores shared by a dozen busy ones ran `sample` about
+    twice as slowly with 2 threads as with 1 (2026-11-29, load 12-15): torch's threads wait on each
+    other at every parallel region, and a thread that loses its core stalls the rest."""
+    given = environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given), f"OMP_NUM_THREADS={given}"
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )
-    return max(1, min(cores, (os.cpu_count() or 1) // local_world))
+    share = max(1, min(cores, (os.cpu_count() or 1) // local_world))
+    why = f"{cores} core(s), {local_world} rank(s) on this host"
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    # the load is the whole machine's; a rank may be bound to fewer cores (its affinity) than that
+    idle = round(((os.cpu_count() or 1) - load) / local_world)
+    if idle < share:
+        return max(1, idle), f"{why}, load {load:.1f}: cut to the idle cores"
+    return share, why
+
+
+THREADS = {"line": None}  # what _pick_device chose, for the training banner (metrics.banner)
 
 
 def _pick_device(local_rank, local_world):
-    threads = cpu_threads(local_world)
+    threads, why = threads_choice(local_world)
+    THREADS["line"] = f"{threads} CPU thread(s) per rank ({why})"
     torch.set_num_threads(threads)
     # torch.compile's worker pool: by default 32 processes per rank (128 for 4 ranks on 64 cores),
     # started whether or not the cache already holds the kernels.

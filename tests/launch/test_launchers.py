@@ -587,6 +587,7 @@ def test_ranks_share_the_hosts_cores(monkeypatch):
     OMP_NUM_THREADS, when set, wins."""
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
     assert environment.cpu_threads(4, {}) == 16
     assert environment.cpu_threads(1, {}) == 64
     assert environment.cpu_threads(128, {}) == 1
@@ -597,14 +598,36 @@ def test_ranks_share_the_hosts_cores(monkeypatch):
     assert environment.cpu_threads(2, {}) == 8
 
 
+def test_a_busy_machine_cuts_the_threads_to_its_idle_cores(monkeypatch):
+    """The rest of the machine's load (its 1-minute average) takes cores: a rank gets its share of
+    those left idle, at least one; OMP_NUM_THREADS still wins; the reason is said."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert environment.threads_choice(1, {}, load=0.2) == (2, "2 core(s), 1 rank(s) on this host")
+    threads, why = environment.threads_choice(1, {}, load=12.5)
+    assert threads == 1 and "load 12.5" in why and "idle" in why
+    assert environment.threads_choice(1, {}, load=0.9)[0] == 1  # one core busy, one idle
+    assert environment.threads_choice(1, {"OMP_NUM_THREADS": "2"}, load=12.5) == (
+        2,
+        "OMP_NUM_THREADS=2",
+    )
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert environment.threads_choice(4, {}, load=8.0)[0] == 14  # (64 - 8) / 4 idle, under 16
+    assert environment.threads_choice(4, {}, load=200.0)[0] == 1
+
+
 def test_device_setup_gives_torch_and_the_compile_workers_the_share(monkeypatch):
     threads = []
     monkeypatch.setattr(environment.torch, "set_num_threads", threads.append)
-    monkeypatch.setattr(environment, "cpu_threads", lambda local_world: 40 // local_world)
+    monkeypatch.setattr(
+        environment, "threads_choice", lambda local_world: (40 // local_world, "a share")
+    )
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setattr(environment.torch.cuda, "is_available", lambda: False)
     assert environment._pick_device(0, 4) == (environment.torch.device("cpu"), "gloo")
     assert threads == [10] and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "10"
+    assert environment.THREADS["line"] == "10 CPU thread(s) per rank (a share)"  # the banner's
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")  # the user's choice stays
     environment._pick_device(0, 2)
     assert threads == [10, 20] and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "3"
