@@ -122,6 +122,25 @@ def test_forged_checkpoints_that_pass_their_checksums_are_refused_before_loading
     assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
 
 
+def with_length(metadata, fqn, length):
+    index = storage(metadata, fqn)
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], length=length)
+    return metadata
+
+
+def test_a_byte_range_one_value_short_is_refused_and_one_exactly_long_enough_is_not(saved):
+    """The byte-range check at its boundary: wte's [8, 4] float32 values take 128 bytes. A range of
+    124 (one value short) is refused; a check that forgot the dtype's size (32) would pass it."""
+    step = saved[0] / "step_3"
+    fqn = "model.wte.weight"
+    short = with_length(safe_load.read_dcp_metadata(step / ".metadata"), fqn, 8 * 4 * 4 - 4)
+    assert checkpoint_find._storage_problem(short) == (
+        f".metadata gives {fqn} 124 bytes, fewer than its [8, 4] values take"
+    )
+    exact = with_length(safe_load.read_dcp_metadata(step / ".metadata"), fqn, 8 * 4 * 4)
+    assert checkpoint_find._storage_problem(exact) is None
+
+
 def test_a_refused_pickle_in_param_groups_is_refused_before_loading_and_runs_nothing(run, tmp_path):
     marker = tmp_path / "code-ran"
     forge_state(
