@@ -326,6 +326,13 @@ class ClusterFlags:
         ("all", "none", "loopback"),
         "cluster",
     )
+    scheduler: str = flag(
+        "none",
+        "slurm: also run SLURM on the hosts (slurmctld, a slurmd each, munge; needs slurm-wlm), "
+        "for sbatch and srun in COMMAND",
+        ("none", "slurm"),
+        "cluster",
+    )
     command: list = flag(
         None,
         "what runs on the first host, after --",

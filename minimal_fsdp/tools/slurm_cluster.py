@@ -12,7 +12,8 @@ everything else on the hosts.
 The configuration is the least that works in network namespaces without cgroups (a container's
 usual lot): processes tracked through /proc (proctrack/linuxproc), no task plugin (task/none: no
 binding, no cgroups), no accounting database, nodes as the config says whatever the kernel counts
-(SlurmdParameters=config_overrides: the hosts share this machine's cores), nodes back in service by
+(SlurmdParameters=config_overrides: the hosts share this machine's cores; 32 CPUs a node, so the
+default job script's 4 tasks x 8 CPUs fit; no GPUs: --gpus-per-node=0), nodes back in service by
 themselves when their slurmd returns (ReturnToService=2), and short timeouts so a lost node ends its
 job in seconds, not minutes.
 """
@@ -60,7 +61,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+# a requeued job waits this long (the old job's credentials expiring) before it may start again;
+# the default is 120 s
+AuthInfo=socket={munge_socket},cred_expire=20
 StateSaveLocation={state}/slurmctld
 SlurmdSpoolDir={state}/slurmd/%n
 SlurmctldPidFile={state}/slurmctld.pid
@@ -93,12 +96,21 @@ PartitionName=virtual Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
+class SlurmError(RuntimeError):
+    """The daemons did not come up: the line, and the tail of their logs (gone with the state
+    folder at teardown)."""
+
+    def __init__(self, line, logs):
+        super().__init__(line)
+        self.logs = logs
+
+
 class Slurm:
     """SLURM's daemons on a started Cluster (virtual_cluster.Cluster); `with` starts them and waits
     for every node to be idle, and leaving stops them (the cluster's own teardown kills whatever is
     left)."""
 
-    def __init__(self, cluster, cpus=4, slurmd_timeout=10, kill_wait=10):
+    def __init__(self, cluster, cpus=32, slurmd_timeout=10, kill_wait=10):
         self.cluster, self.cpus = cluster, cpus
         self.dir = Path(cluster.dir) / "slurm"
         self.conf = self.dir / "slurm.conf"
@@ -153,7 +165,9 @@ class Slurm:
         )
         self._wait(self.munge_socket.exists, "munged to create its socket", "munged")
         self._start("slurmctld", first, [which("slurmctld"), "-D", "-i", "-f", self.conf])
-        self._wait(lambda: self._ask(["scontrol", "ping"], "UP"), "slurmctld to answer", "slurmctld")
+        self._wait(
+            lambda: self._ask(["scontrol", "ping"], "UP"), "slurmctld to answer", "slurmctld"
+        )
         for host in self.cluster.hosts:
             self.start_node(host.name)
         self.wait_idle()
@@ -167,9 +181,7 @@ class Slurm:
 
     def start_node(self, name):
         """Start host `name`'s slurmd (again, after kill_node)."""
-        self._start(
-            f"slurmd-{name}", name, [which("slurmd"), "-D", "-N", name, "-f", self.conf]
-        )
+        self._start(f"slurmd-{name}", name, [which("slurmd"), "-D", "-N", name, "-f", self.conf])
 
     def kill_node(self, name):
         """Kill everything on host `name` at once (slurmd, its job steps, their tasks), as a node
@@ -186,8 +198,9 @@ class Slurm:
         """Wait until every node is idle (its slurmd registered and no job on it)."""
         count = len(self.cluster.hosts)
         self._wait(
-            lambda: self._ask(["sinfo", "-h", "-N", "-o", "%t"], None).split().count("idle")
-            == count,
+            lambda: (
+                self._ask(["sinfo", "-h", "-N", "-o", "%t"], None).split().count("idle") == count
+            ),
             f"all {count} slurmd to register",
             "slurmd",
             timeout,
@@ -202,7 +215,9 @@ class Slurm:
 
     def client(self, argv, host=None, **run):
         """subprocess.run of a SLURM command (sbatch, squeue, ...) on host `host` (the first)."""
-        command = self.cluster.command(host or self.cluster.hosts[0].name, [which(argv[0]), *argv[1:]])
+        command = self.cluster.command(
+            host or self.cluster.hosts[0].name, [which(argv[0]), *argv[1:]]
+        )
         env = self.env(run.pop("env", None))
         env["PYTHONPATH"] = virtual_cluster.PACKAGE_PARENT
         return subprocess.run(command, env=env, **run)
@@ -213,10 +228,7 @@ class Slurm:
             dead = [n for n, p in self.daemons.items() if p.poll() is not None]
             if dead or time.monotonic() > deadline:
                 why = f"{', '.join(dead)} exited" if dead else f"waited {timeout} s"
-                raise RuntimeError(
-                    f"SLURM did not start: {why} waiting for {what}; see {self.dir / 'log'}\n"
-                    + self.logs()
-                )
+                raise SlurmError(f"SLURM did not start: {why} waiting for {what}", self.logs())
             time.sleep(0.3)
 
     def logs(self, lines=15):
