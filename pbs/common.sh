@@ -173,7 +173,7 @@ launch() {
     fi
     # PBS sends SIGTERM before it kills a job (walltime, a preemption with a warning, qdel): the ranks save and
     # exit 0 by themselves, so the script must not die with them. Trapped, bash runs this once mpiexec is done.
-    trap 'echo "job: SIGTERM from PBS: the run saves and stops; the chain goes on after it"' TERM
+    trap 'echo "job: SIGTERM from PBS: waiting for the run to save and stop"' TERM
     echo "job ${PBS_JOBID:-?}: $NNODES node(s) x $NRANKS_PER_NODE rank(s) = $NTOTRANKS rank(s), $NDEPTH core(s) each"
     # shellcheck disable=SC2086  # CPU_BIND is a list of words
     "$MPIEXEC" -n "$NTOTRANKS" --ppn "$NRANKS_PER_NODE" $CPU_BIND \
