@@ -12,7 +12,6 @@ import torch
 
 from minimal_fsdp import profiling
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
-from minimal_fsdp.parallel.parallelize import clip_in_step
 from minimal_fsdp.eval.harness import TrainingTasks
 from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
 from minimal_fsdp.launch.resilience import NonFiniteGuard
@@ -164,9 +163,7 @@ def train_step(
         loss_sum += loss.detach()
     # gossip: parameters <- the neighbours' weighted average; this step's update lands on it
     sync.finish()
-    grad_norm = clip_in_step(sync, optimizer, grad_clip, list(model.parameters()))
-    if grad_norm is None:
-        grad_norm = sync.clip_grad_norm(model.parameters(), grad_clip)
+    grad_norm = sync.clip_grad_norm(model.parameters(), grad_clip)
     if not skip_nonfinite or torch.isfinite(grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
