@@ -7,6 +7,7 @@ import gc
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -278,7 +279,8 @@ def train(parts, cfg, env, plan, stop, saved=None):
 
     model.train()
     # --profile / --memory_snapshot: None when neither is set
-    profiler = profiling.around_steps(cfg, env, log.log_dir, log.warn if env.is_main else None)
+    run_dir, warn = Path(cfg.log_dir) / cfg.run_name, (lambda text: log.warn(text))
+    profiler = profiling.around_steps(cfg, env, run_dir, warn if env.is_main else None)
     # a save in flight ends before return
     with log, collections_in_step(), checkpointer.saving(), profiler as profiler:
         log.restored(first, checkpointer.restore_s)
