@@ -128,11 +128,12 @@ def run_titan(args, data, tok, log):
 
 
 def run_ours(args, root, log):
-    label = Path(root).name
+    root = Path(root).resolve()  # the command runs inside it
+    label = root.name
     run_name = f"ours-{label}-{args.precision}-{args.ac}"
     out = args.work / f"{run_name}.jsonl"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(root) / "benchmarks" / "throughput.py"),
+    cmd = [sys.executable, str(root / "benchmarks" / "throughput.py"),
            "--model_preset", "llama3-8b", "--num_layers", str(args.layers),
            "--seq_length", str(args.seq), "--batch_size", str(args.batch),
            "--precision", args.precision, "--meta_init",
@@ -146,7 +147,7 @@ def run_ours(args, root, log):
     if args.profile:
         cmd += ["--profile", "0:1"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(root).resolve()), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+        [str(root), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root)
     log.write(result.stdout + result.stderr)
     if result.returncode or not out.exists():

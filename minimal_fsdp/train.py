@@ -7,12 +7,12 @@ import gc
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from minimal_fsdp import profiling
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
-from minimal_fsdp.parallel.parallelize import clip_in_step
 from minimal_fsdp.eval.harness import TrainingTasks
 from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
 from minimal_fsdp.launch import hangs
@@ -165,9 +165,7 @@ def train_step(
         loss_sum += loss.detach()
     # gossip: parameters <- the neighbours' weighted average; this step's update lands on it
     sync.finish()
-    grad_norm = clip_in_step(sync, optimizer, grad_clip, list(model.parameters()))
-    if grad_norm is None:
-        grad_norm = sync.clip_grad_norm(model.parameters(), grad_clip)
+    grad_norm = sync.clip_grad_norm(model.parameters(), grad_clip)
     if not skip_nonfinite or torch.isfinite(grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -282,7 +280,8 @@ def train(parts, cfg, env, plan, stop, saved=None):
 
     model.train()
     # --profile / --memory_snapshot: None when neither is set
-    profiler = profiling.around_steps(cfg, env, log.log_dir, log.warn if env.is_main else None)
+    run_dir, warn = Path(cfg.log_dir) / cfg.run_name, (lambda text: log.warn(text))
+    profiler = profiling.around_steps(cfg, env, run_dir, warn if env.is_main else None)
     # a save in flight ends before return
     with log, collections_in_step(), checkpointer.saving(), profiler as profiler:
         log.restored(first, checkpointer.restore_s)

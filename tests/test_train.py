@@ -740,33 +740,3 @@ def test_loop_leaves_garbage_collection_as_it_found_it_after_an_error(monkeypatc
         assert not gc.isenabled()
     finally:
         gc.enable()
-
-
-@pytest.mark.parametrize("max_norm", [0.05, 100.0])
-def test_clipping_in_fused_adamws_step_updates_as_clip_then_step(max_norm):
-    """One rank, fused AdamW: the clip rides on the step's grad_scale (parallelize.clip_in_step)
-    and the weights after three steps are those of clip_grad_norm_ then the step, the grad norm the
-    same; another optimizer (foreach AdamW) keeps the sync's clipping."""
-    from minimal_fsdp.parallel.parallelize import LocalSync
-
-    def three_steps(fused, fold):
-        torch.manual_seed(0)
-        model = Model()
-        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused, foreach=not fused)
-        sync = LocalSync()
-        if not fold:  # the reference: clip_grad_norm_, then the step
-            sync = type("Plain", (LocalSync,), {})()  # not LocalSync itself: nothing folds
-        norms = [
-            train_step(model, opt, micro_batches(2), sync, max_norm, torch.device("cpu"))[1]
-            for _ in range(3)
-        ]
-        return [p.detach().clone() for p in model.parameters()], norms, opt
-
-    folded, folded_norms, opt = three_steps(fused=True, fold=True)
-    reference, reference_norms, _ = three_steps(fused=True, fold=False)
-    assert hasattr(opt, "grad_scale")  # the clip went into the step
-    for a, b in zip(folded, reference):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(torch.stack(folded_norms), torch.stack(reference_norms))
-    _, _, foreach = three_steps(fused=False, fold=True)
-    assert not hasattr(foreach, "grad_scale")
