@@ -44,6 +44,7 @@ def main():
     p.add_argument("--gbps", type=float, default=0.1)
     p.add_argument("--window", type=int, default=20)
     p.add_argument("--out", default="loss-time.svg")
+    p.add_argument("--note", default="", help="added to the time axis's title (e.g. the load)")
     args = p.parse_args()
     import matplotlib
 
@@ -68,13 +69,14 @@ def main():
     axes[0].set(
         xlabel="step",
         ylabel=f"training loss (mean of {ranks} ranks, {args.window}-step mean)",
-        title=f"{ranks} ranks, Shakespeare characters, vocab {losses[0].get('vocab', '')}",
+        title=f"{ranks} ranks, Shakespeare characters, vocab "
+        f"{next((r['vocab'] for r in losses if 'vocab' in r), '?')}",
     )
     if step_ms:
         axes[1].set(
             xlabel=f"seconds at the step time measured on {args.hosts} virtual hosts, "
             f"{args.gbps:g} Gbit/s",
-            title="at equal time",
+            title="at equal time" + (f" ({args.note})" if args.note else ""),
         )
     for ax in axes:
         ax.grid(alpha=0.3)

@@ -123,8 +123,8 @@ def recorded_rows():
     """(file, row, estimate ms or None) for every step row of every results file."""
     out = []
     for path in sorted(RESULTS.glob("*.jsonl")):
-        if path.name.startswith("link_probe"):
-            continue  # collectives alone, no step
+        if path.name.startswith(("link_probe", "loss_")):
+            continue  # collectives alone, no step; loss runs: ranks of one host, no link between
         lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         computes = {
             (r.get("gbps_set"), r["ranks"]): r["step_ms"]
