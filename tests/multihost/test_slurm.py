@@ -309,7 +309,7 @@ def test_a_node_killed_mid_run_ends_the_job_in_one_line_and_a_resubmission_resum
     scheduler, straight
 ):
     """Everything on node1 is killed (its slurmd, step daemon and tasks) while the ranks are held
-    in step 4, step_2 saved: node0's ranks end in one `error:` line, srun ends the step and
+    in step 4, step_2 saved: node0's ranks end in one `error:` line each, srun ends the step and
     SLURM the job (NODE_FAIL). Once node1's slurmd is back, the same job submitted again resumes
     from step_2 and trains the uninterrupted run's losses, bit for bit."""
     name, release = "node-lost", scheduler.work / "release-node-lost"
@@ -328,9 +328,13 @@ def test_a_node_killed_mid_run_ends_the_job_in_one_line_and_a_resubmission_resum
         record = scheduler.wait_end(job)
         out = scheduler.output(name, job)
         assert record["JobState"] in ("NODE_FAIL", "FAILED"), out[-3000:]
+        # one line from each of node0's ranks at most (one may be ended by srun first). Not checked:
+        # the C++ warning and stack that torch's TCPStore client prints on rank 1 when rank 0, the
+        # store's host, has exited (seen 2026-11-29).
         ours = [line for line in out.splitlines() if line.startswith("error:")]
-        assert len(ours) == 1, out[-3000:]
-        assert "another rank or its host has died" in ours[0]
+        ranks = [re.match(r"error: rank (\d+): ", line) for line in ours]
+        assert ours and all(ranks) and len({r[1] for r in ranks}) == len(ours), out[-3000:]
+        assert all("another rank or its host has died" in line for line in ours)
     finally:
         scheduler.slurm.start_node("node1")
         scheduler.slurm.wait_idle()
