@@ -309,10 +309,10 @@ def reduce_precision(asked, hosts, precision):
     """--reduce_precision's dtype on this launch. auto: bf16 across hosts where the matmuls run in
     bf16 (or fp8): the link, not the GPU, bounds such a step, and half the bytes cross it (on 2
     hosts x 1 H200 at 10 Gbit/s, GPT-2 124M's step took 282 ms full-shard in bf16 against torch
-    DDP's 487 ms in fp32); within a host the fp32 sum costs nothing measurable. Their loss: on 8 CPU
-    ranks (Shakespeare characters, 200 steps) val 2.6454 against fp32's 2.6455; a bf16 ring sum of
-    real gradients is off by 0.33% at 8 ranks and 0.80% at 64 (RESULTS.md#loss-cpu), far inside the
-    batches' own noise, so the rule does not depend on the rank count."""
+    DDP's 487 ms in fp32); within a host the fp32 sum costs nothing measurable. Their loss stayed
+    with fp32's at 2, 4 and 8 CPU ranks (within the spread of two runs), and a bf16 ring sum of real
+    gradients is off by under 1% up to 64 ranks (RESULTS.md#loss-cpu), far inside the batches' own
+    noise: the rule does not depend on the rank count."""
     if asked != "auto":
         return asked
     return "bf16" if hosts > 1 and precision != "float32" else "float32"
