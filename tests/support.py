@@ -26,7 +26,7 @@ from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.config.flags import one_line_errors, parse_args
 from minimal_fsdp.data import prepare
 from minimal_fsdp.hf import read as hf
-from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.parallel import gossip

@@ -1,6 +1,7 @@
 """A GPT-2-style decoder: pre-LayerNorm blocks, GELU MLP, tied embeddings, causal SDPA attention.
 
-Only the math lives here; how it is sharded, checkpointed and compiled lives in parallelize.py.
+Only the math lives here (the family: families/gpt.py); how it is sharded, checkpointed and
+compiled lives in parallel/parallelize.py.
 Shapes: B batch, T time, C embed_size, H heads, D = C // H.
 """
 
@@ -11,25 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimal_fsdp.models.layers import Decoder, attend, cross_entropy
-from minimal_fsdp.models.configs import GPTConfig
-
-
-# The OpenAI GPT-2 shapes (vocab 50257, 1024 positions) and a tiny one that trains on a laptop CPU.
-PRESETS = {
-    "tiny": dict(num_layers=4, num_heads=4, embed_size=128, seq_length=128, dropout=0.0),
-    "gpt2": dict(
-        num_layers=12, num_heads=12, embed_size=768, seq_length=1024, vocab_size=50257, dropout=0.0
-    ),
-    "gpt2-medium": dict(
-        num_layers=24, num_heads=16, embed_size=1024, seq_length=1024, vocab_size=50257, dropout=0.0
-    ),
-    "gpt2-large": dict(
-        num_layers=36, num_heads=20, embed_size=1280, seq_length=1024, vocab_size=50257, dropout=0.0
-    ),
-    "gpt2-xl": dict(
-        num_layers=48, num_heads=25, embed_size=1600, seq_length=1024, vocab_size=50257, dropout=0.0
-    ),
-}
+from minimal_fsdp.models.families.gpt import PRESETS, GPTConfig
 
 
 class CausalSelfAttention(nn.Module):

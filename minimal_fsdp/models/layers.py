@@ -1,7 +1,7 @@
-"""What GPT and Llama share: attention over a KV cache or a document mask, the loss, parameter and
-FLOP counts.
+"""What the model classes share: attention over a KV cache or a document mask, the loss,
+parameter and FLOP counts.
 
-Only math lives here, as in model.py and llama.py.
+Only math lives here, as in gpt.py and llama.py.
 Shapes: B batch, H heads, K heads with their own keys and values, T time, D head size.
 """
 

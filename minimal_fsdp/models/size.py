@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.models.classes import MODELS
 
 
 @dataclasses.dataclass(frozen=True)
