@@ -197,10 +197,12 @@ def check_model(cfg):
         family = model_family(cfg)
         for name in dict.fromkeys(n for names in MODEL_FLAGS.values() for n in names):
             takers = [f for f, names in MODEL_FLAGS.items() if name in names]
-            if getattr(cfg, name) is not None and family not in takers:
+            value = getattr(cfg, name)
+            if value is not None and family not in takers:
                 also = f" (also {', '.join(takers[1:])})" if takers[1:] else ""
+                flag = f"--{name}/--no-{name}" if isinstance(value, bool) else f"--{name}"
                 raise ConfigError(
-                    f"--{name} is a {takers[0]} flag{also}, and {family} has no such setting: "
+                    f"{flag} is a {takers[0]} flag{also}, and {family} has no such setting: "
                     f"add --model {takers[0]}, or drop it"
                 )
 

@@ -1,11 +1,10 @@
 """GPT-2: its shape, presets, Hugging Face mapping (GPT2LMHeadModel) and planner terms. The math is
 models/gpt.py. Shapes: C embed_size."""
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.models.families.common import config_fields
 
 MODEL = "minimal_fsdp.models.gpt.GPT"
 
@@ -25,7 +24,9 @@ class GPTConfig:
     document_eot_id: int = None
 
     def to_dict(self):
-        return config_fields(self)
+        """As checkpoints record it. document_eot_id is left out when off, so a checkpoint written
+        before document masks existed records the same model as a run without one."""
+        return {k: v for k, v in asdict(self).items() if k != "document_eot_id" or v is not None}
 
 
 Config = GPTConfig

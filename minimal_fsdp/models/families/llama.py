@@ -3,10 +3,9 @@ math is models/llama.py. Qwen2 (qwen2.py) is this family with biased q, k, v and
 through the functions below. Shapes: C embed_size, H heads, K kv heads, D = C // H, I
 intermediate_size."""
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from minimal_fsdp.models.families.common import config_fields
 
 MODEL = "minimal_fsdp.models.llama.Llama"
 
@@ -32,7 +31,9 @@ class LlamaConfig:
     document_eot_id: int = None
 
     def to_dict(self):
-        return config_fields(self)
+        """As checkpoints record it. document_eot_id is left out when off, so a checkpoint written
+        before document masks existed records the same model as a run without one."""
+        return {k: v for k, v in asdict(self).items() if k != "document_eot_id" or v is not None}
 
 
 Config = LlamaConfig
