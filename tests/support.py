@@ -553,11 +553,11 @@ HOSTILE_META = {
     ),
     "model type": (
         lambda m: m.update(model_type="bert"),
-        'meta.json: model_type is "bert", not one of gpt, llama',
+        'meta.json: model_type is "bert", not one of gpt, llama, qwen2',
     ),
     "model type a list": (
         lambda m: m.update(model_type=["gpt"]),
-        'meta.json: model_type is ["gpt"], not one of gpt, llama',
+        'meta.json: model_type is ["gpt"], not one of gpt, llama, qwen2',
     ),
     "format": (
         lambda m: m.update(format=7),

@@ -42,10 +42,12 @@ TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
 MODEL_PRESETS = {
     "gpt": ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"),
     "llama": ("tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-tiny"),
+    "qwen2": ("tiny", "qwen2.5-0.5b"),
 }
 MODEL_FLAGS = {
     "gpt": ("bias",),
     "llama": ("num_kv_heads", "intermediate_size"),
+    "qwen2": ("num_kv_heads", "intermediate_size"),
 }
 
 # The launchers' rank variables: which rank prints a flag error (config.flags) or a failure's one

@@ -65,7 +65,9 @@ class Decoder(nn.Module):
 
     def num_params(self, non_embedding=True):
         n = sum(p.numel() for p in self.parameters())  # a sharded (DTensor) parameter counts whole
-        return n - self.get_parameter(self.lookup_only).numel() if non_embedding else n
+        if non_embedding and self.lookup_only:
+            n -= self.get_parameter(self.lookup_only).numel()
+        return n
 
     def flops_per_token(self):
         """Training FLOPs per token: 6N for the matmuls plus attention (PaLM's count, as nanoGPT

@@ -144,7 +144,7 @@ def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
         hf.read_config(tmp_path, seq_length=32)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
-    with pytest.raises(ConfigError, match="is a 'bert' model; supported are gpt2 and llama"):
+    with pytest.raises(ConfigError, match="is a 'bert' model; supported are gpt2, llama and qwen2"):
         hf.read_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(dict(config, activation_function="relu")))
     with pytest.raises(ConfigError, match="activation relu"):

@@ -23,9 +23,9 @@ import importlib
 
 from minimal_fsdp.config.checks import model_family
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.models.families import gpt, llama
+from minimal_fsdp.models.families import gpt, llama, qwen2
 
-FAMILIES = {"gpt": gpt, "llama": llama}
+FAMILIES = {"gpt": gpt, "llama": llama, "qwen2": qwen2}
 
 
 def model_class(model_type):
