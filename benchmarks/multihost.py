@@ -167,7 +167,8 @@ def parse():
         "--side_by_side",
         metavar="FLAGS",
         help="instead of training: decentdp_side_by_side.py "
-        "FLAGS at each rate (torch DDP, Decent-DP and ours in one launch); rank 0's table",
+        "FLAGS at each rate (the plain-PyTorch references, Decent-DP and ours in one launch); rank "
+        "0's table, its rows into --out with the link",
     )
     parser.add_argument(
         "--out", default="multihost.jsonl", help="results are appended here, one JSON line a run"
@@ -362,11 +363,30 @@ def main():
                 "node1", "node0", megabytes=64 if gbps >= 1 or not shaped else 8
             )
             if args.side_by_side is not None:
+                rows = Path(args.work) / f"side-by-side-{gbps:g}g.jsonl"
+                rows.unlink(missing_ok=True)
                 script = [
                     ROOT / "benchmarks" / "decentdp_side_by_side.py",
                     *args.side_by_side.split(),
+                    "--out",
+                    rows,
                 ]
                 failed, logs = launch(args, cluster, script, f"side-by-side-{gbps:g}g")
+                # rank 0's rows, with the link and launch they ran on, into --out
+                with open(args.out, "a") as f:
+                    for line in rows.read_text().splitlines() if rows.exists() else []:
+                        result = dict(
+                            json.loads(line),
+                            hosts=args.hosts,
+                            gpus_per_host=args.gpus_per_host,
+                            gbps_set=gbps if shaped else 0,
+                            link_gbps=link,
+                            commit=commit,
+                            device=device,
+                            date=time.strftime("%Y-%m-%d"),
+                            side_by_side=args.side_by_side,
+                        )
+                        f.write(json.dumps(result) + "\n")
                 print(
                     f"link {gbps:g} Gbit/s set, {link:.2f} measured"
                     + (f" ({failed})" if failed else "")

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minimal_fsdp import profiling  # noqa: E402
+from minimal_fsdp.config.checks import profile_range  # noqa: E402
 from minimal_fsdp.launch import environment  # noqa: E402
 from minimal_fsdp.config.flags import Config, build_parser, validate, validate_world  # noqa: E402
 from minimal_fsdp.metrics import allocator_retries, peak_flops, peak_memory_gb  # noqa: E402
@@ -67,13 +69,17 @@ def build(cfg, fsdp_on_one_rank=False):
     return env, model_config, model, build_optimizer(model, cfg, plan), gradient_sync(model, plan)
 
 
-def step_times(model, optimizer, sync, cfg, env, seq, vocab, n, first_step=0, losses=None):
+def step_times(
+    model, optimizer, sync, cfg, env, seq, vocab, n, first_step=0, losses=None, profiler=None
+):
     """Run n steps (numbered from first_step: gossip topologies change with the step); return each
     one's time in seconds (device events on CUDA). losses: a list that gets each step's loss (a
-    device tensor)."""
+    device tensor). profiler: profiling.StepProfiler, told of each step."""
     generator = torch.Generator(device=env.device).manual_seed(cfg.seed + env.rank)
     times = []
     for step in range(first_step, first_step + n):
+        if profiler:
+            profiler.at(step)
         batches = []
         for _ in range(cfg.grad_accum_steps):
             tokens = torch.randint(
@@ -112,6 +118,15 @@ def main():
         times = step_times(
             model, optimizer, sync, cfg, env, seq, vocab, bench["steps"], losses=losses
         )
+    if cfg.profile or cfg.memory_snapshot:
+        # after the timed steps, which it would slow: --profile's range counts these steps from 0
+        run_dir = Path(cfg.log_dir) / cfg.run_name
+        warn = print if env.is_main else None
+        with profiling.around_steps(cfg, env, run_dir, warn) as profiler:
+            n = profile_range(cfg.profile)[1] if cfg.profile else profiling.SNAPSHOT_STEPS
+            step_times(model, optimizer, sync, cfg, env, seq, vocab, n, profiler=profiler)
+        if env.is_main:
+            print(f"profile: written under {run_dir}", flush=True)
     last_loss = float(losses[-1])
     median = statistics.median(times)
     tokens = cfg.batch_size * cfg.grad_accum_steps * seq * env.world_size

@@ -19,7 +19,7 @@ from minimal_fsdp.config.commands import (
     PrepareFlags,
     SampleFlags,
 )
-from minimal_fsdp.config.flags import Config, one_line_errors
+from minimal_fsdp.config.flags import Config, launcher_rank, one_line_errors
 from minimal_fsdp.config.parser import parse
 
 COMMANDS = {
@@ -67,6 +67,11 @@ COMMANDS = {
     "plot": (PlotFlags, "minimal_fsdp.tools.plot", "a run's loss curves as a PNG"),
 }
 
+# Commands that run in one process. Started by a launcher on several ranks (`mpiexec -n 2
+# minimal-fsdp export`), rank 0 runs the command and the others exit at once: each would write the
+# same files.
+ONE_PROCESS = ("export", "prepare", "progress", "plan", "cluster", "plot")
+
 
 def usage():
     width = max(map(len, COMMANDS))
@@ -84,8 +89,12 @@ def main(argv=None):
         print(usage())
         return
     if argv[0] not in COMMANDS:
-        print(f"error: no command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        if launcher_rank() == 0:  # every rank of a launch got the same command line
+            names = ", ".join(COMMANDS)
+            print(f"error: no command {argv[0]!r}; commands: {names}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if argv[0] in ONE_PROCESS and launcher_rank() != 0:
+        sys.exit(0)
     flags, module, summary = COMMANDS[argv[0]]
     description = None if flags is not Config or argv[0] == "train" else summary
     parsed = one_line_errors(parse)(flags, argv[1:], f"minimal-fsdp {argv[0]}", description)

@@ -20,6 +20,7 @@ import re
 import shutil
 import socket
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -78,9 +79,16 @@ def _read_holder(path):
     counts). Read through open_regular: a FIFO, device or link put there is never opened (it would
     block, or never end)."""
     try:
-        return read_json(path, MAX_LOCK_BYTES, 4)
+        holder = read_json(path, MAX_LOCK_BYTES, 4)
     except (OSError, ValueError):
         return {}
+    # each field as this program writes it, else as if unreadable (only the lock's age counts)
+    kinds = {"host": str, "pid": int, "boot": str, "start": int, "job": str, "token": str}
+    return {
+        k: v
+        for k, v in holder.items()
+        if k not in kinds or isinstance(v, kinds[k]) and not isinstance(v, bool)
+    }
 
 
 def _check_lock_file(path, flag):
@@ -135,7 +143,7 @@ def _start_time(pid):
     another process (a restarted container's pid 1, say) has another start time."""
     try:
         return int(Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, TypeError, IndexError):
+    except (OSError, ValueError, TypeError, IndexError, OverflowError):  # a lock's pid may be inf
         return None
 
 
@@ -178,6 +186,7 @@ class RunLock:
         self.token = uuid.uuid4().hex
         self.stopped = threading.Event()
         self.thread = None
+        self.watcher = None
 
     def acquire(self, wait=STALE_AFTER + 2 * HEARTBEAT):
         """Take every lock, or raise LockError. A lock held from another host is waited on for up to
@@ -194,6 +203,7 @@ class RunLock:
             raise
         self.thread = threading.Thread(target=self._beat, daemon=True, name="run-lock-heartbeat")
         self.thread.start()
+        self.watcher = _remove_when_gone(self.paths, self.token)
         for path in self.paths:  # no one else writes there now: what killed writers left can go
             clean_leftovers(path.parent)
 
@@ -299,6 +309,35 @@ class RunLock:
                 self._drop(path)
             except OSError:
                 pass
+        if self.watcher is not None:  # nothing left for it to remove: it ends on the closed pipe
+            self.watcher.stdin.close()
+            self.watcher.wait()
+            self.watcher = None
+
+
+# Removes the lock files that still hold TOKEN once its stdin closes (read ends at EOF). A Ctrl-C
+# twice under mpiexec, or mpiexec killed by SIGPIPE (`| tee` ended by the same Ctrl-C), ends the
+# ranks with SIGKILL from their launcher: no code of this process runs, yet its locks go (the next
+# run would take them over, with a warning each).
+_WATCH = 'read -r _; for f in "$@"; do grep -qsF "$TOKEN" "$f" && rm -f "$f"; done; exit 0'
+
+
+def _remove_when_gone(paths, token):
+    """A small process of its own session (a Ctrl-C or the launcher's kill of this process group
+    does not reach it) holding a pipe from this process: when this process ends, however it ends,
+    the pipe closes and the lock files that still name `token` are removed. None where it cannot
+    start (the heartbeat's staleness rule still frees the locks)."""
+    try:
+        return subprocess.Popen(
+            ["bash", "-c", _WATCH, "run-lock-watch", *map(str, paths)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(os.environ, TOKEN=token),
+            start_new_session=True,
+        )
+    except OSError:
+        return None
 
 
 def drop_held_locks():
@@ -341,9 +380,10 @@ def clean_leftovers(directory):
 def _describe(holder):
     if not holder:
         return "unreadable lock file"
-    job = f", job {holder['job']}" if holder.get("job") else ""
+    job = f", job {shown(holder['job'], 40)}" if holder.get("job") else ""
     return (
-        f"host {holder.get('host')}, pid {holder.get('pid')}{job}, started {holder.get('started')}"
+        f"host {shown(holder.get('host'), 60)}, pid {holder.get('pid')}{job}, started "
+        f"{shown(holder.get('started'), 40)}"
     )
 
 
@@ -359,19 +399,36 @@ def check_lock(directory):
         )
 
 
-# ---- reading a file that may be hostile (a checkpoint's, a model directory's) ----
+# ---- reading a file that may be hostile (a checkpoint's, a model directory's, a --config) ----
+# The one way to read a file of ours: open_regular (a regular file, never a FIFO, device or loop, of
+# bounded size, a path without NUL), then read_bytes/read_text/read_json (bounded depth, UTF-8, a
+# JSON object); every failure is OSError or ValueError whose text completes "<file> ..." in one
+# line.
 
 
-def open_regular(path, max_bytes=None):
+def shown(value, limit=80):
+    """`value` as one printable line for an error message: control characters (NUL, newlines, ESC)
+    escaped, never echoed raw, and cut at `limit` characters."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def open_regular(path, max_bytes=None, follow_links=False):
     """`path` opened for binary reading if it is a regular file (of at most max_bytes), else
     OSError. A device, FIFO, socket or symbolic link in a checkpoint is refused before it is opened
     (reading /dev/zero or a FIFO would never end); the file is opened without following links and
-    without waiting, then checked again."""
-    if not stat.S_ISREG(os.lstat(path).st_mode):
+    without waiting, then checked again. follow_links: a link to a regular file is read (a file the
+    user names, such as --config); a loop of links is OSError (ELOOP), as is a NUL in the path."""
+    if "\0" in os.fspath(path):
+        raise OSError(errno.EINVAL, "the path holds a NUL byte", shown(path))
+    mode = (os.stat if follow_links else os.lstat)(path).st_mode
+    if not stat.S_ISREG(mode):
         raise OSError(
             errno.EINVAL, "not a regular file (a link, directory, device or FIFO)", str(path)
         )
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    fd = os.open(path, os.O_RDONLY | (0 if follow_links else os.O_NOFOLLOW) | os.O_NONBLOCK)
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or max_bytes is not None and info.st_size > max_bytes:
         os.close(fd)
@@ -385,22 +442,47 @@ def open_regular(path, max_bytes=None):
     return os.fdopen(fd, "rb")
 
 
-def read_json(path, max_bytes, max_depth=32):
+def read_bytes(path, max_bytes, follow_links=False):
+    """The bytes of `path` (open_regular's checks); at most max_bytes are read even if the file grew
+    since it was checked."""
+    with open_regular(path, max_bytes, follow_links) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"over {max_bytes} bytes", str(path))
+    return data
+
+
+def read_text(path, max_bytes, follow_links=False):
+    """The UTF-8 text of `path` (read_bytes); ValueError naming where it is not UTF-8."""
+    data = read_bytes(path, max_bytes, follow_links)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"is not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
+
+
+def read_json(path, max_bytes, max_depth=32, follow_links=False, kind=dict):
     """The JSON object in `path`, a regular file of at most max_bytes (open_regular), nested at most
     max_depth deep: json.loads recurses once per level, so a deeply nested file would end in
-    RecursionError. Raises OSError, or ValueError whose text completes "<file> ..." in one line."""
-    with open_regular(path, max_bytes) as f:
-        data = f.read()
+    RecursionError. Raises OSError, or ValueError whose text completes "<file> ..." in one line.
+    kind: the type the top level must have (None: any)."""
+    return parse_json(read_bytes(path, max_bytes, follow_links), max_depth, kind)
+
+
+def parse_json(data, max_depth=32, kind=dict):
+    """JSON text or bytes (read_json's checks, without the file): ValueError in one line."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
         if _depth(text) > max_depth:
             raise ValueError(f"nests deeper than {max_depth} levels")
         value = json.loads(text)
     except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
         raise ValueError(
-            f"is not JSON ({type(e).__name__}: {' '.join(str(e).split())[:100]})"
+            f"is not JSON ({type(e).__name__}: {shown(' '.join(str(e).split()), 100)})"
         ) from None
-    if not isinstance(value, dict):
+    except ValueError as e:  # an integer past Python's digits limit
+        raise ValueError(f"is not JSON we write ({shown(e, 100)})") from None
+    if kind is not None and not isinstance(value, kind):
         raise ValueError(f"holds a JSON {type(value).__name__}, not an object")
     return value
 

@@ -19,15 +19,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from minimal_fsdp.launch import environment
 from minimal_fsdp.launch import failures
 from minimal_fsdp.launch import hosts
 from minimal_fsdp.parallel import fp8
 from minimal_fsdp.config.flags import to_toml
 
-# Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it),
-# also with --precision fp8: its float8 matmuls could run at twice the peak, but then fp8 and bf16
-# MFU would not compare.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+# the cards' dense bf16 peaks, in config/choices.py (torch-free, for the planner too)
+from minimal_fsdp.config.choices import PEAK_FLOPS  # noqa: E402
 
 # JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and memory
 # apart.
@@ -424,7 +423,8 @@ def banner(cfg, env, plan, model, resume_from=None, checkpointer=None):
     layout = plan.describe() + (f", {plan.topology} topology" if plan.decentralized else "")
     lines = [
         f"launch: {hosts.layout_line(env)}, started by {env.launcher}, {env.backend} on "
-        f"{env.device.type}; {layout}",
+        f"{env.device.type}; {layout}"
+        + (f"; {environment.THREADS['line']}" if environment.THREADS["line"] else ""),
         f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of "
         f"{where} per rank ({spread}; activations not included)",
         *([fp8.describe(plan, model)] if plan.fp8 else []),

@@ -18,14 +18,17 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import hangs
 from minimal_fsdp import files
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.inference import load
+from minimal_fsdp.inference.generate import check_num_tokens
 from minimal_fsdp import backends
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args, validate_world
 from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
@@ -38,8 +41,6 @@ from minimal_fsdp.data.streaming import StreamingData
 from minimal_fsdp.data.tokenizer import load_tokenizer
 from minimal_fsdp.train import RunParts, build_optimizer, train
 
-# What gloo's errors say when the rank at the other end died or its link went down.
-PEER_GONE = ("timed out", "connection closed by peer", "connection reset by peer", "broken pipe")
 # Flags that change what a resumed run computes; the startup lines name those that differ from the
 # checkpoint's.
 TRAINING_FLAGS = (
@@ -69,22 +70,18 @@ def main(argv=None, cfg=None):
         run(cfg or parse_args(argv))
     except (ConfigError, Diverged, checkpoint.SaveError, environment.MainRankFailed) as e:
         environment.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)
-    # a peer is gone: gloo raises a plain RuntimeError, torch's own a DistError
-    except RuntimeError as e:
-        detail = str(e).splitlines()[0].split("] ", 1)[-1]  # without gloo's source location
-        if not (
-            isinstance(e, torch.distributed.DistError)
-            or any(m in detail.lower() for m in PEER_GONE)
-        ):
+    # a peer is gone: gloo raises a plain RuntimeError, torch's own a DistError, DCP (in a save) a
+    # CheckpointException (a BaseException)
+    except (RuntimeError, CheckpointException) as e:
+        line = environment.failures.lost_peer(e)
+        if line is None:
             raise
-        waited = (
-            "waited longer than --collective_timeout" if "timed out" in detail.lower() else "failed"
-        )
-        environment.exit_on_error(
-            f"a collective {waited}: another rank or its host has died, hangs or cannot be "
-            f"reached ({environment.failures.clipped(detail)})",
-            1,
-        )
+        if "waited longer" in line:  # which collective, on which ranks, at which step
+            detail = str(e).strip().splitlines()[0].split("] ", 1)[-1] if str(e).strip() else ""
+            environment.exit_on_error(
+                hangs.timeout_line(environment.failures.clipped(detail, 80)), 1
+            )
+        environment.exit_on_error(line, 1)
     # Ctrl-C outside training (inside it, resilience.StopRequests saves and stops)
     except KeyboardInterrupt:
         environment.exit_on_error(
@@ -176,6 +173,8 @@ def train_model(cfg, env, start, hf_dir, stop):
         else config_from_flags(cfg, data.meta["vocab_size"])
     )
     model_config = with_document_mask(model_config, cfg, data.tokenizer)
+    if samples:  # the sample's length, refused now rather than after hours of training
+        check_num_tokens(cfg.num_tokens, model_config)
     data.check(model_config.seq_length, model_config.vocab_size)
     check_fits(cfg, env, model_config)
     if start is not None:
@@ -397,8 +396,15 @@ def generation_model(cfg, env, start, hf_dir):
             f"{Path(cfg.checkpoint_dir) / cfg.run_name} "
             "has none: train first or pass --restart_checkpoint_file"
         )
+    # a checkpoint that fails to load: the next one find gives, as a resumed run takes it
     loaded = load.load(
-        hf_dir or start, cfg, env, cfg.seq_length, given_tokenizer(cfg), cfg.num_tokens
+        hf_dir or start,
+        cfg,
+        env,
+        cfg.seq_length,
+        given_tokenizer(cfg),
+        cfg.num_tokens,
+        None if hf_dir else checkpoint_find.run_fallback(cfg),
     )
     if env.is_main:
         print(load.describe(loaded.source, loaded.model, loaded.tokenizer, env), flush=True)

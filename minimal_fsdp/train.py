@@ -7,12 +7,15 @@ import gc
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from minimal_fsdp import profiling
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.eval.harness import TrainingTasks
 from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
+from minimal_fsdp.launch import hangs
 from minimal_fsdp.launch.resilience import NonFiniteGuard
 from minimal_fsdp.parallel.whole_unit import LocalAdamW
 
@@ -276,9 +279,16 @@ def train(parts, cfg, env, plan, stop, saved=None):
         return {"schedule": schedule.state_dict(), "data": data.state_dict(step), **tasks_state}
 
     model.train()
-    with log, collections_in_step(), checkpointer.saving():  # a save in flight ends before return
+    # --profile / --memory_snapshot: None when neither is set
+    run_dir, warn = Path(cfg.log_dir) / cfg.run_name, (lambda text: log.warn(text))
+    profiler = profiling.around_steps(cfg, env, run_dir, warn if env.is_main else None)
+    # a save in flight ends before return
+    with log, collections_in_step(), checkpointer.saving(), profiler as profiler:
         log.restored(first, checkpointer.restore_s)
         for step in range(first, schedule.last_step):
+            hangs.at_step(step + 1)  # named by the line a collective timeout ends with
+            if profiler:
+                profiler.at(step)
             lr = schedule.apply(parts.optimizer, step)
             batches = data.train_batches(step)
             loss, grad_norm = train_step(model, parts.optimizer, batches, *step_with, step,

@@ -3,9 +3,18 @@
 # rank per GPU with mpiexec (and, with CHAIN=1, submits the job's successor when the run is not done).
 #
 # Everything below can be overridden at submission time, e.g.
-#   qsub -A PROJECT -v ARGS="--model_preset gpt2 --precision bf16",VENV=$HOME/venvs/fsdp pbs/train_multi_node.sh
+#   qsub -A PROJECT -v WORK_DIR=/eagle/PROJECT/$USER/fsdp,VENV=$HOME/venvs/fsdp pbs/train_multi_node.sh
+#   ARGS="--model_preset gpt2 --precision bf16 --prompt 'ROMEO: Hi, you'" qsub -A PROJECT -v ARGS pbs/train_single_node.sh
+# (`-v NAME` without a value takes NAME's value from qsub's environment as it is: commas, quotes, spaces.)
 #
-#   ARGS             extra training flags, split on spaces (qsub -v splits on commas: keep commas out)
+#   ARGS             extra training flags, split as a shell splits words (quotes group, nothing is expanded);
+#                    a value with commas must come through `-v ARGS` (above): `-v ARGS=...` splits on commas
+#   ARGS_FILE        a file of training flags, split the same way (lines are words too; # starts a comment);
+#                    read before ARGS. Neither given: the training scripts train configs/shakespeare_char.toml
+#                    (10.7M parameters, bf16, compiled: a GPU recipe that fits any GPU)
+#   WORK_DIR         where checkpoints/, data/ and logs/ go: put it on the project file system (e.g.
+#                    /eagle/PROJECT/...); default: the directory qsub ran in, with a warning when that is under
+#                    $HOME (small quotas; one Llama 3 8B checkpoint is ~90 GiB). Flags in ARGS win over it
 #   VENV             a virtual environment to activate, on top of the conda module it was built on (which is
 #                    loaded first wherever `module` exists); default: the conda module alone
 #   NRANKS_PER_NODE  ranks per node, one per GPU (4)
@@ -13,27 +22,35 @@
 #   CPU_BIND         Cray placement flags ("--depth=$NDEPTH --cpu-bind depth"); set it empty for a Hydra mpiexec
 #   MPIEXEC          the launcher (mpiexec)
 #   PYTHON, ENTRY    the interpreter (python) and the training script (basic_training.py)
-#   REPO             this checkout (default: the directory qsub ran in; the job runs there too)
+#   REPO             this checkout (default: the directory qsub ran in)
 #   CHAIN            1: run as a chain of jobs (below; default 0)
-#   QUEUE            the queue a chain submits its next job to (default: this job's queue)
+#   QUEUE            the queue a chain submits its next job to (default: the queue the first job asked for)
 #   CHAIN_MARGIN     seconds the chain leaves between --time_limit and the walltime, for the step in flight
 #                    and the save (300)
+#   AWS_OFI_NCCL, NCCL_*, FI_*   see the NCCL settings below
 #
-# Queues (Polaris; the scripts' #PBS -q lines are the first two; `qsub -q` overrides them):
+# Queues (Polaris, as ALCF documents them; the scripts' #PBS -q lines are the first two; `qsub -q` overrides
+# them). qsub refuses a job whose nodes or walltime (5 min at least) are outside its queue's range:
 #   debug            1-2 nodes, up to 1 h: pbs/train_single_node.sh's default, for trying things
 #   debug-scaling    1-10 nodes, up to 1 h: pbs/train_multi_node.sh's default
-#   preemptable      1-10 nodes, up to 72 h, may be preempted (a SIGTERM first: the run saves and exits 0)
-#   prod             10 nodes and more, up to 24 h
-# A walltime above the queue's limit is refused by qsub.
+#   preemptable      1-10 nodes, up to 72 h; a job there may be killed at any time without warning (when the
+#                    demand queue needs its nodes): the scripts are rerunnable (#PBS -r y), so PBS runs the
+#                    job again, and it resumes from the run's last checkpoint (--checkpoint_interval bounds
+#                    what is lost)
+#   prod             a routing queue, 10-496 nodes: 10-24 nodes go to small (up to 3 h), 25-99 to medium (6 h),
+#                    100-496 to large (24 h). Submit to prod, never to those (qsub refuses them)
 #
 # Job chains. A run longer than the queue's walltime trains in a chain of jobs:
 #   qsub -A PROJECT -q preemptable -l walltime=06:00:00 -v CHAIN=1,ARGS="--config configs/gpt2_124m_owt.toml" \
 #       pbs/train_multi_node.sh
 # Each job passes --time_limit (the walltime left, less CHAIN_MARGIN), so it saves a checkpoint and exits before
-# the kill. At its end, if the latest checkpoint is short of the run's last step, it submits its successor
-# (qsub -W depend=afterany:THIS_JOB, with this job's queue, account, resources and these settings), which
-# resumes from that checkpoint. The chain stops when the run is done, when a job fails, or when a job made no
-# progress. A --time_limit in ARGS wins over the derived one.
+# the kill; a SIGTERM from PBS (walltime, preemption with a warning) makes the run save and exit too, and the
+# job script waits for it. At its end, if the latest checkpoint is short of the run's last step, it submits its
+# successor (qsub -W depend=afterany:THIS_JOB to the queue the first job asked for, e.g. prod, never the
+# execution queue qstat reports; with this job's account, resources, rerunnability and every -v setting,
+# yours included), which resumes from that checkpoint. A job PBS runs again (-r y) submits no second successor.
+# The chain stops when the run is done, when a job fails, or when a job made no progress. A --time_limit in
+# ARGS wins over the derived one.
 
 set -euo pipefail
 # The conda module first (a VENV made with --system-site-packages is built on it: its mpi4py is the one built
@@ -79,6 +96,7 @@ MPIEXEC=${MPIEXEC:-mpiexec}
 PYTHON=${PYTHON:-python}
 ENTRY=${ENTRY:-$REPO/basic_training.py}
 ARGS=${ARGS:-}
+ARGS_FILE=${ARGS_FILE:-}
 CHAIN=${CHAIN:-0}
 CHAIN_MARGIN=${CHAIN_MARGIN:-300}
 export OMP_NUM_THREADS=$NDEPTH
@@ -112,20 +130,57 @@ BIND_GPU='local=${PALS_LOCAL_RANKID:-${PMI_LOCAL_RANK:-${MPI_LOCALRANKID:-${OMPI
 export CUDA_VISIBLE_DEVICES=$(( NRANKS_PER_NODE - 1 - local % NRANKS_PER_NODE ))
 exec "$@"'
 
+# The training flags: ARGS_FILE's, then ARGS', split by pbs/helper.py (any characters; nothing expanded).
+ARGV=()
+if [ -n "$ARGS_FILE" ]; then
+    mapfile -d '' -t words < <("$PYTHON" "$REPO/pbs/helper.py" words-file "$ARGS_FILE") && wait $! || exit 2
+    ARGV+=("${words[@]}")
+fi
+if [ -n "$ARGS" ]; then
+    mapfile -d '' -t words < <("$PYTHON" "$REPO/pbs/helper.py" words "$ARGS") && wait $! || exit 2
+    ARGV+=("${words[@]}")
+fi
+if [ ${#ARGV[@]} -eq 0 ] && [ -n "${DEFAULT_ARGS:-}" ]; then
+    ARGV=("${DEFAULT_ARGS[@]}")
+    echo "args: no ARGS or ARGS_FILE: ${ARGV[*]} (pass -v ARGS=... or -v ARGS_FILE=... for your run)"
+fi
+
+# Checkpoints, data and logs under WORK_DIR, meant for the project file system. The flags go before ARGS, so a
+# --checkpoint_dir, --data_dir or --log_dir there wins.
+WORK_DIR=${WORK_DIR:-$PWD}
+WORK_FLAGS=()
+if [ "$(cd "$WORK_DIR" 2>/dev/null && pwd -P)" != "$(pwd -P)" ]; then
+    mkdir -p "$WORK_DIR" || { echo "error: WORK_DIR=$WORK_DIR cannot be made: name a writable directory" >&2; exit 2; }
+    WORK_FLAGS=(--checkpoint_dir "$WORK_DIR/checkpoints" --data_dir "$WORK_DIR/data" --log_dir "$WORK_DIR/logs")
+fi
+home=$(cd "${HOME:-/nonexistent}" 2>/dev/null && pwd -P || true)
+if [ -n "$home" ] && [[ "$(cd "$WORK_DIR" && pwd -P)/" == "$home"/* ]]; then
+    echo "warning: WORK_DIR=$WORK_DIR is under \$HOME (small quotas; a Llama 3 8B checkpoint is ~90 GiB):" \
+         "pass -v WORK_DIR=/eagle/PROJECT/... (the project file system) for checkpoints, data and logs" >&2
+fi
+if [ "${PBS_ENVIRONMENT:-}" = PBS_BATCH ]; then  # set by PBS in a batch job
+    echo "work: checkpoints, data and logs under $WORK_DIR; this job's output goes to" \
+         "${PBS_O_WORKDIR:-$PWD}/${PBS_JOBNAME:-minimal_fsdp}.o${PBS_JOBID%%.*} when the job ends (qsub -o chooses)"
+else
+    echo "work: checkpoints, data and logs under $WORK_DIR"
+fi
+
 launch() {
     local chain_flags=()
     if [ "$CHAIN" = 1 ]; then
         chain_start "$@"
         chain_flags=(--time_limit "$CHAIN_TIME_LIMIT")
     fi
+    # PBS sends SIGTERM before it kills a job (walltime, a preemption with a warning, qdel): the ranks save and
+    # exit 0 by themselves, so the script must not die with them. Trapped, bash runs this once mpiexec is done.
+    trap 'echo "job: SIGTERM from PBS: waiting for the run to save and stop"' TERM
     echo "job ${PBS_JOBID:-?}: $NNODES node(s) x $NRANKS_PER_NODE rank(s) = $NTOTRANKS rank(s), $NDEPTH core(s) each"
-    # shellcheck disable=SC2086  # CPU_BIND and ARGS are lists of words
+    # shellcheck disable=SC2086  # CPU_BIND is a list of words
     "$MPIEXEC" -n "$NTOTRANKS" --ppn "$NRANKS_PER_NODE" $CPU_BIND \
         env NRANKS_PER_NODE="$NRANKS_PER_NODE" bash -c "$BIND_GPU" bind-gpu \
-        "$PYTHON" "$ENTRY" --environment pbs "$@" "${chain_flags[@]}" $ARGS
+        "$PYTHON" "$ENTRY" --environment pbs "$@" "${WORK_FLAGS[@]}" "${chain_flags[@]}" "${ARGV[@]}"
     if [ "$CHAIN" = 1 ]; then
-        # shellcheck disable=SC2086
-        chain_next "$@" $ARGS
+        chain_next "$@"
     fi
 }
 
@@ -140,28 +195,26 @@ seconds() {  # [[HH:]MM:]SS -> seconds
 # "STEP LAST_STEP" of the run's latest checkpoint ("0 none" without one), from the training flags; it imports
 # no torch (minimal_fsdp/tools/progress.py), so asking costs a fraction of a second.
 run_progress() {
-    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m minimal_fsdp progress "$@"
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m minimal_fsdp progress "$@" "${WORK_FLAGS[@]}" "${ARGV[@]}"
 }
 
 chain_start() {
     : "${JOB_SCRIPT:?is not set: CHAIN=1 is for pbs/train_single_node.sh and pbs/train_multi_node.sh}"
-    # This job's queue, account and resources: the -l and -A given to the first qsub override the script's
-    # #PBS lines, so the successor gets them again.
-    QSTAT_FULL=$(qstat -f "$PBS_JOBID")
+    # This job's account, resources and settings: the -l, -A and -v given to the first qsub override the
+    # script's #PBS lines, so the successor gets them again.
+    QSTAT_JSON=$(qstat -f -F json "$PBS_JOBID")
     local walltime
-    walltime=$(awk -F' = ' '/^ *Resource_List.walltime = / { print $2 }' <<<"$QSTAT_FULL")
+    walltime=$("$PYTHON" "$REPO/pbs/helper.py" walltime <<<"$QSTAT_JSON")
     local left=$(( $(seconds "${walltime:?qstat -f shows no walltime}") - SECONDS - CHAIN_MARGIN ))
     if [ "$left" -le 0 ]; then
         echo "error: CHAIN_MARGIN=$CHAIN_MARGIN leaves no time to train in a walltime of $walltime" >&2
         exit 2
     fi
     CHAIN_TIME_LIMIT=$(printf '%02d:%02d:%02d' $((left / 3600)) $((left % 3600 / 60)) $((left % 60)))
-    # shellcheck disable=SC2086
-    read -r CHAIN_START_STEP _ < <(run_progress "$@" $ARGS)
+    read -r CHAIN_START_STEP _ < <(run_progress "$@")
     # A --time_limit among the job's own arguments comes later on the command line, so it wins: say that one.
     local given="" word previous=""
-    # shellcheck disable=SC2086
-    for word in "$@" $ARGS; do
+    for word in "$@" "${ARGV[@]}"; do
         case $word in --time_limit=*) given=${word#--time_limit=} ;; esac
         [ "$previous" = --time_limit ] && given=$word
         previous=$word
@@ -174,30 +227,40 @@ chain_start() {
 chain_next() {
     local step last
     read -r step last < <(run_progress "$@")
+    # A job PBS runs again (rerunnable, after a preemption) may have submitted its successor already.
+    local submitted="$WORK_DIR/.pbs_chain/$PBS_JOBID"
     if [ "$last" = none ]; then
         echo "chain: stops: no checkpoint of this run records its last step" >&2
     elif [ "$step" -ge "$last" ]; then
         echo "chain: the run reached its last step ($last)"
+    elif [ -s "$submitted" ]; then
+        echo "chain: at step $step of $last; job $PBS_JOBID submitted its successor before: $(cat "$submitted")"
     elif [ "$step" -le "$CHAIN_START_STEP" ]; then
         echo "chain: stops: this job made no progress (still at step $step)" >&2
     else
-        local qsub_args settings=() name
-        mapfile -t qsub_args < <(awk -F' = ' '
-            /^ *queue = / { print "-q"; print $2 }
-            /^ *Account_Name = / { print "-A"; print $2 }
-            /^ *Resource_List\.(select|place|walltime|filesystems) = / {
-                sub(/^ *Resource_List\./, "", $1); print "-l"; print $1 "=" $2 }' <<<"$QSTAT_FULL")
-        if [ -n "${QUEUE:-}" ]; then  # replaces the queue qstat gave
-            local i
-            for i in "${!qsub_args[@]}"; do
-                if [ "${qsub_args[$i]}" = -q ]; then qsub_args[i + 1]=$QUEUE; fi
-            done
-        fi
-        for name in ARGS VENV NRANKS_PER_NODE NDEPTH CPU_BIND MPIEXEC PYTHON ENTRY REPO CHAIN CHAIN_MARGIN QUEUE; do
-            if [ -n "${!name+set}" ]; then settings+=("$name=${!name}"); fi  # CPU_BIND= (empty) counts
+        local items options=() settings=() names=() item queue after=0
+        mapfile -d '' -t items < <("$PYTHON" "$REPO/pbs/helper.py" successor <<<"$QSTAT_JSON")
+        for item in "${items[@]}"; do  # the qsub options, "--", the settings
+            if [ "$after" = 1 ]; then settings+=("$item") && names+=("${item%%=*}")
+            elif [ "$item" = -- ]; then after=1
+            else options+=("$item")
+            fi
         done
-        local IFS=,
-        echo "chain: at step $step of $last; submitting the next job"
-        qsub -W depend=afterany:"$PBS_JOBID" "${qsub_args[@]}" -v "${settings[*]}" "$REPO/$JOB_SCRIPT"
+        # The queue the first job asked for (PBS_O_QUEUE, e.g. the routing queue prod), never the execution
+        # queue it runs in (small, medium, large: qsub refuses those).
+        queue=${QUEUE:-${PBS_O_QUEUE:-}}
+        [ -n "$queue" ] && options=(-q "$queue" "${options[@]}")
+        # Each setting by name only: qsub takes its value from its own environment, commas and all.
+        local list
+        list=$(IFS=,; echo "${names[*]}")
+        echo "chain: at step $step of $last; submitting the next job${queue:+ to $queue}"
+        local id
+        id=$(cd "${PBS_O_WORKDIR:-$PWD}" && env "${settings[@]}" \
+            qsub -W depend=afterany:"$PBS_JOBID" "${options[@]}" ${list:+-v "$list"} "$REPO/$JOB_SCRIPT") || {
+            echo "error: chain: qsub refused the next job (its line above); resubmit this job as you did" >&2
+            exit 1
+        }
+        echo "chain: submitted $id"
+        mkdir -p "$WORK_DIR/.pbs_chain" && echo "$id" > "$submitted"
     fi
 }

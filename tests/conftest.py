@@ -45,6 +45,35 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_configure(config):
+    """The fuzzer's Hypothesis profiles (tests/fuzz/, tests/README.md): quick, derandomized and
+    without a database in the quick tier; with --full, 40 times the examples, random, keeping the
+    failing ones in .hypothesis/ (ignored by git) to try first next time."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    from hypothesis import Phase
+
+    common = dict(
+        deadline=None,  # a hang is the fuzzer's alarm's to catch: no verdict depends on the load
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        # no "explain" phase: its line tracing slows a reader tenfold, past the fuzzer's alarm
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    )
+    settings.register_profile(
+        "fuzz-quick", max_examples=20, derandomize=True, database=None, **common
+    )
+    database = DirectoryBasedExampleDatabase(str(ROOT / ".hypothesis" / "examples"))
+    settings.register_profile("fuzz-full", max_examples=800, database=database, **common)
+    # MINIMAL_FSDP_FUZZ_HUNT=1 with --full: the full profile's examples without shrinking, to see
+    # quickly which readers fail (tests/README.md: measuring the fuzzer on old code)
+    hunt = dict(common, phases=[Phase.explicit, Phase.generate])
+    settings.register_profile("fuzz-hunt", max_examples=800, database=None, **hunt)
+    full = config.getoption("--full")
+    hunting = full and os.environ.get("MINIMAL_FSDP_FUZZ_HUNT") == "1"
+    settings.load_profile("fuzz-hunt" if hunting else "fuzz-full" if full else "fuzz-quick")
+
+
 def pytest_collection_modifyitems(config, items):
     """Plain `pytest` is the quick tier: it leaves out the tests marked slow (most launches of
     several ranks, each covered in kind by a quick one). `--full`, a named file or test, -k or -m

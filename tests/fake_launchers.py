@@ -1,6 +1,6 @@
-"""Stand-ins for a cluster's commands (srun, qsub, qstat, sbatch, squeue), put first on PATH by the
-launcher tests, and `run_session`, which runs a command in a session of its own and proves that no
-process of it is left behind."""
+"""Stand-ins for a cluster's commands (srun, sbatch, squeue; PBS's qsub and qstat are in
+fake_pbs.py), put first on PATH by the launcher tests, and `run_session`, which runs a command in a
+session of its own and proves that no process of it is left behind."""
 
 import os
 import subprocess
@@ -49,7 +49,7 @@ while len(codes) < len(tasks):
 sys.exit(next((c for c in codes.values() if c), 0))
 """
 
-# qsub and sbatch put the job in FAKE_QUEUE (one JSON file per job, argv and the id given) and print
+# sbatch puts the job in FAKE_QUEUE (one JSON file per job, argv and the id given) and prints
 # its id; the test runs the queued jobs one after the other, as the scheduler would.
 FAKE_SUBMIT = """#!{python}
 import json, os, sys
@@ -59,20 +59,6 @@ number = len(list(queue.glob("*.json"))) + 2  # the first job, started by the te
 job_id = "{id_format}".format(number)
 (queue / f"{{number:03d}}.json").write_text(json.dumps({{"argv": sys.argv[1:], "id": job_id}}))
 print({printed!r}.format(job_id))
-"""
-
-FAKE_QSTAT = """#!/bin/bash
-# qstat -f JOBID, as PBS Pro prints it (the lines the chain reads).
-cat <<EOF
-Job Id: $2
-    Job_Name = minimal_fsdp
-    Account_Name = PROJECT
-    queue = debug
-    Resource_List.filesystems = home:eagle
-    Resource_List.place = scatter
-    Resource_List.select = 1:system=polaris
-    Resource_List.walltime = ${FAKE_WALLTIME:-01:00:00}
-EOF
 """
 
 FAKE_SQUEUE = """#!/bin/bash
@@ -87,9 +73,7 @@ def install_fakes(bin_dir, queue_dir=None):
     python = sys.executable
     scripts = {
         "srun": FAKE_SRUN.format(python=python),
-        "qstat": FAKE_QSTAT,
         "squeue": FAKE_SQUEUE,
-        "qsub": FAKE_SUBMIT.format(python=python, id_format="{}.fake", printed="{}"),
         "sbatch": FAKE_SUBMIT.format(
             python=python, id_format="{}", printed="Submitted batch job {}"
         ),

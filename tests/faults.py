@@ -11,6 +11,8 @@ done, counted from 1 as in the logs. Kinds:
   hang              this rank stops responding during the step
   pause             this rank waits during the step until the file $MINIMAL_FSDP_RELEASE exists
   kill_in_save      this rank is SIGKILLed while it writes its shard of this step's checkpoint
+  stop_in_save      this rank is SIGSTOPped while it writes its shard of this step's checkpoint
+                    (a host that stops answering mid-save)
   enospc_in_save    this rank's writes of this step's checkpoint fail with "No space left on
                     device"
   kill_after_shards, kill_after_meta, kill_after_rename, kill_after_latest
@@ -112,6 +114,8 @@ def install_faults():
     def faulty_save(*args, **kwargs):
         if due("kill_in_save"):  # DCP fsyncs each shard file right after writing it
             os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+        if due("stop_in_save"):
+            os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGSTOP)
         if due("enospc_in_save"):
 
             def full(fd):

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ import reference as plain
 import tokenizer_dirs
 from conftest import ROOT, TINY_MODEL, make_text, mpiexec
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.flags import one_line_errors, parse_args
 from minimal_fsdp.data import prepare
 from minimal_fsdp.hf import read as hf
@@ -434,6 +436,27 @@ def flip_a_byte(file, at=-1):
     data = bytearray(Path(file).read_bytes())
     data[at] ^= 0xFF
     Path(file).write_bytes(bytes(data))
+
+
+def recompute_checksums(step):
+    """What a forger does: meta.json's sizes and CRC-32s made to match the files as they are now."""
+    meta = meta_of(step)
+    for name in meta["files"]:
+        data = (step / name).read_bytes()
+        meta["files"][name] = [len(data), zlib.crc32(data)]
+    (step / "meta.json").write_text(json.dumps(meta))
+
+
+def scramble_a_tensor(step):
+    """Random bytes over the start of one tensor's record in the shard: no check before loading can
+    tell."""
+    metadata = safe_load.read_dcp_metadata(step / ".metadata")
+    index = next(i for i in metadata.storage_data if i.fqn == "model.wte.weight")
+    info = metadata.storage_data[index]
+    data = bytearray((step / info.relative_path).read_bytes())
+    data[info.offset : info.offset + 64] = os.urandom(64)
+    (step / info.relative_path).write_bytes(bytes(data))
+    recompute_checksums(step)
 
 
 class Console(io.StringIO):

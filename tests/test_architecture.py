@@ -38,7 +38,9 @@ LAYERS = {
     "inference": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "hf"},
     "eval": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "hf", "inference"},
     "metrics": GROUND | {"launch", "parallel"},
-    "train": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "metrics", "eval"},
+    "profiling": GROUND,
+    "train": GROUND
+    | {"launch", "models", "data", "parallel", "checkpoint", "metrics", "eval", "profiling"},
     "backends": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "hf", "metrics"},
     "run": GROUND
     | {

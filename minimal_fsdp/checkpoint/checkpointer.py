@@ -29,16 +29,13 @@ torch.load(weights_only=True).
 import contextlib
 import dataclasses
 import functools
-import io
 import json
 import os
-import random
 import shutil
 import time
 import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -54,9 +51,9 @@ from minimal_fsdp import files
 from minimal_fsdp.checkpoint.best import better
 from minimal_fsdp.checkpoint.background import ChecksummingWriter, Saved
 from minimal_fsdp.checkpoint.writer import write_failure_reason
-from minimal_fsdp.checkpoint.find import load_first, marker, rng_file, step_dirs, step_of
+from minimal_fsdp.checkpoint.find import load_first, marker, step_dirs, step_of
+from minimal_fsdp.checkpoint.rng import rng_bytes as _rng_bytes, rng_file, restore_rng  # noqa: F401 (tests use them here)
 from minimal_fsdp.checkpoint.meta import FORMAT, read_meta
-from minimal_fsdp.parallel.parallelize import seed64
 from minimal_fsdp.checkpoint.safe_load import SafeLoadPlanner, SafeReader
 
 
@@ -394,61 +391,6 @@ def _prune(run_dir, keep_last, step):
             doomed = run_dir / f".tmp-old-{old.name}"
             os.replace(old, doomed)
             shutil.rmtree(doomed)
-
-
-# ---- RNG states: each rank's own, so dropout masks continue exactly after a resume ----
-
-
-def _rng_bytes():
-    """Tensors and plain numbers only, so torch.load(weights_only=True) reads it back."""
-    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    version, mt_state, gauss_next = random.getstate()
-    state = {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "numpy": {
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": pos,
-            "has_gauss": has_gauss,
-            "cached_gaussian": cached_gaussian,
-        },
-        "python": {
-            "version": version,
-            "state": torch.tensor(mt_state, dtype=torch.int64),
-            "gauss_next": gauss_next,
-        },
-    }
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def restore_rng(path, rank, world_size, seed):
-    """Put this rank's RNG states back. A checkpoint from another number of ranks has no stream that
-    is "this rank's"; then each rank is seeded from (seed, rank, step) so it does not replay old
-    masks."""
-    path, meta = Path(path), read_meta(path)
-    file = path / rng_file(rank)
-    if meta.get("world_size") != world_size or not file.is_file():
-        torch.manual_seed(seed64((seed * 1_000_003 + rank) * 1_000_000_007 + meta["step"]))
-        return False
-    state = torch.load(file, weights_only=True)
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    n = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            n["keys"].numpy().astype(np.uint32),
-            n["pos"],
-            n["has_gauss"],
-            n["cached_gaussian"],
-        )
-    )
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss_next"]))
-    return True
 
 
 # ---- loading ----

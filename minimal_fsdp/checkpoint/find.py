@@ -24,17 +24,13 @@ from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.files import open_regular, read_json
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import config_from_dict
-from minimal_fsdp.checkpoint.safe_load import read_dcp_metadata
+from minimal_fsdp.checkpoint.rng import read_rng, rng_file, rng_problem
+from minimal_fsdp.checkpoint.safe_load import load_quietly, read_dcp_metadata
 
 BLOCK = re.compile(r"blocks\.(\d+)\.")
-MAX_RNG_BYTES = 2**20  # torch, CUDA, numpy and python states: about 17 KB
 MAX_JSON_BYTES = 2**30  # a tokenizer.json: 9 MB for Llama 3's 128K tokens
 # one optimizer setting saved as an object (a param group's parameter names: ~2 KB)
 MAX_OBJECT_BYTES = 2**20
-
-
-def rng_file(rank):
-    return f"rng_{rank}.pt"
 
 
 def verify(path, checksums=True, share=(0, 1)):
@@ -57,7 +53,17 @@ def verify(path, checksums=True, share=(0, 1)):
             "" if e.errno == errno.ENOENT else f" ({e.strerror})"
         )
     try:
-        metadata = read_dcp_metadata(path / ".metadata")
+        cap = metadata_cap(meta)
+        size = (path / ".metadata").lstat().st_size
+    except OSError:
+        return ".metadata is missing"
+    if size > cap:
+        return (
+            f".metadata is {size} bytes, more than the {cap} that the model meta.json describes "
+            "needs"
+        )
+    try:
+        metadata = read_dcp_metadata(path / ".metadata", cap)
         needed = {}
         for info in metadata.storage_data.values():
             name = info.relative_path
@@ -82,7 +88,7 @@ def verify(path, checksums=True, share=(0, 1)):
             return f"{name} is not a regular file"
         if info.st_size < size:
             return f"{name} is truncated ({info.st_size} of {size} bytes)"
-    problem = problem or _objects_problem(path, metadata)
+    problem = problem or _objects_problem(path, metadata, meta)
     if problem:
         return problem
     # the tokenizer's: json.loads recurses once per level of nesting
@@ -98,8 +104,7 @@ def verify(path, checksums=True, share=(0, 1)):
                 return f"{name} {e}"
     for rank in range(meta.get("world_size") or 0):
         try:
-            with open_regular(path / rng_file(rank), MAX_RNG_BYTES) as f:
-                torch.load(f, weights_only=True)
+            state = read_rng(path, rank)
         except Exception as e:  # noqa: BLE001 - missing, truncated: a few KB each, so read them all
             why = (
                 e.strerror
@@ -107,6 +112,9 @@ def verify(path, checksums=True, share=(0, 1)):
                 else type(e).__name__
             )
             return f"{rng_file(rank)} is missing or unreadable ({why})"
+        problem = rng_problem(state)
+        if problem:
+            return f"{rng_file(rank)} {problem}"
     return files_problem(path, meta.get("files") or {}, share) if checksums else None
 
 
@@ -145,18 +153,50 @@ def _storage_problem(metadata):
     return None
 
 
-def _objects_problem(path, metadata):
-    """Why an object entry of the shards (the optimizer's param_groups: numbers, strings) does not
-    load with torch.load(weights_only=True) as restoring will load it, or None. They are a few KB in
-    all."""
-    opened = {}
+# an optimizer entry restored as saved: a parameter's step count, and a param group's settings
+STEP_KEY = re.compile(r"(?:replicas\.\d+\.)?optim\.state\..+\.step")
+SETTING_KEY = re.compile(r"((?:replicas\.\d+\.)?optim\.param_groups\.\d+)\.(\w+)")
+# .metadata's bytes per chunk it describes (its key, index, byte range and shape: about 270 with
+# short names), with room for long ones, and for the rest (the param groups, the header)
+METADATA_BYTES_PER_CHUNK = 2048
+METADATA_SLACK = 2**20
+
+
+def _implied_params(meta):
+    """{name: shape} of every parameter of the model meta.json describes (one block built on the
+    meta device, so no config allocates anything), and the config."""
+    config = config_from_dict(meta["model_type"], meta["model"])
+    with torch.device("meta"):
+        one_block = MODELS[meta["model_type"]](dataclasses.replace(config, num_layers=1))
+    return {name: tuple(p.shape) for name, p in one_block.named_parameters()}, config
+
+
+def metadata_cap(meta):
+    """The most bytes DCP's .metadata of the checkpoint meta.json describes can need: a chunk per
+    rank of each tensor (FSDP shards dim 0, so at most that many), for the model, both AdamW
+    moments (and a decentralized run's accumulated gradient), each parameter's step, and each
+    replica's copy of all that. A larger file is refused by its size before a byte is unpickled:
+    the pure-Python unpickler reads about 1.4 MB/s, so a forged one of 383 MB took minutes."""
+    params, config = _implied_params(meta)
+    world = meta.get("world_size") or 1
+    chunks = 0
+    for name, shape in params.items():
+        count = config.num_layers if name.startswith("blocks.0.") else 1
+        chunks += count * (4 * min(world, shape[0] if shape else 1) + 1)
+    chunks *= 1 + (meta.get("replicas") or 0)
+    return METADATA_SLACK + METADATA_BYTES_PER_CHUNK * chunks
+
+
+def _objects_problem(path, metadata, meta):
+    """Why the entries of the shards the optimizer restores as saved (its param_groups' settings,
+    loaded with torch.load(weights_only=True) as restoring loads them, and each parameter's step)
+    do not load or do not fit meta.json, or None. They are a few KB in all."""
+    opened, values = {}, {}
     try:
         for index, info in sorted(metadata.storage_data.items(), key=lambda item: item[0].fqn):
-            if (
-                hasattr(metadata.state_dict_metadata.get(index.fqn, 0), "size")
-                or index.fqn not in metadata.state_dict_metadata
-            ):  # a tensor, or bytes nothing loads
-                continue
+            md = metadata.state_dict_metadata.get(index.fqn)
+            if md is None or hasattr(md, "size") and not STEP_KEY.fullmatch(index.fqn):
+                continue  # a tensor read in bulk, or bytes nothing loads
             if info.length > MAX_OBJECT_BYTES:
                 return (
                     f"{index.fqn} is {info.length} bytes, over {MAX_OBJECT_BYTES}: not an "
@@ -167,7 +207,7 @@ def _objects_problem(path, metadata):
             f = opened[info.relative_path]
             f.seek(info.offset)
             try:
-                torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+                values[index.fqn] = load_quietly(io.BytesIO(f.read(info.length)))
             except Exception as e:  # noqa: BLE001 - a refused pickle or damaged bytes: either way it cannot load
                 return (
                     f"{index.fqn} does not load ({type(e).__name__}: "
@@ -178,7 +218,81 @@ def _objects_problem(path, metadata):
     finally:
         for f in opened.values():
             f.close()
+    for key, value in values.items():
+        problem = (
+            _step_problem(value, meta["step"])
+            if STEP_KEY.fullmatch(key)
+            else _setting_problem(key, value, meta.get("config") or {})
+        )
+        if problem:
+            return f"{key} is {problem}"
     return None
+
+
+def _step_problem(value, step):
+    """Why a parameter's saved AdamW step is not a whole number of steps in [0, meta.json's step],
+    or None. (An update skipped on a non-finite gradient leaves it below; nothing takes it above.)
+    AdamW divides by 1 - beta^step: a negative step ends the run later blaming --lr, a huge one
+    changes every update silently."""
+    if not (isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()):
+        return "not one number"
+    number = value.double().item()
+    if not (math.isfinite(number) and number == int(number) and 0 <= number <= step):
+        return f"{number:g}, not a whole number of steps in [0, {step}] (meta.json's step)"
+    return None
+
+
+def _number(value):
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _setting_problem(key, value, config):
+    """Why a param group's saved setting is not one build_optimizer makes for the run meta.json's
+    config describes, or None. Restoring takes these over the flags; lr alone is set again each
+    step."""
+    field = SETTING_KEY.fullmatch(key).group(2) if SETTING_KEY.fullmatch(key) else None
+    decentralized = config.get("data_parallel") == "decentralized"
+    if field == "lr" and not (_number(value) and value >= 0):
+        return f"{_show(value)}, not a learning rate"
+    if field == "betas":
+        beta2 = config.get("beta2")
+        wanted = [
+            config.get("beta1"),
+            beta2 if beta2 is not None else 0.98 if decentralized else 0.95,
+        ]
+        if not (
+            isinstance(value, (list, tuple))
+            and len(value) == 2
+            and all(_number(b) and 0 <= b < 1 for b in value)
+            and ("beta1" not in config or list(value) == wanted)
+        ):
+            return f"{_show(value)}, not meta.json's --beta1, --beta2 ({wanted[0]}, {wanted[1]})"
+    if field == "eps" and value != 1e-8:  # AdamW's default, which build_optimizer keeps
+        return f"{_show(value)}, not 1e-08"
+    if field == "weight_decay" and not (
+        _number(value)
+        and value >= 0
+        and ("weight_decay" not in config or value in (config["weight_decay"], 0.0))
+    ):
+        return f"{_show(value)}, not meta.json's --weight_decay ({config.get('weight_decay')}) or 0"
+    if field in ("amsgrad", "maximize", "differentiable") and value is not False:
+        return f"{_show(value)}, not false"
+    if field in ("capturable", "decoupled_weight_decay") and type(value) is not bool:
+        return f"{_show(value)}, not true or false"
+    if field in ("foreach", "fused") and value is not None and type(value) is not bool:
+        return f"{_show(value)}, not true, false or null"
+    if field == "accum_steps" and not (
+        type(value) is int
+        and value >= 1
+        and (not decentralized or value == config.get("accum_steps", value))
+    ):
+        return f"{_show(value)}, not meta.json's --accum_steps ({config.get('accum_steps')})"
+    return None
+
+
+def _show(value):
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _optimizer_problem(metadata, params):
@@ -216,13 +330,10 @@ def _model_problem(meta, metadata):
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith("model.") and hasattr(md, "size")
     }
-    config = config_from_dict(meta["model_type"], meta["model"])
+    wanted, config = _implied_params(meta)
     blocks = {int(m.group(1)) for m in map(BLOCK.match, held) if m}
     if blocks != set(range(config.num_layers)):
         return f"meta.json describes {config.num_layers} layers, the shards hold {len(blocks)}"
-    with torch.device("meta"):
-        one_block = MODELS[meta["model_type"]](dataclasses.replace(config, num_layers=1))
-    wanted = {name: tuple(p.shape) for name, p in one_block.named_parameters()}
     params = {}
     for name, shape in held.items():
         implied = wanted.get(BLOCK.sub("blocks.0.", name, count=1))
@@ -243,10 +354,12 @@ def _model_problem(meta, metadata):
     return _optimizer_problem(metadata, params)
 
 
-def newest_complete(run_dir, checksums=True):
-    """The first complete checkpoint among candidates(run_dir), or None. Each one skipped is
-    reported in one line on stderr."""
+def newest_complete(run_dir, checksums=True, refused=()):
+    """The first complete checkpoint among candidates(run_dir), less those `refused` (they failed
+    to load: first_loading), or None. Each one skipped is reported in one line on stderr."""
     for path in candidates(run_dir):
+        if str(path) in refused:
+            continue
         problem = verify(path, checksums)
         if problem is None:
             return path
@@ -330,28 +443,66 @@ def load_first(cfg, path, load):
     say: DCP raises alike on every rank), one line, then (--resume auto) the next complete
     checkpoint, as find gives it. A checkpoint named by --restart_checkpoint_file, or none left, is
     an error in one line."""
+    return first_loading(path, load, *run_fallback(cfg))[0]
+
+
+def run_fallback(cfg):
+    """(named, next_one) for first_loading: how a run (training, or --max_epochs -1) replaces a
+    checkpoint find gave it that fails to load: the next one find gives (collective), or, for
+    --restart_checkpoint_file's, none."""
+
+    def next_one(refused):
+        found = find(cfg, refused)
+        if found is None:
+            raise ConfigError(_every_one_refused(cfg))
+        return found
+
+    named = cfg.restart_checkpoint_file and (
+        f"--restart_checkpoint_file {cfg.restart_checkpoint_file}"
+    )
+    return named, next_one
+
+
+def first_loading(path, load, next_one, named=None, failures=(Exception, CheckpointException)):
+    """Collective where load is: (path, load(path)) for the first checkpoint that loads, starting at
+    `path`. One that fails (with one of `failures`: damaged shard bytes under recomputed checksums
+    pass every check and fail only here) is reported in one line, as find skips one, and
+    next_one(the paths refused so far) gives the next (it raises when none is left). `named`: how
+    the user named `path` (a flag, a command's argument); then no other checkpoint is taken for it,
+    and its failure is an error in one line. Resume (load_first), sample, export and generation
+    only all fall back through here."""
     refused = []
     while True:
         try:
-            load(path)
-            return Path(path)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
-            per_rank = getattr(e, "failures", None)
-            cause = next(iter(per_rank.values())) if isinstance(per_rank, dict) and per_rank else e
-            cause = cause[0] if isinstance(cause, tuple) else cause
+            return Path(path), load(path)
+        except failures as e:
+            cause = _cause(e)
             problem = (
                 f"loading it failed ({type(cause).__name__}: {' '.join(str(cause).split())[:160]})"
             )
-        if cfg.restart_checkpoint_file:
-            raise ConfigError(
-                f"--restart_checkpoint_file {cfg.restart_checkpoint_file}: {path}: {problem}"
-            )
+        if named:
+            raise ConfigError(f"{named}: {path}: {problem}")
         if not dist.is_initialized() or dist.get_rank() == 0:
             skipping(path, problem)
         refused.append(str(path))
-        path = find(cfg, refused)
-        if path is None:
-            raise ConfigError(_every_one_refused(cfg))
+        path = next_one(refused)
+
+
+def _cause(error):
+    """The exception behind a failed load: DCP's CheckpointException holds each rank's (one rank's
+    is named), LoadFailed its __cause__."""
+    per_rank = getattr(error, "failures", None)
+    if isinstance(per_rank, dict) and per_rank:
+        error = next(iter(per_rank.values()))
+        error = error[0] if isinstance(error, tuple) else error
+    if isinstance(error, LoadFailed) and error.__cause__ is not None:
+        return _cause(error.__cause__)
+    return error
+
+
+class LoadFailed(Exception):
+    """Reading a checkpoint's tensors failed (its __cause__ says how), where a caller must tell that
+    from its own failures (export's writing)."""
 
 
 def _cheaply_complete(cfg, refused=()):

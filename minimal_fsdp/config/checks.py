@@ -62,6 +62,34 @@ WHOLE_RANGES = {
     "keep_last": (0, MAX_WHOLE),
     "num_tokens": (0, MAX_WHOLE),
     "top_k": (0, MAX_WHOLE),
+    # the other commands' (config/commands.py)
+    "num_fewshot": (0, 2**20),
+    "num_proc": (1, 2**12),
+    "gpus": (1, 2**24),
+    "gpus_per_node": (1, 2**12),
+    # cluster: hosts get the addresses 10.77.0.1.. of one /24 (tools/virtual_cluster.py)
+    "hosts": (1, 250),
+    "slots": (1, 2**10),
+}
+# Every number flag's range, [lowest, highest]; each must be finite. The sections' checks below
+# refine some (a positive --lr, the bounds they exclude); this table holds for every command, from
+# the command line or a --config file, so no value past it reaches torch, the kernel or arithmetic.
+NUMBER_RANGES = {
+    "lr": (0, 1e6),
+    "min_lr": (0, 1e6),
+    "beta1": (0, 1),
+    "beta2": (0, 1),
+    "weight_decay": (0, 1e6),
+    "grad_clip": (0, 1e12),
+    "dropout": (0, 1),
+    "val_fraction": (0, 1),
+    "temperature": (0, 1e6),
+    "collective_timeout": (0, MAX_TIMEOUT),
+    "eval_tasks_limit": (0, MAX_WHOLE),
+    "limit": (0, MAX_WHOLE),
+    "mfu": (0, 1),
+    "inter_node_gbps": (0, 1e9),
+    "loss": (0, 100),  # cluster: percent of packets lost
 }
 
 
@@ -87,15 +115,41 @@ def validate(cfg):
 
 
 def check_whole_ranges(cfg):
-    """Every whole-number flag within WHOLE_RANGES (after the sections' own checks, whose lines say
-    more)."""
-    for name, (low, high) in WHOLE_RANGES.items():
-        value = getattr(cfg, name, None)
-        if value is not None and not low <= value <= high:
+    """Every number flag of cfg within its range (check_numbers), after the sections' own checks,
+    whose lines say more."""
+    check_numbers(cfg)
+
+
+def check_numbers(flags):
+    """Every number field of a flags dataclass (any command's): a whole number within WHOLE_RANGES
+    (64 bits where it has no entry), a float finite and within NUMBER_RANGES. ConfigError in one
+    line otherwise."""
+    import dataclasses
+
+    for f in dataclasses.fields(flags):
+        value = getattr(flags, f.name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, int):
+            low, high = WHOLE_RANGES.get(f.name, (-(2**63), 2**63 - 1))
+            if not low <= value <= high:
+                raise ConfigError(
+                    f"--{f.name} must be a whole number in [{low}, {high}] (got {_number(value)}): "
+                    "a checkpoint records it, and a larger value could not be read back"
+                )
+            continue
+        low, high = NUMBER_RANGES.get(f.name, (-math.inf, math.inf))
+        if not (math.isfinite(value) and low <= value <= high):
             raise ConfigError(
-                f"--{name} must be a whole number in [{low}, {high}] (got {value}): a checkpoint "
-                "records it, and a larger value could not be read back"
+                f"--{f.name} must be a finite number in [{low:g}, {high:g}] (got {value})"
             )
+
+
+def _number(value):
+    """A whole number for a message: a huge one by its digit count (str() of one past 4300 digits
+    raises)."""
+    digits = len(format(abs(value), "x")) * 4 * 0.30103
+    return str(value) if digits < 60 else f"a number of about {digits:.0f} digits"
 
 
 def check_train(cfg):
@@ -154,11 +208,12 @@ def check_launch(cfg):
         or name in (".", "..")
         or "/" in name
         or "\\" in name
-        or "\0" in name
+        or not name.isprintable()
         or name != name.strip()
     ):
         raise ConfigError(
-            f"--run_name must be one plain directory name, without '/' (got {name!r})"
+            "--run_name must be one plain directory name on one line, without '/' or control "
+            f"characters (got {name!r})"
         )
 
 
@@ -309,9 +364,29 @@ def check_generate(cfg):
 
 def check_log(cfg):
     _directory(cfg, "log_dir")
+    if cfg.profile is not None:
+        profile_range(cfg.profile)
     for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
         if getattr(cfg, name) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"--{name} needs the {package} package: pip install {package}")
+
+
+def profile_range(text):
+    """--profile's 'START:END' -> (start, end), whole numbers with 0 <= start < end (profiling.py
+    traces steps START to END-1)."""
+    start, sep, end = text.partition(":")
+    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+        raise ConfigError(
+            f"--profile takes START:END, two whole numbers 0 or more (got {text!r}); e.g. "
+            "--profile 10:12 traces steps 10 and 11"
+        )
+    start, end = int(start), int(end)
+    if end <= start:
+        raise ConfigError(
+            f"--profile {text}: END must be after START (steps START to END-1 are traced), "
+            f"e.g. --profile {start}:{start + 2}"
+        )
+    return start, end
 
 
 def _positive(cfg, *names):

@@ -60,3 +60,8 @@ RANK_VARIABLES = (
     "PALS_RANKID",
     "SLURM_PROCID",
 )
+
+# Dense bf16 tensor-core peaks; MFU is always relative to these (as nanoGPT and PaLM report it),
+# also with --precision fp8: its float8 matmuls could run at twice the peak, but then fp8 and bf16
+# MFU would not compare.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}

@@ -23,7 +23,7 @@ from minimal_fsdp.config.parser import flag
 
 # The values of choice flags whose owners import torch or numpy; tests/config/test_commands.py
 # checks them.
-GPU_TYPES = ("H100", "H200")  # tools/step_time.py's CARDS
+GPU_TYPES = ("A100-40GB", "A100-80GB", "H100", "H200")  # tools/step_time.py's CARDS
 TOKENIZER_KINDS = ("char", "gpt2", "sentencepiece")  # data/tokenizer.py's
 EXPORT_DTYPES = ("float32", "bf16")  # hf/export.py's DTYPES
 SOURCE = (
@@ -228,6 +228,13 @@ class PlanFlags:
     seq_length: int = flag(
         None, "tokens per sequence (default: the preset's context)", section="model"
     )
+    # the shape flags of a training --config (configs/shakespeare_char.toml sets them)
+    num_layers: int = flag(None, "as in training: transformer blocks", section="model")
+    num_heads: int = flag(None, "as in training: attention heads", section="model")
+    embed_size: int = flag(None, "as in training: model width", section="model")
+    num_kv_heads: int = flag(None, "as in training (llama)", section="model")
+    intermediate_size: int = flag(None, "as in training (llama)", section="model")
+    bias: bool = flag(None, "as in training (gpt)", section="model")
     batch_size: int = flag(1, "sequences per GPU per micro-step")
     grad_accum_steps: int = flag(1, "micro-steps per optimizer step")
     log_interval: int = flag(
@@ -235,7 +242,11 @@ class PlanFlags:
         "as in training: decentralized runs all-reduce the replica at each logging step",
     )
     precision: str = flag(
-        trained("precision"), "as in training", ("float32", "bf16", "fp8"), "parallel"
+        "bf16",
+        "as in training (whose own default is float32: plan a run that leaves it out with "
+        "--precision float32); bf16 here, what a run on GPUs uses",
+        ("float32", "bf16", "fp8"),
+        "parallel",
     )
     fp8_recipe: str = flag(trained("fp8_recipe"), "as in training", FP8_RECIPES, "parallel")
     fsdp_unit: str = flag(trained("fsdp_unit"), "as in training", FSDP_UNITS, "parallel")
@@ -262,7 +273,9 @@ class PlanFlags:
     )
     gpus: int = flag(1, "GPUs in the job", section="plan")
     gpus_per_node: int = flag(None, "default: min(--gpus, 8)", section="plan")
-    gpu_memory: str = flag("80GB", "memory of one GPU, e.g. 40GB", section="plan")
+    gpu_memory: str = flag(
+        None, "memory of one GPU, e.g. 40GB (default: --gpu_type's)", section="plan"
+    )
     host_memory: str = flag(
         None, "memory of one node, e.g. 512GB (to check CPU offload fits)", section="plan"
     )
@@ -271,7 +284,13 @@ class PlanFlags:
         "Gbit/s of each node's link to the others: also estimate each strategy's step time",
         section="plan",
     )
-    gpu_type: str = flag("H100", "the card the step time is computed for", GPU_TYPES, "plan")
+    gpu_type: str = flag(
+        "H100",
+        "the card: its memory (unless --gpu_memory), and its bf16 peak and measured MFU for the "
+        "step time (Polaris: A100-40GB)",
+        GPU_TYPES,
+        "plan",
+    )
     mfu: float = flag(
         None,
         "achieved fraction of the card's bf16 peak (default: measured on one GPU, GPT-2 "
@@ -305,6 +324,13 @@ class ClusterFlags:
         "all",
         "which hostnames resolve in each host's /etc/hosts",
         ("all", "none", "loopback"),
+        "cluster",
+    )
+    scheduler: str = flag(
+        "none",
+        "slurm: also run SLURM on the hosts (slurmctld, a slurmd each, munge; needs slurm-wlm), "
+        "for sbatch and srun in COMMAND",
+        ("none", "slurm"),
         "cluster",
     )
     command: list = flag(

@@ -445,6 +445,18 @@ class Config:
         section="log",
     )
     wandb_project: str = flag("minimal_fsdp", "wandb project for --wandb", section="log")
+    profile: str = flag(
+        None,
+        "START:END: a torch.profiler trace of steps START to END-1 per rank, in "
+        "<log_dir>/<run_name>/profile/ (Perfetto, TensorBoard; docs/performance.md)",
+        section="log",
+    )
+    memory_snapshot: bool = flag(
+        False,
+        "CUDA: write the allocator's snapshot for pytorch.org/memory_viz to "
+        "<log_dir>/<run_name>/ after the --profile range (else the first 3 steps)",
+        section="log",
+    )
 
     # generation
     prompt: str = flag(

@@ -13,9 +13,9 @@ imports torch.
 import argparse
 import dataclasses
 import difflib
+import re
 import sys
 from dataclasses import field
-from pathlib import Path
 
 from minimal_fsdp.config.choices import ConfigError
 
@@ -53,6 +53,18 @@ class _Parser(argparse.ArgumentParser):
     other errors, and a suggestion for a mistyped flag."""
 
     def error(self, message):
+        # argparse's invalid choice, with the choices the value starts (or nearly) like
+        bad = re.fullmatch(r"argument (\S+): invalid choice: '(.*)' \(choose from (.*)\)", message)
+        if bad:
+            choices = re.findall(r"'([^']*)'", bad[3])
+            value = bad[2].lower()
+            close = [c for c in choices if c.lower().startswith(value)] or [
+                c
+                for c in choices
+                if c.lower() in difflib.get_close_matches(value, [c.lower() for c in choices], n=1)
+            ]
+            if close:
+                message += f" (did you mean {' or '.join(close)}?)"
         raise ConfigError(message)
 
     def parse_args(self, args=None, namespace=None):
@@ -164,6 +176,10 @@ def parse(cls, argv=None, prog=None, description=None):
     parsed = cls(**values)
     if hasattr(parsed, "check"):
         parsed.check(set(file_values) | {f.name for f in fields if _on_command_line(f, argv)})
+    # every command's numbers, from the file or the command line: one table (checks.py)
+    from minimal_fsdp.config.checks import check_numbers
+
+    check_numbers(parsed)
     return parsed
 
 
@@ -190,22 +206,23 @@ def read_toml(path):
             raise ConfigError("--config needs tomli on Python < 3.11: pip install tomli") from None
 
     # files.py imports ConfigError from config: not at the top
-    from minimal_fsdp.files import open_regular
+    from minimal_fsdp.files import read_text, shown
 
+    where = f"--config {shown(path)}"
     try:
-        with open_regular(Path(path).resolve(), MAX_CONFIG_BYTES) as f:
-            return tomllib.loads(f.read().decode("utf-8"))
+        # a link is followed (a config is named by the user); a loop of links is ELOOP here
+        return tomllib.loads(read_text(path, MAX_CONFIG_BYTES, follow_links=True))
     except OSError as e:
-        raise ConfigError(f"--config {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"--config {path} is not a UTF-8 text file (TOML)") from None
+        raise ConfigError(f"{where}: {e.strerror or e}") from None
     except RecursionError:
         raise ConfigError(
-            f"--config {path}: arrays or tables nest too deeply (a flags file has two levels: "
+            f"{where}: arrays or tables nest too deeply (a flags file has two levels: "
             "[section] and key)"
         ) from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config {path}: {e}") from None
+        raise ConfigError(f"{where}: {shown(e, 200)}") from None
+    except ValueError as e:  # not UTF-8, or an integer past Python's digit limit
+        raise ConfigError(f"{where}: {shown(e, 160)}") from None
 
 
 def load_config_file(path, cls):
@@ -220,6 +237,9 @@ def load_config_file(path, cls):
     }
     known = sections(cls) + tuple(s for s in dict.fromkeys(also.values()) if s not in sections(cls))
     values = {}
+    from minimal_fsdp.files import shown
+
+    path = shown(path)
     for section, table in read_toml(path).items():
         if not isinstance(table, dict):
             home = fields[section].metadata["section"] if section in fields else also.get(section)
@@ -250,14 +270,27 @@ def load_config_file(path, cls):
 
 
 def _checked(f, value, where):
+    """A file's value for flag `f`, of the flag's type: ConfigError in one line otherwise. Ranges
+    are checks.check_numbers's, for the file's values and the command line's alike."""
+    from minimal_fsdp.files import shown
+
     ok = isinstance(value, f.type) and not (f.type is int and isinstance(value, bool))
     if f.type is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True  # TOML writes 1 for 1.0
+        try:
+            value, ok = float(value), True  # TOML writes 1 for 1.0
+        except OverflowError:
+            raise ConfigError(
+                f"{where} must be a number within float's range, about 1.8e308 (got an integer "
+                f"of {len(str(abs(value)))} digits)"
+            ) from None
     if f.type is list:
         ok = ok and all(isinstance(v, str) for v in value)
     if not ok:
-        raise ConfigError(f"{where} must be {_TYPE_NAMES[f.type]} (got {str(value)[:60]})")
+        raise ConfigError(f"{where} must be {_TYPE_NAMES[f.type]} (got {shown(value, 60)})")
+    for text in value if f.type is list else [value] if f.type is str else []:
+        if "\0" in text:  # no path can hold one, and open() would raise ValueError
+            raise ConfigError(f"{where} holds a NUL byte ({shown(text, 60)}): remove it")
     choices = f.metadata["choices"]
     if choices and value not in choices:
-        raise ConfigError(f"{where} must be one of {', '.join(choices)} (got {value!r})")
+        raise ConfigError(f"{where} must be one of {', '.join(choices)} (got {shown(repr(value))})")
     return value

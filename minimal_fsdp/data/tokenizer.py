@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from minimal_fsdp.files import write_atomic
+from minimal_fsdp.files import parse_json, read_bytes, read_text, shown, write_atomic
 
 # The tokenizers of other projects' files, and what all tokenizers share (re-exported: callers
 # import them here).
@@ -46,6 +46,13 @@ from minimal_fsdp.data.tokenizer_files import (  # noqa: F401
     special_tokens,
 )
 
+# A tokenizer file's cap: Llama 3's tokenizer.json is 9 MB, Gemma 3's 33 MB; a larger file is
+# refused before it is read, so that refusing it takes no time (the tokenizers library would parse
+# all of it first).
+MAX_TOKENIZER_BYTES = 64 * 2**20
+# the fields each saved kind reads without a default
+KIND_NEEDS = {"hf": ("tokenizer",), "tiktoken": ("special_tokens", "pattern")}
+MAX_CHARS = 2**21  # a char vocabulary: at most every Unicode code point
 TOKENIZER_KINDS = ("char", "gpt2", "sentencepiece")  # what --tokenizer fits or fetches
 SAVED_KINDS = TOKENIZER_KINDS + ("hf", "tiktoken")  # what our tokenizer.json may name
 
@@ -179,6 +186,9 @@ class SentencePieceTokenizer:
 
         self.model_proto = bytes(model_proto)
         self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        # an empty or damaged model (a piece that is not UTF-8) loads without a word, then fails at
+        # the first decode: every piece is decoded once now (milliseconds for 32K pieces)
+        self.sp.decode(self.sp.encode("Probe 0-9.") + list(range(self.sp.get_piece_size())))
         self.vocab_size = self.sp.get_piece_size()
         self.eot_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
@@ -207,10 +217,14 @@ class SentencePieceTokenizer:
 
 def load_sentencepiece(model_file):
     try:
-        with open(model_file, "rb") as f:
-            return SentencePieceTokenizer(f.read())
-    except (OSError, RuntimeError) as e:
-        raise TokenizerError(f"cannot read sentencepiece model {model_file}: {e}") from e
+        return SentencePieceTokenizer(
+            read_bytes(model_file, MAX_TOKENIZER_BYTES, follow_links=True)
+        )
+    except (OSError, RuntimeError, ValueError) as e:  # ValueError: a piece that is not UTF-8
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise TokenizerError(
+            f"cannot read sentencepiece model {shown(model_file)}: {shown(why, 160)}"
+        ) from None
 
 
 # sentencepiece's trainer skips every line longer than this many bytes (its max_sentence_length); a
@@ -300,13 +314,15 @@ def load_tokenizer(directory):
     path = d / "tokenizer.json"
     if path.exists():
         try:
-            text = path.read_text(encoding="utf-8")
-            meta = json.loads(text)
+            # the byte cap first: a huge file is refused before it is read (files.py)
+            text = read_text(path, MAX_TOKENIZER_BYTES, follow_links=True)
+            meta = parse_json(text, kind=None)
         except (OSError, ValueError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise TokenizerError(
-                f"cannot read {path} ({type(e).__name__}): neither ours nor a Hugging Face "
+                f"cannot read {shown(path)} ({shown(why, 100)}): neither ours nor a Hugging Face "
                 "tokenizer.json; re-run data preparation to create it"
-            ) from e
+            ) from None
         if isinstance(meta, dict) and "kind" not in meta and "model" in meta:
             return HFTokenizer(text, *special_tokens(d), guess_eos=True)
         return _load_saved(d, meta if isinstance(meta, dict) else {})
@@ -314,7 +330,10 @@ def load_tokenizer(directory):
     if (d / "vocab.json").exists() and (d / "merges.txt").exists():
         return _byte_level_bpe(d, eos, bos)
     if (d / "tokenizer.model").exists():
-        data = (d / "tokenizer.model").read_bytes()
+        try:
+            data = read_bytes(d / "tokenizer.model", MAX_TOKENIZER_BYTES, follow_links=True)
+        except OSError as e:
+            raise TokenizerError(f"cannot read {d / 'tokenizer.model'}: {e.strerror}") from None
         if _looks_like_tiktoken(data):
             return _llama3_tokenizer(d, data, eos, bos)
         return load_sentencepiece(d / "tokenizer.model")
@@ -325,11 +344,28 @@ def load_tokenizer(directory):
 
 
 def _load_saved(directory, meta):
-    """Rebuild a tokenizer from the tokenizer.json (and tokenizer.model) that its save() wrote."""
+    """Rebuild a tokenizer from the tokenizer.json (and tokenizer.model) that its save() wrote:
+    every field it reads has the type save() writes, else TokenizerError naming it."""
     path = directory / "tokenizer.json"
     kind = meta.get("kind")
+    for name, types in (
+        ("model_file", str),
+        ("tokenizer", dict),
+        ("special_tokens", dict),
+        ("pattern", str),
+        ("eos_token", (str, type(None))),
+        ("bos_token", (str, type(None))),
+    ):
+        value = meta.get(name)
+        if (name in meta or name in KIND_NEEDS.get(kind, ())) and not isinstance(value, types):
+            raise TokenizerError(
+                f"{path}: {name} is {shown(json.dumps(value), 40)}, not what a {kind} tokenizer "
+                "saves: re-run data preparation to create it"
+            )
+    if "model_file" in meta and not re.fullmatch(r"[\w.-]+", meta["model_file"]):
+        raise TokenizerError(f"{path}: model_file is not a file name in {directory}")
     if kind == "char":
-        tok = CharTokenizer(meta["chars"])
+        tok = CharTokenizer(_char_vocabulary(path, meta.get("chars")))
     elif kind == "gpt2":
         tok = GPT2Tokenizer()
     elif kind == "sentencepiece":
@@ -341,7 +377,7 @@ def _load_saved(directory, meta):
     elif kind == "tiktoken":
         model_file = directory / meta.get("model_file", "tokenizer.model")
         try:
-            data = model_file.read_bytes()
+            data = read_bytes(model_file, MAX_TOKENIZER_BYTES, follow_links=True)
         except OSError as e:
             raise TokenizerError(f"cannot read {model_file}: {e.strerror}") from None
         tok = TiktokenTokenizer(
@@ -361,6 +397,26 @@ def _load_saved(directory, meta):
             f"has {tok.vocab_size}: the tokenizer files do not match, re-run data preparation"
         )
     return tok
+
+
+def _char_vocabulary(path, chars):
+    """A char tokenizer.json's `chars`: distinct one-character strings (what save() writes), at
+    most the vocabulary's cap; TokenizerError naming the field otherwise (decode would fail later,
+    at the end of a run)."""
+    if not isinstance(chars, list) or not chars or len(chars) > MAX_CHARS:
+        raise TokenizerError(
+            f"{path}: chars is {shown(json.dumps(chars), 40)}, not a list of 1 to {MAX_CHARS} "
+            "characters: re-run data preparation to create it"
+        )
+    for i, ch in enumerate(chars):
+        if not (isinstance(ch, str) and len(ch) == 1):
+            raise TokenizerError(
+                f"{path}: chars[{i}] is {shown(json.dumps(ch), 40)}, not one character: re-run "
+                "data preparation to create it"
+            )
+    if len(set(chars)) != len(chars):
+        raise TokenizerError(f"{path}: chars lists a character twice: re-run data preparation")
+    return chars
 
 
 def train_tokenizer(kind, text, vocab_size, directory):

@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.files import write_atomic
+from minimal_fsdp.files import read_json, shown, write_atomic
 
+SIDE_FILE_BYTES = 64 * 2**20  # tokenizer_config.json, config.json: a few KB (some carry templates)
 # End-of-text tokens to look for when no tokenizer_config.json or config.json names one.
 EOS_GUESSES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
@@ -33,7 +34,7 @@ PROBE = "Probe: a text, 0-9, a space and\na newline."
 
 
 def _first_line(error):
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return shown((str(error).strip().splitlines() or [type(error).__name__])[0], 200)
 
 
 @contextmanager
@@ -75,6 +76,23 @@ def _panic_text_held():
                     os.write(2, text)
 
 
+def _hint(error):
+    """What to do about a tokenizer.json the library refuses: only a format it does not know (an
+    unknown variant or field) may be a newer library's; a token the file names but its vocabulary
+    lacks, or any other inconsistency, is a damaged file."""
+    text = str(error)
+    if type(error) is not Exception:
+        return "the `tokenizers` library cannot run its model"
+    if "out of vocabulary" in text:
+        return (
+            "its merges (or added tokens) name a token its vocabulary lacks: the file is damaged "
+            "or hand-edited; take it again from the model it came with"
+        )
+    if "variant" in text or "unknown field" in text:
+        return "is `tokenizers` older than the one that wrote it? pip install -U tokenizers"
+    return "the file does not hold a tokenizer the `tokenizers` library reads: take it again"
+
+
 def _write_json(directory, meta):
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
@@ -107,11 +125,7 @@ class HFTokenizer:
         except BaseException as e:  # noqa: BLE001 - parse errors (Exception) and panics alike
             if isinstance(e, INTERRUPTS):
                 raise
-            hint = (
-                "is `tokenizers` older than the one that wrote it? pip install -U tokenizers"
-                if type(e) is Exception
-                else "the `tokenizers` library cannot run its model"
-            )
+            hint = _hint(e)
             raise TokenizerError(
                 f"cannot read this Hugging Face tokenizer.json "
                 f"({type(e).__name__}: {_first_line(e)}): {hint}"
@@ -329,11 +343,12 @@ def _llama3_tokenizer(directory, data, eos, bos):
 
 
 def _read_json(path):
+    """A small JSON object beside a tokenizer (its config, special tokens), read as every file of
+    ours is (files.read_json); {} where it is missing or unreadable."""
     try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
+        return read_json(path, SIDE_FILE_BYTES, follow_links=True)
     except (OSError, ValueError):
         return {}
-    return value if isinstance(value, dict) else {}
 
 
 def special_tokens(directory):

@@ -6,7 +6,10 @@ Shakespeare or one --input_file itself on first use (prepared_dir).
 """
 
 import functools
+import hmac
 import json
+import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from minimal_fsdp.data.prepare import (
     read_prepared_meta,
     shakespeare_documents,
 )
-from minimal_fsdp.files import read_json, write_atomic
+from minimal_fsdp.files import read_bytes, read_json, write_atomic
 from minimal_fsdp.data.tokenizer import load_tokenizer
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -100,31 +103,74 @@ def _check_kinds(directory):
             )
 
 
+def cache_key():
+    """This user's secret for the caches beside a dataset: 32 random bytes in
+    $XDG_CACHE_HOME/minimal_fsdp/cache.key (~/.cache by default; mode 0600), made on first use.
+    None where it cannot be kept: then nothing is cached."""
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minimal_fsdp"
+    path = folder / "cache.key"
+    try:
+        key = read_bytes(path, 64)
+        return key if len(key) == 32 else None
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return None
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_atomic(path, lambda tmp: _write_private(tmp, secrets.token_bytes(32)))
+        return read_bytes(path, 64)
+    except OSError:
+        return None
+
+
+def _write_private(path, data):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _seal(key, name, fingerprint, top):
+    return hmac.new(key, json.dumps([name, *fingerprint, top]).encode(), "sha256").hexdigest()
+
+
 def largest_token(path, tokens):
     """The largest token id in `tokens` (path's memmap), or None when empty: the maximum of each
     chunk of TOKEN_CHUNK ids, read once and cached beside the file (TOKEN_CACHE) under its
-    fingerprint (size, modification time, inode), so a later start reads one small file instead of
-    the whole split."""
+    fingerprint (size, modification and change times, inode). The fingerprint alone can be forged
+    (size, mtime and inode are all writable, and the cache file is anyone's who can write the
+    dataset), so each entry is sealed with an HMAC under this user's secret (cache_key): an entry
+    this user's runs did not write is counted again, never trusted."""
     if not len(tokens):
         return None
     info = path.stat()
-    fingerprint = [info.st_size, info.st_mtime_ns, info.st_ino]
+    fingerprint = [info.st_size, info.st_mtime_ns, info.st_ino, info.st_ctime_ns]
     cache = path.with_name(TOKEN_CACHE)
+    key = cache_key()
     try:
-        cached = read_json(cache, 2**16, 4).get(path.name)
-        if isinstance(cached, list) and cached[:3] == fingerprint and type(cached[3]) is int:
-            return cached[3]
-    except (OSError, ValueError, IndexError):
+        cached = read_json(cache, 2**16, 4).get(path.name) if key else None
+        if (
+            isinstance(cached, list)
+            and len(cached) == 6
+            and cached[:4] == fingerprint
+            and type(cached[4]) is int
+            and isinstance(cached[5], str)
+            and hmac.compare_digest(cached[5], _seal(key, path.name, fingerprint, cached[4]))
+        ):
+            return cached[4]
+    except (OSError, ValueError):
         pass  # none yet, or unreadable: counted again
     top = max(int(tokens[i : i + TOKEN_CHUNK].max()) for i in range(0, len(tokens), TOKEN_CHUNK))
+    if key is None:
+        return top
     try:
         saved = read_json(cache, 2**16, 4) if cache.exists() else {}
     except (OSError, ValueError):
         saved = {}
+    entry = fingerprint + [top, _seal(key, path.name, fingerprint, top)]
     try:
         write_atomic(
-            cache,
-            lambda tmp: tmp.write_text(json.dumps(dict(saved, **{path.name: fingerprint + [top]}))),
+            cache, lambda tmp: tmp.write_text(json.dumps(dict(saved, **{path.name: entry})))
         )
     except OSError:
         pass  # a read-only dataset: counted again at the next start
@@ -191,7 +237,12 @@ class TokenData:
     def _open(self, split, dtype):
         path = self.directory / f"{split}.bin"
         expected = self.meta[f"{split}_tokens"]
-        size = path.stat().st_size if path.exists() else 0
+        if not path.exists():
+            raise ConfigError(
+                f"{path} is missing (meta.json says it holds {expected} {dtype} tokens): delete "
+                f"{self.directory} to prepare it again"
+            )
+        size = path.stat().st_size
         if size != expected * np.dtype(dtype).itemsize:
             hint = ""
             for other in TOKEN_DTYPES:

@@ -19,7 +19,9 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
+from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.hf import write as hf_write
 from minimal_fsdp.checkpoint import safe_load
@@ -27,7 +29,7 @@ from minimal_fsdp.config.commands import ExportFlags
 from minimal_fsdp.config.flags import ConfigError, one_line_errors
 from minimal_fsdp.config.parser import parse
 from minimal_fsdp.data.tokenizer import has_tokenizer, load_tokenizer
-from minimal_fsdp.inference.load import checkpoint_path
+from minimal_fsdp.inference.load import checkpoint_path, source_fallback
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 
@@ -51,16 +53,31 @@ def _tokenizer(path):
 
 def export(ckpt, out, dtype=None, fmt="safetensors"):
     """Write `ckpt`'s model to directory `out`; returns the path of the weights file (or of
-    `out`)."""
-    # as sample and evaluate find it: a run directory's newest complete one
-    path = checkpoint_path(ckpt)
+    `out`). A run directory gives its newest complete checkpoint, as sample and evaluate find it;
+    one whose shards fail to load is passed over in one line for the next, as a resumed run passes
+    it (the files written from it are written again)."""
+    named, next_one = source_fallback(ckpt, together=False)
+    _, written = checkpoint_find.first_loading(
+        checkpoint_path(ckpt),
+        lambda path: _export(path, out, dtype, fmt),
+        next_one,
+        named,
+        failures=checkpoint_find.LoadFailed,
+    )
+    return written
+
+
+def _export(path, out, dtype, fmt):
     meta = checkpoint_meta.read_meta(path)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     specs = [(name, shape, dtype or saved) for name, shape, saved in safe_load.tensor_names(path)]
 
     def read(name):
-        return safe_load.read_tensors(path, [name])[name]
+        try:
+            return safe_load.read_tensors(path, [name])[name]
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+            raise checkpoint_find.LoadFailed() from e
 
     if fmt == "hf":
         return hf_write.write_hf(out, meta, specs, read, _tokenizer(path))

@@ -37,7 +37,7 @@ from minimal_fsdp.files import _depth
 
 CONFIG_MAX_BYTES = 16 * 2**20  # config.json is a few KB
 INDEX_MAX_BYTES = 64 * 2**20  # an index names each tensor once: a few MB for the largest models
-TOKENIZER_MAX_BYTES = 2**30  # tokenizer.json: 9 MB for Llama 3's 128K tokens
+TOKENIZER_MAX_BYTES = tk.MAX_TOKENIZER_BYTES  # tokenizer.json: 9 MB for Llama 3's 128K tokens
 TOKENIZER_JSON = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -69,11 +69,12 @@ def command(body):
     environment.teardown()
 
 
-def load(source, cfg, env, seq_length=None, tokenizer=None, num_tokens=0):
+def load(source, cfg, env, seq_length=None, tokenizer=None, num_tokens=0, fallback=None):
     """Collective: SOURCE's model built as make_plan(cfg, ...) lays it out over the ranks, its
     weights loaded, and its tokenizer (or `tokenizer`, e.g. --tokenizer_dir's), checked against the
     model's vocabulary; num_tokens, the tokens to generate, checked before anything is built
-    (check_num_tokens)."""
+    (check_num_tokens). A checkpoint whose shards fail to load is replaced as `fallback`, (named,
+    next_one) for checkpoint_find.first_loading, says: by default source_fallback's."""
     found = environment.run_on_main(open_source, str(source), seq_length)
     check_num_tokens(num_tokens, found.config)
     tokenizer = tokenizer or source_tokenizer(
@@ -82,7 +83,42 @@ def load(source, cfg, env, seq_length=None, tokenizer=None, num_tokens=0):
     check_vocabulary(tokenizer, found)
     plan = make_plan(cfg, env, found.config, loads_weights=True)
     apply_process_settings(plan)
-    return Loaded(found, load_model(found, plan, env), tokenizer, plan)
+    fallback = fallback or source_fallback(source, together=True)
+    return Loaded(found, load_model(found, plan, env, fallback), tokenizer, plan)
+
+
+def _is_run_dir(path):
+    return (
+        path.is_dir()
+        and not (path / "meta.json").exists()
+        and ((path / "latest").exists() or bool(step_dirs(path)))
+    )
+
+
+def source_fallback(source, together):
+    """How a checkpoint SOURCE whose shards fail to load is replaced, as a resumed run replaces one:
+    (named, next_one) for checkpoint_find.first_loading. A run directory gives its next complete
+    checkpoint, one line naming each one passed over (rank 0 looks when `together`: collective); a
+    checkpoint named itself (a step_<N> directory, a marker) none: its failure is an error."""
+    path = Path(source)
+    if not _is_run_dir(path):
+        return str(source), None
+
+    def next_one(refused):
+        look = checkpoint_find.newest_complete
+        found = (
+            environment.run_on_main(look, path, True, refused)
+            if together
+            else look(path, True, refused)
+        )
+        if found is None:
+            raise ConfigError(
+                f"{source} holds no complete checkpoint that loads (each one's problem is named "
+                "above)"
+            )
+        return found
+
+    return None, next_one
 
 
 def checkpoint_path(source):
@@ -90,11 +126,7 @@ def checkpoint_path(source):
     checkpoint that fails only its checksums is skipped, with one line, for an older good one, as a
     resumed run does."""
     path = Path(source)
-    if (
-        path.is_dir()
-        and not (path / "meta.json").exists()
-        and ((path / "latest").exists() or step_dirs(path))
-    ):
+    if _is_run_dir(path):
         found = checkpoint_find.newest_complete(path)
         if found is None:
             raise ConfigError(
@@ -215,13 +247,19 @@ def check_vocabulary(tokenizer, source):
         )
 
 
-def load_model(source, plan, env):
+def load_model(source, plan, env, fallback=(None, None)):
     """Collective: build the source's model as the plan lays it out (built on the meta device: plan
     from make_plan(..., loads_weights=True)), and load its weights into it, each rank only its
-    shard's rows."""
+    shard's rows. A checkpoint that fails to load is replaced as `fallback` says (load); `source`
+    then names the one loaded."""
     model = build_model(MODELS[source.model_type], source.config, plan, env, seed=0)
     if source.kind == "checkpoint":
-        checkpoint.load(source.path, model)
+        named, next_one = fallback
+        path, _ = checkpoint_find.first_loading(
+            source.path, lambda p: checkpoint.load(p, model), next_one, named
+        )
+        if str(path) != source.path:
+            source.path, source.step = str(path), checkpoint_meta.read_meta(path)["step"]
     elif source.kind == "hf":
         hf.load_weights(model, source.path, source.model_type)
     else:

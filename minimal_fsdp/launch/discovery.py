@@ -8,6 +8,7 @@ per-node proxies), not the MPI ranks; only PMIx variables that srun's own plugin
 names the step) mean srun.
 """
 
+import errno
 import os
 import re
 import socket
@@ -15,7 +16,9 @@ import stat
 
 from minimal_fsdp.launch import failures
 from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.files import read_text
 
+MAX_WORLD = 2**24  # ranks: config/checks.py's cap on a checkpoint's world_size
 # Variables that MPI launchers set in every rank: MPICH/Hydra, Open MPI, PMIx, Cray PALS.
 MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "PMI_SIZE")
 # Where a launcher says how many ranks it started (PMIx has no such variable).
@@ -42,13 +45,17 @@ def count_pbs_nodes(nodefile):
     case ignored, and a fully qualified name taken as its short name (x1.hsn.example.org and x1 are
     one node)."""
     hosts = set()
-    with open(nodefile) as f:
-        for line in f:
-            host = (line.split() or [""])[0].lower()
-            if not re.fullmatch(r"[\d.]*", host):  # an IPv4 address stays whole
-                host = host.split(".")[0]
-            if host:
-                hosts.add(host)
+    # a regular file (a FIFO would block) of at most 64 MiB: a line per rank of the job
+    try:
+        text = read_text(nodefile, 64 * 2**20, follow_links=True)
+    except ValueError as e:
+        raise OSError(errno.EINVAL, str(e), nodefile) from None
+    for line in text.splitlines():
+        host = (line.split() or [""])[0].lower()
+        if not re.fullmatch(r"[\d.]*", host):  # an IPv4 address stays whole
+            host = host.split(".")[0]
+        if host:
+            hosts.add(host)
     return len(hosts)
 
 
@@ -120,6 +127,25 @@ def discover(launcher, env, pbs=False, timeout=300):
         found = 0, 1, 0, 1, 1
     if pbs:
         found = (*found[:3], *reversed(pbs_layout(found[1])))
+    return _checked_layout(launcher, found)
+
+
+def _checked_layout(launcher, found):
+    """(rank, world, local_rank, local_world, num_nodes) that describe a world: ConfigError naming
+    the launcher's variables otherwise (a negative or zero size, a rank past the world)."""
+    rank, world, local_rank, local_world, nodes = found
+    if not (
+        1 <= world <= MAX_WORLD
+        and 0 <= rank < world
+        and 1 <= local_world <= world
+        and 0 <= local_rank < local_world
+        and 1 <= nodes <= world
+    ):
+        raise ConfigError(
+            f"the {launcher} launcher's variables describe no world: rank {rank} of {world}, "
+            f"local rank {local_rank} of {local_world}, {nodes} node(s) (the world at most "
+            f"{MAX_WORLD}): check the launcher that set them"
+        )
     return found
 
 
@@ -147,9 +173,20 @@ def _discover_torchrun(env):
             f"torchrun to split among PET_NPROC_PER_NODE={env['PET_NPROC_PER_NODE']} processes: "
             "start basic_training.py with torchrun (see k8s/pytorchjob.yaml)"
         )
-    world = int_variable(env, "WORLD_SIZE")
-    local_world = _torchrun_local_world(env, world)
+    who = _torchrun_who(env)
+    world, rank = int_variable(env, "WORLD_SIZE"), int_variable(env, "RANK")
+    check_ranks(("RANK", rank), ("WORLD_SIZE", world), who)
+    local_world, local_world_name = _torchrun_local_world(env, world, who)
+    if "LOCAL_RANK" not in env and local_world > 1:
+        raise ConfigError(
+            f"RANK={rank} and WORLD_SIZE={world} ({who}) but no LOCAL_RANK, with "
+            f"{local_world_name}: the ranks of a node would all take local rank 0 (one GPU); start "
+            "with torchrun, or export LOCAL_RANK too"
+        )
+    local_rank = int_variable(env, "LOCAL_RANK", "0")
+    check_local(("LOCAL_RANK", local_rank), local_world_name, local_world, world, who)
     if world > 1:
+        check_master_port(env, who, required=True)
         try:  # torch would retry an unknown name until its timeout, then end in tracebacks
             socket.getaddrinfo(env["MASTER_ADDR"], None)
         except (socket.gaierror, UnicodeError):
@@ -157,47 +194,165 @@ def _discover_torchrun(env):
                 f"MASTER_ADDR {env['MASTER_ADDR']} does not resolve on {socket.gethostname()}: set "
                 "it to an address of rank 0's node that every node can reach"
             ) from None
-    rank, local_rank = int_variable(env, "RANK"), int_variable(env, "LOCAL_RANK", "0")
     return rank, world, local_rank, local_world, max(1, world // local_world)
 
 
-def _torchrun_local_world(env, world):
-    """Ranks on this node: LOCAL_WORLD_SIZE (torchrun's); without it, a PyTorchJob pod's
-    PET_NPROC_PER_NODE, or the world over PET_NNODES; never the whole world, which would put every
-    pod on one node (one process per pod would count as one node of WORLD_SIZE ranks, and hybrid
-    sharding would shard across the pods)."""
+def _torchrun_who(env):
+    """Who set RANK/WORLD_SIZE/MASTER_ADDR, for the error lines."""
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "torchrun"
+    if any(name.startswith("PET_") for name in env):
+        return "a PyTorchJob"
+    return "set without torchrun"
+
+
+def _torchrun_local_world(env, world, who):
+    """(ranks on this node, the text that says where that number came from): LOCAL_WORLD_SIZE
+    (torchrun's); without it, a PyTorchJob pod's PET_NPROC_PER_NODE, or the world over PET_NNODES;
+    never the whole world, which would put every pod on one node (one process per pod would count
+    as one node of WORLD_SIZE ranks, and hybrid sharding would shard across the pods). A world of
+    more than one rank with none of them is refused: the ranks per node are unknown."""
     if "LOCAL_WORLD_SIZE" in env:
-        return int_variable(env, "LOCAL_WORLD_SIZE")
+        local_world = int_variable(env, "LOCAL_WORLD_SIZE")
+        return local_world, f"LOCAL_WORLD_SIZE={local_world}"
     if env.get("PET_NPROC_PER_NODE", "").isdigit():
-        return int_variable(env, "PET_NPROC_PER_NODE")
+        local_world = int_variable(env, "PET_NPROC_PER_NODE")
+        return local_world, f"PET_NPROC_PER_NODE={local_world}"
     if "PET_NNODES" in env:
         nodes = int_variable(env, "PET_NNODES")
         if nodes > 0 and world % nodes == 0:
-            return world // nodes
-    return world
+            return world // nodes, f"WORLD_SIZE={world} over PET_NNODES={nodes}"
+    if world == 1:
+        return 1, "WORLD_SIZE=1"
+    raise ConfigError(
+        f"RANK={env['RANK']}, WORLD_SIZE={world} and MASTER_ADDR ({who}) but no LOCAL_WORLD_SIZE: "
+        "how many ranks share this node is unknown (never guessed from WORLD_SIZE alone); start "
+        "with torchrun, or export LOCAL_RANK and LOCAL_WORLD_SIZE too (or use mpiexec, which finds "
+        "them itself)"
+    )
+
+
+# --- one node's ranks, seen together ---
+
+# What names a node besides its hostname, and which variable holds the local rank, per launcher:
+# two ranks of one node must not claim the same local rank (launch.hosts.local_rank_clash). MPI is
+# not listed: its local ranks come from its own split by host, distinct by construction.
+NODE_VARIABLES = {
+    "srun": (("SLURM_NODEID",), "SLURM_LOCALID"),
+    "torchrun": (("GROUP_RANK", "PET_NODE_RANK"), "LOCAL_RANK"),
+}
+
+
+def node_of(launcher, env):
+    """(the launcher's id of this node, or -1 where it sets none; the local rank's variable), or
+    None where the launcher's own layout needs no check (MPI, a single process)."""
+    if launcher not in NODE_VARIABLES:
+        return None
+    names, local = NODE_VARIABLES[launcher]
+    node = next((env[name] for name in names if env.get(name, "").isdigit()), "-1")
+    return int(node), local
+
+
+# --- values in range ---
+
+
+def check_ranks(rank, world, who):
+    """rank, world: (variable, value). A world of at least 1 and a rank inside it, else one line
+    naming the variables and `who` set them."""
+    (rank_name, rank_value), (world_name, world_value) = rank, world
+    if world_value < 1:
+        raise ConfigError(
+            f"{world_name}={world_value} ({who}): a job has at least one rank; check the launcher "
+            "that set it"
+        )
+    if not 0 <= rank_value < world_value:
+        single = (
+            " (for one process, unset RANK, WORLD_SIZE and MASTER_ADDR)"
+            if world_value == 1 and world_name == "WORLD_SIZE"
+            else ""
+        )
+        raise ConfigError(
+            f"{rank_name}={rank_value} but {world_name}={world_value} ({who}): a rank runs from 0 "
+            f"to {world_value - 1}; check the launcher that set them{single}"
+        )
+
+
+def check_local(local_rank, local_world_text, local_world, world, who):
+    """0 <= local rank < ranks on this node <= world, else one line naming the variables."""
+    name, value = local_rank
+    if not 1 <= local_world <= world:
+        raise ConfigError(
+            f"{local_world_text} ({who}): {local_world} rank(s) on this node, but a world of "
+            f"{world}: check the launcher that set them"
+        )
+    if not 0 <= value < local_world:
+        raise ConfigError(
+            f"{name}={value} but {local_world_text} ({who}): a local rank runs from 0 to "
+            f"{local_world - 1}; check the launcher that set them"
+        )
+
+
+def check_master_port(env, who, required=False):
+    """MASTER_PORT, where set (or `required`), is a port: 1 to 65535."""
+    if "MASTER_PORT" not in env:
+        if required:
+            raise ConfigError(
+                f"MASTER_ADDR is set ({who}) but not MASTER_PORT: export MASTER_PORT, a free port "
+                "on rank 0's node (torchrun sets both)"
+            )
+        return
+    port = int_variable(env, "MASTER_PORT")
+    if not 1 <= port <= 65535:
+        raise ConfigError(
+            f"MASTER_PORT={port} ({who}) is not a port (1 to 65535): export a free port on rank "
+            "0's node, or unset MASTER_PORT to let rank 0 pick one (mpiexec, srun)"
+        )
 
 
 def _discover_srun(env):
-    """Rank and layout from srun's task variables."""
+    """Rank and layout from srun's task variables, checked against each other: the step's task
+    counts per node must add up to its tasks, over its nodes, and this task's node and local ids
+    must lie inside them."""
     world = int_variable(env, "SLURM_STEP_NUM_TASKS")
+    rank = int_variable(env, "SLURM_PROCID")
+    check_ranks(("SLURM_PROCID", rank), ("SLURM_STEP_NUM_TASKS", world), "srun")
     num_nodes = int_variable(env, "SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1"))
     # SLURM_STEP_TASKS_PER_NODE is the step's; SLURM_TASKS_PER_NODE, the job's, is the same for the
     # usual one step over the whole allocation.
-    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
-    local_world = tasks_on_node(per_node, int_variable(env, "SLURM_NODEID", "0"))
+    per_node_name = next(
+        (name for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(name)),
+        None,
+    )
+    per_node = env[per_node_name] if per_node_name else str(world)
+    counts = tasks_per_node(per_node, per_node_name or "SLURM_STEP_NUM_TASKS")
+    if sum(counts) != world or len(counts) != num_nodes:
+        raise ConfigError(
+            f"{per_node_name}={per_node} (srun) is {sum(counts)} task(s) on {len(counts)} node(s), "
+            f"but SLURM_STEP_NUM_TASKS={world} over {num_nodes} node(s): the step's variables "
+            "disagree; start the tasks with srun itself, with no variables of another step exported"
+        )
     # srun sets it in every task; without it every rank would take local rank 0
     if "SLURM_LOCALID" not in env:
         raise ConfigError(
             "SLURM_LOCALID is not set but srun's step variables are: start the tasks with srun "
             "itself (a wrapper that drops variables loses each task's local rank)"
         )
-    return (
-        int_variable(env, "SLURM_PROCID"),
-        world,
-        int_variable(env, "SLURM_LOCALID", "0"),
-        local_world,
-        num_nodes,
-    )
+    if "SLURM_NODEID" not in env and num_nodes > 1:
+        raise ConfigError(
+            f"SLURM_NODEID is not set in a step over {num_nodes} nodes: which node this task runs "
+            "on is unknown; start the tasks with srun itself"
+        )
+    node = int_variable(env, "SLURM_NODEID", "0")
+    if not 0 <= node < num_nodes:
+        raise ConfigError(
+            f"SLURM_NODEID={node} but the step runs on {num_nodes} node(s) (srun): start the tasks "
+            "with srun itself, with no variables of another step exported"
+        )
+    local_world, local_rank = counts[node], int_variable(env, "SLURM_LOCALID")
+    text = f"{per_node_name or 'SLURM_STEP_NUM_TASKS'}={per_node} at SLURM_NODEID={node}"
+    check_local(("SLURM_LOCALID", local_rank), text, local_world, world, "srun")
+    check_master_port(env, "srun")
+    return rank, world, local_rank, local_world, num_nodes
 
 
 # --- MPI ---
@@ -252,6 +407,11 @@ def _discover_mpi(env, pbs, timeout):
         num_nodes = world.allreduce(1 if node.Get_rank() == 0 else 0)
         found = world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), num_nodes
         problem = _disagreement(env, found)
+        if not problem:
+            try:
+                check_master_port(env, "exported to mpiexec")
+            except ConfigError as e:
+                problem = str(e)
         if pbs and not problem:
             try:
                 nodes, per_node = pbs_layout(found[1])
@@ -379,10 +539,22 @@ def first_host(nodelist):
     return re.sub(r"\[([^],-]+)[^]]*\]", r"\1", first)
 
 
-def tasks_on_node(tasks_per_node, node_id):
-    """SLURM's compressed per-node task counts, '4(x2),3' = 4,4,3, read at this node's index."""
+def tasks_per_node(text, name="SLURM_TASKS_PER_NODE"):
+    """SLURM's compressed per-node task counts, '4(x2),3' -> [4, 4, 3]; one line if malformed."""
     counts = []
-    for item in tasks_per_node.split(","):
-        count, _, repeat = item.partition("(x")
-        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*(\d{1,9})(?:\(x(\d{1,9})\))?\s*", item)
+        # no allocation has a million nodes: a larger repeat is junk, not a list to build
+        if not match or len(counts) + int(match[2] or 1) > 1_000_000:
+            raise ConfigError(
+                f"{name}={text!r} is not a list of task counts (e.g. '4(x2),3'): check the "
+                "launcher that set it"
+            )
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts
+
+
+def tasks_on_node(tasks_per_node_text, node_id):
+    """SLURM's compressed per-node task counts, '4(x2),3' = 4,4,3, read at this node's index."""
+    counts = tasks_per_node(tasks_per_node_text)
     return counts[min(node_id, len(counts) - 1)]

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.launch import discovery
 from minimal_fsdp.launch import failures
+from minimal_fsdp.launch import hangs
 from minimal_fsdp.launch import hosts
 from minimal_fsdp.launch import rendezvous
 from minimal_fsdp.launch.failures import MainRankFailed, exit_on_error, run_on_main  # noqa: F401  (the names callers use)
@@ -70,6 +72,7 @@ def setup(cfg):
         # before gloo picks an address itself
         network = hosts.pick_interface(rendezvous.address(), num_nodes)
         hosts.nccl_socket_threads(num_nodes)  # before NCCL's first communicator reads them
+        hangs.record()  # the flight recorder, for the line a collective timeout ends with
         with hosts.gloo_quiet():
             dist.init_process_group(
                 backend,
@@ -79,8 +82,12 @@ def setup(cfg):
                 device_id=device if device.type == "cuda" else None,
                 **(dict(store=store) if store is not None else {}),
             )
-            local_world_sizes, gpu_keys = _gather_layout(local_world, device)
+            local_world_sizes, gpu_keys, clash = _gather_layout(
+                local_rank, local_world, device, discovery.node_of(launcher, os.environ)
+            )
     rendezvous.all_joined(rank)
+    if clash:  # gathered alike: every rank raises the same line
+        raise ConfigError(clash)
     hosts.check_shared_dir(cfg.checkpoint_dir, num_nodes)
     if network and rank == 0:
         print(network, flush=True)
@@ -126,19 +133,41 @@ def teardown():
 
 
 def cpu_threads(local_world, environ=os.environ):
-    """Intra-op threads for one of local_world ranks on this host: OMP_NUM_THREADS if set (PBS,
-    SLURM and torchrun set it), else an equal share of the cores this process may run on. Without a
-    share every rank starts a thread per core: 4 ranks on a 64-core host would run 256."""
-    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
-        return int(environ["OMP_NUM_THREADS"])
+    """Intra-op threads for one of local_world ranks on this host (threads_choice's number)."""
+    return threads_choice(local_world, environ)[0]
+
+
+def threads_choice(local_world, environ=os.environ, load=None):
+    """(threads, why) for one of local_world ranks on this host: OMP_NUM_THREADS if set (PBS,
+    SLURM and torchrun set it); else an equal share of the cores this process may run on, cut to
+    the cores the rest of the machine leaves idle (its 1-minute load average; load: given, for
+    tests). Without a share every rank starts a thread per core: 4 ranks on a 64-core host would
+    run 256. Without the cut, one process on 2 cores shared by a dozen busy ones ran `sample` about
+    twice as slowly with 2 threads as with 1 (2026-11-29, load 12-15): torch's threads wait on each
+    other at every parallel region, and a thread that loses its core stalls the rest."""
+    given = environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given), f"OMP_NUM_THREADS={given}"
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )
-    return max(1, min(cores, (os.cpu_count() or 1) // local_world))
+    share = max(1, min(cores, (os.cpu_count() or 1) // local_world))
+    why = f"{cores} core(s), {local_world} rank(s) on this host"
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    # the load is the whole machine's; a rank may be bound to fewer cores (its affinity) than that
+    idle = round(((os.cpu_count() or 1) - load) / local_world)
+    if idle < share:
+        return max(1, idle), f"{why}, load {load:.1f}: cut to the idle cores"
+    return share, why
+
+
+THREADS = {"line": None}  # what _pick_device chose, for the training banner (metrics.banner)
 
 
 def _pick_device(local_rank, local_world):
-    threads = cpu_threads(local_world)
+    threads, why = threads_choice(local_world)
+    THREADS["line"] = f"{threads} CPU thread(s) per rank ({why})"
     torch.set_num_threads(threads)
     # torch.compile's worker pool: by default 32 processes per rank (128 for 4 ranks on 64 cores),
     # started whether or not the cache already holds the kernels.
@@ -172,11 +201,20 @@ def shared_gpus_warning(gpu_keys):
     )
 
 
-def _gather_layout(local_world, device):
-    """Every rank's (local world size, GPU key), so checks of the layout reach the same verdict on
-    every rank."""
+def _gather_layout(local_rank, local_world, device, node):
+    """Every rank's local world size and GPU key, and a line if two ranks of one node claim the same
+    local rank (or a node's rank count disagrees with its ranks' view; see hosts.local_rank_clash),
+    so that checks of the layout reach the same verdict on every rank. node: discovery.node_of's
+    answer, None where the launcher's layout needs no check."""
+    node_id, variable = node if node is not None else (-1, None)
     # CPU: gloo, no GPU wait
-    mine = torch.tensor([local_world, _gpu_key(device)], dtype=torch.int64)
+    mine = torch.tensor(
+        [local_world, _gpu_key(device), hosts.host_key(), node_id, local_rank], dtype=torch.int64
+    )
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    return tuple(int(t[0]) for t in everyone), [int(t[1]) for t in everyone]
+    rows = [[int(x) for x in t] for t in everyone]
+    clash = None
+    if node is not None:
+        clash = hosts.local_rank_clash([(r[2], r[3], r[4], r[0]) for r in rows], variable)
+    return tuple(r[0] for r in rows), [r[1] for r in rows], clash

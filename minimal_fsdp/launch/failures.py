@@ -162,6 +162,60 @@ def _all_failed_in_store(timeout):
         return False
 
 
+# What gloo's and NCCL's errors say when the rank at the other end died, stopped or its link went
+# down; a timed-out gloo pair is closed, and every later collective on it fails at once with "pair
+# closure" (inside a checkpoint save: DCP's gather, then the save's own all_gather_object).
+PEER_GONE = (
+    "timed out",
+    "application timeout",
+    "pair closure",
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+)
+
+
+def _chain(error):
+    """`error`, the exceptions it was raised from or during (innermost last), and those a DCP
+    CheckpointException gathered from the ranks."""
+    seen, found, todo = set(), [], [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        found.append(e)
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return found
+
+
+def lost_peer(error):
+    """The one line for a collective that failed because another rank or its host is gone (gloo's
+    or NCCL's texts, DistError, also raised inside a checkpoint save), or None for any other error
+    (a bug, whose traceback stays)."""
+    if not isinstance(error, RuntimeError) and type(error).__name__ != "CheckpointException":
+        return None
+    matched = []
+    for e in _chain(error):
+        text = str(e).strip()
+        detail = text.splitlines()[0].split("] ", 1)[-1] if text else type(e).__name__
+        if isinstance(e, dist.DistError) or any(m in detail.lower() for m in PEER_GONE):
+            matched.append(detail)
+    if not matched:
+        return None
+    timed_out = any(m in d.lower() for d in matched for m in ("timed out", "timeout"))
+    waited = "waited longer than --collective_timeout" if timed_out else "failed"
+    # the innermost cause: what the first failed collective said (a later one only says the pair
+    # is closed)
+    return (
+        f"a collective {waited}: another rank or its host has died, hangs or cannot be "
+        f"reached ({clipped(matched[-1])})"
+    )
+
+
 def exit_on_error(error, code):
     """Print `error: ...` once and end the process with `code`. Ranks that failed alike exit cleanly
     and rank 0 speaks for all; a rank that failed alone prints its own line and ends the job,

@@ -10,6 +10,7 @@ checkpoint directory on a node-local disk is found before training (each host lo
 """
 
 import fcntl
+import hashlib
 import ipaddress
 import os
 import secrets
@@ -170,6 +171,41 @@ def nodes_of(local_world_sizes):
     return sorted(
         (size for size, ranks in counts.items() for _ in range(ranks // size)), reverse=True
     )
+
+
+def host_key(hostname=None):
+    """A number naming this host (its hostname), the same on every rank of it."""
+    name = hostname or socket.gethostname()
+    return int(hashlib.sha1(name.encode()).hexdigest()[:15], 16)
+
+
+def local_rank_clash(ranks, variable):
+    """ranks: every rank's (host key, the launcher's node id, local rank, ranks on its node),
+    gathered alike on all ranks. A line if two ranks of one node claim the same local rank (both
+    would take one GPU), or if a node runs another number of ranks than its ranks say; else None.
+    variable: the launcher's local rank variable, to name in the line."""
+    nodes = {}
+    for rank, (host, node, local_rank, local_world) in enumerate(ranks):
+        nodes.setdefault((host, node), []).append((rank, local_rank, local_world))
+    for members in nodes.values():
+        seen = {}
+        for rank, local_rank, _ in members:
+            if local_rank in seen:
+                return (
+                    f"ranks {seen[local_rank]} and {rank} both have {variable}={local_rank} on one "
+                    "node: they would share its GPU and its share of cores; give each rank of a "
+                    "node its own local rank (torchrun and srun do; set by hand, check them)"
+                )
+            seen[local_rank] = rank
+        for rank, _, local_world in members:
+            if local_world != len(members):
+                return (
+                    f"rank {rank} says its node runs {local_world} rank(s), but {len(members)} "
+                    f"run there (ranks {', '.join(str(m[0]) for m in members)}): check the "
+                    "launcher's ranks-per-node variables (LOCAL_WORLD_SIZE, "
+                    "SLURM_STEP_TASKS_PER_NODE)"
+                )
+    return None
 
 
 def check_shared_dir(directory, num_nodes):

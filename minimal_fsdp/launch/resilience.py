@@ -16,11 +16,18 @@ A signal is acted on at once by a thread that watches for it (signal.set_wakeup_
 main thread waits in (a long first step that compiles, a collective): rank 0 says it was heard; a
 Ctrl-C before the first step has finished finds nothing to save, so every rank that got it exits at
 once.
+
+`mpiexec ... | tee log`: the Ctrl-C ends tee too, and mpiexec's next write of a rank's line into the
+closed pipe kills it (SIGPIPE, exit 141) and every rank with it, before the save. So after a Ctrl-C
+a rank's stdout, where it is a pipe, goes where its stderr goes (the terminal); and while training,
+a write to a closed pipe (a plain `python ... | tee log`) stops the printing, never the run.
 """
 
 import math
 import os
 import signal
+import stat
+import sys
 import threading
 from contextlib import contextmanager
 from time import monotonic
@@ -72,6 +79,8 @@ class StopRequests:
         bytecodes, which a step that compiles for minutes does not reach: the C-level handler writes
         the signal's number into a pipe, and a thread acts on it (_record) at once."""
         previous = {sig: signal.signal(sig, self._noted) for sig in STOP_SIGNALS}
+        streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = PipeSafe(sys.stdout), PipeSafe(sys.stderr)
         for sig in STOP_SIGNALS:
             # restart interrupted system calls (a collective's socket waits)
             signal.siginterrupt(sig, False)
@@ -85,6 +94,7 @@ class StopRequests:
         try:
             yield self
         finally:
+            sys.stdout, sys.stderr = streams
             signal.set_wakeup_fd(wakeup)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -93,7 +103,11 @@ class StopRequests:
             os.close(read_end)
 
     def _noted(self, signum, frame):
-        """The Python-level handler: a flag only (the watcher thread acts on the signal)."""
+        """The Python-level handler: a flag (the watcher thread acts on the signal); after a Ctrl-C
+        also stdout_follows_stderr, here too because this runs before the main thread's next line
+        of Python, so no line of its own can go to a pipe whose reader the Ctrl-C has ended."""
+        if signum == signal.SIGINT:
+            stdout_follows_stderr()
         self.noted = signum
 
     def _watch(self, fd):
@@ -117,6 +131,8 @@ class StopRequests:
             _exit_at_once(f"{_name(signum)}: stopping before the first step: nothing to save", 130)
         # (A scheduler's SIGTERM then still waits for the first step and saves it: the job exits 0,
         # and a chain of jobs goes on.)
+        if signum == signal.SIGINT:
+            stdout_follows_stderr()
         # only a flag: the step in flight finishes, then all ranks decide together
         self.received = signum
         _say(f"{_name(signum)}: stop requested: will save after the step in flight")
@@ -158,7 +174,56 @@ def _name(signum):
 def _say(line):
     """One line on rank 0's stderr, written at once (no buffer the main thread may hold)."""
     if rank_hint() == 0:
-        os.write(2, (line + "\n").encode())
+        try:
+            os.write(2, (line + "\n").encode())
+        except OSError:  # stderr's reader is gone too (`|& tee`): the run goes on unheard
+            pass
+
+
+def stdout_follows_stderr():
+    """After a Ctrl-C: this process's stdout, if it is a pipe, goes where its stderr goes. Under
+    `mpiexec ... | tee log` (or `python ... | tee log`) the Ctrl-C has ended tee as well; a line
+    written into its pipe would kill mpiexec (SIGPIPE) and the ranks with it, before the save. A
+    file or a terminal stays as it is."""
+    try:
+        if stat.S_ISFIFO(os.fstat(1).st_mode) or stat.S_ISSOCK(os.fstat(1).st_mode):
+            sys.stdout.flush()
+            os.dup2(2, 1)
+    except (OSError, ValueError):
+        pass
+
+
+class PipeSafe:
+    """A text stream whose reader may go away (`| tee`, `| head`): a write or flush into a closed
+    pipe points the stream's file descriptor at /dev/null (Python's own advice for SIGPIPE), so the
+    printing stops and the training goes on; without it, BrokenPipeError ends the run unsaved."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._silence()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._silence()
+
+    def _silence(self):
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def _exit_at_once(line, code):

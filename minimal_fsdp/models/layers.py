@@ -15,10 +15,12 @@ _document_mask_outside_graphs = torch.compiler.disable(document_mask)
 
 
 class KVCache:
-    """Keys and values of every layer for positions [0, pos); preallocated for the whole context."""
+    """Keys and values of every layer for positions [0, pos); preallocated for `length` positions
+    (at most the model's context)."""
 
-    def __init__(self, config, batch_size, device, dtype, num_kv_heads):
-        shape = (batch_size, num_kv_heads, config.seq_length, config.embed_size // config.num_heads)
+    def __init__(self, config, batch_size, device, dtype, num_kv_heads, length):
+        self.length = length
+        shape = (batch_size, num_kv_heads, length, config.embed_size // config.num_heads)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.pos = 0
@@ -94,7 +96,9 @@ class Decoder(nn.Module):
             head_size=self.config.embed_size // self.config.num_heads,
         )
 
-    def new_cache(self, batch_size, device, dtype):
-        """An empty KV cache for generation."""
+    def new_cache(self, batch_size, device, dtype, length=None):
+        """An empty KV cache for generation, for `length` positions (default and most: the model's
+        whole context)."""
         heads = getattr(self.config, "num_kv_heads", self.config.num_heads)
-        return KVCache(self.config, batch_size, device, dtype, heads)
+        length = min(length or self.config.seq_length, self.config.seq_length)
+        return KVCache(self.config, batch_size, device, dtype, heads, length)

@@ -1,23 +1,13 @@
 """How many parameters a model has, counted from one block built on the meta device (no memory,
-exact numbers): the one counter that the plan (which strategy), the memory planner and the startup
-check all use."""
+exact numbers): the counter the plan (which strategy) and the startup check use. The memory planner
+counts the same from the shape alone (counts.py), without torch."""
 
 import dataclasses
 
 import torch
 
 from minimal_fsdp.models.classes import MODELS
-
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    total: int  # every parameter, embeddings included, counted once (tied weights too)
-    per_block: int
-    # everything outside the blocks: embeddings, final norm, output head (FSDP's root unit)
-    root: int
-    lookup: int = 0  # the embedding that is only looked up (no FLOPs; layers.Decoder.lookup_only)
-    # (name in the block, in features, out features) of each linear layer of a block
-    block_linears: tuple = ()
+from minimal_fsdp.models.counts import Sizes
 
 
 def count_parameters(model_config):

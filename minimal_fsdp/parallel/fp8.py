@@ -32,20 +32,8 @@ from torch.distributed.tensor import DTensor
 from minimal_fsdp.config.choices import FP8_RECIPES as RECIPES  # noqa: F401 (--fp8_recipe's choices)
 from minimal_fsdp.config.choices import ConfigError
 
-MIN_FEATURES = 256
-# model.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never
-# run its forward.
-NOT_CALLED = ("attn.qkv",)
-
-
-def converts(name, in_features, out_features):
-    """Whether --precision fp8 turns the linear layer `name` (within a block) into a float8 one."""
-    return (
-        not name.endswith(NOT_CALLED)
-        and in_features % 16 == 0
-        and out_features % 16 == 0
-        and min(in_features, out_features) >= MIN_FEATURES
-    )
+# which layers --precision fp8 converts: in parallel/choose.py, torch-free, for the memory planner
+from minimal_fsdp.parallel.choose import MIN_FEATURES, NOT_CALLED, block_shapes, converts  # noqa: E402,F401
 
 
 def convertible(model):
@@ -57,12 +45,6 @@ def convertible(model):
         and name.startswith("blocks.")
         and converts(name, m.in_features, m.out_features)
     ]
-
-
-def block_shapes(sizes):
-    """(in, out) features of each linear layer of one block that --precision fp8 converts
-    (models.size.Sizes)."""
-    return tuple((i, o) for name, i, o in sizes.block_linears if converts(name, i, o))
 
 
 def check_device(device):

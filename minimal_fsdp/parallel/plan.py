@@ -35,6 +35,9 @@ from minimal_fsdp.parallel import fp8
 from minimal_fsdp.config.choices import GRAPHS_MODEL, SMALL_MODEL, ConfigError
 from minimal_fsdp.models.size import count_parameters
 
+# the pure choices, torch-free for the memory planner
+from minimal_fsdp.parallel.choose import layout, reduce_precision, small_model, strategy  # noqa: F401
+
 STRATEGIES = ("local", "ddp", "one-unit", "fsdp-whole", "fsdp-block", "gossip")
 FSDP2 = ("fsdp-whole", "fsdp-block")  # the strategies where FSDP2's fully_shard wraps the model
 # --compile: the whole trunk in one graph
@@ -158,52 +161,6 @@ class ParallelPlan:
         )
 
 
-def layout(sharding, world_size, shard_group_size):
-    """(mesh shape, ranks a parameter is sharded over, reshard after forward) of a strategy. The
-    last is pointless over a shard group of one rank; the last block never reshards anyway (its
-    backward comes right after)."""
-    if sharding in ("full-shard", "grad-shard"):
-        shape = (world_size,)
-    else:
-        group = 1 if sharding == "no-shard" else shard_group_size
-        shape = (world_size // group, group)
-    return shape, shape[-1], sharding in ("full-shard", "hybrid-full-shard") and shape[-1] > 1
-
-
-def small_model(fsdp_unit, num_params):
-    """--fsdp_unit's rule: is the whole model gathered as one unit? auto: up to SMALL_MODEL
-    parameters."""
-    return fsdp_unit == "model" or fsdp_unit == "auto" and num_params <= SMALL_MODEL
-
-
-def strategy(
-    sharding,
-    world_size,
-    num_params,
-    fsdp_unit="auto",
-    cpu_offload=False,
-    float8=False,
-    decentralized=False,
-    fsdp_on_one_rank=False,
-):
-    """The strategy (STRATEGIES) of a launch: pure, so the memory planner asks it without a launch.
-    fsdp_on_one_rank: shard even a world of one (tests and benchmarks compare the two)."""
-    if decentralized:
-        return "gossip"
-    replicas = (
-        sharding == "no-shard" and world_size > 1 and not cpu_offload and not fsdp_on_one_rank
-    )
-    if not replicas and world_size == 1 and not cpu_offload and not fsdp_on_one_rank:
-        return "local"  # nothing to shard: FSDP's per-step work would buy nothing
-    small = small_model(fsdp_unit, num_params)
-    # offloading and float8 all-gathers are FSDP2's features
-    if small and not cpu_offload and not float8:
-        return "one-unit"
-    if replicas:  # one all-reduce a step, with a fraction of FSDP's host work
-        return "ddp"
-    return "fsdp-whole" if small else "fsdp-block"
-
-
 def cuda_graphs(cfg, device, strategy, num_params, float8):
     """Whether the compiled whole model replays as CUDA graphs: where --compile compiles it whole,
     on CUDA, and no FSDP2 hooks surround it (FSDP2 gathers the parameters at new addresses every
@@ -303,16 +260,6 @@ def make_plan(cfg, env, model_config, loads_weights=False, fsdp_on_one_rank=Fals
             plan, mesh=init_device_mesh(env.device.type, shape, mesh_dim_names=names)
         )
     return plan
-
-
-def reduce_precision(asked, hosts, precision):
-    """--reduce_precision's dtype on this launch. auto: bf16 across hosts where the matmuls run in
-    bf16 (or fp8): the link, not the GPU, bounds such a step, and half the bytes cross it (on 2
-    hosts x 1 H200 at 10 Gbit/s, GPT-2 124M's step took 282 ms full-shard in bf16 against torch
-    DDP's 487 ms in fp32); within a host the fp32 sum costs nothing measurable."""
-    if asked != "auto":
-        return asked
-    return "bf16" if hosts > 1 and precision != "float32" else "float32"
 
 
 def process_settings(plan):

@@ -18,17 +18,17 @@ the CUDA context, NCCL buffers), which the fit check leaves room for.
 import re
 from pathlib import Path
 
-from minimal_fsdp.parallel import fp8
+# Nothing imported here imports torch: the planner answers at once (tests/tools/test_model_size.py
+# checks). count() is models/size.py's count from the shape, held equal to it by tests.
 from minimal_fsdp.config.commands import PlanFlags
 from minimal_fsdp.config.checks import model_family
-from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.config.choices import SHARDING, ConfigError
 from minimal_fsdp.config.parser import parse
-from minimal_fsdp.hf.read import read_config as read_hf_config
-from minimal_fsdp.models.families import FAMILIES, make_config
-from minimal_fsdp.models.size import count_parameters
-from minimal_fsdp.config.choices import SHARDING
-from minimal_fsdp.parallel.plan import layout, reduce_precision, strategy
-from minimal_fsdp.tools.step_time import print_step_times
+from minimal_fsdp.models.counts import count as count_parameters
+from minimal_fsdp.models.families import FAMILIES, check_shape, make_config
+from minimal_fsdp.parallel import choose as fp8  # block_shapes: the layers fp8 converts
+from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
+from minimal_fsdp.tools.step_time import CARDS, print_step_times
 
 GiB = 2**30
 # A GPU "fits" when the estimate leaves this fraction free for the CUDA context, cuBLAS/NCCL
@@ -207,6 +207,9 @@ def parse_memory(text, flag):
 def model_config(args):
     """(model type, config, name) from --hf_model's config.json or from --model / --model_preset."""
     if args.hf_model:
+        # hf.read imports torch (it also reads weights); only --hf_model pays for it
+        from minimal_fsdp.hf.read import read_config as read_hf_config
+
         if not (Path(args.hf_model) / "config.json").exists():
             raise ConfigError(
                 f"--hf_model {args.hf_model} has no config.json (the planner reads local "
@@ -215,9 +218,18 @@ def model_config(args):
         model_type, config = read_hf_config(args.hf_model, args.seq_length)
         return model_type, config, args.hf_model
     family = model_family(args)
-    config = make_config(
-        family, args.model_preset, seq_length=args.seq_length, vocab_size=args.vocab_size
+    shape = dict(
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        embed_size=args.embed_size,
     )
+    if family == "llama":
+        shape.update(num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size)
+    else:
+        shape.update(bias=args.bias)
+    config = check_shape(make_config(family, args.model_preset, **shape))
     return family, config, args.model_preset
 
 
@@ -251,7 +263,7 @@ def main(argv=None, cfg=None):
             "--inter_node_gbps: the step time comes from a bf16 throughput measured on one GPU; "
             "add --precision bf16, or --mfu (the float32 run's fraction of the bf16 peak)"
         )
-    gpu_memory = parse_memory(args.gpu_memory, "gpu_memory")
+    gpu_memory = parse_memory(args.gpu_memory or CARDS[args.gpu_type].memory, "gpu_memory")
     host_memory = parse_memory(args.host_memory, "host_memory") if args.host_memory else None
     family, config, name = model_config(args)
     sizes = count_parameters(config)
@@ -267,7 +279,8 @@ def main(argv=None, cfg=None):
     )
     accumulation = f" x {args.grad_accum_steps} micro-steps" if args.grad_accum_steps > 1 else ""
     print(
-        f"{args.gpus} GPU(s) of {gpu_memory / GiB:.0f} GiB, {gpus_per_node} per node; batch "
+        f"{args.gpus} GPU(s) of {gpu_memory / GiB:.0f} GiB"
+        f"{'' if args.gpu_memory else f' ({args.gpu_type})'}, {gpus_per_node} per node; batch "
         f"{args.batch_size} x {config.seq_length} tokens per GPU{accumulation}; {args.precision}"
         f"{f' ({args.fp8_recipe})' if args.precision == 'fp8' else ''}; fits = estimate within "
         f"{1 - GPU_HEADROOM:.0%} of the GPU"

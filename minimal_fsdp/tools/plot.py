@@ -9,27 +9,68 @@ curves live.
 """
 
 import json
+import sys
 from pathlib import Path
 
 from minimal_fsdp.config.commands import PlotFlags
 from minimal_fsdp.config.flags import ConfigError, one_line_errors
 from minimal_fsdp.config.parser import parse
+from minimal_fsdp.files import open_regular, parse_json, shown
+
+
+MAX_LINE_BYTES = 2**20  # one logged step is a few hundred bytes; a longer line is not one of ours
+MAX_LINE_DEPTH = 4  # {"step": ..., "eval": {"task": {...}}}
 
 
 def read_metrics(run_dir):
     """{field: (steps, values)} from <run_dir>/metrics.jsonl. A resumed run may log a step again;
-    the last value wins, as it belongs to the checkpoint that training went on from."""
+    the last value wins, as it belongs to the checkpoint that training went on from. Read as every
+    file of ours is (files.py): a regular file, line by line, each line at most MAX_LINE_BYTES of
+    UTF-8 JSON, an object with a whole-number step; a field that is not a number is not plotted. A
+    last line cut short (a run killed while writing it) is skipped with a warning; any other bad
+    line is one error line naming the file, the line and the field."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+    where = shown(path)
+    try:
+        f = open_regular(path, follow_links=True)
+    except FileNotFoundError:
         raise ConfigError(
-            f"{path} does not exist: pass a run's log directory, <log_dir>/<run_name>"
-        )
+            f"{where} does not exist: pass a run's log directory, <log_dir>/<run_name>"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read: {e.strerror or e}") from None
     by_field = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        for name, value in row.items():
-            if name != "step":
-                by_field.setdefault(name, {})[row["step"]] = value
+    with f:
+        number = 0
+        while True:
+            line = f.readline(MAX_LINE_BYTES + 1)
+            if not line:
+                break
+            number += 1
+            if len(line) > MAX_LINE_BYTES:
+                raise ConfigError(f"{where}: line {number} is over {MAX_LINE_BYTES} bytes")
+            if not line.strip():
+                continue
+            try:
+                row = parse_json(line, MAX_LINE_DEPTH)
+            except ValueError as e:
+                if not line.endswith(b"\n") and not f.read(1):
+                    print(
+                        f"warning: {where}: its last line is cut short ({e}): skipped",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    break
+                raise ConfigError(f"{where}: line {number} {e}") from None
+            step = row.get("step")
+            if type(step) is not int or step < 0:
+                raise ConfigError(
+                    f"{where}: line {number}: step is {shown(json.dumps(step), 40)}, not a whole "
+                    "number >= 0"
+                )
+            for name, value in row.items():
+                if name != "step" and type(value) in (int, float):
+                    by_field.setdefault(name, {})[step] = value
     return {
         name: (sorted(values), [values[s] for s in sorted(values)])
         for name, values in by_field.items()

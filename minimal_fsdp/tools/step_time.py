@@ -19,9 +19,10 @@ import dataclasses
 import functools
 import statistics
 
-from minimal_fsdp.parallel.gossip import exchange_for, exp_distances
-from minimal_fsdp.metrics import PEAK_FLOPS
-from minimal_fsdp.parallel.plan import layout, reduce_precision, strategy
+# torch-free, as the planner must be
+from minimal_fsdp.config.choices import PEAK_FLOPS, ConfigError
+from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
+from minimal_fsdp.parallel.topology import exchange_for, exp_distances
 
 # Of the bytes a shaped link passes, the TCP payload: 1448 of each 1500-byte frame (IP and TCP
 # headers with timestamps). One TCP stream measured 9.71 Gbit/s through a 10 Gbit/s tbf and 0.96
@@ -36,17 +37,21 @@ GOSSIP_BYTES = {"bf16": 2, "float32": 4}
 @dataclasses.dataclass(frozen=True)
 class Card:
     peak: float  # dense bf16 FLOP/s
-    mfu_compiled: float  # achieved on one GPU: GPT-2 124M, batch 32, bf16, --compile
-    mfu_eager: float  # the same without --compile
+    memory: str  # one card's memory, --gpu_memory's default (nvidia-smi's total)
+    mfu_compiled: float = None  # achieved on one GPU: GPT-2 124M, batch 32, bf16, --compile
+    mfu_eager: float = None  # the same without --compile
 
 
 # The planner's calibration, measured on one GPU: GPT-2 124M at batch 32, 855.4 MFLOPs a token:
 # H100 compiled 489,882 tok/s (42.4%), eager 347,827 tok/s (30.1%, measured before the fused loss);
 # H200 compiled 503-507K tok/s (43.7%); H200 eager was not measured at batch 32: the H100's (the
-# same peak). A larger model uses the GPU better (Llama-2-7B: 52%): give its MFU with --mfu.
+# same peak). A larger model uses the GPU better (Llama-2-7B: 52%): give its MFU with --mfu. No
+# A100 was measured: its step time needs --mfu. Memory: nvidia-smi's totals (MiB).
 CARDS = {
-    "H100": Card(PEAK_FLOPS["H100"], 0.424, 0.301),
-    "H200": Card(PEAK_FLOPS["H200"], 0.437, 0.301),
+    "A100-40GB": Card(PEAK_FLOPS["A100"], "40960MiB"),
+    "A100-80GB": Card(PEAK_FLOPS["A100"], "81920MiB"),
+    "H100": Card(PEAK_FLOPS["H100"], "81559MiB", 0.424, 0.301),
+    "H200": Card(PEAK_FLOPS["H200"], "143771MiB", 0.437, 0.301),
 }
 
 
@@ -208,6 +213,147 @@ def estimate_step(
     )
 
 
+# The plain-PyTorch layouts the guide sets beside ours, as benchmarks/decentdp_side_by_side.py runs
+# them: torch DDP (fp32 buckets, or bf16_compress_hook's bf16), DDP with PowerSGD (rank 4), FSDP2
+# per block with bf16 sums, Decent-DP (fp32 replicas to its topology's peers, over the ranks).
+REFERENCES = (
+    "torch DDP",
+    "torch DDP, bf16_compress_hook",
+    "torch DDP, PowerSGD rank 4",
+    "torch FSDP2, reduce bf16",
+    "Decent-DP",
+)
+POWERSGD_RANK = 4
+POWERSGD_MIN_COMPRESSION = 2  # PowerSGDState's min_compression_rate default
+
+
+def parameter_shapes(config):
+    """Every parameter's shape, from the model built on the meta device (no memory)."""
+    import torch
+
+    from minimal_fsdp.models.classes import MODELS
+
+    with torch.device("meta"):
+        model = MODELS[config.model_type](config)
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def powersgd_elements(shapes, rank=POWERSGD_RANK):
+    """Elements PowerSGD all-reduces a step: P (rows x rank) and Q (cols x rank) for each gradient
+    it compresses (viewed as shape[0] x the rest, compressed where that saves min_compression_rate
+    times), the others whole (powerSGD_hook's _should_compress)."""
+    total = 0
+    for shape in shapes:
+        rows = shape[0]
+        cols = 1
+        for n in shape[1:]:
+            cols *= n
+        compressed = (rows + cols) * rank
+        if len(shape) > 1 and compressed * POWERSGD_MIN_COMPRESSION < rows * cols:
+            total += compressed
+        else:
+            total += rows * cols
+    return total
+
+
+def reference_bytes(name, params, world, per_host, compute_bytes, shapes, topology):
+    """(strategy as the step overlaps it, bytes over each host's link each way a step) of a
+    plain-PyTorch layout (REFERENCES)."""
+    hosts = world // per_host
+    if hosts == 1:
+        return ("ddp" if name.startswith("torch DDP") else "fsdp-block"), 0.0
+    if name == "Decent-DP":  # one fp32 replica a peer, over the ranks (it knows no hosts)
+        period = gossip_period(topology, world)
+        messages = statistics.mean(
+            gossip_messages(topology, hosts, per_host, t, host_aware=False) for t in range(period)
+        )
+        return "gossip", 4 * params * messages
+    if name == "torch FSDP2, reduce bf16":
+        return "fsdp-block", link_bytes(
+            "fsdp-block", "full-shard", params, world, per_host, per_host, compute_bytes,
+            grad_bytes=2,
+        )[1]  # fmt: skip
+    elements = powersgd_elements(shapes) if "PowerSGD" in name else params
+    wire = 2 if "bf16" in name else 4
+    return "ddp", all_reduce_share(hosts) * wire * elements
+
+
+def estimate_reference(
+    name, params, shapes, flops_per_token, tokens_per_gpu, world, per_host, gbps, flops,
+    precision="bf16", topology="alternating-exp-ring",
+):  # fmt: skip
+    """A plain-PyTorch layout's StepTime, on the model of estimate_step: DDP's buckets beside two
+    thirds of the compute (the backward), FSDP2's blocks and Decent-DP's exchange beside all of
+    it."""
+    chosen, beside = reference_bytes(
+        name, params, world, per_host, 4 if precision == "float32" else 2, shapes, topology
+    )
+    rate = gbps * 1e9 / 8 * PAYLOAD
+    compute = tokens_per_gpu * flops_per_token / flops
+    if chosen == "ddp":
+        step = compute / 3 + max(2 * compute / 3, beside / rate)
+    else:
+        step = max(compute, beside / rate)
+    return StepTime(chosen, compute, beside / rate, step, world * tokens_per_gpu / step, beside)
+
+
+def guide(
+    params, shapes, flops_per_token, tokens_per_gpu, world, per_host, gbps, flops,
+    precision="bf16", topology="alternating-exp-ring", reduce="auto", **options,
+):  # fmt: skip
+    """Every layout's estimate, ours (--sharding's and decentralized, sums as `reduce` resolves on
+    these hosts) and the plain-PyTorch ones, fastest first: [(name, StepTime)]."""
+    hosts = world // per_host
+    rows = []
+    for sharding in ("full-shard", "hybrid-full-shard", "no-shard", "decentralized"):
+        rows.append(
+            (
+                f"ours, {sharding}",
+                estimate_step(
+                    sharding, params, flops_per_token, tokens_per_gpu, world, per_host, per_host,
+                    gbps, flops, precision, topology=topology,
+                    reduce_precision=reduce_precision(reduce, hosts, precision), **options,
+                ),
+            )
+        )  # fmt: skip
+    for name in REFERENCES:
+        rows.append(
+            (
+                name,
+                estimate_reference(
+                    name, params, shapes, flops_per_token, tokens_per_gpu, world, per_host, gbps,
+                    flops, precision, topology,
+                ),
+            )
+        )  # fmt: skip
+    return sorted(rows, key=lambda row: row[1].step)
+
+
+# What the loss runs measured of the layouts that change the training's arithmetic (RESULTS.md,
+# #loss-cpu): the guide names the fastest layout that does not, and the faster ones that do, with
+# this.
+LOSS_CAVEATS = {
+    "ours, decentralized": "replicas gossip: a higher loss at equal steps",
+    "Decent-DP": "replicas gossip: a higher loss at equal steps",
+    "torch DDP, PowerSGD rank 4": "low-rank gradients: a higher loss at equal steps",
+}
+
+
+def pick(rows):
+    """The guide's one line: the fastest layout that trains as all-reduce does, and any faster one
+    that changes the arithmetic (with its cost)."""
+    exact = next(name for name, _ in rows if name not in LOSS_CAVEATS)
+    best = dict(rows)[exact]
+    faster = [
+        f"{name} {best.step / t.step:.2f}x ({LOSS_CAVEATS[name]})"
+        for name, t in rows
+        if name in LOSS_CAVEATS and t.step < best.step
+    ]
+    return f"pick: {exact} ({1000 * best.step:.1f} ms a step)" + (
+        "; faster at equal steps: " + ", ".join(faster) if faster else ""
+    )
+
+
 HOST_COUNTS = (2, 4, 8, 16, 32, 64)
 RATES_GBPS = (400, 200, 100, 50, 25, 10, 5, 2, 1, 0.5, 0.2, 0.1)
 
@@ -274,6 +420,12 @@ def achieved_flops(gpu_type, mfu, compile, precision):
     card = CARDS[gpu_type]
     if mfu is None:
         mfu = card.mfu_compiled if compile else card.mfu_eager
+    if mfu is None:
+        raise ConfigError(
+            f"--gpu_type {gpu_type}: no MFU was measured on this card, so the step time needs "
+            f"--mfu (the fraction of its {card.peak / 1e12:.0f} TFLOP/s bf16 peak your runs "
+            "reach: the training log's mfu)"
+        )
     return card.peak * mfu, mfu
 
 
@@ -333,6 +485,26 @@ def print_step_times(args, config, sizes, per_host, shard_group, strategies):
             reduce_precision=reduce_precision(args.reduce_precision, hosts, args.precision),
         )
     )
+    rows = guide(
+        sizes.total,
+        parameter_shapes(config),
+        per_token,
+        tokens_per_gpu,
+        args.gpus,
+        per_host,
+        args.inter_node_gbps,
+        flops,
+        args.precision,
+        args.topology,
+        args.reduce_precision,
+        micro_steps=args.grad_accum_steps,
+        fsdp_unit=args.fsdp_unit,
+        log_interval=args.log_interval,
+    )
+    print(f"\nbeside plain PyTorch, fastest first\n{'layout':<31}{'GB/step':>9}{'step ms':>10}")
+    for name, t in rows:
+        print(f"{name:<31}{t.bytes_per_step / 1e9:>9.2f}{1000 * t.step:>10.1f}")
+    print(pick(rows))
     print(
         "as: how training runs it (plan.strategy); GB/step: over each host's link each way; link "
         "ms: time on the link; one-unit and fsdp-whole wait for it after compute, the others "

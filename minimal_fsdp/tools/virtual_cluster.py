@@ -13,6 +13,7 @@ namespaces of a cluster whose owner was killed are swept at the next start.
     minimal-fsdp cluster --hosts 2 --rate 10gbit --delay 1ms -- \\
         mpiexec -n 4 -ppn 2 -hosts node0,node1 python basic_training.py --sharding hybrid-full-shard
     minimal-fsdp cluster --hosts 2 -- bash       # a shell on node0; `ssh node1 hostname`
+    minimal-fsdp cluster --hosts 2 --scheduler slurm -- bash   # and a real SLURM (slurm_cluster.py)
 
 The command runs its COMMAND on the first host, as a batch script runs on a job's first node, with
 PBS_NODEFILE, a hostfile and a stand-in for ssh (first in PATH, and named to Hydra and Open MPI)
@@ -434,6 +435,12 @@ def main(argv=None, cfg=None):
     why = unavailable()
     if why:
         sys.exit(f"error: cannot make virtual hosts here: {why}")
+    if args.scheduler == "slurm":
+        from minimal_fsdp.tools import slurm_cluster
+
+        why = slurm_cluster.unavailable()
+        if why:
+            sys.exit(f"error: --scheduler slurm: {why}")
     owner = os.getpid()
     # unwind through the teardown below (only in this process)
     for signum in (signal.SIGTERM, signal.SIGHUP):
@@ -448,11 +455,20 @@ def main(argv=None, cfg=None):
         sys.exit(f"error: {e}")
     try:
         names = ", ".join(f"{h.name} {h.address}" for h in cluster.hosts)
+        env = dict(os.environ, PBS_O_WORKDIR=os.getcwd(), **cluster.job_env(args.slots))
+        if args.scheduler == "slurm":
+            try:
+                slurm = slurm_cluster.Slurm(cluster).__enter__()
+            except slurm_cluster.SlurmError as e:
+                print(e.logs, file=sys.stderr)
+                sys.exit(f"error: --scheduler slurm: {e}")
+            names += f"; SLURM: partition virtual, SLURM_CONF={slurm.conf}"
+            # a SLURM job, not a PBS one: sbatch and srun say where the nodes are
+            env = {k: v for k, v in slurm.env(env).items() if not k.startswith("PBS_")}
         print(
             f"virtual cluster: {names}; running on {cluster.hosts[0].name}: {' '.join(command)}",
             flush=True,
         )
-        env = dict(os.environ, PBS_O_WORKDIR=os.getcwd(), **cluster.job_env(args.slots))
         proc = cluster.run(cluster.hosts[0].name, command, env=env, stdout=subprocess.PIPE)
         try:
             seen = Rehearsal.watch(proc.stdout)

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
-import zlib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -29,7 +29,7 @@ from minimal_fsdp.config.checks import WHOLE_RANGES
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args
 from minimal_fsdp.inference import sample
 from minimal_fsdp.tools import progress
-from support import MakeDirectory, TINY, meta_of, tiny
+from support import MakeDirectory, TINY, meta_of, recompute_checksums, scramble_a_tensor, tiny
 from support import console, run, saved  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
@@ -37,15 +37,6 @@ pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 def args_for(run, *extra):
     return parse_args(["--checkpoint_dir", str(run.parent), "--run_name", run.name, *extra])
-
-
-def recompute_checksums(step):
-    """What a forger does: meta.json's sizes and CRC-32s made to match the files as they are now."""
-    meta = meta_of(step)
-    for name in meta["files"]:
-        data = (step / name).read_bytes()
-        meta["files"][name] = [len(data), zlib.crc32(data)]
-    (step / "meta.json").write_text(json.dumps(meta))
 
 
 def forge_state(step, edit):
@@ -131,6 +122,25 @@ def test_forged_checkpoints_that_pass_their_checksums_are_refused_before_loading
     assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
 
 
+def with_length(metadata, fqn, length):
+    index = storage(metadata, fqn)
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], length=length)
+    return metadata
+
+
+def test_a_byte_range_one_value_short_is_refused_and_one_exactly_long_enough_is_not(saved):
+    """The byte-range check at its boundary: wte's [8, 4] float32 values take 128 bytes. A range of
+    124 (one value short) is refused; a check that forgot the dtype's size (32) would pass it."""
+    step = saved[0] / "step_3"
+    fqn = "model.wte.weight"
+    short = with_length(safe_load.read_dcp_metadata(step / ".metadata"), fqn, 8 * 4 * 4 - 4)
+    assert checkpoint_find._storage_problem(short) == (
+        f".metadata gives {fqn} 124 bytes, fewer than its [8, 4] values take"
+    )
+    exact = with_length(safe_load.read_dcp_metadata(step / ".metadata"), fqn, 8 * 4 * 4)
+    assert checkpoint_find._storage_problem(exact) is None
+
+
 def test_a_refused_pickle_in_param_groups_is_refused_before_loading_and_runs_nothing(run, tmp_path):
     marker = tmp_path / "code-ran"
     forge_state(
@@ -144,22 +154,195 @@ def test_a_refused_pickle_in_param_groups_is_refused_before_loading_and_runs_not
     assert not marker.exists()
 
 
+def set_step(value):
+    return lambda s: s["optim"]["state"]["wpe.weight"].update(step=torch.tensor(value))
+
+
+# Entries the optimizer restores as saved, forged with their checksums recomputed: each made the
+# run fail later blaming the user's flags, or train differently without a word.
+FORGED_OPTIMIZER = {
+    "step negative": (
+        set_step(-5.0),
+        "optim.state.wpe.weight.step is -5, not a whole number of steps in [0, 3] (meta.json's "
+        "step)",
+    ),
+    "step huge": (
+        set_step(1e30),
+        "optim.state.wpe.weight.step is 1e+30, not a whole number of steps in [0, 3] (meta.json's "
+        "step)",
+    ),
+    "step past meta.json's": (
+        set_step(4.0),
+        "optim.state.wpe.weight.step is 4, not a whole number of steps in [0, 3] (meta.json's "
+        "step)",
+    ),
+    "step not whole": (
+        set_step(1.5),
+        "optim.state.wpe.weight.step is 1.5, not a whole number of steps in [0, 3] (meta.json's "
+        "step)",
+    ),
+    "maximize": (
+        lambda s: s["optim"]["param_groups"][0].update(maximize=True),
+        "optim.param_groups.0.maximize is True, not false",
+    ),
+    "eps": (
+        lambda s: s["optim"]["param_groups"][0].update(eps=1e30),
+        "optim.param_groups.0.eps is 1e+30, not 1e-08",
+    ),
+    "betas not meta.json's": (
+        lambda s: s["optim"]["param_groups"][0].update(betas=(0.9, 0.95)),
+        "optim.param_groups.0.betas is (0.9, 0.95), not meta.json's --beta1, --beta2 (0.9, 0.999)",
+    ),
+    "weight decay not meta.json's": (
+        lambda s: s["optim"]["param_groups"][0].update(weight_decay=3.0),
+        "optim.param_groups.0.weight_decay is 3.0, not meta.json's --weight_decay (0.01) or 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FORGED_OPTIMIZER)
+def test_optimizer_state_that_disagrees_with_meta_json_is_skipped_for_the_previous_checkpoint(
+    run, console, case
+):
+    """The optimizer's step and settings, restored as saved, checked against meta.json: a forged one
+    is skipped in one line and the run resumes from the previous good checkpoint."""
+    for step in (2, 3):  # the flags tiny()'s AdamW was made with, as a run's meta.json holds them
+        meta = meta_of(run / f"step_{step}")
+        meta["config"].update(beta1=0.9, beta2=0.999, weight_decay=0.01)
+        (run / f"step_{step}" / "meta.json").write_text(json.dumps(meta))
+        recompute_checksums(run / f"step_{step}")
+    assert checkpoint_find.verify(run / "step_3") is None  # the honest one passes
+    edit, problem = FORGED_OPTIMIZER[case]
+    forge_state(run / "step_3", edit)
+    assert checkpoint_find.verify(run / "step_3") == problem
+    out, err = console()
+    saver, meta = restore(run)
+    assert saver.restored_from == run / "step_2" and meta["step"] == 2
+    assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
+
+
+def test_a_metadata_file_larger_than_its_model_needs_is_refused_by_its_size(run, console):
+    """DCP's .metadata had no cap: 383 MB unpickled at ~1.4 MB/s. Its cap comes from the model
+    meta.json describes, and the file is refused by its size before a byte is unpickled."""
+    meta = meta_of(run / "step_3")
+    cap = checkpoint_find.metadata_cap(meta)
+    honest = (run / "step_3" / ".metadata").stat().st_size
+    assert honest < cap < 2 * 2**20  # a tiny model's: 33 KB, room for the rest
+    with open(run / "step_3" / ".metadata", "ab") as f:  # a valid pickle, then padding
+        f.truncate(cap + 1)
+    recompute_checksums(run / "step_3")
+
+    def unpickled(*_):
+        raise AssertionError("the oversized .metadata was unpickled")
+
+    original = safe_load._MetadataUnpickler.load
+    safe_load._MetadataUnpickler.load = unpickled
+    try:
+        problem = checkpoint_find.verify(run / "step_3")
+    finally:
+        safe_load._MetadataUnpickler.load = original
+    assert problem == (
+        f".metadata is {cap + 1} bytes, more than the {cap} that the model meta.json describes "
+        "needs"
+    )
+    out, err = console()
+    assert checkpoint_find.find(args_for(run)) == run / "step_2"
+    assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
+
+
+def test_a_raw_pickle_in_the_optimizer_entries_is_skipped_without_torchs_warnings(run, console):
+    """A param group's entry that is a raw pickle (not torch.save's archive): torch's weights-only
+    load warned twice about its protocol beside the one-line skip."""
+    step = run / "step_3"
+    metadata = safe_load.read_dcp_metadata(step / ".metadata")
+    index = storage(metadata, "optim.param_groups.0.lr")
+    shard = step / metadata.storage_data[index].relative_path
+    raw = pickle.dumps(0.1, protocol=4)
+    end = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(raw)
+    metadata.storage_data[index] = dataclasses.replace(
+        metadata.storage_data[index], offset=end, length=len(raw)
+    )
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    recompute_checksums(step)
+    out, err = console()
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert checkpoint_find.find(args_for(run)) == run / "step_2"
+    assert [str(w.message) for w in warned] == []
+    said = err.getvalue()
+    assert (
+        said.startswith(
+            f"warning: skipping checkpoint {step}: optim.param_groups.0.lr does not load "
+            "(UnpicklingError: "
+        )
+        and said.count("\n") == 1
+    )
+
+
+def forge_rng(step, edit):
+    state = torch.load(step / "rng_0.pt", weights_only=True)
+    state = edit(state) or state
+    torch.save(state, step / "rng_0.pt")
+    recompute_checksums(step)
+
+
+FORGED_RNG = {
+    "a missing key": (lambda s: s.__delitem__("python"), "rng_0.pt has no python.version"),
+    "a missing inner key": (lambda s: s["numpy"].__delitem__("pos"), "rng_0.pt has no numpy.pos"),
+    "a list": (lambda s: [s["torch"]], "rng_0.pt holds list, not the generators' states"),
+    "torch state of floats": (
+        lambda s: s.update(torch=s["torch"].float()),
+        "rng_0.pt torch is not the CPU generator's bytes",
+    ),
+    "torch state short": (
+        lambda s: s.update(torch=s["torch"][:100]),
+        "rng_0.pt torch is not the CPU generator's bytes",
+    ),
+    "numpy keys of another length": (
+        lambda s: s["numpy"].update(keys=s["numpy"]["keys"][:5]),
+        "rng_0.pt numpy.keys is not 624 words of 32 bits",
+    ),
+    "numpy position a string": (
+        lambda s: s["numpy"].update(pos="3"),
+        "rng_0.pt numpy.pos is not a whole number in [0, 624]",
+    ),
+    "numpy gaussian a tensor": (
+        lambda s: s["numpy"].update(cached_gaussian=torch.ones(2)),
+        "rng_0.pt numpy.cached_gaussian is not a finite number",
+    ),
+    "python words out of range": (
+        lambda s: s["python"].update(state=s["python"]["state"] - 2**40),
+        "rng_0.pt python.state is not 624 words of 32 bits and a position",
+    ),
+    "python version": (
+        lambda s: s["python"].update(version=2),
+        "rng_0.pt python.version is not 3",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FORGED_RNG)
+def test_rng_states_that_cannot_be_restored_are_skipped_for_the_previous_checkpoint(
+    run, console, case
+):
+    """A wrong type or a missing key in an RNG file traced back on every rank at restore, with no
+    fallback: now the checkpoint is skipped in one line and the previous one restored."""
+    edit, problem = FORGED_RNG[case]
+    forge_rng(run / "step_3", edit)
+    assert checkpoint_find.verify(run / "step_3") == problem
+    out, err = console()
+    saver, meta = restore(run)
+    assert saver.restored_from == run / "step_2" and meta["step"] == 2
+    assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
+
+
 def restore(run, *extra):
     model, optimizer = tiny(seed=1)
     cfg = args_for(run, *extra)
     saver = checkpoint.Checkpointer(cfg, TINY, None, decentralized=False)
     return saver, saver.restore(checkpoint_find.find(cfg), model, optimizer, cfg.seed)
-
-
-def scramble_a_tensor(step):
-    """Random bytes over the start of one tensor's record in the shard: no check before loading can
-    tell."""
-    metadata = safe_load.read_dcp_metadata(step / ".metadata")
-    info = metadata.storage_data[storage(metadata, "model.wte.weight")]
-    data = bytearray((step / info.relative_path).read_bytes())
-    data[info.offset : info.offset + 64] = os.urandom(64)
-    (step / info.relative_path).write_bytes(bytes(data))
-    recompute_checksums(step)
 
 
 def test_shards_that_fail_to_load_are_one_line_and_resume_takes_the_next_checkpoint(run, console):

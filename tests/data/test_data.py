@@ -568,7 +568,7 @@ def test_a_hostile_prepared_meta_json_is_refused_in_one_line(tmp_path, text, pro
 def test_token_ids_beyond_the_vocabulary_are_refused_and_the_maximum_is_cached(tmp_path):
     d = numbered_dataset(tmp_path / "d", train_tokens=300)  # ids 0..299 of a 300-token vocabulary
     cache = json.loads((tmp_path / "d" / data.TOKEN_CACHE).read_text())
-    assert cache["train.bin"][3] == 299 and cache["val.bin"][3] == 199
+    assert cache["train.bin"][4] == 299 and cache["val.bin"][4] == 199
     # read from the cache
     assert data.largest_token(tmp_path / "d" / "train.bin", np.zeros(300, np.uint16)) == 299
     tokens = np.arange(300, dtype=np.uint16)

@@ -283,3 +283,28 @@ def test_open_splits_the_documents_by_global_rank_not_local_rank(prepared, tmp_p
     assert torch.equal(opened.train_batches(0)[0][0], expected)
     # not vacuous
     assert not torch.equal(expected, stream_for(source, data, 1, 4).train_batches(0)[0][0])
+
+
+def test_each_rank_streams_the_documents_of_its_global_rank_across_hosts(one_rank_group, tmp_path):
+    """Two hosts of two ranks: ranks 2 and 3 are local ranks 0 and 1 of the second host, and must
+    read documents 2, 6, ... and 3, 7, ..., not the first host's. In this process, with the launch's
+    layout written out (the multi-host launches check it where network namespaces can be made)."""
+    from minimal_fsdp.data.tokenizer import CharTokenizer
+    from minimal_fsdp.launch.environment import DistEnv
+
+    documents = make_documents(40)
+    source = write_jsonl(tmp_path / "docs", documents)
+    CharTokenizer("".join(documents)).save(tmp_path / "tokenizer")
+    flags = ["--dataset_path", source, "--streaming", "--tokenizer_dir", tmp_path / "tokenizer"]
+    cfg = parse_args([*map(str, flags), "--data_dir", str(tmp_path / "data")])
+    read = {}
+    for rank, local_rank in [(0, 0), (1, 1), (2, 0), (3, 1)]:
+        env = DistEnv(rank, 4, local_rank, 2, 2, torch.device("cpu"), "gloo", "srun", (2, 2))
+        data = StreamingData.open(cfg, env)
+        read[rank] = {
+            index
+            for split in ("train", "val")
+            for index in range(len(documents))
+            if data._stream(split).select(index)
+        }
+        assert read[rank] == set(range(rank, len(documents), 4)), (rank, sorted(read[rank]))

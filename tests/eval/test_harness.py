@@ -146,3 +146,25 @@ def test_progress_in_a_redirected_log_is_plain_lines(one_rank_group, capsys):
     lines = err.splitlines()
     assert lines[-1] == "loglikelihood batches: 20/20" and 5 <= len(lines) <= 11
     assert all(line.startswith("loglikelihood batches: ") for line in lines)
+
+
+def test_rolling_perplexity_sums_every_token_once_in_disjoint_context_windows(one_rank_group):
+    """loglikelihood_rolling of a text two contexts long (32 tokens, context 16) against the sum
+    written out here: the prefix token then tokens 0-14 predict tokens 0-15, tokens 15-30 predict
+    tokens 16-31; every token counted once."""
+    from minimal_fsdp.eval.lm import ShardedLM
+
+    tokenizer = CharTokenizer("abc \nxyz")
+    model = tiny_gpt()
+    lm = ShardedLM(model, tokenizer, torch.device("cpu"), progress=False)
+    text = "abc xyz zyx cba " * 2
+    (score,) = lm.loglikelihood_rolling([type("R", (), {"args": (text,)})()])
+    full = [lm.prefix_token_id, *tokenizer.encode(text)]
+    expected = 0.0
+    with torch.no_grad():
+        for start in (0, 16):
+            inputs, targets = full[start : start + 16], full[start + 1 : start + 17]
+            logits = model.trunk(torch.tensor([inputs])) @ model.wte.weight.T
+            picked = logits[0].log_softmax(-1).gather(-1, torch.tensor(targets)[:, None])
+            expected += picked.sum().item()
+    assert score == pytest.approx(expected, rel=1e-5)

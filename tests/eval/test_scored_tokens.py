@@ -58,3 +58,35 @@ def test_only_the_continuation_is_scored_and_summed(one_rank_group, monkeypatch)
             # the context's positions would change the sum: the check tells them apart
             if len(context) > 1:
                 assert picked.sum().item() != pytest.approx(logprob, rel=1e-3)
+
+
+def test_a_generation_is_cut_at_the_first_stop_string_in_the_text(one_rank_group):
+    """One token that decodes to several words holds two stop strings, and one of them twice: the
+    text ends before the earliest of them. (A char tokenizer stops one character after a stop, so
+    only one is ever in its text: a cut at the last stop looked the same there.)"""
+    from lm_eval.api.instance import Instance
+
+    from minimal_fsdp.eval import lm as eval_lm
+    from minimal_fsdp.models.gpt import GPT, GPTConfig
+
+    piece = "one, two. three\nfour. five"
+    tokenizer = CharTokenizer(
+        ["a", "b", piece]
+    )  # its "characters" are words: a word-piece tokenizer
+    model = GPT(
+        GPTConfig(vocab_size=3, seq_length=16, num_layers=1, num_heads=1, embed_size=4, dropout=0)
+    )
+    favoured = torch.tensor([[0.0, 0.0, 1.0]])
+    model.forward = lambda idx, targets=None, cache=None: favoured  # greedy picks `piece`
+    lm = eval_lm.ShardedLM(model, tokenizer, torch.device("cpu"), progress=False)
+    stops = {"\n then .": ["\n", "."], ". then \n": [".", "\n"], ". alone": ["."], "none": ["?"]}
+    requests = [
+        Instance("generate_until", {}, ("ab", {"until": until, "max_gen_toks": 2}), i)
+        for i, until in enumerate(stops.values())
+    ]
+    assert lm.generate_until(requests, disable_tqdm=True) == [
+        "one, two",
+        "one, two",
+        "one, two",
+        piece + piece,
+    ]

@@ -17,6 +17,7 @@ import torch
 
 import tokenizer_dirs
 from conftest import TINY_MODEL, launch, make_text
+from support import scramble_a_tensor
 from minimal_fsdp import run as run_command
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.data.tokenizer import CharTokenizer, load_tokenizer
@@ -246,6 +247,56 @@ def test_a_run_directory_whose_newest_checkpoint_fails_its_checksums_gives_the_o
 
     with safe_open(str(tmp_path / "exported" / "model.safetensors"), "pt") as f:
         assert f.metadata()["step"] == "2"
+
+
+@pytest.mark.slow
+def test_sample_export_and_generation_only_pass_over_shards_that_fail_to_load_as_resume_does(
+    run_dir, tmp_path, command
+):
+    """Undecodable shard bytes under recomputed checksums pass every check and fail only when
+    loaded: sample, export and --max_epochs -1 traced back there (62-117 lines). Now each takes the
+    previous complete checkpoint after the one line resume gives; one named itself is an error."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    scramble_a_tensor(run / "step_4")
+    assert checkpoint_find.verify(run / "step_4") is None
+    skip = f"warning: skipping checkpoint {run / 'step_4'}: loading it failed ("
+
+    def skipped_once(err):
+        lines = [line for line in err.splitlines() if "step_4" in line]
+        return len(lines) == 1 and lines[0].startswith(skip) and "Traceback" not in err
+
+    out = command(sample_command.main, run, "--prompt", PROMPT, "--num_tokens", 3)
+    assert out.code == 0 and skipped_once(out.err), out.err
+    assert f"generating from {run / 'step_2'} (checkpoint, step 2)" in out.err
+    out = command(
+        run_command.main,
+        "--checkpoint_dir",
+        tmp_path,
+        "--run_name",
+        "run",
+        "--max_epochs",
+        -1,
+        "--num_tokens",
+        3,
+        "--prompt",
+        PROMPT,
+    )
+    assert out.code == 0 and skipped_once(out.err), out.err
+    assert f"generating from {run / 'step_2'} (checkpoint, step 2)" in out.out
+    out = command(export.main, run, tmp_path / "exported")
+    assert out.code == 0 and skipped_once(out.err), out.err
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "exported" / "model.safetensors"), "pt") as f:
+        assert f.metadata()["step"] == "2"
+    # named itself, it is not replaced
+    for main, args in [
+        (sample_command.main, ["--prompt", PROMPT, "--num_tokens", 3]),
+        (export.main, [tmp_path / "again"]),
+    ]:
+        line = one_error_line(command(main, run / "step_4", *args))
+        assert line.startswith(f"error: {run / 'step_4'}: {run / 'step_4'}: loading it failed (")
 
 
 def test_the_text_is_streamed_as_it_is_generated(exported, command, monkeypatch):

@@ -581,3 +581,88 @@ def test_an_unresolvable_master_addr_under_torchrun_variables_is_one_line(tmp_pa
     result = run_session(training(corpus), env, tmp_path, timeout=120)
     one_error(result, "MASTER_ADDR master-0.no-such-job.invalid does not resolve on")
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_claiming_one_local_rank_on_one_node_are_refused_at_the_first_gather(
+    tmp_path, corpus
+):
+    """RANK/WORLD_SIZE/LOCAL_* exported by hand with LOCAL_RANK=0 in both processes of one host:
+    both used to take local rank 0 (one GPU). Each rank sees only its own variables, so the clash is
+    found at the first collective, which gathers every rank's host and local rank: every rank ends
+    alike, and rank 0 says it once."""
+    world = dict(
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(rendezvous._free_port()),
+    )
+    results = each_process(tmp_path, corpus, [dict(world, RANK=str(rank)) for rank in (0, 1)])
+    assert [lines[0] for lines in results] == ["2", "2"], results
+    errors = [line for lines in results for line in lines if line.startswith("error: ")]
+    assert errors == [
+        "error: ranks 0 and 1 both have LOCAL_RANK=0 on one node: they would share its GPU and its "
+        "share of cores; give each rank of a node its own local rank (torchrun and srun do; set by "
+        "hand, check them)"
+    ], results
+    assert not any("Traceback" in line for lines in results for line in lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_a_rank_stopped_during_a_save_ends_the_others_in_one_line(tmp_path, corpus, launcher):
+    """Rank 1 stops (SIGSTOP: a host that no longer answers) while it writes its shard of step 2's
+    checkpoint. Rank 0 waits in DCP's gather, then finds gloo's pair closed in the save's own
+    gather: it used to print a 60-line traceback and no `error:` line. Now one line, and the job
+    ends (MPI's Abort; srun's --kill-on-bad-exit)."""
+    train = training(corpus, "--checkpoint_interval", "2", "--num_tokens", "0")
+    train[train.index("--collective_timeout") + 1] = "10"
+    train[1] = str(ROOT / "tests" / "faults.py")
+    faults = dict(MINIMAL_FSDP_FAULTS="stop_in_save@2:1")
+    if launcher == "mpiexec":
+        result = run_session([mpiexec(), "-n", "2", *train], job_env(**faults), tmp_path)
+    else:
+        cmd = ["srun", "--mpi=none", "--kill-on-bad-exit=1", *train]
+        result = run_session(cmd, slurm_job(tmp_path, 2, **faults), tmp_path)
+    line = one_error(
+        result,
+        "rank 0: a collective waited longer than --collective_timeout: another rank or its host "
+        "has died, hangs or cannot be reached (Timed out waiting 10000ms",
+    )
+    assert "Traceback" not in result.stderr, line
+    assert not (tmp_path / "checkpoints" / "corpus" / "step_2").exists()
+
+
+# --- commands under a launcher's several ranks ---
+
+
+def test_a_command_of_one_process_runs_on_rank_0_only(monkeypatch, capsys):
+    """`mpiexec -n 2 minimal-fsdp export` made every rank do the whole export into one folder; now
+    rank 0 runs it and the other ranks exit at once, before parsing or importing anything."""
+    import importlib
+
+    from minimal_fsdp import __main__ as cli
+
+    ran = []
+    stub = type("Module", (), {"main": staticmethod(lambda cfg: ran.append(cfg.out))})
+    monkeypatch.setattr(importlib, "import_module", lambda name: stub)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("PMI_RANK", "1")
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["export", "checkpoints/run", "exported"])
+    assert ended.value.code == 0 and ran == [] and capsys.readouterr() == ("", "")
+    monkeypatch.setenv("PMI_RANK", "0")
+    cli.main(["export", "checkpoints/run", "exported"])
+    assert ran == ["exported"]
+
+
+def test_an_unknown_command_under_mpiexec_is_said_once(tmp_path):
+    """It was said by every rank, the lines glued into one."""
+    result = run_session(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "minimal_fsdp", "trian"], job_env(), tmp_path
+    )
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "error: no command 'trian'; commands: train, sample, evaluate, export, prepare, progress, "
+        "plan, cluster, plot"
+    ], result.stderr

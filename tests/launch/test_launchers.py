@@ -587,6 +587,7 @@ def test_ranks_share_the_hosts_cores(monkeypatch):
     OMP_NUM_THREADS, when set, wins."""
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
     assert environment.cpu_threads(4, {}) == 16
     assert environment.cpu_threads(1, {}) == 64
     assert environment.cpu_threads(128, {}) == 1
@@ -597,14 +598,36 @@ def test_ranks_share_the_hosts_cores(monkeypatch):
     assert environment.cpu_threads(2, {}) == 8
 
 
+def test_a_busy_machine_cuts_the_threads_to_its_idle_cores(monkeypatch):
+    """The rest of the machine's load (its 1-minute average) takes cores: a rank gets its share of
+    those left idle, at least one; OMP_NUM_THREADS still wins; the reason is said."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert environment.threads_choice(1, {}, load=0.2) == (2, "2 core(s), 1 rank(s) on this host")
+    threads, why = environment.threads_choice(1, {}, load=12.5)
+    assert threads == 1 and "load 12.5" in why and "idle" in why
+    assert environment.threads_choice(1, {}, load=0.9)[0] == 1  # one core busy, one idle
+    assert environment.threads_choice(1, {"OMP_NUM_THREADS": "2"}, load=12.5) == (
+        2,
+        "OMP_NUM_THREADS=2",
+    )
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert environment.threads_choice(4, {}, load=8.0)[0] == 14  # (64 - 8) / 4 idle, under 16
+    assert environment.threads_choice(4, {}, load=200.0)[0] == 1
+
+
 def test_device_setup_gives_torch_and_the_compile_workers_the_share(monkeypatch):
     threads = []
     monkeypatch.setattr(environment.torch, "set_num_threads", threads.append)
-    monkeypatch.setattr(environment, "cpu_threads", lambda local_world: 40 // local_world)
+    monkeypatch.setattr(
+        environment, "threads_choice", lambda local_world: (40 // local_world, "a share")
+    )
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setattr(environment.torch.cuda, "is_available", lambda: False)
     assert environment._pick_device(0, 4) == (environment.torch.device("cpu"), "gloo")
     assert threads == [10] and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "10"
+    assert environment.THREADS["line"] == "10 CPU thread(s) per rank (a share)"  # the banner's
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")  # the user's choice stays
     environment._pick_device(0, 2)
     assert threads == [10, 20] and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "3"
@@ -696,6 +719,65 @@ def test_a_lost_peers_error_is_cut_between_words(monkeypatch):
     assert code == 1 and error.endswith("word ...)") and "Connection closed by peer" in error
 
 
+def raised(error, during):
+    """`error` as Python raises it while handling `during` (its __context__ set)."""
+    try:
+        try:
+            raise during
+        except BaseException:
+            raise error
+    except BaseException as e:
+        return e
+
+
+def test_a_peer_lost_during_a_save_is_one_line(monkeypatch):
+    """A rank stopped while the others save: DCP's gather timed out, then the save's own
+    all_gather_object found gloo's pair closed. This used to end in a 60-line traceback with no
+    `error:` line ("Application timeout caused pair closure" was no peer-gone text); the line names
+    the first failure."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from minimal_fsdp import run
+
+    timed_out = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed "
+        "out waiting 10000ms for send operation to complete"
+    )
+    closed = raised(RuntimeError("Application timeout caused pair closure"), during=timed_out)
+    reset = RuntimeError("[../gloo/transport/tcp/pair.cc:598] Connection reset by peer [::1]:2")
+    inside_dcp = CheckpointException("gather failed", {1: (reset, None)})
+    said = []
+    monkeypatch.setattr(
+        run.environment, "exit_on_error", lambda error, code: said.append((error, code))
+    )
+    for error in (closed, inside_dcp, raised(RuntimeError("pair closure"), during=inside_dcp)):
+        monkeypatch.setattr(run, "run", lambda cfg, error=error: (_ for _ in ()).throw(error))
+        run.main(cfg=object())
+    assert said == [
+        (
+            "a collective waited longer than --collective_timeout: another rank or its host has "
+            "died, hangs or cannot be reached (Timed out waiting 10000ms for send operation to "
+            "complete)",
+            1,
+        ),
+        (
+            "a collective failed: another rank or its host has died, hangs or cannot be reached "
+            "(Connection reset by peer [::1]:2)",
+            1,
+        ),
+        (
+            "a collective failed: another rank or its host has died, hangs or cannot be reached "
+            "(Connection reset by peer [::1]:2)",
+            1,
+        ),
+    ]
+    # any other RuntimeError is a bug: its traceback stays
+    bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    monkeypatch.setattr(run, "run", lambda cfg: (_ for _ in ()).throw(bug))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        run.main(cfg=object())
+
+
 @pytest.mark.slow
 def test_torchrun_waiting_for_a_node_that_never_starts_is_bounded_by_the_documented_flag(tmp_path):
     """`torchrun --nnodes 2` without the second node waits silently (600 s by default, torchrun's
@@ -728,3 +810,159 @@ def test_torchrun_waiting_for_a_node_that_never_starts_is_bounded_by_the_documen
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     assert result.returncode != 0 and "1/2 clients joined" in result.stderr, result.stderr[-2000:]
+
+
+# --- every launcher value in range, before the first collective ---
+
+TORCHRUN_WORKER = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "none",
+}
+
+
+@pytest.mark.parametrize(
+    "changed,said",
+    [
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 (torchrun): a job has at least one rank"),
+        ({"RANK": "-1"}, "RANK=-1 but WORLD_SIZE=2 (torchrun): a rank runs from 0 to 1"),
+        ({"RANK": "2"}, "RANK=2 but WORLD_SIZE=2 (torchrun): a rank runs from 0 to 1"),
+        ({"LOCAL_RANK": "3"}, "LOCAL_RANK=3 but LOCAL_WORLD_SIZE=2 (torchrun)"),
+        ({"LOCAL_RANK": "-1"}, "LOCAL_RANK=-1 but LOCAL_WORLD_SIZE=2"),
+        ({"LOCAL_WORLD_SIZE": "4"}, "LOCAL_WORLD_SIZE=4 (torchrun): 4 rank(s) on this node, but"),
+        ({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE=0 (torchrun): 0 rank(s) on this node"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 (torchrun) is not a port (1 to 65535)"),
+        ({"MASTER_PORT": "0"}, "MASTER_PORT=0 (torchrun) is not a port"),
+        ({"MASTER_PORT": None}, "MASTER_ADDR is set (torchrun) but not MASTER_PORT"),
+    ],
+)
+def test_torchrun_values_out_of_range_are_one_line(fake_env, changed, said):
+    """WORLD_SIZE=0 used to divide by zero in discovery, MASTER_PORT=70000 to trace back in c10d,
+    RANK=2 of 2 to end in a gloo enforce while the other rank waited."""
+    fake_env.update(TORCHRUN_WORKER)
+    assert discovered() == (1, 2, 1, 2, 1, "torchrun")
+    for name, value in changed.items():
+        if value is None:
+            del fake_env[name]
+        else:
+            fake_env[name] = value
+    with pytest.raises(ConfigError) as refused:
+        discovered()
+    assert said in str(refused.value)
+
+
+def test_a_world_of_one_with_another_rank_than_0_is_refused(fake_env):
+    """RANK=1 WORLD_SIZE=1 printed nothing for minutes: a world of one skips the rendezvous deadline
+    and has no rank 0."""
+    fake_env.update(RANK="1", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    with pytest.raises(ConfigError, match=r"RANK=1 but WORLD_SIZE=1 \(set without torchrun\)"):
+        discovered()
+    fake_env.update(RANK="0")  # a world of one set by hand is fine: no local variables needed
+    assert discovered() == (0, 1, 0, 1, 1, "torchrun")
+
+
+def test_a_pod_with_a_rank_past_the_world_is_refused_up_front(fake_env):
+    fake_env.update(
+        RANK="2", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="23456", PET_NNODES="2"
+    )
+    with pytest.raises(ConfigError, match=r"RANK=2 but WORLD_SIZE=2 \(a PyTorchJob\)"):
+        discovered()
+
+
+def test_a_world_set_by_hand_without_local_variables_is_refused(fake_env):
+    """RANK/WORLD_SIZE/MASTER_ADDR exported by hand made both ranks local rank 0 of one node of 2,
+    against docs/launch.md's "never from WORLD_SIZE alone"."""
+    fake_env.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="23456")
+    with pytest.raises(
+        ConfigError,
+        match=r"RANK=1, WORLD_SIZE=2 and MASTER_ADDR \(set without torchrun\) but no "
+        "LOCAL_WORLD_SIZE: .* \\(never guessed from WORLD_SIZE alone\\)",
+    ):
+        discovered()
+    fake_env.update(LOCAL_WORLD_SIZE="2")  # the ranks per node, but no local rank
+    with pytest.raises(ConfigError, match="but no LOCAL_RANK, with LOCAL_WORLD_SIZE=2"):
+        discovered()
+    fake_env.update(LOCAL_RANK="1")
+    assert discovered() == (1, 2, 1, 2, 1, "torchrun")
+    # one node of 2 from the pod count, but no local rank: refused alike
+    del fake_env["LOCAL_WORLD_SIZE"], fake_env["LOCAL_RANK"]
+    fake_env.update(PET_NNODES="1")
+    with pytest.raises(ConfigError, match="but no LOCAL_RANK, with WORLD_SIZE=2 over PET_NNODES=1"):
+        discovered()
+
+
+@pytest.mark.parametrize(
+    "changed,said",
+    [
+        ({"SLURM_STEP_NUM_TASKS": "0"}, "SLURM_STEP_NUM_TASKS=0 (srun): a job has at least one"),
+        ({"SLURM_PROCID": "7"}, "SLURM_PROCID=7 but SLURM_STEP_NUM_TASKS=7 (srun)"),
+        ({"SLURM_PROCID": "-1"}, "SLURM_PROCID=-1 but SLURM_STEP_NUM_TASKS=7"),
+        # a lone rank on node 2 with no node id used to say it shared node 0 with 3 others
+        ({"SLURM_NODEID": None}, "SLURM_NODEID is not set in a step over 2 nodes"),
+        ({"SLURM_NODEID": "2"}, "SLURM_NODEID=2 but the step runs on 2 node(s)"),
+        ({"SLURM_LOCALID": "3"}, "SLURM_LOCALID=3 but SLURM_STEP_TASKS_PER_NODE=4,3 at"),
+        (
+            {"SLURM_STEP_TASKS_PER_NODE": "4(x2)"},
+            "SLURM_STEP_TASKS_PER_NODE=4(x2) (srun) is 8 task(s) on 2 node(s), but "
+            "SLURM_STEP_NUM_TASKS=7 over 2 node(s)",
+        ),
+        ({"SLURM_STEP_NUM_NODES": "3"}, "is 7 task(s) on 2 node(s), but SLURM_STEP_NUM_TASKS=7 "),
+        ({"SLURM_STEP_TASKS_PER_NODE": "4,x"}, "SLURM_STEP_TASKS_PER_NODE='4,x' is not a list"),
+        ({"MASTER_PORT": "65536"}, "MASTER_PORT=65536 (srun) is not a port"),
+    ],
+)
+def test_srun_variables_that_disagree_are_one_line(fake_env, changed, said):
+    fake_env.update(SLURM_TASK)
+    for name, value in changed.items():
+        if value is None:
+            del fake_env[name]
+        else:
+            fake_env[name] = value
+    with pytest.raises(ConfigError) as refused:
+        discovered()
+    assert said in str(refused.value)
+
+
+def test_a_two_task_step_that_says_four_tasks_on_its_node_is_refused(fake_env):
+    fake_env.update(
+        SLURM_TASK,
+        SLURM_PROCID="1",
+        SLURM_LOCALID="1",
+        SLURM_NODEID="0",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_STEP_NUM_NODES="1",
+        SLURM_STEP_TASKS_PER_NODE="4",
+    )
+    with pytest.raises(ConfigError, match=r"=4 \(srun\) is 4 task\(s\) on 1 node\(s\), but"):
+        discovered()
+    fake_env.update(SLURM_STEP_TASKS_PER_NODE="2")
+    assert discovered() == (1, 2, 1, 2, 1, "srun")
+
+
+def test_master_port_out_of_range_under_mpi_is_said_by_every_rank_alike(fake_env, monkeypatch):
+    """Checked after MPI_Init, with the launcher's views, so that the ranks agree on one line."""
+    fake_env.update(MASTER_PORT="70000")
+    with pytest.raises(ConfigError, match=r"MASTER_PORT=70000 \(exported to mpiexec\) is not a"):
+        discovery.check_master_port(fake_env, "exported to mpiexec")
+    discovery.check_master_port({}, "exported to mpiexec")  # unset: rank 0 picks a free port
+
+
+def test_two_ranks_of_one_node_never_share_a_local_rank():
+    """Every rank's (host, node id, local rank, ranks on its node), gathered at the first
+    collective."""
+    clash = environment.hosts.local_rank_clash
+    good = [(7, 0, 0, 2), (7, 0, 1, 2), (7, 1, 0, 1)]  # srun's 2,1 on pretend nodes of one host
+    assert clash(good, "SLURM_LOCALID") is None
+    said = clash([(7, -1, 0, 2), (7, -1, 0, 2)], "LOCAL_RANK")
+    assert said.startswith("ranks 0 and 1 both have LOCAL_RANK=0 on one node")
+    # two hosts, each rank saying its node runs 2
+    said = clash([(7, -1, 0, 2), (8, -1, 1, 2)], "LOCAL_RANK")
+    assert said.startswith("rank 0 says its node runs 2 rank(s), but 1 run there (ranks 0)")
+    assert discovery.node_of("srun", {"SLURM_NODEID": "1"}) == (1, "SLURM_LOCALID")
+    assert discovery.node_of("torchrun", {"GROUP_RANK": "3"}) == (3, "LOCAL_RANK")
+    assert discovery.node_of("torchrun", {}) == (-1, "LOCAL_RANK")
+    assert discovery.node_of("mpi", {}) is None  # MPI's own split by host: distinct by design

@@ -1,14 +1,22 @@
 """resilience.py in one process: the NaN/Inf guard's verdicts and messages, and how ranks combine
 their stop requests (another rank's contribution is simulated by a stand-in for all_reduce). The
-same behaviour across real ranks: test_resume.py."""
+same behaviour across real ranks: test_resume.py. Then Ctrl-C as users press it: under `| tee`
+(whose end closes stdout's pipe) and twice, with the run locks removed however the run ends."""
 
 import math
+import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import ROOT, TINY_MODEL, mpiexec
+from fake_launchers import session_processes
+from minimal_fsdp import files
 from minimal_fsdp.launch import resilience
 from minimal_fsdp.launch.resilience import Diverged, NonFiniteGuard, StopRequests
 
@@ -232,3 +240,163 @@ def test_a_signal_is_acted_on_while_the_main_thread_waits_in_a_system_call(peer,
         "SIGINT (Ctrl-C): stop requested: will save after the step in flight"
     ]
     assert stop.received == signal.SIGINT
+
+
+# --- Ctrl-C under `| tee`, and twice: the run saves, or at least leaves no lock behind ---
+
+HOLD_LOCK = """import sys
+from minimal_fsdp import files
+lock = files.RunLock({"--checkpoint_dir": sys.argv[1], "--log_dir": sys.argv[2]})
+lock.acquire()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def gone_within(paths, seconds=60):
+    """Whether every path is gone within `seconds` (a bound on a hang only)."""
+    deadline = time.monotonic() + seconds
+    while any(p.exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(p.exists() for p in paths)
+
+
+def test_a_lock_holder_killed_outright_leaves_no_lock(tmp_path):
+    """A Ctrl-C twice under mpiexec (or mpiexec killed by SIGPIPE) ends rank 0 with SIGKILL: no
+    code of it runs. Its locks used to stay, for the next run to take over with a warning each; a
+    watcher outside its session removes them."""
+    dirs = [tmp_path / "checkpoints" / "run", tmp_path / "logs" / "run"]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, *map(str, dirs)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert holder.stdout.readline() == "held\n"
+    locks = [d / files.LOCK_NAME for d in dirs]
+    assert all(lock.exists() for lock in locks)
+    holder.kill()
+    holder.wait()
+    assert gone_within(locks)
+    # A lock another run holds now is never removed by the old run's watcher: it names its token.
+    lock = files.RunLock({"--checkpoint_dir": dirs[0]})
+    lock.acquire()
+    watcher = lock.watcher
+    (dirs[0] / files.LOCK_NAME).write_text('{"token": "another run"}')
+    lock.release()
+    assert watcher.returncode == 0 and (dirs[0] / files.LOCK_NAME).exists()
+
+
+def test_a_closed_pipe_stops_the_printing_not_the_run(tmp_path):
+    """`python basic_training.py | tee log` and Ctrl-C: tee is gone, and the next line used to raise
+    BrokenPipeError, which ended the run unsaved."""
+    read_end, write_end = os.pipe()
+    stream = resilience.PipeSafe(open(write_end, "w", buffering=1))
+    os.close(read_end)  # the reader is gone
+    assert stream.write("step 9/100: loss 3.5\n") == len("step 9/100: loss 3.5\n")
+    stream.flush()
+    stream.write("more\n")  # the descriptor now points at /dev/null
+    assert os.readlink(f"/proc/self/fd/{stream.fileno()}") == os.devnull
+    stream.stream.close()
+
+
+def test_after_a_ctrl_c_a_piped_stdout_follows_stderr(tmp_path):
+    """Under `mpiexec ... | tee log` the Ctrl-C ends tee: a rank's next stdout line, forwarded by
+    mpiexec into the closed pipe, killed mpiexec (SIGPIPE, exit 141) and the ranks before the save.
+    After a Ctrl-C a piped stdout goes where stderr goes; a file stays as it is."""
+    saved = os.dup(1), os.dup(2)
+    out_read, out_write = os.pipe()
+    err = open(tmp_path / "err", "w")
+    try:
+        os.dup2(out_write, 1)
+        os.dup2(err.fileno(), 2)
+        resilience.stdout_follows_stderr()
+        os.write(1, b"after the Ctrl-C\n")
+        assert os.path.samestat(os.fstat(1), os.fstat(2))
+        os.dup2(err.fileno(), 1)  # a file: stays
+        resilience.stdout_follows_stderr()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, out_read, out_write):
+            os.close(fd)
+        err.close()
+    assert (tmp_path / "err").read_text() == "after the Ctrl-C\n"
+
+
+def training_command(corpus, run_name):
+    return [
+        sys.executable,
+        str(ROOT / "basic_training.py"),
+        "--dataset",
+        "text",
+        "--input_file",
+        str(corpus),
+        *TINY_MODEL,
+        "--max_steps",
+        "100000",
+        "--eval_interval",
+        "0",
+        "--log_interval",
+        "1",
+        "--num_tokens",
+        "0",
+        "--run_name",
+        run_name,
+    ]
+
+
+def interrupted(cmd, work, run_name, times):
+    """cmd (a shell line) in a session of its own, sent SIGINT `times` times (as Ctrl-C sends it to
+    the terminal's foreground group: the shell, the launcher, tee) once training has logged two
+    steps (after the first, the ranks have looked at stop requests together: there is something to
+    save); returns once every process of it has ended."""
+    process = subprocess.Popen(
+        ["bash", "-c", cmd],
+        cwd=work,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    metrics = work / "logs" / run_name / "metrics.jsonl"
+    deadline = time.monotonic() + 400  # bounds on a hang only
+    while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
+    for _ in range(times):
+        os.killpg(process.pid, signal.SIGINT)
+        time.sleep(0.5)
+    try:
+        process.wait(timeout=300)
+        deadline = time.monotonic() + 120
+        while session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not session_processes(process.pid)
+    finally:
+        for pid in session_processes(process.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_tee_saves_and_removes_the_locks(tmp_path, corpus):
+    """`python basic_training.py | tee log`, Ctrl-C: tee ends with it; the run still saves, says
+    so on stderr, and removes its locks."""
+    cmd = " ".join(training_command(corpus, "tee")) + " 2>err | tee log"
+    interrupted(cmd, tmp_path, "tee", times=1)
+    run = tmp_path / "checkpoints" / "tee"
+    assert list(run.glob("step_*")), (tmp_path / "err").read_text()[-3000:]
+    err = (tmp_path / "err").read_text()
+    assert "SIGINT received; saved a checkpoint and stopping" in err and "Traceback" not in err
+    assert gone_within([run / files.LOCK_NAME, tmp_path / "logs" / "tee" / files.LOCK_NAME])
+
+
+@pytest.mark.slow
+def test_ctrl_c_twice_under_mpiexec_removes_the_locks(tmp_path, corpus):
+    """The README says a second Ctrl-C removes the run's locks; under mpiexec they used to stay
+    (the launcher kills the ranks), and the next run took each over with a warning."""
+    cmd = f"{mpiexec()} -n 2 " + " ".join(training_command(corpus, "twice")) + " >log 2>&1"
+    interrupted(cmd, tmp_path, "twice", times=2)
+    locks = [tmp_path / d / "twice" / files.LOCK_NAME for d in ("checkpoints", "logs")]
+    assert gone_within(locks), (tmp_path / "log").read_text()[-3000:]

@@ -310,3 +310,37 @@ def test_gpu_benchmark_bytes_and_step_time(tmp_path):
     # ring all-reduce, fp32 grads
     assert rows["-"]["bytes_per_step"] == pytest.approx(2 * 3 / 4 * 4 * params)
     assert all(r["step_ms"] > 0 for r in rows.values())
+
+
+def test_a_decentralized_checkpoint_holds_the_mean_of_the_replicas(monkeypatch):
+    """The checkpoint's `model` and `optim` (what sample, export and all-reduce runs read) are the
+    network average of every floating-point tensor, nested at any depth; counts and settings are
+    left as they are. In this process: three ranks written out, the others holding this rank's
+    values + 1 and + 2, so the mean is this rank's + 1."""
+    from minimal_fsdp.checkpoint import checkpointer
+
+    reduced = []
+
+    def all_reduce(tensor, op=None, group=None):  # SUM over ranks holding t, t + 1, t + 2
+        reduced.append(tensor)
+        tensor.mul_(3).add_(3)
+
+    monkeypatch.setattr(checkpointer.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(checkpointer.dist, "get_world_size", lambda group=None: 3)
+    weight, moment = torch.randn(4, 2), torch.rand(4, 2)
+    original = weight.clone()
+    own = {
+        "model": {"w": weight},
+        "optim": {
+            "state": {"w": {"step": torch.tensor(6.0), "exp_avg_sq": moment}},
+            "param_groups": [{"lr": 0.1, "params": ["w"]}],
+            "count": torch.tensor([7], dtype=torch.int64),
+        },
+    }
+    mean = checkpointer._network_average(own)
+    assert torch.allclose(mean["model"]["w"], weight + 1)
+    assert torch.allclose(mean["optim"]["state"]["w"]["exp_avg_sq"], moment + 1)
+    assert mean["optim"]["state"]["w"]["step"].item() == 7.0
+    assert mean["optim"]["param_groups"] == [{"lr": 0.1, "params": ["w"]}]
+    assert mean["optim"]["count"].tolist() == [7] and len(reduced) == 3
+    assert torch.equal(own["model"]["w"], original)  # the replica itself is not changed

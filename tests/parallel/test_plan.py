@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from minimal_fsdp.parallel import choose
 from minimal_fsdp.parallel import plan as plan_module
 from minimal_fsdp.config.choices import SMALL_MODEL
 from minimal_fsdp.config.flags import ConfigError, parse_args
@@ -57,7 +58,7 @@ def plan_for(monkeypatch, flags, world=1, local=None, device="cpu", config=CONFI
 
 def large(monkeypatch):
     """CONFIG counts as a large model: over --fsdp_unit auto's and --cuda_graphs auto's bounds."""
-    monkeypatch.setattr(plan_module, "SMALL_MODEL", NUM_PARAMS - 1)
+    monkeypatch.setattr(choose, "SMALL_MODEL", NUM_PARAMS - 1)
     monkeypatch.setattr(plan_module, "GRAPHS_MODEL", NUM_PARAMS - 1)
 
 
@@ -407,3 +408,22 @@ def test_cuda_graphs_only_where_no_fsdp_hooks_surround_the_graph(monkeypatch, fl
         return
     plan = plan_module.make_plan(cfg, env, tiny)
     assert plan.cuda_graphs and "replayed as CUDA graphs" in plan.describe()
+
+
+def test_reduce_precision_auto_sums_in_fp32_on_one_host_and_bf16_across_hosts(monkeypatch):
+    """--reduce_precision auto: bf16 sums only where they cross hosts and the matmuls are bf16 or
+    fp8; on one host (however many ranks) and under float32, fp32 sums."""
+
+    def reduced(precision, world, local, asked="auto"):
+        flags = ["--precision", precision, "--reduce_precision", asked]
+        plan, _ = plan_for(monkeypatch, flags, world=world, local=local)
+        return plan.reduce_precision, plan.reduce_dtype
+
+    assert reduced("bf16", 4, 4) == ("float32", torch.float32)
+    assert reduced("bf16", 1, 1) == ("float32", torch.float32)
+    assert reduced("bf16", 4, 2) == ("bf16", torch.bfloat16)
+    assert reduced("float32", 4, 2) == ("float32", torch.float32)
+    # fp8 needs a GPU to plan; its choice is the same function's
+    assert plan_module.reduce_precision("auto", 1, "fp8") == "float32"
+    assert plan_module.reduce_precision("auto", 2, "fp8") == "bf16"
+    assert reduced("bf16", 4, 4, asked="bf16") == ("bf16", torch.bfloat16)

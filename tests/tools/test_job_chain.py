@@ -1,18 +1,16 @@
-"""Job chains (CHAIN=1) of the PBS and SLURM scripts, under a stand-in scheduler: qsub/sbatch queue
-the successor, the test runs the queue in order. Three jobs of one step each (--time_limit 00:00:00
-stops a job after its first step, deterministically) train one 3-step run whose logged losses equal,
-bit for bit, those of the same run trained in one go; so does a chain past a checkpoint damaged
-where progress.py cannot see it."""
+"""Job chains (CHAIN=1) of the SLURM script, under a stand-in scheduler: sbatch queues the
+successor, the test runs the queue in order (PBS's chains: test_pbs_chain.py). Three jobs of one
+step each (--time_limit 00:00:00 stops a job after its first step, deterministically) train one
+3-step run whose logged losses equal, bit for bit, those of the same run trained in one go; so does
+a chain past a checkpoint damaged where progress.py cannot see it."""
 
 import json
 import os
-import re
 import socket
-import sys
 
 import pytest
 
-from conftest import ENTRY, ROOT, TINY_MODEL, launch, make_text, mpiexec
+from conftest import ENTRY, ROOT, TINY_MODEL, launch, make_text
 from fake_launchers import install_fakes, run_session
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from support import flip_a_byte
@@ -109,66 +107,6 @@ def run_chain(tmp_path, first_job, next_job, max_jobs=6):
         queued = sorted((tmp_path / "queue").glob("*.json"))
         job = next_job(json.loads(queued[-1].read_text())) if len(queued) == len(outputs) else None
     return outputs
-
-
-@pytest.mark.slow
-def test_pbs_chain_finishes_the_run_of_an_uninterrupted_job(tmp_path, corpus, straight):
-    env = base_env(tmp_path)
-    (tmp_path / "nodefile").write_text(f"{socket.gethostname()}\n" * 2)
-    (tmp_path / "python").write_text(
-        f'#!/bin/bash\necho "$*" >> {tmp_path}/python.log\nexec {sys.executable} "$@"\n'
-    )
-    (tmp_path / "python").chmod(0o755)
-    pbs = dict(PBS_NODEFILE=str(tmp_path / "nodefile"), PBS_O_WORKDIR=str(tmp_path))
-    # CPU_BIND empty: Hydra's mpiexec knows --ppn but not Cray's --depth.
-    settings = dict(
-        REPO=str(ROOT),
-        MPIEXEC=mpiexec(),
-        NRANKS_PER_NODE="2",
-        NDEPTH="1",
-        CPU_BIND="",
-        PYTHON=str(tmp_path / "python"),
-        CHAIN="1",
-        ARGS=" ".join([*run_args(corpus), "--time_limit", "00:00:00"]),
-    )
-    script = str(ROOT / "pbs" / "train_single_node.sh")
-    jobs = ["1.fake"]
-
-    def next_job(queued):
-        argv = queued["argv"]
-        assert argv[:2] == ["-W", f"depend=afterany:{jobs[-1]}"] and argv[-1] == script
-        # This job's queue, account and resources (from qstat -f) go to the successor.
-        assert " ".join(argv[2:-3]) == (
-            "-A PROJECT -q debug -l filesystems=home:eagle -l place=scatter "
-            "-l select=1:system=polaris -l walltime=01:00:00"
-        )
-        passed = dict(item.split("=", 1) for item in argv[-2].split(","))
-        assert passed == {**settings, "ENTRY": f"{ROOT}/basic_training.py", "CHAIN_MARGIN": "300"}
-        jobs.append(queued["id"])
-        return ["bash", script], dict(env, **pbs, **passed, PBS_JOBID=queued["id"]), tmp_path
-
-    outputs = run_chain(
-        tmp_path,
-        (["bash", script], dict(env, **pbs, **settings, PBS_JOBID="1.fake"), tmp_path),
-        next_job,
-    )
-    assert len(outputs) == STEPS and jobs == ["1.fake", "2.fake", "3.fake"]
-    assert "chain: at step 1 of 3; submitting the next job" in outputs[0]
-    assert "chain: the run reached its last step (3)" in outputs[-1]
-    assert logged(tmp_path) == straight
-    # Each job asks progress.py twice (the run's step before and after training).
-    calls = (tmp_path / "python.log").read_text().splitlines()
-    assert sum(line.startswith("-m minimal_fsdp progress ") for line in calls) == 2 * STEPS
-    # --time_limit from the walltime (01:00:00 less CHAIN_MARGIN and the seconds the job has run),
-    # before ARGS, whose own --time_limit wins.
-    assert re.search(
-        r"--time_limit 00:5[45]:\d\d .*--time_limit 00:00:00", (tmp_path / "python.log").read_text()
-    )
-    # The message names the --time_limit that applies: the user's.
-    assert (
-        "chain: walltime 01:00:00, --time_limit 00:00:00 (yours; the walltime would allow 00:5"
-        in outputs[0]
-    )
 
 
 @pytest.mark.slow

@@ -285,3 +285,18 @@ def kept_per_token(config):
 def final_norm_per_token(config, device_type="cuda"):
     """The final RMSNorm's input and output (and on CPU, unfused, its normalized input)."""
     return (2 if device_type == "cuda" else 3) * config.embed_size
+
+
+def sizes(config, qkv_bias=False):
+    """(per block, outside the blocks, looked-up embedding, each block linear's (name, in, out)):
+    models/llama.Llama's RMSNorms (weight), q/k/v/o (q/k/v with biases: qkv_bias), SwiGLU
+    gate/up/down; an output head of its own unless tied to the embedding."""
+    C, V = config.embed_size, config.vocab_size
+    D = C // config.num_heads
+    Q, K, inter = config.num_heads * D, config.num_kv_heads * D, config.intermediate_size
+    linears = (("attn.q_proj", C, Q), ("attn.k_proj", C, K), ("attn.v_proj", C, K))
+    linears += (("attn.o_proj", Q, C), ("mlp.gate_proj", C, inter), ("mlp.up_proj", C, inter))
+    linears += (("mlp.down_proj", inter, C),)
+    per_block = sum(i * o for _, i, o in linears) + 2 * C + (Q + 2 * K if qkv_bias else 0)
+    tied = getattr(config, "tie_embeddings", False)
+    return per_block, V * C + C + (0 if tied else C * V), 0 if tied else V * C, linears

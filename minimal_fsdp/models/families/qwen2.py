@@ -93,3 +93,8 @@ def hf_names(config):
     """{our parameter name: its name in the files Qwen2ForCausalLM saves}: Llama's, with the biases
     of q, k and v, and no lm_head when it is the embedding."""
     return llama.hf_names(config, qkv_bias=True, tied=config.tie_embeddings)
+
+
+def sizes(config):
+    """Llama's terms with the q/k/v biases."""
+    return llama.sizes(config, qkv_bias=True)

@@ -1,0 +1,110 @@
+"""One step's device time by kind, from a torch.profiler Chrome trace (ours from --profile, or
+torchtitan's profile_traces/iteration_N/rank0_trace.json), traced over `steps` steps:
+
+    python benchmarks/trace_breakdown.py TRACE [--steps 1] [--step_ms MS]
+
+Kinds, by kernel name (the first that matches): attention forward / backward (cuDNN, flash,
+memory-efficient), matmuls (cuBLAS, CUTLASS, nvjet, fp8 included), optimizer (AdamW's and the grad
+norm and clipping's multi-tensor kernels), copies and casts (FSDP's all-gather copy-in/out,
+chunk_cat, dtype casts, memcpy/memset, NCCL, and compiled kernels that scale and cast float8 matmul
+inputs), loss (cross-entropy kernels), elementwise (everything else: Triton kernels compile made,
+torch's elementwise and reduction kernels). busy = the union of kernel intervals;
+idle = the span from the first kernel's start to the last one's end, less busy (with --step_ms:
+the measured step less busy, which also counts the gap between steps).
+"""
+
+import argparse
+import gzip
+import json
+import re
+
+KINDS = [
+    (
+        "attention bwd",
+        lambda n: _attention(n) and any(k in n for k in ("bwd", "bprop", "dot_do_o")),
+    ),
+    ("attention fwd", lambda n: _attention(n)),
+    ("matmul", lambda n: not n.startswith("triton") and any(k in n for k in MATMULS)),
+    ("optimizer", lambda n: any(k in n for k in ("adam", "multi_tensor", "foreach", "lpnorm"))),
+    ("copies / casts (FSDP, dtype, fp8)", lambda n: _copy(n)),
+    ("loss", lambda n: any(k in n for k in LOSSES)),
+    ("elementwise", lambda n: True),
+]
+MATMULS = ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "wgmma", "cublas", "splitk")
+LOSSES = ("cross_entropy", "log_softmax", "nll_loss", "loss_and_grad")
+COPIES = ("chunk_cat", "split_with_sizes", "all_gather", "nccl", "memcpy", "memset", "copy_kernel")
+
+
+def _copy(n):
+    """Copies and dtype casts: FSDP's all-gather copy-in/out, torch's copy kernels, compiled kernels
+    that only cast, and compiled kernels that make float8 matmul inputs (Triton names a kernel after
+    every op it fused: a bf16 cast fused into other work counts as elementwise)."""
+    return (
+        any(k in n for k in COPIES)
+        or re.fullmatch(r"triton_\w+?_fused__to_copy(_t)?_\d+", n)
+        or n.startswith("triton")
+        and "scaled_mm" in n  # float8 scales and casts of matmul inputs
+    )
+
+
+def _attention(n):
+    return any(k in n for k in ("flash", "fmha", "sdpa", "attention", "attn", "cudnn"))
+
+
+def kind(name):
+    n = name.lower()
+    return next(k for k, test in KINDS if test(n))
+
+
+def device_events(path):
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return [
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
+
+
+def breakdown(path, steps=1):
+    """{kind: ms a step, ..., 'busy': ms, 'span': ms, 'idle': ms}."""
+    events = device_events(path)
+    out = {k: 0.0 for k, _ in KINDS}
+    for e in events:
+        out[kind(e["name"])] += e["dur"] / 1e3 / steps
+    intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    busy, end = 0.0, None
+    for a, b in intervals:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
+    out.update(busy=busy / 1e3 / steps, span=span / 1e3 / steps)
+    out["idle"] = out["span"] - out["busy"]
+    return out
+
+
+def print_breakdown(who, parts, step_ms=None):
+    idle = step_ms - parts["busy"] if step_ms else parts["idle"]
+    of = f" of {step_ms:.1f} ms measured" if step_ms else f" of a {parts['span']:.1f} ms span"
+    print(f"\n{who}: device busy {parts['busy']:.1f} ms a step{of}")
+    for k, _ in KINDS:
+        print(f"  {k:34s} {parts[k]:7.1f} ms")
+    print(f"  {'idle':34s} {idle:7.1f} ms")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--step_ms", type=float, default=None)
+    args = p.parse_args()
+    print_breakdown(args.trace, breakdown(args.trace, args.steps), args.step_ms)
+
+
+if __name__ == "__main__":
+    main()

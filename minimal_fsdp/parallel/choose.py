@@ -1,0 +1,85 @@
+"""The pure choices of a parallel plan, torch-free so the memory planner (`minimal-fsdp plan`)
+answers without importing torch: the mesh layout of a sharding strategy, which strategy a launch
+takes, the dtype gradients are reduced in, and which linear layers --precision fp8 converts.
+parallel/plan.py and parallel/fp8.py use them (and re-export them under their old names)."""
+
+from minimal_fsdp.config.choices import SMALL_MODEL
+
+MIN_FEATURES = 256
+# model.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never
+# run its forward.
+NOT_CALLED = ("attn.qkv",)
+
+
+def converts(name, in_features, out_features):
+    """Whether --precision fp8 turns the linear layer `name` (within a block) into a float8 one."""
+    return (
+        not name.endswith(NOT_CALLED)
+        and in_features % 16 == 0
+        and out_features % 16 == 0
+        and min(in_features, out_features) >= MIN_FEATURES
+    )
+
+
+def block_shapes(sizes):
+    """(in, out) features of each linear layer of one block that --precision fp8 converts
+    (models.size.Sizes)."""
+    return tuple((i, o) for name, i, o in sizes.block_linears if converts(name, i, o))
+
+
+def layout(sharding, world_size, shard_group_size):
+    """(mesh shape, ranks a parameter is sharded over, reshard after forward) of a strategy. The
+    last is pointless over a shard group of one rank; the last block never reshards anyway (its
+    backward comes right after)."""
+    if sharding in ("full-shard", "grad-shard"):
+        shape = (world_size,)
+    else:
+        group = 1 if sharding == "no-shard" else shard_group_size
+        shape = (world_size // group, group)
+    return shape, shape[-1], sharding in ("full-shard", "hybrid-full-shard") and shape[-1] > 1
+
+
+def small_model(fsdp_unit, num_params):
+    """--fsdp_unit's rule: is the whole model gathered as one unit? auto: up to SMALL_MODEL
+    parameters."""
+    return fsdp_unit == "model" or fsdp_unit == "auto" and num_params <= SMALL_MODEL
+
+
+def strategy(
+    sharding,
+    world_size,
+    num_params,
+    fsdp_unit="auto",
+    cpu_offload=False,
+    float8=False,
+    decentralized=False,
+    fsdp_on_one_rank=False,
+):
+    """The strategy (STRATEGIES) of a launch: pure, so the memory planner asks it without a launch.
+    fsdp_on_one_rank: shard even a world of one (tests and benchmarks compare the two)."""
+    if decentralized:
+        return "gossip"
+    replicas = (
+        sharding == "no-shard" and world_size > 1 and not cpu_offload and not fsdp_on_one_rank
+    )
+    if not replicas and world_size == 1 and not cpu_offload and not fsdp_on_one_rank:
+        return "local"  # nothing to shard: FSDP's per-step work would buy nothing
+    small = small_model(fsdp_unit, num_params)
+    # offloading and float8 all-gathers are FSDP2's features
+    if small and not cpu_offload and not float8:
+        return "one-unit"
+    if replicas:  # one all-reduce a step, with a fraction of FSDP's host work
+        return "ddp"
+    return "fsdp-whole" if small else "fsdp-block"
+
+
+def reduce_precision(asked, hosts, precision):
+    """--reduce_precision's dtype on this launch. auto: bf16 across hosts where the matmuls run in
+    bf16 (or fp8): the link, not the GPU, bounds such a step, and half the bytes cross it (on 2
+    hosts x 1 H200 at 10 Gbit/s, GPT-2 124M's step took 282 ms full-shard in bf16 against torch
+    DDP's 487 ms in fp32); within a host the fp32 sum costs nothing measurable. bf16 sums cost no
+    measurable loss up to 8 ranks, so the rule does not depend on the rank count
+    (benchmarks/results/RESULTS.md#loss-cpu)."""
+    if asked != "auto":
+        return asked
+    return "bf16" if hosts > 1 and precision != "float32" else "float32"

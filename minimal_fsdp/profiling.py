@@ -1,0 +1,138 @@
+"""--profile START:END and --memory_snapshot: what a training run records of its own steps for a
+user to open (docs/performance.md, "Profiling a run").
+
+- --profile: a torch.profiler trace of the steps START to END-1 (0-based, as `range`; the log's
+  rows count steps done, so 10:12 is the rows 11 and 12), one file per rank,
+  <log_dir>/<run_name>/profile/rank<R>.steps<START>-<END>.pt.trace.json: Chrome trace JSON, which
+  Perfetto (ui.perfetto.dev) and chrome://tracing open, and which TensorBoard's profiler plugin
+  finds by its .pt.trace.json ending (`tensorboard --logdir <log_dir>/<run_name>/profile`). Each
+  step is a `ProfilerStep#<step>` range, as torch.profiler's own schedule names them.
+- --memory_snapshot (CUDA only): the CUDA caching allocator's history from the first recorded step
+  and its state at the end, <log_dir>/<run_name>/memory_snapshot_rank<R>.pickle, for
+  pytorch.org/memory_viz. It records the --profile range if one is given, else the launch's first
+  SNAPSHOT_STEPS steps.
+
+Off (the default) nothing is created: around_steps yields None and the loop checks only that.
+Nothing here imports torch at import time: the flags' checks run before it loads.
+"""
+
+from contextlib import contextmanager
+from pathlib import Path
+
+from minimal_fsdp.config.checks import profile_range
+
+SNAPSHOT_STEPS = 3  # steps a --memory_snapshot records without --profile
+SNAPSHOT_ENTRIES = 100_000  # allocator events kept (torch's example value); older ones drop out
+
+
+class StepProfiler:
+    """Starts and stops the profiler and the allocator's history at step boundaries; `at(step)` is
+    called before each step, `close()` after the loop (a range past the run's end ends there)."""
+
+    def __init__(self, cfg, env, run_dir, warn):
+        self.env, self.run_dir, self.rank = env, Path(run_dir), env.rank
+        self.range = profile_range(cfg.profile) if cfg.profile else None
+        cuda = env.device.type == "cuda"
+        self.snapshot = cfg.memory_snapshot and cuda
+        if cfg.memory_snapshot and not cuda and warn:
+            warn(
+                "warning: --memory_snapshot is CUDA-only (the CUDA allocator's snapshot); this "
+                f"run is on {env.device.type}: no snapshot is written"
+            )
+        self.snapshot_range = None
+        if self.snapshot:
+            self.snapshot_range = self.range  # set at the first step without --profile
+        self.profiler = self.step_range = None
+        self.recording = False
+        self.first = None
+
+    def at(self, step):
+        """Before step `step`: ends the last step's range, starts or stops what is due."""
+        import torch
+
+        if self.first is None:
+            self.first = step
+            if self.snapshot and self.snapshot_range is None:
+                self.snapshot_range = (step, step + SNAPSHOT_STEPS)
+        if self.step_range is not None:
+            self.step_range.__exit__(None, None, None)
+            self.step_range = None
+        if self.range and step == self.range[1]:
+            self._stop_trace()
+        if self.snapshot_range and step == self.snapshot_range[1]:
+            self._stop_snapshot()
+        if self.snapshot and not self.recording and self._in(self.snapshot_range, step):
+            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
+            self.recording = True
+        if self.range and self.profiler is None and self._in(self.range, step):
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU]
+            if self.env.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+            self.profiler = profile(activities=activities, record_shapes=True)
+            self.profiler.start()
+        if self.profiler is not None:
+            self.step_range = torch.profiler.record_function(f"ProfilerStep#{step}")
+            self.step_range.__enter__()
+
+    def close(self):
+        """After the loop: what is still recording is written (a range past the run's end)."""
+        if self.step_range is not None:
+            self.step_range.__exit__(None, None, None)
+            self.step_range = None
+        self._stop_trace()
+        self._stop_snapshot()
+
+    @staticmethod
+    def _in(span, step):
+        return span is not None and span[0] <= step < span[1]
+
+    def _synchronize(self):
+        if self.env.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.env.device)  # the traced steps' kernels end in the trace
+
+    def trace_file(self):
+        start, end = self.range
+        return self.run_dir / "profile" / f"rank{self.rank}.steps{start}-{end}.pt.trace.json"
+
+    def snapshot_file(self):
+        return self.run_dir / f"memory_snapshot_rank{self.rank}.pickle"
+
+    def _stop_trace(self):
+        if self.profiler is None:
+            return
+        self._synchronize()
+        self.profiler.stop()
+        path = self.trace_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.profiler.export_chrome_trace(str(path))
+        self.profiler = None
+
+    def _stop_snapshot(self):
+        if not self.recording:
+            return
+        import torch
+
+        self._synchronize()
+        path = self.snapshot_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.recording = False
+
+
+@contextmanager
+def around_steps(cfg, env, run_dir, warn=None):
+    """The loop's StepProfiler if --profile or --memory_snapshot is set, else None (nothing made).
+    warn: rank 0's warning printer (others pass None)."""
+    if not cfg.profile and not cfg.memory_snapshot:
+        yield None
+        return
+    profiler = StepProfiler(cfg, env, run_dir, warn)
+    try:
+        yield profiler
+    finally:
+        profiler.close()
