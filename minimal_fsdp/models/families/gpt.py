@@ -177,7 +177,8 @@ def final_norm_per_token(config, device_type="cuda"):
 
 
 def sizes(config):
-    """(per block, outside the blocks, looked-up embedding, each block linear's (name, in, out)):
+    """(per block, outside the blocks, looked-up embedding, each block linear's (name, in, out),
+    the matrices outside the blocks):
     models/gpt.GPT's LayerNorms (weight, bias), attn.qkv, attn.proj, mlp.fc, mlp.proj; the token
     embedding is the output head (tied); wpe is only looked up."""
     C, V, T = config.embed_size, config.vocab_size, config.seq_length
@@ -185,4 +186,4 @@ def sizes(config):
     linears += (("mlp.proj", 4 * C, C),)
     bias = 1 if config.bias else 0
     per_block = sum(i * o + bias * o for _, i, o in linears) + 2 * (C + bias * C)
-    return per_block, V * C + T * C + C + bias * C, T * C, linears
+    return per_block, V * C + T * C + C + bias * C, T * C, linears, ((V, C), (T, C))

@@ -288,7 +288,8 @@ def final_norm_per_token(config, device_type="cuda"):
 
 
 def sizes(config, qkv_bias=False):
-    """(per block, outside the blocks, looked-up embedding, each block linear's (name, in, out)):
+    """(per block, outside the blocks, looked-up embedding, each block linear's (name, in, out),
+    the matrices outside the blocks):
     models/llama.Llama's RMSNorms (weight), q/k/v/o (q/k/v with biases: qkv_bias), SwiGLU
     gate/up/down; an output head of its own unless tied to the embedding."""
     C, V = config.embed_size, config.vocab_size
@@ -299,4 +300,5 @@ def sizes(config, qkv_bias=False):
     linears += (("mlp.down_proj", inter, C),)
     per_block = sum(i * o for _, i, o in linears) + 2 * C + (Q + 2 * K if qkv_bias else 0)
     tied = getattr(config, "tie_embeddings", False)
-    return per_block, V * C + C + (0 if tied else C * V), 0 if tied else V * C, linears
+    root = V * C + C + (0 if tied else C * V)
+    return per_block, root, 0 if tied else V * C, linears, ((V, C),) * (1 if tied else 2)
