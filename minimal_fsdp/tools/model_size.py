@@ -22,7 +22,7 @@ from pathlib import Path
 # checks). count() is models/size.py's count from the shape, held equal to it by tests.
 from minimal_fsdp.config.commands import PlanFlags
 from minimal_fsdp.config.checks import model_family
-from minimal_fsdp.config.choices import SHARDING, ConfigError
+from minimal_fsdp.config.choices import MODEL_FLAGS, SHARDING, ConfigError
 from minimal_fsdp.config.parser import parse
 from minimal_fsdp.models.counts import count as count_parameters
 from minimal_fsdp.models.families import FAMILIES, check_shape, make_config
@@ -225,10 +225,8 @@ def model_config(args):
         num_heads=args.num_heads,
         embed_size=args.embed_size,
     )
-    if family == "llama":
-        shape.update(num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size)
-    else:
-        shape.update(bias=args.bias)
+    # the shape flags this family takes (config.checks refused the others)
+    shape.update({name: getattr(args, name) for name in MODEL_FLAGS[family]})
     config = check_shape(make_config(family, args.model_preset, **shape))
     return family, config, args.model_preset
 
