@@ -60,7 +60,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimal_fsdp.launch import environment  # noqa: E402
-from minimal_fsdp.models.families import MODELS, config_from_flags  # noqa: E402
+from minimal_fsdp.models.classes import MODELS  # noqa: E402
+from minimal_fsdp.models.families import config_from_flags  # noqa: E402
 from minimal_fsdp.parallel.parallelize import (  # noqa: E402
     build_model,
     gradient_sync,

@@ -28,7 +28,7 @@ from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.flags import one_line_errors, parse_args
 from minimal_fsdp.data import prepare
 from minimal_fsdp.hf import read as hf
-from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.parallel import gossip
@@ -576,11 +576,11 @@ HOSTILE_META = {
     ),
     "model type": (
         lambda m: m.update(model_type="bert"),
-        'meta.json: model_type is "bert", not one of gpt, llama',
+        'meta.json: model_type is "bert", not one of gpt, llama, qwen2',
     ),
     "model type a list": (
         lambda m: m.update(model_type=["gpt"]),
-        'meta.json: model_type is ["gpt"], not one of gpt, llama',
+        'meta.json: model_type is ["gpt"], not one of gpt, llama, qwen2',
     ),
     "format": (
         lambda m: m.update(format=7),

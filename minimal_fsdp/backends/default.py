@@ -9,7 +9,7 @@ from minimal_fsdp.checkpoint import background as checkpoint_background
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.metrics import banner
-from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 
 

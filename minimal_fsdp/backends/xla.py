@@ -55,7 +55,7 @@ from minimal_fsdp.hf import read as hf
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.metrics import banner
-from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.parallel.parallelize import LocalSync, init_weights, seed64
 
 # FSDPv2's attribute for the module it wraps; not part of a parameter's saved name

@@ -22,7 +22,8 @@ from minimal_fsdp.checkpoint.dirs import crc32, step_of  # noqa: F401 (re-export
 from minimal_fsdp.checkpoint.meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.files import open_regular, read_json
-from minimal_fsdp.models.families import MODELS, config_from_dict
+from minimal_fsdp.models.classes import MODELS
+from minimal_fsdp.models.families import config_from_dict
 from minimal_fsdp.checkpoint.rng import read_rng, rng_file, rng_problem
 from minimal_fsdp.checkpoint.safe_load import load_quietly, read_dcp_metadata
 

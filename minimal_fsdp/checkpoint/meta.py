@@ -4,7 +4,8 @@ meta.json, format 2 (read_meta turns a format-1 file, from before "format" exist
 layout):
   format      2
   step        optimizer steps done; world_size: ranks that saved it; val_loss: at this step, or null
-  model_type  "gpt" or "llama"; model: the model config's fields; config: every resolved flag
+  model_type  the family (models/families); model: the model config's fields; config: every
+              resolved flag
   state       the JSON state of the run's other parts, each written by its own state_dict():
               "schedule" (train.Schedule: lr_decay_steps, last_step) and "data" (data.TokenData /
               streaming.StreamingData: the position of the train stream); with --eval_tasks
@@ -30,7 +31,7 @@ from minimal_fsdp.checkpoint.dirs import STEP_NAME
 from minimal_fsdp.config.checks import MAX_WHOLE, WHOLE_RANGES
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.files import read_json
-from minimal_fsdp.models.configs import CONFIGS, check_shape
+from minimal_fsdp.models.families import FAMILIES, check_shape
 
 FORMAT = 2
 MAX_BYTES = 64 * 2**20  # a few KB, plus two numbers per file: room for a run of a million ranks
@@ -124,10 +125,11 @@ def check(meta):
         if field in meta and not isinstance(meta[field], dict):
             raise MetaError(f"meta.json: {field} is {_show(meta[field])}, not an object")
     if "model_type" in meta and not (
-        isinstance(meta["model_type"], str) and meta["model_type"] in CONFIGS
+        isinstance(meta["model_type"], str) and meta["model_type"] in FAMILIES
     ):
         raise MetaError(
-            f"meta.json: model_type is {_show(meta['model_type'])}, not one of {', '.join(CONFIGS)}"
+            f"meta.json: model_type is {_show(meta['model_type'])}, not one of "
+            f"{', '.join(FAMILIES)}"
         )
     state = meta.get("state", {})
     for part in ("schedule", "data"):
@@ -189,7 +191,7 @@ def model_problem(model_type, fields):
     """Why `fields` (meta.json's "model", or a model config read elsewhere) is not a config of our
     `model_type` that can be built, or None: known keys only, each of its type, sizes within
     MODEL_BOUNDS, shapes that fit."""
-    config_class = CONFIGS[model_type]
+    config_class = FAMILIES[model_type].Config
     types = {f.name: f.type for f in dataclasses.fields(config_class)}
     for name, value in fields.items():
         kind = types.get(name)

@@ -14,7 +14,7 @@ import importlib.util
 import math
 import os
 
-from minimal_fsdp.config.choices import MODEL_PRESETS, ConfigError
+from minimal_fsdp.config.choices import MODEL_FLAGS, MODEL_PRESETS, ConfigError
 
 GiB = 2**30
 MAX_TIMEOUT = 10**6  # seconds (11.6 days): longer than any job's walltime
@@ -248,12 +248,18 @@ def check_model(cfg):
                 "--max_epochs -1 with --hf_model generates from the Hugging Face model: "
                 "drop --restart_checkpoint_file, or drop --hf_model to generate from the checkpoint"
             )
-    elif model_family(cfg) == "gpt":
-        for name in ("num_kv_heads", "intermediate_size"):
-            if getattr(cfg, name) is not None:
-                raise ConfigError(f"--{name} is a llama flag: add --model llama, or drop it")
-    elif cfg.bias is not None:
-        raise ConfigError("--bias/--no-bias is a gpt flag (llama has no biases): drop it")
+    else:
+        family = model_family(cfg)
+        for name in dict.fromkeys(n for names in MODEL_FLAGS.values() for n in names):
+            takers = [f for f, names in MODEL_FLAGS.items() if name in names]
+            value = getattr(cfg, name)
+            if value is not None and family not in takers:
+                also = f" (also {', '.join(takers[1:])})" if takers[1:] else ""
+                flag = f"--{name}/--no-{name}" if isinstance(value, bool) else f"--{name}"
+                raise ConfigError(
+                    f"{flag} is a {takers[0]} flag{also}, and {family} has no such setting: "
+                    f"add --model {takers[0]}, or drop it"
+                )
 
 
 def check_parallel(cfg):

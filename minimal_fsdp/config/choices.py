@@ -36,11 +36,18 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 # gossip.py
 TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
 
-# Preset names of each --model (the shapes are model.PRESETS and llama.PRESETS;
-# tests/models/test_llama.py checks that the names agree); "tiny" exists in both.
+# Each --model (a family of models/families, which config may not import: it needs no torch) with
+# its preset names, and the shape flags only some families take, by family. "tiny" is in several:
+# without --model it is the first's. tests/models/test_families.py checks both against the families.
 MODEL_PRESETS = {
     "gpt": ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"),
     "llama": ("tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-tiny"),
+    "qwen2": ("tiny", "qwen2.5-0.5b"),
+}
+MODEL_FLAGS = {
+    "gpt": ("bias",),
+    "llama": ("num_kv_heads", "intermediate_size"),
+    "qwen2": ("num_kv_heads", "intermediate_size"),
 }
 
 # The launchers' rank variables: which rank prints a flag error (config.flags) or a failure's one

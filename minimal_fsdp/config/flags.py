@@ -111,8 +111,9 @@ class Config:
     # model
     model: str = flag(
         None,
-        "architecture: gpt (GPT-2) or llama; default: the family of --model_preset (tiny: gpt)",
-        ("gpt", "llama"),
+        "architecture (a family of models/families); default: the family of --model_preset "
+        "(tiny: gpt)",
+        tuple(MODEL_PRESETS),
         "model",
     )
     model_preset: str = flag(
@@ -123,7 +124,7 @@ class Config:
     )
     hf_model: str = flag(
         None,
-        "start from a Hugging Face GPT-2 or Llama checkpoint: a local directory "
+        "start from a Hugging Face checkpoint of one of --model's families: a local directory "
         "(config.json + safetensors or .bin) or a hub name (fetched if the hub is "
         "reachable); its shape and tokenizer replace --model_preset and --tokenizer",
         section="model",
@@ -140,10 +141,10 @@ class Config:
     dropout: float = flag(None, "dropout probability", section="model")
     num_kv_heads: int = flag(
         None,
-        "llama: heads with their own keys and values (grouped-query attention)",
+        "heads with their own keys and values (grouped-query attention; not gpt)",
         section="model",
     )
-    intermediate_size: int = flag(None, "llama: hidden width of the SwiGLU MLP", section="model")
+    intermediate_size: int = flag(None, "hidden width of the SwiGLU MLP (not gpt)", section="model")
     bias: bool = flag(
         None,
         "gpt: biases in the linear layers and LayerNorms (GPT-2 has them; --no-bias is "

@@ -100,9 +100,13 @@ def build_parser(cls, prog=None, description=None):
     """Flags grouped by their section (the tables of a --config file), each with its default.
     Abbreviations are refused: `--max_step 5` must not quietly mean --max_steps, nor break when a
     flag is added."""
+    usage = getattr(cls, "USAGE", None)
+    if prog not in (None, getattr(cls, "PROG", None)):
+        # another command parsing these flags (progress takes train's) has its own usage line
+        usage = f"{prog} [--config FILE.toml] [--FLAG VALUE ...]"
     parser = _Parser(
         prog=prog or getattr(cls, "PROG", None),
-        usage=getattr(cls, "USAGE", None),
+        usage=usage,
         description=description or getattr(cls, "DESCRIPTION", None),
         allow_abbrev=False,
     )

@@ -1,11 +1,11 @@
-"""Hugging Face model directories read in, for GPT-2 (GPT2LMHeadModel) and Llama 2/3
-(LlamaForCausalLM).
+"""Hugging Face model directories read in, for each family of models/families (GPT2LMHeadModel,
+LlamaForCausalLM, ...: a family's module maps its config.json and tensor names).
 
 In:  resolve(name_or_dir)            a local directory (a hub name is downloaded if the hub answers)
-     read_config(dir, ...)           -> our model type ("gpt" or "llama") and config
+     read_config(dir, ...)           -> our model type (a family's name) and config
      load_weights(model, dir, type)  each rank reads only its own rows of each tensor into its shard
      load_tokenizer(dir)             the directory's own tokenizer (tokenizer.load_tokenizer)
-Out: hf_write.py (config.json, safetensors, tokenizer files); hf_tokenizer.py (our tokenizers as
+Out: write.py (config.json, safetensors, tokenizer files); tokenizer.py (our tokenizers as
 tokenizer.json)
 
 transformers itself is never imported: the formats are plain JSON, safetensors and the `tokenizers`
@@ -15,7 +15,7 @@ torch.distributed.checkpoint has a Hugging Face reader and writer (hf_storage.py
 consolidation helper (_consolidate_hf_safetensors.py). We keep our own reader because the DCP reader
 needs stored names and shapes to equal the state dict's: it cannot transpose GPT-2's Conv1D weights,
 read .bin files, untie a missing lm_head (Llama 3.2) or keep the first rows of shortened position
-embeddings. sample.py does use the DCP reader, for our own exports, where names match.
+embeddings.
 """
 
 import json
@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor, Shard
 from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.checkpoint.meta import MODEL_BOUNDS, PLAIN_NAME, model_problem
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.models.families import MODELS, config_from_dict
+from minimal_fsdp.models.classes import MODELS
+from minimal_fsdp.models.families import FAMILIES, config_from_dict, of_hf
 from minimal_fsdp.checkpoint.safe_load import open_regular, read_json
 from minimal_fsdp.files import _depth
 
@@ -54,53 +55,15 @@ HEADER_MAX_DEPTH = 3  # {name: {"shape": [...]}}: a deeper header is not one
 
 
 def hf_names(model_type, config):
-    """{our parameter name: its Hugging Face name}, in the names GPT2LMHeadModel / LlamaForCausalLM
-    save."""
-    if model_type == "gpt":
-        names = {
-            "wte.weight": "transformer.wte.weight",
-            "wpe.weight": "transformer.wpe.weight",
-            "ln_f.weight": "transformer.ln_f.weight",
-            "ln_f.bias": "transformer.ln_f.bias",
-        }
-        pairs = [
-            ("ln_1", "ln_1"),
-            ("attn.qkv", "attn.c_attn"),
-            ("attn.proj", "attn.c_proj"),
-            ("ln_2", "ln_2"),
-            ("mlp.fc", "mlp.c_fc"),
-            ("mlp.proj", "mlp.c_proj"),
-        ]
-        for i in range(config.num_layers):
-            for ours, theirs in pairs:
-                for kind in ("weight", "bias"):
-                    names[f"blocks.{i}.{ours}.{kind}"] = f"transformer.h.{i}.{theirs}.{kind}"
-        return names
-    names = {
-        "wte.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "lm_head.weight": "lm_head.weight",
-    }
-    pairs = [
-        ("attn_norm", "input_layernorm"),
-        ("mlp_norm", "post_attention_layernorm"),
-        *((f"attn.{p}", f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
-        *((f"mlp.{p}", f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")),
-    ]
-    for i in range(config.num_layers):
-        for ours, theirs in pairs:
-            names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
-    return names
+    """{our parameter name: its Hugging Face name}, in the names the family's transformers class
+    saves."""
+    return FAMILIES[model_type].hf_names(config)
 
 
 def is_transposed(hf_name):
-    """GPT-2's linear layers are Conv1D modules that store weights as (in, out): ours are
-    nn.Linear's (out, in)."""
-    return (
-        hf_name.startswith("transformer.h.")
-        and ".ln_" not in hf_name
-        and hf_name.endswith(".weight")
-    )
+    """Whether the files hold this tensor transposed from our nn.Linear's (out, in): GPT-2's Conv1D
+    weights. Each family's rule names only its own tensors, so any of them answers."""
+    return any(family.transposed(hf_name) for family in FAMILIES.values())
 
 
 # -----------------------------------------------------------------------------
@@ -188,8 +151,10 @@ def config_json(directory):
 
 def _field(hf, where, name, kind="size", default=None, bound=None, within=""):
     """config.json's `name`, checked: "size" a whole number in [1, bound], "number" a finite one >
-    0, "text" a string, "object" a JSON object; absent: `default`, or a ConfigError naming the field
-    when there is none."""
+    0, "text" a string, "object" a JSON object, "raw" as it is; absent: `default`, or a ConfigError
+    naming the field when there is none."""
+    if kind == "raw":
+        return hf.get(name, default)
     if name not in hf or hf[name] is None and default is not None:
         if default is None:
             raise ConfigError(f"{where}: config.json has no {within}{name}")
@@ -218,97 +183,31 @@ def read_config(directory, seq_length=None, dropout=None):
     hf = config_json(directory)
     kind = hf.get("model_type")
     where = f"--hf_model {directory}"
-    bound = MODEL_BOUNDS
-    if kind == "gpt2":
-        context = _field(hf, where, "n_positions", bound=bound["seq_length"])
-        embed, heads = (
-            _field(hf, where, "n_embd", bound=bound["embed_size"]),
-            _field(hf, where, "n_head", bound=bound["num_heads"]),
-        )
-        _check(
-            where,
-            _field(hf, where, "activation_function", "text", "gelu_new")
-            in ("gelu_new", "gelu_pytorch_tanh"),
-            f"activation {hf.get('activation_function')} (we use GPT-2's tanh GELU)",
-        )
-        _check(where, hf.get("n_inner") in (None, 4 * embed), "an MLP width other than 4 x n_embd")
-        _check(
-            where, hf.get("layer_norm_epsilon", 1e-5) == 1e-5, "a LayerNorm epsilon other than 1e-5"
-        )
-        _check(
-            where, not hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx"
-        )
-        model_type, names = "gpt", ("n_embd", "n_head")
-        fields = dict(
-            vocab_size=_field(hf, where, "vocab_size", bound=bound["vocab_size"]),
-            embed_size=embed,
-            num_layers=_field(hf, where, "n_layer", bound=bound["num_layers"]),
-            num_heads=heads,
-            bias=True,
-        )
-    elif kind == "llama":
-        context = _field(hf, where, "max_position_embeddings", bound=bound["seq_length"])
-        # transformers 5 / 4
-        spelling = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-        rope = _field(hf, where, spelling, "object", {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        _check(
-            where,
-            rope_type in ("default", "llama3"),
-            f"rope type {rope_type!r} (supported: default, llama3)",
-        )
-        _check(
-            where,
-            hf.get("hidden_act", "silu") == "silu",
-            f"activation {hf.get('hidden_act')} (we use SiLU)",
-        )
-        _check(
-            where,
-            not hf.get("attention_bias") and not hf.get("mlp_bias"),
-            "biases in attention or MLP",
-        )
-        embed = _field(hf, where, "hidden_size", bound=bound["embed_size"])
-        heads = _field(hf, where, "num_attention_heads", bound=bound["num_heads"])
-        _check(
-            where, hf.get("head_dim") in (None, embed // heads), "head_dim != hidden_size / heads"
-        )
-        model_type, names = "llama", ("hidden_size", "num_attention_heads")
-        fields = dict(
-            vocab_size=_field(hf, where, "vocab_size", bound=bound["vocab_size"]),
-            num_layers=_field(hf, where, "num_hidden_layers", bound=bound["num_layers"]),
-            num_heads=heads,
-            num_kv_heads=_field(
-                hf, where, "num_key_value_heads", default=heads, bound=bound["num_kv_heads"]
-            ),
-            embed_size=embed,
-            intermediate_size=_field(
-                hf, where, "intermediate_size", bound=bound["intermediate_size"]
-            ),
-            norm_eps=_field(hf, where, "rms_norm_eps", "number", 1e-6),
-            rope_theta=float(
-                _field(hf, where, "rope_theta", "number", rope.get("rope_theta", 10000.0))
-            ),
-            rope_scaling={
-                k: _field(
-                    rope, where, k, "text" if k == "rope_type" else "number", within=f"{spelling}."
-                )
-                for k in (
-                    "rope_type",
-                    "factor",
-                    "low_freq_factor",
-                    "high_freq_factor",
-                    "original_max_position_embeddings",
-                )
-            }
-            if rope_type == "llama3"
-            else None,
-        )
-    else:
-        raise ConfigError(f"{where} is a {kind!r} model; supported are gpt2 and llama")
+    model_type = of_hf(kind)
+    if model_type is None:
+        *others, last = (f.HF_TYPE for f in FAMILIES.values())
+        supported = f"{', '.join(others)} and {last}" if others else last
+        raise ConfigError(f"{where} is a {kind!r} model; supported are {supported}")
+    family = FAMILIES[model_type]
+
+    def field(name, kind="size", default=None, bound=None, within="", source=hf):
+        """A field of config.json (or of its object `source`); bound: our field whose
+        MODEL_BOUNDS bound a size."""
+        return _field(source, where, name, kind, default, MODEL_BOUNDS.get(bound), within)
+
+    def check(ok, what):
+        if not ok:
+            raise ConfigError(f"{where} uses {what}, which our model does not implement")
+
+    fields = {ours: field(theirs, bound=ours) for ours, theirs in family.HF_SIZES.items()}
+    embed, heads = fields["embed_size"], fields["num_heads"]
+    fields.update(family.from_hf(field, check, fields))
     if embed % heads:
         raise ConfigError(
-            f"{where}: config.json: {names[1]} {heads} does not divide {names[0]} {embed}"
+            f"{where}: config.json: {family.HF_SIZES['num_heads']} {heads} does not divide "
+            f"{family.HF_SIZES['embed_size']} {embed}"
         )
+    context = fields["seq_length"]
     if seq_length and seq_length > context:
         raise ConfigError(
             f"--seq_length {seq_length} is longer than {where}'s context of {context} tokens"
@@ -332,11 +231,6 @@ def read_model_config(directory, cfg):
         )
     check_weights(directory, model_type, config)
     return config
-
-
-def _check(where, ok, what):
-    if not ok:
-        raise ConfigError(f"{where} uses {what}, which our model does not implement")
 
 
 class CheckpointFiles:
@@ -447,28 +341,22 @@ def check_weights(directory, model_type, config, names=hf_names, where=None):
     files = CheckpointFiles(directory, where)
     layers = {int(m.group(1)) for m in map(LAYER.search, files.file_of) if m}
     if len(layers) != config.num_layers:
-        field = (
-            "num_layers"
-            if names is not hf_names
-            else "n_layer"
-            if model_type == "gpt"
-            else "num_hidden_layers"
-        )
+        field = FAMILIES[model_type].HF_SIZES["num_layers"] if names is hf_names else "num_layers"
         raise ConfigError(
             f"{files.where}: config.json: {field} is {config.num_layers}, but the "
             f"weights hold {len(layers)} layers"
         )
     with torch.device("meta"):
         model = MODELS[model_type](config)
-    _stored_names(files, model, names(model_type, config))
+    _stored_names(files, model, names(model_type, config), FAMILIES[model_type])
 
 
-def _stored_names(files, model, names):
+def _stored_names(files, model, names, family):
     """{our parameter: its name in the files}, after checking every shape: the same files give the
     same verdict on every rank, before anything is copied."""
     stored = {}
     for ours, param in model.named_parameters():
-        name = stored[ours] = _stored_name(files, names[ours])
+        name = stored[ours] = _stored_name(files, names[ours], family)
         shape = files.shape(name)[::-1] if is_transposed(names[ours]) else files.shape(name)
         # Position embeddings may be cut to a shorter --seq_length; everything else must match
         # exactly.
@@ -485,15 +373,9 @@ def _stored_names(files, model, names):
     return stored
 
 
-def _stored_name(files, hf_name):
-    """GPT-2 files saved from GPT2Model (the hub's `gpt2`) drop the 'transformer.' prefix, and Llama
-    files with tied embeddings (Llama 3.2 1B/3B) have no lm_head: we then untie it from the
-    embedding."""
-    for name in (
-        hf_name,
-        hf_name.removeprefix("transformer."),
-        "model.embed_tokens.weight" if hf_name == "lm_head.weight" else None,
-    ):
+def _stored_name(files, hf_name, family):
+    """The name the files hold `hf_name` under: the first of the family's stored_names there."""
+    for name in family.stored_names(hf_name):
         if name in files:
             return name
     raise ConfigError(
@@ -520,9 +402,9 @@ def load_weights(model, directory, model_type, names=hf_names, where=None):
     """Copy a Hugging Face checkpoint into a built (sharded or not) model. Every rank reads only the
     rows of its own shard, one tensor at a time, so no rank ever holds more than its shard plus one
     tensor slice."""
-    files = CheckpointFiles(directory, where)
+    files, family = CheckpointFiles(directory, where), FAMILIES[model_type]
     names = names(model_type, model.config)
-    stored = _stored_names(files, model, names)
+    stored = _stored_names(files, model, names, family)
     for ours, param in model.named_parameters():
         start, stop = local_rows(param)
         local = param.to_local() if isinstance(param, DTensor) else param
@@ -531,9 +413,10 @@ def load_weights(model, directory, model_type, names=hf_names, where=None):
 
 def load_tokenizer(directory):
     """The tokenizer a Hugging Face directory brings (tokenizer.load_tokenizer says which files, in
-    which order). A GPT-2 directory of weights alone gets tiktoken's GPT-2 BPE (from tiktoken's
-    cache, or downloaded)."""
-    model_type = config_json(directory).get("model_type")
+    which order). A directory of weights alone gets its family's HF_TOKENIZER if it has one (GPT-2:
+    tiktoken's GPT-2 BPE, from tiktoken's cache, or downloaded)."""
+    model_type = of_hf(config_json(directory).get("model_type"))
+    fallback = FAMILIES[model_type].HF_TOKENIZER if model_type else None
     # the tokenizers library and json.loads would recurse into a deeply nested one
     for name in TOKENIZER_JSON:
         if (Path(directory) / name).exists():
@@ -543,13 +426,13 @@ def load_tokenizer(directory):
                 raise ConfigError(
                     f"--hf_model {directory}: {name} {getattr(e, 'strerror', None) or e}"
                 ) from None
-    if model_type == "gpt2" and not tk.has_tokenizer(directory):
+    if fallback and not tk.has_tokenizer(directory):
         try:
-            return tk.GPT2Tokenizer()
+            return {"gpt2": tk.GPT2Tokenizer}[fallback]()
         except tk.TokenizerError:
             raise tk.TokenizerError(
                 f"--hf_model {directory} has no tokenizer files (tokenizer.json, or vocab.json + "
-                "merges.txt), and tiktoken's gpt2 files are not cached nor downloadable "
+                f"merges.txt), and tiktoken's {fallback} files are not cached nor downloadable "
                 "(offline?): copy the model's tokenizer files into it, or pass "
                 "--tokenizer_dir DIR"
             ) from None

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.files import write_atomic
 from minimal_fsdp.hf.read import hf_names, is_transposed
 from minimal_fsdp.hf.tokenizer import PROBE, hf_tokenizer
-from minimal_fsdp.models.families import config_from_dict
+from minimal_fsdp.models.families import FAMILIES, config_from_dict
 
 
 SAFETENSORS_DTYPES = {
@@ -77,57 +76,18 @@ def write_safetensors(path, specs, read, metadata):
 def hf_config(model_type, config, dtype=torch.float32, bos_id=None, eos_id=None):
     """The config.json that makes transformers build the same model. bos/eos: the tokenizer's ids,
     or None."""
-    c = config
+    family = FAMILIES[model_type].to_hf(config)
     dtype_name = str(dtype).removeprefix("torch.")
-    # both spellings: transformers 5 reads dtype, 4 reads torch_dtype
-    common = {
-        "vocab_size": c.vocab_size,
+    return {
+        "architectures": family.pop("architectures"),
+        "model_type": family.pop("model_type"),
+        "vocab_size": config.vocab_size,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
+        # both spellings: transformers 5 reads dtype, 4 reads torch_dtype
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
-    }
-    if model_type == "gpt":
-        if not c.bias:
-            raise ConfigError("a GPT without biases has no GPT2LMHeadModel equivalent")
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            **common,
-            "n_positions": c.seq_length,
-            "n_embd": c.embed_size,
-            "n_layer": c.num_layers,
-            "n_head": c.num_heads,
-            "n_inner": None,
-            "activation_function": "gelu_new",
-            "layer_norm_epsilon": 1e-5,
-            "resid_pdrop": c.dropout,
-            "embd_pdrop": c.dropout,
-            "attn_pdrop": c.dropout,
-            "tie_word_embeddings": True,
-        }
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta, **(c.rope_scaling or {})}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        **common,
-        "max_position_embeddings": c.seq_length,
-        "hidden_size": c.embed_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.embed_size // c.num_heads,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.norm_eps,
-        # both spellings: transformers 5 reads rope_parameters, 4 reads rope_theta and rope_scaling
-        "rope_theta": c.rope_theta,
-        "rope_parameters": rope,
-        "rope_scaling": rope if c.rope_scaling else None,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": c.dropout,
-        "tie_word_embeddings": False,
+        **family,
     }
 
 

@@ -27,7 +27,8 @@ from minimal_fsdp.data.tokenizer import load_tokenizer
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.inference.generate import check_num_tokens, generate
 from minimal_fsdp.launch import environment
-from minimal_fsdp.models.families import MODELS, config_from_dict
+from minimal_fsdp.models.classes import MODELS
+from minimal_fsdp.models.families import config_from_dict, guess_family
 from minimal_fsdp.parallel.parallelize import build_model
 from minimal_fsdp.parallel.plan import apply_process_settings, make_plan
 
@@ -39,8 +40,8 @@ EXPORT_WEIGHTS = "model.safetensors"
 class Source:
     kind: str  # "checkpoint", "export" (ours: --format safetensors) or "hf" (Hugging Face's)
     path: str
-    model_type: str  # "gpt" or "llama"
-    config: object  # GPTConfig or LlamaConfig
+    model_type: str  # a family of models/families: "gpt", "llama", ...
+    config: object  # that family's Config
     step: int = None  # a checkpoint's
 
 
@@ -213,7 +214,7 @@ def _export_source(path, config):
         )
     files = hf.CheckpointFiles(path, where=str(path))
     recorded = files.metadata(path / EXPORT_WEIGHTS).get("model_type")
-    model_type = recorded if recorded in MODELS else "llama" if "num_kv_heads" in config else "gpt"
+    model_type = recorded if recorded in MODELS else guess_family(config)
     problem = checkpoint_meta.model_problem(model_type, config)
     if problem:
         raise ConfigError(f"{path}: config.json: {problem}")
@@ -273,7 +274,7 @@ def describe(source, model, tokenizer, env, doing="generating from"):
     tokenizer."""
     c = source.config
     heads = f"{c.num_heads} heads" + (
-        f" ({c.num_kv_heads} kv)" if source.model_type == "llama" else ""
+        f" ({c.num_kv_heads} kv)" if hasattr(c, "num_kv_heads") else ""
     )
     what = {
         "checkpoint": f"checkpoint, step {source.step}",

@@ -4,6 +4,7 @@ built on the meta device (the training code's counter); tests/models/test_counts
 equal for every preset and for shapes drawn at random."""
 
 import dataclasses
+from dataclasses import field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,27 +16,26 @@ class Sizes:
     lookup: int = 0  # the embedding that is only looked up (no FLOPs; layers.Decoder.lookup_only)
     # (name in the block, in features, out features) of each linear layer of a block
     block_linears: tuple = ()
+    # (rows, cols) of each matrix outside the blocks (embeddings, an untied output head)
+    root_matrices: tuple = field(default=(), compare=False)  # models/size.py does not count them
 
 
 def count(config):
-    """Sizes of a GPTConfig or LlamaConfig, as models/size.count_parameters counts them."""
-    c = config
-    C, V, T = c.embed_size, c.vocab_size, c.seq_length
-    if c.model_type == "gpt":
-        # model.GPT: LayerNorms (weight, bias), attn.qkv, attn.proj, mlp.fc, mlp.proj; the token
-        # embedding is the output head (tied); wpe is only looked up.
-        linears = (("attn.qkv", C, 3 * C), ("attn.proj", C, C), ("mlp.fc", C, 4 * C))
-        linears += (("mlp.proj", 4 * C, C),)
-        bias = 1 if c.bias else 0
-        per_block = sum(i * o + bias * o for _, i, o in linears) + 2 * (C + bias * C)
-        root = V * C + T * C + C + bias * C
-        return Sizes(root + per_block * c.num_layers, per_block, root, T * C, linears)
-    # llama.Llama: RMSNorms (weight), q/k/v/o, SwiGLU gate/up/down, no biases; an untied lm_head.
-    D = C // c.num_heads
-    Q, K, inter = c.num_heads * D, c.num_kv_heads * D, c.intermediate_size
-    linears = (("attn.q_proj", C, Q), ("attn.k_proj", C, K), ("attn.v_proj", C, K))
-    linears += (("attn.o_proj", Q, C), ("mlp.gate_proj", C, inter), ("mlp.up_proj", C, inter))
-    linears += (("mlp.down_proj", inter, C),)
-    per_block = sum(i * o for _, i, o in linears) + 2 * C
-    root = V * C + C + C * V
-    return Sizes(root + per_block * c.num_layers, per_block, root, V * C, linears)
+    """Sizes of a family's config, as models/size.count_parameters counts them: each family says
+    its own terms (models/families/<family>.py, `sizes`)."""
+    from minimal_fsdp.models.families import FAMILIES  # the families import Sizes' module
+
+    per_block, root, lookup, linears, matrices = FAMILIES[config.model_type].sizes(config)
+    total = root + per_block * config.num_layers
+    return Sizes(total, per_block, root, lookup, linears, matrices)
+
+
+def parameter_shapes(config):
+    """The shapes of the model's matrices (each block's linears, the embeddings and head) and one
+    vector holding every other parameter: what PowerSGD's cost depends on (it compresses matrices
+    and sends vectors whole), without building the model."""
+    sizes = count(config)
+    shapes = [(o, i) for _, i, o in sizes.block_linears] * config.num_layers
+    shapes += list(sizes.root_matrices)
+    rest = sizes.total - sum(r * c for r, c in shapes)
+    return shapes + ([(rest,)] if rest else [])

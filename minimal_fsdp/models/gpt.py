@@ -1,6 +1,7 @@
 """A GPT-2-style decoder: pre-LayerNorm blocks, GELU MLP, tied embeddings, causal SDPA attention.
 
-Only the math lives here; how it is sharded, checkpointed and compiled lives in parallelize.py.
+Only the math lives here (the family: families/gpt.py); how it is sharded, checkpointed and
+compiled lives in parallel/parallelize.py.
 Shapes: B batch, T time, C embed_size, H heads, D = C // H.
 """
 
@@ -11,8 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimal_fsdp.models.layers import Decoder, attend, cross_entropy
-from minimal_fsdp.models.configs import GPT_PRESETS as PRESETS  # noqa: F401 (the shapes)
-from minimal_fsdp.models.configs import GPTConfig
+from minimal_fsdp.models.families.gpt import PRESETS, GPTConfig
 
 
 class CausalSelfAttention(nn.Module):

@@ -1,7 +1,7 @@
-"""What GPT and Llama share: attention over a KV cache or a document mask, the loss, parameter and
-FLOP counts.
+"""What the model classes share: attention over a KV cache or a document mask, the loss,
+parameter and FLOP counts.
 
-Only math lives here, as in model.py and llama.py.
+Only math lives here, as in gpt.py and llama.py.
 Shapes: B batch, H heads, K heads with their own keys and values, T time, D head size.
 """
 
@@ -67,7 +67,9 @@ class Decoder(nn.Module):
 
     def num_params(self, non_embedding=True):
         n = sum(p.numel() for p in self.parameters())  # a sharded (DTensor) parameter counts whole
-        return n - self.get_parameter(self.lookup_only).numel() if non_embedding else n
+        if non_embedding and self.lookup_only:
+            n -= self.get_parameter(self.lookup_only).numel()
+        return n
 
     def flops_per_token(self):
         """Training FLOPs per token: 6N for the matmuls plus attention (PaLM's count, as nanoGPT

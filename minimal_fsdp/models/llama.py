@@ -1,8 +1,11 @@
 """A Llama-style decoder: pre-RMSNorm blocks, rotary positions, grouped-query attention, SwiGLU MLP,
-untied output head. The same surface as model.GPT, so parallelize, train and generate take either.
+untied output head. The same surface as gpt.GPT, so parallelize, train and generate take either.
+Qwen2 (qwen2.py) is this decoder with biases on q, k and v and, in its small sizes, the output head
+tied to the embedding.
 
-Only the math lives here. Rotary embeddings follow the Hugging Face layout (dimension i pairs with
-i + D/2), so Hugging Face Llama weights load without permuting q and k.
+Only the math lives here (the family: families/llama.py). Rotary embeddings follow the Hugging Face
+layout (dimension i pairs with i + D/2), so Hugging Face Llama weights load without permuting q and
+k.
 Shapes: B batch, T time, C embed_size, H heads, K kv heads, D = C // H head size, I
 intermediate_size.
 """
@@ -14,9 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimal_fsdp.models.layers import Decoder, attend, cross_entropy
-from minimal_fsdp.models.configs import LLAMA31_ROPE  # noqa: F401 (the shapes)
-from minimal_fsdp.models.configs import LLAMA_PRESETS as PRESETS
-from minimal_fsdp.models.configs import LlamaConfig
+from minimal_fsdp.models.families.llama import PRESETS, LlamaConfig
 
 
 def rotary_frequencies(config):
@@ -61,14 +62,15 @@ def apply_rotary(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, qkv_bias=False):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_size = config.embed_size // config.num_heads
         self.dropout = config.dropout
-        self.q_proj = nn.Linear(config.embed_size, config.num_heads * self.head_size, bias=False)
-        self.k_proj = nn.Linear(config.embed_size, config.num_kv_heads * self.head_size, bias=False)
-        self.v_proj = nn.Linear(config.embed_size, config.num_kv_heads * self.head_size, bias=False)
+        q_size, kv_size = config.num_heads * self.head_size, config.num_kv_heads * self.head_size
+        self.q_proj = nn.Linear(config.embed_size, q_size, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.embed_size, kv_size, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.embed_size, kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * self.head_size, config.embed_size, bias=False)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -100,10 +102,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """The unit of sharding and activation checkpointing."""
 
-    def __init__(self, config):
+    def __init__(self, config, qkv_bias=False):
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.embed_size, eps=config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, qkv_bias)
         self.mlp_norm = nn.RMSNorm(config.embed_size, eps=config.norm_eps)
         self.mlp = MLP(config)
 
@@ -114,6 +116,7 @@ class Block(nn.Module):
 
 class Llama(Decoder):
     config_class, presets = LlamaConfig, PRESETS
+    qkv_bias = False  # Qwen2's are True
     lookup_only = "wte.weight"  # the input embedding (the output head is its own matrix)
 
     def __init__(self, config):
@@ -121,15 +124,23 @@ class Llama(Decoder):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.embed_size)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config, self.qkv_bias) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.embed_size, eps=config.norm_eps)
-        self.lm_head = nn.Linear(config.embed_size, config.vocab_size, bias=False)
+        # Qwen2's small sizes tie the output head to the embedding (LlamaConfig has no such field)
+        if getattr(config, "tie_embeddings", False):
+            self.lm_head, self.lookup_only = None, None  # the embedding is also a matmul
+        else:
+            self.lm_head = nn.Linear(config.embed_size, config.vocab_size, bias=False)
         self.loss = cross_entropy  # parallelize may swap in a compiled or fused version
 
     def forward(self, idx, targets=None, cache=None):
         """Returns the mean cross-entropy if targets are given, else the logits of the last
         position."""
         x = self.trunk(idx, cache)
+        if self.lm_head is None:  # tied
+            if targets is None:
+                return F.linear(x[:, -1], self.wte.weight)
+            return self.loss(x, self.wte.weight, targets)
         if targets is None:
             return self.lm_head(x[:, -1])
         return self.loss(x, self.lm_head.weight, targets)
@@ -154,6 +165,8 @@ class Llama(Decoder):
     def initial_value(self, name, shape, generator, device):
         """The initial value of parameter `name`, a pure function of (name, seeded generator), so
         eager init and meta-device init of one shard at a time give identical weights."""
+        if name.endswith("bias"):  # Qwen2's q, k, v
+            return torch.zeros(shape, device=device)
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=device)
         # As GPT-2: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers) so the residual

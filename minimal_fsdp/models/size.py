@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
+from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.counts import Sizes
-from minimal_fsdp.models.families import MODELS
 
 
 def count_parameters(model_config):

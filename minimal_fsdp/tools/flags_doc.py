@@ -4,9 +4,9 @@ the document cannot drift from the code: `python -m minimal_fsdp.tools.flags_doc
 checkout. tests/config/test_flags_doc.py fails when the committed file is stale.
 """
 
+import argparse
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 from minimal_fsdp.__main__ import COMMANDS
@@ -153,8 +153,11 @@ def render():
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    path = Path(argv[0]) if argv else DOC
+    parser = argparse.ArgumentParser(
+        prog=REGENERATE, description="Write the flag reference of every command (docs/flags.md)."
+    )
+    parser.add_argument("path", nargs="?", type=Path, default=DOC, help=f"default: {DOC}")
+    path = parser.parse_args(argv).path
     path.write_text(render(), encoding="utf-8")
     print(f"wrote {path}")
 

@@ -22,10 +22,10 @@ from pathlib import Path
 # checks). count() is models/size.py's count from the shape, held equal to it by tests.
 from minimal_fsdp.config.commands import PlanFlags
 from minimal_fsdp.config.checks import model_family
-from minimal_fsdp.config.choices import SHARDING, ConfigError
+from minimal_fsdp.config.choices import MODEL_FLAGS, SHARDING, ConfigError
 from minimal_fsdp.config.parser import parse
-from minimal_fsdp.models.configs import check_shape, make_config
 from minimal_fsdp.models.counts import count as count_parameters
+from minimal_fsdp.models.families import FAMILIES, check_shape, make_config
 from minimal_fsdp.parallel import choose as fp8  # block_shapes: the layers fp8 converts
 from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
 from minimal_fsdp.tools.step_time import CARDS, print_step_times
@@ -41,22 +41,8 @@ HOST_PER_PROCESS = 3 * GiB
 
 def activations_per_token(model_type, config, device_type="cuda"):
     """Elements that autograd saves for backward per token in one block (what checkpointing
-    recomputes).
-
-    GPT:   LayerNorm input (1), qkv input (1), q/k/v (3), attention output (1; SDPA writes it in the
-           layout the out-projection reads, so no copy), LayerNorm input + MLP input (2), GELU input
-           (4), proj input (4) = 16 C
-    Llama: q, k, v (k and v repeated to all heads), attention output (4 C); per RMSNorm its input
-           and output (2 C; CPU's unfused RMSNorm also keeps the normalized input, +1 C), twice;
-           SwiGLU: gate,
-               silu(gate),
-           up, their product (4 I).
-    """
-    c = config
-    if model_type == "gpt":
-        return 16 * c.embed_size
-    norm = 2 if device_type == "cuda" else 3
-    return (4 + 2 * norm) * c.embed_size + 4 * c.intermediate_size
+    recomputes): the family's count (models/families)."""
+    return FAMILIES[model_type].activations_per_token(config, device_type)
 
 
 def float8_inputs_per_token(model_type, config):
@@ -65,30 +51,15 @@ def float8_inputs_per_token(model_type, config):
     its input only as the float8 cast (one scale serves both matmuls), so the partitioner saves that
     cast, 1 byte an element, not the bf16 input (torchao saves the bf16 input; eager keeps it).
     Measured on one H200, 8 of Llama 3 8B's blocks at T=8192 without recompute: one sequence more
-    cost 10.4 GB compiled in fp8, 13.4 GB in bf16.
-
-    GPT:   attention output (proj), MLP input (fc), GELU output (proj) = 6 C (attn.qkv is not
-           converted)
-    Llama: normalized input (q, k, v), attention output (o), normalized input (gate, up), down's
-    input = 3 C + I
-    """
-    c = config
-    return 6 * c.embed_size if model_type == "gpt" else 3 * c.embed_size + c.intermediate_size
+    cost 10.4 GB compiled in fp8, 13.4 GB in bf16."""
+    return FAMILIES[model_type].float8_inputs_per_token(config)
 
 
 def kept_per_token(model_type, config):
     """Elements per token that --recompute selective keeps in one block: its input, and the outputs
     of every matmul and of attention (eager count; compiled blocks drop the few that backward never
-    reads).
-
-    GPT:   input (1), qkv (3), attention (1), its projection (1), fc (4), MLP projection (1) = 11 C
-    Llama: input (1), q, k, v ((H + 2K) D), attention (1), o (1), gate and up (2 I), down (1)
-    """
-    c = config
-    if model_type == "gpt":
-        return 11 * c.embed_size
-    qkv = (c.num_heads + 2 * c.num_kv_heads) * (c.embed_size // c.num_heads)
-    return 4 * c.embed_size + qkv + 2 * c.intermediate_size
+    reads)."""
+    return FAMILIES[model_type].kept_per_token(config)
 
 
 def estimate(
@@ -177,12 +148,7 @@ def estimate(
         "selective": tokens * kept_per_token(model_type, config) * compute,
     }[recompute]
     saved = L * kept
-    final_norm = (
-        tokens
-        * config.embed_size
-        * compute
-        * (2 if model_type == "gpt" or device_type == "cuda" else 3)
-    )
+    final_norm = tokens * FAMILIES[model_type].final_norm_per_token(config, device_type) * compute
     # The loss. Fused on CUDA (fused_loss.py) or compiled with its output matmul (--compile): one
     # logits tensor in the compute dtype, then their gradient in its place. Eager in fp32: the saved
     # log-softmax, its gradient and the logits' gradient coexist at the start of backward (4 bytes
@@ -259,10 +225,8 @@ def model_config(args):
         num_heads=args.num_heads,
         embed_size=args.embed_size,
     )
-    if family == "llama":
-        shape.update(num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size)
-    else:
-        shape.update(bias=args.bias)
+    # the shape flags this family takes (config.checks refused the others)
+    shape.update({name: getattr(args, name) for name in MODEL_FLAGS[family]})
     config = check_shape(make_config(family, args.model_preset, **shape))
     return family, config, args.model_preset
 

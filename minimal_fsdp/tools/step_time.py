@@ -21,6 +21,7 @@ import statistics
 
 # torch-free, as the planner must be
 from minimal_fsdp.config.choices import PEAK_FLOPS, ConfigError
+from minimal_fsdp.models import counts
 from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
 from minimal_fsdp.parallel.topology import exchange_for, exp_distances
 
@@ -225,18 +226,6 @@ REFERENCES = (
 )
 POWERSGD_RANK = 4
 POWERSGD_MIN_COMPRESSION = 2  # PowerSGDState's min_compression_rate default
-
-
-def parameter_shapes(config):
-    """Every parameter's shape, from the model built on the meta device (no memory)."""
-    import torch
-
-    from minimal_fsdp.models.families import MODELS
-
-    family = next(f for f in MODELS.values() if isinstance(config, f.config_class))
-    with torch.device("meta"):
-        model = family(config)
-    return [tuple(p.shape) for p in model.parameters()]
 
 
 def powersgd_elements(shapes, rank=POWERSGD_RANK):
@@ -488,7 +477,7 @@ def print_step_times(args, config, sizes, per_host, shard_group, strategies):
     )
     rows = guide(
         sizes.total,
-        parameter_shapes(config),
+        counts.parameter_shapes(config),
         per_token,
         tokens_per_gpu,
         args.gpus,

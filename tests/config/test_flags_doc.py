@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from minimal_fsdp.__main__ import COMMANDS
 from minimal_fsdp.config.commands import PrepareFlags
@@ -147,3 +149,13 @@ def test_toml_example_is_a_valid_config_file(tmp_path):
         "precision": "bf16",
         "compile": True,
     }
+
+
+def test_help_prints_the_usage_and_writes_no_file(tmp_path, capsys, monkeypatch):
+    """`flags_doc --help` prints its usage; it is not taken for the path to write."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        flags_doc.main(["--help"])
+    assert e.value.code == 0
+    assert "usage: python -m minimal_fsdp.tools.flags_doc" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []

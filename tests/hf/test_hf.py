@@ -23,7 +23,7 @@ from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPTConfig
-from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.models.classes import MODELS
 from support import (
     HF_GPT as GPT,
     HF_LLAMA as LLAMA,
@@ -144,7 +144,7 @@ def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
         hf.read_config(tmp_path, seq_length=32)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
-    with pytest.raises(ConfigError, match="is a 'bert' model; supported are gpt2 and llama"):
+    with pytest.raises(ConfigError, match="is a 'bert' model; supported are gpt2, llama and qwen2"):
         hf.read_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(dict(config, activation_function="relu")))
     with pytest.raises(ConfigError, match="activation relu"):

@@ -223,7 +223,7 @@ def test_other_model_types_and_a_model_flag_that_disagrees(tmp_path, monkeypatch
         read(tmp_path, {"model_type": "bert"})
     assert (
         str(error.value)
-        == f"--hf_model {tmp_path / 'm'} is a 'bert' model; supported are gpt2 and llama"
+        == f"--hf_model {tmp_path / 'm'} is a 'bert' model; supported are gpt2, llama and qwen2"
     )
     with pytest.raises(ConfigError, match="is a None model"):
         read(tmp_path, {})

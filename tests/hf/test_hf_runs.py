@@ -25,7 +25,7 @@ from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.data.tokens import TokenData, dataset_dir
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPTConfig
-from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.parallel.parallelize import init_weights
 from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
 from support import (

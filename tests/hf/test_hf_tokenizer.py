@@ -16,7 +16,7 @@ from minimal_fsdp.hf import write as hf_write
 from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
-from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.parallel.parallelize import init_weights
 
 transformers = pytest.importorskip("transformers")

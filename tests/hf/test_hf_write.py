@@ -17,7 +17,7 @@ from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPTConfig
-from minimal_fsdp.models.families import MODELS
+from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.parallel.parallelize import init_weights
 from support import (
     HF_GPT as GPT,

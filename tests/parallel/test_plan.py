@@ -14,7 +14,8 @@ from minimal_fsdp.parallel import plan as plan_module
 from minimal_fsdp.config.choices import SMALL_MODEL
 from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.models.llama import LlamaConfig
-from minimal_fsdp.models.families import MODELS, make_config
+from minimal_fsdp.models.classes import MODELS
+from minimal_fsdp.models.families import make_config
 from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.parallel.plan import STRATEGIES, layout, make_plan, strategy
 from support import CONFIG, NUM_PARAMS, plain_plan

@@ -3,6 +3,7 @@ node), H100, H200; bf16 by default; the shape a training --config sets; and no t
 it answers at once (its parameter counts come from the shape: models/counts.py, held here to the
 count from a model built on the meta device)."""
 
+import math
 import re
 import subprocess
 import sys
@@ -11,8 +12,8 @@ import pytest
 
 from conftest import ROOT
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.models.configs import GPT_PRESETS, LLAMA_PRESETS, make_config
-from minimal_fsdp.models.counts import count
+from minimal_fsdp.models.families import FAMILIES, make_config
+from minimal_fsdp.models.counts import count, parameter_shapes
 from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.tools import model_size
 
@@ -40,7 +41,7 @@ SHAPES = [
 
 @pytest.mark.parametrize(
     "family, preset",
-    [("gpt", p) for p in GPT_PRESETS] + [("llama", p) for p in LLAMA_PRESETS],
+    [(family, p) for family, f in FAMILIES.items() for p in f.PRESETS],
 )
 def test_counts_from_the_shape_equal_the_built_models(family, preset):
     config = make_config(family, preset)
@@ -51,6 +52,22 @@ def test_counts_from_the_shape_equal_the_built_models(family, preset):
 def test_counts_of_other_shapes_equal_the_built_models(family, shape):
     config = make_config(family, "tiny", **shape)
     assert count(config) == count_parameters(config)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_parameter_shapes_are_the_built_models_matrices(family):
+    """PowerSGD's cost in the planner: the matrices as the model has them, the rest as vectors."""
+    import torch
+
+    from minimal_fsdp.models.classes import MODELS
+
+    config = make_config(family, "tiny")
+    with torch.device("meta"):
+        params = list(MODELS[family](config).parameters())
+    shapes = parameter_shapes(config)
+    built = sorted(tuple(p.shape) for p in params if p.dim() == 2)
+    assert sorted(s for s in shapes if len(s) == 2) == built
+    assert sum(p.numel() for p in params) == sum(math.prod(s) for s in shapes)
 
 
 def plan(*argv):

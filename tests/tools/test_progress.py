@@ -238,3 +238,14 @@ def test_the_command_imports_no_torch_and_answers_bad_flags_in_one_line(run, tmp
         result.stderr[-2000:]
     )
     assert not {m for m in imported(result.stderr) if m.split(".")[0] == "torch"}
+
+
+def test_help_shows_progress_usage_not_trains(capsys):
+    """`minimal-fsdp progress --help` takes train's flags under its own usage line."""
+    from minimal_fsdp.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["progress", "--help"])
+    assert e.value.code == 0
+    usage = capsys.readouterr().out.splitlines()[0]
+    assert usage.startswith("usage: minimal-fsdp progress ") and "train" not in usage

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from minimal_fsdp.models.families import MODELS, make_config
+from minimal_fsdp.models import counts
+from minimal_fsdp.models.classes import MODELS
+from minimal_fsdp.models.families import make_config
 from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.tools import step_time
 
@@ -113,7 +115,7 @@ def side_by_side_estimate(row, compute_ms):
     else:
         reference = "Decent-DP" if name.startswith("Decent-DP") else name
         estimated = step_time.estimate_reference(
-            reference, sizes.total, step_time.parameter_shapes(config), per_token, tokens, world,
+            reference, sizes.total, counts.parameter_shapes(config), per_token, tokens, world,
             per_host, gbps, flops, precision, row["topology"],
         )  # fmt: skip
     return 1000 * estimated.step
@@ -172,7 +174,7 @@ def gpt2_guide(hosts, gbps, precision="bf16"):
     flops, _ = step_time.achieved_flops("H200", None, False, precision)
     return step_time.guide(
         sizes.total,
-        step_time.parameter_shapes(config),
+        counts.parameter_shapes(config),
         step_time.flops_per_token(sizes, config),
         32 * 1024,
         hosts,
@@ -207,7 +209,7 @@ def test_reference_bytes_follow_their_wires():
     one fp32 replica a step to its one peer."""
     config = make_config("gpt", "gpt2", vocab_size=50304)
     n = count_parameters(config).total
-    shapes = step_time.parameter_shapes(config)
+    shapes = counts.parameter_shapes(config)
     assert sum(map(lambda s: __import__("math").prod(s), shapes)) == n
 
     def sent(name):
