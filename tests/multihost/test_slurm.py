@@ -60,8 +60,9 @@ class Scheduler:
                 "--ntasks-per-node=2",
                 "--cpus-per-task=1",
                 "--gpus-per-node=0",
-                # the script's --output=%x-%j.out, in the submit folder (a chain's successor's too)
+                # the script's --output, in the submit folder (a chain's successor gets the name)
                 f"--job-name={name}",
+                "--output=%x-%j.out",
                 "--open-mode=append",
                 *options,
                 str(script),
