@@ -184,7 +184,8 @@ def _discover_torchrun(env):
                 "it to an address of rank 0's node that every node can reach"
             ) from None
     rank, local_rank = int_variable(env, "RANK"), int_variable(env, "LOCAL_RANK", "0")
-    return rank, world, local_rank, local_world, max(1, world // local_world)
+    nodes = max(1, world // local_world) if local_world > 0 else 0  # 0: refused below
+    return rank, world, local_rank, local_world, nodes
 
 
 def _torchrun_local_world(env, world):
