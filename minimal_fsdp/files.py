@@ -156,7 +156,7 @@ def _holder_gone(holder):
         return True
     if not _pid_alive(holder.get("pid")):
         return True
-    return holder.get("start") is not None and _start_time(holder["pid"]) not in (
+    return holder.get("start") is not None and _start_time(holder.get("pid")) not in (
         None,
         holder["start"],
     )
@@ -406,7 +406,7 @@ def check_lock(directory):
 # line.
 
 
-def shown(value, limit=80):
+def shown(value, limit=1000):
     """`value` as one printable line for an error message: control characters (NUL, newlines, ESC)
     escaped, never echoed raw, and cut at `limit` characters."""
     text = value if isinstance(value, str) else str(value)
@@ -422,7 +422,7 @@ def open_regular(path, max_bytes=None, follow_links=False):
     without waiting, then checked again. follow_links: a link to a regular file is read (a file the
     user names, such as --config); a loop of links is OSError (ELOOP), as is a NUL in the path."""
     if "\0" in os.fspath(path):
-        raise OSError(errno.EINVAL, "the path holds a NUL byte", shown(path))
+        raise OSError(errno.EINVAL, "the path holds a NUL byte", shown(path, 1000))
     mode = (os.stat if follow_links else os.lstat)(path).st_mode
     if not stat.S_ISREG(mode):
         raise OSError(
@@ -473,8 +473,11 @@ def parse_json(data, max_depth=32, kind=dict):
     """JSON text or bytes (read_json's checks, without the file): ValueError in one line."""
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        if _depth(text) > max_depth:
-            raise ValueError(f"nests deeper than {max_depth} levels")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"is not JSON ({type(e).__name__}: {shown(e, 100)})") from None
+    if _depth(text) > max_depth:
+        raise ValueError(f"nests deeper than {max_depth} levels")
+    try:
         value = json.loads(text)
     except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
         raise ValueError(

@@ -208,7 +208,7 @@ def read_toml(path):
     # files.py imports ConfigError from config: not at the top
     from minimal_fsdp.files import read_text, shown
 
-    where = f"--config {shown(path)}"
+    where = f"--config {shown(path, 1000)}"
     try:
         # a link is followed (a config is named by the user); a loop of links is ELOOP here
         return tomllib.loads(read_text(path, MAX_CONFIG_BYTES, follow_links=True))
@@ -239,8 +239,9 @@ def load_config_file(path, cls):
     values = {}
     from minimal_fsdp.files import shown
 
-    path = shown(path)
-    for section, table in read_toml(path).items():
+    tables = read_toml(path)
+    path = shown(path, 1000)  # in the messages below: never a control character raw
+    for section, table in tables.items():
         if not isinstance(table, dict):
             home = fields[section].metadata["section"] if section in fields else also.get(section)
             where = f"put it under [{home}]" if home else "sections are " + ", ".join(known)
@@ -292,5 +293,7 @@ def _checked(f, value, where):
             raise ConfigError(f"{where} holds a NUL byte ({shown(text, 60)}): remove it")
     choices = f.metadata["choices"]
     if choices and value not in choices:
-        raise ConfigError(f"{where} must be one of {', '.join(choices)} (got {shown(repr(value))})")
+        raise ConfigError(
+            f"{where} must be one of {', '.join(choices)} (got {shown(repr(value), 60)})"
+        )
     return value

@@ -237,12 +237,12 @@ class TokenData:
     def _open(self, split, dtype):
         path = self.directory / f"{split}.bin"
         expected = self.meta[f"{split}_tokens"]
-        if not path.exists():
+        if expected and not path.exists():  # an empty split needs no file
             raise ConfigError(
                 f"{path} is missing (meta.json says it holds {expected} {dtype} tokens): delete "
                 f"{self.directory} to prepare it again"
             )
-        size = path.stat().st_size
+        size = path.stat().st_size if path.exists() else 0
         if size != expected * np.dtype(dtype).itemsize:
             hint = ""
             for other in TOKEN_DTYPES:

@@ -30,7 +30,7 @@ def read_metrics(run_dir):
     last line cut short (a run killed while writing it) is skipped with a warning; any other bad
     line is one error line naming the file, the line and the field."""
     path = Path(run_dir) / "metrics.jsonl"
-    where = shown(path)
+    where = shown(path, 1000)
     try:
         f = open_regular(path, follow_links=True)
     except FileNotFoundError:

@@ -141,13 +141,13 @@ def check_checkpoint(genuine, part, blob):
             fuzzing.holds(lambda: export(path, Path(d, "out")), str(path))
 
 
-@settings(max_examples=fuzzing.scaled(15, 300))
+@settings(max_examples=fuzzing.scaled(8, 300))
 @given(data=st.data())
 def test_meta_json(genuine, data):
     check_checkpoint(genuine, "meta.json", data.draw(damaged(genuine, "meta.json", data)))
 
 
-@settings(max_examples=fuzzing.scaled(8, 200))
+@settings(max_examples=fuzzing.scaled(5, 200))
 @given(data=st.data())
 def test_dcp_metadata(genuine, data):
     check_checkpoint(genuine, ".metadata", data.draw(damaged(genuine, ".metadata", data)))
@@ -161,7 +161,7 @@ def test_shard_bytes(genuine, data):
 
 
 @pytest.mark.xfail(strict=False, reason=CHECKPOINT_SIDE)
-@settings(max_examples=fuzzing.scaled(10, 200))
+@settings(max_examples=fuzzing.scaled(3, 200))
 @given(data=st.data())
 def test_rng_file(genuine, data):
     check_checkpoint(genuine, "rng_0.pt", data.draw(damaged(genuine, "rng_0.pt", data)))
