@@ -156,12 +156,12 @@ def _storage_problem(metadata):
 STEP_KEY = re.compile(r"(?:replicas\.\d+\.)?optim\.state\..+\.step")
 SETTING_KEY = re.compile(r"((?:replicas\.\d+\.)?optim\.param_groups\.\d+)\.(\w+)")
 # .metadata's bytes per chunk it describes (its key, index, byte range and shape: about 270 with
-# short names), with room for long ones, and for the rest (the param groups, the header)
-METADATA_BYTES_PER_CHUNK = 2048
+# a tiny model's names), with room for long names, and for the rest (the param groups, the header)
+METADATA_BYTES_PER_CHUNK = 1024
 METADATA_SLACK = 2**20
-# devices one process may save for: meta.json's world_size counts processes, and an XLA run's
-# process saves a shard per device of its host (a TPU host's 4 or 8)
-DEVICES_PER_RANK = 8
+# devices one process of an XLA run saves for: meta.json's world_size counts processes, and each
+# saves a shard per device of its host (a TPU host's 4 or 8)
+XLA_DEVICES_PER_RANK = 8
 
 
 def _implied_params(meta):
@@ -180,7 +180,8 @@ def metadata_cap(meta):
     replica's copy of all that. A larger file is refused by its size before a byte is unpickled:
     the pure-Python unpickler reads about 1.4 MB/s, so a forged one of 383 MB took minutes."""
     params, config = _implied_params(meta)
-    devices = (meta.get("world_size") or 1) * DEVICES_PER_RANK
+    xla = (meta.get("config") or {}).get("device") == "xla"
+    devices = (meta.get("world_size") or 1) * (XLA_DEVICES_PER_RANK if xla else 1)
     chunks = 0
     for name, shape in params.items():
         count = config.num_layers if name.startswith("blocks.0.") else 1
