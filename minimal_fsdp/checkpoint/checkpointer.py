@@ -30,12 +30,14 @@ import contextlib
 import dataclasses
 import functools
 import json
+import random
 import os
 import shutil
 import time
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -52,7 +54,8 @@ from minimal_fsdp.checkpoint.best import better
 from minimal_fsdp.checkpoint.background import ChecksummingWriter, Saved
 from minimal_fsdp.checkpoint.writer import write_failure_reason
 from minimal_fsdp.checkpoint.find import load_first, marker, step_dirs, step_of
-from minimal_fsdp.checkpoint.rng import rng_bytes as _rng_bytes, rng_file, restore_rng  # noqa: F401 (tests use them here)
+from minimal_fsdp.checkpoint.rng import read_rng, rng_bytes as _rng_bytes, rng_file  # noqa: F401 (tests use _rng_bytes here)
+from minimal_fsdp.parallel.parallelize import seed64
 from minimal_fsdp.checkpoint.meta import FORMAT, read_meta
 from minimal_fsdp.checkpoint.safe_load import SafeLoadPlanner, SafeReader
 
@@ -391,6 +394,37 @@ def _prune(run_dir, keep_last, step):
             doomed = run_dir / f".tmp-old-{old.name}"
             os.replace(old, doomed)
             shutil.rmtree(doomed)
+
+
+# ---- RNG states: each rank's own, so dropout masks continue exactly after a resume ----
+
+
+def restore_rng(path, rank, world_size, seed):
+    """Put this rank's RNG states back (verify checked them with rng_problem). A checkpoint from
+    another number of ranks has no stream that is "this rank's"; then each rank is seeded from
+    (seed, rank, step) so it does not replay old masks."""
+    path, meta = Path(path), read_meta(path)
+    file = path / rng_file(rank)
+    if meta.get("world_size") != world_size or not file.is_file():
+        torch.manual_seed(seed64((seed * 1_000_003 + rank) * 1_000_000_007 + meta["step"]))
+        return False
+    state = read_rng(path, rank)
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss_next"]))
+    return True
 
 
 # ---- loading ----

@@ -157,9 +157,12 @@ def _storage_problem(metadata):
 STEP_KEY = re.compile(r"(?:replicas\.\d+\.)?optim\.state\..+\.step")
 SETTING_KEY = re.compile(r"((?:replicas\.\d+\.)?optim\.param_groups\.\d+)\.(\w+)")
 # .metadata's bytes per chunk it describes (its key, index, byte range and shape: about 270 with
-# short names), with room for long ones, and for the rest (the param groups, the header)
-METADATA_BYTES_PER_CHUNK = 2048
+# a tiny model's names), with room for long names, and for the rest (the param groups, the header)
+METADATA_BYTES_PER_CHUNK = 1024
 METADATA_SLACK = 2**20
+# devices one process of an XLA run saves for: meta.json's world_size counts processes, and each
+# saves a shard per device of its host (a TPU host's 4 or 8)
+XLA_DEVICES_PER_RANK = 8
 
 
 def _implied_params(meta):
@@ -173,16 +176,17 @@ def _implied_params(meta):
 
 def metadata_cap(meta):
     """The most bytes DCP's .metadata of the checkpoint meta.json describes can need: a chunk per
-    rank of each tensor (FSDP shards dim 0, so at most that many), for the model, both AdamW
+    device of each tensor (and never more chunks than values), for the model, both AdamW
     moments (and a decentralized run's accumulated gradient), each parameter's step, and each
     replica's copy of all that. A larger file is refused by its size before a byte is unpickled:
     the pure-Python unpickler reads about 1.4 MB/s, so a forged one of 383 MB took minutes."""
     params, config = _implied_params(meta)
-    world = meta.get("world_size") or 1
+    xla = (meta.get("config") or {}).get("device") == "xla"
+    devices = (meta.get("world_size") or 1) * (XLA_DEVICES_PER_RANK if xla else 1)
     chunks = 0
     for name, shape in params.items():
         count = config.num_layers if name.startswith("blocks.0.") else 1
-        chunks += count * (4 * min(world, shape[0] if shape else 1) + 1)
+        chunks += count * (4 * min(devices, math.prod(shape)) + 1)
     chunks *= 1 + (meta.get("replicas") or 0)
     return METADATA_SLACK + METADATA_BYTES_PER_CHUNK * chunks
 
@@ -443,7 +447,8 @@ def load_first(cfg, path, load):
     say: DCP raises alike on every rank), one line, then (--resume auto) the next complete
     checkpoint, as find gives it. A checkpoint named by --restart_checkpoint_file, or none left, is
     an error in one line."""
-    return first_loading(path, load, *run_fallback(cfg))[0]
+    named, next_one = run_fallback(cfg)
+    return first_loading(path, load, next_one, named)[0]
 
 
 def run_fallback(cfg):

@@ -1,7 +1,7 @@
 """Each rank's RNG states in a checkpoint (rng_<rank>.pt), so dropout masks continue exactly after a
 resume: written at save, every field checked before a checkpoint is chosen (rng_problem, called by
-find.verify), put back at restore. A file that fails the check makes its checkpoint be skipped in
-one line, as any other damage does; restore_rng never meets one."""
+find.verify), put back by checkpointer.restore_rng. A file that fails the check makes its checkpoint
+be skipped in one line, as any other damage does; restore_rng never meets one."""
 
 import io
 import math
@@ -11,10 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minimal_fsdp.checkpoint.meta import read_meta
 from minimal_fsdp.checkpoint.safe_load import load_quietly
 from minimal_fsdp.files import open_regular
-from minimal_fsdp.parallel.parallelize import seed64
 
 MAX_RNG_BYTES = 2**20  # torch, CUDA, numpy and python states: about 17 KB
 MT_WORDS = 624  # the Mersenne Twister's state, numpy's and Python's
@@ -119,31 +117,3 @@ def rng_problem(state):
         if not fits(value):
             return f"{key} is not {wanted}"
     return None
-
-
-def restore_rng(path, rank, world_size, seed):
-    """Put this rank's RNG states back (verify checked them with rng_problem). A checkpoint from
-    another number of ranks has no stream that is "this rank's"; then each rank is seeded from
-    (seed, rank, step) so it does not replay old masks."""
-    path, meta = Path(path), read_meta(path)
-    file = path / rng_file(rank)
-    if meta.get("world_size") != world_size or not file.is_file():
-        torch.manual_seed(seed64((seed * 1_000_003 + rank) * 1_000_000_007 + meta["step"]))
-        return False
-    state = read_rng(path, rank)
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    n = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            n["keys"].numpy().astype(np.uint32),
-            n["pos"],
-            n["has_gauss"],
-            n["cached_gaussian"],
-        )
-    )
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss_next"]))
-    return True

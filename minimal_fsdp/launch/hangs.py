@@ -82,9 +82,14 @@ def gathered(wait=WAIT_SECONDS):
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {"rank": rank, "step": _step, **(waiting_in() or {})}
     reports = []
-    exchange = threading.Thread(
-        target=lambda: reports.extend(_exchange(mine, world, wait)), daemon=True
-    )
+
+    def exchange_quietly():
+        try:
+            reports.extend(_exchange(mine, world, wait))
+        except Exception:  # noqa: BLE001 - the store's rank 0 is gone: this rank's report alone
+            pass
+
+    exchange = threading.Thread(target=exchange_quietly, daemon=True)
     exchange.start()
     exchange.join(wait + 5)
     return reports or [mine]
@@ -131,6 +136,11 @@ def describe(reports, world):
 def timeout_line(detail=""):
     """Collective, on a rank whose collective timed out: the one line that says where the job
     hung. detail: the backend's own words, kept short."""
+    if not dist.is_initialized():  # before the process group: nothing recorded to say
+        return (
+            "a collective waited longer than --collective_timeout: another rank or its host has "
+            f"died, hangs or cannot be reached ({detail})"
+        )
     line = (
         "a collective waited longer than --collective_timeout: "
         f"{describe(gathered(), dist.get_world_size())}"

@@ -227,7 +227,7 @@ def test_a_metadata_file_larger_than_its_model_needs_is_refused_by_its_size(run,
     meta = meta_of(run / "step_3")
     cap = checkpoint_find.metadata_cap(meta)
     honest = (run / "step_3" / ".metadata").stat().st_size
-    assert honest < cap < 2 * 2**20  # a tiny model's: 33 KB, room for the rest
+    assert honest < cap < 4 * 2**20  # a tiny model's: 33 KB, room for the rest
     with open(run / "step_3" / ".metadata", "ab") as f:  # a valid pickle, then padding
         f.truncate(cap + 1)
     recompute_checksums(run / "step_3")

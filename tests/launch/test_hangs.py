@@ -107,3 +107,25 @@ def test_a_hung_rank_in_a_two_rank_gloo_run_is_named_in_one_line(tmp_path):
         in errors[0]
     ), errors
     assert "Traceback" not in result.stderr and "deprecated" not in result.stderr
+
+
+def test_without_a_process_group_the_line_says_what_it_knows():
+    if dist.is_initialized():
+        pytest.skip("a process group of this session exists")
+    assert hangs.timeout_line("Timed out") == (
+        "a collective waited longer than --collective_timeout: another rank or its host has died, "
+        "hangs or cannot be reached (Timed out)"
+    )
+
+
+def test_a_store_that_cannot_be_reached_leaves_this_ranks_report_alone(recorded_group, monkeypatch):
+    def gone(*args):
+        raise RuntimeError("Connection reset by peer")
+
+    monkeypatch.setattr(hangs, "_exchange", gone)
+    hangs.at_step(2)
+    try:
+        (report,) = hangs.gathered(wait=0.1)
+    finally:
+        hangs.at_step(None)
+    assert report["rank"] == 0 and report["step"] == 2
