@@ -146,7 +146,7 @@ def hostile_ints():
         st.sampled_from(EDGE_INTS),
         st.integers(-1000, 1000),
         st.integers(),
-        st.integers(300, 4300).map(lambda digits: 10**digits),  # past float's range
+        st.integers(300, 4299).map(lambda digits: 10**digits),  # past float's range, str()-able
         st.integers(-(2**70), 2**70),
     )
 
