@@ -58,6 +58,7 @@ setup(
             "mpi4py>=4",
             "mpich",
             "pytest",
+            "hypothesis",  # tests/fuzz: every reader driven with generated files and values
             "pyyaml",
             "transformers",
             "huggingface_hub",

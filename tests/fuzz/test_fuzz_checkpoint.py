@@ -25,8 +25,6 @@ from minimal_fsdp.hf.export import export
 from minimal_fsdp.tools import progress
 from support import save_three
 
-CHECKPOINT_SIDE = "checkpoint-side fix: a damaged shard or RNG file found only while loading"
-
 
 @pytest.fixture(scope="module")
 def genuine(tmp_path_factory, one_rank_group):
@@ -153,14 +151,12 @@ def test_dcp_metadata(genuine, data):
     check_checkpoint(genuine, ".metadata", data.draw(damaged(genuine, ".metadata", data)))
 
 
-@pytest.mark.xfail(strict=False, reason=CHECKPOINT_SIDE)
 @settings(max_examples=fuzzing.scaled(4, 100))
 @given(data=st.data())
 def test_shard_bytes(genuine, data):
     check_checkpoint(genuine, "__0_0.distcp", data.draw(damaged(genuine, "__0_0.distcp", data)))
 
 
-@pytest.mark.xfail(strict=False, reason=CHECKPOINT_SIDE)
 @settings(max_examples=fuzzing.scaled(3, 200))
 @given(data=st.data())
 def test_rng_file(genuine, data):
