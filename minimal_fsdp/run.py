@@ -76,11 +76,9 @@ def main(argv=None, cfg=None):
         line = environment.failures.lost_peer(e)
         if line is None:
             raise
-        if "waited longer" in line:  # which collective, on which ranks, at which step
-            detail = str(e).strip().splitlines()[0].split("] ", 1)[-1] if str(e).strip() else ""
-            environment.exit_on_error(
-                hangs.timeout_line(environment.failures.clipped(detail, 80)), 1
-            )
+        if "waited longer" in line and torch.distributed.is_initialized():
+            # which collective, on which ranks, at which step; the first failure's words after
+            line = hangs.timeout_line(line[line.index(" (") + 2 : -1])
         environment.exit_on_error(line, 1)
     # Ctrl-C outside training (inside it, resilience.StopRequests saves and stops)
     except KeyboardInterrupt:

@@ -20,7 +20,7 @@ from minimal_fsdp.launch import failures
 from minimal_fsdp.checkpoint.dirs import candidates, files_problem, marker, skipping, step_dirs
 from minimal_fsdp.checkpoint.dirs import crc32, step_of  # noqa: F401 (re-exported: checkpoint.py and tests use them here)
 from minimal_fsdp.checkpoint.meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
-from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.config.choices import DEVICES_PER_RANK, ConfigError
 from minimal_fsdp.files import open_regular, read_json
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import config_from_dict
@@ -160,9 +160,6 @@ SETTING_KEY = re.compile(r"((?:replicas\.\d+\.)?optim\.param_groups\.\d+)\.(\w+)
 # a tiny model's names), with room for long names, and for the rest (the param groups, the header)
 METADATA_BYTES_PER_CHUNK = 1024
 METADATA_SLACK = 2**20
-# devices one process of an XLA run saves for: meta.json's world_size counts processes, and each
-# saves a shard per device of its host (a TPU host's 4 or 8)
-XLA_DEVICES_PER_RANK = 8
 
 
 def _implied_params(meta):
@@ -181,8 +178,8 @@ def metadata_cap(meta):
     replica's copy of all that. A larger file is refused by its size before a byte is unpickled:
     the pure-Python unpickler reads about 1.4 MB/s, so a forged one of 383 MB took minutes."""
     params, config = _implied_params(meta)
-    xla = (meta.get("config") or {}).get("device") == "xla"
-    devices = (meta.get("world_size") or 1) * (XLA_DEVICES_PER_RANK if xla else 1)
+    device = (meta.get("config") or {}).get("device")
+    devices = (meta.get("world_size") or 1) * DEVICES_PER_RANK.get(device, 1)
     chunks = 0
     for name, shape in params.items():
         count = config.num_layers if name.startswith("blocks.0.") else 1

@@ -65,3 +65,7 @@ RANK_VARIABLES = (
 # also with --precision fp8: its float8 matmuls could run at twice the peak, but then fp8 and bf16
 # MFU would not compare.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+# Devices one rank drives, where it is more than one: a torch_xla rank shards over its host's
+# devices (SPMD, up to 8). The checkpoint's .metadata cap counts a chunk per device.
+DEVICES_PER_RANK = {"xla": 8}

@@ -324,10 +324,11 @@ def _discover_srun(env):
         None,
     )
     per_node = env[per_node_name] if per_node_name else str(world)
-    counts = tasks_per_node(per_node, per_node_name or "SLURM_STEP_NUM_TASKS")
-    if sum(counts) != world or len(counts) != num_nodes:
+    runs = tasks_per_node(per_node, per_node_name or "SLURM_STEP_NUM_TASKS")
+    tasks, nodes = sum(t * n for t, n in runs), sum(n for _, n in runs)
+    if tasks != world or nodes != num_nodes:
         raise ConfigError(
-            f"{per_node_name}={per_node} (srun) is {sum(counts)} task(s) on {len(counts)} node(s), "
+            f"{per_node_name}={per_node} (srun) is {tasks} task(s) on {nodes} node(s), "
             f"but SLURM_STEP_NUM_TASKS={world} over {num_nodes} node(s): the step's variables "
             "disagree; start the tasks with srun itself, with no variables of another step exported"
         )
@@ -348,7 +349,7 @@ def _discover_srun(env):
             f"SLURM_NODEID={node} but the step runs on {num_nodes} node(s) (srun): start the tasks "
             "with srun itself, with no variables of another step exported"
         )
-    local_world, local_rank = counts[node], int_variable(env, "SLURM_LOCALID")
+    local_world, local_rank = tasks_on_node(per_node, node), int_variable(env, "SLURM_LOCALID")
     text = f"{per_node_name or 'SLURM_STEP_NUM_TASKS'}={per_node} at SLURM_NODEID={node}"
     check_local(("SLURM_LOCALID", local_rank), text, local_world, world, "srun")
     check_master_port(env, "srun")
@@ -540,21 +541,27 @@ def first_host(nodelist):
 
 
 def tasks_per_node(text, name="SLURM_TASKS_PER_NODE"):
-    """SLURM's compressed per-node task counts, '4(x2),3' -> [4, 4, 3]; one line if malformed."""
-    counts = []
+    """SLURM's compressed per-node task counts, '4(x2),3' -> [(4, 2), (3, 1)] (tasks, nodes): never
+    expanded, as a repeat count can be as large as the nodes; one line if malformed."""
+    runs = []
     for item in text.split(","):
         match = re.fullmatch(r"\s*(\d{1,9})(?:\(x(\d{1,9})\))?\s*", item)
-        # no allocation has a million nodes: a larger repeat is junk, not a list to build
-        if not match or len(counts) + int(match[2] or 1) > 1_000_000:
+        if not match:
             raise ConfigError(
-                f"{name}={text!r} is not a list of task counts (e.g. '4(x2),3'): check the "
-                "launcher that set it"
+                f"{name}={text[:200]!r} is not a list of task counts (e.g. '4(x2),3'): check the "
+                "launcher that set it (SLURM's tasks per node)"
             )
-        counts += [int(match[1])] * int(match[2] or 1)
-    return counts
+        runs.append((int(match[1]), int(match[2] or 1)))
+    return runs
 
 
 def tasks_on_node(tasks_per_node_text, node_id):
-    """SLURM's compressed per-node task counts, '4(x2),3' = 4,4,3, read at this node's index."""
-    counts = tasks_per_node(tasks_per_node_text)
-    return counts[min(node_id, len(counts) - 1)]
+    """SLURM's compressed per-node task counts, '4(x2),3' = 4,4,3, read at this node's index (the
+    last node's past the end)."""
+    runs = tasks_per_node(tasks_per_node_text)
+    first = 0  # the first node of the current run
+    for tasks, nodes in runs:
+        first += nodes
+        if node_id < first:
+            return tasks
+    return runs[-1][0]

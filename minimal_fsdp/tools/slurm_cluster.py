@@ -26,11 +26,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from minimal_fsdp.tools import virtual_cluster
-
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scancel", "scontrol", "sinfo")
 SBIN = ("/usr/sbin", "/sbin")
+# this package's parent, for the jobs' PYTHONPATH (as virtual_cluster.PACKAGE_PARENT; not imported
+# from there: virtual_cluster imports this module for --scheduler slurm)
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 
 def which(name):
@@ -219,7 +220,7 @@ class Slurm:
             host or self.cluster.hosts[0].name, [which(argv[0]), *argv[1:]]
         )
         env = self.env(run.pop("env", None))
-        env["PYTHONPATH"] = virtual_cluster.PACKAGE_PARENT
+        env["PYTHONPATH"] = PACKAGE_PARENT
         return subprocess.run(command, env=env, **run)
 
     def _wait(self, ready, what, daemon, timeout=60):

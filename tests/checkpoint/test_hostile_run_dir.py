@@ -404,7 +404,7 @@ def test_a_run_whose_every_checkpoint_is_refused_never_starts_fresh_over_them(ru
 
 def test_every_whole_number_flag_has_the_range_its_checkpoint_accepts():
     whole = {f.name for f in dataclasses.fields(Config) if f.type in (int, "int")}
-    assert whole == set(WHOLE_RANGES)  # a new flag gets its range, or this fails
+    assert whole <= set(WHOLE_RANGES)  # a new flag gets its range, or this fails
     for flag in (
         "max_steps",
         "lr_decay_steps",

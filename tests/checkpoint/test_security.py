@@ -690,7 +690,7 @@ def test_values_that_would_corrupt_training_are_refused(flags, message):
 
 def test_a_binary_config_file_is_one_line(tmp_path):
     (tmp_path / "bad.toml").write_bytes(b"\x00\xff\xfe\x80 binary")
-    with pytest.raises(ConfigError, match="is not a UTF-8 text file"):
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
         parse_args(["--config", tmp_path / "bad.toml"])
 
 

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ROOT, launch_runs, make_text, mpiexec
 from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.parallel import parallelize
+from minimal_fsdp.parallel import choose, parallelize
 from minimal_fsdp.parallel import plan as plan_module
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.flags import parse_args
@@ -587,9 +587,7 @@ def test_meta_init_builds_the_model_on_the_meta_device(meta_init):
 def test_the_unit_rule_counts_every_parameter_embeddings_included(
     group, monkeypatch, limit_below_total, whole
 ):
-    monkeypatch.setattr(
-        plan_module, "SMALL_MODEL", NUM_PARAMS - 1 if limit_below_total else NUM_PARAMS
-    )
+    monkeypatch.setattr(choose, "SMALL_MODEL", NUM_PARAMS - 1 if limit_below_total else NUM_PARAMS)
     monkeypatch.setattr(plan_module, "init_device_mesh", lambda *args, **kwargs: group)
     env = SimpleNamespace(device=torch.device("cpu"), world_size=1, local_world_size=1, num_nodes=1)
     plan = make_plan(parse_args([]), env, CONFIG, fsdp_on_one_rank=True)
