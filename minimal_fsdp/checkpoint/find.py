@@ -88,6 +88,9 @@ def verify(path, checksums=True, share=(0, 1)):
             return f"{name} is not a regular file"
         if info.st_size < size:
             return f"{name} is truncated ({info.st_size} of {size} bytes)"
+    # the checksums before the entries verify unpickles itself: damaged bytes are named as such
+    if not problem and checksums:
+        problem = files_problem(path, meta.get("files") or {}, share)
     problem = problem or _objects_problem(path, metadata, meta)
     if problem:
         return problem
@@ -115,7 +118,7 @@ def verify(path, checksums=True, share=(0, 1)):
         problem = rng_problem(state)
         if problem:
             return f"{rng_file(rank)} {problem}"
-    return files_problem(path, meta.get("files") or {}, share) if checksums else None
+    return None
 
 
 def _storage_problem(metadata):

@@ -386,19 +386,22 @@ def test_damaged_shard_is_found_before_loading(tmp_path, trained):
     with open(shard, "r+b") as f:  # 64 KiB overwritten in place: the size stays, the bytes do not
         f.seek(size // 3)
         f.write(b"\0" * min(65536, size // 3))
-    assert (
-        shard.stat().st_size == size
-        and checkpoint_find.verify(trained / "step_4", checksums=False) is None
-    )
+    # without checksums the damage passes unseen, or is seen only where it hits an entry that verify
+    # reads itself (the optimizer's step counts)
+    found = checkpoint_find.verify(trained / "step_4", checksums=False)
+    assert shard.stat().st_size == size and (found is None or "does not load" in found)
     restart = launch(
         ["--restart_checkpoint_file", trained / "step_4", "--run_name", "other"],
         cwd=tmp_path,
         check=False,
     )
-    assert "__1_0.distcp does not match its checksum" in one_error(restart)
+    # refused before loading: by the file's checksum, or by the entry verify reads from that file
+    # (which rank reads which file decides which is said first)
+    seen = ("__1_0.distcp does not match its checksum", "does not load (UnpicklingError")
+    assert any(text in one_error(restart) for text in seen)
     resumed = train(tmp_path, steps=6)
     assert "resuming from checkpoints/run/step_2" in resumed.stdout
-    assert "__1_0.distcp does not match its checksum" in resumed.stderr
+    assert any(text in resumed.stderr for text in seen)
 
 
 @pytest.mark.slow
