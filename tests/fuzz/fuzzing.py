@@ -208,7 +208,7 @@ def dumps(value):
 def mutated(text):
     """Raw mutations of a file's text or bytes: cut, a byte flipped, bytes inserted, repeated, or
     left alone; what a torn write or a hand edit does."""
-    blob = text.encode() if isinstance(text, str) else text
+    blob = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
 
     @st.composite
     def build(draw):

@@ -63,7 +63,9 @@ def meta_edits(meta):
             else:
                 node[key] = draw(fuzzing.json_values(6))
         text = fuzzing.dumps(edited)
-        return draw(st.one_of(st.just(text.encode()), fuzzing.mutated(text)))
+        return draw(
+            st.one_of(st.just(text.encode("utf-8", "surrogatepass")), fuzzing.mutated(text))
+        )
 
     return build()
 

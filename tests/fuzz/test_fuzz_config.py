@@ -50,10 +50,11 @@ def check_command(name, tables, raw, kind, positional):
     cls = COMMANDS[name][0]
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "run.toml")
-        text = fuzzing.toml_document(tables).encode()
+        text = fuzzing.toml_document(tables).encode("utf-8", "surrogatepass")
         fuzzing.place(path, kind, raw if raw is not None else text)
         argv = ["--config", path] + (POSITIONAL.get(name, []) if positional else [])
-        parsed = fuzzing.holds(lambda: parse(cls, argv), "--config" if kind != "file" else "")
+        # a path that cannot be read names --config; a value read from it names its own flag
+        parsed = fuzzing.holds(lambda: parse(cls, argv), "--" if kind != "file" else "")
         if parsed is not None:
             usable(name, parsed)
 

@@ -59,7 +59,8 @@ def char_json():
 )
 def test_char_tokenizer(text):
     with tempfile.TemporaryDirectory() as d:
-        Path(d, "tokenizer.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+        raw = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+        Path(d, "tokenizer.json").write_bytes(raw)  # a lone surrogate: bytes no UTF-8 allows
         tok = fuzzing.holds(lambda: tk.load_tokenizer(d), "tokenizer.json")
         if tok is not None:
             fuzzing.holds(lambda: works(tok))
@@ -129,7 +130,9 @@ def hf_edit(template):
             key = draw(st.sampled_from(sorted(vocab)))
             vocab[key] = draw(fuzzing.json_values(2))
         text = fuzzing.dumps(tj)
-        return draw(fuzzing.mutated(text)) if kind == "raw" else text.encode()
+        return (
+            draw(fuzzing.mutated(text)) if kind == "raw" else text.encode("utf-8", "surrogatepass")
+        )
 
     return build()
 
@@ -152,7 +155,9 @@ def prepared(d, meta, train, val, cache, forged, kinds):
     """A prepared dataset in d: its char tokenizer, meta.json, the splits' bytes, and the cache of
     each split's largest token id (forged: under the split's true fingerprint)."""
     tk.CharTokenizer("abcdefgh").save(d)
-    fuzzing.place(Path(d, "meta.json"), kinds[0], fuzzing.dumps(meta).encode())
+    fuzzing.place(
+        Path(d, "meta.json"), kinds[0], fuzzing.dumps(meta).encode("utf-8", "surrogatepass")
+    )
     fuzzing.place(Path(d, "train.bin"), kinds[1], train)
     fuzzing.place(Path(d, "val.bin"), kinds[2], val)
     if forged:
@@ -170,7 +175,9 @@ def prepared(d, meta, train, val, cache, forged, kinds):
                 info.st_ino,
                 top if top in range(8) else 0,
             ]
-    fuzzing.place(Path(d, TOKEN_CACHE), kinds[3], fuzzing.dumps(cache).encode())
+    fuzzing.place(
+        Path(d, TOKEN_CACHE), kinds[3], fuzzing.dumps(cache).encode("utf-8", "surrogatepass")
+    )
 
 
 def dataset_example():
@@ -243,7 +250,7 @@ def metrics_lines():
     return st.one_of(
         text.map(str.encode),
         text.flatmap(fuzzing.mutated),
-        st.integers(1, 3000).map(lambda n: fuzzing.deep(n).encode()),
+        st.integers(1, 3000).map(lambda n: fuzzing.deep(n).encode("utf-8", "surrogatepass")),
     )
 
 
@@ -312,7 +319,7 @@ def header_of(file):
 
 
 def with_header(header, rest, raw=None):
-    text = raw if raw is not None else fuzzing.dumps(header).encode()
+    text = raw if raw is not None else fuzzing.dumps(header).encode("utf-8", "surrogatepass")
     return len(text).to_bytes(8, "little") + text + rest
 
 
@@ -328,7 +335,7 @@ def hf_example(template):
             for _ in range(draw(st.integers(1, 3))):
                 key = draw(st.sampled_from(sorted(config) + ["n_positions", "vocab_size"]))
                 edited[key] = draw(fuzzing.json_values(3))
-            text = fuzzing.dumps(edited).encode()
+            text = fuzzing.dumps(edited).encode("utf-8", "surrogatepass")
             return part, draw(st.one_of(st.just(text), fuzzing.mutated(text)))
         if part == "model.safetensors":
             edited = json.loads(json.dumps(header))
@@ -353,7 +360,7 @@ def hf_example(template):
                 fuzzing.json_values(4),
             )
         )
-        return part, fuzzing.dumps(edited).encode()
+        return part, fuzzing.dumps(edited).encode("utf-8", "surrogatepass")
 
     return build()
 
