@@ -55,10 +55,8 @@ def test_rng_files_are_read_without_running_code(run, tmp_path, unsafe_default):
     buffer = io.BytesIO()
     torch.save(MakeDirectory(evidence), buffer)
     (run / "step_3" / "rng_0.pt").write_bytes(buffer.getvalue())
-    assert (
-        checkpoint_find.verify(run / "step_3")
-        == "rng_0.pt is missing or unreadable (UnpicklingError)"
-    )
+    # verify names the replaced file by its size, before it unpickles anything
+    assert checkpoint_find.verify(run / "step_3").startswith("rng_0.pt has ")
     with pytest.raises(pickle.UnpicklingError):
         checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
     assert not evidence.exists()
