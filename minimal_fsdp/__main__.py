@@ -1,10 +1,10 @@
 """The command line: `minimal-fsdp COMMAND [flags]` (the console script) or `python -m minimal_fsdp
 COMMAND`.
 
-COMMANDS is the whole table: a command's name -> its flags dataclass, the module whose main() runs
-it, and one line of help. A command's flags are parsed (config.parser) before its module is
-imported, so --help and bad flags answer without importing torch; the module's main then gets the
-parsed flags.
+COMMANDS is the whole table: a command's name -> its flags dataclass, the module of commands/ whose
+main(flags) runs it, and one line of help. A command's flags are parsed once (config.parser) before
+its module is imported, so --help and bad flags answer without importing torch; the module's main
+then gets the parsed flags.
 """
 
 import importlib
@@ -25,46 +25,46 @@ from minimal_fsdp.config.parser import parse
 COMMANDS = {
     "train": (
         Config,
-        "minimal_fsdp.run",
+        "minimal_fsdp.commands.train",
         "pre-train a GPT or Llama with FSDP2 (as basic_training.py)",
     ),
     "sample": (
         SampleFlags,
-        "minimal_fsdp.inference.sample",
+        "minimal_fsdp.commands.sample",
         "text from a checkpoint, an export or a Hugging Face model",
     ),
     "evaluate": (
         EvaluateFlags,
-        "minimal_fsdp.eval.evaluate",
+        "minimal_fsdp.commands.evaluate",
         "lm-evaluation-harness tasks on a trained model",
     ),
     "export": (
         ExportFlags,
-        "minimal_fsdp.hf.export",
+        "minimal_fsdp.commands.export",
         "a checkpoint -> safetensors or a Hugging Face directory",
     ),
     "prepare": (
         PrepareFlags,
-        "minimal_fsdp.data.prepare",
+        "minimal_fsdp.commands.prepare",
         "tokenize a dataset into train.bin and val.bin",
     ),
     "progress": (
         Config,
-        "minimal_fsdp.tools.progress",
+        "minimal_fsdp.commands.progress",
         "how far a run has trained (STEP LAST_STEP), for job "
         "chains; takes the run's training flags",
     ),
     "plan": (
         PlanFlags,
-        "minimal_fsdp.tools.model_size",
+        "minimal_fsdp.commands.plan",
         "memory and step time of every strategy: what fits",
     ),
     "cluster": (
         ClusterFlags,
-        "minimal_fsdp.tools.virtual_cluster",
+        "minimal_fsdp.commands.cluster",
         "virtual hosts on one machine, to rehearse a multi-node job (root)",
     ),
-    "plot": (PlotFlags, "minimal_fsdp.tools.plot", "a run's loss curves as a PNG"),
+    "plot": (PlotFlags, "minimal_fsdp.commands.plot", "a run's loss curves as a PNG"),
 }
 
 # Commands that run in one process. Started by a launcher on several ranks (`mpiexec -n 2
@@ -99,7 +99,7 @@ def main(argv=None):
     description = None if flags is not Config or argv[0] == "train" else summary
     parsed = one_line_errors(parse)(flags, argv[1:], f"minimal-fsdp {argv[0]}", description)
     # torch, where the command needs it, comes in here; bad input found later is one line too
-    one_line_errors(importlib.import_module(module).main)(cfg=parsed)
+    one_line_errors(importlib.import_module(module).main)(parsed)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """One run from start to end: the launch, the parallel plan, the run lock, what to start from, the
-data, the model, then training (or only generation) and a sample. basic_training.py hands its flags
-here.
+data, the model, then training (or only generation) and a sample. `minimal-fsdp train` and
+basic_training.py (commands/train.py) hand it their Config.
 
-    main(argv) -> Config -> run(cfg):
+    run(cfg):
       environment.setup        who and where every rank is; the process groups
       files.RunLock            one training run per run directory
       checkpoint_find.find     what to resume from (--resume, --restart_checkpoint_file)
@@ -18,25 +18,23 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import CheckpointException
 
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.launch import environment
-from minimal_fsdp.launch import hangs
 from minimal_fsdp import files
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.inference import load
 from minimal_fsdp.inference.generate import check_num_tokens
 from minimal_fsdp import backends
-from minimal_fsdp.config.flags import Config, ConfigError, parse_args, validate_world
+from minimal_fsdp.config.flags import Config, ConfigError, validate_world
 from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
-from minimal_fsdp.data.tokens import TokenData, prepared_dir
+from minimal_fsdp.data import prepare
+from minimal_fsdp.data.tokens import TokenData
 from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.models.families import config_from_flags, with_document_mask
 from minimal_fsdp.parallel.plan import apply_process_settings, make_plan
-from minimal_fsdp.launch.resilience import Diverged, StopRequests
+from minimal_fsdp.launch.resilience import StopRequests
 from minimal_fsdp.data.streaming import StreamingData
 from minimal_fsdp.data.tokenizer import load_tokenizer
 from minimal_fsdp.train import RunParts, build_optimizer, train
@@ -61,30 +59,6 @@ TRAINING_FLAGS = (
     "sharding",
     "seed",
 )
-
-
-def main(argv=None, cfg=None):
-    """Flags (or a Config parsed already: basic_training.py parses before importing torch) -> one
-    run. Bad input and failures end every rank with one `error:` line."""
-    try:
-        run(cfg or parse_args(argv))
-    except (ConfigError, Diverged, checkpoint.SaveError, environment.MainRankFailed) as e:
-        environment.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)
-    # a peer is gone: gloo raises a plain RuntimeError, torch's own a DistError, DCP (in a save) a
-    # CheckpointException (a BaseException)
-    except (RuntimeError, CheckpointException) as e:
-        line = environment.failures.lost_peer(e)
-        if line is None:
-            raise
-        if "waited longer" in line and torch.distributed.is_initialized():
-            # which collective, on which ranks, at which step; the first failure's words after
-            line = hangs.timeout_line(line[line.index(" (") + 2 : -1])
-        environment.exit_on_error(line, 1)
-    # Ctrl-C outside training (inside it, resilience.StopRequests saves and stops)
-    except KeyboardInterrupt:
-        environment.exit_on_error(
-            "interrupted (Ctrl-C) before or after training: nothing saved", 130
-        )
 
 
 def run(cfg):
@@ -143,9 +117,15 @@ def open_data(cfg, env, hf_dir):
     """The training data: a stream, or a prepared dataset (prepared by rank 0 on first use)."""
     if cfg.streaming:
         return StreamingData.open(cfg, env)
-    return TokenData(
-        environment.run_on_main(lambda: prepared_dir(cfg, given_tokenizer(cfg, hf_dir)))
-    )
+    return TokenData(environment.run_on_main(lambda: prepared(cfg, given_tokenizer(cfg, hf_dir))))
+
+
+def prepared(cfg, tokenizer):
+    """Rank 0's part of open_data: the dataset prepared (data.prepare's one front end), then
+    checked, so that the token ids' maximum is cached for all ranks."""
+    out = prepare.for_training(cfg, tokenizer)
+    TokenData(out)
+    return str(out)
 
 
 def plan_run(cfg, env, model_config, loads_weights):

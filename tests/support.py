@@ -4,6 +4,7 @@ checkpoints, Hugging Face directories, corpora, the sample a run prints. A test 
 from here, never from another test module; conftest.py keeps the fixtures every test may use and
 the launchers."""
 
+import importlib
 import io
 import json
 import math
@@ -25,8 +26,9 @@ import tokenizer_dirs
 from conftest import ROOT, TINY_MODEL, make_text, mpiexec
 from minimal_fsdp.checkpoint import checkpointer as checkpoint
 from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.__main__ import COMMANDS
 from minimal_fsdp.config.flags import one_line_errors, parse_args
-from minimal_fsdp.data import prepare
+from minimal_fsdp.config.parser import parse
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.gpt import GPT, GPTConfig
@@ -641,8 +643,22 @@ def write_jsonl(directory, documents, files=2):
     return directory
 
 
+def command(name, *argv, one_line=True):
+    """`minimal-fsdp NAME ARGV...` in this process, as minimal_fsdp.__main__ runs it: the flags
+    parsed once, then the command's main (commands/NAME.py), whose return value comes back. Bad
+    input ends it with one `error:` line and exit 2, or with one_line=False is raised
+    (ConfigError)."""
+    flags, module, _ = COMMANDS[name]
+    main = importlib.import_module(module).main
+
+    def run():
+        return main(parse(flags, [str(a) for a in argv], f"minimal-fsdp {name}"))
+
+    return one_line_errors(run)() if one_line else run()
+
+
 def run_cli(*args, num_proc=1):
-    return prepare.main([*map(str, args), "--num_proc", str(num_proc)])
+    return command("prepare", *args, "--num_proc", num_proc)
 
 
 # --- Hugging Face models ---

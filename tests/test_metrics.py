@@ -14,10 +14,9 @@ import torch.distributed as dist
 from conftest import TINY_MODEL
 from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.metrics import TAGS, Metrics, state_bytes_per_rank
-from minimal_fsdp.tools.plot import main as plot_main
 from minimal_fsdp.tools.plot import read_metrics
 
-from minimal_fsdp import run
+from support import command
 
 FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time", "peak_mem_gb"}
 
@@ -46,7 +45,7 @@ def test_training_writes_jsonl_tensorboard_config_and_banner(
         "--run_name",
         "tb",
     ]
-    run.main([str(a) for a in args])
+    command("train", *[str(a) for a in args])
     banner = capsys.readouterr().out
     assert (
         "launch: 1 rank(s) = 1 node(s) x 1 rank(s)/node, started by single, gloo on cpu; no FSDP: "
@@ -164,7 +163,7 @@ def test_plot_writes_png(tmp_path):
     write_jsonl(
         tmp_path / "run", [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0, "val_loss": 2.4}]
     )
-    plot_main([str(tmp_path / "run")])
+    command("plot", *[str(tmp_path / "run")])
     assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -182,7 +181,7 @@ def test_plot_compares_several_runs(tmp_path, monkeypatch):
         "plot",
         lambda ax, *a, **kw: labels.append(kw["label"]) or plot(ax, *a, **kw),
     )
-    plot_main([str(tmp_path / "logs" / "bf16"), str(tmp_path / "logs" / "fp8")])
+    command("plot", *[str(tmp_path / "logs" / "bf16"), str(tmp_path / "logs" / "fp8")])
     assert (tmp_path / "logs" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert labels == ["bf16: train loss", "bf16: val loss", "fp8: train loss", "fp8: val loss"]
 
@@ -191,7 +190,7 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, caps
     write_jsonl(tmp_path / "run", [{"step": 1, "loss": 3.0}])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     with pytest.raises(SystemExit) as e:
-        plot_main([str(tmp_path / "run")])
+        command("plot", *[str(tmp_path / "run")])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == (
         "error: plotting needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')"
@@ -225,7 +224,7 @@ def test_allocator_retries_warn_once_and_go_to_the_metrics(
         "--run_name",
         "tight",
     ]
-    run.main([str(a) for a in args])
+    command("train", *[str(a) for a in args])
     err = capsys.readouterr().err
     assert err.count("memory: by step 4 the CUDA allocator ran out of room 3 time(s)") == 1
     assert err.count("memory:") == 1 and "--batch_size" in err
@@ -251,7 +250,7 @@ def test_no_retries_no_field(single_process, tmp_path, corpus, capsys):
         "--run_name",
         "roomy",
     ]
-    run.main([str(a) for a in args])
+    command("train", *[str(a) for a in args])
     assert "memory:" not in capsys.readouterr().err
     assert all("alloc_retries" not in r for r in rows_of(tmp_path / "logs" / "roomy"))
 

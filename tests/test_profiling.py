@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_MODEL, launch, make_text
-from minimal_fsdp import profiling, run
+from minimal_fsdp import profiling
 from support import refused, train_args
+from support import command
 
 
 @pytest.fixture
@@ -18,8 +19,9 @@ def single(single_process, tmp_path):
 
 
 def train(*flags):
-    run.main(
-        [
+    command(
+        "train",
+        *[
             "--dataset",
             "text",
             "--input_file",
@@ -34,7 +36,7 @@ def train(*flags):
             "--max_steps",
             "4",
             *map(str, flags),
-        ]
+        ],
     )
 
 

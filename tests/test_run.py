@@ -15,6 +15,7 @@ from minimal_fsdp import run
 from minimal_fsdp.data import tokenizer
 from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.data.tokens import TokenData
+from support import command
 
 
 @pytest.fixture
@@ -25,8 +26,9 @@ def single(single_process, tmp_path):
 
 
 def train(capsys, *flags):
-    run.main(
-        [
+    command(
+        "train",
+        *[
             "--dataset",
             "text",
             "--input_file",
@@ -41,7 +43,7 @@ def train(capsys, *flags):
             "--log_interval",
             "1",
             *map(str, flags),
-        ]
+        ],
     )
     return capsys.readouterr().out
 
@@ -131,8 +133,9 @@ def test_an_unreachable_hub_fails_at_once_and_leaves_nothing(tmp_path, monkeypat
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
     monkeypatch.setattr(tokenizer, "reachable", lambda url: False)
     with pytest.raises(SystemExit):
-        prepare.main(
-            ["--dataset", "shakespeare", "--tokenizer", "gpt2", "--data_dir", str(tmp_path / "d")]
+        command(
+            "prepare",
+            *["--dataset", "shakespeare", "--tokenizer", "gpt2", "--data_dir", str(tmp_path / "d")],
         )
     assert not (tmp_path / "d" / "shakespeare" / "gpt2").exists()
 
@@ -158,7 +161,7 @@ def test_a_bug_on_rank_0_is_exit_1_with_its_traceback_and_bad_input_stays_exit_2
         "1",
     ]
     with pytest.raises(SystemExit) as exit_code:
-        run.main(flags)
+        command("train", *flags)
     err = capsys.readouterr().err
     assert exit_code.value.code == 1 and "Traceback" in err and "KeyError: 'a bug'" in err
     assert err.splitlines()[-1] == "error: rank 0 failed: KeyError: 'a bug'"
@@ -168,7 +171,7 @@ def test_a_bug_on_rank_0_is_exit_1_with_its_traceback_and_bad_input_stays_exit_2
 
     monkeypatch.setattr(run.hf, "resolve", bad_input)
     with pytest.raises(SystemExit) as exit_code:
-        run.main(flags)
+        command("train", *flags)
     err = capsys.readouterr().err
     assert exit_code.value.code == 2 and err == "error: --hf_model gpt2: not found\n"
 

@@ -9,6 +9,9 @@
 Each document is tokenized and followed by the end-of-text token, in source order; a document goes
 to val.bin when documents.is_val says so. A source of exactly one document (a single text file, like
 Shakespeare) is instead split by characters: its last --val_fraction is val.
+
+One front end, prepare(), serves both `minimal-fsdp prepare` (commands/prepare.py) and training
+(for_training: Shakespeare or one --input_file, prepared on first use).
 """
 
 import collections
@@ -22,10 +25,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from minimal_fsdp.config.commands import PrepareFlags
 from minimal_fsdp.config.checks import MAX_WHOLE, WHOLE_RANGES
-from minimal_fsdp.config.flags import ConfigError, one_line_errors
-from minimal_fsdp.config.parser import parse
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.documents import (
     OPENWEBTEXT,
     SEPARATOR_TEXT,
@@ -336,60 +337,85 @@ def _tokenize(documents, directory, dtype, num_proc):
 
 
 # -----------------------------------------------------------------------------
-# the command line
+# the one front end: `minimal-fsdp prepare` (commands/prepare.py) and training (for_training)
 
 
-@one_line_errors
-def main(argv=None, cfg=None):
-    """`minimal-fsdp prepare`: the flags (or PrepareFlags parsed already) -> the prepared
-    directory."""
-    return run(cfg or parse(PrepareFlags, argv))
+def open_source(dataset, input_file, data_dir):
+    """The documents of --dataset: the Shakespeare text, openwebtext (from the hub, or
+    --input_file's local copy), or --input_file (a hub dataset for --dataset hf)."""
+    if dataset == "shakespeare":
+        return shakespeare_documents(data_dir)
+    if dataset == "openwebtext":
+        return open_documents(input_file or OPENWEBTEXT, "--input_file")
+    return open_documents(input_file, "--input_file", hub=dataset == "hf")
 
 
-def run(args):
-    if args.dataset in ("text", "hf") and not args.input_file:
-        raise ConfigError(f"--dataset {args.dataset} needs --input_file PATH")
-    if args.tokenizer == "sentencepiece" and not args.vocab_size and not args.tokenizer_dir:
-        raise ConfigError(
-            "--tokenizer sentencepiece needs --vocab_size (the BPE vocabulary to train)"
-        )
-    val_fraction = args.val_fraction
-    if val_fraction is None:
-        val_fraction = 0.0005 if args.dataset == "openwebtext" else 0.1
-    if not 0 < val_fraction < 1:
-        raise ConfigError(f"--val_fraction must be in (0, 1) (got {val_fraction})")
-    if args.dataset == "shakespeare":
-        documents = shakespeare_documents(args.data_dir)
-    elif args.dataset == "openwebtext":
-        documents = open_documents(args.input_file or OPENWEBTEXT, "--input_file")
-    else:
-        documents = open_documents(args.input_file, "--input_file", hub=args.dataset == "hf")
-    name = "openwebtext" if args.dataset == "openwebtext" else documents.name
-    given = load_tokenizer(args.tokenizer_dir) if args.tokenizer_dir else None
-    default_out = (
-        output_dir(args.data_dir, name, args.tokenizer, args.vocab_size)
-        if given is None
-        else Path(args.data_dir) / name / given.label
-    )
-    out = Path(args.output) if args.output else default_out
+def named_dir(data_dir, name, tokenizer_kind, vocab_size, tokenizer=None):
+    """<data_dir>/<name>/<tokenizer>: one text, prepared once per tokenizer. A given tokenizer
+    (--tokenizer_dir's, a --hf_model's) names the directory by its label: its kind, and for
+    sentencepiece, Hugging Face and tiktoken ones also a hash of its files."""
+    if tokenizer is None:
+        return output_dir(data_dir, name, tokenizer_kind, vocab_size)
+    return Path(data_dir) / name / tokenizer.label
+
+
+def prepare(
+    documents, out, again, tokenizer_kind, vocab_size, val_fraction, seed, num_proc=1,
+    tokenizer=None,
+):  # fmt: skip
+    """`out` prepared from `documents`: tokenized now (returns the meta dict), or found prepared
+    already from these same contents (returns None; `again` says how to prepare anew where they
+    changed)."""
+    out = Path(out)
     if (out / "meta.json").exists():
-        check_prepared(
-            out, documents, f"delete {out} to prepare it again, or pass another --output"
-        )
-        print(f"{out} is prepared already (delete it to prepare again)")
-        return out
-    meta = prepare_bins(
+        check_prepared(out, documents, again)
+        return None
+    return prepare_bins(
         documents,
-        args.tokenizer,
-        args.vocab_size,
+        tokenizer_kind,
+        vocab_size,
         out,
         val_fraction,
-        args.seed,
-        args.num_proc,
-        tokenizer=given,
+        seed,
+        num_proc,
+        tokenizer=tokenizer,
     )
-    print(
-        f"{out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
-        f"({meta['dtype']}); train with: python basic_training.py --dataset_path {out}"
+
+
+def dataset_dir(cfg, tokenizer=None):
+    """Training's data directory: --dataset_path, else data/<dataset>/<tokenizer> (named_dir)."""
+    if cfg.dataset_path:
+        return Path(cfg.dataset_path)
+    name = "shakespeare" if cfg.dataset == "shakespeare" else Path(cfg.input_file).stem
+    return named_dir(cfg.data_dir, name, cfg.tokenizer, cfg.vocab_size, tokenizer)
+
+
+def for_training(cfg, tokenizer=None):
+    """Training's prepared dataset directory: --dataset_path as it is, else Shakespeare or
+    --input_file tokenized on first use with `tokenizer` if given, else the --tokenizer kind fit on
+    the text. Runs on rank 0 only (big datasets: prepare them ahead with `minimal-fsdp prepare`)."""
+    out = dataset_dir(cfg, tokenizer)
+    if cfg.dataset_path:
+        if (out / "meta.json").exists():
+            return out
+        raise ConfigError(
+            f"--dataset_path {out} has no meta.json: prepare it first (minimal-fsdp prepare "
+            f"--dataset text --input_file SOURCE --output {out}), or add --streaming to read "
+            "a .jsonl/Hugging Face dataset directly"
+        )
+    documents = open_source(cfg.dataset, cfg.input_file, cfg.data_dir)
+    again = (
+        f"delete {out} to prepare it again (runs that trained on it resume on the new text), or "
+        "pass another --data_dir"
+    )
+    prepare(
+        documents,
+        out,
+        again,
+        cfg.tokenizer,
+        cfg.vocab_size,
+        cfg.val_fraction,
+        cfg.seed,
+        tokenizer=tokenizer,
     )
     return out

@@ -1,8 +1,8 @@
 """Prepared token memmaps (train.bin, val.bin, meta.json) and the sampler that reads batches from
 them.
 
-`minimal-fsdp prepare ...` prepares a dataset ahead of training (prepare.py); training prepares
-Shakespeare or one --input_file itself on first use (prepared_dir).
+prepare.py writes them: ahead of training (`minimal-fsdp prepare`), or on first use for Shakespeare
+or one --input_file (prepare.for_training).
 """
 
 import functools
@@ -17,73 +17,13 @@ import numpy as np
 import torch
 
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.data.documents import open_documents
-from minimal_fsdp.data.prepare import (
-    check_prepared,
-    output_dir,
-    prepare_bins,
-    read_prepared_meta,
-    shakespeare_documents,
-)
+from minimal_fsdp.data.prepare import read_prepared_meta
 from minimal_fsdp.files import read_bytes, read_json, write_atomic
 from minimal_fsdp.data.tokenizer import load_tokenizer
 
 TOKEN_DTYPES = ("uint16", "uint32")
 TOKEN_CHUNK = 2**24  # token ids whose maximum is taken at once (32 MB of uint16)
 TOKEN_CACHE = ".largest_token.json"  # each split's largest token id, under the file's fingerprint
-
-
-def dataset_dir(cfg, tokenizer=None):
-    """--dataset_path, else data/<dataset>/<tokenizer>: one text, prepared once per tokenizer. A
-    given tokenizer (--tokenizer_dir's, a --hf_model's) names the directory by its label: its kind,
-    and for sentencepiece, Hugging Face and tiktoken ones also a hash of its files."""
-    if cfg.dataset_path:
-        return Path(cfg.dataset_path)
-    name = "shakespeare" if cfg.dataset == "shakespeare" else Path(cfg.input_file).stem
-    if tokenizer is None:
-        return output_dir(cfg.data_dir, name, cfg.tokenizer, cfg.vocab_size)
-    return Path(cfg.data_dir) / name / tokenizer.label
-
-
-def prepared_dir(cfg, tokenizer=None):
-    """The prepared dataset's directory, tokenizing the text into flat memmaps on first use.
-    Uses `tokenizer` if given, else builds the --tokenizer kind from the text. Runs on rank 0 only
-    (big datasets: prepare them ahead with `minimal-fsdp prepare`)."""
-    out = dataset_dir(cfg, tokenizer)
-    if cfg.dataset_path:
-        if (out / "meta.json").exists():
-            # its checks, here on rank 0 first: the token ids' maximum is then cached for all
-            TokenData(out)
-            return str(out)
-        raise ConfigError(
-            f"--dataset_path {out} has no meta.json: prepare it first (minimal-fsdp prepare "
-            f"--dataset text --input_file SOURCE --output {out}), or add --streaming to read "
-            "a .jsonl/Hugging Face dataset directly"
-        )
-    if cfg.dataset == "shakespeare":
-        documents = shakespeare_documents(cfg.data_dir)
-    else:
-        documents = open_documents(cfg.input_file, "--input_file", hub=False)
-    if (out / "meta.json").exists():
-        check_prepared(
-            out,
-            documents,
-            f"delete {out} to prepare it again (runs that trained on it resume on the "
-            "new text), or pass another --data_dir",
-        )
-    else:
-        prepare_bins(
-            documents,
-            cfg.tokenizer,
-            cfg.vocab_size,
-            out,
-            cfg.val_fraction,
-            cfg.seed,
-            tokenizer=tokenizer,
-        )
-    # its checks, here on rank 0 first: the token ids' maximum is then cached for all
-    TokenData(out)
-    return str(out)
 
 
 def _check_kinds(directory):

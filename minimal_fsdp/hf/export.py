@@ -25,9 +25,7 @@ from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.hf import write as hf_write
 from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.config.commands import ExportFlags
-from minimal_fsdp.config.flags import ConfigError, one_line_errors
-from minimal_fsdp.config.parser import parse
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import has_tokenizer, load_tokenizer
 from minimal_fsdp.inference.load import checkpoint_path, source_fallback
 
@@ -98,11 +96,3 @@ def _export(path, out, dtype, fmt):
     config = json.dumps(meta["model"], indent=1) + "\n"
     hf_write.write_public(out / "config.json", lambda p: p.write_text(config))
     return weights
-
-
-@one_line_errors
-def main(argv=None, cfg=None):
-    """`minimal-fsdp export`: the flags (or ExportFlags parsed already) -> the files, and where they
-    went."""
-    args = cfg or parse(ExportFlags, argv)
-    print(f"wrote {export(args.checkpoint, args.out, DTYPES.get(args.dtype), args.format)}")

@@ -20,10 +20,8 @@ from pathlib import Path
 
 # Nothing imported here imports torch: the planner answers at once (tests/tools/test_model_size.py
 # checks). count() is models/size.py's count from the shape, held equal to it by tests.
-from minimal_fsdp.config.commands import PlanFlags
 from minimal_fsdp.config.checks import model_family
 from minimal_fsdp.config.choices import MODEL_FLAGS, SHARDING, ConfigError
-from minimal_fsdp.config.parser import parse
 from minimal_fsdp.models.counts import count as count_parameters
 from minimal_fsdp.models.families import FAMILIES, check_shape, make_config
 from minimal_fsdp.parallel import choose as fp8  # block_shapes: the layers fp8 converts
@@ -231,9 +229,8 @@ def model_config(args):
     return family, config, args.model_preset
 
 
-def main(argv=None, cfg=None):
-    """`minimal-fsdp plan`: the flags (or PlanFlags parsed already) -> the tables on stdout."""
-    args = cfg or parse(PlanFlags, argv)
+def print_plan(args):
+    """`minimal-fsdp plan`'s tables on stdout, for its flags (PlanFlags)."""
     gpus_per_node = args.gpus_per_node or min(args.gpus, 8)
     group = args.shard_group_size or gpus_per_node
     for name in (

@@ -12,9 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from minimal_fsdp.config.commands import PlotFlags
-from minimal_fsdp.config.flags import ConfigError, one_line_errors
-from minimal_fsdp.config.parser import parse
+from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.files import open_regular, parse_json, shown
 
 
@@ -114,10 +112,3 @@ def plot(run_dirs, out=None):
     fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out
-
-
-@one_line_errors
-def main(argv=None, cfg=None):
-    """`minimal-fsdp plot`: the flags (or PlotFlags parsed already) -> the PNG's path on stdout."""
-    args = cfg or parse(PlotFlags, argv)
-    print(plot(args.run_dir, args.out))

@@ -17,11 +17,9 @@ what that can do to a chain.
 """
 
 import errno
-from pathlib import Path
 
 from minimal_fsdp.checkpoint.dirs import candidates, files_problem, skipping
 from minimal_fsdp.checkpoint.meta import MetaError, check_run_keys, read_meta
-from minimal_fsdp.config.flags import one_line_errors, parse_args
 
 
 def problem(path):
@@ -53,15 +51,3 @@ def newest(run_dir):
             return meta
         skipping(path, why)
     return None
-
-
-@one_line_errors
-def main(argv=None, cfg=None):
-    """The run's training flags (or a Config parsed already, by `minimal-fsdp progress`) -> "STEP
-    LAST_STEP"."""
-    cfg = cfg or parse_args(argv, "minimal-fsdp progress")
-    meta = newest(Path(cfg.checkpoint_dir) / cfg.run_name)
-    if meta is None:
-        print("0 none")
-    else:
-        print(meta["step"], meta["state"]["schedule"].get("last_step") or "none")

@@ -420,18 +420,9 @@ def sweep():
     _remove(stale)
 
 
-def main(argv=None, cfg=None):
-    """`minimal-fsdp cluster`: the flags (or ClusterFlags parsed already) -> the hosts, the command
-    run on the first, its exit code."""
-    if cfg is None:
-        from minimal_fsdp.config.commands import ClusterFlags
-        from minimal_fsdp.config.parser import parse
-
-        cfg = parse(ClusterFlags, argv)
-    args = cfg
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        sys.exit("error: give the command after --")
+def rehearse(args, command):
+    """`minimal-fsdp cluster`: the hosts its flags (ClusterFlags) ask for, `command` run on the
+    first, then torn down; returns the command's exit code."""
     why = unavailable()
     if why:
         sys.exit(f"error: cannot make virtual hosts here: {why}")
@@ -479,7 +470,7 @@ def main(argv=None, cfg=None):
             code = seen.report(cluster, code)
     finally:
         cluster.down()
-    sys.exit(code)
+    return code
 
 
 class Rehearsal:

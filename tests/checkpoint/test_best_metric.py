@@ -109,7 +109,7 @@ def test_the_flag_is_checked_before_anything_is_loaded():
 
 def test_the_direction_is_the_harness_own(monkeypatch):
     pytest.importorskip("lm_eval")
-    from minimal_fsdp.eval.evaluate import load_tasks
+    from minimal_fsdp.eval.harness import load_tasks
 
     for name, value in OFFLINE.items():
         monkeypatch.setenv(name, value)

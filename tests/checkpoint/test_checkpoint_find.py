@@ -19,10 +19,10 @@ from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.launch import failures
 from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.tools import progress
 from minimal_fsdp.config.flags import ConfigError, parse_args
 from support import HOSTILE_META, MakeDirectory, edited, flip_a_byte, meta_of
 from support import console, run, saved  # noqa: F401 (fixtures)
+from support import command
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 
@@ -483,13 +483,13 @@ def test_progress_prints_step_and_last_step_of_the_newest_complete_checkpoint(
     out, err = console()
     flags = ["--checkpoint_dir", str(run.parent), "--run_name", run.name]
     flip_a_byte(run / "step_3" / "__0_0.distcp")  # only the cheap checks: the chains ask often
-    progress.main(flags)
+    command("progress", *flags)
     (run / "step_3" / "rng_0.pt").unlink()
     monkeypatch.setattr(sys, "argv", ["minimal-fsdp", *flags])
-    progress.main()
-    progress.main(["--checkpoint_dir", str(run.parent), "--run_name", "other"])
+    command("progress")
+    command("progress", *["--checkpoint_dir", str(run.parent), "--run_name", "other"])
     meta = meta_of(run / "step_2")
     del meta["format"], meta["state"]
     (run / "step_2" / "meta.json").write_text(json.dumps(dict(meta, last_step=50)))  # format 1
-    progress.main(flags)
+    command("progress", *flags)
     assert out.getvalue() == "3 100\n2 none\n0 none\n2 50\n"

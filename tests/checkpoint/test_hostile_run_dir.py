@@ -27,7 +27,7 @@ from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.checks import WHOLE_RANGES
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args
-from minimal_fsdp.inference import sample
+from minimal_fsdp.inference import load
 from minimal_fsdp.tools import progress
 from support import MakeDirectory, TINY, meta_of, recompute_checksums, scramble_a_tensor, tiny
 from support import console, run, saved  # noqa: F401 (fixtures)
@@ -453,7 +453,7 @@ def test_a_step_directory_that_is_a_link_or_a_renamed_copy_is_never_used(run, tm
     assert checkpoint_find.find(args_for(run)) == run / "step_3"
     assert progress.newest(run)["step"] == 3
     with pytest.raises(ConfigError) as raised:
-        sample.open_source(str(run / "step_30"))
+        load.open_source(str(run / "step_30"))
     assert "step_30 is a symbolic link" in str(raised.value)
     (run / "step_30").unlink()
     shutil.copytree(run / "step_2", run / "step_30")  # a copy under another step's name

@@ -24,8 +24,8 @@ from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp import files
 from minimal_fsdp.hf import read as hf
 from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.inference import sample as sample_command
 from minimal_fsdp.config.flags import ConfigError, parse_args
+from support import command
 
 
 # ---- a corpus of hostile pickles: none may run, every one is refused ----
@@ -360,7 +360,7 @@ def test_a_hostile_meta_json_is_skipped_in_one_line_by_resume_sample_export_and_
     # The sample command's main in this process (single_process: a world of one in tmp_path); it
     # returns (exit 0).
     capfd.readouterr()
-    sample_command.main(["checkpoints/run", "--num_tokens", "5"])
+    command("sample", *["checkpoints/run", "--num_tokens", "5"])
     sample = SimpleNamespace(stderr=capfd.readouterr().err)
     assert "generating from checkpoints/run/step_2" in sample.stderr, sample.stderr
     assert [line for line in sample.stderr.splitlines() if "step_4" in line] == [skipped]

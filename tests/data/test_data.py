@@ -16,15 +16,21 @@ import torch
 
 from minimal_fsdp.data import tokens as data
 from minimal_fsdp.config.flags import ConfigError, parse_args
-from minimal_fsdp.data.tokens import (
-    TokenData,
-    dataset_dir,
-    epoch_offset,
-    epoch_order,
-    prepared_dir,
-    prepared_dir as prepare,
-)
+from minimal_fsdp.data import prepare as preparing
+from minimal_fsdp.data.prepare import dataset_dir
+from minimal_fsdp.data.tokens import TokenData, epoch_offset, epoch_order
 from minimal_fsdp.data.tokenizer import CharTokenizer
+
+
+def prepared_dir(cfg, tokenizer=None):
+    """Training's prepared dataset (data.prepare.for_training), checked as run.open_data checks it
+    on rank 0."""
+    out = preparing.for_training(cfg, tokenizer)
+    data.TokenData(out)
+    return str(out)
+
+
+prepare = prepared_dir
 
 
 def cfg_for(corpus, tmp_path, *extra):
@@ -286,9 +292,11 @@ def test_dataset_dir_names_the_text_and_the_tokenizer(tmp_path):
 @pytest.fixture
 def prepare_calls(monkeypatch):
     calls = []
-    monkeypatch.setattr(data, "shakespeare_documents", lambda data_dir: ("shakespeare", data_dir))
-    monkeypatch.setattr(data, "open_documents", lambda *a, **k: ("open", a, k))
-    monkeypatch.setattr(data, "prepare_bins", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(
+        preparing, "shakespeare_documents", lambda data_dir: ("shakespeare", data_dir)
+    )
+    monkeypatch.setattr(preparing, "open_documents", lambda *a, **k: ("open", a, k))
+    monkeypatch.setattr(preparing, "prepare_bins", lambda *a, **k: calls.append((a, k)))
     monkeypatch.setattr(data, "TokenData", lambda directory: None)  # nothing prepared to check
     return calls
 
@@ -298,7 +306,7 @@ def test_prepared_dir_prepares_shakespeare_once(tmp_path, prepare_calls):
     out = tmp_path / "shakespeare" / "char"
     assert prepared_dir(cfg) == str(out)
     assert prepare_calls == [
-        ((("shakespeare", str(tmp_path)), "char", None, out, 0.2, 7), {"tokenizer": None})
+        ((("shakespeare", str(tmp_path)), "char", None, out, 0.2, 7, 1), {"tokenizer": None})
     ]
     out.mkdir(parents=True)
     (out / "meta.json").write_text(

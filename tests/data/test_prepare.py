@@ -11,6 +11,7 @@ from conftest import ROOT, TINY_MODEL, launch, make_text
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
 from minimal_fsdp.data import documents
+from minimal_fsdp.commands import prepare as prepare_command
 from minimal_fsdp.data import prepare
 from minimal_fsdp.config.commands import PrepareFlags
 from minimal_fsdp.config.flags import ConfigError
@@ -169,7 +170,7 @@ def test_bad_input_is_one_clear_error(tmp_path, files, message):
     for name, content in files.items():
         (source / name).write_text(content)
     with pytest.raises(ConfigError, match=message):
-        prepare.run(
+        prepare_command.main(
             parse(
                 PrepareFlags,
                 [
@@ -189,7 +190,7 @@ def test_bad_input_is_one_clear_error(tmp_path, files, message):
 def test_missing_datasets_package_names_the_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ConfigError, match=r"needs the datasets package: pip install datasets"):
-        prepare.run(parse(PrepareFlags, ["--dataset", "openwebtext"]))
+        prepare_command.main(parse(PrepareFlags, ["--dataset", "openwebtext"]))
 
 
 def test_openwebtext_offline_is_one_line(tmp_path):
@@ -286,11 +287,11 @@ def test_the_prepare_command_refuses_an_edited_source(tmp_path):
         "--num_proc",
         "1",
     ]
-    prepare.run(parse(PrepareFlags, args))
-    prepare.run(parse(PrepareFlags, args))  # unchanged: "prepared already"
+    prepare_command.main(parse(PrepareFlags, args))
+    prepare_command.main(parse(PrepareFlags, args))  # unchanged: "prepared already"
     path.write_text(make_text(5_000, seed=3))
     with pytest.raises(
         ConfigError,
         match="differs from it now .*: delete .* to prepare it again, or pass another --output",
     ):
-        prepare.run(parse(PrepareFlags, args))
+        prepare_command.main(parse(PrepareFlags, args))

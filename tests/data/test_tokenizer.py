@@ -14,6 +14,7 @@ from minimal_fsdp.data.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
+from support import command
 
 
 def sample_text(n_lines=1500, seed=0):
@@ -378,7 +379,6 @@ def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
 
 
 def test_prepare_with_a_tokenizer_dir(tmp_path, offline):
-    from minimal_fsdp.data import prepare
     from minimal_fsdp.data.tokens import TokenData
     from minimal_fsdp.data.documents import encode_document, is_val
 
@@ -388,8 +388,9 @@ def test_prepare_with_a_tokenizer_dir(tmp_path, offline):
         sample_text(20, seed=i) + f"\ndocument {i} \u00e9\u00e8 \U0001f600" for i in range(40)
     ]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
-    out = prepare.main(
-        [
+    out = command(
+        "prepare",
+        *[
             "--dataset",
             "text",
             "--input_file",
@@ -400,7 +401,7 @@ def test_prepare_with_a_tokenizer_dir(tmp_path, offline):
             str(tmp_path / "data"),
             "--num_proc",
             "2",
-        ]
+        ],
     )
     assert out == tmp_path / "data" / "docs" / tokenizer.label
     data = TokenData(out)  # the workers tokenized with the tokenizer saved there

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY_MODEL, launch, mpiexec
-from minimal_fsdp.eval import evaluate
+from support import command
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -62,7 +62,7 @@ def test_the_char_model_is_evaluated_alike_on_one_and_two_ranks(
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(ROOT)  # the tasks' data_files are relative to the repository root
     flags = [str(char_run), "--tasks", TASKS, "--include_path", "configs/eval"]
-    evaluate.main([*flags, "--output_path", str(tmp_path / "one")])
+    command("evaluate", *[*flags, "--output_path", str(tmp_path / "one")])
     err = capfd.readouterr().err
     assert (
         "prefix token" in err and "'\\n'" in err and "the newline that separates documents" in err

@@ -17,8 +17,10 @@ import torch
 
 from conftest import ROOT, TINY_MODEL, launch_runs, make_text, mpiexec
 from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.eval import evaluate
+from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.eval import harness
 from minimal_fsdp.hf import export
+from support import command
 
 lm_eval = pytest.importorskip("lm_eval")  # pip install -e '.[dev]' installs it
 
@@ -36,7 +38,7 @@ FLAGS = ["--tasks", ",".join(TASKS), "--include_path", DATA, "--batch_size", 3, 
 
 def hf_backend(directory):
     """The reference: lm_eval's own transformers backend, one sequence at a time (no padding), its
-    templates rendered by the harness's own apply_template, not the one evaluate.harness()
+    templates rendered by the harness's own apply_template, not the one harness.harness()
     installs."""
     from lm_eval.tasks import TaskManager
 
@@ -197,8 +199,9 @@ def test_one_rank_matches_the_hf_backend(
     for name, value in OFFLINE.items():
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(ROOT)
-    evaluate.main(
-        [str(trained[shape]["step"]), *map(str, FLAGS), "--output_path", str(tmp_path / "out")]
+    command(
+        "evaluate",
+        *[str(trained[shape]["step"]), *map(str, FLAGS), "--output_path", str(tmp_path / "out")],
     )
     shown = capsys.readouterr()
     assert_same_scores(*results_of(tmp_path / "out"), trained[shape]["reference"])
@@ -220,10 +223,10 @@ HYBRID = ["--shard_group_size", 2]  # 4 ranks on one node: shard over 2, replica
 
 @pytest.fixture(scope="module")
 def sharded(request, trained, tmp_path_factory):
-    """Every selected case of SHARDED evaluated by evaluate.main under mpiexec, the cases of one
-    world size one after the other in one launch (tests/several_evaluations.py: 2 launches, not 5).
-    Per case: its folder (the harness's files under out/), and what its ranks printed, joined as
-    mpiexec joins them."""
+    """Every selected case of SHARDED evaluated by `minimal-fsdp evaluate` under mpiexec, the cases
+    of one world size one after the other in one launch (tests/several_evaluations.py: 2 launches,
+    not 5). Per case: its folder (the harness's files under out/), and what its ranks printed,
+    joined as mpiexec joins them."""
     selected = {
         tuple(item.callspec.params[key] for key in ("shape", "sharding", "ranks"))
         for item in request.session.items
@@ -337,8 +340,9 @@ def test_a_shard_group_that_does_not_divide_the_ranks_is_one_line(single_process
     read: the source need not exist. Before, a bad group ended every rank in a device-mesh
     traceback."""
     with pytest.raises(SystemExit) as exit:
-        evaluate.main(
-            [
+        command(
+            "evaluate",
+            *[
                 str(tmp_path / "never_read"),
                 "--tasks",
                 "tiny_mc",
@@ -348,7 +352,7 @@ def test_a_shard_group_that_does_not_divide_the_ranks_is_one_line(single_process
                 "hybrid-full-shard",
                 "--shard_group_size",
                 "2",
-            ]
+            ],
         )
     assert exit.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
@@ -411,14 +415,15 @@ def test_unknown_task_and_missing_harness_are_one_line(
     with_shipped = []
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", few_shipped_tasks(with_shipped))
     with pytest.raises(SystemExit) as exit:
-        evaluate.main(
-            [
+        command(
+            "evaluate",
+            *[
                 str(trained["gpt"]["step"]),
                 "--tasks",
                 "tiny_mc,nonesuch",
                 "--include_path",
                 str(DATA),
-            ]
+            ],
         )
     assert exit.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
@@ -429,8 +434,8 @@ def test_unknown_task_and_missing_harness_are_one_line(
     # folder's)
     assert [{"arc_easy", "tiny_mc"} <= set(manager.all_tasks) for manager in with_shipped] == [True]
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if it were not installed
-    with pytest.raises(evaluate.ConfigError, match=r"pip install 'minimal_fsdp\[eval\]'"):
-        evaluate.harness()
+    with pytest.raises(ConfigError, match=r"pip install 'minimal_fsdp\[eval\]'"):
+        harness.harness()
 
 
 @pytest.mark.parametrize(
@@ -629,7 +634,7 @@ metric_list:
 
 
 def test_templates_compiled_once_render_as_the_harness_renders(tmp_path, monkeypatch):
-    """evaluate.harness() has lm_eval compile each distinct Jinja template once, not once per
+    """harness.harness() has lm_eval compile each distinct Jinja template once, not once per
     document: every request the harness builds for the shipped local tasks (and a few-shot task with
     a filter, a condition and a description) is the same as with the harness's own apply_template,
     and so is each document's text, target and choices."""
@@ -680,7 +685,7 @@ def test_templates_compiled_once_render_as_the_harness_renders(tmp_path, monkeyp
         and "\nAnswer:" in reference["tiny_templated"][0][3][0]
     )
     compiled.clear()
-    evaluate.compile_templates_once(lm_eval.utils)
+    harness.compile_templates_once(lm_eval.utils)
     assert built() == reference
     assert sorted(compiled) == sorted(set(compiled)) and len(compiled) < 10  # each template once
 
@@ -690,15 +695,15 @@ def test_eval_tasks_that_cannot_run_stop_before_training():
     from minimal_fsdp.config.flags import Config
 
     # without --eval_tasks: nothing
-    assert evaluate.TrainingTasks.for_run(Config(), None, None, None) is None
+    assert harness.TrainingTasks.for_run(Config(), None, None, None) is None
     for flags, message in [
         (dict(eval_tasks_interval=-1), "--eval_tasks_interval must be 0 or positive"),
         (dict(eval_tasks_limit=0), "--eval_tasks_limit positive"),
         (dict(data_parallel="decentralized"), "every rank trains a replica of its own"),
     ]:
         # refused with the other flags, before any build
-        with pytest.raises(evaluate.ConfigError, match=message):
+        with pytest.raises(ConfigError, match=message):
             config_checks.validate(Config(eval_tasks="tiny_mc", **flags))
-    with pytest.raises(evaluate.ConfigError, match="needs the data's tokenizer"):
-        evaluate.TrainingTasks.for_run(Config(eval_tasks="tiny_mc"), None, None, None)
+    with pytest.raises(ConfigError, match="needs the data's tokenizer"):
+        harness.TrainingTasks.for_run(Config(eval_tasks="tiny_mc"), None, None, None)
     # a char tokenizer, refused here once, is scored (test_harness.py, test_char_model.py)

@@ -15,10 +15,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import TINY_MODEL, launch, make_text
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
-from minimal_fsdp.hf import export
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.data.tokenizer import load_tokenizer
+from support import command
 
 
 def assert_ordinary_permissions(directory):
@@ -55,7 +55,9 @@ def ckpt(tmp_path_factory):
 def test_export_round_trip(ckpt, tmp_path):
     step = checkpoint_find.latest(ckpt)
     assert len(list(step.glob("*.distcp"))) == 2  # really sharded
-    export.main([str(ckpt), str(tmp_path / "out")])  # a run directory means its newest checkpoint
+    command(
+        "export", *[str(ckpt), str(tmp_path / "out")]
+    )  # a run directory means its newest checkpoint
     exported = load_file(tmp_path / "out" / "model.safetensors")
     dcp_to_torch_save(step, tmp_path / "reference.pt")  # torch's converter, independent of ours
     reference = torch.load(tmp_path / "reference.pt", weights_only=True)["model"]
@@ -73,7 +75,7 @@ def test_export_round_trip(ckpt, tmp_path):
 
 
 def test_export_casts_to_bf16(ckpt, tmp_path):
-    export.main([str(ckpt / "latest"), str(tmp_path / "out"), "--dtype", "bf16"])
+    command("export", *[str(ckpt / "latest"), str(tmp_path / "out"), "--dtype", "bf16"])
     exported = load_file(tmp_path / "out" / "model.safetensors")
     full = safe_load.load_full_model_state(checkpoint_find.latest(ckpt))
     assert all(
@@ -85,7 +87,7 @@ def test_export_casts_to_bf16(ckpt, tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bf16"])
 def test_hf_format_loads_in_transformers_with_the_same_logits_and_tokens(ckpt, tmp_path, dtype):
     transformers = pytest.importorskip("transformers")
-    export.main([str(ckpt), str(tmp_path / "hf"), "--format", "hf", "--dtype", dtype])
+    command("export", *[str(ckpt), str(tmp_path / "hf"), "--format", "hf", "--dtype", dtype])
     step = checkpoint_find.latest(ckpt)
     meta = checkpoint_meta.read_meta(step)
     ours = GPT(GPTConfig(**meta["model"])).eval()
@@ -115,7 +117,7 @@ def test_hf_format_loads_in_transformers_with_the_same_logits_and_tokens(ckpt, t
 
 def test_bad_checkpoint_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        export.main([str(tmp_path / "missing"), str(tmp_path / "out")])
+        command("export", *[str(tmp_path / "missing"), str(tmp_path / "out")])
     assert e.value.code == 2
     assert (
         capsys.readouterr().err.strip()

@@ -17,12 +17,12 @@ import tokenizer_dirs
 from conftest import ROOT, global_batch, launch, launch_runs, make_text
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
-from minimal_fsdp.hf import export
 from minimal_fsdp.hf import write as hf_write
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.config.flags import parse_args
-from minimal_fsdp.data.tokens import TokenData, dataset_dir
+from minimal_fsdp.data.prepare import dataset_dir
+from minimal_fsdp.data.tokens import TokenData
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.models.classes import MODELS
@@ -37,6 +37,7 @@ from support import (
     ours_from,
     sample_of,
 )
+from support import command
 
 transformers = pytest.importorskip("transformers")
 
@@ -265,7 +266,7 @@ def test_llama3_trains_samples_exports_and_comes_back_offline(tmp_path, corpus, 
 
     # Export the trained checkpoint: transformers gives our logits and our token ids.
     saved = checkpoint_find.latest(tmp_path / "checkpoints" / "llama3")
-    export.main([str(saved), str(tmp_path / "export"), "--format", "hf"])
+    command("export", *[str(saved), str(tmp_path / "export"), "--format", "hf"])
     trained = MODELS["llama"](LlamaConfig(**checkpoint_meta.read_meta(saved)["model"])).eval()
     trained.load_state_dict(safe_load.load_full_model_state(saved))
     assert_same_logits(

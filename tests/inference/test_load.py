@@ -17,13 +17,12 @@ import torch
 
 import tokenizer_dirs
 from conftest import TINY_MODEL, launch, make_text
+import support
 from support import scramble_a_tensor
-from minimal_fsdp import run as run_command
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.data.tokenizer import CharTokenizer, load_tokenizer
 from minimal_fsdp.hf import export
 from minimal_fsdp.inference import load
-from minimal_fsdp.inference import sample as sample_command
 from minimal_fsdp.inference.generate import TextStream
 
 PROMPT = "KING:"
@@ -71,13 +70,13 @@ def no_hang():
 
 @pytest.fixture
 def command(single_process, capfd, monkeypatch, no_hang):
-    """A command's main in this process: (exit code, stdout, stderr)."""
+    """`minimal-fsdp NAME ...` in this process: (exit code, stdout, stderr)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
-    def run(main, *argv):
+    def run(name, *argv):
         capfd.readouterr()
         try:
-            main([*map(str, argv)])
+            support.command(name, *argv)
             code = 0
         except SystemExit as e:
             code = e.code
@@ -162,9 +161,7 @@ HOSTILE = {  # what is done to the export -> what the one line names
 def test_a_hostile_export_is_one_line(exported, tmp_path, command, case):
     make, named = HOSTILE[case]
     make(exported, tmp_path)
-    line = one_error_line(
-        command(sample_command.main, exported, "--prompt", PROMPT, "--num_tokens", 3)
-    )
+    line = one_error_line(command("sample", exported, "--prompt", PROMPT, "--num_tokens", 3))
     assert line.startswith(f"error: {exported}") and named in line
 
 
@@ -173,7 +170,7 @@ def test_a_hostile_export_as_hf_model_is_one_line(exported, tmp_path, command):
     os.mkfifo(exported / "more.safetensors")
     line = one_error_line(
         command(
-            run_command.main,
+            "train",
             "--hf_model",
             exported,
             "--max_epochs",
@@ -190,10 +187,8 @@ def test_a_hostile_export_as_hf_model_is_one_line(exported, tmp_path, command):
 @pytest.mark.slow
 def test_our_export_loads_the_checkpoints_weights(run_dir, tmp_path, command):
     export.export(run_dir / "step_4", tmp_path / "ours")
-    checkpoint = command(
-        sample_command.main, run_dir / "step_4", "--prompt", PROMPT, "--num_tokens", 12
-    )
-    ours = command(sample_command.main, tmp_path / "ours", "--prompt", PROMPT, "--num_tokens", 12)
+    checkpoint = command("sample", run_dir / "step_4", "--prompt", PROMPT, "--num_tokens", 12)
+    ours = command("sample", tmp_path / "ours", "--prompt", PROMPT, "--num_tokens", 12)
     assert (
         checkpoint.code == ours.code == 0
         and ours.out == checkpoint.out
@@ -207,16 +202,12 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(exported, com
     # more characters than the model has rows
     chars = "".join(chr(0x4E00 + i) for i in range(vocab + 5))
     CharTokenizer(chars).save(exported)
-    line = one_error_line(
-        command(sample_command.main, exported, "--prompt", chars[-1], "--num_tokens", 3)
-    )
+    line = one_error_line(command("sample", exported, "--prompt", chars[-1], "--num_tokens", 3))
     assert f"has {vocab + 5} tokens, but the model's vocabulary is {vocab}" in line
 
 
 def test_an_absurd_num_tokens_is_one_line(exported, command):
-    line = one_error_line(
-        command(sample_command.main, exported, "--prompt", PROMPT, "--num_tokens", 10**10)
-    )
+    line = one_error_line(command("sample", exported, "--prompt", PROMPT, "--num_tokens", 10**10))
     assert line == (
         "error: --num_tokens 10000000000 is more than this model generates in 1000 contexts of 32 "
         "tokens (32000): ask for fewer"
@@ -236,7 +227,7 @@ def test_a_run_directory_whose_newest_checkpoint_fails_its_checksums_gives_the_o
     assert checkpoint_find.verify(
         run / "step_4", checksums=False
     ) is None and checkpoint_find.verify(run / "step_4")
-    out = command(sample_command.main, run, "--prompt", PROMPT, "--num_tokens", 3)
+    out = command("sample", run, "--prompt", PROMPT, "--num_tokens", 3)
     assert out.code == 0, out.err
     assert (
         f"generating from {run / 'step_2'} (checkpoint, step 2)" in out.err and "step_4" in out.err
@@ -266,11 +257,11 @@ def test_sample_export_and_generation_only_pass_over_shards_that_fail_to_load_as
         lines = [line for line in err.splitlines() if "step_4" in line]
         return len(lines) == 1 and lines[0].startswith(skip) and "Traceback" not in err
 
-    out = command(sample_command.main, run, "--prompt", PROMPT, "--num_tokens", 3)
+    out = command("sample", run, "--prompt", PROMPT, "--num_tokens", 3)
     assert out.code == 0 and skipped_once(out.err), out.err
     assert f"generating from {run / 'step_2'} (checkpoint, step 2)" in out.err
     out = command(
-        run_command.main,
+        "train",
         "--checkpoint_dir",
         tmp_path,
         "--run_name",
@@ -284,7 +275,7 @@ def test_sample_export_and_generation_only_pass_over_shards_that_fail_to_load_as
     )
     assert out.code == 0 and skipped_once(out.err), out.err
     assert f"generating from {run / 'step_2'} (checkpoint, step 2)" in out.out
-    out = command(export.main, run, tmp_path / "exported")
+    out = command("export", run, tmp_path / "exported")
     assert out.code == 0 and skipped_once(out.err), out.err
     from safetensors import safe_open
 
@@ -292,8 +283,8 @@ def test_sample_export_and_generation_only_pass_over_shards_that_fail_to_load_as
         assert f.metadata()["step"] == "2"
     # named itself, it is not replaced
     for main, args in [
-        (sample_command.main, ["--prompt", PROMPT, "--num_tokens", 3]),
-        (export.main, [tmp_path / "again"]),
+        ("sample", ["--prompt", PROMPT, "--num_tokens", 3]),
+        ("export", [tmp_path / "again"]),
     ]:
         line = one_error_line(command(main, run / "step_4", *args))
         assert line.startswith(f"error: {run / 'step_4'}: {run / 'step_4'}: loading it failed (")
@@ -302,7 +293,7 @@ def test_sample_export_and_generation_only_pass_over_shards_that_fail_to_load_as
 def test_the_text_is_streamed_as_it_is_generated(exported, command, monkeypatch):
     pieces, write = [], load.printer()
     monkeypatch.setattr(load, "printer", lambda: lambda text: pieces.append(text) or write(text))
-    out = command(sample_command.main, exported, "--prompt", PROMPT, "--num_tokens", 12)
+    out = command("sample", exported, "--prompt", PROMPT, "--num_tokens", 12)
     assert out.code == 0, out.err
     assert pieces[0] == PROMPT and len(pieces) == 13  # the prompt, then each character as it comes
     assert "".join(pieces) + "\n" == out.out and len(out.out) == len(PROMPT) + 13

@@ -16,12 +16,10 @@ import tokenizer_dirs
 from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint import meta as checkpoint_meta
-from minimal_fsdp.hf import export
 from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp import run as run_command
-from minimal_fsdp.inference import sample as sample_command
 from minimal_fsdp.models.llama import Llama, LlamaConfig
 from minimal_fsdp.data.tokenizer import load_tokenizer
+from support import command
 
 PROMPT = "KING:"
 GREEDY = ["--prompt", PROMPT, "--num_tokens", "10", "--temperature", "0"]
@@ -50,7 +48,7 @@ def sample_here(single_process, capfd, monkeypatch):
 
     def sample_in_this_process(source, *args):
         capfd.readouterr()
-        sample_command.main([str(source), *map(str, args)])
+        command("sample", *[str(source), *map(str, args)])
         out, err = capfd.readouterr()
         return SimpleNamespace(stdout=out, stderr=err)
 
@@ -135,8 +133,8 @@ def test_exports_give_the_checkpoint_text_also_sharded_over_two_ranks(run, tmp_p
     # sampled, not greedy
     expected = sample_here(step, *GREEDY, "--seed", 5, "--temperature", 0.9).stdout
     assert expected.startswith(PROMPT)
-    export.main([str(step), str(tmp_path / "ours")])
-    export.main([str(step), str(tmp_path / "hf"), "--format", "hf"])
+    command("export", *[str(step), str(tmp_path / "ours")])
+    command("export", *[str(step), str(tmp_path / "hf"), "--format", "hf"])
     out = sample_here(tmp_path / "ours", *GREEDY, "--seed", 5, "--temperature", 0.9)
     assert out.stdout == expected and "(export)" in out.stderr
     out = sample_here(tmp_path / "hf", *GREEDY, "--seed", 5, "--temperature", 0.9)
@@ -172,8 +170,9 @@ def test_generation_banner_of_basic_training_shows_the_loaded_model(
     # directory
     monkeypatch.chdir(run.parent.parent)
     capfd.readouterr()
-    run_command.main(
-        ["--run_name", "corpus", "--max_epochs", "-1", "--num_tokens", "5", "--prompt", PROMPT]
+    command(
+        "train",
+        *["--run_name", "corpus", "--max_epochs", "-1", "--num_tokens", "5", "--prompt", PROMPT],
     )
     out = capfd.readouterr().out
     assert "model: llama, 2 layers, 2 heads (1 kv), width 32, context 32, vocab 300" in out

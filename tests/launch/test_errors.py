@@ -5,6 +5,7 @@ import pytest
 
 from conftest import TINY_MODEL, launch
 from support import names
+from support import command
 
 
 def run_bad(args, tmp_path, ranks=2, env=None):
@@ -65,12 +66,12 @@ def test_vocab_smaller_than_tokenizer(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_seq_length_longer_than_checkpoint_context(tmp_path, corpus, single_process):
-    from minimal_fsdp import run
 
     # The checkpoint, trained in this process (one rank, as `python basic_training.py`): no launch
     # of its own.
-    run.main(
-        list(
+    command(
+        "train",
+        *list(
             map(
                 str,
                 [
@@ -85,7 +86,7 @@ def test_seq_length_longer_than_checkpoint_context(tmp_path, corpus, single_proc
                     0,
                 ],
             )
-        )
+        ),
     )
     assert (tmp_path / "checkpoints" / "corpus" / "latest").read_text().strip() == "step_1"
     names(

@@ -703,18 +703,18 @@ def test_uneven_nodes_are_described_as_they_are():
 
 def test_a_lost_peers_error_is_cut_between_words(monkeypatch):
     """gloo's long message after a host died mid-save used to end mid-word ('...bugs in t)')."""
-    from minimal_fsdp import run
+    from minimal_fsdp.commands import train as run
 
     message = (
         "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.77.0.2]:4242 "
         + "word " * 60
     )
     said = []
-    monkeypatch.setattr(run, "run", lambda cfg: (_ for _ in ()).throw(RuntimeError(message)))
+    monkeypatch.setattr(run.run, "run", lambda cfg: (_ for _ in ()).throw(RuntimeError(message)))
     monkeypatch.setattr(
         run.environment, "exit_on_error", lambda error, code: said.append((error, code))
     )
-    run.main(cfg=object())
+    run.main(object())
     ((error, code),) = said
     assert code == 1 and error.endswith("word ...)") and "Connection closed by peer" in error
 
@@ -737,7 +737,7 @@ def test_a_peer_lost_during_a_save_is_one_line(monkeypatch):
     the first failure."""
     from torch.distributed.checkpoint import CheckpointException
 
-    from minimal_fsdp import run
+    from minimal_fsdp.commands import train as run
 
     timed_out = RuntimeError(
         "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed "
@@ -751,8 +751,8 @@ def test_a_peer_lost_during_a_save_is_one_line(monkeypatch):
         run.environment, "exit_on_error", lambda error, code: said.append((error, code))
     )
     for error in (closed, inside_dcp, raised(RuntimeError("pair closure"), during=inside_dcp)):
-        monkeypatch.setattr(run, "run", lambda cfg, error=error: (_ for _ in ()).throw(error))
-        run.main(cfg=object())
+        monkeypatch.setattr(run.run, "run", lambda cfg, error=error: (_ for _ in ()).throw(error))
+        run.main(object())
     assert said == [
         (
             "a collective waited longer than --collective_timeout: another rank or its host has "
@@ -773,9 +773,9 @@ def test_a_peer_lost_during_a_save_is_one_line(monkeypatch):
     ]
     # any other RuntimeError is a bug: its traceback stays
     bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
-    monkeypatch.setattr(run, "run", lambda cfg: (_ for _ in ()).throw(bug))
+    monkeypatch.setattr(run.run, "run", lambda cfg: (_ for _ in ()).throw(bug))
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        run.main(cfg=object())
+        run.main(object())
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from minimal_fsdp.config.flags import ConfigError, parse_args  # noqa: E402
 from minimal_fsdp.parallel.gossip import TOPOLOGIES  # noqa: E402
 from minimal_fsdp.models.gpt import GPT, GPTConfig  # noqa: E402
 from minimal_fsdp.train import build_optimizer  # noqa: E402
+from support import command
 
 
 def common_args(corpus, extra=()):
@@ -184,11 +185,10 @@ def test_checkpoint_keeps_each_replica_and_resumes_exactly(
 
     # All-reduce (AdamW) from it is refused: one rank, in this process (as `python
     # basic_training.py`).
-    from minimal_fsdp import run
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as mixed:
-        run.main(list(map(str, [*plain, "--run_name", "whole"])))
+        command("train", *list(map(str, [*plain, "--run_name", "whole"])))
     assert (
         mixed.value.code == 2
         and "trained with --data_parallel decentralized" in capsys.readouterr().err

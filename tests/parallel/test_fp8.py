@@ -27,6 +27,7 @@ from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel.parallelize import build_model
 from minimal_fsdp.parallel.plan import make_plan
 from support import EMULATED, check_close_to_bf16, losses_of, run_dirs
+from support import command
 
 # What builds float8 layers needs torchao (pip install -e ".[fp8]"); the flag, device and planner
 # checks do not.
@@ -403,8 +404,10 @@ def test_planner_counts_float8_all_gathers_and_working_copies(capsys):
         rowwise["gpu"] - bf16["gpu"] == 2 * (tokens * (4096 + 11008) + 4096 * 11008) + 16 * tokens
     )
     assert tensorwise["gpu"] - bf16["gpu"] == tokens * (4096 + 11008) - 2 * float8_per_block
-    model_size.main(
-        [
+    command(
+        "plan",
+        one_line=False,
+        *[
             "--model_preset",
             "llama2-7b",
             "--gpus",
@@ -415,7 +418,7 @@ def test_planner_counts_float8_all_gathers_and_working_copies(capsys):
             "fp8",
             "--fp8_recipe",
             "rowwise",
-        ]
+        ],
     )
     assert "; fp8 (rowwise); fits" in capsys.readouterr().out
 

@@ -25,6 +25,7 @@ from minimal_fsdp.models.families import make_config
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 from minimal_fsdp.parallel.plan import make_plan
 from minimal_fsdp.train import build_optimizer, train_step
+from support import command
 
 
 def train_two_steps(
@@ -316,8 +317,10 @@ def test_sharding_checkpointing_and_offload_move_memory_where_expected():
 
 
 def test_cli_prints_every_combination_and_marks_fits(capsys):
-    model_size.main(
-        [
+    command(
+        "plan",
+        one_line=False,
+        *[
             "--model_preset",
             "llama2-70b",
             "--gpus",
@@ -330,7 +333,7 @@ def test_cli_prints_every_combination_and_marks_fits(capsys):
             "4096",
             "--batch_size",
             "1",
-        ]
+        ],
     )
     out = capsys.readouterr().out
     assert "68,976,648,192 parameters" in out and "770.9 GiB with optimizer state" in out
@@ -363,7 +366,7 @@ def test_cli_plans_for_a_hugging_face_directory(tmp_path, capsys):
         "rms_norm_eps": 1e-5,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    model_size.main(["--hf_model", str(tmp_path), "--seq_length", "2048"])
+    command("plan", one_line=False, *["--hf_model", str(tmp_path), "--seq_length", "2048"])
     out = capsys.readouterr().out
     # Llama 2 7B's shape
     assert "6,738,415,616 parameters" in out and "batch 1 x 2048 tokens" in out
@@ -371,11 +374,11 @@ def test_cli_plans_for_a_hugging_face_directory(tmp_path, capsys):
 
 def test_cli_errors_name_the_flag():
     with pytest.raises(ConfigError, match="--gpu_memory"):
-        model_size.main(["--gpu_memory", "forty"])
+        command("plan", one_line=False, *["--gpu_memory", "forty"])
     with pytest.raises(ConfigError, match="--gpus 6 must be divisible"):
-        model_size.main(["--gpus", "6", "--gpus_per_node", "4"])
+        command("plan", one_line=False, *["--gpus", "6", "--gpus_per_node", "4"])
     with pytest.raises(ConfigError, match="invalid choice: 'llama9'"):
-        model_size.main(["--model_preset", "llama9"])
+        command("plan", one_line=False, *["--model_preset", "llama9"])
     assert (
         model_size.parse_memory("80GiB", "x") == model_size.parse_memory("80GB", "x") == 80 * 2**30
     )
@@ -394,8 +397,10 @@ def test_a_bare_number_is_gigabytes(capsys):
         model_size.parse_memory("512M", "x") == 512 * 2**20
         and model_size.parse_memory("4096B", "x") == 4096
     )
-    model_size.main(
-        ["--model_preset", "llama2-7b", "--gpus", "4", "--gpu_memory", "140", "--batch_size", "1"]
+    command(
+        "plan",
+        one_line=False,
+        *["--model_preset", "llama2-7b", "--gpus", "4", "--gpu_memory", "140", "--batch_size", "1"],
     )
     out = capsys.readouterr().out
     assert "4 GPU(s) of 140 GiB" in out
@@ -981,8 +986,10 @@ def test_step_time_waits_for_the_link_or_overlaps_it():
 
 
 def test_cli_prints_step_times_across_hosts(capsys):
-    model_size.main(
-        [
+    command(
+        "plan",
+        one_line=False,
+        *[
             "--model_preset",
             "gpt2",
             "--vocab_size",
@@ -1001,7 +1008,7 @@ def test_cli_prints_step_times_across_hosts(capsys):
             "10",
             "--reduce_precision",
             "float32",
-        ]
+        ],
     )
     out = capsys.readouterr().out
     assert "2 host(s) x 2 GPU(s), 10 Gbit/s" in out and "30.1% MFU" in out
@@ -1013,8 +1020,10 @@ def test_cli_prints_step_times_across_hosts(capsys):
     assert len(rows) == 6 and rows["decentralized"][1] == "gossip"
     expected = gpt2_step("hybrid-full-shard", 10)
     assert float(rows["hybrid-full-shard"][5]) == pytest.approx(1000 * expected.step, abs=0.1)
-    model_size.main(
-        [
+    command(
+        "plan",
+        one_line=False,
+        *[
             "--model_preset",
             "gpt2",
             "--precision",
@@ -1026,11 +1035,13 @@ def test_cli_prints_step_times_across_hosts(capsys):
             "--mfu",
             "0.5",
             "--compile",
-        ]
+        ],
     )
     assert "50.0% MFU" in capsys.readouterr().out
-    model_size.main(
-        [
+    command(
+        "plan",
+        one_line=False,
+        *[
             "--model_preset",
             "gpt2",
             "--vocab_size",
@@ -1049,7 +1060,7 @@ def test_cli_prints_step_times_across_hosts(capsys):
             "10",
             "--reduce_precision",
             "bf16",
-        ]
+        ],
     )
     halved = {
         line.split()[0]: line.split()
@@ -1066,11 +1077,19 @@ def test_cli_prints_step_times_across_hosts(capsys):
 def test_cli_step_time_errors_name_the_flag():
     with pytest.raises(ConfigError, match="--precision bf16"):
         # float32: no measured throughput
-        model_size.main(["--gpus", "2", "--inter_node_gbps", "10", "--precision", "float32"])
+        command(
+            "plan",
+            one_line=False,
+            *["--gpus", "2", "--inter_node_gbps", "10", "--precision", "float32"],
+        )
     with pytest.raises(ConfigError, match=r"--mfu .*1\.5"):
-        model_size.main(["--precision", "bf16", "--inter_node_gbps", "10", "--mfu", "1.5"])
+        command(
+            "plan",
+            one_line=False,
+            *["--precision", "bf16", "--inter_node_gbps", "10", "--mfu", "1.5"],
+        )
     with pytest.raises(ConfigError, match="--inter_node_gbps must be positive"):
-        model_size.main(["--precision", "bf16", "--inter_node_gbps", "0"])
+        command("plan", one_line=False, *["--precision", "bf16", "--inter_node_gbps", "0"])
 
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -1160,8 +1179,10 @@ def test_the_planner_predicts_the_host_aware_bf16_wire_within_a_quarter(
 def test_the_planner_says_where_gossip_pays(capsys):
     """On a slow link gossip's one exchange beside compute beats the one unit's reduction after it;
     the line names the rate and host count from which it does."""
-    model_size.main(
-        [
+    command(
+        "plan",
+        one_line=False,
+        *[
             "--model_preset",
             "gpt2",
             "--vocab_size",
@@ -1178,7 +1199,7 @@ def test_the_planner_says_where_gossip_pays(capsys):
             "H200",
             "--inter_node_gbps",
             "1",
-        ]
+        ],
     )
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("decentralized: "))
     assert "x the fastest all-reduce strategy here" in line and "from 2 hosts" in line

@@ -15,7 +15,7 @@ from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.models.families import FAMILIES, make_config
 from minimal_fsdp.models.counts import count, parameter_shapes
 from minimal_fsdp.models.size import count_parameters
-from minimal_fsdp.tools import model_size
+from support import command
 
 SHAPES = [
     ("gpt", dict(num_layers=2, num_heads=3, embed_size=48, seq_length=40, vocab_size=101)),
@@ -100,16 +100,16 @@ def test_plan_imports_no_torch(argv):
     "card, gib", [("A100-40GB", 40), ("A100-80GB", 80), ("H100", 80), ("H200", 140)]
 )
 def test_a_card_brings_its_memory_and_bf16_is_the_default(capsys, card, gib):
-    model_size.main(["--gpus", "4", "--gpu_type", card])
+    command("plan", one_line=False, *["--gpus", "4", "--gpu_type", card])
     header = capsys.readouterr().out.splitlines()[2]
     assert header.startswith(f"4 GPU(s) of {gib} GiB ({card}), 4 per node;") and "; bf16;" in header
-    model_size.main(["--gpus", "4", "--gpu_type", card, "--gpu_memory", "24GB"])
+    command("plan", one_line=False, *["--gpus", "4", "--gpu_type", card, "--gpu_memory", "24GB"])
     assert capsys.readouterr().out.splitlines()[2].startswith("4 GPU(s) of 24 GiB, 4 per node;")
 
 
 def test_an_unknown_card_lists_the_known_ones_with_a_guess():
     with pytest.raises(ConfigError) as e:
-        model_size.main(["--gpu_type", "A100"])
+        command("plan", one_line=False, *["--gpu_type", "A100"])
     assert str(e.value) == (
         "argument --gpu_type: invalid choice: 'A100' (choose from 'A100-40GB', 'A100-80GB', "
         "'H100', 'H200') (did you mean A100-40GB or A100-80GB?)"
@@ -120,18 +120,20 @@ def test_an_a100s_step_time_needs_an_mfu(capsys):
     """No A100 was measured: the step time says so instead of borrowing another card's MFU."""
     argv = ["--gpus", "8", "--gpus_per_node", "4", "--gpu_type", "A100-40GB"]
     with pytest.raises(ConfigError, match=r"--gpu_type A100-40GB: no MFU .* needs --mfu"):
-        model_size.main([*argv, "--inter_node_gbps", "25"])
+        command("plan", one_line=False, *[*argv, "--inter_node_gbps", "25"])
     capsys.readouterr()
-    model_size.main([*argv, "--inter_node_gbps", "25", "--mfu", "0.4"])
+    command("plan", one_line=False, *[*argv, "--inter_node_gbps", "25", "--mfu", "0.4"])
     assert "A100-40GB at 40.0% MFU (125 TFLOP/s" in capsys.readouterr().out
 
 
 def test_the_default_pbs_run_fits_a_polaris_node(capsys):
     """pbs/'s training scripts train configs/shakespeare_char.toml without ARGS: the planner reads
     its shape (10.7M parameters, 6 blocks of width 384) and it fits 4 x A100 40 GB."""
-    model_size.main(
-        ["--config", str(ROOT / "configs" / "shakespeare_char.toml"), "--gpus", "4"]
-        + ["--gpu_type", "A100-40GB"]
+    command(
+        "plan",
+        one_line=False,
+        *["--config", str(ROOT / "configs" / "shakespeare_char.toml"), "--gpus", "4"]
+        + ["--gpu_type", "A100-40GB"],
     )
     out = capsys.readouterr().out
     assert "10,745,088 parameters" in out and "6 blocks of" in out

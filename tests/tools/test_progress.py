@@ -14,9 +14,9 @@ import pytest
 from conftest import ROOT
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint.meta import read_meta
-from minimal_fsdp.tools import progress
 from support import HOSTILE_META, edited, flip_a_byte, meta_of
 from support import console, run, saved  # noqa: F401 (fixtures)
+from support import command
 
 # What only verify's unpickled .metadata shows: progress counts these, the training run skips them.
 SHARDS_DISAGREE = {"layers the shards lack", "another width"}
@@ -40,7 +40,7 @@ def answers(run, console, **flag_values):
     """(progress's stdout and stderr, the verified answer), each from one call."""
     argv = flags(run) + [str(v) for pair in flag_values.items() for v in ("--" + pair[0], pair[1])]
     out, err = console()
-    progress.main(argv)
+    command("progress", *argv)
     console()
     return (
         out.getvalue(),
@@ -73,7 +73,7 @@ def test_a_hostile_meta_json_is_skipped_in_verifys_words(run, console, case):
     edit, problem = HOSTILE_META[case]
     edited(run / "step_3", edit)
     out, err = console()
-    progress.main(flags(run))
+    command("progress", *flags(run))
     if case in SHARDS_DISAGREE:  # documented: meta.json agrees with itself, only the shards tell
         assert (out.getvalue(), err.getvalue()) == ("3 100\n", "")
         # so resume skips it
@@ -142,7 +142,7 @@ def test_a_file_resume_would_refuse_makes_progress_skip_its_checkpoint(run, cons
     size = file.stat().st_size
     damage(file)
     out, err = console()
-    progress.main(flags(run))
+    command("progress", *flags(run))
     assert out.getvalue() == "2 none\n"
     problem = problem.format(size=size, size_less_1=size - 1, size_plus_1=size + 1)
     assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
@@ -158,13 +158,13 @@ def test_a_torn_save_is_never_counted_and_an_uncommitted_one_comes_after_latest(
     shutil.copytree(run / "step_3", run / "step_4")
     edited(run / "step_4", lambda m: m.update(step=4))
     out, err = console()
-    progress.main(flags(run))
+    command("progress", *flags(run))
     # resume's order: what `latest` names first
     assert out.getvalue() == "3 100\n" and err.getvalue() == ""
     assert checkpoint_find.latest(run) == run / "step_3"
     (run / "latest").unlink()
     out, err = console()
-    progress.main(flags(run))
+    command("progress", *flags(run))
     assert out.getvalue() == "4 100\n"
     assert (
         err.getvalue()

@@ -5,6 +5,7 @@ import pytest
 
 from minimal_fsdp.tools import slurm_cluster, virtual_cluster
 from minimal_fsdp.tools.virtual_cluster import Host
+from support import command
 
 
 def test_missing_programs_are_named_with_the_package_to_install(monkeypatch):
@@ -19,7 +20,7 @@ def test_the_command_refuses_in_one_line_where_slurm_is_missing(monkeypatch, cap
     monkeypatch.setattr(slurm_cluster, "unavailable", lambda: "slurmctld not found: install it")
     monkeypatch.setattr(virtual_cluster, "Cluster", None)  # would fail if reached
     with pytest.raises(SystemExit) as exited:
-        virtual_cluster.main(["--scheduler", "slurm", "--", "true"])
+        command("cluster", one_line=False, *["--scheduler", "slurm", "--", "true"])
     assert exited.value.code == "error: --scheduler slurm: slurmctld not found: install it"
 
 

@@ -1,4 +1,5 @@
-"""Text from a trained model: a checkpoint, an export, or a Hugging Face model directory.
+"""`minimal-fsdp sample SOURCE`: text from a trained model: a checkpoint, an export, or a
+Hugging Face model directory.
 
     minimal-fsdp sample checkpoints/shakespeare --prompt "ROMEO:"     # the run's newest checkpoint
     minimal-fsdp sample checkpoints/shakespeare/best --temperature 0    # greedy, from the best one
@@ -16,34 +17,24 @@ import sys
 
 import torch
 
-from minimal_fsdp.config.commands import SampleFlags
-from minimal_fsdp.config.flags import one_line_errors
-from minimal_fsdp.config.parser import parse
 from minimal_fsdp.config.flags import Config, validate
 from minimal_fsdp.inference import load
-from minimal_fsdp.inference.load import (  # noqa: F401
-    describe,
-    load_model,
-    open_source,
-    source_tokenizer,
-)
 from minimal_fsdp.launch import environment
 
 
-def main(argv=None, cfg=None):
-    """`minimal-fsdp sample`: the flags (or SampleFlags parsed already) -> the text on stdout."""
-    args = cfg or one_line_errors(parse)(SampleFlags, argv)
+def main(flags):
+    """SampleFlags -> the text on stdout."""
     cfg = Config(
-        prompt=args.prompt,
-        num_tokens=args.num_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        seed=args.seed,
-        precision=args.precision,
+        prompt=flags.prompt,
+        num_tokens=flags.num_tokens,
+        temperature=flags.temperature,
+        top_k=flags.top_k,
+        seed=flags.seed,
+        precision=flags.precision,
         max_epochs=-1,
         tensorboard=False,
     )
-    load.command(lambda: _sample(args.source, cfg))
+    load.command(lambda: _sample(flags.source, cfg))
 
 
 def _sample(source, cfg):
@@ -54,7 +45,7 @@ def _sample(source, cfg):
     loaded = load.load(source, cfg, env, num_tokens=cfg.num_tokens)
     if env.is_main:
         print(
-            describe(loaded.source, loaded.model, loaded.tokenizer, env),
+            load.describe(loaded.source, loaded.model, loaded.tokenizer, env),
             file=sys.stderr,
             flush=True,
         )

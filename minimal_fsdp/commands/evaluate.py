@@ -1,6 +1,6 @@
-"""Benchmarks on a trained model: EleutherAI's lm-evaluation-harness with our model as its backend,
-straight from a checkpoint sharded over the ranks (no export, no rank ever holds the whole model).
-pip install 'minimal_fsdp[eval]'.
+"""`minimal-fsdp evaluate SOURCE --tasks ...`: benchmarks on a trained model, EleutherAI's
+lm-evaluation-harness with our model as its backend (eval/), straight from a checkpoint sharded
+over the ranks (no export, no rank ever holds the whole model). pip install 'minimal_fsdp[eval]'.
 
     minimal-fsdp evaluate checkpoints/shakespeare --tasks tiny_mc,tiny_ppl \\
         --include_path configs/eval
@@ -21,16 +21,9 @@ import sys
 
 import torch
 
-from minimal_fsdp.launch import environment
-from minimal_fsdp.config.commands import EvaluateFlags
-from minimal_fsdp.config.flags import one_line_errors
-from minimal_fsdp.config.parser import parse
 from minimal_fsdp.config.flags import Config, ConfigError, validate, validate_world
-from minimal_fsdp.inference import load
-from minimal_fsdp.eval.harness import (  # noqa: F401
-    TrainingTasks,
+from minimal_fsdp.eval.harness import (
     _limit,
-    compile_templates_once,
     evaluate,
     go_offline,
     harness,
@@ -38,11 +31,12 @@ from minimal_fsdp.eval.harness import (  # noqa: F401
     report,
     task_names,
 )
+from minimal_fsdp.inference import load
+from minimal_fsdp.launch import environment
 
 
-def main(argv=None, cfg=None):
-    """`minimal-fsdp evaluate`: the flags (or EvaluateFlags parsed already) -> the results table."""
-    args = cfg or one_line_errors(parse)(EvaluateFlags, argv)
+def main(args):
+    """EvaluateFlags -> the results table."""
     go_offline()
     cfg = Config(
         sharding=args.sharding,
