@@ -332,7 +332,7 @@ timed_backend(HFLM)
 export, dtype, device, batch, tasks, out = sys.argv[1:]
 lm = HFLM.create_from_arg_string(f"pretrained={export},dtype={dtype}", {"batch_size": int(batch), \
 "device": device})
-tracker = EvaluationTracker(output_path=out)  # after loading, as minimal_fsdp.eval.evaluate makes \
+tracker = EvaluationTracker(output_path=out)  # after loading, as commands/evaluate.py makes \
 its own
 r = lm_eval.simple_evaluate(model=lm, tasks=["speed_mc"], batch_size=int(batch), log_samples=True,
                             task_manager=TaskManager(include_path=tasks, include_defaults=False),

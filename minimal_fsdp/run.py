@@ -10,7 +10,7 @@ basic_training.py (commands/train.py) hand it their Config.
                                plan_run) -> the plan's backend (backends.default.Torch, or
                                backends.xla.XLA) -> its model -> optimizer -> checkpoint or Hugging
                                Face weights -> train.train with the backend's parts
-      or generation_model      a checkpoint or a Hugging Face model, as sample.py loads it
+      or generation_model      a checkpoint or a Hugging Face model, as `sample` loads it
       generate                 the sample at the end
 """
 

@@ -1,5 +1,6 @@
 """Finding a checkpoint to load: the checks that a checkpoint is complete and undamaged (verify),
-the run's newest complete one, and the one a run starts from (find). The directories, markers and
+the run's newest complete one, the one a run starts from (find), and the one a command names
+(checkpoint_path, source_fallback: sample, evaluate, export). The directories, markers and
 the order to try them in are checkpoint_dirs.py's. The job chains' question (how far a run is) is
 `minimal-fsdp progress` (tools/progress.py), answered without torch by fewer checks than
 verify's."""
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from minimal_fsdp.launch import failures
+from minimal_fsdp.launch.environment import run_on_main
 from minimal_fsdp.checkpoint.dirs import candidates, files_problem, marker, skipping, step_dirs
 from minimal_fsdp.checkpoint.dirs import crc32, step_of  # noqa: F401 (re-exported: checkpoint.py and tests use them here)
 from minimal_fsdp.checkpoint.meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
@@ -542,3 +544,56 @@ def _cheaply_complete(cfg, refused=()):
     if not found and step_dirs(run_dir):
         raise ConfigError(_every_one_refused(cfg))
     return found
+
+
+# ---- a checkpoint named on the command line (sample, evaluate, export) ----
+
+
+def is_run_dir(path):
+    """A run's checkpoint directory (checkpoints/<run>), not one checkpoint in it."""
+    return (
+        path.is_dir()
+        and not (path / "meta.json").exists()
+        and ((path / "latest").exists() or bool(step_dirs(path)))
+    )
+
+
+def source_fallback(source, together):
+    """How a checkpoint SOURCE whose shards fail to load is replaced, as a resumed run replaces one:
+    (named, next_one) for first_loading. A run directory gives its next complete checkpoint, one
+    line naming each one passed over (rank 0 looks when `together`: collective); a checkpoint named
+    itself (a step_<N> directory, a marker) none: its failure is an error."""
+    path = Path(source)
+    if not is_run_dir(path):
+        return str(source), None
+
+    def next_one(refused):
+        look = newest_complete
+        found = run_on_main(look, path, True, refused) if together else look(path, True, refused)
+        if found is None:
+            raise ConfigError(
+                f"{source} holds no complete checkpoint that loads (each one's problem is named "
+                "above)"
+            )
+        return found
+
+    return None, next_one
+
+
+def checkpoint_path(source):
+    """The complete checkpoint SOURCE names. A run directory gives its newest complete one: a
+    checkpoint that fails only its checksums is skipped, with one line, for an older good one, as a
+    resumed run does."""
+    path = Path(source)
+    if is_run_dir(path):
+        found = newest_complete(path)
+        if found is None:
+            raise ConfigError(
+                f"{source} holds no complete checkpoint (each one's problem is named above)"
+            )
+        return found
+    resolved = resolve(path)
+    problem = verify(resolved)
+    if problem:
+        raise ConfigError(f"{source} is not a complete checkpoint: {resolved}: {problem}")
+    return resolved

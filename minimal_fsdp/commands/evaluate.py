@@ -9,7 +9,7 @@ over the ranks (no export, no rank ever holds the whole model). pip install 'min
     minimal-fsdp evaluate ~/models/Llama-3.2-1B --tasks lambada_openai --limit 200
 
 The source is anything `minimal-fsdp sample` reads (a checkpoint, a run directory, an export, a
-Hugging Face model directory), laid out over the ranks as sample.py lays it out (--sharding). The
+Hugging Face model directory), laid out over the ranks as sample lays it out (--sharding). The
 flags named as lm_eval's own mean what they mean there. Offline unless HF_DATASETS_OFFLINE /
 HF_HUB_OFFLINE say otherwise: tasks read local data files or the Hugging Face datasets cache
 (docs/evaluate.md). Prints the harness's results table; --output_path writes its JSON results file

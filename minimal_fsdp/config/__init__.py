@@ -1,4 +1,4 @@
 """Every flag of every command: the section dataclasses, their TOML files, their checks and the
-choice flags' values. Imports nothing of the package and never torch, so `--help` and a mistyped
-flag answer at once.
+choice flags' values. Never imports torch, so `--help` and a mistyped flag answer at once.
+Imports files (a TOML file of flags is read as every file a user names is).
 """

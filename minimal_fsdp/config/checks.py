@@ -154,7 +154,7 @@ def _number(value):
 
 def check_train(cfg):
     """The run's length, the optimizer and its schedule, and evaluation (--eval_tasks:
-    evaluate.py)."""
+    eval/harness.py)."""
     _positive(
         cfg, "batch_size", "grad_accum_steps", "log_interval", "eval_batches", "lr_decay_steps"
     )

@@ -1,5 +1,4 @@
 """Hugging Face model directories: reading each model family's weights, and tokenizers (read.py,
 tokenizer.py), writing them (write.py), and exporting a checkpoint (export.py).
-Imports config, files, launch, models, data and checkpoint; export.py also inference.load (how a
-checkpoint is found).
+Imports checkpoint, config, data, files and models.
 """

@@ -27,7 +27,6 @@ from minimal_fsdp.hf import write as hf_write
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import has_tokenizer, load_tokenizer
-from minimal_fsdp.inference.load import checkpoint_path, source_fallback
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 
@@ -54,9 +53,9 @@ def export(ckpt, out, dtype=None, fmt="safetensors"):
     `out`). A run directory gives its newest complete checkpoint, as sample and evaluate find it;
     one whose shards fail to load is passed over in one line for the next, as a resumed run passes
     it (the files written from it are written again)."""
-    named, next_one = source_fallback(ckpt, together=False)
+    named, next_one = checkpoint_find.source_fallback(ckpt, together=False)
     _, written = checkpoint_find.first_loading(
-        checkpoint_path(ckpt),
+        checkpoint_find.checkpoint_path(ckpt),
         lambda path: _export(path, out, dtype, fmt),
         next_one,
         named,

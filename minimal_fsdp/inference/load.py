@@ -6,8 +6,6 @@ here, and end through command():
 
     load(source, cfg, env)     -> Loaded(source, model, tokenizer, plan)   (collective)
     open_source(source)        what SOURCE holds, from small files (rank 0)
-    checkpoint_path(source)    the complete checkpoint a path names (a run directory: its newest
-                               complete one)
     command(body)              body() with one `error:` line for bad input (exit 2), the process
                                groups torn down afterwards
 
@@ -74,7 +72,8 @@ def load(source, cfg, env, seq_length=None, tokenizer=None, num_tokens=0, fallba
     weights loaded, and its tokenizer (or `tokenizer`, e.g. --tokenizer_dir's), checked against the
     model's vocabulary; num_tokens, the tokens to generate, checked before anything is built
     (check_num_tokens). A checkpoint whose shards fail to load is replaced as `fallback`, (named,
-    next_one) for checkpoint_find.first_loading, says: by default source_fallback's."""
+    next_one) for checkpoint_find.first_loading, says: by default
+    checkpoint_find.source_fallback's."""
     found = environment.run_on_main(open_source, str(source), seq_length)
     check_num_tokens(num_tokens, found.config)
     tokenizer = tokenizer or source_tokenizer(
@@ -83,61 +82,8 @@ def load(source, cfg, env, seq_length=None, tokenizer=None, num_tokens=0, fallba
     check_vocabulary(tokenizer, found)
     plan = make_plan(cfg, env, found.config, loads_weights=True)
     apply_process_settings(plan)
-    fallback = fallback or source_fallback(source, together=True)
+    fallback = fallback or checkpoint_find.source_fallback(source, together=True)
     return Loaded(found, load_model(found, plan, env, fallback), tokenizer, plan)
-
-
-def _is_run_dir(path):
-    return (
-        path.is_dir()
-        and not (path / "meta.json").exists()
-        and ((path / "latest").exists() or bool(step_dirs(path)))
-    )
-
-
-def source_fallback(source, together):
-    """How a checkpoint SOURCE whose shards fail to load is replaced, as a resumed run replaces one:
-    (named, next_one) for checkpoint_find.first_loading. A run directory gives its next complete
-    checkpoint, one line naming each one passed over (rank 0 looks when `together`: collective); a
-    checkpoint named itself (a step_<N> directory, a marker) none: its failure is an error."""
-    path = Path(source)
-    if not _is_run_dir(path):
-        return str(source), None
-
-    def next_one(refused):
-        look = checkpoint_find.newest_complete
-        found = (
-            environment.run_on_main(look, path, True, refused)
-            if together
-            else look(path, True, refused)
-        )
-        if found is None:
-            raise ConfigError(
-                f"{source} holds no complete checkpoint that loads (each one's problem is named "
-                "above)"
-            )
-        return found
-
-    return None, next_one
-
-
-def checkpoint_path(source):
-    """The complete checkpoint SOURCE names. A run directory gives its newest complete one: a
-    checkpoint that fails only its checksums is skipped, with one line, for an older good one, as a
-    resumed run does."""
-    path = Path(source)
-    if _is_run_dir(path):
-        found = checkpoint_find.newest_complete(path)
-        if found is None:
-            raise ConfigError(
-                f"{source} holds no complete checkpoint (each one's problem is named above)"
-            )
-        return found
-    resolved = checkpoint_find.resolve(path)
-    problem = checkpoint_find.verify(resolved)
-    if problem:
-        raise ConfigError(f"{source} is not a complete checkpoint: {resolved}: {problem}")
-    return resolved
 
 
 def _is_checkpoint(path):
@@ -154,7 +100,7 @@ def open_source(source, seq_length=None):
     model's context; for a checkpoint or an export it may not exceed the saved context."""
     path = Path(source)
     if _is_checkpoint(path):
-        resolved = checkpoint_path(path)
+        resolved = checkpoint_find.checkpoint_path(path)
         meta = checkpoint_meta.read_meta(resolved)
         found = Source(
             "checkpoint",
