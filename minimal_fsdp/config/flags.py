@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import ClassVar
 
 # Nothing here imports torch: `basic_training.py --help` and a mistyped flag answer at once.
@@ -466,19 +467,26 @@ class Config:
     temperature: float = flag(0.8, "sampling temperature (0: greedy)", section="generate")
     top_k: int = flag(50, "sample from the k most likely tokens (0: all)", section="generate")
 
-    def check(self, given):
-        """After parsing (config.parser.parse): --input_file alone means the text dataset; then
-        validate. `given`: the flags set by the file or the command line."""
+    @staticmethod
+    def derived(values, given):
+        """The values the flags imply, filled in before the Config is built (config.parser.parse):
+        nothing is written into it afterwards. --input_file alone means the text dataset; a run not
+        named is named after its data and model. `given`: the flags set by the file or the command
+        line."""
         # --input_file says which data: the text dataset
-        if self.input_file and self.dataset == "shakespeare":
+        if values["input_file"] and values["dataset"] == "shakespeare":
             if "dataset" in given:
                 raise ConfigError(
                     "--input_file is the file of --dataset text: drop --dataset shakespeare "
                     "(or drop --input_file to train on Shakespeare)"
                 )
-            object.__setattr__(self, "dataset", "text")  # a derived value, set while checking
+            values = dict(values, dataset="text")
         if "run_name" not in given:  # the other: new data never lands in an old run's directory
-            object.__setattr__(self, "run_name", default_run_name(self))
+            values = dict(values, run_name=default_run_name(SimpleNamespace(**values)))
+        return values
+
+    def check(self, given):
+        """After parsing (config.parser.parse): every section's checks (config.checks.validate)."""
         validate(self)
 
     @property

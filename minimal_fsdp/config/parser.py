@@ -5,8 +5,10 @@ command line.
 
 A command's dataclass may set, as class variables: PROG (the command as typed), USAGE, DESCRIPTION,
 and FILE_ALSO, dataclasses whose keys a --config file may also hold and this command ignores (so a
-run's own config.toml serves the planner, sampling and progress). A `check(given)` method, if any,
-runs last on the parsed flags (`given`: the names set by the file or the command line). Nothing here
+run's own config.toml serves the planner, sampling and progress). A `derived(values, given)`
+static method, if any, fills in the values the flags imply before the instance is built (nothing is
+written into it afterwards); a `check(given)` method, if any, runs last on the parsed flags
+(`given`: the names set by the file or the command line). Nothing here
 imports torch.
 """
 
@@ -173,9 +175,12 @@ def parse(cls, argv=None, prog=None, description=None):
         if f.metadata["required"] and values[f.name] in (None, []):
             name = f.name.upper() if f.metadata["positional"] else "--" + f.name
             raise ConfigError(f"{parser.prog} needs {name} (on the command line or in --config)")
-    parsed = cls(**values)
+    given = set(file_values) | {f.name for f in fields if _on_command_line(f, argv)}
+    if hasattr(cls, "derived"):
+        values = cls.derived(values, given)
+    parsed = cls(**values)  # frozen: complete from here on
     if hasattr(parsed, "check"):
-        parsed.check(set(file_values) | {f.name for f in fields if _on_command_line(f, argv)})
+        parsed.check(given)
     # every command's numbers, from the file or the command line: one table (checks.py)
     from minimal_fsdp.config.checks import check_numbers
 
