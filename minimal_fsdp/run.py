@@ -28,6 +28,7 @@ from minimal_fsdp.inference import load
 from minimal_fsdp.inference.generate import check_num_tokens
 from minimal_fsdp import backends
 from minimal_fsdp.config.flags import Config, ConfigError, validate_world
+from minimal_fsdp.config.sections import Generation, Parallel
 from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
 from minimal_fsdp.data import prepare
 from minimal_fsdp.data.tokens import TokenData
@@ -95,7 +96,8 @@ def run(cfg):
         dtype = torch.float32 if cfg.precision == "float32" else torch.bfloat16
         if env.is_main:
             print("-" * 40, flush=True)
-        load.stream_sample(model, tokenizer, cfg, env, dtype)  # written as it is generated
+        # written as it is generated
+        load.stream_sample(model, tokenizer, Generation.of(cfg), env, dtype)
         if env.is_main:
             print("\n" + "-" * 40, flush=True)
     # FSDP state and the device mesh refer to the process groups: let them go, so the groups (and
@@ -131,7 +133,7 @@ def prepared(cfg, tokenizer):
 def plan_run(cfg, env, model_config, loads_weights):
     """The run's parallel plan (plan.make_plan: every layout, sync, compile and precision decision,
     made once), and the process-wide torch settings it needs, applied here and nowhere else."""
-    plan = make_plan(cfg, env, model_config, loads_weights=loads_weights)
+    plan = make_plan(Parallel.of(cfg), env, model_config, loads_weights=loads_weights)
     apply_process_settings(plan)
     return plan
 
@@ -377,7 +379,7 @@ def generation_model(cfg, env, start, hf_dir):
     # a checkpoint that fails to load: the next one find gives, as a resumed run takes it
     loaded = load.load(
         hf_dir or start,
-        cfg,
+        Parallel.of(cfg),
         env,
         cfg.seq_length,
         given_tokenizer(cfg),

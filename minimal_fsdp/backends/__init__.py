@@ -8,9 +8,10 @@ Imports checkpoint, config, hf, launch, metrics, models and parallel.
 def setup(cfg):
     """The launch's environment (launch.environment.setup), as the device's backend computes on it:
     under --device xla one process per host drives all of the host's devices."""
+    from minimal_fsdp.config.sections import Launch
     from minimal_fsdp.launch import environment
 
-    env = environment.setup(cfg)
+    env = environment.setup(Launch.of(cfg))
     if cfg.device == "xla":
         from minimal_fsdp.backends import xla  # needs torch_xla: imported only for --device xla
 

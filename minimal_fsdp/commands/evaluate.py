@@ -21,7 +21,9 @@ import sys
 
 import torch
 
-from minimal_fsdp.config.flags import Config, ConfigError, validate, validate_world
+from minimal_fsdp.config.checks import check_parallel, validate_world
+from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.config.sections import Launch, Parallel
 from minimal_fsdp.eval.harness import (
     _limit,
     evaluate,
@@ -38,41 +40,34 @@ from minimal_fsdp.launch import environment
 def main(args):
     """EvaluateFlags -> the results table."""
     go_offline()
-    cfg = Config(
-        sharding=args.sharding,
-        shard_group_size=args.shard_group_size,
-        precision=args.precision,
-        max_epochs=-1,
-        tensorboard=False,
-    )
-    load.command(lambda: _evaluate(args, cfg))
+    load.command(lambda: _evaluate(args, Parallel.of(args, generate_only=True)))
 
 
-def _evaluate(args, cfg):
+def _evaluate(args, parallel):
     """The tasks loaded on rank 0, then the source over the ranks (inference.load), then the
     harness."""
     if args.batch_size < 1:
         raise ConfigError(f"--batch_size must be at least 1 (got {args.batch_size})")
     if args.log_samples and not args.output_path:
         raise ConfigError("--log_samples writes files: give --output_path too")
-    validate(cfg)
+    check_parallel(parallel)
     harness()
     from minimal_fsdp.eval.lm import ShardedLM
 
-    env = environment.setup(cfg)
+    env = environment.setup(Launch.of(args))
     # --shard_group_size
-    validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)
+    validate_world(parallel, env.world_size, env.local_world_size, env.local_world_sizes)
     # rank 0's Task objects stay on rank 0 (run_on_main would send a result to every rank)
     loaded = {}
     environment.run_on_main(
         lambda: loaded.update(tasks=load_tasks(task_names(args.tasks), args.include_path))
     )
-    model = load.load(args.source, cfg, env)
+    model = load.load(args.source, parallel, env)
     lm = ShardedLM(
         model.model,
         model.tokenizer,
         env.device,
-        torch.bfloat16 if cfg.precision == "bf16" else torch.float32,
+        torch.bfloat16 if args.precision == "bf16" else torch.float32,
         args.batch_size,
     )
     tracker = None

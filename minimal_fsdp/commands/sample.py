@@ -17,39 +17,31 @@ import sys
 
 import torch
 
-from minimal_fsdp.config.flags import Config, validate
+from minimal_fsdp.config.checks import check_generate, check_parallel
+from minimal_fsdp.config.sections import Generation, Launch, Parallel
 from minimal_fsdp.inference import load
 from minimal_fsdp.launch import environment
 
 
 def main(flags):
-    """SampleFlags -> the text on stdout."""
-    cfg = Config(
-        prompt=flags.prompt,
-        num_tokens=flags.num_tokens,
-        temperature=flags.temperature,
-        top_k=flags.top_k,
-        seed=flags.seed,
-        precision=flags.precision,
-        max_epochs=-1,
-        tensorboard=False,
-    )
-    load.command(lambda: _sample(flags.source, cfg))
+    """SampleFlags -> the text on stdout: the source loaded over the ranks (inference.load), the
+    text streamed as it is generated."""
+    load.command(lambda: _sample(flags))
 
 
-def _sample(source, cfg):
-    """Load SOURCE over the ranks (inference.load) and stream the text to stdout as it is
-    generated."""
-    validate(cfg)
-    env = environment.setup(cfg)
-    loaded = load.load(source, cfg, env, num_tokens=cfg.num_tokens)
+def _sample(flags):
+    parallel = Parallel.of(flags, generate_only=True)
+    check_parallel(parallel)
+    check_generate(flags)
+    env = environment.setup(Launch.of(flags))
+    loaded = load.load(flags.source, parallel, env, num_tokens=flags.num_tokens)
     if env.is_main:
         print(
             load.describe(loaded.source, loaded.model, loaded.tokenizer, env),
             file=sys.stderr,
             flush=True,
         )
-    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    load.stream_sample(loaded.model, loaded.tokenizer, cfg, env, dtype)
+    dtype = torch.bfloat16 if flags.precision == "bf16" else torch.float32
+    load.stream_sample(loaded.model, loaded.tokenizer, Generation.of(flags), env, dtype)
     if env.is_main:
         print(flush=True)

@@ -4,7 +4,7 @@ on N ranks, with its tokenizer, checked alike on every rank before anything is b
 evaluate commands, generation after training (run.generation_model) and export all load through
 here, and end through command():
 
-    load(source, cfg, env)     -> Loaded(source, model, tokenizer, plan)   (collective)
+    load(source, parallel, env) -> Loaded(source, model, tokenizer, plan)  (collective)
     open_source(source)        what SOURCE holds, from small files (rank 0)
     command(body)              body() with one `error:` line for bad input (exit 2), the process
                                groups torn down afterwards
@@ -67,8 +67,8 @@ def command(body):
     environment.teardown()
 
 
-def load(source, cfg, env, seq_length=None, tokenizer=None, num_tokens=0, fallback=None):
-    """Collective: SOURCE's model built as make_plan(cfg, ...) lays it out over the ranks, its
+def load(source, parallel, env, seq_length=None, tokenizer=None, num_tokens=0, fallback=None):
+    """Collective: SOURCE's model built as make_plan(parallel, ...) lays it out over the ranks, its
     weights loaded, and its tokenizer (or `tokenizer`, e.g. --tokenizer_dir's), checked against the
     model's vocabulary; num_tokens, the tokens to generate, checked before anything is built
     (check_num_tokens). A checkpoint whose shards fail to load is replaced as `fallback`, (named,
@@ -80,7 +80,7 @@ def load(source, cfg, env, seq_length=None, tokenizer=None, num_tokens=0, fallba
         found
     )  # the same files on every rank: the same verdict everywhere
     check_vocabulary(tokenizer, found)
-    plan = make_plan(cfg, env, found.config, loads_weights=True)
+    plan = make_plan(parallel, env, found.config, loads_weights=True)
     apply_process_settings(plan)
     fallback = fallback or checkpoint_find.source_fallback(source, together=True)
     return Loaded(found, load_model(found, plan, env, fallback), tokenizer, plan)
@@ -248,10 +248,11 @@ def printer():
     return write
 
 
-def stream_sample(model, tokenizer, cfg, env, dtype):
+def stream_sample(model, tokenizer, generation, env, dtype):
     """--num_tokens after --prompt, sampled as --temperature, --top_k and --seed say (collective),
     the text written on rank 0 as it is produced: the sample command's and the one after
     training."""
     stream = printer() if env.is_main else None
-    generate(model, tokenizer, cfg.prompt, cfg.num_tokens, cfg.temperature, cfg.top_k, cfg.seed,
+    g = generation  # config.sections.Generation
+    generate(model, tokenizer, g.prompt, g.num_tokens, g.temperature, g.top_k, g.seed,
              env.device, dtype, stream=stream)  # fmt: skip

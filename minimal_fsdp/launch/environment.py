@@ -54,21 +54,22 @@ class DistEnv:
         return hosts.layout_line(self)
 
 
-def setup(cfg):
+def setup(launch):
     """Discover the layout, pick the device, meet at the rendezvous and initialize torch.distributed
-    (always, even for one rank, so every code path below is the same FSDP path)."""
+    (always, even for one rank, so every code path below is the same FSDP path). `launch`: the
+    flags it reads (config.sections.Launch)."""
     failures.setup_started()
     launcher = discovery.launcher_of(os.environ)
     if launcher == "mpi":
         # Process-wide: from here on, an uncaught exception on one rank aborts the whole MPI job.
         failures.abort_job_on_uncaught_exception()
     rank, world, local_rank, local_world, num_nodes = discovery.discover(
-        launcher, os.environ, pbs=cfg.environment == "pbs", timeout=cfg.collective_timeout
+        launcher, os.environ, pbs=launch.environment == "pbs", timeout=launch.collective_timeout
     )
     failures.world_known(world)
     device, backend = _pick_device(local_rank, local_world)
-    with _until_grouped(launcher, rank, world, cfg.collective_timeout):
-        store = rendezvous.meet(rank, world, num_nodes, launcher, cfg)
+    with _until_grouped(launcher, rank, world, launch.collective_timeout):
+        store = rendezvous.meet(rank, world, num_nodes, launcher, launch)
         # before gloo picks an address itself
         network = hosts.pick_interface(rendezvous.address(), num_nodes)
         hosts.nccl_socket_threads(num_nodes)  # before NCCL's first communicator reads them
@@ -78,7 +79,7 @@ def setup(cfg):
                 backend,
                 rank=rank,
                 world_size=world,
-                timeout=datetime.timedelta(seconds=cfg.collective_timeout),
+                timeout=datetime.timedelta(seconds=launch.collective_timeout),
                 device_id=device if device.type == "cuda" else None,
                 **(dict(store=store) if store is not None else {}),
             )
@@ -88,7 +89,7 @@ def setup(cfg):
     rendezvous.all_joined(rank)
     if clash:  # gathered alike: every rank raises the same line
         raise ConfigError(clash)
-    hosts.check_shared_dir(cfg.checkpoint_dir, num_nodes)
+    hosts.check_shared_dir(launch.checkpoint_dir, num_nodes)
     if network and rank == 0:
         print(network, flush=True)
     warning = shared_gpus_warning(gpu_keys)

@@ -157,7 +157,7 @@ def _srun_address(env):
     return addr, 0, None
 
 
-def _rendezvous_srun(rank, world, cfg, timeout):
+def _rendezvous_srun(rank, world, launch, timeout):
     """Every task knows the address, and the port unless rank 0 publishes it; the token is the job
     step's."""
     global _store_file, _address
@@ -171,7 +171,7 @@ def _rendezvous_srun(rank, world, cfg, timeout):
     token = f"slurm {job}"
     # The checkpoint directory is on a file system every node shares (all ranks write checkpoints
     # there).
-    _store_file = Path(cfg.checkpoint_dir) / ".rendezvous" / f"slurm-{job}"
+    _store_file = Path(launch.checkpoint_dir) / ".rendezvous" / f"slurm-{job}"
     if rank == 0:
         store = _open_store(world, port, where, token, timeout)
         if not port:
@@ -198,20 +198,20 @@ def _published_port(path, timeout):
     return int(path.read_text())
 
 
-def meet(rank, world, num_nodes, launcher, cfg):
+def meet(rank, world, num_nodes, launcher, launch):
     """The store every rank passes to init_process_group; None under torchrun, whose agent provides
     one."""
     global _store
-    timeout = datetime.timedelta(seconds=cfg.collective_timeout)
+    timeout = datetime.timedelta(seconds=launch.collective_timeout)
     if launcher == "single":
         _store = dist.HashStore()
     elif launcher == "mpi":
         # MPI's collectives have no timeout of their own: a rank that stops here must not hold the
         # others.
-        with failures.deadline(2 * cfg.collective_timeout + 60, "the rendezvous"):
+        with failures.deadline(2 * launch.collective_timeout + 60, "the rendezvous"):
             _store = _rendezvous_mpi(rank, world, num_nodes, timeout)
     elif launcher == "srun":
-        _store = _rendezvous_srun(rank, world, cfg, timeout)
+        _store = _rendezvous_srun(rank, world, launch, timeout)
     return _store
 
 

@@ -161,13 +161,13 @@ class ParallelPlan:
         )
 
 
-def cuda_graphs(cfg, device, strategy, num_params, float8):
+def cuda_graphs(parallel, device, strategy, num_params, float8):
     """Whether the compiled whole model replays as CUDA graphs: where --compile compiles it whole,
     on CUDA, and no FSDP2 hooks surround it (FSDP2 gathers the parameters at new addresses every
     step, which a replayed graph would not see). --cuda_graphs asks for it, and is refused where it
     cannot apply; unset, a model of at most GRAPHS_MODEL parameters replays (not gossip's replicas
     or float8 layers, which were not measured under graphs)."""
-    if cfg.cuda_graphs:
+    if parallel.cuda_graphs:
         if device.type != "cuda":
             raise ConfigError(
                 f"--cuda_graphs replays CUDA graphs; this run is on {device.type}: drop "
@@ -176,82 +176,87 @@ def cuda_graphs(cfg, device, strategy, num_params, float8):
         if strategy not in REPLAYABLE:
             why = (
                 "--cpu_offload"
-                if cfg.cpu_offload
+                if parallel.cpu_offload
                 else "--precision fp8's float8 all-gathers"
                 if float8 and strategy == "fsdp-whole"
                 else "--fsdp_unit block"
-                if cfg.fsdp_unit == "block"
+                if parallel.fsdp_unit == "block"
                 else f"a model of over {SMALL_MODEL // 10**6}M parameters"
             )
             raise ConfigError(
                 f"--cuda_graphs replays the compiled model where no FSDP2 hooks surround it; here "
-                f"FSDP2 shards it ({why}, --sharding {cfg.sharding}) and gathers its parameters at "
-                "new addresses every step: drop --cuda_graphs"
+                f"FSDP2 shards it ({why}, --sharding {parallel.sharding}) and gathers its "
+                "parameters at new addresses every step: drop --cuda_graphs"
             )
     if (
-        not cfg.compile
+        not parallel.compile
         or device.type != "cuda"
         or strategy not in REPLAYABLE
-        or cfg.cuda_graphs is False
+        or parallel.cuda_graphs is False
     ):
         return False
-    if cfg.cuda_graphs:
+    if parallel.cuda_graphs:
         return True
     return strategy != "gossip" and not float8 and num_params <= GRAPHS_MODEL
 
 
-def make_plan(cfg, env, model_config, loads_weights=False, fsdp_on_one_rank=False):
+def make_plan(parallel, env, model_config, loads_weights=False, fsdp_on_one_rank=False):
     """The plan for this launch and this model (model_config: its shape; only its parameter count
-    matters here). loads_weights: all weights will be loaded (a Hugging Face model, a model to
-    sample from), so the model is built on the meta device and no rank ever holds more than its
-    shard of it. fsdp_on_one_rank: shard even a world of one (tests and benchmarks compare the two).
-    Generation alone (--max_epochs -1) with --precision fp8 runs in bf16: float8 pays in training's
-    large matmuls. Raises ConfigError, alike on every rank, where an explicit flag cannot apply."""
+    matters here), from the flags of `parallel` (config.sections.Parallel). loads_weights: all
+    weights will be loaded (a Hugging Face model, a model to sample from), so the model is built on
+    the meta device and no rank ever holds more than its shard of it. fsdp_on_one_rank: shard even
+    a world of one (tests and benchmarks compare the two). Generation alone (--max_epochs -1,
+    sample, evaluate) with --precision fp8 runs in bf16: float8 pays in training's large matmuls.
+    Raises ConfigError, alike on every rank, where an explicit flag cannot apply."""
     num_params = count_parameters(model_config).total
-    recipe = cfg.fp8_recipe if cfg.precision == "fp8" and not cfg.generate_only else None
+    recipe = (
+        parallel.fp8_recipe if parallel.precision == "fp8" and not parallel.generate_only else None
+    )
     if recipe:
         fp8.check_device(env.device)
     # --device xla trains under torch_xla; generation (--max_epochs -1, the sample after training)
     # runs on the host.
-    backend = "xla" if cfg.device == "xla" and not cfg.generate_only else "torch"
+    backend = "xla" if parallel.device == "xla" and not parallel.generate_only else "torch"
     chosen = (
         "fsdp-block"
         if backend == "xla"
         else strategy(
-            cfg.sharding,
+            parallel.sharding,
             env.world_size,
             num_params,
-            cfg.fsdp_unit,
-            cfg.cpu_offload,
+            parallel.fsdp_unit,
+            parallel.cpu_offload,
             recipe is not None,
-            cfg.data_parallel == "decentralized",
+            parallel.data_parallel == "decentralized",
             fsdp_on_one_rank,
         )
     )
     shape, shard_ranks, reshard = layout(
-        cfg.sharding, env.world_size, cfg.shard_group_size or env.local_world_size
+        parallel.sharding, env.world_size, parallel.shard_group_size or env.local_world_size
     )
     if chosen in ("local", "gossip"):
         shape, shard_ranks, reshard = (env.world_size,), 1, False
     plan = ParallelPlan(
         chosen,
-        cfg.sharding,
+        parallel.sharding,
         shape,
         shard_ranks,
         reshard,
-        "bf16" if cfg.precision == "fp8" and not recipe else cfg.precision,
+        "bf16" if parallel.precision == "fp8" and not recipe else parallel.precision,
         recipe,
-        cfg.cpu_offload,
-        cfg.meta_init or loads_weights,
-        cfg.activation_checkpoints,
-        cfg.recompute,
-        cfg.compile,
-        cuda_graphs(cfg, env.device, chosen, num_params, recipe is not None),
+        parallel.cpu_offload,
+        parallel.meta_init or loads_weights,
+        parallel.activation_checkpoints,
+        parallel.recompute,
+        parallel.compile,
+        cuda_graphs(parallel, env.device, chosen, num_params, recipe is not None),
         num_params,
-        cfg.topology if chosen == "gossip" else None,
+        parallel.topology if chosen == "gossip" else None,
         backend=backend,
-        reduce_precision=reduce_precision(cfg.reduce_precision, env.num_nodes, cfg.precision),
-        gossip_dtype=cfg.gossip_dtype if chosen == "gossip" else None,
+        reduce_precision=reduce_precision(
+            parallel.reduce_precision, env.num_nodes, parallel.precision
+        ),
+        gossip_dtype=parallel.gossip_dtype if chosen == "gossip" else None,
     )
     # torch_xla builds its own (xla.py)
     if backend == "torch" and (chosen in FSDP2 or chosen == "one-unit"):

@@ -1,0 +1,72 @@
+"""The sections of the flags that a library function takes instead of the whole training `Config`:
+each names the flags one subsystem reads, so its signature says what it depends on (as torchtitan
+hands `job_config.parallelism` to its parallelizer). A command builds the sections it needs from its
+own parsed flags (`Section.of`): a flag it declares is taken from it, one it does not keeps
+training's default, so no command builds a training Config to reach the library.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from minimal_fsdp.config.flags import Config
+
+
+@dataclass(frozen=True)
+class Section:
+    @classmethod
+    def of(cls, flags, **values):
+        """This section of `flags` (training's Config, or another command's flags): each field from
+        `values`, else from `flags` where it declares it, else training's default."""
+        trained = {f.name: f.default for f in dataclasses.fields(Config)} | {"generate_only": False}
+        return cls(
+            **{
+                f.name: values[f.name]
+                if f.name in values
+                else getattr(flags, f.name, trained[f.name])
+                for f in dataclasses.fields(cls)
+            }
+        )
+
+
+@dataclass(frozen=True)
+class Launch(Section):
+    """What launch.environment.setup and the rendezvous read."""
+
+    environment: str
+    collective_timeout: float
+    checkpoint_dir: str  # rendezvous files under srun; checked to be shared across nodes
+
+
+@dataclass(frozen=True)
+class Parallel(Section):
+    """What parallel.plan.make_plan decides the model's layout with (and config.checks's
+    check_parallel and validate_world check)."""
+
+    sharding: str
+    shard_group_size: int
+    fsdp_unit: str
+    cpu_offload: bool
+    data_parallel: str
+    topology: str
+    gossip_dtype: str
+    reduce_precision: str
+    precision: str
+    fp8_recipe: str
+    device: str
+    meta_init: bool
+    activation_checkpoints: str
+    recompute: str
+    compile: bool
+    cuda_graphs: bool
+    generate_only: bool  # generation alone (--max_epochs -1, sample, evaluate): no float8, no XLA
+
+
+@dataclass(frozen=True)
+class Generation(Section):
+    """What inference.load.stream_sample generates with."""
+
+    prompt: str
+    num_tokens: int
+    temperature: float
+    top_k: int
+    seed: int
