@@ -28,7 +28,7 @@ from minimal_fsdp.inference import load
 from minimal_fsdp.inference.generate import check_num_tokens
 from minimal_fsdp import backends
 from minimal_fsdp.config.flags import Config, ConfigError, validate_world
-from minimal_fsdp.config.sections import Generation, Parallel
+from minimal_fsdp.config.sections import Data, Generation, Model, Parallel
 from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
 from minimal_fsdp.data import prepare
 from minimal_fsdp.data.tokens import TokenData
@@ -118,14 +118,14 @@ def given_tokenizer(cfg, hf_dir=None):
 def open_data(cfg, env, hf_dir):
     """The training data: a stream, or a prepared dataset (prepared by rank 0 on first use)."""
     if cfg.streaming:
-        return StreamingData.open(cfg, env)
+        return StreamingData.open(Data.of(cfg), env)
     return TokenData(environment.run_on_main(lambda: prepared(cfg, given_tokenizer(cfg, hf_dir))))
 
 
 def prepared(cfg, tokenizer):
     """Rank 0's part of open_data: the dataset prepared (data.prepare's one front end), then
     checked, so that the token ids' maximum is cached for all ranks."""
-    out = prepare.for_training(cfg, tokenizer)
+    out = prepare.for_training(Data.of(cfg), tokenizer)
     TokenData(out)
     return str(out)
 
@@ -148,11 +148,11 @@ def train_model(cfg, env, start, hf_dir, stop):
     data = open_data(cfg, env, hf_dir)
     samples = check_prompt(cfg, data.tokenizer, env)
     model_config = (
-        hf.read_model_config(hf_dir, cfg)
+        hf.read_model_config(hf_dir, Model.of(cfg))
         if hf_dir
-        else config_from_flags(cfg, data.meta["vocab_size"])
+        else config_from_flags(Model.of(cfg), data.meta["vocab_size"])
     )
-    model_config = with_document_mask(model_config, cfg, data.tokenizer)
+    model_config = with_document_mask(model_config, Model.of(cfg), data.tokenizer)
     if samples:  # the sample's length, refused now rather than after hours of training
         check_num_tokens(cfg.num_tokens, model_config)
     data.check(model_config.seq_length, model_config.vocab_size)
@@ -317,7 +317,7 @@ def check_before_data(cfg, start):
             "whose vocabulary is built from its own text: use another --run_name (unset, it names "
             "the data) or --checkpoint_dir"
         )
-    model_config = config_from_flags(cfg, vocab)
+    model_config = config_from_flags(Model.of(cfg), vocab)
     # --document_mask's token comes from the tokenizer: as saved
     if "document_eot_id" in saved["model"]:
         model_config = dataclasses.replace(

@@ -70,3 +70,39 @@ class Generation(Section):
     temperature: float
     top_k: int
     seed: int
+
+
+@dataclass(frozen=True)
+class Model(Section):
+    """What the model's shape is made from (models.families.config_from_flags, with_document_mask,
+    hf.read.read_model_config)."""
+
+    model: str
+    model_preset: str
+    hf_model: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    embed_size: int
+    intermediate_size: int
+    bias: bool
+    seq_length: int
+    vocab_size: int
+    dropout: float
+    document_mask: bool
+
+
+@dataclass(frozen=True)
+class Data(Section):
+    """What training's data is prepared and read from (data.prepare.for_training,
+    data.streaming.StreamingData.open)."""
+
+    dataset: str
+    dataset_path: str
+    input_file: str
+    data_dir: str
+    tokenizer: str
+    tokenizer_dir: str
+    vocab_size: int
+    val_fraction: float
+    seed: int

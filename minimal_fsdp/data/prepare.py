@@ -382,20 +382,21 @@ def prepare(
     )
 
 
-def dataset_dir(cfg, tokenizer=None):
-    """Training's data directory: --dataset_path, else data/<dataset>/<tokenizer> (named_dir)."""
-    if cfg.dataset_path:
-        return Path(cfg.dataset_path)
-    name = "shakespeare" if cfg.dataset == "shakespeare" else Path(cfg.input_file).stem
-    return named_dir(cfg.data_dir, name, cfg.tokenizer, cfg.vocab_size, tokenizer)
+def dataset_dir(data, tokenizer=None):
+    """Training's data directory (`data`: config.sections.Data): --dataset_path, else
+    data/<dataset>/<tokenizer> (named_dir)."""
+    if data.dataset_path:
+        return Path(data.dataset_path)
+    name = "shakespeare" if data.dataset == "shakespeare" else Path(data.input_file).stem
+    return named_dir(data.data_dir, name, data.tokenizer, data.vocab_size, tokenizer)
 
 
-def for_training(cfg, tokenizer=None):
+def for_training(data, tokenizer=None):
     """Training's prepared dataset directory: --dataset_path as it is, else Shakespeare or
     --input_file tokenized on first use with `tokenizer` if given, else the --tokenizer kind fit on
     the text. Runs on rank 0 only (big datasets: prepare them ahead with `minimal-fsdp prepare`)."""
-    out = dataset_dir(cfg, tokenizer)
-    if cfg.dataset_path:
+    out = dataset_dir(data, tokenizer)
+    if data.dataset_path:
         if (out / "meta.json").exists():
             return out
         raise ConfigError(
@@ -403,7 +404,7 @@ def for_training(cfg, tokenizer=None):
             f"--dataset text --input_file SOURCE --output {out}), or add --streaming to read "
             "a .jsonl/Hugging Face dataset directly"
         )
-    documents = open_source(cfg.dataset, cfg.input_file, cfg.data_dir)
+    documents = open_source(data.dataset, data.input_file, data.data_dir)
     again = (
         f"delete {out} to prepare it again (runs that trained on it resume on the new text), or "
         "pass another --data_dir"
@@ -412,10 +413,10 @@ def for_training(cfg, tokenizer=None):
         documents,
         out,
         again,
-        cfg.tokenizer,
-        cfg.vocab_size,
-        cfg.val_fraction,
-        cfg.seed,
+        data.tokenizer,
+        data.vocab_size,
+        data.val_fraction,
+        data.seed,
         tokenizer=tokenizer,
     )
     return out

@@ -183,35 +183,35 @@ class StreamingData:
         self.val_batches = []
 
     @classmethod
-    def open(cls, cfg, env):
+    def open(cls, data, env):
         """Collective: every rank opens the source and the tokenizer, or every rank raises the same
         error."""
         # saved again in our own files, which checkpoints copy (a Hugging Face directory's
-        if cfg.tokenizer_dir:
+        if data.tokenizer_dir:
             # vocab.json or tokenizer_config.json would not travel with them)
             tokenizer_dir = failures.run_on_main(
-                _save_tokenizer_of, cfg.tokenizer_dir, f"{cfg.data_dir}/streaming"
+                _save_tokenizer_of, data.tokenizer_dir, f"{data.data_dir}/streaming"
             )
-        elif cfg.tokenizer == "gpt2":  # saved once, so checkpoints carry it for generation
+        elif data.tokenizer == "gpt2":  # saved once, so checkpoints carry it for generation
             tokenizer_dir = failures.run_on_main(
-                _save_gpt2_tokenizer, f"{cfg.data_dir}/streaming/gpt2"
+                _save_gpt2_tokenizer, f"{data.data_dir}/streaming/gpt2"
             )
         else:
             raise ConfigError(
-                f"--streaming cannot fit a --tokenizer {cfg.tokenizer} on a stream: use "
+                f"--streaming cannot fit a --tokenizer {data.tokenizer} on a stream: use "
                 "--tokenizer gpt2, or --tokenizer_dir DIR with the tokenizer of a prepared dataset "
                 "or checkpoint"
             )
         tokenizer = _same_on_every_rank(load_tokenizer, tokenizer_dir)
-        documents = _same_on_every_rank(open_documents, cfg.dataset_path, "--dataset_path", True)
+        documents = _same_on_every_rank(open_documents, data.dataset_path, "--dataset_path", True)
         return cls(
             documents,
             tokenizer,
             tokenizer_dir,
             env.rank,
             env.world_size,
-            cfg.val_fraction,
-            cfg.seed,
+            data.val_fraction,
+            data.seed,
         )
 
     def _stream(self, split, position=(0, 0, 0)):

@@ -220,13 +220,13 @@ def read_config(directory, seq_length=None, dropout=None):
     return model_type, config_from_dict(model_type, fields)
 
 
-def read_model_config(directory, cfg):
+def read_model_config(directory, model):
     """The --hf_model's config, with --seq_length and --dropout applied; a --model given too must
     match it."""
-    model_type, config = read_config(directory, cfg.seq_length, cfg.dropout)
-    if cfg.model and cfg.model != model_type:
+    model_type, config = read_config(directory, model.seq_length, model.dropout)
+    if model.model and model.model != model_type:
         raise ConfigError(
-            f"--model {cfg.model}, but --hf_model {cfg.hf_model} is a {model_type} model: drop "
+            f"--model {model.model}, but --hf_model {model.hf_model} is a {model_type} model: drop "
             f"--model"
         )
     check_weights(directory, model_type, config)

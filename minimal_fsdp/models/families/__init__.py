@@ -72,31 +72,31 @@ def check_shape(config):
     return config
 
 
-def config_from_flags(cfg, vocab_size=None):
+def config_from_flags(model, vocab_size=None):
     """--model_preset's shape with the explicit model flags applied (vocab: --vocab_size, else
     vocab_size (the tokenizer's), else the preset's). A family takes the shape flags its config has
     (config.checks refused the others)."""
-    family = model_family(cfg)
+    family = model_family(model)
     fields = {f.name for f in dataclasses.fields(FAMILIES[family].Config)}
     shape = dict(
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        embed_size=cfg.embed_size,
-        seq_length=cfg.seq_length,
-        dropout=cfg.dropout,
-        vocab_size=cfg.vocab_size or vocab_size,
+        num_layers=model.num_layers,
+        num_heads=model.num_heads,
+        embed_size=model.embed_size,
+        seq_length=model.seq_length,
+        dropout=model.dropout,
+        vocab_size=model.vocab_size or vocab_size,
     )
     shape.update(
-        {name: getattr(cfg, name) for name in ("num_kv_heads", "intermediate_size", "bias")}
+        {name: getattr(model, name) for name in ("num_kv_heads", "intermediate_size", "bias")}
     )
     shape = {name: value for name, value in shape.items() if name in fields}
-    return check_shape(make_config(family, cfg.model_preset, **shape))
+    return check_shape(make_config(family, model.model_preset, **shape))
 
 
-def with_document_mask(config, cfg, tokenizer):
+def with_document_mask(config, model, tokenizer):
     """The model config with --document_mask's end-of-text token (the tokenizer's), which the
     model's attention keeps documents apart at (attention.py); unchanged without the flag."""
-    if not cfg.document_mask:
+    if not model.document_mask:
         return config
     if tokenizer.eot_id is None:
         raise ConfigError(
