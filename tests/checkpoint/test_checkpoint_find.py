@@ -23,6 +23,7 @@ from minimal_fsdp.config.flags import ConfigError, parse_args
 from support import HOSTILE_META, MakeDirectory, edited, flip_a_byte, meta_of
 from support import console, run, saved  # noqa: F401 (fixtures)
 from support import command
+from minimal_fsdp.__main__ import main as cli
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 
@@ -485,8 +486,8 @@ def test_progress_prints_step_and_last_step_of_the_newest_complete_checkpoint(
     flip_a_byte(run / "step_3" / "__0_0.distcp")  # only the cheap checks: the chains ask often
     command("progress", *flags)
     (run / "step_3" / "rng_0.pt").unlink()
-    monkeypatch.setattr(sys, "argv", ["minimal-fsdp", *flags])
-    command("progress")
+    monkeypatch.setattr(sys, "argv", ["minimal-fsdp", "progress", *flags])
+    cli()  # the console script: the flags from sys.argv
     command("progress", *["--checkpoint_dir", str(run.parent), "--run_name", "other"])
     meta = meta_of(run / "step_2")
     del meta["format"], meta["state"]
