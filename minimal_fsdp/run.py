@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint.checkpointer import SaveError
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.launch import environment
 from minimal_fsdp.launch import hangs
 from minimal_fsdp import files
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf import read
 from minimal_fsdp.inference import load
 from minimal_fsdp.inference.generate import check_num_tokens
 from minimal_fsdp import backends
@@ -68,7 +68,7 @@ def main(argv=None, cfg=None):
     run. Bad input and failures end every rank with one `error:` line."""
     try:
         run(cfg or parse_args(argv))
-    except (ConfigError, Diverged, checkpoint.SaveError, environment.MainRankFailed) as e:
+    except (ConfigError, Diverged, SaveError, environment.MainRankFailed) as e:
         environment.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)
     # a peer is gone: gloo raises a plain RuntimeError, torch's own a DistError, DCP (in a save) a
     # CheckpointException (a BaseException)
@@ -95,7 +95,7 @@ def run(cfg):
         print(cpu_recipe_warning(cfg, env.device.type), flush=True)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     # rank 0 downloads
-    hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None
+    hf_dir = environment.run_on_main(read.resolve, cfg.hf_model) if cfg.hf_model else None
     # One training run per run directory: rank 0 holds the lock until the end (generation only
     # reads).
     lock = files.RunLock(
@@ -108,7 +108,7 @@ def run(cfg):
         environment.run_on_main(lock.acquire)
     try:
         # rank 0 picks it, all ranks check it: all load the same one
-        start = checkpoint_find.find(cfg)
+        start = find.find(cfg)
         if cfg.generate_only:
             (model, tokenizer), samples = generation_model(cfg, env, start, hf_dir), True
         else:
@@ -136,7 +136,7 @@ def given_tokenizer(cfg, hf_dir=None):
     the data)."""
     if cfg.tokenizer_dir:
         return load_tokenizer(cfg.tokenizer_dir)
-    return hf.load_tokenizer(hf_dir) if hf_dir else None
+    return read.load_tokenizer(hf_dir) if hf_dir else None
 
 
 def open_data(cfg, env, hf_dir):
@@ -166,7 +166,7 @@ def train_model(cfg, env, start, hf_dir, stop):
     data = open_data(cfg, env, hf_dir)
     samples = check_prompt(cfg, data.tokenizer, env)
     model_config = (
-        hf.read_model_config(hf_dir, cfg)
+        read.read_model_config(hf_dir, cfg)
         if hf_dir
         else config_from_flags(cfg, data.meta["vocab_size"])
     )
@@ -316,7 +316,7 @@ def check_before_data(cfg, start):
     naming what differs: the data, where the vocabulary is built from it (--tokenizer char or
     sentencepiece), and the shape the model flags give (with the checkpoint's vocabulary, which only
     the data can tell)."""
-    saved = checkpoint_meta.read_meta(start)
+    saved = meta.read_meta(start)
     theirs, vocab = saved["config"], saved["model"].get("vocab_size")
     if cfg.hf_model or theirs.get("hf_model"):
         return  # the shape comes from the Hugging Face model: checked once it is read
@@ -352,7 +352,7 @@ def check_resumable(cfg, start, model_config, env):
     """Refuse a checkpoint this run cannot continue; say which training flags differ from it, and
     when it has trained to the end already. The same files and flags on every rank: the same verdict
     everywhere."""
-    saved = checkpoint_meta.read_meta(start)
+    saved = meta.read_meta(start)
     if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
         raise ConfigError(
             f"{start} holds a different model ({model_differences(saved, model_config)}): use "
@@ -402,7 +402,7 @@ def generation_model(cfg, env, start, hf_dir):
         cfg.seq_length,
         given_tokenizer(cfg),
         cfg.num_tokens,
-        None if hf_dir else checkpoint_find.run_fallback(cfg),
+        None if hf_dir else find.run_fallback(cfg),
     )
     if env.is_main:
         print(load.describe(loaded.source, loaded.model, loaded.tokenizer, env), flush=True)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from minimal_fsdp.launch import environment
-from minimal_fsdp.inference import generate as generation
+from minimal_fsdp.inference import generate
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
@@ -140,13 +140,13 @@ def generation_state(env):
             local = p.to_local() if isinstance(p, DTensor) else p
             local.add_(torch.randn(local.shape, generator=noise))
     prompt, n = "1 2 3", 24
-    text = generation.generate(model, Numbers(), prompt, n, temperature=1.0, top_k=0, seed=0)
+    text = generate.generate(model, Numbers(), prompt, n, temperature=1.0, top_k=0, seed=0)
     # each rank keeps its own token
-    generation.dist = SimpleNamespace(broadcast=lambda tensor, src: None)
+    generate.dist = SimpleNamespace(broadcast=lambda tensor, src: None)
     try:
-        own = generation.generate(model, Numbers(), prompt, n, temperature=1.0, top_k=0, seed=0)
+        own = generate.generate(model, Numbers(), prompt, n, temperature=1.0, top_k=0, seed=0)
     finally:
-        generation.dist = dist
+        generate.dist = dist
     return {"text": text, "own": own}
 
 

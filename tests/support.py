@@ -23,16 +23,16 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 import reference as plain
 import tokenizer_dirs
 from conftest import ROOT, TINY_MODEL, make_text, mpiexec
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import checkpointer
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.flags import one_line_errors, parse_args
 from minimal_fsdp.data import prepare
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf import read
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.parallel import gossip
-from minimal_fsdp.parallel import plan as plan_module
+from minimal_fsdp.parallel import plan
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.parallel.gossip import exchange_for, exp_distances, mixing_matrix
 from minimal_fsdp.parallel.parallelize import init_weights
@@ -72,7 +72,7 @@ def plain_plan(**fields):
         num_params=NUM_PARAMS,
     )
     base.update(fields)
-    return plan_module.ParallelPlan(**base)
+    return plan.ParallelPlan(**base)
 
 
 # --- strategies against the reference; reduced gradients ---
@@ -398,7 +398,7 @@ def save_three(root):
             "schedule": {"lr_decay_steps": 10, "last_step": 100 if step == 3 else None},
             "data": {"train_blocks_seen": 4 * step},
         }
-        checkpoint.save(
+        checkpointer.save(
             root / "run",
             step,
             model,
@@ -686,9 +686,9 @@ def hf_llama(directory, **kw):
 
 
 def ours_from(directory, seq_length=None):
-    model_type, config = hf.read_config(directory, seq_length)
+    model_type, config = read.read_config(directory, seq_length)
     model = MODELS[model_type](config).eval()
-    hf.load_weights(model, directory, model_type)
+    read.load_weights(model, directory, model_type)
     return model
 
 

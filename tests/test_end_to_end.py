@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.models.gpt import GPT, GPTConfig
@@ -24,8 +24,8 @@ def plain_sample(run_dir, prompt, num_tokens, seed):
     """The run's newest checkpoint sampled in one process, without a KV cache: each token from a
     full forward over the context (cut to its newer half once it outgrows the model's seq_length),
     the default temperature and top-k, and a generator seeded with `seed`."""
-    path = checkpoint_find.latest(run_dir)
-    model = GPT(GPTConfig(**checkpoint_meta.read_meta(path)["model"])).eval()
+    path = find.latest(run_dir)
+    model = GPT(GPTConfig(**meta.read_meta(path)["model"])).eval()
     model.load_state_dict(safe_load.load_full_model_state(path))
     defaults = parse_args([])
     tokenizer = load_tokenizer(path)
@@ -204,12 +204,7 @@ def test_ctrl_c_under_mpiexec_saves_a_checkpoint_and_exits_0(tmp_path, corpus):
     assert len(stopped) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     step = int(stopped[0].split(":")[0].split()[1])
     assert 2 <= step < FAR  # a time-bounded look, not a logging step
-    assert (
-        checkpoint_meta.read_meta(checkpoint_find.latest(tmp_path / "checkpoints" / "corpus"))[
-            "step"
-        ]
-        == step
-    )
+    assert meta.read_meta(find.latest(tmp_path / "checkpoints" / "corpus"))["step"] == step
 
 
 @pytest.mark.slow

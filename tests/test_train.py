@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimal_fsdp import train as train_module
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.launch.resilience import Diverged
@@ -493,8 +492,8 @@ def loop(
 ):
     """train.train for 6 steps (unless flags say otherwise) with stand-ins for everything around the
     loop."""
-    monkeypatch.setattr(train_module, "TrainingLog", Log)
-    monkeypatch.setattr(train_module, "mean_across_ranks", float)
+    monkeypatch.setattr("minimal_fsdp.train.TrainingLog", Log)
+    monkeypatch.setattr("minimal_fsdp.train.mean_across_ranks", float)
     if gc.collect is COLLECT:
         # the loop's full collections take 0.15 s each with a whole test session's objects alive
         # (most of this file's time); when it collects is tested with a collect of its own below
@@ -698,7 +697,7 @@ def test_loop_collects_garbage_itself_at_the_same_steps_on_every_rank(monkeypatc
     def collect(generation=2):
         collections.append((steps_so_far(), generation, gc.isenabled()))
 
-    monkeypatch.setattr(train_module, "GC_INTERVAL", 2)
+    monkeypatch.setattr("minimal_fsdp.train.GC_INTERVAL", 2)
     monkeypatch.setattr(gc, "collect", collect)
     assert gc.isenabled()
     loop(monkeypatch, "--max_steps", 7)
@@ -728,7 +727,7 @@ def test_loop_collects_garbage_itself_at_the_same_steps_on_every_rank(monkeypatc
 
 def test_loop_leaves_garbage_collection_as_it_found_it_after_an_error(monkeypatch):
     monkeypatch.setattr(
-        train_module, "train_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        "minimal_fsdp.train.train_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
     )
     with pytest.raises(RuntimeError, match="boom"):
         loop(monkeypatch)

@@ -93,7 +93,7 @@ def stub_gpt2_encoding(monkeypatch):
     """tiktoken's gpt2 encoding stood in for by a tiny one with GPT-2's split pattern (no gpt2 files
     offline); returns the stand-in."""
     import tiktoken
-    from minimal_fsdp.data import tokenizer as tk
+    from minimal_fsdp.data import tokenizer
 
     ranks = tiktoken_ranks()
     pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -103,7 +103,7 @@ def stub_gpt2_encoding(monkeypatch):
         mergeable_ranks=ranks,
         special_tokens={"<|endoftext|>": len(ranks)},
     )
-    monkeypatch.setattr(tk, "gpt2_cached", lambda: True)
+    monkeypatch.setattr(tokenizer, "gpt2_cached", lambda: True)
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: stub)
     return stub
 

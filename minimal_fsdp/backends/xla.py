@@ -49,9 +49,9 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
     SpmdFullyShardedDataParallel as FSDPv2,
 )
 
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import checkpointer
 from minimal_fsdp.launch import hosts
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf.read import load_weights
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.metrics import banner
@@ -138,7 +138,7 @@ def build_model(model_cls, model_config, cfg, mesh, hf_dir=None):
     model = model_cls(model_config)
     init_weights(model, cfg.seed, "cpu")
     if hf_dir:
-        hf.load_weights(model, hf_dir, model_config.model_type)
+        load_weights(model, hf_dir, model_config.model_type)
 
     def wrap_block(block, *args, **kwargs):
         return FSDPv2(
@@ -259,7 +259,7 @@ class StepSync(LocalSync):
         torch_xla.sync()
 
 
-class Checkpointer(checkpoint.Checkpointer):
+class Checkpointer(checkpointer.Checkpointer):
     """checkpoint.Checkpointer (the same directory protocol, meta.json and keys), with the shards
     written and read on the devices by torch_xla's planners."""
 
@@ -267,7 +267,7 @@ class Checkpointer(checkpoint.Checkpointer):
         super().__init__(cfg, model_config, tokenizer_dir, decentralized=False)
 
     def write(self, step, model, optimizer, meta):
-        return checkpoint.save(
+        return checkpointer.save(
             self.run_dir,
             step,
             model,

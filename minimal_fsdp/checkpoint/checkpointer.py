@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from minimal_fsdp.checkpoint import background as checkpoint_async
+from minimal_fsdp.checkpoint.background import writer_threads
 from minimal_fsdp import files
 from minimal_fsdp.checkpoint.best import better
 from minimal_fsdp.checkpoint.background import ChecksummingWriter, Saved
@@ -230,7 +230,7 @@ def save(
     state = _state(model, optimizer) if state is None else state
     writer = ChecksummingWriter(
         tmp,
-        checkpoint_async.writer_threads(state),
+        writer_threads(state),
         staged=background is not None,
         process=background and background.writer,
     )

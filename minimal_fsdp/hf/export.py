@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
-from minimal_fsdp.hf import write as hf_write
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint.meta import read_meta
+from minimal_fsdp.hf import write
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.commands import ExportFlags
 from minimal_fsdp.config.flags import ConfigError, one_line_errors
@@ -57,18 +57,18 @@ def export(ckpt, out, dtype=None, fmt="safetensors"):
     one whose shards fail to load is passed over in one line for the next, as a resumed run passes
     it (the files written from it are written again)."""
     named, next_one = source_fallback(ckpt, together=False)
-    _, written = checkpoint_find.first_loading(
+    _, written = find.first_loading(
         checkpoint_path(ckpt),
         lambda path: _export(path, out, dtype, fmt),
         next_one,
         named,
-        failures=checkpoint_find.LoadFailed,
+        failures=find.LoadFailed,
     )
     return written
 
 
 def _export(path, out, dtype, fmt):
-    meta = checkpoint_meta.read_meta(path)
+    meta = read_meta(path)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     specs = [(name, shape, dtype or saved) for name, shape, saved in safe_load.tensor_names(path)]
@@ -77,12 +77,12 @@ def _export(path, out, dtype, fmt):
         try:
             return safe_load.read_tensors(path, [name])[name]
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
-            raise checkpoint_find.LoadFailed() from e
+            raise find.LoadFailed() from e
 
     if fmt == "hf":
-        return hf_write.write_hf(out, meta, specs, read, _tokenizer(path))
+        return write.write_hf(out, meta, specs, read, _tokenizer(path))
     weights = out / "model.safetensors"
-    hf_write.write_safetensors(
+    write.write_safetensors(
         weights,
         specs,
         read,
@@ -94,9 +94,9 @@ def _export(path, out, dtype, fmt):
         },
     )
     for f in path.glob("tokenizer.*"):
-        hf_write.write_public(out / f.name, lambda p: p.write_bytes(f.read_bytes()))
+        write.write_public(out / f.name, lambda p: p.write_bytes(f.read_bytes()))
     config = json.dumps(meta["model"], indent=1) + "\n"
-    hf_write.write_public(out / "config.json", lambda p: p.write_text(config))
+    write.write_public(out / "config.json", lambda p: p.write_text(config))
     return weights
 
 

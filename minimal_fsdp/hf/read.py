@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 
-from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.data import tokenizer
 from minimal_fsdp.checkpoint.meta import MODEL_BOUNDS, PLAIN_NAME, model_problem
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.models.classes import MODELS
@@ -37,7 +37,9 @@ from minimal_fsdp.files import _depth
 
 CONFIG_MAX_BYTES = 16 * 2**20  # config.json is a few KB
 INDEX_MAX_BYTES = 64 * 2**20  # an index names each tensor once: a few MB for the largest models
-TOKENIZER_MAX_BYTES = tk.MAX_TOKENIZER_BYTES  # tokenizer.json: 9 MB for Llama 3's 128K tokens
+TOKENIZER_MAX_BYTES = (
+    tokenizer.MAX_TOKENIZER_BYTES
+)  # tokenizer.json: 9 MB for Llama 3's 128K tokens
 TOKENIZER_JSON = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -116,7 +118,7 @@ def resolve(name_or_dir):
         pass
     # huggingface_hub retries an unreachable hub for half a minute; a quick look first gives a quick
     # answer.
-    if constants.HF_HUB_OFFLINE or not tk.reachable(constants.ENDPOINT):
+    if constants.HF_HUB_OFFLINE or not tokenizer.reachable(constants.ENDPOINT):
         raise ConfigError(
             f"--hf_model {name_or_dir} is not a local directory nor in the Hugging Face cache, and "
             f"the hub ({constants.ENDPOINT}) is unreachable (offline?): download the model where "
@@ -426,17 +428,17 @@ def load_tokenizer(directory):
                 raise ConfigError(
                     f"--hf_model {directory}: {name} {getattr(e, 'strerror', None) or e}"
                 ) from None
-    if fallback and not tk.has_tokenizer(directory):
+    if fallback and not tokenizer.has_tokenizer(directory):
         try:
-            return {"gpt2": tk.GPT2Tokenizer}[fallback]()
-        except tk.TokenizerError:
-            raise tk.TokenizerError(
+            return {"gpt2": tokenizer.GPT2Tokenizer}[fallback]()
+        except tokenizer.TokenizerError:
+            raise tokenizer.TokenizerError(
                 f"--hf_model {directory} has no tokenizer files (tokenizer.json, or vocab.json + "
                 f"merges.txt), and tiktoken's {fallback} files are not cached nor downloadable "
                 "(offline?): copy the model's tokenizer files into it, or pass "
                 "--tokenizer_dir DIR"
             ) from None
     try:
-        return tk.load_tokenizer(directory)
-    except tk.TokenizerError as e:
-        raise tk.TokenizerError(f"--hf_model: {e} (or pass --tokenizer_dir DIR)") from None
+        return tokenizer.load_tokenizer(directory)
+    except tokenizer.TokenizerError as e:
+        raise tokenizer.TokenizerError(f"--hf_model: {e} (or pass --tokenizer_dir DIR)") from None

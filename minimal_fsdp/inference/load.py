@@ -18,13 +18,13 @@ anything is built; the tokenizer must fit the model's vocabulary."""
 from dataclasses import dataclass
 from pathlib import Path
 
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import checkpointer
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint.meta import model_problem, read_meta
 from minimal_fsdp.checkpoint.dirs import step_dirs
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import load_tokenizer
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf import read
 from minimal_fsdp.inference.generate import check_num_tokens, generate
 from minimal_fsdp.launch import environment
 from minimal_fsdp.models.classes import MODELS
@@ -105,7 +105,7 @@ def source_fallback(source, together):
         return str(source), None
 
     def next_one(refused):
-        look = checkpoint_find.newest_complete
+        look = find.newest_complete
         found = (
             environment.run_on_main(look, path, True, refused)
             if together
@@ -127,14 +127,14 @@ def checkpoint_path(source):
     resumed run does."""
     path = Path(source)
     if _is_run_dir(path):
-        found = checkpoint_find.newest_complete(path)
+        found = find.newest_complete(path)
         if found is None:
             raise ConfigError(
                 f"{source} holds no complete checkpoint (each one's problem is named above)"
             )
         return found
-    resolved = checkpoint_find.resolve(path)
-    problem = checkpoint_find.verify(resolved)
+    resolved = find.resolve(path)
+    problem = find.verify(resolved)
     if problem:
         raise ConfigError(f"{source} is not a complete checkpoint: {resolved}: {problem}")
     return resolved
@@ -155,7 +155,7 @@ def open_source(source, seq_length=None):
     path = Path(source)
     if _is_checkpoint(path):
         resolved = checkpoint_path(path)
-        meta = checkpoint_meta.read_meta(resolved)
+        meta = read_meta(resolved)
         found = Source(
             "checkpoint",
             str(resolved),
@@ -164,13 +164,13 @@ def open_source(source, seq_length=None):
             meta["step"],
         )
     elif path.is_dir() and (path / "config.json").exists():
-        config = hf.config_json(path)
+        config = read.config_json(path)
         if "model_type" in config:  # Hugging Face's config.json (ours has no such key)
             return _hf_source(path, seq_length)
         found = _export_source(path, config)
     elif not path.exists() and source.count("/") == 1 and not source.startswith((".", "/", "~")):
         return _hf_source(
-            hf.resolve(source), seq_length
+            read.resolve(source), seq_length
         )  # a hub name: from the Hugging Face cache, or downloaded
     else:
         raise ConfigError(
@@ -189,8 +189,8 @@ def open_source(source, seq_length=None):
 def _hf_source(directory, seq_length):
     """A Hugging Face directory's config, checked against its weights' shapes before anything is
     built."""
-    model_type, config = hf.read_config(directory, seq_length)
-    hf.check_weights(directory, model_type, config)
+    model_type, config = read.read_config(directory, seq_length)
+    read.check_weights(directory, model_type, config)
     return Source("hf", str(directory), model_type, config)
 
 
@@ -212,14 +212,14 @@ def _export_source(path, config):
         raise ConfigError(
             f"{path} has a config.json but no {EXPORT_WEIGHTS}: not an export of ours"
         )
-    files = hf.CheckpointFiles(path, where=str(path))
+    files = read.CheckpointFiles(path, where=str(path))
     recorded = files.metadata(path / EXPORT_WEIGHTS).get("model_type")
     model_type = recorded if recorded in MODELS else guess_family(config)
-    problem = checkpoint_meta.model_problem(model_type, config)
+    problem = model_problem(model_type, config)
     if problem:
         raise ConfigError(f"{path}: config.json: {problem}")
     found = Source("export", str(path), model_type, config_from_dict(model_type, config))
-    hf.check_weights(path, model_type, found.config, names=export_names, where=str(path))
+    read.check_weights(path, model_type, found.config, names=export_names, where=str(path))
     return found
 
 
@@ -233,7 +233,7 @@ def export_names(model_type, config):
 
 def source_tokenizer(source):
     """The tokenizer that travels with the source."""
-    return hf.load_tokenizer(source.path) if source.kind == "hf" else load_tokenizer(source.path)
+    return read.load_tokenizer(source.path) if source.kind == "hf" else load_tokenizer(source.path)
 
 
 def check_vocabulary(tokenizer, source):
@@ -255,15 +255,15 @@ def load_model(source, plan, env, fallback=(None, None)):
     model = build_model(MODELS[source.model_type], source.config, plan, env, seed=0)
     if source.kind == "checkpoint":
         named, next_one = fallback
-        path, _ = checkpoint_find.first_loading(
-            source.path, lambda p: checkpoint.load(p, model), next_one, named
+        path, _ = find.first_loading(
+            source.path, lambda p: checkpointer.load(p, model), next_one, named
         )
         if str(path) != source.path:
-            source.path, source.step = str(path), checkpoint_meta.read_meta(path)["step"]
+            source.path, source.step = str(path), read_meta(path)["step"]
     elif source.kind == "hf":
-        hf.load_weights(model, source.path, source.model_type)
+        read.load_weights(model, source.path, source.model_type)
     else:
-        hf.load_weights(
+        read.load_weights(
             model, source.path, source.model_type, names=export_names, where=source.path
         )
     return model

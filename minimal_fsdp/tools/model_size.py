@@ -26,7 +26,7 @@ from minimal_fsdp.config.choices import MODEL_FLAGS, SHARDING, ConfigError
 from minimal_fsdp.config.parser import parse
 from minimal_fsdp.models.counts import count as count_parameters
 from minimal_fsdp.models.families import FAMILIES, check_shape, make_config
-from minimal_fsdp.parallel import choose as fp8  # block_shapes: the layers fp8 converts
+from minimal_fsdp.parallel import choose  # block_shapes: the layers fp8 converts
 from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
 from minimal_fsdp.tools.step_time import CARDS, print_step_times
 
@@ -88,7 +88,7 @@ def estimate(
     reduce_precision: as --reduce_precision, the dtype of the copies gradients are reduced (and
     FSDP2 accumulates them) in."""
     sizes = count_parameters(config)
-    float8_layers = fp8.block_shapes(sizes)
+    float8_layers = choose.block_shapes(sizes)
     _, shards, reshard = layout(sharding, world_size, shard_group_size)
     # make_plan's
     chosen = strategy(sharding, world_size, sizes.total, fsdp_unit, cpu_offload, precision == "fp8")

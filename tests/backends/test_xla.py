@@ -18,7 +18,7 @@ import torch
 import fake_torch_xla
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from support import sample_of, sample_of_each
-from minimal_fsdp.backends import default as backend
+from minimal_fsdp.backends import default
 from minimal_fsdp.config.flags import ConfigError, parse_args, validate_world
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPTConfig
@@ -364,7 +364,7 @@ def test_the_plan_decides_the_xla_backend_and_train_builds_its_optimizer(fake_xl
         == "torch"
     )
     assert make_plan(parse_args([]), env, config).backend == "torch"
-    assert public(fake_xla.XLA) == public(backend.Torch) and not hasattr(
+    assert public(fake_xla.XLA) == public(default.Torch) and not hasattr(
         fake_xla, "build_optimizer"
     )
     parts = fake_xla.XLA(cfg, env, plan)

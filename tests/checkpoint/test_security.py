@@ -20,9 +20,9 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from faults import launch_with_faults
-from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import find
 from minimal_fsdp import files
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf import read
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.inference import sample as sample_command
 from minimal_fsdp.config.flags import ConfigError, parse_args
@@ -388,7 +388,7 @@ def test_damaged_shard_is_found_before_loading(tmp_path, trained):
         f.write(b"\0" * min(65536, size // 3))
     # without checksums the damage passes unseen, or is seen only where it hits an entry that verify
     # reads itself (the optimizer's step counts)
-    found = checkpoint_find.verify(trained / "step_4", checksums=False)
+    found = find.verify(trained / "step_4", checksums=False)
     assert shard.stat().st_size == size and (found is None or "does not load" in found)
     restart = launch(
         ["--restart_checkpoint_file", trained / "step_4", "--run_name", "other"],
@@ -412,9 +412,9 @@ def test_markers_that_name_no_checkpoint_of_this_run_are_ignored(tmp_path, train
     assert "resuming from checkpoints/run/step_4" in result.stdout
     # an absolute path: not a name beside it
     (trained / "latest").write_text(str(trained / "step_2") + "\n")
-    assert checkpoint_find.candidates(trained)[0] == trained / "step_6"
+    assert find.candidates(trained)[0] == trained / "step_6"
     (trained / "latest").write_text("../other/step_6\n")
-    assert checkpoint_find.candidates(trained)[0] == trained / "step_6"
+    assert find.candidates(trained)[0] == trained / "step_6"
     binary = tmp_path / "binary"
     binary.write_bytes(b"\x00\xff" * 100)
     result = launch(
@@ -576,7 +576,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(tmp_path, trained):
     line = one_error(result, code=1)
     assert "checkpoint checkpoints/run/step_6" in line and "No space left on device" in line, line
     assert "rank 1" in line and "the previous checkpoint is untouched" in line
-    assert (trained / "latest").read_text().strip() == "step_4" and checkpoint_find.verify(
+    assert (trained / "latest").read_text().strip() == "step_4" and find.verify(
         trained / "step_4"
     ) is None
     assert not (trained / "step_6").exists() and not list(trained.glob(".tmp-*"))
@@ -617,7 +617,7 @@ def crashed_then_resumed(request, straight, tmp_path_factory):
             crash,
             crashed.returncode,
             latest,
-            latest and checkpoint_find.verify(marker.parent / latest),
+            latest and find.verify(marker.parent / latest),
         )
         resumes.append(
             train_args(
@@ -655,7 +655,7 @@ def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(
 def test_a_hugging_face_directory_without_weights_says_so(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="has a config.json but no weights"):
-        hf.resolve(str(tmp_path))
+        read.resolve(str(tmp_path))
 
 
 # ---- values ----

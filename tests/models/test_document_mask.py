@@ -22,8 +22,8 @@ from support import documents, logged_losses, reference_losses, run_dirs, spans
 sys.path.insert(0, str(ROOT))
 import tokenizer_dirs  # noqa: E402
 from minimal_fsdp.models import attention
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint.meta import read_meta
 from minimal_fsdp.models import families as models
 from minimal_fsdp.parallel import parallelize  # noqa: E402
 from minimal_fsdp.config.choices import ConfigError  # noqa: E402
@@ -388,7 +388,7 @@ def train_args(tmp_path, run, extra=()):
 def test_training_with_document_mask_on_two_ranks_matches_documents_alone(tmp_path):
     args = train_args(tmp_path, "masked", ["--document_mask", "--sharding", "full-shard"])
     launch(args, ranks=2, cwd=tmp_path)
-    meta = checkpoint_meta.read_meta(checkpoint_find.latest(tmp_path / "checkpoints" / "masked"))
+    meta = read_meta(find.latest(tmp_path / "checkpoints" / "masked"))
     eot = meta["model"]["document_eot_id"]
     assert (
         eot

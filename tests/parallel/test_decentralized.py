@@ -26,8 +26,8 @@ from support import (
 )
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.checkpoint import safe_load  # noqa: E402
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW  # noqa: E402
 from minimal_fsdp.config.flags import ConfigError, parse_args  # noqa: E402
@@ -124,8 +124,8 @@ def test_val_loss_within_3_percent_of_allreduce(tmp_path):
     consensus = [r["consensus"] for r in rows if "consensus" in r]
     # the final evaluation
     assert len(consensus) == 1 and all(c > 0 and math.isfinite(c) for c in consensus)
-    final = checkpoint_find.latest(tmp_path / "checkpoints" / "dec")
-    assert checkpoint_meta.read_meta(final)["replicas"] == 0  # --save_average: the average only
+    final = find.latest(tmp_path / "checkpoints" / "dec")
+    assert meta.read_meta(final)["replicas"] == 0  # --save_average: the average only
     assert not checkpoint_tensors(final, "replicas.") and checkpoint_tensors(final, "model.")
 
 
@@ -155,7 +155,7 @@ def test_checkpoint_keeps_each_replica_and_resumes_exactly(
     assert f"resuming from {whole / 'step_3'}" in printed[1][1]
 
     resumed = tmp_path / "checkpoints" / "resumed" / "step_6"
-    assert checkpoint_meta.read_meta(resumed)["replicas"] == 3
+    assert meta.read_meta(resumed)["replicas"] == 3
     # model and optimizer state (moments, accumulated gradient, step) of every replica
     for rank in range(3):
         expected = checkpoint_tensors(whole / "step_6", f"replicas.{rank}.")

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ROOT, launch_runs, make_text, mpiexec
-from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import find
 from minimal_fsdp.parallel import choose, parallelize
 from minimal_fsdp.parallel import plan as plan_module
 from minimal_fsdp.checkpoint import safe_load
@@ -131,7 +131,7 @@ def test_strategy_matches_single_process(trained, ranks, extra):
     assert len(losses) == STEPS
     assert losses == pytest.approx(ref_losses, abs=5e-6), (losses, ref_losses)
     assert ref_losses[-1] < ref_losses[0]  # it learned something, so the comparison is not vacuous
-    saved = safe_load.load_full_model_state(checkpoint_find.latest(work / "checkpoints" / "run"))
+    saved = safe_load.load_full_model_state(find.latest(work / "checkpoints" / "run"))
     assert saved.keys() == ref_state.keys()
     for name, value in ref_state.items():
         torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=1e-5, msg=name)
