@@ -24,13 +24,15 @@ from minimal_fsdp.checkpoint.checkpointer import SaveError
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import failures
 from minimal_fsdp.launch import hangs
 from minimal_fsdp import files
 from minimal_fsdp.hf import read
 from minimal_fsdp.inference import load
 from minimal_fsdp.inference.generate import check_num_tokens
 from minimal_fsdp import backends
-from minimal_fsdp.config.flags import Config, ConfigError, parse_args, validate_world
+from minimal_fsdp.config.flags import Config, ConfigError, parse_args
+from minimal_fsdp.config.checks import validate_world
 from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
 from minimal_fsdp.data.tokens import TokenData, prepared_dir
 from minimal_fsdp.models.size import count_parameters
@@ -68,23 +70,21 @@ def main(argv=None, cfg=None):
     run. Bad input and failures end every rank with one `error:` line."""
     try:
         run(cfg or parse_args(argv))
-    except (ConfigError, Diverged, SaveError, environment.MainRankFailed) as e:
-        environment.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)
+    except (ConfigError, Diverged, SaveError, failures.MainRankFailed) as e:
+        failures.exit_on_error(e, 2 if isinstance(e, ConfigError) else 1)
     # a peer is gone: gloo raises a plain RuntimeError, torch's own a DistError, DCP (in a save) a
     # CheckpointException (a BaseException)
     except (RuntimeError, CheckpointException) as e:
-        line = environment.failures.lost_peer(e)
+        line = failures.lost_peer(e)
         if line is None:
             raise
         if "waited longer" in line and torch.distributed.is_initialized():
             # which collective, on which ranks, at which step; the first failure's words after
             line = hangs.timeout_line(line[line.index(" (") + 2 : -1])
-        environment.exit_on_error(line, 1)
+        failures.exit_on_error(line, 1)
     # Ctrl-C outside training (inside it, resilience.StopRequests saves and stops)
     except KeyboardInterrupt:
-        environment.exit_on_error(
-            "interrupted (Ctrl-C) before or after training: nothing saved", 130
-        )
+        failures.exit_on_error("interrupted (Ctrl-C) before or after training: nothing saved", 130)
 
 
 def run(cfg):
@@ -95,7 +95,7 @@ def run(cfg):
         print(cpu_recipe_warning(cfg, env.device.type), flush=True)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     # rank 0 downloads
-    hf_dir = environment.run_on_main(read.resolve, cfg.hf_model) if cfg.hf_model else None
+    hf_dir = failures.run_on_main(read.resolve, cfg.hf_model) if cfg.hf_model else None
     # One training run per run directory: rank 0 holds the lock until the end (generation only
     # reads).
     lock = files.RunLock(
@@ -105,7 +105,7 @@ def run(cfg):
         }
     )
     if not cfg.generate_only:
-        environment.run_on_main(lock.acquire)
+        failures.run_on_main(lock.acquire)
     try:
         # rank 0 picks it, all ranks check it: all load the same one
         start = find.find(cfg)
@@ -143,9 +143,7 @@ def open_data(cfg, env, hf_dir):
     """The training data: a stream, or a prepared dataset (prepared by rank 0 on first use)."""
     if cfg.streaming:
         return StreamingData.open(cfg, env)
-    return TokenData(
-        environment.run_on_main(lambda: prepared_dir(cfg, given_tokenizer(cfg, hf_dir)))
-    )
+    return TokenData(failures.run_on_main(lambda: prepared_dir(cfg, given_tokenizer(cfg, hf_dir))))
 
 
 def plan_run(cfg, env, model_config, loads_weights):

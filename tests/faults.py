@@ -48,7 +48,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import state_dict as dcp_state_dict  # noqa: E402
 
 from minimal_fsdp.checkpoint import checkpointer
-from minimal_fsdp.checkpoint import background
+from minimal_fsdp.checkpoint.writer import ChecksummingWriter, _Checksummed
 from minimal_fsdp.models import gpt
 from minimal_fsdp.launch import resilience
 from minimal_fsdp.checkpoint import safe_load
@@ -168,14 +168,14 @@ def install_faults():
                 stream.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            background._Checksummed.write = killing_write
+            _Checksummed.write = killing_write
         return write_data(writer, plan, planner)
 
-    writer = background.ChecksummingWriter
+    writer = ChecksummingWriter
     writer_init, write_data, checksummed_write = (
         writer.__init__,
         writer.write_data,
-        background._Checksummed.write,
+        _Checksummed.write,
     )
     writer.__init__, writer.write_data = faulty_writer_init, faulty_write_data
     fsync = os.fsync

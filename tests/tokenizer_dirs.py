@@ -83,7 +83,7 @@ def write_sentencepiece(directory, vocab_size=300):
 def tiktoken_ranks(vocab_size=350):
     """BPE ranks trained with tiktoken's own (educational) trainer on Llama 3's split pattern."""
     from tiktoken._educational import bpe_train
-    from minimal_fsdp.data.tokenizer import LLAMA3_PATTERN
+    from minimal_fsdp.data.tokenizer_files import LLAMA3_PATTERN
 
     with contextlib.redirect_stdout(io.StringIO()):
         return bpe_train(training_text()[:8000], vocab_size, LLAMA3_PATTERN, visualise=None)

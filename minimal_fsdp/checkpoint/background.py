@@ -35,12 +35,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from minimal_fsdp.launch import hosts
-from minimal_fsdp.checkpoint.writer import (  # noqa: F401 - imported from here too
+from minimal_fsdp.checkpoint.writer import (
     ALIGN,
-    ChecksummingWriter,
     SharedMemory,
     WriterProcess,
-    _Checksummed,
     in_process,
 )
 from minimal_fsdp.config.checks import host_memory_available

@@ -51,10 +51,12 @@ from torch.distributed.checkpoint.state_dict import (
 from minimal_fsdp.checkpoint.background import writer_threads
 from minimal_fsdp import files
 from minimal_fsdp.checkpoint.best import better
-from minimal_fsdp.checkpoint.background import ChecksummingWriter, Saved
+from minimal_fsdp.checkpoint.background import Saved
+from minimal_fsdp.checkpoint.writer import ChecksummingWriter
 from minimal_fsdp.checkpoint.writer import write_failure_reason
-from minimal_fsdp.checkpoint.find import load_first, marker, step_dirs, step_of
-from minimal_fsdp.checkpoint.rng import read_rng, rng_bytes as _rng_bytes, rng_file  # noqa: F401 (tests use _rng_bytes here)
+from minimal_fsdp.checkpoint.find import load_first, marker, step_dirs
+from minimal_fsdp.checkpoint.dirs import step_of
+from minimal_fsdp.checkpoint.rng import read_rng, rng_bytes, rng_file
 from minimal_fsdp.parallel.parallelize import seed64
 from minimal_fsdp.checkpoint.meta import FORMAT, read_meta
 from minimal_fsdp.checkpoint.safe_load import SafeLoadPlanner, SafeReader
@@ -236,7 +238,7 @@ def save(
     )
     meta = dict(meta, step=step, world_size=dist.get_world_size())
     complete = functools.partial(
-        _complete, run_dir, final, tmp, meta, writer, _rng_bytes(), tokenizer_dir, keep_last
+        _complete, run_dir, final, tmp, meta, writer, rng_bytes(), tokenizer_dir, keep_last
     )
     if background is None:
         try:

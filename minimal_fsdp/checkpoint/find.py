@@ -18,7 +18,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from minimal_fsdp.launch import failures
 from minimal_fsdp.checkpoint.dirs import candidates, files_problem, marker, skipping, step_dirs
-from minimal_fsdp.checkpoint.dirs import crc32, step_of  # noqa: F401 (re-exported: checkpoint.py and tests use them here)
 from minimal_fsdp.checkpoint.meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
 from minimal_fsdp.config.choices import DEVICES_PER_RANK, ConfigError
 from minimal_fsdp.files import open_regular, read_json

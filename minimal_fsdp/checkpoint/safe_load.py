@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from minimal_fsdp.files import open_regular, read_json  # noqa: F401 (re-exported)
+from minimal_fsdp.files import open_regular
 
 
 def _allowed_globals():

@@ -32,8 +32,7 @@ from minimal_fsdp.files import parse_json, read_bytes, read_text, shown, write_a
 
 # The tokenizers of other projects' files, and what all tokenizers share (re-exported: callers
 # import them here).
-from minimal_fsdp.data.tokenizer_files import (  # noqa: F401
-    LLAMA3_PATTERN,
+from minimal_fsdp.data.tokenizer_files import (
     HFTokenizer,
     TiktokenCalls,
     TiktokenTokenizer,

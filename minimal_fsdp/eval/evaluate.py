@@ -22,15 +22,15 @@ import sys
 import torch
 
 from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import failures
 from minimal_fsdp.config.commands import EvaluateFlags
 from minimal_fsdp.config.flags import one_line_errors
 from minimal_fsdp.config.parser import parse
-from minimal_fsdp.config.flags import Config, ConfigError, validate, validate_world
+from minimal_fsdp.config.flags import Config, ConfigError
+from minimal_fsdp.config.checks import validate, validate_world
 from minimal_fsdp.inference import load
-from minimal_fsdp.eval.harness import (  # noqa: F401
-    TrainingTasks,
+from minimal_fsdp.eval.harness import (
     _limit,
-    compile_templates_once,
     evaluate,
     go_offline,
     harness,
@@ -70,7 +70,7 @@ def _evaluate(args, cfg):
     validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)
     # rank 0's Task objects stay on rank 0 (run_on_main would send a result to every rank)
     loaded = {}
-    environment.run_on_main(
+    failures.run_on_main(
         lambda: loaded.update(tasks=load_tasks(task_names(args.tasks), args.include_path))
     )
     model = load.load(args.source, cfg, env)

@@ -32,7 +32,7 @@ from minimal_fsdp.checkpoint.meta import MODEL_BOUNDS, PLAIN_NAME, model_problem
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import FAMILIES, config_from_dict, of_hf
-from minimal_fsdp.checkpoint.safe_load import open_regular, read_json
+from minimal_fsdp.files import open_regular, read_json
 from minimal_fsdp.files import _depth
 
 CONFIG_MAX_BYTES = 16 * 2**20  # config.json is a few KB

@@ -27,6 +27,7 @@ from minimal_fsdp.data.tokenizer import load_tokenizer
 from minimal_fsdp.hf import read
 from minimal_fsdp.inference.generate import check_num_tokens, generate
 from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import failures
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import config_from_dict, guess_family
 from minimal_fsdp.parallel.parallelize import build_model
@@ -61,11 +62,11 @@ def command(body):
     try:
         body()
     except ConfigError as e:
-        environment.exit_on_error(e, 2)
-    except environment.MainRankFailed as e:
-        environment.exit_on_error(e, 1)
+        failures.exit_on_error(e, 2)
+    except failures.MainRankFailed as e:
+        failures.exit_on_error(e, 1)
     except KeyboardInterrupt:
-        environment.exit_on_error("interrupted (Ctrl-C)", 130)
+        failures.exit_on_error("interrupted (Ctrl-C)", 130)
     environment.teardown()
 
 
@@ -75,7 +76,7 @@ def load(source, cfg, env, seq_length=None, tokenizer=None, num_tokens=0, fallba
     model's vocabulary; num_tokens, the tokens to generate, checked before anything is built
     (check_num_tokens). A checkpoint whose shards fail to load is replaced as `fallback`, (named,
     next_one) for checkpoint_find.first_loading, says: by default source_fallback's."""
-    found = environment.run_on_main(open_source, str(source), seq_length)
+    found = failures.run_on_main(open_source, str(source), seq_length)
     check_num_tokens(num_tokens, found.config)
     tokenizer = tokenizer or source_tokenizer(
         found
@@ -107,7 +108,7 @@ def source_fallback(source, together):
     def next_one(refused):
         look = find.newest_complete
         found = (
-            environment.run_on_main(look, path, True, refused)
+            failures.run_on_main(look, path, True, refused)
             if together
             else look(path, True, refused)
         )
@@ -150,7 +151,7 @@ def _is_checkpoint(path):
 
 def open_source(source, seq_length=None):
     """What SOURCE holds: its kind, model type and model config. Reads small files only (a hub name
-    is downloaded): call it on rank 0 (environment.run_on_main). seq_length shortens a Hugging Face
+    is downloaded): call it on rank 0 (failures.run_on_main). seq_length shortens a Hugging Face
     model's context; for a checkpoint or an export it may not exceed the saved context."""
     path = Path(source)
     if _is_checkpoint(path):

@@ -19,13 +19,11 @@ import torch
 from minimal_fsdp.config.commands import SampleFlags
 from minimal_fsdp.config.flags import one_line_errors
 from minimal_fsdp.config.parser import parse
-from minimal_fsdp.config.flags import Config, validate
+from minimal_fsdp.config.flags import Config
+from minimal_fsdp.config.checks import validate
 from minimal_fsdp.inference import load
-from minimal_fsdp.inference.load import (  # noqa: F401
+from minimal_fsdp.inference.load import (
     describe,
-    load_model,
-    open_source,
-    source_tokenizer,
 )
 from minimal_fsdp.launch import environment
 

@@ -29,7 +29,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from minimal_fsdp.config.choices import FP8_RECIPES as RECIPES  # noqa: F401 (--fp8_recipe's choices)
 from minimal_fsdp.config.choices import ConfigError
 
 # which layers --precision fp8 converts: in parallel/choose.py, torch-free, for the memory planner

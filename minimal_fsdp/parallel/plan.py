@@ -36,7 +36,7 @@ from minimal_fsdp.config.choices import GRAPHS_MODEL, SMALL_MODEL, ConfigError
 from minimal_fsdp.models.size import count_parameters
 
 # the pure choices, torch-free for the memory planner
-from minimal_fsdp.parallel.choose import layout, reduce_precision, small_model, strategy  # noqa: F401
+from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
 
 STRATEGIES = ("local", "ddp", "one-unit", "fsdp-whole", "fsdp-block", "gossip")
 FSDP2 = ("fsdp-whole", "fsdp-block")  # the strategies where FSDP2's fully_shard wraps the model

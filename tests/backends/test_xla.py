@@ -19,7 +19,8 @@ import fake_torch_xla
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from support import sample_of, sample_of_each
 from minimal_fsdp.backends import default
-from minimal_fsdp.config.flags import ConfigError, parse_args, validate_world
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.checks import validate_world
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.parallel.plan import make_plan

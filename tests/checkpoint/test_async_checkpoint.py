@@ -38,7 +38,8 @@ from minimal_fsdp.checkpoint import find
 from minimal_fsdp import metrics
 from minimal_fsdp.tools import model_size
 from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.checkpoint.background import Background, ChecksummingWriter
+from minimal_fsdp.checkpoint.background import Background
+from minimal_fsdp.checkpoint.writer import ChecksummingWriter
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.models.families import make_config

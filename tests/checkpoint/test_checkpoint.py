@@ -31,7 +31,9 @@ from minimal_fsdp import files, metrics
 from minimal_fsdp import train
 from minimal_fsdp.checkpoint import checkpointer
 from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint.dirs import crc32
 from minimal_fsdp.checkpoint.meta import read_meta
+from minimal_fsdp.checkpoint.rng import rng_bytes
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.launch.environment import DistEnv
@@ -340,7 +342,7 @@ def test_a_save_writes_every_file_with_its_size_and_crc32(tmp_path):
 def test_crc32_reads_a_file_in_chunks(tmp_path):
     data = bytes(range(256)) * 3
     (tmp_path / "f").write_bytes(data)
-    assert find.crc32(tmp_path / "f", chunk=7) == find.crc32(tmp_path / "f") == zlib.crc32(data)
+    assert crc32(tmp_path / "f", chunk=7) == crc32(tmp_path / "f") == zlib.crc32(data)
 
 
 def test_best_moves_only_to_a_strictly_lower_val_loss(tmp_path):
@@ -710,7 +712,7 @@ def test_cuda_rng_state_is_saved_and_restored_where_cuda_is(run, monkeypatch):
         torch.cuda, "get_rng_state", lambda: torch.tensor([7, 8, 9], dtype=torch.uint8)
     )
     monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
-    (run / "step_2" / "rng_0.pt").write_bytes(checkpointer._rng_bytes())
+    (run / "step_2" / "rng_0.pt").write_bytes(rng_bytes())
     assert checkpointer.restore_rng(run / "step_2", rank=0, world_size=1, seed=0)
     assert len(restored) == 1 and restored[0].tolist() == [7, 8, 9]
     # saved without CUDA

@@ -27,7 +27,7 @@ from minimal_fsdp.checkpoint.meta import MetaError, read_meta
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.checks import WHOLE_RANGES
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args
-from minimal_fsdp.inference import sample
+from minimal_fsdp.inference import load
 from minimal_fsdp.tools import progress
 from support import MakeDirectory, TINY, meta_of, recompute_checksums, scramble_a_tensor, tiny
 from support import console, run, saved  # noqa: F401 (fixtures)
@@ -452,7 +452,7 @@ def test_a_step_directory_that_is_a_link_or_a_renamed_copy_is_never_used(run, tm
     assert find.find(args_for(run)) == run / "step_3"
     assert progress.newest(run)["step"] == 3
     with pytest.raises(ConfigError) as raised:
-        sample.open_source(str(run / "step_30"))
+        load.open_source(str(run / "step_30"))
     assert "step_30 is a symbolic link" in str(raised.value)
     (run / "step_30").unlink()
     shutil.copytree(run / "step_2", run / "step_30")  # a copy under another step's name
@@ -553,7 +553,7 @@ import resource, signal
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import checkpointer
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
 # A tensor larger than the limit: torch.save writes it straight into the file, and its zip writer \
 reports the
@@ -562,9 +562,9 @@ reason lost.
 resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, 600_000))
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 try:
-    checkpoint.save(Path({run!r}), 1, None, None, {{"format": 2}}, state={{"model": {{"w": \
+    checkpointer.save(Path({run!r}), 1, None, None, {{"format": 2}}, state={{"model": {{"w": \
 torch.zeros(2**20)}}}})
-except checkpoint.SaveError as e:
+except checkpointer.SaveError as e:
     print(e)
 """
 

@@ -15,7 +15,8 @@ from faults import launch_with_faults
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.config.flags import ConfigError, parse_duration
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.checks import parse_duration
 from minimal_fsdp.launch.resilience import StopRequests
 
 STEPS = 20

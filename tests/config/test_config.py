@@ -4,7 +4,8 @@ tests/config/test_config_validation.py."""
 
 import pytest
 
-from minimal_fsdp.config.flags import build_parser, parse_args, validate_world
+from minimal_fsdp.config.flags import build_parser, parse_args
+from minimal_fsdp.config.checks import validate_world
 from minimal_fsdp.models.gpt import GPT
 from minimal_fsdp.models.families import config_from_flags
 from support import names, one_error_line, refused
@@ -183,7 +184,6 @@ def test_config_imports_nothing_heavy():
 
 def test_the_choices_are_the_ones_the_modules_act_on():
     from minimal_fsdp.config import choices
-    from minimal_fsdp.parallel import fp8
     from minimal_fsdp.parallel import gossip
 
-    assert fp8.RECIPES is choices.FP8_RECIPES and gossip.TOPOLOGIES is choices.TOPOLOGIES
+    assert gossip.TOPOLOGIES is choices.TOPOLOGIES

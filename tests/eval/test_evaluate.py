@@ -18,6 +18,7 @@ import torch
 from conftest import ROOT, TINY_MODEL, launch_runs, make_text, mpiexec
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.eval import evaluate
+from minimal_fsdp.eval.harness import TrainingTasks, compile_templates_once
 from minimal_fsdp.hf import export
 
 lm_eval = pytest.importorskip("lm_eval")  # pip install -e '.[dev]' installs it
@@ -680,7 +681,7 @@ def test_templates_compiled_once_render_as_the_harness_renders(tmp_path, monkeyp
         and "\nAnswer:" in reference["tiny_templated"][0][3][0]
     )
     compiled.clear()
-    evaluate.compile_templates_once(lm_eval.utils)
+    compile_templates_once(lm_eval.utils)
     assert built() == reference
     assert sorted(compiled) == sorted(set(compiled)) and len(compiled) < 10  # each template once
 
@@ -690,7 +691,7 @@ def test_eval_tasks_that_cannot_run_stop_before_training():
     from minimal_fsdp.config.flags import Config
 
     # without --eval_tasks: nothing
-    assert evaluate.TrainingTasks.for_run(Config(), None, None, None) is None
+    assert TrainingTasks.for_run(Config(), None, None, None) is None
     for flags, message in [
         (dict(eval_tasks_interval=-1), "--eval_tasks_interval must be 0 or positive"),
         (dict(eval_tasks_limit=0), "--eval_tasks_limit positive"),
@@ -700,5 +701,5 @@ def test_eval_tasks_that_cannot_run_stop_before_training():
         with pytest.raises(evaluate.ConfigError, match=message):
             checks.validate(Config(eval_tasks="tiny_mc", **flags))
     with pytest.raises(evaluate.ConfigError, match="needs the data's tokenizer"):
-        evaluate.TrainingTasks.for_run(Config(eval_tasks="tiny_mc"), None, None, None)
+        TrainingTasks.for_run(Config(eval_tasks="tiny_mc"), None, None, None)
     # a char tokenizer, refused here once, is scored (test_harness.py, test_char_model.py)

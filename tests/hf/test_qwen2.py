@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from minimal_fsdp.config.flags import ConfigError, model_family, parse_args
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.checks import model_family
 from minimal_fsdp.hf import read
 from minimal_fsdp.hf import write
 from minimal_fsdp.models.classes import MODELS

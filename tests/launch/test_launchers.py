@@ -17,7 +17,8 @@ from fake_launchers import install_fakes
 from minimal_fsdp.launch import discovery
 from minimal_fsdp.launch import environment
 from minimal_fsdp.launch import rendezvous
-from minimal_fsdp.config.flags import ConfigError, parse_args, validate_world
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.checks import validate_world
 from support import envsubst, kubelet_expand
 
 

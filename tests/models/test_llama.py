@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.hf import read
 from minimal_fsdp.checkpoint import safe_load  # noqa: E402
-from minimal_fsdp.config.flags import MODEL_PRESETS, ConfigError, model_family, parse_args  # noqa: E402
+from minimal_fsdp.config.flags import MODEL_PRESETS, ConfigError, parse_args
+from minimal_fsdp.config.checks import model_family
 from minimal_fsdp.models.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
 from minimal_fsdp.models.families import config_from_flags, make_config  # noqa: E402
 from minimal_fsdp.models.gpt import PRESETS as GPT_PRESETS  # noqa: E402

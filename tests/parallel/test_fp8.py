@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from conftest import ROOT, launch, launch_runs, printed_by_run
+from minimal_fsdp.config.choices import FP8_RECIPES
 from minimal_fsdp.parallel import fp8
 from minimal_fsdp.tools import model_size
 from minimal_fsdp.parallel import parallelize
@@ -800,7 +801,7 @@ def test_gpu_compiled_selective_recompute_keeps_float8_matmul_outputs(monkeypatc
 
 
 @needs_fp8_gpus
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_gpu_gradients_close_to_bf16(recipe):
     """One forward and backward on one GPU: the loss and every float8 layer's weight gradient
     against bf16's. (Under torchao's emulation on the CPU, this model's gradients agree with bf16's
