@@ -6,7 +6,7 @@
 A GPU training step is, for its Python thread, a loop of thousands of small kernel launches, each of
 which lets go of the GIL and takes it back: whatever the save's background work does while holding
 the GIL delays those launches, and the GPU idles. This proxy times such a loop (tiny torch ops,
-which release and retake the GIL as launches do) with no save, then while checkpoint.save(...,
+which release and retake the GIL as launches do) with no save, then while checkpointer.save(...,
 background=...) writes a state shaped like one rank's shard of GPT-2 XL under AdamW (48 blocks of 12
 tensors, each with two moments and a step count: about 2,300 tensors, scaled to --gb), and reports
 the loop's time lost per save. --sink null writes the bytes nowhere (no checksums, no disk; with

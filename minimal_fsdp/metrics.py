@@ -259,7 +259,7 @@ class TrainingLog:
         self.print(f"step {step}: val loss {val_loss:.4f}")
 
     def saved(self, saves):
-        """Saves begun or ended (checkpoint_async.Saved): one line for a save that goes on in the
+        """Saves begun or ended (background.Saved): one line for a save that goes on in the
         background, one when a save is committed, whose seconds (blocking, of which waited for the
         save before, total) also go to metrics.jsonl at its step."""
         for save in saves:
@@ -288,8 +288,8 @@ class TrainingLog:
             )
 
     def restored(self, step, seconds):
-        """The restore at start (checkpoint.Checkpointer.restore timed it, the banner printed it) to
-        metrics.jsonl."""
+        """The restore at start (checkpointer.Checkpointer.restore timed it, the banner printed it)
+        to metrics.jsonl."""
         if seconds is not None:
             self.metrics.log(step, restore_s=seconds)
 

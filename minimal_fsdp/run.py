@@ -5,7 +5,7 @@ here.
     main(argv) -> Config -> run(cfg):
       environment.setup        who and where every rank is; the process groups
       files.RunLock            one training run per run directory
-      checkpoint_find.find     what to resume from (--resume, --restart_checkpoint_file)
+      find.find     what to resume from (--resume, --restart_checkpoint_file)
       train_model              data -> the model's shape -> plan.make_plan (the parallel plan,
                                plan_run) -> the plan's backend (backends.default.Torch, or
                                backends.xla.XLA) -> its model -> optimizer -> checkpoint or Hugging
@@ -247,7 +247,7 @@ def check_prompt(cfg, tokenizer, env):
 
 def check_fits(cfg, env, model_config):
     """Refuse a batch or model far beyond the memory here before allocating it
-    (config_checks.check_sizes)."""
+    (checks.check_sizes)."""
     if env.device.type == "cuda":
         free = torch.cuda.mem_get_info(env.device)[0]
     else:

@@ -47,14 +47,14 @@ def build_optimizer(model, cfg, plan=None):
 @dataclass
 class RunParts:
     """What the loop trains and with what, built by run.train_model from the backend's builders
-    (backend.py for CUDA and CPU, xla.py for --device xla)."""
+    (backends/default.py for CUDA and CPU, xla.py for --device xla)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     # steps_per_epoch(), train_batches(step), val_batch(i), state_dict(step) (and tokenizer)
     data: object
     sync: object  # the gradient sync: parallelize.gradient_sync's for the plan, or xla.StepSync
-    checkpointer: object  # checkpoint.Checkpointer, or xla.Checkpointer
+    checkpointer: object  # checkpointer.Checkpointer, or xla.Checkpointer
     # how many take --batch_size sequences of every micro-batch: the ranks, or XLA's devices
     ranks: int
     # waits for the device's queued steps (the backend's synchronize)

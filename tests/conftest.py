@@ -224,7 +224,7 @@ def one_rank_group():
 
 
 def global_batch(data, step, world, batch_size, seq_length, seed):
-    """Every rank's first micro-batch of optimizer step `step` of a data.TokenData, concatenated
+    """Every rank's first micro-batch of optimizer step `step` of a tokens.TokenData, concatenated
     (rank 0 first)."""
     parts = []
     for rank in range(world):

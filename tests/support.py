@@ -595,7 +595,7 @@ HOSTILE_META = {
 
 # --- flags ---
 def one_error_line(capsys, call, *args):
-    """Bad input as the user sees it (config.one_line_errors): exit code 2 and one `error:` line on
+    """Bad input as the user sees it (flags.one_line_errors): exit code 2 and one `error:` line on
     stderr."""
     with pytest.raises(SystemExit) as exited:
         one_line_errors(call)(*args)

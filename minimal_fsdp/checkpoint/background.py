@@ -4,13 +4,13 @@ cost training (Saved).
 An asynchronous save stops training only to copy the rank's model and optimizer state into host
 memory (page-locked on a GPU, and kept from one save to the next: Background.stage). DCP's
 async_save then plans the save from its own thread while the rank's writer process writes the files,
-and the rest of the save (checkpoint._complete: the checksums gathered, meta.json, the rename, the
+and the rest of the save (checkpointer._complete: the checksums gathered, meta.json, the rename, the
 commit, pruning) follows in that thread. Its collectives run on a gloo process group of their own,
 so they never interleave with training's. At most one save is in flight: the next save, a stop and
 the end of the run wait for it, and every logging step asks (one collective) whether it has ended,
 so a failed write ends the run there.
 
-The files' bytes are written by a process of the rank's own (checkpoint_writer.WriterProcess) from
+The files' bytes are written by a process of the rank's own (writer.WriterProcess) from
 host memory both map, so that the write's Python work does not hold training's GIL; DCP's planning
 and collectives stay in its thread here. DCP's own process-based async_save would need every rank's
 process to meet again (a second rendezvous, which mpiexec, srun and PBS launches do not give) and a
@@ -161,7 +161,7 @@ class Background:
                 backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds)
             )
         self.pin = device.type == "cuda"
-        # Host memory the writer process maps too (checkpoint_writer.in_process says whether there
+        # Host memory the writer process maps too (writer.in_process says whether there
         # is one).
         self.memory = SharedMemory(self.pin) if in_process() else None
         # flattened key -> (host tensor, where it lies in self.memory), taken at the first save

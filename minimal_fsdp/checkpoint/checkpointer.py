@@ -2,24 +2,24 @@
 without pickle.
 
 Layout of <checkpoint_dir>/<run_name>/:
-  step_<N>/   DCP shards (one file per rank) and .metadata; meta.json (checkpoint_meta.py);
+  step_<N>/   DCP shards (one file per rank) and .metadata; meta.json (checkpoint/meta.py);
               rng_<rank>.pt (each rank's torch, CUDA, numpy and python RNG states); the tokenizer's
               files
   latest      names the newest committed checkpoint; best the one with the lowest val loss
-              (best_metric.py)
+              (checkpoint/best.py)
   .lock       held by the training run that uses the directory (files.RunLock)
 
 A checkpoint is written as .tmp-step_<N> and renamed only when every rank has finished; moving
 `latest` to it commits it. A crash anywhere in a save leaves the previous checkpoint, and `latest`,
 untouched; a failed save (a full disk) is reported in one line on every rank, and its partial
 directory removed. Every file's checksum is taken from its bytes as they are written
-(checkpoint_async.py, which also writes a save beside training under --checkpoint_mode async).
+(checkpoint/background.py, which also writes a save beside training under --checkpoint_mode async).
 Before a run loads a checkpoint every file is checked against its recorded size and checksum, the
 ranks sharing the reading; a damaged checkpoint is reported in one line and the previous complete
 one is used.
 
-meta.json's layout is described in checkpoint_meta.py; finding a complete checkpoint is
-checkpoint_find.py's job.
+meta.json's layout is described in checkpoint/meta.py; finding a complete checkpoint is
+checkpoint/find.py's job.
 
 Loading never runs code from the files: DCP's .metadata pickle is read by an unpickler that knows
 only the plain classes it is made of (safe_load.py), and everything else with json or
@@ -81,7 +81,7 @@ class Checkpointer:
     data).
 
     Given the run's env and model (collective then), saves are asynchronous where --checkpoint_mode
-    and the host's memory say so (checkpoint_async.for_run): `mode`, and `staging` bytes of host
+    and the host's memory say so (background.for_run): `mode`, and `staging` bytes of host
     memory per rank."""
 
     restore_s = restored_from = None  # how long the restore took, and from where, once one has
@@ -214,7 +214,7 @@ def save(
     --keep_last. `state` replaces the model and optimizer state when given (decentralized replicas:
     save_replicas; xla.py), `planner` DCP's save planner. If any rank fails (a full disk, say),
     every rank raises SaveError and the partial directory is removed. With `background`
-    (checkpoint_async.Background) save returns once the state is copied to host memory; the rest
+    (background.Background) save returns once the state is copied to host memory; the rest
     goes on in the background, and background.wait() tells how it ended."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step_{step}", run_dir / f".tmp-step_{step}"

@@ -1,6 +1,6 @@
 """Finding a checkpoint to load: the checks that a checkpoint is complete and undamaged (verify),
 the run's newest complete one, and the one a run starts from (find). The directories, markers and
-the order to try them in are checkpoint_dirs.py's. The job chains' question (how far a run is) is
+the order to try them in are checkpoint/dirs.py's. The job chains' question (how far a run is) is
 `minimal-fsdp progress` (tools/progress.py), answered without torch by fewer checks than
 verify's."""
 

@@ -227,8 +227,8 @@ class WriterProcess:
 
     def write(self, writer, plan, planner):
         """Write `plan`'s items (tensors staged in planner.places, small objects resolved here) into
-        writer.path; returns (DCP's WriteResults, {file name: [size, CRC-32]}). Raises the write's
-        error, or OSError if the process is gone."""
+        the writer's directory; returns (DCP's WriteResults, {file name: [size, CRC-32]}). Raises
+        the write's error, or OSError if the process is gone."""
         try:
             for fd, memory, _, _ in self.memory.segments[self.sent :]:
                 self.connection.send(("segment", len(memory)))

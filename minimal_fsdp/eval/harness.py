@@ -142,7 +142,7 @@ def load_tasks(names, include_path=None):
 def evaluate(
     lm, manager, tasks, model_name, num_fewshot=None, limit=None, log_samples=False, tracker=None
 ):
-    """Collective: rank 0 runs the harness on `lm` (evaluate_lm.ShardedLM) while the other ranks
+    """Collective: rank 0 runs the harness on `lm` (lm.ShardedLM) while the other ranks
     serve it. Returns the harness's results on rank 0, None elsewhere. A failure on rank 0 stops
     every rank alike."""
     if lm.me != 0:
@@ -208,7 +208,7 @@ class TrainingTasks:
         if not cfg.eval_tasks:
             return None
         # The flags' own checks (interval, limit, not decentralized) are
-        # config_checks.check_train's.
+        # checks.check_train's.
         if tokenizer is None:
             raise ConfigError(
                 "--eval_tasks needs the data's tokenizer, which this device's data does not hold"
@@ -242,8 +242,8 @@ class TrainingTasks:
 
     def state_dict(self, step):
         """For the checkpoint of `step` (meta.json's state.eval_tasks): --best_metric and the scores
-        of that step, by which checkpoint.py decides whether it becomes `best`
-        (best_metric.better)."""
+        of that step, by which checkpoint/checkpointer.py decides whether it becomes `best`
+        (best.better)."""
         step_scored, scores = self.scored
         return record(*self.best, scores if step_scored == step else {})
 

@@ -7,7 +7,7 @@ inference and sharing.
 
 --format safetensors keeps our parameter names, config.json is our model config, and the tokenizer
 files are the checkpoint's (`minimal-fsdp sample` reads it back). --format hf writes what
-transformers' AutoModelForCausalLM and AutoTokenizer read (see hf_write.py), which --hf_model also
+transformers' AutoModelForCausalLM and AutoTokenizer read (see hf/write.py), which --hf_model also
 reads.
 
 Runs in one CPU process with no process group and no GPU. Each tensor is read from the DCP shards

@@ -139,7 +139,7 @@ def resolve(name_or_dir):
 
 
 def config_json(directory):
-    """A model directory's config.json as a dict, read defensively (safe_load.read_json): a file
+    """A model directory's config.json as a dict, read defensively (files.read_json): a file
     that is not a bounded JSON object is one ConfigError naming it."""
     try:
         return read_json(Path(directory) / "config.json", CONFIG_MAX_BYTES)

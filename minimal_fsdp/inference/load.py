@@ -75,7 +75,7 @@ def load(source, cfg, env, seq_length=None, tokenizer=None, num_tokens=0, fallba
     weights loaded, and its tokenizer (or `tokenizer`, e.g. --tokenizer_dir's), checked against the
     model's vocabulary; num_tokens, the tokens to generate, checked before anything is built
     (check_num_tokens). A checkpoint whose shards fail to load is replaced as `fallback`, (named,
-    next_one) for checkpoint_find.first_loading, says: by default source_fallback's."""
+    next_one) for find.first_loading, says: by default source_fallback's."""
     found = failures.run_on_main(open_source, str(source), seq_length)
     check_num_tokens(num_tokens, found.config)
     tokenizer = tokenizer or source_tokenizer(
@@ -98,7 +98,7 @@ def _is_run_dir(path):
 
 def source_fallback(source, together):
     """How a checkpoint SOURCE whose shards fail to load is replaced, as a resumed run replaces one:
-    (named, next_one) for checkpoint_find.first_loading. A run directory gives its next complete
+    (named, next_one) for find.first_loading. A run directory gives its next complete
     checkpoint, one line naming each one passed over (rank 0 looks when `together`: collective); a
     checkpoint named itself (a step_<N> directory, a marker) none: its failure is an error."""
     path = Path(source)

@@ -113,7 +113,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(x, weight, targets):
-    """Mean cross-entropy of the logits x @ weight.T against targets, as model.cross_entropy
+    """Mean cross-entropy of the logits x @ weight.T against targets, as layers.cross_entropy
     computes it."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return LinearCrossEntropy.apply(x, weight, targets)

@@ -6,7 +6,7 @@ parallel/plan.py and parallel/fp8.py use them (and re-export them under their ol
 from minimal_fsdp.config.choices import SMALL_MODEL
 
 MIN_FEATURES = 256
-# model.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never
+# gpt.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never
 # run its forward.
 NOT_CALLED = ("attn.qkv",)
 

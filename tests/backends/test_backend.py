@@ -1,5 +1,5 @@
-"""backend.py: the parts of a CUDA or CPU run that run.train_model wires (xla.py's are tested in
-test_xla.py)."""
+"""backends/default.py: the parts of a CUDA or CPU run that run.train_model wires (xla.py's are
+tested in test_xla.py)."""
 
 import dataclasses
 

@@ -306,8 +306,8 @@ def test_xla_trains_through_the_one_wiring(fake_runs):
     assert "this launch trained 10 steps (640 tokens)" in first
     assert_same_run(xla, cpu, range(1, 11))
     assert logged(xla, "loss")[10] < logged(xla, "loss")[1]
-    # Saved by xla.Checkpointer under checkpoint.py's names (FSDPv2's wrappers left out): the CPU
-    # run's tensors.
+    # Saved by xla.Checkpointer under checkpoint/checkpointer.py's names (FSDPv2's wrappers left
+    # out): the CPU run's tensors.
     saved = [tensor_names(d / "checkpoints" / "corpus" / "step_20", prefix="") for d in (xla, cpu)]
     assert saved[0] == saved[1] and any(
         name.startswith("optim.state.blocks.0.") for name, _, _ in saved[0]
@@ -350,7 +350,7 @@ def public(cls):
 
 def test_the_plan_decides_the_xla_backend_and_train_builds_its_optimizer(fake_xla):
     """--device xla: the plan (decided once) says xla and FSDPv2's per-block layout, with no torch
-    mesh; the XLA backend offers every part backend.Torch does; the optimizer is
+    mesh; the XLA backend offers every part default.Torch does; the optimizer is
     train.build_optimizer's AdamW (the same groups and settings as on CPU, without fused kernels):
     xla.py keeps no copy. Generation plans stay on the host."""
     from minimal_fsdp.train import build_optimizer

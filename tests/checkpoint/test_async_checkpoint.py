@@ -1,7 +1,7 @@
-"""checkpoint_async.py and checkpoint_writer.py: saves written beside training (--checkpoint_mode
-async) and the checksums every save takes as it writes. In this process, on a one-rank group: the
-checksums equal a re-read's and no file of the checkpoint is read back, and the shards of an
-asynchronous save are written by the rank's writer process (or, with
+"""checkpoint/background.py and checkpoint/writer.py: saves written beside training
+(--checkpoint_mode async) and the checksums every save takes as it writes. In this process, on a
+one-rank group: the checksums equal a re-read's and no file of the checkpoint is read back, and the
+shards of an asynchronous save are written by the rank's writer process (or, with
 MINIMAL_FSDP_ASYNC_WRITER=thread, by DCP's threads here); an asynchronous save returns before its
 files are written and holds the values of its own step while training changes them; later saves
 reuse the first one's plan; a second save waits for the one in flight; the writer process ignores

@@ -1,8 +1,8 @@
-"""best_metric.py: which checkpoint the `best` marker names, by val loss or by an --eval_tasks score
-(--best_metric <task>/<metric>). The decision on meta.json records, the flag's checks against the
-harness's loaded tasks (higher or lower is better as each task declares), and a training run whose
-val loss and task score disagree on the best step: `best` names the step with the best logged score,
-and a resumed run keeps the choice."""
+"""checkpoint/best.py: which checkpoint the `best` marker names, by val loss or by an --eval_tasks
+score (--best_metric <task>/<metric>). The decision on meta.json records, the flag's checks against
+the harness's loaded tasks (higher or lower is better as each task declares), and a training run
+whose val loss and task score disagree on the best step: `best` names the step with the best logged
+score, and a resumed run keeps the choice."""
 
 import json
 import random

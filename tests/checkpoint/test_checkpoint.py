@@ -1,11 +1,11 @@
-"""checkpoint.py: what a save writes (every file with its size and CRC-32, meta.json, the tokenizer,
-`latest` and `best`, pruning, a step saved again), how a failed save is reported (one line on every
-rank, the partial directory removed, `latest` untouched), decentralized replicas, the RNG states;
-and through real training on 2 ranks, a complete checkpoint whose resume restores weights, moments,
-step and data position, and a logged throughput that leaves out evaluation and saving. In this
-process where it can be (fast, and what mutation testing can see). Reading a checkpoint without
-running code is test_safe_load.py's; verifying one and finding the one to start from,
-test_checkpoint_find.py's."""
+"""checkpoint/checkpointer.py: what a save writes (every file with its size and CRC-32, meta.json,
+the tokenizer, `latest` and `best`, pruning, a step saved again), how a failed save is reported (one
+line on every rank, the partial directory removed, `latest` untouched), decentralized replicas, the
+RNG states; and through real training on 2 ranks, a complete checkpoint whose resume restores
+weights, moments, step and data position, and a logged throughput that leaves out evaluation and
+saving. In this process where it can be (fast, and what mutation testing can see). Reading a
+checkpoint without running code is test_safe_load.py's; verifying one and finding the one to start
+from, test_checkpoint_find.py's."""
 
 import dataclasses
 import errno
@@ -234,7 +234,7 @@ def test_resume_never_refuses_a_run_that_has_checkpoints(tmp_path):
 
 
 class RandomTokens:
-    """Random tokens for training, with the data interface of data.TokenData."""
+    """Random tokens for training, with the data interface of tokens.TokenData."""
 
     directory = None
 

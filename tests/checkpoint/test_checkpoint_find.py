@@ -1,4 +1,4 @@
-"""checkpoint_find.py and checkpoint_meta.py: what verify() finds wrong with a damaged or crafted
+"""checkpoint/find.py and checkpoint/meta.py: what verify() finds wrong with a damaged or crafted
 checkpoint (each hostile field of meta.json, files that are not regular or lie outside the
 checkpoint, a model the shards do not hold, sizes and checksums), the markers and the order
 checkpoints are tried in, resolve(), find() as one rank of two, the format-1 meta.json, and the

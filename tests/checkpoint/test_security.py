@@ -647,7 +647,7 @@ def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(
     crash, returncode, latest, problem = left[window]
     assert returncode != 0
     assert latest == f"step_{resumed}"
-    assert problem is None  # checkpoint_find.verify of that checkpoint, before the resume
+    assert problem is None  # find.verify of that checkpoint, before the resume
     assert f"resuming from {crash / 'checkpoints' / 'run' / f'step_{resumed}'}" in resumes
     assert losses(crash, "run") == losses(straight, "straight")
 

@@ -1,5 +1,5 @@
-"""config.py: the flags, their sections and help, and bad input as the user sees it (exit code 2,
-one `error:` line naming the flag), before torch is imported. Each flag's checks:
+"""config/flags.py: the flags, their sections and help, and bad input as the user sees it (exit code
+2, one `error:` line naming the flag), before torch is imported. Each flag's checks:
 tests/config/test_config_validation.py."""
 
 import pytest
@@ -162,9 +162,9 @@ def test_help_answers_without_importing_torch():
 
 
 def test_config_imports_nothing_heavy():
-    """choices.py and config.py sit below everything else: no torch, and no module of the package
-    that imports it (fp8, parallelize, gossip, the models), so no import cycle can form through
-    them."""
+    """choices.py and config/flags.py sit below everything else: no torch, and no module of the
+    package that imports it (fp8, parallelize, gossip, the models), so no import cycle can form
+    through them."""
     import subprocess
     import sys
 

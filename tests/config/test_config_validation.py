@@ -1,4 +1,4 @@
-"""The flags' validation (config_checks.py, by section), flag by flag: every refusal is bad input as
+"""The flags' validation (config/checks.py, by section), flag by flag: every refusal is bad input as
 the user sees it (exit code 2, one `error:` line naming the flag), and the values just inside each
 bound are accepted. A bad value caught here is a run that would otherwise train on, silently wrong,
 or fail deep inside torch with a traceback."""

@@ -1,8 +1,8 @@
-"""data.py: preparing a dataset (where it goes, from what, once; sentencepiece's vocabulary; a JSONL
-input by documents), the documented sampling order (every token a target at most once per epoch, in
-new windows; the seeds reference.py also uses; the same batches after a resume mid-epoch; ranks
-disjoint), and the checks on a prepared dataset (lengths, vocabulary, dtype, a stale or foreign
-file): each refusal one line."""
+"""data/tokens.py: preparing a dataset (where it goes, from what, once; sentencepiece's vocabulary;
+a JSONL input by documents), the documented sampling order (every token a target at most once per
+epoch, in new windows; the seeds reference.py also uses; the same batches after a resume mid-epoch;
+ranks disjoint), and the checks on a prepared dataset (lengths, vocabulary, dtype, a stale or
+foreign file): each refusal one line."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""minimal-fsdp evaluate (evaluate.py, evaluate_lm.py) and --eval_tasks. On the local tasks in
+"""minimal-fsdp evaluate (evaluate.py, eval/lm.py) and --eval_tasks. On the local tasks in
 configs/eval (multiple choice; perplexity in rolling windows; generation), our backend on a
 checkpoint loaded over 1, 2 and 4 ranks gives the scores of the harness's own Hugging Face backend
 (lm_eval --model hf) on the same checkpoint exported with minimal-fsdp export --format hf: every

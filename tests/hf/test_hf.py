@@ -1,4 +1,4 @@
-"""hf.py, reading a Hugging Face model, with transformers as the reference wherever it has an
+"""hf/read.py, reading a Hugging Face model, with transformers as the reference wherever it has an
 answer: tiny random GPT2LMHeadModel / LlamaForCausalLM built locally (no network) and imported into
 our models with the same logits (fp32, max abs diff < 1e-4); the name map and which tensors GPT-2
 stores transposed (against transformers' own parameters); the weight files in every form

@@ -1,5 +1,5 @@
-"""hf.py, a Hugging Face directory's config.json and files: every check read_config makes and the
-config it builds (transformers' defaults for absent fields, both spellings of rope settings),
+"""hf/read.py, a Hugging Face directory's config.json and files: every check read_config makes and
+the config it builds (transformers' defaults for absent fields, both spellings of rope settings),
 resolve's answers for a directory, a path and a hub name (the hub mocked: no network), and broken or
 hostile directories (each field of config.json, weights and tokenizer files that are not what they
 claim, a config the weights do not hold): one error naming the file and the field, nothing
@@ -21,8 +21,8 @@ from minimal_fsdp.hf.read import (
     read_model_config,
     resolve,
 )
-from minimal_fsdp.hf import write as hf_write
-from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.hf import write
+from minimal_fsdp.data import tokenizer
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPTConfig
@@ -289,11 +289,11 @@ def test_a_directory_needs_config_and_weights(tmp_path):
 
 def gpt_dir(tmp_path, name="m"):
     """A GPT-2 directory of our tiny GPT (config.json, model.safetensors, a tokenizer)."""
-    return hf_write.save_hf(
+    return write.save_hf(
         ours("gpt").state_dict(),
         {"model": GPT.to_dict(), "model_type": "gpt"},
         tmp_path / name,
-        tk.CharTokenizer("abcdefgh "),
+        tokenizer.CharTokenizer("abcdefgh "),
     )
 
 
@@ -490,7 +490,7 @@ def hub(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub.example")
     monkeypatch.setattr(
-        tk, "reachable", lambda url: hub.calls.append(("reachable", url)) or hub.reachable
+        tokenizer, "reachable", lambda url: hub.calls.append(("reachable", url)) or hub.reachable
     )
     return hub
 

@@ -1,4 +1,4 @@
-"""hf_write.py and export: our models written as Hugging Face directories that transformers loads
+"""hf/write.py and export: our models written as Hugging Face directories that transformers loads
 with the same logits (fp32, max abs diff < 1e-4); the safetensors files write_safetensors streams
 (read back by safetensors, views and shards filled to the byte), the config.json transformers builds
 the same model from, write_hf's shards, index, metadata, dtype and stale files, and the files'

@@ -24,7 +24,7 @@ import tokenizer_dirs  # noqa: E402
 from minimal_fsdp.models import attention
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.checkpoint.meta import read_meta
-from minimal_fsdp.models import families as models
+from minimal_fsdp.models import families
 from minimal_fsdp.parallel import parallelize  # noqa: E402
 from minimal_fsdp.config.choices import ConfigError  # noqa: E402
 from minimal_fsdp.models.llama import Llama, LlamaConfig  # noqa: E402
@@ -153,10 +153,10 @@ def test_the_kernel_choice(monkeypatch):
     # checked as a run builds its model config with --document_mask, before any collective
     flags, tokenizer = SimpleNamespace(document_mask=True), SimpleNamespace(eot_id=EOT, kind="gpt2")
     with pytest.raises(ConfigError, match="MINIMAL_FSDP_DOCUMENT_KERNEL=flash"):
-        models.with_document_mask(model_of("gpt", eot=None).config, flags, tokenizer)
+        families.with_document_mask(model_of("gpt", eot=None).config, flags, tokenizer)
     monkeypatch.setenv(attention.KERNEL_VARIABLE, "varlen")
     assert (
-        models.with_document_mask(
+        families.with_document_mask(
             model_of("gpt", eot=None).config, flags, tokenizer
         ).document_eot_id
         == EOT
@@ -408,13 +408,13 @@ def test_document_mask_refuses_a_tokenizer_without_an_end_of_text_token():
 
     flags = SimpleNamespace(document_mask=True)
     with pytest.raises(ConfigError) as error:
-        models.with_document_mask(model_of("gpt", eot=None).config, flags, CharTokenizer("ab "))
+        families.with_document_mask(model_of("gpt", eot=None).config, flags, CharTokenizer("ab "))
     assert str(error.value).startswith(
         "--document_mask needs a tokenizer with an end-of-text token, and char has none: use "
         "--tokenizer gpt2 or sentencepiece"
     )
     unmasked = model_of("gpt", eot=None).config
-    assert models.with_document_mask(unmasked, SimpleNamespace(document_mask=False), None) is (
+    assert families.with_document_mask(unmasked, SimpleNamespace(document_mask=False), None) is (
         unmasked
     )
 

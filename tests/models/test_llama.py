@@ -298,7 +298,7 @@ def test_llama3_8b_preset_is_meta_llama31_8b_at_its_training_context(tmp_path):
 @torch.no_grad()
 def test_llama3_logits_equal_transformers(tmp_path):
     """The llama3-tiny preset's family as transformers builds it from Llama 3.1's config.json (rope
-    theta 500000, its llama3 rope scaling, GQA 4:1): weights imported through hf.py give
+    theta 500000, its llama3 rope scaling, GQA 4:1): weights imported through hf/read.py give
     transformers' logits at every position of a 256-token window, where the scaling matters."""
     import transformers
 

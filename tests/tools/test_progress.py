@@ -1,5 +1,5 @@
 """progress.py, the job chains' `minimal-fsdp progress [training flags]`: it imports no torch; it
-answers as checkpoint_find.newest_complete without checksums (verify's cheap checks) does on intact,
+answers as find.newest_complete without checksums (verify's cheap checks) does on intact,
 damaged, torn and hostile checkpoints; it never counts a checkpoint that resume skips for a missing,
 resized, replaced or damaged file; and, as documented, it counts one whose meta.json was edited to
 describe a model the shards do not hold."""
