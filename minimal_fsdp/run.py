@@ -4,8 +4,8 @@ here.
 
     main(argv) -> Config -> run(cfg):
       environment.setup        who and where every rank is; the process groups
-      files.RunLock            one training run per run directory
-      find.find     what to resume from (--resume, --restart_checkpoint_file)
+      run_lock.RunLock         one training run per run directory
+      find.find                what to resume from (--resume, --restart_checkpoint_file)
       train_model              data -> the model's shape -> plan.make_plan (the parallel plan,
                                plan_run) -> the plan's backend (backends.default.Torch, or
                                backends.xla.XLA) -> its model -> optimizer -> checkpoint or Hugging
@@ -26,7 +26,7 @@ from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.launch import environment
 from minimal_fsdp.launch import failures
 from minimal_fsdp.launch import hangs
-from minimal_fsdp import files
+from minimal_fsdp.launch import run_lock
 from minimal_fsdp.hf import read
 from minimal_fsdp.inference import load
 from minimal_fsdp.inference.generate import check_num_tokens
@@ -98,7 +98,7 @@ def run(cfg):
     hf_dir = failures.run_on_main(read.resolve, cfg.hf_model) if cfg.hf_model else None
     # One training run per run directory: rank 0 holds the lock until the end (generation only
     # reads).
-    lock = files.RunLock(
+    lock = run_lock.RunLock(
         {
             "--checkpoint_dir": Path(cfg.checkpoint_dir) / cfg.run_name,
             "--log_dir": Path(cfg.log_dir) / cfg.run_name,

@@ -53,7 +53,12 @@ SUFFIXES = {
 @cache
 def repository():
     """The repository's files, as paths and by name."""
-    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout
     return listed.split(), {Path(line).name for line in listed.split()}
 
 

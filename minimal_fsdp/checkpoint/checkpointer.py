@@ -7,7 +7,7 @@ Layout of <checkpoint_dir>/<run_name>/:
               files
   latest      names the newest committed checkpoint; best the one with the lowest val loss
               (checkpoint/best.py)
-  .lock       held by the training run that uses the directory (files.RunLock)
+  .lock       held by the training run that uses the directory (run_lock.RunLock)
 
 A checkpoint is written as .tmp-step_<N> and renamed only when every rank has finished; moving
 `latest` to it commits it. A crash anywhere in a save leaves the previous checkpoint, and `latest`,
@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from minimal_fsdp.checkpoint.background import writer_threads
 from minimal_fsdp import files
+from minimal_fsdp.launch import run_lock
 from minimal_fsdp.checkpoint.best import better
 from minimal_fsdp.checkpoint.background import Saved
 from minimal_fsdp.checkpoint.writer import ChecksummingWriter
@@ -221,11 +222,11 @@ def save(
     error = None
     if dist.get_rank() == 0:
         try:
-            files.check_lock(run_dir)
+            run_lock.check_lock(run_dir)
             for leftover in run_dir.glob(".tmp-*"):  # of a save or a prune that crashed
                 shutil.rmtree(leftover, ignore_errors=True)
             tmp.mkdir(parents=True)
-        except (OSError, files.LockError) as e:
+        except (OSError, run_lock.LockError) as e:
             error = e
     # the others wait here for the directory
     _gather_or_fail(f"cannot start checkpoint {final}", error, tmp)

@@ -35,7 +35,7 @@ from time import monotonic
 import torch
 import torch.distributed as dist
 
-from minimal_fsdp import files
+from minimal_fsdp.launch import run_lock
 from minimal_fsdp.launch.failures import rank_hint
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -230,7 +230,7 @@ def _exit_at_once(line, code):
     """End this process now: the run's locks removed (a later run need not take them over), no
     `finally` run."""
     _say(line)
-    files.drop_held_locks()
+    run_lock.drop_held_locks()
     os._exit(code)
 
 

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from conftest import TINY_MODEL, launch, make_text
 from faults import launch_with_faults
 from minimal_fsdp import files, metrics
+from minimal_fsdp.launch import run_lock
 from minimal_fsdp import train
 from minimal_fsdp.checkpoint import checkpointer
 from minimal_fsdp.checkpoint import find
@@ -448,7 +449,7 @@ def test_a_save_after_another_run_took_the_lock_writes_nothing(tmp_path):
     checkpointer.save(run, 1, model, optimizer, {})
     # left by a save of step 2 that crashed: gone too, as the failed save's own
     (run / ".tmp-step_2").mkdir()
-    lock = files.RunLock({"--checkpoint_dir": run})
+    lock = run_lock.RunLock({"--checkpoint_dir": run})
     lock.acquire()
     try:
         (run / ".lock").write_text(json.dumps({"token": "another run's"}))

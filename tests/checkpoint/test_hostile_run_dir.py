@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import ROOT
 from minimal_fsdp import files
+from minimal_fsdp.launch import run_lock
 from minimal_fsdp.checkpoint import checkpointer
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.checkpoint.meta import MetaError, read_meta
@@ -501,8 +502,8 @@ def test_a_lock_file_that_is_not_one_is_refused_in_one_line_without_blocking(tmp
         "a symbolic link": lambda: lock.symlink_to("/dev/zero"),
         "a directory": lock.mkdir,
     }[kind]()
-    error = bounded(lambda: files.RunLock({"--checkpoint_dir": lock.parent}).acquire(wait=0))
-    assert isinstance(error, files.LockError) and str(error) == (
+    error = bounded(lambda: run_lock.RunLock({"--checkpoint_dir": lock.parent}).acquire(wait=0))
+    assert isinstance(error, run_lock.LockError) and str(error) == (
         f"--checkpoint_dir: the run lock {lock} is {kind}, not a lock file this program wrote: "
         "remove it if no training run uses this directory"
     )
@@ -518,8 +519,8 @@ def test_a_stale_lock_that_cannot_be_taken_over_is_one_line(tmp_path, monkeypatc
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(files.os, "replace", refuse)  # an immutable run directory (chattr +i)
-    with pytest.raises(files.LockError) as raised:
-        files.RunLock({"--checkpoint_dir": lock.parent}).acquire(wait=0)
+    with pytest.raises(run_lock.LockError) as raised:
+        run_lock.RunLock({"--checkpoint_dir": lock.parent}).acquire(wait=0)
     assert str(raised.value) == (
         f"--checkpoint_dir: cannot take over the stale lock {lock} of a run that ended "
         "(host elsewhere, pid 1, started None): Operation not permitted"
@@ -536,7 +537,7 @@ def test_leftovers_of_killed_writers_are_removed_once_the_lock_is_held(run):
     shutil.move(run / "step_1", run / ".tmp-old-step_1")
     keep = run / "notes.tmp"
     keep.write_text("not ours")
-    lock = files.RunLock({"--checkpoint_dir": run})
+    lock = run_lock.RunLock({"--checkpoint_dir": run})
     lock.acquire(wait=0)
     try:
         names = sorted(p.name for p in run.iterdir())

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from faults import launch_with_faults
 from minimal_fsdp.checkpoint import find
-from minimal_fsdp import files
+from minimal_fsdp.launch import run_lock
 from minimal_fsdp.hf import read
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.inference import sample as sample_command
@@ -452,7 +452,7 @@ def test_a_second_run_on_the_same_directory_refuses(tmp_path, corpus):
         MINIMAL_FSDP_FAULTS="pause@5",
         MINIMAL_FSDP_RELEASE=str(release),
     )
-    lock = tmp_path / "checkpoints" / "shared" / files.LOCK_NAME
+    lock = tmp_path / "checkpoints" / "shared" / run_lock.LOCK_NAME
     first = subprocess.Popen(
         [*map(str, args), "--checkpoint_interval", "3"],
         cwd=tmp_path,
@@ -487,7 +487,7 @@ def test_a_second_run_on_the_same_directory_refuses(tmp_path, corpus):
     # the first run's alone, in order
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 11))
     assert (tmp_path / "checkpoints" / "shared" / "latest").read_text().strip() == "step_10"
-    assert not lock.exists() and not (tmp_path / "logs" / "shared" / files.LOCK_NAME).exists()
+    assert not lock.exists() and not (tmp_path / "logs" / "shared" / run_lock.LOCK_NAME).exists()
 
 
 def test_a_dead_runs_lock_is_taken_over(tmp_path):
@@ -495,15 +495,15 @@ def test_a_dead_runs_lock_is_taken_over(tmp_path):
     dead.wait()
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / files.LOCK_NAME).write_text(
+    (run_dir / run_lock.LOCK_NAME).write_text(
         json.dumps({"host": socket.gethostname(), "pid": dead.pid})
     )
-    lock = files.RunLock({"--checkpoint_dir": run_dir})
+    lock = run_lock.RunLock({"--checkpoint_dir": run_dir})
     lock.acquire()
-    assert json.loads((run_dir / files.LOCK_NAME).read_text())["pid"] == os.getpid()
-    files.check_lock(run_dir)  # still ours
+    assert json.loads((run_dir / run_lock.LOCK_NAME).read_text())["pid"] == os.getpid()
+    run_lock.check_lock(run_dir)  # still ours
     lock.release()
-    assert not (run_dir / files.LOCK_NAME).exists()
+    assert not (run_dir / run_lock.LOCK_NAME).exists()
 
 
 def test_a_live_lock_of_the_same_job_is_refused(tmp_path, monkeypatch):
@@ -515,32 +515,32 @@ def test_a_live_lock_of_the_same_job_is_refused(tmp_path, monkeypatch):
     try:
         run_dir = tmp_path / "run"
         run_dir.mkdir()
-        (run_dir / files.LOCK_NAME).write_text(
+        (run_dir / run_lock.LOCK_NAME).write_text(
             json.dumps({"host": socket.gethostname(), "pid": holder.pid, "job": "4242"})
         )
-        with pytest.raises(files.LockError, match="in use by another training run"):
-            files.RunLock({"--checkpoint_dir": run_dir}).acquire(wait=0.5)
+        with pytest.raises(run_lock.LockError, match="in use by another training run"):
+            run_lock.RunLock({"--checkpoint_dir": run_dir}).acquire(wait=0.5)
     finally:
         holder.kill()
         holder.wait()
 
 
 def test_a_live_lock_from_another_host_is_waited_for_then_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(files, "STALE_AFTER", 2.0)
+    monkeypatch.setattr(run_lock, "STALE_AFTER", 2.0)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    path = run_dir / files.LOCK_NAME
+    path = run_dir / run_lock.LOCK_NAME
     path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "99"}))
-    with pytest.raises(files.LockError, match="in use by another training run"):
-        files.RunLock({"--checkpoint_dir": run_dir}).acquire(wait=0.5)  # its heartbeat is fresh
+    with pytest.raises(run_lock.LockError, match="in use by another training run"):
+        run_lock.RunLock({"--checkpoint_dir": run_dir}).acquire(wait=0.5)  # its heartbeat is fresh
     old = time.time() - 10
     os.utime(path, (old, old))  # silent for longer than STALE_AFTER: its run died
-    lock = files.RunLock({"--checkpoint_dir": run_dir})
+    lock = run_lock.RunLock({"--checkpoint_dir": run_dir})
     lock.acquire(wait=0.5)
     # someone took it over from us
     path.write_text(json.dumps({"host": "elsewhere", "token": "theirs"}))
-    with pytest.raises(files.LockError, match="another run took over"):
-        files.check_lock(run_dir)
+    with pytest.raises(run_lock.LockError, match="another run took over"):
+        run_lock.check_lock(run_dir)
     lock.release()
     assert path.exists()  # not ours any more: left alone
 

@@ -255,8 +255,8 @@ def test_pod_level_world_without_torchrun(tmp_path, corpus):
 # --- the run lock: a holder is gone only when provably so ---
 
 HOLD_LOCK = """import sys
-from minimal_fsdp import files
-lock = files.RunLock({"--checkpoint_dir": sys.argv[1]})
+from minimal_fsdp.launch import run_lock
+lock = run_lock.RunLock({"--checkpoint_dir": sys.argv[1]})
 lock.acquire()
 print("held", flush=True)
 sys.stdin.read()  # until the test closes stdin
