@@ -24,7 +24,7 @@ from minimal_fsdp.config.checks import profile_range  # noqa: E402
 from minimal_fsdp.launch import environment  # noqa: E402
 from minimal_fsdp.config.flags import Config, build_parser
 from minimal_fsdp.config.checks import validate, validate_world
-from minimal_fsdp.metrics import allocator_retries, peak_flops, peak_memory_gb  # noqa: E402
+from minimal_fsdp.profiling import allocator_retries, peak_flops, peak_memory_gb
 from minimal_fsdp.models.classes import MODELS  # noqa: E402
 from minimal_fsdp.models.families import config_from_flags  # noqa: E402
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync  # noqa: E402

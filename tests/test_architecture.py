@@ -37,7 +37,7 @@ LAYERS = {
     "hf": GROUND | {"launch", "models", "data", "checkpoint"},
     "inference": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "hf"},
     "eval": GROUND | {"launch", "models", "data", "parallel", "checkpoint", "hf", "inference"},
-    "metrics": GROUND | {"launch", "parallel"},
+    "metrics": GROUND | {"launch", "profiling"},
     "profiling": GROUND,
     "train": GROUND
     | {"launch", "models", "data", "parallel", "checkpoint", "metrics", "eval", "profiling"},

@@ -239,7 +239,7 @@ def test_the_banner_leaves_out_what_hf_model_replaces():
     show them."""
     from types import SimpleNamespace
 
-    from minimal_fsdp import metrics
+    from minimal_fsdp.backends import banner
 
     plan = SimpleNamespace(
         shard_ranks=1, cpu_offload=False, decentralized=False, fp8=None, describe=lambda: "no FSDP"
@@ -253,9 +253,9 @@ def test_the_banner_leaves_out_what_hf_model_replaces():
         device=torch.device("cpu"),
     )
     model = torch.nn.Linear(2, 2)
-    text = metrics.banner(parse_args(["--hf_model", "some/dir"]), env, plan, model)
+    text = banner.banner(parse_args(["--hf_model", "some/dir"]), env, plan, model)
     assert "hf_model = " in text and "model_preset" not in text and "tokenizer = " not in text
-    assert "model_preset = \"tiny\"" in metrics.banner(parse_args([]), env, plan, model)
+    assert "model_preset = \"tiny\"" in banner.banner(parse_args([]), env, plan, model)
 
 
 # The README's commands, walked in order in a fresh copy of the repository (what a new user does

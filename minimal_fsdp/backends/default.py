@@ -8,7 +8,7 @@ import torch
 from minimal_fsdp.checkpoint.background import for_run
 from minimal_fsdp.checkpoint.checkpointer import Checkpointer
 from minimal_fsdp.hf import read
-from minimal_fsdp.metrics import banner
+from minimal_fsdp.backends.banner import banner
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 

@@ -54,7 +54,7 @@ from minimal_fsdp.launch import hosts
 from minimal_fsdp.hf.read import load_weights
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.metrics import banner
+from minimal_fsdp.backends.banner import banner
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.parallel.parallelize import LocalSync, init_weights, seed64
 
@@ -320,7 +320,7 @@ class XLA:
         xm.set_rng_state(seed64(self.cfg.seed * 1_000_003 + step))
 
     def banner(self, model, start, checkpointer):
-        """metrics.banner with the XLA layout in its first line: every parameter sharded over every
+        """banner.banner with the XLA layout in its first line: every parameter sharded over every
         device."""
         xla_plan = dataclasses.replace(self.plan, shard_ranks=self.devices.total)
         text = banner(self.cfg, self.env, xla_plan, model, start, checkpointer).split("\n", 1)[1]

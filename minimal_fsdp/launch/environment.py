@@ -161,7 +161,7 @@ def threads_choice(local_world, environ=os.environ, load=None):
     return share, why
 
 
-THREADS = {"line": None}  # what _pick_device chose, for the training banner (metrics.banner)
+THREADS = {"line": None}  # what _pick_device chose, for the training banner (banner.banner)
 
 
 def _pick_device(local_rank, local_world):

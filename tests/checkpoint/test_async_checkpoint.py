@@ -35,7 +35,7 @@ from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.checkpoint import checkpointer
 from minimal_fsdp.checkpoint.background import DefaultSavePlanner, choose_mode, staging_bytes
 from minimal_fsdp.checkpoint import find
-from minimal_fsdp import metrics
+from minimal_fsdp.backends import banner
 from minimal_fsdp.tools import model_size
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.checkpoint.background import Background
@@ -384,12 +384,12 @@ def test_staging_memory_is_the_ranks_weights_and_moments_in_the_planner_and_the_
     assert asynchronous["gpu"] == synchronous["gpu"] and synchronous["staging"] == 0
     env = SimpleNamespace(device=torch.device("cuda"))
     cfg = SimpleNamespace(checkpoint_mode="auto")
-    line = metrics.saving(cfg, env, SimpleNamespace(mode="async", staging=9.4e9))
+    line = banner.saving(cfg, env, SimpleNamespace(mode="async", staging=9.4e9))
     assert line.startswith(
         "checkpoints: asynchronous (--checkpoint_mode auto): training waits while a save is "
         "copied into 9.4 GB of pinned host memory per rank"
     )
-    assert "synchronous" in metrics.saving(cfg, env, SimpleNamespace(mode="sync", staging=0))
+    assert "synchronous" in banner.saving(cfg, env, SimpleNamespace(mode="sync", staging=0))
 
 
 # ---- two ranks, through the real entry point ----
