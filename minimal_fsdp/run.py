@@ -38,7 +38,8 @@ from minimal_fsdp.data.tokens import TokenData, prepared_dir
 from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.models.families import config_from_flags, with_document_mask
 from minimal_fsdp.parallel.plan import apply_process_settings, make_plan
-from minimal_fsdp.launch.resilience import Diverged, StopRequests
+from minimal_fsdp.launch.resilience import StopRequests
+from minimal_fsdp.train import Diverged
 from minimal_fsdp.data.streaming import StreamingData
 from minimal_fsdp.data.tokenizer import load_tokenizer
 from minimal_fsdp.train import RunParts, build_optimizer, train
