@@ -27,7 +27,7 @@ from minimal_fsdp.launch import environment
 from minimal_fsdp.launch import failures
 from minimal_fsdp.launch import hangs
 from minimal_fsdp.launch import run_lock
-from minimal_fsdp.hf import read
+from minimal_fsdp.hf import hub, read
 from minimal_fsdp.inference import load
 from minimal_fsdp.inference.generate import check_num_tokens
 from minimal_fsdp import backends
@@ -96,7 +96,7 @@ def run(cfg):
         print(cpu_recipe_warning(cfg, env.device.type), flush=True)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     # rank 0 downloads
-    hf_dir = failures.run_on_main(read.resolve, cfg.hf_model) if cfg.hf_model else None
+    hf_dir = failures.run_on_main(hub.resolve, cfg.hf_model) if cfg.hf_model else None
     # One training run per run directory: rank 0 holds the lock until the end (generation only
     # reads).
     lock = run_lock.RunLock(

@@ -1,7 +1,7 @@
 """Every file, module and name that a docstring, a comment or a docs page names exists: a
 `parallel/plan.py`-style path or a bare `plan.py` is a file of the repository; a dotted name that
 starts with one of the package's modules (`plan.make_plan`, `checkpoint.find.find`,
-`minimal_fsdp.hf.read.resolve`) resolves to that module, then to a name it defines (or a class's
+`minimal_fsdp.hf.hub.resolve`) resolves to that module, then to a name it defines (or a class's
 attribute); and no module's old name stands before a function or class of the package. A renamed
 or moved function leaves no reference behind."""
 
@@ -203,7 +203,7 @@ def test_a_stale_reference_is_seen():
         assert list(stale(text)) == [name], text
     for real in (
         "parallel/plan.py and plan.make_plan",
-        "`checkpoint.find.find`, minimal_fsdp.hf.read.resolve and find.py",
+        "`checkpoint.find.find`, minimal_fsdp.hf.hub.resolve and find.py",
         "plan.strategy (a field), gpt.GPT, train.Schedule.lr_at, meta.json, torch.save",
         "tests/test_docs.py, nanoGPT's model.py",
     ):

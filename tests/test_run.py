@@ -146,7 +146,7 @@ def test_a_bug_on_rank_0_is_exit_1_with_its_traceback_and_bad_input_stays_exit_2
     def broken(name):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(run.hf, "resolve", broken)
+    monkeypatch.setattr(run.hub, "resolve", broken)
     flags = [
         "--dataset",
         "text",
@@ -166,7 +166,7 @@ def test_a_bug_on_rank_0_is_exit_1_with_its_traceback_and_bad_input_stays_exit_2
     def bad_input(name):
         raise ConfigError("--hf_model gpt2: not found")
 
-    monkeypatch.setattr(run.hf, "resolve", bad_input)
+    monkeypatch.setattr(run.hub, "resolve", bad_input)
     with pytest.raises(SystemExit) as exit_code:
         run.main(flags)
     err = capsys.readouterr().err

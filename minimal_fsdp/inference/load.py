@@ -24,7 +24,7 @@ from minimal_fsdp.checkpoint.meta import model_problem, read_meta
 from minimal_fsdp.checkpoint.dirs import step_dirs
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import load_tokenizer
-from minimal_fsdp.hf import read
+from minimal_fsdp.hf import hub, read
 from minimal_fsdp.inference.generate import check_num_tokens, generate
 from minimal_fsdp.launch import environment
 from minimal_fsdp.launch import failures
@@ -171,7 +171,7 @@ def open_source(source, seq_length=None):
         found = _export_source(path, config)
     elif not path.exists() and source.count("/") == 1 and not source.startswith((".", "/", "~")):
         return _hf_source(
-            read.resolve(source), seq_length
+            hub.resolve(source), seq_length
         )  # a hub name: from the Hugging Face cache, or downloaded
     else:
         raise ConfigError(

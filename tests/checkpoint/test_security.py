@@ -22,7 +22,7 @@ from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from faults import launch_with_faults
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.launch import run_lock
-from minimal_fsdp.hf import read
+from minimal_fsdp.hf import hub
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.inference import sample as sample_command
 from minimal_fsdp.config.flags import ConfigError, parse_args
@@ -655,7 +655,7 @@ def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(
 def test_a_hugging_face_directory_without_weights_says_so(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="has a config.json but no weights"):
-        read.resolve(str(tmp_path))
+        hub.resolve(str(tmp_path))
 
 
 # ---- values ----

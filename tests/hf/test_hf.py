@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import tokenizer_dirs
-from minimal_fsdp.hf import read
+from minimal_fsdp.hf import hub, read
 from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
@@ -157,12 +157,12 @@ def test_hub_name_offline_or_without_huggingface_hub(tmp_path, monkeypatch):
     for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there: offline, instantly
     with pytest.raises(ConfigError, match="--hf_model someone/some-model .* unreachable"):
-        read.resolve("someone/some-model")
+        hub.resolve("someone/some-model")
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(ConfigError, match="pip install huggingface_hub"):
-        read.resolve("someone/some-model")
+        hub.resolve("someone/some-model")
     with pytest.raises(ConfigError, match="has no config.json"):
-        read.resolve(str(tmp_path))
+        hub.resolve(str(tmp_path))
 
 
 # -----------------------------------------------------------------------------

@@ -14,13 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimal_fsdp.hf.read import (
-    check_weights,
-    load_tokenizer,
-    read_config,
-    read_model_config,
-    resolve,
-)
+from minimal_fsdp.hf.read import check_weights, load_tokenizer, read_config, read_model_config
+from minimal_fsdp.hf.hub import resolve
 from minimal_fsdp.hf import write
 from minimal_fsdp.data import tokenizer
 from minimal_fsdp.config.flags import ConfigError

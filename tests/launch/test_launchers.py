@@ -713,7 +713,7 @@ def test_a_lost_peers_error_is_cut_between_words(monkeypatch):
     said = []
     monkeypatch.setattr(run, "run", lambda cfg: (_ for _ in ()).throw(RuntimeError(message)))
     monkeypatch.setattr(
-        run.environment, "exit_on_error", lambda error, code: said.append((error, code))
+        run.failures, "exit_on_error", lambda error, code: said.append((error, code))
     )
     run.main(cfg=object())
     ((error, code),) = said
@@ -749,7 +749,7 @@ def test_a_peer_lost_during_a_save_is_one_line(monkeypatch):
     inside_dcp = CheckpointException("gather failed", {1: (reset, None)})
     said = []
     monkeypatch.setattr(
-        run.environment, "exit_on_error", lambda error, code: said.append((error, code))
+        run.failures, "exit_on_error", lambda error, code: said.append((error, code))
     )
     for error in (closed, inside_dcp, raised(RuntimeError("pair closure"), during=inside_dcp)):
         monkeypatch.setattr(run, "run", lambda cfg, error=error: (_ for _ in ()).throw(error))
