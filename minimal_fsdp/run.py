@@ -44,27 +44,6 @@ from minimal_fsdp.data.streaming import StreamingData
 from minimal_fsdp.data.tokenizer import load_tokenizer
 from minimal_fsdp.train import RunParts, build_optimizer, train
 
-# Flags that change what a resumed run computes; the startup lines name those that differ from the
-# checkpoint's.
-TRAINING_FLAGS = (
-    "lr",
-    "min_lr",
-    "warmup_steps",
-    "lr_decay_steps",
-    "weight_decay",
-    "beta1",
-    "beta2",
-    "grad_clip",
-    "batch_size",
-    "grad_accum_steps",
-    "dropout",
-    "precision",
-    "fp8_recipe",
-    "reduce_precision",
-    "sharding",
-    "seed",
-)
-
 
 def main(argv=None, cfg=None):
     """Flags (or a Config parsed already: basic_training.py parses before importing torch) -> one
@@ -279,6 +258,19 @@ def check_fits(cfg, env, model_config):
     )
 
 
+# ---- resuming: whether a checkpoint is this run's to continue, checked twice (check_before_data
+# before the data is prepared, check_resumable once the model's shape is known) ----
+
+
+def refuse_another_model(start, saved, model_config):
+    """The one refusal of a checkpoint (`saved`: its meta.json) whose model is not this one."""
+    if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
+        raise ConfigError(
+            f"{start} holds a different model ({model_differences(saved, model_config)}): use "
+            "another --run_name or --checkpoint_dir"
+        )
+
+
 def model_differences(saved, model_config):
     """What differs between a checkpoint's model and this one, e.g. 'vocab_size 65 there, 221
     here'."""
@@ -340,11 +332,29 @@ def check_before_data(cfg, start):
         model_config = dataclasses.replace(
             model_config, document_eot_id=saved["model"]["document_eot_id"]
         )
-    if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
-        raise ConfigError(
-            f"{start} holds a different model ({model_differences(saved, model_config)}): use "
-            "another --run_name or --checkpoint_dir"
-        )
+    refuse_another_model(start, saved, model_config)
+
+
+# Flags that change what a resumed run computes; the startup lines name those that differ from the
+# checkpoint's.
+TRAINING_FLAGS = (
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "lr_decay_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "grad_clip",
+    "batch_size",
+    "grad_accum_steps",
+    "dropout",
+    "precision",
+    "fp8_recipe",
+    "reduce_precision",
+    "sharding",
+    "seed",
+)
 
 
 def check_resumable(cfg, start, model_config, env):
@@ -352,11 +362,7 @@ def check_resumable(cfg, start, model_config, env):
     when it has trained to the end already. The same files and flags on every rank: the same verdict
     everywhere."""
     saved = meta.read_meta(start)
-    if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
-        raise ConfigError(
-            f"{start} holds a different model ({model_differences(saved, model_config)}): use "
-            "another --run_name or --checkpoint_dir"
-        )
+    refuse_another_model(start, saved, model_config)
     trained_with = saved["config"].get("data_parallel", "allreduce")
     if trained_with != cfg.data_parallel:  # AdamW and AccumAdamW keep different optimizer state
         raise ConfigError(
