@@ -38,10 +38,10 @@ def sync(path):
 
 
 # ---- reading a file that may be hostile (a checkpoint's, a model directory's, a --config) ----
-# The one way to read a file of ours: open_regular (a regular file, never a FIFO, device or loop, of
-# bounded size, a path without NUL), then read_bytes/read_text/read_json (bounded depth, UTF-8, a
-# JSON object); every failure is OSError or ValueError whose text completes "<file> ..." in one
-# line.
+# The one way to read a file of ours: open_regular (a regular file, never a FIFO, device or loop,
+# of bounded size, a path without NUL), then read_bytes/read_text/read_json (bounded depth,
+# UTF-8, a JSON object); every failure is OSError or ValueError whose text completes "<file> ..."
+# in one line.
 
 
 def shown(value, limit=1000):

@@ -24,8 +24,8 @@ from minimal_fsdp.config.flags import to_toml
 from minimal_fsdp.profiling import allocator_retries, memory_pressure, peak_flops, peak_memory_gb
 
 
-# JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and memory
-# apart.
+# JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and
+# memory apart.
 TAGS = {
     "loss": "train/loss",
     "val_loss": "val/loss",
@@ -294,8 +294,8 @@ class TrainingLog:
         """Rank 0's last lines: what was trained, where it went, how to sample from it."""
         minutes, seconds = divmod(round(time.perf_counter() - self.start), 60)
         trained = self.done - self.first_step
-        # A finished run resumed with a smaller --max_steps is past its last step: not 'step 600 of
-        # 20'.
+        # A finished run resumed with a smaller --max_steps is past its last step: not 'step 600
+        # of 20'.
         where = (
             f"step {self.done} of {self.last_step}"
             if self.done <= self.last_step

@@ -76,8 +76,8 @@ def run(cfg):
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     # rank 0 downloads
     hf_dir = failures.run_on_main(hub.resolve, cfg.hf_model) if cfg.hf_model else None
-    # One training run per run directory: rank 0 holds the lock until the end (generation only
-    # reads).
+    # One training run per run directory: rank 0 holds the lock until the end (generation
+    # only reads).
     lock = run_lock.RunLock(
         {
             "--checkpoint_dir": Path(cfg.checkpoint_dir) / cfg.run_name,
@@ -95,8 +95,8 @@ def run(cfg):
             model, tokenizer, samples = train_model(cfg, env, start, hf_dir, stop)
     finally:
         lock.release()
-    # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes at
-    # once.
+    # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes
+    # at once.
     if samples and cfg.num_tokens > 0 and not stop.reason:
         dtype = torch.float32 if cfg.precision == "float32" else torch.bfloat16
         if env.is_main:
@@ -335,8 +335,8 @@ def check_before_data(cfg, start):
     refuse_another_model(start, saved, model_config)
 
 
-# Flags that change what a resumed run computes; the startup lines name those that differ from the
-# checkpoint's.
+# Flags that change what a resumed run computes; the startup lines name those that differ from
+# the checkpoint's.
 TRAINING_FLAGS = (
     "lr",
     "min_lr",

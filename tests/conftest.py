@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "basic_training.py"
-# Small enough to train in seconds on one core, big enough to exercise sharding (uneven shards
-# included).
+# Small enough to train in seconds on one core, big enough to exercise sharding (uneven
+# shards included).
 TINY_MODEL = [
     "--num_layers",
     "2",

@@ -27,11 +27,11 @@ from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 from minimal_fsdp.parallel.plan import make_plan
 
-# 3 blocks (the last one never reshards); vocab 42 shards unevenly over 4 ranks (11, 11, 11, 9
-# rows).
+# 3 blocks (the last one never reshards); vocab 42 shards unevenly over 4 ranks (11, 11, 11,
+# 9 rows).
 CONFIG = GPTConfig(vocab_size=42, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
-# FSDP unit per block (as large models have it), and the whole model as one unit (small models'
-# default)
+# FSDP unit per block (as large models have it), and the whole model as one unit (small
+# models' default)
 SHARDINGS = {
     "full-shard": ["--fsdp_unit", "block"],
     "grad-shard": ["--fsdp_unit", "block"],

@@ -322,8 +322,8 @@ def test_the_readmes_commands_run_in_order_in_a_fresh_clone(tmp_path):
     ).stdout
     subprocess.run(["tar", "-x", "-C", tmp_path], input=archive, check=True)
     (tmp_path / "my.txt").write_text(make_text(20_000, seed=1))
-    # The copy's package, not the installed one, for `minimal-fsdp` too; one thread per rank, as
-    # launch().
+    # The copy's package, not the installed one, for `minimal-fsdp` too; one thread per rank,
+    # as launch().
     env = dict(os.environ, PYTHONPATH=str(tmp_path), OMP_NUM_THREADS="1")
     programs = {
         "mpiexec": [mpiexec()],
@@ -375,14 +375,14 @@ def test_the_readmes_commands_run_in_order_in_a_fresh_clone(tmp_path):
     )
     # training on your own text right after the quick start
     assert ran.index(quick) < ran.index(own)
-    # The quick start's run directories (the default --run_name); your text prepared once into
-    # data/my/char.
+    # The quick start's run directories (the default --run_name); your text prepared once
+    # into data/my/char.
     assert (tmp_path / "checkpoints" / "shakespeare" / "latest").exists()
     assert (tmp_path / "logs" / "shakespeare" / "metrics.jsonl").exists()
     assert (tmp_path / "data" / "my" / "char").is_dir()
     assert samples[again] != samples[alone]  # --seed 7 against the default 1337: another text
-    # The README points to docs/evaluate.md for benchmarks: its first command, on the quick start's
-    # run.
+    # The README points to docs/evaluate.md for benchmarks: its first command, on the quick
+    # start's run.
     assert "docs/evaluate.md" in (tmp_path / "README.md").read_text()
     evaluate = doc_command("evaluate.md", "minimal-fsdp evaluate checkpoints/shakespeare")
     printed = run(evaluate)

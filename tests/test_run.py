@@ -126,8 +126,8 @@ def test_an_unreachable_hub_fails_at_once_and_leaves_nothing(tmp_path, monkeypat
     pytest.importorskip("datasets")
     with pytest.raises(ConfigError, match="hub .* is unreachable .offline.."):
         documents.open_documents("someone/some_dataset", "--input_file")
-    # A tokenizer that needs the network fails before anything is written: no empty directory is
-    # left.
+    # A tokenizer that needs the network fails before anything is written: no empty directory
+    # is left.
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
     monkeypatch.setattr(tokenizer, "reachable", lambda url: False)
     with pytest.raises(SystemExit):

@@ -666,8 +666,8 @@ def test_loop_stops_at_a_nonfinite_step_at_the_next_log_before_saving(monkeypatc
         finally:
             run_events = Log.made.events
     assert kinds(run_events) == ["step", "step", "exit"]  # found at the step-2 log; nothing saved
-    # --skip_nonfinite 0 never checks a step before its update (that would wait for the device every
-    # step)
+    # --skip_nonfinite 0 never checks a step before its update (that would wait for the device
+    # every step)
     assert len(LrSpy.made.lrs) == 2
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from conftest import make_text
 
-# Spaces (runs, leading, trailing), newlines (\n, \r\n, blank lines), tabs, digits and unseen
-# unicode.
+# Spaces (runs, leading, trailing), newlines (\n, \r\n, blank lines), tabs, digits and
+# unseen unicode.
 MIXED = [
     "ROMEO:\n  the  king's crown \u2014 na\u00efve caf\u00e9 \U0001f600\n\n\tend of it.  ",
     "KING: 42 or 1234567, 4.5e10\r\nthou   art\u00a0here \u4e2d\u6587 \u30c6\u30ad\u30b9\u30c8 "

@@ -145,8 +145,8 @@ def build_model(model_cls, model_config, cfg, mesh, hf_dir=None):
             checkpoint_module(block) if cfg.activation_checkpoints else block, *args, **kwargs
         )
 
-    # FSDPv2 hooks each wrapped module's backward; the root's inputs are token ids, which have no
-    # gradient.
+    # FSDPv2 hooks each wrapped module's backward; the root's inputs are token ids, which have
+    # no gradient.
     warnings.filterwarnings(
         "ignore",
         "Full backward hook is firing when gradients are computed with respect to module outputs",

@@ -169,8 +169,8 @@ class Background:
         self.spare = {}  # (shape, dtype) -> such pairs made at startup, for the first save to take
         if self.pin and model is not None:
             # Page-locking runs at about 1 GB/s (1.8 GB took 1.7 s on an H200 host): done here, at
-            # startup, for every parameter's shard and its AdamW moments, so that no save waits for
-            # it.
+            # startup, for every parameter's shard and its AdamW moments, so that no save waits
+            # for it.
             shards = [
                 param.to_local() if isinstance(param, DTensor) else param
                 for param in model.parameters()

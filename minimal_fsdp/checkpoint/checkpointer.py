@@ -243,8 +243,8 @@ def save(
     )
     if background is None:
         try:
-            # DCP gathers the ranks' failures and raises them on every rank, so all reach the gather
-            # below.
+            # DCP gathers the ranks' failures and raises them on every rank, so all reach the
+            # gather below.
             dcp.save(state, storage_writer=writer, planner=planner)
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - a full disk, as OSError or inside DCP's
             return complete(e)  # CheckpointException (a BaseException)
@@ -443,8 +443,8 @@ def load(path, model, optimizer=None):
         set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
-# Decentralized training: every rank holds a different replica, so a checkpoint keeps them apart by
-# rank.
+# Decentralized training: every rank holds a different replica, so a checkpoint keeps them apart
+# by rank.
 
 
 def _network_average(tree):

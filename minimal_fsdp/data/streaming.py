@@ -102,8 +102,8 @@ class Prefetcher:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._fill, args=(stream,), daemon=True)
         self.thread.start()
-        # A daemon thread killed inside a tokenizer's C++ code at interpreter exit aborts the
-        # process.
+        # A daemon thread killed inside a tokenizer's C++ code at interpreter exit aborts
+        # the process.
         atexit.register(self.close)
 
     def _fill(self, stream):

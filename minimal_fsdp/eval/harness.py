@@ -207,8 +207,8 @@ class TrainingTasks:
         best = chosen(cfg, saved)
         if not cfg.eval_tasks:
             return None
-        # The flags' own checks (interval, limit, not decentralized) are
-        # checks.check_train's.
+        # The flags' own checks (interval, limit, not decentralized)
+        # are checks.check_train's.
         if tokenizer is None:
             raise ConfigError(
                 "--eval_tasks needs the data's tokenizer, which this device's data does not hold"

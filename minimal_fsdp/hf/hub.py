@@ -52,8 +52,8 @@ def resolve(name_or_dir):
         return snapshot_download(name_or_dir, allow_patterns=patterns, local_files_only=True)
     except Exception:
         pass
-    # huggingface_hub retries an unreachable hub for half a minute; a quick look first gives a quick
-    # answer.
+    # huggingface_hub retries an unreachable hub for half a minute; a quick look first gives a
+    # quick answer.
     if constants.HF_HUB_OFFLINE or not tokenizer.reachable(constants.ENDPOINT):
         raise ConfigError(
             f"--hf_model {name_or_dir} is not a local directory nor in the Hugging Face cache, and "

@@ -292,8 +292,8 @@ def _stored_names(files, model, names, family):
     for ours, param in model.named_parameters():
         name = stored[ours] = _stored_name(files, names[ours], family)
         shape = files.shape(name)[::-1] if is_transposed(names[ours]) else files.shape(name)
-        # Position embeddings may be cut to a shorter --seq_length; everything else must match
-        # exactly.
+        # Position embeddings may be cut to a shorter --seq_length; everything else must
+        # match exactly.
         fits = (
             shape == tuple(param.shape)
             or ours == "wpe.weight"

@@ -169,8 +169,8 @@ def _rendezvous_srun(rank, world, cfg, timeout):
         f"{env.get('SLURM_RESTART_COUNT', '0')}"
     )
     token = f"slurm {job}"
-    # The checkpoint directory is on a file system every node shares (all ranks write checkpoints
-    # there).
+    # The checkpoint directory is on a file system every node shares (all ranks write
+    # checkpoints there).
     _store_file = Path(cfg.checkpoint_dir) / ".rendezvous" / f"slurm-{job}"
     if rank == 0:
         store = _open_store(world, port, where, token, timeout)
@@ -206,8 +206,8 @@ def meet(rank, world, num_nodes, launcher, cfg):
     if launcher == "single":
         _store = dist.HashStore()
     elif launcher == "mpi":
-        # MPI's collectives have no timeout of their own: a rank that stops here must not hold the
-        # others.
+        # MPI's collectives have no timeout of their own: a rank that stops here must not hold
+        # the others.
         with failures.deadline(2 * cfg.collective_timeout + 60, "the rendezvous"):
             _store = _rendezvous_mpi(rank, world, num_nodes, timeout)
     elif launcher == "srun":

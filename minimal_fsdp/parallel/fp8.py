@@ -83,8 +83,8 @@ def convert(model, plan, device):
             f"and at least {MIN_FEATURES}; this model (embed size {model.config.embed_size}) has "
             "none: use a wider model or --precision bf16"
         )
-    # On CPU (tests only: check_device refuses it) torchao emulates the float8 matmuls in higher
-    # precision.
+    # On CPU (tests only: check_device refuses it) torchao emulates the float8 matmuls in
+    # higher precision.
     config = dataclasses.replace(
         Float8LinearConfig.from_recipe_name(plan.fp8), emulate=device.type != "cuda"
     )

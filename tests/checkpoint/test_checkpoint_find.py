@@ -184,8 +184,8 @@ def test_verify_checks_sizes_and_checksums_unless_told_not_to(run):
     problem = "__0_0.distcp does not match its checksum: the file was damaged after it was saved"
     assert find.verify(step) == problem
     assert find.verify(step, checksums=False) is None
-    # The reading shared by two processes: sorted names .metadata, __0_0.distcp, rng_0.pt,
-    # tokenizer.json.
+    # The reading shared by two processes: sorted names .metadata, __0_0.distcp,
+    # rng_0.pt, tokenizer.json.
     assert find.verify(step, share=(0, 2)) is None and find.verify(step, share=(1, 2)) == problem
     step = run / "step_2"
     size = (step / "tokenizer.json").stat().st_size

@@ -173,8 +173,8 @@ def test_gpt2_round_trip(tmp_path):
 
 
 def test_gpt2_wrapper_with_stub_encoding(tmp_path, monkeypatch):
-    # no real gpt2 files offline: check our wrapper (ordinary encode, save/load) on a byte-level
-    # stand-in
+    # no real gpt2 files offline: check our wrapper (ordinary encode, save/load) on a
+    # byte-level stand-in
     import tiktoken
 
     stub = tiktoken.Encoding(
@@ -198,8 +198,8 @@ def test_gpt2_wrapper_with_stub_encoding(tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# a Hugging Face directory's own tokenizer, offline: each kind loads, and encodes as transformers
-# does
+# a Hugging Face directory's own tokenizer, offline: each kind loads, and encodes as
+# transformers does
 
 
 @pytest.fixture

@@ -156,8 +156,8 @@ def assert_same_scores(results, samples, reference, tasks=TASKS):
         theirs = sorted(reference["samples"][task], key=lambda s: s["doc_id"])
         assert len(ours) == len(theirs) > 0
         for mine, ref in zip(ours, theirs):
-            # the samples file holds the harness's responses as strings: "-48.72", or ["-48.72",
-            # "False"]
+            # the samples file holds the harness's responses as strings: "-48.72", or
+            # ["-48.72", "False"]
             for a, b in zip(mine["filtered_resps"], ref["filtered_resps"], strict=True):
                 if task == "tiny_gen":
                     assert a == b
@@ -426,8 +426,8 @@ def test_unknown_task_and_missing_harness_are_one_line(
         "error: --tasks: nonesuch is not one of lm_eval's tasks nor in --include_path "
         f"{DATA}; lm_eval ls tasks lists them"
     )
-    # before calling it unknown, the harness's own tasks were looked in (here: the stand-in
-    # folder's)
+    # before calling it unknown, the harness's own tasks were looked in (here: the
+    # stand-in folder's)
     assert [{"arc_easy", "tiny_mc"} <= set(manager.all_tasks) for manager in with_shipped] == [True]
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if it were not installed
     with pytest.raises(evaluate.ConfigError, match=r"pip install 'minimal_fsdp\[eval\]'"):

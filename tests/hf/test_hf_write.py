@@ -67,8 +67,8 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, model_type)
         type(theirs).__name__ == {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[model_type]
     )
     assert_same_logits(ours, theirs, 53, 24)
-    # ... and it comes back in unchanged, also after a second export to the same directory as one
-    # file.
+    # ... and it comes back in unchanged, also after a second export to the same directory as
+    # one file.
     write.save_hf(ours.state_dict(), meta, tmp_path / "out")
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
     again = ours_from(tmp_path / "out")

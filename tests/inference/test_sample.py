@@ -168,8 +168,8 @@ def test_hugging_face_directory_matches_transformers_greedy(tmp_path, sample_her
 def test_generation_banner_of_basic_training_shows_the_loaded_model(
     run, single_process, monkeypatch, capfd
 ):
-    # run.main (what basic_training.py hands its flags to) in this process, one rank, in the run's
-    # directory
+    # run.main (what basic_training.py hands its flags to) in this process, one rank, in the
+    # run's directory
     monkeypatch.chdir(run.parent.parent)
     capfd.readouterr()
     run_command.main(

@@ -120,8 +120,8 @@ def test_pbs_scripts_train_and_generate(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_sbatch_script_trains_under_srun(tmp_path, corpus):
-    # What sbatch gives the batch script: note SLURM_PROCID=0 and SLURM_NTASKS=2 in this one
-    # process.
+    # What sbatch gives the batch script: note SLURM_PROCID=0 and SLURM_NTASKS=2 in this
+    # one process.
     env = {
         **install_fakes(tmp_path / "bin"),
         "SLURM_JOB_ID": "4242",
@@ -139,8 +139,8 @@ def test_sbatch_script_trains_under_srun(tmp_path, corpus):
     srun_argv = json.loads((tmp_path / "bin" / "srun.log").read_text())
     assert "--mpi=none" in srun_argv and "--kill-on-bad-exit=1" in srun_argv
     trained(tmp_path, "slurm")
-    # Rank 0 bound a free port and published it for this step only; the file is gone once all had
-    # joined.
+    # Rank 0 bound a free port and published it for this step only; the file is gone once all
+    # had joined.
     assert list((tmp_path / "checkpoints" / ".rendezvous").iterdir()) == []
 
 
@@ -192,8 +192,8 @@ def test_kubernetes_manifest_runs_torchrun(tmp_path, corpus):
     assert (
         container["name"] == "pytorch" and container["resources"]["limits"]["nvidia.com/gpu"] == 2
     )
-    # What the training operator and kubelet do in the pod: fill in $(NAME) from the pod's
-    # variables.
+    # What the training operator and kubelet do in the pod: fill in $(NAME) from the
+    # pod's variables.
     pod_env = {
         "PET_NNODES": "1",
         "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
@@ -648,8 +648,8 @@ def test_the_launchers_view_must_agree_with_mpis():
     rank_1_of_2_on_one_host = (1, 2, 1, 2, 1)
     hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
     assert discovery._disagreement(hydra, rank_1_of_2_on_one_host) is None
-    # Hydra under srun's PMIx plugin: the srun task's PMIX_RANK is inherited, not a view of this
-    # rank.
+    # Hydra under srun's PMIx plugin: the srun task's PMIX_RANK is inherited, not a view of
+    # this rank.
     assert discovery._disagreement(dict(hydra, PMIX_RANK="0"), rank_1_of_2_on_one_host) is None
     for variables, said in [
         (

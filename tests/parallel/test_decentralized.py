@@ -166,8 +166,8 @@ def test_checkpoint_keeps_each_replica_and_resumes_exactly(
     losses = [r["loss"] for r in metrics(tmp_path, "whole") if "loss" in r]
     assert [r["loss"] for r in metrics(tmp_path, "resumed") if "loss" in r] == losses[3:]
 
-    # The whole run against the gossip done plainly on stacked replicas: losses, consensus, final
-    # replicas.
+    # The whole run against the gossip done plainly on stacked replicas: losses, consensus,
+    # final replicas.
     expected, final_replicas = decentralized_reference(args, world=3, steps=6)
     # The consensus distance is measured at evaluation steps only (here the saves, 3 and 6), never
     # at logging steps.
@@ -182,8 +182,8 @@ def test_checkpoint_keeps_each_replica_and_resumes_exactly(
                 saved[f"replicas.{rank}.model.{name}"], value, atol=2e-6, rtol=1e-5, msg=name
             )
 
-    # All-reduce (AdamW) from it is refused: one rank, in this process (as `python
-    # basic_training.py`).
+    # All-reduce (AdamW) from it is refused: one rank, in this process (as
+    # `python basic_training.py`).
     from minimal_fsdp import run
 
     capsys.readouterr()

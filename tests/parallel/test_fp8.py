@@ -312,8 +312,8 @@ def test_float8_all_gather_weights_save_and_load_as_plain_fp32(
     for (name, a), b in zip(converted.named_parameters(), plain.parameters()):
         assert torch.equal(a.detach().view(-1).clone(), b.detach().view(-1)), name
 
-    # and back: a bf16 run's weights into the converted model, through the wrapper into its
-    # parameters
+    # and back: a bf16 run's weights into the converted model, through the wrapper into
+    # its parameters
     with torch.no_grad():
         for p in plain.parameters():
             p.mul_(-1)
@@ -472,8 +472,8 @@ EMULATED_CASES = {
     "no-shard": ["--sharding", "no-shard"],
     "cpu offload": ["--cpu_offload"],
 }
-# fp8 for 6 steps, resumed in bf16 to 9, then in fp8 rowwise to 12
-# (test_resume_switches_between_fp8_and_bf16).
+# fp8 for 6 steps, resumed in bf16 to 9, then in fp8 rowwise to
+# 12 (test_resume_switches_between_fp8_and_bf16).
 SWITCH = (
     (6, ["--precision", "fp8"]),
     (9, ["--precision", "bf16"]),
@@ -584,8 +584,8 @@ def test_resume_switches_between_fp8_and_bf16(work, emulated):
     losses = losses_of(work.parent, "switch")
     assert sorted(losses) == list(range(1, STEPS + 1))
     check_close_to_bf16(losses, losses_of(work.parent, "bf16"))
-    # Generation alone runs in bf16 whatever --precision says, so even here on the CPU (no
-    # emulation).
+    # Generation alone runs in bf16 whatever --precision says, so even here on the CPU
+    # (no emulation).
     sample = launch(
         [
             "--max_epochs",

@@ -78,8 +78,8 @@ CASES = [
     (2, ["--sharding", "full-shard", "--grad_accum_steps", 2]),
     # parameters stay gathered between micro-steps
     (2, ["--sharding", "grad-shard", "--grad_accum_steps", 3]),
-    # The cases above gather this tiny model whole (--fsdp_unit auto); large models go block by
-    # block.
+    # The cases above gather this tiny model whole (--fsdp_unit auto); large models go block
+    # by block.
     (2, ["--sharding", "full-shard", "--fsdp_unit", "block", "--grad_accum_steps", 2]),
     (4, ["--sharding", "hybrid-grad-shard", "--shard_group_size", 2, "--fsdp_unit", "block"]),
     (

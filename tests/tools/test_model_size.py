@@ -1056,8 +1056,8 @@ def test_cli_prints_step_times_across_hosts(capsys):
         for line in capsys.readouterr().out.split("step time:")[1].splitlines()
         if line.split()[:1] and line.split()[0] in model_size.SHARDING
     }
-    # full-shard's one unit: 3/4 of the bf16 gather and of the (now bf16) reduce-scatter cross each
-    # link
+    # full-shard's one unit: 3/4 of the bf16 gather and of the (now bf16) reduce-scatter cross
+    # each link
     assert float(halved["full-shard"][2]) == pytest.approx(0.75 * 4 * 124.4e6 / 1e9, abs=0.01)
     assert float(halved["full-shard"][2]) < float(rows["full-shard"][2])
     assert float(halved["hybrid-full-shard"][5]) < float(rows["hybrid-full-shard"][5])
