@@ -36,9 +36,9 @@ def build_optimizer(model, cfg, plan=None):
         return AccumAdamW(groups, lr=cfg.lr, betas=betas, accum_steps=cfg.accum_steps)
     if plan is not None and not plan.fused_optimizer:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)
-    # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) about 7x faster
-    # than foreach. whole_unit.py's model steps it on its shards' local tensors (LocalAdamW), as a
-    # small model's step needs.
+    # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) several times
+    # faster than foreach (benchmarks/results/RESULTS.md#levers-kept). whole_unit.py's model steps
+    # it on its shards' local tensors (LocalAdamW), as a small model's step needs.
     adamw = LocalAdamW if plan is not None and plan.strategy == "one-unit" else torch.optim.AdamW
     return adamw(groups, lr=cfg.lr, betas=betas, fused=True)
 
@@ -189,9 +189,9 @@ GC_INTERVAL = 50  # steps between the loop's own collections of Python's young o
 def collections_in_step():
     """Python's automatic garbage collection off while training; the loop collects on every rank at
     the same step instead: everything after the first step (torch.compile's objects) and after each
-    save, the young generations every GC_INTERVAL steps. Left automatic, a full collection (50 ms
-    and more with compile's objects alive) pauses one rank at a time, and every other rank waits for
-    it at the next collective, so a steady multi-GPU run loses whole timing windows to it."""
+    save, the young generations every GC_INTERVAL steps. Left automatic, a full collection (tens of
+    milliseconds with compile's objects alive) pauses one rank at a time, and every other rank waits
+    for it at the next collective, so a steady multi-GPU run loses whole timing windows to it."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()

@@ -63,9 +63,9 @@ class Saved:
 
 
 def writer_threads(state):
-    """Files (and threads) a rank writes its shard in: one per GB, at most 4. One thread checksums
-    and writes 0.6 GB/s, four 1.26 GB/s, as fast as that host's disk (dd 1.3 GB/s; H200 host, torch
-    2.11); a small state stays in one file."""
+    """Files (and threads) a rank writes its shard in: one per GB, at most 4: four threads write as
+    fast as a GPU host's disk, one does not (benchmarks/results/RESULTS.md#levers-kept); a small
+    state stays in one file."""
     size = sum(
         (t.to_local() if isinstance(t, DTensor) else t).nbytes
         for t in flatten_state_dict(state)[0].values()
@@ -168,7 +168,7 @@ class Background:
         self.buffers = {}
         self.spare = {}  # (shape, dtype) -> such pairs made at startup, for the first save to take
         if self.pin and model is not None:
-            # Page-locking runs at about 1 GB/s (1.8 GB took 1.7 s on an H200 host): done here, at
+            # Page-locking is slow (benchmarks/results/RESULTS.md#levers-kept): done here, at
             # startup, for every parameter's shard and its AdamW moments, so that no save waits
             # for it.
             shards = [

@@ -144,9 +144,9 @@ def _float8_cast(dtype):
 def fused_shard_cast(self, mesh):
     """torchao's WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather, the shard cast to float8
     before its all-gather, with the cast as one kernel. torchao (0.17) casts in three eager kernels
-    (scale, clamp, copy), each reading and writing the whole fp32 shard: 55 ms of Llama 3 8B's
-    full-shard step on 2 H200s, where one kernel made the step 1.6-2.0% faster. The bits are the
-    same (tests/parallel/test_fp8.py). Without a precomputed scale, torchao's own path."""
+    (scale, clamp, copy), each reading and writing the whole fp32 shard; one kernel reads it once
+    (benchmarks/results/RESULTS.md#fp8-shard-cast). The bits are the same
+    (tests/parallel/test_fp8.py). Without a precomputed scale, torchao's own path."""
     scale = self._precomputed_scale
     if scale is None or isinstance(self._tensor, DTensor):
         return _TORCHAO_SHARD_CAST(self, mesh)
