@@ -66,7 +66,7 @@ def build(cfg, fsdp_on_one_rank=False):
     validate_world(cfg, env.world_size, env.local_world_size)
     model_config = config_from_flags(cfg)
     plan = make_plan(cfg, env, model_config, fsdp_on_one_rank=fsdp_on_one_rank)
-    apply_process_settings(plan)  # as run.plan_run does
+    apply_process_settings(plan)  # as run.parallel_plan does
     model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
     return env, model_config, model, build_optimizer(model, cfg, plan), gradient_sync(model, plan)
 

@@ -7,7 +7,7 @@ here.
       run_lock.RunLock         one training run per run directory
       find.find                what to resume from (--resume, --restart_checkpoint_file)
       train_model              data -> the model's shape -> plan.make_plan (the parallel plan,
-                               plan_run) -> the plan's backend (backends.default.Torch, or
+                               parallel_plan) -> the plan's backend (backends.default.Torch, or
                                backends.xla.XLA) -> its model -> optimizer -> checkpoint or Hugging
                                Face weights -> train.train with the backend's parts
       or generation_model      a checkpoint or a Hugging Face model, as sample.py loads it
@@ -126,7 +126,7 @@ def open_data(cfg, env, hf_dir):
     return TokenData(failures.run_on_main(lambda: prepared_dir(cfg, given_tokenizer(cfg, hf_dir))))
 
 
-def plan_run(cfg, env, model_config, loads_weights):
+def parallel_plan(cfg, env, model_config, loads_weights):
     """The run's parallel plan (plan.make_plan: every layout, sync, compile and precision decision,
     made once), and the process-wide torch settings it needs, applied here and nowhere else."""
     plan = make_plan(cfg, env, model_config, loads_weights=loads_weights)
@@ -155,7 +155,7 @@ def train_model(cfg, env, start, hf_dir, stop):
     check_fits(cfg, env, model_config)
     if start is not None:
         check_resumable(cfg, start, model_config, env)
-    plan = plan_run(cfg, env, model_config, loads_weights=hf_dir is not None)
+    plan = parallel_plan(cfg, env, model_config, loads_weights=hf_dir is not None)
     backend = backends.for_plan(cfg, env, plan)
     # Every data-parallel member (a rank; under XLA a device) reads --batch_size sequences: this
     # process, its own.

@@ -492,8 +492,8 @@ def test_ddp_replicates_the_model_without_rebroadcasting_buffers(monkeypatch):
 def test_ddp_with_graphs_compiles_one_graph_not_one_per_bucket(monkeypatch, graphs):
     """Under DDP, Dynamo cuts a compiled model at DDP's buckets (recipe S: 3 graphs, each replayed
     and run through autograd on its own); a model replayed as CUDA graphs is host-bound, so it stays
-    one graph. The setting is process-wide: the plan names it, run.plan_run applies it at the start
-    of the run, build_model leaves it alone."""
+    one graph. The setting is process-wide: the plan names it, run.parallel_plan applies it at the
+    start of the run, build_model leaves it alone."""
     ddp = plain_plan(strategy="ddp", compile=True, cuda_graphs=graphs)
     assert process_settings(ddp) == ({"torch._dynamo.config.optimize_ddp": False} if graphs else {})
     for other in ("local", "one-unit", "gossip"):
