@@ -6,10 +6,9 @@ just records the signal; all ranks combine what they know in one tiny all_reduce
 logging step (--log_interval) and, so that a stop waits for no more than about STOP_LATENCY seconds
 (or one step, if a step is longer), at steps spaced by the step time they measured and agreed on.
 Every rank computes the same steps from the same agreed numbers, so they all look at the same step,
-stop there together, save a checkpoint and exit
-0. Checking only then keeps the ranks' hosts from waiting for each other every step. A rank never
-stops alone, so no rank is left waiting in a collective. A second Ctrl-C ends the process at once,
-without saving.
+stop there together, save a checkpoint and exit 0. Checking only then keeps the ranks' hosts from
+waiting for each other every step. A rank never stops alone, so no rank is left waiting in a
+collective. A second Ctrl-C ends the process at once, without saving.
 
 A signal is acted on at once by a thread that watches for it (signal.set_wakeup_fd), whatever the
 main thread waits in (a long first step that compiles, a collective): rank 0 says it was heard; a

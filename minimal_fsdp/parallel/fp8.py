@@ -5,9 +5,8 @@ L40S).
 Which layers: a block's nn.Linear whose in and out features are both multiples of 16 (what float8
 matmuls, torch._scaled_mm, accept) and both at least MIN_FEATURES. That rule keeps out only the tiny
 layers, whose casts surely cost more than their faster matmul saves; whether mid-sized ones (GPT-2
-124M's
-768) gain is measured, not assumed (docs/performance.md). Never the embeddings or the output head:
-the head's matmul is part of the fused loss.
+124M's 768) gain is measured, not assumed (docs/performance.md). Never the embeddings or the output
+head: the head's matmul is part of the fused loss.
 
 Recipes (--fp8_recipe), torchao's:
   tensorwise  one scale per tensor, cuBLAS float8 matmuls. Under FSDP over more than one rank the
