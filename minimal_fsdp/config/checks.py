@@ -349,7 +349,7 @@ def check_data(cfg):
 
 
 def check_checkpoint(cfg):
-    """How often and where checkpoints are written; which one a run starts from is checkpoint_find's
+    """How often and where checkpoints are written; which one a run starts from is find.py's
     (it needs the files)."""
     _not_negative(cfg, "checkpoint_interval", "keep_last")
     _directory(cfg, "checkpoint_dir")
