@@ -13,8 +13,8 @@ setup(
     description="Pre-train GPT-2 and Llama-style models with PyTorch FSDP2, launched by mpiexec "
     "anywhere.",
     packages=find_packages(include=["minimal_fsdp", "minimal_fsdp.*"]),
-    # `minimal-fsdp COMMAND`: train, sample, evaluate, export, prepare, progress, plan, cluster,
-    # plot.
+    # `minimal-fsdp COMMAND`: train, sample, evaluate, export, prepare, progress, plan,
+    # cluster, plot.
     entry_points={"console_scripts": ["minimal-fsdp=minimal_fsdp.__main__:main"]},
     python_requires=">=3.10",
     # tomllib (for --config) is in the standard library from Python 3.11 on.
@@ -31,23 +31,23 @@ setup(
         # newer torchao it needs.
         "fp8": ["torchao>=0.16"],
         "debug": ["debugpy"],  # attaching VS Code to one rank (.vscode/launch.json)
-        # --device xla (docs/parallelism.md): torch_xla's last release, 2.9, works with torch 2.9
-        # only.
+        # --device xla (docs/parallelism.md): torch_xla's last release, 2.9, works with torch
+        # 2.9 only.
         "xla": ["torch==2.9.*", "torch_xla==2.9.*"],
         # --hf_model with a hub name (a local directory needs nothing extra).
         "hf": ["huggingface_hub"],
-        # pyyaml: the Kubernetes manifest test; transformers only checks our Hugging Face
-        # import/export in the tests, it is never imported at run time.
-        # Hugging Face datasets: openwebtext/hub/save_to_disk sources for preparation and
-        # --streaming
+        # pyyaml: the Kubernetes manifest test; transformers only checks our
+        # Hugging Face import/export in the tests, it is never imported at run
+        # time. Hugging Face datasets: openwebtext/hub/save_to_disk sources for
+        # preparation and --streaming
         "data": ["datasets"],
         # torchao: tests/parallel/test_fp8.py runs the float8 layers on the CPU through torchao's
         # emulation. Mutation testing on demand (python tests/mutation.py): pinned, as
         # tests/mutation.py patches one of its internals to mutate functions decorated with
         # torch.no_grad() and lru_cache too.
         "mutation": ["mutmut==3.8.1"],
-        # minimal-fsdp evaluate and --eval_tasks: EleutherAI's lm-evaluation-harness (0.4.13's
-        # TaskManager).
+        # minimal-fsdp evaluate and --eval_tasks: EleutherAI's lm-evaluation-harness
+        # (0.4.13's TaskManager).
         "eval": ["lm-eval>=0.4.13,<0.5"],
         # minimal-fsdp cluster and tests/multihost/test_multihost*.py: hosts as network namespaces,
         # made through netlink in pure Python (no iproute2 needed); they need root.

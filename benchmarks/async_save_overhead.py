@@ -6,7 +6,7 @@
 A GPU training step is, for its Python thread, a loop of thousands of small kernel launches, each of
 which lets go of the GIL and takes it back: whatever the save's background work does while holding
 the GIL delays those launches, and the GPU idles. This proxy times such a loop (tiny torch ops,
-which release and retake the GIL as launches do) with no save, then while checkpoint.save(...,
+which release and retake the GIL as launches do) with no save, then while checkpointer.save(...,
 background=...) writes a state shaped like one rank's shard of GPT-2 XL under AdamW (48 blocks of 12
 tensors, each with two moments and a step count: about 2,300 tensors, scaled to --gb), and reports
 the loop's time lost per save. --sink null writes the bytes nowhere (no checksums, no disk; with
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
-from minimal_fsdp.checkpoint import background as checkpoint_async
-from minimal_fsdp.checkpoint import writer as checkpoint_writer  # noqa: E402
+from minimal_fsdp.checkpoint import checkpointer
+from minimal_fsdp.checkpoint.background import Background, flatten_state_dict
+from minimal_fsdp.checkpoint import writer  # noqa: E402
 
 LAYERS, OPS_PER_BATCH = 48, 200
 
@@ -129,7 +129,7 @@ def null_sink():
         def fileno(self):
             raise io.UnsupportedOperation("no file")  # DCP then skips its fsync
 
-    real = checkpoint_writer._ChecksummingFileSystem.create_stream
+    real = writer._ChecksummingFileSystem.create_stream
 
     @contextmanager
     def create_stream(fs, path, mode):
@@ -140,13 +140,13 @@ def null_sink():
             with real(fs, path, mode) as stream:
                 yield stream
 
-    checkpoint_writer._ChecksummingFileSystem.create_stream = create_stream
+    writer._ChecksummingFileSystem.create_stream = create_stream
     fsync = os.fsync
     os.fsync = lambda fd: None
     try:
         yield
     finally:
-        checkpoint_writer._ChecksummingFileSystem.create_stream, os.fsync = real, fsync
+        writer._ChecksummingFileSystem.create_stream, os.fsync = real, fsync
 
 
 def main():
@@ -173,13 +173,13 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     state, size = shard_like_gpt2_xl(args.gb)
-    tensors = sum(1 for _ in checkpoint_async.flatten_state_dict(state)[0].values())
+    tensors = sum(1 for _ in flatten_state_dict(state)[0].values())
     print(
         f"state: {size / 1e9:.2f} GB in {tensors} entries; sink {args.sink}; writer "
         f"{os.environ.get('MINIMAL_FSDP_ASYNC_WRITER', 'default')}",
         flush=True,
     )
-    background = checkpoint_async.Background(torch.device("cpu"), 600, size)
+    background = Background(torch.device("cpu"), 600, size)
     stop, counts = threading.Event(), []
     loop = threading.Thread(target=launch_loop, args=(stop, counts))
     lost, slowdowns, blocking, totals, besides = [], [], [], [], []
@@ -191,7 +191,7 @@ def main():
         try:
             for step in range(1, args.repeats + 2):
                 begin = time.perf_counter()
-                checkpoint.save(
+                checkpointer.save(
                     Path(tmp) / "run",
                     step,
                     None,

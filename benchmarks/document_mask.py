@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # noqa: E402
 from minimal_fsdp.launch import environment  # noqa: E402
-from minimal_fsdp.metrics import peak_flops, peak_memory_gb  # noqa: E402
+from minimal_fsdp.profiling import peak_flops, peak_memory_gb
 from minimal_fsdp.train import train_step  # noqa: E402
 
 # Llama 3's <|end_of_text|>; the run's vocabulary must be larger (lowered to vocab - 1 if not)

@@ -43,57 +43,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from minimal_fsdp.tools.virtual_cluster import TBF_MAX_BITS, Cluster, unavailable  # noqa: E402
 
+# fmt: off
 MODELS = {
-    "gpt2": ["--model_preset", "gpt2", "--vocab_size", "50304", "--batch_size", "32"],
-    # ~1.0B parameters in Llama 3.2 1B's shape (16 blocks of 2048, 32 heads, 8 kv heads), vocab
-    # 32000
-    "llama-1b": [
-        "--model",
-        "llama",
-        "--num_layers",
-        "16",
-        "--embed_size",
-        "2048",
-        "--num_heads",
-        "32",
-        "--num_kv_heads",
-        "8",
-        "--intermediate_size",
-        "8192",
-        "--vocab_size",
-        "32000",
-        "--seq_length",
-        "2048",
-        "--batch_size",
-        "4",
-    ],
-    # ~10.6M parameters (6 blocks of 384, character vocabulary): the CPU regime where the link, not
-    # compute, bounds
-    "cpu-10m": [
-        "--num_layers",
-        "6",
-        "--num_heads",
-        "6",
-        "--embed_size",
-        "384",
-        "--seq_length",
-        "128",
-        "--batch_size",
-        "2",
-    ],
-    "tiny": [
-        "--num_layers",
-        "2",
-        "--num_heads",
-        "2",
-        "--embed_size",
-        "32",
-        "--seq_length",
-        "32",
-        "--batch_size",
-        "4",
-    ],
+    "gpt2":     "--model_preset gpt2 --vocab_size 50304 --batch_size 32".split(),
+    # ~1.0B parameters, Llama 3.2 1B's shape: 16 blocks of 2048, 32 heads, 8 kv heads, vocab 32000
+    "llama-1b": "--model llama --num_layers 16 --embed_size 2048 --num_heads 32 --num_kv_heads 8 --intermediate_size 8192 --vocab_size 32000 --seq_length 2048 --batch_size 4".split(),
+    # ~10.6M parameters (6 blocks of 384, character vocabulary): the CPU regime the link bounds
+    "cpu-10m":  "--num_layers 6 --num_heads 6 --embed_size 384 --seq_length 128 --batch_size 2".split(),
+    "tiny":     "--num_layers 2 --num_heads 2 --embed_size 32 --seq_length 32 --batch_size 4".split(),
 }
+# fmt: on
 STRATEGIES = {
     "full-shard": ["--sharding", "full-shard"],
     "hybrid-full-shard": ["--sharding", "hybrid-full-shard"],

@@ -28,8 +28,8 @@ from minimal_fsdp.config.parser import parse as parse_flags  # noqa: E402
 from minimal_fsdp.tools import model_size  # noqa: E402
 from minimal_fsdp.tools import step_time  # noqa: E402
 
-# multihost.py's models, as the planner's flags (its "llama-1b" shape has no preset the planner
-# takes)
+# multihost.py's models, as the planner's flags (its "llama-1b" shape has no preset the
+# planner takes)
 PLANNER_FLAGS = {"gpt2": ["--model_preset", "gpt2", "--vocab_size", "50304", "--batch_size", "32"]}
 STRATEGIES = ("full-shard", "hybrid-full-shard", "no-shard", "decentralized")
 # color, line, marker: hybrid's and no-shard's estimates coincide between two hosts (both all-reduce
@@ -116,8 +116,8 @@ def main():
         and r.get("gbps_set")
         and r.get("log_interval", 1) == args.log_interval
     ]
-    # A later run of the same setting supersedes an earlier one (a rerun after a change, e.g. NCCL's
-    # sockets).
+    # A later run of the same setting supersedes an earlier one (a rerun after a change, e.g.
+    # NCCL's sockets).
     runs = list({(r["gbps_set"], r["strategy"]): r for r in runs}.values())
     if not runs:
         sys.exit(f"error: {args.results} has no timed run of {args.model} on a shaped link")

@@ -115,8 +115,8 @@ def main():
     if env.is_main:
         events = prof.key_averages()
         kernels, kinds = by_kind(prof, steps)
-        # A step that launches more kernels than the device's queue holds waits for the sleep to
-        # end.
+        # A step that launches more kernels than the device's queue holds waits for the sleep
+        # to end.
         host = (
             f"{min(hosts) * 1e3:.1f} ms"
             if min(hosts) < 0.5

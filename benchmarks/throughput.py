@@ -22,12 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimal_fsdp import profiling  # noqa: E402
 from minimal_fsdp.config.checks import profile_range  # noqa: E402
 from minimal_fsdp.launch import environment  # noqa: E402
-from minimal_fsdp.config.flags import Config, build_parser, validate, validate_world  # noqa: E402
-from minimal_fsdp.metrics import allocator_retries, peak_flops, peak_memory_gb  # noqa: E402
+from minimal_fsdp.config.flags import Config, build_parser
+from minimal_fsdp.config.checks import validate, validate_world
+from minimal_fsdp.profiling import allocator_retries, peak_flops, peak_memory_gb
 from minimal_fsdp.models.classes import MODELS  # noqa: E402
 from minimal_fsdp.models.families import config_from_flags  # noqa: E402
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync  # noqa: E402
-from minimal_fsdp.parallel.plan import apply_process_settings, make_plan, reduce_precision  # noqa: E402
+from minimal_fsdp.parallel.plan import apply_process_settings, make_plan
+from minimal_fsdp.parallel.choose import reduce_precision
 from minimal_fsdp.train import build_optimizer, collections_in_step, train_step  # noqa: E402
 
 HEADER = (
@@ -64,7 +66,7 @@ def build(cfg, fsdp_on_one_rank=False):
     validate_world(cfg, env.world_size, env.local_world_size)
     model_config = config_from_flags(cfg)
     plan = make_plan(cfg, env, model_config, fsdp_on_one_rank=fsdp_on_one_rank)
-    apply_process_settings(plan)  # as run.plan_run does
+    apply_process_settings(plan)  # as run.parallel_plan does
     model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
     return env, model_config, model, build_optimizer(model, cfg, plan), gradient_sync(model, plan)
 

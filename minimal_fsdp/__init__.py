@@ -4,26 +4,25 @@ room imports only the rooms its line names, each line's rooms are all used, and 
 leads back to where it started. Each subpackage's __init__ docstring and docs/architecture.md state
 the same lines, and the test checks that they agree. Bottom to top:
 
+    files:
     config: files
-    files: config
     models: config
     launch: config, files
     profiling: config
     parallel: config, models
     data: config, files, launch
-    metrics: config, launch, parallel
+    metrics: config, launch, profiling
     checkpoint: config, files, launch, models, parallel
     hf: checkpoint, config, data, files, models
     inference: checkpoint, config, data, hf, launch, models, parallel
     eval: checkpoint, config, inference, launch
     train: eval, launch, metrics, parallel, profiling
-    backends: checkpoint, config, hf, launch, metrics, models, parallel
-    run: backends, checkpoint, config, data, files, hf, inference, launch, models, parallel, train
+    backends: checkpoint, config, hf, launch, models, parallel
+    run: backends, checkpoint, config, data, hf, inference, launch, models, parallel, train
     __main__: config
     tools: __main__, checkpoint, config, files, hf, models, parallel
-    commands: checkpoint, config, data, eval, hf, inference, launch, run, tools
+    commands: checkpoint, config, data, eval, hf, inference, launch, run, tools, train
 
 __main__ names each command's module in its table (COMMANDS) and imports it by that name only after
-its flags are parsed: the commands sit on top, and no room imports one. config <-> files is the one
-loop left, until the run lock (which raises config's ConfigError) moves out of files.py.
+its flags are parsed: the commands sit on top, and no room imports one.
 """

@@ -1,5 +1,6 @@
-"""What a run tells you: the startup banner, the log of training (a progress bar on a terminal,
-plain lines in a batch job's output), the metrics rank 0 writes, and a summary at the end.
+"""What a run tells you as it trains: the log of training (a progress bar on a terminal, plain
+lines in a batch job's output), the metrics rank 0 writes, and a summary at the end. The startup
+banner is backends/banner.py's.
 
 <log_dir>/<run_name>/ holds metrics.jsonl (always: one JSON object per logged step), TensorBoard
 event files (unless --no-tensorboard), and config.toml (the resolved flags, loadable with --config).
@@ -9,7 +10,6 @@ later `wandb sync`).
 
 import dataclasses
 import json
-import resource
 import sys
 import time
 from contextlib import contextmanager
@@ -19,17 +19,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from minimal_fsdp.launch import environment
 from minimal_fsdp.launch import failures
-from minimal_fsdp.launch import hosts
-from minimal_fsdp.parallel import fp8
 from minimal_fsdp.config.flags import to_toml
+from minimal_fsdp.profiling import allocator_retries, memory_pressure, peak_flops, peak_memory_gb
 
-# the cards' dense bf16 peaks, in config/choices.py (torch-free, for the planner too)
-from minimal_fsdp.config.choices import PEAK_FLOPS  # noqa: E402
 
-# JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and memory
-# apart.
+# JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and
+# memory apart.
 TAGS = {
     "loss": "train/loss",
     "val_loss": "val/loss",
@@ -101,20 +97,6 @@ class Metrics:
         if self.wandb:
             self.wandb.finish()
         self.file = self.tensorboard = self.wandb = None
-
-
-def peak_flops(device):
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
-
-def peak_memory_gb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    # this process's peak RSS (KB on Linux)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
 class TrainingLog:
@@ -259,7 +241,7 @@ class TrainingLog:
         self.print(f"step {step}: val loss {val_loss:.4f}")
 
     def saved(self, saves):
-        """Saves begun or ended (checkpoint_async.Saved): one line for a save that goes on in the
+        """Saves begun or ended (background.Saved): one line for a save that goes on in the
         background, one when a save is committed, whose seconds (blocking, of which waited for the
         save before, total) also go to metrics.jsonl at its step."""
         for save in saves:
@@ -288,8 +270,8 @@ class TrainingLog:
             )
 
     def restored(self, step, seconds):
-        """The restore at start (checkpoint.Checkpointer.restore timed it, the banner printed it) to
-        metrics.jsonl."""
+        """The restore at start (checkpointer.Checkpointer.restore timed it, the banner printed it)
+        to metrics.jsonl."""
         if seconds is not None:
             self.metrics.log(step, restore_s=seconds)
 
@@ -312,8 +294,8 @@ class TrainingLog:
         """Rank 0's last lines: what was trained, where it went, how to sample from it."""
         minutes, seconds = divmod(round(time.perf_counter() - self.start), 60)
         trained = self.done - self.first_step
-        # A finished run resumed with a smaller --max_steps is past its last step: not 'step 600 of
-        # 20'.
+        # A finished run resumed with a smaller --max_steps is past its last step: not 'step 600
+        # of 20'.
         where = (
             f"step {self.done} of {self.last_step}"
             if self.done <= self.last_step
@@ -351,101 +333,3 @@ def sum_across_ranks(*values):
 def mean_across_ranks(value):
     """The mean over the ranks of a number or a one-element tensor (gloo has no AVG: a sum)."""
     return sum_across_ranks(value)[0] / dist.get_world_size()
-
-
-def allocator_retries(device):
-    """How often the CUDA caching allocator found no room, freed its whole cache and asked the
-    driver again (0 off CUDA). Each time the GPU stalls, and a run does not fail: it runs slower.
-    The 8B at batch 4 (T=8192, grad-shard, selective recompute) peaked at 142.4 GB of an H200's 150
-    and ran at 7,005 tokens/s a GPU, where full-shard at 136.4 GB ran 14,864, with nothing in its
-    log (not profiled: retries are the likely cause, and now the log would say)."""
-    return (
-        torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
-    )
-
-
-def memory_pressure(step, retries, peak_gb, device):
-    """The one warning a run gets when the allocator starts retrying (allocator_retries)."""
-    total = (
-        f" of {torch.cuda.get_device_properties(device).total_memory / 1e9:.1f}"
-        if device.type == "cuda"
-        else ""
-    )
-    return (
-        f"memory: by step {step} the CUDA allocator ran out of room {retries} time(s) over the "
-        f"ranks and freed its cache to retry (peak {peak_gb:.1f}{total} GB on rank 0); steps this "
-        "close to the GPU's memory can run much slower. A smaller --batch_size, "
-        "--activation_checkpoints, or full-shard gives room (minimal-fsdp plan plans it)"
-    )
-
-
-def state_bytes_per_rank(num_params, shard_size):
-    """Parameters, gradients and AdamW moments, all fp32 (bf16 keeps fp32 master weights too),
-    divided over the ranks a parameter is sharded across. Activations, the gathered block being
-    computed, and allocator slack come on top."""
-    return num_params * (4 + 4 + 8) / shard_size
-
-
-def _readable(num_bytes):
-    for unit in ("B", "KB", "MB", "GB"):
-        if num_bytes < 1000:
-            return f"{num_bytes:.3g} {unit}"
-        num_bytes /= 1000
-    return f"{num_bytes:.3g} TB"
-
-
-def saving(cfg, env, checkpointer):
-    """The banner's line on checkpoints: synchronous or asynchronous, and the host memory the latter
-    keeps."""
-    if checkpointer.mode == "sync":
-        return (
-            f"checkpoints: synchronous (--checkpoint_mode {cfg.checkpoint_mode}): training waits "
-            "while they are written"
-        )
-    pinned = "pinned " if env.device.type == "cuda" else ""
-    return (
-        f"checkpoints: asynchronous (--checkpoint_mode {cfg.checkpoint_mode}): training waits "
-        f"while a save is copied into {_readable(checkpointer.staging)} of {pinned}host memory per "
-        "rank (kept for the run), then goes on while the files are written"
-    )
-
-
-def banner(cfg, env, plan, model, resume_from=None, checkpointer=None):
-    """Rank 0's startup summary of a training run: layout, model size, a memory estimate, how
-    checkpoints are saved (and the host memory an asynchronous save keeps), how long the restore
-    took, every resolved flag."""
-    num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
-    state = _readable(state_bytes_per_rank(num_params, plan.shard_ranks))
-    where = "CPU memory (--cpu_offload)" if plan.cpu_offload else f"{env.device.type} memory"
-    spread = (
-        f"sharded over {plan.shard_ranks}" if plan.shard_ranks > 1 else "a whole copy on every rank"
-    )
-    layout = plan.describe() + (f", {plan.topology} topology" if plan.decentralized else "")
-    lines = [
-        f"launch: {hosts.layout_line(env)}, started by {env.launcher}, {env.backend} on "
-        f"{env.device.type}; {layout}"
-        + (f"; {environment.THREADS['line']}" if environment.THREADS["line"] else ""),
-        f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of "
-        f"{where} per rank ({spread}; activations not included)",
-        *([fp8.describe(plan, model)] if plan.fp8 else []),
-        *([saving(cfg, env, checkpointer)] if checkpointer is not None else []),
-        (
-            f"resuming from {resume_from}"
-            + (
-                f" (restored in {checkpointer.restore_s:.2f} s)"
-                if checkpointer is not None and checkpointer.restore_s is not None
-                else ""
-            )
-            if resume_from
-            else "starting fresh"
-        ),
-        "config" + (f" ({cfg.config} + command line)" if cfg.config else "") + ":",
-    ]
-    # the Hugging Face model's own shape and tokenizer
-    replaced = ("model_preset", "tokenizer") if cfg.hf_model else ()
-    for section in to_toml(cfg).strip().split("\n\n"):
-        header, *entries = section.splitlines()
-        lines.append(
-            f"  {header} " + ", ".join(e for e in entries if e.split(" = ")[0] not in replaced)
-        )
-    return "\n".join(lines)

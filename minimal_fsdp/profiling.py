@@ -13,13 +13,18 @@ user to open (docs/performance.md, "Profiling a run").
   SNAPSHOT_STEPS steps.
 
 Off (the default) nothing is created: around_steps yields None and the loop checks only that.
+
+Every run, also: what the training log reports of the device (peak_memory_gb, peak_flops for the
+MFU) and the CUDA caching allocator's retries, the one warning a run near the card's memory gets.
 Nothing here imports torch at import time: the flags' checks run before it loads.
 """
 
+import resource
 from contextlib import contextmanager
 from pathlib import Path
 
 from minimal_fsdp.config.checks import profile_range
+from minimal_fsdp.config.choices import PEAK_FLOPS
 
 SNAPSHOT_STEPS = 3  # steps a --memory_snapshot records without --profile
 SNAPSHOT_ENTRIES = 100_000  # allocator events kept (torch's example value); older ones drop out
@@ -136,3 +141,55 @@ def around_steps(cfg, env, run_dir, warn=None):
         yield profiler
     finally:
         profiler.close()
+
+
+# ---- the device, as the training log reports it ----
+
+
+def peak_flops(device):
+    """The card's dense bf16 peak (config/choices.py's PEAK_FLOPS), None off CUDA: for the MFU."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def peak_memory_gb(device):
+    """The most memory this process has held on `device` (the host's peak RSS off CUDA), in GB."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    # this process's peak RSS (KB on Linux)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def allocator_retries(device):
+    """How often the CUDA caching allocator found no room, freed its whole cache and asked the
+    driver again (0 off CUDA). Each time the GPU stalls, and a run does not fail: it runs slower.
+    A run this close to the card's memory can run at half speed with nothing else in its log
+    (benchmarks/results/RESULTS.md, Llama 3 8B's other layouts)."""
+    import torch
+
+    return (
+        torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+    )
+
+
+def memory_pressure(step, retries, peak_gb, device):
+    """The one warning a run gets when the allocator starts retrying (allocator_retries)."""
+    import torch
+
+    total = (
+        f" of {torch.cuda.get_device_properties(device).total_memory / 1e9:.1f}"
+        if device.type == "cuda"
+        else ""
+    )
+    return (
+        f"memory: by step {step} the CUDA allocator ran out of room {retries} time(s) over the "
+        f"ranks and freed its cache to retry (peak {peak_gb:.1f}{total} GB on rank 0); steps this "
+        "close to the GPU's memory can run much slower. A smaller --batch_size, "
+        "--activation_checkpoints, or full-shard gives room (minimal-fsdp plan plans it)"
+    )

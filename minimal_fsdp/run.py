@@ -4,10 +4,10 @@ basic_training.py (commands/train.py) hand it their Config.
 
     run(cfg):
       environment.setup        who and where every rank is; the process groups
-      files.RunLock            one training run per run directory
-      checkpoint_find.find     what to resume from (--resume, --restart_checkpoint_file)
+      run_lock.RunLock         one training run per run directory
+      find.find                what to resume from (--resume, --restart_checkpoint_file)
       train_model              data -> the model's shape -> plan.make_plan (the parallel plan,
-                               plan_run) -> the plan's backend (backends.default.Torch, or
+                               parallel_plan) -> the plan's backend (backends.default.Torch, or
                                backends.xla.XLA) -> its model -> optimizer -> checkpoint or Hugging
                                Face weights -> train.train with the backend's parts
       or generation_model      a checkpoint or a Hugging Face model, as `sample` loads it
@@ -19,16 +19,18 @@ from pathlib import Path
 
 import torch
 
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.config.sections import Data, Generation, Model, Parallel
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.launch import environment
-from minimal_fsdp import files
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.launch import failures
+from minimal_fsdp.launch import run_lock
+from minimal_fsdp.hf import hub, read
 from minimal_fsdp.inference import load
 from minimal_fsdp.inference.generate import check_num_tokens
 from minimal_fsdp import backends
-from minimal_fsdp.config.flags import Config, ConfigError, validate_world
-from minimal_fsdp.config.sections import Data, Generation, Model, Parallel
+from minimal_fsdp.config.flags import Config, ConfigError
+from minimal_fsdp.config.checks import validate_world
 from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
 from minimal_fsdp.data import prepare
 from minimal_fsdp.data.tokens import TokenData
@@ -40,27 +42,6 @@ from minimal_fsdp.data.streaming import StreamingData
 from minimal_fsdp.data.tokenizer import load_tokenizer
 from minimal_fsdp.train import RunParts, build_optimizer, train
 
-# Flags that change what a resumed run computes; the startup lines name those that differ from the
-# checkpoint's.
-TRAINING_FLAGS = (
-    "lr",
-    "min_lr",
-    "warmup_steps",
-    "lr_decay_steps",
-    "weight_decay",
-    "beta1",
-    "beta2",
-    "grad_clip",
-    "batch_size",
-    "grad_accum_steps",
-    "dropout",
-    "precision",
-    "fp8_recipe",
-    "reduce_precision",
-    "sharding",
-    "seed",
-)
-
 
 def run(cfg):
     stop = StopRequests(cfg.time_limit_seconds)  # --time_limit counts from here
@@ -70,28 +51,28 @@ def run(cfg):
         print(cpu_recipe_warning(cfg, env.device.type), flush=True)
     torch.manual_seed(cfg.seed + env.rank)  # dropout masks differ per rank, repeat per run
     # rank 0 downloads
-    hf_dir = environment.run_on_main(hf.resolve, cfg.hf_model) if cfg.hf_model else None
-    # One training run per run directory: rank 0 holds the lock until the end (generation only
-    # reads).
-    lock = files.RunLock(
+    hf_dir = failures.run_on_main(hub.resolve, cfg.hf_model) if cfg.hf_model else None
+    # One training run per run directory: rank 0 holds the lock until the end (generation
+    # only reads).
+    lock = run_lock.RunLock(
         {
             "--checkpoint_dir": Path(cfg.checkpoint_dir) / cfg.run_name,
             "--log_dir": Path(cfg.log_dir) / cfg.run_name,
         }
     )
     if not cfg.generate_only:
-        environment.run_on_main(lock.acquire)
+        failures.run_on_main(lock.acquire)
     try:
         # rank 0 picks it, all ranks check it: all load the same one
-        start = checkpoint_find.find(cfg)
+        start = find.find(cfg)
         if cfg.generate_only:
             (model, tokenizer), samples = generation_model(cfg, env, start, hf_dir), True
         else:
             model, tokenizer, samples = train_model(cfg, env, start, hf_dir, stop)
     finally:
         lock.release()
-    # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes at
-    # once.
+    # Preempted: the checkpoint is saved; exit 0 without a sample, so a requeued job resumes
+    # at once.
     if samples and cfg.num_tokens > 0 and not stop.reason:
         dtype = torch.float32 if cfg.precision == "float32" else torch.bfloat16
         if env.is_main:
@@ -112,14 +93,14 @@ def given_tokenizer(cfg, hf_dir=None):
     the data)."""
     if cfg.tokenizer_dir:
         return load_tokenizer(cfg.tokenizer_dir)
-    return hf.load_tokenizer(hf_dir) if hf_dir else None
+    return read.load_tokenizer(hf_dir) if hf_dir else None
 
 
 def open_data(cfg, env, hf_dir):
     """The training data: a stream, or a prepared dataset (prepared by rank 0 on first use)."""
     if cfg.streaming:
         return StreamingData.open(Data.of(cfg), env)
-    return TokenData(environment.run_on_main(lambda: prepared(cfg, given_tokenizer(cfg, hf_dir))))
+    return TokenData(failures.run_on_main(lambda: prepared(cfg, given_tokenizer(cfg, hf_dir))))
 
 
 def prepared(cfg, tokenizer):
@@ -130,7 +111,7 @@ def prepared(cfg, tokenizer):
     return str(out)
 
 
-def plan_run(cfg, env, model_config, loads_weights):
+def parallel_plan(cfg, env, model_config, loads_weights):
     """The run's parallel plan (plan.make_plan: every layout, sync, compile and precision decision,
     made once), and the process-wide torch settings it needs, applied here and nowhere else."""
     plan = make_plan(Parallel.of(cfg), env, model_config, loads_weights=loads_weights)
@@ -148,7 +129,7 @@ def train_model(cfg, env, start, hf_dir, stop):
     data = open_data(cfg, env, hf_dir)
     samples = check_prompt(cfg, data.tokenizer, env)
     model_config = (
-        hf.read_model_config(hf_dir, Model.of(cfg))
+        read.read_model_config(hf_dir, Model.of(cfg))
         if hf_dir
         else config_from_flags(Model.of(cfg), data.meta["vocab_size"])
     )
@@ -159,7 +140,7 @@ def train_model(cfg, env, start, hf_dir, stop):
     check_fits(cfg, env, model_config)
     if start is not None:
         check_resumable(cfg, start, model_config, env)
-    plan = plan_run(cfg, env, model_config, loads_weights=hf_dir is not None)
+    plan = parallel_plan(cfg, env, model_config, loads_weights=hf_dir is not None)
     backend = backends.for_plan(cfg, env, plan)
     # Every data-parallel member (a rank; under XLA a device) reads --batch_size sequences: this
     # process, its own.
@@ -231,7 +212,7 @@ def check_prompt(cfg, tokenizer, env):
 
 def check_fits(cfg, env, model_config):
     """Refuse a batch or model far beyond the memory here before allocating it
-    (config_checks.check_sizes)."""
+    (checks.check_sizes)."""
     if env.device.type == "cuda":
         free = torch.cuda.mem_get_info(env.device)[0]
     else:
@@ -260,6 +241,19 @@ def check_fits(cfg, env, model_config):
         env.world_size,
         vocab_size=c.vocab_size,
     )
+
+
+# ---- resuming: whether a checkpoint is this run's to continue, checked twice (check_before_data
+# before the data is prepared, check_resumable once the model's shape is known) ----
+
+
+def refuse_another_model(start, saved, model_config):
+    """The one refusal of a checkpoint (`saved`: its meta.json) whose model is not this one."""
+    if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
+        raise ConfigError(
+            f"{start} holds a different model ({model_differences(saved, model_config)}): use "
+            "another --run_name or --checkpoint_dir"
+        )
 
 
 def model_differences(saved, model_config):
@@ -298,7 +292,7 @@ def check_before_data(cfg, start):
     naming what differs: the data, where the vocabulary is built from it (--tokenizer char or
     sentencepiece), and the shape the model flags give (with the checkpoint's vocabulary, which only
     the data can tell)."""
-    saved = checkpoint_meta.read_meta(start)
+    saved = meta.read_meta(start)
     theirs, vocab = saved["config"], saved["model"].get("vocab_size")
     if cfg.hf_model or theirs.get("hf_model"):
         return  # the shape comes from the Hugging Face model: checked once it is read
@@ -323,23 +317,37 @@ def check_before_data(cfg, start):
         model_config = dataclasses.replace(
             model_config, document_eot_id=saved["model"]["document_eot_id"]
         )
-    if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
-        raise ConfigError(
-            f"{start} holds a different model ({model_differences(saved, model_config)}): use "
-            "another --run_name or --checkpoint_dir"
-        )
+    refuse_another_model(start, saved, model_config)
+
+
+# Flags that change what a resumed run computes; the startup lines name those that differ from
+# the checkpoint's.
+TRAINING_FLAGS = (
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "lr_decay_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "grad_clip",
+    "batch_size",
+    "grad_accum_steps",
+    "dropout",
+    "precision",
+    "fp8_recipe",
+    "reduce_precision",
+    "sharding",
+    "seed",
+)
 
 
 def check_resumable(cfg, start, model_config, env):
     """Refuse a checkpoint this run cannot continue; say which training flags differ from it, and
     when it has trained to the end already. The same files and flags on every rank: the same verdict
     everywhere."""
-    saved = checkpoint_meta.read_meta(start)
-    if saved["model_type"] != model_config.model_type or saved["model"] != model_config.to_dict():
-        raise ConfigError(
-            f"{start} holds a different model ({model_differences(saved, model_config)}): use "
-            "another --run_name or --checkpoint_dir"
-        )
+    saved = meta.read_meta(start)
+    refuse_another_model(start, saved, model_config)
     trained_with = saved["config"].get("data_parallel", "allreduce")
     if trained_with != cfg.data_parallel:  # AdamW and AccumAdamW keep different optimizer state
         raise ConfigError(
@@ -384,7 +392,7 @@ def generation_model(cfg, env, start, hf_dir):
         cfg.seq_length,
         given_tokenizer(cfg),
         cfg.num_tokens,
-        None if hf_dir else checkpoint_find.run_fallback(cfg),
+        None if hf_dir else find.run_fallback(cfg),
     )
     if env.is_main:
         print(load.describe(loaded.source, loaded.model, loaded.tokenizer, env), flush=True)

@@ -1,7 +1,7 @@
 """The training loop and its parts: AdamW, the run's length and learning-rate schedule, one
-optimizer step (accumulation, clipping), evaluation, and the loop that ties them to logging,
-evaluation and checkpoints. The loop is the same for every backend: run.train_model hands it the
-backend's parts (RunParts)."""
+optimizer step (accumulation, clipping), evaluation, the guard that stops a diverged run at its
+NaN/Inf grad norm, and the loop that ties them to logging, evaluation and checkpoints. The loop is
+the same for every backend: run.train_model hands it the backend's parts (RunParts)."""
 
 import gc
 import math
@@ -16,7 +16,6 @@ from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.eval.harness import TrainingTasks
 from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
 from minimal_fsdp.launch import hangs
-from minimal_fsdp.launch.resilience import NonFiniteGuard
 from minimal_fsdp.parallel.whole_unit import LocalAdamW
 
 
@@ -37,9 +36,9 @@ def build_optimizer(model, cfg, plan=None):
         return AccumAdamW(groups, lr=cfg.lr, betas=betas, accum_steps=cfg.accum_steps)
     if plan is not None and not plan.fused_optimizer:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)
-    # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) about 7x faster
-    # than foreach. whole_unit.py's model steps it on its shards' local tensors (LocalAdamW), as a
-    # small model's step needs.
+    # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) several times
+    # faster than foreach (benchmarks/results/RESULTS.md#levers-kept). whole_unit.py's model steps
+    # it on its shards' local tensors (LocalAdamW), as a small model's step needs.
     adamw = LocalAdamW if plan is not None and plan.strategy == "one-unit" else torch.optim.AdamW
     return adamw(groups, lr=cfg.lr, betas=betas, fused=True)
 
@@ -47,14 +46,14 @@ def build_optimizer(model, cfg, plan=None):
 @dataclass
 class RunParts:
     """What the loop trains and with what, built by run.train_model from the backend's builders
-    (backend.py for CUDA and CPU, xla.py for --device xla)."""
+    (backends/default.py for CUDA and CPU, xla.py for --device xla)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     # steps_per_epoch(), train_batches(step), val_batch(i), state_dict(step) (and tokenizer)
     data: object
     sync: object  # the gradient sync: parallelize.gradient_sync's for the plan, or xla.StepSync
-    checkpointer: object  # checkpoint.Checkpointer, or xla.Checkpointer
+    checkpointer: object  # checkpointer.Checkpointer, or xla.Checkpointer
     # how many take --batch_size sequences of every micro-batch: the ranks, or XLA's devices
     ranks: int
     # waits for the device's queued steps (the backend's synchronize)
@@ -190,9 +189,9 @@ GC_INTERVAL = 50  # steps between the loop's own collections of Python's young o
 def collections_in_step():
     """Python's automatic garbage collection off while training; the loop collects on every rank at
     the same step instead: everything after the first step (torch.compile's objects) and after each
-    save, the young generations every GC_INTERVAL steps. Left automatic, a full collection (50 ms
-    and more with compile's objects alive) pauses one rank at a time, and every other rank waits for
-    it at the next collective, so a steady multi-GPU run loses whole timing windows to it."""
+    save, the young generations every GC_INTERVAL steps. Left automatic, a full collection (tens of
+    milliseconds with compile's objects alive) pauses one rank at a time, and every other rank waits
+    for it at the next collective, so a steady multi-GPU run loses whole timing windows to it."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -257,6 +256,63 @@ def run_tasks(tasks, log, checkpointer, done, due, stop_reason):
     if tasks and tasks.due(done, due.final, due.saves) and not stop_reason:
         with log.paused():
             tasks.run(done, log)
+
+
+class Diverged(RuntimeError):
+    """The loss blew up. Raised on every rank at the same step: the grad norm it is decided on is
+    all-reduced."""
+
+
+class NonFiniteGuard:
+    """Stops the run at a NaN/Inf grad norm, naming the step.
+
+    With --skip_nonfinite N > 0 every step is checked before its update (train_step skips a
+    non-finite one), which makes the host wait for the device once per step. With N = 0 (the
+    default) the check is deferred: grad norms stay on the device and are looked at whenever the
+    loop syncs anyway (logging) and before any checkpoint is written, so a poisoned model is never
+    saved and the hot path never waits."""
+
+    def __init__(self, allowed, warn=None):
+        self.allowed = allowed
+        # prints a warning line on rank 0 (around its progress bar); None elsewhere
+        self.warn = warn
+        self.skipped = 0
+        self.pending = []  # (step, grad norm on the device, loss) not yet looked at
+
+    def check(self, step, grad_norm, loss):
+        """True if the step's update counts. grad_norm is the all-reduced one, so every rank
+        agrees."""
+        if not self.allowed:
+            self.pending.append((step, grad_norm, loss))
+            return True
+        return self._verdict(step, float(grad_norm), loss)
+
+    def flush(self):
+        """Look at the deferred grad norms (one wait for the device); raises Diverged at the first
+        bad one."""
+        pending, self.pending = self.pending, []
+        if pending and not bool(
+            torch.stack([torch.as_tensor(n).float() for _, n, _ in pending]).isfinite().all()
+        ):
+            for step, norm, loss in pending:
+                self._verdict(step, float(norm), loss)
+
+    def _verdict(self, step, grad_norm, loss):
+        if math.isfinite(grad_norm):
+            return True
+        self.skipped += 1
+        if self.skipped > self.allowed:
+            raise Diverged(
+                f"step {step}: the grad norm is {grad_norm} (loss {float(loss):.4g} on rank 0): "
+                "the run diverged and stops here; its last checkpoint is untouched. Lower --lr or "
+                "raise --warmup_steps, or let --skip_nonfinite N skip up to N such steps"
+            )
+        if self.warn:
+            self.warn(
+                f"warning: step {step}: grad norm {grad_norm}; update skipped "
+                f"({self.skipped} of --skip_nonfinite {self.allowed})"
+            )
+        return False
 
 
 def train(parts, cfg, env, plan, stop, saved=None):

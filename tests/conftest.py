@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "basic_training.py"
-# Small enough to train in seconds on one core, big enough to exercise sharding (uneven shards
-# included).
+# Small enough to train in seconds on one core, big enough to exercise sharding (uneven
+# shards included).
 TINY_MODEL = [
     "--num_layers",
     "2",
@@ -224,7 +224,7 @@ def one_rank_group():
 
 
 def global_batch(data, step, world, batch_size, seq_length, seed):
-    """Every rank's first micro-batch of optimizer step `step` of a data.TokenData, concatenated
+    """Every rank's first micro-batch of optimizer step `step` of a tokens.TokenData, concatenated
     (rank 0 first)."""
     parts = []
     for rank in range(world):

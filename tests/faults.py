@@ -47,9 +47,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import state_dict as dcp_state_dict  # noqa: E402
 
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
-from minimal_fsdp.checkpoint import background as checkpoint_async
-from minimal_fsdp.models import gpt as model
+from minimal_fsdp.checkpoint import checkpointer
+from minimal_fsdp.checkpoint.writer import ChecksummingWriter, _Checksummed
+from minimal_fsdp.models import gpt
 from minimal_fsdp.launch import resilience
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp import train  # noqa: E402
@@ -80,7 +80,7 @@ def install_faults():
     lr_at, train_step, forward, save, monotonic = (
         train.Schedule.lr_at,
         train.train_step,
-        model.GPT.forward,
+        gpt.GPT.forward,
         dcp.save,
         resilience.monotonic,
     )
@@ -168,29 +168,29 @@ def install_faults():
                 stream.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            checkpoint_async._Checksummed.write = killing_write
+            _Checksummed.write = killing_write
         return write_data(writer, plan, planner)
 
-    writer = checkpoint_async.ChecksummingWriter
+    writer = ChecksummingWriter
     writer_init, write_data, checksummed_write = (
         writer.__init__,
         writer.write_data,
-        checkpoint_async._Checksummed.write,
+        _Checksummed.write,
     )
     writer.__init__, writer.write_data = faulty_writer_init, faulty_write_data
     fsync = os.fsync
-    train.Schedule.lr_at, train.train_step, model.GPT.forward, dcp.save = (
+    train.Schedule.lr_at, train.train_step, gpt.GPT.forward, dcp.save = (
         tracking_lr_at,
         faulty_train_step,
         faulty_forward,
         faulty_save,
     )
-    checkpoint._write_durably = after(
-        checkpoint._write_durably, "kill_after_meta", lambda path, data: path.name == "meta.json"
+    checkpointer._write_durably = after(
+        checkpointer._write_durably, "kill_after_meta", lambda path, data: path.name == "meta.json"
     )
-    checkpoint._publish = after(checkpoint._publish, "kill_after_rename")
-    checkpoint._write_marker = after(
-        checkpoint._write_marker,
+    checkpointer._publish = after(checkpointer._publish, "kill_after_rename")
+    checkpointer._write_marker = after(
+        checkpointer._write_marker,
         "kill_after_latest",
         lambda run_dir, name, target: name == "latest",
     )
@@ -198,7 +198,7 @@ def install_faults():
 
 
 def install_load_check(report):
-    load = checkpoint.load
+    load = checkpointer.load
 
     def checked_load(path, model, optimizer=None):
         load(path, model, optimizer)
@@ -234,7 +234,7 @@ def install_load_check(report):
                 )
             )
 
-    checkpoint.load = checked_load
+    checkpointer.load = checked_load
 
 
 def launch_with_faults(

@@ -47,8 +47,8 @@ EQUIVALENT = ROOT / "tests" / "mutation_equivalent.txt"
 # These decorators leave a function's body safe to copy and call through mutmut's trampoline, so
 # their functions get mutated too. mutmut 3 skips every decorated function (other than staticmethod
 # and classmethod), which here would leave out AccumAdamW.step, Gossip.finish, train.evaluate,
-# data.epoch_order and others. Not @property or @contextmanager: the trampoline cannot call through
-# those.
+# tokens.epoch_order and others. Not @property or @contextmanager: the trampoline cannot call
+# through those.
 SAFE_DECORATORS = ("torch.no_grad()", "functools.lru_cache(")
 
 

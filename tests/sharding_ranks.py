@@ -21,17 +21,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from minimal_fsdp.launch import environment
-from minimal_fsdp.inference import generate as generation
+from minimal_fsdp.inference import generate
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 from minimal_fsdp.parallel.plan import make_plan
 
-# 3 blocks (the last one never reshards); vocab 42 shards unevenly over 4 ranks (11, 11, 11, 9
-# rows).
+# 3 blocks (the last one never reshards); vocab 42 shards unevenly over 4 ranks (11, 11, 11,
+# 9 rows).
 CONFIG = GPTConfig(vocab_size=42, seq_length=16, num_layers=3, num_heads=2, embed_size=16)
-# FSDP unit per block (as large models have it), and the whole model as one unit (small models'
-# default)
+# FSDP unit per block (as large models have it), and the whole model as one unit (small
+# models' default)
 SHARDINGS = {
     "full-shard": ["--fsdp_unit", "block"],
     "grad-shard": ["--fsdp_unit", "block"],
@@ -140,13 +140,13 @@ def generation_state(env):
             local = p.to_local() if isinstance(p, DTensor) else p
             local.add_(torch.randn(local.shape, generator=noise))
     prompt, n = "1 2 3", 24
-    text = generation.generate(model, Numbers(), prompt, n, temperature=1.0, top_k=0, seed=0)
+    text = generate.generate(model, Numbers(), prompt, n, temperature=1.0, top_k=0, seed=0)
     # each rank keeps its own token
-    generation.dist = SimpleNamespace(broadcast=lambda tensor, src: None)
+    generate.dist = SimpleNamespace(broadcast=lambda tensor, src: None)
     try:
-        own = generation.generate(model, Numbers(), prompt, n, temperature=1.0, top_k=0, seed=0)
+        own = generate.generate(model, Numbers(), prompt, n, temperature=1.0, top_k=0, seed=0)
     finally:
-        generation.dist = dist
+        generate.dist = dist
     return {"text": text, "own": own}
 
 

@@ -24,17 +24,17 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 import reference as plain
 import tokenizer_dirs
 from conftest import ROOT, TINY_MODEL, make_text, mpiexec
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import checkpointer
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.__main__ import COMMANDS
 from minimal_fsdp.config.flags import one_line_errors, parse_args
 from minimal_fsdp.config.parser import parse
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf import read
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.parallel import gossip
-from minimal_fsdp.parallel import plan as plan_module
+from minimal_fsdp.parallel import plan
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.parallel.gossip import exchange_for, exp_distances, mixing_matrix
 from minimal_fsdp.parallel.parallelize import init_weights
@@ -74,7 +74,7 @@ def plain_plan(**fields):
         num_params=NUM_PARAMS,
     )
     base.update(fields)
-    return plan_module.ParallelPlan(**base)
+    return plan.ParallelPlan(**base)
 
 
 # --- strategies against the reference; reduced gradients ---
@@ -400,7 +400,7 @@ def save_three(root):
             "schedule": {"lr_decay_steps": 10, "last_step": 100 if step == 3 else None},
             "data": {"train_blocks_seen": 4 * step},
         }
-        checkpoint.save(
+        checkpointer.save(
             root / "run",
             step,
             model,
@@ -597,7 +597,7 @@ HOSTILE_META = {
 
 # --- flags ---
 def one_error_line(capsys, call, *args):
-    """Bad input as the user sees it (config.one_line_errors): exit code 2 and one `error:` line on
+    """Bad input as the user sees it (flags.one_line_errors): exit code 2 and one `error:` line on
     stderr."""
     with pytest.raises(SystemExit) as exited:
         one_line_errors(call)(*args)
@@ -645,7 +645,7 @@ def write_jsonl(directory, documents, files=2):
 
 def command(name, *argv, one_line=True):
     """`minimal-fsdp NAME ARGV...` in this process, as minimal_fsdp.__main__ runs it: the flags
-    parsed once, then the command's main (commands/NAME.py), whose return value comes back. Bad
+    parsed once, then the main of the command's module in commands/, whose return value comes back. Bad
     input ends it with one `error:` line and exit 2, or with one_line=False is raised
     (ConfigError)."""
     flags, module, _ = COMMANDS[name]
@@ -702,9 +702,9 @@ def hf_llama(directory, **kw):
 
 
 def ours_from(directory, seq_length=None):
-    model_type, config = hf.read_config(directory, seq_length)
+    model_type, config = read.read_config(directory, seq_length)
     model = MODELS[model_type](config).eval()
-    hf.load_weights(model, directory, model_type)
+    read.load_weights(model, directory, model_type)
     return model
 
 

@@ -316,20 +316,14 @@ def test_the_commands_sit_on_top_in_one_room():
 def test_no_import_cycle_and_no_chain_longer_than_the_floors_allow():
     graph = {name: {m for m in deps if m in MODULES} for name, deps in GRAPH.items()}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
-    rooms = {owner: frozenset(allowed - {"config"} if owner == "files" else allowed)
-             for owner, allowed in RULES.items()}  # fmt: skip
+    rooms = {owner: frozenset(allowed) for owner, allowed in RULES.items()}
     floors = len(longest_chain(rooms))
     chain = longest_chain(graph)
     assert len(chain) <= floors + STEPS_WITHIN_ROOMS, " -> ".join(chain)
 
 
-def test_no_loop_of_rooms_but_config_and_files():
-    """The rooms' graph has no loop; config <-> files, the one left, is taken out here alone, until
-    the run lock moves out of files.py (then this test fails: drop `files: config` from the
-    table)."""
+def test_no_loop_of_rooms():
     rooms = room_graph(GRAPH)
-    assert "config" in rooms["files"] and "files" in rooms["config"]
-    rooms["files"].discard("config")
     assert find_cycle(rooms) is None, " -> ".join(find_cycle(rooms))
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.models.gpt import GPT, GPTConfig
@@ -24,8 +24,8 @@ def plain_sample(run_dir, prompt, num_tokens, seed):
     """The run's newest checkpoint sampled in one process, without a KV cache: each token from a
     full forward over the context (cut to its newer half once it outgrows the model's seq_length),
     the default temperature and top-k, and a generator seeded with `seed`."""
-    path = checkpoint_find.latest(run_dir)
-    model = GPT(GPTConfig(**checkpoint_meta.read_meta(path)["model"])).eval()
+    path = find.latest(run_dir)
+    model = GPT(GPTConfig(**meta.read_meta(path)["model"])).eval()
     model.load_state_dict(safe_load.load_full_model_state(path))
     defaults = parse_args([])
     tokenizer = load_tokenizer(path)
@@ -204,12 +204,7 @@ def test_ctrl_c_under_mpiexec_saves_a_checkpoint_and_exits_0(tmp_path, corpus):
     assert len(stopped) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     step = int(stopped[0].split(":")[0].split()[1])
     assert 2 <= step < FAR  # a time-bounded look, not a logging step
-    assert (
-        checkpoint_meta.read_meta(checkpoint_find.latest(tmp_path / "checkpoints" / "corpus"))[
-            "step"
-        ]
-        == step
-    )
+    assert meta.read_meta(find.latest(tmp_path / "checkpoints" / "corpus"))["step"] == step
 
 
 @pytest.mark.slow
@@ -244,7 +239,7 @@ def test_the_banner_leaves_out_what_hf_model_replaces():
     show them."""
     from types import SimpleNamespace
 
-    from minimal_fsdp import metrics
+    from minimal_fsdp.backends import banner
 
     plan = SimpleNamespace(
         shard_ranks=1, cpu_offload=False, decentralized=False, fp8=None, describe=lambda: "no FSDP"
@@ -258,9 +253,9 @@ def test_the_banner_leaves_out_what_hf_model_replaces():
         device=torch.device("cpu"),
     )
     model = torch.nn.Linear(2, 2)
-    text = metrics.banner(parse_args(["--hf_model", "some/dir"]), env, plan, model)
+    text = banner.banner(parse_args(["--hf_model", "some/dir"]), env, plan, model)
     assert "hf_model = " in text and "model_preset" not in text and "tokenizer = " not in text
-    assert "model_preset = \"tiny\"" in metrics.banner(parse_args([]), env, plan, model)
+    assert "model_preset = \"tiny\"" in banner.banner(parse_args([]), env, plan, model)
 
 
 # The README's commands, walked in order in a fresh copy of the repository (what a new user does
@@ -327,8 +322,8 @@ def test_the_readmes_commands_run_in_order_in_a_fresh_clone(tmp_path):
     ).stdout
     subprocess.run(["tar", "-x", "-C", tmp_path], input=archive, check=True)
     (tmp_path / "my.txt").write_text(make_text(20_000, seed=1))
-    # The copy's package, not the installed one, for `minimal-fsdp` too; one thread per rank, as
-    # launch().
+    # The copy's package, not the installed one, for `minimal-fsdp` too; one thread per rank,
+    # as launch().
     env = dict(os.environ, PYTHONPATH=str(tmp_path), OMP_NUM_THREADS="1")
     programs = {
         "mpiexec": [mpiexec()],
@@ -380,14 +375,14 @@ def test_the_readmes_commands_run_in_order_in_a_fresh_clone(tmp_path):
     )
     # training on your own text right after the quick start
     assert ran.index(quick) < ran.index(own)
-    # The quick start's run directories (the default --run_name); your text prepared once into
-    # data/my/char.
+    # The quick start's run directories (the default --run_name); your text prepared once
+    # into data/my/char.
     assert (tmp_path / "checkpoints" / "shakespeare" / "latest").exists()
     assert (tmp_path / "logs" / "shakespeare" / "metrics.jsonl").exists()
     assert (tmp_path / "data" / "my" / "char").is_dir()
     assert samples[again] != samples[alone]  # --seed 7 against the default 1337: another text
-    # The README points to docs/evaluate.md for benchmarks: its first command, on the quick start's
-    # run.
+    # The README points to docs/evaluate.md for benchmarks: its first command, on the quick
+    # start's run.
     assert "docs/evaluate.md" in (tmp_path / "README.md").read_text()
     evaluate = doc_command("evaluate.md", "minimal-fsdp evaluate checkpoints/shakespeare")
     printed = run(evaluate)

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from conftest import TINY_MODEL
 from minimal_fsdp.config.flags import ConfigError, parse_args
-from minimal_fsdp.metrics import TAGS, Metrics, state_bytes_per_rank
+from minimal_fsdp.metrics import TAGS, Metrics
+from minimal_fsdp.backends.banner import state_bytes_per_rank
 from minimal_fsdp.tools.plot import read_metrics
 
 from support import command
@@ -263,7 +264,7 @@ def test_a_real_retry_is_counted():
     instead: no retry to make)."""
     import os
 
-    from minimal_fsdp.metrics import allocator_retries
+    from minimal_fsdp.profiling import allocator_retries
 
     if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         pytest.skip("expandable segments make no retry here")

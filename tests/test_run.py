@@ -128,8 +128,8 @@ def test_an_unreachable_hub_fails_at_once_and_leaves_nothing(tmp_path, monkeypat
     pytest.importorskip("datasets")
     with pytest.raises(ConfigError, match="hub .* is unreachable .offline.."):
         documents.open_documents("someone/some_dataset", "--input_file")
-    # A tokenizer that needs the network fails before anything is written: no empty directory is
-    # left.
+    # A tokenizer that needs the network fails before anything is written: no empty directory
+    # is left.
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
     monkeypatch.setattr(tokenizer, "reachable", lambda url: False)
     with pytest.raises(SystemExit):
@@ -149,7 +149,7 @@ def test_a_bug_on_rank_0_is_exit_1_with_its_traceback_and_bad_input_stays_exit_2
     def broken(name):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(run.hf, "resolve", broken)
+    monkeypatch.setattr(run.hub, "resolve", broken)
     flags = [
         "--dataset",
         "text",
@@ -169,7 +169,7 @@ def test_a_bug_on_rank_0_is_exit_1_with_its_traceback_and_bad_input_stays_exit_2
     def bad_input(name):
         raise ConfigError("--hf_model gpt2: not found")
 
-    monkeypatch.setattr(run.hf, "resolve", bad_input)
+    monkeypatch.setattr(run.hub, "resolve", bad_input)
     with pytest.raises(SystemExit) as exit_code:
         command("train", *flags)
     err = capsys.readouterr().err

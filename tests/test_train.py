@@ -1,7 +1,7 @@
 """train.py's parts in one process, without a launch: the run's length and what the startup line
 says about it, the schedule at its boundaries, the optimizer's groups and betas, one optimizer
-step's calls into the gradient sync, and evaluation. The loop as a whole: test_run.py (in process)
-and test_resume.py, test_schedule.py."""
+step's calls into the gradient sync, evaluation, and the NaN/Inf guard's verdicts and messages. The
+loop as a whole: test_run.py (in process) and test_resume.py, test_schedule.py."""
 
 import gc
 import math
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimal_fsdp import train as train_module
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.config.flags import parse_args
-from minimal_fsdp.launch.resilience import Diverged
 from minimal_fsdp.train import (
+    Diverged,
+    NonFiniteGuard,
     RunParts,
     Schedule,
     _to_device,
@@ -493,8 +493,8 @@ def loop(
 ):
     """train.train for 6 steps (unless flags say otherwise) with stand-ins for everything around the
     loop."""
-    monkeypatch.setattr(train_module, "TrainingLog", Log)
-    monkeypatch.setattr(train_module, "mean_across_ranks", float)
+    monkeypatch.setattr("minimal_fsdp.train.TrainingLog", Log)
+    monkeypatch.setattr("minimal_fsdp.train.mean_across_ranks", float)
     if gc.collect is COLLECT:
         # the loop's full collections take 0.15 s each with a whole test session's objects alive
         # (most of this file's time); when it collects is tested with a collect of its own below
@@ -666,8 +666,8 @@ def test_loop_stops_at_a_nonfinite_step_at_the_next_log_before_saving(monkeypatc
         finally:
             run_events = Log.made.events
     assert kinds(run_events) == ["step", "step", "exit"]  # found at the step-2 log; nothing saved
-    # --skip_nonfinite 0 never checks a step before its update (that would wait for the device every
-    # step)
+    # --skip_nonfinite 0 never checks a step before its update (that would wait for the device
+    # every step)
     assert len(LrSpy.made.lrs) == 2
 
 
@@ -698,7 +698,7 @@ def test_loop_collects_garbage_itself_at_the_same_steps_on_every_rank(monkeypatc
     def collect(generation=2):
         collections.append((steps_so_far(), generation, gc.isenabled()))
 
-    monkeypatch.setattr(train_module, "GC_INTERVAL", 2)
+    monkeypatch.setattr("minimal_fsdp.train.GC_INTERVAL", 2)
     monkeypatch.setattr(gc, "collect", collect)
     assert gc.isenabled()
     loop(monkeypatch, "--max_steps", 7)
@@ -728,7 +728,7 @@ def test_loop_collects_garbage_itself_at_the_same_steps_on_every_rank(monkeypatc
 
 def test_loop_leaves_garbage_collection_as_it_found_it_after_an_error(monkeypatch):
     monkeypatch.setattr(
-        train_module, "train_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        "minimal_fsdp.train.train_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
     )
     with pytest.raises(RuntimeError, match="boom"):
         loop(monkeypatch)
@@ -740,3 +740,60 @@ def test_loop_leaves_garbage_collection_as_it_found_it_after_an_error(monkeypatc
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+# ---- the NaN/Inf guard ----
+
+NAN = float("nan")
+
+
+def test_deferred_guard_never_skips_and_flush_names_the_first_bad_step():
+    guard = NonFiniteGuard(allowed=0)
+    # --skip_nonfinite 0: every update counts at check time, even a NaN one (nothing is synced then)
+    assert guard.check(1, torch.tensor(1.5), torch.tensor(2.0)) is True
+    assert guard.check(2, torch.tensor(math.inf), torch.tensor(2.5)) is True
+    assert guard.check(3, torch.tensor(NAN), torch.tensor(3.0)) is True
+    with pytest.raises(Diverged) as raised:
+        guard.flush()
+    assert str(raised.value) == (
+        "step 2: the grad norm is inf (loss 2.5 on rank 0): the run diverged and stops here; its "
+        "last checkpoint is untouched. Lower --lr or raise --warmup_steps, or let --skip_nonfinite "
+        "N skip up to N such steps"
+    )
+    assert guard.pending == [] and guard.flush() is None  # looked at once; nothing left
+
+
+def test_deferred_guard_flush_of_finite_norms_passes_and_empties():
+    guard = NonFiniteGuard(allowed=0)
+    guard.flush()  # nothing pending: no error
+    for step in range(1, 4):
+        guard.check(step, torch.tensor(float(step)), torch.tensor(1.0))
+    assert len(guard.pending) == 3
+    guard.flush()
+    assert guard.pending == [] and guard.skipped == 0
+
+
+def test_skipping_guard_skips_up_to_n_steps_with_a_warning_then_stops():
+    warnings = []
+    guard = NonFiniteGuard(allowed=2, warn=warnings.append)
+    assert guard.check(1, torch.tensor(0.5), torch.tensor(4.0)) is True
+    assert guard.check(2, torch.tensor(NAN), torch.tensor(4.0)) is False
+    assert guard.check(3, torch.tensor(1.0), torch.tensor(3.0)) is True
+    assert guard.check(4, torch.tensor(-math.inf), torch.tensor(3.0)) is False
+    assert guard.pending == [] and guard.skipped == 2
+    assert warnings == [
+        "warning: step 2: grad norm nan; update skipped (1 of --skip_nonfinite 2)",
+        "warning: step 4: grad norm -inf; update skipped (2 of --skip_nonfinite 2)",
+    ]
+    with pytest.raises(
+        Diverged, match=r"^step 7: the grad norm is nan \(loss 1.25 on rank 0\): the run diverged"
+    ):
+        guard.check(7, torch.tensor(NAN), torch.tensor(1.25))
+    assert len(warnings) == 2
+
+
+def test_skipping_guard_without_a_warn_callback_still_skips():
+    guard = NonFiniteGuard(allowed=1)  # ranks other than 0 have no progress bar to print around
+    assert guard.check(5, torch.tensor(NAN), torch.tensor(1.0)) is False
+    with pytest.raises(Diverged, match="^step 6:"):
+        guard.check(6, torch.tensor(NAN), torch.tensor(1.0))

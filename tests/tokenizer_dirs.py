@@ -11,8 +11,8 @@ from pathlib import Path
 
 from conftest import make_text
 
-# Spaces (runs, leading, trailing), newlines (\n, \r\n, blank lines), tabs, digits and unseen
-# unicode.
+# Spaces (runs, leading, trailing), newlines (\n, \r\n, blank lines), tabs, digits and
+# unseen unicode.
 MIXED = [
     "ROMEO:\n  the  king's crown \u2014 na\u00efve caf\u00e9 \U0001f600\n\n\tend of it.  ",
     "KING: 42 or 1234567, 4.5e10\r\nthou   art\u00a0here \u4e2d\u6587 \u30c6\u30ad\u30b9\u30c8 "
@@ -83,7 +83,7 @@ def write_sentencepiece(directory, vocab_size=300):
 def tiktoken_ranks(vocab_size=350):
     """BPE ranks trained with tiktoken's own (educational) trainer on Llama 3's split pattern."""
     from tiktoken._educational import bpe_train
-    from minimal_fsdp.data.tokenizer import LLAMA3_PATTERN
+    from minimal_fsdp.data.tokenizer_files import LLAMA3_PATTERN
 
     with contextlib.redirect_stdout(io.StringIO()):
         return bpe_train(training_text()[:8000], vocab_size, LLAMA3_PATTERN, visualise=None)
@@ -93,7 +93,7 @@ def stub_gpt2_encoding(monkeypatch):
     """tiktoken's gpt2 encoding stood in for by a tiny one with GPT-2's split pattern (no gpt2 files
     offline); returns the stand-in."""
     import tiktoken
-    from minimal_fsdp.data import tokenizer as tk
+    from minimal_fsdp.data import tokenizer
 
     ranks = tiktoken_ranks()
     pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -103,7 +103,7 @@ def stub_gpt2_encoding(monkeypatch):
         mergeable_ranks=ranks,
         special_tokens={"<|endoftext|>": len(ranks)},
     )
-    monkeypatch.setattr(tk, "gpt2_cached", lambda: True)
+    monkeypatch.setattr(tokenizer, "gpt2_cached", lambda: True)
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: stub)
     return stub
 

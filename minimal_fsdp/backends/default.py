@@ -5,10 +5,10 @@ XLA gives the same parts for --device xla."""
 
 import torch
 
-from minimal_fsdp.checkpoint import background as checkpoint_background
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
-from minimal_fsdp.hf import read as hf
-from minimal_fsdp.metrics import banner
+from minimal_fsdp.checkpoint.background import for_run
+from minimal_fsdp.checkpoint.checkpointer import Checkpointer
+from minimal_fsdp.hf import read
+from minimal_fsdp.backends.banner import banner
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 
@@ -33,16 +33,14 @@ class Torch:
             MODELS[model_config.model_type], model_config, self.plan, self.env, self.cfg.seed
         )
         if hf_dir:
-            hf.load_weights(model, hf_dir, model_config.model_type)
+            read.load_weights(model, hf_dir, model_config.model_type)
         return model
 
     def checkpointer(self, model_config, tokenizer_dir, model):
         """Collective: every rank agrees on saving in the background or not (background.for_run)
         first."""
-        background = checkpoint_background.for_run(
-            self.cfg, self.env, model, self.plan.decentralized
-        )
-        return checkpoint.Checkpointer(
+        background = for_run(self.cfg, self.env, model, self.plan.decentralized)
+        return Checkpointer(
             self.cfg, model_config, tokenizer_dir, self.plan.decentralized, background
         )
 

@@ -8,12 +8,12 @@ gathers and reductions. Each host feeds its own rows of the global batch: --batc
 sequences per device, as it counts them per rank elsewhere, so 4 devices with --batch_size 2 see
 exactly the batches of one CPU rank with --batch_size 8.
 
-Checkpoints have checkpoint.py's layout and parameter names, written and read by torch_xla's DCP
-planners, so they load in CPU/CUDA runs and back. The run is wired as every run is (run.train_model,
-train.train's loop, train.build_optimizer's AdamW); this module's XLA gives the wiring what is
-torch_xla's, as backend.Torch does for CUDA and CPU: the sharded model, device batches, a step that
-ends in torch_xla.sync() and the checkpointer. Generation runs on the host from the saved checkpoint
-(run.py).
+Checkpoints have checkpoint/checkpointer.py's layout and parameter names, written and read by
+torch_xla's DCP planners, so they load in CPU/CUDA runs and back. The run is wired as every run is
+(run.train_model, train.train's loop, train.build_optimizer's AdamW); this module's XLA gives the
+wiring what is torch_xla's, as default.Torch does for CUDA and CPU: the sharded model, device
+batches, a step that ends in torch_xla.sync() and the checkpointer. Generation runs on the host from
+the saved checkpoint (run.py).
 """
 
 import dataclasses
@@ -49,12 +49,12 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
     SpmdFullyShardedDataParallel as FSDPv2,
 )
 
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import checkpointer
 from minimal_fsdp.launch import hosts
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf.read import load_weights
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.metrics import banner
+from minimal_fsdp.backends.banner import banner
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.parallel.parallelize import LocalSync, init_weights, seed64
 
@@ -134,19 +134,19 @@ def build_model(model_cls, model_config, cfg, mesh, hf_dir=None):
     """Built and initialized on the host exactly as on CPU (init_weights: the same values for any
     layout), given a Hugging Face model's weights if asked, then moved to the devices and sharded by
     FSDPv2: each block, then the rest. The model classes are untouched; their loss stays the plain
-    model.cross_entropy."""
+    layers.cross_entropy."""
     model = model_cls(model_config)
     init_weights(model, cfg.seed, "cpu")
     if hf_dir:
-        hf.load_weights(model, hf_dir, model_config.model_type)
+        load_weights(model, hf_dir, model_config.model_type)
 
     def wrap_block(block, *args, **kwargs):
         return FSDPv2(
             checkpoint_module(block) if cfg.activation_checkpoints else block, *args, **kwargs
         )
 
-    # FSDPv2 hooks each wrapped module's backward; the root's inputs are token ids, which have no
-    # gradient.
+    # FSDPv2 hooks each wrapped module's backward; the root's inputs are token ids, which have
+    # no gradient.
     warnings.filterwarnings(
         "ignore",
         "Full backward hook is firing when gradients are computed with respect to module outputs",
@@ -167,7 +167,7 @@ def build_model(model_cls, model_config, cfg, mesh, hf_dir=None):
     return model
 
 
-# ---- checkpoints: checkpoint.py's layout and names ----
+# ---- checkpoints: checkpoint/checkpointer.py's layout and names ----
 
 
 class SafeLoadPlanner(SPMDLoadPlanner):
@@ -193,10 +193,10 @@ def _optimizer_renamed(state, rename):
 
 
 def _state(model, optimizer):
-    """checkpoint._state's dict, with FSDPv2's wrappers left out of the names
+    """checkpointer._state's dict, with FSDPv2's wrappers left out of the names
     (model.blocks.0.attn.qkv.weight, optim.state.wte.weight.exp_avg, ...); its values are the live
     tensors, sharded on the devices. Flattened (flatten_state_dict) before it meets torch_xla's
-    planners, so it is saved under checkpoint.py's keys."""
+    planners, so it is saved under checkpoint/checkpointer.py's keys."""
     state = {
         "model": {_saved_name(name): value for name, value in get_model_state_dict(model).items()}
     }
@@ -231,7 +231,7 @@ def load(path, model, optimizer=None):
 
 
 class DeviceData:
-    """The run's data (data.TokenData or streaming.StreamingData), bound to this host's rows, with
+    """The run's data (tokens.TokenData or streaming.StreamingData), bound to this host's rows, with
     its batches sent to the devices: the data train.train reads."""
 
     def __init__(self, data, devices):
@@ -259,15 +259,15 @@ class StepSync(LocalSync):
         torch_xla.sync()
 
 
-class Checkpointer(checkpoint.Checkpointer):
-    """checkpoint.Checkpointer (the same directory protocol, meta.json and keys), with the shards
+class Checkpointer(checkpointer.Checkpointer):
+    """checkpointer.Checkpointer (the same directory protocol, meta.json and keys), with the shards
     written and read on the devices by torch_xla's planners."""
 
     def __init__(self, cfg, model_config, tokenizer_dir):
         super().__init__(cfg, model_config, tokenizer_dir, decentralized=False)
 
     def write(self, step, model, optimizer, meta):
-        return checkpoint.save(
+        return checkpointer.save(
             self.run_dir,
             step,
             model,
@@ -284,7 +284,7 @@ class Checkpointer(checkpoint.Checkpointer):
 
 
 class XLA:
-    """plan.backend "xla": the parts run.train_model wires, as backend.Torch gives them for CUDA and
+    """plan.backend "xla": the parts run.train_model wires, as default.Torch gives them for CUDA and
     CPU. Each device is one data-parallel member of --batch_size sequences; this host feeds its own
     devices' rows."""
 
@@ -320,7 +320,7 @@ class XLA:
         xm.set_rng_state(seed64(self.cfg.seed * 1_000_003 + step))
 
     def banner(self, model, start, checkpointer):
-        """metrics.banner with the XLA layout in its first line: every parameter sharded over every
+        """banner.banner with the XLA layout in its first line: every parameter sharded over every
         device."""
         xla_plan = dataclasses.replace(self.plan, shard_ranks=self.devices.total)
         text = banner(self.cfg, self.env, xla_plan, model, start, checkpointer).split("\n", 1)[1]

@@ -4,13 +4,13 @@ cost training (Saved).
 An asynchronous save stops training only to copy the rank's model and optimizer state into host
 memory (page-locked on a GPU, and kept from one save to the next: Background.stage). DCP's
 async_save then plans the save from its own thread while the rank's writer process writes the files,
-and the rest of the save (checkpoint._complete: the checksums gathered, meta.json, the rename, the
+and the rest of the save (checkpointer._complete: the checksums gathered, meta.json, the rename, the
 commit, pruning) follows in that thread. Its collectives run on a gloo process group of their own,
 so they never interleave with training's. At most one save is in flight: the next save, a stop and
 the end of the run wait for it, and every logging step asks (one collective) whether it has ended,
 so a failed write ends the run there.
 
-The files' bytes are written by a process of the rank's own (checkpoint_writer.WriterProcess) from
+The files' bytes are written by a process of the rank's own (writer.WriterProcess) from
 host memory both map, so that the write's Python work does not hold training's GIL; DCP's planning
 and collectives stay in its thread here. DCP's own process-based async_save would need every rank's
 process to meet again (a second rendezvous, which mpiexec, srun and PBS launches do not give) and a
@@ -35,12 +35,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from minimal_fsdp.launch import hosts
-from minimal_fsdp.checkpoint.writer import (  # noqa: F401 - imported from here too
+from minimal_fsdp.checkpoint.writer import (
     ALIGN,
-    ChecksummingWriter,
     SharedMemory,
     WriterProcess,
-    _Checksummed,
     in_process,
 )
 from minimal_fsdp.config.checks import host_memory_available
@@ -65,9 +63,9 @@ class Saved:
 
 
 def writer_threads(state):
-    """Files (and threads) a rank writes its shard in: one per GB, at most 4. One thread checksums
-    and writes 0.6 GB/s, four 1.26 GB/s, as fast as that host's disk (dd 1.3 GB/s; H200 host, torch
-    2.11); a small state stays in one file."""
+    """Files (and threads) a rank writes its shard in: one per GB, at most 4: four threads write as
+    fast as a GPU host's disk, one does not (benchmarks/results/RESULTS.md#levers-kept); a small
+    state stays in one file."""
     size = sum(
         (t.to_local() if isinstance(t, DTensor) else t).nbytes
         for t in flatten_state_dict(state)[0].values()
@@ -163,16 +161,16 @@ class Background:
                 backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds)
             )
         self.pin = device.type == "cuda"
-        # Host memory the writer process maps too (checkpoint_writer.in_process says whether there
+        # Host memory the writer process maps too (writer.in_process says whether there
         # is one).
         self.memory = SharedMemory(self.pin) if in_process() else None
         # flattened key -> (host tensor, where it lies in self.memory), taken at the first save
         self.buffers = {}
         self.spare = {}  # (shape, dtype) -> such pairs made at startup, for the first save to take
         if self.pin and model is not None:
-            # Page-locking runs at about 1 GB/s (1.8 GB took 1.7 s on an H200 host): done here, at
-            # startup, for every parameter's shard and its AdamW moments, so that no save waits for
-            # it.
+            # Page-locking is slow (benchmarks/results/RESULTS.md#levers-kept): done here, at
+            # startup, for every parameter's shard and its AdamW moments, so that no save waits
+            # for it.
             shards = [
                 param.to_local() if isinstance(param, DTensor) else param
                 for param in model.parameters()

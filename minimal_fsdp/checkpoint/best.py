@@ -3,9 +3,9 @@
 as the harness's task declares for that metric: accuracy up, perplexity down).
 
 Each checkpoint records the choice and the scores of its step in meta.json (state.eval_tasks,
-written by evaluate.TrainingTasks.state_dict): a resumed run keeps choosing by the metric it began
-with, and checkpoint.py asks better() whether a new checkpoint beats the one `best` names, by the
-new one's record.
+written by harness.TrainingTasks.state_dict): a resumed run keeps choosing by the metric it began
+with, and checkpoint/checkpointer.py asks better() whether a new checkpoint beats the one `best`
+names, by the new one's record.
 """
 
 import math
@@ -21,7 +21,7 @@ NAME_FORM = (
 
 def read_record(meta):
     """A checkpoint's state.eval_tasks record ({} if it has none). meta.json is read before anything
-    can vouch for it (checkpoint_meta.py), so every field is checked here before use."""
+    can vouch for it (checkpoint/meta.py), so every field is checked here before use."""
     state = meta.get("state") if isinstance(meta, dict) else None
     record = state.get("eval_tasks") if isinstance(state, dict) else None
     if not isinstance(record, dict):

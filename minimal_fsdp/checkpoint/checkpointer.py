@@ -2,24 +2,24 @@
 without pickle.
 
 Layout of <checkpoint_dir>/<run_name>/:
-  step_<N>/   DCP shards (one file per rank) and .metadata; meta.json (checkpoint_meta.py);
+  step_<N>/   DCP shards (one file per rank) and .metadata; meta.json (checkpoint/meta.py);
               rng_<rank>.pt (each rank's torch, CUDA, numpy and python RNG states); the tokenizer's
               files
   latest      names the newest committed checkpoint; best the one with the lowest val loss
-              (best_metric.py)
-  .lock       held by the training run that uses the directory (files.RunLock)
+              (checkpoint/best.py)
+  .lock       held by the training run that uses the directory (run_lock.RunLock)
 
 A checkpoint is written as .tmp-step_<N> and renamed only when every rank has finished; moving
 `latest` to it commits it. A crash anywhere in a save leaves the previous checkpoint, and `latest`,
 untouched; a failed save (a full disk) is reported in one line on every rank, and its partial
 directory removed. Every file's checksum is taken from its bytes as they are written
-(checkpoint_async.py, which also writes a save beside training under --checkpoint_mode async).
+(checkpoint/background.py, which also writes a save beside training under --checkpoint_mode async).
 Before a run loads a checkpoint every file is checked against its recorded size and checksum, the
 ranks sharing the reading; a damaged checkpoint is reported in one line and the previous complete
 one is used.
 
-meta.json's layout is described in checkpoint_meta.py; finding a complete checkpoint is
-checkpoint_find.py's job.
+meta.json's layout is described in checkpoint/meta.py; finding a complete checkpoint is
+checkpoint/find.py's job.
 
 Loading never runs code from the files: DCP's .metadata pickle is read by an unpickler that knows
 only the plain classes it is made of (safe_load.py), and everything else with json or
@@ -48,13 +48,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from minimal_fsdp.checkpoint import background as checkpoint_async
+from minimal_fsdp.checkpoint.background import writer_threads
 from minimal_fsdp import files
+from minimal_fsdp.launch import run_lock
 from minimal_fsdp.checkpoint.best import better
-from minimal_fsdp.checkpoint.background import ChecksummingWriter, Saved
+from minimal_fsdp.checkpoint.background import Saved
+from minimal_fsdp.checkpoint.writer import ChecksummingWriter
 from minimal_fsdp.checkpoint.writer import write_failure_reason
-from minimal_fsdp.checkpoint.find import load_first, marker, step_dirs, step_of
-from minimal_fsdp.checkpoint.rng import read_rng, rng_bytes as _rng_bytes, rng_file  # noqa: F401 (tests use _rng_bytes here)
+from minimal_fsdp.checkpoint.find import load_first, marker, step_dirs
+from minimal_fsdp.checkpoint.dirs import step_of
+from minimal_fsdp.checkpoint.rng import read_rng, rng_bytes, rng_file
 from minimal_fsdp.parallel.parallelize import seed64
 from minimal_fsdp.checkpoint.meta import FORMAT, read_meta
 from minimal_fsdp.checkpoint.safe_load import SafeLoadPlanner, SafeReader
@@ -79,7 +82,7 @@ class Checkpointer:
     data).
 
     Given the run's env and model (collective then), saves are asynchronous where --checkpoint_mode
-    and the host's memory say so (checkpoint_async.for_run): `mode`, and `staging` bytes of host
+    and the host's memory say so (background.for_run): `mode`, and `staging` bytes of host
     memory per rank."""
 
     restore_s = restored_from = None  # how long the restore took, and from where, once one has
@@ -212,36 +215,36 @@ def save(
     --keep_last. `state` replaces the model and optimizer state when given (decentralized replicas:
     save_replicas; xla.py), `planner` DCP's save planner. If any rank fails (a full disk, say),
     every rank raises SaveError and the partial directory is removed. With `background`
-    (checkpoint_async.Background) save returns once the state is copied to host memory; the rest
+    (background.Background) save returns once the state is copied to host memory; the rest
     goes on in the background, and background.wait() tells how it ended."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step_{step}", run_dir / f".tmp-step_{step}"
     error = None
     if dist.get_rank() == 0:
         try:
-            files.check_lock(run_dir)
+            run_lock.check_lock(run_dir)
             for leftover in run_dir.glob(".tmp-*"):  # of a save or a prune that crashed
                 shutil.rmtree(leftover, ignore_errors=True)
             tmp.mkdir(parents=True)
-        except (OSError, files.LockError) as e:
+        except (OSError, run_lock.LockError) as e:
             error = e
     # the others wait here for the directory
     _gather_or_fail(f"cannot start checkpoint {final}", error, tmp)
     state = _state(model, optimizer) if state is None else state
     writer = ChecksummingWriter(
         tmp,
-        checkpoint_async.writer_threads(state),
+        writer_threads(state),
         staged=background is not None,
         process=background and background.writer,
     )
     meta = dict(meta, step=step, world_size=dist.get_world_size())
     complete = functools.partial(
-        _complete, run_dir, final, tmp, meta, writer, _rng_bytes(), tokenizer_dir, keep_last
+        _complete, run_dir, final, tmp, meta, writer, rng_bytes(), tokenizer_dir, keep_last
     )
     if background is None:
         try:
-            # DCP gathers the ranks' failures and raises them on every rank, so all reach the gather
-            # below.
+            # DCP gathers the ranks' failures and raises them on every rank, so all reach the
+            # gather below.
             dcp.save(state, storage_writer=writer, planner=planner)
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - a full disk, as OSError or inside DCP's
             return complete(e)  # CheckpointException (a BaseException)
@@ -440,8 +443,8 @@ def load(path, model, optimizer=None):
         set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
-# Decentralized training: every rank holds a different replica, so a checkpoint keeps them apart by
-# rank.
+# Decentralized training: every rank holds a different replica, so a checkpoint keeps them apart
+# by rank.
 
 
 def _network_average(tree):

@@ -1,6 +1,6 @@
 """A run directory's checkpoints, read without torch: its step_<N> directories, the `latest`/`best`
 markers, the order to try them in, and whether each file meta.json records is as saved (size,
-CRC-32). checkpoint_find.py checks checkpoints fully; progress.py (the job chains) with what is here
+CRC-32). checkpoint/find.py checks checkpoints fully; progress.py (the job chains) with what is here
 and meta.json's schema alone."""
 
 import re

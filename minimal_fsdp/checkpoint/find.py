@@ -1,7 +1,7 @@
 """Finding a checkpoint to load: the checks that a checkpoint is complete and undamaged (verify),
 the run's newest complete one, the one a run starts from (find), and the one a command names
 (checkpoint_path, source_fallback: sample, evaluate, export). The directories, markers and
-the order to try them in are checkpoint_dirs.py's. The job chains' question (how far a run is) is
+the order to try them in are checkpoint/dirs.py's. The job chains' question (how far a run is) is
 `minimal-fsdp progress` (tools/progress.py), answered without torch by fewer checks than
 verify's."""
 
@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from minimal_fsdp.launch import failures
 from minimal_fsdp.launch.environment import run_on_main
 from minimal_fsdp.checkpoint.dirs import candidates, files_problem, marker, skipping, step_dirs
-from minimal_fsdp.checkpoint.dirs import crc32, step_of  # noqa: F401 (re-exported: checkpoint.py and tests use them here)
 from minimal_fsdp.checkpoint.meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
 from minimal_fsdp.config.choices import DEVICES_PER_RANK, ConfigError
 from minimal_fsdp.files import open_regular, read_json

@@ -7,10 +7,10 @@ layout):
   model_type  the family (models/families); model: the model config's fields; config: every
               resolved flag
   state       the JSON state of the run's other parts, each written by its own state_dict():
-              "schedule" (train.Schedule: lr_decay_steps, last_step) and "data" (data.TokenData /
+              "schedule" (train.Schedule: lr_decay_steps, last_step) and "data" (tokens.TokenData /
               streaming.StreamingData: the position of the train stream); with --eval_tasks
-              "eval_tasks" (evaluate.TrainingTasks: the --best_metric choice and the step's scores,
-              best_metric.py)
+              "eval_tasks" (harness.TrainingTasks: the --best_metric choice and the step's scores,
+              checkpoint/best.py)
   replicas    decentralized runs: replicas saved one per rank (0: the average only)
   files       {file name: [size, CRC-32]} of every other file of the checkpoint
 

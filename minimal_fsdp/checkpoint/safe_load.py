@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from minimal_fsdp.files import open_regular, read_json  # noqa: F401 (re-exported)
+from minimal_fsdp.files import open_regular
 
 
 def _allowed_globals():
@@ -159,8 +159,8 @@ def read_tensors(path, names, prefix="model."):
     """Read the named tensors, whole, in one process with no process group (tests, export,
     inspection). Only their byte ranges are read from the shards."""
     specs = {name: (size, dtype) for name, size, dtype in tensor_names(path, prefix)}
-    # DCP matches entries by their dotted key, so a flat {"model.wte.weight": t} finds the nested
-    # one.
+    # DCP matches entries by their dotted key, so a flat {"model.wte.weight": t} finds the
+    # nested one.
     flat = {prefix + name: torch.empty(specs[name][0], dtype=specs[name][1]) for name in names}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)

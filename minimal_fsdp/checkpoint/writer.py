@@ -5,9 +5,9 @@ map (SharedMemory).
 
 Why a process: the write's own Python work (torch.save's pickling and zip records for each of a
 rank's thousands of tensors, DCP's per-item bookkeeping) holds the GIL, and a thread doing it beside
-training holds up training's kernel launches, which need the GIL too: GPT-2 XL on 2 H200s trained
-3.6% slower while its saves were written by threads. The process does only the bytes; DCP's
-planning, its collectives and the commit stay in the rank.
+training holds up training's kernel launches, which need the GIL too (training ran slower while
+its saves were written by threads: benchmarks/results/RESULTS.md#hosts-and-saves). The process does
+only the bytes; DCP's planning, its collectives and the commit stay in the rank.
 """
 
 import errno
@@ -227,8 +227,8 @@ class WriterProcess:
 
     def write(self, writer, plan, planner):
         """Write `plan`'s items (tensors staged in planner.places, small objects resolved here) into
-        writer.path; returns (DCP's WriteResults, {file name: [size, CRC-32]}). Raises the write's
-        error, or OSError if the process is gone."""
+        the writer's directory; returns (DCP's WriteResults, {file name: [size, CRC-32]}). Raises
+        the write's error, or OSError if the process is gone."""
         try:
             for fd, memory, _, _ in self.memory.segments[self.sent :]:
                 self.connection.send(("segment", len(memory)))

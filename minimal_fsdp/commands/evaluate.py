@@ -34,7 +34,7 @@ from minimal_fsdp.eval.harness import (
     task_names,
 )
 from minimal_fsdp.inference import load
-from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import environment, failures
 
 
 def main(args):
@@ -59,7 +59,7 @@ def _evaluate(args, parallel):
     validate_world(parallel, env.world_size, env.local_world_size, env.local_world_sizes)
     # rank 0's Task objects stay on rank 0 (run_on_main would send a result to every rank)
     loaded = {}
-    environment.run_on_main(
+    failures.run_on_main(
         lambda: loaded.update(tasks=load_tasks(task_names(args.tasks), args.include_path))
     )
     model = load.load(args.source, parallel, env)

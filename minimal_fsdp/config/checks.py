@@ -1,5 +1,5 @@
 """The flags' checks, made once before anything is built: one function per section of Config (the
-groups of `--help`, the tables of a --config file), which config.validate calls in order, each
+groups of `--help`, the tables of a --config file), which checks.validate calls in order, each
 refusing its own flags' bad values and then the flags they cannot go with; then validate_world (the
 flags against the launch layout) and check_sizes (the batch and model against the memory here). The
 same flags give the same verdict on every rank, so every rank stops alike before the first
@@ -7,7 +7,8 @@ collective.
 
 The subsystems these flags drive (data, streaming, fp8, gossip, hf, evaluate, checkpoint) import
 torch and torch.distributed, and most import config; their flag checks live here, by section, so a
-bad flag and `--help` answer without importing torch, and no import cycle forms through config.py.
+bad flag and `--help` answer without importing torch, and no import cycle forms through
+config/flags.py.
 """
 
 import importlib.util
@@ -218,7 +219,7 @@ def check_launch(cfg):
 
 
 def check_model(cfg):
-    """The model's shape flags, and with --hf_model (hf.py) that the model's own shape is not
+    """The model's shape flags, and with --hf_model (hf/read.py) that the model's own shape is not
     changed."""
     _positive(
         cfg,
@@ -317,8 +318,8 @@ def check_decentralized(cfg):
 
 
 def check_data(cfg):
-    """Which data (data.py, prepare.py, streaming.py) and which tokenizer; whether the files are
-    there is checked where they are opened."""
+    """Which data (data/tokens.py, prepare.py, streaming.py) and which tokenizer; whether the files
+    are there is checked where they are opened."""
     _check_range(cfg, "val_fraction", 0, 1, low_ok=False)
     _directory(cfg, "data_dir")
     if cfg.dataset == "text" and not cfg.input_file:
@@ -348,7 +349,7 @@ def check_data(cfg):
 
 
 def check_checkpoint(cfg):
-    """How often and where checkpoints are written; which one a run starts from is checkpoint_find's
+    """How often and where checkpoints are written; which one a run starts from is find.py's
     (it needs the files)."""
     _not_negative(cfg, "checkpoint_interval", "keep_last")
     _directory(cfg, "checkpoint_dir")

@@ -1,7 +1,7 @@
 """The bottom of the package's imports: ConfigError and the values each choice flag accepts. It
-imports nothing from the package and nothing heavy, so config.py (and `basic_training.py --help`)
-reads the choices without importing torch, and the modules that act on a choice (plan.py, fp8.py,
-gossip.py) import them from here: no import cycle.
+imports nothing from the package and nothing heavy, so config/flags.py (and `basic_training.py
+--help`) reads the choices without importing torch, and the modules that act on a choice (plan.py,
+fp8.py, gossip.py) import them from here: no import cycle.
 """
 
 

@@ -31,7 +31,7 @@ from minimal_fsdp.config.choices import (
     TOPOLOGIES,
     ConfigError,
 )
-from minimal_fsdp.config.checks import model_family, parse_duration, validate, validate_world  # noqa: F401 (re-exported)
+from minimal_fsdp.config.checks import parse_duration, validate
 from minimal_fsdp.config import parser
 from minimal_fsdp.config.parser import flag
 

@@ -210,7 +210,7 @@ def read_toml(path):
         except ModuleNotFoundError:
             raise ConfigError("--config needs tomli on Python < 3.11: pip install tomli") from None
 
-    # files.py imports ConfigError from config: not at the top
+    # here, not at the top: importing config loads nothing outside it (test_config.py)
     from minimal_fsdp.files import read_text, shown
 
     where = f"--config {shown(path, 1000)}"

@@ -102,8 +102,8 @@ class Prefetcher:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._fill, args=(stream,), daemon=True)
         self.thread.start()
-        # A daemon thread killed inside a tokenizer's C++ code at interpreter exit aborts the
-        # process.
+        # A daemon thread killed inside a tokenizer's C++ code at interpreter exit aborts
+        # the process.
         atexit.register(self.close)
 
     def _fill(self, stream):
@@ -162,7 +162,7 @@ def _save_gpt2_tokenizer(directory):
 
 
 class StreamingData:
-    """The same interface as data.TokenData (meta, tokenizer, directory, check, bind,
+    """The same interface as tokens.TokenData (meta, tokenizer, directory, check, bind,
     steps_per_epoch, train_batches, val_batch, state_dict, load_state_dict), read from a stream.
     Train batches come in order."""
 

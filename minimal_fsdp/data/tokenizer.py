@@ -32,8 +32,7 @@ from minimal_fsdp.files import parse_json, read_bytes, read_text, shown, write_a
 
 # The tokenizers of other projects' files, and what all tokenizers share (re-exported: callers
 # import them here).
-from minimal_fsdp.data.tokenizer_files import (  # noqa: F401
-    LLAMA3_PATTERN,
+from minimal_fsdp.data.tokenizer_files import (
     HFTokenizer,
     TiktokenCalls,
     TiktokenTokenizer,
@@ -162,8 +161,8 @@ class GPT2Tokenizer(TiktokenCalls):
         self.enc = _gpt2_encoding()
         self.vocab_size = self.enc.n_vocab  # 50257
         self.eot_id = self.bos_id = self.enc.eot_token  # 50256, GPT-2's bos and eos alike
-        # tiktoken keeps these without public accessors; the Hugging Face export converts them
-        # (hf.py)
+        # tiktoken keeps these without public accessors; the Hugging Face export converts
+        # them (hf/read.py)
         self.ranks, self.pattern, self.special_tokens = (
             self.enc._mergeable_ranks,
             self.enc._pat_str,

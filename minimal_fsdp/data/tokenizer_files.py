@@ -204,9 +204,9 @@ def _byte_level_bpe(directory, eos, bos):
 
 
 # -----------------------------------------------------------------------------
-# tiktoken: Llama 3's tokenizer.model, lines of "<base64 token bytes> <rank>"; the special tokens
-# are not in the file, they are numbered after its ranks (Meta's list, or tokenizer_config.json's
-# added_tokens_decoder)
+# tiktoken: Llama 3's tokenizer.model, lines of "<base64 token bytes> <rank>"; the special
+# tokens are not in the file, they are numbered after its ranks (Meta's list, or
+# tokenizer_config.json's added_tokens_decoder)
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"

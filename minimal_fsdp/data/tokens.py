@@ -137,14 +137,13 @@ class TokenData:
 
     A split of N tokens has M = N - 1 targets and holds M // seq_length blocks per epoch: block k of
     epoch e starts at offset_e + k * seq_length (wrapping around the end of the split) and holds
-    seq_length
-    + 1 tokens, inputs and their next-token targets. The offset is drawn per epoch for train (0 for
-    val), so windows differ between epochs while each token is a target at most once per epoch (all
-    but M % seq_length of them). Each epoch visits its blocks in its own seeded order; the global
-    stream of block positions is dealt out in micro-batches, rank by rank. So ranks never share a
-    block within an epoch, and a batch is a pure function of (seed, split, position in the stream,
-    rank, world size): a resumed run draws exactly what the uninterrupted one would have, and a test
-    can rebuild any rank's batch.
+    seq_length + 1 tokens, inputs and their next-token targets. The offset is drawn per epoch for
+    train (0 for val), so windows differ between epochs while each token is a target at most once
+    per epoch (all but M % seq_length of them). Each epoch visits its blocks in its own seeded
+    order; the global stream of block positions is dealt out in micro-batches, rank by rank. So
+    ranks never share a block within an epoch, and a batch is a pure function of (seed, split,
+    position in the stream, rank, world size): a resumed run draws exactly what the uninterrupted
+    one would have, and a test can rebuild any rank's batch.
 
     bind() fixes the run's constants (rank, world size, batch, accumulation, sequence length, seed);
     then train_batches(step) gives an optimizer step's micro-batches and state_dict(step) the

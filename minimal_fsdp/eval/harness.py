@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from minimal_fsdp.checkpoint import best as best_metric
+from minimal_fsdp.checkpoint.best import VAL_LOSS, chosen, direction, record
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.launch import failures
 from minimal_fsdp.launch.failures import MainRankFailed
@@ -142,7 +142,7 @@ def load_tasks(names, include_path=None):
 def evaluate(
     lm, manager, tasks, model_name, num_fewshot=None, limit=None, log_samples=False, tracker=None
 ):
-    """Collective: rank 0 runs the harness on `lm` (evaluate_lm.ShardedLM) while the other ranks
+    """Collective: rank 0 runs the harness on `lm` (lm.ShardedLM) while the other ranks
     serve it. Returns the harness's results on rank 0, None elsewhere. A failure on rank 0 stops
     every rank alike."""
     if lm.me != 0:
@@ -192,7 +192,7 @@ class TrainingTasks:
     """--eval_tasks: the harness's tasks on the live model during training (train.train calls
     it)."""
 
-    def __init__(self, lm, manager, tasks, cfg, best=(best_metric.VAL_LOSS, False)):
+    def __init__(self, lm, manager, tasks, cfg, best=(VAL_LOSS, False)):
         self.lm, self.manager, self.tasks = lm, manager, tasks
         self.interval, self.limit = cfg.eval_tasks_interval, _limit(cfg.eval_tasks_limit)
         self.best = best  # (--best_metric, whether higher is better)
@@ -204,11 +204,11 @@ class TrainingTasks:
         task or data file, or a --best_metric they do not compute, stops the run before its first
         step, alike on every rank. saved: the resumed checkpoint's meta.json, whose --best_metric
         the run keeps unless given anew."""
-        best = best_metric.chosen(cfg, saved)
+        best = chosen(cfg, saved)
         if not cfg.eval_tasks:
             return None
-        # The flags' own checks (interval, limit, not decentralized) are
-        # config_checks.check_train's.
+        # The flags' own checks (interval, limit, not decentralized)
+        # are checks.check_train's.
         if tokenizer is None:
             raise ConfigError(
                 "--eval_tasks needs the data's tokenizer, which this device's data does not hold"
@@ -222,7 +222,7 @@ class TrainingTasks:
         # rank 0's Task objects stay on rank 0; the direction of --best_metric goes to every rank
         def load():
             loaded["tasks"] = load_tasks(task_names([cfg.eval_tasks]), cfg.eval_tasks_include_path)
-            return best_metric.direction(best, loaded["tasks"][1])
+            return direction(best, loaded["tasks"][1])
 
         higher = failures.run_on_main(load)
         dtype = torch.bfloat16 if cfg.precision in ("bf16", "fp8") else torch.float32
@@ -237,15 +237,15 @@ class TrainingTasks:
             or bool(self.interval)
             and step % self.interval == 0
             or saves
-            and self.best[0] != best_metric.VAL_LOSS
+            and self.best[0] != VAL_LOSS
         )
 
     def state_dict(self, step):
         """For the checkpoint of `step` (meta.json's state.eval_tasks): --best_metric and the scores
-        of that step, by which checkpoint.py decides whether it becomes `best`
-        (best_metric.better)."""
+        of that step, by which checkpoint/checkpointer.py decides whether it becomes `best`
+        (best.better)."""
         step_scored, scores = self.scored
-        return best_metric.record(*self.best, scores if step_scored == step else {})
+        return record(*self.best, scores if step_scored == step else {})
 
     def run(self, step, log):
         """Collective: every score to metrics.jsonl (and TensorBoard, wandb) as

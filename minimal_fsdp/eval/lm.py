@@ -104,7 +104,7 @@ class PlainProgress:
 
 
 class ShardedLM(TemplateLM):
-    """model: built and loaded on every rank (sample.load_model); tokenizer: ours (tokenizer.py)."""
+    """model: built and loaded on every rank (load.load_model); tokenizer: ours (tokenizer.py)."""
 
     def __init__(self, model, tokenizer, device, dtype=torch.float32, batch_size=1, progress=True):
         """progress: bars where stderr is a terminal, else plain lines (a redirected log); False:

@@ -7,7 +7,7 @@ inference and sharing.
 
 --format safetensors keeps our parameter names, config.json is our model config, and the tokenizer
 files are the checkpoint's (`minimal-fsdp sample` reads it back). --format hf writes what
-transformers' AutoModelForCausalLM and AutoTokenizer read (see hf_write.py), which --hf_model also
+transformers' AutoModelForCausalLM and AutoTokenizer read (see hf/write.py), which --hf_model also
 reads.
 
 Runs in one CPU process with no process group and no GPU. Each tensor is read from the DCP shards
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
-from minimal_fsdp.hf import write as hf_write
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint.meta import read_meta
+from minimal_fsdp.hf import write
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import has_tokenizer, load_tokenizer
@@ -53,19 +53,19 @@ def export(ckpt, out, dtype=None, fmt="safetensors"):
     `out`). A run directory gives its newest complete checkpoint, as sample and evaluate find it;
     one whose shards fail to load is passed over in one line for the next, as a resumed run passes
     it (the files written from it are written again)."""
-    named, next_one = checkpoint_find.source_fallback(ckpt, together=False)
-    _, written = checkpoint_find.first_loading(
-        checkpoint_find.checkpoint_path(ckpt),
+    named, next_one = find.source_fallback(ckpt, together=False)
+    _, written = find.first_loading(
+        find.checkpoint_path(ckpt),
         lambda path: _export(path, out, dtype, fmt),
         next_one,
         named,
-        failures=checkpoint_find.LoadFailed,
+        failures=find.LoadFailed,
     )
     return written
 
 
 def _export(path, out, dtype, fmt):
-    meta = checkpoint_meta.read_meta(path)
+    meta = read_meta(path)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     specs = [(name, shape, dtype or saved) for name, shape, saved in safe_load.tensor_names(path)]
@@ -74,12 +74,12 @@ def _export(path, out, dtype, fmt):
         try:
             return safe_load.read_tensors(path, [name])[name]
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
-            raise checkpoint_find.LoadFailed() from e
+            raise find.LoadFailed() from e
 
     if fmt == "hf":
-        return hf_write.write_hf(out, meta, specs, read, _tokenizer(path))
+        return write.write_hf(out, meta, specs, read, _tokenizer(path))
     weights = out / "model.safetensors"
-    hf_write.write_safetensors(
+    write.write_safetensors(
         weights,
         specs,
         read,
@@ -91,7 +91,7 @@ def _export(path, out, dtype, fmt):
         },
     )
     for f in path.glob("tokenizer.*"):
-        hf_write.write_public(out / f.name, lambda p: p.write_bytes(f.read_bytes()))
+        write.write_public(out / f.name, lambda p: p.write_bytes(f.read_bytes()))
     config = json.dumps(meta["model"], indent=1) + "\n"
-    hf_write.write_public(out / "config.json", lambda p: p.write_text(config))
+    write.write_public(out / "config.json", lambda p: p.write_text(config))
     return weights

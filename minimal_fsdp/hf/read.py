@@ -1,12 +1,11 @@
 """Hugging Face model directories read in, for each family of models/families (GPT2LMHeadModel,
 LlamaForCausalLM, ...: a family's module maps its config.json and tensor names).
 
-In:  resolve(name_or_dir)            a local directory (a hub name is downloaded if the hub answers)
-     read_config(dir, ...)           -> our model type (a family's name) and config
+In:  read_config(dir, ...)           -> our model type (a family's name) and config
      load_weights(model, dir, type)  each rank reads only its own rows of each tensor into its shard
      load_tokenizer(dir)             the directory's own tokenizer (tokenizer.load_tokenizer)
 Out: write.py (config.json, safetensors, tokenizer files); tokenizer.py (our tokenizers as
-tokenizer.json)
+tokenizer.json). Where a directory comes from (a local one, or a hub name downloaded): hub.py.
 
 transformers itself is never imported: the formats are plain JSON, safetensors and the `tokenizers`
 library's tokenizer.json.
@@ -27,17 +26,18 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 
-from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.data import tokenizer
 from minimal_fsdp.checkpoint.meta import MODEL_BOUNDS, PLAIN_NAME, model_problem
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import FAMILIES, config_from_dict, of_hf
-from minimal_fsdp.checkpoint.safe_load import open_regular, read_json
+from minimal_fsdp.files import open_regular, read_json
 from minimal_fsdp.files import _depth
 
 CONFIG_MAX_BYTES = 16 * 2**20  # config.json is a few KB
 INDEX_MAX_BYTES = 64 * 2**20  # an index names each tensor once: a few MB for the largest models
-TOKENIZER_MAX_BYTES = tk.MAX_TOKENIZER_BYTES  # tokenizer.json: 9 MB for Llama 3's 128K tokens
+# tokenizer.json: 9 MB for Llama 3's 128K tokens
+TOKENIZER_MAX_BYTES = tokenizer.MAX_TOKENIZER_BYTES
 TOKENIZER_JSON = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -70,74 +70,8 @@ def is_transposed(hf_name):
 # in
 
 
-def resolve(name_or_dir):
-    """A local directory holding config.json and weights. A name that is not a directory is taken
-    from the Hugging Face cache or fetched from the hub with huggingface_hub (if installed); run it
-    on one rank."""
-    path = Path(name_or_dir)
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ConfigError(
-                f"--hf_model {path} has no config.json: pass a Hugging Face model directory"
-            )
-        if not any(path.glob("model*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
-            raise ConfigError(
-                f"--hf_model {path} has a config.json but no weights (model.safetensors, its "
-                "shards, or pytorch_model.bin): download them too"
-            )
-        return str(path)
-    if path.exists() or name_or_dir.startswith((".", "/", "~")) or name_or_dir.count("/") > 1:
-        raise ConfigError(f"--hf_model {name_or_dir} is not a directory")
-    try:
-        from huggingface_hub import HfApi, constants, snapshot_download
-    except ImportError:
-        raise ConfigError(
-            f"--hf_model {name_or_dir} is not a local directory, and fetching it from the Hugging "
-            "Face hub needs huggingface_hub: pip install huggingface_hub "
-            "(or download the model elsewhere and pass its directory)"
-        ) from None
-    patterns = [
-        "config.json",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "vocab.json",
-        "merges.txt",
-        "tokenizer.model",
-        "model*.safetensors",
-        "model.safetensors.index.json",
-        "pytorch_model*.bin",
-        "pytorch_model.bin.index.json",
-    ]
-    try:  # downloaded before: no network needed
-        return snapshot_download(name_or_dir, allow_patterns=patterns, local_files_only=True)
-    except Exception:
-        pass
-    # huggingface_hub retries an unreachable hub for half a minute; a quick look first gives a quick
-    # answer.
-    if constants.HF_HUB_OFFLINE or not tk.reachable(constants.ENDPOINT):
-        raise ConfigError(
-            f"--hf_model {name_or_dir} is not a local directory nor in the Hugging Face cache, and "
-            f"the hub ({constants.ENDPOINT}) is unreachable (offline?): download the model where "
-            "the hub is reachable and pass its directory"
-        )
-    try:
-        files = HfApi().list_repo_files(name_or_dir)
-        if any(f.endswith(".safetensors") for f in files):  # fetch one format, not both
-            patterns = [p for p in patterns if "pytorch_model" not in p]
-        return snapshot_download(name_or_dir, allow_patterns=patterns)
-    # unknown or gated repo, lost connection, ...: one line, whatever was raised
-    except Exception as e:
-        reason = (str(e).strip().splitlines() or [""])[0][:200]
-        raise ConfigError(
-            f"--hf_model {name_or_dir} could not be fetched from the Hugging Face hub "
-            f"({type(e).__name__}: {reason})"
-        ) from None
-
-
 def config_json(directory):
-    """A model directory's config.json as a dict, read defensively (safe_load.read_json): a file
+    """A model directory's config.json as a dict, read defensively (files.read_json): a file
     that is not a bounded JSON object is one ConfigError naming it."""
     try:
         return read_json(Path(directory) / "config.json", CONFIG_MAX_BYTES)
@@ -358,8 +292,8 @@ def _stored_names(files, model, names, family):
     for ours, param in model.named_parameters():
         name = stored[ours] = _stored_name(files, names[ours], family)
         shape = files.shape(name)[::-1] if is_transposed(names[ours]) else files.shape(name)
-        # Position embeddings may be cut to a shorter --seq_length; everything else must match
-        # exactly.
+        # Position embeddings may be cut to a shorter --seq_length; everything else must
+        # match exactly.
         fits = (
             shape == tuple(param.shape)
             or ours == "wpe.weight"
@@ -426,17 +360,17 @@ def load_tokenizer(directory):
                 raise ConfigError(
                     f"--hf_model {directory}: {name} {getattr(e, 'strerror', None) or e}"
                 ) from None
-    if fallback and not tk.has_tokenizer(directory):
+    if fallback and not tokenizer.has_tokenizer(directory):
         try:
-            return {"gpt2": tk.GPT2Tokenizer}[fallback]()
-        except tk.TokenizerError:
-            raise tk.TokenizerError(
+            return {"gpt2": tokenizer.GPT2Tokenizer}[fallback]()
+        except tokenizer.TokenizerError:
+            raise tokenizer.TokenizerError(
                 f"--hf_model {directory} has no tokenizer files (tokenizer.json, or vocab.json + "
                 f"merges.txt), and tiktoken's {fallback} files are not cached nor downloadable "
                 "(offline?): copy the model's tokenizer files into it, or pass "
                 "--tokenizer_dir DIR"
             ) from None
     try:
-        return tk.load_tokenizer(directory)
-    except tk.TokenizerError as e:
-        raise tk.TokenizerError(f"--hf_model: {e} (or pass --tokenizer_dir DIR)") from None
+        return tokenizer.load_tokenizer(directory)
+    except tokenizer.TokenizerError as e:
+        raise tokenizer.TokenizerError(f"--hf_model: {e} (or pass --tokenizer_dir DIR)") from None

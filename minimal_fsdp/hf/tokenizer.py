@@ -1,6 +1,6 @@
 """Our tokenizers (tiktoken's BPE, sentencepiece, characters, a Hugging Face tokenizer.json) as a
 `tokenizers` Tokenizer that encodes exactly as ours does: the tokenizer.json of an export
-(hf_write.write_hf_tokenizer checks that on a probe text)."""
+(write.write_hf_tokenizer checks that on a probe text)."""
 
 from minimal_fsdp.config.choices import ConfigError
 

@@ -62,13 +62,13 @@ def generate(
     cache = None
     for done in range(num_tokens):
         if cache is None or cache.pos >= config.seq_length:
-            # (Re)fill the cache; when the context is full, keep its newer half and continue from
-            # there.
+            # (Re)fill the cache; when the context is full, keep its newer half and continue
+            # from there.
             if cache is not None:
                 context = context[-(config.seq_length // 2) :]
-            # Sized by what it will hold (the context and the tokens still to come), never more than
-            # the model's context: a Llama config of 2^24 positions asked for gigabytes to sample 5
-            # tokens.
+            # Sized by what it will hold (the context and the tokens still to come), never more
+            # than the model's context: a Llama config of 2^24 positions asked for gigabytes to
+            # sample 5 tokens.
             cache = model.new_cache(1, device, dtype, len(context) + num_tokens - done)
             logits = model(torch.tensor([context], device=device), cache=cache)
         else:

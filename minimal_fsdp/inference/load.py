@@ -16,15 +16,16 @@ anything is built; the tokenizer must fit the model's vocabulary."""
 from dataclasses import dataclass
 from pathlib import Path
 
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import checkpointer
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint.meta import model_problem, read_meta
 from minimal_fsdp.checkpoint.dirs import step_dirs
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import load_tokenizer
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf import hub, read
 from minimal_fsdp.inference.generate import check_num_tokens, generate
 from minimal_fsdp.launch import environment
+from minimal_fsdp.launch import failures
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import config_from_dict, guess_family
 from minimal_fsdp.parallel.parallelize import build_model
@@ -59,11 +60,11 @@ def command(body):
     try:
         body()
     except ConfigError as e:
-        environment.exit_on_error(e, 2)
-    except environment.MainRankFailed as e:
-        environment.exit_on_error(e, 1)
+        failures.exit_on_error(e, 2)
+    except failures.MainRankFailed as e:
+        failures.exit_on_error(e, 1)
     except KeyboardInterrupt:
-        environment.exit_on_error("interrupted (Ctrl-C)", 130)
+        failures.exit_on_error("interrupted (Ctrl-C)", 130)
     environment.teardown()
 
 
@@ -72,9 +73,8 @@ def load(source, parallel, env, seq_length=None, tokenizer=None, num_tokens=0, f
     weights loaded, and its tokenizer (or `tokenizer`, e.g. --tokenizer_dir's), checked against the
     model's vocabulary; num_tokens, the tokens to generate, checked before anything is built
     (check_num_tokens). A checkpoint whose shards fail to load is replaced as `fallback`, (named,
-    next_one) for checkpoint_find.first_loading, says: by default
-    checkpoint_find.source_fallback's."""
-    found = environment.run_on_main(open_source, str(source), seq_length)
+    next_one) for find.first_loading, says: by default find.source_fallback's."""
+    found = failures.run_on_main(open_source, str(source), seq_length)
     check_num_tokens(num_tokens, found.config)
     tokenizer = tokenizer or source_tokenizer(
         found
@@ -82,7 +82,7 @@ def load(source, parallel, env, seq_length=None, tokenizer=None, num_tokens=0, f
     check_vocabulary(tokenizer, found)
     plan = make_plan(parallel, env, found.config, loads_weights=True)
     apply_process_settings(plan)
-    fallback = fallback or checkpoint_find.source_fallback(source, together=True)
+    fallback = fallback or find.source_fallback(source, together=True)
     return Loaded(found, load_model(found, plan, env, fallback), tokenizer, plan)
 
 
@@ -96,12 +96,12 @@ def _is_checkpoint(path):
 
 def open_source(source, seq_length=None):
     """What SOURCE holds: its kind, model type and model config. Reads small files only (a hub name
-    is downloaded): call it on rank 0 (environment.run_on_main). seq_length shortens a Hugging Face
+    is downloaded): call it on rank 0 (failures.run_on_main). seq_length shortens a Hugging Face
     model's context; for a checkpoint or an export it may not exceed the saved context."""
     path = Path(source)
     if _is_checkpoint(path):
-        resolved = checkpoint_find.checkpoint_path(path)
-        meta = checkpoint_meta.read_meta(resolved)
+        resolved = find.checkpoint_path(path)
+        meta = read_meta(resolved)
         found = Source(
             "checkpoint",
             str(resolved),
@@ -110,13 +110,13 @@ def open_source(source, seq_length=None):
             meta["step"],
         )
     elif path.is_dir() and (path / "config.json").exists():
-        config = hf.config_json(path)
+        config = read.config_json(path)
         if "model_type" in config:  # Hugging Face's config.json (ours has no such key)
             return _hf_source(path, seq_length)
         found = _export_source(path, config)
     elif not path.exists() and source.count("/") == 1 and not source.startswith((".", "/", "~")):
         return _hf_source(
-            hf.resolve(source), seq_length
+            hub.resolve(source), seq_length
         )  # a hub name: from the Hugging Face cache, or downloaded
     else:
         raise ConfigError(
@@ -135,8 +135,8 @@ def open_source(source, seq_length=None):
 def _hf_source(directory, seq_length):
     """A Hugging Face directory's config, checked against its weights' shapes before anything is
     built."""
-    model_type, config = hf.read_config(directory, seq_length)
-    hf.check_weights(directory, model_type, config)
+    model_type, config = read.read_config(directory, seq_length)
+    read.check_weights(directory, model_type, config)
     return Source("hf", str(directory), model_type, config)
 
 
@@ -158,14 +158,14 @@ def _export_source(path, config):
         raise ConfigError(
             f"{path} has a config.json but no {EXPORT_WEIGHTS}: not an export of ours"
         )
-    files = hf.CheckpointFiles(path, where=str(path))
+    files = read.CheckpointFiles(path, where=str(path))
     recorded = files.metadata(path / EXPORT_WEIGHTS).get("model_type")
     model_type = recorded if recorded in MODELS else guess_family(config)
-    problem = checkpoint_meta.model_problem(model_type, config)
+    problem = model_problem(model_type, config)
     if problem:
         raise ConfigError(f"{path}: config.json: {problem}")
     found = Source("export", str(path), model_type, config_from_dict(model_type, config))
-    hf.check_weights(path, model_type, found.config, names=export_names, where=str(path))
+    read.check_weights(path, model_type, found.config, names=export_names, where=str(path))
     return found
 
 
@@ -179,7 +179,7 @@ def export_names(model_type, config):
 
 def source_tokenizer(source):
     """The tokenizer that travels with the source."""
-    return hf.load_tokenizer(source.path) if source.kind == "hf" else load_tokenizer(source.path)
+    return read.load_tokenizer(source.path) if source.kind == "hf" else load_tokenizer(source.path)
 
 
 def check_vocabulary(tokenizer, source):
@@ -201,15 +201,15 @@ def load_model(source, plan, env, fallback=(None, None)):
     model = build_model(MODELS[source.model_type], source.config, plan, env, seed=0)
     if source.kind == "checkpoint":
         named, next_one = fallback
-        path, _ = checkpoint_find.first_loading(
-            source.path, lambda p: checkpoint.load(p, model), next_one, named
+        path, _ = find.first_loading(
+            source.path, lambda p: checkpointer.load(p, model), next_one, named
         )
         if str(path) != source.path:
-            source.path, source.step = str(path), checkpoint_meta.read_meta(path)["step"]
+            source.path, source.step = str(path), read_meta(path)["step"]
     elif source.kind == "hf":
-        hf.load_weights(model, source.path, source.model_type)
+        read.load_weights(model, source.path, source.model_type)
     else:
-        hf.load_weights(
+        read.load_weights(
             model, source.path, source.model_type, names=export_names, where=source.path
         )
     return model

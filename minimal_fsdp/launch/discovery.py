@@ -92,8 +92,8 @@ def launcher_of(env):
     # torchrun, Kubernetes PyTorchJob
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
         # Inside an mpiexec launch (a PyTorchJob pod's variables, or a script that exports RANK)
-        # MPI's own view wins and RANK/WORLD_SIZE are checked against it; torchrun's workers carry
-        # TORCHELASTIC_RUN_ID.
+        # MPI's own view wins and RANK/WORLD_SIZE are checked against it; torchrun's workers
+        # carry TORCHELASTIC_RUN_ID.
         if not mpi or "TORCHELASTIC_RUN_ID" in env:
             return "torchrun"
     if _srun_pmix(env):

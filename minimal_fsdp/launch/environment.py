@@ -26,7 +26,6 @@ from minimal_fsdp.launch import failures
 from minimal_fsdp.launch import hangs
 from minimal_fsdp.launch import hosts
 from minimal_fsdp.launch import rendezvous
-from minimal_fsdp.launch.failures import MainRankFailed, exit_on_error, run_on_main  # noqa: F401  (the names callers use)
 
 
 # past --collective_timeout, before a wait for the process group is ended from outside
@@ -163,7 +162,7 @@ def threads_choice(local_world, environ=os.environ, load=None):
     return share, why
 
 
-THREADS = {"line": None}  # what _pick_device chose, for the training banner (metrics.banner)
+THREADS = {"line": None}  # what _pick_device chose, for the training banner (banner.banner)
 
 
 def _pick_device(local_rank, local_world):

@@ -137,8 +137,8 @@ def reachable_address(everyone):
     ]
     best, best_count = host0, -1
     for address in map(ipaddress.IPv4Interface, mine):
-        # A host holding the very same address (docker's bridge, 172.17.0.1 everywhere) shares no
-        # network.
+        # A host holding the very same address (docker's bridge, 172.17.0.1 everywhere) shares
+        # no network.
         count = sum(
             any(address.ip in other.network and address.ip != other.ip for other in host)
             for host in others

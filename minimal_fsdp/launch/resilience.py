@@ -1,5 +1,4 @@
-"""Ending a run on purpose: preemption signals, Ctrl-C and --time_limit become one agreed stop, and
-a diverged loss stops the run with the step that broke it.
+"""Ending a run on purpose: preemption signals, Ctrl-C and --time_limit become one agreed stop.
 
 PBS and SLURM send SIGTERM (or SIGUSR1, e.g. SLURM's --signal=USR1@120) some time before they kill a
 job, not necessarily to every rank; Ctrl-C sends SIGINT (under mpiexec, to every rank). A handler
@@ -7,10 +6,9 @@ just records the signal; all ranks combine what they know in one tiny all_reduce
 logging step (--log_interval) and, so that a stop waits for no more than about STOP_LATENCY seconds
 (or one step, if a step is longer), at steps spaced by the step time they measured and agreed on.
 Every rank computes the same steps from the same agreed numbers, so they all look at the same step,
-stop there together, save a checkpoint and exit
-0. Checking only then keeps the ranks' hosts from waiting for each other every step. A rank never
-stops alone, so no rank is left waiting in a collective. A second Ctrl-C ends the process at once,
-without saving.
+stop there together, save a checkpoint and exit 0. Checking only then keeps the ranks' hosts from
+waiting for each other every step. A rank never stops alone, so no rank is left waiting in a
+collective. A second Ctrl-C ends the process at once, without saving.
 
 A signal is acted on at once by a thread that watches for it (signal.set_wakeup_fd), whatever the
 main thread waits in (a long first step that compiles, a collective): rank 0 says it was heard; a
@@ -23,7 +21,6 @@ a rank's stdout, where it is a pipe, goes where its stderr goes (the terminal); 
 a write to a closed pipe (a plain `python ... | tee log`) stops the printing, never the run.
 """
 
-import math
 import os
 import signal
 import stat
@@ -35,18 +32,13 @@ from time import monotonic
 import torch
 import torch.distributed as dist
 
-from minimal_fsdp import files
+from minimal_fsdp.launch import run_lock
 from minimal_fsdp.launch.failures import rank_hint
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _TIME_LIMIT = 1000  # above every signal number, so MAX of the codes stays meaningful
 # seconds: the longest a stop request waits for the ranks to look at it (unless a step is longer)
 STOP_LATENCY = 10.0
-
-
-class Diverged(RuntimeError):
-    """The loss blew up. Raised on every rank at the same step: the grad norm it is decided on is
-    all-reduced."""
 
 
 class StopRequests:
@@ -230,57 +222,5 @@ def _exit_at_once(line, code):
     """End this process now: the run's locks removed (a later run need not take them over), no
     `finally` run."""
     _say(line)
-    files.drop_held_locks()
+    run_lock.drop_held_locks()
     os._exit(code)
-
-
-class NonFiniteGuard:
-    """Stops the run at a NaN/Inf grad norm, naming the step.
-
-    With --skip_nonfinite N > 0 every step is checked before its update (train_step skips a
-    non-finite one), which makes the host wait for the device once per step. With N = 0 (the
-    default) the check is deferred: grad norms stay on the device and are looked at whenever the
-    loop syncs anyway (logging) and before any checkpoint is written, so a poisoned model is never
-    saved and the hot path never waits."""
-
-    def __init__(self, allowed, warn=None):
-        self.allowed = allowed
-        # prints a warning line on rank 0 (around its progress bar); None elsewhere
-        self.warn = warn
-        self.skipped = 0
-        self.pending = []  # (step, grad norm on the device, loss) not yet looked at
-
-    def check(self, step, grad_norm, loss):
-        """True if the step's update counts. grad_norm is the all-reduced one, so every rank
-        agrees."""
-        if not self.allowed:
-            self.pending.append((step, grad_norm, loss))
-            return True
-        return self._verdict(step, float(grad_norm), loss)
-
-    def flush(self):
-        """Look at the deferred grad norms (one wait for the device); raises Diverged at the first
-        bad one."""
-        pending, self.pending = self.pending, []
-        if pending and not bool(
-            torch.stack([torch.as_tensor(n).float() for _, n, _ in pending]).isfinite().all()
-        ):
-            for step, norm, loss in pending:
-                self._verdict(step, float(norm), loss)
-
-    def _verdict(self, step, grad_norm, loss):
-        if math.isfinite(grad_norm):
-            return True
-        self.skipped += 1
-        if self.skipped > self.allowed:
-            raise Diverged(
-                f"step {step}: the grad norm is {grad_norm} (loss {float(loss):.4g} on rank 0): "
-                "the run diverged and stops here; its last checkpoint is untouched. Lower --lr or "
-                "raise --warmup_steps, or let --skip_nonfinite N skip up to N such steps"
-            )
-        if self.warn:
-            self.warn(
-                f"warning: step {step}: grad norm {grad_norm}; update skipped "
-                f"({self.skipped} of --skip_nonfinite {self.allowed})"
-            )
-        return False

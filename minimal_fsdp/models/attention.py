@@ -118,7 +118,7 @@ def document_kernel(device, dropout, head_size=FLEX_MIN_HEAD_SIZE):
 
 def cuda_kernel():
     """The CUDA kernel MINIMAL_FSDP_DOCUMENT_KERNEL names, flex when unset; checked as a run starts
-    (models.with_document_mask), before any collective."""
+    (families.with_document_mask), before any collective."""
     kernel = os.environ.get(KERNEL_VARIABLE, "flex")
     if kernel not in CUDA_KERNELS:
         raise KernelError(

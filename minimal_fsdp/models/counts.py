@@ -1,7 +1,7 @@
 """How many parameters a model has, counted from its shape without building it: what `minimal-fsdp
 plan` uses, so it answers without importing torch. models/size.py counts the same from one block
-built on the meta device (the training code's counter); tests/models/test_counts.py holds the two
-equal for every preset and for shapes drawn at random."""
+built on the meta device (the training code's counter); tests/tools/test_plan_command.py holds the
+two equal for every preset and for shapes drawn at random."""
 
 import dataclasses
 from dataclasses import field

@@ -32,8 +32,8 @@ def loss_and_grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     ptr = logits_ptr + row * stride
     target = tl.load(targets_ptr + row)
-    # Pass 1: the running max and the sum of exponentials under it (online softmax), one exp per
-    # element.
+    # Pass 1: the running max and the sum of exponentials under it (online softmax), one exp
+    # per element.
     m = float("-inf")
     s = 0.0
     for start in range(0, vocab, BLOCK):
@@ -113,7 +113,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(x, weight, targets):
-    """Mean cross-entropy of the logits x @ weight.T against targets, as model.cross_entropy
+    """Mean cross-entropy of the logits x @ weight.T against targets, as layers.cross_entropy
     computes it."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return LinearCrossEntropy.apply(x, weight, targets)

@@ -26,9 +26,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None, layer=0, mask=None):
         B, T, C = x.shape
-        # Three matmuls on slices of the one qkv weight (GPT-2's layout): backward then adds their
-        # input gradients instead of concatenating dq, dk and dv into one tensor for a single
-        # matmul.
+        # Three matmuls on slices of the one qkv weight (GPT-2's layout): backward then adds
+        # their input gradients instead of concatenating dq, dk and dv into one tensor for a
+        # single matmul.
         biases = self.qkv.bias.split(C) if self.qkv.bias is not None else (None,) * 3
         q, k, v = (F.linear(x, w, b) for w, b in zip(self.qkv.weight.split(C), biases))
         q, k, v = (
@@ -108,7 +108,7 @@ class GPT(Decoder):
             return torch.zeros(shape, device=device)
         if "ln_" in name:
             return torch.ones(shape, device=device)
-        # GPT-2: residual projections scaled by 1/sqrt(2 * layers) so the residual stream stays
-        # O(1).
+        # GPT-2: residual projections scaled by 1/sqrt(2 * layers) so the residual stream
+        # stays O(1).
         std = 0.02 / math.sqrt(2 * self.config.num_layers) if name.endswith("proj.weight") else 0.02
         return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)

@@ -41,12 +41,12 @@ def attend(q, k, v, cache, layer, dropout, mask=None):
         k, v = cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T]
     if k.size(1) != q.size(1):
         # Give each query head its group's k, v. (SDPA's enable_gqa would skip the copy, but only
-        # its flash kernel supports it: fp32 on GPU would fall back to the math kernel and its T x T
-        # matrix.)
+        # its flash kernel supports it: fp32 on GPU would fall back to the math kernel and its T x
+        # T matrix.)
         groups = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    # A prefill (T > 1) starts at position 0 and is causal; a single new token sees every cached
-    # one.
+    # A prefill (T > 1) starts at position 0 and is causal; a single new token sees every
+    # cached one.
     return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout)
 
 

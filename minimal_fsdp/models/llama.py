@@ -4,8 +4,9 @@ Qwen2 (qwen2.py) is this decoder with biases on q, k and v and, in its small siz
 tied to the embedding.
 
 Only the math lives here (the family: families/llama.py). Rotary embeddings follow the Hugging Face
-layout (dimension i pairs with i + D/2), so Hugging Face Llama weights load without permuting q and
-k.
+layout (dimension i pairs with i + D/2), so Hugging Face Llama weights load without permuting q
+and k.
+
 Shapes: B batch, T time, C embed_size, H heads, K kv heads, D = C // H head size, I
 intermediate_size.
 """

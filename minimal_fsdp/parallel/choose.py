@@ -6,7 +6,7 @@ parallel/plan.py and parallel/fp8.py use them (and re-export them under their ol
 from minimal_fsdp.config.choices import SMALL_MODEL
 
 MIN_FEATURES = 256
-# model.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never
+# gpt.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never
 # run its forward.
 NOT_CALLED = ("attn.qkv",)
 
@@ -75,9 +75,9 @@ def strategy(
 
 def reduce_precision(asked, hosts, precision):
     """--reduce_precision's dtype on this launch. auto: bf16 across hosts where the matmuls run in
-    bf16 (or fp8): the link, not the GPU, bounds such a step, and half the bytes cross it (on 2
-    hosts x 1 H200 at 10 Gbit/s, GPT-2 124M's step took 282 ms full-shard in bf16 against torch
-    DDP's 487 ms in fp32); within a host the fp32 sum costs nothing measurable. bf16 sums cost no
+    bf16 (or fp8): the link, not the GPU, bounds such a step, and half the bytes cross it
+    (benchmarks/results/RESULTS.md#side-by-side); within a host the fp32 sum costs nothing
+    measurable. bf16 sums cost no
     measurable loss up to 8 ranks, so the rule does not depend on the rank count
     (benchmarks/results/RESULTS.md#loss-cpu)."""
     if asked != "auto":

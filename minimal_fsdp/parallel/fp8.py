@@ -5,9 +5,8 @@ L40S).
 Which layers: a block's nn.Linear whose in and out features are both multiples of 16 (what float8
 matmuls, torch._scaled_mm, accept) and both at least MIN_FEATURES. That rule keeps out only the tiny
 layers, whose casts surely cost more than their faster matmul saves; whether mid-sized ones (GPT-2
-124M's
-768) gain is measured, not assumed (docs/performance.md). Never the embeddings or the output head:
-the head's matmul is part of the fused loss.
+124M's 768) gain is measured, not assumed (docs/performance.md). Never the embeddings or the output
+head: the head's matmul is part of the fused loss.
 
 Recipes (--fp8_recipe), torchao's:
   tensorwise  one scale per tensor, cuBLAS float8 matmuls. Under FSDP over more than one rank the
@@ -29,7 +28,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from minimal_fsdp.config.choices import FP8_RECIPES as RECIPES  # noqa: F401 (--fp8_recipe's choices)
 from minimal_fsdp.config.choices import ConfigError
 
 # which layers --precision fp8 converts: in parallel/choose.py, torch-free, for the memory planner
@@ -84,8 +82,8 @@ def convert(model, plan, device):
             f"and at least {MIN_FEATURES}; this model (embed size {model.config.embed_size}) has "
             "none: use a wider model or --precision bf16"
         )
-    # On CPU (tests only: check_device refuses it) torchao emulates the float8 matmuls in higher
-    # precision.
+    # On CPU (tests only: check_device refuses it) torchao emulates the float8 matmuls in
+    # higher precision.
     config = dataclasses.replace(
         Float8LinearConfig.from_recipe_name(plan.fp8), emulate=device.type != "cuda"
     )
@@ -145,9 +143,9 @@ def _float8_cast(dtype):
 def fused_shard_cast(self, mesh):
     """torchao's WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather, the shard cast to float8
     before its all-gather, with the cast as one kernel. torchao (0.17) casts in three eager kernels
-    (scale, clamp, copy), each reading and writing the whole fp32 shard: 55 ms of Llama 3 8B's
-    full-shard step on 2 H200s, where one kernel made the step 1.6-2.0% faster. The bits are the
-    same (tests/parallel/test_fp8.py). Without a precomputed scale, torchao's own path."""
+    (scale, clamp, copy), each reading and writing the whole fp32 shard; one kernel reads it once
+    (benchmarks/results/RESULTS.md#fp8-shard-cast). The bits are the same
+    (tests/parallel/test_fp8.py). Without a precomputed scale, torchao's own path."""
     scale = self._precomputed_scale
     if scale is None or isinstance(self._tensor, DTensor):
         return _TORCHAO_SHARD_CAST(self, mesh)

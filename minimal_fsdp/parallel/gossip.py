@@ -39,7 +39,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-# --topology's choices, there for config.py to read without torch
+# --topology's choices, there for config/flags.py to read without torch
 from minimal_fsdp.config.choices import TOPOLOGIES
 
 # fp32 megabytes of the vector per pipelined bucket (across hosts), as Decent-DP's buckets

@@ -268,8 +268,8 @@ def recomputed(forward, policy):
     """forward under activation checkpointing: only the block's input (full), or also its matmul and
     attention outputs (selective), are kept for backward; the rest is recomputed there. Inside
     FSDP's hooks, so the recompute runs on the parameters FSDP has already gathered for backward."""
-    # Full recompute passes no context_fn at all: torch.compile (2.11) refuses the default
-    # noop_context_fn.
+    # Full recompute passes no context_fn at all: torch.compile (2.11) refuses the
+    # default noop_context_fn.
     context = (
         dict(context_fn=functools.partial(create_selective_checkpoint_contexts, keep_matmuls))
         if policy == "selective"
@@ -313,8 +313,8 @@ def build_model(model_cls, model_config, plan, env, seed):
         # before sharding: FSDP sees the float8 layers' weights
         fp8.convert(model, plan, env.device)
     for block in model.blocks:
-        # Wrapping forward (not the module) keeps FSDP's hooks outside and state-dict keys
-        # unchanged.
+        # Wrapping forward (not the module) keeps FSDP's hooks outside and state-dict
+        # keys unchanged.
         if plan.activation_checkpoints:
             block.forward = recomputed(block.forward, plan.recompute)
         # each block is its own graph between FSDP2's hooks
@@ -325,8 +325,8 @@ def build_model(model_cls, model_config, plan, env, seed):
             model.trunk, "reduce-overhead" if plan.cuda_graphs else None
         )
     if env.device.type == "cuda":
-        # One Triton kernel turns the logits into the loss and, in place, their gradient
-        # (fused_loss.py).
+        # One Triton kernel turns the logits into the loss and, in place, their
+        # gradient (fused_loss.py).
         from minimal_fsdp.models.fused_loss import linear_cross_entropy
 
         model.loss = linear_cross_entropy
@@ -354,9 +354,9 @@ def build_model(model_cls, model_config, plan, env, seed):
         # gradients (fp32, as FSDP reduces them, or --reduce_precision) averaged in backward
         if plan.ddp:
             # Buffers (rotary tables, masks) are computed alike on every rank: no broadcast before
-            # each forward. Gradients as views of DDP's buckets: no copy back from the buckets after
-            # the all-reduce, which a small model's step, bound by host time, would pay for every
-            # step.
+            # each forward. Gradients as views of DDP's buckets: no copy back from the buckets
+            # after the all-reduce, which a small model's step, bound by host time, would pay for
+            # every step.
             replicate(
                 model, device_id=env.device, broadcast_buffers=False, gradient_as_bucket_view=True
             )

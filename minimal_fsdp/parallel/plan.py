@@ -20,9 +20,9 @@ plan.strategy is one of STRATEGIES:
   gossip      --data_parallel decentralized: a whole replica per rank, averaged with its neighbours'
               by gossip.py
 
-plan.backend is one of BACKENDS: torch (CUDA or CPU through torch.distributed, backend.py) or xla
-(--device xla's training under torch_xla, xla.py: FSDPv2 wraps each block, then the root, over
-torch_xla's own mesh of every device: the strategy fsdp-block). run.train_model takes the run's
+plan.backend is one of BACKENDS: torch (CUDA or CPU through torch.distributed, backends/default.py)
+or xla (--device xla's training under torch_xla, xla.py: FSDPv2 wraps each block, then the root,
+over torch_xla's own mesh of every device: the strategy fsdp-block). run.train_model takes the run's
 builders from it.
 """
 
@@ -36,7 +36,7 @@ from minimal_fsdp.config.choices import GRAPHS_MODEL, SMALL_MODEL, ConfigError
 from minimal_fsdp.models.size import count_parameters
 
 # the pure choices, torch-free for the memory planner
-from minimal_fsdp.parallel.choose import layout, reduce_precision, small_model, strategy  # noqa: F401
+from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
 
 STRATEGIES = ("local", "ddp", "one-unit", "fsdp-whole", "fsdp-block", "gossip")
 FSDP2 = ("fsdp-whole", "fsdp-block")  # the strategies where FSDP2's fully_shard wraps the model
@@ -61,7 +61,7 @@ class ParallelPlan:
     reshard_after_forward: bool
     # the path the matmuls take: float32, bf16, or fp8 (training only; generation runs bf16)
     precision: str
-    fp8: str  # --precision fp8: the float8 recipe (fp8.RECIPES); None otherwise
+    fp8: str  # --precision fp8: the float8 recipe (choices.FP8_RECIPES); None otherwise
     cpu_offload: bool
     meta_init: bool  # built on the meta device, each rank initializing only its shard
     activation_checkpoints: bool

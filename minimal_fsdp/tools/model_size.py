@@ -22,9 +22,9 @@ from pathlib import Path
 # checks). count() is models/size.py's count from the shape, held equal to it by tests.
 from minimal_fsdp.config.checks import model_family
 from minimal_fsdp.config.choices import MODEL_FLAGS, SHARDING, ConfigError
-from minimal_fsdp.models.counts import count as count_parameters
+from minimal_fsdp.models import counts
 from minimal_fsdp.models.families import FAMILIES, check_shape, make_config
-from minimal_fsdp.parallel import choose as fp8  # block_shapes: the layers fp8 converts
+from minimal_fsdp.parallel import choose  # block_shapes: the layers fp8 converts
 from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
 from minimal_fsdp.tools.step_time import CARDS, print_step_times
 
@@ -85,8 +85,8 @@ def estimate(
     whole, and all its unsharded gradients wait for one reduce-scatter at the end of backward.
     reduce_precision: as --reduce_precision, the dtype of the copies gradients are reduced (and
     FSDP2 accumulates them) in."""
-    sizes = count_parameters(config)
-    float8_layers = fp8.block_shapes(sizes)
+    sizes = counts.count(config)
+    float8_layers = choose.block_shapes(sizes)
     _, shards, reshard = layout(sharding, world_size, shard_group_size)
     # make_plan's
     chosen = strategy(sharding, world_size, sizes.total, fsdp_unit, cpu_offload, precision == "fp8")
@@ -174,7 +174,7 @@ def estimate(
     optimizer_step = on_gpu * (params_and_optimizer + grads) + buckets
     gpu = max(loss_backward, rebuilt, optimizer_step)
     # --checkpoint_mode async (auto on GPUs) keeps a host copy of the rank's fp32 weights and AdamW
-    # moments to save from while training goes on (checkpoint_async.staging_bytes).
+    # moments to save from while training goes on (background.staging_bytes).
     staging = (
         params_and_optimizer
         if checkpoint_mode == "async" or checkpoint_mode == "auto" and device_type == "cuda"
@@ -206,14 +206,14 @@ def model_config(args):
     """(model type, config, name) from --hf_model's config.json or from --model / --model_preset."""
     if args.hf_model:
         # hf.read imports torch (it also reads weights); only --hf_model pays for it
-        from minimal_fsdp.hf.read import read_config as read_hf_config
+        from minimal_fsdp.hf import read
 
         if not (Path(args.hf_model) / "config.json").exists():
             raise ConfigError(
                 f"--hf_model {args.hf_model} has no config.json (the planner reads local "
                 f"directories)"
             )
-        model_type, config = read_hf_config(args.hf_model, args.seq_length)
+        model_type, config = read.read_config(args.hf_model, args.seq_length)
         return model_type, config, args.hf_model
     family = model_family(args)
     shape = dict(
@@ -261,7 +261,7 @@ def print_plan(args):
     gpu_memory = parse_memory(args.gpu_memory or CARDS[args.gpu_type].memory, "gpu_memory")
     host_memory = parse_memory(args.host_memory, "host_memory") if args.host_memory else None
     family, config, name = model_config(args)
-    sizes = count_parameters(config)
+    sizes = counts.count(config)
 
     print(
         f"{family} {name}: {sizes.total:,} parameters ({sizes.total / 1e9:.2f} B); "

@@ -5,10 +5,10 @@ importing torch made each question take 5 s on a 2-core machine (10 s under load
 without.
 
 Complete here means, in the order resume tries the checkpoints: meta.json passes its schema with the
-keys a run reads (checkpoint_meta, as verify reads it), every file it records is a regular file of
+keys a run reads (meta.py, as verify reads it), every file it records is a regular file of
 the size recorded at save, and every file but the shards (.metadata, the RNG states, the tokenizer:
 small) has its recorded CRC-32. So a missing, truncated or damaged file is found, and a save that
-crashed before its rename is never a candidate. Weaker than checkpoint_find.verify, which resume
+crashed before its rename is never a candidate. Weaker than find.verify, which resume
 runs: the shards' bytes are not read (they are nearly all of a checkpoint), and DCP's .metadata, a
 pickle of torch classes that only safe_load's unpickler reads, is not unpickled, so a meta.json
 edited to describe another model than the shards hold is not noticed. A checkpoint damaged only that

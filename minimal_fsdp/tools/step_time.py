@@ -320,8 +320,8 @@ def guide(
 
 
 # What the loss runs measured of the layouts that change the training's arithmetic (RESULTS.md,
-# #loss-cpu): the guide names the fastest layout that does not, and the faster ones that do, with
-# this.
+# #loss-cpu): the guide names the fastest layout that does not, and the faster ones that do,
+# with this.
 LOSS_CAVEATS = {
     "ours, decentralized": "replicas gossip: a higher loss at equal steps",
     "Decent-DP": "replicas gossip: a higher loss at equal steps",

@@ -1,12 +1,12 @@
-"""backend.py: the parts of a CUDA or CPU run that run.train_model wires (xla.py's are tested in
-test_xla.py)."""
+"""backends/default.py: the parts of a CUDA or CPU run that run.train_model wires (xla.py's are
+tested in test_xla.py)."""
 
 import dataclasses
 
 import torch
 
-from minimal_fsdp.backends import default as backend
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.backends import default
+from minimal_fsdp.checkpoint import checkpointer
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPT, GPTConfig
@@ -23,7 +23,7 @@ def test_torch_gives_the_plans_model_sync_and_checkpointer(monkeypatch, one_rank
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     cfg = parse_args(["--seed", 7])
     plan = make_plan(cfg, env, CONFIG)
-    parts = backend.Torch(cfg, env, plan)
+    parts = default.Torch(cfg, env, plan)
     assert (plan.backend, parts.ranks, parts.local_ranks, parts.env) == ("torch", 1, 1, env)
     model = parts.build_model(CONFIG)
     reference = GPT(CONFIG)
@@ -38,13 +38,15 @@ def test_torch_gives_the_plans_model_sync_and_checkpointer(monkeypatch, one_rank
     # collective: the ranks agree on background saves
     saver = parts.checkpointer(CONFIG, None, model)
     assert (
-        type(saver) is checkpoint.Checkpointer and not saver.decentralized and saver.mode == "sync"
+        type(saver) is checkpointer.Checkpointer
+        and not saver.decentralized
+        and saver.mode == "sync"
     )
     made = []
     monkeypatch.setattr(
-        backend, "gradient_sync", lambda model, plan: made.append((model, plan)) or "sync"
+        default, "gradient_sync", lambda model, plan: made.append((model, plan)) or "sync"
     )
     gossip = dataclasses.replace(plan, strategy="gossip")
-    assert backend.Torch(cfg, env, gossip).gradient_sync(model) == "sync" and made == [
+    assert default.Torch(cfg, env, gossip).gradient_sync(model) == "sync" and made == [
         (model, gossip)
     ]

@@ -18,8 +18,9 @@ import torch
 import fake_torch_xla
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from support import sample_of, sample_of_each
-from minimal_fsdp.backends import default as backend
-from minimal_fsdp.config.flags import ConfigError, parse_args, validate_world
+from minimal_fsdp.backends import default
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.checks import validate_world
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.parallel.plan import make_plan
@@ -305,8 +306,8 @@ def test_xla_trains_through_the_one_wiring(fake_runs):
     assert "this launch trained 10 steps (640 tokens)" in first
     assert_same_run(xla, cpu, range(1, 11))
     assert logged(xla, "loss")[10] < logged(xla, "loss")[1]
-    # Saved by xla.Checkpointer under checkpoint.py's names (FSDPv2's wrappers left out): the CPU
-    # run's tensors.
+    # Saved by xla.Checkpointer under checkpoint/checkpointer.py's names (FSDPv2's wrappers left
+    # out): the CPU run's tensors.
     saved = [tensor_names(d / "checkpoints" / "corpus" / "step_20", prefix="") for d in (xla, cpu)]
     assert saved[0] == saved[1] and any(
         name.startswith("optim.state.blocks.0.") for name, _, _ in saved[0]
@@ -349,7 +350,7 @@ def public(cls):
 
 def test_the_plan_decides_the_xla_backend_and_train_builds_its_optimizer(fake_xla):
     """--device xla: the plan (decided once) says xla and FSDPv2's per-block layout, with no torch
-    mesh; the XLA backend offers every part backend.Torch does; the optimizer is
+    mesh; the XLA backend offers every part default.Torch does; the optimizer is
     train.build_optimizer's AdamW (the same groups and settings as on CPU, without fused kernels):
     xla.py keeps no copy. Generation plans stay on the host."""
     from minimal_fsdp.train import build_optimizer
@@ -364,7 +365,7 @@ def test_the_plan_decides_the_xla_backend_and_train_builds_its_optimizer(fake_xl
         == "torch"
     )
     assert make_plan(parse_args([]), env, config).backend == "torch"
-    assert public(fake_xla.XLA) == public(backend.Torch) and not hasattr(
+    assert public(fake_xla.XLA) == public(default.Torch) and not hasattr(
         fake_xla, "build_optimizer"
     )
     parts = fake_xla.XLA(cfg, env, plan)

@@ -1,7 +1,7 @@
-"""checkpoint_async.py and checkpoint_writer.py: saves written beside training (--checkpoint_mode
-async) and the checksums every save takes as it writes. In this process, on a one-rank group: the
-checksums equal a re-read's and no file of the checkpoint is read back, and the shards of an
-asynchronous save are written by the rank's writer process (or, with
+"""checkpoint/background.py and checkpoint/writer.py: saves written beside training
+(--checkpoint_mode async) and the checksums every save takes as it writes. In this process, on a
+one-rank group: the checksums equal a re-read's and no file of the checkpoint is read back, and the
+shards of an asynchronous save are written by the rank's writer process (or, with
 MINIMAL_FSDP_ASYNC_WRITER=thread, by DCP's threads here); an asynchronous save returns before its
 files are written and holds the values of its own step while training changes them; later saves
 reuse the first one's plan; a second save waits for the one in flight; the writer process ignores
@@ -32,13 +32,14 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from conftest import TINY_MODEL, make_text
 from faults import launch_with_faults
 from minimal_fsdp.models.size import count_parameters
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
-from minimal_fsdp.checkpoint import background as checkpoint_async
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp import metrics
+from minimal_fsdp.checkpoint import checkpointer
+from minimal_fsdp.checkpoint.background import DefaultSavePlanner, choose_mode, staging_bytes
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.backends import banner
 from minimal_fsdp.tools import model_size
 from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.checkpoint.background import Background, ChecksummingWriter
+from minimal_fsdp.checkpoint.background import Background
+from minimal_fsdp.checkpoint.writer import ChecksummingWriter
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.models.families import make_config
@@ -112,8 +113,10 @@ def test_checksums_are_taken_while_writing_and_equal_a_reread(
     made = Background(torch.device("cpu"), HANG_GUARD)
     assert (made.writer is None) == (writer == "thread")
     try:
-        sync = checkpoint.save(tmp_path / "run", 1, model, optimizer, {"val_loss": None}, tokenizer)
-        asynchronous = checkpoint.save(
+        sync = checkpointer.save(
+            tmp_path / "run", 1, model, optimizer, {"val_loss": None}, tokenizer
+        )
+        asynchronous = checkpointer.save(
             tmp_path / "run", 2, model, optimizer, {"val_loss": None}, tokenizer, background=made
         )
         made.wait()
@@ -151,7 +154,7 @@ def test_an_async_save_returns_before_writing_and_keeps_the_values_of_its_step(
     model, optimizer = tiny()
     expected = values(model, optimizer)
     run = tmp_path / "run"
-    path = checkpoint.save(run, 1, model, optimizer, {"val_loss": None}, background=background)
+    path = checkpointer.save(run, 1, model, optimizer, {"val_loss": None}, background=background)
     assert background.pending is not None and not background.pending.done()
     assert (run / ".tmp-step_1").is_dir() and not path.exists() and not (run / "latest").exists()
     # training goes on: every weight and moment changes while the save is written
@@ -160,7 +163,7 @@ def test_an_async_save_returns_before_writing_and_keeps_the_values_of_its_step(
     assert all(not torch.equal(changed[name], expected[name]) for name in expected)
     release.set()
     background.wait()
-    assert checkpoint_find.marker(run, "latest") == path
+    assert find.marker(run, "latest") == path
     saved = saved_values(path)
     assert sorted(saved) == sorted(expected)
     assert all(torch.equal(saved[name], expected[name]) for name in expected), (
@@ -172,9 +175,9 @@ def test_later_saves_reuse_the_first_ones_plan_and_hold_their_own_values(
     background, tmp_path, monkeypatch
 ):
     plans = []
-    make_plan = checkpoint_async.DefaultSavePlanner._create_global_plan
+    make_plan = DefaultSavePlanner._create_global_plan
     monkeypatch.setattr(
-        checkpoint_async.DefaultSavePlanner,
+        DefaultSavePlanner,
         "_create_global_plan",
         lambda planner, all_plans: plans.append(1) or make_plan(planner, all_plans),
     )
@@ -185,7 +188,7 @@ def test_later_saves_reuse_the_first_ones_plan_and_hold_their_own_values(
     run = tmp_path / "run"
     for step in (1, 2, 3):
         expected = values(model, optimizer)
-        path = checkpoint.save(
+        path = checkpointer.save(
             run, step, model, optimizer, {"val_loss": None}, background=background
         )
         background.wait()
@@ -218,7 +221,7 @@ def test_a_save_waits_for_the_one_in_flight_so_two_never_overlap(
     monkeypatch.setattr(ChecksummingWriter, "write_data", counted)
     cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--run_name", "run", "--keep_last", "0"])
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
-    saver = checkpoint.Checkpointer(cfg, config, None, decentralized=False)
+    saver = checkpointer.Checkpointer(cfg, config, None, decentralized=False)
     saver.background = Background(torch.device("cpu"), HANG_GUARD)  # what a GPU run gets (for_run)
     wait = saver.background.wait
 
@@ -240,7 +243,7 @@ def test_a_save_waits_for_the_one_in_flight_so_two_never_overlap(
     assert started == [".tmp-step_1", ".tmp-step_2"] and most[0] == 1
     run = tmp_path / "run"
     assert sorted(p.name for p in run.iterdir()) == ["latest", "step_1", "step_2"]
-    assert checkpoint_find.marker(run, "latest") == run / "step_2"
+    assert find.marker(run, "latest") == run / "step_2"
     reports = saver.reports()
     ended = [r for r in reports if r.total_s is not None]
     assert [r.step for r in reports if r.total_s is None] == [1, 2] and [r.step for r in ended] == [
@@ -257,14 +260,14 @@ def test_the_writer_process_ignores_sigterm_and_a_dead_one_fails_the_save_in_one
 ):
     model, optimizer = tiny()
     run = tmp_path / "run"
-    first = checkpoint.save(run, 1, model, optimizer, {"val_loss": None}, background=background)
+    first = checkpointer.save(run, 1, model, optimizer, {"val_loss": None}, background=background)
     background.wait()
     # A stop's SIGTERM, sent to every process of the job, leaves the writer writing: the save in
     # flight completes.
     os.kill(background.writer.process.pid, signal.SIGTERM)
-    second = checkpoint.save(run, 2, model, optimizer, {"val_loss": None}, background=background)
+    second = checkpointer.save(run, 2, model, optimizer, {"val_loss": None}, background=background)
     background.wait()
-    assert checkpoint_find.marker(run, "latest") == second
+    assert find.marker(run, "latest") == second
     recorded = json.loads((second / "meta.json").read_text())["files"]
     assert (
         recorded
@@ -277,15 +280,15 @@ def test_the_writer_process_ignores_sigterm_and_a_dead_one_fails_the_save_in_one
     )
     os.kill(background.writer.process.pid, signal.SIGKILL)  # the writer lost (the OOM killer, say)
     background.writer.process.wait(HANG_GUARD)
-    checkpoint.save(run, 3, model, optimizer, {"val_loss": None}, background=background)
-    with pytest.raises(checkpoint.SaveError) as failed:
+    checkpointer.save(run, 3, model, optimizer, {"val_loss": None}, background=background)
+    with pytest.raises(checkpointer.SaveError) as failed:
         background.wait()
     assert str(failed.value) == (
         f"writing checkpoint {run / 'step_3'} failed (rank 0: the checkpoint writer process "
         f"ended (exit code -9): {run / '.tmp-step_3'}); the previous checkpoint is untouched"
     )
     assert (
-        checkpoint_find.marker(run, "latest") == second
+        find.marker(run, "latest") == second
         and first.is_dir()
         and not (run / ".tmp-step_3").exists()
     )
@@ -339,7 +342,7 @@ def _alive(pid):
 
 def test_auto_is_async_on_gpus_and_sync_on_cpus_and_a_short_host_saves_in_sync():
     gb = 10**9
-    choose = checkpoint_async.choose_mode
+    choose = choose_mode
     assert choose("auto", "cuda", 9 * gb, 2, 100 * gb) == ("async", None)
     assert choose("auto", "cpu", 9 * gb, 2, 100 * gb) == ("sync", None)
     assert choose("sync", "cuda", 9 * gb, 2, 100 * gb) == ("sync", None)
@@ -358,10 +361,10 @@ def test_auto_is_async_on_gpus_and_sync_on_cpus_and_a_short_host_saves_in_sync()
 
 def test_staging_memory_is_the_ranks_weights_and_moments_in_the_planner_and_the_banner():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # 23 parameters
-    assert checkpoint_async.staging_bytes(model) == 23 * 12
+    assert staging_bytes(model) == 23 * 12
     # each replica and the average
-    assert checkpoint_async.staging_bytes(model, decentralized=True) == 23 * 24
-    assert checkpoint_async.staging_bytes(model, decentralized=True, average_only=True) == 23 * 12
+    assert staging_bytes(model, decentralized=True) == 23 * 24
+    assert staging_bytes(model, decentralized=True, average_only=True) == 23 * 12
     config = make_config("llama", "llama2-7b")
     total = count_parameters(config).total
     plan = dict(
@@ -381,12 +384,12 @@ def test_staging_memory_is_the_ranks_weights_and_moments_in_the_planner_and_the_
     assert asynchronous["gpu"] == synchronous["gpu"] and synchronous["staging"] == 0
     env = SimpleNamespace(device=torch.device("cuda"))
     cfg = SimpleNamespace(checkpoint_mode="auto")
-    line = metrics.saving(cfg, env, SimpleNamespace(mode="async", staging=9.4e9))
+    line = banner.saving(cfg, env, SimpleNamespace(mode="async", staging=9.4e9))
     assert line.startswith(
         "checkpoints: asynchronous (--checkpoint_mode auto): training waits while a save is "
         "copied into 9.4 GB of pinned host memory per rank"
     )
-    assert "synchronous" in metrics.saving(cfg, env, SimpleNamespace(mode="sync", staging=0))
+    assert "synchronous" in banner.saving(cfg, env, SimpleNamespace(mode="sync", staging=0))
 
 
 # ---- two ranks, through the real entry point ----
@@ -447,10 +450,10 @@ def test_killed_during_a_background_write_resumes_bit_for_bit_from_the_previous_
     assert crashed.returncode != 0
     assert "step 4: training waited" in crashed.stdout  # the save went to the background...
     assert (run / ".tmp-step_4" / "__1_0.distcp").stat().st_size > 0  # ...and died while writing
-    assert not (run / "step_4").exists() and checkpoint_find.latest(run) == run / "step_2"
+    assert not (run / "step_4").exists() and find.latest(run) == run / "step_2"
     resumed = launch_with_faults(args("killed"), cwd=work)
     assert "resuming from checkpoints/killed/step_2 (restored in" in resumed.stdout
-    assert checkpoint_find.latest(run) == run / f"step_{STEPS}" and not list(run.glob(".tmp-*"))
+    assert find.latest(run) == run / f"step_{STEPS}" and not list(run.glob(".tmp-*"))
     logged = rows(work, "killed")
     losses = [(r["step"], r["loss"]) for r in logged if "loss" in r]
     assert sorted({step for step, _ in losses}) == list(range(1, STEPS + 1))
@@ -484,9 +487,9 @@ def test_a_save_in_flight_at_sigterm_is_committed_before_the_exit(work):
         next(line for line in lines if line.startswith("step 3: SIGTERM received; saved"))
     )
     assert background < committed < stopped
-    assert [p.name for p in checkpoint_find.step_dirs(run)] == ["step_3", "step_2"]
-    assert all(checkpoint_find.verify(run / name) is None for name in ("step_2", "step_3"))
-    assert checkpoint_find.latest(run) == run / "step_3" and not list(run.glob(".tmp-*"))
+    assert [p.name for p in find.step_dirs(run)] == ["step_3", "step_2"]
+    assert all(find.verify(run / name) is None for name in ("step_2", "step_3"))
+    assert find.latest(run) == run / "step_3" and not list(run.glob(".tmp-*"))
 
 
 @pytest.mark.slow
@@ -507,4 +510,4 @@ def test_a_failed_background_write_ends_the_run_in_one_line_and_keeps_the_last_g
         "latest",
         "step_2",
     ]
-    assert checkpoint_find.latest(run) == run / "step_2"
+    assert find.latest(run) == run / "step_2"

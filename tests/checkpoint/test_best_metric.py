@@ -1,8 +1,8 @@
-"""best_metric.py: which checkpoint the `best` marker names, by val loss or by an --eval_tasks score
-(--best_metric <task>/<metric>). The decision on meta.json records, the flag's checks against the
-harness's loaded tasks (higher or lower is better as each task declares), and a training run whose
-val loss and task score disagree on the best step: `best` names the step with the best logged score,
-and a resumed run keeps the choice."""
+"""checkpoint/best.py: which checkpoint the `best` marker names, by val loss or by an --eval_tasks
+score (--best_metric <task>/<metric>). The decision on meta.json records, the flag's checks against
+the harness's loaded tasks (higher or lower is better as each task declares), and a training run
+whose val loss and task score disagree on the best step: `best` names the step with the best logged
+score, and a resumed run keeps the choice."""
 
 import json
 import random
@@ -10,8 +10,8 @@ import random
 import pytest
 
 from conftest import ROOT, TINY_MODEL, launch, make_text
-from minimal_fsdp.checkpoint import best as best_metric
-from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import best
+from minimal_fsdp.checkpoint import find
 from minimal_fsdp.config.flags import Config, ConfigError
 
 DATA = ROOT / "configs" / "eval"
@@ -20,20 +20,20 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 def meta(val_loss=None, name=None, higher=None, **scores):
     """A checkpoint's meta.json as far as best_metric reads it."""
-    record = {} if name is None else {"eval_tasks": best_metric.record(name, higher, scores)}
+    record = {} if name is None else {"eval_tasks": best.record(name, higher, scores)}
     return {"val_loss": val_loss, "state": dict(record, schedule={})}
 
 
 def test_val_loss_chooses_the_lowest_as_before():
-    assert best_metric.better(meta(2.0), None)
-    assert best_metric.better(meta(2.0), meta(3.0)) and not best_metric.better(meta(3.0), meta(2.0))
-    assert not best_metric.better(meta(2.0), meta(2.0))  # a tie keeps the earlier one
+    assert best.better(meta(2.0), None)
+    assert best.better(meta(2.0), meta(3.0)) and not best.better(meta(3.0), meta(2.0))
+    assert not best.better(meta(2.0), meta(2.0))  # a tie keeps the earlier one
     # a save at a stop request has no val loss: never best
-    assert not best_metric.better(meta(None), None)
-    assert not best_metric.better(meta(float("nan")), meta(3.0))
-    assert best_metric.better(meta(2.0), meta(None))  # the old best had none (a damaged record)
+    assert not best.better(meta(None), None)
+    assert not best.better(meta(float("nan")), meta(3.0))
+    assert best.better(meta(2.0), meta(None))  # the old best had none (a damaged record)
     # with --eval_tasks but --best_metric val_loss, the scores are recorded and ignored
-    assert best_metric.better(
+    assert best.better(
         meta(2.0, "val_loss", False, **{"t/acc": 0.1}),
         meta(3.0, "val_loss", False, **{"t/acc": 0.9}),
     )
@@ -42,16 +42,16 @@ def test_val_loss_chooses_the_lowest_as_before():
 def test_a_task_score_chooses_by_its_direction():
     acc = lambda value, loss=1.0: meta(loss, "t/acc", True, **{"t/acc": value})  # noqa: E731
     # val loss disagrees: the score wins
-    assert best_metric.better(acc(0.6, loss=9.0), acc(0.5, loss=1.0))
-    assert not best_metric.better(acc(0.4), acc(0.5)) and not best_metric.better(acc(0.5), acc(0.5))
+    assert best.better(acc(0.6, loss=9.0), acc(0.5, loss=1.0))
+    assert not best.better(acc(0.4), acc(0.5)) and not best.better(acc(0.5), acc(0.5))
     ppl = lambda value: meta(1.0, "t/word_perplexity", False, **{"t/word_perplexity": value})  # noqa: E731
-    assert best_metric.better(ppl(10.0), ppl(12.0)) and not best_metric.better(ppl(12.0), ppl(10.0))
+    assert best.better(ppl(10.0), ppl(12.0)) and not best.better(ppl(12.0), ppl(10.0))
     unscored = meta(1.0, "t/acc", True)  # the tasks did not run at this step (a stop request)
-    assert not best_metric.better(unscored, None) and best_metric.better(acc(0.1), unscored)
+    assert not best.better(unscored, None) and best.better(acc(0.1), unscored)
     # a best chosen by val loss before --best_metric changed: one without the score gives way, one
     # with it competes
-    assert best_metric.better(acc(0.1), meta(0.5))
-    assert not best_metric.better(acc(0.1), meta(0.5, "val_loss", False, **{"t/acc": 0.2}))
+    assert best.better(acc(0.1), meta(0.5))
+    assert not best.better(acc(0.1), meta(0.5, "val_loss", False, **{"t/acc": 0.2}))
 
 
 def test_a_damaged_record_counts_as_none():
@@ -73,8 +73,8 @@ def test_a_damaged_record_counts_as_none():
         None,
     ]
     for bad in damaged:
-        assert best_metric.read_record(bad) == {}
-    assert best_metric.read_record(meta(1.0, "t/acc", True, **{"t/acc": "high", "t/f1": 0.5})) == {
+        assert best.read_record(bad) == {}
+    assert best.read_record(meta(1.0, "t/acc", True, **{"t/acc": "high", "t/f1": 0.5})) == {
         "best_metric": "t/acc",
         "higher_is_better": True,
         "scores": {"t/f1": 0.5},
@@ -82,29 +82,29 @@ def test_a_damaged_record_counts_as_none():
 
 
 def test_the_flag_is_checked_before_anything_is_loaded():
-    assert best_metric.chosen(Config()) == "val_loss"
+    assert best.chosen(Config()) == "val_loss"
     # as metrics.jsonl
-    assert best_metric.chosen(Config(eval_tasks="t", best_metric="eval/t/acc")) == "t/acc"
+    assert best.chosen(Config(eval_tasks="t", best_metric="eval/t/acc")) == "t/acc"
     with pytest.raises(
         ConfigError, match=r"^--best_metric acc: expected val_loss or <task>/<metric>"
     ):
-        best_metric.chosen(Config(eval_tasks="t", best_metric="acc"))
+        best.chosen(Config(eval_tasks="t", best_metric="acc"))
     with pytest.raises(
         ConfigError,
         match=r"^--best_metric t/acc is a score of --eval_tasks: pass --eval_tasks "
         r"with task t \(or --best_metric val_loss\)$",
     ):
-        best_metric.chosen(Config(best_metric="t/acc"))
+        best.chosen(Config(best_metric="t/acc"))
     resumed = meta(1.0, "t/acc", True)
     # a resumed run keeps its choice
-    assert best_metric.chosen(Config(eval_tasks="t"), resumed) == "t/acc"
+    assert best.chosen(Config(eval_tasks="t"), resumed) == "t/acc"
     # unless told otherwise
-    assert best_metric.chosen(Config(best_metric="val_loss"), resumed) == "val_loss"
+    assert best.chosen(Config(best_metric="val_loss"), resumed) == "val_loss"
     with pytest.raises(
         ConfigError,
         match="^the resumed checkpoint's --best_metric t/acc is a score of --eval_tasks",
     ):
-        best_metric.chosen(Config(), resumed)
+        best.chosen(Config(), resumed)
 
 
 def test_the_direction_is_the_harness_own(monkeypatch):
@@ -115,18 +115,18 @@ def test_the_direction_is_the_harness_own(monkeypatch):
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(ROOT)
     _, tasks = load_tasks(["tiny_mc", "tiny_ppl"], str(DATA))
-    assert best_metric.direction("tiny_mc/acc_norm", tasks) is True
-    assert best_metric.direction("tiny_ppl/word_perplexity", tasks) is False
-    assert best_metric.direction("val_loss", tasks) is False
+    assert best.direction("tiny_mc/acc_norm", tasks) is True
+    assert best.direction("tiny_ppl/word_perplexity", tasks) is False
+    assert best.direction("val_loss", tasks) is False
     with pytest.raises(
         ConfigError,
         match=r"^--best_metric tiny_mc/f1: --eval_tasks computes no such score; it "
         r"computes tiny_mc/acc, tiny_mc/acc_norm, tiny_ppl/bits_per_byte, ",
     ):
-        best_metric.direction("tiny_mc/f1", tasks)
+        best.direction("tiny_mc/f1", tasks)
     with pytest.raises(ConfigError, match="no such score"):
         # a shipped task this run does not evaluate
-        best_metric.direction("tiny_gen/exact_match", tasks)
+        best.direction("tiny_gen/exact_match", tasks)
 
 
 def anti_task(folder):
@@ -208,8 +208,8 @@ def test_best_is_the_checkpoint_the_task_score_prefers(tmp_path):
     by_score = max(acc, key=lambda step: (acc[step], -step))
     by_loss = min(val_loss, key=val_loss.get)
     assert by_score != by_loss, (acc, val_loss)  # the run is one where the two disagree
-    assert checkpoint_find.marker(run, "best").name == f"step_{by_score}"
-    assert checkpoint_find.marker(run, "best").is_dir()  # --keep_last 1 spared it
+    assert find.marker(run, "best").name == f"step_{by_score}"
+    assert find.marker(run, "best").is_dir()  # --keep_last 1 spared it
     acc_norm = scores_by_step(tmp_path / "logs" / "anti", "eval/anti/acc_norm")
     assert json.loads((run / "step_30" / "meta.json").read_text())["state"]["eval_tasks"] == {
         "best_metric": "anti/acc",
@@ -226,10 +226,7 @@ def test_best_is_the_checkpoint_the_task_score_prefers(tmp_path):
         ]
         == "anti/acc"
     )
-    assert (
-        checkpoint_find.marker(run, "best").name
-        == f"step_{max(acc, key=lambda step: (acc[step], -step))}"
-    )
+    assert find.marker(run, "best").name == f"step_{max(acc, key=lambda step: (acc[step], -step))}"
     out = launch([*flags, "--max_steps", 50], ranks=2, env=OFFLINE, check=False)
     assert out.returncode == 2
     assert [line for line in out.stderr.splitlines() if line.startswith("error")] == [

@@ -1,11 +1,11 @@
-"""checkpoint.py: what a save writes (every file with its size and CRC-32, meta.json, the tokenizer,
-`latest` and `best`, pruning, a step saved again), how a failed save is reported (one line on every
-rank, the partial directory removed, `latest` untouched), decentralized replicas, the RNG states;
-and through real training on 2 ranks, a complete checkpoint whose resume restores weights, moments,
-step and data position, and a logged throughput that leaves out evaluation and saving. In this
-process where it can be (fast, and what mutation testing can see). Reading a checkpoint without
-running code is test_safe_load.py's; verifying one and finding the one to start from,
-test_checkpoint_find.py's."""
+"""checkpoint/checkpointer.py: what a save writes (every file with its size and CRC-32, meta.json,
+the tokenizer, `latest` and `best`, pruning, a step saved again), how a failed save is reported (one
+line on every rank, the partial directory removed, `latest` untouched), decentralized replicas, the
+RNG states; and through real training on 2 ranks, a complete checkpoint whose resume restores
+weights, moments, step and data position, and a logged throughput that leaves out evaluation and
+saving. In this process where it can be (fast, and what mutation testing can see). Reading a
+checkpoint without running code is test_safe_load.py's; verifying one and finding the one to start
+from, test_checkpoint_find.py's."""
 
 import dataclasses
 import errno
@@ -28,10 +28,13 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from conftest import TINY_MODEL, launch, make_text
 from faults import launch_with_faults
 from minimal_fsdp import files, metrics
-from minimal_fsdp import train as train_module
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.launch import run_lock
+from minimal_fsdp import train
+from minimal_fsdp.checkpoint import checkpointer
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint.dirs import crc32
+from minimal_fsdp.checkpoint.meta import read_meta
+from minimal_fsdp.checkpoint.rng import rng_bytes
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.launch.environment import DistEnv
@@ -91,8 +94,8 @@ def test_save_writes_complete_checkpoint_and_latest(four_steps):
     run = work / "checkpoints" / "corpus"
     # no temporary leftovers
     assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2", "step_4"]
-    assert checkpoint_find.latest(run) == run / "step_4"
-    meta = checkpoint_meta.read_meta(run / "step_4")
+    assert find.latest(run) == run / "step_4"
+    meta = read_meta(run / "step_4")
     assert (
         meta["format"] == 2
         and json.loads((run / "step_4" / "meta.json").read_text())["format"] == 2
@@ -135,7 +138,7 @@ def test_resume_restores_weights_moments_step_and_data_position(four_steps):
     assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
     assert all(got[k].item() == 4 for k in got if k.endswith(".step"))
     for key in ("step", "state"):
-        read = checkpoint_meta.read_meta
+        read = read_meta
         assert read(resumed / "step_4")[key] == read(whole / "step_4")[key], key
     logged = (work / "resumed" / "logs" / "corpus" / "metrics.jsonl").read_text().splitlines()
     assert [row["step"] for row in map(json.loads, logged) if "loss" in row] == [3, 4]
@@ -164,7 +167,7 @@ def save_steps(run, model, optimizer, val_losses, keep_last=0):
         "state": {"schedule": {}, "data": {"train_blocks_seen": 0}},
     }
     for step, val_loss in enumerate(val_losses, start=1):
-        checkpoint.save(
+        checkpointer.save(
             run, step, model, optimizer, dict(meta, val_loss=val_loss), keep_last=keep_last
         )
 
@@ -176,11 +179,8 @@ def test_keep_last_prunes_older_checkpoints_but_spares_best(one_rank, tmp_path):
     assert (run / "latest").read_text().strip() == "step_5" and (
         run / "best"
     ).read_text().strip() == "step_2"
-    assert checkpoint_find.resolve(run / "best") == run / "step_2"
-    assert (
-        checkpoint_find.find(parse_args(["--restart_checkpoint_file", str(run / "best")]))
-        == run / "step_2"
-    )
+    assert find.resolve(run / "best") == run / "step_2"
+    assert find.find(parse_args(["--restart_checkpoint_file", str(run / "best")])) == run / "step_2"
 
 
 def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_path, capsys):
@@ -197,7 +197,7 @@ def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_
     (run / "step_2" / "meta.json").write_text('{"step": 2, "mod')
     capsys.readouterr()
     cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--run_name", "run"])
-    assert checkpoint_find.find(cfg) == run / "step_1"
+    assert find.find(cfg) == run / "step_1"
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 4, lines
     assert "step_5: rng_0.pt is missing or unreadable" in lines[0]
@@ -207,14 +207,14 @@ def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_
     with pytest.raises(
         ConfigError, match="--restart_checkpoint_file .*step_4 is not a complete checkpoint"
     ):
-        checkpoint_find.find(parse_args(["--restart_checkpoint_file", str(run / "step_4")]))
+        find.find(parse_args(["--restart_checkpoint_file", str(run / "step_4")]))
 
 
 def test_rng_states_come_back(one_rank, tmp_path):
     run = tmp_path / "run"
     save_steps(run, *one_rank, [None])
     expected = (torch.rand(4), np.random.rand(4), random.random())
-    assert checkpoint.restore_rng(run / "step_1", rank=0, world_size=1, seed=0)
+    assert checkpointer.restore_rng(run / "step_1", rank=0, world_size=1, seed=0)
     again = (torch.rand(4), np.random.rand(4), random.random())
     assert (
         torch.equal(expected[0], again[0])
@@ -222,20 +222,20 @@ def test_rng_states_come_back(one_rank, tmp_path):
         and expected[2] == again[2]
     )
     # Written by one rank, resumed on two: no stream is "this rank's", so reseed rather than replay.
-    assert not checkpoint.restore_rng(run / "step_1", rank=0, world_size=2, seed=0)
+    assert not checkpointer.restore_rng(run / "step_1", rank=0, world_size=2, seed=0)
     assert not torch.equal(torch.rand(4), expected[0])
 
 
 def test_resume_never_refuses_a_run_that_has_checkpoints(tmp_path):
     args = ["--checkpoint_dir", str(tmp_path), "--run_name", "run", "--resume", "never"]
-    assert checkpoint_find.find(parse_args(args)) is None
+    assert find.find(parse_args(args)) is None
     (tmp_path / "run" / "step_3").mkdir(parents=True)
     with pytest.raises(ConfigError, match="--resume never, but .*run already holds checkpoints"):
-        checkpoint_find.find(parse_args(args))
+        find.find(parse_args(args))
 
 
 class RandomTokens:
-    """Random tokens for training, with the data interface of data.TokenData."""
+    """Random tokens for training, with the data interface of tokens.TokenData."""
 
     directory = None
 
@@ -264,8 +264,8 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
         return run
 
     monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(train_module, "train_step", advance(1.0, train_module.train_step))
-    monkeypatch.setattr(train_module, "evaluate", advance(100.0, lambda *args: 1.0))
+    monkeypatch.setattr(train, "train_step", advance(1.0, train.train_step))
+    monkeypatch.setattr(train, "evaluate", advance(100.0, lambda *args: 1.0))
     saver = SimpleNamespace(
         save=advance(10.0, lambda *args: None),
         saving=nullcontext,
@@ -297,10 +297,10 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     plan = make_plan(cfg, env, ONE_RANK_MODEL, fsdp_on_one_rank=True)
     stop = SimpleNamespace(agreed=lambda step=None: None, due=lambda step: False)
-    parts = train_module.RunParts(
+    parts = train.RunParts(
         model, optimizer, RandomTokens(), gradient_sync(model, plan), saver, ranks=1
     )
-    train_module.train(parts, cfg, env, plan, stop)
+    train.train(parts, cfg, env, plan, stop)
     rows = [
         json.loads(line)
         for line in (tmp_path / "logs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()
@@ -343,11 +343,7 @@ def test_a_save_writes_every_file_with_its_size_and_crc32(tmp_path):
 def test_crc32_reads_a_file_in_chunks(tmp_path):
     data = bytes(range(256)) * 3
     (tmp_path / "f").write_bytes(data)
-    assert (
-        checkpoint_find.crc32(tmp_path / "f", chunk=7)
-        == checkpoint_find.crc32(tmp_path / "f")
-        == zlib.crc32(data)
-    )
+    assert crc32(tmp_path / "f", chunk=7) == crc32(tmp_path / "f") == zlib.crc32(data)
 
 
 def test_best_moves_only_to_a_strictly_lower_val_loss(tmp_path):
@@ -355,7 +351,7 @@ def test_best_moves_only_to_a_strictly_lower_val_loss(tmp_path):
     run = tmp_path / "run"
     best = []
     for step, val_loss in enumerate([2.0, 2.0, None, 1.5, 1.5], start=1):
-        checkpoint.save(run, step, model, optimizer, {"val_loss": val_loss})
+        checkpointer.save(run, step, model, optimizer, {"val_loss": val_loss})
         best.append((run / "best").read_text().strip())
     assert best == ["step_1", "step_1", "step_1", "step_4", "step_4"]
 
@@ -365,18 +361,18 @@ def test_best_resaved_without_a_val_loss_gives_way_to_the_next_validated_save(tm
     a val loss."""
     model, optimizer = tiny()
     run = tmp_path / "run"
-    checkpoint.save(run, 1, model, optimizer, {"val_loss": 1.0})
-    checkpoint.save(run, 1, model, optimizer, {"val_loss": None})
-    checkpoint.save(run, 2, model, optimizer, {"val_loss": 5.0})
+    checkpointer.save(run, 1, model, optimizer, {"val_loss": 1.0})
+    checkpointer.save(run, 1, model, optimizer, {"val_loss": None})
+    checkpointer.save(run, 2, model, optimizer, {"val_loss": 5.0})
     assert (run / "best").read_text() == "step_2\n"
 
 
 def test_a_step_saved_again_replaces_the_old_one_whole(tmp_path):
     run = tmp_path / "run"
     first, optimizer = tiny(seed=1)
-    checkpoint.save(run, 2, first, optimizer, {})
+    checkpointer.save(run, 2, first, optimizer, {})
     second, optimizer = tiny(seed=2)
-    checkpoint.save(run, 2, second, optimizer, {})
+    checkpointer.save(run, 2, second, optimizer, {})
     assert same(safe_load.load_full_model_state(run / "step_2"), weights(second))
     # nothing of the old one left aside
     assert sorted(p.name for p in run.iterdir()) == ["latest", "step_2"]
@@ -389,7 +385,7 @@ def test_a_save_removes_what_a_crashed_save_left(tmp_path):
     (run / ".tmp-step_9" / "__0_0.distcp").write_bytes(b"half")
     (run / ".tmp-old-step_4").mkdir()
     (run / ".tmp-stray").write_text("a file, which rmtree cannot remove: it does not stop the save")
-    checkpoint.save(run, 1, model, optimizer, {})
+    checkpointer.save(run, 1, model, optimizer, {})
     assert sorted(p.name for p in run.iterdir()) == [".tmp-stray", "latest", "step_1"]
 
 
@@ -397,11 +393,11 @@ def test_keep_last_prunes_quietly_even_when_best_is_damaged(tmp_path, console):
     out, err = console()
     model, optimizer = tiny()
     run = tmp_path / "run"
-    checkpoint.save(run, 1, model, optimizer, {"val_loss": 1.0})
+    checkpointer.save(run, 1, model, optimizer, {"val_loss": 1.0})
     (run / "best").write_bytes(b"\xff\xfe garbage")
-    checkpoint.save(run, 2, model, optimizer, {"val_loss": None}, keep_last=1)
+    checkpointer.save(run, 2, model, optimizer, {"val_loss": None}, keep_last=1)
     assert sorted(p.name for p in run.iterdir()) == ["best", "latest", "step_2"]
-    checkpoint.save(run, 3, model, optimizer, {"val_loss": 2.0}, keep_last=1)
+    checkpointer.save(run, 3, model, optimizer, {"val_loss": 2.0}, keep_last=1)
     assert (run / "best").read_text() == "step_3\n"
     assert err.getvalue() == ""  # a damaged `best` is replaced, not reported on every save
 
@@ -411,7 +407,7 @@ def test_markers_are_written_durably(tmp_path, monkeypatch):
     sync = files.sync
     monkeypatch.setattr(files, "sync", lambda path: synced.append(Path(path).name) or sync(path))
     model, optimizer = tiny()
-    checkpoint.save(tmp_path / "run", 1, model, optimizer, {"val_loss": 1.0})
+    checkpointer.save(tmp_path / "run", 1, model, optimizer, {"val_loss": 1.0})
     # the marker's data, before its rename
     assert any(name.startswith(".latest.tmp") for name in synced)
     assert any(name.startswith(".best.tmp") for name in synced)
@@ -427,7 +423,7 @@ def test_save_hands_dcp_the_callers_planner(tmp_path):
             return super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     model, optimizer = tiny()
-    checkpoint.save(tmp_path / "run", 1, model, optimizer, {}, planner=Recording())
+    checkpointer.save(tmp_path / "run", 1, model, optimizer, {}, planner=Recording())
     assert Recording.used
 
 
@@ -439,8 +435,8 @@ def test_a_save_that_cannot_start_fails_in_one_line(tmp_path):
     model, optimizer = tiny()
     (tmp_path / "file").write_text("")
     run = tmp_path / "file" / "run"
-    with pytest.raises(checkpoint.SaveError) as raised:
-        checkpoint.save(run, 1, model, optimizer, {})
+    with pytest.raises(checkpointer.SaveError) as raised:
+        checkpointer.save(run, 1, model, optimizer, {})
     assert str(raised.value) == (
         f"cannot start checkpoint {run}/step_1 (rank 0: Not a directory: {run}/.tmp-step_1); "
         "the previous checkpoint is untouched"
@@ -450,19 +446,19 @@ def test_a_save_that_cannot_start_fails_in_one_line(tmp_path):
 def test_a_save_after_another_run_took_the_lock_writes_nothing(tmp_path):
     model, optimizer = tiny()
     run = tmp_path / "run"
-    checkpoint.save(run, 1, model, optimizer, {})
+    checkpointer.save(run, 1, model, optimizer, {})
     # left by a save of step 2 that crashed: gone too, as the failed save's own
     (run / ".tmp-step_2").mkdir()
-    lock = files.RunLock({"--checkpoint_dir": run})
+    lock = run_lock.RunLock({"--checkpoint_dir": run})
     lock.acquire()
     try:
         (run / ".lock").write_text(json.dumps({"token": "another run's"}))
         with pytest.raises(
-            checkpoint.SaveError,
+            checkpointer.SaveError,
             match=rf"^cannot start checkpoint {run}/step_2 \(rank 0: "
             r"LockError: another run took over .*\); the previous",
         ):
-            checkpoint.save(run, 2, model, optimizer, {})
+            checkpointer.save(run, 2, model, optimizer, {})
     finally:
         lock.release()
     assert sorted(p.name for p in run.iterdir()) == [".lock", "latest", "step_1"]
@@ -473,14 +469,14 @@ def test_a_full_disk_while_writing_fails_in_one_line_and_leaves_the_previous_che
 ):
     model, optimizer = tiny()
     run = tmp_path / "run"
-    checkpoint.save(run, 1, model, optimizer, {})
+    checkpointer.save(run, 1, model, optimizer, {})
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "/scratch/__0_0.distcp")
 
     monkeypatch.setattr(dcp, "save", full)
-    with pytest.raises(checkpoint.SaveError) as raised:
-        checkpoint.save(run, 2, model, optimizer, {})
+    with pytest.raises(checkpointer.SaveError) as raised:
+        checkpointer.save(run, 2, model, optimizer, {})
     assert str(raised.value) == (
         f"writing checkpoint {run}/step_2 failed (rank 0: No space left on device: "
         "/scratch/__0_0.distcp); the previous checkpoint is untouched"
@@ -501,19 +497,19 @@ def test_a_failure_that_cannot_be_pickled_is_still_reported(tmp_path, monkeypatc
 
     monkeypatch.setattr(dcp, "save", stuck)
     model, optimizer = tiny()
-    with pytest.raises(checkpoint.SaveError, match=r"\(rank 0: Stuck: the writer is stuck\)"):
-        checkpoint.save(tmp_path / "run", 1, model, optimizer, {})
+    with pytest.raises(checkpointer.SaveError, match=r"\(rank 0: Stuck: the writer is stuck\)"):
+        checkpointer.save(tmp_path / "run", 1, model, optimizer, {})
     assert list((tmp_path / "run").iterdir()) == []
 
 
 def test_a_save_that_fails_while_finishing_leaves_the_previous_checkpoint(tmp_path):
     model, optimizer = tiny()
     run = tmp_path / "run"
-    checkpoint.save(run, 1, model, optimizer, {})
+    checkpointer.save(run, 1, model, optimizer, {})
     tokenizer = tmp_path / "tokenizer"
     (tokenizer / "tokenizer.d").mkdir(parents=True)  # unreadable as a file
-    with pytest.raises(checkpoint.SaveError) as raised:
-        checkpoint.save(run, 2, model, optimizer, {}, tokenizer_dir=tokenizer)
+    with pytest.raises(checkpointer.SaveError) as raised:
+        checkpointer.save(run, 2, model, optimizer, {}, tokenizer_dir=tokenizer)
     assert str(raised.value) == (
         f"finishing checkpoint {run}/step_2 failed (rank 0: Is a directory: "
         f"{tokenizer}/tokenizer.d); the previous checkpoint is untouched"
@@ -522,26 +518,26 @@ def test_a_save_that_fails_while_finishing_leaves_the_previous_checkpoint(tmp_pa
 
 
 def test_failure_names_the_first_failing_rank_in_one_line():
-    assert checkpoint._failure(OSError(errno.ENOSPC, "No space left on device", "/a/b"), 3) == (
+    assert checkpointer._failure(OSError(errno.ENOSPC, "No space left on device", "/a/b"), 3) == (
         3,
         "No space left on device: /a/b",
     )
-    assert checkpoint._failure(OSError(errno.EIO, "Input/output error"), 1) == (
+    assert checkpointer._failure(OSError(errno.EIO, "Input/output error"), 1) == (
         1,
         "Input/output error",
     )
-    assert checkpoint._failure(OSError("no errno"), 2) == (2, "OSError: no errno")
-    assert checkpoint._failure(ValueError("two\n   lines"), 0) == (0, "ValueError: two lines")
-    assert checkpoint._failure(ValueError("x" * 400), 0) == (0, "ValueError: " + "x" * 300)
+    assert checkpointer._failure(OSError("no errno"), 2) == (2, "OSError: no errno")
+    assert checkpointer._failure(ValueError("two\n   lines"), 0) == (0, "ValueError: two lines")
+    assert checkpointer._failure(ValueError("x" * 400), 0) == (0, "ValueError: " + "x" * 300)
     both = CheckpointException(
         "save failed", {2: (ValueError("on two"), "traceback"), 1: OSError(errno.EIO, "EIO")}
     )
-    assert checkpoint._failure(both, 0) == (1, "EIO")
+    assert checkpointer._failure(both, 0) == (1, "EIO")
     one = CheckpointException(
         "save failed", {2: (OSError(errno.ENOSPC, "full", "/x"), "traceback")}
     )
-    assert checkpoint._failure(one, 0) == (2, "full: /x")
-    assert checkpoint._failure(CheckpointException("nothing known", {}), 5) == (
+    assert checkpointer._failure(one, 0) == (2, "full: /x")
+    assert checkpointer._failure(CheckpointException("nothing known", {}), 5) == (
         5,
         "CheckpointException: CheckpointException ranks:dict_keys([])",
     )
@@ -552,8 +548,8 @@ def test_failure_names_the_first_failing_rank_in_one_line():
 
 def test_save_replicas_keeps_this_ranks_replica_beside_the_average(tmp_path):
     model, optimizer = tiny()
-    path = checkpoint.save_replicas(tmp_path / "run", 1, model, optimizer, {"val_loss": None})
-    checkpoint.save_replicas(tmp_path / "run", 2, model, optimizer, {"val_loss": None})
+    path = checkpointer.save_replicas(tmp_path / "run", 1, model, optimizer, {"val_loss": None})
+    checkpointer.save_replicas(tmp_path / "run", 2, model, optimizer, {"val_loss": None})
     # keep_last: all
     assert path == tmp_path / "run" / "step_1" and (tmp_path / "run" / "step_2").is_dir()
     assert meta_of(path)["replicas"] == 1
@@ -564,7 +560,7 @@ def test_save_replicas_keeps_this_ranks_replica_beside_the_average(tmp_path):
         n for n, _, _ in safe_load.tensor_names(path, "replicas.0.optim.state.") if "exp_avg" in n
     ]
     assert len(moments_saved) == 2 * len(list(model.parameters()))
-    path = checkpoint.save_replicas(
+    path = checkpointer.save_replicas(
         tmp_path / "average", 1, model, optimizer, {}, average_only=True
     )
     assert meta_of(path)["replicas"] == 0
@@ -576,18 +572,18 @@ def crafted_replicas(tmp_path, replicas):
     cannot make one by training, so it is written directly."""
     a, b = tiny(seed=1), tiny(seed=2)
     state = dict(state_of(*b), replicas={"0": state_of(*a)})
-    path = checkpoint.save(tmp_path / "run", 1, None, None, {"replicas": replicas}, state=state)
+    path = checkpointer.save(tmp_path / "run", 1, None, None, {"replicas": replicas}, state=state)
     return path, a, b
 
 
 def test_load_replicas_resumes_this_ranks_own_replica(tmp_path):
     path, (a, a_optimizer), _ = crafted_replicas(tmp_path, replicas=1)
     model, optimizer = tiny(seed=3)
-    checkpoint.load_replicas(path, model, optimizer)
+    checkpointer.load_replicas(path, model, optimizer)
     assert same(weights(model), weights(a))
     assert all(torch.equal(x, y) for x, y in zip(moments(optimizer), moments(a_optimizer)))
     model, _ = tiny(seed=3)
-    checkpoint.load_replicas(path, model)  # the model alone
+    checkpointer.load_replicas(path, model)  # the model alone
     assert same(weights(model), weights(a))
 
 
@@ -600,7 +596,7 @@ def test_load_replicas_from_another_world_starts_from_the_average(tmp_path, cons
         del meta["replicas"]
         (path / "meta.json").write_text(json.dumps(meta))
     model, optimizer = tiny(seed=3)
-    checkpoint.load_replicas(path, model, optimizer)
+    checkpointer.load_replicas(path, model, optimizer)
     assert same(weights(model), weights(b))
     assert all(torch.equal(x, y) for x, y in zip(moments(optimizer), moments(b_optimizer)))
     said = out.flushed
@@ -621,7 +617,7 @@ def test_checkpointer_of_a_decentralized_run(tmp_path):
     (tokenizer / "tokenizer.json").write_text("{}")
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
     model, optimizer = tiny()
-    saver = checkpoint.Checkpointer(cfg, config, tokenizer, decentralized=True)
+    saver = checkpointer.Checkpointer(cfg, config, tokenizer, decentralized=True)
     saver.save(1, model, optimizer, 2.0, {"data": {"train_blocks_seen": 4}})
     path = saver.save(2, model, optimizer, 1.0, {"data": {"train_blocks_seen": 8}})
     assert sorted(p.name for p in path.parent.iterdir()) == ["best", "latest", "step_2"]
@@ -638,7 +634,7 @@ def test_checkpointer_of_a_decentralized_run(tmp_path):
     assert len(safe_load.tensor_names(path, "replicas.0.optim.state.")) == 3 * len(
         list(tiny()[0].parameters())
     )
-    average_only = checkpoint.Checkpointer(
+    average_only = checkpointer.Checkpointer(
         dataclasses.replace(cfg, run_name="avg", save_average=True),
         config,
         None,
@@ -653,7 +649,7 @@ def test_checkpointer_restores_the_replica_only_for_a_decentralized_run(tmp_path
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
     for decentralized, expected in [(True, a), (False, b)]:
         model, optimizer = tiny(seed=3)
-        checkpoint.Checkpointer(cfg, config, None, decentralized).restore(
+        checkpointer.Checkpointer(cfg, config, None, decentralized).restore(
             path, model, optimizer, seed=0
         )
         assert same(weights(model), weights(expected))
@@ -666,7 +662,7 @@ def test_checkpointer_saves_and_restores_model_optimizer_and_rng(tmp_path):
     (tokenizer / "tokenizer.model").write_bytes(b"\x00\x01")
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
     model, optimizer = tiny()
-    saver = checkpoint.Checkpointer(cfg, config, tokenizer, decentralized=False)
+    saver = checkpointer.Checkpointer(cfg, config, tokenizer, decentralized=False)
     saver.save(1, model, optimizer, 3.0, {"schedule": {"last_step": 9}})
     path = saver.save(2, model, optimizer, 2.0, {"schedule": {"last_step": 9}})
     expected = (weights(model), moments(optimizer), torch.rand(3))
@@ -692,7 +688,7 @@ def test_another_world_size_reseeds_each_rank_from_seed_rank_and_step(run):
     (run / "step_3" / "meta.json").write_text(json.dumps(dict(meta, world_size=2)))
     streams = {}
     for seed, rank in [(7, 0), (7, 1), (8, 1)]:
-        assert not checkpoint.restore_rng(run / "step_3", rank=rank, world_size=1, seed=seed)
+        assert not checkpointer.restore_rng(run / "step_3", rank=rank, world_size=1, seed=seed)
         streams[seed, rank] = torch.rand(3)
         torch.manual_seed((seed * 1_000_003 + rank) * 1_000_000_007 + 3)
         assert torch.equal(streams[seed, rank], torch.rand(3))
@@ -700,11 +696,11 @@ def test_another_world_size_reseeds_each_rank_from_seed_rank_and_step(run):
         streams[7, 1], streams[8, 1]
     )
     for seed in (10**6, -(10**6)):  # past what torch.manual_seed takes once multiplied out
-        assert not checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=seed)
+        assert not checkpointer.restore_rng(run / "step_3", rank=0, world_size=1, seed=seed)
     model, optimizer = tiny()
     cfg = parse_args(["--checkpoint_dir", str(run.parent), "--run_name", "run"])
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
-    checkpoint.Checkpointer(cfg, config, None, False).restore(
+    checkpointer.Checkpointer(cfg, config, None, False).restore(
         run / "step_3", model, optimizer, seed=7
     )
     assert torch.equal(torch.rand(3), streams[7, 0])
@@ -717,18 +713,18 @@ def test_cuda_rng_state_is_saved_and_restored_where_cuda_is(run, monkeypatch):
         torch.cuda, "get_rng_state", lambda: torch.tensor([7, 8, 9], dtype=torch.uint8)
     )
     monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
-    (run / "step_2" / "rng_0.pt").write_bytes(checkpoint._rng_bytes())
-    assert checkpoint.restore_rng(run / "step_2", rank=0, world_size=1, seed=0)
+    (run / "step_2" / "rng_0.pt").write_bytes(rng_bytes())
+    assert checkpointer.restore_rng(run / "step_2", rank=0, world_size=1, seed=0)
     assert len(restored) == 1 and restored[0].tolist() == [7, 8, 9]
     # saved without CUDA
-    assert checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
+    assert checkpointer.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
     assert len(restored) == 1
 
 
 def test_rng_states_of_numpy_and_python_come_back(run):
-    assert checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
+    assert checkpointer.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
     expected = (np.random.rand(3), random.random(), random.gauss(0, 1))
     np.random.rand(5), random.random()
-    assert checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
+    assert checkpointer.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
     assert np.array_equal(np.random.rand(3), expected[0])
     assert (random.random(), random.gauss(0, 1)) == expected[1:]

@@ -21,9 +21,10 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import ROOT
 from minimal_fsdp import files
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.launch import run_lock
+from minimal_fsdp.checkpoint import checkpointer
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint.meta import MetaError, read_meta
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.checks import WHOLE_RANGES
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args
@@ -42,7 +43,7 @@ def args_for(run, *extra):
 def forge_state(step, edit):
     """Save step's checkpoint again from a state that edit(state) changed, checksums recomputed."""
     model, optimizer = tiny()
-    state = checkpoint._state(model, optimizer)
+    state = checkpointer._state(model, optimizer)
     edit(state)
     for name in (".metadata", "__0_0.distcp"):
         (step / name).unlink()
@@ -116,9 +117,9 @@ def test_forged_checkpoints_that_pass_their_checksums_are_refused_before_loading
 ):
     forge, problem = FORGED[case]
     forge(run / "step_3")
-    assert checkpoint_find.verify(run / "step_3") == problem
+    assert find.verify(run / "step_3") == problem
     out, err = console()
-    assert checkpoint_find.find(args_for(run)) == run / "step_2"
+    assert find.find(args_for(run)) == run / "step_2"
     assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
 
 
@@ -134,11 +135,11 @@ def test_a_byte_range_one_value_short_is_refused_and_one_exactly_long_enough_is_
     step = saved[0] / "step_3"
     fqn = "model.wte.weight"
     short = with_length(safe_load.read_dcp_metadata(step / ".metadata"), fqn, 8 * 4 * 4 - 4)
-    assert checkpoint_find._storage_problem(short) == (
+    assert find._storage_problem(short) == (
         f".metadata gives {fqn} 124 bytes, fewer than its [8, 4] values take"
     )
     exact = with_length(safe_load.read_dcp_metadata(step / ".metadata"), fqn, 8 * 4 * 4)
-    assert checkpoint_find._storage_problem(exact) is None
+    assert find._storage_problem(exact) is None
 
 
 def test_a_refused_pickle_in_param_groups_is_refused_before_loading_and_runs_nothing(run, tmp_path):
@@ -146,7 +147,7 @@ def test_a_refused_pickle_in_param_groups_is_refused_before_loading_and_runs_not
     forge_state(
         run / "step_3", lambda s: s["optim"]["param_groups"][0].update(lr=MakeDirectory(marker))
     )
-    problem = checkpoint_find.verify(run / "step_3")
+    problem = find.verify(run / "step_3")
     assert (
         problem.startswith("optim.param_groups.0.lr does not load (UnpicklingError: ")
         and "\n" not in problem
@@ -211,10 +212,10 @@ def test_optimizer_state_that_disagrees_with_meta_json_is_skipped_for_the_previo
         meta["config"].update(beta1=0.9, beta2=0.999, weight_decay=0.01)
         (run / f"step_{step}" / "meta.json").write_text(json.dumps(meta))
         recompute_checksums(run / f"step_{step}")
-    assert checkpoint_find.verify(run / "step_3") is None  # the honest one passes
+    assert find.verify(run / "step_3") is None  # the honest one passes
     edit, problem = FORGED_OPTIMIZER[case]
     forge_state(run / "step_3", edit)
-    assert checkpoint_find.verify(run / "step_3") == problem
+    assert find.verify(run / "step_3") == problem
     out, err = console()
     saver, meta = restore(run)
     assert saver.restored_from == run / "step_2" and meta["step"] == 2
@@ -225,7 +226,7 @@ def test_a_metadata_file_larger_than_its_model_needs_is_refused_by_its_size(run,
     """DCP's .metadata had no cap: 383 MB unpickled at ~1.4 MB/s. Its cap comes from the model
     meta.json describes, and the file is refused by its size before a byte is unpickled."""
     meta = meta_of(run / "step_3")
-    cap = checkpoint_find.metadata_cap(meta)
+    cap = find.metadata_cap(meta)
     honest = (run / "step_3" / ".metadata").stat().st_size
     assert honest < cap < 4 * 2**20  # a tiny model's: 33 KB, room for the rest
     with open(run / "step_3" / ".metadata", "ab") as f:  # a valid pickle, then padding
@@ -238,7 +239,7 @@ def test_a_metadata_file_larger_than_its_model_needs_is_refused_by_its_size(run,
     original = safe_load._MetadataUnpickler.load
     safe_load._MetadataUnpickler.load = unpickled
     try:
-        problem = checkpoint_find.verify(run / "step_3")
+        problem = find.verify(run / "step_3")
     finally:
         safe_load._MetadataUnpickler.load = original
     assert problem == (
@@ -246,7 +247,7 @@ def test_a_metadata_file_larger_than_its_model_needs_is_refused_by_its_size(run,
         "needs"
     )
     out, err = console()
-    assert checkpoint_find.find(args_for(run)) == run / "step_2"
+    assert find.find(args_for(run)) == run / "step_2"
     assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
 
 
@@ -269,7 +270,7 @@ def test_a_raw_pickle_in_the_optimizer_entries_is_skipped_without_torchs_warning
     out, err = console()
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        assert checkpoint_find.find(args_for(run)) == run / "step_2"
+        assert find.find(args_for(run)) == run / "step_2"
     assert [str(w.message) for w in warned] == []
     said = err.getvalue()
     assert (
@@ -331,7 +332,7 @@ def test_rng_states_that_cannot_be_restored_are_skipped_for_the_previous_checkpo
     fallback: now the checkpoint is skipped in one line and the previous one restored."""
     edit, problem = FORGED_RNG[case]
     forge_rng(run / "step_3", edit)
-    assert checkpoint_find.verify(run / "step_3") == problem
+    assert find.verify(run / "step_3") == problem
     out, err = console()
     saver, meta = restore(run)
     assert saver.restored_from == run / "step_2" and meta["step"] == 2
@@ -341,13 +342,13 @@ def test_rng_states_that_cannot_be_restored_are_skipped_for_the_previous_checkpo
 def restore(run, *extra):
     model, optimizer = tiny(seed=1)
     cfg = args_for(run, *extra)
-    saver = checkpoint.Checkpointer(cfg, TINY, None, decentralized=False)
-    return saver, saver.restore(checkpoint_find.find(cfg), model, optimizer, cfg.seed)
+    saver = checkpointer.Checkpointer(cfg, TINY, None, decentralized=False)
+    return saver, saver.restore(find.find(cfg), model, optimizer, cfg.seed)
 
 
 def test_shards_that_fail_to_load_are_one_line_and_resume_takes_the_next_checkpoint(run, console):
     scramble_a_tensor(run / "step_3")
-    assert checkpoint_find.verify(run / "step_3") is None  # it passes every check
+    assert find.verify(run / "step_3") is None  # it passes every check
     out, err = console()
     saver, meta = restore(run)
     assert saver.restored_from == run / "step_2" and meta["step"] == 2
@@ -379,7 +380,7 @@ def test_a_run_whose_every_checkpoint_is_refused_never_starts_fresh_over_them(ru
     before = listing(run)
     out, err = console()
     with pytest.raises(ConfigError) as raised:
-        checkpoint_find.find(args_for(run))
+        find.find(args_for(run))
     assert str(raised.value) == (
         f"every checkpoint of {run} is refused (the lines above say why), and a fresh start would "
         "save over them: nothing was changed there; repair or move them away, pick one with "
@@ -428,11 +429,11 @@ def test_the_largest_values_a_run_accepts_are_read_back_from_its_checkpoint(run)
         "last_step": highest["max_steps"],
     }
     (run / "step_3" / "meta.json").write_text(json.dumps(meta))
-    assert checkpoint_meta.read_meta(run / "step_3")["config"]["max_steps"] == highest["max_steps"]
+    assert read_meta(run / "step_3")["config"]["max_steps"] == highest["max_steps"]
     meta["config"]["max_steps"] += 1
     (run / "step_3" / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(checkpoint_meta.MetaError):
-        checkpoint_meta.read_meta(run / "step_3")
+    with pytest.raises(MetaError):
+        read_meta(run / "step_3")
 
 
 # ---- step directories are real directories of the run, named by their step ----
@@ -446,22 +447,18 @@ def test_a_step_directory_that_is_a_link_or_a_renamed_copy_is_never_used(run, tm
     (run / "latest").write_text("step_30\n")
     out, err = console()
     assert (
-        checkpoint_find.verify(run / "step_30")
-        == "step_30 is a symbolic link, not a checkpoint directory of "
+        find.verify(run / "step_30") == "step_30 is a symbolic link, not a checkpoint directory of "
         "this run"
     )
-    assert checkpoint_find.find(args_for(run)) == run / "step_3"
+    assert find.find(args_for(run)) == run / "step_3"
     assert progress.newest(run)["step"] == 3
     with pytest.raises(ConfigError) as raised:
         load.open_source(str(run / "step_30"))
     assert "step_30 is a symbolic link" in str(raised.value)
     (run / "step_30").unlink()
     shutil.copytree(run / "step_2", run / "step_30")  # a copy under another step's name
-    assert (
-        checkpoint_find.verify(run / "step_30")
-        == "meta.json says step 2, but its directory is step_30"
-    )
-    assert checkpoint_find.find(args_for(run)) == run / "step_3"
+    assert find.verify(run / "step_30") == "meta.json says step 2, but its directory is step_30"
+    assert find.find(args_for(run)) == run / "step_3"
 
 
 def test_pruning_leaves_a_linked_step_directory_and_what_it_points_to(run, tmp_path):
@@ -472,9 +469,9 @@ def test_pruning_leaves_a_linked_step_directory_and_what_it_points_to(run, tmp_p
         k: v for k, v in meta_of(run / "step_3").items() if k not in ("step", "world_size", "files")
     }
     # commits, prunes, reports no failure
-    checkpoint.save(run, 4, model, optimizer, meta, keep_last=1)
+    checkpointer.save(run, 4, model, optimizer, meta, keep_last=1)
     assert (run / "step_0").is_symlink() and (tmp_path / "elsewhere" / "meta.json").exists()
-    assert checkpoint_find.marker(run, "latest") == run / "step_4"
+    assert find.marker(run, "latest") == run / "step_4"
 
 
 # ---- the run lock: never read, followed or waited on when it is not a lock file ----
@@ -505,8 +502,8 @@ def test_a_lock_file_that_is_not_one_is_refused_in_one_line_without_blocking(tmp
         "a symbolic link": lambda: lock.symlink_to("/dev/zero"),
         "a directory": lock.mkdir,
     }[kind]()
-    error = bounded(lambda: files.RunLock({"--checkpoint_dir": lock.parent}).acquire(wait=0))
-    assert isinstance(error, files.LockError) and str(error) == (
+    error = bounded(lambda: run_lock.RunLock({"--checkpoint_dir": lock.parent}).acquire(wait=0))
+    assert isinstance(error, run_lock.LockError) and str(error) == (
         f"--checkpoint_dir: the run lock {lock} is {kind}, not a lock file this program wrote: "
         "remove it if no training run uses this directory"
     )
@@ -522,8 +519,8 @@ def test_a_stale_lock_that_cannot_be_taken_over_is_one_line(tmp_path, monkeypatc
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(files.os, "replace", refuse)  # an immutable run directory (chattr +i)
-    with pytest.raises(files.LockError) as raised:
-        files.RunLock({"--checkpoint_dir": lock.parent}).acquire(wait=0)
+    with pytest.raises(run_lock.LockError) as raised:
+        run_lock.RunLock({"--checkpoint_dir": lock.parent}).acquire(wait=0)
     assert str(raised.value) == (
         f"--checkpoint_dir: cannot take over the stale lock {lock} of a run that ended "
         "(host elsewhere, pid 1, started None): Operation not permitted"
@@ -540,12 +537,12 @@ def test_leftovers_of_killed_writers_are_removed_once_the_lock_is_held(run):
     shutil.move(run / "step_1", run / ".tmp-old-step_1")
     keep = run / "notes.tmp"
     keep.write_text("not ours")
-    lock = files.RunLock({"--checkpoint_dir": run})
+    lock = run_lock.RunLock({"--checkpoint_dir": run})
     lock.acquire(wait=0)
     try:
         names = sorted(p.name for p in run.iterdir())
         assert names == [".lock", "best", "latest", "notes.tmp", "step_1", "step_2", "step_3"]
-        assert checkpoint_find.verify(run / "step_1") is None  # put back whole
+        assert find.verify(run / "step_1") is None  # put back whole
     finally:
         lock.release()
 
@@ -557,7 +554,7 @@ import resource, signal
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
+from minimal_fsdp.checkpoint import checkpointer
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
 # A tensor larger than the limit: torch.save writes it straight into the file, and its zip writer \
 reports the
@@ -566,9 +563,9 @@ reason lost.
 resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, 600_000))
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 try:
-    checkpoint.save(Path({run!r}), 1, None, None, {{"format": 2}}, state={{"model": {{"w": \
+    checkpointer.save(Path({run!r}), 1, None, None, {{"format": 2}}, state={{"model": {{"w": \
 torch.zeros(2**20)}}}})
-except checkpoint.SaveError as e:
+except checkpointer.SaveError as e:
     print(e)
 """
 

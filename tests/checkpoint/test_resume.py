@@ -12,10 +12,11 @@ import torch.distributed as dist
 
 from conftest import TINY_MODEL, launch_runs, make_text, printed_by_run
 from faults import launch_with_faults
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.config.flags import ConfigError, parse_duration
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.config.checks import parse_duration
 from minimal_fsdp.launch.resilience import StopRequests
 
 STEPS = 20
@@ -88,30 +89,30 @@ def straight(work, clean_runs):
 def test_stopped_runs_resume_bitwise(work, clean_runs, straight):
     run = work / "checkpoints" / "chain"
     # The first launch of the chain, stopped by --max_steps 5, ran in clean_runs' launch.
-    assert "starting fresh" in clean_runs["chain"] and checkpoint_find.latest(run) == run / "step_5"
+    assert "starting fresh" in clean_runs["chain"] and find.latest(run) == run / "step_5"
 
     # A signal reaches one rank only; both stop at the step boundary, save, and exit 0.
     term = launch_with_faults(args("chain"), faults="sigterm@10:1", cwd=work)
     assert "step 10: SIGTERM received; saved a checkpoint" in term.stdout
-    assert checkpoint_find.latest(run) == run / "step_10" and not (run / "step_20").exists()
+    assert find.latest(run) == run / "step_10" and not (run / "step_20").exists()
 
     timed = launch_with_faults(
         args("chain", "--time_limit", "1:00:00"), faults="clock@15:0", cwd=work
     )
     assert (
         "step 15: --time_limit of 3600s reached" in timed.stdout
-        and checkpoint_find.latest(run) == run / "step_15"
+        and find.latest(run) == run / "step_15"
     )
 
     # Killed while writing its shard of step 20: step_15 stays the newest complete checkpoint.
     crashed = launch_with_faults(args("chain"), faults="kill_in_save@20:1", cwd=work, check=False)
     assert crashed.returncode != 0
     assert not (run / "step_20").exists() and (run / ".tmp-step_20").exists()
-    assert checkpoint_find.latest(run) == run / "step_15"
+    assert find.latest(run) == run / "step_15"
 
     final = launch_with_faults(args("chain"), cwd=work)
     assert "resuming from checkpoints/chain/step_15" in final.stdout
-    assert checkpoint_find.latest(run) == run / "step_20" and not list(run.glob(".tmp-*"))
+    assert find.latest(run) == run / "step_20" and not list(run.glob(".tmp-*"))
 
     chain = losses(work, "chain")
     assert sorted({step for step, _ in chain}) == list(range(1, STEPS + 1))
@@ -159,15 +160,15 @@ def test_checkpoints_load_on_other_world_sizes_and_shardings(work, straight):
             math.isfinite(loss) for _, loss in trained
         )
         source = work / "checkpoints" / "elastic" / f"step_{step}"
-        assert checkpoint_meta.read_meta(source)["world_size"] == ranks
+        assert meta.read_meta(source)["world_size"] == ranks
 
 
 def saved_steps(run):
     """The run's checkpoints, each checked complete (verify) with finite weights; and the step
     `latest` names."""
     steps = []
-    for path in checkpoint_find.step_dirs(run):
-        assert checkpoint_find.verify(path) is None, path
+    for path in find.step_dirs(run):
+        assert find.verify(path) is None, path
         assert all(t.isfinite().all() for t in safe_load.load_full_model_state(path).values()), path
         steps.append(int(path.name.removeprefix("step_")))
     return sorted(steps), (run / "latest").read_text().strip()

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from minimal_fsdp.checkpoint import checkpointer as checkpoint
-from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import checkpointer
+from minimal_fsdp.checkpoint import find
 from minimal_fsdp.checkpoint import safe_load
 from support import MakeDirectory, moments, same, state_of, tiny, weights
 from support import run, saved  # noqa: F401 (fixtures)
@@ -56,9 +56,9 @@ def test_rng_files_are_read_without_running_code(run, tmp_path, unsafe_default):
     torch.save(MakeDirectory(evidence), buffer)
     (run / "step_3" / "rng_0.pt").write_bytes(buffer.getvalue())
     # verify names the replaced file by its size, before it unpickles anything
-    assert checkpoint_find.verify(run / "step_3").startswith("rng_0.pt has ")
+    assert find.verify(run / "step_3").startswith("rng_0.pt has ")
     with pytest.raises(pickle.UnpicklingError):
-        checkpoint.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
+        checkpointer.restore_rng(run / "step_3", rank=0, world_size=1, seed=0)
     assert not evidence.exists()
 
 
@@ -69,8 +69,8 @@ def test_optimizer_entries_are_read_without_running_code(tmp_path, unsafe_defaul
     state["optim"]["param_groups"][0]["lr"] = MakeDirectory(evidence)
     state["replicas"] = {"0": state_of(model, optimizer)}
     state["replicas"]["0"]["optim"]["param_groups"][0]["lr"] = MakeDirectory(evidence)
-    path = checkpoint.save(tmp_path / "run", 1, None, None, {"replicas": 1}, state=state)
-    for load in (checkpoint.load, checkpoint.load_replicas):
+    path = checkpointer.save(tmp_path / "run", 1, None, None, {"replicas": 1}, state=state)
+    for load in (checkpointer.load, checkpointer.load_replicas):
         with pytest.raises(CheckpointException):
             load(path, *tiny(seed=2))
         assert not evidence.exists()
@@ -227,7 +227,7 @@ def test_read_tensors_keeps_each_tensors_dtype_and_shape(tmp_path):
             "ints": torch.tensor([5, 6], dtype=torch.int32),
         }
     }
-    path = checkpoint.save(tmp_path / "run", 1, None, None, {}, state=state)
+    path = checkpointer.save(tmp_path / "run", 1, None, None, {}, state=state)
     got = safe_load.read_tensors(path, ["ints", "half"])
     assert list(got) == ["ints", "half"]
     for name, tensor in got.items():
@@ -248,10 +248,10 @@ def test_read_tensors_reads_any_part_of_the_checkpoint(saved):
 
 def test_load_restores_the_model_alone_or_with_its_optimizer(saved):
     model, optimizer = tiny(seed=4)
-    checkpoint.load(saved[0] / "step_3", model)
+    checkpointer.load(saved[0] / "step_3", model)
     assert same(weights(model), saved[1])
     model, optimizer = tiny(seed=4)
-    checkpoint.load(saved[0] / "step_3", model, optimizer)
+    checkpointer.load(saved[0] / "step_3", model, optimizer)
     assert same(weights(model), saved[1])
     assert all(torch.equal(x, y) for x, y in zip(moments(optimizer), moments(tiny()[1])))
 

@@ -20,9 +20,9 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from faults import launch_with_faults
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp import files
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.launch import run_lock
+from minimal_fsdp.hf import hub
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.flags import ConfigError, parse_args
 from support import command
@@ -388,7 +388,7 @@ def test_damaged_shard_is_found_before_loading(tmp_path, trained):
         f.write(b"\0" * min(65536, size // 3))
     # without checksums the damage passes unseen, or is seen only where it hits an entry that verify
     # reads itself (the optimizer's step counts)
-    found = checkpoint_find.verify(trained / "step_4", checksums=False)
+    found = find.verify(trained / "step_4", checksums=False)
     assert shard.stat().st_size == size and (found is None or "does not load" in found)
     restart = launch(
         ["--restart_checkpoint_file", trained / "step_4", "--run_name", "other"],
@@ -412,9 +412,9 @@ def test_markers_that_name_no_checkpoint_of_this_run_are_ignored(tmp_path, train
     assert "resuming from checkpoints/run/step_4" in result.stdout
     # an absolute path: not a name beside it
     (trained / "latest").write_text(str(trained / "step_2") + "\n")
-    assert checkpoint_find.candidates(trained)[0] == trained / "step_6"
+    assert find.candidates(trained)[0] == trained / "step_6"
     (trained / "latest").write_text("../other/step_6\n")
-    assert checkpoint_find.candidates(trained)[0] == trained / "step_6"
+    assert find.candidates(trained)[0] == trained / "step_6"
     binary = tmp_path / "binary"
     binary.write_bytes(b"\x00\xff" * 100)
     result = launch(
@@ -452,7 +452,7 @@ def test_a_second_run_on_the_same_directory_refuses(tmp_path, corpus):
         MINIMAL_FSDP_FAULTS="pause@5",
         MINIMAL_FSDP_RELEASE=str(release),
     )
-    lock = tmp_path / "checkpoints" / "shared" / files.LOCK_NAME
+    lock = tmp_path / "checkpoints" / "shared" / run_lock.LOCK_NAME
     first = subprocess.Popen(
         [*map(str, args), "--checkpoint_interval", "3"],
         cwd=tmp_path,
@@ -487,7 +487,7 @@ def test_a_second_run_on_the_same_directory_refuses(tmp_path, corpus):
     # the first run's alone, in order
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 11))
     assert (tmp_path / "checkpoints" / "shared" / "latest").read_text().strip() == "step_10"
-    assert not lock.exists() and not (tmp_path / "logs" / "shared" / files.LOCK_NAME).exists()
+    assert not lock.exists() and not (tmp_path / "logs" / "shared" / run_lock.LOCK_NAME).exists()
 
 
 def test_a_dead_runs_lock_is_taken_over(tmp_path):
@@ -495,15 +495,15 @@ def test_a_dead_runs_lock_is_taken_over(tmp_path):
     dead.wait()
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / files.LOCK_NAME).write_text(
+    (run_dir / run_lock.LOCK_NAME).write_text(
         json.dumps({"host": socket.gethostname(), "pid": dead.pid})
     )
-    lock = files.RunLock({"--checkpoint_dir": run_dir})
+    lock = run_lock.RunLock({"--checkpoint_dir": run_dir})
     lock.acquire()
-    assert json.loads((run_dir / files.LOCK_NAME).read_text())["pid"] == os.getpid()
-    files.check_lock(run_dir)  # still ours
+    assert json.loads((run_dir / run_lock.LOCK_NAME).read_text())["pid"] == os.getpid()
+    run_lock.check_lock(run_dir)  # still ours
     lock.release()
-    assert not (run_dir / files.LOCK_NAME).exists()
+    assert not (run_dir / run_lock.LOCK_NAME).exists()
 
 
 def test_a_live_lock_of_the_same_job_is_refused(tmp_path, monkeypatch):
@@ -515,32 +515,32 @@ def test_a_live_lock_of_the_same_job_is_refused(tmp_path, monkeypatch):
     try:
         run_dir = tmp_path / "run"
         run_dir.mkdir()
-        (run_dir / files.LOCK_NAME).write_text(
+        (run_dir / run_lock.LOCK_NAME).write_text(
             json.dumps({"host": socket.gethostname(), "pid": holder.pid, "job": "4242"})
         )
-        with pytest.raises(files.LockError, match="in use by another training run"):
-            files.RunLock({"--checkpoint_dir": run_dir}).acquire(wait=0.5)
+        with pytest.raises(run_lock.LockError, match="in use by another training run"):
+            run_lock.RunLock({"--checkpoint_dir": run_dir}).acquire(wait=0.5)
     finally:
         holder.kill()
         holder.wait()
 
 
 def test_a_live_lock_from_another_host_is_waited_for_then_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(files, "STALE_AFTER", 2.0)
+    monkeypatch.setattr(run_lock, "STALE_AFTER", 2.0)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    path = run_dir / files.LOCK_NAME
+    path = run_dir / run_lock.LOCK_NAME
     path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "99"}))
-    with pytest.raises(files.LockError, match="in use by another training run"):
-        files.RunLock({"--checkpoint_dir": run_dir}).acquire(wait=0.5)  # its heartbeat is fresh
+    with pytest.raises(run_lock.LockError, match="in use by another training run"):
+        run_lock.RunLock({"--checkpoint_dir": run_dir}).acquire(wait=0.5)  # its heartbeat is fresh
     old = time.time() - 10
     os.utime(path, (old, old))  # silent for longer than STALE_AFTER: its run died
-    lock = files.RunLock({"--checkpoint_dir": run_dir})
+    lock = run_lock.RunLock({"--checkpoint_dir": run_dir})
     lock.acquire(wait=0.5)
     # someone took it over from us
     path.write_text(json.dumps({"host": "elsewhere", "token": "theirs"}))
-    with pytest.raises(files.LockError, match="another run took over"):
-        files.check_lock(run_dir)
+    with pytest.raises(run_lock.LockError, match="another run took over"):
+        run_lock.check_lock(run_dir)
     lock.release()
     assert path.exists()  # not ours any more: left alone
 
@@ -576,7 +576,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(tmp_path, trained):
     line = one_error(result, code=1)
     assert "checkpoint checkpoints/run/step_6" in line and "No space left on device" in line, line
     assert "rank 1" in line and "the previous checkpoint is untouched" in line
-    assert (trained / "latest").read_text().strip() == "step_4" and checkpoint_find.verify(
+    assert (trained / "latest").read_text().strip() == "step_4" and find.verify(
         trained / "step_4"
     ) is None
     assert not (trained / "step_6").exists() and not list(trained.glob(".tmp-*"))
@@ -617,7 +617,7 @@ def crashed_then_resumed(request, straight, tmp_path_factory):
             crash,
             crashed.returncode,
             latest,
-            latest and checkpoint_find.verify(marker.parent / latest),
+            latest and find.verify(marker.parent / latest),
         )
         resumes.append(
             train_args(
@@ -647,7 +647,7 @@ def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(
     crash, returncode, latest, problem = left[window]
     assert returncode != 0
     assert latest == f"step_{resumed}"
-    assert problem is None  # checkpoint_find.verify of that checkpoint, before the resume
+    assert problem is None  # find.verify of that checkpoint, before the resume
     assert f"resuming from {crash / 'checkpoints' / 'run' / f'step_{resumed}'}" in resumes
     assert losses(crash, "run") == losses(straight, "straight")
 
@@ -655,7 +655,7 @@ def test_a_crash_anywhere_in_a_save_resumes_from_the_last_commit(
 def test_a_hugging_face_directory_without_weights_says_so(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="has a config.json but no weights"):
-        hf.resolve(str(tmp_path))
+        hub.resolve(str(tmp_path))
 
 
 # ---- values ----

@@ -16,8 +16,8 @@ from minimal_fsdp.config import commands
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.config.parser import parse
 
-# A small --config file per command and one flag given on the command line as well: the command line
-# wins.
+# A small --config file per command and one flag given on the command line as well: the command
+# line wins.
 CONFIGS = {
     "train": (
         '[train]\nbatch_size = 4\n[model]\nembed_size = 32\n',

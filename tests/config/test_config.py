@@ -1,10 +1,11 @@
-"""config.py: the flags, their sections and help, and bad input as the user sees it (exit code 2,
-one `error:` line naming the flag), before torch is imported. Each flag's checks:
+"""config/flags.py: the flags, their sections and help, and bad input as the user sees it (exit code
+2, one `error:` line naming the flag), before torch is imported. Each flag's checks:
 tests/config/test_config_validation.py."""
 
 import pytest
 
-from minimal_fsdp.config.flags import build_parser, parse_args, validate_world
+from minimal_fsdp.config.flags import build_parser, parse_args
+from minimal_fsdp.config.checks import validate_world
 from minimal_fsdp.models.gpt import GPT
 from minimal_fsdp.models.families import config_from_flags
 from support import names, one_error_line, refused
@@ -161,9 +162,9 @@ def test_help_answers_without_importing_torch():
 
 
 def test_config_imports_nothing_heavy():
-    """choices.py and config.py sit below everything else: no torch, and no module of the package
-    that imports it (fp8, parallelize, gossip, the models), so no import cycle can form through
-    them."""
+    """choices.py and config/flags.py sit below everything else: no torch, and no module of the
+    package that imports it (fp8, parallelize, gossip, the models), so no import cycle can form
+    through them."""
     import subprocess
     import sys
 
@@ -183,7 +184,6 @@ def test_config_imports_nothing_heavy():
 
 def test_the_choices_are_the_ones_the_modules_act_on():
     from minimal_fsdp.config import choices
-    from minimal_fsdp.parallel import fp8
     from minimal_fsdp.parallel import gossip
 
-    assert fp8.RECIPES is choices.FP8_RECIPES and gossip.TOPOLOGIES is choices.TOPOLOGIES
+    assert gossip.TOPOLOGIES is choices.TOPOLOGIES

@@ -1,4 +1,4 @@
-"""The flags' validation (config_checks.py, by section), flag by flag: every refusal is bad input as
+"""The flags' validation (config/checks.py, by section), flag by flag: every refusal is bad input as
 the user sees it (exit code 2, one `error:` line naming the flag), and the values just inside each
 bound are accepted. A bad value caught here is a run that would otherwise train on, silently wrong,
 or fail deep inside torch with a traceback."""
@@ -8,8 +8,9 @@ import importlib.util
 
 import pytest
 
-from minimal_fsdp.config import flags as config
-from minimal_fsdp.config.flags import ConfigError, parse_args, parse_duration, validate_world
+from minimal_fsdp.config.checks import validate
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.checks import parse_duration, validate_world
 import support
 from support import named, names, one_error_line
 
@@ -382,7 +383,7 @@ def test_a_config_with_input_file_and_another_dataset_is_refused(capsys):
 
     # built in code, not parsed: no implication
     cfg = dataclasses.replace(parse_args([]), input_file="my.txt")
-    names(one_error_line(capsys, config.validate, cfg), "--input_file", "--dataset", "shakespeare")
+    names(one_error_line(capsys, validate, cfg), "--input_file", "--dataset", "shakespeare")
 
 
 def test_a_gpu_recipe_on_a_cpu_is_warned_about_and_pointed_at_the_cpu_recipe():
@@ -401,30 +402,28 @@ def test_a_gpu_recipe_on_a_cpu_is_warned_about_and_pointed_at_the_cpu_recipe():
 
 
 def test_sizes_are_checked_against_free_memory(capsys, monkeypatch):
-    from minimal_fsdp.config import checks as config_checks
+    from minimal_fsdp.config import checks
 
-    monkeypatch.setattr(config_checks, "host_memory_available", lambda: 2**30)
+    monkeypatch.setattr(checks, "host_memory_available", lambda: 2**30)
     # 200000 x 129 ids x 8 bytes x 3 copies x 2 processes: 1.15 GiB
     cfg = parse_args(["--batch_size", "200000"])
     names(
-        one_error_line(capsys, config_checks.check_sizes, cfg, 128, 1000, 2, None),
+        one_error_line(capsys, checks.check_sizes, cfg, 128, 1000, 2, None),
         "--batch_size",
         "1.15 GiB",
         "1 GiB",
         "--grad_accum_steps",
     )
     # a small batch fits
-    config_checks.check_sizes(parse_args([]), 128, 1000, processes=2, device_free=None)
+    checks.check_sizes(parse_args([]), 128, 1000, processes=2, device_free=None)
     # 300M fp32 parameters in each of 2 processes: 2.24 GiB
     names(
-        one_error_line(
-            capsys, config_checks.check_sizes, parse_args([]), 128, 300_000_000, 2, 2**30
-        ),
+        one_error_line(capsys, checks.check_sizes, parse_args([]), 128, 300_000_000, 2, 2**30),
         "300,000,000",
         "2.24 GiB",
         "--meta_init",
     )
-    config_checks.check_sizes(
+    checks.check_sizes(
         parse_args(["--meta_init"]), 128, 300_000_000, processes=2, device_free=2**30, ranks=8
     )  # a shard of it fits
     # a CPU's logits: 16 x 128 x 50,304 fp32, three copies (logits, log-softmax, gradient), 2
@@ -432,12 +431,12 @@ def test_sizes_are_checked_against_free_memory(capsys, monkeypatch):
     cfg = parse_args(["--batch_size", "16"])
     names(
         one_error_line(
-            capsys, config_checks.check_sizes, cfg, 128, 1000, 2, 2**31, "cpu", 1, False, 50_304
+            capsys, checks.check_sizes, cfg, 128, 1000, 2, 2**31, "cpu", 1, False, 50_304
         ),
         "--vocab_size 50,304",
         "--batch_size 16",
         "2.3 GiB",
     )
     # CUDA's fused loss: not held
-    config_checks.check_sizes(cfg, 128, 1000, 2, 2**31, "cuda", vocab_size=50_304)
-    config_checks.check_sizes(cfg, 128, 1000, 2, 2**33, "cpu", vocab_size=50_304)  # fits in 8 GiB
+    checks.check_sizes(cfg, 128, 1000, 2, 2**31, "cuda", vocab_size=50_304)
+    checks.check_sizes(cfg, 128, 1000, 2, 2**33, "cpu", vocab_size=50_304)  # fits in 8 GiB

@@ -1,8 +1,8 @@
-"""data.py: preparing a dataset (where it goes, from what, once; sentencepiece's vocabulary; a JSONL
-input by documents), the documented sampling order (every token a target at most once per epoch, in
-new windows; the seeds reference.py also uses; the same batches after a resume mid-epoch; ranks
-disjoint), and the checks on a prepared dataset (lengths, vocabulary, dtype, a stale or foreign
-file): each refusal one line."""
+"""data/tokens.py: preparing a dataset (where it goes, from what, once; sentencepiece's vocabulary;
+a JSONL input by documents), the documented sampling order (every token a target at most once per
+epoch, in new windows; the seeds reference.py also uses; the same batches after a resume mid-epoch;
+ranks disjoint), and the checks on a prepared dataset (lengths, vocabulary, dtype, a stale or
+foreign file): each refusal one line."""
 
 import json
 import os
@@ -14,11 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from minimal_fsdp.data import tokens as data
 from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.data import prepare as preparing
 from minimal_fsdp.data.prepare import dataset_dir
-from minimal_fsdp.data.tokens import TokenData, epoch_offset, epoch_order
+from minimal_fsdp.data import tokens
+from minimal_fsdp.data.tokens import (
+    TOKEN_CACHE,
+    TokenData,
+    epoch_offset,
+    epoch_order,
+    largest_token,
+)
 from minimal_fsdp.data.tokenizer import CharTokenizer
 
 
@@ -26,7 +32,7 @@ def prepared_dir(cfg, tokenizer=None):
     """Training's prepared dataset (data.prepare.for_training), checked as run.open_data checks it
     on rank 0."""
     out = preparing.for_training(cfg, tokenizer)
-    data.TokenData(out)
+    tokens.TokenData(out)
     return str(out)
 
 
@@ -85,7 +91,7 @@ def targets_of(rows):
 
 
 def test_prepare_writes_bins_meta_and_tokenizer(corpus, tmp_path):
-    out = prepare(cfg_for(corpus, tmp_path))
+    out = prepared_dir(cfg_for(corpus, tmp_path))
     meta = json.loads((tmp_path / "data" / "corpus" / "char" / "meta.json").read_text())
     data = TokenData(out)
     text = corpus.read_text()
@@ -93,11 +99,11 @@ def test_prepare_writes_bins_meta_and_tokenizer(corpus, tmp_path):
     assert meta["dtype"] == "uint16"
     train = np.fromfile(f"{out}/train.bin", dtype=np.uint16)
     assert data.tokenizer.decode(train[:200].tolist()) == text[:200]
-    assert prepare(cfg_for(corpus, tmp_path)) == out  # second call reuses the prepared bins
+    assert prepared_dir(cfg_for(corpus, tmp_path)) == out  # second call reuses the prepared bins
 
 
 def test_batches_are_deterministic_and_differ_across_ranks(corpus, tmp_path):
-    data = TokenData(prepare(cfg_for(corpus, tmp_path)))
+    data = TokenData(prepared_dir(cfg_for(corpus, tmp_path)))
 
     def batch(step, rank, seed):
         data.bind(16, 4, 1, rank, 2, seed)
@@ -185,7 +191,9 @@ def test_resume_mid_epoch_continues_the_block_stream_exactly(tmp_path):
 
 def test_sentencepiece_prepares_with_its_vocab(corpus, tmp_path):
     data = TokenData(
-        prepare(cfg_for(corpus, tmp_path, "--tokenizer", "sentencepiece", "--vocab_size", "300"))
+        prepared_dir(
+            cfg_for(corpus, tmp_path, "--tokenizer", "sentencepiece", "--vocab_size", "300")
+        )
     )
     assert data.meta["tokenizer"] == "sentencepiece" and data.meta["vocab_size"] == 300
     # merges make fewer tokens than characters
@@ -193,7 +201,7 @@ def test_sentencepiece_prepares_with_its_vocab(corpus, tmp_path):
 
 
 def test_checks_catch_bad_lengths_and_vocab(corpus, tmp_path):
-    data = TokenData(prepare(cfg_for(corpus, tmp_path)))
+    data = TokenData(prepared_dir(cfg_for(corpus, tmp_path)))
     with pytest.raises(ConfigError, match="--seq_length 100000"):
         data.check(100_000, 1000)
     with pytest.raises(ConfigError, match="--vocab_size is 5"):
@@ -202,7 +210,7 @@ def test_checks_catch_bad_lengths_and_vocab(corpus, tmp_path):
 
 
 def test_bin_that_disagrees_with_meta_is_refused(corpus, tmp_path):
-    out = prepare(cfg_for(corpus, tmp_path))
+    out = prepared_dir(cfg_for(corpus, tmp_path))
     with open(f"{out}/val.bin", "ab") as f:
         f.write(b"\0\0")
     with pytest.raises(ConfigError, match="meta.json says"):
@@ -234,7 +242,7 @@ def test_bin_whose_dtype_disagrees_with_meta_is_refused(tmp_path):
 
 def test_dataset_path_must_be_prepared(tmp_path):
     with pytest.raises(ConfigError, match="has no meta.json: prepare it first"):
-        prepare(parse_args(["--dataset_path", str(tmp_path)]))
+        prepared_dir(parse_args(["--dataset_path", str(tmp_path)]))
 
 
 @pytest.mark.parametrize(
@@ -248,7 +256,7 @@ def test_unpreparable_input_is_one_line(tmp_path, content, message):
     elif content is not None:
         path.write_text(content)
     with pytest.raises(ConfigError, match=message):
-        prepare(cfg_for(path, tmp_path))
+        prepared_dir(cfg_for(path, tmp_path))
 
 
 def test_training_prepares_a_jsonl_input_file_by_documents(tmp_path):
@@ -259,7 +267,7 @@ def test_training_prepares_a_jsonl_input_file_by_documents(tmp_path):
             for i in range(60)
         )
     )
-    data = TokenData(prepare(cfg_for(docs, tmp_path)))
+    data = TokenData(prepared_dir(cfg_for(docs, tmp_path)))
     assert (
         data.meta["split"] == "documents"
         and data.meta["train_documents"] + data.meta["val_documents"] == 60
@@ -297,7 +305,7 @@ def prepare_calls(monkeypatch):
     )
     monkeypatch.setattr(preparing, "open_documents", lambda *a, **k: ("open", a, k))
     monkeypatch.setattr(preparing, "prepare_bins", lambda *a, **k: calls.append((a, k)))
-    monkeypatch.setattr(data, "TokenData", lambda directory: None)  # nothing prepared to check
+    monkeypatch.setattr(tokens, "TokenData", lambda directory: None)  # nothing prepared to check
     return calls
 
 
@@ -575,10 +583,10 @@ def test_a_hostile_prepared_meta_json_is_refused_in_one_line(tmp_path, text, pro
 
 def test_token_ids_beyond_the_vocabulary_are_refused_and_the_maximum_is_cached(tmp_path):
     d = numbered_dataset(tmp_path / "d", train_tokens=300)  # ids 0..299 of a 300-token vocabulary
-    cache = json.loads((tmp_path / "d" / data.TOKEN_CACHE).read_text())
+    cache = json.loads((tmp_path / "d" / TOKEN_CACHE).read_text())
     assert cache["train.bin"][4] == 299 and cache["val.bin"][4] == 199
     # read from the cache
-    assert data.largest_token(tmp_path / "d" / "train.bin", np.zeros(300, np.uint16)) == 299
+    assert largest_token(tmp_path / "d" / "train.bin", np.zeros(300, np.uint16)) == 299
     tokens = np.arange(300, dtype=np.uint16)
     tokens[123] = 300  # one id at the vocabulary's size: an embedding row that does not exist
     tokens.tofile(tmp_path / "d" / "train.bin")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_MODEL, launch, make_text
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.data import documents
 from minimal_fsdp.commands import prepare as prepare_command
 from minimal_fsdp.data import prepare
@@ -242,8 +242,8 @@ def test_trainer_reads_a_prepared_directory(tmp_path):
         ranks=2,
         cwd=tmp_path,
     )
-    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "prepared")
-    assert checkpoint_meta.read_meta(saved)["state"]["data"] == {"train_blocks_seen": 3 * 2 * 4}
+    saved = find.latest(tmp_path / "checkpoints" / "prepared")
+    assert meta.read_meta(saved)["state"]["data"] == {"train_blocks_seen": 3 * 2 * 4}
     assert load_tokenizer(saved).chars == TokenData(out).tokenizer.chars
 
 

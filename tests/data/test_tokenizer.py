@@ -174,8 +174,8 @@ def test_gpt2_round_trip(tmp_path):
 
 
 def test_gpt2_wrapper_with_stub_encoding(tmp_path, monkeypatch):
-    # no real gpt2 files offline: check our wrapper (ordinary encode, save/load) on a byte-level
-    # stand-in
+    # no real gpt2 files offline: check our wrapper (ordinary encode, save/load) on a
+    # byte-level stand-in
     import tiktoken
 
     stub = tiktoken.Encoding(
@@ -199,8 +199,8 @@ def test_gpt2_wrapper_with_stub_encoding(tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# a Hugging Face directory's own tokenizer, offline: each kind loads, and encodes as transformers
-# does
+# a Hugging Face directory's own tokenizer, offline: each kind loads, and encodes as
+# transformers does
 
 
 @pytest.fixture
@@ -330,8 +330,8 @@ def test_tokenizer_dir_flag_rules():
 @pytest.mark.slow
 def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
     from conftest import TINY_MODEL, launch
-    from minimal_fsdp.checkpoint import find as checkpoint_find
-    from minimal_fsdp.checkpoint import meta as checkpoint_meta
+    from minimal_fsdp.checkpoint import find
+    from minimal_fsdp.checkpoint.meta import read_meta
     from minimal_fsdp.data.tokens import TokenData
 
     directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
@@ -371,9 +371,9 @@ def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
         data.tokenizer.kind == "tiktoken"
         and data.splits["train"][:500].tolist() == tokenizer.encode(text)[:500]
     )
-    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "corpus")
+    saved = find.latest(tmp_path / "checkpoints" / "corpus")
     # the tokenizer's vocabulary
-    assert checkpoint_meta.read_meta(saved)["model"]["vocab_size"] == num_ranks + 256
+    assert read_meta(saved)["model"]["vocab_size"] == num_ranks + 256
     # the checkpoint carries it
     assert load_tokenizer(saved).encode(text[:1000]) == tokenizer.encode(text[:1000])
 

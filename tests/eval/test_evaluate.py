@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_MODEL, launch_runs, make_text, mpiexec
-from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import find
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.eval import harness
 from minimal_fsdp.hf import export
@@ -120,7 +120,7 @@ def trained(tmp_path_factory):
             )
         launch_runs(runs, ranks=2, cwd=ROOT)
         for shape in SHAPES:
-            step = checkpoint_find.resolve(work / "checkpoints" / shape)
+            step = find.resolve(work / "checkpoints" / shape)
             export.export(step, work / f"{shape}_hf", fmt="hf")
             patch.chdir(ROOT)  # the tasks' data_files are relative to the repository root
             found[shape] = dict(
@@ -157,8 +157,8 @@ def assert_same_scores(results, samples, reference, tasks=TASKS):
         theirs = sorted(reference["samples"][task], key=lambda s: s["doc_id"])
         assert len(ours) == len(theirs) > 0
         for mine, ref in zip(ours, theirs):
-            # the samples file holds the harness's responses as strings: "-48.72", or ["-48.72",
-            # "False"]
+            # the samples file holds the harness's responses as strings: "-48.72", or
+            # ["-48.72", "False"]
             for a, b in zip(mine["filtered_resps"], ref["filtered_resps"], strict=True):
                 if task == "tiny_gen":
                     assert a == b
@@ -430,8 +430,8 @@ def test_unknown_task_and_missing_harness_are_one_line(
         "error: --tasks: nonesuch is not one of lm_eval's tasks nor in --include_path "
         f"{DATA}; lm_eval ls tasks lists them"
     )
-    # before calling it unknown, the harness's own tasks were looked in (here: the stand-in
-    # folder's)
+    # before calling it unknown, the harness's own tasks were looked in (here: the
+    # stand-in folder's)
     assert [{"arc_easy", "tiny_mc"} <= set(manager.all_tasks) for manager in with_shipped] == [True]
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if it were not installed
     with pytest.raises(ConfigError, match=r"pip install 'minimal_fsdp\[eval\]'"):
@@ -489,7 +489,7 @@ def test_rows_reach_the_ranks_in_commands_of_many_batches(one_rank_group, monkey
     """score() hands the ranks one command (a broadcast and a gather when there are several ranks)
     per COMMAND_TOKENS tokens of rows, not one per batch; split into several commands the scores are
     the same."""
-    from minimal_fsdp.eval import lm as evaluate_lm
+    from minimal_fsdp.eval.lm import ShardedLM
     from minimal_fsdp.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -498,7 +498,7 @@ def test_rows_reach_the_ranks_in_commands_of_many_batches(one_rank_group, monkey
     class Tokenizer:
         kind, eot_id, bos_id = "test", 0, None
 
-    lm = evaluate_lm.ShardedLM(model, Tokenizer(), torch.device("cpu"), batch_size=2)
+    lm = ShardedLM(model, Tokenizer(), torch.device("cpu"), batch_size=2)
     generator = torch.Generator().manual_seed(1)
     rows = []
     for _ in range(11):
@@ -516,7 +516,7 @@ def test_rows_reach_the_ranks_in_commands_of_many_batches(one_rank_group, monkey
     whole = lm.score(rows)
     assert commands == [11]  # 6 batches of 2, one command
     commands.clear()
-    monkeypatch.setattr(evaluate_lm, "COMMAND_TOKENS", 30)
+    monkeypatch.setattr("minimal_fsdp.eval.lm.COMMAND_TOKENS", 30)
     assert [pytest.approx(result) for result in lm.score(rows)] == whole
     assert len(commands) > 2 and sum(commands) == 11 and all(n % 2 == 0 for n in commands[:-1])
 
@@ -691,7 +691,7 @@ def test_templates_compiled_once_render_as_the_harness_renders(tmp_path, monkeyp
 
 
 def test_eval_tasks_that_cannot_run_stop_before_training():
-    from minimal_fsdp.config import checks as config_checks
+    from minimal_fsdp.config import checks
     from minimal_fsdp.config.flags import Config
 
     # without --eval_tasks: nothing
@@ -703,7 +703,7 @@ def test_eval_tasks_that_cannot_run_stop_before_training():
     ]:
         # refused with the other flags, before any build
         with pytest.raises(ConfigError, match=message):
-            config_checks.validate(Config(eval_tasks="tiny_mc", **flags))
+            checks.validate(Config(eval_tasks="tiny_mc", **flags))
     with pytest.raises(ConfigError, match="needs the data's tokenizer"):
         harness.TrainingTasks.for_run(Config(eval_tasks="tiny_mc"), None, None, None)
     # a char tokenizer, refused here once, is scored (test_harness.py, test_char_model.py)

@@ -22,7 +22,7 @@ REQUESTS = [
 def test_only_the_continuation_is_scored_and_summed(one_rank_group, monkeypatch):
     from lm_eval.api.instance import Instance
 
-    from minimal_fsdp.eval import lm as eval_lm
+    from minimal_fsdp.eval.lm import ShardedLM, token_scores
     from minimal_fsdp.models.gpt import GPT, GPTConfig
 
     tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.\n")
@@ -38,13 +38,12 @@ def test_only_the_continuation_is_scored_and_summed(one_rank_group, monkeypatch)
         )
     )
     scored = []  # how many positions each forward call projects onto the vocabulary
-    scores = eval_lm.token_scores
+    scores = token_scores
     monkeypatch.setattr(
-        eval_lm,
-        "token_scores",
+        "minimal_fsdp.eval.lm.token_scores",
         lambda x, weight, targets: scored.append(len(targets[0])) or scores(x, weight, targets),
     )
-    lm = eval_lm.ShardedLM(model, tokenizer, torch.device("cpu"), batch_size=1)
+    lm = ShardedLM(model, tokenizer, torch.device("cpu"), batch_size=1)
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(REQUESTS)]
     got = lm.loglikelihood(requests, disable_tqdm=True)
     # a char tokenizer: one token per character of the continuation, one forward call per request
@@ -66,7 +65,7 @@ def test_a_generation_is_cut_at_the_first_stop_string_in_the_text(one_rank_group
     only one is ever in its text: a cut at the last stop looked the same there.)"""
     from lm_eval.api.instance import Instance
 
-    from minimal_fsdp.eval import lm as eval_lm
+    from minimal_fsdp.eval.lm import ShardedLM
     from minimal_fsdp.models.gpt import GPT, GPTConfig
 
     piece = "one, two. three\nfour. five"
@@ -78,7 +77,7 @@ def test_a_generation_is_cut_at_the_first_stop_string_in_the_text(one_rank_group
     )
     favoured = torch.tensor([[0.0, 0.0, 1.0]])
     model.forward = lambda idx, targets=None, cache=None: favoured  # greedy picks `piece`
-    lm = eval_lm.ShardedLM(model, tokenizer, torch.device("cpu"), progress=False)
+    lm = ShardedLM(model, tokenizer, torch.device("cpu"), progress=False)
     stops = {"\n then .": ["\n", "."], ". then \n": [".", "\n"], ". alone": ["."], "none": ["?"]}
     requests = [
         Instance("generate_until", {}, ("ab", {"until": until, "max_gen_toks": 2}), i)

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import TINY_MODEL, launch, make_text
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint.meta import read_meta
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.data.tokenizer import load_tokenizer
@@ -53,7 +53,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.mark.slow
 def test_export_round_trip(ckpt, tmp_path):
-    step = checkpoint_find.latest(ckpt)
+    step = find.latest(ckpt)
     assert len(list(step.glob("*.distcp"))) == 2  # really sharded
     command(
         "export", *[str(ckpt), str(tmp_path / "out")]
@@ -77,7 +77,7 @@ def test_export_round_trip(ckpt, tmp_path):
 def test_export_casts_to_bf16(ckpt, tmp_path):
     command("export", *[str(ckpt / "latest"), str(tmp_path / "out"), "--dtype", "bf16"])
     exported = load_file(tmp_path / "out" / "model.safetensors")
-    full = safe_load.load_full_model_state(checkpoint_find.latest(ckpt))
+    full = safe_load.load_full_model_state(find.latest(ckpt))
     assert all(
         exported[k].dtype == torch.bfloat16 and torch.equal(exported[k], v.bfloat16())
         for k, v in full.items()
@@ -88,8 +88,8 @@ def test_export_casts_to_bf16(ckpt, tmp_path):
 def test_hf_format_loads_in_transformers_with_the_same_logits_and_tokens(ckpt, tmp_path, dtype):
     transformers = pytest.importorskip("transformers")
     command("export", *[str(ckpt), str(tmp_path / "hf"), "--format", "hf", "--dtype", dtype])
-    step = checkpoint_find.latest(ckpt)
-    meta = checkpoint_meta.read_meta(step)
+    step = find.latest(ckpt)
+    meta = read_meta(step)
     ours = GPT(GPTConfig(**meta["model"])).eval()
     state = safe_load.load_full_model_state(step)
     ours.load_state_dict(

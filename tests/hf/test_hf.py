@@ -1,4 +1,4 @@
-"""hf.py, reading a Hugging Face model, with transformers as the reference wherever it has an
+"""hf/read.py, reading a Hugging Face model, with transformers as the reference wherever it has an
 answer: tiny random GPT2LMHeadModel / LlamaForCausalLM built locally (no network) and imported into
 our models with the same logits (fp32, max abs diff < 1e-4); the name map and which tensors GPT-2
 stores transposed (against transformers' own parameters); the weight files in every form
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import tokenizer_dirs
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.hf import hub, read
 from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
@@ -55,7 +55,7 @@ def test_names_map_every_parameter_onto_transformers_own(model_type):
         else transformers.LlamaForCausalLM(llama_config())
     )
     model = ours(model_type)
-    names = hf.hf_names(model_type, model.config)
+    names = read.hf_names(model_type, model.config)
     assert sorted(names) == sorted(name for name, _ in model.named_parameters())
     their_shapes = {name: tuple(p.shape) for name, p in theirs.named_parameters()}
     # GPT-2's lm_head is the tied embedding: transformers lists it once, as wte
@@ -66,7 +66,7 @@ def test_names_map_every_parameter_onto_transformers_own(model_type):
         theirs_name = names[name]
         expected = (
             their_shapes[theirs_name][::-1]
-            if hf.is_transposed(theirs_name)
+            if read.is_transposed(theirs_name)
             else their_shapes[theirs_name]
         )
         assert tuple(param.shape) == expected, name
@@ -79,12 +79,12 @@ def test_transposed_are_exactly_gpt2s_conv1d_weights():
     modules = dict(theirs.named_modules())
     for name, _ in theirs.named_parameters():
         module, _, kind = name.rpartition(".")
-        assert hf.is_transposed(name) == (
+        assert read.is_transposed(name) == (
             isinstance(modules[module], Conv1D) and kind == "weight"
         ), name
-    assert any(hf.is_transposed(name) for name, _ in theirs.named_parameters())
+    assert any(read.is_transposed(name) for name, _ in theirs.named_parameters())
     for name, _ in transformers.LlamaForCausalLM(llama_config()).named_parameters():
-        assert not hf.is_transposed(name), name
+        assert not read.is_transposed(name), name
 
 
 # -----------------------------------------------------------------------------
@@ -141,14 +141,14 @@ def test_import_from_bin_and_from_sharded_safetensors(tmp_path):
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
     hf_gpt2(tmp_path)
     with pytest.raises(ConfigError, match="--seq_length 32 is longer than .* context of 24"):
-        hf.read_config(tmp_path, seq_length=32)
+        read.read_config(tmp_path, seq_length=32)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
     with pytest.raises(ConfigError, match="is a 'bert' model; supported are gpt2, llama and qwen2"):
-        hf.read_config(tmp_path)
+        read.read_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(dict(config, activation_function="relu")))
     with pytest.raises(ConfigError, match="activation relu"):
-        hf.read_config(tmp_path)
+        read.read_config(tmp_path)
 
 
 def test_hub_name_offline_or_without_huggingface_hub(tmp_path, monkeypatch):
@@ -157,12 +157,12 @@ def test_hub_name_offline_or_without_huggingface_hub(tmp_path, monkeypatch):
     for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there: offline, instantly
     with pytest.raises(ConfigError, match="--hf_model someone/some-model .* unreachable"):
-        hf.resolve("someone/some-model")
+        hub.resolve("someone/some-model")
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(ConfigError, match="pip install huggingface_hub"):
-        hf.resolve("someone/some-model")
+        hub.resolve("someone/some-model")
     with pytest.raises(ConfigError, match="has no config.json"):
-        hf.resolve(str(tmp_path))
+        hub.resolve(str(tmp_path))
 
 
 # -----------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def test_checkpoint_files_read_rows_and_shapes_in_every_form(tmp_path, form):
         "b": torch.arange(5.0),
         "c": torch.arange(6.0).reshape(2, 3),
     }
-    files = hf.CheckpointFiles(write_state(tmp_path, state, form))
+    files = read.CheckpointFiles(write_state(tmp_path, state, form))
     assert all(name in files for name in state) and "d" not in files
     assert [files.shape(n) for n in state] == [(3, 4), (5,), (2, 3)]
     assert torch.equal(files.rows("a", 1, 3), state["a"][1:3])
@@ -222,17 +222,17 @@ def test_checkpoint_files_prefer_safetensors_and_an_index(tmp_path):
     write_state(tmp_path, {"a": torch.full((2,), 3.0)}, "bin")
     write_state(tmp_path, {"a": torch.full((2,), 2.0)}, "sharded bin")
     write_state(tmp_path, state, "safetensors")
-    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.ones(2))
+    assert torch.equal(read.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.ones(2))
     write_state(tmp_path, {"a": torch.zeros(2)}, "sharded safetensors")
-    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.zeros(2))
+    assert torch.equal(read.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.zeros(2))
     for file in tmp_path.glob("model*"):
         file.unlink()
-    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.full((2,), 2.0))
+    assert torch.equal(read.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.full((2,), 2.0))
     (tmp_path / "pytorch_model.bin.index.json").unlink()
-    assert torch.equal(hf.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.full((2,), 3.0))
+    assert torch.equal(read.CheckpointFiles(tmp_path).rows("a", 0, 2), torch.full((2,), 3.0))
     (tmp_path / "pytorch_model.bin").unlink()
     with pytest.raises(ConfigError) as error:
-        hf.CheckpointFiles(tmp_path)
+        read.CheckpointFiles(tmp_path)
     assert str(error.value) == (
         f"--hf_model {tmp_path} has no model.safetensors or pytorch_model.bin (nor an "
         "index of shards)"
@@ -240,7 +240,7 @@ def test_checkpoint_files_prefer_safetensors_and_an_index(tmp_path):
 
 
 def test_checkpoint_files_open_each_file_once(tmp_path):
-    files = hf.CheckpointFiles(
+    files = read.CheckpointFiles(
         write_state(tmp_path, {"a": torch.ones(2, 2), "b": torch.ones(3)}, "sharded safetensors")
     )
     for _ in range(3):
@@ -273,9 +273,9 @@ def hf_state(model_type, config):
 def expected_params(model_type, config, state):
     """Our parameters from their tensors, by the name map (transposed where GPT-2 stores Conv1D
     weights)."""
-    names = hf.hf_names(model_type, config)
+    names = read.hf_names(model_type, config)
     return {
-        ours: state[theirs].t() if hf.is_transposed(theirs) else state[theirs]
+        ours: state[theirs].t() if read.is_transposed(theirs) else state[theirs]
         for ours, theirs in names.items()
     }
 
@@ -285,7 +285,7 @@ def test_load_weights_copies_every_tensor(tmp_path, model_type):
     config = {"gpt": GPT, "llama": LLAMA}[model_type]
     state = hf_state(model_type, config)
     model = ours(model_type)
-    hf.load_weights(model, write_state(tmp_path, state, "safetensors"), model_type)
+    read.load_weights(model, write_state(tmp_path, state, "safetensors"), model_type)
     expected = expected_params(model_type, config, state)
     for name, param in model.named_parameters():
         assert torch.equal(param, expected[name]), name
@@ -294,7 +294,7 @@ def test_load_weights_copies_every_tensor(tmp_path, model_type):
 def test_stored_names_hub_gpt2_prefix_and_tied_llama_head(tmp_path):
     gpt = hf_state("gpt", GPT)
     model = ours("gpt")  # the hub's gpt2 was saved from GPT2Model: no "transformer." prefix
-    hf.load_weights(
+    read.load_weights(
         model,
         write_state(
             tmp_path / "gpt",
@@ -310,14 +310,14 @@ def test_stored_names_hub_gpt2_prefix_and_tied_llama_head(tmp_path):
     llama = hf_state("llama", LLAMA)
     del llama["lm_head.weight"]  # Llama 3.2's tied embeddings
     model = ours("llama")
-    hf.load_weights(model, write_state(tmp_path / "llama", llama, "safetensors"), "llama")
+    read.load_weights(model, write_state(tmp_path / "llama", llama, "safetensors"), "llama")
     assert torch.equal(model.lm_head.weight, llama["model.embed_tokens.weight"])
     # untied: trained apart from here on
     assert model.lm_head.weight.data_ptr() != model.wte.weight.data_ptr()
     del llama["model.norm.weight"]
     write_state(tmp_path / "llama", llama, "safetensors")
     with pytest.raises(ConfigError) as error:
-        hf.load_weights(model, tmp_path / "llama", "llama")
+        read.load_weights(model, tmp_path / "llama", "llama")
     assert str(error.value) == (
         f"--hf_model {tmp_path / 'llama'} has no tensor model.norm.weight: not a "
         "checkpoint of this model type?"
@@ -330,7 +330,7 @@ def test_shapes_are_checked_before_anything_is_copied(tmp_path):
     model = ours("llama")
     before = {n: p.clone() for n, p in model.named_parameters()}
     with pytest.raises(ConfigError) as error:
-        hf.load_weights(model, write_state(tmp_path, state, "safetensors"), "llama")
+        read.load_weights(model, write_state(tmp_path, state, "safetensors"), "llama")
     assert str(error.value) == (
         f"--hf_model {tmp_path}: model.layers.1.mlp.down_proj.weight has shape (48, 71), "
         "our blocks.1.mlp.down_proj.weight is (48, 72)"
@@ -342,7 +342,7 @@ def test_gpt2_positions_may_be_cut_to_a_shorter_context_only(tmp_path):
     state = hf_state("gpt", GPT)  # 24 positions
     short = GPTConfig(**dict(GPT.to_dict(), seq_length=10))
     model = ours("gpt", short)
-    hf.load_weights(model, write_state(tmp_path / "a", state, "safetensors"), "gpt")
+    read.load_weights(model, write_state(tmp_path / "a", state, "safetensors"), "gpt")
     assert torch.equal(model.wpe.weight, state["transformer.wpe.weight"][:10])
     for config, bad, shape in [
         (GPTConfig(**dict(GPT.to_dict(), seq_length=25)), None, (24, 32)),
@@ -353,7 +353,7 @@ def test_gpt2_positions_may_be_cut_to_a_shorter_context_only(tmp_path):
             state["transformer.wpe.weight"] = bad
         model = ours("gpt", config)
         with pytest.raises(ConfigError) as error:
-            hf.load_weights(model, write_state(tmp_path / "b", state, "safetensors"), "gpt")
+            read.load_weights(model, write_state(tmp_path / "b", state, "safetensors"), "gpt")
         assert str(error.value) == (
             f"--hf_model {tmp_path / 'b'}: transformer.wpe.weight has shape {shape}, our "
             f"wpe.weight is {tuple(model.wpe.weight.shape)}"
@@ -361,7 +361,7 @@ def test_gpt2_positions_may_be_cut_to_a_shorter_context_only(tmp_path):
     state = hf_state("llama", LLAMA)  # anything else, even with more rows, must match exactly
     state["model.embed_tokens.weight"] = torch.zeros(54, 48)
     with pytest.raises(ConfigError, match=r"model.embed_tokens.weight has shape \(54, 48\)"):
-        hf.load_weights(ours("llama"), write_state(tmp_path / "c", state, "safetensors"), "llama")
+        read.load_weights(ours("llama"), write_state(tmp_path / "c", state, "safetensors"), "llama")
     state = hf_state("gpt", GPT)  # a transposed tensor is compared as we store it
     state["transformer.h.0.mlp.c_fc.weight"] = (
         state["transformer.h.0.mlp.c_fc.weight"].t().contiguous()
@@ -371,7 +371,7 @@ def test_gpt2_positions_may_be_cut_to_a_shorter_context_only(tmp_path):
         match=r"transformer.h.0.mlp.c_fc.weight has shape \(32, 128\), our "
         r"blocks.0.mlp.fc.weight is \(128, 32\)",
     ):
-        hf.load_weights(ours("gpt"), write_state(tmp_path / "d", state, "safetensors"), "gpt")
+        read.load_weights(ours("gpt"), write_state(tmp_path / "d", state, "safetensors"), "gpt")
 
 
 # -----------------------------------------------------------------------------
@@ -407,9 +407,9 @@ def test_local_rows_are_torch_chunk_pieces(fake_rank, rows, ranks):
         pieces = torch.chunk(full, ranks)
         local = pieces[rank] if rank < len(pieces) else full[:0]
         param = DTensor.from_local(local, mesh, [Shard(0)], shape=full.shape, stride=full.stride())
-        assert hf.local_rows(param) == (starts[rank], starts[rank + 1]), rank
+        assert read.local_rows(param) == (starts[rank], starts[rank + 1]), rank
         dist.destroy_process_group()
-    assert hf.local_rows(full) == (0, rows)
+    assert read.local_rows(full) == (0, rows)
 
 
 def test_a_replicated_parameter_holds_every_row(fake_rank):
@@ -417,9 +417,9 @@ def test_a_replicated_parameter_holds_every_row(fake_rank):
 
     full = torch.arange(10.0).reshape(5, 2)
     mesh = fake_rank(3, (2, 2))
-    assert hf.local_rows(DTensor.from_local(full, mesh, [Replicate(), Replicate()])) == (0, 5)
+    assert read.local_rows(DTensor.from_local(full, mesh, [Replicate(), Replicate()])) == (0, 5)
     piece = torch.chunk(full, 2)[1]
-    assert hf.local_rows(
+    assert read.local_rows(
         DTensor.from_local(
             piece, mesh, [Replicate(), Shard(0)], shape=full.shape, stride=full.stride()
         )
@@ -446,7 +446,7 @@ def test_each_rank_of_a_mesh_loads_its_own_shard(tmp_path, fake_rank, model_type
     mesh = fake_rank(rank, shape)
     model = MODELS[model_type](config)
     fully_shard(model, mesh=mesh)
-    hf.load_weights(model, directory, model_type)
+    read.load_weights(model, directory, model_type)
     shard_rank = rank % shape[-1]
     for name, param in model.named_parameters():
         pieces = torch.chunk(expected[name], shape[-1])
@@ -467,20 +467,20 @@ def stub_gpt2(monkeypatch):
 def test_load_tokenizer_of_a_directory(tmp_path, monkeypatch):
     gpt2 = save_config(tmp_path / "gpt2", bare("gpt2"))
     stub = stub_gpt2(monkeypatch)
-    tokenizer = hf.load_tokenizer(gpt2)  # weights alone: tiktoken's GPT-2 BPE
+    tokenizer = read.load_tokenizer(gpt2)  # weights alone: tiktoken's GPT-2 BPE
     assert tokenizer.kind == "gpt2" and tokenizer.enc is stub
     tokenizer_dirs.write_tokenizer_json(gpt2)  # its own files win
-    assert hf.load_tokenizer(gpt2).kind == "hf"
+    assert read.load_tokenizer(gpt2).kind == "hf"
     llama = save_config(tmp_path / "llama", bare("llama"))  # a Llama has no default
     with pytest.raises(tk.TokenizerError) as error:
-        hf.load_tokenizer(llama)
+        read.load_tokenizer(llama)
     assert str(error.value) == (
         f"--hf_model: {llama} holds no tokenizer: expected tokenizer.json (ours or Hugging "
         "Face's), vocab.json + merges.txt, or tokenizer.model (or pass --tokenizer_dir DIR)"
     )
     assert error.value.__cause__ is None and error.value.__suppress_context__
     tokenizer_dirs.write_vocab_merges(llama)
-    assert hf.load_tokenizer(llama).kind == "hf"
+    assert read.load_tokenizer(llama).kind == "hf"
 
 
 def test_gpt2_without_tokenizer_files_offline(tmp_path, monkeypatch):
@@ -488,7 +488,7 @@ def test_gpt2_without_tokenizer_files_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(tk, "gpt2_cached", lambda: False)
     monkeypatch.setattr(tk, "reachable", lambda url, timeout=5.0: False)
     with pytest.raises(tk.TokenizerError) as error:
-        hf.load_tokenizer(gpt2)
+        read.load_tokenizer(gpt2)
     assert str(error.value) == (
         f"--hf_model {gpt2} has no tokenizer files (tokenizer.json, or vocab.json + "
         "merges.txt), and tiktoken's gpt2 files are not cached nor downloadable (offline?): "
@@ -502,7 +502,7 @@ def test_gpt2_weights_without_tokenizer_files_offline_is_one_line(tmp_path, monk
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
     monkeypatch.setattr(tk, "reachable", lambda url, timeout=5.0: False)
     with pytest.raises(ConfigError, match="has no tokenizer files .* --tokenizer_dir"):
-        hf.load_tokenizer(tmp_path)
+        read.load_tokenizer(tmp_path)
 
 
 # -----------------------------------------------------------------------------
@@ -541,7 +541,7 @@ def mapped(path):
 def test_bin_files_saved_on_a_gpu_load_on_a_cpu_memory_mapped(tmp_path, zipfile):
     state = {"a": torch.arange(12.0).reshape(3, 4)}
     save_as_from_gpu(state, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=zipfile)
-    files = hf.CheckpointFiles(tmp_path)
+    files = read.CheckpointFiles(tmp_path)
     assert files.shape("a") == (3, 4) and torch.equal(files.rows("a", 1, 2), state["a"][1:2])
     assert files.rows("a", 0, 3).device.type == "cpu"
     assert mapped(tmp_path / "pytorch_model.bin") == zipfile  # torch < 1.6's format is read whole
@@ -561,5 +561,5 @@ def test_bin_files_never_run_pickled_code(tmp_path, monkeypatch, zipfile):
     with pytest.raises(
         ConfigError, match=r"pytorch_model.bin cannot be read as a PyTorch file \(UnpicklingError: "
     ):
-        hf.CheckpointFiles(tmp_path)
+        read.CheckpointFiles(tmp_path)
     assert Payload.ran == []

@@ -1,5 +1,5 @@
-"""hf.py, a Hugging Face directory's config.json and files: every check read_config makes and the
-config it builds (transformers' defaults for absent fields, both spellings of rope settings),
+"""hf/read.py, a Hugging Face directory's config.json and files: every check read_config makes and
+the config it builds (transformers' defaults for absent fields, both spellings of rope settings),
 resolve's answers for a directory, a path and a hub name (the hub mocked: no network), and broken or
 hostile directories (each field of config.json, weights and tokenizer files that are not what they
 claim, a config the weights do not hold): one error naming the file and the field, nothing
@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimal_fsdp.hf import read as hf
-from minimal_fsdp.hf import write as hf_write
-from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.hf.read import check_weights, load_tokenizer, read_config, read_model_config
+from minimal_fsdp.hf.hub import resolve
+from minimal_fsdp.hf import write
+from minimal_fsdp.data import tokenizer
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPTConfig
@@ -30,14 +31,14 @@ transformers = pytest.importorskip("transformers")
 
 
 def read(tmp_path, config_dict, **kw):
-    return hf.read_config(save_config(tmp_path / "m", config_dict), **kw)
+    return read_config(save_config(tmp_path / "m", config_dict), **kw)
 
 
 def test_gpt2_config_as_transformers_saves_it(tmp_path):
     gpt2_config(n_positions=40, n_head=8, n_layer=3, resid_pdrop=0.3).save_pretrained(
         tmp_path / "m"
     )
-    assert hf.read_config(tmp_path / "m") == (
+    assert read_config(tmp_path / "m") == (
         "gpt",
         GPTConfig(
             vocab_size=53,
@@ -49,11 +50,11 @@ def test_gpt2_config_as_transformers_saves_it(tmp_path):
             dropout=0.0,
         ),
     )
-    model_type, config = hf.read_config(tmp_path / "m", seq_length=40, dropout=0.25)
+    model_type, config = read_config(tmp_path / "m", seq_length=40, dropout=0.25)
     assert (config.seq_length, config.dropout) == (40, 0.25)
-    assert hf.read_config(tmp_path / "m", seq_length=7)[1].seq_length == 7
+    assert read_config(tmp_path / "m", seq_length=7)[1].seq_length == 7
     with pytest.raises(ConfigError) as error:
-        hf.read_config(tmp_path / "m", seq_length=41)
+        read_config(tmp_path / "m", seq_length=41)
     assert (
         str(error.value)
         == f"--seq_length 41 is longer than --hf_model {tmp_path / 'm'}'s context of 40 tokens"
@@ -158,7 +159,7 @@ def test_llama_config_as_transformers_saves_it(tmp_path, spelling):
                 rope_scaling=dict(LLAMA3, type=LLAMA3["rope_type"]),
             ),
         )
-    model_type, config = hf.read_config(tmp_path / "m", dropout=0.5)
+    model_type, config = read_config(tmp_path / "m", dropout=0.5)
     assert (model_type, config) == (
         "llama",
         LlamaConfig(
@@ -230,17 +231,17 @@ def test_other_model_types_and_a_model_flag_that_disagrees(tmp_path, monkeypatch
     save_config(tmp_path / "m", bare("llama"))
     # against the weights (here none: test_a_config_is_checked_against_the_weights... has them)
     checked = []
-    monkeypatch.setattr(hf, "check_weights", lambda *args: checked.append(args))
+    monkeypatch.setattr("minimal_fsdp.hf.read.check_weights", lambda *args: checked.append(args))
     cfg = SimpleNamespace(seq_length=12, dropout=0.125, model=None, hf_model="meta/llama")
-    config = hf.read_model_config(tmp_path / "m", cfg)
+    config = read_model_config(tmp_path / "m", cfg)
     assert (config.model_type, config.seq_length, config.dropout) == ("llama", 12, 0.125)
     assert checked == [(tmp_path / "m", "llama", config)]
     assert (
-        hf.read_model_config(tmp_path / "m", SimpleNamespace(**dict(vars(cfg), model="llama")))
+        read_model_config(tmp_path / "m", SimpleNamespace(**dict(vars(cfg), model="llama")))
         == config
     )
     with pytest.raises(ConfigError) as error:
-        hf.read_model_config(tmp_path / "m", SimpleNamespace(**dict(vars(cfg), model="gpt")))
+        read_model_config(tmp_path / "m", SimpleNamespace(**dict(vars(cfg), model="gpt")))
     assert (
         str(error.value) == "--model gpt, but --hf_model meta/llama is a llama model: drop --model"
     )
@@ -253,7 +254,7 @@ def test_other_model_types_and_a_model_flag_that_disagrees(tmp_path, monkeypatch
 def test_a_directory_needs_config_and_weights(tmp_path):
     d = save_config(tmp_path / "m", bare("llama"))
     with pytest.raises(ConfigError) as error:
-        hf.resolve(str(d))
+        resolve(str(d))
     assert str(error.value) == (
         f"--hf_model {d} has a config.json but no weights (model.safetensors, its shards, "
         "or pytorch_model.bin): download them too"
@@ -265,12 +266,12 @@ def test_a_directory_needs_config_and_weights(tmp_path):
         "pytorch_model-00001-of-00003.bin",
     ):
         (d / weights).write_bytes(b"")
-        assert hf.resolve(str(d)) == str(d)
+        assert resolve(str(d)) == str(d)
         (d / weights).unlink()
     (d / "config.json").unlink()
     (d / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError) as error:
-        hf.resolve(d)
+        resolve(d)
     assert (
         str(error.value)
         == f"--hf_model {d} has no config.json: pass a Hugging Face model directory"
@@ -283,11 +284,11 @@ def test_a_directory_needs_config_and_weights(tmp_path):
 
 def gpt_dir(tmp_path, name="m"):
     """A GPT-2 directory of our tiny GPT (config.json, model.safetensors, a tokenizer)."""
-    return hf_write.save_hf(
+    return write.save_hf(
         ours("gpt").state_dict(),
         {"model": GPT.to_dict(), "model_type": "gpt"},
         tmp_path / name,
-        tk.CharTokenizer("abcdefgh "),
+        tokenizer.CharTokenizer("abcdefgh "),
     )
 
 
@@ -332,7 +333,7 @@ def test_a_broken_config_json_is_one_error_naming_the_field(tmp_path, case):
     d = gpt_dir(tmp_path)
     edit_config(d, edit)
     with pytest.raises(ConfigError) as error:
-        hf.read_config(d)
+        read_config(d)
     assert str(error.value) == f"--hf_model {d}: {problem}"
 
 
@@ -355,9 +356,9 @@ def test_a_broken_config_json_is_one_error_naming_the_field(tmp_path, case):
 def test_a_config_json_that_is_not_a_json_object_is_one_error(tmp_path, text, problem):
     d = gpt_dir(tmp_path)
     (d / "config.json").write_bytes(text)
-    for read in (hf.read_config, hf.load_tokenizer):  # run.py reads the tokenizer before the config
+    for reader in (read_config, load_tokenizer):  # run.py reads the tokenizer before the config
         with pytest.raises(ConfigError) as error:
-            read(d)
+            reader(d)
         assert str(error.value).startswith(f"--hf_model {d}: {problem}")
 
 
@@ -375,7 +376,7 @@ def test_llama_fields_of_the_wrong_type_are_one_error(tmp_path):
             tmp_path / str(len(problem)), bare("llama") | {"num_attention_heads": 6} | fields
         )
         with pytest.raises(ConfigError) as error:
-            hf.read_config(d)
+            read_config(d)
         assert str(error.value).startswith(f"--hf_model {d}: config.json") and problem in str(
             error.value
         )
@@ -403,7 +404,7 @@ def test_a_config_is_checked_against_the_weights_before_anything_is_allocated(
 ):
     d = gpt_dir(tmp_path)
     edit_config(d, edit)
-    model_type, config = hf.read_config(d)
+    model_type, config = read_config(d)
     built = []
     monkeypatch.setattr(
         torch.nn.Parameter,
@@ -413,7 +414,7 @@ def test_a_config_is_checked_against_the_weights_before_anything_is_allocated(
         ),
     )
     with pytest.raises(ConfigError) as error:
-        hf.check_weights(d, model_type, config)
+        check_weights(d, model_type, config)
     assert str(error.value) == f"--hf_model {d}: {problem}"
     # shapes only: the model built on the meta device once the layer counts agree, never in memory
     assert {device.type for device in built} == (set() if "n_layer" in problem else {"meta"})
@@ -424,7 +425,7 @@ def test_weights_that_are_not_safetensors_are_one_error(tmp_path, content):
     d = gpt_dir(tmp_path)
     (d / "model.safetensors").write_bytes(content)
     with pytest.raises(ConfigError) as error:
-        hf.check_weights(d, *hf.read_config(d))
+        check_weights(d, *read_config(d))
     assert str(error.value).startswith(
         f"--hf_model {d}: model.safetensors cannot be read as safetensors (SafetensorError: "
     )
@@ -437,12 +438,12 @@ def test_weights_that_are_not_regular_files_or_outside_the_directory_are_refused
     with pytest.raises(
         ConfigError, match="model.safetensors cannot be read as safetensors .*not a regular file"
     ):
-        hf.check_weights(d, *hf.read_config(d))
+        check_weights(d, *read_config(d))
     (d / "model.safetensors").unlink()
     index = {"weight_map": {"transformer.wte.weight": "../elsewhere.safetensors"}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError) as error:
-        hf.check_weights(d, *hf.read_config(d))
+        check_weights(d, *read_config(d))
     assert str(error.value) == (
         f"--hf_model {d}: model.safetensors.index.json: weight_map is not an object of file "
         "names in the directory"
@@ -453,7 +454,7 @@ def test_a_deeply_nested_tokenizer_json_is_one_error(tmp_path):
     d = gpt_dir(tmp_path)
     (d / "tokenizer.json").write_text('{"model": ' + "[" * 100_000 + "]" * 100_000 + "}")
     with pytest.raises(ConfigError) as error:
-        hf.load_tokenizer(d)
+        load_tokenizer(d)
     assert str(error.value) == f"--hf_model {d}: tokenizer.json nests deeper than 32 levels"
 
 
@@ -484,7 +485,7 @@ def hub(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub.example")
     monkeypatch.setattr(
-        tk, "reachable", lambda url: hub.calls.append(("reachable", url)) or hub.reachable
+        tokenizer, "reachable", lambda url: hub.calls.append(("reachable", url)) or hub.reachable
     )
     return hub
 
@@ -520,14 +521,14 @@ def test_paths_that_are_not_directories_never_reach_the_hub(tmp_path, hub, monke
         ".x",
     ):
         with pytest.raises(ConfigError) as error:
-            hf.resolve(name)
+            resolve(name)
         assert str(error.value) == f"--hf_model {name} is not a directory"
     assert hub.calls == []
 
 
 def test_hub_name_from_the_cache(hub):
     hub.cached = "/cache/snapshot"
-    assert hf.resolve("org/model") == "/cache/snapshot"
+    assert resolve("org/model") == "/cache/snapshot"
     assert hub.calls == [("download", "org/model", PATTERNS, True)]
 
 
@@ -541,14 +542,14 @@ def test_hub_name_offline(hub, monkeypatch):
     )
     hub.reachable = False
     with pytest.raises(ConfigError) as error:
-        hf.resolve("gpt2")
+        resolve("gpt2")
     assert str(error.value) == message
     assert hub.calls[1:] == [("reachable", "https://hub.example")]
     hub.calls.clear()
     hub.reachable = True
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError) as error:
-        hf.resolve("gpt2")
+        resolve("gpt2")
     assert str(error.value) == message and [c[0] for c in hub.calls] == ["download"]
 
 
@@ -564,7 +565,7 @@ def test_hub_name_offline(hub, monkeypatch):
 )
 def test_hub_name_downloaded_in_one_format(hub, files, patterns):
     hub.files = files
-    assert hf.resolve("org/model") == "/cache/org/model"
+    assert resolve("org/model") == "/cache/org/model"
     assert hub.calls[1:] == [
         ("reachable", "https://hub.example"),
         ("list", "org/model"),
@@ -584,7 +585,7 @@ def test_hub_name_downloaded_in_one_format(hub, files, patterns):
 def test_hub_errors_are_one_line(hub, error, reason):
     hub.error = error
     with pytest.raises(ConfigError) as raised:
-        hf.resolve("org/model")
+        resolve("org/model")
     assert (
         str(raised.value)
         == f"--hf_model org/model could not be fetched from the Hugging Face hub ({reason})"
@@ -595,7 +596,7 @@ def test_hub_errors_are_one_line(hub, error, reason):
 def test_hub_name_without_huggingface_hub(monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(ConfigError) as error:
-        hf.resolve("org/model")
+        resolve("org/model")
     assert str(error.value) == (
         "--hf_model org/model is not a local directory, and fetching it from the Hugging "
         "Face hub needs huggingface_hub: pip install huggingface_hub (or download the "

@@ -15,9 +15,9 @@ import torch
 
 import tokenizer_dirs
 from conftest import ROOT, global_batch, launch, launch_runs, make_text
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
-from minimal_fsdp.hf import write as hf_write
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import meta
+from minimal_fsdp.hf import write
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.config.flags import parse_args
@@ -122,7 +122,7 @@ def test_training_starts_from_the_hf_weights_and_tokenizer(llama_runs):
             theirs(x).logits.reshape(-1, 301), y.reshape(-1)
         ).item()
     assert logged_losses(llama_runs.work, "run")[0] == pytest.approx(expected, abs=1e-4)
-    saved = checkpoint_find.latest(llama_runs.work / "checkpoints" / "run")
+    saved = find.latest(llama_runs.work / "checkpoints" / "run")
     assert json.loads((saved / "meta.json").read_text())["model_type"] == "llama"
     # the tokenizer travels with it
     assert load_tokenizer(saved).model_proto == tokenizer.model_proto
@@ -265,9 +265,9 @@ def test_llama3_trains_samples_exports_and_comes_back_offline(tmp_path, corpus, 
     assert logged_losses(tmp_path, "llama3")[0] == pytest.approx(expected, abs=1e-4)
 
     # Export the trained checkpoint: transformers gives our logits and our token ids.
-    saved = checkpoint_find.latest(tmp_path / "checkpoints" / "llama3")
+    saved = find.latest(tmp_path / "checkpoints" / "llama3")
     command("export", *[str(saved), str(tmp_path / "export"), "--format", "hf"])
-    trained = MODELS["llama"](LlamaConfig(**checkpoint_meta.read_meta(saved)["model"])).eval()
+    trained = MODELS["llama"](LlamaConfig(**meta.read_meta(saved)["model"])).eval()
     trained.load_state_dict(safe_load.load_full_model_state(saved))
     assert_same_logits(
         trained,
@@ -303,7 +303,7 @@ def test_a_broken_hugging_face_directory_is_one_line_for_training_and_sampling(t
     config = GPTConfig(vocab_size=53, seq_length=24, num_layers=2, num_heads=4, embed_size=32)
     model = MODELS["gpt"](config)
     init_weights(model, 0, torch.device("cpu"))
-    good = hf_write.save_hf(
+    good = write.save_hf(
         model.state_dict(),
         {"model": config.to_dict(), "model_type": "gpt"},
         tmp_path / "good",

@@ -1,4 +1,4 @@
-"""hf_tokenizer.py: our tokenizers (char, sentencepiece, tokenizer.json, tiktoken, GPT-2's) written
+"""py: our tokenizers (char, sentencepiece, tokenizer.json, tiktoken, GPT-2's) written
 as a tokenizer.json that transformers' AutoTokenizer reads and that gives our token ids,
 transformers' byte table, special tokens on decoding, and the probe's warning where a written
 tokenizer.json would encode otherwise."""
@@ -10,10 +10,16 @@ import pytest
 import torch
 
 import tokenizer_dirs
-from minimal_fsdp.hf import read as hf
-from minimal_fsdp.hf import tokenizer as hf_tokenizer
-from minimal_fsdp.hf import write as hf_write
-from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.hf import read
+from minimal_fsdp.hf.tokenizer import PROBE, _bytes_to_unicode, _from_tiktoken, hf_tokenizer
+from minimal_fsdp.hf import write
+from minimal_fsdp.data.tokenizer import (
+    CharTokenizer,
+    GPT2Tokenizer,
+    SentencePieceTokenizer,
+    load_tokenizer,
+    train_tokenizer,
+)
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.classes import MODELS
@@ -26,23 +32,23 @@ def stub_gpt2(monkeypatch):
     """A GPT2Tokenizer over a tiny tiktoken encoding with GPT-2's split pattern (no gpt2 files
     offline)."""
     tokenizer_dirs.stub_gpt2_encoding(monkeypatch)
-    return tk.GPT2Tokenizer()
+    return GPT2Tokenizer()
 
 
 def tokenizer_of_kind(kind, tmp_path, monkeypatch):
     if kind == "char":
-        return tk.train_tokenizer(
+        return train_tokenizer(
             "char",
             tokenizer_dirs.training_text() + "".join(tokenizer_dirs.MIXED),
             None,
             tmp_path / "tok",
         )
     if kind == "sentencepiece":
-        return tk.load_tokenizer(tokenizer_dirs.write_sentencepiece(tmp_path / "tok"))
+        return load_tokenizer(tokenizer_dirs.write_sentencepiece(tmp_path / "tok"))
     if kind == "hf":
-        return tk.load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "tok"))
+        return load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "tok"))
     if kind == "tiktoken":
-        return tk.load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tok")[0])
+        return load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tok")[0])
     return stub_gpt2(monkeypatch)
 
 
@@ -60,7 +66,7 @@ def test_export_carries_a_tokenizer_that_transformers_reads_as_ours(tmp_path, mo
     )
     ours = MODELS["llama"](config)
     init_weights(ours, 0, torch.device("cpu"))
-    hf_write.save_hf(
+    write.save_hf(
         ours.state_dict(),
         {"model": config.to_dict(), "model_type": "llama"},
         tmp_path / "out",
@@ -80,7 +86,7 @@ def test_export_carries_a_tokenizer_that_transformers_reads_as_ours(tmp_path, mo
     if kind != "char":
         assert tokenizer.eot_id is not None
     # and --hf_model reads the export's tokenizer back, with the same ids
-    again = hf.load_tokenizer(tmp_path / "out")
+    again = read.load_tokenizer(tmp_path / "out")
     assert all(again.encode(t) == tokenizer.encode(t) for t in tokenizer_dirs.MIXED)
     assert again.eot_id == tokenizer.eot_id
 
@@ -92,7 +98,7 @@ def test_export_carries_a_tokenizer_that_transformers_reads_as_ours(tmp_path, mo
 def test_byte_table_is_gpt2s():
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    assert hf_tokenizer._bytes_to_unicode() == bytes_to_unicode()
+    assert _bytes_to_unicode() == bytes_to_unicode()
 
 
 def sentencepiece(**options):
@@ -112,7 +118,7 @@ def sentencepiece(**options):
         minloglevel=2,
         **options,
     )
-    return tk.SentencePieceTokenizer(model.getvalue())
+    return SentencePieceTokenizer(model.getvalue())
 
 
 def assert_encodes_as(tok, tokenizer, texts):
@@ -133,7 +139,7 @@ def assert_encodes_as(tok, tokenizer, texts):
 )
 def test_sentencepiece_as_tokenizer_json(tmp_path, options):
     tokenizer = sentencepiece(**options)
-    tok, names = hf_tokenizer.hf_tokenizer(tokenizer)
+    tok, names = hf_tokenizer(tokenizer)
     texts = tokenizer_dirs.MIXED + ["the king", "  two  spaces ", "中文 テキスト"]
     if options["byte_fallback"]:
         assert_encodes_as(tok, tokenizer, texts)
@@ -158,8 +164,8 @@ def test_sentencepiece_as_tokenizer_json(tmp_path, options):
 
 
 def test_tiktoken_as_tokenizer_json(tmp_path, monkeypatch):
-    llama3 = tk.load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tok")[0])
-    tok, names = hf_tokenizer.hf_tokenizer(llama3)
+    llama3 = load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tok")[0])
+    tok, names = hf_tokenizer(llama3)
     assert_encodes_as(tok, llama3, tokenizer_dirs.MIXED + ["aaaa bbb"])
     assert names == {"eos_token": "<|end_of_text|>", "bos_token": "<|begin_of_text|>"}
     assert (
@@ -167,22 +173,18 @@ def test_tiktoken_as_tokenizer_json(tmp_path, monkeypatch):
         and tok.get_vocab_size() == llama3.vocab_size
     )
     stub_gpt2(monkeypatch)
-    gpt2 = tk.GPT2Tokenizer()
-    tok, names = hf_tokenizer.hf_tokenizer(gpt2)
+    gpt2 = GPT2Tokenizer()
+    tok, names = hf_tokenizer(gpt2)
     assert_encodes_as(tok, gpt2, tokenizer_dirs.MIXED)
     assert names == {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
     with pytest.raises(ConfigError) as error:
-        hf_tokenizer._from_tiktoken(
-            gpt2.ranks, gpt2.pattern, {"<|endoftext|>": len(gpt2.ranks) + 1}
-        )
+        _from_tiktoken(gpt2.ranks, gpt2.pattern, {"<|endoftext|>": len(gpt2.ranks) + 1})
     assert str(error.value) == (
         f"special token <|endoftext|> has id {len(gpt2.ranks) + 1}, which tokenizer.json "
         "cannot give it"
     )
     n = len(gpt2.ranks)  # ids handed out in id order, whatever the names' order
-    tok = hf_tokenizer._from_tiktoken(
-        gpt2.ranks, gpt2.pattern, {"<|a|>": n + 1, "<|b|>": n, "<|c|>": n + 2}
-    )
+    tok = _from_tiktoken(gpt2.ranks, gpt2.pattern, {"<|a|>": n + 1, "<|b|>": n, "<|c|>": n + 2})
     assert [tok.token_to_id(t) for t in ("<|b|>", "<|a|>", "<|c|>")] == [n, n + 1, n + 2]
 
 
@@ -196,29 +198,29 @@ def test_tiktoken_takes_a_piece_that_is_a_token_whole():
     enc = tiktoken.Encoding(
         name="crafted", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}
     )
-    tok = hf_tokenizer._from_tiktoken(ranks, pattern, {})
+    tok = _from_tiktoken(ranks, pattern, {})
     for text in ("abcd", "abcd abc bcd", "dcba"):
         assert tok.encode(text).ids == enc.encode_ordinary(text), text
     assert enc.encode_ordinary("abcd") == [7]
 
 
 def test_hf_and_char_tokenizers_as_tokenizer_json(tmp_path):
-    hf_tok = tk.load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "tok"))
-    tok, names = hf_tokenizer.hf_tokenizer(hf_tok)
+    hf_tok = load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "tok"))
+    tok, names = hf_tokenizer(hf_tok)
     assert tok.to_str() == hf_tok.json
     assert names == {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
-    chars = tk.CharTokenizer("ba \n")
-    tok, names = hf_tokenizer.hf_tokenizer(chars)
+    chars = CharTokenizer("ba \n")
+    tok, names = hf_tokenizer(chars)
     assert_encodes_as(tok, chars, ["ab  a\nb", "a"])
     assert names == {"eos_token": None, "bos_token": None}
     with pytest.raises(ConfigError) as error:
-        hf_tokenizer.hf_tokenizer(SimpleNamespace(kind="bytes"))
+        hf_tokenizer(SimpleNamespace(kind="bytes"))
     assert str(error.value) == "no Hugging Face tokenizer.json for a bytes tokenizer"
 
 
 def test_tokenizer_files_transformers_reads(tmp_path, capsys):
     tokenizer = sentencepiece()
-    hf_write.write_hf_tokenizer(tokenizer, tmp_path, 77)
+    write.write_hf_tokenizer(tokenizer, tmp_path, 77)
     assert capsys.readouterr().err == ""
     assert (tmp_path / "tokenizer.model").read_bytes() == tokenizer.model_proto
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
@@ -233,16 +235,16 @@ def test_tokenizer_files_transformers_reads(tmp_path, capsys):
         config["tokenizer_class"] == "PreTrainedTokenizerFast"
         and config["clean_up_tokenization_spaces"] is False
     )
-    chars = tk.CharTokenizer("xyz")  # the probe text is its own alphabet (it cannot encode ours)
+    chars = CharTokenizer("xyz")  # the probe text is its own alphabet (it cannot encode ours)
     (tmp_path / "c").mkdir()
-    hf_write.write_hf_tokenizer(chars, tmp_path / "c", 5)
+    write.write_hf_tokenizer(chars, tmp_path / "c", 5)
     assert capsys.readouterr().err == "" and not (tmp_path / "c" / "tokenizer.model").exists()
 
 
 def test_a_tokenizer_json_that_encodes_otherwise_is_reported(tmp_path, capsys, monkeypatch):
     tokenizer = sentencepiece()
     monkeypatch.setattr(tokenizer, "encode", lambda text: [0])
-    hf_write.write_hf_tokenizer(tokenizer, tmp_path, 16)
+    write.write_hf_tokenizer(tokenizer, tmp_path, 16)
     assert capsys.readouterr().err == (
         "warning: the exported tokenizer.json encodes a test text differently from "
         "our sentencepiece tokenizer: check it before relying on it\n"
@@ -251,16 +253,16 @@ def test_a_tokenizer_json_that_encodes_otherwise_is_reported(tmp_path, capsys, m
     monkeypatch.setattr(
         tokenizer, "encode", lambda text: probes.append(text) or tokenizer.sp.encode(text)
     )
-    hf_write.write_hf_tokenizer(tokenizer, tmp_path, 16)
-    assert probes == [hf_tokenizer.PROBE] and capsys.readouterr().err == ""
+    write.write_hf_tokenizer(tokenizer, tmp_path, 16)
+    assert probes == [PROBE] and capsys.readouterr().err == ""
 
 
 def test_special_tokens_are_skipped_when_decoding_asks_to(tmp_path):
     """transformers' generation decodes with skip_special_tokens=True: the eos must go, the text
     must stay."""
-    llama3 = tk.load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tiktoken")[0])
+    llama3 = load_tokenizer(tokenizer_dirs.write_tiktoken(tmp_path / "tiktoken")[0])
     for tokenizer in (llama3, sentencepiece(byte_fallback=True)):
-        tok, _ = hf_tokenizer.hf_tokenizer(tokenizer)
+        tok, _ = hf_tokenizer(tokenizer)
         ids = [tokenizer.bos_id, *tokenizer.encode("the king"), tokenizer.eot_id]
         assert tok.decode(ids, skip_special_tokens=True) == "the king", tokenizer.kind
 
@@ -277,7 +279,7 @@ def test_a_tokenizer_json_that_adds_a_bos_is_not_reported(tmp_path, capsys):
     )
     (tmp_path / "tok").mkdir()
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
-    tokenizer = tk.load_tokenizer(tmp_path / "tok")
+    tokenizer = load_tokenizer(tmp_path / "tok")
     assert tok.encode("hi").ids[0] == eos and tokenizer.encode("hi")[0] != eos
-    hf_write.write_hf_tokenizer(tokenizer, tmp_path, 16)
+    write.write_hf_tokenizer(tokenizer, tmp_path, 16)
     assert capsys.readouterr().err == ""

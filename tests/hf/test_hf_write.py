@@ -1,4 +1,4 @@
-"""hf_write.py and export: our models written as Hugging Face directories that transformers loads
+"""hf/write.py and export: our models written as Hugging Face directories that transformers loads
 with the same logits (fp32, max abs diff < 1e-4); the safetensors files write_safetensors streams
 (read back by safetensors, views and shards filled to the byte), the config.json transformers builds
 the same model from, write_hf's shards, index, metadata, dtype and stale files, and the files'
@@ -11,9 +11,9 @@ import struct
 import pytest
 import torch
 
-from minimal_fsdp.hf import read as hf
-from minimal_fsdp.hf import write as hf_write
-from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.hf import read
+from minimal_fsdp.hf import write
+from minimal_fsdp.data.tokenizer import CharTokenizer
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.gpt import GPTConfig
@@ -60,16 +60,16 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, model_type)
     init_weights(ours, 0, torch.device("cpu"))
     meta = {"model": config.to_dict(), "model_type": model_type}
     # several shards
-    hf_write.save_hf(ours.state_dict(), meta, tmp_path / "out", max_shard_bytes=30_000)
+    write.save_hf(ours.state_dict(), meta, tmp_path / "out", max_shard_bytes=30_000)
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert (
         type(theirs).__name__ == {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[model_type]
     )
     assert_same_logits(ours, theirs, 53, 24)
-    # ... and it comes back in unchanged, also after a second export to the same directory as one
-    # file.
-    hf_write.save_hf(ours.state_dict(), meta, tmp_path / "out")
+    # ... and it comes back in unchanged, also after a second export to the same directory as
+    # one file.
+    write.save_hf(ours.state_dict(), meta, tmp_path / "out")
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
     again = ours_from(tmp_path / "out")
     for name, value in ours.state_dict().items():
@@ -80,7 +80,7 @@ def test_export_of_a_checkpoint_without_model_type_is_a_gpt(tmp_path):
     config = GPTConfig(vocab_size=300, seq_length=16, num_layers=1, num_heads=2, embed_size=16)
     ours = MODELS["gpt"](config)
     init_weights(ours, 0, torch.device("cpu"))
-    hf_write.save_hf(ours.state_dict(), {"model": config.to_dict()}, tmp_path / "out")
+    write.save_hf(ours.state_dict(), {"model": config.to_dict()}, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gpt2"
 
 
@@ -97,8 +97,8 @@ def test_export_dtype_and_file_permissions(tmp_path):
     ours = MODELS["llama"](config)
     init_weights(ours, 0, torch.device("cpu"))
     state = {name: t.bfloat16() for name, t in ours.state_dict().items()}
-    tokenizer = tk.CharTokenizer("".join(chr(ord("a") + i) for i in range(26)) + " .")
-    hf_write.save_hf(
+    tokenizer = CharTokenizer("".join(chr(ord("a") + i) for i in range(26)) + " .")
+    write.save_hf(
         state,
         {"model": config.to_dict(), "model_type": "llama"},
         tmp_path / "out",
@@ -128,10 +128,10 @@ def test_export_dtype_and_file_permissions(tmp_path):
 def test_written_files_get_the_mode_the_umask_gives(tmp_path):
     previous = os.umask(0o027)
     try:
-        hf_write.write_public(tmp_path / "a.json", lambda p: p.write_text("{}"))
+        write.write_public(tmp_path / "a.json", lambda p: p.write_text("{}"))
         assert os.umask(0o027) == 0o027  # left as it was
         os.umask(0o002)
-        hf_write.write_public(tmp_path / "b.json", lambda p: p.write_text("[]"))
+        write.write_public(tmp_path / "b.json", lambda p: p.write_text("[]"))
     finally:
         os.umask(previous)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640
@@ -168,7 +168,7 @@ def test_safetensors_written_a_tensor_at_a_time_read_back_by_safetensors(tmp_pat
     }
     specs = [(name, tuple(t.shape), dtypes[name]) for name, t in tensors.items()]
     asked = []
-    hf_write.write_safetensors(
+    write.write_safetensors(
         tmp_path / "w.safetensors",
         specs,
         lambda name: asked.append(name) or tensors[name].float(),
@@ -193,7 +193,7 @@ def test_safetensors_written_a_tensor_at_a_time_read_back_by_safetensors(tmp_pat
 
 def test_safetensors_refuses_a_tensor_of_another_shape(tmp_path):
     with pytest.raises(AssertionError, match="^b$"):
-        hf_write.write_safetensors(
+        write.write_safetensors(
             tmp_path / "w.safetensors",
             [("a", (2,), torch.float32), ("b", (3,), torch.float32)],
             lambda name: torch.zeros(2),
@@ -212,7 +212,7 @@ def test_config_json_is_what_transformers_builds_the_same_model_from(tmp_path, m
             )
         ),
     }[model_type]
-    saved = hf_write.hf_config(model_type, config, torch.bfloat16, bos_id=3, eos_id=4)
+    saved = write.hf_config(model_type, config, torch.bfloat16, bos_id=3, eos_id=4)
     save_config(tmp_path / "m", saved)
     theirs = transformers.AutoConfig.from_pretrained(tmp_path / "m")
     assert (theirs.vocab_size, theirs.bos_token_id, theirs.eos_token_id, theirs.dtype) == (
@@ -222,8 +222,8 @@ def test_config_json_is_what_transformers_builds_the_same_model_from(tmp_path, m
         torch.bfloat16,
     )
     assert saved["torch_dtype"] == "bfloat16"  # transformers 4's spelling
-    assert hf.read_config(tmp_path / "m") == (model_type, dataclass_replace(config, dropout=0.0))
-    assert hf.read_config(tmp_path / "m", dropout=0.25) == (model_type, config)
+    assert read.read_config(tmp_path / "m") == (model_type, dataclass_replace(config, dropout=0.0))
+    assert read.read_config(tmp_path / "m", dropout=0.25) == (model_type, config)
     if model_type == "gpt":
         assert type(theirs).__name__ == "GPT2Config" and saved["architectures"] == [
             "GPT2LMHeadModel"
@@ -238,7 +238,7 @@ def test_config_json_is_what_transformers_builds_the_same_model_from(tmp_path, m
             1e-5,
         )
         with pytest.raises(ConfigError) as error:
-            hf_write.hf_config("gpt", GPTConfig(**dict(GPT.to_dict(), bias=False)))
+            write.hf_config("gpt", GPTConfig(**dict(GPT.to_dict(), bias=False)))
         assert str(error.value) == "a GPT without biases has no GPT2LMHeadModel equivalent"
     else:
         assert type(theirs).__name__ == "LlamaConfig" and saved["architectures"] == [
@@ -264,7 +264,7 @@ def test_config_json_is_what_transformers_builds_the_same_model_from(tmp_path, m
         )
         # transformers 4 reads rope_theta and rope_scaling
         assert (saved["rope_theta"], saved["rope_scaling"]) == (50.0, dict(LLAMA3, rope_theta=50.0))
-        plain = hf_write.hf_config("llama", LLAMA)
+        plain = write.hf_config("llama", LLAMA)
         assert plain["tie_word_embeddings"] is False
         assert plain["rope_scaling"] is None and plain["rope_parameters"] == {
             "rope_type": "default",
@@ -324,7 +324,7 @@ def test_config_json_states_every_field_that_shapes_the_model(tmp_path, model_ty
     """Not left to a reader's defaults (they differ between readers and versions): each field is in
     the file, as the value transformers reads."""
     config = {"gpt": GPT, "llama": LLAMA}[model_type]
-    saved = hf_write.hf_config(model_type, config, bos_id=1, eos_id=2)
+    saved = write.hf_config(model_type, config, bos_id=1, eos_id=2)
     theirs = transformers.AutoConfig.from_pretrained(save_config(tmp_path / "m", saved))
     for key in STATED[model_type]:
         assert key in saved and saved[key] == getattr(theirs, key), key
@@ -347,10 +347,10 @@ def test_shards_are_filled_greedily_in_order_up_to_the_limit(tmp_path):
     from safetensors.torch import load_file
 
     state = llama_state()
-    names = hf.hf_names("llama", LLAMA)
+    names = read.hf_names("llama", LLAMA)
     sizes = [t.numel() * 4 for t in state.values()]
     limit = 3 * max(sizes) // 2  # the largest tensor fits; two large ones do not
-    hf_write.save_hf(
+    write.save_hf(
         state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path, max_shard_bytes=limit
     )
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -374,7 +374,7 @@ def test_shards_are_filled_greedily_in_order_up_to_the_limit(tmp_path):
             index["weight_map"][n] == file.name for n in want
         )
         assert sum(t.numel() * 4 for t in loaded.values()) <= limit
-    hf_write.save_hf(
+    write.save_hf(
         state,
         {"model": LLAMA.to_dict(), "model_type": "llama"},
         tmp_path / "exact",
@@ -384,7 +384,7 @@ def test_shards_are_filled_greedily_in_order_up_to_the_limit(tmp_path):
         "config.json",
         "model.safetensors",
     ]
-    hf_write.save_hf(
+    write.save_hf(
         state,
         {"model": LLAMA.to_dict(), "model_type": "llama"},
         tmp_path / "one",
@@ -406,34 +406,34 @@ def test_an_export_replaces_every_earlier_weight_file(tmp_path):
         "notes.bin",
     ):
         (tmp_path / stale).write_text("old")
-    hf_write.save_hf(state, meta, tmp_path, max_shard_bytes=20_000)
+    write.save_hf(state, meta, tmp_path, max_shard_bytes=20_000)
     kept = sorted(p.name for p in tmp_path.iterdir())
     shards = [n for n in kept if n.startswith("model-")]
     assert len(shards) > 1 and all(n.endswith(f"-of-{len(shards):05d}.safetensors") for n in shards)
     assert kept == sorted(
         ["README.md", "notes.bin", "config.json", "model.safetensors.index.json", *shards]
     )
-    hf_write.save_hf(state, meta, tmp_path)
+    write.save_hf(state, meta, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "README.md",
         "config.json",
         "model.safetensors",
         "notes.bin",
     ]
-    hf_write.save_hf(state, meta, tmp_path, max_shard_bytes=20_000)
+    write.save_hf(state, meta, tmp_path, max_shard_bytes=20_000)
     assert "model.safetensors" not in {p.name for p in tmp_path.iterdir()}
 
 
 def test_config_json_is_written_last(tmp_path, monkeypatch):
     written = []
-    write_public = hf_write.write_public
+    write_public = write.write_public
     monkeypatch.setattr(
-        hf_write,
+        write,
         "write_public",
-        lambda path, write: written.append(path.name) or write_public(path, write),
+        lambda path, writing: written.append(path.name) or write_public(path, writing),
     )
-    tokenizer = tk.CharTokenizer("abc ")
-    hf_write.save_hf(
+    tokenizer = CharTokenizer("abc ")
+    write.save_hf(
         llama_state(),
         {"model": LLAMA.to_dict(), "model_type": "llama"},
         tmp_path,
@@ -458,7 +458,7 @@ def test_config_names_the_dtype_holding_most_bytes_and_the_tokenizers_ids(tmp_pa
     big = {"wte.weight", "lm_head.weight"}  # 2 x 53 x 48 of 27k parameters
     mixed = {n: t if n in big else t.bfloat16() for n, t in state.items()}
     specs = [(n, tuple(t.shape), t.dtype) for n, t in mixed.items()]
-    out = hf_write.write_hf(
+    out = write.write_hf(
         tmp_path, {"model": LLAMA.to_dict(), "model_type": "llama"}, specs, mixed.__getitem__
     )
     saved = json.loads((out / "config.json").read_text())
@@ -470,7 +470,7 @@ def test_config_names_the_dtype_holding_most_bytes_and_the_tokenizers_ids(tmp_pa
     assert load_file(out / "model.safetensors")["lm_head.weight"].dtype == torch.float32
     mixed = {n: t.bfloat16() if n in big else t for n, t in state.items()}
     specs = [(n, tuple(t.shape), t.dtype) for n, t in mixed.items()]
-    hf_write.write_hf(
+    write.write_hf(
         tmp_path, {"model": LLAMA.to_dict(), "model_type": "llama"}, specs, mixed.__getitem__
     )
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
@@ -489,16 +489,16 @@ def test_config_names_the_dtype_holding_most_bytes_and_the_tokenizers_ids(tmp_pa
         ("norm.weight", (10,), torch.bfloat16),
         ("lm_head.weight", (10, 10), torch.bfloat16),
     ]
-    small = hf_write.write_hf(
+    small = write.write_hf(
         tmp_path / "a" / "b",
         {"model": config.to_dict(), "model_type": "llama"},
         specs,
         lambda name: torch.zeros(dict((n, s) for n, s, _ in specs)[name]),
     )
     assert json.loads((small / "config.json").read_text())["dtype"] == "float32"
-    tokenizer = tk.CharTokenizer("ab")
+    tokenizer = CharTokenizer("ab")
     tokenizer.bos_id, tokenizer.eot_id = 0, 1
-    hf_write.save_hf(state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path, tokenizer)
+    write.save_hf(state, {"model": LLAMA.to_dict(), "model_type": "llama"}, tmp_path, tokenizer)
     saved = json.loads((out / "config.json").read_text())
     assert (saved["bos_token_id"], saved["eos_token_id"]) == (0, 1)
 
@@ -507,7 +507,7 @@ def test_gpt2_export_writes_conv1d_weights_transposed(tmp_path):
     from safetensors.torch import load_file
 
     model = ours("gpt")
-    hf_write.save_hf(model.state_dict(), {"model": GPT.to_dict()}, tmp_path)
+    write.save_hf(model.state_dict(), {"model": GPT.to_dict()}, tmp_path)
     saved = load_file(tmp_path / "model.safetensors")
     theirs = dict(transformers.GPT2LMHeadModel(gpt2_config()).named_parameters())
     assert set(saved) == set(theirs)
@@ -524,7 +524,7 @@ def test_safetensors_from_views_and_shards_filled_to_the_byte(tmp_path):
     # a strided 1-d view (not contiguous, and reshape(-1) keeps it so) and a transposed one
     full = torch.arange(16.0)
     tensors = {"a": full[::2], "b": full.reshape(4, 4).t()}
-    hf_write.write_safetensors(
+    write.write_safetensors(
         tmp_path / "v.safetensors",
         [("a", (8,), torch.float32), ("b", (4, 4), torch.float32)],
         tensors.__getitem__,
@@ -557,7 +557,7 @@ def test_safetensors_from_views_and_shards_filled_to_the_byte(tmp_path):
             (name, shape, torch.float32)
             for name, shape in zip(["wte.weight", "norm.weight", "lm_head.weight"], shapes)
         ]
-        out = hf_write.write_hf(
+        out = write.write_hf(
             tmp_path / str(shapes),
             meta,
             specs,
@@ -582,7 +582,7 @@ def test_weight_files_carry_the_metadata_transformers_writes(tmp_path):
     assert expected == {"format": "pt"}  # transformers 4 refuses a file without it
     state, meta = llama_state(), {"model": LLAMA.to_dict(), "model_type": "llama"}
     for limit in (5 * 2**30, 20_000):
-        hf_write.save_hf(state, meta, tmp_path / str(limit), max_shard_bytes=limit)
+        write.save_hf(state, meta, tmp_path / str(limit), max_shard_bytes=limit)
         files = sorted((tmp_path / str(limit)).glob("*.safetensors"))
         assert len(files) == 1 if limit > 20_000 else len(files) > 1
         for file in files:

@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
-from minimal_fsdp.config.flags import ConfigError, model_family, parse_args
-from minimal_fsdp.hf import read as hf
-from minimal_fsdp.hf import write as hf_write
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.checks import model_family
+from minimal_fsdp.hf import read
+from minimal_fsdp.hf import write
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import config_from_flags, make_config
 from minimal_fsdp.models.families.qwen2 import Qwen2Config
@@ -51,7 +52,7 @@ def test_a_qwen2_written_by_transformers_reads_in_with_its_logits(tmp_path, tied
         transformers.Qwen2Config(**SMALL, tie_word_embeddings=tied)
     )
     randomized(theirs, 0).eval().save_pretrained(tmp_path)
-    model_type, config = hf.read_config(tmp_path)
+    model_type, config = read.read_config(tmp_path)
     assert model_type == "qwen2" and config.tie_embeddings is tied
     assert (config.rope_theta, config.norm_eps, config.num_kv_heads) == (1e6, 1e-6, 2)
     ours = ours_from(tmp_path)
@@ -76,7 +77,7 @@ def test_our_qwen2_exports_to_a_directory_transformers_reloads_with_the_same_log
     init_weights(ours, 0, torch.device("cpu"))
     randomized(ours, 1)
     meta = {"model": config.to_dict(), "model_type": "qwen2"}
-    hf_write.save_hf(ours.state_dict(), meta, tmp_path / "out")
+    write.save_hf(ours.state_dict(), meta, tmp_path / "out")
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (written["model_type"], written["tie_word_embeddings"]) == ("qwen2", tied)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -102,8 +103,8 @@ def test_the_qwen2_5_0_5b_preset_is_the_published_shape(tmp_path):
     assert shape == (896, 24, 14, 2, 4864, 151936)
     assert (config.tie_embeddings, config.rope_theta, config.norm_eps) == (True, 1e6, 1e-6)
     # its config.json, as the export writes it, is what transformers builds a 494M model from
-    (tmp_path / "config.json").write_text(json.dumps(hf_write.hf_config("qwen2", config)))
-    assert hf.read_config(tmp_path) == ("qwen2", config)
+    (tmp_path / "config.json").write_text(json.dumps(write.hf_config("qwen2", config)))
+    assert read.read_config(tmp_path) == ("qwen2", config)
     with torch.device("meta"):
         theirs = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(tmp_path)
@@ -126,4 +127,4 @@ def test_a_qwen2_config_json_with_sliding_windows_is_refused(tmp_path):
     fields = dict(SMALL, model_type="qwen2", use_sliding_window=True)
     (tmp_path / "config.json").write_text(json.dumps(fields))
     with pytest.raises(ConfigError, match="sliding-window attention"):
-        hf.read_config(tmp_path)
+        read.read_config(tmp_path)

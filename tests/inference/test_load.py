@@ -19,7 +19,7 @@ import tokenizer_dirs
 from conftest import TINY_MODEL, launch, make_text
 import support
 from support import scramble_a_tensor
-from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import find
 from minimal_fsdp.data.tokenizer import CharTokenizer, load_tokenizer
 from minimal_fsdp.hf import export
 from minimal_fsdp.inference import load
@@ -224,9 +224,7 @@ def test_a_run_directory_whose_newest_checkpoint_fails_its_checksums_gives_the_o
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum tells
     shard.write_bytes(bytes(data))
-    assert checkpoint_find.verify(
-        run / "step_4", checksums=False
-    ) is None and checkpoint_find.verify(run / "step_4")
+    assert find.verify(run / "step_4", checksums=False) is None and find.verify(run / "step_4")
     out = command("sample", run, "--prompt", PROMPT, "--num_tokens", 3)
     assert out.code == 0, out.err
     assert (
@@ -250,7 +248,7 @@ def test_sample_export_and_generation_only_pass_over_shards_that_fail_to_load_as
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
     scramble_a_tensor(run / "step_4")
-    assert checkpoint_find.verify(run / "step_4") is None
+    assert find.verify(run / "step_4") is None
     skip = f"warning: skipping checkpoint {run / 'step_4'}: loading it failed ("
 
     def skipped_once(err):

@@ -14,8 +14,8 @@ import torch
 
 import tokenizer_dirs
 from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.models.llama import Llama, LlamaConfig
 from minimal_fsdp.data.tokenizer import load_tokenizer
@@ -93,7 +93,7 @@ def run(tmp_path_factory):
 def plain_greedy(step, prompt, num_tokens):
     """Reference: the checkpoint's weights in a plain module, the whole context re-run for every
     token."""
-    model = Llama(LlamaConfig(**checkpoint_meta.read_meta(step)["model"])).eval()
+    model = Llama(LlamaConfig(**meta.read_meta(step)["model"])).eval()
     model.load_state_dict(safe_load.load_full_model_state(step))
     tokenizer = load_tokenizer(step)
     ids = tokenizer.encode(prompt)
@@ -107,7 +107,7 @@ def plain_greedy(step, prompt, num_tokens):
 
 @pytest.mark.slow
 def test_checkpoint_sources_match_a_plain_decode(run, sample_here):
-    step = checkpoint_find.latest(run)
+    step = find.latest(run)
     expected = plain_greedy(step, PROMPT, 10)
     out = sample(step, *GREEDY)  # the command as typed: `minimal-fsdp sample`
     assert out.stdout == expected + "\n"
@@ -118,7 +118,7 @@ def test_checkpoint_sources_match_a_plain_decode(run, sample_here):
     assert "tokenizer: sentencepiece, 300 tokens" in out.stderr
     # The other sources through the same main, in this process: no Python and torch to start again.
     assert sample_here(run, *GREEDY).stdout == out.stdout  # a run directory: its newest checkpoint
-    best = checkpoint_find.resolve(run / "best")
+    best = find.resolve(run / "best")
     by_marker = sample_here(run / "best", *GREEDY)
     assert (
         by_marker.stdout == plain_greedy(best, PROMPT, 10) + "\n"
@@ -128,7 +128,7 @@ def test_checkpoint_sources_match_a_plain_decode(run, sample_here):
 
 @pytest.mark.slow
 def test_exports_give_the_checkpoint_text_also_sharded_over_two_ranks(run, tmp_path, sample_here):
-    step = checkpoint_find.latest(run)
+    step = find.latest(run)
     # One rank's samples in this process (sample_here); the 2 ranks' under mpiexec.
     # sampled, not greedy
     expected = sample_here(step, *GREEDY, "--seed", 5, "--temperature", 0.9).stdout

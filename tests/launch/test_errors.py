@@ -121,8 +121,8 @@ def test_gpt2_tokenizer_offline_without_cache(tmp_path, corpus):
 @pytest.mark.parametrize(
     "args,words",
     [
-        # within --batch_size's range (a checkpoint's), beyond any machine's memory for its token
-        # ids
+        # within --batch_size's range (a checkpoint's), beyond any machine's memory for its
+        # token ids
         (["--batch_size", "16000000", "--seq_length", "1024"], ["--batch_size", "16000000"]),
         (["--vocab_size", "16000000"], ["--vocab_size", "16,000,000", "logits"]),  # a CPU's logits
         # the parameters

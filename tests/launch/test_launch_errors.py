@@ -224,8 +224,8 @@ def test_uneven_ranks_per_node_with_hybrid_sharding(tmp_path, corpus):
         "--kill-on-bad-exit=1",
         *training(corpus, "--sharding", "hybrid-full-shard"),
     ]
-    # Three pretend hosts are this one: rank 0's address must be one the "others" reach off
-    # loopback.
+    # Three pretend hosts are this one: rank 0's address must be one the "others" reach
+    # off loopback.
     address = next((str(i.ip) for i in hosts.interfaces().values() if not i.ip.is_loopback), None)
     if address is None:
         pytest.skip("no network interface besides loopback")
@@ -255,8 +255,8 @@ def test_pod_level_world_without_torchrun(tmp_path, corpus):
 # --- the run lock: a holder is gone only when provably so ---
 
 HOLD_LOCK = """import sys
-from minimal_fsdp import files
-lock = files.RunLock({"--checkpoint_dir": sys.argv[1]})
+from minimal_fsdp.launch import run_lock
+lock = run_lock.RunLock({"--checkpoint_dir": sys.argv[1]})
 lock.acquire()
 print("held", flush=True)
 sys.stdin.read()  # until the test closes stdin
@@ -479,8 +479,8 @@ def test_a_rank_missing_from_mpi_discovery_does_not_hold_the_others(tmp_path, co
     ]
     result = run_session(cmd, job_env(), tmp_path, timeout=240)
     errors = error_lines(result)
-    # Each training rank watches for itself; the launcher may end the second before its own watch
-    # fires.
+    # Each training rank watches for itself; the launcher may end the second before its own
+    # watch fires.
     assert result.returncode != 0 and 1 <= len(errors) <= 2, result.stderr[-3000:]
     assert len({line.split(":")[1] for line in errors}) == len(errors)  # at most one line per rank
     assert all(
@@ -556,8 +556,8 @@ def test_an_unreachable_master_addr_ends_the_mpi_job_in_one_line(tmp_path, corpu
     )
     line = one_error(result, "cannot reach the rendezvous at 192.0.2.1:")
     assert "no answer within 10s" in line and result.returncode == 2
-    # No c10d frames (the namespace has no DNS, so c10d's one warning about naming a client may
-    # appear).
+    # No c10d frames (the namespace has no DNS, so c10d's one warning about naming a client
+    # may appear).
     assert "Traceback" not in result.stderr and "frame #" not in result.stderr
     assert not [
         line

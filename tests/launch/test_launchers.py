@@ -17,7 +17,8 @@ from fake_launchers import install_fakes
 from minimal_fsdp.launch import discovery
 from minimal_fsdp.launch import environment
 from minimal_fsdp.launch import rendezvous
-from minimal_fsdp.config.flags import ConfigError, parse_args, validate_world
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.checks import validate_world
 from support import envsubst, kubelet_expand
 
 
@@ -119,8 +120,8 @@ def test_pbs_scripts_train_and_generate(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_sbatch_script_trains_under_srun(tmp_path, corpus):
-    # What sbatch gives the batch script: note SLURM_PROCID=0 and SLURM_NTASKS=2 in this one
-    # process.
+    # What sbatch gives the batch script: note SLURM_PROCID=0 and SLURM_NTASKS=2 in this
+    # one process.
     env = {
         **install_fakes(tmp_path / "bin"),
         "SLURM_JOB_ID": "4242",
@@ -138,8 +139,8 @@ def test_sbatch_script_trains_under_srun(tmp_path, corpus):
     srun_argv = json.loads((tmp_path / "bin" / "srun.log").read_text())
     assert "--mpi=none" in srun_argv and "--kill-on-bad-exit=1" in srun_argv
     trained(tmp_path, "slurm")
-    # Rank 0 bound a free port and published it for this step only; the file is gone once all had
-    # joined.
+    # Rank 0 bound a free port and published it for this step only; the file is gone once all
+    # had joined.
     assert list((tmp_path / "checkpoints" / ".rendezvous").iterdir()) == []
 
 
@@ -191,8 +192,8 @@ def test_kubernetes_manifest_runs_torchrun(tmp_path, corpus):
     assert (
         container["name"] == "pytorch" and container["resources"]["limits"]["nvidia.com/gpu"] == 2
     )
-    # What the training operator and kubelet do in the pod: fill in $(NAME) from the pod's
-    # variables.
+    # What the training operator and kubelet do in the pod: fill in $(NAME) from the
+    # pod's variables.
     pod_env = {
         "PET_NNODES": "1",
         "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
@@ -647,8 +648,8 @@ def test_the_launchers_view_must_agree_with_mpis():
     rank_1_of_2_on_one_host = (1, 2, 1, 2, 1)
     hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
     assert discovery._disagreement(hydra, rank_1_of_2_on_one_host) is None
-    # Hydra under srun's PMIx plugin: the srun task's PMIX_RANK is inherited, not a view of this
-    # rank.
+    # Hydra under srun's PMIx plugin: the srun task's PMIX_RANK is inherited, not a view of
+    # this rank.
     assert discovery._disagreement(dict(hydra, PMIX_RANK="0"), rank_1_of_2_on_one_host) is None
     for variables, said in [
         (
@@ -712,7 +713,7 @@ def test_a_lost_peers_error_is_cut_between_words(monkeypatch):
     said = []
     monkeypatch.setattr(run.run, "run", lambda cfg: (_ for _ in ()).throw(RuntimeError(message)))
     monkeypatch.setattr(
-        run.environment, "exit_on_error", lambda error, code: said.append((error, code))
+        run.failures, "exit_on_error", lambda error, code: said.append((error, code))
     )
     run.main(object())
     ((error, code),) = said
@@ -748,7 +749,7 @@ def test_a_peer_lost_during_a_save_is_one_line(monkeypatch):
     inside_dcp = CheckpointException("gather failed", {1: (reset, None)})
     said = []
     monkeypatch.setattr(
-        run.environment, "exit_on_error", lambda error, code: said.append((error, code))
+        run.failures, "exit_on_error", lambda error, code: said.append((error, code))
     )
     for error in (closed, inside_dcp, raised(RuntimeError("pair closure"), during=inside_dcp)):
         monkeypatch.setattr(run.run, "run", lambda cfg, error=error: (_ for _ in ()).throw(error))

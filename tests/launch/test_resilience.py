@@ -1,9 +1,8 @@
-"""resilience.py in one process: the NaN/Inf guard's verdicts and messages, and how ranks combine
-their stop requests (another rank's contribution is simulated by a stand-in for all_reduce). The
-same behaviour across real ranks: test_resume.py. Then Ctrl-C as users press it: under `| tee`
-(whose end closes stdout's pipe) and twice, with the run locks removed however the run ends."""
+"""resilience.py in one process: how ranks combine their stop requests (another rank's contribution
+is simulated by a stand-in for all_reduce). The same behaviour across real ranks: test_resume.py.
+Then Ctrl-C as users press it: under `| tee` (whose end closes stdout's pipe) and twice, with the
+run locks removed however the run ends."""
 
-import math
 import os
 import signal
 import subprocess
@@ -16,63 +15,9 @@ import torch.distributed as dist
 
 from conftest import ROOT, TINY_MODEL, mpiexec
 from fake_launchers import session_processes
-from minimal_fsdp import files
+from minimal_fsdp.launch import run_lock
 from minimal_fsdp.launch import resilience
-from minimal_fsdp.launch.resilience import Diverged, NonFiniteGuard, StopRequests
-
-NAN = float("nan")
-
-
-def test_deferred_guard_never_skips_and_flush_names_the_first_bad_step():
-    guard = NonFiniteGuard(allowed=0)
-    # --skip_nonfinite 0: every update counts at check time, even a NaN one (nothing is synced then)
-    assert guard.check(1, torch.tensor(1.5), torch.tensor(2.0)) is True
-    assert guard.check(2, torch.tensor(math.inf), torch.tensor(2.5)) is True
-    assert guard.check(3, torch.tensor(NAN), torch.tensor(3.0)) is True
-    with pytest.raises(Diverged) as raised:
-        guard.flush()
-    assert str(raised.value) == (
-        "step 2: the grad norm is inf (loss 2.5 on rank 0): the run diverged and stops here; its "
-        "last checkpoint is untouched. Lower --lr or raise --warmup_steps, or let --skip_nonfinite "
-        "N skip up to N such steps"
-    )
-    assert guard.pending == [] and guard.flush() is None  # looked at once; nothing left
-
-
-def test_deferred_guard_flush_of_finite_norms_passes_and_empties():
-    guard = NonFiniteGuard(allowed=0)
-    guard.flush()  # nothing pending: no error
-    for step in range(1, 4):
-        guard.check(step, torch.tensor(float(step)), torch.tensor(1.0))
-    assert len(guard.pending) == 3
-    guard.flush()
-    assert guard.pending == [] and guard.skipped == 0
-
-
-def test_skipping_guard_skips_up_to_n_steps_with_a_warning_then_stops():
-    warnings = []
-    guard = NonFiniteGuard(allowed=2, warn=warnings.append)
-    assert guard.check(1, torch.tensor(0.5), torch.tensor(4.0)) is True
-    assert guard.check(2, torch.tensor(NAN), torch.tensor(4.0)) is False
-    assert guard.check(3, torch.tensor(1.0), torch.tensor(3.0)) is True
-    assert guard.check(4, torch.tensor(-math.inf), torch.tensor(3.0)) is False
-    assert guard.pending == [] and guard.skipped == 2
-    assert warnings == [
-        "warning: step 2: grad norm nan; update skipped (1 of --skip_nonfinite 2)",
-        "warning: step 4: grad norm -inf; update skipped (2 of --skip_nonfinite 2)",
-    ]
-    with pytest.raises(
-        Diverged, match=r"^step 7: the grad norm is nan \(loss 1.25 on rank 0\): the run diverged"
-    ):
-        guard.check(7, torch.tensor(NAN), torch.tensor(1.25))
-    assert len(warnings) == 2
-
-
-def test_skipping_guard_without_a_warn_callback_still_skips():
-    guard = NonFiniteGuard(allowed=1)  # ranks other than 0 have no progress bar to print around
-    assert guard.check(5, torch.tensor(NAN), torch.tensor(1.0)) is False
-    with pytest.raises(Diverged, match="^step 6:"):
-        guard.check(6, torch.tensor(NAN), torch.tensor(1.0))
+from minimal_fsdp.launch.resilience import StopRequests
 
 
 @pytest.fixture
@@ -186,12 +131,11 @@ def test_ctrl_c_is_a_stop_request_and_a_second_one_exits_at_once(peer, monkeypat
 def test_a_stop_before_the_first_step_exits_at_once_and_leaves_no_lock(tmp_path, monkeypatch):
     """Nothing is saved before the first step, so there is nothing to wait for: one line, exit, and
     the run's lock is gone (a later run would have to take it over)."""
-    from minimal_fsdp import files
 
     exits, said = [], []
     monkeypatch.setattr(resilience.os, "_exit", exiting(exits))
     monkeypatch.setattr(resilience, "_say", said.append)
-    lock = files.RunLock({"--checkpoint_dir": tmp_path / "run"})
+    lock = run_lock.RunLock({"--checkpoint_dir": tmp_path / "run"})
     lock.acquire()
     try:
         with pytest.raises(SystemExit):
@@ -245,8 +189,8 @@ def test_a_signal_is_acted_on_while_the_main_thread_waits_in_a_system_call(peer,
 # --- Ctrl-C under `| tee`, and twice: the run saves, or at least leaves no lock behind ---
 
 HOLD_LOCK = """import sys
-from minimal_fsdp import files
-lock = files.RunLock({"--checkpoint_dir": sys.argv[1], "--log_dir": sys.argv[2]})
+from minimal_fsdp.launch import run_lock
+lock = run_lock.RunLock({"--checkpoint_dir": sys.argv[1], "--log_dir": sys.argv[2]})
 lock.acquire()
 print("held", flush=True)
 sys.stdin.read()
@@ -274,18 +218,18 @@ def test_a_lock_holder_killed_outright_leaves_no_lock(tmp_path):
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     assert holder.stdout.readline() == "held\n"
-    locks = [d / files.LOCK_NAME for d in dirs]
+    locks = [d / run_lock.LOCK_NAME for d in dirs]
     assert all(lock.exists() for lock in locks)
     holder.kill()
     holder.wait()
     assert gone_within(locks)
     # A lock another run holds now is never removed by the old run's watcher: it names its token.
-    lock = files.RunLock({"--checkpoint_dir": dirs[0]})
+    lock = run_lock.RunLock({"--checkpoint_dir": dirs[0]})
     lock.acquire()
     watcher = lock.watcher
-    (dirs[0] / files.LOCK_NAME).write_text('{"token": "another run"}')
+    (dirs[0] / run_lock.LOCK_NAME).write_text('{"token": "another run"}')
     lock.release()
-    assert watcher.returncode == 0 and (dirs[0] / files.LOCK_NAME).exists()
+    assert watcher.returncode == 0 and (dirs[0] / run_lock.LOCK_NAME).exists()
 
 
 def test_a_closed_pipe_stops_the_printing_not_the_run(tmp_path):
@@ -389,7 +333,7 @@ def test_ctrl_c_under_tee_saves_and_removes_the_locks(tmp_path, corpus):
     assert list(run.glob("step_*")), (tmp_path / "err").read_text()[-3000:]
     err = (tmp_path / "err").read_text()
     assert "SIGINT received; saved a checkpoint and stopping" in err and "Traceback" not in err
-    assert gone_within([run / files.LOCK_NAME, tmp_path / "logs" / "tee" / files.LOCK_NAME])
+    assert gone_within([run / run_lock.LOCK_NAME, tmp_path / "logs" / "tee" / run_lock.LOCK_NAME])
 
 
 @pytest.mark.slow
@@ -398,5 +342,5 @@ def test_ctrl_c_twice_under_mpiexec_removes_the_locks(tmp_path, corpus):
     (the launcher kills the ranks), and the next run took each over with a warning."""
     cmd = f"{mpiexec()} -n 2 " + " ".join(training_command(corpus, "twice")) + " >log 2>&1"
     interrupted(cmd, tmp_path, "twice", times=2)
-    locks = [tmp_path / d / "twice" / files.LOCK_NAME for d in ("checkpoints", "logs")]
+    locks = [tmp_path / d / "twice" / run_lock.LOCK_NAME for d in ("checkpoints", "logs")]
     assert gone_within(locks), (tmp_path / "log").read_text()[-3000:]

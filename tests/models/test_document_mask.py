@@ -22,9 +22,9 @@ from support import documents, logged_losses, reference_losses, run_dirs, spans
 sys.path.insert(0, str(ROOT))
 import tokenizer_dirs  # noqa: E402
 from minimal_fsdp.models import attention
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
-from minimal_fsdp.models import families as models
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint.meta import read_meta
+from minimal_fsdp.models import families
 from minimal_fsdp.parallel import parallelize  # noqa: E402
 from minimal_fsdp.config.choices import ConfigError  # noqa: E402
 from minimal_fsdp.models.llama import Llama, LlamaConfig  # noqa: E402
@@ -153,10 +153,10 @@ def test_the_kernel_choice(monkeypatch):
     # checked as a run builds its model config with --document_mask, before any collective
     flags, tokenizer = SimpleNamespace(document_mask=True), SimpleNamespace(eot_id=EOT, kind="gpt2")
     with pytest.raises(ConfigError, match="MINIMAL_FSDP_DOCUMENT_KERNEL=flash"):
-        models.with_document_mask(model_of("gpt", eot=None).config, flags, tokenizer)
+        families.with_document_mask(model_of("gpt", eot=None).config, flags, tokenizer)
     monkeypatch.setenv(attention.KERNEL_VARIABLE, "varlen")
     assert (
-        models.with_document_mask(
+        families.with_document_mask(
             model_of("gpt", eot=None).config, flags, tokenizer
         ).document_eot_id
         == EOT
@@ -388,7 +388,7 @@ def train_args(tmp_path, run, extra=()):
 def test_training_with_document_mask_on_two_ranks_matches_documents_alone(tmp_path):
     args = train_args(tmp_path, "masked", ["--document_mask", "--sharding", "full-shard"])
     launch(args, ranks=2, cwd=tmp_path)
-    meta = checkpoint_meta.read_meta(checkpoint_find.latest(tmp_path / "checkpoints" / "masked"))
+    meta = read_meta(find.latest(tmp_path / "checkpoints" / "masked"))
     eot = meta["model"]["document_eot_id"]
     assert (
         eot
@@ -408,13 +408,13 @@ def test_document_mask_refuses_a_tokenizer_without_an_end_of_text_token():
 
     flags = SimpleNamespace(document_mask=True)
     with pytest.raises(ConfigError) as error:
-        models.with_document_mask(model_of("gpt", eot=None).config, flags, CharTokenizer("ab "))
+        families.with_document_mask(model_of("gpt", eot=None).config, flags, CharTokenizer("ab "))
     assert str(error.value).startswith(
         "--document_mask needs a tokenizer with an end-of-text token, and char has none: use "
         "--tokenizer gpt2 or sentencepiece"
     )
     unmasked = model_of("gpt", eot=None).config
-    assert models.with_document_mask(unmasked, SimpleNamespace(document_mask=False), None) is (
+    assert families.with_document_mask(unmasked, SimpleNamespace(document_mask=False), None) is (
         unmasked
     )
 

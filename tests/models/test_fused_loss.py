@@ -9,8 +9,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-# bf16 logits are rounded to 8 bits of mantissa before the softmax; fp32 differs only in summation
-# order.
+# bf16 logits are rounded to 8 bits of mantissa before the softmax; fp32 differs only in
+# summation order.
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
 
 

@@ -24,10 +24,11 @@ from support import (
 )
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.hf import read as hf
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.hf import read
 from minimal_fsdp.checkpoint import safe_load  # noqa: E402
-from minimal_fsdp.config.flags import MODEL_PRESETS, ConfigError, model_family, parse_args  # noqa: E402
+from minimal_fsdp.config.flags import MODEL_PRESETS, ConfigError, parse_args
+from minimal_fsdp.config.checks import model_family
 from minimal_fsdp.models.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
 from minimal_fsdp.models.families import config_from_flags, make_config  # noqa: E402
 from minimal_fsdp.models.gpt import PRESETS as GPT_PRESETS  # noqa: E402
@@ -222,7 +223,7 @@ def test_llama_full_shard_matches_single_process_then_generates(tmp_path, corpus
     ref_losses, ref_state = reference(args, world=2, steps=STEPS)
     assert losses == pytest.approx(ref_losses, abs=5e-6), (losses, ref_losses)
     assert ref_losses[-1] < ref_losses[0]
-    last = checkpoint_find.latest(tmp_path / "checkpoints" / "run")
+    last = find.latest(tmp_path / "checkpoints" / "run")
     assert json.loads((last / "meta.json").read_text())["model_type"] == "llama"
     saved = safe_load.load_full_model_state(last)
     assert saved.keys() == ref_state.keys()
@@ -285,7 +286,7 @@ def write_config(directory, fields):
 
 
 def test_llama3_8b_preset_is_meta_llama31_8b_at_its_training_context(tmp_path):
-    _, config = hf.read_config(write_config(tmp_path / "meta", LLAMA31_8B), seq_length=8192)
+    _, config = read.read_config(write_config(tmp_path / "meta", LLAMA31_8B), seq_length=8192)
     assert config == make_config("llama", "llama3-8b")
     assert (config.rope_theta, config.rope_scaling["factor"], config.norm_eps) == (
         500000.0,
@@ -297,7 +298,7 @@ def test_llama3_8b_preset_is_meta_llama31_8b_at_its_training_context(tmp_path):
 @torch.no_grad()
 def test_llama3_logits_equal_transformers(tmp_path):
     """The llama3-tiny preset's family as transformers builds it from Llama 3.1's config.json (rope
-    theta 500000, its llama3 rope scaling, GQA 4:1): weights imported through hf.py give
+    theta 500000, its llama3 rope scaling, GQA 4:1): weights imported through hf/read.py give
     transformers' logits at every position of a 256-token window, where the scaling matters."""
     import transformers
 
@@ -318,12 +319,12 @@ def test_llama3_logits_equal_transformers(tmp_path):
         transformers.AutoConfig.from_pretrained(directory)
     ).eval()
     theirs.save_pretrained(directory)
-    model_type, config = hf.read_config(directory)
+    model_type, config = read.read_config(directory)
     assert config == make_config(
         "llama", "llama3-tiny", num_layers=2, vocab_size=512, seq_length=256
     )
     ours = Llama(config).eval()
-    hf.load_weights(ours, directory, model_type)
+    read.load_weights(ours, directory, model_type)
     idx = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(1))
     expected = theirs(idx).logits
     torch.testing.assert_close(ours.lm_head(ours.trunk(idx)), expected, atol=1e-4, rtol=1e-4)

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT, make_text
 from test_multihost import WHY, Ranks, base_env, metrics, tiny_args, torchrun_env
-from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import find
 from minimal_fsdp.tools.virtual_cluster import Cluster
 
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no virtual hosts here: {WHY}")
@@ -130,7 +130,7 @@ def test_a_lost_host_ends_every_rank_and_the_last_checkpoint_resumes(work, fault
         assert took < TIMEOUT + 60, took
         one_line_each(results if fault == "link cut" else results[:1], 1, "error:")
         run = work / "checkpoints" / "lost"
-        assert checkpoint_find.latest(run) == run / "step_2" and not (run / "step_4").exists()
+        assert find.latest(run) == run / "step_2" and not (run / "step_4").exists()
         cluster.cut("node1", up=True)
         out = "".join(out for _, out, _ in start(cluster, work, args).wait(timeout=300))
     assert "resuming from" in out and "step_2" in out

@@ -26,8 +26,8 @@ from support import (
 )
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp.checkpoint import find as checkpoint_find
-from minimal_fsdp.checkpoint import meta as checkpoint_meta
+from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import meta
 from minimal_fsdp.checkpoint import safe_load  # noqa: E402
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW  # noqa: E402
 from minimal_fsdp.config.flags import ConfigError, parse_args  # noqa: E402
@@ -125,8 +125,8 @@ def test_val_loss_within_3_percent_of_allreduce(tmp_path):
     consensus = [r["consensus"] for r in rows if "consensus" in r]
     # the final evaluation
     assert len(consensus) == 1 and all(c > 0 and math.isfinite(c) for c in consensus)
-    final = checkpoint_find.latest(tmp_path / "checkpoints" / "dec")
-    assert checkpoint_meta.read_meta(final)["replicas"] == 0  # --save_average: the average only
+    final = find.latest(tmp_path / "checkpoints" / "dec")
+    assert meta.read_meta(final)["replicas"] == 0  # --save_average: the average only
     assert not checkpoint_tensors(final, "replicas.") and checkpoint_tensors(final, "model.")
 
 
@@ -156,7 +156,7 @@ def test_checkpoint_keeps_each_replica_and_resumes_exactly(
     assert f"resuming from {whole / 'step_3'}" in printed[1][1]
 
     resumed = tmp_path / "checkpoints" / "resumed" / "step_6"
-    assert checkpoint_meta.read_meta(resumed)["replicas"] == 3
+    assert meta.read_meta(resumed)["replicas"] == 3
     # model and optimizer state (moments, accumulated gradient, step) of every replica
     for rank in range(3):
         expected = checkpoint_tensors(whole / "step_6", f"replicas.{rank}.")
@@ -167,8 +167,8 @@ def test_checkpoint_keeps_each_replica_and_resumes_exactly(
     losses = [r["loss"] for r in metrics(tmp_path, "whole") if "loss" in r]
     assert [r["loss"] for r in metrics(tmp_path, "resumed") if "loss" in r] == losses[3:]
 
-    # The whole run against the gossip done plainly on stacked replicas: losses, consensus, final
-    # replicas.
+    # The whole run against the gossip done plainly on stacked replicas: losses, consensus,
+    # final replicas.
     expected, final_replicas = decentralized_reference(args, world=3, steps=6)
     # The consensus distance is measured at evaluation steps only (here the saves, 3 and 6), never
     # at logging steps.
@@ -183,8 +183,8 @@ def test_checkpoint_keeps_each_replica_and_resumes_exactly(
                 saved[f"replicas.{rank}.model.{name}"], value, atol=2e-6, rtol=1e-5, msg=name
             )
 
-    # All-reduce (AdamW) from it is refused: one rank, in this process (as `python
-    # basic_training.py`).
+    # All-reduce (AdamW) from it is refused: one rank, in this process (as
+    # `python basic_training.py`).
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as mixed:

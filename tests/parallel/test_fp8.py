@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from conftest import ROOT, launch, launch_runs, printed_by_run
+from minimal_fsdp.config.choices import FP8_RECIPES
 from minimal_fsdp.parallel import fp8
 from minimal_fsdp.tools import model_size
 from minimal_fsdp.parallel import parallelize
@@ -312,8 +313,8 @@ def test_float8_all_gather_weights_save_and_load_as_plain_fp32(
     for (name, a), b in zip(converted.named_parameters(), plain.parameters()):
         assert torch.equal(a.detach().view(-1).clone(), b.detach().view(-1)), name
 
-    # and back: a bf16 run's weights into the converted model, through the wrapper into its
-    # parameters
+    # and back: a bf16 run's weights into the converted model, through the wrapper into
+    # its parameters
     with torch.no_grad():
         for p in plain.parameters():
             p.mul_(-1)
@@ -474,8 +475,8 @@ EMULATED_CASES = {
     "no-shard": ["--sharding", "no-shard"],
     "cpu offload": ["--cpu_offload"],
 }
-# fp8 for 6 steps, resumed in bf16 to 9, then in fp8 rowwise to 12
-# (test_resume_switches_between_fp8_and_bf16).
+# fp8 for 6 steps, resumed in bf16 to 9, then in fp8 rowwise to
+# 12 (test_resume_switches_between_fp8_and_bf16).
 SWITCH = (
     (6, ["--precision", "fp8"]),
     (9, ["--precision", "bf16"]),
@@ -586,8 +587,8 @@ def test_resume_switches_between_fp8_and_bf16(work, emulated):
     losses = losses_of(work.parent, "switch")
     assert sorted(losses) == list(range(1, STEPS + 1))
     check_close_to_bf16(losses, losses_of(work.parent, "bf16"))
-    # Generation alone runs in bf16 whatever --precision says, so even here on the CPU (no
-    # emulation).
+    # Generation alone runs in bf16 whatever --precision says, so even here on the CPU
+    # (no emulation).
     sample = launch(
         [
             "--max_epochs",
@@ -803,7 +804,7 @@ def test_gpu_compiled_selective_recompute_keeps_float8_matmul_outputs(monkeypatc
 
 
 @needs_fp8_gpus
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_gpu_gradients_close_to_bf16(recipe):
     """One forward and backward on one GPU: the loss and every float8 layer's weight gradient
     against bf16's. (Under torchao's emulation on the CPU, this model's gradients agree with bf16's

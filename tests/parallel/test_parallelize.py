@@ -22,7 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ROOT, launch_runs, make_text, mpiexec
-from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import find
 from minimal_fsdp.parallel import choose, parallelize
 from minimal_fsdp.parallel import plan as plan_module
 from minimal_fsdp.checkpoint import safe_load
@@ -78,8 +78,8 @@ CASES = [
     (2, ["--sharding", "full-shard", "--grad_accum_steps", 2]),
     # parameters stay gathered between micro-steps
     (2, ["--sharding", "grad-shard", "--grad_accum_steps", 3]),
-    # The cases above gather this tiny model whole (--fsdp_unit auto); large models go block by
-    # block.
+    # The cases above gather this tiny model whole (--fsdp_unit auto); large models go block
+    # by block.
     (2, ["--sharding", "full-shard", "--fsdp_unit", "block", "--grad_accum_steps", 2]),
     (4, ["--sharding", "hybrid-grad-shard", "--shard_group_size", 2, "--fsdp_unit", "block"]),
     (
@@ -131,7 +131,7 @@ def test_strategy_matches_single_process(trained, ranks, extra):
     assert len(losses) == STEPS
     assert losses == pytest.approx(ref_losses, abs=5e-6), (losses, ref_losses)
     assert ref_losses[-1] < ref_losses[0]  # it learned something, so the comparison is not vacuous
-    saved = safe_load.load_full_model_state(checkpoint_find.latest(work / "checkpoints" / "run"))
+    saved = safe_load.load_full_model_state(find.latest(work / "checkpoints" / "run"))
     assert saved.keys() == ref_state.keys()
     for name, value in ref_state.items():
         torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=1e-5, msg=name)
@@ -492,8 +492,8 @@ def test_ddp_replicates_the_model_without_rebroadcasting_buffers(monkeypatch):
 def test_ddp_with_graphs_compiles_one_graph_not_one_per_bucket(monkeypatch, graphs):
     """Under DDP, Dynamo cuts a compiled model at DDP's buckets (recipe S: 3 graphs, each replayed
     and run through autograd on its own); a model replayed as CUDA graphs is host-bound, so it stays
-    one graph. The setting is process-wide: the plan names it, run.plan_run applies it at the start
-    of the run, build_model leaves it alone."""
+    one graph. The setting is process-wide: the plan names it, run.parallel_plan applies it at the
+    start of the run, build_model leaves it alone."""
     ddp = plain_plan(strategy="ddp", compile=True, cuda_graphs=graphs)
     assert process_settings(ddp) == ({"torch._dynamo.config.optimize_ddp": False} if graphs else {})
     for other in ("local", "one-unit", "gossip"):

@@ -17,7 +17,8 @@ from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import make_config
 from minimal_fsdp.models.size import count_parameters
-from minimal_fsdp.parallel.plan import STRATEGIES, layout, make_plan, strategy
+from minimal_fsdp.parallel.plan import STRATEGIES, make_plan
+from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
 from support import CONFIG, NUM_PARAMS, plain_plan
 
 
@@ -424,6 +425,6 @@ def test_reduce_precision_auto_sums_in_fp32_on_one_host_and_bf16_across_hosts(mo
     assert reduced("bf16", 4, 2) == ("bf16", torch.bfloat16)
     assert reduced("float32", 4, 2) == ("float32", torch.float32)
     # fp8 needs a GPU to plan; its choice is the same function's
-    assert plan_module.reduce_precision("auto", 1, "fp8") == "float32"
-    assert plan_module.reduce_precision("auto", 2, "fp8") == "bf16"
+    assert reduce_precision("auto", 1, "fp8") == "float32"
+    assert reduce_precision("auto", 2, "fp8") == "bf16"
     assert reduced("bf16", 4, 4, asked="bf16") == ("bf16", torch.bfloat16)

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ENTRY, ROOT, TINY_MODEL, launch, make_text
 from fake_launchers import install_fakes, run_session
-from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import find
 from support import flip_a_byte
 
 STEPS = 3
@@ -201,6 +201,6 @@ def test_a_chain_stops_at_a_checkpoint_damaged_where_progress_cannot_see_and_a_r
     )
     assert "__0_0.distcp does not match its checksum" in third.stderr
     assert "chain: stops: this job made no progress (still at step 2)" in third.stderr
-    assert checkpoint_find.verify(step_2) is None  # saved again, whole
+    assert find.verify(step_2) is None  # saved again, whole
     assert "chain: the run reached its last step (3)" in job("4").stdout
     assert list(dict.fromkeys(logged(tmp_path))) == straight  # step 2 trained twice, alike

@@ -434,16 +434,16 @@ def test_planner_gathers_a_whole_model_unit_at_once():
 def test_the_planner_asks_the_plans_own_strategy(monkeypatch):
     """estimate lays a model out by plan.strategy, the function make_plan decides a run's strategy
     with: one rule for both, asked without a launch."""
-    from minimal_fsdp.parallel import plan as plan_module
+    from minimal_fsdp.parallel import choose
 
     asked = []
     monkeypatch.setattr(
-        model_size, "strategy", lambda *args: asked.append(args) or plan_module.strategy(*args)
+        model_size, "strategy", lambda *args: asked.append(args) or choose.strategy(*args)
     )
     config = GPTConfig(vocab_size=2048, seq_length=128, num_layers=4, num_heads=4, embed_size=256)
     model_size.estimate("gpt", config, 8, "no-shard", 2, 1, "none", False, "fp8", fsdp_unit="auto")
     assert asked == [("no-shard", 2, count_parameters(config).total, "auto", False, True)]
-    assert plan_module.strategy(*asked[0]) == "ddp"  # float8 layers: DDP, not the one unit
+    assert choose.strategy(*asked[0]) == "ddp"  # float8 layers: DDP, not the one unit
 
 
 # benchmarks/results/RESULTS.md#fp8-2-gpus and #beside-nanogpt: torch.cuda.max_memory_allocated
@@ -1067,8 +1067,8 @@ def test_cli_prints_step_times_across_hosts(capsys):
         for line in capsys.readouterr().out.split("step time:")[1].splitlines()
         if line.split()[:1] and line.split()[0] in model_size.SHARDING
     }
-    # full-shard's one unit: 3/4 of the bf16 gather and of the (now bf16) reduce-scatter cross each
-    # link
+    # full-shard's one unit: 3/4 of the bf16 gather and of the (now bf16) reduce-scatter cross
+    # each link
     assert float(halved["full-shard"][2]) == pytest.approx(0.75 * 4 * 124.4e6 / 1e9, abs=0.01)
     assert float(halved["full-shard"][2]) < float(rows["full-shard"][2])
     assert float(halved["hybrid-full-shard"][5]) < float(rows["hybrid-full-shard"][5])

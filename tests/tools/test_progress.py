@@ -1,5 +1,5 @@
 """progress.py, the job chains' `minimal-fsdp progress [training flags]`: it imports no torch; it
-answers as checkpoint_find.newest_complete without checksums (verify's cheap checks) does on intact,
+answers as find.newest_complete without checksums (verify's cheap checks) does on intact,
 damaged, torn and hostile checkpoints; it never counts a checkpoint that resume skips for a missing,
 resized, replaced or damaged file; and, as documented, it counts one whose meta.json was edited to
 describe a model the shards do not hold."""
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from minimal_fsdp.checkpoint import find as checkpoint_find
+from minimal_fsdp.checkpoint import find
 from minimal_fsdp.checkpoint.meta import read_meta
 from support import HOSTILE_META, edited, flip_a_byte, meta_of
 from support import console, run, saved  # noqa: F401 (fixtures)
@@ -29,7 +29,7 @@ def flags(run):
 def verified(run_dir):
     """ "STEP LAST_STEP" of the newest checkpoint that passes verify's cheap checks, as progress
     prints it."""
-    path = checkpoint_find.newest_complete(run_dir, checksums=False)
+    path = find.newest_complete(run_dir, checksums=False)
     if path is None:
         return "0 none\n"
     meta = read_meta(path)
@@ -77,7 +77,7 @@ def test_a_hostile_meta_json_is_skipped_in_verifys_words(run, console, case):
     if case in SHARDS_DISAGREE:  # documented: meta.json agrees with itself, only the shards tell
         assert (out.getvalue(), err.getvalue()) == ("3 100\n", "")
         # so resume skips it
-        assert checkpoint_find.verify(run / "step_3", checksums=False) == problem
+        assert find.verify(run / "step_3", checksums=False) == problem
     else:
         assert out.getvalue() == "2 none\n"
         assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
@@ -146,7 +146,7 @@ def test_a_file_resume_would_refuse_makes_progress_skip_its_checkpoint(run, cons
     assert out.getvalue() == "2 none\n"
     problem = problem.format(size=size, size_less_1=size - 1, size_plus_1=size + 1)
     assert err.getvalue() == f"warning: skipping checkpoint {run / 'step_3'}: {problem}\n"
-    assert checkpoint_find.latest(run) == run / "step_2"  # resume skips it too
+    assert find.latest(run) == run / "step_2"  # resume skips it too
 
 
 def test_a_torn_save_is_never_counted_and_an_uncommitted_one_comes_after_latest(run, console):
@@ -161,7 +161,7 @@ def test_a_torn_save_is_never_counted_and_an_uncommitted_one_comes_after_latest(
     command("progress", *flags(run))
     # resume's order: what `latest` names first
     assert out.getvalue() == "3 100\n" and err.getvalue() == ""
-    assert checkpoint_find.latest(run) == run / "step_3"
+    assert find.latest(run) == run / "step_3"
     (run / "latest").unlink()
     out, err = console()
     command("progress", *flags(run))

@@ -32,21 +32,15 @@ class GPTConfig:
 Config = GPTConfig
 
 # The OpenAI GPT-2 shapes (vocab 50257, 1024 positions) and a tiny one that trains on a laptop CPU.
+# fmt: off
 PRESETS = {
-    "tiny": dict(num_layers=4, num_heads=4, embed_size=128, seq_length=128, dropout=0.0),
-    "gpt2": dict(
-        num_layers=12, num_heads=12, embed_size=768, seq_length=1024, vocab_size=50257, dropout=0.0
-    ),
-    "gpt2-medium": dict(
-        num_layers=24, num_heads=16, embed_size=1024, seq_length=1024, vocab_size=50257, dropout=0.0
-    ),
-    "gpt2-large": dict(
-        num_layers=36, num_heads=20, embed_size=1280, seq_length=1024, vocab_size=50257, dropout=0.0
-    ),
-    "gpt2-xl": dict(
-        num_layers=48, num_heads=25, embed_size=1600, seq_length=1024, vocab_size=50257, dropout=0.0
-    ),
+    "tiny":        dict(num_layers=4, num_heads=4, embed_size=128, seq_length=128, dropout=0.0),
+    "gpt2":        dict(num_layers=12, num_heads=12, embed_size=768, seq_length=1024, vocab_size=50257, dropout=0.0),
+    "gpt2-medium": dict(num_layers=24, num_heads=16, embed_size=1024, seq_length=1024, vocab_size=50257, dropout=0.0),
+    "gpt2-large":  dict(num_layers=36, num_heads=20, embed_size=1280, seq_length=1024, vocab_size=50257, dropout=0.0),
+    "gpt2-xl":     dict(num_layers=48, num_heads=25, embed_size=1600, seq_length=1024, vocab_size=50257, dropout=0.0),
 }
+# fmt: on
 
 
 def problem(config):

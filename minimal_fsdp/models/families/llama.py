@@ -51,65 +51,16 @@ LLAMA31_ROPE = {
 # config.json (128K vocabulary, 8 kv heads, rope theta 500000 and Llama 3.1's scaling, norm eps
 # 1e-5) at its 8K training context; llama3-tiny: the same family (4 query heads per kv head, theta,
 # scaling, vocabulary) in a few blocks of width 256; tiny for laptops.
+# fmt: off
 PRESETS = {
-    "tiny": dict(
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_size=128,
-        intermediate_size=384,
-        seq_length=128,
-    ),
-    "llama2-7b": dict(
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=32,
-        embed_size=4096,
-        intermediate_size=11008,
-        seq_length=4096,
-        vocab_size=32000,
-    ),
-    "llama2-13b": dict(
-        num_layers=40,
-        num_heads=40,
-        num_kv_heads=40,
-        embed_size=5120,
-        intermediate_size=13824,
-        seq_length=4096,
-        vocab_size=32000,
-    ),
-    "llama2-70b": dict(
-        num_layers=80,
-        num_heads=64,
-        num_kv_heads=8,
-        embed_size=8192,
-        intermediate_size=28672,
-        seq_length=4096,
-        vocab_size=32000,
-    ),
-    "llama3-8b": dict(
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        embed_size=4096,
-        intermediate_size=14336,
-        seq_length=8192,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        rope_scaling=LLAMA31_ROPE,
-    ),
-    "llama3-tiny": dict(
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=2,
-        embed_size=256,
-        intermediate_size=896,
-        seq_length=512,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        rope_scaling=LLAMA31_ROPE,
-    ),
+    "tiny":        dict(num_layers=4, num_heads=4, num_kv_heads=2, embed_size=128, intermediate_size=384, seq_length=128),
+    "llama2-7b":   dict(num_layers=32, num_heads=32, num_kv_heads=32, embed_size=4096, intermediate_size=11008, seq_length=4096, vocab_size=32000),
+    "llama2-13b":  dict(num_layers=40, num_heads=40, num_kv_heads=40, embed_size=5120, intermediate_size=13824, seq_length=4096, vocab_size=32000),
+    "llama2-70b":  dict(num_layers=80, num_heads=64, num_kv_heads=8, embed_size=8192, intermediate_size=28672, seq_length=4096, vocab_size=32000),
+    "llama3-8b":   dict(num_layers=32, num_heads=32, num_kv_heads=8, embed_size=4096, intermediate_size=14336, seq_length=8192, vocab_size=128256, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE),
+    "llama3-tiny": dict(num_layers=4, num_heads=8, num_kv_heads=2, embed_size=256, intermediate_size=896, seq_length=512, vocab_size=128256, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE),
 }
+# fmt: on
 
 
 def problem(config):

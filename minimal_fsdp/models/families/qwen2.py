@@ -31,28 +31,12 @@ final_norm_per_token = llama.final_norm_per_token
 
 # Qwen2.5 0.5B as its config.json (151,936-token vocabulary, 2 kv heads, tied embeddings) at its
 # 32K context; tiny for laptops.
+# fmt: off
 PRESETS = {
-    "tiny": dict(
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_size=128,
-        intermediate_size=384,
-        seq_length=128,
-    ),
-    "qwen2.5-0.5b": dict(
-        num_layers=24,
-        num_heads=14,
-        num_kv_heads=2,
-        embed_size=896,
-        intermediate_size=4864,
-        seq_length=32768,
-        vocab_size=151936,
-        rope_theta=1000000.0,
-        norm_eps=1e-6,
-        tie_embeddings=True,
-    ),
+    "tiny":         dict(num_layers=4, num_heads=4, num_kv_heads=2, embed_size=128, intermediate_size=384, seq_length=128),
+    "qwen2.5-0.5b": dict(num_layers=24, num_heads=14, num_kv_heads=2, embed_size=896, intermediate_size=4864, seq_length=32768, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True),
 }
+# fmt: on
 
 # -----------------------------------------------------------------------------
 # Hugging Face: Qwen2ForCausalLM
