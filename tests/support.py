@@ -645,8 +645,8 @@ def write_jsonl(directory, documents, files=2):
 
 def command(name, *argv, one_line=True):
     """`minimal-fsdp NAME ARGV...` in this process, as minimal_fsdp.__main__ runs it: the flags
-    parsed once, then the main of the command's module in commands/, whose return value comes back. Bad
-    input ends it with one `error:` line and exit 2, or with one_line=False is raised
+    parsed once, then the main of the command's module in commands/, whose return value comes
+    back. Bad input ends it with one `error:` line and exit 2, or with one_line=False is raised
     (ConfigError)."""
     flags, module, _ = COMMANDS[name]
     main = importlib.import_module(module).main

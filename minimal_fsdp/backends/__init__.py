@@ -1,6 +1,7 @@
 """What differs by device, behind one seam: CUDA and CPU (default.py), torch_xla SPMD (xla.py),
 and the startup banner each prints (banner.py). run.py asks only the two functions below; nothing
-outside this folder tests for XLA (config/checks.py validates its flags). The top of the stack below run.py.
+outside this folder tests for XLA (config/checks.py validates its flags). The top of the stack
+below run.py.
 Imports checkpoint, config, hf, launch, models and parallel.
 """
 
