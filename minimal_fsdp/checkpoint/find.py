@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from minimal_fsdp.launch import failures
-from minimal_fsdp.launch.environment import run_on_main
+from minimal_fsdp.launch.failures import run_on_main
 from minimal_fsdp.checkpoint.dirs import candidates, files_problem, marker, skipping, step_dirs
 from minimal_fsdp.checkpoint.meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
 from minimal_fsdp.config.choices import DEVICES_PER_RANK, ConfigError
