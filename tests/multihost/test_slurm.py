@@ -177,7 +177,8 @@ def test_two_nodes_of_two_tasks_train_as_the_reference(scheduler, straight):
     assert "network: eth0 (10.77.0.1)" in out
     # WORK_DIR unset: the submit folder; the output file as slurmctld records it, patterns filled in
     work = re.escape(str(scheduler.work))
-    assert re.search(rf"^work: .* under {work}; this job's output goes to {work}/straight-\d+\.out ", out, re.M)
+    log = rf"^work: .* under {work}; this job's output goes to {work}/straight-\d+\.out "
+    assert re.search(log, out, re.M), out[:3000]
     _, _, _, reference = plain.train(train_args(scheduler.work, "straight"), 4, steps=STEPS)
     assert list(by_step) == list(range(1, STEPS + 1))
     assert list(by_step.values()) == pytest.approx(reference, abs=5e-6)
