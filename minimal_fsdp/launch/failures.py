@@ -12,6 +12,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -192,10 +193,27 @@ def _chain(error):
     return found
 
 
+class LostPeer(NamedTuple):
+    """A collective failed because another rank or its host is gone. detail: the first failure's
+    words (clipped); timed_out: whether it waited past --collective_timeout (then the hang line,
+    hangs.timeout_line, can say where the ranks waited) rather than finding the peer gone."""
+
+    detail: str
+    timed_out: bool
+
+    @property
+    def line(self):
+        waited = "waited longer than --collective_timeout" if self.timed_out else "failed"
+        return (
+            f"a collective {waited}: another rank or its host has died, hangs or cannot be "
+            f"reached ({self.detail})"
+        )
+
+
 def lost_peer(error):
-    """The one line for a collective that failed because another rank or its host is gone (gloo's
-    or NCCL's texts, DistError, also raised inside a checkpoint save), or None for any other error
-    (a bug, whose traceback stays)."""
+    """A LostPeer for a collective that failed because another rank or its host is gone (gloo's or
+    NCCL's texts, DistError, also raised inside a checkpoint save), or None for any other error (a
+    bug, whose traceback stays)."""
     if not isinstance(error, RuntimeError) and type(error).__name__ != "CheckpointException":
         return None
     matched = []
@@ -207,13 +225,9 @@ def lost_peer(error):
     if not matched:
         return None
     timed_out = any(m in d.lower() for d in matched for m in ("timed out", "timeout"))
-    waited = "waited longer than --collective_timeout" if timed_out else "failed"
     # the innermost cause: what the first failed collective said (a later one only says the pair
     # is closed)
-    return (
-        f"a collective {waited}: another rank or its host has died, hangs or cannot be "
-        f"reached ({clipped(matched[-1])})"
-    )
+    return LostPeer(clipped(matched[-1]), timed_out)
 
 
 def exit_on_error(error, code):
