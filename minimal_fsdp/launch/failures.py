@@ -26,6 +26,10 @@ AGREE_SECONDS = 10
 _error_comm = None
 _setup_started = False
 _known_world = None  # the world size, once discovered
+# seconds already spent waiting for the other ranks since this rank failed (hangs.gathered): one
+# budget of AGREE_SECONDS covers that and the wait to agree, so a rank that never answers costs it
+# once, not twice
+_waited_for_others = 0.0
 
 
 class MainRankFailed(Exception):
@@ -41,6 +45,13 @@ def setup_started():
 def world_known(world):
     global _known_world
     _known_world = world
+
+
+def waited_for_others(seconds):
+    """This rank, failing, has waited `seconds` for the others already (their hang reports):
+    exit_on_error waits that much less for them to fail alike."""
+    global _waited_for_others
+    _waited_for_others += seconds
 
 
 def agree_through(comm):
@@ -235,7 +246,8 @@ def exit_on_error(error, code):
     and rank 0 speaks for all; a rank that failed alone prints its own line and ends the job,
     because the other ranks would wait for it in a collective (MPI: Abort; srun --kill-on-bad-exit
     and torchrun stop the rest)."""
-    if _failed_alike():
+    # at least a second: ranks that failed alike and posted their reports at once still agree
+    if _failed_alike(max(AGREE_SECONDS - _waited_for_others, 1)):
         if rank_hint() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         end_process_groups()
