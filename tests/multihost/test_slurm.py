@@ -10,7 +10,6 @@ Where a step must be reached before the scheduler acts, tests/faults.py pauses t
 sent when slurmctld's clock says, with minutes to spare once the run trains. Needs root,
 network namespaces, slurm-wlm and munge (skipped with the reason otherwise)."""
 
-import json
 import os
 import re
 import sys
@@ -19,8 +18,8 @@ import time
 import pytest
 
 import reference as plain
-from conftest import ENTRY, ROOT, TINY_MODEL, make_text
-from support import run_dirs
+from conftest import ENTRY, ROOT, make_text
+from support import host_run_args, logged_rows
 from minimal_fsdp.tools import slurm_cluster, virtual_cluster
 
 WHY = virtual_cluster.unavailable() or slurm_cluster.unavailable()
@@ -117,42 +116,14 @@ def scheduler(tmp_path_factory):
 
 
 def train_args(work, run_name, steps=STEPS, *extra):
-    return [
-        "--dataset",
-        "text",
-        "--input_file",
-        work / "corpus.txt",
-        *run_dirs(work),
-        *TINY_MODEL,
-        "--max_steps",
-        steps,
-        "--log_interval",
-        1,
-        "--eval_interval",
-        0,
-        "--checkpoint_interval",
-        2,
-        "--run_name",
-        run_name,
-        "--lr",
-        "3e-3",
-        "--warmup_steps",
-        2,
-        "--dropout",
-        "0.0",
-        "--no-tensorboard",
-        *extra,
-    ]
+    extra = ("--checkpoint_interval", 2, "--no-tensorboard", *extra)
+    return host_run_args(work, run_name, steps, *extra, eval_interval=0)
 
 
 def losses(work, run_name):
     """{step: loss} of a run across all its jobs, the last logged for each step (a step trained
     again after a resume from an older checkpoint is the resumed job's)."""
-    rows = [
-        json.loads(line)
-        for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()
-    ]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r["loss"] for r in logged_rows(work, run_name) if "loss" in r}
 
 
 def succeeded(record, out):

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from conftest import ENTRY, ROOT, TINY_MODEL, launch, make_text
+from conftest import ENTRY, ROOT
 from fake_launchers import install_fakes, run_session
 from minimal_fsdp.checkpoint import find as checkpoint_find
-from support import flip_a_byte
+from support import chain_flags, flip_a_byte, logged_rows, trained_in_one_launch
 
 STEPS = 3
 # Settings a job gets only from the scheduler (qsub -v, or sbatch's exported environment), never
@@ -37,39 +37,16 @@ SETTINGS = (
 
 
 def run_args(corpus):
-    return [
-        "--dataset",
-        "text",
-        "--input_file",
-        str(corpus),
-        *TINY_MODEL,
-        "--dropout",
-        "0.1",
-        "--warmup_steps",
-        "1",
-        "--max_steps",
-        str(STEPS),
-        "--eval_interval",
-        "0",
-        "--log_interval",
-        "1",
-        "--run_name",
-        "chain",
-        "--no-tensorboard",
-    ]
+    return chain_flags(corpus, STEPS)
 
 
 def logged(work):
     """Every loss and val loss row of the run, across all its jobs: (step, loss) and (step,
     val_loss). The rows of save and restore seconds differ between a chain and one job (each job
     restores, and saves when it stops)."""
-    rows = [
-        json.loads(line)
-        for line in (work / "logs" / "chain" / "metrics.jsonl").read_text().splitlines()
-    ]
     return [
         (r["step"], r.get("loss"), r.get("val_loss"))
-        for r in rows
+        for r in logged_rows(work, "chain")
         if "loss" in r or "val_loss" in r
     ]
 
@@ -77,10 +54,7 @@ def logged(work):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The reference: the same run on 2 ranks, in one launch."""
-    work = tmp_path_factory.mktemp("straight")
-    (work / "corpus.txt").write_text(make_text())
-    launch(run_args(work / "corpus.txt"), ranks=2, cwd=work)
-    return logged(work)
+    return logged(trained_in_one_launch(tmp_path_factory, run_args))
 
 
 def base_env(tmp_path):
