@@ -8,6 +8,7 @@ then gets the parsed flags.
 """
 
 import importlib
+import os
 import sys
 
 from minimal_fsdp.config.commands import (
@@ -98,6 +99,10 @@ def main(argv=None):
     flags, module, summary = COMMANDS[argv[0]]
     description = None if flags is not Config or argv[0] == "train" else summary
     parsed = one_line_errors(parse)(flags, argv[1:], f"minimal-fsdp {argv[0]}", description)
+    # torch's C++ warnings off unless asked for (read when torch loads, so here): after a rank's one
+    # `error:` line, a rank still asking the rendezvous store whose host has ended would add c10d's
+    # warning and a C++ stack (docs/launch.md, "When a launch goes wrong").
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # torch, where the command needs it, comes in here; bad input found later is one line too
     one_line_errors(importlib.import_module(module).main)(parsed)
 

@@ -128,12 +128,81 @@ def reference(args, world, device="cpu", steps=STEPS):
     return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
+def logged_rows(work, run_name):
+    """Every row of a run's metrics.jsonl under work/logs (the jobs of a resumed run append to one
+    file)."""
+    path = Path(work) / "logs" / run_name / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def logged_losses(cwd, run_name):
-    rows = [
-        json.loads(line)
-        for line in (cwd / "logs" / run_name / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in logged_rows(cwd, run_name) if "loss" in r]
+
+
+def host_run_args(work, run_name, steps, *extra, eval_interval=None):
+    """The tiny run the tests on virtual hosts train (test_multihost.py, test_slurm.py): on
+    work/corpus.txt, its folders in `work`, evaluated at its last step unless eval_interval says."""
+    return [
+        "--dataset",
+        "text",
+        "--input_file",
+        work / "corpus.txt",
+        *run_dirs(work),
+        *TINY_MODEL,
+        "--max_steps",
+        steps,
+        "--log_interval",
+        1,
+        "--eval_interval",
+        steps if eval_interval is None else eval_interval,
+        "--run_name",
+        run_name,
+        "--lr",
+        "3e-3",
+        "--warmup_steps",
+        2,
+        "--dropout",
+        "0.0",
+        *extra,
     ]
-    return [r["loss"] for r in rows if "loss" in r]
+
+
+def chain_flags(corpus, steps, *extra):
+    """The run the job chains train (test_job_chain.py's SLURM ones, test_pbs_chain.py's PBS
+    ones): the tiny model with dropout, `steps` steps, each logged, named chain; `extra` after the
+    steps."""
+    return [
+        "--dataset",
+        "text",
+        "--input_file",
+        str(corpus),
+        *TINY_MODEL,
+        "--dropout",
+        "0.1",
+        "--warmup_steps",
+        "1",
+        "--max_steps",
+        str(steps),
+        *extra,
+        "--eval_interval",
+        "0",
+        "--log_interval",
+        "1",
+        "--run_name",
+        "chain",
+        "--no-tensorboard",
+    ]
+
+
+def trained_in_one_launch(tmp_path_factory, flags_of, corpus_name="corpus.txt", ranks=2):
+    """A job chain's reference: the run of `flags_of(corpus)` trained in one launch of `ranks`
+    ranks, in a folder of its own (returned), on the test corpus written as `corpus_name`."""
+    from conftest import launch
+
+    work = tmp_path_factory.mktemp("straight")
+    (work / corpus_name).write_text(make_text())
+    launch(flags_of(work / corpus_name), ranks=ranks, cwd=work)
+    return work
 
 
 def run_reduce_ranks(out, ranks):

@@ -120,3 +120,54 @@ def test_the_work_period_pattern_sees_them():
     assert WORK_PERIOD.search("as in the twenty-first session")
     assert WORK_PERIOD.search("LOG.md, Nineteenth\nsession".replace("\n", " "))
     assert not WORK_PERIOD.search("a terminal session of its own")
+
+
+def package_strings(*parts):
+    """Every string literal of these subpackages of minimal_fsdp (implicit concatenations joined,
+    as the parser joins them), an f-string's formatted values as NUL: one text, the literals
+    NUL-separated."""
+    texts = []
+    for path in sorted(p for part in parts for p in (ROOT / "minimal_fsdp" / part).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                texts.append(node.value)
+            elif isinstance(node, ast.JoinedStr):
+                parts = [v.value if isinstance(v, ast.Constant) else "\0" for v in node.values]
+                texts.append("".join(parts))
+    return "\0".join(texts)
+
+
+# In a quoted error line: what stands for a value (N, T, HOST, A:P, NAME=V, a variable the code
+# formats, the rank prefix exit_on_error adds, a flag's value), cut out before looking for the rest.
+PLACEHOLDER = re.compile(
+    r"\.\.\.|^rank [N0]: |\(who\)|\bA:P\b|\b[A-Z][A-Z0-9_]*(?:=\S*)?|(?<=--sharding )\S+|\bT(?=ms)"
+)
+# pieces of the table's lines that span a value the code formats (in brackets)
+SPANS_A_VALUE = {
+    "s rank is",  # MPI's {what} is
+    "the rendezvous (joining rank 0's store and the process group) did not finish within",  # {what}
+    "set without torchrun) but no",  # ({who}) but no
+}
+
+
+def test_launch_errors_table_quotes_lines_the_code_prints():
+    """docs/launch.md's "When a launch goes wrong" table: every line it quotes (between backticks
+    in its first column) is made of text the package prints, values aside; a line reworded in the
+    code and not in the table fails here. The backend's own words, in brackets, are torch's."""
+    text = (ROOT / "docs" / "launch.md").read_text()
+    table = text[text.index("| line | cause | fix |") :].split("\n\n")[0]
+    quoted = [
+        line
+        for row in table.splitlines()[2:]
+        for line in re.findall(r"`([^`]+)`", row.strip("|").split(" | ")[0])
+        if not line.startswith("(")
+    ]
+    assert len(quoted) >= 30
+    code = package_strings("launch", "config")  # where launch errors are said
+    missing = [
+        (line, fragment)
+        for line in quoted
+        for fragment in (f.strip(" ()=,'") for f in PLACEHOLDER.split(line))
+        if len(fragment) >= 8 and fragment not in code and fragment not in SPANS_A_VALUE
+    ]
+    assert not missing, missing

@@ -20,12 +20,13 @@ def main(cfg):
     # a peer is gone: gloo raises a plain RuntimeError, torch's own a DistError, DCP (in a save) a
     # CheckpointException (a BaseException)
     except (RuntimeError, CheckpointException) as e:
-        line = failures.lost_peer(e)
-        if line is None:
+        lost = failures.lost_peer(e)
+        if lost is None:
             raise
-        if "waited longer" in line and torch.distributed.is_initialized():
+        line = lost.line
+        if lost.timed_out and torch.distributed.is_initialized():
             # which collective, on which ranks, at which step; the first failure's words after
-            line = hangs.timeout_line(line[line.index(" (") + 2 : -1])
+            line = hangs.timeout_line(lost.detail)
         failures.exit_on_error(line, 1)
     # Ctrl-C outside training (inside it, resilience.StopRequests saves and stops)
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -25,6 +26,10 @@ AGREE_SECONDS = 10
 _error_comm = None
 _setup_started = False
 _known_world = None  # the world size, once discovered
+# seconds already spent waiting for the other ranks since this rank failed (hangs.gathered): one
+# budget of AGREE_SECONDS covers that and the wait to agree, so a rank that never answers costs it
+# once, not twice
+_waited_for_others = 0.0
 
 
 class MainRankFailed(Exception):
@@ -40,6 +45,13 @@ def setup_started():
 def world_known(world):
     global _known_world
     _known_world = world
+
+
+def waited_for_others(seconds):
+    """This rank, failing, has waited `seconds` for the others already (their hang reports):
+    exit_on_error waits that much less for them to fail alike."""
+    global _waited_for_others
+    _waited_for_others += seconds
 
 
 def agree_through(comm):
@@ -192,10 +204,27 @@ def _chain(error):
     return found
 
 
+class LostPeer(NamedTuple):
+    """A collective failed because another rank or its host is gone. detail: the first failure's
+    words (clipped); timed_out: whether it waited past --collective_timeout (then the hang line,
+    hangs.timeout_line, can say where the ranks waited) rather than finding the peer gone."""
+
+    detail: str
+    timed_out: bool
+
+    @property
+    def line(self):
+        waited = "waited longer than --collective_timeout" if self.timed_out else "failed"
+        return (
+            f"a collective {waited}: another rank or its host has died, hangs or cannot be "
+            f"reached ({self.detail})"
+        )
+
+
 def lost_peer(error):
-    """The one line for a collective that failed because another rank or its host is gone (gloo's
-    or NCCL's texts, DistError, also raised inside a checkpoint save), or None for any other error
-    (a bug, whose traceback stays)."""
+    """A LostPeer for a collective that failed because another rank or its host is gone (gloo's or
+    NCCL's texts, DistError, also raised inside a checkpoint save), or None for any other error (a
+    bug, whose traceback stays)."""
     if not isinstance(error, RuntimeError) and type(error).__name__ != "CheckpointException":
         return None
     matched = []
@@ -207,13 +236,9 @@ def lost_peer(error):
     if not matched:
         return None
     timed_out = any(m in d.lower() for d in matched for m in ("timed out", "timeout"))
-    waited = "waited longer than --collective_timeout" if timed_out else "failed"
     # the innermost cause: what the first failed collective said (a later one only says the pair
     # is closed)
-    return (
-        f"a collective {waited}: another rank or its host has died, hangs or cannot be "
-        f"reached ({clipped(matched[-1])})"
-    )
+    return LostPeer(clipped(matched[-1]), timed_out)
 
 
 def exit_on_error(error, code):
@@ -221,7 +246,8 @@ def exit_on_error(error, code):
     and rank 0 speaks for all; a rank that failed alone prints its own line and ends the job,
     because the other ranks would wait for it in a collective (MPI: Abort; srun --kill-on-bad-exit
     and torchrun stop the rest)."""
-    if _failed_alike():
+    # at least a second: ranks that failed alike and posted their reports at once still agree
+    if _failed_alike(max(AGREE_SECONDS - _waited_for_others, 1)):
         if rank_hint() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         end_process_groups()

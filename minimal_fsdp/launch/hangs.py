@@ -18,6 +18,8 @@ import time
 
 import torch.distributed as dist
 
+from minimal_fsdp.launch import failures
+
 # entries kept per rank: several steps of FSDP's collectives
 BUFFER_ENTRIES = 2000
 KEY = "minimal_fsdp/timed_out"
@@ -90,8 +92,11 @@ def gathered(wait=WAIT_SECONDS):
             pass
 
     exchange = threading.Thread(target=exchange_quietly, daemon=True)
+    started = time.monotonic()
     exchange.start()
     exchange.join(wait + 5)
+    # a rank that never posts is waited for here; exit_on_error's wait to agree counts this
+    failures.waited_for_others(time.monotonic() - started)
     return reports or [mine]
 
 

@@ -26,12 +26,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from minimal_fsdp.tools.cluster_base import PACKAGE_PARENT, Started
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scancel", "scontrol", "sinfo")
 SBIN = ("/usr/sbin", "/sbin")
-# this package's parent, for the jobs' PYTHONPATH (as virtual_cluster.PACKAGE_PARENT; not imported
-# from there: virtual_cluster imports this module for --scheduler slurm)
-PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 
 def which(name):
@@ -106,7 +105,7 @@ class SlurmError(RuntimeError):
         self.logs = logs
 
 
-class Slurm:
+class Slurm(Started):
     """SLURM's daemons on a started Cluster (virtual_cluster.Cluster); `with` starts them and waits
     for every node to be idle, and leaving stops them (the cluster's own teardown kills whatever is
     left)."""
@@ -118,17 +117,6 @@ class Slurm:
         self.munge_socket = self.dir / "munge" / "munge.socket"
         self.timeouts = dict(slurmd_timeout=slurmd_timeout, kill_wait=kill_wait)
         self.daemons = {}  # name -> Popen
-
-    def __enter__(self):
-        try:
-            self.up()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.down()
 
     def env(self, base=None):
         """The environment SLURM's commands need: SLURM_CONF, and sbin in PATH for the daemons."""

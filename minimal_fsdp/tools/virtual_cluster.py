@@ -35,9 +35,10 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from minimal_fsdp.tools.cluster_base import PACKAGE_PARENT, Started
+
 NETNS_DIR = Path("/var/run/netns")
 ETC_NETNS = Path("/etc/netns")  # where `ip netns exec` finds a namespace's own /etc/hosts too
-PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 # tbf's rate is a 32-bit count of bytes/s (pyroute2 sends no 64-bit rate): faster links stay
@@ -124,7 +125,7 @@ def _ipr(netns):
     return contextlib.closing(NetNS(netns))
 
 
-class Cluster:
+class Cluster(Started):
     """`hosts` hosts named node0.. at 10.77.0.1.. (`subnet`), links shaped to `rate`/`delay`/`loss`.
     resolve: 'all' (every host resolves every name), 'none' (only localhost: hostnames do not
     resolve) or 'loopback' (a host's own name is 127.0.1.1, as Debian's installer writes it).
@@ -152,17 +153,6 @@ class Cluster:
         self.dir = Path(state_dir or tempfile.mkdtemp(prefix="virtual_cluster-"))
         self._procs = []
         self._owner = os.getpid()
-
-    def __enter__(self):
-        try:
-            self.up()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.down()
 
     def host(self, name):
         return next(h for h in self.hosts if h.name == name)

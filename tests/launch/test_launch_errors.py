@@ -449,6 +449,51 @@ def test_a_nodefile_that_mpi_does_not_see_is_refused(tmp_path, corpus):
 
 # --- a rank that never arrives, an address nobody answers at ---
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "launcher, words",
+    [
+        # srun's variables: rank 0's own store; the process group's wait for rank 1's key
+        ("srun", "(wait timeout after 10000ms, keys: "),
+        # torchrun's (its agent's store is c10d's env:// one, which waits for the clients)
+        ("torchrun", " seconds waiting for clients. 1/2 clients joined.)"),
+    ],
+)
+def test_a_rank_that_never_starts_ends_rank_0_in_one_line(tmp_path, corpus, launcher, words):
+    """A world of 2 whose rank 1 never started: rank 0 waits for it at the process group for
+    --collective_timeout, then ends with docs/launch.md's line for a rank that never arrived, and
+    nothing else on stderr (no c10d warning from the timed-out store wait: TORCH_CPP_LOG_LEVEL)."""
+    train = training(corpus)
+    train[train.index("--collective_timeout") + 1] = "10"
+    if launcher == "srun":
+        env = dict(
+            SLURM_JOB_ID="4243",
+            SLURM_STEP_ID="0",
+            SLURM_PROCID="0",
+            SLURM_LOCALID="0",
+            SLURM_NODEID="0",
+            SLURM_STEP_NUM_TASKS="2",
+            SLURM_STEP_NUM_NODES="1",
+            SLURM_STEP_TASKS_PER_NODE="2",
+            SLURM_STEP_NODELIST=socket.gethostname(),
+        )
+    else:
+        env = dict(
+            RANK="0",
+            WORLD_SIZE="2",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(rendezvous._free_port()),
+            TORCHELASTIC_RUN_ID="none",
+        )
+    result = run_session(train, job_env(**env), tmp_path, timeout=180)  # a bound on a hang only
+    line = one_error(result, "rank 0: a collective waited longer than --collective_timeout: ")
+    assert words in line, line
+    assert [x for x in result.stderr.splitlines() if x.strip()] == [line]
+
+
 STOPS_IN_MPI = "from mpi4py import MPI; import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"
 
 

@@ -772,8 +772,16 @@ def test_a_peer_lost_during_a_save_is_one_line(monkeypatch):
             1,
         ),
     ]
+    # what run.main picks its line by: the first failure's words and whether it timed out
+    lost_peer = run.failures.lost_peer
+    assert lost_peer(closed) == (
+        "Timed out waiting 10000ms for send operation to complete",
+        True,
+    )
+    assert lost_peer(inside_dcp) == ("Connection reset by peer [::1]:2", False)
     # any other RuntimeError is a bug: its traceback stays
     bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    assert lost_peer(bug) is None
     monkeypatch.setattr(run.run, "run", lambda cfg: (_ for _ in ()).throw(bug))
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         run.main(object())

@@ -6,7 +6,6 @@ hosts x 2 ranks against the single-process reference, the data side (evaluation,
 documents, the data position through an elastic resume 2x2 -> 1x2 -> 2x2), and the link's byte
 counter shows that the ranks talked over it. Needs root (skipped elsewhere)."""
 
-import json
 import os
 import sys
 from contextlib import contextmanager
@@ -16,7 +15,7 @@ import torch
 
 import reference as plain
 from conftest import ENTRY, ROOT, TINY_MODEL, mpiexec
-from support import run_dirs
+from support import host_run_args, logged_rows, run_dirs
 from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.tools import virtual_cluster
 from minimal_fsdp.config.flags import parse_args
@@ -158,36 +157,11 @@ def hosts(**kwargs):
 
 
 def tiny_args(work, run_name, steps, *extra):
-    return [
-        "--dataset",
-        "text",
-        "--input_file",
-        work / "corpus.txt",
-        *run_dirs(work),
-        *TINY_MODEL,
-        "--max_steps",
-        steps,
-        "--log_interval",
-        1,
-        "--eval_interval",
-        steps,
-        "--run_name",
-        run_name,
-        "--lr",
-        "3e-3",
-        "--warmup_steps",
-        2,
-        "--dropout",
-        "0.0",
-        *extra,
-    ]
+    return host_run_args(work, run_name, steps, *extra)
 
 
 def metrics(work, run_name):
-    return [
-        json.loads(line)
-        for line in (work / "logs" / run_name / "metrics.jsonl").read_text().splitlines()
-    ]
+    return logged_rows(work, run_name)
 
 
 def check_against_reference(work, run_name, args, world, steps):

@@ -7,13 +7,15 @@ a chain past a checkpoint damaged where progress.py cannot see it."""
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
-from conftest import ENTRY, ROOT, TINY_MODEL, launch, make_text
+from conftest import ENTRY, ROOT
 from fake_launchers import install_fakes, run_session
 from minimal_fsdp.checkpoint import find
-from support import flip_a_byte
+from support import chain_flags, flip_a_byte, logged_rows, trained_in_one_launch
 
 STEPS = 3
 # Settings a job gets only from the scheduler (qsub -v, or sbatch's exported environment), never
@@ -35,39 +37,16 @@ SETTINGS = (
 
 
 def run_args(corpus):
-    return [
-        "--dataset",
-        "text",
-        "--input_file",
-        str(corpus),
-        *TINY_MODEL,
-        "--dropout",
-        "0.1",
-        "--warmup_steps",
-        "1",
-        "--max_steps",
-        str(STEPS),
-        "--eval_interval",
-        "0",
-        "--log_interval",
-        "1",
-        "--run_name",
-        "chain",
-        "--no-tensorboard",
-    ]
+    return chain_flags(corpus, STEPS)
 
 
 def logged(work):
     """Every loss and val loss row of the run, across all its jobs: (step, loss) and (step,
     val_loss). The rows of save and restore seconds differ between a chain and one job (each job
     restores, and saves when it stops)."""
-    rows = [
-        json.loads(line)
-        for line in (work / "logs" / "chain" / "metrics.jsonl").read_text().splitlines()
-    ]
     return [
         (r["step"], r.get("loss"), r.get("val_loss"))
-        for r in rows
+        for r in logged_rows(work, "chain")
         if "loss" in r or "val_loss" in r
     ]
 
@@ -75,10 +54,7 @@ def logged(work):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The reference: the same run on 2 ranks, in one launch."""
-    work = tmp_path_factory.mktemp("straight")
-    (work / "corpus.txt").write_text(make_text())
-    launch(run_args(work / "corpus.txt"), ranks=2, cwd=work)
-    return logged(work)
+    return logged(trained_in_one_launch(tmp_path_factory, run_args))
 
 
 def base_env(tmp_path):
@@ -204,3 +180,70 @@ def test_a_chain_stops_at_a_checkpoint_damaged_where_progress_cannot_see_and_a_r
     assert find.verify(step_2) is None  # saved again, whole
     assert "chain: the run reached its last step (3)" in job("4").stdout
     assert list(dict.fromkeys(logged(tmp_path))) == straight  # step 2 trained twice, alike
+
+
+ARGV_DUMP = """#!{python}
+import json, sys
+# srun stand-in: the training command line (after srun's own options)
+argv = sys.argv[1:]
+while argv[0].startswith("-"):
+    argv.pop(0)
+print("ARGV " + json.dumps(argv[2:]))
+"""
+# scontrol show job JOBID, as SLURM 22.05 prints the output file: its patterns filled in
+SCONTROL = """#!/bin/bash
+echo "JobId=$3 JobName=minimal_fsdp"
+echo "   StdErr=/submit/minimal_fsdp-$3.out"
+echo "   StdOut=/submit/minimal_fsdp-$3.out"
+"""
+
+
+def sbatch_script(tmp_path, home, *flags, **env):
+    """slurm/train.sbatch with srun stood in by one that prints the training flags; returns the
+    result and those flags."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", ARGV_DUMP.format(python=sys.executable)), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    environ = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(home),
+        "SLURM_JOB_ID": "42",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+        "PYTHON": sys.executable,
+        **env,
+    }
+    result = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "train.sbatch"), *flags],
+        env=environ,
+        capture_output=True,
+        text=True,
+    )
+    line = next((x for x in result.stdout.splitlines() if x.startswith("ARGV ")), None)
+    return result, json.loads(line[5:]) if line else None
+
+
+def test_slurm_work_dir_takes_checkpoints_data_and_logs_and_the_job_log_is_named(tmp_path):
+    """As in the PBS scripts (tests/tools/test_pbs_queues.py): WORK_DIR's folders come before the
+    job's own flags, which win; the job's output file is named from scontrol; a WORK_DIR under
+    $HOME is warned of."""
+    work = tmp_path / "lustre" / "proj"
+    result, argv = sbatch_script(tmp_path, "/nonexistent", "--max_steps", "2", WORK_DIR=str(work))
+    assert result.returncode == 0, result.stderr
+    assert argv == [
+        "--environment", "auto",
+        "--checkpoint_dir", f"{work}/checkpoints",
+        "--data_dir", f"{work}/data",
+        "--log_dir", f"{work}/logs",
+        "--max_steps", "2",
+    ]  # fmt: skip
+    assert work.is_dir() and result.stderr == ""
+    assert (
+        f"work: checkpoints, data and logs under {work}; this job's output goes to "
+        "/submit/minimal_fsdp-42.out (sbatch --output chooses)" in result.stdout
+    )
+    # the default, the submit folder (here under $HOME): no folder flags, a warning
+    result, argv = sbatch_script(tmp_path, tmp_path, "--max_steps", "2")
+    assert argv == ["--environment", "auto", "--max_steps", "2"]
+    assert "warning: WORK_DIR=" in result.stderr and "is under $HOME" in result.stderr

@@ -16,7 +16,8 @@ import sys
 import pytest
 
 import fake_pbs
-from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
+from support import chain_flags, trained_in_one_launch
+from conftest import ROOT, make_text, mpiexec
 
 STEPS = 6
 INTERVAL = 2  # --checkpoint_interval
@@ -27,28 +28,7 @@ CORPUS = "corpus, v1.txt"
 
 
 def train_flags(corpus):
-    return [
-        "--dataset",
-        "text",
-        "--input_file",
-        str(corpus),
-        *TINY_MODEL,
-        "--dropout",
-        "0.1",
-        "--warmup_steps",
-        "1",
-        "--max_steps",
-        str(STEPS),
-        "--checkpoint_interval",
-        str(INTERVAL),
-        "--eval_interval",
-        "0",
-        "--log_interval",
-        "1",
-        "--run_name",
-        "chain",
-        "--no-tensorboard",
-    ]
+    return chain_flags(corpus, STEPS, "--checkpoint_interval", str(INTERVAL))
 
 
 def rows(metrics):
@@ -64,9 +44,7 @@ def losses(metrics):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The reference: the same run on 2 ranks, in one launch."""
-    work = tmp_path_factory.mktemp("straight")
-    (work / CORPUS).write_text(make_text())
-    launch([*train_flags(work / CORPUS), *SHARDING], ranks=2, cwd=work)
+    work = trained_in_one_launch(tmp_path_factory, lambda c: [*train_flags(c), *SHARDING], CORPUS)
     return losses(work / "logs" / "chain" / "metrics.jsonl")
 
 
