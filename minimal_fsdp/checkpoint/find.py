@@ -21,7 +21,7 @@ from minimal_fsdp.checkpoint.dirs import candidates, files_problem, marker, skip
 from minimal_fsdp.checkpoint.dirs import crc32, step_of  # noqa: F401 (re-exported: checkpoint.py and tests use them here)
 from minimal_fsdp.checkpoint.meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
 from minimal_fsdp.config.choices import DEVICES_PER_RANK, ConfigError
-from minimal_fsdp.files import open_regular, read_json
+from minimal_fsdp.files import open_regular, read_json, shown
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import config_from_dict
 from minimal_fsdp.checkpoint.rng import read_rng, rng_file, rng_problem
@@ -77,7 +77,7 @@ def verify(path, checksums=True, share=(0, 1)):
     except Exception as e:  # noqa: BLE001 - a truncated or hostile pickle fails in many ways; all mean "unusable"
         return (
             f".metadata is missing or unreadable ({type(e).__name__}: "
-            f"{' '.join(str(e).split())[:120]})"
+            f"{shown(' '.join(str(e).split())[:120])})"
         )
     for name, size in sorted(needed.items()):
         try:
@@ -215,7 +215,7 @@ def _objects_problem(path, metadata, meta):
             except Exception as e:  # noqa: BLE001 - a refused pickle or damaged bytes: either way it cannot load
                 return (
                     f"{index.fqn} does not load ({type(e).__name__}: "
-                    f"{' '.join(str(e).split())[:100]})"
+                    f"{shown(' '.join(str(e).split())[:100])})"
                 )
     except OSError as e:
         return f"{info.relative_path}: {e.strerror or e}"
@@ -483,7 +483,8 @@ def first_loading(path, load, next_one, named=None, failures=(Exception, Checkpo
         except failures as e:
             cause = _cause(e)
             problem = (
-                f"loading it failed ({type(cause).__name__}: {' '.join(str(cause).split())[:160]})"
+                f"loading it failed ({type(cause).__name__}: "
+                f"{shown(' '.join(str(cause).split())[:160])})"
             )
         if named:
             raise ConfigError(f"{named}: {path}: {problem}")
