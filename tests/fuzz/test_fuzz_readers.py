@@ -444,3 +444,79 @@ def test_launcher_variables(env, pbs, nodefile, kind):
         rank, world, local_rank, local_world, nodes = found
         assert 0 <= rank < world and 0 <= local_rank < local_world <= world, found
         assert 1 <= nodes <= world, found
+
+
+# ---- a Hugging Face config.json's context, and what sample allocates for it ----
+
+LLAMA_CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 1,
+    "intermediate_size": 16,
+    "vocab_size": 8,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def context_fields():
+    """A tiny Llama's config.json with its context and positional fields at and past their caps
+    (max_position_embeddings up to 2^24 and beyond), and a request: (config, prompt, num_tokens)."""
+    positions = st.one_of(
+        st.sampled_from([2**24, 2**24 - 1, 2**24 + 1, 2**20, 2**31, 1, 2, 0, -1]),
+        st.integers(1, 2**24),
+        fuzzing.hostile_ints(),
+    )
+    config = st.fixed_dictionaries(
+        {"max_position_embeddings": positions},
+        optional={
+            "rope_theta": st.one_of(st.just(500000.0), fuzzing.hostile_floats()),
+            "num_hidden_layers": st.integers(1, 2),
+        },
+    ).map(lambda fields: dict(LLAMA_CONFIG, **fields))
+    return st.tuples(
+        config, st.text(alphabet="abcdefgh", min_size=1, max_size=6), st.integers(1, 6)
+    )
+
+
+@settings(max_examples=fuzzing.scaled(4, 100))
+@given(context_fields())
+def test_sample_allocates_what_the_request_needs(one_rank_group, example):
+    """config.json read (or refused in one line), the model built, a few tokens sampled: the KV
+    cache holds at most the prompt and the new tokens, whatever context config.json claims (2^24
+    positions made sample ask for over 8 GB to write 5 tokens)."""
+    import torch
+
+    from minimal_fsdp.hf import read as hf
+    from minimal_fsdp.inference.generate import generate
+    from minimal_fsdp.models.llama import Llama
+
+    config, prompt, num_tokens = example
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "config.json").write_text(fuzzing.dumps(config))
+        read = fuzzing.holds(lambda: hf.read_config(d), "config.json")
+    if read is None:
+        return
+    _, model_config = read
+    torch.manual_seed(0)
+    model = fuzzing.holds(lambda: Llama(model_config))
+    lengths, new_cache = [], model.new_cache
+
+    def recorded(*args):
+        cache = new_cache(*args)
+        lengths.append(cache.k[0].size(2))
+        return cache
+
+    model.new_cache = recorded
+    tokenizer = tk.CharTokenizer("abcdefgh")
+    fuzzing.holds(lambda: generate(model, tokenizer, prompt, num_tokens, temperature=0))
+    needed = len(tokenizer.encode(prompt)) + num_tokens
+    assert lengths and max(lengths) <= needed, (
+        f"a KV cache of {max(lengths)} positions for {needed}: config.json's context is "
+        f"{model_config.seq_length}"
+    )
