@@ -51,7 +51,7 @@ def char_json():
     )
 
 
-@settings(max_examples=fuzzing.scaled(40, 1000))
+@settings(max_examples=fuzzing.scaled(15, 1000))
 @given(
     st.one_of(
         char_json().map(fuzzing.dumps), char_json().map(fuzzing.dumps).flatmap(fuzzing.mutated)
@@ -71,7 +71,7 @@ def sentencepiece_model():
     return tk._train_sentencepiece(TEXT, 300).model_proto
 
 
-@settings(max_examples=fuzzing.scaled(5, 200))
+@settings(max_examples=fuzzing.scaled(2, 200))
 @given(data=st.data())
 def test_sentencepiece_tokenizer(sentencepiece_model, data):
     blob = data.draw(fuzzing.mutated(sentencepiece_model))
@@ -137,7 +137,7 @@ def hf_edit(template):
     return build()
 
 
-@settings(max_examples=fuzzing.scaled(10, 300))
+@settings(max_examples=fuzzing.scaled(3, 300))
 @given(data=st.data())
 def test_hf_tokenizer(hf_tokenizer_json, data):
     blob = data.draw(hf_edit(hf_tokenizer_json))
@@ -218,7 +218,7 @@ def consistent(meta, train, val):
     return dict(meta, train_tokens=len(train) // 2, val_tokens=len(val) // 2)
 
 
-@settings(max_examples=fuzzing.scaled(40, 800))
+@settings(max_examples=fuzzing.scaled(12, 800))
 @given(dataset_example())
 def test_prepared_dataset(example):
     meta, train, val, cache, forged, kinds, fit = example
@@ -254,7 +254,7 @@ def metrics_lines():
     )
 
 
-@settings(max_examples=fuzzing.scaled(60, 1000))
+@settings(max_examples=fuzzing.scaled(20, 1000))
 @given(metrics_lines(), fuzzing.path_kinds())
 def test_plot_metrics(blob, kind):
     with tempfile.TemporaryDirectory() as d:
@@ -287,7 +287,7 @@ def lock_content():
     return st.one_of(text.map(str.encode), text.flatmap(fuzzing.mutated))
 
 
-@settings(max_examples=fuzzing.scaled(15, 500))
+@settings(max_examples=fuzzing.scaled(5, 500))
 @given(lock_content(), fuzzing.path_kinds())
 def test_run_lock(blob, kind):
     with tempfile.TemporaryDirectory() as d:
@@ -365,7 +365,7 @@ def hf_example(template):
     return build()
 
 
-@settings(max_examples=fuzzing.scaled(10, 300))
+@settings(max_examples=fuzzing.scaled(4, 300))
 @given(data=st.data())
 def test_hf_model_directory(hf_directory, data):
     from minimal_fsdp.hf import read as hf
@@ -423,7 +423,7 @@ def launch_env():
     )
 
 
-@settings(max_examples=fuzzing.scaled(80, 2000))
+@settings(max_examples=fuzzing.scaled(30, 2000))
 @given(launch_env(), st.booleans(), st.binary(max_size=40), fuzzing.path_kinds())
 def test_launcher_variables(env, pbs, nodefile, kind):
     launcher = discovery.launcher_of(env)
@@ -484,7 +484,7 @@ def context_fields():
     )
 
 
-@settings(max_examples=fuzzing.scaled(4, 100))
+@settings(max_examples=fuzzing.scaled(2, 100))
 @given(context_fields())
 def test_sample_allocates_what_the_request_needs(one_rank_group, example):
     """config.json read (or refused in one line), the model built, a few tokens sampled: the KV

@@ -311,3 +311,30 @@ def test_an_empty_sentencepiece_model_is_refused_when_loaded(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"kind": "sentencepiece"}')
     (tmp_path / "tokenizer.model").write_bytes(b"")
     refused(lambda: tk.load_tokenizer(tmp_path), "tokenizer.model")
+
+
+def test_a_raw_pickle_optimizer_step_is_named_without_torchs_terminal_escapes(
+    tmp_path, one_rank_group
+):
+    """torch's refusal of a raw pickle (weights_only) holds ANSI escapes (ESC[1m): the checkpoint's
+    one line escaped them, not echoed them raw. Found by test_optimizer_raw_pickles."""
+    import pickle
+    import shutil
+
+    import torch
+
+    from minimal_fsdp.checkpoint import find as checkpoint_find
+    from support import save_three
+    from test_fuzz_checkpoint import optimizer_entries, recorded, spliced
+
+    run, _, _ = save_three(tmp_path)
+    path = run / "step_2"
+    metadata, entries = optimizer_entries(path, "steps")
+    fqn = entries[0][0]
+    for name, data in spliced(path, metadata, fqn, pickle.dumps(torch.tensor(1.0), 2)).items():
+        (path / name).write_bytes(data)
+        recorded(path, name)
+    problem = checkpoint_find.verify(path)
+    assert fqn in problem and "does not load" in problem
+    fuzzing.one_line(problem, fqn)
+    shutil.rmtree(run)
