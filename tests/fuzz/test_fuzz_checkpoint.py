@@ -246,13 +246,13 @@ def check_checkpoint(genuine, part, blob, used=None):
             fuzzing.holds(lambda: export(path, Path(d, "out")), str(path))
 
 
-@settings(max_examples=fuzzing.scaled(3, 300))
+@settings(max_examples=fuzzing.scaled(3, 150))
 @given(data=st.data())
 def test_meta_json(genuine, data):
     check_checkpoint(genuine, "meta.json", data.draw(damaged(genuine, "meta.json", data)))
 
 
-@settings(max_examples=fuzzing.scaled(2, 200))
+@settings(max_examples=fuzzing.scaled(2, 100))
 @given(data=st.data())
 def test_dcp_metadata(genuine, data):
     check_checkpoint(genuine, ".metadata", data.draw(damaged(genuine, ".metadata", data)))
@@ -264,7 +264,7 @@ def test_shard_bytes(genuine, data):
     check_checkpoint(genuine, "__0_0.distcp", data.draw(damaged(genuine, "__0_0.distcp", data)))
 
 
-@settings(max_examples=fuzzing.scaled(2, 200))
+@settings(max_examples=fuzzing.scaled(2, 100))
 @given(data=st.data())
 def test_rng_file(genuine, data):
     check_checkpoint(genuine, "rng_0.pt", data.draw(damaged(genuine, "rng_0.pt", data)))
@@ -289,7 +289,7 @@ def check_optimizer(genuine, edit):
 
 # steps and settings apart: the hunting profile reports one failure per test
 @pytest.mark.parametrize("kind", ["steps", "settings"])
-@settings(max_examples=fuzzing.scaled(2, 200))
+@settings(max_examples=fuzzing.scaled(2, 100))
 @given(data=st.data())
 def test_optimizer_numbers(genuine, kind, data):
     """The AdamW step of a parameter, or a param group's setting, replaced in the shards by a
@@ -299,7 +299,7 @@ def test_optimizer_numbers(genuine, kind, data):
 
 
 @pytest.mark.parametrize("kind", ["steps", "settings"])
-@settings(max_examples=fuzzing.scaled(1, 100))
+@settings(max_examples=fuzzing.scaled(1, 50))
 @given(data=st.data())
 def test_optimizer_raw_pickles(genuine, kind, data):
     """An optimizer entry written as a raw pickle: refused in one line, with no warning of torch's

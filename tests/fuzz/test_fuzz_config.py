@@ -119,7 +119,7 @@ def check_argv(name, argv):
 
 
 def _fuzz_paths(name):
-    @settings(max_examples=fuzzing.scaled(2, 300))
+    @settings(max_examples=fuzzing.scaled(2, 150))
     @given(path_tables(COMMANDS[name][0]), st.booleans())
     def test(tables, positional):
         check_command(name, tables, None, "file", positional)
@@ -130,7 +130,7 @@ def _fuzz_paths(name):
 
 
 def _fuzz_numbers(name):
-    @settings(max_examples=fuzzing.scaled(2, 300))
+    @settings(max_examples=fuzzing.scaled(2, 150))
     @given(number_flags(COMMANDS[name][0]))
     def test(argv):
         check_argv(name, argv)
@@ -141,7 +141,7 @@ def _fuzz_numbers(name):
 
 
 def _fuzz(name):
-    @settings(max_examples=fuzzing.scaled(8, 700))
+    @settings(max_examples=fuzzing.scaled(8, 400))
     @given(config_example(name))
     def test(example):
         check_command(name, *example)

@@ -137,7 +137,7 @@ def hf_edit(template):
     return build()
 
 
-@settings(max_examples=fuzzing.scaled(3, 300))
+@settings(max_examples=fuzzing.scaled(3, 100))
 @given(data=st.data())
 def test_hf_tokenizer(hf_tokenizer_json, data):
     blob = data.draw(hf_edit(hf_tokenizer_json))

@@ -338,3 +338,12 @@ def test_a_raw_pickle_optimizer_step_is_named_without_torchs_terminal_escapes(
     assert fqn in problem and "does not load" in problem
     fuzzing.one_line(problem, fqn)
     shutil.rmtree(run)
+
+
+def test_a_meta_json_key_with_a_control_character_is_named_escaped():
+    """A checkpoint's meta.json whose model holds a key "\\x1f" was named with the byte raw. Found
+    by test_meta_json."""
+    from minimal_fsdp.checkpoint.meta import MetaError, model_problem
+
+    fuzzing.one_line(model_problem("gpt", {"\x1f": None}), "model.\\x1f")
+    fuzzing.one_line(MetaError("meta.json: a\x1b[1mb\n"), "meta.json")
