@@ -247,7 +247,8 @@ def _step_problem(value, step):
 
 
 def _number(value):
-    return type(value) in (int, float) and math.isfinite(value)
+    # an int is finite however large (math.isfinite would convert it to a float, and overflow)
+    return type(value) is int or type(value) is float and math.isfinite(value)
 
 
 def _setting_problem(key, value, config):

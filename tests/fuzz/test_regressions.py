@@ -347,3 +347,14 @@ def test_a_meta_json_key_with_a_control_character_is_named_escaped():
 
     fuzzing.one_line(model_problem("gpt", {"\x1f": None}), "model.\\x1f")
     fuzzing.one_line(MetaError("meta.json: a\x1b[1mb\n"), "meta.json")
+
+
+def test_an_optimizer_setting_past_floats_range_is_one_problem_not_an_overflow():
+    """A param group's betas holding an integer past float's range raised OverflowError in the
+    check. Found by test_optimizer_numbers[settings]."""
+    from minimal_fsdp.checkpoint.find import _setting_problem
+
+    for key, value in [("betas", [10**400, 0.95]), ("lr", 10**400), ("weight_decay", -(10**400))]:
+        problem = _setting_problem(f"optim.param_groups.0.{key}", value, {"beta1": 0.9})
+        if key != "lr":
+            assert problem and "not" in problem
