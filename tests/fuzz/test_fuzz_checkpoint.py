@@ -195,7 +195,7 @@ def step_fits(value, meta_step):
 def setting_fits(field, value):
     """A param group's setting restoring may take: a learning rate, eps or weight decay finite and
     not negative; betas in [0, 1); flags true or false."""
-    number = type(value) in (int, float) and math.isfinite(value)
+    number = type(value) is int or type(value) is float and math.isfinite(value)
     if field in ("lr", "weight_decay", "eps"):
         return number and value >= 0
     if field == "betas":

@@ -358,3 +358,32 @@ def test_an_optimizer_setting_past_floats_range_is_one_problem_not_an_overflow()
         problem = _setting_problem(f"optim.param_groups.0.{key}", value, {"beta1": 0.9})
         if key != "lr":
             assert problem and "not" in problem
+
+
+@pytest.mark.parametrize(
+    "text", ['[source]\n"\\u001f" = 0\n', '["\\u001b[1m"]\na = 1\n', '"\\u001f" = 0\n']
+)
+def test_a_config_key_or_section_with_a_control_character_is_named_escaped(tmp_path, text):
+    """An unknown key "\\x1f" of a --config was named with the byte raw. Found by
+    test_config_evaluate under --full."""
+    argv = ["--config", config(tmp_path, text), *POSITIONAL["evaluate"]]
+    refused(lambda: parse(COMMANDS["evaluate"][0], argv), "--config")
+
+
+def test_sampling_past_a_context_of_one_position_keeps_one_token(one_rank_group):
+    """A config.json of max_position_embeddings 1: generation past the context kept its newer
+    "half" (0 tokens: all of them) and overflowed the cache. Found by
+    test_sample_allocates_what_the_request_needs under --full."""
+    import torch
+
+    from minimal_fsdp.inference.generate import generate
+    from minimal_fsdp.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(
+        LlamaConfig(
+            vocab_size=8, seq_length=1, num_layers=1, num_heads=2, num_kv_heads=1, embed_size=8
+        )
+    )
+    text = generate(model, tk.CharTokenizer("abcdefgh"), "a", 3, temperature=0)
+    assert len(text) == 4
