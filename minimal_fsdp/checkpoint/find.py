@@ -22,7 +22,7 @@ from minimal_fsdp.launch.failures import run_on_main
 from minimal_fsdp.checkpoint.dirs import candidates, files_problem, marker, skipping, step_dirs
 from minimal_fsdp.checkpoint.meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
 from minimal_fsdp.config.choices import DEVICES_PER_RANK, ConfigError
-from minimal_fsdp.files import open_regular, read_json
+from minimal_fsdp.files import open_regular, read_json, shown
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import config_from_dict
 from minimal_fsdp.checkpoint.rng import read_rng, rng_file, rng_problem
@@ -78,7 +78,7 @@ def verify(path, checksums=True, share=(0, 1)):
     except Exception as e:  # noqa: BLE001 - a truncated or hostile pickle fails in many ways; all mean "unusable"
         return (
             f".metadata is missing or unreadable ({type(e).__name__}: "
-            f"{' '.join(str(e).split())[:120]})"
+            f"{shown(' '.join(str(e).split())[:120])})"
         )
     for name, size in sorted(needed.items()):
         try:
@@ -216,7 +216,7 @@ def _objects_problem(path, metadata, meta):
             except Exception as e:  # noqa: BLE001 - a refused pickle or damaged bytes: either way it cannot load
                 return (
                     f"{index.fqn} does not load ({type(e).__name__}: "
-                    f"{' '.join(str(e).split())[:100]})"
+                    f"{shown(' '.join(str(e).split())[:100])})"
                 )
     except OSError as e:
         return f"{info.relative_path}: {e.strerror or e}"
@@ -248,7 +248,8 @@ def _step_problem(value, step):
 
 
 def _number(value):
-    return type(value) in (int, float) and math.isfinite(value)
+    # an int is finite however large (math.isfinite would convert it to a float, and overflow)
+    return type(value) is int or type(value) is float and math.isfinite(value)
 
 
 def _setting_problem(key, value, config):
@@ -484,7 +485,8 @@ def first_loading(path, load, next_one, named=None, failures=(Exception, Checkpo
         except failures as e:
             cause = _cause(e)
             problem = (
-                f"loading it failed ({type(cause).__name__}: {' '.join(str(cause).split())[:160]})"
+                f"loading it failed ({type(cause).__name__}: "
+                f"{shown(' '.join(str(cause).split())[:160])})"
             )
         if named:
             raise ConfigError(f"{named}: {path}: {problem}")

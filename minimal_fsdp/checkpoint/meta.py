@@ -30,7 +30,7 @@ from pathlib import Path
 from minimal_fsdp.checkpoint.dirs import STEP_NAME
 from minimal_fsdp.config.checks import MAX_WHOLE, WHOLE_RANGES
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.files import read_json
+from minimal_fsdp.files import read_json, shown
 from minimal_fsdp.models.families import FAMILIES, check_shape
 
 FORMAT = 2
@@ -60,6 +60,10 @@ PLAIN_NAME = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}")
 class MetaError(ConfigError):
     """meta.json is unusable; the text is one line naming the field. A checkpoint with one is
     damaged."""
+
+    def __init__(self, text):
+        # a key or value of a hostile meta.json may hold control characters: never echoed raw
+        super().__init__(shown(text))
 
 
 def read_meta(path):
@@ -196,7 +200,7 @@ def model_problem(model_type, fields):
     for name, value in fields.items():
         kind = types.get(name)
         if kind is None:
-            return f"model.{name} is not a field of a {model_type} model"
+            return f"model.{shown(name, 40)} is not a field of a {model_type} model"
         if name in MODEL_BOUNDS and not (type(value) is int and 1 <= value <= MODEL_BOUNDS[name]):
             return (
                 f"model.{name} is {_show(value)}, not a whole number in [1, {MODEL_BOUNDS[name]}]"

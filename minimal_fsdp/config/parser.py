@@ -250,10 +250,13 @@ def load_config_file(path, cls):
         if not isinstance(table, dict):
             home = fields[section].metadata["section"] if section in fields else also.get(section)
             where = f"put it under [{home}]" if home else "sections are " + ", ".join(known)
-            raise ConfigError(f"--config {path}: '{section}' is outside any section; {where}")
+            raise ConfigError(
+                f"--config {path}: '{shown(section, 60)}' is outside any section; {where}"
+            )
         if section not in known:
             raise ConfigError(
-                f"--config {path}: unknown section [{section}]; sections are {', '.join(known)}"
+                f"--config {path}: unknown section [{shown(section, 60)}]; sections are "
+                f"{', '.join(known)}"
             )
         for key, value in table.items():
             f = fields.get(key)
@@ -266,7 +269,9 @@ def load_config_file(path, cls):
                     key, [n for n in (*fields, *also) if n != "config"], n=1
                 )
                 hint = f" (did you mean {close[0]}?)" if close else ""
-                raise ConfigError(f"--config {path}: unknown key {section}.{key}{hint}")
+                raise ConfigError(
+                    f"--config {path}: unknown key {shown(section, 60)}.{shown(key, 60)}{hint}"
+                )
             if f.metadata["section"] != section:
                 raise ConfigError(
                     f"--config {path}: {section}.{key} belongs in [{f.metadata['section']}]"

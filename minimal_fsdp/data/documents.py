@@ -14,6 +14,7 @@ from pathlib import Path
 
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import reachable
+from minimal_fsdp.files import shown
 
 OPENWEBTEXT = "Skylion007/openwebtext"
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -181,7 +182,7 @@ def _load_from_hub(name, streaming):
     try:
         dataset = datasets.load_dataset(repo, config or None, split="train", streaming=streaming)
     except Exception as e:  # hub, network and format errors all mean the same thing to the user
-        reason = " ".join(str(e).split())[:200]
+        reason = shown(" ".join(str(e).split())[:200])
         raise ConfigError(
             f"{name!r} is no local file or directory, and could not be loaded from the Hugging "
             f"Face hub ({reason}): is the name right and the hub reachable? Offline, save it where "

@@ -377,7 +377,9 @@ class ShardedLM(TemplateLM):
         model, was_training = self.model, self.model.training
         model.eval()
         ids, until, num_tokens = prompt or ([self._prefix or 0], [], 0)
-        cache = model.new_cache(1, self._device, self.dtype)
+        # sized by what this request needs (_prompt keeps both within the context), not by
+        # the model's whole context, as inference/generate.py does
+        cache = model.new_cache(1, self._device, self.dtype, len(ids) + num_tokens)
         logits = model(torch.tensor([ids], device=self._device), cache=cache)
         out, done = [], prompt is None
         while True:

@@ -33,6 +33,7 @@ from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import FAMILIES, config_from_dict, of_hf
 from minimal_fsdp.files import open_regular, read_json
 from minimal_fsdp.files import _depth
+from minimal_fsdp.files import shown as escaped
 
 CONFIG_MAX_BYTES = 16 * 2**20  # config.json is a few KB
 INDEX_MAX_BYTES = 64 * 2**20  # an index names each tensor once: a few MB for the largest models
@@ -203,7 +204,7 @@ class CheckpointFiles:
                 raise ConfigError(
                     f"{self.where}: {file.name} cannot be read as "
                     f"{'safetensors' if file.suffix == '.safetensors' else 'a PyTorch file'} "
-                    f"({type(e).__name__}: {' '.join(str(e).split())[:150]})"
+                    f"({type(e).__name__}: {escaped(' '.join(str(e).split())[:150])})"
                 ) from None
         return self.open_files[file]
 

@@ -65,10 +65,10 @@ def generate(
             # (Re)fill the cache; when the context is full, keep its newer half and continue
             # from there.
             if cache is not None:
-                context = context[-(config.seq_length // 2) :]
-            # Sized by what it will hold (the context and the tokens still to come), never more
-            # than the model's context: a Llama config of 2^24 positions asked for gigabytes to
-            # sample 5 tokens.
+                context = context[-max(1, config.seq_length // 2) :]  # a context of 1 keeps 1
+            # Sized by what it will hold (the context and the tokens still to come), never more than
+            # the model's context: a Llama config of 2^24 positions asked for gigabytes to sample 5
+            # tokens.
             cache = model.new_cache(1, device, dtype, len(context) + num_tokens - done)
             logits = model(torch.tensor([context], device=device), cache=cache)
         else:

@@ -89,3 +89,30 @@ def test_a_generation_is_cut_at_the_first_stop_string_in_the_text(one_rank_group
         "one, two",
         piece + piece,
     ]
+
+
+def test_generate_until_sizes_its_kv_cache_by_the_prompt_and_max_gen_toks(one_rank_group):
+    """A model whose context is 2^12 positions (a Llama config's may say 2^24) asked for 3 tokens
+    after a 2-token prompt: the cache holds 5 positions, not the whole context; the text is the
+    same greedy decode."""
+    from lm_eval.api.instance import Instance
+
+    from minimal_fsdp.eval import lm as eval_lm
+    from minimal_fsdp.models.gpt import GPT, GPTConfig
+
+    tokenizer = CharTokenizer("abcdefgh")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=8, seq_length=2**12, num_layers=1, num_heads=2, embed_size=8))
+    lengths, new_cache = [], model.new_cache
+    model.new_cache = lambda *args: (
+        lengths.append(new_cache(*args).k[0].size(2)) or new_cache(*args)
+    )
+    lm = eval_lm.ShardedLM(model, tokenizer, torch.device("cpu"), progress=False)
+    request = Instance("generate_until", {}, ("ab", {"until": ["?"], "max_gen_toks": 3}), 0)
+    (text,) = lm.generate_until([request], disable_tqdm=True)
+    assert lengths == [2 + 3]
+    ids = tokenizer.encode("ab")
+    with torch.no_grad():
+        for _ in range(3):
+            ids.append(model(torch.tensor([ids])).argmax(dim=-1).item())
+    assert text == tokenizer.decode(ids[2:])

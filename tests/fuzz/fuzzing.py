@@ -310,6 +310,28 @@ def toml_document(tables):
     return "\n".join(lines) + "\n"
 
 
+def path_text(max_size=30):
+    """A path as a user, a template or a torn file writes it: mostly one holding a NUL or another
+    control character somewhere (os.fspath refuses NUL; a newline breaks the one-line errors)."""
+    plain = st.text(alphabet=string.ascii_letters + "/._-~ ", min_size=1, max_size=max_size)
+    return st.one_of(
+        st.tuples(plain, st.sampled_from(CONTROL), plain).map("".join),
+        st.tuples(st.sampled_from(CONTROL), plain).map("".join),
+        hostile_text(max_size),
+    )
+
+
+def flag_text(kind):
+    """A number as a user types it on the command line: at and past every bound, inf/nan, past
+    float's range, other notations."""
+    return st.one_of(
+        hostile_ints().map(str),
+        hostile_floats().map(repr),
+        st.sampled_from(["inf", "-inf", "nan", "NaN", "1e400", "-1e400", "1e30", "100000", "0x10"]),
+        st.sampled_from(["1_000", " 5", "", "1.5", "-0", "+7", "١"]),
+    )
+
+
 def value_for(kind):
     """A hostile value of a flag of type `kind`: right-typed and at the bounds mostly, some of
     another type."""

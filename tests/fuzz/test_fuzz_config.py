@@ -74,8 +74,74 @@ def config_example(name):
     )
 
 
+def path_tables(cls):
+    """{section: {key: value}} with one to three of a command's text flags (paths mostly: log_dir,
+    data_dir, export's out, cluster's node_local...) drawn with NUL and control characters."""
+    fields = [
+        f
+        for f in dataclasses.fields(cls)
+        if f.type in (str, list) and not f.metadata["choices"] and f.name != "config"
+    ]
+
+    @st.composite
+    def build(draw):
+        tables = {}
+        for f in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
+            value = draw(fuzzing.path_text())
+            tables.setdefault(f.metadata["section"], {})[f.name] = (
+                [value] if f.type is list else value
+            )
+        return tables
+
+    return build()
+
+
+def number_flags(cls):
+    """A command line of one to four of a command's number flags, each with a hostile value."""
+    fields = [
+        f for f in dataclasses.fields(cls) if f.type in (int, float) and not f.metadata["choices"]
+    ]
+
+    @st.composite
+    def build(draw):
+        argv = []
+        for f in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=4, unique=True)):
+            argv += [f"--{f.name}", draw(fuzzing.flag_text(f.type))]
+        return argv
+
+    return build()
+
+
+def check_argv(name, argv):
+    parsed = fuzzing.holds(lambda: parse(COMMANDS[name][0], argv + POSITIONAL.get(name, [])))
+    if parsed is not None:
+        usable(name, parsed)
+
+
+def _fuzz_paths(name):
+    @settings(max_examples=fuzzing.scaled(2, 150))
+    @given(path_tables(COMMANDS[name][0]), st.booleans())
+    def test(tables, positional):
+        check_command(name, tables, None, "file", positional)
+
+    test.__name__ = f"test_config_paths_{name}"
+    test.__doc__ = f"`minimal-fsdp {name} --config FILE`: text and path values with NUL, newlines."
+    return test
+
+
+def _fuzz_numbers(name):
+    @settings(max_examples=fuzzing.scaled(2, 150))
+    @given(number_flags(COMMANDS[name][0]))
+    def test(argv):
+        check_argv(name, argv)
+
+    test.__name__ = f"test_flags_numbers_{name}"
+    test.__doc__ = f"`minimal-fsdp {name} --flag N`: numbers at and past every bound, inf, nan."
+    return test
+
+
 def _fuzz(name):
-    @settings(max_examples=fuzzing.scaled(30, 700))
+    @settings(max_examples=fuzzing.scaled(8, 400))
     @given(config_example(name))
     def test(example):
         check_command(name, *example)
@@ -87,3 +153,6 @@ def _fuzz(name):
 
 for _name in COMMANDS:
     globals()[f"test_config_{_name}"] = _fuzz(_name)
+    globals()[f"test_config_paths_{_name}"] = _fuzz_paths(_name)
+    if any(f.type in (int, float) for f in dataclasses.fields(COMMANDS[_name][0])):
+        globals()[f"test_flags_numbers_{_name}"] = _fuzz_numbers(_name)

@@ -51,7 +51,7 @@ def char_json():
     )
 
 
-@settings(max_examples=fuzzing.scaled(40, 1000))
+@settings(max_examples=fuzzing.scaled(15, 1000))
 @given(
     st.one_of(
         char_json().map(fuzzing.dumps), char_json().map(fuzzing.dumps).flatmap(fuzzing.mutated)
@@ -71,7 +71,7 @@ def sentencepiece_model():
     return tk._train_sentencepiece(TEXT, 300).model_proto
 
 
-@settings(max_examples=fuzzing.scaled(5, 200))
+@settings(max_examples=fuzzing.scaled(2, 200))
 @given(data=st.data())
 def test_sentencepiece_tokenizer(sentencepiece_model, data):
     blob = data.draw(fuzzing.mutated(sentencepiece_model))
@@ -137,7 +137,7 @@ def hf_edit(template):
     return build()
 
 
-@settings(max_examples=fuzzing.scaled(10, 300))
+@settings(max_examples=fuzzing.scaled(3, 100))
 @given(data=st.data())
 def test_hf_tokenizer(hf_tokenizer_json, data):
     blob = data.draw(hf_edit(hf_tokenizer_json))
@@ -218,7 +218,7 @@ def consistent(meta, train, val):
     return dict(meta, train_tokens=len(train) // 2, val_tokens=len(val) // 2)
 
 
-@settings(max_examples=fuzzing.scaled(40, 800))
+@settings(max_examples=fuzzing.scaled(12, 800))
 @given(dataset_example())
 def test_prepared_dataset(example):
     meta, train, val, cache, forged, kinds, fit = example
@@ -254,7 +254,7 @@ def metrics_lines():
     )
 
 
-@settings(max_examples=fuzzing.scaled(60, 1000))
+@settings(max_examples=fuzzing.scaled(20, 1000))
 @given(metrics_lines(), fuzzing.path_kinds())
 def test_plot_metrics(blob, kind):
     with tempfile.TemporaryDirectory() as d:
@@ -287,7 +287,7 @@ def lock_content():
     return st.one_of(text.map(str.encode), text.flatmap(fuzzing.mutated))
 
 
-@settings(max_examples=fuzzing.scaled(15, 500))
+@settings(max_examples=fuzzing.scaled(5, 500))
 @given(lock_content(), fuzzing.path_kinds())
 def test_run_lock(blob, kind):
     with tempfile.TemporaryDirectory() as d:
@@ -365,7 +365,7 @@ def hf_example(template):
     return build()
 
 
-@settings(max_examples=fuzzing.scaled(10, 300))
+@settings(max_examples=fuzzing.scaled(4, 300))
 @given(data=st.data())
 def test_hf_model_directory(hf_directory, data):
     from minimal_fsdp.hf import read as hf
@@ -423,7 +423,7 @@ def launch_env():
     )
 
 
-@settings(max_examples=fuzzing.scaled(80, 2000))
+@settings(max_examples=fuzzing.scaled(30, 2000))
 @given(launch_env(), st.booleans(), st.binary(max_size=40), fuzzing.path_kinds())
 def test_launcher_variables(env, pbs, nodefile, kind):
     launcher = discovery.launcher_of(env)
@@ -444,3 +444,79 @@ def test_launcher_variables(env, pbs, nodefile, kind):
         rank, world, local_rank, local_world, nodes = found
         assert 0 <= rank < world and 0 <= local_rank < local_world <= world, found
         assert 1 <= nodes <= world, found
+
+
+# ---- a Hugging Face config.json's context, and what sample allocates for it ----
+
+LLAMA_CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 1,
+    "intermediate_size": 16,
+    "vocab_size": 8,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def context_fields():
+    """A tiny Llama's config.json with its context and positional fields at and past their caps
+    (max_position_embeddings up to 2^24 and beyond), and a request: (config, prompt, num_tokens)."""
+    positions = st.one_of(
+        st.sampled_from([2**24, 2**24 - 1, 2**24 + 1, 2**20, 2**31, 1, 2, 0, -1]),
+        st.integers(1, 2**24),
+        fuzzing.hostile_ints(),
+    )
+    config = st.fixed_dictionaries(
+        {"max_position_embeddings": positions},
+        optional={
+            "rope_theta": st.one_of(st.just(500000.0), fuzzing.hostile_floats()),
+            "num_hidden_layers": st.integers(1, 2),
+        },
+    ).map(lambda fields: dict(LLAMA_CONFIG, **fields))
+    return st.tuples(
+        config, st.text(alphabet="abcdefgh", min_size=1, max_size=6), st.integers(1, 6)
+    )
+
+
+@settings(max_examples=fuzzing.scaled(2, 100))
+@given(context_fields())
+def test_sample_allocates_what_the_request_needs(one_rank_group, example):
+    """config.json read (or refused in one line), the model built, a few tokens sampled: the KV
+    cache holds at most the prompt and the new tokens, whatever context config.json claims (2^24
+    positions made sample ask for over 8 GB to write 5 tokens)."""
+    import torch
+
+    from minimal_fsdp.hf import read as hf
+    from minimal_fsdp.inference.generate import generate
+    from minimal_fsdp.models.llama import Llama
+
+    config, prompt, num_tokens = example
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "config.json").write_text(fuzzing.dumps(config))
+        read = fuzzing.holds(lambda: hf.read_config(d), "config.json")
+    if read is None:
+        return
+    _, model_config = read
+    torch.manual_seed(0)
+    model = fuzzing.holds(lambda: Llama(model_config))
+    lengths, new_cache = [], model.new_cache
+
+    def recorded(*args):
+        cache = new_cache(*args)
+        lengths.append(cache.k[0].size(2))
+        return cache
+
+    model.new_cache = recorded
+    tokenizer = tk.CharTokenizer("abcdefgh")
+    fuzzing.holds(lambda: generate(model, tokenizer, prompt, num_tokens, temperature=0))
+    needed = len(tokenizer.encode(prompt)) + num_tokens
+    assert lengths and max(lengths) <= needed, (
+        f"a KV cache of {max(lengths)} positions for {needed}: config.json's context is "
+        f"{model_config.seq_length}"
+    )

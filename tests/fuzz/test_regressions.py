@@ -311,3 +311,79 @@ def test_an_empty_sentencepiece_model_is_refused_when_loaded(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"kind": "sentencepiece"}')
     (tmp_path / "tokenizer.model").write_bytes(b"")
     refused(lambda: tk.load_tokenizer(tmp_path), "tokenizer.model")
+
+
+def test_a_raw_pickle_optimizer_step_is_named_without_torchs_terminal_escapes(
+    tmp_path, one_rank_group
+):
+    """torch's refusal of a raw pickle (weights_only) holds ANSI escapes (ESC[1m): the checkpoint's
+    one line escaped them, not echoed them raw. Found by test_optimizer_raw_pickles."""
+    import pickle
+    import shutil
+
+    import torch
+
+    from minimal_fsdp.checkpoint import find as checkpoint_find
+    from support import save_three
+    from test_fuzz_checkpoint import optimizer_entries, recorded, spliced
+
+    run, _, _ = save_three(tmp_path)
+    path = run / "step_2"
+    metadata, entries = optimizer_entries(path, "steps")
+    fqn = entries[0][0]
+    for name, data in spliced(path, metadata, fqn, pickle.dumps(torch.tensor(1.0), 2)).items():
+        (path / name).write_bytes(data)
+        recorded(path, name)
+    problem = checkpoint_find.verify(path)
+    assert fqn in problem and "does not load" in problem
+    fuzzing.one_line(problem, fqn)
+    shutil.rmtree(run)
+
+
+def test_a_meta_json_key_with_a_control_character_is_named_escaped():
+    """A checkpoint's meta.json whose model holds a key "\\x1f" was named with the byte raw. Found
+    by test_meta_json."""
+    from minimal_fsdp.checkpoint.meta import MetaError, model_problem
+
+    fuzzing.one_line(model_problem("gpt", {"\x1f": None}), "model.\\x1f")
+    fuzzing.one_line(MetaError("meta.json: a\x1b[1mb\n"), "meta.json")
+
+
+def test_an_optimizer_setting_past_floats_range_is_one_problem_not_an_overflow():
+    """A param group's betas holding an integer past float's range raised OverflowError in the
+    check. Found by test_optimizer_numbers[settings]."""
+    from minimal_fsdp.checkpoint.find import _setting_problem
+
+    for key, value in [("betas", [10**400, 0.95]), ("lr", 10**400), ("weight_decay", -(10**400))]:
+        problem = _setting_problem(f"optim.param_groups.0.{key}", value, {"beta1": 0.9})
+        if key != "lr":
+            assert problem and "not" in problem
+
+
+@pytest.mark.parametrize(
+    "text", ['[source]\n"\\u001f" = 0\n', '["\\u001b[1m"]\na = 1\n', '"\\u001f" = 0\n']
+)
+def test_a_config_key_or_section_with_a_control_character_is_named_escaped(tmp_path, text):
+    """An unknown key "\\x1f" of a --config was named with the byte raw. Found by
+    test_config_evaluate under --full."""
+    argv = ["--config", config(tmp_path, text), *POSITIONAL["evaluate"]]
+    refused(lambda: parse(COMMANDS["evaluate"][0], argv), "--config")
+
+
+def test_sampling_past_a_context_of_one_position_keeps_one_token(one_rank_group):
+    """A config.json of max_position_embeddings 1: generation past the context kept its newer
+    "half" (0 tokens: all of them) and overflowed the cache. Found by
+    test_sample_allocates_what_the_request_needs under --full."""
+    import torch
+
+    from minimal_fsdp.inference.generate import generate
+    from minimal_fsdp.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(
+        LlamaConfig(
+            vocab_size=8, seq_length=1, num_layers=1, num_heads=2, num_kv_heads=1, embed_size=8
+        )
+    )
+    text = generate(model, tk.CharTokenizer("abcdefgh"), "a", 3, temperature=0)
+    assert len(text) == 4
