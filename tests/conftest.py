@@ -38,6 +38,12 @@ TINY_MODEL = [
 
 def pytest_addoption(parser):
     parser.addoption(
+        "--fuzz-full",
+        action="store_true",
+        default=False,
+        help="the fuzzer's full profile: over 10,000 examples (tests/fuzz/README.md)",
+    )
+    parser.addoption(
         "--full",
         action="store_true",
         default=False,
@@ -47,8 +53,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     """The fuzzer's Hypothesis profiles (tests/fuzz/, tests/README.md): quick, derandomized and
-    without a database in the quick tier; with --full, 40 times the examples, random, keeping the
-    failing ones in .hypothesis/ (ignored by git) to try first next time."""
+    without a database in the quick tier; with --full (CI), five times the examples, random; with
+    --fuzz-full the full profile, over 10,000 examples across the readers (about 25 minutes on two
+    cores). Both keep the failing ones in .hypothesis/ (ignored by git) to try first next time."""
     from hypothesis import HealthCheck, settings
     from hypothesis.database import DirectoryBasedExampleDatabase
 
@@ -64,14 +71,17 @@ def pytest_configure(config):
         "fuzz-quick", max_examples=20, derandomize=True, database=None, **common
     )
     database = DirectoryBasedExampleDatabase(str(ROOT / ".hypothesis" / "examples"))
+    settings.register_profile("fuzz-ci", max_examples=100, database=database, **common)
     settings.register_profile("fuzz-full", max_examples=800, database=database, **common)
     # MINIMAL_FSDP_FUZZ_HUNT=1 with --full: the full profile's examples without shrinking, to see
     # quickly which readers fail (tests/README.md: measuring the fuzzer on old code)
     hunt = dict(common, phases=[Phase.explicit, Phase.generate])
     settings.register_profile("fuzz-hunt", max_examples=800, database=None, **hunt)
-    full = config.getoption("--full")
-    hunting = full and os.environ.get("MINIMAL_FSDP_FUZZ_HUNT") == "1"
-    settings.load_profile("fuzz-hunt" if hunting else "fuzz-full" if full else "fuzz-quick")
+    fuzz_full = config.getoption("--fuzz-full")
+    hunting = fuzz_full and os.environ.get("MINIMAL_FSDP_FUZZ_HUNT") == "1"
+    ci = config.getoption("--full")
+    profile = "fuzz-hunt" if hunting else "fuzz-full" if fuzz_full else "fuzz-ci" if ci else None
+    settings.load_profile(profile or "fuzz-quick")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -31,14 +31,16 @@ MEMORY = 3 * 2**30  # bytes of address space a reader may add while it runs
 
 
 def full_tier():
-    """Whether pytest runs with --full (tests/conftest.py loads the fuzz-full profile then)."""
-    return settings.default.max_examples > 100
+    """Whether pytest runs with --full or --fuzz-full (conftest.py loads fuzz-ci or fuzz-full)."""
+    return settings.default.max_examples > 20
 
 
 def scaled(quick, full):
-    """A test's example count: `quick` in the quick tier, `full` under --full (the cheap readers
-    get the most: over 10,000 examples in all)."""
-    return full if full_tier() else quick
+    """A test's example count: `quick` in the quick tier, five times that under --full (CI's time),
+    `full` under --fuzz-full (the cheap readers get the most: over 10,000 examples in all)."""
+    if settings.default.max_examples >= 800:
+        return full
+    return min(full, 5 * quick) if full_tier() else quick
 
 
 class Hang(BaseException):

@@ -12,7 +12,6 @@ import pytest
 
 import fuzzing
 from conftest import TINY_MODEL, make_text
-from minimal_fsdp import run
 from minimal_fsdp.__main__ import COMMANDS
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.config.flags import parse_args
@@ -22,6 +21,7 @@ from minimal_fsdp.data.tokens import TOKEN_CACHE, TokenData
 from minimal_fsdp.launch.run_lock import LOCK_NAME, RunLock
 from minimal_fsdp.launch import discovery
 from minimal_fsdp.tools.plot import read_metrics
+from support import command
 
 POSITIONAL = {
     "sample": ["ckpt"],
@@ -238,7 +238,7 @@ def test_num_tokens_beyond_the_model_is_refused_before_training(single_process, 
     (tmp_path / "small.txt").write_text(make_text(12_000))
     flags = ["--dataset", "text", "--input_file", "small.txt", *TINY_MODEL, "--seq_length", "128"]
     with pytest.raises(SystemExit) as exited:
-        run.main([*flags, "--max_steps", "2", "--num_tokens", "10000000000", "--run_name", "n"])
+        command("train", *flags, "--max_steps", 2, "--num_tokens", 10000000000, "--run_name", "n")
     printed = capsys.readouterr()
     assert exited.value.code == 2 and "error: --num_tokens 10000000000" in printed.err
     assert not list(Path("checkpoints/n").glob("step_*")) and "step 1" not in printed.out
