@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minimal_fsdp.checkpoint import checkpointer
+from minimal_fsdp.checkpoint import (
+    checkpointer,
+    writer,  # noqa: E402
+)
 from minimal_fsdp.checkpoint.background import Background, flatten_state_dict
-from minimal_fsdp.checkpoint import writer  # noqa: E402
 
 LAYERS, OPS_PER_BATCH = 48, 200
 

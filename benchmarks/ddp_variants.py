@@ -28,8 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import minimal_fsdp.parallel.parallelize as parallelize  # noqa: E402
 import throughput  # noqa: E402
+
+import minimal_fsdp.parallel.parallelize as parallelize  # noqa: E402
 
 variant = os.environ.get("DDP_VARIANT", "default")
 names = set(variant.split("_"))

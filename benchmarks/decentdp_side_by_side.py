@@ -59,6 +59,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from throughput import BENCH_OPTIONS, parse  # noqa: E402  (the flags and bench options, in this folder)
+
 from minimal_fsdp.launch import environment  # noqa: E402
 from minimal_fsdp.models.classes import MODELS  # noqa: E402
 from minimal_fsdp.models.families import config_from_flags  # noqa: E402
@@ -69,7 +71,6 @@ from minimal_fsdp.parallel.parallelize import (  # noqa: E402
 )
 from minimal_fsdp.parallel.plan import make_plan  # noqa: E402
 from minimal_fsdp.train import build_optimizer, train_step  # noqa: E402
-from throughput import BENCH_OPTIONS, parse  # noqa: E402  (the flags and bench options, in this folder)
 
 TOPOLOGY_NAMES = {
     "complete": "complete",

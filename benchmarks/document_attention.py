@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import time_ms  # noqa: E402  (benchmarks/attention.py)
 from document_mask import packed_windows  # noqa: E402
+
 from minimal_fsdp.models import attention  # noqa: E402
 
 EOT = 1

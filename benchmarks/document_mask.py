@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # noqa: E402
+
 from minimal_fsdp.launch import environment  # noqa: E402
 from minimal_fsdp.profiling import peak_flops, peak_memory_gb
 from minimal_fsdp.train import train_step  # noqa: E402

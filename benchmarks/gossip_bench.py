@@ -21,14 +21,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from throughput import BENCH_OPTIONS, parse, step_times  # noqa: E402  (the same timed loop, in this folder)
+
 from minimal_fsdp.launch import environment  # noqa: E402
-from minimal_fsdp.parallel.gossip import TOPOLOGIES  # noqa: E402
 from minimal_fsdp.models.classes import MODELS  # noqa: E402
 from minimal_fsdp.models.families import config_from_flags  # noqa: E402
+from minimal_fsdp.parallel.gossip import TOPOLOGIES  # noqa: E402
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync  # noqa: E402
 from minimal_fsdp.parallel.plan import make_plan  # noqa: E402
 from minimal_fsdp.train import build_optimizer  # noqa: E402
-from throughput import BENCH_OPTIONS, parse, step_times  # noqa: E402  (the same timed loop, in this folder)
 
 HEADER = (
     "| mode | topology | GPUs | model | precision | batch/GPU | step ms | MB sent/step/GPU | bytes "

@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attention import time_ms  # noqa: E402  (median of timed calls, as the attention benchmark times)
+
 from minimal_fsdp.models import fused_loss  # noqa: E402
 from minimal_fsdp.models.gpt import cross_entropy  # noqa: E402
-from attention import time_ms  # noqa: E402  (median of timed calls, as the attention benchmark times)
 
 
 def main():

@@ -22,11 +22,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp.models.size import count_parameters  # noqa: E402
 from minimal_fsdp.config.commands import PlanFlags  # noqa: E402
 from minimal_fsdp.config.parser import parse as parse_flags  # noqa: E402
-from minimal_fsdp.tools import model_size  # noqa: E402
-from minimal_fsdp.tools import step_time  # noqa: E402
+from minimal_fsdp.models.size import count_parameters  # noqa: E402
+from minimal_fsdp.tools import (
+    model_size,  # noqa: E402
+    step_time,  # noqa: E402
+)
 
 # multihost.py's models, as the planner's flags (its "llama-1b" shape has no preset the
 # planner takes)

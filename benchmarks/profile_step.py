@@ -19,9 +19,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from throughput import BENCH_OPTIONS, build, parse  # noqa: E402  (flags and model as the throughput benchmark builds them)
+
 from minimal_fsdp.launch import environment  # noqa: E402
 from minimal_fsdp.train import train_step  # noqa: E402
-from throughput import BENCH_OPTIONS, build, parse  # noqa: E402  (flags and model as the throughput benchmark builds them)
 
 # Kernel name fragments -> kind; the first match wins.
 KINDS = [

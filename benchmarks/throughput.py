@@ -20,16 +20,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimal_fsdp import profiling  # noqa: E402
-from minimal_fsdp.config.checks import profile_range  # noqa: E402
-from minimal_fsdp.launch import environment  # noqa: E402
+from minimal_fsdp.config.checks import (
+    profile_range,  # noqa: E402
+    validate,
+    validate_world,
+)
 from minimal_fsdp.config.flags import Config, build_parser
-from minimal_fsdp.config.checks import validate, validate_world
-from minimal_fsdp.profiling import allocator_retries, peak_flops, peak_memory_gb
+from minimal_fsdp.launch import environment  # noqa: E402
 from minimal_fsdp.models.classes import MODELS  # noqa: E402
 from minimal_fsdp.models.families import config_from_flags  # noqa: E402
+from minimal_fsdp.parallel.choose import reduce_precision
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync  # noqa: E402
 from minimal_fsdp.parallel.plan import apply_process_settings, make_plan
-from minimal_fsdp.parallel.choose import reduce_precision
+from minimal_fsdp.profiling import allocator_retries, peak_flops, peak_memory_gb
 from minimal_fsdp.train import build_optimizer, collections_in_step, train_step  # noqa: E402
 
 HEADER = (

@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from minimal_fsdp.launch import failures
 from minimal_fsdp.config.flags import to_toml
+from minimal_fsdp.launch import failures
 from minimal_fsdp.profiling import allocator_retries, memory_pressure, peak_flops, peak_memory_gb
-
 
 # JSONL field -> TensorBoard / wandb tag; grouped so the dashboards put loss, speed and
 # memory apart.

@@ -19,27 +19,28 @@ from pathlib import Path
 
 import torch
 
+from minimal_fsdp import backends
+from minimal_fsdp.checkpoint import find, meta
+from minimal_fsdp.config.checks import (
+    check_sizes,
+    cpu_recipe_warning,
+    host_memory_available,
+    validate_world,
+)
+from minimal_fsdp.config.flags import Config, ConfigError
 from minimal_fsdp.config.sections import Data, Generation, Model, Parallel
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.checkpoint import meta
-from minimal_fsdp.launch import environment
-from minimal_fsdp.launch import failures
-from minimal_fsdp.launch import run_lock
+from minimal_fsdp.data import prepare
+from minimal_fsdp.data.streaming import StreamingData
+from minimal_fsdp.data.tokenizer import load_tokenizer
+from minimal_fsdp.data.tokens import TokenData
 from minimal_fsdp.hf import hub, read
 from minimal_fsdp.inference import load
 from minimal_fsdp.inference.generate import check_num_tokens
-from minimal_fsdp import backends
-from minimal_fsdp.config.flags import Config, ConfigError
-from minimal_fsdp.config.checks import validate_world
-from minimal_fsdp.config.checks import check_sizes, cpu_recipe_warning, host_memory_available
-from minimal_fsdp.data import prepare
-from minimal_fsdp.data.tokens import TokenData
-from minimal_fsdp.models.size import count_parameters
-from minimal_fsdp.models.families import config_from_flags, with_document_mask
-from minimal_fsdp.parallel.plan import apply_process_settings, make_plan
+from minimal_fsdp.launch import environment, failures, run_lock
 from minimal_fsdp.launch.resilience import StopRequests
-from minimal_fsdp.data.streaming import StreamingData
-from minimal_fsdp.data.tokenizer import load_tokenizer
+from minimal_fsdp.models.families import config_from_flags, with_document_mask
+from minimal_fsdp.models.size import count_parameters
+from minimal_fsdp.parallel.plan import apply_process_settings, make_plan
 from minimal_fsdp.train import RunParts, build_optimizer, train
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from minimal_fsdp import profiling
-from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.eval.harness import TrainingTasks
-from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
 from minimal_fsdp.launch import hangs
+from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
+from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.parallel.whole_unit import LocalAdamW
 
 

@@ -56,10 +56,8 @@ def pytest_configure(config):
     without a database in the quick tier; with --full (CI), five times the examples, random; with
     --fuzz-full the full profile, over 10,000 examples across the readers (about 25 minutes on two
     cores). Both keep the failing ones in .hypothesis/ (ignored by git) to try first next time."""
-    from hypothesis import HealthCheck, settings
+    from hypothesis import HealthCheck, Phase, settings
     from hypothesis.database import DirectoryBasedExampleDatabase
-
-    from hypothesis import Phase
 
     common = dict(
         deadline=None,  # a hang is the fuzzer's alarm's to catch: no verdict depends on the load
@@ -204,9 +202,7 @@ def corpus(tmp_path):
 def single_process(monkeypatch, tmp_path):
     """A plain `python basic_training.py` run inside this process: a world of one, in tmp_path, with
     the rendezvous kept out of os.environ."""
-    from minimal_fsdp.launch import discovery
-    from minimal_fsdp.launch import environment
-    from minimal_fsdp.launch import rendezvous
+    from minimal_fsdp.launch import discovery, environment, rendezvous
 
     for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", *discovery.MPI_RANK_VARIABLES]:
         monkeypatch.delenv(name, raising=False)

@@ -47,12 +47,11 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import state_dict as dcp_state_dict  # noqa: E402
 
-from minimal_fsdp.checkpoint import checkpointer
-from minimal_fsdp.checkpoint.writer import ChecksummingWriter, _Checksummed
-from minimal_fsdp.models import gpt
-from minimal_fsdp.launch import resilience
-from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp import train  # noqa: E402
+from minimal_fsdp.checkpoint import checkpointer, safe_load
+from minimal_fsdp.checkpoint.writer import ChecksummingWriter, _Checksummed
+from minimal_fsdp.launch import resilience
+from minimal_fsdp.models import gpt
 
 
 def parse(spec):

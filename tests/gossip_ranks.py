@@ -9,8 +9,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from minimal_fsdp.launch import environment
 from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.launch import environment
 from minimal_fsdp.parallel.gossip import TOPOLOGIES, Gossip
 
 STEPS = 6

@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 
 import torch
+from sharding_ranks import CONFIG
 from torch.distributed.tensor import DTensor
 
-from minimal_fsdp.launch import environment
 from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.launch import environment
 from minimal_fsdp.models.gpt import GPT
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 from minimal_fsdp.parallel.plan import make_plan
-from sharding_ranks import CONFIG
 
 # name -> the flags; each case's strategy is checked by the test (plan.strategy)
 CASES = {

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from minimal_fsdp.config.flags import parse_args
-from minimal_fsdp.models.llama import Llama
 from minimal_fsdp.models.gpt import GPT
+from minimal_fsdp.models.llama import Llama
 
 # Projections that write into the residual stream: GPT-2 scales their init by 1/sqrt(2 * layers).
 RESIDUAL = ("attn.proj.weight", "mlp.proj.weight", "o_proj.weight", "down_proj.weight")

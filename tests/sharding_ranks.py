@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from minimal_fsdp.launch import environment
-from minimal_fsdp.inference import generate
 from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.inference import generate
+from minimal_fsdp.launch import environment
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 from minimal_fsdp.parallel.plan import make_plan

@@ -21,23 +21,22 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-import reference as plain
-import tokenizer_dirs
-from conftest import ROOT, TINY_MODEL, make_text, mpiexec
-from minimal_fsdp.checkpoint import checkpointer
-from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.__main__ import COMMANDS
+from minimal_fsdp.checkpoint import checkpointer, safe_load
 from minimal_fsdp.config.flags import one_line_errors, parse_args
 from minimal_fsdp.config.parser import parse
 from minimal_fsdp.hf import read
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.models.llama import LlamaConfig
-from minimal_fsdp.parallel import gossip
-from minimal_fsdp.parallel import plan
+from minimal_fsdp.parallel import gossip, plan
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.parallel.gossip import exchange_for, exp_distances, mixing_matrix
 from minimal_fsdp.parallel.parallelize import init_weights
+
+import reference as plain
+import tokenizer_dirs
+from conftest import ROOT, TINY_MODEL, make_text, mpiexec
 
 
 def _transformers():

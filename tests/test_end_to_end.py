@@ -9,13 +9,12 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.checkpoint import meta
-from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.checkpoint import find, meta, safe_load
 from minimal_fsdp.config.flags import parse_args
-from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.data.tokenizer import load_tokenizer
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+
+from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from support import sample_of, sample_of_each
 
 

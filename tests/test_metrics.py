@@ -6,17 +6,16 @@ import importlib.util
 import json
 import sys
 
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import TINY_MODEL
+from minimal_fsdp.backends.banner import state_bytes_per_rank
 from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.metrics import TAGS, Metrics
-from minimal_fsdp.backends.banner import state_bytes_per_rank
 from minimal_fsdp.tools.plot import read_metrics
 
+from conftest import TINY_MODEL
 from support import command
 
 FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time", "peak_mem_gb"}

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_MODEL, launch, make_text
 from minimal_fsdp import profiling
-from support import refused, train_args
-from support import command
+
+from conftest import TINY_MODEL, launch, make_text
+from support import command, refused, train_args
 
 
 @pytest.fixture

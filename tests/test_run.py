@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_MODEL, make_text
-from minimal_fsdp.data import documents
-from minimal_fsdp.data import prepare
 from minimal_fsdp import run
-from minimal_fsdp.data import tokenizer
 from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.data import documents, prepare, tokenizer
 from minimal_fsdp.data.tokens import TokenData
+
+from conftest import TINY_MODEL, make_text
 from support import command
 
 

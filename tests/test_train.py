@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.train import (
     Diverged,
     NonFiniteGuard,

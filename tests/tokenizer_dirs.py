@@ -83,6 +83,7 @@ def write_sentencepiece(directory, vocab_size=300):
 def tiktoken_ranks(vocab_size=350):
     """BPE ranks trained with tiktoken's own (educational) trainer on Llama 3's split pattern."""
     from tiktoken._educational import bpe_train
+
     from minimal_fsdp.data.tokenizer_files import LLAMA3_PATTERN
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -93,6 +94,7 @@ def stub_gpt2_encoding(monkeypatch):
     """tiktoken's gpt2 encoding stood in for by a tiny one with GPT-2's split pattern (no gpt2 files
     offline); returns the stand-in."""
     import tiktoken
+
     from minimal_fsdp.data import tokenizer
 
     ranks = tiktoken_ranks()

@@ -4,8 +4,7 @@ keeps), how long the restore took, every resolved flag. Each backend prints it (
 its mesh in the first line)."""
 
 from minimal_fsdp.config.flags import to_toml
-from minimal_fsdp.launch import environment
-from minimal_fsdp.launch import hosts
+from minimal_fsdp.launch import environment, hosts
 from minimal_fsdp.parallel import fp8
 
 

@@ -5,10 +5,10 @@ XLA gives the same parts for --device xla."""
 
 import torch
 
+from minimal_fsdp.backends.banner import banner
 from minimal_fsdp.checkpoint.background import for_run
 from minimal_fsdp.checkpoint.checkpointer import Checkpointer
 from minimal_fsdp.hf import read
-from minimal_fsdp.backends.banner import banner
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 

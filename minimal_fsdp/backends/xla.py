@@ -26,6 +26,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
 
 # DCP's own flattening (private, as DefaultSavePlanner uses it); torch_xla's planners keep a copy
 # from 2023 that saves optim.param_groups as one entry, where our layout has
@@ -36,11 +40,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-
-import torch_xla
-import torch_xla.core.xla_model as xm
-import torch_xla.distributed.spmd as xs
-import torch_xla.runtime as xr
 from torch_xla.amp import autocast
 from torch_xla.distributed.fsdp import checkpoint_module
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -49,12 +48,11 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
     SpmdFullyShardedDataParallel as FSDPv2,
 )
 
-from minimal_fsdp.checkpoint import checkpointer
-from minimal_fsdp.launch import hosts
-from minimal_fsdp.hf.read import load_weights
-from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.backends.banner import banner
+from minimal_fsdp.checkpoint import checkpointer, safe_load
+from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.hf.read import load_weights
+from minimal_fsdp.launch import hosts
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.parallel.parallelize import LocalSync, init_weights, seed64
 

@@ -34,7 +34,6 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
-from minimal_fsdp.launch import hosts
 from minimal_fsdp.checkpoint.writer import (
     ALIGN,
     SharedMemory,
@@ -42,6 +41,7 @@ from minimal_fsdp.checkpoint.writer import (
     in_process,
 )
 from minimal_fsdp.config.checks import host_memory_available
+from minimal_fsdp.launch import hosts
 
 # The staged copy may take this share of the host memory that is free when the run starts; the rest
 # is left to the page cache, data loading and everything else on the node.

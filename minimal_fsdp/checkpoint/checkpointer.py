@@ -30,8 +30,8 @@ import contextlib
 import dataclasses
 import functools
 import json
-import random
 import os
+import random
 import shutil
 import time
 import zlib
@@ -48,19 +48,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from minimal_fsdp.checkpoint.background import writer_threads
 from minimal_fsdp import files
-from minimal_fsdp.launch import run_lock
+from minimal_fsdp.checkpoint.background import Saved, writer_threads
 from minimal_fsdp.checkpoint.best import better
-from minimal_fsdp.checkpoint.background import Saved
-from minimal_fsdp.checkpoint.writer import ChecksummingWriter
-from minimal_fsdp.checkpoint.writer import write_failure_reason
-from minimal_fsdp.checkpoint.find import load_first, marker, step_dirs
 from minimal_fsdp.checkpoint.dirs import step_of
-from minimal_fsdp.checkpoint.rng import read_rng, rng_bytes, rng_file
-from minimal_fsdp.parallel.parallelize import seed64
+from minimal_fsdp.checkpoint.find import load_first, marker, step_dirs
 from minimal_fsdp.checkpoint.meta import FORMAT, read_meta
+from minimal_fsdp.checkpoint.rng import read_rng, rng_bytes, rng_file
 from minimal_fsdp.checkpoint.safe_load import SafeLoadPlanner, SafeReader
+from minimal_fsdp.checkpoint.writer import ChecksummingWriter, write_failure_reason
+from minimal_fsdp.launch import run_lock
+from minimal_fsdp.parallel.parallelize import seed64
 
 
 class SaveError(RuntimeError):

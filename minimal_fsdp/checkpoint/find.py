@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from minimal_fsdp.launch import failures
-from minimal_fsdp.launch.failures import run_on_main
 from minimal_fsdp.checkpoint.dirs import candidates, files_problem, marker, skipping, step_dirs
 from minimal_fsdp.checkpoint.meta import PLAIN_NAME, MetaError, check_run_keys, read_meta
-from minimal_fsdp.config.choices import DEVICES_PER_RANK, ConfigError
-from minimal_fsdp.files import open_regular, read_json, shown
-from minimal_fsdp.models.classes import MODELS
-from minimal_fsdp.models.families import config_from_dict
 from minimal_fsdp.checkpoint.rng import read_rng, rng_file, rng_problem
 from minimal_fsdp.checkpoint.safe_load import load_quietly, read_dcp_metadata
+from minimal_fsdp.config.choices import DEVICES_PER_RANK, ConfigError
+from minimal_fsdp.files import open_regular, read_json, shown
+from minimal_fsdp.launch import failures
+from minimal_fsdp.launch.failures import run_on_main
+from minimal_fsdp.models.classes import MODELS
+from minimal_fsdp.models.families import config_from_dict
 
 BLOCK = re.compile(r"blocks\.(\d+)\.")
 MAX_JSON_BYTES = 2**30  # a tokenizer.json: 9 MB for Llama 3's 128K tokens

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import ClassVar
 
+from minimal_fsdp.config import parser
+from minimal_fsdp.config.checks import parse_duration, validate
+
 # Nothing here imports torch: `basic_training.py --help` and a mistyped flag answer at once.
 from minimal_fsdp.config.choices import (
     DATA_PARALLEL,
@@ -31,8 +34,6 @@ from minimal_fsdp.config.choices import (
     TOPOLOGIES,
     ConfigError,
 )
-from minimal_fsdp.config.checks import parse_duration, validate
-from minimal_fsdp.config import parser
 from minimal_fsdp.config.parser import flag
 
 

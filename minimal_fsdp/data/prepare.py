@@ -35,8 +35,8 @@ from minimal_fsdp.data.documents import (
     is_val,
     open_documents,
 )
-from minimal_fsdp.files import read_json, write_atomic
 from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
+from minimal_fsdp.files import read_json, write_atomic
 
 SHIPPED_SHAKESPEARE = Path(__file__).resolve().parents[2] / "data" / "shakespeare" / "input.txt"
 # BPE merges are learned from the first this many characters of train

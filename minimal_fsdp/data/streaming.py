@@ -23,10 +23,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from minimal_fsdp.launch import failures
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.documents import encode_document, is_val, open_documents
 from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
+from minimal_fsdp.launch import failures
 
 
 class TokenStream:

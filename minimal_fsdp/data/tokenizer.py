@@ -28,8 +28,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from minimal_fsdp.files import parse_json, read_bytes, read_text, shown, write_atomic
-
 # The tokenizers of other projects' files, and what all tokenizers share (re-exported: callers
 # import them here).
 from minimal_fsdp.data.tokenizer_files import (
@@ -44,6 +42,7 @@ from minimal_fsdp.data.tokenizer_files import (
     _write_json,
     special_tokens,
 )
+from minimal_fsdp.files import parse_json, read_bytes, read_text, shown, write_atomic
 
 # A tokenizer file's cap: Llama 3's tokenizer.json is 9 MB, Gemma 3's 33 MB; a larger file is
 # refused before it is read, so that refusing it takes no time (the tokenizers library would parse
@@ -251,6 +250,7 @@ def _sentences(text):
 
 def _train_sentencepiece(text, vocab_size):
     import io
+
     import sentencepiece as spm
 
     if not vocab_size:

@@ -18,8 +18,8 @@ import torch
 
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.prepare import read_prepared_meta
-from minimal_fsdp.files import read_bytes, read_json, write_atomic
 from minimal_fsdp.data.tokenizer import load_tokenizer
+from minimal_fsdp.files import read_bytes, read_json, write_atomic
 
 TOKEN_DTYPES = ("uint16", "uint32")
 TOKEN_CHUNK = 2**24  # token ids whose maximum is taken at once (32 MB of uint16)

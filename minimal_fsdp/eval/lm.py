@@ -26,8 +26,8 @@ from torch.nn.attention import sdpa_kernel
 from tqdm import tqdm
 
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.launch.failures import MainRankFailed
 from minimal_fsdp.inference.generate import DECODE_ATTENTION
+from minimal_fsdp.launch.failures import MainRankFailed
 
 PAD = 0  # the id right-padding takes; its positions are never scored
 # rows sent to the ranks at once: bounds the pickles and host memory of one broadcast

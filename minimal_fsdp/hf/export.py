@@ -21,12 +21,11 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import find, safe_load
 from minimal_fsdp.checkpoint.meta import read_meta
-from minimal_fsdp.hf import write
-from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import has_tokenizer, load_tokenizer
+from minimal_fsdp.hf import write
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 

@@ -26,14 +26,13 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 
-from minimal_fsdp.data import tokenizer
 from minimal_fsdp.checkpoint.meta import MODEL_BOUNDS, PLAIN_NAME, model_problem
 from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.data import tokenizer
+from minimal_fsdp.files import _depth, open_regular, read_json
+from minimal_fsdp.files import shown as escaped
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import FAMILIES, config_from_dict, of_hf
-from minimal_fsdp.files import open_regular, read_json
-from minimal_fsdp.files import _depth
-from minimal_fsdp.files import shown as escaped
 
 CONFIG_MAX_BYTES = 16 * 2**20  # config.json is a few KB
 INDEX_MAX_BYTES = 64 * 2**20  # an index names each tensor once: a few MB for the largest models

@@ -4,7 +4,6 @@
 
 from minimal_fsdp.config.choices import ConfigError
 
-
 PROBE = "ROMEO:\nO  sweet night, thou art   fair!\n\n\tnaïve café, 42 or 1234567 — 😀 ẞ\r\nend. "
 
 

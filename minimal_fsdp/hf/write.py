@@ -22,7 +22,6 @@ from minimal_fsdp.hf.read import hf_names, is_transposed
 from minimal_fsdp.hf.tokenizer import PROBE, hf_tokenizer
 from minimal_fsdp.models.families import FAMILIES, config_from_dict
 
-
 SAFETENSORS_DTYPES = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",

@@ -16,16 +16,14 @@ anything is built; the tokenizer must fit the model's vocabulary."""
 from dataclasses import dataclass
 from pathlib import Path
 
-from minimal_fsdp.checkpoint import checkpointer
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.checkpoint.meta import model_problem, read_meta
+from minimal_fsdp.checkpoint import checkpointer, find
 from minimal_fsdp.checkpoint.dirs import step_dirs
+from minimal_fsdp.checkpoint.meta import model_problem, read_meta
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.data.tokenizer import load_tokenizer
 from minimal_fsdp.hf import hub, read
 from minimal_fsdp.inference.generate import check_num_tokens, generate
-from minimal_fsdp.launch import environment
-from minimal_fsdp.launch import failures
+from minimal_fsdp.launch import environment, failures
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import config_from_dict, guess_family
 from minimal_fsdp.parallel.parallelize import build_model

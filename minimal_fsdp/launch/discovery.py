@@ -14,9 +14,9 @@ import re
 import socket
 import stat
 
-from minimal_fsdp.launch import failures
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.files import read_text
+from minimal_fsdp.launch import failures
 
 MAX_WORLD = 2**24  # ranks: config/checks.py's cap on a checkpoint's world_size
 # Variables that MPI launchers set in every rank: MPICH/Hydra, Open MPI, PMIx, Cray PALS.

@@ -21,12 +21,7 @@ import torch
 import torch.distributed as dist
 
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.launch import discovery
-from minimal_fsdp.launch import failures
-from minimal_fsdp.launch import hangs
-from minimal_fsdp.launch import hosts
-from minimal_fsdp.launch import rendezvous
-
+from minimal_fsdp.launch import discovery, failures, hangs, hosts, rendezvous
 
 # past --collective_timeout, before a wait for the process group is ended from outside
 GRACE_SECONDS = 5

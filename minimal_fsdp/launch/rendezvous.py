@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from minimal_fsdp.launch import failures
-from minimal_fsdp.launch import hosts
 from minimal_fsdp.config.choices import ConfigError
+from minimal_fsdp.launch import failures, hosts
 from minimal_fsdp.launch.discovery import first_host, int_variable
 
 TOKEN_KEY = "minimal_fsdp/launch_token"

@@ -33,7 +33,6 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-
 # torch 2.10 and later; torch 2.9 (the one torch_xla's last release runs on) has no varlen attention
 try:
     from torch.nn.attention.varlen import varlen_attn

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimal_fsdp.models.layers import Decoder, attend, cross_entropy
 from minimal_fsdp.models.families.gpt import PRESETS, GPTConfig
+from minimal_fsdp.models.layers import Decoder, attend, cross_entropy
 
 
 class CausalSelfAttention(nn.Module):

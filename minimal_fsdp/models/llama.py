@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimal_fsdp.models.layers import Decoder, attend, cross_entropy
 from minimal_fsdp.models.families.llama import PRESETS, LlamaConfig
+from minimal_fsdp.models.layers import Decoder, attend, cross_entropy
 
 
 def rotary_frequencies(config):

@@ -32,10 +32,10 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from minimal_fsdp.parallel import fp8
 from minimal_fsdp.models.attention import KEPT_BY_SELECTIVE_RECOMPUTE
-from minimal_fsdp.parallel.gossip import Gossip
 from minimal_fsdp.models.layers import KVCache
+from minimal_fsdp.parallel import fp8
+from minimal_fsdp.parallel.gossip import Gossip
 from minimal_fsdp.parallel.whole_unit import WholeUnit
 
 aten = torch.ops.aten

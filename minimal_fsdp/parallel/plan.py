@@ -31,9 +31,9 @@ import dataclasses
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from minimal_fsdp.parallel import fp8
 from minimal_fsdp.config.choices import GRAPHS_MODEL, SMALL_MODEL, ConfigError
 from minimal_fsdp.models.size import count_parameters
+from minimal_fsdp.parallel import fp8
 
 # the pure choices, torch-free for the memory planner
 from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy

@@ -15,7 +15,6 @@ from pathlib import Path
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.files import open_regular, parse_json, shown
 
-
 MAX_LINE_BYTES = 2**20  # one logged step is a few hundred bytes; a longer line is not one of ours
 MAX_LINE_DEPTH = 4  # {"step": ..., "eval": {"task": {...}}}
 

@@ -15,16 +15,17 @@ import sys
 import pytest
 import torch
 
-import fake_torch_xla
-from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
-from support import sample_of, sample_of_each
 from minimal_fsdp.backends import default
-from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.checkpoint.safe_load import tensor_names
 from minimal_fsdp.config.checks import validate_world
+from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.parallel.plan import make_plan
-from minimal_fsdp.checkpoint.safe_load import tensor_names
+
+import fake_torch_xla
+from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
+from support import sample_of, sample_of_each
 
 no_torch_xla = pytest.mark.skipif(
     importlib.util.find_spec("torch_xla") is None, reason="needs torch_xla"
@@ -157,6 +158,7 @@ def test_xla_loading_unpickles_no_code(tmp_path, monkeypatch):
     import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
     from minimal_fsdp.backends import xla
 
     monkeypatch.chdir(tmp_path)

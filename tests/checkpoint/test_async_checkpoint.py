@@ -29,20 +29,23 @@ import pytest
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from conftest import TINY_MODEL, make_text
-from faults import launch_with_faults
-from minimal_fsdp.models.size import count_parameters
-from minimal_fsdp.checkpoint import checkpointer
-from minimal_fsdp.checkpoint.background import DefaultSavePlanner, choose_mode, staging_bytes
-from minimal_fsdp.checkpoint import find
 from minimal_fsdp.backends import banner
-from minimal_fsdp.tools import model_size
-from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.checkpoint.background import Background
+from minimal_fsdp.checkpoint import checkpointer, find, safe_load
+from minimal_fsdp.checkpoint.background import (
+    Background,
+    DefaultSavePlanner,
+    choose_mode,
+    staging_bytes,
+)
 from minimal_fsdp.checkpoint.writer import ChecksummingWriter
 from minimal_fsdp.config.flags import parse_args
-from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.models.families import make_config
+from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.models.size import count_parameters
+from minimal_fsdp.tools import model_size
+
+from conftest import TINY_MODEL, make_text
+from faults import launch_with_faults
 
 HANG_GUARD = 120  # seconds; only a broken save waits this long
 

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL, launch, make_text
-from minimal_fsdp.checkpoint import best
-from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import best, find
 from minimal_fsdp.config.flags import Config, ConfigError
+
+from conftest import ROOT, TINY_MODEL, launch, make_text
 
 DATA = ROOT / "configs" / "eval"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}

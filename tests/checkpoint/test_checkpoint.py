@@ -25,25 +25,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from conftest import TINY_MODEL, launch, make_text
-from faults import launch_with_faults
-from minimal_fsdp import files, metrics
-from minimal_fsdp.launch import run_lock
-from minimal_fsdp import train
-from minimal_fsdp.checkpoint import checkpointer
-from minimal_fsdp.checkpoint import find
+from minimal_fsdp import files, metrics, train
+from minimal_fsdp.checkpoint import checkpointer, find, safe_load
 from minimal_fsdp.checkpoint.dirs import crc32
 from minimal_fsdp.checkpoint.meta import read_meta
 from minimal_fsdp.checkpoint.rng import rng_bytes
-from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.launch import run_lock
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 from minimal_fsdp.parallel.plan import make_plan
 from minimal_fsdp.train import build_optimizer
-from support import meta_of, moments, same, save_three, state_of, tiny, weights
-from support import console, run, saved  # noqa: F401 (fixtures)
+
+from conftest import TINY_MODEL, launch, make_text
+from faults import launch_with_faults
+from support import console, meta_of, moments, run, same, save_three, saved, state_of, tiny, weights  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

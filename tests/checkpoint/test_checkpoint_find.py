@@ -15,15 +15,23 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.checkpoint.meta import MAX_BYTES, MetaError, read_meta
-from minimal_fsdp.launch import failures
-from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.config.flags import ConfigError, parse_args
-from support import HOSTILE_META, MakeDirectory, edited, flip_a_byte, meta_of
-from support import console, run, saved  # noqa: F401 (fixtures)
-from support import command
 from minimal_fsdp.__main__ import main as cli
+from minimal_fsdp.checkpoint import find, safe_load
+from minimal_fsdp.checkpoint.meta import MAX_BYTES, MetaError, read_meta
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.launch import failures
+
+from support import (  # noqa: F401 (fixtures)
+    HOSTILE_META,
+    MakeDirectory,
+    command,
+    console,
+    edited,
+    flip_a_byte,
+    meta_of,
+    run,
+    saved,
+)
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

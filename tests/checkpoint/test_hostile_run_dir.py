@@ -19,19 +19,27 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import ROOT
 from minimal_fsdp import files
-from minimal_fsdp.launch import run_lock
-from minimal_fsdp.checkpoint import checkpointer
-from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import checkpointer, find, safe_load
 from minimal_fsdp.checkpoint.meta import MetaError, read_meta
-from minimal_fsdp.checkpoint import safe_load
 from minimal_fsdp.config.checks import WHOLE_RANGES
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args
 from minimal_fsdp.inference import load
+from minimal_fsdp.launch import run_lock
 from minimal_fsdp.tools import progress
-from support import MakeDirectory, TINY, meta_of, recompute_checksums, scramble_a_tensor, tiny
-from support import console, run, saved  # noqa: F401 (fixtures)
+
+from conftest import ROOT
+from support import (  # noqa: F401 (fixtures)
+    TINY,
+    MakeDirectory,
+    console,
+    meta_of,
+    recompute_checksums,
+    run,
+    saved,
+    scramble_a_tensor,
+    tiny,
+)
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

@@ -10,14 +10,13 @@ import signal
 import pytest
 import torch.distributed as dist
 
+from minimal_fsdp.checkpoint import find, meta, safe_load
+from minimal_fsdp.config.checks import parse_duration
+from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.launch.resilience import StopRequests
+
 from conftest import TINY_MODEL, launch_runs, make_text, printed_by_run
 from faults import launch_with_faults
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.checkpoint import meta
-from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.config.flags import ConfigError
-from minimal_fsdp.config.checks import parse_duration
-from minimal_fsdp.launch.resilience import StopRequests
 
 STEPS = 20
 

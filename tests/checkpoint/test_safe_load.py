@@ -16,11 +16,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from minimal_fsdp.checkpoint import checkpointer
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.checkpoint import safe_load
-from support import MakeDirectory, moments, same, state_of, tiny, weights
-from support import run, saved  # noqa: F401 (fixtures)
+from minimal_fsdp.checkpoint import checkpointer, find, safe_load
+
+from support import MakeDirectory, moments, run, same, saved, state_of, tiny, weights  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

@@ -18,15 +18,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
+from minimal_fsdp.checkpoint import find, safe_load
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.hf import hub
+from minimal_fsdp.launch import run_lock
+
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text
 from faults import launch_with_faults
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.launch import run_lock
-from minimal_fsdp.hf import hub
-from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.config.flags import ConfigError, parse_args
 from support import command
-
 
 # ---- a corpus of hostile pickles: none may run, every one is refused ----
 

@@ -10,11 +10,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT
 from minimal_fsdp.__main__ import COMMANDS
 from minimal_fsdp.config import commands
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.config.parser import parse
+
+from conftest import ROOT
 
 # A small --config file per command and one flag given on the command line as well: the command
 # line wins.

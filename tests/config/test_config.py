@@ -4,10 +4,11 @@ tests/config/test_config_validation.py."""
 
 import pytest
 
-from minimal_fsdp.config.flags import build_parser, parse_args
 from minimal_fsdp.config.checks import validate_world
-from minimal_fsdp.models.gpt import GPT
+from minimal_fsdp.config.flags import build_parser, parse_args
 from minimal_fsdp.models.families import config_from_flags
+from minimal_fsdp.models.gpt import GPT
+
 from support import names, one_error_line, refused
 
 

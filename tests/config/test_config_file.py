@@ -5,8 +5,9 @@ import dataclasses
 
 import pytest
 
-from conftest import ROOT
 from minimal_fsdp.config.flags import SECTIONS, Config, parse_args, to_toml
+
+from conftest import ROOT
 from support import refused
 
 

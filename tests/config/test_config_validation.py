@@ -8,9 +8,9 @@ import importlib.util
 
 import pytest
 
-from minimal_fsdp.config.checks import validate
+from minimal_fsdp.config.checks import parse_duration, validate, validate_world
 from minimal_fsdp.config.flags import ConfigError, parse_args
-from minimal_fsdp.config.checks import parse_duration, validate_world
+
 import support
 from support import named, names, one_error_line
 

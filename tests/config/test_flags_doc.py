@@ -9,13 +9,14 @@ import sys
 
 import pytest
 
-from conftest import ROOT
 from minimal_fsdp.__main__ import COMMANDS
 from minimal_fsdp.config.commands import PrepareFlags
 from minimal_fsdp.config.flags import SECTIONS, Config, build_parser, load_config_file
 from minimal_fsdp.config.parser import build_parser as build_command_parser
 from minimal_fsdp.config.parser import sections
 from minimal_fsdp.tools import flags_doc
+
+from conftest import ROOT
 
 FIELDS = [f.name for f in dataclasses.fields(Config)]
 

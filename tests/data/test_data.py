@@ -16,8 +16,9 @@ import torch
 
 from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.data import prepare as preparing
-from minimal_fsdp.data.prepare import dataset_dir
 from minimal_fsdp.data import tokens
+from minimal_fsdp.data.prepare import dataset_dir
+from minimal_fsdp.data.tokenizer import CharTokenizer
 from minimal_fsdp.data.tokens import (
     TOKEN_CACHE,
     TokenData,
@@ -25,7 +26,6 @@ from minimal_fsdp.data.tokens import (
     epoch_order,
     largest_token,
 )
-from minimal_fsdp.data.tokenizer import CharTokenizer
 
 
 def prepared_dir(cfg, tokenizer=None):

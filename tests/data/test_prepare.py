@@ -7,18 +7,17 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY_MODEL, launch, make_text
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.checkpoint import meta
-from minimal_fsdp.data import documents
+from minimal_fsdp.checkpoint import find, meta
 from minimal_fsdp.commands import prepare as prepare_command
-from minimal_fsdp.data import prepare
 from minimal_fsdp.config.commands import PrepareFlags
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.config.parser import parse
-from minimal_fsdp.data.tokens import TokenData
+from minimal_fsdp.data import documents, prepare
 from minimal_fsdp.data.documents import encode_document, is_val, open_documents
 from minimal_fsdp.data.tokenizer import load_tokenizer
+from minimal_fsdp.data.tokens import TokenData
+
+from conftest import ROOT, TINY_MODEL, launch, make_text
 from support import make_documents, run_cli, write_jsonl
 
 

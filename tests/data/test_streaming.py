@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_MODEL, launch
 from minimal_fsdp.config.flags import ConfigError, parse_args
-from minimal_fsdp.data.tokens import TokenData
 from minimal_fsdp.data.documents import HFDocuments, encode_document, is_val, open_documents
 from minimal_fsdp.data.streaming import StreamingData
 from minimal_fsdp.data.tokenizer import load_tokenizer
+from minimal_fsdp.data.tokens import TokenData
+
+from conftest import TINY_MODEL, launch
 from support import make_documents, run_cli, write_jsonl
 
 SEQ = 32

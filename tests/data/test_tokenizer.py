@@ -4,7 +4,6 @@ import random
 
 import pytest
 
-import tokenizer_dirs
 from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.data.tokenizer import (
     CharTokenizer,
@@ -14,6 +13,8 @@ from minimal_fsdp.data.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
+
+import tokenizer_dirs
 from support import command
 
 
@@ -329,10 +330,11 @@ def test_tokenizer_dir_flag_rules():
 
 @pytest.mark.slow
 def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
-    from conftest import TINY_MODEL, launch
     from minimal_fsdp.checkpoint import find
     from minimal_fsdp.checkpoint.meta import read_meta
     from minimal_fsdp.data.tokens import TokenData
+
+    from conftest import TINY_MODEL, launch
 
     directory, num_ranks = tokenizer_dirs.write_tiktoken(tmp_path / "llama3")
     offline = {
@@ -379,8 +381,8 @@ def test_a_fresh_model_trains_offline_with_llama3s_tokenizer(tmp_path, corpus):
 
 
 def test_prepare_with_a_tokenizer_dir(tmp_path, offline):
-    from minimal_fsdp.data.tokens import TokenData
     from minimal_fsdp.data.documents import encode_document, is_val
+    from minimal_fsdp.data.tokens import TokenData
 
     directory = tokenizer_dirs.write_tokenizer_json(tmp_path / "hf")
     tokenizer = load_tokenizer(directory)

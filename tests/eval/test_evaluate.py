@@ -15,11 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, launch_runs, make_text, mpiexec
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.eval import harness
 from minimal_fsdp.hf import export
+
+from conftest import ROOT, TINY_MODEL, launch_runs, make_text, mpiexec
 from support import command
 
 lm_eval = pytest.importorskip("lm_eval")  # pip install -e '.[dev]' installs it
@@ -526,6 +527,7 @@ def test_each_distinct_text_is_tokenized_once_per_loglikelihood_call(one_rank_gr
     each choice): our loglikelihood tokenizes each distinct text once, and hands
     _loglikelihood_tokens the same token ids."""
     from lm_eval.api.instance import Instance
+
     from minimal_fsdp.eval.lm import ShardedLM
 
     encoded = []
@@ -582,8 +584,9 @@ def test_all_texts_encoded_at_once_as_one_at_a_time(tmp_path, monkeypatch):
     backend encodes a loglikelihood call's texts with) gives every text exactly as that tokenizer's
     encode does, for each kind, empty and whitespace-only texts too, and also where a tokenizer.json
     asks a batch to be padded (a text alone is not)."""
-    import tokenizer_dirs
     from minimal_fsdp.data.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
+
+    import tokenizer_dirs
 
     texts = tokenizer_dirs.MIXED + [
         "",

@@ -9,9 +9,10 @@ import logging
 import pytest
 import torch
 
-from conftest import ROOT
 from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.data.tokenizer import CharTokenizer
+
+from conftest import ROOT
 
 lm_eval = pytest.importorskip("lm_eval")
 

@@ -28,8 +28,8 @@ with atheris.instrument_imports(include=["minimal_fsdp"]):
     from minimal_fsdp.config.parser import parse
     from minimal_fsdp.data import tokenizer as tk
     from minimal_fsdp.files import parse_json
-    from minimal_fsdp.launch.run_lock import RunLock
     from minimal_fsdp.launch import discovery
+    from minimal_fsdp.launch.run_lock import RunLock
     from minimal_fsdp.tools.plot import read_metrics
 
 WORK = Path(tempfile.mkdtemp(prefix="atheris-"))

@@ -21,11 +21,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fuzzing
 from minimal_fsdp.checkpoint import find as checkpoint_find
 from minimal_fsdp.checkpoint.checkpointer import restore_rng
 from minimal_fsdp.hf.export import export
 from minimal_fsdp.tools import progress
+
+import fuzzing
 from support import save_three
 
 

@@ -13,9 +13,10 @@ import tempfile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fuzzing
 from minimal_fsdp.__main__ import COMMANDS
 from minimal_fsdp.config.parser import parse
+
+import fuzzing
 
 # what a command needs besides the file, given on the command line
 POSITIONAL = {

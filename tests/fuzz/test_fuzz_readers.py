@@ -16,12 +16,13 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import fuzzing
 from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.data.tokens import TOKEN_CACHE, TokenData
-from minimal_fsdp.launch.run_lock import LOCK_NAME, RunLock
 from minimal_fsdp.launch import discovery
+from minimal_fsdp.launch.run_lock import LOCK_NAME, RunLock
 from minimal_fsdp.tools.plot import read_metrics
+
+import fuzzing
 
 TEXT = "the king and the queen.\nROMEO: good night, sweet love!\n" * 20
 

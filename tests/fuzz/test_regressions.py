@@ -10,17 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import fuzzing
-from conftest import TINY_MODEL, make_text
 from minimal_fsdp.__main__ import COMMANDS
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.config.parser import parse
 from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.data.tokens import TOKEN_CACHE, TokenData
-from minimal_fsdp.launch.run_lock import LOCK_NAME, RunLock
 from minimal_fsdp.launch import discovery
+from minimal_fsdp.launch.run_lock import LOCK_NAME, RunLock
 from minimal_fsdp.tools.plot import read_metrics
+
+import fuzzing
+from conftest import TINY_MODEL, make_text
 from support import command
 
 POSITIONAL = {
@@ -322,10 +323,11 @@ def test_a_raw_pickle_optimizer_step_is_named_without_torchs_terminal_escapes(
     import shutil
 
     import torch
+    from test_fuzz_checkpoint import optimizer_entries, recorded, spliced
 
     from minimal_fsdp.checkpoint import find as checkpoint_find
+
     from support import save_three
-    from test_fuzz_checkpoint import optimizer_entries, recorded, spliced
 
     run, _, _ = save_three(tmp_path)
     path = run / "step_2"

@@ -12,12 +12,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import TINY_MODEL, launch, make_text
-from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import find, safe_load
 from minimal_fsdp.checkpoint.meta import read_meta
-from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.data.tokenizer import load_tokenizer
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+
+from conftest import TINY_MODEL, launch, make_text
 from support import command
 
 

@@ -17,16 +17,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import tokenizer_dirs
-from minimal_fsdp.hf import hub, read
-from minimal_fsdp.data import tokenizer as tk
 from minimal_fsdp.config.flags import ConfigError
-from minimal_fsdp.models.llama import LlamaConfig
-from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.hf import hub, read
 from minimal_fsdp.models.classes import MODELS
+from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.models.llama import LlamaConfig
+
+import tokenizer_dirs
 from support import (
     HF_GPT as GPT,
+)
+from support import (
     HF_LLAMA as LLAMA,
+)
+from support import (
     LLAMA3_ROPE,
     assert_same_logits,
     bare,

@@ -14,14 +14,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimal_fsdp.hf.read import check_weights, load_tokenizer, read_config, read_model_config
-from minimal_fsdp.hf.hub import resolve
-from minimal_fsdp.hf import write
-from minimal_fsdp.data import tokenizer
 from minimal_fsdp.config.flags import ConfigError
-from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.data import tokenizer
+from minimal_fsdp.hf import write
+from minimal_fsdp.hf.hub import resolve
+from minimal_fsdp.hf.read import check_weights, load_tokenizer, read_config, read_model_config
 from minimal_fsdp.models.gpt import GPTConfig
-from support import HF_GPT as GPT, LLAMA3, bare, gpt2_config, llama_config, ours, save_config
+from minimal_fsdp.models.llama import LlamaConfig
+
+from support import HF_GPT as GPT
+from support import LLAMA3, bare, gpt2_config, llama_config, ours, save_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,31 +13,30 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from minimal_fsdp.checkpoint import find, meta, safe_load
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.data import tokenizer as tk
+from minimal_fsdp.data.prepare import dataset_dir
+from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
+from minimal_fsdp.data.tokens import TokenData
+from minimal_fsdp.hf import write
+from minimal_fsdp.models.classes import MODELS
+from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.parallel.parallelize import init_weights
+
 import tokenizer_dirs
 from conftest import ROOT, global_batch, launch, launch_runs, make_text
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.checkpoint import meta
-from minimal_fsdp.hf import write
-from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.data import tokenizer as tk
-from minimal_fsdp.config.flags import parse_args
-from minimal_fsdp.data.prepare import dataset_dir
-from minimal_fsdp.data.tokens import TokenData
-from minimal_fsdp.models.llama import LlamaConfig
-from minimal_fsdp.models.gpt import GPTConfig
-from minimal_fsdp.models.classes import MODELS
-from minimal_fsdp.parallel.parallelize import init_weights
-from minimal_fsdp.data.tokenizer import load_tokenizer, train_tokenizer
 from support import (
     LLAMA3_ROPE,
     assert_same_logits,
+    command,
     hf_gpt2,
     hf_llama,
     logged_losses,
     ours_from,
     sample_of,
 )
-from support import command
 
 transformers = pytest.importorskip("transformers")
 

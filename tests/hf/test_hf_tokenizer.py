@@ -9,10 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import tokenizer_dirs
-from minimal_fsdp.hf import read
-from minimal_fsdp.hf.tokenizer import PROBE, _bytes_to_unicode, _from_tiktoken, hf_tokenizer
-from minimal_fsdp.hf import write
+from minimal_fsdp.config.flags import ConfigError
 from minimal_fsdp.data.tokenizer import (
     CharTokenizer,
     GPT2Tokenizer,
@@ -20,10 +17,13 @@ from minimal_fsdp.data.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
-from minimal_fsdp.config.flags import ConfigError
-from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.hf import read, write
+from minimal_fsdp.hf.tokenizer import PROBE, _bytes_to_unicode, _from_tiktoken, hf_tokenizer
 from minimal_fsdp.models.classes import MODELS
+from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.parallel.parallelize import init_weights
+
+import tokenizer_dirs
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,6 +104,7 @@ def test_byte_table_is_gpt2s():
 def sentencepiece(**options):
     """A sentencepiece BPE trained here with trainer options of a Llama 2 tokenizer.model's kind."""
     import io
+
     import sentencepiece as spm
 
     model = io.BytesIO()

@@ -11,17 +11,21 @@ import struct
 import pytest
 import torch
 
-from minimal_fsdp.hf import read
-from minimal_fsdp.hf import write
-from minimal_fsdp.data.tokenizer import CharTokenizer
 from minimal_fsdp.config.flags import ConfigError
-from minimal_fsdp.models.llama import LlamaConfig
-from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.data.tokenizer import CharTokenizer
+from minimal_fsdp.hf import read, write
 from minimal_fsdp.models.classes import MODELS
+from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.parallel.parallelize import init_weights
+
 from support import (
     HF_GPT as GPT,
+)
+from support import (
     HF_LLAMA as LLAMA,
+)
+from support import (
     LLAMA3,
     LLAMA3_ROPE,
     assert_same_logits,

@@ -9,16 +9,16 @@ import json
 import pytest
 import torch
 
-from minimal_fsdp.config.flags import ConfigError, parse_args
 from minimal_fsdp.config.checks import model_family
-from minimal_fsdp.hf import read
-from minimal_fsdp.hf import write
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.hf import read, write
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import config_from_flags, make_config
 from minimal_fsdp.models.families.qwen2 import Qwen2Config
 from minimal_fsdp.models.qwen2 import Qwen2
 from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.parallel.parallelize import init_weights
+
 from support import assert_same_logits, ours_from
 
 transformers = pytest.importorskip("transformers")

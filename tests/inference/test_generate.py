@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from minimal_fsdp.data.tokenizer import CharTokenizer
 from minimal_fsdp.inference.generate import generate
 from minimal_fsdp.models.gpt import GPT, GPTConfig
-from minimal_fsdp.data.tokenizer import CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

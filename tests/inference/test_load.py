@@ -15,15 +15,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import tokenizer_dirs
-from conftest import TINY_MODEL, launch, make_text
-import support
-from support import scramble_a_tensor
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.data.tokenizer import CharTokenizer, load_tokenizer
 from minimal_fsdp.hf import export
 from minimal_fsdp.inference import load
 from minimal_fsdp.inference.generate import TextStream
+
+import support
+import tokenizer_dirs
+from conftest import TINY_MODEL, launch, make_text
+from support import scramble_a_tensor
 
 PROMPT = "KING:"
 

@@ -12,13 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from minimal_fsdp.checkpoint import find, meta, safe_load
+from minimal_fsdp.data.tokenizer import load_tokenizer
+from minimal_fsdp.models.llama import Llama, LlamaConfig
+
 import tokenizer_dirs
 from conftest import ROOT, TINY_MODEL, launch, make_text, mpiexec
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.checkpoint import meta
-from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.models.llama import Llama, LlamaConfig
-from minimal_fsdp.data.tokenizer import load_tokenizer
 from support import command
 
 PROMPT = "KING:"

@@ -4,8 +4,7 @@
 import pytest
 
 from conftest import TINY_MODEL, launch
-from support import names
-from support import command
+from support import command, names
 
 
 def run_bad(args, tmp_path, ranks=2, env=None):

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minimal_fsdp.launch import hangs
+
 from conftest import TINY_MODEL, make_text
 from faults import launch_with_faults
-from minimal_fsdp.launch import hangs
 
 
 def test_ranks_are_written_as_spans():

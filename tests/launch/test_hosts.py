@@ -6,8 +6,8 @@ import ipaddress
 
 import pytest
 
-from minimal_fsdp.launch import hosts
 from minimal_fsdp.config.flags import ConfigError
+from minimal_fsdp.launch import hosts
 
 LOCAL = {
     "lo": ipaddress.IPv4Interface("127.0.0.1/8"),

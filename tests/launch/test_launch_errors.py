@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch.distributed as dist
 
+from minimal_fsdp.launch import hosts, rendezvous
+
 from conftest import ENTRY, ROOT, TINY_MODEL, mpiexec
 from fake_launchers import error_lines, install_fakes, run_session
-from minimal_fsdp.launch import hosts
-from minimal_fsdp.launch import rendezvous
 
 # Variables of the launcher that runs pytest (a test may itself run under one) that would mislead
 # the job.

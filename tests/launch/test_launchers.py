@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from minimal_fsdp.config.checks import validate_world
+from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.launch import discovery, environment, rendezvous
+
 from conftest import ROOT, TINY_MODEL, mpiexec
 from fake_launchers import install_fakes
-from minimal_fsdp.launch import discovery
-from minimal_fsdp.launch import environment
-from minimal_fsdp.launch import rendezvous
-from minimal_fsdp.config.flags import ConfigError, parse_args
-from minimal_fsdp.config.checks import validate_world
 from support import envsubst, kubelet_expand
 
 
@@ -772,7 +771,7 @@ def test_a_peer_lost_during_a_save_is_one_line(monkeypatch):
             1,
         ),
     ]
-    # what run.main picks its line by: the first failure's words and whether it timed out
+    # what the train command picks its line by: the first failure's words and whether it timed out
     lost_peer = run.failures.lost_peer
     assert lost_peer(closed) == (
         "Timed out waiting 10000ms for send operation to complete",

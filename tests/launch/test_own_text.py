@@ -5,8 +5,9 @@ the data is prepared, naming what differs."""
 
 import pytest
 
-from conftest import TINY_MODEL, launch, make_text
 from minimal_fsdp.config.flags import parse_args
+
+from conftest import TINY_MODEL, launch, make_text
 
 
 @pytest.mark.parametrize(

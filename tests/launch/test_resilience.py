@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minimal_fsdp.launch import resilience, run_lock
+from minimal_fsdp.launch.resilience import StopRequests
+
 from conftest import ROOT, TINY_MODEL, mpiexec
 from fake_launchers import session_processes
-from minimal_fsdp.launch import run_lock
-from minimal_fsdp.launch import resilience
-from minimal_fsdp.launch.resilience import StopRequests
 
 
 @pytest.fixture

@@ -20,16 +20,16 @@ from conftest import ROOT, launch
 from support import documents, logged_losses, reference_losses, run_dirs, spans
 
 sys.path.insert(0, str(ROOT))
-import tokenizer_dirs  # noqa: E402
-from minimal_fsdp.models import attention
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.checkpoint.meta import read_meta
-from minimal_fsdp.models import families
-from minimal_fsdp.parallel import parallelize  # noqa: E402
 from minimal_fsdp.config.choices import ConfigError  # noqa: E402
-from minimal_fsdp.models.llama import Llama, LlamaConfig  # noqa: E402
+from minimal_fsdp.models import attention, families
 from minimal_fsdp.models.gpt import GPT, GPTConfig  # noqa: E402
+from minimal_fsdp.models.llama import Llama, LlamaConfig  # noqa: E402
+from minimal_fsdp.parallel import parallelize  # noqa: E402
 from minimal_fsdp.parallel.parallelize import init_weights  # noqa: E402
+
+import tokenizer_dirs  # noqa: E402
 
 EOT = 0
 # Two windows of 30 tokens: documents of 8, 12 and 10 tokens (the last cut by the window, no

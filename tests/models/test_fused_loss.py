@@ -68,10 +68,11 @@ def test_autocast_with_fp32_weights():
 def test_models_on_cuda_use_it():
     """build_model swaps the fused loss in on CUDA; the model's loss still equals PyTorch's."""
     from types import SimpleNamespace
+
     from minimal_fsdp.config.flags import Config
     from minimal_fsdp.models.fused_loss import linear_cross_entropy
-    from minimal_fsdp.models.layers import cross_entropy
     from minimal_fsdp.models.gpt import GPT, GPTConfig
+    from minimal_fsdp.models.layers import cross_entropy
     from minimal_fsdp.parallel.parallelize import build_model
     from minimal_fsdp.parallel.plan import make_plan
 

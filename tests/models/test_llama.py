@@ -9,10 +9,9 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, launch
 import tokenizer_dirs
+from conftest import ROOT, launch
 from support import (
-    run_dirs,
     EMULATED,
     check_close_to_bf16,
     documents,
@@ -20,18 +19,21 @@ from support import (
     losses_of,
     reference,
     reference_losses,
+    run_dirs,
     sample_of,
 )
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.hf import read
-from minimal_fsdp.checkpoint import safe_load  # noqa: E402
-from minimal_fsdp.config.flags import MODEL_PRESETS, ConfigError, parse_args
+from minimal_fsdp.checkpoint import (
+    find,
+    safe_load,  # noqa: E402
+)
 from minimal_fsdp.config.checks import model_family
-from minimal_fsdp.models.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
+from minimal_fsdp.config.flags import MODEL_PRESETS, ConfigError, parse_args
+from minimal_fsdp.hf import read
 from minimal_fsdp.models.families import config_from_flags, make_config  # noqa: E402
 from minimal_fsdp.models.gpt import PRESETS as GPT_PRESETS  # noqa: E402
+from minimal_fsdp.models.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
 from minimal_fsdp.parallel.parallelize import init_weights  # noqa: E402
 
 STEPS = 5

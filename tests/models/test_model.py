@@ -3,11 +3,12 @@ import zlib
 import pytest
 import torch
 
-import reference
-from minimal_fsdp.models.llama import Llama, LlamaConfig
-from minimal_fsdp.models.gpt import GPT, GPTConfig, PRESETS
 from minimal_fsdp.models.families import make_config
+from minimal_fsdp.models.gpt import GPT, PRESETS, GPTConfig
+from minimal_fsdp.models.llama import Llama, LlamaConfig
 from minimal_fsdp.parallel.parallelize import init_weights
+
+import reference
 
 
 def tiny(**kw):

@@ -13,13 +13,14 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.tools import virtual_cluster
+from minimal_fsdp.tools.virtual_cluster import Cluster
+
 import reference as plain
 from conftest import ENTRY, ROOT, TINY_MODEL, mpiexec
 from support import host_run_args, logged_rows, run_dirs
-from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.tools import virtual_cluster
-from minimal_fsdp.config.flags import parse_args
-from minimal_fsdp.tools.virtual_cluster import Cluster
 
 WHY = virtual_cluster.unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no virtual hosts here: {WHY}")

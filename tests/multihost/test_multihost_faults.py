@@ -8,11 +8,12 @@ import sys
 import time
 
 import pytest
-
-from conftest import ROOT, make_text
 from test_multihost import WHY, Ranks, base_env, metrics, tiny_args, torchrun_env
+
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.tools.virtual_cluster import Cluster
+
+from conftest import ROOT, make_text
 
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no virtual hosts here: {WHY}")
 FAULTS = ROOT / "tests" / "faults.py"

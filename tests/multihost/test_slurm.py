@@ -17,10 +17,11 @@ import time
 
 import pytest
 
+from minimal_fsdp.tools import slurm_cluster, virtual_cluster
+
 import reference as plain
 from conftest import ENTRY, ROOT, make_text
 from support import host_run_args, logged_rows
-from minimal_fsdp.tools import slurm_cluster, virtual_cluster
 
 WHY = virtual_cluster.unavailable() or slurm_cluster.unavailable()
 pytestmark = [

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+
 from conftest import TINY_MODEL, launch_runs, make_text
 from support import run_dirs
-
-from minimal_fsdp.models.gpt import GPT, GPTConfig
 
 STEPS = 40
 

@@ -17,23 +17,26 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import reference as plain
 from conftest import ROOT, TINY_MODEL, launch, launch_runs, make_text, mpiexec, printed_by_run
 from support import (
-    run_dirs,
     DECENTRALIZED,
     check_mixing,
     check_quadratic,
     decentralized_reference,
+    run_dirs,
     run_gossip_ranks,
 )
 
 sys.path.insert(0, str(ROOT))
-from minimal_fsdp.checkpoint import find
-from minimal_fsdp.checkpoint import meta
-from minimal_fsdp.checkpoint import safe_load  # noqa: E402
-from minimal_fsdp.parallel.accum_adamw import AccumAdamW  # noqa: E402
+from minimal_fsdp.checkpoint import (
+    find,
+    meta,
+    safe_load,  # noqa: E402
+)
 from minimal_fsdp.config.flags import ConfigError, parse_args  # noqa: E402
-from minimal_fsdp.parallel.gossip import TOPOLOGIES  # noqa: E402
 from minimal_fsdp.models.gpt import GPT, GPTConfig  # noqa: E402
+from minimal_fsdp.parallel.accum_adamw import AccumAdamW  # noqa: E402
+from minimal_fsdp.parallel.gossip import TOPOLOGIES  # noqa: E402
 from minimal_fsdp.train import build_optimizer  # noqa: E402
+
 from support import command
 
 

@@ -16,19 +16,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from conftest import ROOT, launch, launch_runs, printed_by_run
-from minimal_fsdp.config.choices import FP8_RECIPES
-from minimal_fsdp.parallel import fp8
-from minimal_fsdp.tools import model_size
-from minimal_fsdp.parallel import parallelize
 from minimal_fsdp.checkpoint import safe_load
+from minimal_fsdp.config.choices import FP8_RECIPES
 from minimal_fsdp.config.flags import ConfigError, parse_args
-from minimal_fsdp.models.llama import Llama, LlamaConfig
 from minimal_fsdp.models.gpt import GPT, GPTConfig
+from minimal_fsdp.models.llama import Llama, LlamaConfig
+from minimal_fsdp.parallel import fp8, parallelize
 from minimal_fsdp.parallel.parallelize import build_model
 from minimal_fsdp.parallel.plan import make_plan
-from support import EMULATED, check_close_to_bf16, losses_of, run_dirs
-from support import command
+from minimal_fsdp.tools import model_size
+
+from conftest import ROOT, launch, launch_runs, printed_by_run
+from support import EMULATED, check_close_to_bf16, command, losses_of, run_dirs
 
 # What builds float8 layers needs torchao (pip install -e ".[fp8]"); the flag, device and planner
 # checks do not.

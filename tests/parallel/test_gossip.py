@@ -10,18 +10,19 @@ import queue
 import threading
 import types
 
+import gossip_ranks
 import pytest
 import torch
 
-import gossip_ranks
 from minimal_fsdp.parallel import gossip
 from minimal_fsdp.parallel.gossip import (
-    Gossip,
     TOPOLOGIES,
+    Gossip,
     exchange_for,
     exp_distances,
     mixing_matrix,
 )
+
 from support import check_mixing, check_quadratic, period, predicted_rate, run_gossip_ranks
 
 

@@ -21,21 +21,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import ROOT, launch_runs, make_text, mpiexec
-from minimal_fsdp.checkpoint import find
+from minimal_fsdp.checkpoint import find, safe_load
+from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.models.families import make_config
+from minimal_fsdp.models.gpt import GPT, GPTConfig
+from minimal_fsdp.models.llama import Llama
 from minimal_fsdp.parallel import choose, parallelize
 from minimal_fsdp.parallel import plan as plan_module
-from minimal_fsdp.checkpoint import safe_load
-from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.parallel.gossip import Gossip
-from minimal_fsdp.models.llama import Llama
-from minimal_fsdp.models.gpt import GPT, GPTConfig
-from minimal_fsdp.models.families import make_config
 from minimal_fsdp.parallel.parallelize import (
+    SYNCS,
     DDPSync,
     FSDPSync,
     LocalSync,
-    SYNCS,
     WholeUnitSync,
     build_model,
     gradient_sync,
@@ -48,8 +46,10 @@ from minimal_fsdp.parallel.plan import (
     make_plan,
     process_settings,
 )
-from minimal_fsdp.train import build_optimizer
 from minimal_fsdp.parallel.whole_unit import WholeUnit
+from minimal_fsdp.train import build_optimizer
+
+from conftest import ROOT, launch_runs, make_text, mpiexec
 from support import (
     CONFIG,
     NUM_PARAMS,
@@ -62,7 +62,6 @@ from support import (
     run_reduce_ranks,
     train_args,
 )
-
 
 CASES = [
     (2, ["--sharding", "full-shard"]),
@@ -317,10 +316,12 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(
     """Over one rank nothing reshards after forward, so the micro-steps after the first find the
     parameters still gathered; only the last micro-step reshards them for the optimizer. Turned off,
     every micro-step gathers them again (the control that shows the test can see the difference)."""
-    from types import SimpleNamespace
-    from torch.distributed.tensor import DTensor
-    from minimal_fsdp.config.flags import Config
     import dataclasses
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import DTensor
+
+    from minimal_fsdp.config.flags import Config
     from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
     from minimal_fsdp.parallel.plan import make_plan
     from minimal_fsdp.train import train_step

@@ -9,16 +9,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimal_fsdp.parallel import choose
-from minimal_fsdp.parallel import plan as plan_module
 from minimal_fsdp.config.choices import SMALL_MODEL
 from minimal_fsdp.config.flags import ConfigError, parse_args
-from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import make_config
+from minimal_fsdp.models.llama import LlamaConfig
 from minimal_fsdp.models.size import count_parameters
-from minimal_fsdp.parallel.plan import STRATEGIES, make_plan
+from minimal_fsdp.parallel import choose
+from minimal_fsdp.parallel import plan as plan_module
 from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
+from minimal_fsdp.parallel.plan import STRATEGIES, make_plan
+
 from support import CONFIG, NUM_PARAMS, plain_plan
 
 
@@ -392,8 +393,9 @@ def test_cuda_graphs_only_where_no_fsdp_hooks_surround_the_graph(monkeypatch, fl
     (Plans only: no mesh is built, no GPU needed; test_gpu.py trains no-shard and the one unit with
     CUDA graphs against the reference.)"""
     from types import SimpleNamespace
-    from minimal_fsdp.parallel import plan as plan_module
+
     from minimal_fsdp.config.flags import ConfigError, parse_args
+    from minimal_fsdp.parallel import plan as plan_module
 
     env = SimpleNamespace(
         device=torch.device("cuda"), world_size=ranks, local_world_size=ranks, num_nodes=1

@@ -15,11 +15,11 @@ from torch.distributed.tensor import DTensor
 from minimal_fsdp.config.flags import Config
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel import plan as plan_module
+from minimal_fsdp.parallel import whole_unit
 from minimal_fsdp.parallel.parallelize import WholeUnitSync, build_model, gradient_sync
 from minimal_fsdp.parallel.plan import make_plan
-from minimal_fsdp.train import build_optimizer, train_step
-from minimal_fsdp.parallel import whole_unit
 from minimal_fsdp.parallel.whole_unit import LocalAdamW, WholeUnit
+from minimal_fsdp.train import build_optimizer, train_step
 
 CONFIG = GPTConfig(vocab_size=64, seq_length=16, num_layers=2, num_heads=2, embed_size=16)
 ENV = SimpleNamespace(device=torch.device("cpu"), world_size=1, local_world_size=1, num_nodes=1)
@@ -141,8 +141,9 @@ def test_no_shard_replicas_train_as_the_plain_model_without_gathering(one_rank_g
 )
 def test_the_whole_unit_replaces_fsdp_where_the_model_is_one_unit(one_rank_group, flags, gathered):
     """By --fsdp_unit's rule, without offloading (FSDP2's): the tiny model is one unit."""
-    from minimal_fsdp.config.flags import parse_args
     from torch.distributed.fsdp import FSDPModule
+
+    from minimal_fsdp.config.flags import parse_args
 
     cfg = parse_args(["--sharding", "full-shard", *flags])
     plan = make_plan(cfg, ENV, CONFIG, fsdp_on_one_rank=True)

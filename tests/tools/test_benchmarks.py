@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT, mpiexec
 from minimal_fsdp.models.gpt import GPT, GPTConfig
+
+from conftest import ROOT, mpiexec
 
 TINY = [
     "--num_layers",

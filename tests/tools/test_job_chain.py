@@ -12,9 +12,10 @@ import sys
 
 import pytest
 
+from minimal_fsdp.checkpoint import find
+
 from conftest import ENTRY, ROOT
 from fake_launchers import install_fakes, run_session
-from minimal_fsdp.checkpoint import find
 from support import chain_flags, flip_a_byte, logged_rows, trained_in_one_launch
 
 STEPS = 3

@@ -14,17 +14,17 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minimal_fsdp.models.size import count_parameters
-from minimal_fsdp.tools import model_size
-from minimal_fsdp.tools import step_time
 from minimal_fsdp.config.flags import Config, ConfigError
-from minimal_fsdp.models.llama import LlamaConfig
-from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import make_config
+from minimal_fsdp.models.gpt import GPTConfig
+from minimal_fsdp.models.llama import LlamaConfig
+from minimal_fsdp.models.size import count_parameters
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 from minimal_fsdp.parallel.plan import make_plan
+from minimal_fsdp.tools import model_size, step_time
 from minimal_fsdp.train import build_optimizer, train_step
+
 from support import command
 
 

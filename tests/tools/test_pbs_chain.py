@@ -16,8 +16,8 @@ import sys
 import pytest
 
 import fake_pbs
-from support import chain_flags, trained_in_one_launch
 from conftest import ROOT, make_text, mpiexec
+from support import chain_flags, trained_in_one_launch
 
 STEPS = 6
 INTERVAL = 2  # --checkpoint_interval

@@ -10,11 +10,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.models.families import FAMILIES, make_config
 from minimal_fsdp.models.counts import count, parameter_shapes
+from minimal_fsdp.models.families import FAMILIES, make_config
 from minimal_fsdp.models.size import count_parameters
+
+from conftest import ROOT
 from support import command
 
 SHAPES = [

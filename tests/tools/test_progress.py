@@ -11,12 +11,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT
 from minimal_fsdp.checkpoint import find
 from minimal_fsdp.checkpoint.meta import read_meta
-from support import HOSTILE_META, edited, flip_a_byte, meta_of
-from support import console, run, saved  # noqa: F401 (fixtures)
-from support import command
+
+from conftest import ROOT
+from support import HOSTILE_META, command, console, edited, flip_a_byte, meta_of, run, saved  # noqa: F401 (fixtures)
 
 # What only verify's unpickled .metadata shows: progress counts these, the training run skips them.
 SHARDS_DISAGREE = {"layers the shards lack", "another width"}

@@ -5,6 +5,7 @@ import pytest
 
 from minimal_fsdp.tools import slurm_cluster, virtual_cluster
 from minimal_fsdp.tools.virtual_cluster import Host
+
 from support import command
 
 

@@ -6,7 +6,6 @@ intermediate_size."""
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-
 MODEL = "minimal_fsdp.models.llama.Llama"
 
 
