@@ -310,7 +310,7 @@ OURS_RUN = (
     TIMERS
     + """
 import transformers
-from minimal_fsdp.eval import evaluate
+import minimal_fsdp.__main__ as cli
 from minimal_fsdp.data import tokenizer
 from minimal_fsdp.data import tokenizer_files
 from minimal_fsdp.eval.lm import ShardedLM
@@ -318,7 +318,7 @@ timed_backend(ShardedLM, *((cls, "encode_batch") for cls in (tokenizer.CharToken
 tokenizer.GPT2Tokenizer,
               tokenizer.SentencePieceTokenizer, tokenizer_files.HFTokenizer, \
 tokenizer_files.TiktokenTokenizer)))
-evaluate.main(sys.argv[1:])
+cli.main(["evaluate", *sys.argv[1:]])
 """
 )
 HF_RUN = (
