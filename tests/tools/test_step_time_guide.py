@@ -133,11 +133,15 @@ def recorded_rows():
             for r in lines
             if r.get("implementation") == "compute alone" and r.get("step_ms")
         }
+        # no collective in it, so no link: one rate's compute row serves the file's others
+        computes |= {(None, ranks): ms for (_, ranks), ms in computes.items()}
         for row in lines:
             if not row.get("step_ms") or row.get("implementation") == "compute alone":
                 continue
             if "implementation" in row:
-                compute = computes.get((row.get("gbps_set"), row["ranks"]))
+                compute = computes.get((row.get("gbps_set"), row["ranks"])) or computes.get(
+                    (None, row["ranks"])
+                )
                 estimate = side_by_side_estimate(row, compute) if compute else None
             elif path.name in NO_COMPUTE:
                 estimate = None
