@@ -33,6 +33,9 @@ GRAPHS_MODEL = 50_000_000
 # fp8.py: torchao's scaling recipes
 FP8_RECIPES = ("tensorwise", "rowwise")
 
+# data/tokenizer.py's (which imports torch: tests/config/test_commands.py checks they agree)
+TOKENIZER_KINDS = ("char", "gpt2", "sentencepiece")
+
 # gossip.py
 TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
 

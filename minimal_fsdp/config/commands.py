@@ -1,8 +1,9 @@
 """The flags of every command beside training, one dataclass each (sample and evaluate share the
-model source's): the fields are read by config.parser, as training's `Config` is. Names, sections
-and defaults follow training's where a flag means the same thing, so a run's own config.toml is a
-valid --config file here too (its other keys are ignored). Nothing here imports torch: `minimal-fsdp
-COMMAND --help` answers at once.
+model source's): the fields are read by config.parser, as training's `Config` is. A flag that
+training has too is training's own field, taken with `shared(name)`: declared once, in
+config/flags.py, with training's section, default and choices unless the command says why it
+differs, so a run's own config.toml is a valid --config file here too (its other keys are ignored).
+Nothing here imports torch: `minimal-fsdp COMMAND --help` answers at once.
 """
 
 import dataclasses
@@ -10,21 +11,12 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
-from minimal_fsdp.config.choices import (
-    FP8_RECIPES,
-    FSDP_UNITS,
-    MODEL_PRESETS,
-    REDUCE_PRECISION,
-    SHARDING,
-    TOPOLOGIES,
-)
 from minimal_fsdp.config.flags import Config
 from minimal_fsdp.config.parser import flag
 
 # The values of choice flags whose owners import torch or numpy; tests/config/test_commands.py
 # checks them.
 GPU_TYPES = ("A100-40GB", "A100-80GB", "H100", "H200")  # tools/step_time.py's CARDS
-TOKENIZER_KINDS = ("char", "gpt2", "sentencepiece")  # data/tokenizer.py's
 EXPORT_DTYPES = ("float32", "bf16")  # hf/export.py's DTYPES
 SOURCE = (
     "a checkpoint (step_<N>, a run directory, its latest/best marker), an export (minimal-fsdp "
@@ -32,9 +24,24 @@ SOURCE = (
 )
 
 
-def trained(name):
-    """Training's default for the flag `name`: a command that shares a flag shares its default."""
-    return next(f.default for f in dataclasses.fields(Config) if f.name == name)
+def shared(name, help=None, **overrides):
+    """Training's flag `name` for another command: a field built from `Config`'s own field of that
+    name (config/flags.py, where every flag training knows is declared once), so its default,
+    choices, section, positional/required/nargs and help are training's unless named here. `help`
+    words it for this command; an override of `default` or `choices` is for a command where the flag
+    truly differs, with a comment saying why. The metadata's "shared" names the training flag and
+    "overrides" what this command changes (tests/config/test_commands.py reads both)."""
+    trained = next((f for f in dataclasses.fields(Config) if f.name == name), None)
+    if trained is None:
+        raise TypeError(f"shared({name!r}): no such field in training's Config (config/flags.py)")
+    unknown = set(overrides) - {"default", *trained.metadata}
+    if unknown:
+        raise TypeError(f"shared({name!r}): {', '.join(sorted(unknown))} is not a flag's attribute")
+    if help is not None:
+        overrides["help"] = help
+    metadata = dict(trained.metadata) | overrides | {"shared": name, "overrides": tuple(overrides)}
+    default = metadata.pop("default", trained.default)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -43,11 +50,11 @@ class SourceFlags:
 
     FILE_ALSO: ClassVar[tuple] = (Config,)
     source: str = flag(None, SOURCE, section="source", positional=True, required=True)
-    precision: str = flag(
-        "float32",
+    precision: str = shared(
+        "precision",
         "bf16: matmuls in bf16 (fast on GPUs); the weights stay float32, sharded",
-        ("float32", "bf16"),
-        "parallel",
+        # generation runs fp8 as bf16 (parallel/plan.py: float8 pays in training's large matmuls)
+        choices=("float32", "bf16"),
     )
 
 
@@ -58,15 +65,12 @@ class SampleFlags(SourceFlags):
         "Text from a trained model, in one process or sharded over the ranks of "
         "mpiexec (torchrun, srun); the text goes to stdout."
     )
-    prompt: str = flag("", "text to continue (empty: a fresh document)", section="generate")
-    num_tokens: int = flag(trained("num_tokens"), "tokens to generate", section="generate")
-    temperature: float = flag(
-        trained("temperature"), "sampling temperature (0: greedy)", section="generate"
-    )
-    top_k: int = flag(
-        trained("top_k"), "sample from the k most likely tokens (0: all)", section="generate"
-    )
-    seed: int = flag(trained("seed"), "the same seed gives the same text", section="launch")
+    # a model of any data: training's "ROMEO:" suits only its default Shakespeare
+    prompt: str = shared("prompt", "text to continue (empty: a fresh document)", default="")
+    num_tokens: int = shared("num_tokens", "tokens to generate")
+    temperature: float = shared("temperature")
+    top_k: int = shared("top_k")
+    seed: int = shared("seed", "the same seed gives the same text")
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,13 @@ class EvaluateFlags(SourceFlags):
         "at most this many examples per task (below 1: this fraction); for quick checks",
         section="evaluate",
     )
-    batch_size: int = flag(
-        1, "sequences per rank in one forward call (generation: one per rank)", section="evaluate"
+    # lm_eval's default, in [evaluate] beside the harness's flags: a run's config.toml, read here
+    # too, must not set it to the run's training batch
+    batch_size: int = shared(
+        "batch_size",
+        "sequences per rank in one forward call (generation: one per rank)",
+        default=1,
+        section="evaluate",
     )
     output_path: str = flag(
         None,
@@ -107,15 +116,8 @@ class EvaluateFlags(SourceFlags):
         "also write every example's prompt and scores (needs --output_path)",
         section="evaluate",
     )
-    sharding: str = flag(
-        trained("sharding"),
-        "how the model is laid out over the ranks (as training's)",
-        SHARDING,
-        "parallel",
-    )
-    shard_group_size: int = flag(
-        None, "hybrid sharding: ranks per shard group (default: ranks per node)", section="parallel"
-    )
+    sharding: str = shared("sharding", "how the model is laid out over the ranks (as training's)")
+    shard_group_size: int = shared("shard_group_size")
 
 
 @dataclass(frozen=True)
@@ -156,42 +158,33 @@ class PrepareFlags:
         "Tokenize a dataset into train.bin, val.bin and meta.json, for training's --dataset_path."
     )
     FILE_ALSO: ClassVar[tuple] = (Config,)
-    dataset: str = flag(
-        None,
+    # prepare reads more sources than training prepares itself (the hub's), and has no default one
+    dataset: str = shared(
+        "dataset",
         "openwebtext: Skylion007/openwebtext from the hub (or --input_file, a local copy); "
         "shakespeare: the repository's data/shakespeare/input.txt; text: --input_file is a "
         "text/.jsonl file or a directory of .txt/.jsonl files; hf: --input_file is a hub "
         "dataset (NAME or NAME:CONFIG) or a save_to_disk directory",
-        ("openwebtext", "shakespeare", "text", "hf"),
-        "data",
+        default=None,
+        choices=("openwebtext", "shakespeare", "text", "hf"),
         required=True,
     )
-    input_file: str = flag(
-        None, "the source for --dataset text and hf (see --dataset)", section="data"
-    )
-    tokenizer: str = flag(
-        trained("tokenizer"),
+    input_file: str = shared("input_file", "the source for --dataset text and hf (see --dataset)")
+    tokenizer: str = shared(
+        "tokenizer",
         "char and sentencepiece are fit on the data; gpt2 (GPT-2's BPE, "
         "what openwebtext runs use) needs tiktoken's encoding file",
-        TOKENIZER_KINDS,
-        "data",
     )
-    tokenizer_dir: str = flag(
-        None,
-        "use the tokenizer in this directory (replaces --tokenizer): a Hugging Face "
-        "model's (Llama 3's, say), a prepared dataset's or a checkpoint's",
-        section="data",
-    )
-    val_fraction: float = flag(
-        None,
+    tokenizer_dir: str = shared("tokenizer_dir")
+    # unset: the dataset's own share (openwebtext's millions of documents need only a sliver)
+    val_fraction: float = shared(
+        "val_fraction",
         "share of documents held out for validation (default 0.0005 for openwebtext, else 0.1)",
-        section="data",
+        default=None,
     )
-    data_dir: str = flag(
-        trained("data_dir"), "the output goes to <data_dir>/<name>/<tokenizer>", section="data"
-    )
-    vocab_size: int = flag(None, "BPE vocabulary for --tokenizer sentencepiece", section="model")
-    seed: int = flag(trained("seed"), "picks which documents are held out", section="launch")
+    data_dir: str = shared("data_dir", "the output goes to <data_dir>/<name>/<tokenizer>")
+    vocab_size: int = shared("vocab_size", "BPE vocabulary for --tokenizer sentencepiece")
+    seed: int = shared("seed", "picks which documents are held out")
     output: str = flag(
         None, "write here instead of <data_dir>/<name>/<tokenizer>", section="prepare"
     )
@@ -208,68 +201,48 @@ class PlanFlags:
         "--config file plans that run."
     )
     FILE_ALSO: ClassVar[tuple] = (Config,)
-    model_preset: str = flag(
-        trained("model_preset"),
-        "model shape; explicit model flags override it",
-        tuple(dict.fromkeys(n for names in MODEL_PRESETS.values() for n in names)),
-        "model",
+    # the model's shape, as training takes it (configs/shakespeare_char.toml sets the shape flags)
+    model_preset: str = shared("model_preset")
+    model: str = shared("model")
+    hf_model: str = shared(
+        "hf_model", "plan for a local Hugging Face model directory (its config.json)"
     )
-    model: str = flag(
-        None, "gpt or llama; default: the family of --model_preset", tuple(MODEL_PRESETS), "model"
-    )
-    hf_model: str = flag(
-        None,
-        "plan for a local Hugging Face GPT-2 or Llama directory (its config.json)",
-        section="model",
-    )
-    vocab_size: int = flag(
-        None, "default: the preset's (tiny: GPT 65, Llama 32000)", section="model"
-    )
-    seq_length: int = flag(
-        None, "tokens per sequence (default: the preset's context)", section="model"
-    )
-    # the shape flags of a training --config (configs/shakespeare_char.toml sets them)
-    num_layers: int = flag(None, "as in training: transformer blocks", section="model")
-    num_heads: int = flag(None, "as in training: attention heads", section="model")
-    embed_size: int = flag(None, "as in training: model width", section="model")
-    num_kv_heads: int = flag(None, "as in training (llama)", section="model")
-    intermediate_size: int = flag(None, "as in training (llama)", section="model")
-    bias: bool = flag(None, "as in training (gpt)", section="model")
-    batch_size: int = flag(1, "sequences per GPU per micro-step")
-    grad_accum_steps: int = flag(1, "micro-steps per optimizer step")
-    log_interval: int = flag(
-        trained("log_interval"),
+    vocab_size: int = shared("vocab_size", "default: the preset's (tiny: GPT 65, Llama 32000)")
+    seq_length: int = shared("seq_length", "tokens per sequence (default: the preset's context)")
+    num_layers: int = shared("num_layers")
+    num_heads: int = shared("num_heads")
+    embed_size: int = shared("embed_size")
+    num_kv_heads: int = shared("num_kv_heads")
+    intermediate_size: int = shared("intermediate_size")
+    bias: bool = shared("bias")
+    # the smallest run: what fits at batch 1 is the question (training's 16 suits the tiny model)
+    batch_size: int = shared("batch_size", default=1)
+    grad_accum_steps: int = shared("grad_accum_steps")
+    log_interval: int = shared(
+        "log_interval",
         "as in training: decentralized runs all-reduce the replica at each logging step",
     )
-    precision: str = flag(
-        "bf16",
+    # what a run on GPUs uses; training's float32 default is for CPUs
+    precision: str = shared(
+        "precision",
         "as in training (whose own default is float32: plan a run that leaves it out with "
         "--precision float32); bf16 here, what a run on GPUs uses",
-        ("float32", "bf16", "fp8"),
-        "parallel",
+        default="bf16",
     )
-    fp8_recipe: str = flag(trained("fp8_recipe"), "as in training", FP8_RECIPES, "parallel")
-    fsdp_unit: str = flag(trained("fsdp_unit"), "as in training", FSDP_UNITS, "parallel")
-    reduce_precision: str = flag(
-        trained("reduce_precision"),
+    fp8_recipe: str = shared("fp8_recipe")
+    fsdp_unit: str = shared("fsdp_unit")
+    reduce_precision: str = shared(
+        "reduce_precision",
         "as in training: the gradients' copies to reduce in, and their bytes over the link",
-        REDUCE_PRECISION,
-        "parallel",
     )
-    shard_group_size: int = flag(
-        None, "hybrid sharding's group (default: --gpus_per_node)", section="parallel"
+    shard_group_size: int = shared(
+        "shard_group_size", "hybrid sharding's group (default: --gpus_per_node)"
     )
-    compile: bool = flag(
-        False, "as in training: the compiled MFU for the step time", section="parallel"
-    )
-    topology: str = flag(
-        trained("topology"), "as in training (gossip)", TOPOLOGIES, "decentralized"
-    )
-    checkpoint_mode: str = flag(
-        trained("checkpoint_mode"),
+    compile: bool = shared("compile", "as in training: the compiled MFU for the step time")
+    topology: str = shared("topology")
+    checkpoint_mode: str = shared(
+        "checkpoint_mode",
         "as in training: async (auto's choice on GPUs) keeps a host copy of the state to save from",
-        ("auto", "sync", "async"),
-        "checkpoint",
     )
     gpus: int = flag(1, "GPUs in the job", section="plan")
     gpus_per_node: int = flag(None, "default: min(--gpus, 8)", section="plan")

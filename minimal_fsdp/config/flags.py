@@ -31,6 +31,7 @@ from minimal_fsdp.config.choices import (
     REDUCE_PRECISION,
     SHARDING,
     SMALL_MODEL,
+    TOKENIZER_KINDS,
     TOPOLOGIES,
     ConfigError,
 )
@@ -321,7 +322,7 @@ class Config:
         "char works offline; gpt2 needs tiktoken's encoding file; sentencepiece is "
         "trained on the data (--vocab_size); for a Hugging Face model's tokenizer "
         "(Llama 3's, say) pass --tokenizer_dir instead",
-        ("char", "gpt2", "sentencepiece"),
+        TOKENIZER_KINDS,
         "data",
     )
     val_fraction: float = flag(

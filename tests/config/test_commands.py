@@ -7,13 +7,15 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
 from minimal_fsdp.__main__ import COMMANDS
 from minimal_fsdp.config import commands
 from minimal_fsdp.config.choices import ConfigError
-from minimal_fsdp.config.parser import parse
+from minimal_fsdp.config.flags import Config
+from minimal_fsdp.config.parser import flag, parse
 
 from conftest import ROOT
 
@@ -157,11 +159,12 @@ def test_a_missing_positional_is_one_line(capsys):
 
 
 def test_the_hardcoded_choices_are_the_modules():
-    from minimal_fsdp.data.tokenizer import TOKENIZER_KINDS
+    from minimal_fsdp.config.choices import TOKENIZER_KINDS
+    from minimal_fsdp.data import tokenizer
     from minimal_fsdp.hf.export import DTYPES
     from minimal_fsdp.tools.step_time import CARDS
 
-    assert commands.GPU_TYPES == tuple(CARDS) and commands.TOKENIZER_KINDS == TOKENIZER_KINDS
+    assert commands.GPU_TYPES == tuple(CARDS) and tokenizer.TOKENIZER_KINDS == TOKENIZER_KINDS
     assert commands.EXPORT_DTYPES == tuple(DTYPES)
 
 
@@ -198,3 +201,86 @@ def test_a_link_to_a_regular_file_is_read(tmp_path):
     (tmp_path / "real.toml").write_text("[plan]\ngpus = 2\n")
     (tmp_path / "link.toml").symlink_to(tmp_path / "real.toml")
     assert parse(commands.PlanFlags, ["--config", tmp_path / "link.toml"]).gpus == 2
+
+
+TRAINING = {f.name: f for f in dataclasses.fields(Config)}
+# The flags a command takes from training but changes on purpose (config/commands.py says why
+# beside each): any other difference of default or choices is a flag that drifted from training's.
+DIFFERS = {
+    ("SampleFlags", "precision"): {"choices"},
+    ("SampleFlags", "prompt"): {"default"},
+    ("EvaluateFlags", "precision"): {"choices"},
+    ("EvaluateFlags", "batch_size"): {"default", "section"},
+    ("PrepareFlags", "dataset"): {"default", "choices", "required"},
+    ("PrepareFlags", "val_fraction"): {"default"},
+    ("PlanFlags", "batch_size"): {"default"},
+    ("PlanFlags", "precision"): {"default"},
+}
+
+
+def training_flags_of_commands():
+    """(command's dataclass, field) for every field of another command that training has too."""
+    for cls in dict.fromkeys(flags for flags, _, _ in COMMANDS.values() if flags is not Config):
+        for f in dataclasses.fields(cls):
+            if f.name in TRAINING:
+                yield cls, f
+
+
+def test_every_training_flag_a_command_takes_is_shared_with_trainings_type():
+    pairs = list(training_flags_of_commands())
+    assert len(pairs) >= 40, "the commands take training's flags (precision, seed, batch_size...)"
+    for cls, f in pairs:
+        assert f.metadata.get("shared") == f.name, (
+            f"{cls.__name__}.{f.name} is training's flag declared again: take it with "
+            f'`{f.name}: {f.type.__name__} = shared("{f.name}", ...)`'
+        )
+        assert f.type is TRAINING[f.name].type, (cls.__name__, f.name)
+
+
+def test_a_shared_flag_is_trainings_but_for_what_it_overrides():
+    differs = {}
+    for cls, f in training_flags_of_commands():
+        trained, overrides = TRAINING[f.name], set(f.metadata["overrides"])
+        assert (f.default == trained.default) == ("default" not in overrides), (cls, f.name)
+        for key, value in trained.metadata.items():
+            assert (f.metadata[key] == value) != (key in overrides), (cls.__name__, f.name, key)
+        if overrides - {"help"}:
+            differs[cls.__name__, f.name] = overrides - {"help"}
+    assert differs == DIFFERS
+
+
+def test_shared_reads_trainings_field_when_the_command_is_declared(monkeypatch):
+    """Training's default, choices, section and help changed in Config change the command's too."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Changed(Config):
+        top_k: int = flag(7, "changed", (7, 8), "elsewhere")
+
+    monkeypatch.setattr(commands, "Config", Changed)
+    f = commands.shared("top_k")
+    assert (f.default, f.metadata["choices"], f.metadata["section"], f.metadata["help"]) == (
+        7,
+        (7, 8),
+        "elsewhere",
+        "changed",
+    )
+    f = commands.shared("top_k", "mine", default=8)
+    assert (f.default, f.metadata["help"], f.metadata["choices"]) == (8, "mine", (7, 8))
+    assert set(f.metadata["overrides"]) == {"default", "help"}
+    with pytest.raises(TypeError, match="no such field"):
+        commands.shared("top_kk")
+    with pytest.raises(TypeError, match="choise"):
+        commands.shared("top_k", choise=(1,))
+
+
+def test_no_flag_is_declared_twice_in_the_source():
+    """What `grep -n ': .* = flag(' minimal_fsdp/config/*.py` shows: each name once; a command
+    takes training's with `NAME: T = shared("NAME")`, naming itself."""
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "minimal_fsdp" / "config").glob("*.py")))
+    declared = Counter(re.findall(r"^ +(\w+): \w+ = flag\(", text, re.M))
+    assert set(TRAINING) <= set(declared), "the pattern no longer finds the declarations"
+    # export's OUT (a directory, positional) and plot's --out (a PNG): two flags of one name
+    assert [name for name, n in declared.items() if n > 1] == ["out"]
+    assert "out" not in TRAINING
+    taken = re.findall(r'^ +(\w+): \w+ = shared\(\s*"(\w+)"', text, re.M)
+    assert len(taken) >= 38 and all(name == arg for name, arg in taken), taken
