@@ -2,7 +2,7 @@
 # GPU checks in one device call: environment report, the gpu-marked tests (NCCL vs a single-GPU reference,
 # Llama, the memory planner), the default run, throughput rows, gossip vs all-reduce, scaling over 1/2/4 GPUs.
 # Logs go to $OUT (or ./gpu_out). Each part has its own time limit so one slow part cannot eat the call.
-# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_bench|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers|llama3_8b|document_mask|document_mask_tests|document_mask_loss|regression ...]
+# Usage on the GPU machine: bash benchmarks/gpu_check.sh [tests|default|throughput|gossip|scaling|strategies|medium|llama7b|offload|levers|nobias|best|attention|loss|recipe_s|nanogpt|nanogpt_bench|nanogpt_scaling|recipe_s_scaling|gpt2_b32|profile_loop|loop|fp8_tests|fp8_7b|fp8_numerics|fp8_gpt2|small_levers|llama3_8b|document_mask|document_mask_tests|document_mask_loss|regression|regression1 ...]
 # The fp8 parts need torchao: installed from .whl/torchao-*.whl when missing (the GPU machine has no package index).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: some parts change directory
@@ -409,6 +409,19 @@ regression)
       python3 $B --out "$OUT/regression_7b_$t.jsonl" > "$OUT/regression_7b_$t.log" 2>&1; echo "7B $t: exit $?" )
     grep -E '^\|' "$OUT/regression_7b_$t.log" | tail -1 | tee -a "$OUT/summary.txt"
   done ;;
+regression1)
+  # The same check on one GPU: recipe S (REGRESSION_STEPS, 1000; its val loss at the end) and GPT-2 124M's
+  # throughput (batch 32, compiled), this tree against REGRESSION_OLD alternating old, new, old, new.
+  old=${REGRESSION_OLD:?REGRESSION_OLD=<older tree>}; new=$PWD; rs=${REGRESSION_STEPS:-1000}
+  G="benchmarks/throughput.py --model_preset gpt2 --vocab_size 50304 --precision bf16 --compile --warmup 8 --steps 20 --batch_size 32"
+  for rep in 1 2; do for t in old new; do tree=$old; [ $t = new ] && tree=$new; name=rs_${t}_$rep
+    ( cd $tree && rm -rf logs/$name checkpoints/$name && PYTHONPATH=$tree timeout 200 $MPI -n 1 python3 basic_training.py \
+      $RECIPE_S --max_steps $rs --eval_interval $rs --eval_batches 20 --num_tokens 0 --run_name $name > "$OUT/$name.log" 2>&1
+      echo "recipe S $t $rep: exit $?" )
+    PYTHONPATH=$new python3 $new/benchmarks/run_summary.py $tree/logs/$name --skip_steps 300 | tee -a "$OUT/summary.txt"
+    ( cd $tree && PYTHONPATH=$tree timeout 200 python3 $G > "$OUT/g2_${t}_$rep.log" 2>&1; echo "GPT-2 $t $rep: exit $?" )
+    echo "GPT-2 124M $t $rep: $(grep -E '^\|' "$OUT/g2_${t}_$rep.log" | tail -1)" | tee -a "$OUT/summary.txt"
+  done; done ;;
 document_mask_loss)
   # Issue 40, target 3's second half: on a packed corpus (each of the shipped Shakespeare's 7,222 speeches one
   # document, ~40 tokens of a 4096-piece sentencepiece, so a window of 1024 packs ~25 documents), the val loss at
