@@ -106,3 +106,34 @@ class Data(Section):
     vocab_size: int
     val_fraction: float
     seed: int
+
+
+# checkpoint, logging, evaluation, backends
+
+
+@dataclass(frozen=True)
+class Checkpoint(Section):
+    """What checkpoint/ reads: find.find and run_fallback (what a run starts from),
+    checkpointer.Checkpointer (where it saves, what it keeps), background.for_run (how)."""
+
+    checkpoint_dir: str
+    run_name: str
+    resume: str
+    restart_checkpoint_file: str
+    keep_last: int
+    save_average: bool
+    checkpoint_mode: str
+    collective_timeout: float  # a background save's wait for the other ranks
+    generate_only: bool  # generation alone: --resume never refuses no run directory
+
+
+@dataclass(frozen=True)
+class Backend(Section):
+    """What backends/ read: setup (the device), default.Torch and xla.XLA (the model's seed; under
+    XLA also its precision, activation checkpoints and the hosts' collective timeout)."""
+
+    device: str
+    seed: int
+    precision: str
+    activation_checkpoints: bool
+    collective_timeout: float
