@@ -128,6 +128,39 @@ class Checkpoint(Section):
 
 
 @dataclass(frozen=True)
+class Logging(Section):
+    """What metrics.Metrics and TrainingLog write to, and where."""
+
+    log_dir: str
+    run_name: str
+    tensorboard: bool
+    wandb: bool
+    wandb_project: str
+
+
+@dataclass(frozen=True)
+class Profiling(Section):
+    """What profiling.around_steps records of the steps."""
+
+    profile: str
+    memory_snapshot: bool
+
+
+@dataclass(frozen=True)
+class Evaluation(Section):
+    """What eval.harness.TrainingTasks runs during training, and what checkpoint.best.chosen
+    chooses `best` by."""
+
+    eval_tasks: str
+    eval_tasks_include_path: str
+    eval_tasks_interval: int
+    eval_tasks_limit: float
+    best_metric: str
+    batch_size: int  # the scoring's batch and dtype are training's
+    precision: str
+
+
+@dataclass(frozen=True)
 class Backend(Section):
     """What backends/ read: setup (the device), default.Torch and xla.XLA (the model's seed; under
     XLA also its precision, activation checkpoints and the hosts' collective timeout)."""
