@@ -124,7 +124,7 @@ class Checkpoint(Section):
     save_average: bool
     checkpoint_mode: str
     collective_timeout: float  # a background save's wait for the other ranks
-    generate_only: bool  # generation alone: --resume never refuses no run directory
+    generate_only: bool  # generation alone (--max_epochs -1) reads checkpoints under --resume never
 
 
 @dataclass(frozen=True)
