@@ -8,7 +8,6 @@ With --wandb the same scalars go to Weights & Biases (WANDB_MODE=offline writes 
 later `wandb sync`).
 """
 
-import dataclasses
 import json
 import sys
 import time
@@ -47,33 +46,35 @@ class Metrics:
     rank calls it), so a failure on rank 0, e.g. wandb refusing to start, stops every rank with the
     same error."""
 
-    def __init__(self, cfg):
+    def __init__(self, logging):
+        """logging: config.sections.Logging."""
         self.file = self.tensorboard = self.wandb = None
-        self.dir = Path(cfg.log_dir) / cfg.run_name
+        self.dir = Path(logging.log_dir) / logging.run_name
 
     @classmethod
-    def open(cls, cfg):
-        """Collective: the run's log files opened on rank 0."""
-        metrics = cls(cfg)
-        failures.run_on_main(metrics._open, cfg)
+    def open(cls, logging, flags):
+        """Collective: the run's log files opened on rank 0. flags: every resolved flag of the run,
+        {name: value}, written as config.toml and given to wandb."""
+        metrics = cls(logging)
+        failures.run_on_main(metrics._open, logging, flags)
         return metrics
 
-    def _open(self, cfg):
+    def _open(self, logging, flags):
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.toml").write_text(to_toml(cfg))
+        (self.dir / "config.toml").write_text(to_toml(flags))
         self.file = open(self.dir / "metrics.jsonl", "a")  # a resumed run appends
-        if cfg.tensorboard:
+        if logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(str(self.dir), flush_secs=30)
-        if cfg.wandb:
+        if logging.wandb:
             import wandb  # validate() checked it is installed
 
             self.wandb = wandb.init(
-                project=cfg.wandb_project,
-                name=cfg.run_name,
+                project=logging.wandb_project,
+                name=logging.run_name,
                 dir=str(self.dir),
-                config=dataclasses.asdict(cfg),
+                config=dict(flags),
             )
 
     def log(self, step, **scalars):
@@ -106,26 +107,26 @@ class TrainingLog:
     context manager: the bar ends its line and the files close even when training fails."""
 
     @classmethod
-    def open(cls, cfg, env, model, schedule, first_step, tokens_per_step, synchronize):
-        """Collective: the log of a run whose files rank 0 opens (Metrics.open)."""
-        return cls(
-            cfg, env, model, schedule, first_step, tokens_per_step, synchronize, Metrics.open(cfg)
-        )
+    def open(cls, logging, flags, env, model, schedule, first_step, tokens_per_step, synchronize):
+        """Collective: the log of a run whose files rank 0 opens (Metrics.open, given `logging` and
+        `flags`)."""
+        metrics = Metrics.open(logging, flags)
+        return cls(logging, env, model, schedule, first_step, tokens_per_step, synchronize, metrics)
 
     def __init__(
-        self, cfg, env, model, schedule, first_step, tokens_per_step, synchronize, metrics
+        self, logging, env, model, schedule, first_step, tokens_per_step, synchronize, metrics
     ):
-        """synchronize(): waits for the device's queued steps (the backend's); metrics:
-        Metrics.open's."""
+        """logging: config.sections.Logging; synchronize(): waits for the device's queued steps
+        (the backend's); metrics: Metrics.open's."""
         self.metrics, self.synchronize = metrics, synchronize
-        self.env, self.main, self.run_name = env, env.is_main, cfg.run_name
+        self.env, self.main, self.run_name = env, env.is_main, logging.run_name
         self.first_step, self.last_step, self.tokens_per_step = (
             first_step,
             schedule.last_step,
             tokens_per_step,
         )
         self.flops_per_token, self.peak = model.flops_per_token(), peak_flops(env.device)
-        self.log_dir = Path(cfg.log_dir) / cfg.run_name
+        self.log_dir = Path(logging.log_dir) / logging.run_name
         self.bar, self.retries_warned = None, False
         # A bar only for a plain `python basic_training.py` at a terminal: under a launcher stdout
         # may be a pty (Open MPI gives each rank one) while the job's output goes to a file.

@@ -34,12 +34,13 @@ class StepProfiler:
     """Starts and stops the profiler and the allocator's history at step boundaries; `at(step)` is
     called before each step, `close()` after the loop (a range past the run's end ends there)."""
 
-    def __init__(self, cfg, env, run_dir, warn):
+    def __init__(self, profiling, env, run_dir, warn):
+        """profiling: config.sections.Profiling."""
         self.env, self.run_dir, self.rank = env, Path(run_dir), env.rank
-        self.range = profile_range(cfg.profile) if cfg.profile else None
+        self.range = profile_range(profiling.profile) if profiling.profile else None
         cuda = env.device.type == "cuda"
-        self.snapshot = cfg.memory_snapshot and cuda
-        if cfg.memory_snapshot and not cuda and warn:
+        self.snapshot = profiling.memory_snapshot and cuda
+        if profiling.memory_snapshot and not cuda and warn:
             warn(
                 "warning: --memory_snapshot is CUDA-only (the CUDA allocator's snapshot); this "
                 f"run is on {env.device.type}: no snapshot is written"
@@ -130,13 +131,14 @@ class StepProfiler:
 
 
 @contextmanager
-def around_steps(cfg, env, run_dir, warn=None):
-    """The loop's StepProfiler if --profile or --memory_snapshot is set, else None (nothing made).
-    warn: rank 0's warning printer (others pass None)."""
-    if not cfg.profile and not cfg.memory_snapshot:
+def around_steps(profiling, env, run_dir, warn=None):
+    """The loop's StepProfiler if --profile or --memory_snapshot is set (in `profiling`,
+    config.sections.Profiling), else None (nothing made). warn: rank 0's warning printer (others
+    pass None)."""
+    if not profiling.profile and not profiling.memory_snapshot:
         yield None
         return
-    profiler = StepProfiler(cfg, env, run_dir, warn)
+    profiler = StepProfiler(profiling, env, run_dir, warn)
     try:
         yield profiler
     finally:

@@ -28,7 +28,15 @@ from minimal_fsdp.config.checks import (
     validate_world,
 )
 from minimal_fsdp.config.flags import Config, ConfigError
-from minimal_fsdp.config.sections import Data, Generation, Model, Parallel
+from minimal_fsdp.config.sections import (
+    Backend,
+    Checkpoint,
+    Data,
+    Generation,
+    Launch,
+    Model,
+    Parallel,
+)
 from minimal_fsdp.data import prepare
 from minimal_fsdp.data.streaming import StreamingData
 from minimal_fsdp.data.tokenizer import load_tokenizer
@@ -46,7 +54,7 @@ from minimal_fsdp.train import RunParts, build_optimizer, train
 
 def run(cfg):
     stop = StopRequests(cfg.time_limit_seconds)  # --time_limit counts from here
-    env = backends.setup(cfg)
+    env = backends.setup(Launch.of(cfg), Backend.of(cfg))
     validate_world(cfg, env.world_size, env.local_world_size, env.local_world_sizes)
     if env.is_main and cpu_recipe_warning(cfg, env.device.type):
         print(cpu_recipe_warning(cfg, env.device.type), flush=True)
@@ -65,7 +73,7 @@ def run(cfg):
         failures.run_on_main(lock.acquire)
     try:
         # rank 0 picks it, all ranks check it: all load the same one
-        start = find.find(cfg)
+        start = find.find(Checkpoint.of(cfg))
         if cfg.generate_only:
             (model, tokenizer), samples = generation_model(cfg, env, start, hf_dir), True
         else:
@@ -142,7 +150,9 @@ def train_model(cfg, env, start, hf_dir, stop):
     if start is not None:
         check_resumable(cfg, start, model_config, env)
     plan = parallel_plan(cfg, env, model_config, loads_weights=hf_dir is not None)
-    backend = backends.for_plan(cfg, env, plan)
+    backend = backends.for_plan(
+        Backend.of(cfg), Checkpoint.of(cfg), dataclasses.asdict(cfg), env, plan
+    )
     # Every data-parallel member (a rank; under XLA a device) reads --batch_size sequences: this
     # process, its own.
     data.bind(
@@ -393,7 +403,7 @@ def generation_model(cfg, env, start, hf_dir):
         cfg.seq_length,
         given_tokenizer(cfg),
         cfg.num_tokens,
-        None if hf_dir else find.run_fallback(cfg),
+        None if hf_dir else find.run_fallback(Checkpoint.of(cfg)),
     )
     if env.is_main:
         print(load.describe(loaded.source, loaded.model, loaded.tokenizer, env), flush=True)

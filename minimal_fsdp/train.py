@@ -6,12 +6,13 @@ the same for every backend: run.train_model hands it the backend's parts (RunPar
 import gc
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from minimal_fsdp import profiling
+from minimal_fsdp.config.sections import Evaluation, Logging, Profiling
 from minimal_fsdp.eval.harness import TrainingTasks
 from minimal_fsdp.launch import hangs
 from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
@@ -324,9 +325,11 @@ def train(parts, cfg, env, plan, stop, saved=None):
     model, data, checkpointer = parts.model, parts.data, parts.checkpointer
     schedule = Schedule.for_run(cfg, data.steps_per_epoch(), saved and saved["state"]["schedule"])
     first = done = saved["step"] if saved else 0
-    tasks = TrainingTasks.for_run(cfg, env, getattr(data, "tokenizer", None), model, saved)
+    tokenizer = getattr(data, "tokenizer", None)
+    tasks = TrainingTasks.for_run(Evaluation.of(cfg), env, tokenizer, model, saved)
     tokens_per_step = parts.ranks * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
-    log = TrainingLog.open(cfg, env, model, schedule, first, tokens_per_step, parts.synchronize)
+    log = TrainingLog.open(Logging.of(cfg), asdict(cfg), env, model, schedule, first,
+                           tokens_per_step, parts.synchronize)  # fmt: skip
     guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
     step_with = (parts.sync, cfg.grad_clip, env.device)  # train_step's arguments after the batches
 
@@ -337,7 +340,9 @@ def train(parts, cfg, env, plan, stop, saved=None):
     model.train()
     # --profile / --memory_snapshot: None when neither is set
     run_dir, warn = Path(cfg.log_dir) / cfg.run_name, (lambda text: log.warn(text))
-    profiler = profiling.around_steps(cfg, env, run_dir, warn if env.is_main else None)
+    profiler = profiling.around_steps(
+        Profiling.of(cfg), env, run_dir, warn if env.is_main else None
+    )
     # a save in flight ends before return
     with log, collections_in_step(), checkpointer.saving(), profiler as profiler:
         log.restored(first, checkpointer.restore_s)

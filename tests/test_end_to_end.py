@@ -236,6 +236,7 @@ def test_a_run_prints_no_deprecation_noise_and_imports_torchao_only_for_fp8(tmp_
 def test_the_banner_leaves_out_what_hf_model_replaces():
     """--hf_model's shape and tokenizer replace --model_preset and --tokenizer: the banner does not
     show them."""
+    from dataclasses import asdict
     from types import SimpleNamespace
 
     from minimal_fsdp.backends import banner
@@ -252,9 +253,9 @@ def test_the_banner_leaves_out_what_hf_model_replaces():
         device=torch.device("cpu"),
     )
     model = torch.nn.Linear(2, 2)
-    text = banner.banner(parse_args(["--hf_model", "some/dir"]), env, plan, model)
+    text = banner.banner(asdict(parse_args(["--hf_model", "some/dir"])), env, plan, model)
     assert "hf_model = " in text and "model_preset" not in text and "tokenizer = " not in text
-    assert "model_preset = \"tiny\"" in banner.banner(parse_args([]), env, plan, model)
+    assert "model_preset = \"tiny\"" in banner.banner(asdict(parse_args([])), env, plan, model)
 
 
 # The README's commands, walked in order in a fresh copy of the repository (what a new user does

@@ -2,6 +2,7 @@
 and in TensorBoard's event file, a loadable config.toml, and a startup banner; wandb works offline;
 plots."""
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from minimal_fsdp.backends.banner import state_bytes_per_rank
 from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.sections import Logging
 from minimal_fsdp.metrics import TAGS, Metrics
 from minimal_fsdp.tools.plot import read_metrics
 
@@ -96,7 +98,7 @@ def process_group(tmp_path):
 
 def test_no_tensorboard_writes_only_jsonl(process_group, tmp_path):
     cfg = parse_args(["--log_dir", tmp_path, "--run_name", "quiet", "--no-tensorboard"])
-    metrics = Metrics.open(cfg)
+    metrics = Metrics.open(Logging.of(cfg), dataclasses.asdict(cfg))
     metrics.log(1, loss=2.5)
     metrics.close()
     assert rows_of(tmp_path / "quiet") == [{"step": 1, "loss": 2.5}]
@@ -106,7 +108,7 @@ def test_no_tensorboard_writes_only_jsonl(process_group, tmp_path):
 def test_resumed_run_appends(process_group, tmp_path):
     cfg = parse_args(["--log_dir", tmp_path, "--run_name", "twice", "--no-tensorboard"])
     for step in (1, 2):
-        metrics = Metrics.open(cfg)
+        metrics = Metrics.open(Logging.of(cfg), dataclasses.asdict(cfg))
         metrics.log(step, loss=float(step))
         metrics.close()
     assert [r["step"] for r in rows_of(tmp_path / "twice")] == [1, 2]
@@ -117,7 +119,7 @@ def test_wandb_offline(process_group, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = parse_args(["--log_dir", tmp_path, "--run_name", "wb", "--wandb", "--no-tensorboard"])
-    metrics = Metrics.open(cfg)
+    metrics = Metrics.open(Logging.of(cfg), dataclasses.asdict(cfg))
     metrics.log(1, loss=2.0, lr=1e-3)
     metrics.close()
     offline_runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))

@@ -348,10 +348,10 @@ class Log:
     """Stands in for metrics.TrainingLog: records what the loop reports, in order."""
 
     @classmethod
-    def open(cls, cfg, env, model, schedule, first, tokens_per_step, synchronize):
-        return cls(cfg, env, model, schedule, first, tokens_per_step)
+    def open(cls, logging, flags, env, model, schedule, first, tokens_per_step, synchronize):
+        return cls(logging, env, model, schedule, first, tokens_per_step)
 
-    def __init__(self, cfg, env, model, schedule, first, tokens_per_step):
+    def __init__(self, logging, env, model, schedule, first, tokens_per_step):
         self.schedule, self.first, self.tokens_per_step, self.events = (
             schedule,
             first,

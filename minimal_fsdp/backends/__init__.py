@@ -6,27 +6,28 @@ Imports checkpoint, config, hf, launch, models and parallel.
 """
 
 
-def setup(cfg):
-    """The launch's environment (launch.environment.setup), as the device's backend computes on it:
-    under --device xla one process per host drives all of the host's devices."""
-    from minimal_fsdp.config.sections import Launch
+def setup(launch, backend):
+    """The launch's environment (launch.environment.setup, given `launch`), as the device's backend
+    computes on it (`backend`: config.sections.Backend): under --device xla one process per host
+    drives all of the host's devices."""
     from minimal_fsdp.launch import environment
 
-    env = environment.setup(Launch.of(cfg))
-    if cfg.device == "xla":
+    env = environment.setup(launch)
+    if backend.device == "xla":
         from minimal_fsdp.backends import xla  # needs torch_xla: imported only for --device xla
 
-        env = xla.setup(cfg, env)
+        env = xla.setup(backend, env)
     return env
 
 
-def for_plan(cfg, env, plan):
+def for_plan(backend, checkpoint, flags, env, plan):
     """The parts of the run that plan.backend computes: default.Torch (CUDA, CPU) or xla.XLA
-    (--device xla)."""
+    (--device xla). backend, checkpoint: config.sections' Backend and Checkpoint; flags: every
+    resolved flag of the run, {name: value}, for meta.json and the banner."""
     if plan.backend == "xla":
         from minimal_fsdp.backends.xla import XLA
 
-        return XLA(cfg, env, plan)
+        return XLA(backend, checkpoint, flags, env, plan)
     from minimal_fsdp.backends.default import Torch
 
-    return Torch(cfg, env, plan)
+    return Torch(backend, checkpoint, flags, env, plan)

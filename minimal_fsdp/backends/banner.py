@@ -23,26 +23,26 @@ def _readable(num_bytes):
     return f"{num_bytes:.3g} TB"
 
 
-def saving(cfg, env, checkpointer):
-    """The banner's line on checkpoints: synchronous or asynchronous, and the host memory the latter
-    keeps."""
+def saving(checkpoint_mode, env, checkpointer):
+    """The banner's line on checkpoints: synchronous or asynchronous (under --checkpoint_mode
+    `checkpoint_mode`), and the host memory the latter keeps."""
     if checkpointer.mode == "sync":
         return (
-            f"checkpoints: synchronous (--checkpoint_mode {cfg.checkpoint_mode}): training waits "
+            f"checkpoints: synchronous (--checkpoint_mode {checkpoint_mode}): training waits "
             "while they are written"
         )
     pinned = "pinned " if env.device.type == "cuda" else ""
     return (
-        f"checkpoints: asynchronous (--checkpoint_mode {cfg.checkpoint_mode}): training waits "
+        f"checkpoints: asynchronous (--checkpoint_mode {checkpoint_mode}): training waits "
         f"while a save is copied into {_readable(checkpointer.staging)} of {pinned}host memory per "
         "rank (kept for the run), then goes on while the files are written"
     )
 
 
-def banner(cfg, env, plan, model, resume_from=None, checkpointer=None):
+def banner(flags, env, plan, model, resume_from=None, checkpointer=None):
     """Rank 0's startup summary of a training run: layout, model size, a memory estimate, how
     checkpoints are saved (and the host memory an asynchronous save keeps), how long the restore
-    took, every resolved flag."""
+    took, every resolved flag (`flags`: {name: value})."""
     num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
     state = _readable(state_bytes_per_rank(num_params, plan.shard_ranks))
     where = "CPU memory (--cpu_offload)" if plan.cpu_offload else f"{env.device.type} memory"
@@ -57,7 +57,11 @@ def banner(cfg, env, plan, model, resume_from=None, checkpointer=None):
         f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of "
         f"{where} per rank ({spread}; activations not included)",
         *([fp8.describe(plan, model)] if plan.fp8 else []),
-        *([saving(cfg, env, checkpointer)] if checkpointer is not None else []),
+        *(
+            [saving(flags["checkpoint_mode"], env, checkpointer)]
+            if checkpointer is not None
+            else []
+        ),
         (
             f"resuming from {resume_from}"
             + (
@@ -68,11 +72,11 @@ def banner(cfg, env, plan, model, resume_from=None, checkpointer=None):
             if resume_from
             else "starting fresh"
         ),
-        "config" + (f" ({cfg.config} + command line)" if cfg.config else "") + ":",
+        "config" + (f" ({flags['config']} + command line)" if flags["config"] else "") + ":",
     ]
     # the Hugging Face model's own shape and tokenizer
-    replaced = ("model_preset", "tokenizer") if cfg.hf_model else ()
-    for section in to_toml(cfg).strip().split("\n\n"):
+    replaced = ("model_preset", "tokenizer") if flags["hf_model"] else ()
+    for section in to_toml(flags).strip().split("\n\n"):
         header, *entries = section.splitlines()
         lines.append(
             f"  {header} " + ", ".join(e for e in entries if e.split(" = ")[0] not in replaced)

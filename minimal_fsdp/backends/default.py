@@ -19,9 +19,11 @@ class Torch:
 
     samples_on_host = False  # the sample at the end comes from the trained model itself
 
-    def __init__(self, cfg, env, plan):
+    def __init__(self, backend, checkpoint, flags, env, plan):
+        """As backends.for_plan gives them."""
         # env: where the loop computes (the launch's own here)
-        self.cfg, self.env, self.plan = cfg, env, plan
+        self.settings, self.env, self.plan = backend, env, plan
+        self.checkpoint, self.flags = checkpoint, flags
         # data-parallel members: in all, and fed by this process
         self.ranks, self.local_ranks = env.world_size, 1
 
@@ -30,7 +32,7 @@ class Torch:
         Hugging Face model's weights, if given (None when resuming: the checkpoint's come
         instead)."""
         model = build_model(
-            MODELS[model_config.model_type], model_config, self.plan, self.env, self.cfg.seed
+            MODELS[model_config.model_type], model_config, self.plan, self.env, self.settings.seed
         )
         if hf_dir:
             read.load_weights(model, hf_dir, model_config.model_type)
@@ -39,9 +41,14 @@ class Torch:
     def checkpointer(self, model_config, tokenizer_dir, model):
         """Collective: every rank agrees on saving in the background or not (background.for_run)
         first."""
-        background = for_run(self.cfg, self.env, model, self.plan.decentralized)
+        background = for_run(self.checkpoint, self.env, model, self.plan.decentralized)
         return Checkpointer(
-            self.cfg, model_config, tokenizer_dir, self.plan.decentralized, background
+            self.checkpoint,
+            self.flags,
+            model_config,
+            tokenizer_dir,
+            self.plan.decentralized,
+            background,
         )
 
     def batches(self, data):
@@ -61,4 +68,4 @@ class Torch:
         checkpoint."""
 
     def banner(self, model, start, checkpointer):
-        return banner(self.cfg, self.env, self.plan, model, start, checkpointer)
+        return banner(self.flags, self.env, self.plan, model, start, checkpointer)

@@ -85,8 +85,9 @@ class Devices:
         )
 
 
-def setup(cfg, env):
-    """SPMD over this host's devices; returns env with the host's process group. Hosts meet as
+def setup(backend, env):
+    """SPMD over this host's devices (backend: config.sections.Backend); returns env with the host's
+    process group. Hosts meet as
     elsewhere (mpiexec, torchrun, srun: one rank per host); on a TPU pod started with plain python
     on every host, through torch_xla's own rendezvous (xla://), where the TPU runtime knows the
     hosts."""
@@ -101,7 +102,7 @@ def setup(cfg, env):
             dist.init_process_group(
                 "gloo",
                 init_method="xla://",
-                timeout=datetime.timedelta(seconds=cfg.collective_timeout),
+                timeout=datetime.timedelta(seconds=backend.collective_timeout),
             )
         env = dataclasses.replace(
             env,
@@ -117,7 +118,7 @@ def setup(cfg, env):
             "start one rank per host"
         )
     hardware = xr.device_type()
-    if cfg.precision == "bf16" and hardware not in BF16_HARDWARE:
+    if backend.precision == "bf16" and hardware not in BF16_HARDWARE:
         raise ConfigError(
             f"--precision bf16 under --device xla needs a TPU or Trainium (torch_xla's autocast); "
             f"this is XLA:{hardware}: use --precision float32"
@@ -128,19 +129,19 @@ def setup(cfg, env):
 # ---- the model ----
 
 
-def build_model(model_cls, model_config, cfg, mesh, hf_dir=None):
+def build_model(model_cls, model_config, backend, mesh, hf_dir=None):
     """Built and initialized on the host exactly as on CPU (init_weights: the same values for any
     layout), given a Hugging Face model's weights if asked, then moved to the devices and sharded by
     FSDPv2: each block, then the rest. The model classes are untouched; their loss stays the plain
     layers.cross_entropy."""
     model = model_cls(model_config)
-    init_weights(model, cfg.seed, "cpu")
+    init_weights(model, backend.seed, "cpu")
     if hf_dir:
         load_weights(model, hf_dir, model_config.model_type)
 
     def wrap_block(block, *args, **kwargs):
         return FSDPv2(
-            checkpoint_module(block) if cfg.activation_checkpoints else block, *args, **kwargs
+            checkpoint_module(block) if backend.activation_checkpoints else block, *args, **kwargs
         )
 
     # FSDPv2 hooks each wrapped module's backward; the root's inputs are token ids, which have
@@ -160,7 +161,7 @@ def build_model(model_cls, model_config, cfg, mesh, hf_dir=None):
         auto_wrap_policy=blocks,
         auto_wrapper_callable=wrap_block,
     )
-    if cfg.precision == "bf16":  # fp32 weights, bf16 matmuls
+    if backend.precision == "bf16":  # fp32 weights, bf16 matmuls
         model.forward = autocast(torch_xla.device(), dtype=torch.bfloat16)(model.forward)
     return model
 
@@ -261,8 +262,8 @@ class Checkpointer(checkpointer.Checkpointer):
     """checkpointer.Checkpointer (the same directory protocol, meta.json and keys), with the shards
     written and read on the devices by torch_xla's planners."""
 
-    def __init__(self, cfg, model_config, tokenizer_dir):
-        super().__init__(cfg, model_config, tokenizer_dir, decentralized=False)
+    def __init__(self, checkpoint, flags, model_config, tokenizer_dir):
+        super().__init__(checkpoint, flags, model_config, tokenizer_dir, decentralized=False)
 
     def write(self, step, model, optimizer, meta):
         return checkpointer.save(
@@ -289,19 +290,21 @@ class XLA:
     # generation on the devices would compile a graph per token: the host samples instead
     samples_on_host = True
 
-    def __init__(self, cfg, env, plan):
-        self.cfg, self.plan, self.devices = cfg, plan, Devices.discover()
+    def __init__(self, backend, checkpoint, flags, env, plan):
+        """As backends.for_plan gives them."""
+        self.settings, self.plan, self.devices = backend, plan, Devices.discover()
+        self.checkpoint, self.flags = checkpoint, flags
         # the loop's batches go to the devices
         self.env = dataclasses.replace(env, device=self.devices.device)
         self.ranks, self.local_ranks = self.devices.total, self.devices.local
 
     def build_model(self, model_config, hf_dir=None):
         return build_model(
-            MODELS[model_config.model_type], model_config, self.cfg, self.devices.mesh, hf_dir
+            MODELS[model_config.model_type], model_config, self.settings, self.devices.mesh, hf_dir
         )
 
     def checkpointer(self, model_config, tokenizer_dir, model):
-        return Checkpointer(self.cfg, model_config, tokenizer_dir)
+        return Checkpointer(self.checkpoint, self.flags, model_config, tokenizer_dir)
 
     def batches(self, data):
         return DeviceData(data, self.devices)
@@ -315,13 +318,13 @@ class XLA:
     def seed(self, step):
         """torch_xla's generator (dropout masks), seeded per launch: resumed at step N, it is not
         step 0's."""
-        xm.set_rng_state(seed64(self.cfg.seed * 1_000_003 + step))
+        xm.set_rng_state(seed64(self.settings.seed * 1_000_003 + step))
 
     def banner(self, model, start, checkpointer):
         """banner.banner with the XLA layout in its first line: every parameter sharded over every
         device."""
         xla_plan = dataclasses.replace(self.plan, shard_ranks=self.devices.total)
-        text = banner(self.cfg, self.env, xla_plan, model, start, checkpointer).split("\n", 1)[1]
+        text = banner(self.flags, self.env, xla_plan, model, start, checkpointer).split("\n", 1)[1]
         return (
             f"launch: {self.env.world_size} host(s) x {self.devices.local} {xr.device_type()} "
             f"device(s)/host, started by {self.env.launcher}; torch_xla SPMD, mesh "

@@ -102,15 +102,16 @@ def choose_mode(mode, device_type, per_rank, ranks_on_node, available):
     return "async", None
 
 
-def for_run(cfg, env, model, decentralized):
+def for_run(checkpoint, env, model, decentralized):
     """Collective: the run's Background, or None for synchronous saves (choose_mode's verdict; a
-    rank on a node short of memory makes every rank save synchronously, and rank 0 says why)."""
-    staging = staging_bytes(model, decentralized, cfg.save_average)
+    rank on a node short of memory makes every rank save synchronously, and rank 0 says why).
+    checkpoint: config.sections.Checkpoint."""
+    staging = staging_bytes(model, decentralized, checkpoint.save_average)
     verdicts = [None] * dist.get_world_size()
     dist.all_gather_object(
         verdicts,
         choose_mode(
-            cfg.checkpoint_mode,
+            checkpoint.checkpoint_mode,
             env.device.type,
             staging,
             env.local_world_size,
@@ -123,8 +124,8 @@ def for_run(cfg, env, model, decentralized):
     if any(mode == "sync" for mode, _ in verdicts):
         return None
     # as staging_bytes counts them
-    copies = 3 * (2 if decentralized and not cfg.save_average else 1)
-    return Background(env.device, cfg.collective_timeout, staging, model, copies)
+    copies = 3 * (2 if decentralized and not checkpoint.save_average else 1)
+    return Background(env.device, checkpoint.collective_timeout, staging, model, copies)
 
 
 class StagedPlanner(DefaultSavePlanner):

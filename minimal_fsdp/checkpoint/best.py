@@ -40,20 +40,20 @@ def read_record(meta):
     }
 
 
-def chosen(cfg, saved=None):
-    """--best_metric, else the metric the resumed checkpoint (saved: its meta.json) was chosen by,
-    else val_loss. Checked for its form and against --eval_tasks, alike on every rank; whether the
-    tasks compute it is direction()'s check, once they are loaded."""
-    name = (cfg.best_metric or read_record(saved).get("best_metric") or VAL_LOSS).removeprefix(
-        "eval/"
-    )
-    origin = "--best_metric" if cfg.best_metric else "the resumed checkpoint's --best_metric"
+def chosen(evaluation, saved=None):
+    """--best_metric (of `evaluation`, config.sections.Evaluation), else the metric the resumed
+    checkpoint (saved: its meta.json) was chosen by, else val_loss. Checked for its form and against
+    --eval_tasks, alike on every rank; whether the tasks compute it is direction()'s check, once
+    they are loaded."""
+    name = evaluation.best_metric or read_record(saved).get("best_metric") or VAL_LOSS
+    name = name.removeprefix("eval/")
+    origin = "--best_metric" if evaluation.best_metric else "the resumed checkpoint's --best_metric"
     if name == VAL_LOSS:
         return name
     task, _, metric = name.rpartition("/")
     if not task or not metric:
         raise ConfigError(f"{origin} {name}: expected {NAME_FORM}")
-    if not cfg.eval_tasks:
+    if not evaluation.eval_tasks:
         raise ConfigError(
             f"{origin} {name} is a score of --eval_tasks: pass --eval_tasks with task {task} "
             "(or --best_metric val_loss)"

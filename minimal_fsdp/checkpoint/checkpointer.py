@@ -85,17 +85,21 @@ class Checkpointer:
 
     restore_s = restored_from = None  # how long the restore took, and from where, once one has
 
-    def __init__(self, cfg, model_config, tokenizer_dir, decentralized, background=None):
-        """background: background.for_run's Background (saves beside training), or None (synchronous
-        saves)."""
-        self.cfg, self.run_dir = cfg, Path(cfg.checkpoint_dir) / cfg.run_name
+    def __init__(
+        self, checkpoint, flags, model_config, tokenizer_dir, decentralized, background=None
+    ):
+        """checkpoint: config.sections.Checkpoint; flags: every resolved flag of the run, {name:
+        value}, kept in meta.json; background: background.for_run's Background (saves beside
+        training), or None (synchronous saves)."""
+        self.checkpoint = checkpoint
+        self.run_dir = Path(checkpoint.checkpoint_dir) / checkpoint.run_name
         self.about = {
             "model_type": model_config.model_type,
             "model": model_config.to_dict(),
-            "config": dataclasses.asdict(cfg),
+            "config": dict(flags),
         }
-        self.tokenizer_dir, self.keep_last = tokenizer_dir, cfg.keep_last
-        self.decentralized, self.average_only = decentralized, cfg.save_average
+        self.tokenizer_dir, self.keep_last = tokenizer_dir, checkpoint.keep_last
+        self.decentralized, self.average_only = decentralized, checkpoint.save_average
         self.background = background
         self.mode, self.staging = (
             ("async", self.background.staging) if self.background else ("sync", 0)
@@ -181,7 +185,7 @@ class Checkpointer:
         start = time.perf_counter()
         # Shards that load wrong despite every check: one line, then the next complete checkpoint.
         path = self.restored_from = load_first(
-            self.cfg, path, lambda p: self.read(p, model, optimizer)
+            self.checkpoint, path, lambda p: self.read(p, model, optimizer)
         )
         restore_rng(path, dist.get_rank(), dist.get_world_size(), seed)
         self.restore_s = time.perf_counter() - start

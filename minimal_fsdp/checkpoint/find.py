@@ -401,19 +401,19 @@ def resolve(path):
     return path
 
 
-def find(cfg, refused=()):
-    """Collective. The checkpoint a run starts from: --restart_checkpoint_file, else (--resume auto)
-    the run's newest complete one, else None. Rank 0 looks at the files and passes its candidates to
-    all (so every rank loads the same checkpoint even if files change meanwhile); the ranks then
-    share the checksum reading. `refused`: checkpoints that failed to load (load_first). A run
-    directory that holds checkpoints, every one of them refused, is an error: starting fresh would
-    save over them."""
+def find(checkpoint, refused=()):
+    """Collective. The checkpoint a run starts from (`checkpoint`: config.sections.Checkpoint):
+    --restart_checkpoint_file, else (--resume auto) the run's newest complete one, else None. Rank 0
+    looks at the files and passes its candidates to all (so every rank loads the same checkpoint
+    even if files change meanwhile); the ranks then share the checksum reading. `refused`:
+    checkpoints that failed to load (load_first). A run directory that holds checkpoints, every one
+    of them refused, is an error: starting fresh would save over them."""
     together = dist.is_initialized()  # else one process (a tool, a test) does it all
     rank, world = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
     tried = (
-        failures.run_on_main(_cheaply_complete, cfg, refused)
+        failures.run_on_main(_cheaply_complete, checkpoint, refused)
         if together
-        else _cheaply_complete(cfg, refused)
+        else _cheaply_complete(checkpoint, refused)
     )
     for path in tried:
         problems = [verify(path, share=(rank, world))]
@@ -423,20 +423,20 @@ def find(cfg, refused=()):
         problem = next((p for p in problems if p), None)
         if problem is None:
             return Path(path)
-        if cfg.restart_checkpoint_file:
+        if checkpoint.restart_checkpoint_file:
             raise ConfigError(
-                f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is damaged: {path}: "
-                f"{problem}"
+                f"--restart_checkpoint_file {checkpoint.restart_checkpoint_file} is damaged: "
+                f"{path}: {problem}"
             )
         if rank == 0:
             skipping(path, problem)
     if tried:
-        raise ConfigError(_every_one_refused(cfg))
+        raise ConfigError(_every_one_refused(checkpoint))
     return None
 
 
-def _every_one_refused(cfg):
-    run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
+def _every_one_refused(checkpoint):
+    run_dir = Path(checkpoint.checkpoint_dir) / checkpoint.run_name
     return (
         f"every checkpoint of {run_dir} is refused (the lines above say why), and a fresh start "
         "would save over them: nothing was changed there; repair or move them away, pick one with "
@@ -444,28 +444,28 @@ def _every_one_refused(cfg):
     )
 
 
-def load_first(cfg, path, load):
+def load_first(checkpoint, path, load):
     """Collective: load(path) and return path; if loading fails (shards forged to pass every check,
     say: DCP raises alike on every rank), one line, then (--resume auto) the next complete
     checkpoint, as find gives it. A checkpoint named by --restart_checkpoint_file, or none left, is
     an error in one line."""
-    named, next_one = run_fallback(cfg)
+    named, next_one = run_fallback(checkpoint)
     return first_loading(path, load, next_one, named)[0]
 
 
-def run_fallback(cfg):
+def run_fallback(checkpoint):
     """(named, next_one) for first_loading: how a run (training, or --max_epochs -1) replaces a
     checkpoint find gave it that fails to load: the next one find gives (collective), or, for
     --restart_checkpoint_file's, none."""
 
     def next_one(refused):
-        found = find(cfg, refused)
+        found = find(checkpoint, refused)
         if found is None:
-            raise ConfigError(_every_one_refused(cfg))
+            raise ConfigError(_every_one_refused(checkpoint))
         return found
 
-    named = cfg.restart_checkpoint_file and (
-        f"--restart_checkpoint_file {cfg.restart_checkpoint_file}"
+    named = checkpoint.restart_checkpoint_file and (
+        f"--restart_checkpoint_file {checkpoint.restart_checkpoint_file}"
     )
     return named, next_one
 
@@ -513,20 +513,20 @@ class LoadFailed(Exception):
     from its own failures (export's writing)."""
 
 
-def _cheaply_complete(cfg, refused=()):
+def _cheaply_complete(checkpoint, refused=()):
     """Rank 0: the checkpoints to try, in order, that pass verify's cheap checks (no checksums yet),
     less those `refused`. None, where the run directory holds checkpoints: an error (find)."""
-    if cfg.restart_checkpoint_file:
-        path = resolve(cfg.restart_checkpoint_file)
+    if checkpoint.restart_checkpoint_file:
+        path = resolve(checkpoint.restart_checkpoint_file)
         problem = verify(path, checksums=False)
         if problem:
             raise ConfigError(
-                f"--restart_checkpoint_file {cfg.restart_checkpoint_file} is not a complete "
+                f"--restart_checkpoint_file {checkpoint.restart_checkpoint_file} is not a complete "
                 f"checkpoint: {path}: {problem}"
             )
         return [str(path)]
-    run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
-    if cfg.resume == "never" and not cfg.generate_only:
+    run_dir = Path(checkpoint.checkpoint_dir) / checkpoint.run_name
+    if checkpoint.resume == "never" and not checkpoint.generate_only:
         if step_dirs(run_dir):
             raise ConfigError(
                 f"--resume never, but {run_dir} already holds checkpoints: pick another "
@@ -543,7 +543,7 @@ def _cheaply_complete(cfg, refused=()):
         else:
             skipping(path, problem)
     if not found and step_dirs(run_dir):
-        raise ConfigError(_every_one_refused(cfg))
+        raise ConfigError(_every_one_refused(checkpoint))
     return found
 
 

@@ -532,13 +532,14 @@ SECTIONS = parser.sections(Config)
 
 
 def to_toml(cfg):
-    """The resolved config as a file --config accepts. Unset (None) values are left out: TOML has no
-    null."""
+    """The resolved config (a Config, or its flags as {name: value}) as a file --config accepts.
+    Unset (None) values are left out: TOML has no null."""
+    values = cfg if isinstance(cfg, dict) else dataclasses.asdict(cfg)
     lines = []
     for section in SECTIONS:
         lines.append(f"[{section}]")
-        for f in dataclasses.fields(cfg):
-            value = getattr(cfg, f.name)
+        for f in dataclasses.fields(Config):
+            value = values[f.name]
             if f.metadata["section"] == section and f.name != "config" and value is not None:
                 text = (
                     json.dumps(value, ensure_ascii=False)

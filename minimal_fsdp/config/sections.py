@@ -106,3 +106,67 @@ class Data(Section):
     vocab_size: int
     val_fraction: float
     seed: int
+
+
+# checkpoint, logging, evaluation, backends
+
+
+@dataclass(frozen=True)
+class Checkpoint(Section):
+    """What checkpoint/ reads: find.find and run_fallback (what a run starts from),
+    checkpointer.Checkpointer (where it saves, what it keeps), background.for_run (how)."""
+
+    checkpoint_dir: str
+    run_name: str
+    resume: str
+    restart_checkpoint_file: str
+    keep_last: int
+    save_average: bool
+    checkpoint_mode: str
+    collective_timeout: float  # a background save's wait for the other ranks
+    generate_only: bool  # generation alone (--max_epochs -1) reads checkpoints under --resume never
+
+
+@dataclass(frozen=True)
+class Logging(Section):
+    """What metrics.Metrics and TrainingLog write to, and where."""
+
+    log_dir: str
+    run_name: str
+    tensorboard: bool
+    wandb: bool
+    wandb_project: str
+
+
+@dataclass(frozen=True)
+class Profiling(Section):
+    """What profiling.around_steps records of the steps."""
+
+    profile: str
+    memory_snapshot: bool
+
+
+@dataclass(frozen=True)
+class Evaluation(Section):
+    """What eval.harness.TrainingTasks runs during training, and what checkpoint.best.chosen
+    chooses `best` by."""
+
+    eval_tasks: str
+    eval_tasks_include_path: str
+    eval_tasks_interval: int
+    eval_tasks_limit: float
+    best_metric: str
+    batch_size: int  # the scoring's batch and dtype are training's
+    precision: str
+
+
+@dataclass(frozen=True)
+class Backend(Section):
+    """What backends/ read: setup (the device), default.Torch and xla.XLA (the model's seed; under
+    XLA also its precision, activation checkpoints and the hosts' collective timeout)."""
+
+    device: str
+    seed: int
+    precision: str
+    activation_checkpoints: bool
+    collective_timeout: float

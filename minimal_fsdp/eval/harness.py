@@ -192,20 +192,22 @@ class TrainingTasks:
     """--eval_tasks: the harness's tasks on the live model during training (train.train calls
     it)."""
 
-    def __init__(self, lm, manager, tasks, cfg, best=(VAL_LOSS, False)):
+    def __init__(self, lm, manager, tasks, evaluation, best=(VAL_LOSS, False)):
+        """evaluation: config.sections.Evaluation."""
         self.lm, self.manager, self.tasks = lm, manager, tasks
-        self.interval, self.limit = cfg.eval_tasks_interval, _limit(cfg.eval_tasks_limit)
+        self.interval = evaluation.eval_tasks_interval
+        self.limit = _limit(evaluation.eval_tasks_limit)
         self.best = best  # (--best_metric, whether higher is better)
         self.scored = (None, {})  # (step, {<task>/<metric>: score}) of the last evaluation
 
     @classmethod
-    def for_run(cls, cfg, env, tokenizer, model, saved=None):
-        """None without --eval_tasks. Collective: loads the tasks on rank 0 now, so that a missing
-        task or data file, or a --best_metric they do not compute, stops the run before its first
-        step, alike on every rank. saved: the resumed checkpoint's meta.json, whose --best_metric
-        the run keeps unless given anew."""
-        best = chosen(cfg, saved)
-        if not cfg.eval_tasks:
+    def for_run(cls, evaluation, env, tokenizer, model, saved=None):
+        """None without --eval_tasks (of `evaluation`, config.sections.Evaluation). Collective:
+        loads the tasks on rank 0 now, so that a missing task or data file, or a --best_metric they
+        do not compute, stops the run before its first step, alike on every rank. saved: the
+        resumed checkpoint's meta.json, whose --best_metric the run keeps unless given anew."""
+        best = chosen(evaluation, saved)
+        if not evaluation.eval_tasks:
             return None
         # The flags' own checks (interval, limit, not decentralized)
         # are checks.check_train's.
@@ -221,13 +223,15 @@ class TrainingTasks:
 
         # rank 0's Task objects stay on rank 0; the direction of --best_metric goes to every rank
         def load():
-            loaded["tasks"] = load_tasks(task_names([cfg.eval_tasks]), cfg.eval_tasks_include_path)
+            loaded["tasks"] = load_tasks(
+                task_names([evaluation.eval_tasks]), evaluation.eval_tasks_include_path
+            )
             return direction(best, loaded["tasks"][1])
 
         higher = failures.run_on_main(load)
-        dtype = torch.bfloat16 if cfg.precision in ("bf16", "fp8") else torch.float32
-        lm = ShardedLM(model, tokenizer, env.device, dtype, cfg.batch_size, progress=False)
-        return cls(lm, *loaded.get("tasks", (None, None)), cfg, (best, higher))
+        dtype = torch.bfloat16 if evaluation.precision in ("bf16", "fp8") else torch.float32
+        lm = ShardedLM(model, tokenizer, env.device, dtype, evaluation.batch_size, progress=False)
+        return cls(lm, *loaded.get("tasks", (None, None)), evaluation, (best, higher))
 
     def due(self, step, final, saves=False):
         """At the end, every --eval_tasks_interval steps, and at every save when a task score

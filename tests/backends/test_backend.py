@@ -8,6 +8,7 @@ import torch
 from minimal_fsdp.backends import default
 from minimal_fsdp.checkpoint import checkpointer
 from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.config.sections import Backend, Checkpoint
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel.parallelize import LocalSync, init_weights
@@ -23,7 +24,8 @@ def test_torch_gives_the_plans_model_sync_and_checkpointer(monkeypatch, one_rank
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     cfg = parse_args(["--seed", 7])
     plan = make_plan(cfg, env, CONFIG)
-    parts = default.Torch(cfg, env, plan)
+    flags = (Backend.of(cfg), Checkpoint.of(cfg), dataclasses.asdict(cfg))  # as backends.for_plan
+    parts = default.Torch(*flags, env, plan)
     assert (plan.backend, parts.ranks, parts.local_ranks, parts.env) == ("torch", 1, 1, env)
     model = parts.build_model(CONFIG)
     reference = GPT(CONFIG)
@@ -47,6 +49,6 @@ def test_torch_gives_the_plans_model_sync_and_checkpointer(monkeypatch, one_rank
         default, "gradient_sync", lambda model, plan: made.append((model, plan)) or "sync"
     )
     gossip = dataclasses.replace(plan, strategy="gossip")
-    assert default.Torch(cfg, env, gossip).gradient_sync(model) == "sync" and made == [
+    assert default.Torch(*flags, env, gossip).gradient_sync(model) == "sync" and made == [
         (model, gossip)
     ]

@@ -4,6 +4,7 @@ ways; generation from them; the flag's errors. Runs where torch_xla is installed
 (docs/parallelism.md: torch 2.9 + torch_xla 2.9); the config checks, and the run's wiring under a
 stand-in torch_xla (fake_torch_xla.py: one device, the CPU), run everywhere."""
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -19,6 +20,7 @@ from minimal_fsdp.backends import default
 from minimal_fsdp.checkpoint.safe_load import tensor_names
 from minimal_fsdp.config.checks import validate_world
 from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.sections import Backend, Checkpoint
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.parallel.plan import make_plan
@@ -370,7 +372,7 @@ def test_the_plan_decides_the_xla_backend_and_train_builds_its_optimizer(fake_xl
     assert public(fake_xla.XLA) == public(default.Torch) and not hasattr(
         fake_xla, "build_optimizer"
     )
-    parts = fake_xla.XLA(cfg, env, plan)
+    parts = fake_xla.XLA(Backend.of(cfg), Checkpoint.of(cfg), dataclasses.asdict(cfg), env, plan)
     assert (parts.ranks, parts.local_ranks) == (1, 1)  # the stand-in's one device
     model = parts.build_model(config)
     optimizer = build_optimizer(model, cfg, plan)

@@ -13,6 +13,7 @@ committed before the exit 0; a failed background write ends the run with one lin
 good checkpoint."""
 
 import builtins
+import dataclasses
 import io
 import json
 import os
@@ -39,6 +40,7 @@ from minimal_fsdp.checkpoint.background import (
 )
 from minimal_fsdp.checkpoint.writer import ChecksummingWriter
 from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.config.sections import Checkpoint
 from minimal_fsdp.models.families import make_config
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.models.size import count_parameters
@@ -224,7 +226,9 @@ def test_a_save_waits_for_the_one_in_flight_so_two_never_overlap(
     monkeypatch.setattr(ChecksummingWriter, "write_data", counted)
     cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--run_name", "run", "--keep_last", "0"])
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
-    saver = checkpointer.Checkpointer(cfg, config, None, decentralized=False)
+    saver = checkpointer.Checkpointer(
+        Checkpoint.of(cfg), dataclasses.asdict(cfg), config, None, decentralized=False
+    )
     saver.background = Background(torch.device("cpu"), HANG_GUARD)  # what a GPU run gets (for_run)
     wait = saver.background.wait
 
@@ -386,13 +390,12 @@ def test_staging_memory_is_the_ranks_weights_and_moments_in_the_planner_and_the_
     assert asynchronous["host"] - synchronous["host"] == asynchronous["staging"] == 12 * total / 8
     assert asynchronous["gpu"] == synchronous["gpu"] and synchronous["staging"] == 0
     env = SimpleNamespace(device=torch.device("cuda"))
-    cfg = SimpleNamespace(checkpoint_mode="auto")
-    line = banner.saving(cfg, env, SimpleNamespace(mode="async", staging=9.4e9))
+    line = banner.saving("auto", env, SimpleNamespace(mode="async", staging=9.4e9))
     assert line.startswith(
         "checkpoints: asynchronous (--checkpoint_mode auto): training waits while a save is "
         "copied into 9.4 GB of pinned host memory per rank"
     )
-    assert "synchronous" in banner.saving(cfg, env, SimpleNamespace(mode="sync", staging=0))
+    assert "synchronous" in banner.saving("auto", env, SimpleNamespace(mode="sync", staging=0))
 
 
 # ---- two ranks, through the real entry point ----

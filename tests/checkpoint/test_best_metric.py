@@ -11,6 +11,7 @@ import pytest
 
 from minimal_fsdp.checkpoint import best, find
 from minimal_fsdp.config.flags import Config, ConfigError
+from minimal_fsdp.config.sections import Evaluation
 
 from conftest import ROOT, TINY_MODEL, launch, make_text
 
@@ -82,29 +83,29 @@ def test_a_damaged_record_counts_as_none():
 
 
 def test_the_flag_is_checked_before_anything_is_loaded():
-    assert best.chosen(Config()) == "val_loss"
+    assert best.chosen(Evaluation.of(Config())) == "val_loss"
     # as metrics.jsonl
-    assert best.chosen(Config(eval_tasks="t", best_metric="eval/t/acc")) == "t/acc"
+    assert best.chosen(Evaluation.of(Config(eval_tasks="t", best_metric="eval/t/acc"))) == "t/acc"
     with pytest.raises(
         ConfigError, match=r"^--best_metric acc: expected val_loss or <task>/<metric>"
     ):
-        best.chosen(Config(eval_tasks="t", best_metric="acc"))
+        best.chosen(Evaluation.of(Config(eval_tasks="t", best_metric="acc")))
     with pytest.raises(
         ConfigError,
         match=r"^--best_metric t/acc is a score of --eval_tasks: pass --eval_tasks "
         r"with task t \(or --best_metric val_loss\)$",
     ):
-        best.chosen(Config(best_metric="t/acc"))
+        best.chosen(Evaluation.of(Config(best_metric="t/acc")))
     resumed = meta(1.0, "t/acc", True)
     # a resumed run keeps its choice
-    assert best.chosen(Config(eval_tasks="t"), resumed) == "t/acc"
+    assert best.chosen(Evaluation.of(Config(eval_tasks="t")), resumed) == "t/acc"
     # unless told otherwise
-    assert best.chosen(Config(best_metric="val_loss"), resumed) == "val_loss"
+    assert best.chosen(Evaluation.of(Config(best_metric="val_loss")), resumed) == "val_loss"
     with pytest.raises(
         ConfigError,
         match="^the resumed checkpoint's --best_metric t/acc is a score of --eval_tasks",
     ):
-        best.chosen(Config(), resumed)
+        best.chosen(Evaluation.of(Config()), resumed)
 
 
 def test_the_direction_is_the_harness_own(monkeypatch):

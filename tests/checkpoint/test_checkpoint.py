@@ -31,6 +31,7 @@ from minimal_fsdp.checkpoint.dirs import crc32
 from minimal_fsdp.checkpoint.meta import read_meta
 from minimal_fsdp.checkpoint.rng import rng_bytes
 from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.sections import Checkpoint
 from minimal_fsdp.launch import run_lock
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPT, GPTConfig
@@ -177,7 +178,10 @@ def test_keep_last_prunes_older_checkpoints_but_spares_best(one_rank, tmp_path):
         run / "best"
     ).read_text().strip() == "step_2"
     assert find.resolve(run / "best") == run / "step_2"
-    assert find.find(parse_args(["--restart_checkpoint_file", str(run / "best")])) == run / "step_2"
+    assert (
+        find.find(Checkpoint.of(parse_args(["--restart_checkpoint_file", str(run / "best")])))
+        == run / "step_2"
+    )
 
 
 def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_path, capsys):
@@ -194,7 +198,7 @@ def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_
     (run / "step_2" / "meta.json").write_text('{"step": 2, "mod')
     capsys.readouterr()
     cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--run_name", "run"])
-    assert find.find(cfg) == run / "step_1"
+    assert find.find(Checkpoint.of(cfg)) == run / "step_1"
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 4, lines
     assert "step_5: rng_0.pt is missing or unreadable" in lines[0]
@@ -204,7 +208,7 @@ def test_damaged_checkpoints_are_reported_in_one_line_and_skipped(one_rank, tmp_
     with pytest.raises(
         ConfigError, match="--restart_checkpoint_file .*step_4 is not a complete checkpoint"
     ):
-        find.find(parse_args(["--restart_checkpoint_file", str(run / "step_4")]))
+        find.find(Checkpoint.of(parse_args(["--restart_checkpoint_file", str(run / "step_4")])))
 
 
 def test_rng_states_come_back(one_rank, tmp_path):
@@ -225,10 +229,10 @@ def test_rng_states_come_back(one_rank, tmp_path):
 
 def test_resume_never_refuses_a_run_that_has_checkpoints(tmp_path):
     args = ["--checkpoint_dir", str(tmp_path), "--run_name", "run", "--resume", "never"]
-    assert find.find(parse_args(args)) is None
+    assert find.find(Checkpoint.of(parse_args(args))) is None
     (tmp_path / "run" / "step_3").mkdir(parents=True)
     with pytest.raises(ConfigError, match="--resume never, but .*run already holds checkpoints"):
-        find.find(parse_args(args))
+        find.find(Checkpoint.of(parse_args(args)))
 
 
 class RandomTokens:
@@ -614,7 +618,9 @@ def test_checkpointer_of_a_decentralized_run(tmp_path):
     (tokenizer / "tokenizer.json").write_text("{}")
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
     model, optimizer = tiny()
-    saver = checkpointer.Checkpointer(cfg, config, tokenizer, decentralized=True)
+    saver = checkpointer.Checkpointer(
+        Checkpoint.of(cfg), dataclasses.asdict(cfg), config, tokenizer, decentralized=True
+    )
     saver.save(1, model, optimizer, 2.0, {"data": {"train_blocks_seen": 4}})
     path = saver.save(2, model, optimizer, 1.0, {"data": {"train_blocks_seen": 8}})
     assert sorted(p.name for p in path.parent.iterdir()) == ["best", "latest", "step_2"]
@@ -631,11 +637,9 @@ def test_checkpointer_of_a_decentralized_run(tmp_path):
     assert len(safe_load.tensor_names(path, "replicas.0.optim.state.")) == 3 * len(
         list(tiny()[0].parameters())
     )
+    averaged = dataclasses.replace(cfg, run_name="avg", save_average=True)
     average_only = checkpointer.Checkpointer(
-        dataclasses.replace(cfg, run_name="avg", save_average=True),
-        config,
-        None,
-        decentralized=True,
+        Checkpoint.of(averaged), dataclasses.asdict(averaged), config, None, decentralized=True
     )
     assert meta_of(average_only.save(1, model, optimizer, None, {}))["replicas"] == 0
 
@@ -646,9 +650,9 @@ def test_checkpointer_restores_the_replica_only_for_a_decentralized_run(tmp_path
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
     for decentralized, expected in [(True, a), (False, b)]:
         model, optimizer = tiny(seed=3)
-        checkpointer.Checkpointer(cfg, config, None, decentralized).restore(
-            path, model, optimizer, seed=0
-        )
+        checkpointer.Checkpointer(
+            Checkpoint.of(cfg), dataclasses.asdict(cfg), config, None, decentralized
+        ).restore(path, model, optimizer, seed=0)
         assert same(weights(model), weights(expected))
 
 
@@ -659,7 +663,9 @@ def test_checkpointer_saves_and_restores_model_optimizer_and_rng(tmp_path):
     (tokenizer / "tokenizer.model").write_bytes(b"\x00\x01")
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
     model, optimizer = tiny()
-    saver = checkpointer.Checkpointer(cfg, config, tokenizer, decentralized=False)
+    saver = checkpointer.Checkpointer(
+        Checkpoint.of(cfg), dataclasses.asdict(cfg), config, tokenizer, decentralized=False
+    )
     saver.save(1, model, optimizer, 3.0, {"schedule": {"last_step": 9}})
     path = saver.save(2, model, optimizer, 2.0, {"schedule": {"last_step": 9}})
     expected = (weights(model), moments(optimizer), torch.rand(3))
@@ -697,9 +703,9 @@ def test_another_world_size_reseeds_each_rank_from_seed_rank_and_step(run):
     model, optimizer = tiny()
     cfg = parse_args(["--checkpoint_dir", str(run.parent), "--run_name", "run"])
     config = GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8)
-    checkpointer.Checkpointer(cfg, config, None, False).restore(
-        run / "step_3", model, optimizer, seed=7
-    )
+    checkpointer.Checkpointer(
+        Checkpoint.of(cfg), dataclasses.asdict(cfg), config, None, False
+    ).restore(run / "step_3", model, optimizer, seed=7)
     assert torch.equal(torch.rand(3), streams[7, 0])
 
 

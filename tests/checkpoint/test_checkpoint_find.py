@@ -19,6 +19,7 @@ from minimal_fsdp.__main__ import main as cli
 from minimal_fsdp.checkpoint import find, safe_load
 from minimal_fsdp.checkpoint.meta import MAX_BYTES, MetaError, read_meta
 from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.sections import Checkpoint
 from minimal_fsdp.launch import failures
 
 from support import (  # noqa: F401 (fixtures)
@@ -326,7 +327,9 @@ def test_resolve_of_a_run_with_nothing_complete_says_why_and_returns_the_run(tmp
 
 
 def args_for(run, *extra):
-    return parse_args(["--checkpoint_dir", str(run.parent), "--run_name", run.name, *extra])
+    """The checkpoint flags (find.find's) of a run in `run`."""
+    flags = parse_args(["--checkpoint_dir", str(run.parent), "--run_name", run.name, *extra])
+    return Checkpoint.of(flags)
 
 
 def test_find_skips_a_checkpoint_whose_checksums_fail(run, console):

@@ -24,6 +24,7 @@ from minimal_fsdp.checkpoint import checkpointer, find, safe_load
 from minimal_fsdp.checkpoint.meta import MetaError, read_meta
 from minimal_fsdp.config.checks import WHOLE_RANGES
 from minimal_fsdp.config.flags import Config, ConfigError, parse_args
+from minimal_fsdp.config.sections import Checkpoint
 from minimal_fsdp.inference import load
 from minimal_fsdp.launch import run_lock
 from minimal_fsdp.tools import progress
@@ -45,6 +46,11 @@ pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def args_for(run, *extra):
+    """The checkpoint flags (find.find's) of a run in `run`."""
+    return Checkpoint.of(flags_for(run, *extra))
+
+
+def flags_for(run, *extra):
     return parse_args(["--checkpoint_dir", str(run.parent), "--run_name", run.name, *extra])
 
 
@@ -349,9 +355,12 @@ def test_rng_states_that_cannot_be_restored_are_skipped_for_the_previous_checkpo
 
 def restore(run, *extra):
     model, optimizer = tiny(seed=1)
-    cfg = args_for(run, *extra)
-    saver = checkpointer.Checkpointer(cfg, TINY, None, decentralized=False)
-    return saver, saver.restore(find.find(cfg), model, optimizer, cfg.seed)
+    cfg = flags_for(run, *extra)
+    section = Checkpoint.of(cfg)
+    saver = checkpointer.Checkpointer(
+        section, dataclasses.asdict(cfg), TINY, None, decentralized=False
+    )
+    return saver, saver.restore(find.find(section), model, optimizer, cfg.seed)
 
 
 def test_shards_that_fail_to_load_are_one_line_and_resume_takes_the_next_checkpoint(run, console):

@@ -696,9 +696,10 @@ def test_templates_compiled_once_render_as_the_harness_renders(tmp_path, monkeyp
 def test_eval_tasks_that_cannot_run_stop_before_training():
     from minimal_fsdp.config import checks
     from minimal_fsdp.config.flags import Config
+    from minimal_fsdp.config.sections import Evaluation
 
     # without --eval_tasks: nothing
-    assert harness.TrainingTasks.for_run(Config(), None, None, None) is None
+    assert harness.TrainingTasks.for_run(Evaluation.of(Config()), None, None, None) is None
     for flags, message in [
         (dict(eval_tasks_interval=-1), "--eval_tasks_interval must be 0 or positive"),
         (dict(eval_tasks_limit=0), "--eval_tasks_limit positive"),
@@ -708,5 +709,5 @@ def test_eval_tasks_that_cannot_run_stop_before_training():
         with pytest.raises(ConfigError, match=message):
             checks.validate(Config(eval_tasks="tiny_mc", **flags))
     with pytest.raises(ConfigError, match="needs the data's tokenizer"):
-        harness.TrainingTasks.for_run(Config(eval_tasks="tiny_mc"), None, None, None)
+        harness.TrainingTasks.for_run(Evaluation.of(Config(eval_tasks="tiny_mc")), None, None, None)
     # a char tokenizer, refused here once, is scored (test_harness.py, test_char_model.py)
