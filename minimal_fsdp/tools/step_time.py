@@ -33,10 +33,11 @@ PAYLOAD = 1448 / 1500
 # Gloo over TCP between CPU ranks, where it is not NCCL (RESULTS.md#cpu16-hosts,
 # benchmarks/results/side_by_side_cpu16.jsonl: 4 and 8 hosts of one rank, 100 Mbit/s and 1 Gbit/s,
 # a 1.64M-parameter GPT in fp32 whose compute rows are 96.8 and 73.3 ms):
-# - its reduce-scatter moves an all-reduce's bytes: between 4 hosts at 100 Mbit/s, 6.5 MB of fp32
-#   took 841 ms to reduce-scatter, 853 to all-reduce and 451 to all-gather (a ring's
-#   reduce-scatter: 407). Our full-shard's one unit measured 1607.0 ms at 8 hosts, 100 Mbit/s:
-#   96.8 + a ring's gather 475 + an all-reduce's 950 (1046 with a ring's reduce-scatter).
+# - its reduce-scatter moves an all-reduce's bytes: between 4 virtual hosts at 100 Mbit/s (a 2-core
+#   machine at load 4-5, 2026-11-29), 6.5 MB of fp32 took 841 ms to reduce-scatter, 853 to
+#   all-reduce and 451 to all-gather (a ring's reduce-scatter: 407). Our full-shard's one unit
+#   measured 1607.0 ms at 8 hosts, 100 Mbit/s: 96.8 + a ring's gather 475 + an all-reduce's 950
+#   (1046 with a ring's reduce-scatter).
 GLOO_REDUCE_SCATTER_PASSES = 2
 # - all-reduces and gathers add to the compute: DDP at 8 hosts, 100 Mbit/s measured 1081.6 ms
 #   (fp32) and 575.4 (bf16 hook) against 96.8 + 949 and 96.8 + 475. In that GPT the tied
@@ -46,10 +47,11 @@ GLOO_REDUCE_SCATTER_PASSES = 2
 # - a fixed cost a step beyond the compute and the bytes: the median over those 32 rows of the
 #   measured step less the two (63.5 ms; from 4 ms, DDP's bf16 hook at 8 hosts, 100 Mbit/s, to
 #   205 ms, FSDP2 at 4 hosts, 100 Mbit/s). Part of it is the wait for the slowest rank: the compute
-#   rows are one rank's own median, and on a 16-core CPU 8 ranks stepping with one scalar
-#   all-reduce each took 135-137 ms against rank 0's own 111-118 (DDP over loopback: 151.6). A
-#   shaped link alone adds none: a 6.5 MB all-reduce between 4 hosts at 1 Gbit/s took 87 ms after
-#   100 ms idle as without (81 by the bytes).
+#   rows are one rank's own median, and on an idle 16-core CPU (the H200 machine's) 8 ranks of
+#   that GPT stepping with one scalar all-reduce each took 135-137 ms against rank 0's own 111-118
+#   (DDP over loopback: 151.6). A shaped link alone adds none: a 6.5 MB all-reduce between 4
+#   virtual hosts at 1 Gbit/s took 87 ms after 100 ms idle as without (81 by the bytes; the 2-core
+#   machine above).
 GLOO_STEP_S = 0.0635
 # the gradients' sums across ranks, in --reduce_precision's dtype
 GRAD_BYTES = {"float32": 4, "bf16": 2}
