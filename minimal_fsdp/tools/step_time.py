@@ -13,6 +13,7 @@ The model, in three parts (docs/performance.md sets it beside the measured steps
   reduce after backward, so their communication adds to compute; FSDP2's per-block units, DDP's
   buckets and gossip's exchange run beside compute, so the longer of the two counts.
 Ranks are placed host by host (rank r on host r // gpus_per_host), as the launchers place them.
+CPU ranks talk through gloo, which differs in all three (backend="gloo": GLOO_* below).
 """
 
 import dataclasses
@@ -29,6 +30,29 @@ from minimal_fsdp.parallel.topology import exchange_for, exp_distances
 # headers with timestamps). One TCP stream measured 9.71 Gbit/s through a 10 Gbit/s tbf and 0.96
 # through 1 (96-97%).
 PAYLOAD = 1448 / 1500
+# Gloo over TCP between CPU ranks, where it is not NCCL (RESULTS.md#cpu16-hosts,
+# benchmarks/results/side_by_side_cpu16.jsonl: 4 and 8 hosts of one rank, 100 Mbit/s and 1 Gbit/s,
+# a 1.64M-parameter GPT in fp32 whose compute rows are 96.8 and 73.3 ms):
+# - its reduce-scatter moves an all-reduce's bytes: between 4 virtual hosts at 100 Mbit/s (a 2-core
+#   machine at load 4-5, 2026-11-29), 6.5 MB of fp32 took 841 ms to reduce-scatter, 853 to
+#   all-reduce and 451 to all-gather (a ring's reduce-scatter: 407). Our full-shard's one unit
+#   measured 1607.0 ms at 8 hosts, 100 Mbit/s: 96.8 + a ring's gather 475 + an all-reduce's 950
+#   (1046 with a ring's reduce-scatter).
+GLOO_REDUCE_SCATTER_PASSES = 2
+# - all-reduces and gathers add to the compute: DDP at 8 hosts, 100 Mbit/s measured 1081.6 ms
+#   (fp32) and 575.4 (bf16 hook) against 96.8 + 949 and 96.8 + 475. In that GPT the tied
+#   embedding, 98% of the bytes, has its gradient only when backward ends, so these rows do not
+#   tell gloo from the shape. Gossip's exchange still runs beside the compute (ours at 8 hosts,
+#   100 Mbit/s: 311.5 ms, less than 96.8 + 271).
+# - a fixed cost a step beyond the compute and the bytes: the median over those 32 rows of the
+#   measured step less the two (63.5 ms; from 4 ms, DDP's bf16 hook at 8 hosts, 100 Mbit/s, to
+#   205 ms, FSDP2 at 4 hosts, 100 Mbit/s). Part of it is the wait for the slowest rank: the compute
+#   rows are one rank's own median, and on an idle 16-core CPU (the H200 machine's) 8 ranks of
+#   that GPT stepping with one scalar all-reduce each took 135-137 ms against rank 0's own 111-118
+#   (DDP over loopback: 151.6). A shaped link alone adds none: a 6.5 MB all-reduce between 4
+#   virtual hosts at 1 Gbit/s took 87 ms after 100 ms idle as without (81 by the bytes; the 2-core
+#   machine above).
+GLOO_STEP_S = 0.0635
 # the gradients' sums across ranks, in --reduce_precision's dtype
 GRAD_BYTES = {"float32": 4, "bf16": 2}
 # gossip's wire (--gossip_dtype); "flat-fp32" below: before hosts
@@ -105,12 +129,14 @@ def link_bytes(
     log_interval=10,
     grad_bytes=4,
     gossip="bf16",
+    reduce_scatter_passes=1,
 ):
     """(bytes a step waits for, bytes that run beside compute) over each host's link each way, under
     the strategy `chosen` (plan.strategy's). Gossip's second is the mean over a period of its
     topology's exchanges, in the wire's dtype (`gossip`: bf16, float32, or flat-fp32, the gossip
     before it knew hosts, whose first was the consensus distance of each logging step, an all-reduce
-    of the replica spread over log_interval steps)."""
+    of the replica spread over log_interval steps). reduce_scatter_passes: a ring's bytes (1) or an
+    all-reduce's (2, gloo's)."""
     hosts = world // per_host
     if hosts == 1 or chosen == "local":
         return 0.0, 0.0
@@ -130,7 +156,7 @@ def link_bytes(
     gathers = 2 * micro_steps if chosen == "fsdp-block" and reshard else 1
     total = gathers * ring_share(shards, per_host) * compute_bytes * params
     # reduce-scatter, after the last micro-step
-    total += ring_share(shards, per_host) * grad_bytes * params
+    total += reduce_scatter_passes * ring_share(shards, per_host) * grad_bytes * params
     replicas = world // shards
     # each host holds min(shards, per_host) distinct shards; their replicas span world / max hosts
     if replicas > 1:
@@ -142,6 +168,20 @@ def link_bytes(
             / shards
         )
     return (total, 0.0) if chosen in ("one-unit", "fsdp-whole") else (0.0, total)
+
+
+def step_seconds(chosen, compute, waited, beside, rate, backend="nccl", world=1):
+    """A step from its compute and its link bytes (link_bytes's pair, at `rate` bytes/s). NCCL:
+    DDP's buckets all-reduce during backward, about two thirds of the compute, the other layouts
+    that overlap run beside all of it. Gloo on CPU ranks: only gossip's exchange overlaps, and each
+    step costs GLOO_STEP_S more."""
+    if backend == "gloo":
+        exchange = beside / rate if chosen == "gossip" else 0.0
+        fixed = GLOO_STEP_S if world > 1 else 0.0
+        return max(compute, exchange) + (waited + beside) / rate - exchange + fixed
+    if chosen == "ddp":
+        return compute / 3 + max(2 * compute / 3, beside / rate) + waited / rate
+    return max(compute, beside / rate) + waited / rate
 
 
 @dataclasses.dataclass
@@ -171,10 +211,11 @@ def estimate_step(
     log_interval=10,
     reduce_precision="float32",
     gossip="bf16",
+    backend="nccl",
 ):
     """The step time of `sharding` (or "decentralized", gossip) for tokens_per_gpu tokens a step on
     each of world GPUs of per_host a host, each computing at `flops` FLOP/s, the hosts joined by
-    links of `gbps` Gbit/s."""
+    links of `gbps` Gbit/s; backend "gloo": CPU ranks (GLOO_*)."""
     decentralized = sharding == "decentralized"
     chosen = strategy(
         "no-shard" if decentralized else sharding,
@@ -197,13 +238,11 @@ def estimate_step(
         log_interval,
         GRAD_BYTES[reduce_precision],
         gossip,
+        GLOO_REDUCE_SCATTER_PASSES if backend == "gloo" else 1,
     )
     rate = gbps * 1e9 / 8 * PAYLOAD  # bytes/s
     compute = tokens_per_gpu * flops_per_token / flops
-    if chosen == "ddp":  # buckets all-reduce during backward, about two thirds of the compute
-        step = compute / 3 + max(2 * compute / 3, beside / rate)
-    else:
-        step = max(compute, beside / rate) + waited / rate
+    step = step_seconds(chosen, compute, waited, beside, rate, backend, world)
     return StepTime(
         chosen,
         compute,
@@ -246,9 +285,13 @@ def powersgd_elements(shapes, rank=POWERSGD_RANK):
     return total
 
 
-def reference_bytes(name, params, world, per_host, compute_bytes, shapes, topology):
+def reference_bytes(
+    name, params, world, per_host, compute_bytes, shapes, topology, root_params=0,
+    reduce_scatter_passes=1,
+):  # fmt: skip
     """(strategy as the step overlaps it, bytes over each host's link each way a step) of a
-    plain-PyTorch layout (REFERENCES)."""
+    plain-PyTorch layout (REFERENCES). root_params: the parameters outside the blocks (FSDP2's root
+    unit); reduce_scatter_passes as link_bytes's."""
     hosts = world // per_host
     if hosts == 1:
         return ("ddp" if name.startswith("torch DDP") else "fsdp-block"), 0.0
@@ -259,10 +302,11 @@ def reference_bytes(name, params, world, per_host, compute_bytes, shapes, topolo
         )
         return "gossip", 4 * params * messages
     if name == "torch FSDP2, reduce bf16":
-        return "fsdp-block", link_bytes(
-            "fsdp-block", "full-shard", params, world, per_host, per_host, compute_bytes,
-            grad_bytes=2,
-        )[1]  # fmt: skip
+        # each block's unit gathered for forward and again for backward, the root's once (FSDP2
+        # keeps the root gathered after forward: fully_shard's reshard_after_forward); bf16 sums
+        share = ring_share(world, per_host)
+        gathered = compute_bytes * (2 * params - root_params)
+        return "fsdp-block", share * (gathered + reduce_scatter_passes * 2 * params)
     elements = powersgd_elements(shapes) if "PowerSGD" in name else params
     wire = 2 if "bf16" in name else 4
     return "ddp", all_reduce_share(hosts) * wire * elements
@@ -270,29 +314,30 @@ def reference_bytes(name, params, world, per_host, compute_bytes, shapes, topolo
 
 def estimate_reference(
     name, params, shapes, flops_per_token, tokens_per_gpu, world, per_host, gbps, flops,
-    precision="bf16", topology="alternating-exp-ring",
+    precision="bf16", topology="alternating-exp-ring", backend="nccl", root_params=0,
 ):  # fmt: skip
-    """A plain-PyTorch layout's StepTime, on the model of estimate_step: DDP's buckets beside two
-    thirds of the compute (the backward), FSDP2's blocks and Decent-DP's exchange beside all of
-    it."""
+    """A plain-PyTorch layout's StepTime, on the model of estimate_step (step_seconds): under NCCL
+    DDP's buckets beside two thirds of the compute (the backward), FSDP2's blocks and Decent-DP's
+    exchange beside all of it."""
+    gloo = backend == "gloo"
     chosen, beside = reference_bytes(
-        name, params, world, per_host, 4 if precision == "float32" else 2, shapes, topology
-    )
+        name, params, world, per_host, 4 if precision == "float32" else 2, shapes, topology,
+        root_params, GLOO_REDUCE_SCATTER_PASSES if gloo else 1,
+    )  # fmt: skip
     rate = gbps * 1e9 / 8 * PAYLOAD
     compute = tokens_per_gpu * flops_per_token / flops
-    if chosen == "ddp":
-        step = compute / 3 + max(2 * compute / 3, beside / rate)
-    else:
-        step = max(compute, beside / rate)
+    step = step_seconds(chosen, compute, 0.0, beside, rate, backend, world)
     return StepTime(chosen, compute, beside / rate, step, world * tokens_per_gpu / step, beside)
 
 
 def guide(
     params, shapes, flops_per_token, tokens_per_gpu, world, per_host, gbps, flops,
-    precision="bf16", topology="alternating-exp-ring", reduce="auto", **options,
+    precision="bf16", topology="alternating-exp-ring", reduce="auto", backend="nccl",
+    root_params=0, **options,
 ):  # fmt: skip
     """Every layout's estimate, ours (--sharding's and decentralized, sums as `reduce` resolves on
-    these hosts) and the plain-PyTorch ones, fastest first: [(name, StepTime)]."""
+    these hosts) and the plain-PyTorch ones, fastest first: [(name, StepTime)]. root_params: the
+    parameters outside the blocks (counts.Sizes.root)."""
     hosts = world // per_host
     rows = []
     for sharding in ("full-shard", "hybrid-full-shard", "no-shard", "decentralized"):
@@ -302,7 +347,8 @@ def guide(
                 estimate_step(
                     sharding, params, flops_per_token, tokens_per_gpu, world, per_host, per_host,
                     gbps, flops, precision, topology=topology,
-                    reduce_precision=reduce_precision(reduce, hosts, precision), **options,
+                    reduce_precision=reduce_precision(reduce, hosts, precision),
+                    backend=backend, **options,
                 ),
             )
         )  # fmt: skip
@@ -312,7 +358,7 @@ def guide(
                 name,
                 estimate_reference(
                     name, params, shapes, flops_per_token, tokens_per_gpu, world, per_host, gbps,
-                    flops, precision, topology,
+                    flops, precision, topology, backend, root_params,
                 ),
             )
         )  # fmt: skip
@@ -487,6 +533,7 @@ def print_step_times(args, config, sizes, per_host, shard_group, strategies):
         args.precision,
         args.topology,
         args.reduce_precision,
+        root_params=sizes.root,
         micro_steps=args.grad_accum_steps,
         fsdp_unit=args.fsdp_unit,
         log_interval=args.log_interval,

@@ -35,6 +35,9 @@ KNOWN_MISSES = {
     # --log_interval 10 measured as slow as every-step logging (349.5 against 347.3 ms): the
     # consensus all-reduce the planner spreads over ten steps was not what bounded it (-48%)
     ("multihost_h200_2x1.jsonl", "a0eb730", "decentralized", 25.0): "unexplained",
+    # FSDP2's residual beyond compute and bytes is the largest at every rate (110-205 ms against
+    # the gloo step's 63.5): its three units' per-unit work on CPU is not modelled (-26%)
+    ("side_by_side_cpu16.jsonl", "80f3a3a", "torch FSDP2, reduce bf16", 1.0): "FSDP2 on CPU",
 }
 # multihost_cpu_8x1.jsonl: eight ranks on two shared cores; no compute was measured beside them
 # (decentdp_side_by_side.py's "compute alone" row now is), so the planner has no compute part.
@@ -92,7 +95,7 @@ def training_estimate(name, row):
 def side_by_side_estimate(row, compute_ms):
     """The planner's step (ms) for a side-by-side row (decentdp_side_by_side.py through
     multihost.py --side_by_side), its compute part the launch's own "compute alone" row: CPU ranks
-    have no card to take an MFU from."""
+    have no card to take an MFU from; they talk through gloo."""
     config = MODELS["gpt"].config_class(
         vocab_size=row["vocab"], seq_length=row["seq"], num_layers=row["layers"],
         num_heads=row["heads"], embed_size=row["embed"],
@@ -104,19 +107,20 @@ def side_by_side_estimate(row, compute_ms):
     world, per_host, gbps = row["ranks"], row["gpus_per_host"], row["gbps_set"] or row["link_gbps"]
     name = row["implementation"]
     precision = row.get("precision", "float32")
+    backend = "gloo" if row.get("device", "cpu") == "cpu" else "nccl"
     if name.startswith("ours"):
         sharding = "decentralized" if "decentralized" in name else name.split(", ")[1].split()[0]
         estimated = step_time.estimate_step(
             sharding, sizes.total, per_token, tokens, world, per_host, per_host, gbps, flops,
             precision, topology=row["topology"], log_interval=10**9,
             reduce_precision="bf16" if row["wire"] == "bf16" else "float32",
-            gossip=row["wire"] if sharding == "decentralized" else "bf16",
+            gossip=row["wire"] if sharding == "decentralized" else "bf16", backend=backend,
         )  # fmt: skip
     else:
         reference = "Decent-DP" if name.startswith("Decent-DP") else name
         estimated = step_time.estimate_reference(
             reference, sizes.total, counts.parameter_shapes(config), per_token, tokens, world,
-            per_host, gbps, flops, precision, row["topology"],
+            per_host, gbps, flops, precision, row["topology"], backend, sizes.root,
         )  # fmt: skip
     return 1000 * estimated.step
 
@@ -230,3 +234,41 @@ def test_powersgd_compresses_only_where_it_saves():
     # a 768 x 768 matrix: rank 4 sends 4 x (768 + 768); a bias and a 3 x 2 matrix go whole
     assert step_time.powersgd_elements([(768, 768)]) == 4 * 1536
     assert step_time.powersgd_elements([(768,), (3, 2)]) == 768 + 6
+
+
+def test_the_guide_on_cpu_ranks_orders_layouts_as_measured():
+    """side_by_side_cpu16.jsonl's hosts and rates, the guide on gloo: at 100 Mbit/s it ranks the
+    layouts both have as the steps measured (PowerSGD, then our gossip, ...), and at every rate its
+    pick is the fastest measured layout that trains as all-reduce does."""
+    lines = [json.loads(line) for line in (RESULTS / "side_by_side_cpu16.jsonl").open()]
+    compute = {r["ranks"]: r["step_ms"] for r in lines if r["implementation"] == "compute alone"}
+    first = lines[0]
+    config = MODELS["gpt"].config_class(
+        vocab_size=first["vocab"], seq_length=first["seq"], num_layers=first["layers"],
+        num_heads=first["heads"], embed_size=first["embed"],
+    )  # fmt: skip
+    sizes = count_parameters(config)
+    per_token = step_time.flops_per_token(sizes, config)
+    tokens = first["batch"] * first["seq"]
+    # the rows' names in the guide's (ours with fp32 sums: the guide's float32 run resolves to them)
+    as_guide = {"Decent-DP 0.2.3": "Decent-DP", "ours, full-shard (one-unit)": "ours, full-shard"}
+    cells = {(r["ranks"], r["gbps_set"]) for r in lines if r["implementation"] != "compute alone"}
+    for hosts, gbps in sorted(cells):
+        measured = {
+            as_guide.get(r["implementation"], r["implementation"]): r["step_ms"]
+            for r in lines
+            if (r["ranks"], r["gbps_set"]) == (hosts, gbps)
+            and r["implementation"] != "compute alone"
+            and not (r["implementation"].startswith("ours, full") and r["wire"] == "bf16")
+        }
+        rows = step_time.guide(
+            sizes.total, counts.parameter_shapes(config), per_token, tokens, hosts, 1, gbps,
+            tokens * per_token / (compute[hosts] / 1000), "float32", first["topology"],
+            backend="gloo", root_params=sizes.root,
+        )  # fmt: skip
+        ranked = [name for name, _ in rows if name in measured]
+        assert set(ranked) == set(measured), (hosts, gbps)
+        if gbps == 0.1:
+            assert ranked == sorted(measured, key=measured.get), (hosts, gbps)
+        exact = min((n for n in measured if n not in step_time.LOSS_CAVEATS), key=measured.get)
+        assert step_time.pick(rows).startswith(f"pick: {exact} ("), (hosts, gbps)
