@@ -31,6 +31,7 @@ from minimal_fsdp.checkpoint.dirs import crc32
 from minimal_fsdp.checkpoint.meta import read_meta
 from minimal_fsdp.checkpoint.rng import rng_bytes
 from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.sections import Loop, LrSchedule, Optimizer
 from minimal_fsdp.launch import run_lock
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPT, GPTConfig
@@ -152,7 +153,7 @@ def one_rank(one_rank_group):
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     plan = make_plan(cfg, env, ONE_RANK_MODEL, fsdp_on_one_rank=True)
     model = build_model(GPT, ONE_RANK_MODEL, plan, env, cfg.seed)
-    return model, build_optimizer(model, cfg, plan)
+    return model, build_optimizer(model, Optimizer.of(cfg), plan)
 
 
 def save_steps(run, model, optimizer, val_losses, keep_last=0):
@@ -297,7 +298,7 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
     parts = train.RunParts(
         model, optimizer, RandomTokens(), gradient_sync(model, plan), saver, ranks=1
     )
-    train.train(parts, cfg, env, plan, stop)
+    train.train(parts, LrSchedule.of(cfg), Loop.of(cfg), env, plan, stop, cfg=cfg)
     rows = [
         json.loads(line)
         for line in (tmp_path / "logs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()
