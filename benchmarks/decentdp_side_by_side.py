@@ -61,6 +61,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from throughput import BENCH_OPTIONS, parse  # noqa: E402  (the flags and bench options, in this folder)
 
+from minimal_fsdp.config.sections import Optimizer  # noqa: E402
 from minimal_fsdp.launch import environment  # noqa: E402
 from minimal_fsdp.models.classes import MODELS  # noqa: E402
 from minimal_fsdp.models.families import config_from_flags  # noqa: E402
@@ -296,7 +297,7 @@ def theirs(cfg, env, model_config, which, nanogpt, modules):
 def ours(cfg, env, model_config):
     plan = make_plan(cfg, env, model_config)
     model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
-    optimizer, sync = build_optimizer(model, cfg, plan), gradient_sync(model, plan)
+    optimizer, sync = build_optimizer(model, Optimizer.of(cfg), plan), gradient_sync(model, plan)
 
     def step(i, x, y):
         return train_step(model, optimizer, [(x, y)], sync, cfg.grad_clip, env.device, i)[0]

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from throughput import BENCH_OPTIONS, parse, step_times  # noqa: E402  (the same timed loop, in this folder)
 
+from minimal_fsdp.config.sections import Optimizer  # noqa: E402
 from minimal_fsdp.launch import environment  # noqa: E402
 from minimal_fsdp.models.classes import MODELS  # noqa: E402
 from minimal_fsdp.models.families import config_from_flags  # noqa: E402
@@ -41,7 +42,7 @@ HEADER = (
 def measure(cfg, env, bench, model_config):
     plan = make_plan(cfg, env, model_config)
     model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
-    optimizer = build_optimizer(model, cfg, plan)
+    optimizer = build_optimizer(model, Optimizer.of(cfg), plan)
     sync = gradient_sync(model, plan)
     gossip = sync if plan.decentralized else None
     seq, vocab = model_config.seq_length, model_config.vocab_size

@@ -26,6 +26,7 @@ from minimal_fsdp.config.checks import (
     validate_world,
 )
 from minimal_fsdp.config.flags import Config, build_parser
+from minimal_fsdp.config.sections import Optimizer  # noqa: E402
 from minimal_fsdp.launch import environment  # noqa: E402
 from minimal_fsdp.models.classes import MODELS  # noqa: E402
 from minimal_fsdp.models.families import config_from_flags  # noqa: E402
@@ -71,7 +72,13 @@ def build(cfg, fsdp_on_one_rank=False):
     plan = make_plan(cfg, env, model_config, fsdp_on_one_rank=fsdp_on_one_rank)
     apply_process_settings(plan)  # as run.parallel_plan does
     model = build_model(MODELS[model_config.model_type], model_config, plan, env, cfg.seed)
-    return env, model_config, model, build_optimizer(model, cfg, plan), gradient_sync(model, plan)
+    return (
+        env,
+        model_config,
+        model,
+        build_optimizer(model, Optimizer.of(cfg), plan),
+        gradient_sync(model, plan),
+    )
 
 
 def step_times(

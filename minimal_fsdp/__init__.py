@@ -16,7 +16,7 @@ the same lines, and the test checks that they agree. Bottom to top:
     hf: checkpoint, config, data, files, models
     inference: checkpoint, config, data, hf, launch, models, parallel
     eval: checkpoint, config, inference, launch
-    train: config, eval, launch, metrics, parallel, profiling
+    train: eval, launch, metrics, parallel, profiling
     backends: checkpoint, config, hf, launch, models, parallel
     run: backends, checkpoint, config, data, hf, inference, launch, models, parallel, train
     __main__: config

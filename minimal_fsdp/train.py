@@ -6,13 +6,12 @@ the same for every backend: run.train_model hands it the backend's parts (RunPar
 import gc
 import math
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from minimal_fsdp import profiling
-from minimal_fsdp.config.sections import Evaluation, Logging, Profiling
 from minimal_fsdp.eval.harness import TrainingTasks
 from minimal_fsdp.launch import hangs
 from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
@@ -20,28 +19,29 @@ from minimal_fsdp.parallel.accum_adamw import AccumAdamW
 from minimal_fsdp.parallel.whole_unit import LocalAdamW
 
 
-def build_optimizer(model, cfg, plan=None):
-    """AdamW with decay on matrices only (not biases, norms); fused kernels. Decentralized runs use
-    AccumAdamW and beta2 0.98 by default, as the decentralized GPT-2 reference does. plan: the
-    run's; under its one-unit strategy AdamW steps the shards' local tensors (without it, torch's
-    AdamW: the same numbers); where the plan's backend has no fused kernels (XLA), torch's AdamW
-    without them."""
+def build_optimizer(model, optimizer, plan=None):
+    """AdamW (optimizer: sections.Optimizer) with decay on matrices only (not biases, norms); fused
+    kernels. Decentralized runs use AccumAdamW and beta2 0.98 by default, as the decentralized GPT-2
+    reference does. plan: the run's; under its one-unit strategy AdamW steps the shards' local
+    tensors (without it, torch's AdamW: the same numbers); where the plan's backend has no fused
+    kernels (XLA), torch's AdamW without them."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": optimizer.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    decentralized = cfg.data_parallel == "decentralized"
-    betas = (cfg.beta1, cfg.beta2 if cfg.beta2 is not None else 0.98 if decentralized else 0.95)
+    o = optimizer
+    decentralized = o.data_parallel == "decentralized"
+    betas = (o.beta1, o.beta2 if o.beta2 is not None else 0.98 if decentralized else 0.95)
     if decentralized:
-        return AccumAdamW(groups, lr=cfg.lr, betas=betas, accum_steps=cfg.accum_steps)
+        return AccumAdamW(groups, lr=o.lr, betas=betas, accum_steps=o.accum_steps)
     if plan is not None and not plan.fused_optimizer:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)
+        return torch.optim.AdamW(groups, lr=o.lr, betas=betas)
     # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) several times
     # faster than foreach (benchmarks/results/RESULTS.md#levers-kept). whole_unit.py's model steps
     # it on its shards' local tensors (LocalAdamW), as a small model's step needs.
     adamw = LocalAdamW if plan is not None and plan.strategy == "one-unit" else torch.optim.AdamW
-    return adamw(groups, lr=cfg.lr, betas=betas, fused=True)
+    return adamw(groups, lr=o.lr, betas=betas, fused=True)
 
 
 @dataclass
@@ -76,17 +76,19 @@ class Schedule:
     length: str  # how last_step was decided, for the startup line
 
     @classmethod
-    def for_run(cls, cfg, steps_per_epoch, saved=None):
-        """saved: the schedule's state_dict from the checkpoint being resumed, if any."""
-        last_step, length = run_length(cfg, steps_per_epoch)
-        decay_steps = cfg.lr_decay_steps or (saved or {}).get("lr_decay_steps") or last_step
-        if decay_steps != last_step and not cfg.lr_decay_steps:
+    def for_run(cls, schedule, steps_per_epoch, saved=None):
+        """schedule: sections.LrSchedule; saved: the schedule's state_dict from the checkpoint being
+        resumed, if any."""
+        s = schedule
+        last_step, length = run_length(s, steps_per_epoch)
+        decay_steps = s.lr_decay_steps or (saved or {}).get("lr_decay_steps") or last_step
+        if decay_steps != last_step and not s.lr_decay_steps:
             length += (
                 f"; the LR schedule spans {decay_steps} steps, as when the run began "
                 "(--lr_decay_steps changes it)"
             )
-        min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
-        return cls(cfg.lr, min_lr, cfg.warmup_steps, decay_steps, last_step, length)
+        min_lr = s.lr / 10 if s.min_lr is None else s.min_lr
+        return cls(s.lr, min_lr, s.warmup_steps, decay_steps, last_step, length)
 
     def apply(self, optimizer, step):
         """Sets every parameter group's learning rate for `step`; returns it."""
@@ -107,22 +109,24 @@ class Schedule:
         return {"lr_decay_steps": self.decay_steps, "last_step": self.last_step}
 
 
-def run_length(cfg, steps_per_epoch):
-    """(last step, why): --max_steps alone sets it, --max_epochs alone sets it, and with both the
-    first reached ends the run. steps_per_epoch is None for a stream, whose length is unknown."""
+def run_length(schedule, steps_per_epoch):
+    """(last step, why) of a sections.LrSchedule: --max_steps alone sets it, --max_epochs alone sets
+    it, and with both the first reached ends the run. steps_per_epoch is None for a stream, whose
+    length is unknown."""
+    max_steps, max_epochs = schedule.max_steps, schedule.max_epochs
     if steps_per_epoch is None:
-        return cfg.max_steps, f"{cfg.max_steps} steps (--max_steps; a stream has no epochs)"
+        return max_steps, f"{max_steps} steps (--max_steps; a stream has no epochs)"
 
     def epochs(n):
         return f"{n:.3g} epoch{'' if n == 1 else 's'} of {steps_per_epoch} steps"
 
-    if cfg.max_epochs is None or cfg.max_steps and cfg.max_steps < cfg.max_epochs * steps_per_epoch:
+    if max_epochs is None or max_steps and max_steps < max_epochs * steps_per_epoch:
         return (
-            cfg.max_steps,
-            f"{cfg.max_steps} steps = {epochs(cfg.max_steps / steps_per_epoch)} (--max_steps)",
+            max_steps,
+            f"{max_steps} steps = {epochs(max_steps / steps_per_epoch)} (--max_steps)",
         )
-    last = cfg.max_epochs * steps_per_epoch
-    return last, f"{last} steps = {epochs(cfg.max_epochs)} (--max_epochs)"
+    last = max_epochs * steps_per_epoch
+    return last, f"{last} steps = {epochs(max_epochs)} (--max_epochs)"
 
 
 def _to_device(batch, device):
@@ -214,11 +218,12 @@ class Due:
     evaluates: bool  # every --eval_interval steps, and every save
 
     @classmethod
-    def after(cls, done, cfg, last_step):
+    def after(cls, done, loop, last_step):
+        """loop: sections.Loop, whose intervals say what is due."""
         final = done == last_step
-        saves = final or bool(cfg.checkpoint_interval) and done % cfg.checkpoint_interval == 0
-        evaluates = saves or bool(cfg.eval_interval) and done % cfg.eval_interval == 0
-        return cls(final, done % cfg.log_interval == 0 or final, saves, evaluates)
+        saves = final or bool(loop.checkpoint_interval) and done % loop.checkpoint_interval == 0
+        evaluates = saves or bool(loop.eval_interval) and done % loop.eval_interval == 0
+        return cls(final, done % loop.log_interval == 0 or final, saves, evaluates)
 
 
 def collect_garbage(done, first):
@@ -230,12 +235,13 @@ def collect_garbage(done, first):
         gc.collect(1)
 
 
-def evaluate_and_save(parts, cfg, env, plan, log, done, due, stopping, run_state):
-    """The validation loss where due (and a decentralized run's consensus distance: two all-reduces
-    of the replica, so only here, off the training steps), then the save where due or when stopping;
-    run_state(done): what the checkpoint keeps besides the model and optimizer."""
+def evaluate_and_save(parts, eval_batches, env, plan, log, done, due, stopping, run_state):
+    """The validation loss (over eval_batches batches) where due (and a decentralized run's
+    consensus distance: two all-reduces of the replica, so only here, off the training steps), then
+    the save where due or when stopping; run_state(done): what the checkpoint keeps besides the
+    model and optimizer."""
     val_loss = (
-        evaluate(parts.model, parts.data, cfg.eval_batches, env.device) if due.evaluates else None
+        evaluate(parts.model, parts.data, eval_batches, env.device) if due.evaluates else None
     )
     log.validation(done, val_loss)
     if due.evaluates and plan.decentralized:
@@ -316,22 +322,30 @@ class NonFiniteGuard:
         return False
 
 
-def train(parts, cfg, env, plan, stop, saved=None):
+def train(
+    parts, env, plan, stop, saved=None, *, lr_schedule, loop, evaluation, logging, profile, flags
+):
     """Train parts (RunParts) from step 0, or from `saved` (the meta.json of the checkpoint just
     restored), to the schedule's last step. Evaluates every --eval_interval steps; saves every
     --checkpoint_interval steps, at the end, and when all ranks agree to stop (stop:
     resilience.StopRequests, asked at logging steps and when due). Returns the last step done and
-    the log, which holds the run's summary."""
+    the log, which holds the run's summary. The sections it reads (config.sections): lr_schedule
+    (LrSchedule), loop (Loop), evaluation (Evaluation: the harness's tasks), logging (Logging),
+    profile (Profiling); flags: every flag's value, the record metrics writes as config.toml."""
     model, data, checkpointer = parts.model, parts.data, parts.checkpointer
-    schedule = Schedule.for_run(cfg, data.steps_per_epoch(), saved and saved["state"]["schedule"])
+    schedule = Schedule.for_run(
+        lr_schedule, data.steps_per_epoch(), saved and saved["state"]["schedule"]
+    )
     first = done = saved["step"] if saved else 0
     tokenizer = getattr(data, "tokenizer", None)
-    tasks = TrainingTasks.for_run(Evaluation.of(cfg), env, tokenizer, model, saved)
-    tokens_per_step = parts.ranks * cfg.batch_size * cfg.grad_accum_steps * model.config.seq_length
-    log = TrainingLog.open(Logging.of(cfg), asdict(cfg), env, model, schedule, first,
-                           tokens_per_step, parts.synchronize)  # fmt: skip
-    guard = NonFiniteGuard(cfg.skip_nonfinite, log.warn if env.is_main else None)
-    step_with = (parts.sync, cfg.grad_clip, env.device)  # train_step's arguments after the batches
+    tasks = TrainingTasks.for_run(evaluation, env, tokenizer, model, saved)
+    tokens_per_step = (
+        parts.ranks * loop.batch_size * loop.grad_accum_steps * model.config.seq_length
+    )
+    log = TrainingLog.open(logging, flags, env, model, schedule, first, tokens_per_step,
+                           parts.synchronize)  # fmt: skip
+    guard = NonFiniteGuard(loop.skip_nonfinite, log.warn if env.is_main else None)
+    step_with = (parts.sync, loop.grad_clip, env.device)  # train_step's arguments after the batches
 
     def run_state(step):  # what a checkpoint keeps besides the model and optimizer
         tasks_state = {"eval_tasks": tasks.state_dict(step)} if tasks else {}
@@ -339,10 +353,8 @@ def train(parts, cfg, env, plan, stop, saved=None):
 
     model.train()
     # --profile / --memory_snapshot: None when neither is set
-    run_dir, warn = Path(cfg.log_dir) / cfg.run_name, (lambda text: log.warn(text))
-    profiler = profiling.around_steps(
-        Profiling.of(cfg), env, run_dir, warn if env.is_main else None
-    )
+    run_dir, warn = Path(loop.log_dir) / loop.run_name, (lambda text: log.warn(text))
+    profiler = profiling.around_steps(profile, env, run_dir, warn if env.is_main else None)
     # a save in flight ends before return
     with log, collections_in_step(), checkpointer.saving(), profiler as profiler:
         log.restored(first, checkpointer.restore_s)
@@ -353,11 +365,11 @@ def train(parts, cfg, env, plan, stop, saved=None):
             lr = schedule.apply(parts.optimizer, step)
             batches = data.train_batches(step)
             loss, grad_norm = train_step(model, parts.optimizer, batches, *step_with, step,
-                                         skip_nonfinite=cfg.skip_nonfinite > 0)  # fmt: skip
+                                         skip_nonfinite=loop.skip_nonfinite > 0)  # fmt: skip
             done = step + 1
             log.step(loss if guard.check(done, grad_norm, loss) else None)
             collect_garbage(done, first)
-            due = Due.after(done, cfg, schedule.last_step)
+            due = Due.after(done, loop, schedule.last_step)
             if due.logs or due.saves:  # the host waits for the device here, and only here
                 guard.flush()  # raises Diverged at a NaN/Inf grad norm, before anything is saved
             if due.logs:
@@ -368,8 +380,8 @@ def train(parts, cfg, env, plan, stop, saved=None):
             run_tasks(tasks, log, checkpointer, done, due, stop_reason)
             if due.evaluates or stop_reason:
                 with log.paused():  # evaluation and saving are timed apart from the training steps
-                    evaluate_and_save(parts, cfg, env, plan, log, done, due, bool(stop_reason),
-                                      run_state)  # fmt: skip
+                    evaluate_and_save(parts, loop.eval_batches, env, plan, log, done, due,
+                                      bool(stop_reason), run_state)  # fmt: skip
             if stop_reason:
                 log.stopped(done, stop_reason)
                 break

@@ -3,8 +3,9 @@ once, in the table atop minimal_fsdp/__init__.py (which room may import which), 
 import and used by every rule, stated alike by each subpackage's __init__ docstring and
 docs/architecture.md; no loop of rooms and no import cycle; no import chain longer than the rooms'
 floors allow (STEPS_WITHIN_ROOMS); the commands on
-top (no room imports one); XLA behind the backends' seam; a docstring atop each module; and no code
-comment pointing into the benchmark log, whose entries move on. The reader of imports is tested
+top (no room imports one); XLA behind the backends' seam; a docstring atop each module; no code
+comment pointing into the benchmark log, whose entries move on; and no library function taking the
+whole training Config. The reader of imports is tested
 itself, on planted imports of every form."""
 
 import ast
@@ -346,6 +347,63 @@ def test_xla_is_behind_the_backends_seam():
         if not name.startswith(allowed) and re.search(r"""[!=]= ["']xla["']""", text):
             tests.append(name)
     assert not imports and not tests, (imports, tests)
+
+
+# Where the whole training Config may be taken: the commands (commands/), the flags and their
+# checks (config/), the train command's body (run.run) and its one split of it into sections.
+WHOLE_CONFIG_ALLOWED = {"run.run", "run.RunSections.of"}
+
+
+def takes_whole_config(tree, prefix=""):
+    """The qualified names of the functions (methods and nested ones too) in `tree` with a parameter
+    named `cfg` or annotated `Config` (`config` alone names a model's shape)."""
+    found = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.ClassDef):
+            found += takes_whole_config(node, f"{prefix}{node.name}.")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+            if any(
+                p.arg == "cfg"
+                or p.annotation is not None
+                and re.search(r"\bConfig\b", ast.unparse(p.annotation))
+                for p in params
+            ):
+                found.append(prefix + node.name)
+            found += takes_whole_config(node, f"{prefix}{node.name}.")
+        else:
+            found += takes_whole_config(node, prefix)
+    return found
+
+
+def test_the_reader_sees_a_function_that_takes_the_whole_config():
+    planted = (
+        "def a(cfg): ...\n"
+        "def b(x, *, config: Config): ...\n"
+        "def c(config: 'flags.Config | None' = None): ...\n"
+        "class K:\n    def m(self, cfg=None): ...\n"
+        "def outer():\n    def inner(model, cfg): ...\n"
+        "def fine(config, parallel: Parallel, model_config: GPTConfig): ...\n"
+    )
+    assert takes_whole_config(ast.parse(planted)) == ["a", "b", "c", "K.m", "outer.inner"]
+
+
+def test_no_library_function_takes_the_whole_training_config():
+    """Library code takes the sections of the flags it reads (config/sections.py), as torchtitan
+    hands each component its part of the job config; only the commands, config/ and run.run take
+    the whole training Config."""
+    texts = {name: path.read_text() for name, path in MODULES.items()}
+    found = {
+        f"{name.partition('.')[2]}.{function}".lstrip(".")
+        for name, text in texts.items()
+        # parsed only where either word occurs: a quarter of the modules
+        if room(name) not in ("commands", "config") and re.search(r"\b(cfg|Config)\b", text)
+        for function in takes_whole_config(ast.parse(text))
+    }
+    whole = sorted(found - WHOLE_CONFIG_ALLOWED)
+    assert not whole, f"take the sections they read (config/sections.py): {whole}"
+    assert WHOLE_CONFIG_ALLOWED <= found, "an allowed function no longer takes it: drop it here"
 
 
 def test_every_module_and_subpackage_says_its_job_in_a_docstring():

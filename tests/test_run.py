@@ -3,6 +3,7 @@ start, a rerun of a finished run and a resume with changed flags said in one lin
 text shipped with the repository, and nothing fetched or left behind when the network is not there.
 Runs in this process, one rank."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from minimal_fsdp import run
 from minimal_fsdp.config.flags import ConfigError, parse_args
+from minimal_fsdp.config.sections import Generation, Resume
 from minimal_fsdp.data import documents, prepare, tokenizer
 from minimal_fsdp.data.tokens import TokenData
 
@@ -188,16 +190,27 @@ def test_a_prompt_the_data_cannot_encode_is_refused_and_the_default_prompt_only_
 
     lower = tokenizer.CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.;'\n")
     rank0 = SimpleNamespace(is_main=True)
+
+    def generation(*flags):
+        return Generation.of(parse_args(list(flags)))
+
     with pytest.raises(ConfigError) as error:
-        run.check_prompt(parse_args(["--prompt", "HAMLET", "--num_tokens", "20"]), lower, rank0)
+        run.check_prompt(generation("--prompt", "HAMLET", "--num_tokens", "20"), lower, rank0)
     names(str(error.value), "--prompt", "'HAMLET'", "'H'", "--num_tokens")
     assert "\n" not in str(error.value)
 
-    assert run.check_prompt(parse_args(["--prompt", "hamlet"]), lower, rank0) is True
+    assert run.check_prompt(generation("--prompt", "hamlet"), lower, rank0) is True
     capsys.readouterr()
-    assert run.check_prompt(parse_args([]), lower, rank0) is False
+    assert run.check_prompt(generation(), lower, rank0) is False
     notes = capsys.readouterr().out.splitlines()
     assert len(notes) == 1 and notes[0].startswith("no sample at the end: the default --prompt")
-    assert run.check_prompt(parse_args([]), lower, SimpleNamespace(is_main=False)) is False
+    assert run.check_prompt(generation(), lower, SimpleNamespace(is_main=False)) is False
     assert capsys.readouterr().out == ""  # said once, by rank 0
-    assert run.check_prompt(parse_args(["--num_tokens", "0"]), lower, rank0) is False
+    assert run.check_prompt(generation("--num_tokens", "0"), lower, rank0) is False
+
+
+def test_the_resume_section_holds_the_flags_a_resumed_run_is_checked_on():
+    """check_resumable names a changed flag from sections.Resume: every TRAINING_FLAGS is in it,
+    besides the two it refuses or reports on."""
+    fields = [f.name for f in dataclasses.fields(Resume)]
+    assert fields == ["data_parallel", "max_steps", *run.TRAINING_FLAGS]

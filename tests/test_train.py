@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.config.sections import LrSchedule, Optimizer
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
+from minimal_fsdp.run import RunSections
 from minimal_fsdp.train import (
     Diverged,
     NonFiniteGuard,
@@ -31,46 +33,57 @@ def cfg(*flags):
     return parse_args([str(f) for f in flags])
 
 
+def schedule(*flags):
+    return LrSchedule.of(cfg(*flags))
+
+
+def optimizer(*flags):
+    return Optimizer.of(cfg(*flags))
+
+
 def test_run_length_of_a_stream_is_max_steps():
-    assert run_length(cfg("--max_steps", 7), None) == (
+    assert run_length(schedule("--max_steps", 7), None) == (
         7,
         "7 steps (--max_steps; a stream has no epochs)",
     )
 
 
 def test_run_length_max_steps_alone_or_first():
-    assert run_length(cfg("--max_steps", 12), 5) == (
+    assert run_length(schedule("--max_steps", 12), 5) == (
         12,
         "12 steps = 2.4 epochs of 5 steps (--max_steps)",
     )
-    assert run_length(cfg("--max_steps", 5), 5) == (5, "5 steps = 1 epoch of 5 steps (--max_steps)")
-    assert run_length(cfg("--max_steps", 7, "--max_epochs", 2), 5) == (
+    assert run_length(schedule("--max_steps", 5), 5) == (
+        5,
+        "5 steps = 1 epoch of 5 steps (--max_steps)",
+    )
+    assert run_length(schedule("--max_steps", 7, "--max_epochs", 2), 5) == (
         7,
         "7 steps = 1.4 epochs of 5 steps (--max_steps)",
     )
     assert (
-        run_length(cfg("--max_steps", 1000, "--max_epochs", 1), 3)[1]
+        run_length(schedule("--max_steps", 1000, "--max_epochs", 1), 3)[1]
         == "3 steps = 1 epoch of 3 steps (--max_epochs)"
     )
-    assert run_length(cfg("--max_steps", 2, "--max_epochs", 1), 3000)[1] == (
+    assert run_length(schedule("--max_steps", 2, "--max_epochs", 1), 3000)[1] == (
         "2 steps = 0.000667 epochs of 3000 steps (--max_steps)"
     )  # three significant digits
 
 
 def test_run_length_max_epochs_alone_or_first():
-    assert run_length(cfg("--max_steps", 0, "--max_epochs", 2), 5) == (
+    assert run_length(schedule("--max_steps", 0, "--max_epochs", 2), 5) == (
         10,
         "10 steps = 2 epochs of 5 steps (--max_epochs)",
     )
-    assert run_length(cfg("--max_steps", 30, "--max_epochs", 2), 5)[0] == 10
-    assert run_length(cfg("--max_steps", 10, "--max_epochs", 2), 5) == (
+    assert run_length(schedule("--max_steps", 30, "--max_epochs", 2), 5)[0] == 10
+    assert run_length(schedule("--max_steps", 10, "--max_epochs", 2), 5) == (
         10,
         "10 steps = 2 epochs of 5 steps (--max_epochs)",
     )
 
 
 def test_schedule_for_a_new_run_spans_the_run():
-    s = Schedule.for_run(cfg("--max_steps", 20, "--lr", 0.01, "--warmup_steps", 3), 5)
+    s = Schedule.for_run(schedule("--max_steps", 20, "--lr", 0.01, "--warmup_steps", 3), 5)
     assert (s.peak_lr, s.min_lr, s.warmup_steps, s.decay_steps, s.last_step) == (
         0.01,
         0.001,
@@ -80,12 +93,12 @@ def test_schedule_for_a_new_run_spans_the_run():
     )
     assert s.length == "20 steps = 4 epochs of 5 steps (--max_steps)"
     assert s.state_dict() == {"lr_decay_steps": 20, "last_step": 20}
-    assert Schedule.for_run(cfg("--max_steps", 20, "--min_lr", 0), 5).min_lr == 0.0
+    assert Schedule.for_run(schedule("--max_steps", 20, "--min_lr", 0), 5).min_lr == 0.0
 
 
 def test_schedule_of_a_resumed_run_keeps_its_horizon_unless_told():
     resumed = Schedule.for_run(
-        cfg("--max_steps", 30), 5, saved={"lr_decay_steps": 20, "last_step": 20}
+        schedule("--max_steps", 30), 5, saved={"lr_decay_steps": 20, "last_step": 20}
     )
     assert (resumed.decay_steps, resumed.last_step) == (20, 30)
     assert resumed.length == (
@@ -93,12 +106,12 @@ def test_schedule_of_a_resumed_run_keeps_its_horizon_unless_told():
         "the run began (--lr_decay_steps changes it)"
     )
     told = Schedule.for_run(
-        cfg("--max_steps", 30, "--lr_decay_steps", 25), 5, saved={"lr_decay_steps": 20}
+        schedule("--max_steps", 30, "--lr_decay_steps", 25), 5, saved={"lr_decay_steps": 20}
     )
     assert told.decay_steps == 25 and told.length == "30 steps = 6 epochs of 5 steps (--max_steps)"
-    same = Schedule.for_run(cfg("--max_steps", 20), 5, saved={"lr_decay_steps": 20})
+    same = Schedule.for_run(schedule("--max_steps", 20), 5, saved={"lr_decay_steps": 20})
     assert same.length == "20 steps = 4 epochs of 5 steps (--max_steps)"
-    assert Schedule.for_run(cfg("--max_steps", 30), 5, saved={}).decay_steps == 30
+    assert Schedule.for_run(schedule("--max_steps", 30), 5, saved={}).decay_steps == 30
 
 
 def test_lr_at_the_schedules_boundaries():
@@ -134,13 +147,13 @@ class Model(torch.nn.Module):
 
 def test_optimizer_decays_matrices_only_with_the_betas_asked_for():
     model = Model()
-    opt = build_optimizer(model, cfg("--lr", 0.02, "--weight_decay", 0.3))
+    opt = build_optimizer(model, optimizer("--lr", 0.02, "--weight_decay", 0.3))
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
     assert opt.defaults["lr"] == 0.02 and opt.defaults["betas"] == (0.9, 0.95)
     (decayed,), (plain,) = [g["params"] for g in opt.param_groups]
     assert decayed is model.weight and plain is model.norm  # the frozen matrix is left out
     assert [g["weight_decay"] for g in opt.param_groups] == [0.3, 0.0]
-    assert build_optimizer(model, cfg("--beta1", 0.8, "--beta2", 0.99)).defaults["betas"] == (
+    assert build_optimizer(model, optimizer("--beta1", 0.8, "--beta2", 0.99)).defaults["betas"] == (
         0.8,
         0.99,
     )
@@ -154,23 +167,23 @@ def test_the_plans_one_unit_gets_adamw_on_local_tensors_and_nothing_else_does():
 
     model = Model()
     unit = build_optimizer(
-        model, cfg("--lr", 0.02), SimpleNamespace(strategy="one-unit", fused_optimizer=True)
+        model, optimizer("--lr", 0.02), SimpleNamespace(strategy="one-unit", fused_optimizer=True)
     )
     assert (
         type(unit) is LocalAdamW and unit.defaults["fused"] is True and unit.defaults["lr"] == 0.02
     )
     for strategy in set(STRATEGIES) - {"one-unit", "gossip"}:
         plan = SimpleNamespace(strategy=strategy, fused_optimizer=True)
-        assert type(build_optimizer(model, cfg(), plan)) is torch.optim.AdamW
+        assert type(build_optimizer(model, optimizer(), plan)) is torch.optim.AdamW
     model.whole_unit = object()
-    assert type(build_optimizer(model, cfg())) is torch.optim.AdamW
+    assert type(build_optimizer(model, optimizer())) is torch.optim.AdamW
 
 
 def test_decentralized_runs_get_accum_adamw_with_beta2_098():
     model = Model()
     opt = build_optimizer(
         model,
-        cfg(
+        optimizer(
             "--data_parallel",
             "decentralized",
             "--lr",
@@ -188,7 +201,7 @@ def test_decentralized_runs_get_accum_adamw_with_beta2_098():
         and opt.defaults["accum_steps"] == 3
     )
     assert [g["weight_decay"] for g in opt.param_groups] == [0.3, 0.0]
-    explicit = build_optimizer(model, cfg("--data_parallel", "decentralized", "--beta2", 0.9))
+    explicit = build_optimizer(model, optimizer("--data_parallel", "decentralized", "--beta2", 0.9))
     assert explicit.defaults["betas"] == (0.9, 0.9)
 
 
@@ -532,7 +545,7 @@ def loop(
     plan = SimpleNamespace(decentralized=decentralized, fsdp=False)
     checkpointer, stop = Checkpointer(), stop or Stop()
     parts = RunParts(model, optimizer, Data(), sync, checkpointer, ranks or env.world_size)
-    result = train(parts, options, env, plan, stop, saved=saved)
+    result = train(parts, env, plan, stop, saved=saved, **RunSections.of(options).for_loop())
     return SimpleNamespace(
         result=result,
         log=Log.made,

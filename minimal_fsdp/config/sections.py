@@ -170,3 +170,82 @@ class Backend(Section):
     precision: str
     activation_checkpoints: bool
     collective_timeout: float
+
+
+# the training loop
+
+
+@dataclass(frozen=True)
+class Optimizer(Section):
+    """What train.build_optimizer builds AdamW (or, decentralized, AccumAdamW) with."""
+
+    lr: float
+    weight_decay: float
+    beta1: float
+    beta2: float  # None: 0.95, or 0.98 with --data_parallel decentralized
+    data_parallel: str  # decentralized: AccumAdamW
+    accum_steps: int  # AccumAdamW's: steps whose mean gradient Adam's moments take
+
+
+@dataclass(frozen=True)
+class LrSchedule(Section):
+    """What train.Schedule.for_run and train.run_length decide the run's length and learning rate
+    with."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    lr_decay_steps: int
+    max_steps: int
+    max_epochs: int
+
+
+@dataclass(frozen=True)
+class Loop(Section):
+    """What train.train's loop reads itself: the batch, the step's clipping and NaN/Inf guard, and
+    when it logs, evaluates and saves (train.Due, train.evaluate_and_save)."""
+
+    batch_size: int
+    grad_accum_steps: int
+    grad_clip: float
+    skip_nonfinite: int
+    log_interval: int
+    eval_interval: int
+    eval_batches: int
+    checkpoint_interval: int
+    log_dir: str  # --profile's and --memory_snapshot's files under <log_dir>/<run_name>
+    run_name: str
+
+
+@dataclass(frozen=True)
+class Sizes(Section):
+    """What config.checks.check_sizes weighs against the memory here (run.check_fits)."""
+
+    batch_size: int
+    meta_init: bool
+
+
+@dataclass(frozen=True)
+class Resume(Section):
+    """What run.check_resumable checks a checkpoint's flags against: the data-parallel mode (its
+    optimizer state), --max_steps (whether anything is left to train), and the flags that change
+    what a resumed run computes (run.TRAINING_FLAGS), named where they differ."""
+
+    data_parallel: str
+    max_steps: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    lr_decay_steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    grad_clip: float
+    batch_size: int
+    grad_accum_steps: int
+    dropout: float
+    precision: str
+    fp8_recipe: str
+    reduce_precision: str
+    sharding: str
+    seed: int

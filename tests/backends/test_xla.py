@@ -20,7 +20,7 @@ from minimal_fsdp.backends import default
 from minimal_fsdp.checkpoint.safe_load import tensor_names
 from minimal_fsdp.config.checks import validate_world
 from minimal_fsdp.config.flags import ConfigError, parse_args
-from minimal_fsdp.config.sections import Backend, Checkpoint
+from minimal_fsdp.config.sections import Backend, Checkpoint, Optimizer
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPTConfig
 from minimal_fsdp.parallel.plan import make_plan
@@ -375,9 +375,9 @@ def test_the_plan_decides_the_xla_backend_and_train_builds_its_optimizer(fake_xl
     parts = fake_xla.XLA(Backend.of(cfg), Checkpoint.of(cfg), dataclasses.asdict(cfg), env, plan)
     assert (parts.ranks, parts.local_ranks) == (1, 1)  # the stand-in's one device
     model = parts.build_model(config)
-    optimizer = build_optimizer(model, cfg, plan)
+    optimizer = build_optimizer(model, Optimizer.of(cfg), plan)
     cpu = parse_args(["--weight_decay", 0.3, "--lr", 0.02])
-    on_cpu = build_optimizer(model, cpu, make_plan(cpu, env, config))
+    on_cpu = build_optimizer(model, Optimizer.of(cpu), make_plan(cpu, env, config))
     assert type(optimizer) is type(on_cpu) is torch.optim.AdamW
     assert not optimizer.defaults["fused"] and on_cpu.defaults["fused"]
     settings = lambda opt: [  # noqa: E731

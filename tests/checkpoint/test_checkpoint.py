@@ -31,12 +31,13 @@ from minimal_fsdp.checkpoint.dirs import crc32
 from minimal_fsdp.checkpoint.meta import read_meta
 from minimal_fsdp.checkpoint.rng import rng_bytes
 from minimal_fsdp.config.flags import ConfigError, parse_args
-from minimal_fsdp.config.sections import Checkpoint
+from minimal_fsdp.config.sections import Checkpoint, Optimizer
 from minimal_fsdp.launch import run_lock
 from minimal_fsdp.launch.environment import DistEnv
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel.parallelize import build_model, gradient_sync
 from minimal_fsdp.parallel.plan import make_plan
+from minimal_fsdp.run import RunSections
 from minimal_fsdp.train import build_optimizer
 
 from conftest import TINY_MODEL, launch, make_text
@@ -153,7 +154,7 @@ def one_rank(one_rank_group):
     env = DistEnv(0, 1, 0, 1, 1, torch.device("cpu"), "gloo", "single")
     plan = make_plan(cfg, env, ONE_RANK_MODEL, fsdp_on_one_rank=True)
     model = build_model(GPT, ONE_RANK_MODEL, plan, env, cfg.seed)
-    return model, build_optimizer(model, cfg, plan)
+    return model, build_optimizer(model, Optimizer.of(cfg), plan)
 
 
 def save_steps(run, model, optimizer, val_losses, keep_last=0):
@@ -301,7 +302,7 @@ def test_logged_throughput_leaves_out_evaluation_and_saving(one_rank, tmp_path, 
     parts = train.RunParts(
         model, optimizer, RandomTokens(), gradient_sync(model, plan), saver, ranks=1
     )
-    train.train(parts, cfg, env, plan, stop)
+    train.train(parts, env, plan, stop, **RunSections.of(cfg).for_loop())
     rows = [
         json.loads(line)
         for line in (tmp_path / "logs" / cfg.run_name / "metrics.jsonl").read_text().splitlines()

@@ -13,10 +13,10 @@ import pytest
 from minimal_fsdp.config.commands import EvaluateFlags, SampleFlags
 from minimal_fsdp.config.flags import Config, parse_args
 from minimal_fsdp.config.parser import parse
-from minimal_fsdp.config.sections import Data, Generation, Launch, Model, Parallel, Section
+from minimal_fsdp.config.sections import Generation, Launch, Parallel, Section
 
 PACKAGE = Path(__file__).resolve().parents[2] / "minimal_fsdp"
-SECTIONS = (Launch, Parallel, Generation, Model, Data)
+SECTIONS = tuple(Section.__subclasses__())
 
 
 @pytest.mark.parametrize("section", SECTIONS, ids=lambda s: s.__name__)

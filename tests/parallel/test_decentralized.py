@@ -32,6 +32,7 @@ from minimal_fsdp.checkpoint import (
     safe_load,  # noqa: E402
 )
 from minimal_fsdp.config.flags import ConfigError, parse_args  # noqa: E402
+from minimal_fsdp.config.sections import Optimizer  # noqa: E402
 from minimal_fsdp.models.gpt import GPT, GPTConfig  # noqa: E402
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW  # noqa: E402
 from minimal_fsdp.parallel.gossip import TOPOLOGIES  # noqa: E402
@@ -253,9 +254,11 @@ def test_bad_flag_combinations(args, message):
 
 def test_mode_defaults():
     model = GPT(GPTConfig(vocab_size=16, seq_length=8, num_layers=1, num_heads=2, embed_size=8))
-    decentralized = build_optimizer(model, parse_args(["--data_parallel", "decentralized"]))
+    decentralized = build_optimizer(
+        model, Optimizer.of(parse_args(["--data_parallel", "decentralized"]))
+    )
     assert isinstance(decentralized, AccumAdamW) and decentralized.defaults["betas"] == (0.9, 0.98)
-    allreduce = build_optimizer(model, parse_args([]))
+    allreduce = build_optimizer(model, Optimizer.of(parse_args([])))
     assert isinstance(allreduce, torch.optim.AdamW) and allreduce.defaults["betas"] == (0.9, 0.95)
 
 

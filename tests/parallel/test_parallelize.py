@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minimal_fsdp.checkpoint import find, safe_load
 from minimal_fsdp.config.flags import parse_args
+from minimal_fsdp.config.sections import Optimizer
 from minimal_fsdp.models.families import make_config
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.models.llama import Llama
@@ -348,7 +349,7 @@ def test_accumulation_gathers_parameters_once_where_they_stay_gathered(
     x = torch.randint(0, 64, (2, 16), device=device)
     train_step(
         model,
-        build_optimizer(model, cfg),
+        build_optimizer(model, Optimizer.of(cfg)),
         [(x, x)] * 3,
         gradient_sync(model, plan),
         1.0,

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from minimal_fsdp.config.flags import Config
+from minimal_fsdp.config.sections import Optimizer
 from minimal_fsdp.models.gpt import GPT, GPTConfig
 from minimal_fsdp.parallel import plan as plan_module
 from minimal_fsdp.parallel import whole_unit
@@ -45,7 +46,7 @@ def test_gathered_parameters_keep_their_addresses_and_follow_the_shards(one_rank
     model.register_forward_pre_hook(
         lambda module, args: seen.append(module.blocks[0].attn.qkv.weight)
     )
-    optimizer, sync = build_optimizer(model, cfg, plan), gradient_sync(model, plan)
+    optimizer, sync = build_optimizer(model, Optimizer.of(cfg), plan), gradient_sync(model, plan)
     assert isinstance(optimizer, LocalAdamW) and isinstance(sync, WholeUnitSync)
     shards = []
     for tokens in batches(3):
@@ -76,7 +77,10 @@ def test_local_adamw_steps_as_torch_adamw(one_rank_group, monkeypatch):
     model, plan = unit_model(cfg)
     plain_plan = make_plan(cfg, ENV, CONFIG)
     plain = build_model(GPT, CONFIG, plain_plan, ENV, cfg.seed)
-    optimizers = [build_optimizer(model, cfg, plan), build_optimizer(plain, cfg, plain_plan)]
+    optimizers = [
+        build_optimizer(model, Optimizer.of(cfg), plan),
+        build_optimizer(plain, Optimizer.of(cfg), plain_plan),
+    ]
     syncs = [gradient_sync(model, plan), gradient_sync(plain, plain_plan)]
     for i, tokens in enumerate(batches(6)):
         if i == 3:  # as a resume does: the state is replaced by a copy of itself
@@ -124,7 +128,10 @@ def test_no_shard_replicas_train_as_the_plain_model_without_gathering(one_rank_g
     plain_plan = make_plan(cfg, ENV, CONFIG)
     plain = build_model(GPT, CONFIG, plain_plan, ENV, cfg.seed)
     assert model.whole_unit.ranks == 1 and model.whole_unit.replicate_group is not None
-    optimizers = [build_optimizer(model, cfg, plan), build_optimizer(plain, cfg, plain_plan)]
+    optimizers = [
+        build_optimizer(model, Optimizer.of(cfg), plan),
+        build_optimizer(plain, Optimizer.of(cfg), plain_plan),
+    ]
     syncs = [gradient_sync(model, plan), gradient_sync(plain, plain_plan)]
     assert isinstance(syncs[0], WholeUnitSync) and isinstance(optimizers[0], LocalAdamW)
     data = batches(6)

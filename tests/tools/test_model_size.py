@@ -15,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from minimal_fsdp.config.flags import Config, ConfigError
+from minimal_fsdp.config.sections import Optimizer
 from minimal_fsdp.models.classes import MODELS
 from minimal_fsdp.models.families import make_config
 from minimal_fsdp.models.gpt import GPTConfig
@@ -58,7 +59,7 @@ def train_two_steps(
     )
     plan = make_plan(cfg, env, config, fsdp_on_one_rank=fsdp)
     model = build_model(MODELS[model_type], config, plan, env, cfg.seed)
-    optimizer = build_optimizer(model, cfg, plan)
+    optimizer = build_optimizer(model, Optimizer.of(cfg), plan)
     for step in range(2):  # the second step has the optimizer state of a steady run
         x = torch.randint(0, config.vocab_size, (batch_size, config.seq_length), device=device)
         train_step(model, optimizer, [(x, x)] * accum, gradient_sync(model, plan), 1.0, env.device)
