@@ -41,8 +41,8 @@ KNOWN_MISSES = {
 }
 # multihost_cpu_8x1.jsonl: eight ranks on two shared cores; no compute was measured beside them
 # (decentdp_side_by_side.py's "compute alone" row now is), so the planner has no compute part.
-# side_by_side_h200_2x1.jsonl: DDP's bf16 hook and PowerSGD beside ours on 2 hosts x 1 GPU, run without
-# a "compute alone" row (the device time left), so the planner has no compute part for them either.
+# side_by_side_h200_2x1.jsonl: DDP's bf16 hook and PowerSGD beside ours on 2 hosts x 1 GPU, run
+# without a "compute alone" row (the device time left), so no compute part for them either.
 NO_COMPUTE = {"multihost_cpu_8x1.jsonl", "side_by_side_h200_2x1.jsonl"}
 
 
