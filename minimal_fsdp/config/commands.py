@@ -1,12 +1,15 @@
 """The flags of every command beside training, one dataclass each (sample and evaluate share the
 model source's): the fields are read by config.parser, as training's `Config` is. A flag that
-training has too is training's own field, taken with `shared(name)`: declared once, in
-config/flags.py, with training's section, default and choices unless the command says why it
-differs, so a run's own config.toml is a valid --config file here too (its other keys are ignored).
+training has too is training's own field: declared once, in config/flags.py, with training's
+section, default and choices unless the command says why it differs, so a run's own config.toml is
+a valid --config file here too (its other keys are ignored). A command takes a whole section of
+training's flags with `@takes_sections(section)` (a flag added to that section in Config reaches
+the command with no edit here), and a single flag with `name: T = shared("name")`.
 Nothing here imports torch: `minimal-fsdp COMMAND --help` answers at once.
 """
 
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass
 from typing import ClassVar
@@ -44,6 +47,51 @@ def shared(name, help=None, **overrides):
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def takes_sections(*names, but=(), **overrides):
+    """A class decorator, under `@dataclass`: every flag of training's sections `names` (Config's
+    fields whose section is one of them) as a field of the class, `shared(name, **overrides[name])`,
+    but those in `but` and those the class or a base declares itself (its own declaration wins). A
+    flag added to such a section in config/flags.py reaches the command with no edit here. The
+    section's flags come first among the class's own, in Config's order (a flag the class declares
+    itself keeps its place among them), then the class's other flags as it declares them."""
+    trained = dataclasses.fields(Config)
+    unknown = set(names) - {f.metadata["section"] for f in trained}
+    if unknown:
+        raise TypeError(f"takes_sections: no section {', '.join(sorted(unknown))} in Config")
+    section = [f for f in trained if f.metadata["section"] in names]
+    stray = (set(but) | set(overrides)) - {f.name for f in section}
+    if stray:
+        raise TypeError(
+            f"takes_sections{names}: {', '.join(sorted(stray))} is not a flag of those sections"
+        )
+
+    def take(cls):
+        own = inspect.get_annotations(cls)
+        inherited = {
+            f.name
+            for base in cls.__mro__[1:]
+            if dataclasses.is_dataclass(base)
+            for f in dataclasses.fields(base)
+        }
+        clash = set(overrides) & (set(own) | inherited)
+        if clash:
+            raise TypeError(
+                f"{cls.__name__} declares {', '.join(sorted(clash))} itself: override it there"
+            )
+        order = {}
+        for f in section:
+            if f.name in own:
+                order[f.name] = own[f.name]
+            elif f.name not in (*but, *inherited):
+                setattr(cls, f.name, shared(f.name, **overrides.get(f.name, {})))
+                order[f.name] = f.type
+        # dataclass makes the fields in this order; argparse and the TOML reader read the fields
+        cls.__annotations__ = order | {n: t for n, t in own.items() if n not in order}
+        return cls
+
+    return take
+
+
 @dataclass(frozen=True)
 class SourceFlags:
     """What sample and evaluate load, and in what precision."""
@@ -58,18 +106,20 @@ class SourceFlags:
     )
 
 
+# training's [generate] flags, every one (a flag added there is sample's too)
 @dataclass(frozen=True)
+@takes_sections(
+    "generate",
+    # a model of any data: training's "ROMEO:" suits only its default Shakespeare
+    prompt=dict(help="text to continue (empty: a fresh document)", default=""),
+    num_tokens=dict(help="tokens to generate"),
+)
 class SampleFlags(SourceFlags):
     PROG: ClassVar[str] = "minimal-fsdp sample"
     DESCRIPTION: ClassVar[str] = (
         "Text from a trained model, in one process or sharded over the ranks of "
         "mpiexec (torchrun, srun); the text goes to stdout."
     )
-    # a model of any data: training's "ROMEO:" suits only its default Shakespeare
-    prompt: str = shared("prompt", "text to continue (empty: a fresh document)", default="")
-    num_tokens: int = shared("num_tokens", "tokens to generate")
-    temperature: float = shared("temperature")
-    top_k: int = shared("top_k")
     seed: int = shared("seed", "the same seed gives the same text")
 
 
@@ -191,7 +241,17 @@ class PrepareFlags:
     num_proc: int = flag(os.cpu_count() or 1, "tokenizing processes", section="prepare")
 
 
+# the model's shape, as training takes it (configs/shakespeare_char.toml sets the shape flags), read
+# through the model section (tools/model_size.model_config); dropout and the document mask change no
+# size, memory or step time here
 @dataclass(frozen=True)
+@takes_sections(
+    "model",
+    but=("dropout", "document_mask"),
+    hf_model=dict(help="plan for a local Hugging Face model directory (its config.json)"),
+    vocab_size=dict(help="default: the preset's (tiny: GPT 65, Llama 32000)"),
+    seq_length=dict(help="tokens per sequence (default: the preset's context)"),
+)
 class PlanFlags:
     PROG: ClassVar[str] = "minimal-fsdp plan"
     DESCRIPTION: ClassVar[str] = (
@@ -201,20 +261,6 @@ class PlanFlags:
         "--config file plans that run."
     )
     FILE_ALSO: ClassVar[tuple] = (Config,)
-    # the model's shape, as training takes it (configs/shakespeare_char.toml sets the shape flags)
-    model_preset: str = shared("model_preset")
-    model: str = shared("model")
-    hf_model: str = shared(
-        "hf_model", "plan for a local Hugging Face model directory (its config.json)"
-    )
-    vocab_size: int = shared("vocab_size", "default: the preset's (tiny: GPT 65, Llama 32000)")
-    seq_length: int = shared("seq_length", "tokens per sequence (default: the preset's context)")
-    num_layers: int = shared("num_layers")
-    num_heads: int = shared("num_heads")
-    embed_size: int = shared("embed_size")
-    num_kv_heads: int = shared("num_kv_heads")
-    intermediate_size: int = shared("intermediate_size")
-    bias: bool = shared("bias")
     # the smallest run: what fits at batch 1 is the question (training's 16 suits the tiny model)
     batch_size: int = shared("batch_size", default=1)
     grad_accum_steps: int = shared("grad_accum_steps")

@@ -20,10 +20,10 @@ from pathlib import Path
 
 # Nothing imported here imports torch: the planner answers at once (tests/tools/test_model_size.py
 # checks). count() is models/size.py's count from the shape, held equal to it by tests.
-from minimal_fsdp.config.checks import model_family
-from minimal_fsdp.config.choices import MODEL_FLAGS, SHARDING, ConfigError
+from minimal_fsdp.config.choices import SHARDING, ConfigError
+from minimal_fsdp.config.sections import Model
 from minimal_fsdp.models import counts
-from minimal_fsdp.models.families import FAMILIES, check_shape, make_config
+from minimal_fsdp.models.families import FAMILIES, config_from_flags
 from minimal_fsdp.parallel import choose  # block_shapes: the layers fp8 converts
 from minimal_fsdp.parallel.choose import layout, reduce_precision, strategy
 from minimal_fsdp.tools.step_time import CARDS, print_step_times
@@ -215,18 +215,10 @@ def model_config(args):
             )
         model_type, config = read.read_config(args.hf_model, args.seq_length)
         return model_type, config, args.hf_model
-    family = model_family(args)
-    shape = dict(
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        embed_size=args.embed_size,
-    )
-    # the shape flags this family takes (config.checks refused the others)
-    shape.update({name: getattr(args, name) for name in MODEL_FLAGS[family]})
-    config = check_shape(make_config(family, args.model_preset, **shape))
-    return family, config, args.model_preset
+    # as training makes it, from the model section: a shape flag added there (PlanFlags takes the
+    # section whole) is planned with no edit here
+    config = config_from_flags(Model.of(args))
+    return config.model_type, config, args.model_preset
 
 
 def print_plan(args):

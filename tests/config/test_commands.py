@@ -15,7 +15,7 @@ from minimal_fsdp.__main__ import COMMANDS
 from minimal_fsdp.config import commands
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.config.flags import Config
-from minimal_fsdp.config.parser import flag, parse
+from minimal_fsdp.config.parser import build_parser, flag, parse
 
 from conftest import ROOT
 
@@ -283,4 +283,69 @@ def test_no_flag_is_declared_twice_in_the_source():
     assert [name for name, n in declared.items() if n > 1] == ["out"]
     assert "out" not in TRAINING
     taken = re.findall(r'^ +(\w+): \w+ = shared\(\s*"(\w+)"', text, re.M)
-    assert len(taken) >= 38 and all(name == arg for name, arg in taken), taken
+    # the rest come whole with their sections (@takes_sections: sample's generate, plan's model)
+    assert len(taken) >= 20 and all(name == arg for name, arg in taken), taken
+
+
+def test_a_flag_added_to_a_section_reaches_the_command_that_takes_it(monkeypatch):
+    """A flag added to training's [generate] (Config's field alone) is a flag of a command that
+    takes the section, with training's default, choices and help: no edit to the command."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Grown(Config):
+        top_p: float = flag(0.9, "nucleus sampling's mass", (0.9, 1.0), "generate")
+
+    monkeypatch.setattr(commands, "Config", Grown)
+
+    @dataclasses.dataclass(frozen=True)
+    @commands.takes_sections("generate", prompt=dict(default=""))
+    class Sampling:
+        seed: int = commands.shared("seed")
+
+    fields = {f.name: f for f in dataclasses.fields(Sampling)}
+    # the section's flags first, in training's order, then the class's own
+    assert list(fields) == ["prompt", "num_tokens", "temperature", "top_k", "top_p", "seed"]
+    top_p = fields["top_p"]
+    assert (top_p.default, top_p.type, top_p.metadata["choices"], top_p.metadata["help"]) == (
+        0.9,
+        float,
+        (0.9, 1.0),
+        "nucleus sampling's mass",
+    )
+    assert top_p.metadata["shared"] == "top_p" and top_p.metadata["overrides"] == ()
+    assert fields["prompt"].default == "" and fields["prompt"].metadata["overrides"] == ("default",)
+    # argparse, --help and the TOML reader see it as any other flag
+    assert parse(Sampling, ["--top_p", "1.0"]).top_p == 1.0
+    assert "--top_p {0.9,1.0}" in build_parser(Sampling).format_help()
+
+
+def test_takes_sections_leaves_out_but_and_what_the_class_declares(tmp_path):
+    @dataclasses.dataclass(frozen=True)
+    @commands.takes_sections("generate", but=("top_k",))
+    class Sampling:
+        temperature: float = commands.shared("temperature", "mine", default=0.0)
+        other: int = flag(3, "the class's own", section="mine")
+
+    fields = {f.name: f for f in dataclasses.fields(Sampling)}
+    assert list(fields) == ["prompt", "num_tokens", "temperature", "other"]
+    assert (fields["temperature"].default, fields["temperature"].metadata["help"]) == (0.0, "mine")
+    (tmp_path / "f.toml").write_text("[generate]\ntop_k = 3\n")
+    with pytest.raises(ConfigError, match="unknown key generate.top_k"):
+        parse(Sampling, ["--config", tmp_path / "f.toml"])
+    with pytest.raises(TypeError, match="no section"):
+        commands.takes_sections("generation")
+    with pytest.raises(TypeError, match="top_kk"):
+        commands.takes_sections("generate", but=("top_kk",))
+    with pytest.raises(TypeError, match="declares temperature itself"):
+        commands.takes_sections("generate", temperature=dict(default=1.0))(Sampling)
+
+
+def test_sample_and_plan_take_their_sections_whole():
+    """sample takes training's [generate] and plan its [model] but the flags that change no plan."""
+    for cls, section, left_out in (
+        (commands.SampleFlags, "generate", set()),
+        (commands.PlanFlags, "model", {"dropout", "document_mask"}),
+    ):
+        taken = {f.name for f in dataclasses.fields(cls) if f.metadata["section"] == section}
+        trained = {f.name for f in dataclasses.fields(Config) if f.metadata["section"] == section}
+        assert taken == trained - left_out, cls
