@@ -353,7 +353,8 @@ def train(
 
     model.train()
     # --profile / --memory_snapshot: None when neither is set
-    run_dir, warn = Path(loop.log_dir) / loop.run_name, (lambda text: log.warn(text))
+    # --profile's and --memory_snapshot's files go beside the run's logs
+    run_dir, warn = Path(logging.log_dir) / logging.run_name, (lambda text: log.warn(text))
     profiler = profiling.around_steps(profile, env, run_dir, warn if env.is_main else None)
     # a save in flight ends before return
     with log, collections_in_step(), checkpointer.saving(), profiler as profiler:

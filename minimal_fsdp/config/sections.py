@@ -213,8 +213,6 @@ class Loop(Section):
     eval_interval: int
     eval_batches: int
     checkpoint_interval: int
-    log_dir: str  # --profile's and --memory_snapshot's files under <log_dir>/<run_name>
-    run_name: str
 
 
 @dataclass(frozen=True)

@@ -94,17 +94,21 @@ def training_estimate(name, row):
     return 1000 * estimated.step
 
 
-def side_by_side_estimate(row, compute_ms):
-    """The planner's step (ms) for a side-by-side row (decentdp_side_by_side.py through
-    multihost.py --side_by_side), its compute part the launch's own "compute alone" row: CPU ranks
-    have no card to take an MFU from; they talk through gloo."""
+def side_by_side_model(row):
+    """(config, sizes, FLOPs per token, tokens a rank a step) of a side-by-side row's GPT."""
     config = MODELS["gpt"].config_class(
         vocab_size=row["vocab"], seq_length=row["seq"], num_layers=row["layers"],
         num_heads=row["heads"], embed_size=row["embed"],
     )  # fmt: skip
     sizes = count_parameters(config)
-    per_token = step_time.flops_per_token(sizes, config)
-    tokens = row["batch"] * row["seq"]
+    return config, sizes, step_time.flops_per_token(sizes, config), row["batch"] * row["seq"]
+
+
+def side_by_side_estimate(row, compute_ms):
+    """The planner's step (ms) for a side-by-side row (decentdp_side_by_side.py through
+    multihost.py --side_by_side), its compute part the launch's own "compute alone" row: CPU ranks
+    have no card to take an MFU from; they talk through gloo."""
+    config, sizes, per_token, tokens = side_by_side_model(row)
     flops = tokens * per_token / (compute_ms / 1000)
     world, per_host, gbps = row["ranks"], row["gpus_per_host"], row["gbps_set"] or row["link_gbps"]
     name = row["implementation"]
@@ -245,13 +249,7 @@ def test_the_guide_on_cpu_ranks_orders_layouts_as_measured():
     lines = [json.loads(line) for line in (RESULTS / "side_by_side_cpu16.jsonl").open()]
     compute = {r["ranks"]: r["step_ms"] for r in lines if r["implementation"] == "compute alone"}
     first = lines[0]
-    config = MODELS["gpt"].config_class(
-        vocab_size=first["vocab"], seq_length=first["seq"], num_layers=first["layers"],
-        num_heads=first["heads"], embed_size=first["embed"],
-    )  # fmt: skip
-    sizes = count_parameters(config)
-    per_token = step_time.flops_per_token(sizes, config)
-    tokens = first["batch"] * first["seq"]
+    config, sizes, per_token, tokens = side_by_side_model(first)
     # the rows' names in the guide's (ours with fp32 sums: the guide's float32 run resolves to them)
     as_guide = {"Decent-DP 0.2.3": "Decent-DP", "ours, full-shard (one-unit)": "ours, full-shard"}
     cells = {(r["ranks"], r["gbps_set"]) for r in lines if r["implementation"] != "compute alone"}
