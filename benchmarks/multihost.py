@@ -41,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from minimal_fsdp.parallel.choose import reduce_precision  # noqa: E402
 from minimal_fsdp.tools.virtual_cluster import TBF_MAX_BITS, Cluster, unavailable  # noqa: E402
 
 # fmt: off
@@ -389,11 +390,22 @@ def main():
                         date=time.strftime("%Y-%m-%d"),
                         **({"log_interval": args.log_interval} if args.log_interval != 1 else {}),
                         **({"extra": args.extra} if args.extra else {}),
+                        reduce_precision=summed_in(args),
                         **run_one(args, cluster, model, strategy, name),
                     )
                     with open(args.out, "a") as f:
                         f.write(json.dumps(result) + "\n")
                     print(row(result), flush=True)
+
+
+def summed_in(args):
+    """The dtype the run's gradients were summed in: its --reduce_precision (in --extra, else the
+    default, auto) as training resolves it for these hosts and precision."""
+    words = args.extra.split()
+    asked = (
+        words[words.index("--reduce_precision") + 1] if "--reduce_precision" in words else "auto"
+    )
+    return reduce_precision(asked, args.hosts, args.precision)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 both rows (and, with --profile, each one's kernel time by kind, trace_breakdown.py).
 
     python benchmarks/titan_side_by_side.py --layers 8 --seq 8192 --batch 1 \
-        --precision bf16 --ac none [--profile] [--ours_root DIR,...] [--work DIR]
+        --precision bf16 --ac none [--profile] [--ours_root DIR,...] [--work DIR] [--gpus N]
 
 torchtitan runs as its user gets it on one GPU (torchrun, its own train.py, autocast without FSDP,
 its compile of model and loss), on Llama 3 8B's flavor cut to --layers blocks (registered here as
@@ -12,7 +12,8 @@ is the median of its logged `tps` after --warmup steps (host clock between steps
 its `memory:` (the allocator's peak reserved, GiB). Ours is benchmarks/throughput.py
 --model_preset llama3-8b (median of CUDA-event step times; peak allocated, GB). --ours_root runs
 ours from each of several checkouts (e.g. a copy of an earlier commit), for a before/after in the
-same launch.
+same launch. --gpus N: both shard over N GPUs of this host (torchtitan under torchrun with its
+default FSDP over every rank; ours under mpiexec -n N, full-shard); the rows give tokens/s per GPU.
 
 torchtitan is a benchmark-only dependency: on the GPU machine, which has no package index, install
 its wheels first (torchtitan==0.2.2, torchdata, tyro, docstring-parser, typeguard, tomli, datasets,
@@ -106,7 +107,8 @@ def titan_flags(args, data, tok, dump):
 def run_titan(args, data, tok, log):
     dump = args.work / "titan"
     env = dict(os.environ, TITAN_LAYERS=str(args.layers), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(args.gpus),
            __file__, "--titan_child", *titan_flags(args, data, tok, dump)]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     log.write(result.stdout + result.stderr)
@@ -133,7 +135,8 @@ def run_ours(args, root, log):
     run_name = f"ours-{label}-{args.precision}-{args.ac}"
     out = args.work / f"{run_name}.jsonl"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(root / "benchmarks" / "throughput.py"),
+    launch = ["mpiexec", "-n", str(args.gpus)] if args.gpus > 1 else []
+    cmd = [*launch, sys.executable, str(root / "benchmarks" / "throughput.py"),
            "--model_preset", "llama3-8b", "--num_layers", str(args.layers),
            "--seq_length", str(args.seq), "--batch_size", str(args.batch),
            "--precision", args.precision, "--meta_init",
@@ -157,7 +160,7 @@ def run_ours(args, root, log):
     traces = sorted((args.work / "logs" / run_name).rglob("*trace.json"))
     return dict(
         who=f"ours ({label})",
-        tok_s=row["tok_s"],
+        tok_s=row["tok_s_gpu"],
         memory=f"{row['peak_gb']:.1f} GB allocated",
         step_ms=row["step_ms"],
         trace=str(traces[-1]) if traces else None,
@@ -171,6 +174,7 @@ def main():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of this host, both sharded over them")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--ac", choices=("none", "selective", "full"), default="none")
     p.add_argument("--steps", type=int, default=30, help="steps of each run, warm-up included")
@@ -193,7 +197,8 @@ def main():
         for root in args.ours_root.split(","):
             rows.append(run_ours(args, root, log))
     rows = [r for r in rows if r]
-    shape = f"Llama 3 8B shape, {args.layers} layers, T={args.seq}, batch {args.batch}"
+    shape = f"Llama 3 8B shape, {args.layers} layers, T={args.seq}, batch {args.batch} a GPU"
+    shape += f", {args.gpus} GPUs (tokens/s per GPU)" if args.gpus > 1 else ""
     print(f"\n{shape}, {args.precision}, AC {args.ac}, compile {args.compile}")
     print("| trainer | tok/s | step ms | peak memory | vs first |\n|---|---|---|---|---|")
     for r in rows:

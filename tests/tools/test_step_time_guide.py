@@ -21,6 +21,9 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 FLAT_GOSSIP = {"d11c69d", "bf6c615", "646d7ce", "9fccc8a", "9753e42", "a0eb730", "a6c25bc"}
 # Rows measured with NCCL's one socket a connection (before 9fccc8a set its socket threads)
 ONE_SOCKET = {"d11c69d", "646d7ce", "9753e42"}
+# Rows measured with --reduce_precision auto the default (12a38e5 on), before multihost.py recorded
+# the dtype a row summed in: auto sums in bf16 across hosts under bf16 matmuls
+AUTO_BF16 = {"7d627a8"}
 # What NCCL itself moved over an unshaped veth (link_probe.py's all-reduce, Gbit/s over each host's
 # link; link_probe_h200_*.jsonl): a veth has no rate of its own, one TCP stream is not NCCL's
 UNSHAPED_NCCL = {("2x1", "9fccc8a"): 72.41, ("2x2", "bf6c615"): 88.0}
@@ -43,7 +46,11 @@ KNOWN_MISSES = {
 # (decentdp_side_by_side.py's "compute alone" row now is), so the planner has no compute part.
 # side_by_side_h200_2x1.jsonl: DDP's bf16 hook and PowerSGD beside ours on 2 hosts x 1 GPU, run
 # without a "compute alone" row (the device time left), so no compute part for them either.
-NO_COMPUTE = {"multihost_cpu_8x1.jsonl", "side_by_side_h200_2x1.jsonl"}
+NO_COMPUTE = {
+    "multihost_cpu_8x1.jsonl",
+    "side_by_side_h200_2x1.jsonl",
+    "side_by_side_h200_4x1.jsonl",
+}
 
 
 def llama_1b():
@@ -88,7 +95,8 @@ def training_estimate(name, row):
         flops,
         log_interval=row.get("log_interval", 1),
         topology=topology,
-        reduce_precision="bf16" if "bf16" in row.get("extra", "") else "float32",
+        reduce_precision=row.get("reduce_precision")
+        or ("bf16" if "bf16" in row.get("extra", "") or row["commit"] in AUTO_BF16 else "float32"),
         gossip="flat-fp32" if row["commit"] in FLAT_GOSSIP else "bf16",
     )
     return 1000 * estimated.step
