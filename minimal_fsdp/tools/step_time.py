@@ -365,13 +365,14 @@ def guide(
     return sorted(rows, key=lambda row: row[1].step)
 
 
-# What the loss runs measured of the layouts that change the training's arithmetic (RESULTS.md,
-# #loss-cpu): the guide names the fastest layout that does not, and the faster ones that do,
-# with this.
+# What the loss runs measured of the layouts that change the training's arithmetic: the guide names
+# the fastest layout that does not, and the faster ones that do, with this. Steps to the same loss
+# (benchmarks/results/RESULTS.md): gossip on 8 CPU ranks, 2,000 steps against all-reduce's 936
+# (#cpu16-hosts), level on 2 ranks; PowerSGD on 2 GPUs, 550 against 293 (#powersgd-equal-loss).
 LOSS_CAVEATS = {
-    "ours, decentralized": "replicas gossip: a higher loss at equal steps",
-    "Decent-DP": "replicas gossip: a higher loss at equal steps",
-    "torch DDP, PowerSGD rank 4": "low-rank gradients: a higher loss at equal steps",
+    "ours, decentralized": "replicas gossip: up to 2.1x the steps to all-reduce's loss at 8 ranks",
+    "Decent-DP": "replicas gossip: a higher loss at equal steps, as ours",
+    "torch DDP, PowerSGD rank 4": "low rank: 1.9x the steps to all-reduce's loss at 2 ranks",
 }
 
 
