@@ -138,6 +138,14 @@ def parse():
     )
     parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take")
     parser.add_argument(
+        "--straggler",
+        type=float,
+        default=0,
+        metavar="CORES",
+        help="slow the last host: its ranks share CORES of CPU time (a cgroup's quota, as a "
+        "competing process would leave them; 0: no straggler)",
+    )
+    parser.add_argument(
         "--tiny", action="store_true", help="a tiny model on CPU (gloo): checks the logic only"
     )
     parser.add_argument(
@@ -152,6 +160,8 @@ def parse():
 def row(r):
     measured = f"{r['link_gbps']:.2f}" if r.get("link_gbps") else "-"
     strategy = r["strategy"] + (f" {r['extra']}" if r.get("extra") else "")
+    if r.get("straggler_cores"):
+        strategy += f" (last host on {r['straggler_cores']:g} cores)"
     values = (
         f"{r['hosts']} x {r['gpus_per_host']}",
         r["gbps_set"] or "unshaped",
@@ -194,6 +204,7 @@ def launch(args, cluster, argv, name):
     or None, logs)."""
     world = args.hosts * args.gpus_per_host
     procs, logs = [], []
+    slow = CpuQuota(f"multihost{os.getpid()}", args.straggler) if args.straggler else None
     for host in range(args.hosts):
         for local_rank in range(args.gpus_per_host):
             logs.append(
@@ -210,6 +221,8 @@ def launch(args, cluster, argv, name):
                     stderr=subprocess.STDOUT,
                 )
             )
+            if slow and host == args.hosts - 1:
+                slow.add(procs[-1].pid)  # before it starts training: what it starts inherits
     deadline = time.monotonic() + args.timeout
     failed = None
     for proc in procs:
@@ -221,9 +234,44 @@ def launch(args, cluster, argv, name):
             proc.kill()
         elif proc.returncode and not failed:
             failed = f"exit {proc.returncode}"
+    if slow:
+        slow.remove()
     if failed:
         print(f"  {name}: {failed}; see {logs[0]}", file=sys.stderr)
     return failed, logs
+
+
+class CpuQuota:
+    """A cgroup (v1 cpu controller, or v2) whose processes share `cores` of CPU time a period: the
+    straggler's host. The kernel's quota is the tool; nothing in the training knows of it."""
+
+    PERIOD_US = 100_000
+
+    def __init__(self, name, cores):
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+        v1 = [m[1] for m in mounts if m[2] == "cgroup" and "cpu" in m[3].split(",")]
+        quota = int(cores * self.PERIOD_US)
+        if v1:
+            self.path = Path(v1[0]) / name
+            self.path.mkdir()
+            (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+        else:  # cgroup v2: one file, "QUOTA PERIOD"
+            self.path = Path("/sys/fs/cgroup") / name
+            self.path.mkdir()
+            (self.path / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+
+    def add(self, pid):
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def remove(self):
+        """After its processes ended (a cgroup with processes cannot be removed)."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
 
 
 def probe(args, cluster, gbps):
@@ -345,6 +393,7 @@ def main():
                             device=device,
                             date=time.strftime("%Y-%m-%d"),
                             side_by_side=args.side_by_side,
+                            **({"straggler_cores": args.straggler} if args.straggler else {}),
                         )
                         f.write(json.dumps(result) + "\n")
                 print(
@@ -390,6 +439,7 @@ def main():
                         date=time.strftime("%Y-%m-%d"),
                         **({"log_interval": args.log_interval} if args.log_interval != 1 else {}),
                         **({"extra": args.extra} if args.extra else {}),
+                        **({"straggler_cores": args.straggler} if args.straggler else {}),
                         reduce_precision=summed_in(args),
                         **run_one(args, cluster, model, strategy, name),
                     )

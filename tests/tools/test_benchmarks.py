@@ -219,3 +219,33 @@ def test_multihost_probe_times_both_collectives_across_two_virtual_hosts(tmp_pat
         for k in ("all_reduce_ms", "all_reduce_gbps", "exchange_ms", "exchange_gbps")
     ), row
     assert row["all_reduce_gbps"] <= 1.05 and row["exchange_gbps"] <= 1.05, row
+
+
+def test_multihost_straggler_quota_holds_the_last_hosts_processes(tmp_path):
+    """multihost.py --straggler's cgroup: the quota is the cores asked for, the process added is
+    in it and throttled when it runs past that, and the group is gone once the process is."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multihost", ROOT / "benchmarks" / "multihost.py")
+    multihost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(multihost)
+    try:
+        quota = multihost.CpuQuota(f"minimal_fsdp_test{os.getpid()}", 0.1)
+    except OSError as e:
+        pytest.skip(f"no cgroup to write here: {e}")
+    # 50 ms of CPU time, at most 10 ms a 100 ms period: the quota runs out in every period
+    busy = "import time\nwhile time.process_time() < 0.05: pass"
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.stdin.read()\n{busy}"],
+                            stdin=subprocess.PIPE)  # fmt: skip
+    quota.add(proc.pid)  # held before it starts its work, as the straggler's rank is
+    assert str(proc.pid) in (quota.path / "cgroup.procs").read_text().split()
+    proc.communicate(b"", timeout=60)
+    v1 = (quota.path / "cpu.cfs_quota_us").exists()
+    if v1:
+        assert (quota.path / "cpu.cfs_quota_us").read_text().strip() == "10000"
+    else:
+        assert (quota.path / "cpu.max").read_text().split() == ["10000", "100000"]
+    stat = dict(line.split() for line in (quota.path / "cpu.stat").read_text().splitlines())
+    assert int(stat["nr_throttled"]) > 0, stat
+    quota.remove()
+    assert not quota.path.exists()

@@ -156,6 +156,8 @@ def recorded_rows():
         for row in lines:
             if not row.get("step_ms") or row.get("implementation") == "compute alone":
                 continue
+            if row.get("straggler_cores"):
+                continue  # one host slowed on purpose (multihost.py --straggler): not modelled
             if "implementation" in row:
                 compute = computes.get((row.get("gbps_set"), row["ranks"])) or computes.get(
                     (None, row["ranks"])
