@@ -50,6 +50,7 @@ NO_COMPUTE = {
     "multihost_cpu_8x1.jsonl",
     "side_by_side_h200_2x1.jsonl",
     "side_by_side_h200_4x1.jsonl",
+    "straggler_cpu_4x1.jsonl",  # a straggler's pairs on the shared 2-core machine
 }
 
 
