@@ -114,6 +114,7 @@ def test_resumed_run_appends(process_group, tmp_path):
     assert [r["step"] for r in rows_of(tmp_path / "twice")] == [1, 2]
 
 
+@pytest.mark.slow  # a training run in this process: seconds
 def test_wandb_offline(process_group, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -199,6 +200,7 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, caps
     )
 
 
+@pytest.mark.slow  # a training run in this process: seconds
 def test_allocator_retries_warn_once_and_go_to_the_metrics(
     single_process, tmp_path, corpus, capsys, monkeypatch
 ):
@@ -236,6 +238,7 @@ def test_allocator_retries_warn_once_and_go_to_the_metrics(
     assert [(e.step, e.value) for e in scalars.Scalars(TAGS["alloc_retries"])] == [(4, 3), (6, 4)]
 
 
+@pytest.mark.slow  # a training run in this process: seconds
 def test_no_retries_no_field(single_process, tmp_path, corpus, capsys):
     args = [
         "--dataset",

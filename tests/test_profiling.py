@@ -66,11 +66,13 @@ def test_profile_writes_a_trace_of_exactly_the_range(single, capsys):
     assert not list(Path("logs/p").rglob("*.pickle"))
 
 
+@pytest.mark.slow  # a profiled training run in this process: seconds
 def test_a_range_past_the_runs_end_is_written_at_the_end(single):
     train("--run_name", "late", "--profile", "2:10")
     assert traced_steps("logs/late/profile/rank0.steps2-10.pt.trace.json") == [2, 3]
 
 
+@pytest.mark.slow  # a profiled training run in this process: seconds
 def test_off_nothing_is_made_or_written(single, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a profiler was made with --profile and --memory_snapshot off")

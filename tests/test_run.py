@@ -54,6 +54,7 @@ def logged_steps(run_name):
     return [r["step"] for r in map(json.loads, rows) if "loss" in r]
 
 
+@pytest.mark.slow  # trains several epochs in this process: seconds
 def test_max_steps_runs_that_many_steps_over_several_epochs(single, capsys):
     out = train(capsys, "--max_steps", 12, "--run_name", "long")
     assert "training 12 steps = 2.4 epochs of 5 steps (--max_steps)" in out

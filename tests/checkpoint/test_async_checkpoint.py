@@ -94,7 +94,8 @@ def background(one_rank_group, monkeypatch):
     made.close()
 
 
-@pytest.mark.parametrize("writer", ["process", "thread"])
+# the writer process's case takes seconds (a second Python): the full tier
+@pytest.mark.parametrize("writer", [pytest.param("process", marks=pytest.mark.slow), "thread"])
 def test_checksums_are_taken_while_writing_and_equal_a_reread(
     one_rank_group, tmp_path, monkeypatch, writer
 ):
@@ -145,6 +146,7 @@ def test_checksums_are_taken_while_writing_and_equal_a_reread(
         assert recorded == {name: [len(data), zlib.crc32(data)] for name, data in on_disk.items()}
 
 
+@pytest.mark.slow  # a writer process: seconds
 def test_an_async_save_returns_before_writing_and_keeps_the_values_of_its_step(
     background, tmp_path, monkeypatch
 ):
@@ -176,6 +178,7 @@ def test_an_async_save_returns_before_writing_and_keeps_the_values_of_its_step(
     )
 
 
+@pytest.mark.slow  # a writer process: seconds
 def test_later_saves_reuse_the_first_ones_plan_and_hold_their_own_values(
     background, tmp_path, monkeypatch
 ):
@@ -262,6 +265,7 @@ def test_a_save_waits_for_the_one_in_flight_so_two_never_overlap(
     assert ended[1].waited_s > 0 and ended[1].blocking_s > ended[1].waited_s
 
 
+@pytest.mark.slow  # a writer process: seconds
 def test_the_writer_process_ignores_sigterm_and_a_dead_one_fails_the_save_in_one_line(
     background, tmp_path
 ):
@@ -311,6 +315,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # a second Python with a process group and a writer process
 def test_the_writer_process_dies_with_its_rank(tmp_path):
     rank = subprocess.Popen(
         [sys.executable, "-c", RANK_WITH_A_WRITER],

@@ -587,6 +587,7 @@ except checkpointer.SaveError as e:
 """
 
 
+@pytest.mark.slow  # a second Python that saves under a file size limit
 def test_a_write_past_the_file_size_limit_is_named_not_torchs_zip_error(tmp_path):
     script = FILE_SIZE_LIMIT.format(run=str(tmp_path / "run"))
     result = subprocess.run(

@@ -544,10 +544,8 @@ def test_a_live_lock_from_another_host_is_waited_for_then_refused(tmp_path, monk
     assert path.exists()  # not ours any more: left alone
 
 
-# one launch each; the quick tier runs the first (the same check of the directories made at startup)
-@pytest.mark.parametrize(
-    "flag", ["--checkpoint_dir", pytest.param("--log_dir", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow  # one launch each
+@pytest.mark.parametrize("flag", ["--checkpoint_dir", "--log_dir"])
 def test_unwritable_directories_are_found_at_startup(tmp_path, corpus, flag):
     (tmp_path / "a_file").write_text("")
     # Below a file: the flag's own path is no file (config_checks refuses that at once), yet nothing

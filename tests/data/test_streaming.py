@@ -236,6 +236,7 @@ def test_streaming_trains_and_a_resumed_run_continues_exactly(prepared, tmp_path
     assert [resumed[s] for s in (4, 5, 6)] == pytest.approx([whole[s] for s in (4, 5, 6)], abs=1e-6)
 
 
+@pytest.mark.slow  # a 2-rank launch
 def test_a_rank_without_documents_stops_every_rank_with_one_error(tmp_path, prepared):
     documents, source, data = prepared
     (tmp_path / "one.jsonl").write_text(json.dumps({"text": documents[0]}) + "\n")

@@ -74,6 +74,7 @@ def test_export_round_trip(ckpt, tmp_path):
     assert_ordinary_permissions(tmp_path / "out")
 
 
+@pytest.mark.slow  # the ckpt fixture's 2-rank launch
 def test_export_casts_to_bf16(ckpt, tmp_path):
     command("export", *[str(ckpt / "latest"), str(tmp_path / "out"), "--dtype", "bf16"])
     exported = load_file(tmp_path / "out" / "model.safetensors")
@@ -84,6 +85,7 @@ def test_export_casts_to_bf16(ckpt, tmp_path):
     )
 
 
+@pytest.mark.slow  # the ckpt fixture's 2-rank launch
 @pytest.mark.parametrize("dtype", ["float32", "bf16"])
 def test_hf_format_loads_in_transformers_with_the_same_logits_and_tokens(ckpt, tmp_path, dtype):
     transformers = pytest.importorskip("transformers")

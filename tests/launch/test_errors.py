@@ -40,6 +40,7 @@ def test_bad_flags(tmp_path, args, ranks, words):
     names(run_bad(args, tmp_path, ranks), *words)
 
 
+@pytest.mark.slow  # a 2-rank launch; quick: test_launch_errors.py's one-rank error
 def test_seq_length_longer_than_data(tmp_path):
     (tmp_path / "small.txt").write_text("to be or not to be, that is the question. " * 20)
     names(
@@ -183,6 +184,7 @@ def test_a_prompt_outside_the_vocabulary_is_refused_before_training(tmp_path):
     assert not list((tmp_path / "checkpoints").glob("*/step_*"))  # nothing trained
 
 
+@pytest.mark.slow  # a 2-rank launch
 def test_ctrl_c_before_training_is_one_line(tmp_path, corpus):
     """A SIGINT outside the training loop (here: before it, at startup) ends the run with one line,
     not a KeyboardInterrupt traceback from every rank. Each rank sends itself a real SIGINT before

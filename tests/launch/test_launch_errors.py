@@ -100,7 +100,7 @@ def test_mpi4py_of_another_mpi_is_not_a_silent_world_of_one(tmp_path, corpus):
     assert not (tmp_path / "checkpoints").exists()
 
 
-@pytest.mark.slow  # quick launch of the same refusal: the srun port below
+@pytest.mark.slow  # the same refusal as the srun port's below (also slow)
 def test_master_port_in_use_ends_the_mpi_job(tmp_path, corpus, held_port):
     result = run_session(
         [mpiexec(), "-n", "2", *training(corpus)], job_env(MASTER_PORT=str(held_port)), tmp_path
@@ -109,7 +109,7 @@ def test_master_port_in_use_ends_the_mpi_job(tmp_path, corpus, held_port):
     assert result.returncode == 2
 
 
-@pytest.mark.slow  # quick: the torchrun one below
+@pytest.mark.slow  # in process: test_launchers.py
 def test_unresolvable_master_addr_ends_the_mpi_job(tmp_path, corpus):
     result = run_session(
         [mpiexec(), "-n", "2", *training(corpus)],
@@ -175,6 +175,7 @@ def slurm_job(tmp_path, tasks, **extra):
     )
 
 
+@pytest.mark.slow  # quick: test_an_error_on_one_rank_only_ends_the_mpi_job
 def test_reserved_port_in_use_ends_the_srun_step(tmp_path, corpus, held_port):
     """Rank 0 cannot bind the step's reserved port; --kill-on-bad-exit ends the tasks that wait for
     it."""
@@ -185,6 +186,7 @@ def test_reserved_port_in_use_ends_the_srun_step(tmp_path, corpus, held_port):
     one_error(result, f"rank 0: SLURM_STEP_RESV_PORTS's port {held_port} is already in use")
 
 
+@pytest.mark.slow  # quick: test_an_error_on_one_rank_only_ends_the_mpi_job
 def test_a_rank_never_joins_another_jobs_store(tmp_path, corpus):
     """Another job's rank 0 holds the store on this step's port: rank 1 sees its token and stops."""
     theirs = dist.TCPStore(
@@ -331,7 +333,7 @@ def refused_alike(results, expected):
     return results
 
 
-@pytest.mark.slow  # in process: test_launchers.py (the PMI_FD one: a quick launch of the kind)
+@pytest.mark.slow  # in process: test_launchers.py
 def test_cray_pals_variables_without_pmi_stop_every_process(tmp_path, corpus):
     """PALS_RANKID on plain python processes, no PMI_SIZE: rank 0 used to train alone and rank 1 to
     exit 2 silently. Neither can know the world size: both refuse, before MPI_Init."""
@@ -364,6 +366,7 @@ def test_open_mpi_5_pmix_variables_with_an_mpich_mpi4py_say_so_before_mpi_init(t
     )
 
 
+@pytest.mark.slow  # quick: test_an_error_on_one_rank_only_ends_the_mpi_job
 def test_a_pmi_fd_that_is_no_launchers_socket_is_one_line_before_mpi_init(tmp_path, corpus):
     """Hydra's variables copied into processes it did not start: PMI_FD names no socket, and MPICH's
     MPI_Init used to abort with its error stack and no `error:` line."""
@@ -429,6 +432,7 @@ def test_torchrun_variables_inside_an_mpiexec_launch_are_refused(tmp_path, corpu
     assert result.returncode == 2 and "Traceback" not in result.stderr, line
 
 
+@pytest.mark.slow  # quick: test_an_error_on_one_rank_only_ends_the_mpi_job
 def test_a_nodefile_that_mpi_does_not_see_is_refused(tmp_path, corpus):
     """PBS_NODEFILE lists two hosts, but mpiexec ran both ranks on this one (no host file given to
     it): the launcher's view and MPI's own disagree on ranks per host, so the run refuses instead of
@@ -611,6 +615,7 @@ def test_an_unreachable_master_addr_ends_the_mpi_job_in_one_line(tmp_path, corpu
     ]
 
 
+@pytest.mark.slow  # in process: test_launchers.py
 def test_an_unresolvable_master_addr_under_torchrun_variables_is_one_line(tmp_path, corpus):
     """A worker with torchrun's (or a PyTorchJob's) variables and a MASTER_ADDR that no name server
     knows: it used to retry for --collective_timeout and end in tracebacks."""

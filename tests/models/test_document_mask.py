@@ -568,6 +568,7 @@ def test_training_with_each_cuda_kernel_gives_the_same_losses(tmp_path):
     assert losses["varlen"] == pytest.approx(losses["flex"], rel=2e-2)
 
 
+@pytest.mark.slow  # compiles: seconds
 def test_without_gradients_the_mask_is_built_outside_the_compiled_graph(monkeypatch):
     """A model compiled whole (one GPU, CUDA graphs) evaluates with its mask built outside the
     graph: inductor failed to lower FlexAttention in a no-grad graph that computes the mask's

@@ -327,7 +327,11 @@ def test_float8_all_gather_weights_save_and_load_as_plain_fp32(
 
 
 @needs_torchao
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+# compiles on the CPU: seconds, the full tier
+@pytest.mark.parametrize(
+    "device",
+    [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)],
+)
 def test_fused_shard_cast_gives_torchao_bits(monkeypatch, device):
     """A float8-gathered weight's shard, cast before its all-gather by the one compiled kernel
     (fp8.fused_shard_cast): the same float8 bits and scale as torchao's three eager kernels,

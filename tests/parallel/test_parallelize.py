@@ -240,6 +240,8 @@ def reduced_on_four_ranks(tmp_path_factory):
     return run_reduce_ranks(tmp_path_factory.mktemp("reduce_ranks"), 4)
 
 
+# reduce_ranks.py's 4-rank launch: the full tier (the quick tier's: sharding_ranks.py's)
+@pytest.mark.slow
 @pytest.mark.parametrize("case", REDUCE_CASES)
 def test_reduce_precision_bf16_sums_the_gradients_in_bf16(reduced_on_four_ranks, case):
     """--reduce_precision bf16 under every strategy that sums gradients (FSDP2's reduce-scatter,
@@ -250,6 +252,7 @@ def test_reduce_precision_bf16_sums_the_gradients_in_bf16(reduced_on_four_ranks,
     check_reduce_precision([result[case] for result in reduced_on_four_ranks], case)
 
 
+@pytest.mark.slow  # reduce_ranks.py's launch, as above
 @pytest.mark.parametrize("case", [case for case in REDUCE_CASES if "bf16" not in case])
 def test_the_reduced_gradient_is_the_mean_of_the_ranks_own_gradients(reduced_on_four_ranks, case):
     """The gradient every strategy leaves is the mean of the ranks' own gradients, each computed by
