@@ -27,7 +27,7 @@ import stat
 import sys
 import threading
 from contextlib import contextmanager
-from time import monotonic
+from time import monotonic, sleep
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _TIME_LIMIT = 1000  # above every signal number, so MAX of the codes stays meaningful
 # seconds: the longest a stop request waits for the ranks to look at it (unless a step is longer)
 STOP_LATENCY = 10.0
+# seconds a rank other than 0 waits, after a Ctrl-C before the first step, for rank 0 to say why and
+# exit first: the first rank to exit has the launcher end the others, maybe before rank 0 has spoken
+SPEAK_FIRST = 2.0
 
 
 class StopRequests:
@@ -120,7 +123,13 @@ class StopRequests:
             _exit_at_once("error: interrupted again: exiting at once, without saving", 130)
         # no step has finished: nothing to save, or wait for
         if signum == signal.SIGINT and not self.looked:
-            _exit_at_once(f"{_name(signum)}: stopping before the first step: nothing to save", 130)
+            line = f"{_name(signum)}: stopping before the first step: nothing to save"
+            if rank_hint() != 0:
+                # Ctrl-C reaches every rank at once, and rank 0's exit ends this one; still here,
+                # rank 0 never got it (`kill -INT` of one rank): this rank says it
+                sleep(SPEAK_FIRST)
+                _say(f"{line} (rank {rank_hint()})", every_rank=True)
+            _exit_at_once(line, 130)
         # (A scheduler's SIGTERM then still waits for the first step and saves it: the job exits 0,
         # and a chain of jobs goes on.)
         if signum == signal.SIGINT:
@@ -163,9 +172,10 @@ def _name(signum):
     return signal.Signals(signum).name + (" (Ctrl-C)" if signum == signal.SIGINT else "")
 
 
-def _say(line):
-    """One line on rank 0's stderr, written at once (no buffer the main thread may hold)."""
-    if rank_hint() == 0:
+def _say(line, every_rank=False):
+    """One line on rank 0's stderr (or this rank's), written at once (no buffer the main thread
+    may hold)."""
+    if every_rank or rank_hint() == 0:
         try:
             os.write(2, (line + "\n").encode())
         except OSError:  # stderr's reader is gone too (`|& tee`): the run goes on unheard

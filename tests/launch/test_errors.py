@@ -225,8 +225,10 @@ def test_ctrl_c_during_a_long_first_step_exits_at_once_with_one_line(tmp_path, c
     wrapper = tmp_path / "long_first_step.py"
     wrapper.write_text(
         "import os, runpy, signal, sys, time\n"
+        "import torch.distributed as dist\n"
         "from minimal_fsdp import train\n"
         "def compiling(*args, **kwargs):\n"
+        "    dist.barrier()\n"  # as a Ctrl-C: every rank at once, all in the first step
         "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(600)\n"
         "train.train_step = compiling\n"
         f"sys.argv[0] = {str(ROOT / 'basic_training.py')!r}\n"

@@ -155,6 +155,24 @@ def test_a_stop_before_the_first_step_exits_at_once_and_leaves_no_lock(tmp_path,
     ]
 
 
+def test_a_ctrl_c_before_the_first_step_on_another_rank_leaves_rank_0_to_speak(monkeypatch):
+    """Under mpiexec the first rank to exit has the launcher end the rest: a rank other than 0 waits
+    for rank 0 (which got the same Ctrl-C) to say why and exit first. Still alive after that, rank
+    0 never got it: this rank says it, naming itself, and exits 130 all the same."""
+    exits, said, waits = [], [], []
+    monkeypatch.setattr(resilience.os, "_exit", exiting(exits))
+    monkeypatch.setattr(
+        resilience, "_say", lambda line, every_rank=False: said.append((line, every_rank))
+    )
+    monkeypatch.setattr(resilience, "sleep", waits.append)
+    monkeypatch.setattr(resilience, "rank_hint", lambda: 1)
+    with pytest.raises(SystemExit):
+        StopRequests()._record(signal.SIGINT)
+    line = "SIGINT (Ctrl-C): stopping before the first step: nothing to save"
+    assert waits == [resilience.SPEAK_FIRST] and exits == [130]
+    assert said[0] == (line + " (rank 1)", True)
+
+
 def test_a_signal_is_acted_on_while_the_main_thread_waits_in_a_system_call(peer, monkeypatch):
     """A long first step (compiling) never returns to Python's signal handler: the Ctrl-C used to be
     heard only after it. Here the main thread blocks in a read that the stop request itself ends
