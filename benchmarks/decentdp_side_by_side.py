@@ -359,6 +359,8 @@ def main():
         reference_model=(str, "ours", "the references' model: ours, nanogpt, or ours,nanogpt"),
         nanogpt=(str, ".ref/nanogpt", "a copy of nanoGPT's repository (its model.py)"),
         decentralized=(int, 1, "1: our decentralized row"),
+        ours_global_average_every=(int, 0, "our decentralized row's --global_average_every"),
+        ours_accum_steps=(int, 1, "our decentralized row's --accum_steps (AccumAdamW)"),
         compute_row=(int, 0, "1: a row of our model stepping alone on every rank"),
         text=(str, "", "train on this file's characters (default: synthetic tokens)"),
         val_batches=(int, 0, "held-out batches a rank for each row's val loss"),
@@ -379,7 +381,13 @@ def main():
                 cfg, sharding=sharding, reduce_precision=precision or cfg.reduce_precision
             )
         )
-    cfg = dataclasses.replace(cfg, data_parallel="decentralized", sharding="no-shard")
+    cfg = dataclasses.replace(
+        cfg,
+        data_parallel="decentralized",
+        sharding="no-shard",
+        global_average_every=bench["ours_global_average_every"],
+        accum_steps=bench["ours_accum_steps"],
+    )
     per_step = env.world_size * cfg.batch_size * model_config.seq_length
     params = make_plan(cfg, env, model_config).num_params
     total = bench["warmup"] + bench["steps"]
@@ -425,7 +433,11 @@ def main():
         )  # fmt: skip
     if bench["decentralized"]:
         runs.append(
-            ("ours, decentralized", "ours", cfg.gossip_dtype,
+            ("ours, decentralized"
+             + (f", global average every {cfg.global_average_every}"
+                if cfg.global_average_every else "")
+             + (f", accum_steps {cfg.accum_steps}" if cfg.accum_steps > 1 else ""),
+             "ours", cfg.gossip_dtype,
              functools.partial(ours, cfg, env, model_config))
         )  # fmt: skip
     if bench["compute_row"]:

@@ -36,11 +36,20 @@ def gathered(vector):
     return torch.stack(out).tolist()
 
 
-def mixing_steps(topology, rank, device, wire=torch.float32, hosts=None, bucket_mb=25):
+def mixing_steps(
+    topology, rank, device, wire=torch.float32, hosts=None, bucket_mb=25, global_average_every=0
+):
     """Before/after of STEPS gossip steps; the parameters are read through the model, not the flat
     buffer. hosts: each host's ranks (None: found from the hostnames), as Gossip takes them."""
     model = Replica(seed=100 + rank).to(device)
-    gossip = Gossip(model, topology, wire, hosts=hosts, bucket_mb=bucket_mb)
+    gossip = Gossip(
+        model,
+        topology,
+        wire,
+        hosts=hosts,
+        bucket_mb=bucket_mb,
+        global_average_every=global_average_every,
+    )
     steps = []
     for step in range(STEPS):
         before = gathered(model.vector())

@@ -45,6 +45,7 @@ WHOLE_RANGES = {
     "intermediate_size": (1, 2**20),
     "shard_group_size": (1, 2**24),
     "accum_steps": (1, MAX_WHOLE),
+    "global_average_every": (0, MAX_WHOLE),
     # the run's last step is max_epochs x steps per epoch: 2^20 epochs leaves 2^42 steps an epoch
     # below MAX_WHOLE
     "max_epochs": (-1, 2**20),
@@ -291,8 +292,14 @@ def check_decentralized(cfg):
     """--data_parallel decentralized (gossip.py, accum_adamw.py) and the flags that apply only to
     it, --save_average (a [checkpoint] flag) included."""
     _positive(cfg, "accum_steps")
+    _not_negative(cfg, "global_average_every")
     if cfg.data_parallel != "decentralized":
-        for name, unset in (("accum_steps", 1), ("save_average", False), ("gossip_dtype", "bf16")):
+        for name, unset in (
+            ("accum_steps", 1),
+            ("save_average", False),
+            ("gossip_dtype", "bf16"),
+            ("global_average_every", 0),
+        ):
             if getattr(cfg, name) != unset:
                 raise ConfigError(f"--{name} applies to --data_parallel decentralized only")
         return

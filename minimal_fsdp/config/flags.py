@@ -274,6 +274,12 @@ class Config:
         "steps, while parameters still move every step (unlike --grad_accum_steps)",
         section="decentralized",
     )
+    global_average_every: int = flag(
+        0,
+        "decentralized: every this many steps, one all-reduce averages all replicas in "
+        "place of the --topology step, bounding how far they drift apart (0: never)",
+        section="decentralized",
+    )
     gossip_dtype: str = flag(
         "bf16",
         "decentralized: the dtype replicas travel in (mixed in fp32 on arrival); "

@@ -48,6 +48,7 @@ class Parallel(Section):
     cpu_offload: bool
     data_parallel: str
     topology: str
+    global_average_every: int
     gossip_dtype: str
     reduce_precision: str
     precision: str

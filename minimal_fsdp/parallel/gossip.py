@@ -9,7 +9,10 @@ Topologies, for n peers at step t (x_i is peer i's flat parameter vector):
                         works)
   alternating-exp-ring  exp on even steps (cycling d over those), ring on odd steps
 Every mixing matrix is doubly stochastic, so a gossip step keeps the network average of the
-replicas.
+replicas. With global_average_every = K (--global_average_every), every K-th step is a complete one
+whatever the topology: one all-reduce that brings every replica back to the average, so they never
+drift further apart than K sparse steps take them (Gossip-PGA, Chen et al., 2021), for about
+2 / K replicas more of bytes a step.
 
 Host-aware: on one host (or one rank a host) the peers are the ranks. On H hosts of L ranks each,
 the peers are the hosts: a step averages the L replicas of each host over its local links
@@ -47,12 +50,18 @@ BUCKET_MB = 25
 
 
 # who exchanges with whom: in parallel/topology.py, torch-free, for the memory planner's step times
-from minimal_fsdp.parallel.topology import Exchange, exchange_for, exp_distances  # noqa: E402,F401
+from minimal_fsdp.parallel.topology import (  # noqa: E402,F401
+    Exchange,
+    exchange_for,
+    exp_distances,
+    topology_at,
+)
 
 
-def mixing_matrix(topology, world, step):
+def mixing_matrix(topology, world, step, global_average_every=0):
     """The dense n x n matrix W_t of a gossip step (row i: what peer i ends up with); for tests and
     analysis."""
+    topology = topology_at(topology, step, global_average_every)
     w = torch.zeros(world, world, dtype=torch.float64)
     for i in range(world):
         ex = exchange_for(topology, i, world, step)
@@ -62,14 +71,14 @@ def mixing_matrix(topology, world, step):
     return w
 
 
-def rank_mixing_matrix(topology, hosts, step):
+def rank_mixing_matrix(topology, hosts, step, global_average_every=0):
     """W_t over ranks for a host layout (hosts: each host's ranks): the host-level matrix, each
     host's replicas averaged inside it. One host, or one rank a host: the topology over the
     ranks."""
     world = sum(map(len, hosts))
     if not hierarchical(hosts):
-        return mixing_matrix(topology, world, step)
-    over_hosts = mixing_matrix(topology, len(hosts), step)
+        return mixing_matrix(topology, world, step, global_average_every)
+    over_hosts = mixing_matrix(topology, len(hosts), step, global_average_every)
     w = torch.zeros(world, world, dtype=torch.float64)
     for a, mine in enumerate(hosts):
         for b, theirs in enumerate(hosts):
@@ -101,13 +110,22 @@ class Gossip:
     The parameters are moved into one flat buffer (each parameter becomes a view of it), so a step
     sends one message per peer with no copy, and mixing is a few vector operations.
     hosts: each host's ranks (default: found from the hostnames); wire_dtype: what the vector
-    travels in.
+    travels in; global_average_every: every this many steps, a complete average (0: never).
     """
 
-    def __init__(self, model, topology, wire_dtype=torch.bfloat16, hosts=None, bucket_mb=BUCKET_MB):
+    def __init__(
+        self,
+        model,
+        topology,
+        wire_dtype=torch.bfloat16,
+        hosts=None,
+        bucket_mb=BUCKET_MB,
+        global_average_every=0,
+    ):
         if topology not in TOPOLOGIES:
             raise ValueError(f"unknown topology {topology!r}; choose from {', '.join(TOPOLOGIES)}")
         self.topology, self.wire_dtype = topology, wire_dtype
+        self.global_average_every = global_average_every
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         params = [p for p in model.parameters() if p.requires_grad]
         if len({(p.device, p.dtype) for p in params}) != 1:
@@ -138,14 +156,15 @@ class Gossip:
         change until finish() (forward and backward only read them)."""
         assert self.pending is None, "gossip start() twice without finish()"
         if self.relay:
-            self.pending = (None, self.relay.start(step))
+            self.pending = (None, self.relay.start(step), None)
             return
-        exchange = exchange_for(self.topology, self.rank, self.world, step)
+        topology = topology_at(self.topology, step, self.global_average_every)
+        exchange = exchange_for(topology, self.rank, self.world, step)
         self.sent = self.flat.to(self.wire_dtype) if self.lossy else self.flat  # q(x_i)
         nbytes = self.sent.numel() * self.sent.element_size()
         if self.world == 1:
             works = []
-        elif self.topology == "complete":
+        elif topology == "complete":
             (total,) = self._buffers(1)
             # forward reads the parameters while the all-reduce writes its buffer
             total.copy_(self.sent)
@@ -164,12 +183,12 @@ class Gossip:
             ops += [dist.P2POp(dist.isend, self.sent, peer) for peer in exchange.send_to]
             works = dist.batch_isend_irecv(ops)
             self.bytes_sent += nbytes * len(exchange.send_to)
-        self.pending = (exchange, works)
+        self.pending = (exchange, works, topology)
 
     @torch.no_grad()
     def finish(self):
         """Wait for the neighbours' parameters and replace ours with the weighted average."""
-        exchange, works = self.pending
+        exchange, works, topology = self.pending
         self.pending = None
         if self.relay:
             self.flat.copy_(self.relay.finish(works))
@@ -178,7 +197,7 @@ class Gossip:
             work.wait()
         if self.world == 1:
             return
-        if self.topology == "complete":
+        if topology == "complete":
             # x_i + mean(q) - q(x_i): the average kept, q's rounding left on each replica
             if self.lossy:
                 self.flat.add_(self.received[0].float().div_(self.world) - self.sent)
@@ -295,8 +314,9 @@ class Relay:
     @torch.no_grad()
     def _exchange(self, step):
         g, hosts = self.gossip, self.gossip.hosts
-        ex = exchange_for(g.topology, self.host, self.host_count, step)
-        complete = g.topology == "complete"
+        topology = topology_at(g.topology, step, g.global_average_every)
+        ex = exchange_for(topology, self.host, self.host_count, step)
+        complete = topology == "complete"
         reduced = [
             dist.reduce_scatter_tensor(
                 self.slices[k], self.full[k], group=self.local_group, async_op=True

@@ -205,7 +205,10 @@ SYNCS = {
     "fsdp-whole": FSDPSync,
     "fsdp-block": FSDPSync,
     "gossip": lambda model, plan: Gossip(
-        model, plan.topology, torch.bfloat16 if plan.gossip_dtype == "bf16" else torch.float32
+        model,
+        plan.topology,
+        torch.bfloat16 if plan.gossip_dtype == "bf16" else torch.float32,
+        global_average_every=plan.global_average_every,
     ),
 }
 

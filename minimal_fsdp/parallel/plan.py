@@ -75,6 +75,7 @@ class ParallelPlan:
     # the dtype gradients are summed across ranks in (FSDP2, the one unit, DDP)
     reduce_precision: str = "float32"
     gossip_dtype: str = None  # gossip's wire (--gossip_dtype)
+    global_average_every: int = 0  # gossip's all-replica average, every this many steps
 
     @property
     def fused_optimizer(self):
@@ -257,6 +258,7 @@ def make_plan(parallel, env, model_config, loads_weights=False, fsdp_on_one_rank
             parallel.reduce_precision, env.num_nodes, parallel.precision
         ),
         gossip_dtype=parallel.gossip_dtype if chosen == "gossip" else None,
+        global_average_every=parallel.global_average_every if chosen == "gossip" else 0,
     )
     # torch_xla builds its own (xla.py)
     if backend == "torch" and (chosen in FSDP2 or chosen == "one-unit"):

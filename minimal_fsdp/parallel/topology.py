@@ -22,6 +22,15 @@ def exp_distances(world):
     return [2**k for k in range(max(0, (world - 1).bit_length()))]
 
 
+def topology_at(topology, step, global_average_every=0):
+    """The topology gossip step `step` runs: every global_average_every-th step (the last of each
+    such run of steps) averages all replicas (complete), in the manner of Gossip-PGA (Chen et al.,
+    2021), which bounds the replicas' drift by the period instead of by the graph's mixing."""
+    if global_average_every and (step + 1) % global_average_every == 0:
+        return "complete"
+    return topology
+
+
 def exchange_for(topology, rank, world, step):
     """Who this peer sends to and receives from at `step`, and with which weights."""
     if world == 1:

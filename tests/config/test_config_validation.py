@@ -38,6 +38,7 @@ NON_NEGATIVE = [
     "warmup_steps",
     "keep_last",
     "skip_nonfinite",
+    "global_average_every",
 ]
 
 
@@ -182,6 +183,7 @@ def test_run_name_is_one_plain_directory_name(refused, name):
         (["--model", "gpt", "--model_preset", "llama3-8b"], ["--model_preset", "--model"]),
         (["--accum_steps", 2], ["--accum_steps", "--data_parallel"]),
         (["--save_average"], ["--save_average", "--data_parallel"]),
+        (["--global_average_every", 4], ["--global_average_every", "--data_parallel"]),
         (
             ["--data_parallel", "decentralized", "--sharding", "grad-shard"],
             ["--data_parallel", "--sharding"],
@@ -233,6 +235,8 @@ def test_flags_that_go_together_are_accepted():
             "decentralized",
             "--accum_steps",
             2,
+            "--global_average_every",
+            8,
             "--save_average",
             "--sharding",
             "no-shard",

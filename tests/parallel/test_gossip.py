@@ -487,6 +487,63 @@ def check_host_mixing(run, layout, topology, wire):
         assert record["consensus"] == pytest.approx(consensus, rel=1e-3, abs=1e-9)
 
 
+def test_every_kth_step_is_a_complete_average_whatever_the_topology():
+    assert [gossip.topology_at("exp", s, 3) for s in range(7)] == [
+        "exp", "exp", "complete", "exp", "exp", "complete", "exp"
+    ]  # fmt: skip
+    assert {gossip.topology_at("ring", s, 0) for s in range(9)} == {"ring"}  # 0: never
+    uniform = torch.full((5, 5), 1 / 5, dtype=torch.float64)
+    assert torch.equal(mixing_matrix("exp", 5, 3, global_average_every=4), uniform)
+    assert torch.equal(
+        mixing_matrix("exp", 5, 2, global_average_every=4), mixing_matrix("exp", 5, 2)
+    )
+
+
+@pytest.mark.parametrize("topology", ["ring", "exp", "alternating-exp-ring"])
+def test_global_average_every_brings_every_replica_to_the_average(world, topology):
+    """--global_average_every 3 on 4 ranks: steps 2 and 5 are one all-reduce that leaves every
+    replica at the network average (its bytes, an all-reduce's); the others mix by the topology."""
+    fake = world(4)
+    run = fake.run(
+        lambda rank: gossip_ranks.mixing_steps(topology, rank, "cpu", global_average_every=3)
+    )[0]
+    nbytes = run["numel"] * 4
+    expected_bytes = 0
+    for step, record in enumerate(run["steps"]):
+        before = torch.tensor(record["before"], dtype=torch.float64)
+        after = torch.tensor(record["after"], dtype=torch.float64)
+        w = mixing_matrix(topology, 4, step, global_average_every=3)
+        torch.testing.assert_close(after, w @ before, atol=1e-6, rtol=1e-6)
+        if step in (2, 5):
+            torch.testing.assert_close(after, before.mean(0).expand_as(after), atol=1e-6, rtol=1e-6)
+            assert record["consensus"] == pytest.approx(0.0, abs=1e-9)
+            expected_bytes += round(2 * 3 / 4 * nbytes)
+        else:
+            # the first sparse step leaves the replicas apart (later ones may meet or stay met)
+            assert step > 0 or record["consensus"] > 1e-6
+            expected_bytes += nbytes * len(exchange_for(topology, 0, 4, step).send_to)
+    assert run["bytes_sent"] == expected_bytes
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_host_aware_gossip_averages_all_hosts_every_kth_step(world, wire):
+    layout = LAYOUTS["2x2"]
+    fake = world(4)
+    run = fake.run(
+        lambda rank: gossip_ranks.mixing_steps(
+            "exp", rank, "cpu", getattr(torch, wire), layout, 1e-5, global_average_every=2
+        )
+    )[0]
+    for step, record in enumerate(run["steps"]):
+        before = torch.tensor(record["before"], dtype=torch.float64)
+        after = torch.tensor(record["after"], dtype=torch.float64)
+        w = gossip.rank_mixing_matrix("exp", layout, step, global_average_every=2)
+        if step % 2 == 1:
+            torch.testing.assert_close(w, torch.full((4, 4), 0.25, dtype=torch.float64))
+        tolerance = 1e-6 + (BF16_ROUNDING * before.abs().max() if wire == "bfloat16" else 0)
+        assert (after - w @ before).abs().max() <= tolerance, step
+
+
 @pytest.mark.parametrize("name", ["2x2", "4x2"])
 def test_one_replica_crosses_a_host_pair_per_step_not_one_per_rank(world, name):
     """Each local rank carries its half of the host's mean (17 numbers: 9 each, one padded) across,

@@ -195,6 +195,18 @@ def test_decentralized_has_no_fsdp_and_no_ddp(monkeypatch):
     assert plan_for(monkeypatch, [], world=1)[0].topology is None
 
 
+def test_global_average_every_reaches_the_gossip(monkeypatch):
+    """--global_average_every: the plan carries it, and the gradient sync built from the plan hands
+    it to Gossip (test_gossip.py: what Gossip does with it)."""
+    from minimal_fsdp.parallel import parallelize
+
+    flags = ["--data_parallel", "decentralized", "--global_average_every", "5"]
+    plan, _ = plan_for(monkeypatch, flags, world=4)
+    assert plan.global_average_every == 5
+    monkeypatch.setattr(parallelize, "Gossip", lambda *args, **kwargs: kwargs)
+    assert parallelize.gradient_sync(object(), plan)["global_average_every"] == 5
+
+
 def test_loading_all_weights_builds_on_the_meta_device(monkeypatch):
     assert plan_for(monkeypatch, [], loads_weights=True)[0].meta_init
     assert plan_for(monkeypatch, ["--meta_init"])[0].meta_init
