@@ -144,8 +144,8 @@ def link_bytes(
         flat = gossip == "flat-fp32"
         replica = (4 if flat else GOSSIP_BYTES[gossip]) * params
         consensus = all_reduce_share(hosts) * 4 * params / log_interval if flat else 0.0
-        if topology == "complete":
-            return consensus, all_reduce_share(hosts) * replica
+        if topology == "complete":  # summed in fp32 whatever the wire (gossip.py)
+            return consensus, all_reduce_share(hosts) * 4 * params
         period = gossip_period(topology, hosts if not flat and per_host > 1 else world)
         return consensus, replica * statistics.mean(
             gossip_messages(topology, hosts, per_host, t, not flat) for t in range(period)
