@@ -451,10 +451,12 @@ def main():
 def summed_in(args):
     """The dtype the run's gradients were summed in: its --reduce_precision (in --extra, else the
     default, auto) as training resolves it for these hosts and precision."""
-    words = args.extra.split()
-    asked = (
-        words[words.index("--reduce_precision") + 1] if "--reduce_precision" in words else "auto"
-    )
+    asked, words = "auto", args.extra.split()
+    for i, word in enumerate(words):  # the last one given wins, as in argparse
+        if word == "--reduce_precision" and i + 1 < len(words):
+            asked = words[i + 1]
+        elif word.startswith("--reduce_precision="):
+            asked = word.partition("=")[2]
     return reduce_precision(asked, args.hosts, args.precision)
 
 

@@ -249,3 +249,21 @@ def test_multihost_straggler_quota_holds_the_last_hosts_processes(tmp_path):
     assert int(stat["nr_throttled"]) > 0, stat
     quota.remove()
     assert not quota.path.exists()
+
+
+def test_multihost_rows_record_the_reduce_precision_in_either_spelling():
+    """multihost.py's rows say what the gradients were summed in: --extra's --reduce_precision, as
+    `X` or `=X`, resolved as training resolves it (auto: bf16 across hosts)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("multihost", ROOT / "benchmarks" / "multihost.py")
+    multihost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(multihost)
+
+    def summed(extra, hosts=2):
+        return multihost.summed_in(SimpleNamespace(extra=extra, hosts=hosts, precision="bf16"))
+
+    assert summed("--reduce_precision float32") == summed("--reduce_precision=float32") == "float32"
+    assert summed("--steps 3") == summed("--reduce_precision=auto") == "bf16"
+    assert summed("", hosts=1) == "float32"  # one host: fp32 sums
