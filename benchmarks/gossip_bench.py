@@ -67,7 +67,8 @@ def measure(cfg, env, bench, model_config):
         gpus=env.world_size,
         params=params,
         precision=cfg.precision,
-        wire=cfg.gossip_dtype if decentralized else "float32",
+        # complete sums in fp32 whatever --gossip_dtype (gossip.py)
+        wire=cfg.gossip_dtype if decentralized and cfg.topology != "complete" else "float32",
         batch=cfg.batch_size,
         step_ms=statistics.median(times) * 1000,
         bytes_per_step=sent,

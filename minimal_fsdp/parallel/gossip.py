@@ -13,8 +13,8 @@ Topologies, for n peers at step t (x_i is peer i's flat parameter vector):
 Every mixing matrix is doubly stochastic, so a gossip step keeps the network average of the
 replicas. With global_average_every = K (--global_average_every), every K-th step is a complete one
 whatever the topology: one all-reduce that brings every replica back to the average, so they never
-drift further apart than K sparse steps take them (Gossip-PGA, Chen et al., 2021), for about
-2 / K replicas more of bytes a step.
+drift further apart than K sparse steps take them (Gossip-PGA, Chen et al., 2021), for one fp32
+all-reduce of the replica every K steps.
 
 Host-aware: on one host (or one rank a host) the peers are the ranks. On H hosts of L ranks each,
 the peers are the hosts: a step averages the L replicas of each host over its local links
@@ -141,7 +141,8 @@ class Gossip:
         self.lossy = wire_dtype != self.flat.dtype
         self.received = []  # one buffer per incoming message, allocated on first use
         self.total = None  # complete's fp32 sum, allocated on first use
-        self.pending = None  # (exchange, work handles) between start and finish
+        # (exchange, work handles, the step's topology) between start and finish
+        self.pending = None
         self.bytes_sent = 0  # payload this rank has sent so far (across hosts, when host-aware)
         self.hosts = [
             tuple(h)

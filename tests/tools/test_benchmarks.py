@@ -96,13 +96,13 @@ def test_gossip_bench_reports_every_mode(tmp_path):
     assert all(positive(r["step_ms"]) and r["gpus"] == 2 and r["batch"] == 2 for r in rows), rows
     assert all(r["params"] == PARAMS for r in rows), (PARAMS, rows)
     # On 2 ranks every mode moves one copy of the parameters per step: all-reduce 2(n-1)/n of the
-    # fp32 gradient bytes, each gossip topology one bf16 message (--gossip_dtype's default) to its
-    # single peer.
+    # fp32 gradient bytes, complete gossip the same of the replica (summed in fp32 whatever the
+    # wire), each other topology one bf16 message (--gossip_dtype's default) to its single peer.
     assert all(
         r["bytes_per_step"] == pytest.approx((2 if r["wire"] == "bf16" else 4) * PARAMS)
         for r in rows
     )
-    assert [r["wire"] for r in rows] == ["float32"] + ["bf16"] * 4
+    assert [r["wire"] for r in rows] == ["float32"] * 2 + ["bf16"] * 3
 
 
 def test_fp8_table_gives_each_row_its_speed_over_bf16(tmp_path):
