@@ -22,6 +22,7 @@ a write to a closed pipe (a plain `python ... | tee log`) stops the printing, ne
 """
 
 import os
+import select
 import signal
 import stat
 import sys
@@ -61,6 +62,7 @@ class StopRequests:
         # the step all ranks look at next (besides logging steps); None: the first step
         self.next_look = None
         self.last_look = None  # (step, time) of the last look
+        self.wakeup = None  # the signal pipe's read end, while the watcher thread reads it
 
     def due(self, step):
         """Whether the ranks look at this step (collective-safe: every rank has agreed on
@@ -106,6 +108,7 @@ class StopRequests:
         self.noted = signum
 
     def _watch(self, fd):
+        self.wakeup = fd
         while True:
             numbers = os.read(fd, 64)
             if not numbers:
@@ -124,10 +127,9 @@ class StopRequests:
         # no step has finished: nothing to save, or wait for
         if signum == signal.SIGINT and not self.looked:
             line = f"{_name(signum)}: stopping before the first step: nothing to save"
-            if rank_hint() != 0:
-                # Ctrl-C reaches every rank at once, and rank 0's exit ends this one; still here,
-                # rank 0 never got it (`kill -INT` of one rank): this rank says it
-                sleep(SPEAK_FIRST)
+            # Ctrl-C reaches every rank at once, and rank 0's exit has the launcher end this one;
+            # still here, rank 0 never got it (`kill -INT` of one rank): this rank says it
+            if rank_hint() != 0 and not self._ended_while_waiting():
                 _say(f"{line} (rank {rank_hint()})", every_rank=True)
             _exit_at_once(line, 130)
         # (A scheduler's SIGTERM then still waits for the first step and saves it: the job exits 0,
@@ -137,6 +139,21 @@ class StopRequests:
         # only a flag: the step in flight finishes, then all ranks decide together
         self.received = signum
         _say(f"{_name(signum)}: stop requested: will save after the step in flight")
+
+    def _ended_while_waiting(self):
+        """Wait up to SPEAK_FIRST seconds for rank 0 to speak and exit; True if the launcher began
+        to end this rank meanwhile (its SIGTERM: torchrun's, Open MPI's), so it exits unheard. Runs
+        on the watcher thread, so it reads the signal pipe itself."""
+        if self.wakeup is None:
+            sleep(SPEAK_FIRST)
+            return False
+        deadline = monotonic() + SPEAK_FIRST
+        while (left := deadline - monotonic()) > 0:
+            if select.select([self.wakeup], [], [], left)[0]:
+                numbers = os.read(self.wakeup, 64)
+                if not numbers or signal.SIGTERM in numbers:
+                    return True
+        return False
 
     def agreed(self, step=None):
         """Collective: the reason every rank stops after step `step`, or None to go on. Also agrees

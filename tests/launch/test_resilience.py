@@ -173,6 +173,29 @@ def test_a_ctrl_c_before_the_first_step_on_another_rank_leaves_rank_0_to_speak(m
     assert said[0] == (line + " (rank 1)", True)
 
 
+def test_a_rank_the_launcher_ends_while_it_waits_for_rank_0_exits_unheard(monkeypatch):
+    """A launcher that ends the other ranks with SIGTERM once rank 0 has exited (torchrun, Open
+    MPI): the waiting rank reads it from the signal pipe and exits 130 without a line of its own.
+    Without it, it says its line once the wait is over."""
+    exits, said = [], []
+    monkeypatch.setattr(resilience.os, "_exit", exiting(exits))
+    monkeypatch.setattr(resilience, "_say", lambda line, every_rank=False: said.append(every_rank))
+    monkeypatch.setattr(resilience, "rank_hint", lambda: 1)
+    monkeypatch.setattr(resilience, "SPEAK_FIRST", 0.2)
+    for arrives, heard in ((bytes([signal.SIGTERM]), [False]), (b"", [True, False])):
+        read_end, write_end = os.pipe()
+        try:
+            os.write(write_end, arrives)  # as set_wakeup_fd writes it
+            stop = StopRequests()
+            stop.wakeup = read_end
+            exits.clear(), said.clear()
+            with pytest.raises(SystemExit):
+                stop._record(signal.SIGINT)
+            assert exits == [130] and said == heard
+        finally:
+            os.close(read_end), os.close(write_end)
+
+
 def test_a_signal_is_acted_on_while_the_main_thread_waits_in_a_system_call(peer, monkeypatch):
     """A long first step (compiling) never returns to Python's signal handler: the Ctrl-C used to be
     heard only after it. Here the main thread blocks in a read that the stop request itself ends
