@@ -16,6 +16,7 @@ from minimal_fsdp.eval.harness import TrainingTasks
 from minimal_fsdp.launch import hangs
 from minimal_fsdp.metrics import TrainingLog, mean_across_ranks
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
+from minimal_fsdp.parallel.clipped_adamw import ClippedAdamW
 from minimal_fsdp.parallel.whole_unit import LocalAdamW
 
 
@@ -40,6 +41,9 @@ def build_optimizer(model, optimizer, plan=None):
     # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) several times
     # faster than foreach (benchmarks/results/RESULTS.md#levers-kept). whole_unit.py's model steps
     # it on its shards' local tensors (LocalAdamW), as a small model's step needs.
+    if plan is not None and plan.compile and plan.strategy != "one-unit" and params[0].is_cuda:
+        # compiled with the clip folded in: a step's fewest passes over memory (clipped_adamw.py)
+        return ClippedAdamW(groups, lr=o.lr, betas=betas)
     adamw = LocalAdamW if plan is not None and plan.strategy == "one-unit" else torch.optim.AdamW
     return adamw(groups, lr=o.lr, betas=betas, fused=True)
 
@@ -169,9 +173,11 @@ def train_step(
         loss_sum += loss.detach()
     # gossip: parameters <- the neighbours' weighted average; this step's update lands on it
     sync.finish()
-    grad_norm = sync.clip_grad_norm(model.parameters(), grad_clip)
+    # ClippedAdamW clips as it steps: the sync only measures the norm
+    in_step = isinstance(optimizer, ClippedAdamW)
+    grad_norm = sync.clip_grad_norm(model.parameters(), 0 if in_step else grad_clip)
     if not skip_nonfinite or torch.isfinite(grad_norm):
-        optimizer.step()
+        optimizer.step(grad_norm=grad_norm, max_norm=grad_clip) if in_step else optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     sync.after_step()
     return loss_sum, grad_norm

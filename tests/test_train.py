@@ -167,13 +167,18 @@ def test_the_plans_one_unit_gets_adamw_on_local_tensors_and_nothing_else_does():
 
     model = Model()
     unit = build_optimizer(
-        model, optimizer("--lr", 0.02), SimpleNamespace(strategy="one-unit", fused_optimizer=True)
+        model,
+        optimizer("--lr", 0.02),
+        SimpleNamespace(strategy="one-unit", fused_optimizer=True, compile=True),
     )
     assert (
         type(unit) is LocalAdamW and unit.defaults["fused"] is True and unit.defaults["lr"] == 0.02
     )
     for strategy in set(STRATEGIES) - {"one-unit", "gossip"}:
-        plan = SimpleNamespace(strategy=strategy, fused_optimizer=True)
+        plan = SimpleNamespace(strategy=strategy, fused_optimizer=True, compile=False)
+        assert type(build_optimizer(model, optimizer(), plan)) is torch.optim.AdamW
+        # compiled on a CPU: fused AdamW still (ClippedAdamW is for CUDA: test_clipped_adamw.py)
+        plan.compile = True
         assert type(build_optimizer(model, optimizer(), plan)) is torch.optim.AdamW
     model.whole_unit = object()
     assert type(build_optimizer(model, optimizer())) is torch.optim.AdamW
@@ -252,6 +257,34 @@ def test_train_step_accumulates_micro_batches_then_steps_once():
         ("after_step",),
     ]
     assert model.weight.grad is None and model.norm.grad is None  # zeroed by dropping them
+
+
+def test_train_step_leaves_the_clip_to_clipped_adamw():
+    """With ClippedAdamW the sync only measures the norm (max_norm 0) and the step clips: the same
+    updates as AdamW on gradients clipped to 0.5, with norms 2 then 0.1 (factors 0.25, then 1:
+    Adam is blind to one scale for every step, not to a changing one)."""
+    from minimal_fsdp.parallel.clipped_adamw import ClippedAdamW
+
+    model, reference, unclipped, sync = Model(), Model(), Model(), Sync()
+    opt = ClippedAdamW([model.weight, model.norm], compile=False, lr=0.1)
+    ref_opt = torch.optim.AdamW([reference.weight, reference.norm], lr=0.1)
+    plain_opt = torch.optim.AdamW([unclipped.weight, unclipped.norm], lr=0.1)
+    for norm, batches in ((2.0, micro_batches(1)), (0.1, micro_batches(2)[1:])):
+        sync.norm = norm
+        train_step(model, opt, batches, sync, 0.5, torch.device("cpu"))
+        for m, o, factor in (
+            (reference, ref_opt, min(1, 0.5 / (norm + 1e-6))),
+            (unclipped, plain_opt, 1),
+        ):
+            m(*batches[0]).backward()
+            for p in (m.weight, m.norm):
+                p.grad.mul_(factor)
+            o.step()
+            o.zero_grad()
+    assert sync.calls.count(("clip", [(2, 3), (3,), (3, 3)], 0)) == 2
+    torch.testing.assert_close(model.weight, reference.weight)
+    torch.testing.assert_close(model.norm, reference.norm)
+    assert not torch.allclose(model.weight, unclipped.weight)
 
 
 def test_train_step_gradient_is_the_mean_over_micro_batches():

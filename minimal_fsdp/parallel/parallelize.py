@@ -107,8 +107,10 @@ class LocalSync:
 
     def clip_grad_norm(self, parameters, max_norm):
         """The grad norm (a device tensor), after clipping the gradients to max_norm (0: no
-        clipping)."""
-        return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm or float("inf"))
+        clipping, and no pass that multiplies them by 1)."""
+        if not max_norm:
+            return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+        return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
 
     def after_step(self):
         """Once the step is done: nothing here (FSDPSync computes float8 scales, xla.py runs the
