@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from minimal_fsdp.parallel.clipped_adamw import ClippedAdamW
 
@@ -27,11 +28,15 @@ def backward(model, step, device):
     (model(x).pow(2).sum() * (step + 1)).backward()
 
 
-def run_both(max_norm, steps=6, compile=False, device="cpu", before=None):
+def run_both(max_norm, steps=6, compile=False, device="cpu", before=None, shard=None):
     """Train a reference (clip_grad_norm_ then torch's AdamW) and ClippedAdamW side by side, the lr
-    changing every step as a schedule does; returns both models, optimizers and the norms."""
+    changing every step as a schedule does; returns both models, optimizers and the norms. shard:
+    applied to both models (FSDP2's fully_shard)."""
     reference = model_and_groups().to(device)
     ours = copy.deepcopy(reference)
+    if shard:
+        shard(reference)
+        shard(ours)
     ref_opt = torch.optim.AdamW(groups(reference), lr=1e-2, betas=(0.9, 0.95))
     opt = ClippedAdamW(groups(ours), compile=compile, lr=1e-2, betas=(0.9, 0.95))
     if before:
@@ -45,7 +50,8 @@ def run_both(max_norm, steps=6, compile=False, device="cpu", before=None):
         backward(ours, step, device)
         expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm or float("inf"))
         ref_opt.step()
-        norm = torch.nn.utils.get_total_norm([p.grad for p in ours.parameters()])
+        # a world of one: the local shards' norm is the global one
+        norm = torch.nn.utils.get_total_norm([local(p.grad) for p in ours.parameters()])
         opt.step(grad_norm=norm, max_norm=max_norm)
         norms.append((expected.item(), norm.item()))
         ref_opt.zero_grad()
@@ -53,13 +59,17 @@ def run_both(max_norm, steps=6, compile=False, device="cpu", before=None):
     return reference, ours, ref_opt, opt, norms
 
 
+def local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def assert_same(reference, ours, ref_opt, opt, atol=1e-6):
     for p, q in zip(reference.parameters(), ours.parameters()):
-        torch.testing.assert_close(q, p, atol=atol, rtol=1e-5)
+        torch.testing.assert_close(local(q), local(p), atol=atol, rtol=1e-5)
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            torch.testing.assert_close(
-                opt.state[q][key].cpu(), ref_opt.state[p][key].cpu(), atol=atol, rtol=1e-5
-            )
+            theirs, mine = ref_opt.state[p][key], opt.state[q][key]
+            assert type(mine) is type(theirs)  # DTensors where AdamW keeps DTensors
+            torch.testing.assert_close(local(mine).cpu(), local(theirs).cpu(), atol=atol, rtol=1e-5)
 
 
 @pytest.mark.parametrize("max_norm", [1.0, 0.0])
@@ -112,6 +122,17 @@ def test_its_state_dict_is_adamws_and_loads_either_way():
     for i, state in saved["state"].items():
         assert state.keys() == expected["state"][i].keys()
         assert state["step"].item() == expected["state"][i]["step"].item() == 5
+
+
+def test_sharded_parameters_step_on_their_local_shards(one_rank_group):
+    """FSDP2's DTensor parameters: the update on the local shards, the state DTensors as AdamW's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    reference, ours, ref_opt, opt, _ = run_both(1.0, shard=lambda m: fully_shard(m, mesh=mesh))
+    assert isinstance(next(ours.parameters()), DTensor)
+    assert_same(reference, ours, ref_opt, opt)
 
 
 @pytest.mark.slow  # torch.compile on the CPU: about 20 s; the eager tests above are the quick check
