@@ -14,6 +14,7 @@ import torch
 from minimal_fsdp.config.flags import parse_args
 from minimal_fsdp.config.sections import LrSchedule, Optimizer
 from minimal_fsdp.parallel.accum_adamw import AccumAdamW
+from minimal_fsdp.parallel.clipped_adamw import ClippedAdamW
 from minimal_fsdp.run import RunSections
 from minimal_fsdp.train import (
     Diverged,
@@ -169,17 +170,17 @@ def test_the_plans_one_unit_gets_adamw_on_local_tensors_and_nothing_else_does():
     unit = build_optimizer(
         model,
         optimizer("--lr", 0.02),
-        SimpleNamespace(strategy="one-unit", fused_optimizer=True, compile=True),
+        SimpleNamespace(strategy="one-unit", fused_optimizer=True, compiled_optimizer=False),
     )
     assert (
         type(unit) is LocalAdamW and unit.defaults["fused"] is True and unit.defaults["lr"] == 0.02
     )
     for strategy in set(STRATEGIES) - {"one-unit", "gossip"}:
-        plan = SimpleNamespace(strategy=strategy, fused_optimizer=True, compile=False)
+        plan = SimpleNamespace(strategy=strategy, fused_optimizer=True, compiled_optimizer=False)
         assert type(build_optimizer(model, optimizer(), plan)) is torch.optim.AdamW
-        # compiled on a CPU: fused AdamW still (ClippedAdamW is for CUDA: test_clipped_adamw.py)
-        plan.compile = True
-        assert type(build_optimizer(model, optimizer(), plan)) is torch.optim.AdamW
+    plan.compiled_optimizer = True  # the plan's word (test_plan.py), not the strategy's
+    compiled = build_optimizer(model, optimizer("--lr", 0.02), plan)
+    assert type(compiled) is ClippedAdamW and compiled.defaults["lr"] == 0.02
     model.whole_unit = object()
     assert type(build_optimizer(model, optimizer())) is torch.optim.AdamW
 
@@ -263,8 +264,6 @@ def test_train_step_leaves_the_clip_to_clipped_adamw():
     """With ClippedAdamW the sync only measures the norm (max_norm 0) and the step clips: the same
     updates as AdamW on gradients clipped to 0.5, with norms 2 then 0.1 (factors 0.25, then 1:
     Adam is blind to one scale for every step, not to a changing one)."""
-    from minimal_fsdp.parallel.clipped_adamw import ClippedAdamW
-
     model, reference, unclipped, sync = Model(), Model(), Model(), Sync()
     opt = ClippedAdamW([model.weight, model.norm], compile=False, lr=0.1)
     ref_opt = torch.optim.AdamW([reference.weight, reference.norm], lr=0.1)

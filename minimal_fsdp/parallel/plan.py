@@ -76,6 +76,8 @@ class ParallelPlan:
     reduce_precision: str = "float32"
     gossip_dtype: str = None  # gossip's wire (--gossip_dtype)
     global_average_every: int = 0  # gossip's all-replica average, every this many steps
+    # AdamW's step compiled with the clip folded in (clipped_adamw.py): CUDA with --compile
+    compiled_optimizer: bool = False
 
     @property
     def fused_optimizer(self):
@@ -259,6 +261,13 @@ def make_plan(parallel, env, model_config, loads_weights=False, fsdp_on_one_rank
         ),
         gossip_dtype=parallel.gossip_dtype if chosen == "gossip" else None,
         global_average_every=parallel.global_average_every if chosen == "gossip" else 0,
+        # the one unit steps its shards' local tensors with LocalAdamW; offloaded state steps on
+        # the CPU; gossip steps AccumAdamW
+        compiled_optimizer=parallel.compile
+        and env.device.type == "cuda"
+        and backend == "torch"
+        and chosen not in ("one-unit", "gossip")
+        and not parallel.cpu_offload,
     )
     # torch_xla builds its own (xla.py)
     if backend == "torch" and (chosen in FSDP2 or chosen == "one-unit"):

@@ -257,6 +257,26 @@ def test_cuda_graphs_decided_once_for_each_launch(monkeypatch, flags, world, gra
 
 
 @pytest.mark.parametrize(
+    "flags,world,compiled",
+    [
+        (["--compile"], 1, True),  # local
+        (["--compile", "--sharding", "no-shard", "--fsdp_unit", "block"], 2, True),  # DDP
+        (["--compile", "--fsdp_unit", "block"], 2, True),  # FSDP2: its local shards
+        ([], 1, False),  # nothing compiled
+        (["--compile"], 2, False),  # the one unit: LocalAdamW
+        (["--compile", "--cpu_offload"], 2, False),  # fused AdamW on the CPU
+        (["--compile", "--data_parallel", "decentralized"], 2, False),  # AccumAdamW
+    ],
+)
+def test_the_compiled_optimizer_only_where_adamw_steps_gpu_tensors(
+    monkeypatch, flags, world, compiled
+):
+    plan, _ = plan_for(monkeypatch, flags, world=world, device="cuda")
+    assert plan.compiled_optimizer is compiled
+    assert plan_for(monkeypatch, flags, world=world)[0].compiled_optimizer is False  # CPU
+
+
+@pytest.mark.parametrize(
     "flags,world,named",
     [
         (["--fsdp_unit", "block"], 2, "--fsdp_unit block"),
