@@ -129,11 +129,15 @@ def test_one_gpu_trains_without_fsdp_like_the_reference(tmp_path, corpus, extra,
     assert logged_losses(corpus.parent, "one") == pytest.approx(ref_losses, **TOLERANCE[precision])
 
 
-def test_a_one_gpu_checkpoint_resumes_on_two_gpus_and_back(tmp_path, corpus):
+@pytest.mark.parametrize("extra", [[], ["--compile"]], ids=["eager", "compiled"])
+def test_a_one_gpu_checkpoint_resumes_on_two_gpus_and_back(tmp_path, corpus, extra):
     """The plain module's checkpoints are FSDP's format: 1 GPU -> 2 GPUs (FSDP) -> 1 GPU, every
-    launch resuming."""
+    launch resuming. Compiled, one GPU steps ClippedAdamW and two the one unit's LocalAdamW: the
+    optimizer state moves between them."""
     base = train_args(
-        corpus, "moves", ["--precision", "bf16", "--lr_decay_steps", 6, "--checkpoint_interval", 2]
+        corpus,
+        "moves",
+        ["--precision", "bf16", "--lr_decay_steps", 6, "--checkpoint_interval", 2, *extra],
     )
     for ranks, steps in ((1, 2), (2, 4), (1, 6)):
         out = launch([*base, "--max_steps", steps], ranks=ranks, cwd=tmp_path)
