@@ -2,6 +2,8 @@
 `pytest -m gpu tests/gpu/test_gpu.py`: NCCL runs of every strategy against a single-process fp32
 reference on one GPU (same initial weights: the init generator runs on the training device)."""
 
+import re
+
 import pytest
 import torch
 
@@ -119,12 +121,11 @@ def test_one_gpu_trains_without_fsdp_like_the_reference(tmp_path, corpus, extra,
     args = train_args(corpus, "one", [*extra, "--precision", precision])
     out = launch(args, ranks=1, cwd=tmp_path)
     graphs = "--compile" in extra and "--no-cuda_graphs" not in extra
-    assert (
-        "no FSDP: one rank holds the whole model"
-        + (", replayed as CUDA graphs" if graphs else "")
-        + "\n"
-        in out.stdout
-    )
+    # the layout ends the banner's first line, or the threads' words follow it after "; "
+    layout = re.search(r"; (no FSDP: one rank holds the whole model[^;\n]*)", out.stdout)
+    assert layout and layout[1] == "no FSDP: one rank holds the whole model" + (
+        ", replayed as CUDA graphs" if graphs else ""
+    ), out.stdout
     ref_losses, _ = reference(args, world=1, device="cuda")
     assert logged_losses(corpus.parent, "one") == pytest.approx(ref_losses, **TOLERANCE[precision])
 
