@@ -38,7 +38,6 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_optimizer_state_dict,
 )
 from torch_xla.amp import autocast
 from torch_xla.distributed.fsdp import checkpoint_module
@@ -215,14 +214,10 @@ def load(path, model, optimizer=None):
     state = unflatten_state_dict(flat, paths)
     if optimizer is not None:
         ours = {_saved_name(name): name for name, _ in model.named_parameters()}
-        kernels = [
-            {key: group[key] for key in ("fused", "foreach")} for group in optimizer.param_groups
-        ]
-        set_optimizer_state_dict(
+        # a CUDA or CPU run's fused kernels do not exist here: the optimizer keeps its own
+        checkpointer.set_optimizer_state(
             model, optimizer, _optimizer_renamed(state["optim"], ours.__getitem__)
         )
-        for group, own in zip(optimizer.param_groups, kernels):
-            group.update(own)  # a CUDA or CPU run's fused kernels do not exist here
     torch_xla.sync()
 
 

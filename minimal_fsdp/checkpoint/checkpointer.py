@@ -442,7 +442,20 @@ def load(path, model, optimizer=None):
     dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state(model, optimizer, state["optim"])
+
+
+def set_optimizer_state(model, optimizer, saved):
+    """DCP's set_optimizer_state_dict, keeping this run's own kernels (each group's fused and
+    foreach): the saved ones say how the saving run stepped (ClippedAdamW's compiled step saves
+    neither, an XLA run no fused kernels), not what this run's device has."""
+    kernels = [
+        {k: group[k] for k in ("fused", "foreach") if k in group}
+        for group in optimizer.param_groups
+    ]
+    set_optimizer_state_dict(model, optimizer, saved)
+    for group, own in zip(optimizer.param_groups, kernels):
+        group.update(own)
 
 
 # Decentralized training: every rank holds a different replica, so a checkpoint keeps them apart
@@ -512,4 +525,4 @@ def load_replicas(path, model, optimizer=None):
     dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
     set_model_state_dict(model, state["replicas"][rank]["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["replicas"][rank]["optim"])
+        set_optimizer_state(model, optimizer, state["replicas"][rank]["optim"])

@@ -578,6 +578,27 @@ def crafted_replicas(tmp_path, replicas):
     return path, a, b
 
 
+def test_a_load_keeps_the_optimizers_own_kernels(tmp_path):
+    """ClippedAdamW's checkpoint (its groups' fused: None, a compiled step) resumed by fused AdamW
+    (a run without --compile, or on the CPU): the saved moments, and fused AdamW's own kernels."""
+    from minimal_fsdp.parallel.clipped_adamw import ClippedAdamW
+
+    from support import TINY
+
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    clipped = ClippedAdamW(model.parameters(), compile=False, lr=0.1)
+    sum((p * torch.randn_like(p)).sum() for p in model.parameters()).backward()
+    clipped.step()
+    path = checkpointer.save(tmp_path / "run", 1, None, None, {}, state=state_of(model, clipped))
+    model = GPT(TINY)
+    fused = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    checkpointer.load(path, model, fused)
+    assert clipped.param_groups[0]["fused"] is None and fused.param_groups[0]["fused"] is True
+    assert all(torch.equal(x, y) for x, y in zip(moments(fused), moments(clipped)))
+    assert len(moments(fused)) == len(list(model.parameters()))
+
+
 def test_load_replicas_resumes_this_ranks_own_replica(tmp_path):
     path, (a, a_optimizer), _ = crafted_replicas(tmp_path, replicas=1)
     model, optimizer = tiny(seed=3)
