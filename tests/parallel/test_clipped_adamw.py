@@ -136,8 +136,14 @@ def test_sharded_parameters_step_on_their_local_shards(one_rank_group):
 
 
 @pytest.mark.slow  # torch.compile on the CPU: about 20 s; the eager tests above are the quick check
-def test_compiled_it_matches_clip_grad_norm_then_adamw():
+def test_compiled_it_matches_clip_grad_norm_then_adamw(one_rank_group):
     assert_same(*run_both(1.0, compile=True)[:4])
+    # FSDP2's DTensors: the compiled update writes their local shards
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    assert_same(*run_both(1.0, compile=True, shard=lambda m: fully_shard(m, mesh=mesh))[:4])
 
 
 @pytest.mark.gpu
