@@ -94,7 +94,7 @@ def verify(path, checksums=True, share=(0, 1)):
         problem = files_problem(path, meta.get("files") or {}, share)
     problem = problem or _objects_problem(path, metadata, meta)
     if problem:
-        return problem
+        return shown(problem)  # the names in it are the file's: never a control character raw
     # the tokenizer's: json.loads recurses once per level of nesting
     for name in sorted(meta.get("files") or {}):
         if name.endswith(".json"):

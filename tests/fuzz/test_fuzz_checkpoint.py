@@ -259,6 +259,23 @@ def test_dcp_metadata(genuine, data):
     check_checkpoint(genuine, ".metadata", data.draw(damaged(genuine, ".metadata", data)))
 
 
+def test_a_control_character_in_a_metadata_name_is_escaped(genuine):
+    """Found by test_dcp_metadata (2026-11-30): one byte of a tensor's name in .metadata turned into
+    \\x01; the line naming it carried the raw control character."""
+    blob = (genuine / ".metadata").read_bytes()
+    name = b"optim.state.blocks.1.attn.qkv.weight.step"
+    assert name in blob
+    forged = blob.replace(name, name.replace(b".attn", b".\x01ttn"), 1)
+    with tempfile.TemporaryDirectory() as d:
+        run = Path(d, "run")
+        shutil.copytree(genuine.parent, run, symlinks=True)
+        path = run / genuine.name
+        (path / ".metadata").write_bytes(forged)
+        recorded(path, ".metadata")
+        problem = checkpoint_find.verify(path)
+    fuzzing.one_line(problem, "\\x01ttn")
+
+
 @settings(max_examples=fuzzing.scaled(2, 100))
 @given(data=st.data())
 def test_shard_bytes(genuine, data):
