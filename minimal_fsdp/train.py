@@ -38,12 +38,12 @@ def build_optimizer(model, optimizer, plan=None):
         return AccumAdamW(groups, lr=o.lr, betas=betas, accum_steps=o.accum_steps)
     if plan is not None and not plan.fused_optimizer:
         return torch.optim.AdamW(groups, lr=o.lr, betas=betas)
-    # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) several times
-    # faster than foreach (benchmarks/results/RESULTS.md#levers-kept). whole_unit.py's model steps
-    # it on its shards' local tensors (LocalAdamW), as a small model's step needs.
     if plan is not None and plan.compiled_optimizer:
         # compiled with the clip folded in: a step's fewest passes over memory (clipped_adamw.py)
         return ClippedAdamW(groups, lr=o.lr, betas=betas)
+    # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) several times
+    # faster than foreach (benchmarks/results/RESULTS.md#levers-kept). whole_unit.py's model steps
+    # it on its shards' local tensors (LocalAdamW), as a small model's step needs.
     adamw = LocalAdamW if plan is not None and plan.strategy == "one-unit" else torch.optim.AdamW
     return adamw(groups, lr=o.lr, betas=betas, fused=True)
 

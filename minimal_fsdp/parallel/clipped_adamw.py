@@ -16,11 +16,8 @@ elementwise. The math is AdamW's (decoupled weight decay, bias-corrected moments
 """
 
 import torch
-from torch.distributed.tensor import DTensor
 
-
-def _local(tensor):
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from minimal_fsdp.parallel.whole_unit import local_tensor
 
 
 @torch.no_grad()
@@ -29,10 +26,11 @@ def adamw_update(groups, grad_norm, max_norm):
     beta2, eps, weight_decay))], lr a 0-dim tensor; the gradients taken times min(1, max_norm /
     (grad_norm + 1e-6)) (clip_grad_norm_'s factor) where max_norm > 0. Foreach ops, so that compiled
     they become a few horizontally fused kernels, not one per tensor."""
+    if max_norm > 0:
+        factor = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
     for params, grads, exp_avgs, exp_avg_sqs, steps, lr, hyper in groups:
         beta1, beta2, eps, weight_decay = hyper
         if max_norm > 0:
-            factor = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
             grads = torch._foreach_mul(grads, factor)
         torch._foreach_add_(steps, 1)
         if weight_decay:
@@ -71,7 +69,9 @@ class ClippedAdamW(torch.optim.AdamW):
             for p in params:
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                    state["step"] = torch.zeros(
+                        (), dtype=torch.float32, device=local_tensor(p).device
+                    )
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if not params:
@@ -80,10 +80,10 @@ class ClippedAdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             groups.append(
                 (
-                    [_local(p) for p in params],
-                    [_local(p.grad) for p in params],
-                    [_local(s["exp_avg"]) for s in states],
-                    [_local(s["exp_avg_sq"]) for s in states],
+                    [local_tensor(p) for p in params],
+                    [local_tensor(p.grad) for p in params],
+                    [local_tensor(s["exp_avg"]) for s in states],
+                    [local_tensor(s["exp_avg_sq"]) for s in states],
                     [s["step"] for s in states],
                     self._lr(i, group, states[0]["step"].device),
                     (beta1, beta2, group["eps"], group["weight_decay"]),

@@ -203,7 +203,8 @@ class WholeUnit:
             param.grad = grad
 
 
-def _local(tensor):
+def local_tensor(tensor):
+    """A DTensor's local shard (no autograd on the way, unlike to_local()), or the tensor itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
@@ -229,9 +230,9 @@ class LocalAdamW(torch.optim.AdamW):
             states = [self.state[p] for p in group["params"]]
             lists.append(
                 (
-                    [_local(p) for p in group["params"]],
-                    [_local(s["exp_avg"]) for s in states],
-                    [_local(s["exp_avg_sq"]) for s in states],
+                    [local_tensor(p) for p in group["params"]],
+                    [local_tensor(s["exp_avg"]) for s in states],
+                    [local_tensor(s["exp_avg_sq"]) for s in states],
                     [s["step"] for s in states],
                 )
             )
@@ -256,7 +257,7 @@ class LocalAdamW(torch.optim.AdamW):
             self.param_groups, self._lists
         ):
             beta1, beta2 = group["betas"]
-            grads = [_local(p.grad) for p in group["params"]]
+            grads = [local_tensor(p.grad) for p in group["params"]]
             adamw(
                 local_params,
                 grads,
