@@ -6,7 +6,8 @@ gradient, (softmax - one_hot) / tokens. The row is read twice, but the second re
 L2: the first pass asks L2 to keep it, and the second walks it backwards, from the blocks read last.
 The compiled PyTorch loss it replaces makes three passes over memory and allocates a second buffer
 for the gradient. Backward is then just the two matmuls; it is linear in the gradient, so the
-upstream scale (1 / accumulation steps) goes on their small results, not on the logits. Without grad
+upstream scale (1 / accumulation steps) goes on the small tensors (x's rows, the input gradient),
+not on the logits or the vocab x C weight gradient. Without grad
 (evaluation) the kernel skips the second pass. benchmarks/loss.py times it.
 """
 
@@ -92,23 +93,31 @@ def project_and_reduce(x, weight, targets, with_grad):
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    # under autocast (replicas): bf16
-    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.bfloat16)
     def forward(ctx, x, weight, targets):
-        dlogits, loss = project_and_reduce(x, weight, targets, with_grad=True)
+        # Under autocast (one GPU, replicas) the inputs are cast here rather than by custom_fwd,
+        # so that backward can hand an fp32 weight its gradient straight from the matmul (fp32
+        # out): no bf16 vocab x C gradient written, read and cast back.
+        ctx.weight_dtype = weight.dtype
+        if torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+            x, weight = x.to(dtype), weight.to(dtype)
+        with torch.autocast("cuda", enabled=False):
+            dlogits, loss = project_and_reduce(x, weight, targets, with_grad=True)
         ctx.save_for_backward(x, weight, dlogits)
         return loss
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad):
         x, weight, dlogits = ctx.saved_tensors
+        rows = x.reshape(-1, x.size(-1))
         dx = (dlogits @ weight).mul_(grad).view_as(x) if ctx.needs_input_grad[0] else None
-        dweight = (
-            (dlogits.t() @ x.reshape(-1, x.size(-1))).mul_(grad)
-            if ctx.needs_input_grad[1]
-            else None
-        )
+        dweight = None
+        if ctx.needs_input_grad[1]:
+            # the scale on x's rows (tokens x C), not on the vocab x C product
+            scaled = rows * grad.to(rows.dtype)
+            out = ctx.weight_dtype if ctx.weight_dtype != dlogits.dtype else None
+            dweight = torch.mm(dlogits.t(), scaled, **({"out_dtype": out} if out else {}))
+        # autograd casts dx to x's own dtype where autocast cast x
         return dx, dweight, None
 
 

@@ -65,6 +65,46 @@ def test_autocast_with_fp32_weights():
     assert relative(x.grad, ref_dx) < 3e-2 and relative(weight.grad, ref_dweight) < 3e-2
 
 
+def test_backward_makes_one_pass_over_the_weight_gradient():
+    """Under autocast with an fp32 weight, the weight's gradient comes out of its matmul in fp32:
+    no other op of backward writes a vocab x C tensor (no scale multiply, no cast back from bf16);
+    with an upstream scale, the result still matches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from minimal_fsdp.models.fused_loss import linear_cross_entropy
+
+    class Writes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.ops.append((str(func), tuple(t.shape), t.dtype))
+            return out
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, device="cuda", requires_grad=True)
+    weight = torch.randn(1000, 32, device="cuda", requires_grad=True)
+    targets = torch.randint(0, 1000, (64,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(x, weight, targets)
+    writes = Writes()
+    with writes:
+        (0.5 * loss).backward()
+    on_weight = [
+        (op, dtype)
+        for op, shape, dtype in writes.ops
+        if shape == tuple(weight.shape) and "detach" not in op  # detach writes nothing
+    ]
+    assert on_weight == [("aten.mm.dtype", torch.float32)], on_weight
+    _, ref_dx, ref_dweight = reference(x, weight, targets, 0.5)
+    assert weight.grad.dtype == torch.float32
+    assert relative(x.grad, ref_dx) < 3e-2 and relative(weight.grad, ref_dweight) < 3e-2
+
+
 def test_models_on_cuda_use_it():
     """build_model swaps the fused loss in on CUDA; the model's loss still equals PyTorch's."""
     from types import SimpleNamespace
