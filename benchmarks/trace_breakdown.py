@@ -5,12 +5,12 @@ torchtitan's profile_traces/iteration_N/rank0_trace.json), traced over `steps` s
 
 Kinds, by kernel name (the first that matches): attention forward / backward (cuDNN, flash,
 memory-efficient), matmuls (cuBLAS, CUTLASS, nvjet, fp8 included), optimizer (AdamW's and the grad
-norm and clipping's multi-tensor kernels), copies and casts (FSDP's all-gather copy-in/out,
-chunk_cat, dtype casts, memcpy/memset, NCCL, and compiled kernels that scale and cast float8 matmul
-inputs), loss (cross-entropy kernels), elementwise (everything else: Triton kernels compile made,
-torch's elementwise and reduction kernels). busy = the union of kernel intervals;
-idle = the span from the first kernel's start to the last one's end, less busy (with --step_ms:
-the measured step less busy, which also counts the gap between steps).
+norm and clipping's multi-tensor kernels, the compiled step's foreach kernels), copies and casts
+(FSDP's all-gather copy-in/out, chunk_cat, dtype casts, memcpy/memset, NCCL, and compiled kernels
+that scale and cast float8 matmul inputs), loss (cross-entropy kernels), elementwise (everything
+else: Triton kernels compile made, torch's elementwise and reduction kernels). busy = the union of
+kernel intervals; idle = the span from the first kernel's start to the last one's end, less busy
+(with --step_ms: the measured step less busy, which also counts the gap between steps).
 """
 
 import argparse
@@ -25,12 +25,15 @@ KINDS = [
     ),
     ("attention fwd", lambda n: _attention(n)),
     ("matmul", lambda n: not n.startswith("triton") and any(k in n for k in MATMULS)),
-    ("optimizer", lambda n: any(k in n for k in ("adam", "multi_tensor", "foreach", "lpnorm"))),
+    # triton_for_: inductor's foreach kernels, made only for the compiled optimizer step
+    # (ClippedAdamW); the model's graphs have no foreach ops
+    ("optimizer", lambda n: any(k in n for k in OPTIMIZER)),
     ("copies / casts (FSDP, dtype, fp8)", lambda n: _copy(n)),
     ("loss", lambda n: any(k in n for k in LOSSES)),
     ("elementwise", lambda n: True),
 ]
 MATMULS = ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "wgmma", "cublas", "splitk")
+OPTIMIZER = ("adam", "multi_tensor", "foreach", "lpnorm", "triton_for_")
 LOSSES = ("cross_entropy", "log_softmax", "nll_loss", "loss_and_grad")
 COPIES = ("chunk_cat", "split_with_sizes", "all_gather", "nccl", "memcpy", "memset", "copy_kernel")
 

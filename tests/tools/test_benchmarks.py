@@ -267,3 +267,46 @@ def test_multihost_rows_record_the_reduce_precision_in_either_spelling():
     assert summed("--reduce_precision float32") == summed("--reduce_precision=float32") == "float32"
     assert summed("--steps 3") == summed("--reduce_precision=auto") == "bf16"
     assert summed("", hosts=1) == "float32"  # one host: fp32 sums
+
+
+def test_trace_breakdown_sorts_a_steps_kernels_by_kind(tmp_path):
+    """trace_breakdown.py: each kernel of a traced step lands in its kind (the compiled
+    optimizer's foreach kernels as optimizer, not elementwise), and idle is the span less the
+    union of kernels."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "trace_breakdown", ROOT / "benchmarks" / "trace_breakdown.py"
+    )
+    tb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tb)
+    kernels = [  # name, start, duration (us)
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 0, 4000),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", 4000, 1000),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", 5000, 2000),
+        ("triton_poi_fused__to_copy_1", 7000, 500),
+        ("loss_and_grad_kernel", 7500, 500),
+        ("triton_poi_fused__unsafe_view_mul_silu_9", 8000, 500),
+        ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 9000, 1000),
+        ("triton_for_fused_1", 10000, 3000),  # overlaps nothing; 500 us idle before the last
+    ]
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": n, "ts": ts, "dur": dur} for n, ts, dur in kernels
+        ]
+        + [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99999}]
+    }
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    parts = tb.breakdown(path)
+    expected = {
+        "matmul": 4.0,
+        "attention fwd": 1.0,
+        "attention bwd": 2.0,
+        "copies / casts (FSDP, dtype, fp8)": 0.5,
+        "loss": 0.5,
+        "elementwise": 0.5,
+        "optimizer": 4.0,
+    }
+    assert {k: parts[k] for k in expected} == pytest.approx(expected)
+    assert parts["busy"] == pytest.approx(12.5) and parts["idle"] == pytest.approx(0.5)
