@@ -7,8 +7,8 @@ L2: the first pass asks L2 to keep it, and the second walks it backwards, from t
 The compiled PyTorch loss it replaces makes three passes over memory and allocates a second buffer
 for the gradient. Backward is then just the two matmuls; it is linear in the gradient, so the
 upstream scale (1 / accumulation steps) goes on the small tensors (x's rows, the input gradient),
-not on the logits or the vocab x C weight gradient. Without grad
-(evaluation) the kernel skips the second pass. benchmarks/loss.py times it.
+not on the logits or the vocab x C weight gradient. Without grad (evaluation) the kernel skips the
+second pass. benchmarks/loss.py times it.
 """
 
 import torch
