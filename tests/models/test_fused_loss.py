@@ -47,9 +47,8 @@ def test_loss_and_gradients_match_pytorch(dtype, vocab):
     assert relative(weight.grad, ref_dweight) < TOLERANCE[dtype]
 
 
-def test_autocast_with_fp32_weights():
-    """Decentralized replicas keep fp32 weights and run under bf16 autocast: gradients come back in
-    fp32."""
+def loss_under_autocast():
+    """fp32 x and weight (vocab 1000) and the fused loss of them under bf16 autocast."""
     from minimal_fsdp.models.fused_loss import linear_cross_entropy
 
     torch.manual_seed(0)
@@ -57,7 +56,13 @@ def test_autocast_with_fp32_weights():
     weight = torch.randn(1000, 32, device="cuda", requires_grad=True)
     targets = torch.randint(0, 1000, (64,), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = linear_cross_entropy(x, weight, targets)
+        return x, weight, targets, linear_cross_entropy(x, weight, targets)
+
+
+def test_autocast_with_fp32_weights():
+    """Decentralized replicas keep fp32 weights and run under bf16 autocast: gradients come back in
+    fp32."""
+    x, weight, targets, loss = loss_under_autocast()
     loss.backward()
     ref_loss, ref_dx, ref_dweight = reference(x, weight, targets, 1.0)
     assert x.grad.dtype == weight.grad.dtype == torch.float32
@@ -71,8 +76,6 @@ def test_backward_makes_one_pass_over_the_weight_gradient():
     with an upstream scale, the result still matches."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from minimal_fsdp.models.fused_loss import linear_cross_entropy
-
     class Writes(TorchDispatchMode):
         def __init__(self):
             super().__init__()
@@ -85,12 +88,7 @@ def test_backward_makes_one_pass_over_the_weight_gradient():
                     self.ops.append((str(func), tuple(t.shape), t.dtype))
             return out
 
-    torch.manual_seed(0)
-    x = torch.randn(64, 32, device="cuda", requires_grad=True)
-    weight = torch.randn(1000, 32, device="cuda", requires_grad=True)
-    targets = torch.randint(0, 1000, (64,), device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = linear_cross_entropy(x, weight, targets)
+    x, weight, targets, loss = loss_under_autocast()
     writes = Writes()
     with writes:
         (0.5 * loss).backward()
