@@ -218,8 +218,10 @@ def test_a_run_prints_no_deprecation_noise_and_imports_torchao_only_for_fp8(tmp_
         "import runpy, sys\n"
         f"sys.argv[0] = {str(ROOT / 'basic_training.py')!r}\n"
         "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-        "finally:\n    print('imported:', sorted(m for m in ('torchao', 'transformers') "
-        "if m in sys.modules))\n"
+        # one write of the whole line: the ranks share the job's stdout, where print's separate
+        # writes of "imported:" and the list interleaved
+        "finally:\n    found = sorted(m for m in ('torchao', 'transformers') if m in sys.modules)\n"
+        "    sys.stdout.write(f'imported: {found}\\n'); sys.stdout.flush()\n"
     )
     result = launch(
         ["--input_file", corpus, *TINY_MODEL, "--max_steps", 2, "--num_tokens", 5],
