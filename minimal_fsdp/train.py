@@ -40,7 +40,9 @@ def build_optimizer(model, optimizer, plan=None):
         return torch.optim.AdamW(groups, lr=o.lr, betas=betas)
     if plan is not None and plan.compiled_optimizer:
         # compiled with the clip folded in: a step's fewest passes over memory (clipped_adamw.py)
-        return ClippedAdamW(groups, lr=o.lr, betas=betas)
+        # one GPU: its gradients are those of the bf16 copies the model computes with
+        weights = getattr(model, "bf16_weights", None)
+        return ClippedAdamW(groups, lr=o.lr, betas=betas, weights=weights)
     # Fused: one kernel over all tensors on GPU; on CPU (laptops, --cpu_offload) several times
     # faster than foreach (benchmarks/results/RESULTS.md#levers-kept). whole_unit.py's model steps
     # it on its shards' local tensors (LocalAdamW), as a small model's step needs.

@@ -9,6 +9,9 @@ gradients and both moments once and writes parameters and moments once. On one H
 about 12 ms of a 241 ms step (Llama 3 8B's shape cut to 8 layers, T=8192:
 benchmarks/results/RESULTS.md#clipped-adamw).
 
+With bf16_weights.py's copies (one GPU), the gradients are the copies' (bf16, read as fp32) and the
+step writes the next copies as it writes the parameters.
+
 The state (step, exp_avg, exp_avg_sq per parameter, as fused AdamW keeps them: step a float32
 tensor on the parameter's device) and param_groups are torch's AdamW's, so checkpoints are the same
 either way. Sharded parameters (FSDP2's DTensors) are stepped on their local shards: the update is
@@ -23,13 +26,16 @@ from minimal_fsdp.parallel.whole_unit import local_tensor
 @torch.no_grad()
 def adamw_update(groups, grad_norm, max_norm):
     """One AdamW step over groups = [(params, grads, exp_avgs, exp_avg_sqs, steps, lr, (beta1,
-    beta2, eps, weight_decay))], lr a 0-dim tensor; the gradients taken times min(1, max_norm /
-    (grad_norm + 1e-6)) (clip_grad_norm_'s factor) where max_norm > 0. Foreach ops, so that compiled
-    they become a few horizontally fused kernels, not one per tensor."""
+    beta2, eps, weight_decay), copies)], lr a 0-dim tensor; the gradients taken times min(1,
+    max_norm / (grad_norm + 1e-6)) (clip_grad_norm_'s factor) where max_norm > 0; copies (or None):
+    bf16 tensors that take the new parameters. Foreach ops, so that compiled they become a few
+    horizontally fused kernels, not one per tensor."""
     if max_norm > 0:
         factor = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-    for params, grads, exp_avgs, exp_avg_sqs, steps, lr, hyper in groups:
+    for params, grads, exp_avgs, exp_avg_sqs, steps, lr, hyper, copies in groups:
         beta1, beta2, eps, weight_decay = hyper
+        if grads[0].dtype != params[0].dtype:  # bf16 copies' gradients, upcast as they are read
+            grads = [g.to(params[0].dtype) for g in grads]
         if max_norm > 0:
             grads = torch._foreach_mul(grads, factor)
         torch._foreach_add_(steps, 1)
@@ -47,6 +53,8 @@ def adamw_update(groups, grad_norm, max_norm):
         step_sizes = [-lr / b for b in first]
         torch._foreach_mul_(denominators, torch._foreach_reciprocal(step_sizes))
         torch._foreach_addcdiv_(params, exp_avgs, denominators)
+        if copies is not None:
+            torch._foreach_copy_(copies, params)
 
 
 class ClippedAdamW(torch.optim.AdamW):
@@ -54,18 +62,32 @@ class ClippedAdamW(torch.optim.AdamW):
     docstring). step() alone is a plain AdamW step (no clip), as a checkpoint loader's first step
     expects."""
 
-    def __init__(self, params, compile=True, **kwargs):
+    def __init__(self, params, compile=True, weights=None, **kwargs):
         super().__init__(params, **kwargs)
         self.update = torch.compile(adamw_update) if compile else adamw_update
         self.lrs = {}  # a device scalar per group that takes its lr: no step recompiles
+        # bf16_weights.BF16Weights: the gradients are its copies', and the step writes them
+        self.weights = weights
+        if weights is not None:
+            weights.writer = self
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none)
+        if self.weights is not None:
+            self.weights.zero_grad()
 
     @torch.no_grad()
     def step(self, closure=None, grad_norm=None, max_norm=0.0):
         if closure is not None:
             raise ValueError("ClippedAdamW takes no closure")
+        grad = (
+            (lambda p: p.grad)
+            if self.weights is None
+            else dict(zip(self.weights.params, self.weights.grads())).get
+        )
         groups = []
         for i, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if grad(p) is not None]
             for p in params:
                 state = self.state[p]
                 if not state:
@@ -81,12 +103,13 @@ class ClippedAdamW(torch.optim.AdamW):
             groups.append(
                 (
                     [local_tensor(p) for p in params],
-                    [local_tensor(p.grad) for p in params],
+                    [local_tensor(grad(p)) for p in params],
                     [local_tensor(s["exp_avg"]) for s in states],
                     [local_tensor(s["exp_avg_sq"]) for s in states],
                     [s["step"] for s in states],
                     self._lr(i, group, states[0]["step"].device),
                     (beta1, beta2, group["eps"], group["weight_decay"]),
+                    None if self.weights is None else [self.weights.copy_of[p] for p in params],
                 )
             )
         if groups and grad_norm is None:  # a plain step (a checkpoint loader's first): eager

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import (
 from minimal_fsdp.models.attention import KEPT_BY_SELECTIVE_RECOMPUTE
 from minimal_fsdp.models.layers import KVCache
 from minimal_fsdp.parallel import fp8
+from minimal_fsdp.parallel.bf16_weights import BF16Weights
 from minimal_fsdp.parallel.gossip import Gossip
 from minimal_fsdp.parallel.whole_unit import WholeUnit
 
@@ -115,6 +116,29 @@ class LocalSync:
     def after_step(self):
         """Once the step is done: nothing here (FSDPSync computes float8 scales, xla.py runs the
         traced step)."""
+
+
+class BF16WeightsSync(LocalSync):
+    """Gradient synchronization of one rank computing with bf16_weights.BF16Weights' copies: the
+    gradients are the copies' (summed in fp32 over micro-steps); the fp32 parameters go back in
+    the modules once backward is done."""
+
+    def __init__(self, weights):
+        self.weights = weights
+
+    def micro_step(self, last):
+        self.weights.accumulate()  # the previous micro-step's, if any
+
+    def finish(self):
+        self.weights.finish()
+
+    def clip_grad_norm(self, parameters, max_norm):
+        grads = [g for g in self.weights.grads() if g is not None]
+        total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).norm()
+        if max_norm:
+            factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, factor.to(grads[0].dtype))
+        return total
 
 
 class DDPSync(LocalSync):
@@ -201,7 +225,9 @@ class FSDPSync(LocalSync):
 # backward, and a gathered copy of the model) cannot; gossip averages parameters, not gradients; one
 # rank has nothing to synchronize.
 SYNCS = {
-    "local": lambda model, plan: LocalSync(),
+    "local": lambda model, plan: (
+        BF16WeightsSync(model.bf16_weights) if plan.bf16_weights else LocalSync()
+    ),
     "ddp": lambda model, plan: DDPSync(model),
     "one-unit": lambda model, plan: WholeUnitSync(model.whole_unit),
     "fsdp-whole": FSDPSync,
@@ -354,7 +380,9 @@ def build_model(model_cls, model_config, plan, env, seed):
     if not plan.meta_init or not plan.fsdp:
         init_weights(model, seed, env.device)
     if not plan.fsdp:
-        if plan.bf16:  # fp32 weights, bf16 matmuls: FSDP's mixed precision without FSDP
+        if plan.bf16_weights:  # fp32 weights stepped, bf16 copies computed with
+            model.bf16_weights = BF16Weights(model)
+        elif plan.bf16:  # fp32 weights, bf16 matmuls: FSDP's mixed precision without FSDP
             model.forward = torch.autocast(env.device.type, dtype=torch.bfloat16)(model.forward)
         # gradients (fp32, as FSDP reduces them, or --reduce_precision) averaged in backward
         if plan.ddp:

@@ -5,7 +5,8 @@ the gradient sync (parallelize.py), the optimizer (train.build_optimizer), the s
 the memory planner (model_size.py, through strategy()) read the plan; none of them decides again.
 
 plan.strategy is one of STRATEGIES:
-  local       one rank: a plain module (bf16 by autocast), nothing to shard or average
+  local       one rank: a plain module (bf16 by autocast, or compiled on CUDA by bf16 copies of its
+              weights), nothing to shard or average
   ddp         no-shard over several ranks of a large model (or --fsdp_unit block, or float8 layers):
               a plain module whose gradients torch's DDP all-reduces (replicate(), which keeps the
               module and its state-dict keys)
@@ -110,6 +111,12 @@ class ParallelPlan:
         return self.precision in ("bf16", "fp8")
 
     @property
+    def bf16_weights(self):
+        """One GPU computes with bf16 copies of its fp32 weights, which the compiled AdamW steps
+        (bf16_weights.py); elsewhere one rank runs autocast."""
+        return self.strategy == "local" and self.bf16 and self.compiled_optimizer
+
+    @property
     def compute_dtype(self):
         return torch.bfloat16 if self.bf16 else torch.float32
 
@@ -140,7 +147,8 @@ class ParallelPlan:
                 + graphs
             )
         if self.strategy == "local":
-            return "no FSDP: one rank holds the whole model" + graphs
+            copies = ", computing with bf16 copies of its fp32 weights" if self.bf16_weights else ""
+            return "no FSDP: one rank holds the whole model" + copies + graphs
         if self.strategy == "ddp":
             return (
                 "no FSDP: the whole model on every rank, gradients all-reduced by DDP (no-shard)"

@@ -38,7 +38,7 @@ all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _slots(model):
+def parameter_slots(model):
     """Each parameter once, with every (module, name) that holds it (a tied weight has several)."""
     params, slots = [], {}
     for module in model.modules():
@@ -61,7 +61,7 @@ class WholeUnit:
         self.ranks, self.world = mesh.size(mesh.ndim - 1), mesh.size()
         rank = mesh.get_local_rank("shard")
         placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-        params, self.slots = _slots(model)
+        params, self.slots = parameter_slots(model)
         # One rank's piece of parameter i: ceil(rows / ranks) rows (torch.chunk's and FSDP2's
         # split), zero-padded to that many on the last ranks, so every rank's segment has the same
         # size and one collective moves all.

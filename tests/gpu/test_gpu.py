@@ -104,6 +104,8 @@ def test_generation_only_on_one_and_two_gpus(tmp_path, corpus):
         (["--compile", "--no-cuda_graphs"], "float32"),
         (["--compile", "--activation_checkpoints"], "bf16"),
         (["--compile", "--grad_accum_steps", 2], "bf16"),
+        (["--compile"], "bf16"),
+        (["--compile", "--no-cuda_graphs"], "bf16"),
     ],
     ids=[
         "fp32",
@@ -112,20 +114,24 @@ def test_generation_only_on_one_and_two_gpus(tmp_path, corpus):
         "compiled-no-graphs",
         "compiled-checkpointed-bf16",
         "compiled-accumulating-bf16",
+        "compiled-bf16",
+        "compiled-no-graphs-bf16",
     ],
 )
 def test_one_gpu_trains_without_fsdp_like_the_reference(tmp_path, corpus, extra, precision):
-    """One rank trains a plain module (whole-model compile, autocast for bf16), not FSDP: same
-    numbers. Compiled, the tiny model replays as CUDA graphs unless told not to (--cuda_graphs
-    unset: by size)."""
+    """One rank trains a plain module (whole-model compile; bf16: autocast, or compiled the bf16
+    copies of bf16_weights.py), not FSDP: same numbers. Compiled, the tiny model replays as CUDA
+    graphs unless told not to (--cuda_graphs unset: by size)."""
     args = train_args(corpus, "one", [*extra, "--precision", precision])
     out = launch(args, ranks=1, cwd=tmp_path)
-    graphs = "--compile" in extra and "--no-cuda_graphs" not in extra
+    compiled = "--compile" in extra
+    graphs = compiled and "--no-cuda_graphs" not in extra
+    copies = compiled and precision == "bf16"
     # the layout ends the banner's first line, or the threads' words follow it after "; "
     layout = re.search(r"; (no FSDP: one rank holds the whole model[^;\n]*)", out.stdout)
     assert layout and layout[1] == "no FSDP: one rank holds the whole model" + (
-        ", replayed as CUDA graphs" if graphs else ""
-    ), out.stdout
+        ", computing with bf16 copies of its fp32 weights" if copies else ""
+    ) + (", replayed as CUDA graphs" if graphs else ""), out.stdout
     ref_losses, _ = reference(args, world=1, device="cuda")
     assert logged_losses(corpus.parent, "one") == pytest.approx(ref_losses, **TOLERANCE[precision])
 

@@ -277,6 +277,31 @@ def test_the_compiled_optimizer_only_where_adamw_steps_gpu_tensors(
 
 
 @pytest.mark.parametrize(
+    "flags,world,copies",
+    [
+        (["--compile", "--precision", "bf16"], 1, True),
+        (["--compile", "--precision", "fp8"], 1, True),
+        (["--compile"], 1, False),  # float32: nothing to copy
+        (["--precision", "bf16"], 1, False),  # uncompiled: autocast
+        (
+            ["--compile", "--precision", "bf16", "--sharding", "no-shard", "--fsdp_unit", "block"],
+            2,
+            False,
+        ),  # DDP
+        (["--compile", "--precision", "bf16", "--fsdp_unit", "block"], 2, False),  # FSDP2 casts
+    ],
+)
+def test_one_gpu_computes_with_bf16_copies_where_the_compiled_optimizer_steps(
+    monkeypatch, flags, world, copies
+):
+    monkeypatch.setattr(plan_module.fp8, "check_device", lambda device: None)
+    plan, _ = plan_for(monkeypatch, flags, world=world, device="cuda")
+    assert plan.bf16_weights is copies
+    assert ("bf16 copies" in plan.describe()) is copies
+    assert plan_for(monkeypatch, flags, world=world)[0].bf16_weights is False  # CPU: autocast
+
+
+@pytest.mark.parametrize(
     "flags,world,named",
     [
         (["--fsdp_unit", "block"], 2, "--fsdp_unit block"),
