@@ -151,3 +151,31 @@ def test_a_load_or_another_optimizers_step_casts_the_copies_anew():
         assert torch.equal(model(x, y), copy.deepcopy(model).to(torch.bfloat16)(x, y))
         for p in model.parameters():
             assert torch.equal(weights.copy_of[p], p.bfloat16())
+
+
+def test_a_resumed_run_steps_on_bit_for_bit():
+    """A checkpoint holds the fp32 weights and AdamW's state; loaded into a new model, the copies
+    are cast anew from them, and the next steps are the uninterrupted run's to the bit."""
+    torch.manual_seed(0)
+    model = Toy()
+    weights, optimizer, sync = ours(model)
+    for step in range(2):
+        train_step(model, optimizer, batches(step, 1), sync, 0.5, CPU)
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    for step in range(2, 4):
+        train_step(model, optimizer, batches(step, 1), sync, 0.5, CPU)
+
+    torch.manual_seed(1)
+    resumed = Toy()  # other initial values, overwritten by the load
+    _, resumed_optimizer, resumed_sync = ours(resumed)
+    with torch.no_grad():
+        resumed(*batches(0, 1)[0])  # its copies cast from the values the load replaces
+    resumed.load_state_dict(saved[0])
+    resumed_optimizer.load_state_dict(saved[1])
+    for step in range(2, 4):
+        train_step(resumed, resumed_optimizer, batches(step, 1), resumed_sync, 0.5, CPU)
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+        assert torch.equal(
+            optimizer.state[p]["exp_avg_sq"], resumed_optimizer.state[q]["exp_avg_sq"]
+        )
