@@ -96,7 +96,7 @@ class BF16Weights:
 
     def grads(self):
         """Each parameter's gradient this step (None where it has none): its copy's, in bf16, or
-        the fp32 sum over the micro-steps."""
+        the fp32 sum over the micro-steps (the last one's added first)."""
         if self.sums is None:
             return [c.grad for c in self.copies]
         self.accumulate()

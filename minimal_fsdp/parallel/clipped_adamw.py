@@ -80,11 +80,16 @@ class ClippedAdamW(torch.optim.AdamW):
     def step(self, closure=None, grad_norm=None, max_norm=0.0):
         if closure is not None:
             raise ValueError("ClippedAdamW takes no closure")
-        grad = (
-            (lambda p: p.grad)
-            if self.weights is None
-            else dict(zip(self.weights.params, self.weights.grads())).get
+        # the copies' gradients where they have them; else the parameter's own (DCP's loader steps
+        # once with zero gradients on the parameters to create the state)
+        copied = (
+            {} if self.weights is None else dict(zip(self.weights.params, self.weights.grads()))
         )
+
+        def grad(p):
+            g = copied.get(p)
+            return p.grad if g is None else g
+
         groups = []
         for i, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if grad(p) is not None]

@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from minimal_fsdp.checkpoint import checkpointer
 from minimal_fsdp.parallel.bf16_weights import BF16Weights
 from minimal_fsdp.parallel.clipped_adamw import ClippedAdamW
 from minimal_fsdp.parallel.parallelize import BF16WeightsSync
@@ -153,25 +155,31 @@ def test_a_load_or_another_optimizers_step_casts_the_copies_anew():
             assert torch.equal(weights.copy_of[p], p.bfloat16())
 
 
-def test_a_resumed_run_steps_on_bit_for_bit():
-    """A checkpoint holds the fp32 weights and AdamW's state; loaded into a new model, the copies
-    are cast anew from them, and the next steps are the uninterrupted run's to the bit."""
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_resumed_run_steps_on_bit_for_bit(tmp_path):
+    """A checkpoint (checkpointer.save and load, DCP's) holds the fp32 weights and AdamW's state;
+    loaded into a new model, the copies are cast anew from them, and the next steps are the
+    uninterrupted run's to the bit."""
     torch.manual_seed(0)
     model = Toy()
     weights, optimizer, sync = ours(model)
     for step in range(2):
         train_step(model, optimizer, batches(step, 1), sync, 0.5, CPU)
-    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+    }
+    assert all(v.dtype == torch.float32 for v in state["model"].values())
+    path = checkpointer.save(tmp_path / "run", 2, None, None, {}, state=state)
     for step in range(2, 4):
         train_step(model, optimizer, batches(step, 1), sync, 0.5, CPU)
 
     torch.manual_seed(1)
-    resumed = Toy()  # other initial values, overwritten by the load
+    resumed = Toy()  # other initial values, replaced by the load
     _, resumed_optimizer, resumed_sync = ours(resumed)
     with torch.no_grad():
         resumed(*batches(0, 1)[0])  # its copies cast from the values the load replaces
-    resumed.load_state_dict(saved[0])
-    resumed_optimizer.load_state_dict(saved[1])
+    checkpointer.load(path, resumed, resumed_optimizer)
     for step in range(2, 4):
         train_step(resumed, resumed_optimizer, batches(step, 1), resumed_sync, 0.5, CPU)
     for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
