@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from minimal_fsdp.parallel.whole_unit import parameter_slots
+from minimal_fsdp.parallel.whole_unit import install, parameter_slots
 
 
 class BF16Weights:
@@ -52,30 +52,25 @@ class BF16Weights:
             always_call=True,
         )
         model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.finish())
-        model.register_load_state_dict_post_hook(lambda module, keys: self._changed())
+        model.register_load_state_dict_post_hook(lambda module, keys: self._stale())
 
-    def _install(self, params):
-        for param, slots in zip(params, self.slots):
-            for module, name in slots:
-                module._parameters[name] = param
-
-    def _changed(self):
+    def _stale(self):
         self.stale = True
 
     def _stepped(self, optimizer):
         if optimizer is not self.writer:
-            self.stale = True
+            self._stale()
 
     @torch.no_grad()
     def _before_forward(self):
         if self.stale:
             torch._foreach_copy_(self.copies, [p.detach() for p in self.params])
             self.stale = False
-        self._install(self.copies)
+        install(self.copies, self.slots)
 
     def finish(self):
         """The fp32 parameters back in the modules (the step's forward and backward are done)."""
-        self._install(self.params)
+        install(self.params, self.slots)
 
     @torch.no_grad()
     def accumulate(self):

@@ -51,6 +51,13 @@ def parameter_slots(model):
     return params, [slots[id(p)] for p in params]
 
 
+def install(params, slots):
+    """Puts params[i] in each (module, name) of slots[i] (parameter_slots' order)."""
+    for param, places in zip(params, slots):
+        for module, name in places:
+            module._parameters[name] = param
+
+
 class WholeUnit:
     """Shards `model`'s parameters over the mesh's last dim ("shard") and gathers them for its
     forward."""
@@ -134,9 +141,7 @@ class WholeUnit:
         )
 
     def _install(self, params):
-        for param, slots in zip(params, self.slots):
-            for module, name in slots:
-                module._parameters[name] = param
+        install(params, self.slots)
 
     def _changed(self):
         self.stale = True
