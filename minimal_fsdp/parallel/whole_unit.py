@@ -118,19 +118,19 @@ class WholeUnit:
             lambda optimizer, args, kwargs: unit() and unit()._changed()
         )
         weakref.finalize(self, hook.remove)
-        self._install(self.sharded)
+        install(self.sharded, self.slots)
         model.register_forward_pre_hook(lambda module, args: self._before_forward())
         # Backward may recompute blocks (activation checkpoints) from the module's parameters: the
         # unsharded ones stay installed until reduce(), after backward; a forward without autograd
         # gives them back at once.
         model.register_forward_hook(
             lambda module, args, out: (
-                None if torch.is_grad_enabled() else self._install(self.sharded)
+                None if torch.is_grad_enabled() else install(self.sharded, self.slots)
             ),
             always_call=True,
         )
         model.register_state_dict_pre_hook(
-            lambda module, prefix, keep_vars: self._install(self.sharded)
+            lambda module, prefix, keep_vars: install(self.sharded, self.slots)
         )
         model.register_load_state_dict_post_hook(lambda module, keys: self._changed())
 
@@ -139,9 +139,6 @@ class WholeUnit:
         return DTensor.from_local(
             local, mesh, placements, run_check=False, shape=like.shape, stride=like.stride()
         )
-
-    def _install(self, params):
-        install(params, self.slots)
 
     def _changed(self):
         self.stale = True
@@ -160,7 +157,7 @@ class WholeUnit:
                 received.view(self.ranks, -1), self.sizes, dim=1, out=self.gather_out
             )
         self.stale = False
-        self._install(self.unsharded)
+        install(self.unsharded, self.slots)
 
     @torch.no_grad()
     def accumulate(self):
@@ -184,7 +181,7 @@ class WholeUnit:
     def reduce(self):
         """The mean gradient over all ranks, this rank's segment of it, as the sharded parameters'
         gradients."""
-        self._install(self.sharded)
+        install(self.sharded, self.slots)
         self.accumulate()
         if self.accumulated is None:
             return

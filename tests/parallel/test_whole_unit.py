@@ -289,7 +289,7 @@ def _collective_names():
 
 
 PRIVATE_APIS = {
-    "nn.Module._parameters (swapped by WholeUnit._install)": _module_parameters_swap,
+    "nn.Module._parameters (swapped by whole_unit.install)": _module_parameters_swap,
     "torch._chunk_cat (WholeUnit.accumulate)": _chunk_cat,
     "DTensor._local_tensor and DTensor.from_local(shape=, stride=)": _dtensor_local_tensor,
     "torch.optim.adamw.adamw, the functional AdamW (LocalAdamW.step)": _functional_adamw,
