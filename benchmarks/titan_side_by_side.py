@@ -181,6 +181,7 @@ def main():
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the median")
     p.add_argument("--no_compile", dest="compile", action="store_false")
     p.add_argument("--profile", action="store_true", help="trace one step of each, break it down")
+    p.add_argument("--top", type=int, default=0, help="with --profile: N longest kernels")
     p.add_argument("--ours_root", default=str(ROOT), help="checkouts of ours, comma-separated")
     p.add_argument("--ours_flags", default="", help="more flags for ours, space-separated")
     p.add_argument("--titan_flags", default="", help="more flags for torchtitan, space-separated")
@@ -188,6 +189,7 @@ def main():
     p.add_argument("--work", type=Path, default=Path("side_by_side"))
     args = p.parse_args()
     args.ours_flags, args.titan_flags = args.ours_flags.split(), args.titan_flags.split()
+    args.work = args.work.resolve()  # ours runs inside each --ours_root and writes here
     args.work.mkdir(parents=True, exist_ok=True)
     data, tok = prepare(args.work)
     rows = []
@@ -207,11 +209,13 @@ def main():
               f"{ratio:.3f}x |")  # fmt: skip
     if args.profile:
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        from trace_breakdown import breakdown, print_breakdown
+        from trace_breakdown import breakdown, print_breakdown, print_top, top_kernels
 
         for r in rows:
             if r["trace"]:
                 print_breakdown(r["who"], breakdown(r["trace"]), r["step_ms"])
+                if args.top:
+                    print_top(top_kernels(r["trace"], args.top))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One step's device time by kind, from a torch.profiler Chrome trace (ours from --profile, or
 torchtitan's profile_traces/iteration_N/rank0_trace.json), traced over `steps` steps:
 
-    python benchmarks/trace_breakdown.py TRACE [--steps 1] [--step_ms MS]
+    python benchmarks/trace_breakdown.py TRACE [--steps 1] [--step_ms MS] [--top N]
 
 Kinds, by kernel name (the first that matches): attention forward / backward (cuDNN, flash,
 memory-efficient), matmuls (cuBLAS, CUTLASS, nvjet, fp8 included), optimizer (AdamW's and the grad
@@ -10,7 +10,8 @@ norm and clipping's multi-tensor kernels, the compiled step's foreach kernels), 
 that scale and cast float8 matmul inputs), loss (cross-entropy kernels), elementwise (everything
 else: Triton kernels compile made, torch's elementwise and reduction kernels). busy = the union of
 kernel intervals; idle = the span from the first kernel's start to the last one's end, less busy
-(with --step_ms: the measured step less busy, which also counts the gap between steps).
+(with --step_ms: the measured step less busy, which also counts the gap between steps). --top N
+lists the N kernels that take the most time, each with its kind, calls and ms a step.
 """
 
 import argparse
@@ -91,6 +92,21 @@ def breakdown(path, steps=1):
     return out
 
 
+def top_kernels(path, n, steps=1):
+    """The n kernels with the most device time: (ms a step, calls a step, kind, name)."""
+    totals, calls = {}, {}
+    for e in device_events(path):
+        totals[e["name"]] = totals.get(e["name"], 0.0) + e["dur"] / 1e3 / steps
+        calls[e["name"]] = calls.get(e["name"], 0) + 1 / steps
+    ranked = sorted(totals, key=totals.get, reverse=True)[:n]
+    return [(totals[k], calls[k], kind(k), k) for k in ranked]
+
+
+def print_top(rows):
+    for ms, count, what, name in rows:
+        print(f"  {ms:7.2f} ms {count:6.0f}x  {what:12.12s}  {name[:110]}")
+
+
 def print_breakdown(who, parts, step_ms=None):
     idle = step_ms - parts["busy"] if step_ms else parts["idle"]
     of = f" of {step_ms:.1f} ms measured" if step_ms else f" of a {parts['span']:.1f} ms span"
@@ -105,8 +121,11 @@ def main():
     p.add_argument("trace")
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--step_ms", type=float, default=None)
+    p.add_argument("--top", type=int, default=0, help="list the N kernels that take the most time")
     args = p.parse_args()
     print_breakdown(args.trace, breakdown(args.trace, args.steps), args.step_ms)
+    if args.top:
+        print_top(top_kernels(args.trace, args.top, args.steps))
 
 
 if __name__ == "__main__":

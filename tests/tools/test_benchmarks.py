@@ -310,3 +310,10 @@ def test_trace_breakdown_sorts_a_steps_kernels_by_kind(tmp_path):
     }
     assert {k: parts[k] for k in expected} == pytest.approx(expected)
     assert parts["busy"] == pytest.approx(12.5) and parts["idle"] == pytest.approx(0.5)
+    # --top: the longest kernels first, with their calls and kind
+    top = tb.top_kernels(path, 2)
+    assert [(ms, calls, what) for ms, calls, what, _ in top] == [
+        (4.0, 1, "matmul"),
+        (3.0, 1, "optimizer"),
+    ]
+    assert top[1][3] == "triton_for_fused_1"
