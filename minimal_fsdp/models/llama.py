@@ -56,6 +56,13 @@ def rotary_tables(config, start, length, device):
     return angles.cos(), angles.sin()
 
 
+# Where the whole trunk is one compiled graph, inductor would fold the tables' arange, cos and sin
+# into every kernel that rotates q or k, forward and backward, and recompute them per element
+# (those kernels took 3.7 ms of a Llama 3 8B step at T=8192 on an H200). Made outside the graph,
+# they are two small inputs it reads.
+_rotary_tables_outside_graphs = torch.compiler.disable(rotary_tables)
+
+
 def apply_rotary(x, cos, sin):
     """Rotate each pair (x_i, x_{i+D/2}) of x (B, H, T, D) by its position's angle."""
     first, second = x.chunk(2, dim=-1)
@@ -151,7 +158,7 @@ class Llama(Decoder):
         head."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
-        cos, sin = rotary_tables(self.config, start, T, idx.device)
+        cos, sin = _rotary_tables_outside_graphs(self.config, start, T, idx.device)
         x = self.drop(self.wte(idx))
         # In the compute dtype, as Hugging Face does (bf16 q, k stay bf16, like v); cast once,
         # outside the blocks.

@@ -99,6 +99,21 @@ def test_positions_matter_and_grouped_heads_share_keys():
         assert not torch.allclose(model(idx), model(idx[:, [1, 0, 2, 3, 4]]), atol=1e-4)
 
 
+def test_compiled_trunk_reads_the_rotary_tables_made_outside_its_graph():
+    """Compiled whole, the trunk's graph takes cos and sin as inputs (made eagerly), so inductor
+    cannot fold their arange, cos and sin into every kernel that rotates q or k; the output is the
+    eager trunk's."""
+    model = Llama(tiny()).eval()
+    init_weights(model, 0, torch.device("cpu"))
+    idx = torch.tensor([[3, 7, 11, 19, 5, 2]])
+    explained = torch._dynamo.explain(model.trunk)(idx)
+    ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes}
+    assert explained.graphs and not {op for op in ops if "cos" in op or "sin" in op}, ops
+    compiled = torch.compile(model.trunk, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(idx), model.trunk(idx), rtol=0, atol=0)
+
+
 # Llama 2: the reference's table; Llama 3 8B: Meta's release.
 @pytest.mark.parametrize(
     "preset,shape,params",
