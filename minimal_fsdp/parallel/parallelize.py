@@ -134,11 +134,28 @@ class BF16WeightsSync(LocalSync):
 
     def clip_grad_norm(self, parameters, max_norm):
         grads = [g for g in self.weights.grads() if g is not None]
-        total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).norm()
+        if sum(g.nbytes for g in grads) >= COMPILED_NORM_BYTES:
+            total = _compiled_grad_norm()(grads)
+        else:
+            total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).norm()
         if max_norm:
             factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, factor.to(grads[0].dtype))
         return total
+
+
+# Gradients this large take the compiled norm. It reads them at about 1.6x _foreach_norm's speed
+# (2.8B bf16 gradients: 1.53 against 2.49 ms on an H200) but launches a reduction per tensor, which
+# a small model's short step pays for (recipe S, 10.75M parameters: 5.76 -> 6.19 ms a step).
+COMPILED_NORM_BYTES = 2**30
+
+
+@functools.cache
+def _compiled_grad_norm():
+    """The 2-norm of all gradients, summed in fp32 (inductor's reductions)."""
+    return torch.compile(
+        lambda grads: torch.stack([g.float().square().sum() for g in grads]).sum().sqrt()
+    )
 
 
 class DDPSync(LocalSync):

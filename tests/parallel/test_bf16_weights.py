@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from minimal_fsdp.checkpoint import checkpointer
+from minimal_fsdp.parallel import parallelize
 from minimal_fsdp.parallel.bf16_weights import BF16Weights
 from minimal_fsdp.parallel.clipped_adamw import ClippedAdamW
 from minimal_fsdp.parallel.parallelize import BF16WeightsSync
@@ -107,6 +108,29 @@ def test_train_step_with_bf16_copies_is_the_mixed_precision_written_out(micro):
         assert torch.equal(weights.copy_of[p], p.detach().bfloat16()), name
         assert optimizer.state[p]["exp_avg"].dtype == torch.float32
     assert all(c.grad is None for c in weights.copies) and weights.sums is None  # zero_grad
+
+
+def test_large_gradients_take_the_compiled_norm(monkeypatch):
+    """From parallelize.COMPILED_NORM_BYTES up (here: any size) the norm is inductor's sum of
+    squares: the norms and weights of the mixed precision written out, to fp32's rounding."""
+    compiled, calls = parallelize._compiled_grad_norm, []
+
+    def spied():
+        norm = compiled()
+        return lambda grads: calls.append(len(grads)) or norm(grads)
+
+    monkeypatch.setattr(parallelize, "COMPILED_NORM_BYTES", 0)
+    monkeypatch.setattr(parallelize, "_compiled_grad_norm", spied)
+    torch.manual_seed(0)
+    model = Toy()
+    reference = copy.deepcopy(model)
+    weights, optimizer, sync = ours(model)
+    norms = [train_step(model, optimizer, batches(s, 1), sync, 0.5, CPU)[1] for s in range(3)]
+    assert calls == [4, 4, 4]  # the tied embedding, proj's weight and bias, scale
+    expected = by_hand(reference, 3, 1, 0.5)
+    torch.testing.assert_close(torch.stack(norms), torch.stack(expected), rtol=1e-6, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def test_outside_a_step_everything_sees_the_fp32_weights():
