@@ -56,7 +56,7 @@ def banner(flags, env, plan, model, resume_from=None, checkpointer=None):
         + (f"; {environment.THREADS['line']}" if environment.THREADS["line"] else ""),
         f"model: {num_params / 1e6:.2f}M parameters; params + grads + AdamW take ~{state} of "
         f"{where} per rank ({spread}; activations not included)",
-        *([fp8.describe(plan, model)] if plan.fp8 else []),
+        *([fp8.describe(plan, model, env.device)] if plan.fp8 else []),
         *(
             [saving(flags["checkpoint_mode"], env, checkpointer)]
             if checkpointer is not None

@@ -9,7 +9,15 @@ for the gradient. Backward is then just the two matmuls; it is linear in the gra
 upstream scale (1 / accumulation steps) goes on the small tensors (x's rows, the input gradient),
 not on the logits or the vocab x C weight gradient. Without grad (evaluation) the kernel skips the
 second pass. benchmarks/loss.py times it.
+
+float8=True (--precision fp8, tensorwise): the logits and the input gradient come from float8
+matmuls, as in the blocks' float8 layers and with torchao's scales (one per tensor: x and the
+weight in e4m3, the logits' gradient in e5m2). The weight gradient stays a bf16 matmul: float8
+would need the vocab x tokens gradient transposed first. At Llama 3's 128K vocabulary the head is
+a sixth of a step's matmuls (benchmarks/results/RESULTS.md, fp8-head).
 """
+
+import functools
 
 import torch
 import triton
@@ -82,10 +90,40 @@ def loss_and_grad(logits, targets, losses, with_grad=True):
     )
 
 
-def project_and_reduce(x, weight, targets, with_grad):
+@functools.cache
+def _tensorwise(dtype, transpose=False):
+    """A compiled cast of a tensor to float8 `dtype` with one scale, as torchao's tensorwise
+    recipe computes it; returns the float8 tensor (transpose: of t.T, contiguous) and 1 / scale."""
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    @torch.compile
+    def cast(t):
+        scale = tensor_to_scale(t, dtype)
+        t8 = to_fp8_saturated(t.float() * scale, dtype)
+        return (t8.t().contiguous() if transpose else t8), scale.reciprocal()
+
+    return cast
+
+
+def float8_fits(rows, weight):
+    """torch._scaled_mm takes sizes that are multiples of 16."""
+    return rows.size(0) % 16 == 0 and rows.size(1) % 16 == 0 and weight.size(0) % 16 == 0
+
+
+def logits_of(rows, weight, float8):
+    """rows @ weight.T, in rows' dtype: with float8, from e4m3 casts of both."""
+    if not (float8 and float8_fits(rows, weight)):
+        return rows @ weight.t()
+    x8, x_inverse = _tensorwise(torch.float8_e4m3fn)(rows)
+    w8, w_inverse = _tensorwise(torch.float8_e4m3fn)(weight)
+    # the weight row-major is its transpose column-major, as _scaled_mm wants its second operand
+    return torch._scaled_mm(x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=rows.dtype)
+
+
+def project_and_reduce(x, weight, targets, with_grad, float8=False):
     """The logits of x (..., C) as rows, x @ weight.T (with_grad: turned into their gradient), and
     the mean loss."""
-    logits = x.reshape(-1, x.size(-1)) @ weight.t()
+    logits = logits_of(x.reshape(-1, x.size(-1)), weight, float8)
     losses = torch.empty(logits.size(0), device=logits.device, dtype=torch.float32)
     loss_and_grad(logits, targets.reshape(-1).contiguous(), losses, with_grad)
     return logits, losses.mean()
@@ -93,7 +131,7 @@ def project_and_reduce(x, weight, targets, with_grad):
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets):
+    def forward(ctx, x, weight, targets, float8=False):
         # Under autocast (one GPU, replicas) the inputs are cast here rather than by custom_fwd,
         # so that backward can hand an fp32 weight its gradient straight from the matmul (fp32
         # out): no bf16 vocab x C gradient written, read and cast back.
@@ -102,7 +140,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             dtype = torch.get_autocast_dtype("cuda")
             x, weight = x.to(dtype), weight.to(dtype)
         with torch.autocast("cuda", enabled=False):
-            dlogits, loss = project_and_reduce(x, weight, targets, with_grad=True)
+            dlogits, loss = project_and_reduce(x, weight, targets, with_grad=True, float8=float8)
+        ctx.float8 = float8 and float8_fits(dlogits, weight)
         ctx.save_for_backward(x, weight, dlogits)
         return loss
 
@@ -110,7 +149,16 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, dlogits = ctx.saved_tensors
         rows = x.reshape(-1, x.size(-1))
-        dx = (dlogits @ weight).mul_(grad).view_as(x) if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0] and ctx.float8:
+            d8, d_inverse = _tensorwise(torch.float8_e5m2)(dlogits)
+            # the weight's transpose row-major: the weight column-major, as _scaled_mm wants it
+            w8t, w_inverse = _tensorwise(torch.float8_e4m3fn, transpose=True)(weight)
+            dx = torch._scaled_mm(
+                d8, w8t.t(), scale_a=d_inverse * grad, scale_b=w_inverse, out_dtype=x.dtype
+            ).view_as(x)
+        elif ctx.needs_input_grad[0]:
+            dx = (dlogits @ weight).mul_(grad).view_as(x)
         dweight = None
         if ctx.needs_input_grad[1]:
             # the scale on x's rows (tokens x C), not on the vocab x C product
@@ -118,13 +166,13 @@ class LinearCrossEntropy(torch.autograd.Function):
             out = ctx.weight_dtype if ctx.weight_dtype != dlogits.dtype else None
             dweight = torch.mm(dlogits.t(), scaled, **({"out_dtype": out} if out else {}))
         # autograd casts dx to x's own dtype where autocast cast x
-        return dx, dweight, None
+        return dx, dweight, None, None
 
 
-def linear_cross_entropy(x, weight, targets):
+def linear_cross_entropy(x, weight, targets, float8=False):
     """Mean cross-entropy of the logits x @ weight.T against targets, as layers.cross_entropy
-    computes it."""
+    computes it; float8: the logits and x's gradient from float8 matmuls."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return LinearCrossEntropy.apply(x, weight, targets)
+        return LinearCrossEntropy.apply(x, weight, targets, float8)
     # Evaluation: the loss alone; the kernel skips the pass that writes the gradient.
-    return project_and_reduce(x, weight, targets, with_grad=False)[1]
+    return project_and_reduce(x, weight, targets, with_grad=False, float8=float8)[1]

@@ -5,8 +5,9 @@ L40S).
 Which layers: a block's nn.Linear whose in and out features are both multiples of 16 (what float8
 matmuls, torch._scaled_mm, accept) and both at least MIN_FEATURES. That rule keeps out only the tiny
 layers, whose casts surely cost more than their faster matmul saves; whether mid-sized ones (GPT-2
-124M's 768) gain is measured, not assumed (docs/performance.md). Never the embeddings or the output
-head: the head's matmul is part of the fused loss.
+124M's 768) gain is measured, not assumed (docs/performance.md). Never the embeddings. The output
+head's matmul is part of the fused loss, which (tensorwise, on CUDA) makes its logits and input
+gradient in float8 itself (models/fused_loss.py).
 
 Recipes (--fp8_recipe), torchao's:
   tensorwise  one scale per tensor, cuBLAS float8 matmuls. Under FSDP over more than one rank the
@@ -177,8 +178,8 @@ def scale_precompute(plan):
     return precompute_float8_dynamic_scale_for_fsdp
 
 
-def describe(plan, model):
-    """The banner's line about fp8."""
+def describe(plan, model, device):
+    """The banner's line about fp8 (the fused loss, and with it the float8 head, is CUDA's)."""
     blocks = [
         m
         for name, m in model.named_modules()
@@ -191,8 +192,10 @@ def describe(plan, model):
         if gathered
         else "each weight cast to float8 where it is used"
     )
+    in_head = plan.fp8_head and device.type == "cuda"
+    head = " and in the output head's logits and input gradient" if in_head else ""
     return (
         f"fp8: {plan.fp8} float8 matmuls in {len(layers)} of the blocks' {len(blocks)} linear "
-        f"layers ({gather}); MFU is relative to the dense bf16 peak, as for bf16, so the two "
-        f"compare"
+        f"layers ({gather}){head}; MFU is relative to the dense bf16 peak, as for bf16, so the "
+        f"two compare"
     )

@@ -133,6 +133,12 @@ class ParallelPlan:
         )
 
     @property
+    def fp8_head(self):
+        """The output head's logits and input gradient come from float8 matmuls (fused_loss.py):
+        tensorwise only; rowwise keeps it in bf16 with everything else it does not convert."""
+        return self.fp8 == "tensorwise"
+
+    @property
     def stays_gathered(self):
         """FSDP2's params stay gathered from forward to backward anyway (the whole model as one
         unit, or no reshard after forward), so also across an accumulation's micro-steps."""

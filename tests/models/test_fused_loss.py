@@ -149,3 +149,81 @@ def test_evaluation_computes_the_loss_without_the_gradient_pass(autocast):
     assert torch.allclose(
         losses, F.cross_entropy(kept, targets.view(-1), reduction="none"), rtol=1e-5
     )
+
+
+def scaled_mm_calls(fn):
+    """The aten ops fn runs that are float8 matmuls (_scaled_mm), by the shapes they multiply."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_mm.default:
+                self.shapes.append((tuple(args[0].shape), tuple(args[1].shape), args[0].dtype))
+            return func(*args, **(kwargs or {}))
+
+    with Calls() as calls:
+        fn()
+    return calls.shapes
+
+
+float8_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs float8 tensor cores (compute capability 8.9+)",
+)
+
+
+@float8_gpu
+def test_float8_head_matches_pytorch_within_float8s_error():
+    """--precision fp8 (tensorwise): the logits come from e4m3 casts of x and the weight, x's
+    gradient from the e5m2 logits' gradient; both float8 matmuls run (and the weight's gradient
+    stays a bf16 matmul); the loss and gradients stay within float8's rounding of fp32's."""
+    pytest.importorskip("torchao")
+    from minimal_fsdp.models.fused_loss import linear_cross_entropy
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (0.1 * torch.randn(5008, 128, device="cuda")).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 5008, (4, 64), device="cuda")
+    scale = 0.25
+
+    def step():
+        (scale * linear_cross_entropy(x, weight, targets, float8=True)).backward()
+
+    shapes = scaled_mm_calls(step)
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    # forward: x (256 x 128) by the weight's transpose; backward: the logits' gradient by the weight
+    assert shapes == [((256, 128), (128, 5008), e4m3), ((256, 5008), (5008, 128), e5m2)]
+    ref_loss, ref_dx, ref_dweight = reference(x, weight, targets, scale)
+    loss = linear_cross_entropy(x, weight, targets, float8=True)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-2)
+    assert x.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    # e4m3 keeps 3 mantissa bits, e5m2 2: against bf16's 2e-2, a few times more
+    assert relative(x.grad, ref_dx) < 0.1
+    assert relative(weight.grad, ref_dweight) < 0.1
+    # float8 is really in use: the bf16 path gives other values
+    bf16_loss = linear_cross_entropy(x, weight, targets)
+    assert loss.item() != bf16_loss.item()
+
+
+@float8_gpu
+def test_float8_head_falls_back_to_bf16_where_sizes_are_not_multiples_of_16():
+    """_scaled_mm needs multiples of 16: 3 x 37 tokens keep the bf16 matmuls and their values."""
+    pytest.importorskip("torchao")
+    from minimal_fsdp.models.fused_loss import linear_cross_entropy
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 37, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (0.5 * torch.randn(512, 64, device="cuda")).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 512, (3, 37), device="cuda")
+    grads = []
+    for float8 in (True, False):
+        x.grad = weight.grad = None
+        assert not scaled_mm_calls(
+            lambda: linear_cross_entropy(x, weight, targets, float8=float8).backward()
+        )
+        grads.append((x.grad.clone(), weight.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

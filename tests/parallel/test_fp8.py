@@ -207,6 +207,21 @@ def test_converted_layers_are_the_blocks_wide_ones():
     assert len(fp8.convertible(llama7b)) == 7 * 32  # every linear layer of every block, no head
 
 
+@pytest.mark.parametrize(
+    "recipe,device,head",
+    [("tensorwise", "cuda", True), ("tensorwise", "cpu", False), ("rowwise", "cuda", False)],
+)
+def test_the_banner_says_where_the_output_head_is_float8(monkeypatch, recipe, device, head):
+    """Tensorwise, the fused loss (CUDA's) makes the head's logits and input gradient in float8;
+    rowwise, and on the CPU, the head stays bf16."""
+    plan = plan_for(["--precision", "fp8", "--fp8_recipe", recipe], monkeypatch=monkeypatch)
+    assert plan.fp8_head == (recipe == "tensorwise")
+    with torch.device("meta"):
+        line = fp8.describe(plan, Llama(SMALL_LLAMA), torch.device(device))
+    assert ("in the output head's logits and input gradient" in line) == head
+    assert "float8 matmuls in 10 of the blocks' 14 linear layers" in line
+
+
 @needs_torchao
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_every_float8_layer_runs_and_the_loss_stays_close_to_bf16(monkeypatch, family):
