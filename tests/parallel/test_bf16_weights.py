@@ -110,6 +110,7 @@ def test_train_step_with_bf16_copies_is_the_mixed_precision_written_out(micro):
     assert all(c.grad is None for c in weights.copies) and weights.sums is None  # zero_grad
 
 
+@pytest.mark.slow  # compiles (inductor on the CPU)
 def test_large_gradients_take_the_compiled_norm(monkeypatch):
     """From parallelize.COMPILED_NORM_BYTES up (here: any size) the norm is inductor's sum of
     squares: the norms and weights of the mixed precision written out, to fp32's rounding."""
