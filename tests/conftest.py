@@ -138,7 +138,11 @@ def launch(args, ranks=2, cwd=None, timeout=300, env=None, check=True, entry=ENT
     """Run basic_training.py (or `entry`, a script that wraps it) on `ranks` MPI ranks; returns the
     CompletedProcess. The timeout only guards against a hang; no test asserts on time."""
     cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(entry), *map(str, args)]
-    environment = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    # Not single_process's MASTER_PORT: a port picked free earlier can be anyone's by now (an
+    # ephemeral port of a connection), and the job would stop on "already in use". Unset, rank 0
+    # binds a free one itself; a test that means a port passes it in env.
+    inherited = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    environment = dict(inherited, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
     result = subprocess.run(
         cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environment
     )
