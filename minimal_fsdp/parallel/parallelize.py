@@ -377,9 +377,11 @@ def build_model(model_cls, model_config, plan, env, seed):
         # gradient (fused_loss.py).
         from minimal_fsdp.models.fused_loss import linear_cross_entropy
 
-        model.loss = linear_cross_entropy
-        if plan.fp8_head:
-            model.loss = functools.partial(linear_cross_entropy, float8=True)
+        model.loss = (
+            functools.partial(linear_cross_entropy, float8=True)
+            if plan.fp8_head
+            else linear_cross_entropy
+        )
     elif plan.compile:
         # Compiled, the fp32 upcast, log-softmax and its backward fuse into a few passes over the
         # logits instead of materializing fp32 logits (the largest tensor of a GPT-2 step).
