@@ -2,7 +2,8 @@
 both rows (and, with --profile, each one's kernel time by kind, trace_breakdown.py).
 
     python benchmarks/titan_side_by_side.py --layers 8 --seq 8192 --batch 1 \
-        --precision bf16 --ac none [--profile] [--ours_root DIR,...] [--work DIR] [--gpus N]
+        --precision bf16 --ac none [--profile] [--ours_root DIR,...] [--work DIR] [--gpus N] \
+        [--rounds R]
 
 torchtitan runs as its user gets it on one GPU (torchrun, its own train.py, autocast without FSDP,
 its compile of model and loss), on Llama 3 8B's flavor cut to --layers blocks (registered here as
@@ -14,6 +15,9 @@ its `memory:` (the allocator's peak reserved, GiB). Ours is benchmarks/throughpu
 ours from each of several checkouts (e.g. a copy of an earlier commit), for a before/after in the
 same launch. --gpus N: both shard over N GPUs of this host (torchtitan under torchrun with its
 default FSDP over every rank; ours under mpiexec -n N, full-shard); the rows give tokens/s per GPU.
+--rounds R runs them all R times, every second round in reverse order, and compares the medians:
+the same kernels run slower as the card heats up through a launch, so whichever runs last loses a
+percent or two (each row gives the SM clock and temperature nvidia-smi read while it ran).
 
 torchtitan is a benchmark-only dependency: on the GPU machine, which has no package index, install
 its wheels first (torchtitan==0.2.2, torchdata, tyro, docstring-parser, typeguard, tomli, datasets,
@@ -167,6 +171,76 @@ def run_ours(args, root, log):
     )
 
 
+def orders(trainers, rounds):
+    """Each round runs every trainer once; every second round in reverse order, so that none always
+    runs first on a cool card."""
+    return [trainers if r % 2 == 0 else trainers[::-1] for r in range(rounds)]
+
+
+class Clocks:
+    """nvidia-smi's SM clock and temperature once a second while a run lasts (nothing where there is
+    no nvidia-smi)."""
+
+    QUERY = "--query-gpu=clocks.sm,temperature.gpu,utilization.gpu"
+
+    def __enter__(self):
+        self.text = ""
+        cmd = ["nvidia-smi", self.QUERY, "--format=csv,noheader,nounits", "-lms", "1000", "-i", "0"]
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc:
+            self.proc.terminate()
+            self.text = self.proc.communicate()[0]
+
+    def busy(self):
+        return busy_clocks(self.text)
+
+
+def busy_clocks(text):
+    """{'mhz': median SM clock, 'celsius': hottest} over the samples at 90% utilization or more."""
+    samples = []
+    for line in text.splitlines():
+        try:
+            mhz, celsius, util = (float(v) for v in line.split(","))
+        except ValueError:
+            continue
+        if util >= 90:
+            samples.append((mhz, celsius))
+    if not samples:
+        return {"mhz": None, "celsius": None}
+    return {"mhz": statistics.median(m for m, _ in samples), "celsius": max(c for _, c in samples)}
+
+
+def print_rows(rows, rounds):
+    print("| round | trainer | tok/s | step ms | peak memory | SM MHz busy | max C | vs first |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        first = next(f for f in rows if f["round"] == r["round"])
+        mhz = f"{r['mhz']:.0f}" if r["mhz"] else "-"
+        celsius = f"{r['celsius']:.0f}" if r["celsius"] else "-"
+        ratio = r["tok_s"] / first["tok_s"]
+        print(f"| {r['round']} | {r['who']} | {r['tok_s']:,.0f} | {r['step_ms']:.1f} "
+              f"| {r['memory']} | {mhz} | {celsius} | {ratio:.3f}x |")  # fmt: skip
+    if rounds > 1:
+        print("\n| trainer | median tok/s | vs first |\n|---|---|---|")
+        medians = median_rows(rows)
+        for who, tok_s in medians.items():
+            print(f"| {who} | {tok_s:,.0f} | {tok_s / next(iter(medians.values())):.3f}x |")
+
+
+def median_rows(rows):
+    """{trainer: median tok/s over its rounds}, in the order the trainers first ran."""
+    by = {}
+    for r in sorted(rows, key=lambda r: r["order"]):
+        by.setdefault(r["who"], []).append(r["tok_s"])
+    return {who: statistics.median(v) for who, v in by.items()}
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--titan_child":
         return titan_child(sys.argv[2:])
@@ -182,40 +256,42 @@ def main():
     p.add_argument("--no_compile", dest="compile", action="store_false")
     p.add_argument("--profile", action="store_true", help="trace one step of each, break it down")
     p.add_argument("--top", type=int, default=0, help="with --profile: N longest kernels")
+    p.add_argument("--gaps", type=int, default=0, help="with --profile: N longest idle stretches")
     p.add_argument("--ours_root", default=str(ROOT), help="checkouts of ours, comma-separated")
     p.add_argument("--ours_flags", default="", help="more flags for ours, space-separated")
     p.add_argument("--titan_flags", default="", help="more flags for torchtitan, space-separated")
     p.add_argument("--skip_titan", action="store_true")
+    p.add_argument("--rounds", type=int, default=1, help="run all R times, alternating the order")
     p.add_argument("--work", type=Path, default=Path("side_by_side"))
     args = p.parse_args()
     args.ours_flags, args.titan_flags = args.ours_flags.split(), args.titan_flags.split()
     args.work = args.work.resolve()  # ours runs inside each --ours_root and writes here
     args.work.mkdir(parents=True, exist_ok=True)
     data, tok = prepare(args.work)
+    trainers = ([] if args.skip_titan else [None]) + args.ours_root.split(",")  # None: torchtitan
     rows = []
     with open(args.work / f"log-{args.precision}-{args.ac}.txt", "a") as log:
-        if not args.skip_titan:
-            rows.append(run_titan(args, data, tok, log))
-        for root in args.ours_root.split(","):
-            rows.append(run_ours(args, root, log))
-    rows = [r for r in rows if r]
+        for n, order in enumerate(orders(trainers, args.rounds)):
+            for who in order:
+                with Clocks() as clocks:
+                    row = run_ours(args, who, log) if who else run_titan(args, data, tok, log)
+                if row:
+                    rows.append(dict(row, round=n + 1, order=trainers.index(who), **clocks.busy()))
     shape = f"Llama 3 8B shape, {args.layers} layers, T={args.seq}, batch {args.batch} a GPU"
     shape += f", {args.gpus} GPUs (tokens/s per GPU)" if args.gpus > 1 else ""
     print(f"\n{shape}, {args.precision}, AC {args.ac}, compile {args.compile}")
-    print("| trainer | tok/s | step ms | peak memory | vs first |\n|---|---|---|---|---|")
-    for r in rows:
-        ratio = r["tok_s"] / rows[0]["tok_s"]
-        print(f"| {r['who']} | {r['tok_s']:,.0f} | {r['step_ms']:.1f} | {r['memory']} | "
-              f"{ratio:.3f}x |")  # fmt: skip
+    print_rows(rows, args.rounds)
     if args.profile:
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        from trace_breakdown import breakdown, print_breakdown, print_top, top_kernels
+        import trace_breakdown as tb
 
-        for r in rows:
+        for r in rows[-len(trainers) :]:  # the last round's
             if r["trace"]:
-                print_breakdown(r["who"], breakdown(r["trace"]), r["step_ms"])
+                tb.print_breakdown(r["who"], tb.breakdown(r["trace"]), r["step_ms"])
                 if args.top:
-                    print_top(top_kernels(r["trace"], args.top))
+                    tb.print_top(tb.top_kernels(r["trace"], args.top))
+                if args.gaps:
+                    tb.print_gaps(tb.gaps(r["trace"], args.gaps))
 
 
 if __name__ == "__main__":

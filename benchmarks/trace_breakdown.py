@@ -1,7 +1,7 @@
 """One step's device time by kind, from a torch.profiler Chrome trace (ours from --profile, or
 torchtitan's profile_traces/iteration_N/rank0_trace.json), traced over `steps` steps:
 
-    python benchmarks/trace_breakdown.py TRACE [--steps 1] [--step_ms MS] [--top N]
+    python benchmarks/trace_breakdown.py TRACE [--steps 1] [--step_ms MS] [--top N] [--gaps N]
 
 Kinds, by kernel name (the first that matches): attention forward / backward (cuDNN, flash,
 memory-efficient), matmuls (cuBLAS, CUTLASS, nvjet, fp8 included), optimizer (AdamW's and the grad
@@ -11,7 +11,8 @@ that scale and cast float8 matmul inputs), loss (cross-entropy kernels), element
 else: Triton kernels compile made, torch's elementwise and reduction kernels). busy = the union of
 kernel intervals; idle = the span from the first kernel's start to the last one's end, less busy
 (with --step_ms: the measured step less busy, which also counts the gap between steps). --top N
-lists the N kernels that take the most time, each with its kind, calls and ms a step.
+lists the N kernels that take the most time, each with its kind, calls and ms a step; --gaps N the N
+longest stretches with no kernel running inside the span, each with the kernels on either side.
 """
 
 import argparse
@@ -102,6 +103,24 @@ def top_kernels(path, n, steps=1):
     return [(totals[k], calls[k], kind(k), k) for k in ranked]
 
 
+def gaps(path, n):
+    """The n longest stretches inside the span where no kernel runs: (ms, the kernel that ended
+    last before it, the kernel that starts it), longest first."""
+    events = sorted(device_events(path), key=lambda e: e["ts"])
+    found, end, last = [], None, None
+    for e in events:
+        if end is not None and e["ts"] > end:
+            found.append(((e["ts"] - end) / 1e3, last, e["name"]))
+        if end is None or e["ts"] + e["dur"] > end:
+            end, last = e["ts"] + e["dur"], e["name"]
+    return sorted(found, key=lambda g: g[0], reverse=True)[:n]
+
+
+def print_gaps(rows):
+    for ms, before, after in rows:
+        print(f"  {ms:7.3f} ms idle  after {before[:60]}  before {after[:60]}")
+
+
 def print_top(rows):
     for ms, count, what, name in rows:
         print(f"  {ms:7.2f} ms {count:6.0f}x  {what:12.12s}  {name[:110]}")
@@ -122,10 +141,13 @@ def main():
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--step_ms", type=float, default=None)
     p.add_argument("--top", type=int, default=0, help="list the N kernels that take the most time")
+    p.add_argument("--gaps", type=int, default=0, help="list the N longest idle stretches")
     args = p.parse_args()
     print_breakdown(args.trace, breakdown(args.trace, args.steps), args.step_ms)
     if args.top:
         print_top(top_kernels(args.trace, args.top, args.steps))
+    if args.gaps:
+        print_gaps(gaps(args.trace, args.gaps))
 
 
 if __name__ == "__main__":

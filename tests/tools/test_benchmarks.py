@@ -288,7 +288,7 @@ def test_trace_breakdown_sorts_a_steps_kernels_by_kind(tmp_path):
         ("loss_and_grad_kernel", 7500, 500),
         ("triton_poi_fused__unsafe_view_mul_silu_9", 8000, 500),
         ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 9000, 1000),
-        ("triton_for_fused_1", 10000, 3000),  # overlaps nothing; 500 us idle before the last
+        ("triton_for_fused_1", 10000, 3000),  # 500 us idle before AdamW
     ]
     trace = {
         "traceEvents": [
@@ -317,3 +317,39 @@ def test_trace_breakdown_sorts_a_steps_kernels_by_kind(tmp_path):
         (3.0, 1, "optimizer"),
     ]
     assert top[1][3] == "triton_for_fused_1"
+    # --gaps: the one idle stretch, between the compiled SiLU and AdamW
+    ((ms, before, after),) = tb.gaps(path, 3)
+    assert ms == pytest.approx(0.5) and before == "triton_poi_fused__unsafe_view_mul_silu_9"
+    assert after == "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>"
+
+
+def test_titan_side_by_side_alternates_rounds_and_compares_medians(capsys):
+    """titan_side_by_side.py --rounds: every second round reversed (no trainer always first on a
+    cool card), the clock read only while the card is busy, medians compared with the first
+    trainer's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "titan_side_by_side", ROOT / "benchmarks" / "titan_side_by_side.py"
+    )
+    sbs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sbs)
+    assert sbs.orders([None, "a", "b"], 3) == [[None, "a", "b"], ["b", "a", None], [None, "a", "b"]]
+    # nvidia-smi's csv: clock MHz, temperature C, utilization %; idle samples left out
+    text = "345, 30, 0\n1980, 41, 100\n1830, 52, 98\nbad line\n1755, 60, 95\n"
+    assert sbs.busy_clocks(text) == {"mhz": 1830, "celsius": 60}
+    assert sbs.busy_clocks("") == {"mhz": None, "celsius": None}
+    row = dict(memory="-", step_ms=1.0, mhz=None, celsius=None)
+    rows = [
+        dict(row, who="titan", tok_s=100, round=1, order=0),
+        dict(row, who="ours", tok_s=120, round=1, order=1),
+        dict(row, who="ours", tok_s=110, round=2, order=1),  # round 2: reversed
+        dict(row, who="titan", tok_s=90, round=2, order=0),
+        dict(row, who="titan", tok_s=95, round=3, order=0),
+        dict(row, who="ours", tok_s=130, round=3, order=1),
+    ]
+    assert sbs.median_rows(rows) == {"titan": 95, "ours": 120}
+    sbs.print_rows(rows, 3)
+    out = capsys.readouterr().out
+    assert "| 2 | titan | 90 | 1.0 | - | - | - | 0.818x |" in out  # against round 2's first
+    assert "| ours | 120 | 1.263x |" in out
