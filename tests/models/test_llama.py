@@ -31,9 +31,11 @@ from minimal_fsdp.checkpoint import (
 from minimal_fsdp.config.checks import model_family
 from minimal_fsdp.config.flags import MODEL_PRESETS, ConfigError, parse_args
 from minimal_fsdp.hf import read
+from minimal_fsdp.models import llama  # noqa: E402
 from minimal_fsdp.models.families import config_from_flags, make_config  # noqa: E402
 from minimal_fsdp.models.gpt import PRESETS as GPT_PRESETS  # noqa: E402
 from minimal_fsdp.models.llama import PRESETS, Llama, LlamaConfig  # noqa: E402
+from minimal_fsdp.models.llama import rotary_frequencies as frequencies  # noqa: E402
 from minimal_fsdp.parallel.parallelize import init_weights  # noqa: E402
 
 STEPS = 5
@@ -112,6 +114,42 @@ def test_compiled_trunk_reads_the_rotary_tables_made_outside_its_graph():
     compiled = torch.compile(model.trunk, backend="eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(idx), model.trunk(idx), rtol=0, atol=0)
+
+
+def test_rotary_frequencies_reach_the_device_once(monkeypatch):
+    """A copy per forward from host memory would make the host wait for the device every step (see
+    the GPU test below): the frequencies are made once per config and device, as an ordinary tensor
+    even when generation (inference mode) asks first."""
+    config = tiny(rope_theta=1234.0)
+    made = []
+    monkeypatch.setattr(llama, "_FREQUENCIES", {})
+    monkeypatch.setattr(llama, "rotary_frequencies", lambda c: made.append(c) or frequencies(c))
+    model = Llama(config)
+    init_weights(model, 0, torch.device("cpu"))
+    idx = torch.tensor([[3, 7, 11, 19, 5, 2]])
+    with torch.inference_mode():
+        first = model(idx)
+    model(idx, idx).backward()  # training after generation
+    assert len(made) == 1
+    cached = llama.frequencies_on(config, torch.device("cpu"))
+    assert not cached.is_inference() and torch.equal(cached, frequencies(config))
+    other = tiny(rope_theta=10000.0)
+    assert not torch.equal(llama.frequencies_on(other, torch.device("cpu")), cached)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), first, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_forward_on_cuda_copies_nothing_from_the_host():
+    model = Llama(tiny()).cuda()
+    idx = torch.tensor([[3, 7, 11, 19, 5, 2]], device="cuda")
+    model(idx)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model(idx)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert names and not [n for n in names if "HtoD" in n], names
 
 
 # Llama 2: the reference's table; Llama 3 8B: Meta's release.
