@@ -93,14 +93,16 @@ def loss_and_grad(logits, targets, losses, with_grad=True):
 @functools.cache
 def _tensorwise(dtype, transpose=False):
     """A compiled cast of a tensor to float8 `dtype` with one scale, as torchao's tensorwise
-    recipe computes it; returns the float8 tensor (transpose: of t.T, contiguous) and 1 / scale."""
+    recipe computes it; returns the float8 tensor (transpose: of t.T, contiguous) and the scale.
+    Given a scale, it casts with that one (the weight's backward cast takes its forward's)."""
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
     @torch.compile
-    def cast(t):
-        scale = tensor_to_scale(t, dtype)
+    def cast(t, scale=None):
+        if scale is None:
+            scale = tensor_to_scale(t, dtype)
         t8 = to_fp8_saturated(t.float() * scale, dtype)
-        return (t8.t().contiguous() if transpose else t8), scale.reciprocal()
+        return (t8.t().contiguous() if transpose else t8), scale
 
     return cast
 
@@ -111,22 +113,26 @@ def float8_fits(rows, weight):
 
 
 def logits_of(rows, weight, float8):
-    """rows @ weight.T, in rows' dtype: with float8, from e4m3 casts of both."""
+    """rows @ weight.T, in rows' dtype, and the weight's float8 scale: with float8, from e4m3 casts
+    of both (else the scale is None)."""
     if not (float8 and float8_fits(rows, weight)):
-        return rows @ weight.t()
-    x8, x_inverse = _tensorwise(torch.float8_e4m3fn)(rows)
-    w8, w_inverse = _tensorwise(torch.float8_e4m3fn)(weight)
+        return rows @ weight.t(), None
+    x8, x_scale = _tensorwise(torch.float8_e4m3fn)(rows)
+    w8, w_scale = _tensorwise(torch.float8_e4m3fn)(weight)
     # the weight row-major is its transpose column-major, as _scaled_mm wants its second operand
-    return torch._scaled_mm(x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=rows.dtype)
+    logits = torch._scaled_mm(
+        x8, w8.t(), scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(), out_dtype=rows.dtype
+    )
+    return logits, w_scale
 
 
 def project_and_reduce(x, weight, targets, with_grad, float8=False):
-    """The logits of x (..., C) as rows, x @ weight.T (with_grad: turned into their gradient), and
-    the mean loss."""
-    logits = logits_of(x.reshape(-1, x.size(-1)), weight, float8)
+    """The logits of x (..., C) as rows, x @ weight.T (with_grad: turned into their gradient), the
+    mean loss, and the weight's float8 scale (None without float8)."""
+    logits, weight_scale = logits_of(x.reshape(-1, x.size(-1)), weight, float8)
     losses = torch.empty(logits.size(0), device=logits.device, dtype=torch.float32)
     loss_and_grad(logits, targets.reshape(-1).contiguous(), losses, with_grad)
-    return logits, losses.mean()
+    return logits, losses.mean(), weight_scale
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -140,22 +146,26 @@ class LinearCrossEntropy(torch.autograd.Function):
             dtype = torch.get_autocast_dtype("cuda")
             x, weight = x.to(dtype), weight.to(dtype)
         with torch.autocast("cuda", enabled=False):
-            dlogits, loss = project_and_reduce(x, weight, targets, with_grad=True, float8=float8)
-        ctx.float8 = float8 and float8_fits(dlogits, weight)
-        ctx.save_for_backward(x, weight, dlogits)
+            dlogits, loss, w_scale = project_and_reduce(x, weight, targets, True, float8)
+        ctx.save_for_backward(x, weight, dlogits, w_scale)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, dlogits = ctx.saved_tensors
+        x, weight, dlogits, w_scale = ctx.saved_tensors
         rows = x.reshape(-1, x.size(-1))
         dx = None
-        if ctx.needs_input_grad[0] and ctx.float8:
-            d8, d_inverse = _tensorwise(torch.float8_e5m2)(dlogits)
-            # the weight's transpose row-major: the weight column-major, as _scaled_mm wants it
-            w8t, w_inverse = _tensorwise(torch.float8_e4m3fn, transpose=True)(weight)
+        if ctx.needs_input_grad[0] and w_scale is not None:  # the logits came from float8
+            d8, d_scale = _tensorwise(torch.float8_e5m2)(dlogits)
+            # the weight's transpose row-major: the weight column-major, as _scaled_mm wants it;
+            # with the forward's scale, so the weight is not read a second time for its amax
+            w8t, _ = _tensorwise(torch.float8_e4m3fn, transpose=True)(weight, w_scale)
             dx = torch._scaled_mm(
-                d8, w8t.t(), scale_a=d_inverse * grad, scale_b=w_inverse, out_dtype=x.dtype
+                d8,
+                w8t.t(),
+                scale_a=d_scale.reciprocal() * grad,
+                scale_b=w_scale.reciprocal(),
+                out_dtype=x.dtype,
             ).view_as(x)
         elif ctx.needs_input_grad[0]:
             dx = (dlogits @ weight).mul_(grad).view_as(x)

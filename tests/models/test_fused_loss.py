@@ -177,12 +177,25 @@ float8_gpu = pytest.mark.skipif(
 
 
 @float8_gpu
-def test_float8_head_matches_pytorch_within_float8s_error():
+def test_float8_head_matches_pytorch_within_float8s_error(monkeypatch):
     """--precision fp8 (tensorwise): the logits come from e4m3 casts of x and the weight, x's
     gradient from the e5m2 logits' gradient; both float8 matmuls run (and the weight's gradient
-    stays a bf16 matmul); the loss and gradients stay within float8's rounding of fp32's."""
+    stays a bf16 matmul); the loss and gradients stay within float8's rounding of fp32's. The
+    weight's backward cast takes its forward scale (one amax of the weight a step)."""
     pytest.importorskip("torchao")
+    from minimal_fsdp.models import fused_loss
     from minimal_fsdp.models.fused_loss import linear_cross_entropy
+
+    casts, tensorwise = [], fused_loss._tensorwise
+
+    def recorded(dtype, transpose=False):
+        def cast(t, scale=None):
+            casts.append((tuple(t.shape), dtype, transpose, scale is not None))
+            return tensorwise(dtype, transpose)(t, scale)
+
+        return cast
+
+    monkeypatch.setattr(fused_loss, "_tensorwise", recorded)
 
     torch.manual_seed(0)
     x = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -197,6 +210,12 @@ def test_float8_head_matches_pytorch_within_float8s_error():
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     # forward: x (256 x 128) by the weight's transpose; backward: the logits' gradient by the weight
     assert shapes == [((256, 128), (128, 5008), e4m3), ((256, 5008), (5008, 128), e5m2)]
+    assert casts == [
+        ((256, 128), e4m3, False, False),  # x
+        ((5008, 128), e4m3, False, False),  # the weight, its scale from its amax
+        ((256, 5008), e5m2, False, False),  # the logits' gradient
+        ((5008, 128), e4m3, True, True),  # the weight's transpose, with the forward's scale
+    ]
     ref_loss, ref_dx, ref_dweight = reference(x, weight, targets, scale)
     loss = linear_cross_entropy(x, weight, targets, float8=True)
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-2)
