@@ -138,9 +138,7 @@ class BF16WeightsSync(LocalSync):
             total = _compiled_grad_norm()(grads)
         else:
             total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).norm()
-        if max_norm:
-            factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, factor.to(grads[0].dtype))
+        clip_to(grads, total, max_norm)
         return total
 
 
@@ -170,6 +168,13 @@ class DDPSync(LocalSync):
         self.model.set_requires_gradient_sync(last)
 
 
+def clip_to(grads, total, max_norm):
+    """Gradients whose norm `total` is above max_norm scaled down to it, as torch's clip_grad_norm_
+    scales them (0: no clipping, and no pass that multiplies them by 1)."""
+    if max_norm:
+        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+
+
 def clip_sharded(grads, max_norm, group):
     """The global grad norm (a plain tensor, the same on every rank) of gradients sharded over
     `group`, after clipping them to max_norm (0: no clipping): torch's clip_grad_norm_ formula on
@@ -179,8 +184,7 @@ def clip_sharded(grads, max_norm, group):
     squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
     dist.all_reduce(squares, group=group)
     total = squares.sqrt()
-    if max_norm:
-        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+    clip_to(grads, total, max_norm)
     return total
 
 
