@@ -16,8 +16,9 @@ ours from each of several checkouts (e.g. a copy of an earlier commit), for a be
 same launch. --gpus N: both shard over N GPUs of this host (torchtitan under torchrun with its
 default FSDP over every rank; ours under mpiexec -n N, full-shard); the rows give tokens/s per GPU.
 --rounds R runs them all R times, every second round in reverse order, and compares the medians:
-the same kernels run slower as the card heats up through a launch, so whichever runs last loses a
-percent or two (each row gives the SM clock and temperature nvidia-smi read while it ran).
+the same kernels' times move by a percent or two between the runs of one launch, with the card's
+clock under its power limit (each row gives the SM clock and temperature nvidia-smi read while it
+ran), so one run each decides nothing at a margin of 1%.
 
 torchtitan is a benchmark-only dependency: on the GPU machine, which has no package index, install
 its wheels first (torchtitan==0.2.2, torchdata, tyro, docstring-parser, typeguard, tomli, datasets,
