@@ -47,7 +47,8 @@ def rotary_frequencies(config):
 
 # rotary_frequencies on each device, copied there once per (head size, theta, scaling). Copied per
 # forward, the host's pageable copy waited for every kernel queued before it, so the host could not
-# run ahead of the device: 2 ms idle a step at Llama 3 8B's shape on an H200.
+# run ahead of the device (1.8-2.1 ms idle in a traced step of Llama 3 8B's shape on an H200; end
+# to end within the noise of the runs, benchmarks/results/RESULTS.md, rotary-sync).
 _FREQUENCIES = {}
 
 
@@ -63,8 +64,8 @@ def frequencies_on(config, device):
 
 def rotary_tables(config, start, length, device):
     """cos and sin of every (position, dimension) for positions [start, start + length): (T, D)
-    each. Computed per forward from the config (cheap next to the model), so there is no buffer for
-    meta-device init, sharding or checkpoints to handle."""
+    each. Computed per forward from the config (cheap next to the model; the frequencies once per
+    device), so there is no buffer for meta-device init, sharding or checkpoints to handle."""
     inv_freq = frequencies_on(config, device)
     positions = torch.arange(start, start + length, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
