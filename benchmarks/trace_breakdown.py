@@ -6,8 +6,9 @@ torchtitan's profile_traces/iteration_N/rank0_trace.json), traced over `steps` s
 Kinds, by kernel name (the first that matches): attention forward / backward (cuDNN, flash,
 memory-efficient), matmuls (cuBLAS, CUTLASS, nvjet, fp8 included), optimizer (AdamW's and the grad
 norm and clipping's multi-tensor kernels, the compiled step's foreach kernels), copies and casts
-(FSDP's all-gather copy-in/out, chunk_cat, dtype casts, memcpy/memset, NCCL, and compiled kernels
-that scale and cast float8 matmul inputs), loss (cross-entropy kernels), elementwise (everything
+(FSDP's all-gather copy-in/out, chunk_cat, dtype casts, memcpy/memset, and compiled kernels that
+scale and cast float8 matmul inputs), communication (NCCL's kernels, with the part of them no
+compute kernel overlaps: "communication alone"), loss (cross-entropy kernels), elementwise (everything
 else: Triton kernels compile made, torch's elementwise and reduction kernels). busy = the union of
 kernel intervals; idle = the span from the first kernel's start to the last one's end, less busy
 (with --step_ms: the measured step less busy, which also counts the gap between steps). --top N
@@ -30,6 +31,9 @@ KINDS = [
     # triton_for_: inductor's foreach kernels, made only for the compiled optimizer step
     # (ClippedAdamW); the model's graphs have no foreach ops
     ("optimizer", lambda n: any(k in n for k in OPTIMIZER)),
+    # NCCL's kernels run beside compute on their own stream: counted apart, and "communication
+    # alone" says how much of them no compute kernel hides
+    ("communication (NCCL)", lambda n: "nccl" in n),
     ("copies / casts (FSDP, dtype, fp8)", lambda n: _copy(n)),
     ("loss", lambda n: any(k in n for k in LOSSES)),
     ("elementwise", lambda n: True),
@@ -37,7 +41,7 @@ KINDS = [
 MATMULS = ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "wgmma", "cublas", "splitk")
 OPTIMIZER = ("adam", "multi_tensor", "foreach", "lpnorm", "triton_for_")
 LOSSES = ("cross_entropy", "log_softmax", "nll_loss", "loss_and_grad")
-COPIES = ("chunk_cat", "split_with_sizes", "all_gather", "nccl", "memcpy", "memset", "copy_kernel")
+COPIES = ("chunk_cat", "split_with_sizes", "all_gather", "memcpy", "memset", "copy_kernel")
 
 
 def _copy(n):
@@ -79,18 +83,28 @@ def breakdown(path, steps=1):
     for e in events:
         out[kind(e["name"])] += e["dur"] / 1e3 / steps
     intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
-    busy, end = 0.0, None
-    for a, b in intervals:
-        if end is None or a > end:
-            busy += b - a
-            end = b
-        elif b > end:
-            busy += b - end
-            end = b
+    compute = sorted(
+        (e["ts"], e["ts"] + e["dur"]) for e in events if kind(e["name"]) != "communication (NCCL)"
+    )
     span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
+    busy = _union(intervals)
     out.update(busy=busy / 1e3 / steps, span=span / 1e3 / steps)
     out["idle"] = out["span"] - out["busy"]
+    out["communication alone"] = (busy - _union(compute)) / 1e3 / steps
     return out
+
+
+def _union(intervals):
+    """The time covered by sorted (start, end) intervals."""
+    total, end = 0.0, None
+    for a, b in intervals:
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
 
 
 def top_kernels(path, n, steps=1):
@@ -133,6 +147,8 @@ def print_breakdown(who, parts, step_ms=None):
     for k, _ in KINDS:
         print(f"  {k:34s} {parts[k]:7.1f} ms")
     print(f"  {'idle':34s} {idle:7.1f} ms")
+    if parts["communication (NCCL)"]:
+        print(f"  {'communication alone (not hidden)':34s} {parts['communication alone']:7.1f} ms")
 
 
 def main():

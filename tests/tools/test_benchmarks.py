@@ -271,8 +271,8 @@ def test_multihost_rows_record_the_reduce_precision_in_either_spelling():
 
 def test_trace_breakdown_sorts_a_steps_kernels_by_kind(tmp_path):
     """trace_breakdown.py: each kernel of a traced step lands in its kind (the compiled
-    optimizer's foreach kernels as optimizer, not elementwise), and idle is the span less the
-    union of kernels."""
+    optimizer's foreach kernels as optimizer, not elementwise), idle is the span less the union of
+    kernels, and NCCL's time is its own kind, with the part no compute kernel overlaps."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -289,6 +289,7 @@ def test_trace_breakdown_sorts_a_steps_kernels_by_kind(tmp_path):
         ("triton_poi_fused__unsafe_view_mul_silu_9", 8000, 500),
         ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 9000, 1000),
         ("triton_for_fused_1", 10000, 3000),  # 500 us idle before AdamW
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 12500, 1000),  # 500 us beside AdamW
     ]
     trace = {
         "traceEvents": [
@@ -307,9 +308,11 @@ def test_trace_breakdown_sorts_a_steps_kernels_by_kind(tmp_path):
         "loss": 0.5,
         "elementwise": 0.5,
         "optimizer": 4.0,
+        "communication (NCCL)": 1.0,
     }
     assert {k: parts[k] for k in expected} == pytest.approx(expected)
-    assert parts["busy"] == pytest.approx(12.5) and parts["idle"] == pytest.approx(0.5)
+    assert parts["busy"] == pytest.approx(13.0) and parts["idle"] == pytest.approx(0.5)
+    assert parts["communication alone"] == pytest.approx(0.5)
     # --top: the longest kernels first, with their calls and kind
     top = tb.top_kernels(path, 2)
     assert [(ms, calls, what) for ms, calls, what, _ in top] == [
