@@ -6,10 +6,11 @@ torchtitan's profile_traces/iteration_N/rank0_trace.json), traced over `steps` s
 Kinds, by kernel name (the first that matches): attention forward / backward (cuDNN, flash,
 memory-efficient), matmuls (cuBLAS, CUTLASS, nvjet, fp8 included), optimizer (AdamW's and the grad
 norm and clipping's multi-tensor kernels, the compiled step's foreach kernels), copies and casts
-(FSDP's all-gather copy-in/out, chunk_cat, dtype casts, memcpy/memset, and compiled kernels that
-scale and cast float8 matmul inputs), communication (NCCL's kernels, with the part of them no
-compute kernel overlaps: "communication alone"), loss (cross-entropy kernels), elementwise (everything
-else: Triton kernels compile made, torch's elementwise and reduction kernels). busy = the union of
+(FSDP's all-gather copy-in (a foreach copy) and copy-out, chunk_cat, dtype casts, memcpy/memset,
+and compiled kernels that scale and cast float8 matmul inputs), communication (NCCL's kernels, with
+the part of them no compute kernel overlaps: "communication alone"), loss (cross-entropy kernels),
+elementwise (everything else: Triton kernels compile made, torch's elementwise and reduction
+kernels). busy = the union of
 kernel intervals; idle = the span from the first kernel's start to the last one's end, less busy
 (with --step_ms: the measured step less busy, which also counts the gap between steps). --top N
 lists the N kernels that take the most time, each with its kind, calls and ms a step; --gaps N the N
@@ -30,7 +31,7 @@ KINDS = [
     ("matmul", lambda n: not n.startswith("triton") and any(k in n for k in MATMULS)),
     # triton_for_: inductor's foreach kernels, made only for the compiled optimizer step
     # (ClippedAdamW); the model's graphs have no foreach ops
-    ("optimizer", lambda n: any(k in n for k in OPTIMIZER)),
+    ("optimizer", lambda n: any(k in n for k in OPTIMIZER) and not _foreach_copy(n)),
     # NCCL's kernels run beside compute on their own stream: counted apart, and "communication
     # alone" says how much of them no compute kernel hides
     ("communication (NCCL)", lambda n: "nccl" in n),
@@ -50,10 +51,17 @@ def _copy(n):
     every op it fused: a bf16 cast fused into other work counts as elementwise)."""
     return (
         any(k in n for k in COPIES)
+        or _foreach_copy(n)
         or re.fullmatch(r"triton_\w+?_fused__to_copy(_t)?_\d+", n)
         or n.startswith("triton")
         and "scaled_mm" in n  # float8 scales and casts of matmul inputs
     )
+
+
+def _foreach_copy(n):
+    """torch's foreach copy (FSDP2's all-gather copy-in, casting or not): a multi-tensor kernel that
+    is no optimizer's."""
+    return "multi_tensor" in n and ("copyfunctor" in n or "native::copy<" in n)
 
 
 def _attention(n):

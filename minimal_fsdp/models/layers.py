@@ -63,6 +63,21 @@ def cross_entropy(x, weight, targets):
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+class OutputHead(nn.Linear):
+    """An untied output head: the logits, or given targets the model's loss `loss(x, weight,
+    targets)` (cross_entropy or what parallelize swaps in). The loss runs inside this module's
+    forward so that FSDP2 can shard the head as a unit of its own (parallelize.shard), whose
+    gradient then reduces while the blocks' backward runs."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x, targets=None, loss=None):
+        if targets is None:
+            return super().forward(x)
+        return loss(x, self.weight, targets)
+
+
 class Decoder(nn.Module):
     """The surface parallelize, train and generate rely on: `config`, `blocks`, `loss`,
     `initial_value`, and these counts. `lookup_only` names the embedding that is a table lookup

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimal_fsdp.models.families.llama import PRESETS, LlamaConfig
-from minimal_fsdp.models.layers import Decoder, attend, cross_entropy
+from minimal_fsdp.models.layers import Decoder, OutputHead, attend, cross_entropy
 
 
 def rotary_frequencies(config):
@@ -155,7 +155,7 @@ class Llama(Decoder):
         if getattr(config, "tie_embeddings", False):
             self.lm_head, self.lookup_only = None, None  # the embedding is also a matmul
         else:
-            self.lm_head = nn.Linear(config.embed_size, config.vocab_size, bias=False)
+            self.lm_head = OutputHead(config.embed_size, config.vocab_size)
         self.loss = cross_entropy  # parallelize may swap in a compiled or fused version
 
     def forward(self, idx, targets=None, cache=None):
@@ -168,7 +168,7 @@ class Llama(Decoder):
             return self.loss(x, self.wte.weight, targets)
         if targets is None:
             return self.lm_head(x[:, -1])
-        return self.loss(x, self.lm_head.weight, targets)
+        return self.lm_head(x, targets, self.loss)
 
     def trunk(self, idx, cache=None):
         """Token ids (B, T) -> the final normalized hidden states (B, T, C): all but the output

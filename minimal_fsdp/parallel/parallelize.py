@@ -61,11 +61,17 @@ KEEP = {
 
 
 def shard(model, plan):
-    """fully_shard each block (the unit that is gathered, freed and overlapped), then the root for
-    the rest; or, under fsdp-whole, the root alone: the whole model is gathered at once. The whole
-    model stays gathered from forward to backward even under full-shard (as FSDP2 keeps its root
-    unit): backward would gather it again at once, at the same peak (the activations peak there
-    too), so resharding it would only cost a second all-gather."""
+    """fully_shard each block (the unit that is gathered, freed and overlapped), an untied model's
+    input embedding and output head each as a unit of its own, then the root for the rest; or,
+    under fsdp-whole, the root alone: the whole model is gathered at once.
+
+    Units of their own because the root's gradients reduce only once the whole backward is done,
+    and its parameters are the first a step gathers: with a large vocabulary (Llama 3's 128K: a
+    third of an 8-layer cut) the embedding and head held by the root made one all-gather and one
+    reduce-scatter that nothing hid. The head, whose backward comes first, reduces beside the
+    blocks' backward and is gathered while the blocks run forward. Neither the head nor the root
+    reshards after forward (backward gathers them again at once, at the same peak: the activations
+    peak there too); FSDP2 does that for its root only when not told otherwise."""
     mixed = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if plan.bf16 else None, reduce_dtype=plan.reduce_dtype
     )
@@ -74,23 +80,15 @@ def shard(model, plan):
         if plan.cpu_offload
         else OffloadPolicy()
     )
+    unit = functools.partial(fully_shard, mesh=plan.mesh, mp_policy=mixed, offload_policy=offload)
     whole = plan.strategy == "fsdp-whole"
     reshard = plan.reshard_after_forward and not whole
     for i, block in enumerate([] if whole else model.blocks):
-        fully_shard(
-            block,
-            mesh=plan.mesh,
-            reshard_after_forward=reshard and i < len(model.blocks) - 1,
-            mp_policy=mixed,
-            offload_policy=offload,
-        )
-    fully_shard(
-        model,
-        mesh=plan.mesh,
-        reshard_after_forward=reshard,
-        mp_policy=mixed,
-        offload_policy=offload,
-    )
+        unit(block, reshard_after_forward=reshard and i < len(model.blocks) - 1)
+    if not whole and getattr(model, "lm_head", None) is not None:  # untied (Llama)
+        unit(model.wte, reshard_after_forward=reshard)
+        unit(model.lm_head, reshard_after_forward=False)
+    unit(model, reshard_after_forward=False)
     return model
 
 

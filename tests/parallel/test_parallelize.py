@@ -378,9 +378,10 @@ def group(one_rank_group):
 
 @pytest.mark.parametrize("whole", [False, True])
 def test_shard_makes_the_units_it_is_asked_for(group, whole):
-    """Per block: every block its own FSDP unit, resharded after forward but the last; whole: the
-    root alone, never resharded after forward. bf16 gathers in bf16 and reduces in fp32
-    (--reduce_precision bf16: in bf16); float32 gathers fp32; offload keeps shards on the CPU."""
+    """Per block: every block its own FSDP unit, resharded after forward but the last, and the root
+    not (backward gathers it again at once); whole: the root alone, never resharded after forward.
+    bf16 gathers in bf16 and reduces in fp32 (--reduce_precision bf16: in bf16); float32 gathers
+    fp32; offload keeps shards on the CPU."""
     strategy = "fsdp-whole" if whole else "fsdp-block"
     plan = plain_plan(strategy=strategy, mesh=group, cpu_offload=True)
     model = shard(GPT(CONFIG), plan)
@@ -389,7 +390,7 @@ def test_shard_makes_the_units_it_is_asked_for(group, whole):
     root = model._get_fsdp_state()
     states = [root] + ([] if whole else [b._get_fsdp_state() for b in model.blocks])
     reshards = [s._fsdp_param_group.post_forward_mesh_info is not None for s in states]
-    assert reshards == ([False] if whole else [True, True, True, False])
+    assert reshards == ([False] if whole else [False, True, True, False])
     for state in states:
         assert state._fsdp_param_group.mesh_info.mesh is group  # the plan's mesh, not a default one
         assert (
@@ -411,6 +412,58 @@ def test_shard_makes_the_units_it_is_asked_for(group, whole):
             strategy=strategy, mesh=group, precision=precision, reduce_precision="bf16"
         )
         assert shard(GPT(CONFIG), plan)._get_fsdp_state()._mp_policy.reduce_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_an_untied_models_embedding_and_head_are_units_of_their_own(group, reshard):
+    """Llama (untied): the embedding and the output head are FSDP units beside the blocks. In a
+    training step the head and the root stay gathered from forward to backward, the embedding and
+    the blocks reshard as the sharding says, every gradient reaches its shard, and the loss and
+    gradients are the unsharded model's."""
+    from torch.distributed.tensor import DTensor
+
+    from support import HF_LLAMA
+
+    torch.manual_seed(0)
+    reference = Llama(HF_LLAMA)
+    model = Llama(HF_LLAMA)
+    model.load_state_dict(reference.state_dict())
+    plan = plain_plan(
+        strategy="fsdp-block", mesh=group, precision="float32", reshard_after_forward=reshard
+    )
+    shard(model, plan)
+    assert isinstance(model.wte, FSDPModule) and isinstance(model.lm_head, FSDPModule)
+    states = {
+        "root": model._get_fsdp_state(),
+        "wte": model.wte._get_fsdp_state(),
+        "lm_head": model.lm_head._get_fsdp_state(),
+    }
+    # the root keeps only the final norm
+    ((held,),) = [states["root"]._fsdp_param_group.fsdp_params]
+    assert held._module_info.module is model.norm
+    reshards = {
+        k: s._fsdp_param_group.post_forward_mesh_info is not None for k, s in states.items()
+    }
+    assert reshards == {"root": False, "wte": reshard, "lm_head": False}
+    x = torch.randint(0, HF_LLAMA.vocab_size, (2, HF_LLAMA.seq_length))
+    loss = model(x, x)
+    # between forward and backward: what stays gathered is a plain tensor, a resharded one a DTensor
+    assert not isinstance(model.lm_head.weight, DTensor) and not isinstance(
+        model.norm.weight, DTensor
+    )
+    assert isinstance(model.wte.weight, DTensor) is reshard
+    assert isinstance(model.blocks[0].attn_norm.weight, DTensor) is reshard
+    loss.backward()
+    expected = reference(x, x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    assert grads.keys() == {n for n, _ in reference.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    # inference: the head gives the last position's logits
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
 
 
 @pytest.mark.parametrize("strategy", ["fsdp-block", "fsdp-whole", "one-unit"])

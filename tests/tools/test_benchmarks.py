@@ -290,6 +290,14 @@ def test_trace_breakdown_sorts_a_steps_kernels_by_kind(tmp_path):
         ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 9000, 1000),
         ("triton_for_fused_1", 10000, 3000),  # 500 us idle before AdamW
         ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 12500, 1000),  # 500 us beside AdamW
+        # FSDP2's all-gather copy-in, a foreach copy: a copy, not the optimizer's
+        (
+            "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::"
+            "(anonymous namespace)::TensorListMetadata<2>, at::native::(anonymous namespace)::"
+            "CopyFunctor<c10::BFloat16, float, 2, 1, 1>, at::native::Copy<c10::BFloat16, float> >",
+            13500,
+            500,
+        ),
     ]
     trace = {
         "traceEvents": [
@@ -304,14 +312,14 @@ def test_trace_breakdown_sorts_a_steps_kernels_by_kind(tmp_path):
         "matmul": 4.0,
         "attention fwd": 1.0,
         "attention bwd": 2.0,
-        "copies / casts (FSDP, dtype, fp8)": 0.5,
+        "copies / casts (FSDP, dtype, fp8)": 1.0,
         "loss": 0.5,
         "elementwise": 0.5,
         "optimizer": 4.0,
         "communication (NCCL)": 1.0,
     }
     assert {k: parts[k] for k in expected} == pytest.approx(expected)
-    assert parts["busy"] == pytest.approx(13.0) and parts["idle"] == pytest.approx(0.5)
+    assert parts["busy"] == pytest.approx(13.5) and parts["idle"] == pytest.approx(0.5)
     assert parts["communication alone"] == pytest.approx(0.5)
     # --top: the longest kernels first, with their calls and kind
     top = tb.top_kernels(path, 2)
