@@ -249,8 +249,11 @@ def train_args(corpus, extra):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("recompute", ["full", "selective"])
-def test_llama_bf16_compiled_on_two_gpus_matches_fp32_reference(tmp_path, corpus, recompute):
+@pytest.mark.parametrize(
+    "recompute, unit", [("full", "auto"), ("selective", "auto"), ("full", "block")]
+)
+def test_llama_bf16_compiled_on_two_gpus_matches_fp32_reference(tmp_path, corpus, recompute, unit):
+    """--fsdp_unit block: the layout of large models, the embedding and head units of their own."""
     args = train_args(
         corpus,
         [
@@ -261,6 +264,8 @@ def test_llama_bf16_compiled_on_two_gpus_matches_fp32_reference(tmp_path, corpus
             "--recompute",
             recompute,
             "--meta_init",
+            "--fsdp_unit",
+            unit,
         ],
     )
     launch(args, ranks=2, cwd=tmp_path)
@@ -269,9 +274,19 @@ def test_llama_bf16_compiled_on_two_gpus_matches_fp32_reference(tmp_path, corpus
 
 
 @pytest.mark.slow
-def test_llama_full_shard_matches_single_process_then_generates(tmp_path, corpus):
+@pytest.mark.parametrize("unit", ["auto", "block"])
+def test_llama_full_shard_matches_single_process_then_generates(tmp_path, corpus, unit):
+    """--fsdp_unit block: every block, the embedding and the output head units of their own."""
     args = train_args(
-        corpus, ["--sharding", "full-shard", "--meta_init", "--activation_checkpoints"]
+        corpus,
+        [
+            "--sharding",
+            "full-shard",
+            "--meta_init",
+            "--activation_checkpoints",
+            "--fsdp_unit",
+            unit,
+        ],
     )
     launch(args, ranks=2, cwd=tmp_path)
     losses = logged_losses(tmp_path, "run")
