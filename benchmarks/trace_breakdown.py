@@ -10,11 +10,11 @@ norm and clipping's multi-tensor kernels, the compiled step's foreach kernels), 
 and compiled kernels that scale and cast float8 matmul inputs), communication (NCCL's kernels, with
 the part of them no compute kernel overlaps: "communication alone"), loss (cross-entropy kernels),
 elementwise (everything else: Triton kernels compile made, torch's elementwise and reduction
-kernels). busy = the union of
-kernel intervals; idle = the span from the first kernel's start to the last one's end, less busy
-(with --step_ms: the measured step less busy, which also counts the gap between steps). --top N
-lists the N kernels that take the most time, each with its kind, calls and ms a step; --gaps N the N
-longest stretches with no kernel running inside the span, each with the kernels on either side.
+kernels). busy = the union of kernel intervals; idle = the span from the first kernel's start to the
+last one's end, less busy (with --step_ms: the measured step less busy, which also counts the gap
+between steps). --top N lists the N kernels that take the most time, each with its kind, calls and
+ms a step; --gaps N the N longest stretches with no kernel running inside the span, each with the
+kernels on either side.
 """
 
 import argparse

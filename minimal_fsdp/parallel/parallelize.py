@@ -66,8 +66,8 @@ def shard(model, plan):
     under fsdp-whole, the root alone: the whole model is gathered at once.
 
     Units of their own because the root's gradients reduce only once the whole backward is done,
-    and its parameters are the first a step gathers: with a large vocabulary (Llama 3's 128K: a
-    third of an 8-layer cut) the embedding and head held by the root made one all-gather and one
+    and its parameters are the first a step gathers: with a large vocabulary (Llama 3's 128K: over
+    a third of an 8-layer cut) the embedding and head held by the root made one all-gather and one
     reduce-scatter that nothing hid. The head, whose backward comes first, reduces beside the
     blocks' backward and is gathered while the blocks run forward. Neither the head nor the root
     reshards after forward (backward gathers them again at once, at the same peak: the activations
