@@ -150,7 +150,9 @@ def print_top(rows):
 
 def print_breakdown(who, parts, step_ms=None):
     idle = step_ms - parts["busy"] if step_ms else parts["idle"]
-    of = f" of {step_ms:.1f} ms measured" if step_ms else f" of a {parts['span']:.1f} ms span"
+    # both: idle inside the traced span, or between steps (or the traced step ran faster)
+    span = f"a {parts['span']:.1f} ms span"
+    of = f" of {step_ms:.1f} ms measured ({span})" if step_ms else f" of {span}"
     print(f"\n{who}: device busy {parts['busy']:.1f} ms a step{of}")
     for k, _ in KINDS:
         print(f"  {k:34s} {parts[k]:7.1f} ms")
