@@ -105,9 +105,10 @@ def estimate(
     grads = 4 * sizes.total / shards
     on_gpu = 0 if cpu_offload else 1
 
-    # Gathered (unsharded) params in the compute dtype: the root unit is never resharded; blocks are
-    # gathered one at a time plus one prefetched, or all of them from forward to backward without
-    # resharding.
+    # Gathered (unsharded) params in the compute dtype: the root unit (and an untied head, a unit of
+    # its own) is never resharded; blocks are gathered one at a time plus one prefetched, or all of
+    # them from forward to backward without resharding. An untied embedding, also a unit of its own,
+    # reshards under full-shard like a block; counted here as gathered: a little over.
     gathered = compute * (sizes.root + (L if keep_gathered else 2) * sizes.per_block)
     float8_working = 0
     if precision == "fp8":
@@ -130,7 +131,8 @@ def estimate(
         )
     # Unsharded grads before their reduce-scatter: ~2 blocks' in flight, each with a copy to reduce
     # in where the reduce dtype is not the compute dtype; the root's wait in the compute dtype for
-    # the end of backward, when it is reduced last.
+    # the end of backward, when it is reduced last (an untied head's reduce at its start: a little
+    # over).
     reduce = 2 if reduce_precision == "bf16" else 4
     unsharded_grads = (
         compute * sizes.root
