@@ -134,7 +134,7 @@ class ParallelPlan:
 
     @property
     def fp8_head(self):
-        """The output head's logits and input gradient come from float8 matmuls (fused_loss.py):
+        """The output head's logits and both its gradients come from float8 matmuls (fused_loss.py):
         tensorwise only; rowwise keeps it in bf16 with everything else it does not convert."""
         return self.fp8 == "tensorwise"
 
@@ -298,14 +298,33 @@ def process_settings(plan):
     torch._dynamo.config.optimize_ddp off under DDP with CUDA graphs: one compiled graph, not one
     per DDP bucket (Dynamo's DDPOptimizer cuts the model at the buckets, each piece its own replay
     and autograd node). A model replayed as graphs waits on host time, and its all-reduce, after the
-    backward instead of overlapping it, is brief."""
-    return {"torch._dynamo.config.optimize_ddp": False} if plan.ddp and plan.cuda_graphs else {}
+    backward instead of overlapping it, is brief.
+    Inductor's mix-order reductions off for compiled float8 layers: that fusion puts a norm's
+    backward (a row and a column reduction in one kernel) together with the float8 casts of the
+    gradients around it, their transposed copies included, in one kernel of 512 programs; at Llama 3
+    8B's shape those took 2.9 ms a block where the kernels apart take under 1 (benchmarks/results/
+    LOG.md, 2026-11-30)."""
+    settings = {}
+    if plan.ddp and plan.cuda_graphs:
+        settings["torch._dynamo.config.optimize_ddp"] = False
+    if plan.fp8 and plan.compile and _has_mix_order_reduction():
+        settings["torch._inductor.config.triton.mix_order_reduction"] = False
+    return settings
+
+
+def _has_mix_order_reduction():
+    """Inductor's mix-order reduction (torch 2.10 and later), which fuses a norm's row and column
+    reductions."""
+    import torch._inductor.config
+
+    return hasattr(torch._inductor.config.triton, "mix_order_reduction")
 
 
 def apply_process_settings(plan):
     """Apply process_settings(plan): the plan's only changes to torch's process-wide
     configuration."""
     import torch._dynamo  # noqa: F401 (torch._dynamo.config)
+    import torch._inductor.config  # noqa: F401
 
     for name, value in process_settings(plan).items():
         *path, attribute = name.split(".")[1:]
