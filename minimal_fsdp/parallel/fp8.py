@@ -193,7 +193,7 @@ def describe(plan, model, device):
         else "each weight cast to float8 where it is used"
     )
     in_head = plan.fp8_head and device.type == "cuda"
-    head = " and in the output head's logits and input gradient" if in_head else ""
+    head = " and in the output head's three matmuls" if in_head else ""
     return (
         f"fp8: {plan.fp8} float8 matmuls in {len(layers)} of the blocks' {len(blocks)} linear "
         f"layers ({gather}){head}; MFU is relative to the dense bf16 peak, as for bf16, so the "

@@ -156,9 +156,9 @@ def estimate(
     per_logit = compute if device_type == "cuda" or compile else 12
     logits = per_logit * tokens * config.vocab_size
     if precision == "fp8" and fp8_recipe == "tensorwise" and device_type == "cuda":
-        # the fused loss's float8 head: its backward also holds the logits' gradient in float8 and
-        # the weight's float8 transpose (1 byte each)
-        logits += (tokens + config.embed_size) * config.vocab_size
+        # the fused loss's float8 head: its backward also holds the logits' gradient in float8, in
+        # both layouts, and the weight's float8 transpose (1 byte each)
+        logits += (2 * tokens + config.embed_size) * config.vocab_size
 
     # Between the micro-steps of an accumulation FSDP2 keeps every parameter's unsharded gradient,
     # in the reduce dtype whatever the compute precision, and on the GPU even with CPU offload.

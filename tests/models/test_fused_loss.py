@@ -178,20 +178,21 @@ float8_gpu = pytest.mark.skipif(
 
 @float8_gpu
 def test_float8_head_matches_pytorch_within_float8s_error(monkeypatch):
-    """--precision fp8 (tensorwise): the logits come from e4m3 casts of x and the weight, x's
-    gradient from the e5m2 logits' gradient; both float8 matmuls run (and the weight's gradient
-    stays a bf16 matmul); the loss and gradients stay within float8's rounding of fp32's. The
-    weight's backward cast takes its forward scale (one amax of the weight a step)."""
+    """--precision fp8 (tensorwise): the logits come from e4m3 casts of x and the weight, both
+    gradients from the e5m2 logits' gradient; the three float8 matmuls run; the loss and gradients
+    stay within float8's rounding of fp32's. The backward casts of the weight and x take their
+    forward scales (one amax of each a step), and the gradient's cast the scale the loss kernel
+    found."""
     pytest.importorskip("torchao")
     from minimal_fsdp.models import fused_loss
     from minimal_fsdp.models.fused_loss import linear_cross_entropy
 
     casts, tensorwise = [], fused_loss._tensorwise
 
-    def recorded(dtype, transpose=False):
+    def recorded(dtype, layouts=("rows",)):
         def cast(t, scale=None):
-            casts.append((tuple(t.shape), dtype, transpose, scale is not None))
-            return tensorwise(dtype, transpose)(t, scale)
+            casts.append((tuple(t.shape), dtype, layouts, scale is not None))
+            return tensorwise(dtype, layouts)(t, scale)
 
         return cast
 
@@ -208,13 +209,21 @@ def test_float8_head_matches_pytorch_within_float8s_error(monkeypatch):
 
     shapes = scaled_mm_calls(step)
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
-    # forward: x (256 x 128) by the weight's transpose; backward: the logits' gradient by the weight
-    assert shapes == [((256, 128), (128, 5008), e4m3), ((256, 5008), (5008, 128), e5m2)]
+    # forward: x (256 x 128) by the weight's transpose; backward: the logits' gradient by the
+    # weight, and its transpose by x
+    assert shapes == [
+        ((256, 128), (128, 5008), e4m3),
+        ((256, 5008), (5008, 128), e5m2),
+        ((5008, 256), (256, 128), e5m2),
+    ]
+    rows, columns = ("rows",), ("columns",)
     assert casts == [
-        ((256, 128), e4m3, False, False),  # x
-        ((5008, 128), e4m3, False, False),  # the weight, its scale from its amax
-        ((256, 5008), e5m2, False, False),  # the logits' gradient
-        ((5008, 128), e4m3, True, True),  # the weight's transpose, with the forward's scale
+        ((256, 128), e4m3, rows, False),  # x
+        ((5008, 128), e4m3, rows, False),  # the weight, its scale from its amax
+        # the logits' gradient in both layouts, its scale from the loss kernel
+        ((256, 5008), e5m2, ("rows", "columns"), True),
+        ((5008, 128), e4m3, columns, True),  # the weight's transpose, with the forward's scale
+        ((256, 128), e4m3, columns, True),  # x's transpose, with the forward's scale
     ]
     ref_loss, ref_dx, ref_dweight = reference(x, weight, targets, scale)
     loss = linear_cross_entropy(x, weight, targets, float8=True)
@@ -226,6 +235,49 @@ def test_float8_head_matches_pytorch_within_float8s_error(monkeypatch):
     # float8 is really in use: the bf16 path gives other values
     bf16_loss = linear_cross_entropy(x, weight, targets)
     assert loss.item() != bf16_loss.item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_kernel_finds_each_rows_largest_gradient_as_it_writes_it(dtype):
+    """Asked for it, the kernel stores each row's largest absolute gradient, of the values it
+    stored (5003 columns: the last block's masked columns do not count)."""
+    from minimal_fsdp.models.fused_loss import loss_and_grad
+
+    torch.manual_seed(0)
+    logits = torch.randn(100, 5003, device="cuda", dtype=dtype) * 4
+    targets = torch.randint(0, 5003, (100,), device="cuda")
+    losses, amax = torch.empty(100, device="cuda"), torch.full((100,), -1.0, device="cuda")
+    loss_and_grad(logits, targets, losses, with_grad=True, amax=amax)
+    assert torch.equal(amax, logits.float().abs().amax(1))
+    # without the buffer nothing else changes
+    again, kept = logits.clone(), losses.clone()
+    torch.manual_seed(0)
+    logits = torch.randn(100, 5003, device="cuda", dtype=dtype) * 4
+    loss_and_grad(logits, targets, losses, with_grad=True)
+    assert torch.equal(logits, again) and torch.equal(losses, kept)
+
+
+@float8_gpu
+def test_the_float8_heads_gradient_scale_is_torchaos_to_the_bit():
+    """The e5m2 scale made from the kernel's row maxima equals torchao's tensor_to_scale of the
+    gradient the kernel wrote (16,400 columns: two blocks of 8,192 and a masked remainder)."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    from minimal_fsdp.models.fused_loss import project_and_reduce
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16)
+    weight = (0.3 * torch.randn(16400, 128, device="cuda")).to(torch.bfloat16)
+    targets = torch.randint(0, 16400, (2, 64), device="cuda")
+    dlogits, _, scales = project_and_reduce(x, weight, targets, True, float8=True)
+    x_scale, w_scale, d_scale = scales
+    assert torch.equal(x_scale, tensor_to_scale(x, torch.float8_e4m3fn))
+    assert torch.equal(w_scale, tensor_to_scale(weight, torch.float8_e4m3fn))
+    assert torch.equal(d_scale, tensor_to_scale(dlogits, torch.float8_e5m2))
+    # evaluation finds no gradient's scale; without float8 there are no scales
+    assert project_and_reduce(x, weight, targets, False, float8=True)[2][2] is None
+    assert project_and_reduce(x, weight, targets, True)[2] is None
 
 
 @float8_gpu

@@ -212,13 +212,13 @@ def test_converted_layers_are_the_blocks_wide_ones():
     [("tensorwise", "cuda", True), ("tensorwise", "cpu", False), ("rowwise", "cuda", False)],
 )
 def test_the_banner_says_where_the_output_head_is_float8(monkeypatch, recipe, device, head):
-    """Tensorwise, the fused loss (CUDA's) makes the head's logits and input gradient in float8;
+    """Tensorwise, the fused loss (CUDA's) makes the head's logits and both gradients in float8;
     rowwise, and on the CPU, the head stays bf16."""
     plan = plan_for(["--precision", "fp8", "--fp8_recipe", recipe], monkeypatch=monkeypatch)
     assert plan.fp8_head == (recipe == "tensorwise")
     with torch.device("meta"):
         line = fp8.describe(plan, Llama(SMALL_LLAMA), torch.device(device))
-    assert ("in the output head's logits and input gradient" in line) == head
+    assert ("in the output head's three matmuls" in line) == head
     assert "float8 matmuls in 10 of the blocks' 14 linear layers" in line
 
 
@@ -415,9 +415,10 @@ def test_planner_counts_float8_all_gathers_and_working_copies(capsys):
     assert rowwise["gathered"] == bf16["gathered"]
     for where in (dict(gpus=1), dict(offload=True)):  # one rank, or offloaded: gathered in bf16
         assert estimate("fp8", **where)["gathered"] == estimate("bf16", **where)["gathered"]
-    # Tensorwise's head (the fused loss): the logits' gradient and the weight's transpose in float8
+    # Tensorwise's head (the fused loss): the logits' gradient in both layouts and the weight's
+    # transpose in float8
     tokens = 2 * 4096
-    head = (tokens + 4096) * 32000
+    head = (2 * tokens + 4096) * 32000
     assert tensorwise["state"] == bf16["state"]
     assert tensorwise["activations"] == bf16["activations"] + head
     assert rowwise["activations"] == bf16["activations"]
