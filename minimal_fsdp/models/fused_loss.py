@@ -163,13 +163,14 @@ def float8_grads(grad, rows, weight, dlogits, scales, wanted, weight_dtype):
     *d8, _ = _tensorwise(torch.float8_e5m2, ("rows",) * want_dx + ("columns",) * want_dw)(
         dlogits, d_scale
     )
+    d_inverse = d_scale.reciprocal()  # one scalar for both matmuls
     dx = dweight = None
     if want_dx:  # tokens x vocab by the weight, column-major: its transpose, row-major
         w8t, _ = _tensorwise(e4m3, ("columns",))(weight, w_scale)
         dx = torch._scaled_mm(
             d8[0],
             w8t.t(),
-            scale_a=d_scale.reciprocal() * grad,
+            scale_a=d_inverse * grad,
             scale_b=w_scale.reciprocal(),
             out_dtype=rows.dtype,
         )
@@ -178,7 +179,7 @@ def float8_grads(grad, rows, weight, dlogits, scales, wanted, weight_dtype):
         dweight = torch._scaled_mm(
             d8[-1],
             x8t.t(),
-            scale_a=d_scale.reciprocal(),
+            scale_a=d_inverse,
             scale_b=x_scale.reciprocal() * grad,
             out_dtype=weight_dtype,
         )
