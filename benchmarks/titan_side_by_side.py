@@ -258,6 +258,9 @@ def main():
     p.add_argument("--profile", action="store_true", help="trace one step of each, break it down")
     p.add_argument("--top", type=int, default=0, help="with --profile: N longest kernels")
     p.add_argument("--gaps", type=int, default=0, help="with --profile: N longest idle stretches")
+    p.add_argument(
+        "--exposed", type=int, default=0, help="with --profile: N NCCL kernels least hidden"
+    )
     p.add_argument("--ours_root", default=str(ROOT), help="checkouts of ours, comma-separated")
     p.add_argument("--ours_flags", default="", help="more flags for ours, space-separated")
     p.add_argument("--titan_flags", default="", help="more flags for torchtitan, space-separated")
@@ -293,6 +296,8 @@ def main():
                     tb.print_top(tb.top_kernels(r["trace"], args.top))
                 if args.gaps:
                     tb.print_gaps(tb.gaps(r["trace"], args.gaps))
+                if args.exposed:
+                    tb.print_exposed(tb.exposed(r["trace"], args.exposed))
 
 
 if __name__ == "__main__":

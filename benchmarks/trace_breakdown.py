@@ -2,6 +2,7 @@
 torchtitan's profile_traces/iteration_N/rank0_trace.json), traced over `steps` steps:
 
     python benchmarks/trace_breakdown.py TRACE [--steps 1] [--step_ms MS] [--top N] [--gaps N]
+                                               [--exposed N]
 
 Kinds, by kernel name (the first that matches): attention forward / backward (cuDNN, flash,
 memory-efficient), matmuls (cuBLAS, CUTLASS, nvjet, fp8 included), optimizer (AdamW's and the grad
@@ -14,7 +15,8 @@ kernels). busy = the union of kernel intervals; idle = the span from the first k
 last one's end, less busy (with --step_ms: the measured step less busy, which also counts the gap
 between steps). --top N lists the N kernels that take the most time, each with its kind, calls and
 ms a step; --gaps N the N longest stretches with no kernel running inside the span, each with the
-kernels on either side.
+kernels on either side; --exposed N the N NCCL kernels that ran longest with no compute kernel
+beside them, each with its start in the span (a step's first all-gathers, its last reduce-scatters).
 """
 
 import argparse
@@ -138,6 +140,45 @@ def gaps(path, n):
     return sorted(found, key=lambda g: g[0], reverse=True)[:n]
 
 
+def exposed(path, n):
+    """The n NCCL kernels with the most time no compute kernel overlaps: (ms alone, ms from the
+    span's start, ms long, name), most exposed first."""
+    events = device_events(path)
+    if not events:
+        return []
+    start = min(e["ts"] for e in events)
+    compute = _merged(
+        sorted(
+            (e["ts"], e["ts"] + e["dur"])
+            for e in events
+            if kind(e["name"]) != "communication (NCCL)"
+        )
+    )
+    found = []
+    for e in events:
+        if kind(e["name"]) == "communication (NCCL)":
+            a, b = e["ts"], e["ts"] + e["dur"]
+            hidden = sum(max(0, min(b, y) - max(a, x)) for x, y in compute if x < b and y > a)
+            found.append(((b - a - hidden) / 1e3, (a - start) / 1e3, e["dur"] / 1e3, e["name"]))
+    return sorted(found, key=lambda f: f[0], reverse=True)[:n]
+
+
+def _merged(intervals):
+    """Sorted (start, end) intervals merged where they overlap."""
+    out = []
+    for a, b in intervals:
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def print_exposed(rows):
+    for alone, at, ms, name in rows:
+        print(f"  {alone:7.3f} ms alone  at {at:8.2f} ms, {ms:6.2f} ms long  {name[:60]}")
+
+
 def print_gaps(rows):
     for ms, before, after in rows:
         print(f"  {ms:7.3f} ms idle  after {before[:60]}  before {after[:60]}")
@@ -168,12 +209,15 @@ def main():
     p.add_argument("--step_ms", type=float, default=None)
     p.add_argument("--top", type=int, default=0, help="list the N kernels that take the most time")
     p.add_argument("--gaps", type=int, default=0, help="list the N longest idle stretches")
+    p.add_argument("--exposed", type=int, default=0, help="list the N NCCL kernels least hidden")
     args = p.parse_args()
     print_breakdown(args.trace, breakdown(args.trace, args.steps), args.step_ms)
     if args.top:
         print_top(top_kernels(args.trace, args.top, args.steps))
     if args.gaps:
         print_gaps(gaps(args.trace, args.gaps))
+    if args.exposed:
+        print_exposed(exposed(args.trace, args.exposed))
 
 
 if __name__ == "__main__":

@@ -272,7 +272,8 @@ def test_multihost_rows_record_the_reduce_precision_in_either_spelling():
 def test_trace_breakdown_sorts_a_steps_kernels_by_kind(tmp_path):
     """trace_breakdown.py: each kernel of a traced step lands in its kind (the compiled
     optimizer's foreach kernels as optimizer, not elementwise), idle is the span less the union of
-    kernels, and NCCL's time is its own kind, with the part no compute kernel overlaps."""
+    kernels, and NCCL's time is its own kind, with the part no compute kernel overlaps, in total
+    and by kernel (--exposed)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -332,6 +333,10 @@ def test_trace_breakdown_sorts_a_steps_kernels_by_kind(tmp_path):
     ((ms, before, after),) = tb.gaps(path, 3)
     assert ms == pytest.approx(0.5) and before == "triton_poi_fused__unsafe_view_mul_silu_9"
     assert after == "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>"
+    # --exposed: the reduce-scatter, 12.5 ms into the span, half of it beside AdamW
+    ((alone, at, ms, name),) = tb.exposed(path, 3)
+    assert (alone, at, ms) == pytest.approx((0.5, 12.5, 1.0))
+    assert name == "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"
 
 
 def test_titan_side_by_side_alternates_rounds_and_compares_medians(capsys):
