@@ -1,8 +1,8 @@
 """One step's device time by kind, from a torch.profiler Chrome trace (ours from --profile, or
 torchtitan's profile_traces/iteration_N/rank0_trace.json), traced over `steps` steps:
 
-    python benchmarks/trace_breakdown.py TRACE [--steps 1] [--step_ms MS] [--top N] [--gaps N]
-                                               [--exposed N]
+    python benchmarks/trace_breakdown.py TRACE [--steps 1] [--step_ms MS] [--top N] [--gaps N] \
+        [--exposed N]
 
 Kinds, by kernel name (the first that matches): attention forward / backward (cuDNN, flash,
 memory-efficient), matmuls (cuBLAS, CUTLASS, nvjet, fp8 included), optimizer (AdamW's and the grad
