@@ -106,15 +106,18 @@ def breakdown(path, steps=1):
 
 def _union(intervals):
     """The time covered by sorted (start, end) intervals."""
-    total, end = 0.0, None
+    return sum(b - a for a, b in _merged(intervals))
+
+
+def _merged(intervals):
+    """Sorted (start, end) intervals merged where they overlap."""
+    out = []
     for a, b in intervals:
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
 
 
 def top_kernels(path, n, steps=1):
@@ -147,31 +150,19 @@ def exposed(path, n):
     if not events:
         return []
     start = min(e["ts"] for e in events)
-    compute = _merged(
-        sorted(
-            (e["ts"], e["ts"] + e["dur"])
-            for e in events
-            if kind(e["name"]) != "communication (NCCL)"
-        )
-    )
-    found = []
+    nccl, compute = [], []
     for e in events:
         if kind(e["name"]) == "communication (NCCL)":
-            a, b = e["ts"], e["ts"] + e["dur"]
-            hidden = sum(max(0, min(b, y) - max(a, x)) for x, y in compute if x < b and y > a)
-            found.append(((b - a - hidden) / 1e3, (a - start) / 1e3, e["dur"] / 1e3, e["name"]))
-    return sorted(found, key=lambda f: f[0], reverse=True)[:n]
-
-
-def _merged(intervals):
-    """Sorted (start, end) intervals merged where they overlap."""
-    out = []
-    for a, b in intervals:
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
+            nccl.append(e)
         else:
-            out.append([a, b])
-    return out
+            compute.append((e["ts"], e["ts"] + e["dur"]))
+    compute = _merged(sorted(compute))
+    found = []
+    for e in nccl:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        hidden = sum(max(0, min(b, y) - max(a, x)) for x, y in compute if x < b and y > a)
+        found.append(((b - a - hidden) / 1e3, (a - start) / 1e3, e["dur"] / 1e3, e["name"]))
+    return sorted(found, key=lambda f: f[0], reverse=True)[:n]
 
 
 def print_exposed(rows):
