@@ -15,12 +15,16 @@ step writes the next copies as it writes the parameters.
 The state (step, exp_avg, exp_avg_sq per parameter, as fused AdamW keeps them: step a float32
 tensor on the parameter's device) and param_groups are torch's AdamW's, so checkpoints are the same
 either way. Sharded parameters (FSDP2's DTensors) are stepped on their local shards: the update is
-elementwise. The math is AdamW's (decoupled weight decay, bias-corrected moments).
+elementwise. Those of weights FSDP all-gathers in float8 are stepped on the fp32 tensor inside
+torchao's wrapper: torchao (0.17, 0.18) cannot trace its wrapper once the wrapper holds a
+precomputed scale (its __tensor_flatten__ asks the scale tensor for its truth value), so the
+compiled step failed from the second step on under --precision fp8 over more than one GPU. The
+math is AdamW's (decoupled weight decay, bias-corrected moments).
 """
 
 import torch
 
-from minimal_fsdp.parallel.whole_unit import local_tensor
+from minimal_fsdp.parallel.fp8 import plain_tensor
 
 
 @torch.no_grad()
@@ -97,7 +101,7 @@ class ClippedAdamW(torch.optim.AdamW):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros(
-                        (), dtype=torch.float32, device=local_tensor(p).device
+                        (), dtype=torch.float32, device=plain_tensor(p).device
                     )
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -107,10 +111,10 @@ class ClippedAdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             groups.append(
                 (
-                    [local_tensor(p) for p in params],
-                    [local_tensor(grad(p)) for p in params],
-                    [local_tensor(s["exp_avg"]) for s in states],
-                    [local_tensor(s["exp_avg_sq"]) for s in states],
+                    [plain_tensor(p) for p in params],
+                    [plain_tensor(grad(p)) for p in params],
+                    [plain_tensor(s["exp_avg"]) for s in states],
+                    [plain_tensor(s["exp_avg_sq"]) for s in states],
                     [s["step"] for s in states],
                     self._lr(i, group, states[0]["step"].device),
                     (beta1, beta2, group["eps"], group["weight_decay"]),

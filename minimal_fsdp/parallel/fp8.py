@@ -113,9 +113,7 @@ def _plain_weight(layer, state_dict, prefix, local_metadata):
     parameter)."""
     key = prefix + "weight"
     weight = state_dict[key]
-    local = weight.to_local() if isinstance(weight, DTensor) else weight
-    # the wrapper's only tensor (torchao's fsdp_utils.py)
-    plain = getattr(local, "_tensor", local).detach()
+    plain = plain_tensor(weight).detach()
     if isinstance(weight, DTensor):
         plain = DTensor.from_local(
             plain,
@@ -126,6 +124,15 @@ def _plain_weight(layer, state_dict, prefix, local_metadata):
             stride=weight.stride(),
         )
     state_dict[key] = plain
+
+
+def plain_tensor(tensor):
+    """The plain tensor beneath a DTensor's local shard and torchao's float8 weight wrapper
+    (WeightWithDynamicFloat8CastTensor around a float8-gathered weight's fp32 shard, and around
+    whatever zeros_like makes of it: AdamW's moments), the same memory; any other tensor itself."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    # the wrapper's only tensor (torchao's fsdp_utils.py)
+    return getattr(local, "_tensor", local)
 
 
 @functools.cache
