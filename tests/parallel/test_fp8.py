@@ -388,7 +388,7 @@ def test_fused_shard_cast_gives_torchao_bits(monkeypatch, device):
     assert fused.float().abs().max() > 0  # not all flushed to zero: the comparison saw values
 
 
-def float8_gathered_and_sharded(monkeypatch):
+def float8_gathered_and_sharded(monkeypatch, device):
     """SMALL_LLAMA converted as for a float8 all-gather over 2 ranks, then sharded by FSDP2 over
     this one (one_rank_group): its float8 layers' parameters are DTensors around torchao's
     wrapper, as in training."""
@@ -400,19 +400,20 @@ def float8_gathered_and_sharded(monkeypatch):
         strategy="fsdp-block",
         shard_ranks=2,
     )
-    model = build_model(Llama, SMALL_LLAMA, plan_for(["--precision", "bf16"]), one_rank(), seed=5)
-    fp8.convert(model, plan, torch.device("cpu"))
-    return fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    bf16 = plan_for(["--precision", "bf16"])
+    model = build_model(Llama, SMALL_LLAMA, bf16, one_rank(device), seed=5)
+    fp8.convert(model, plan, torch.device(device))
+    return fully_shard(model, mesh=init_device_mesh(device, (1,)))
 
 
-def step_beside_adamw(monkeypatch, compile, steps=3):
+def step_beside_adamw(monkeypatch, compile, device="cpu", steps=3):
     """ClippedAdamW and torch's clip_grad_norm_ + AdamW on two copies of the float8-gathered model,
     the same gradients, torchao's scale precompute after each step (as FSDPSync.after_step runs
     it); returns the two models, optimizers and every tensor the update was handed."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    models = [float8_gathered_and_sharded(monkeypatch) for _ in range(2)]
+    models = [float8_gathered_and_sharded(monkeypatch, device) for _ in range(2)]
     weight = models[1].blocks[0].attn.q_proj.weight
     assert isinstance(weight._local_tensor, WeightWithDynamicFloat8CastTensor)
     reference = torch.optim.AdamW(models[0].parameters(), lr=1e-2, weight_decay=0.1)
@@ -425,7 +426,7 @@ def step_beside_adamw(monkeypatch, compile, steps=3):
 
     ours.update = watched
     before = fp8.plain_tensor(weight).clone()
-    x = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
     for _ in range(steps):
         # ours computes the gradients and the reference takes them: float8 rounding in the forward
         # would part two trajectories within steps, and the comparison is of the update
@@ -462,12 +463,19 @@ def test_clipped_adamw_steps_the_tensor_inside_torchaos_float8_wrapper(one_rank_
 
 
 @needs_torchao
-@pytest.mark.slow  # torch.compile on the CPU; the eager test above is the quick check
-def test_compiled_clipped_adamw_steps_float8_gathered_weights(one_rank_group, monkeypatch):
+# torch.compile on the CPU: the full tier (the eager test above is the quick check); on a GPU,
+# real float8 matmuls and inductor's Triton kernels
+@pytest.mark.parametrize(
+    "device",
+    [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)],
+)
+def test_compiled_clipped_adamw_steps_float8_gathered_weights(one_rank_group, monkeypatch, device):
     """The compiled step from the second step on, when torchao's wrapper holds a precomputed scale,
     which torchao (0.17, 0.18) cannot trace: --precision fp8 --compile on more than one GPU failed
     there."""
-    assert_stepped_alike(*step_beside_adamw(monkeypatch, compile=True))
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    assert_stepped_alike(*step_beside_adamw(monkeypatch, compile=True, device=device))
 
 
 # ---- the memory planner ----
