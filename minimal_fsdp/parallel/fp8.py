@@ -33,6 +33,7 @@ from minimal_fsdp.config.choices import ConfigError
 
 # which layers --precision fp8 converts: in parallel/choose.py, torch-free, for the memory planner
 from minimal_fsdp.parallel.choose import MIN_FEATURES, NOT_CALLED, block_shapes, converts  # noqa: E402,F401
+from minimal_fsdp.parallel.whole_unit import local_tensor
 
 
 def convertible(model):
@@ -130,7 +131,7 @@ def plain_tensor(tensor):
     """The plain tensor beneath a DTensor's local shard and torchao's float8 weight wrapper
     (WeightWithDynamicFloat8CastTensor around a float8-gathered weight's fp32 shard, and around
     whatever zeros_like makes of it: AdamW's moments), the same memory; any other tensor itself."""
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     # the wrapper's only tensor (torchao's fsdp_utils.py)
     return getattr(local, "_tensor", local)
 
