@@ -299,7 +299,9 @@ fp8_numerics)
   # (the comparison below is then skipped: plot the two calls' logs after, minimal-fsdp plot A B).
   for p in ${NUMERICS_PRECISIONS:-bf16 fp8}; do
     rm -rf "$OUT/logs/fp8n_$p" /tmp/fp8_numerics/fp8n_$p
-    ( timeout ${NUMERICS_TIMEOUT:-200} $MPI -n $NG python3 basic_training.py $N --precision $p --run_name fp8n_$p 2>&1 \
+    # the blocks in float8 too (--fp8_layers all): the default model is 2048 wide, where auto keeps them bf16
+    layers=""; [ $p = fp8 ] && layers="--fp8_layers all"
+    ( timeout ${NUMERICS_TIMEOUT:-200} $MPI -n $NG python3 basic_training.py $N --precision $p $layers --run_name fp8n_$p 2>&1 \
       | tr '\r' '\n' | grep -v '^train:' > "$OUT/fp8n_$p.log"; echo "$p: exit ${PIPESTATUS[0]}" ) &
     run=$!
     if [ "${NUMERICS_SKIP_SAVE:-0}" = 1 ]; then

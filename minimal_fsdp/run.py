@@ -410,6 +410,7 @@ TRAINING_FLAGS = (
     "dropout",
     "precision",
     "fp8_recipe",
+    "fp8_layers",
     "reduce_precision",
     "sharding",
     "seed",

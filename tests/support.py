@@ -72,7 +72,8 @@ def plain_plan(**fields):
         cuda_graphs=False,
         num_params=NUM_PARAMS,
     )
-    base.update(fields)
+    # an fp8 plan's blocks are float8 unless the fields say otherwise (--fp8_layers all)
+    base.update({"fp8_blocks": bool(fields.get("fp8")), **fields})
     return plan.ParallelPlan(**base)
 
 

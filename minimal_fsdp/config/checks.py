@@ -273,6 +273,8 @@ def check_parallel(cfg):
         raise ConfigError("--cuda_graphs replays the compiled model: add --compile")
     if cfg.fp8_recipe != "tensorwise" and cfg.precision != "fp8":
         raise ConfigError(f"--fp8_recipe {cfg.fp8_recipe} applies with --precision fp8: add it")
+    if cfg.fp8_layers != "auto" and cfg.precision != "fp8":
+        raise ConfigError(f"--fp8_layers {cfg.fp8_layers} applies with --precision fp8: add it")
     if (
         cfg.precision == "fp8"
         and not cfg.generate_only

@@ -32,6 +32,8 @@ GRAPHS_MODEL = 50_000_000
 
 # fp8.py: torchao's scaling recipes
 FP8_RECIPES = ("tensorwise", "rowwise")
+# --fp8_layers: which layers --precision fp8 makes float8 (parallel/choose.py says what each means)
+FP8_LAYERS = ("auto", "all", "head")
 
 # data/tokenizer.py's (which imports torch: tests/config/test_commands.py checks they agree)
 TOKENIZER_KINDS = ("char", "gpt2", "sentencepiece")

@@ -276,6 +276,7 @@ class PlanFlags:
         default="bf16",
     )
     fp8_recipe: str = shared("fp8_recipe")
+    fp8_layers: str = shared("fp8_layers")
     fsdp_unit: str = shared("fsdp_unit")
     reduce_precision: str = shared(
         "reduce_precision",

@@ -22,6 +22,7 @@ from minimal_fsdp.config.checks import parse_duration, validate
 from minimal_fsdp.config.choices import (
     DATA_PARALLEL,
     DEVICE,
+    FP8_LAYERS,
     FP8_RECIPES,
     FSDP_UNITS,
     GRAPHS_MODEL,
@@ -193,6 +194,15 @@ class Config:
         "all-gathers the weights in float8) or rowwise (a scale per row: more "
         "accurate, slower)",
         FP8_RECIPES,
+        "parallel",
+    )
+    fp8_layers: str = flag(
+        "auto",
+        "which layers --precision fp8 makes float8: the output head's matmuls always "
+        "(tensorwise), and the blocks' linear layers with all, or with auto where the model is "
+        "at least 4096 wide (narrower ones measured slower in float8 than in bf16: "
+        "docs/performance.md); head: the head alone",
+        FP8_LAYERS,
         "parallel",
     )
     reduce_precision: str = flag(

@@ -53,6 +53,7 @@ class Parallel(Section):
     reduce_precision: str
     precision: str
     fp8_recipe: str
+    fp8_layers: str
     device: str
     meta_init: bool
     activation_checkpoints: str
@@ -245,6 +246,7 @@ class Resume(Section):
     dropout: float
     precision: str
     fp8_recipe: str
+    fp8_layers: str
     reduce_precision: str
     sharding: str
     seed: int

@@ -6,6 +6,13 @@ parallel/plan.py and parallel/fp8.py use them (and re-export them under their ol
 from minimal_fsdp.config.choices import SMALL_MODEL
 
 MIN_FEATURES = 256
+# --fp8_layers auto converts the blocks' layers of a model at least this wide (its embed size), and
+# always the output head (tensorwise, CUDA). Measured on one H200 (benchmarks/results/RESULTS.md,
+# fp8-layers): GPT-2 124M (768 wide) and 355M (1024) are 5-6% slower than bf16 with their blocks in
+# float8 and 1-3% faster with the head alone; Llama 3 8B's shape (4096) is 1.2-1.3x faster with the
+# blocks. Between 1024 and 4096 nothing recent was measured (GPT-2 1.5B, 1600 wide, was 0.90x on 4
+# GPUs on 2026-11-27): auto keeps those in bf16, where they cannot be slower than bf16.
+BLOCKS_MIN_WIDTH = 4096
 # gpt.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never
 # run its forward.
 NOT_CALLED = ("attn.qkv",)
@@ -21,10 +28,17 @@ def converts(name, in_features, out_features):
     )
 
 
-def block_shapes(sizes):
+def float8_blocks(fp8_layers, width):
+    """Whether --precision fp8 converts the blocks' layers (`converts` then says which) of a model
+    `width` wide (its embed size), as --fp8_layers says; the output head is converted in any case
+    (plan.fp8_head)."""
+    return fp8_layers == "all" or fp8_layers == "auto" and width >= BLOCKS_MIN_WIDTH
+
+
+def block_shapes(sizes, blocks=True):
     """(in, out) features of each linear layer of one block that --precision fp8 converts
-    (models.size.Sizes)."""
-    return tuple((i, o) for name, i, o in sizes.block_linears if converts(name, i, o))
+    (models.size.Sizes); none where the blocks stay bf16 (float8_blocks)."""
+    return tuple((i, o) for name, i, o in sizes.block_linears if blocks and converts(name, i, o))
 
 
 def layout(sharding, world_size, shard_group_size):

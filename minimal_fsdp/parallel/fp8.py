@@ -2,12 +2,13 @@
 large linear layers, on GPUs with float8 tensor cores (compute capability 8.9 or newer: H100, H200,
 L40S).
 
-Which layers: a block's nn.Linear whose in and out features are both multiples of 16 (what float8
-matmuls, torch._scaled_mm, accept) and both at least MIN_FEATURES. That rule keeps out only the tiny
-layers, whose casts surely cost more than their faster matmul saves; whether mid-sized ones (GPT-2
-124M's 768) gain is measured, not assumed (docs/performance.md). Never the embeddings. The output
-head's matmul is part of the fused loss, which (tensorwise, on CUDA) makes its logits and input
-gradient in float8 itself (models/fused_loss.py).
+Which layers: the output head's matmuls, part of the fused loss, which (tensorwise, on CUDA) makes
+its logits and gradients in float8 itself (models/fused_loss.py). The blocks' layers where
+--fp8_layers says (choose.float8_blocks: by default only in models at least 4096 wide, as narrower
+ones measured slower than bf16): there, a block's nn.Linear whose in and out features are both
+multiples of 16 (what float8 matmuls, torch._scaled_mm, accept) and both at least MIN_FEATURES,
+which keeps out only the tiny layers, whose casts surely cost more than their faster matmul saves.
+Never the embeddings.
 
 Recipes (--fp8_recipe), torchao's:
   tensorwise  one scale per tensor, cuBLAS float8 matmuls. Under FSDP over more than one rank the
@@ -32,7 +33,13 @@ from torch.distributed.tensor import DTensor
 from minimal_fsdp.config.choices import ConfigError
 
 # which layers --precision fp8 converts: in parallel/choose.py, torch-free, for the memory planner
-from minimal_fsdp.parallel.choose import MIN_FEATURES, NOT_CALLED, block_shapes, converts  # noqa: E402,F401
+from minimal_fsdp.parallel.choose import (  # noqa: E402,F401
+    BLOCKS_MIN_WIDTH,
+    MIN_FEATURES,
+    NOT_CALLED,
+    block_shapes,
+    converts,
+)
 from minimal_fsdp.parallel.whole_unit import local_tensor
 
 
@@ -74,7 +81,9 @@ def gathers_in_float8(plan, layer):
 
 def convert(model, plan, device):
     """Swap the convertible layers for torchao's Float8Linear, in place, before sharding
-    (build_model)."""
+    (build_model); none where the blocks stay bf16 (plan.fp8_blocks)."""
+    if not plan.fp8_blocks:
+        return model
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     layers = convertible(model)
@@ -193,6 +202,15 @@ def describe(plan, model, device):
         for name, m in model.named_modules()
         if isinstance(m, nn.Linear) and name.startswith("blocks.")
     ]
+    in_head = plan.fp8_head and device.type == "cuda"
+    head = " and in the output head's three matmuls" if in_head else ""
+    peak = "; MFU is relative to the dense bf16 peak, as for bf16, so the two compare"
+    if not plan.fp8_blocks:
+        return (
+            f"fp8: {plan.fp8} float8 matmuls in the output head's three matmuls only; the blocks' "
+            f"{len(blocks)} linear layers stay bf16 (a model {model.config.embed_size} wide: "
+            f"float8 blocks pay from {BLOCKS_MIN_WIDTH}; --fp8_layers all converts them){peak}"
+        )
     layers = convertible(model)
     gathered = sum(gathers_in_float8(plan, layer) for _, layer in layers)
     gather = (
@@ -200,10 +218,7 @@ def describe(plan, model, device):
         if gathered
         else "each weight cast to float8 where it is used"
     )
-    in_head = plan.fp8_head and device.type == "cuda"
-    head = " and in the output head's three matmuls" if in_head else ""
     return (
         f"fp8: {plan.fp8} float8 matmuls in {len(layers)} of the blocks' {len(blocks)} linear "
-        f"layers ({gather}){head}; MFU is relative to the dense bf16 peak, as for bf16, so the "
-        f"two compare"
+        f"layers ({gather}){head}{peak}"
     )

@@ -74,19 +74,23 @@ def estimate(
     compile=False,
     grad_accum_steps=1,
     fp8_recipe="tensorwise",
+    fp8_layers="auto",
     fsdp_unit="auto",
     checkpoint_mode="sync",
     reduce_precision="float32",
 ):
     """Peak bytes on one GPU and in one rank's host memory for one training step of grad_accum_steps
     micro-batches. recompute: "none" (no activation checkpointing), "full" or "selective"
-    (--recompute). precision fp8 computes as bf16 does, with fp8_recipe's float8 layers (see the fp8
-    terms below). fsdp_unit: as --fsdp_unit (plan.strategy): the whole model as one unit is gathered
-    whole, and all its unsharded gradients wait for one reduce-scatter at the end of backward.
+    (--recompute). precision fp8 computes as bf16 does, with fp8_recipe's float8 layers where
+    fp8_layers (--fp8_layers) puts them (see the fp8 terms below). fsdp_unit: as --fsdp_unit
+    (plan.strategy): the whole model as one unit is gathered whole, and all its unsharded gradients
+    wait for one reduce-scatter at the end of backward.
     reduce_precision: as --reduce_precision, the dtype of the copies gradients are reduced (and
     FSDP2 accumulates them) in."""
     sizes = counts.count(config)
-    float8_layers = choose.block_shapes(sizes)
+    float8_layers = choose.block_shapes(
+        sizes, precision == "fp8" and choose.float8_blocks(fp8_layers, config.embed_size)
+    )
     _, shards, reshard = layout(sharding, world_size, shard_group_size)
     # make_plan's
     chosen = strategy(sharding, world_size, sizes.total, fsdp_unit, cpu_offload, precision == "fp8")
@@ -124,10 +128,14 @@ def estimate(
         ]
         gathered -= (L if keep_gathered else 2) * sum(i * o for i, o in in_float8)
         copies = 2 if fp8_recipe == "rowwise" else 1
-        float8_working = max(
-            copies * (tokens * (i + o) + (0 if (i, o) in in_float8 else i * o))
-            + (16 * tokens if fp8_recipe == "rowwise" else 0)
-            for i, o in float8_layers
+        float8_working = (
+            max(
+                copies * (tokens * (i + o) + (0 if (i, o) in in_float8 else i * o))
+                + (16 * tokens if fp8_recipe == "rowwise" else 0)
+                for i, o in float8_layers
+            )
+            if float8_layers
+            else 0
         )
     # Unsharded grads before their reduce-scatter: ~2 blocks' in flight, each with a copy to reduce
     # in where the reduce dtype is not the compute dtype; the root's wait in the compute dtype for
@@ -271,11 +279,12 @@ def print_plan(args):
         f"{2 * sizes.total / GiB:.1f} GiB in bf16"
     )
     accumulation = f" x {args.grad_accum_steps} micro-steps" if args.grad_accum_steps > 1 else ""
+    fp8 = f" ({args.fp8_recipe}, --fp8_layers {args.fp8_layers})" if args.precision == "fp8" else ""
     print(
         f"{args.gpus} GPU(s) of {gpu_memory / GiB:.0f} GiB"
         f"{'' if args.gpu_memory else f' ({args.gpu_type})'}, {gpus_per_node} per node; batch "
         f"{args.batch_size} x {config.seq_length} tokens per GPU{accumulation}; {args.precision}"
-        f"{f' ({args.fp8_recipe})' if args.precision == 'fp8' else ''}; fits = estimate within "
+        f"{fp8}; fits = estimate within "
         f"{1 - GPU_HEADROOM:.0%} of the GPU"
         + (f" and of {host_memory / GiB:.0f} GiB host" if host_memory else "")
     )
@@ -299,6 +308,7 @@ def print_plan(args):
                     args.precision,
                     grad_accum_steps=args.grad_accum_steps,
                     fp8_recipe=args.fp8_recipe,
+                    fp8_layers=args.fp8_layers,
                     fsdp_unit=args.fsdp_unit,
                     checkpoint_mode=args.checkpoint_mode,
                     reduce_precision=reduce_precision(

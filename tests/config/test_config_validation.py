@@ -170,6 +170,7 @@ def test_run_name_is_one_plain_directory_name(refused, name):
         (["--tokenizer", "sentencepiece"], ["--tokenizer", "--vocab_size"]),
         (["--cuda_graphs"], ["--cuda_graphs", "--compile"]),
         (["--fp8_recipe", "rowwise"], ["--fp8_recipe", "--precision"]),
+        (["--fp8_layers", "all"], ["--fp8_layers", "--precision"]),
         (["--recompute", "selective"], ["--recompute", "--activation_checkpoints"]),
         (["--embed_size", 30, "--num_heads", 4], ["--embed_size", "--num_heads"]),
         (["--hf_model", "gpt2", "--num_heads", 4], ["--num_heads", "--hf_model"]),

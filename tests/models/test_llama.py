@@ -464,6 +464,9 @@ def test_llama3_tiny_trains_as_the_8b_runs(tmp_path):
     )
     launch(llama3_args(tmp_path, "bf16", ["--precision", "bf16"]), ranks=2, cwd=tmp_path)
     launch(
-        llama3_args(tmp_path, "fp8", ["--precision", "fp8"]), ranks=2, cwd=tmp_path, entry=EMULATED
+        llama3_args(tmp_path, "fp8", ["--precision", "fp8", "--fp8_layers", "all"]),
+        ranks=2,
+        cwd=tmp_path,
+        entry=EMULATED,
     )
     check_close_to_bf16(losses_of(tmp_path, "fp8"), losses_of(tmp_path, "bf16"))

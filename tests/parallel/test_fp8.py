@@ -79,12 +79,22 @@ def one_rank(device="cpu"):
     )
 
 
+def with_blocks(argv):
+    """argv with --fp8_layers all where it asks for --precision fp8 and names no layers: these
+    models are far narrower than the width from which --fp8_layers auto converts the blocks, and
+    their float8 blocks are what most tests here are about."""
+    argv = [str(a) for a in argv]
+    fp8_run = any(a == "fp8" and b == "--precision" for b, a in zip(argv, argv[1:]))
+    return argv + ["--fp8_layers", "all"] if fp8_run and "--fp8_layers" not in argv else argv
+
+
 def plan_for(argv, device="cpu", monkeypatch=None, config=None):
-    """make_plan for one rank and `config` (default SMALL_LLAMA); on the CPU with the device check
-    lifted (monkeypatch), as the emulation needs."""
+    """make_plan for one rank and `config` (default SMALL_LLAMA), its blocks float8 unless argv
+    says otherwise (with_blocks); on the CPU with the device check lifted (monkeypatch), as the
+    emulation needs."""
     if monkeypatch is not None:
         monkeypatch.setattr(fp8, "check_device", lambda device: None)
-    return make_plan(parse_args([str(a) for a in argv]), one_rank(device), config or SMALL_LLAMA)
+    return make_plan(parse_args(with_blocks(argv)), one_rank(device), config or SMALL_LLAMA)
 
 
 # ---- flags and devices: one-line errors ----
@@ -95,6 +105,8 @@ def plan_for(argv, device="cpu", monkeypatch=None, config=None):
     [
         (["--fp8_recipe", "rowwise"], "--fp8_recipe rowwise applies with --precision fp8: add it"),
         (["--precision", "fp8", "--fp8_recipe", "blockwise"], "invalid choice"),
+        (["--fp8_layers", "head"], "--fp8_layers head applies with --precision fp8: add it"),
+        (["--precision", "fp8", "--fp8_layers", "blocks"], "invalid choice"),
     ],
 )
 def test_bad_fp8_flags_are_one_line_errors(argv, message):
@@ -221,6 +233,23 @@ def test_the_banner_says_where_the_output_head_is_float8(monkeypatch, recipe, de
         line = fp8.describe(plan, Llama(SMALL_LLAMA), torch.device(device))
     assert ("in the output head's three matmuls" in line) == head
     assert "float8 matmuls in 10 of the blocks' 14 linear layers" in line
+
+
+@needs_torchao
+@pytest.mark.parametrize("layers", ["head", "auto"])
+def test_the_head_alone_leaves_every_block_layer_bf16_and_the_banner_says_why(monkeypatch, layers):
+    """--fp8_layers head, and auto below choose.BLOCKS_MIN_WIDTH: no float8 layer in the model."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    plan = plan_for(["--precision", "fp8", "--fp8_layers", layers], monkeypatch=monkeypatch)
+    assert not plan.fp8_blocks and plan.fp8_head
+    model = build_model(Llama, SMALL_LLAMA, plan, one_rank(), seed=0)
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+    line = fp8.describe(plan, model, torch.device("cuda"))
+    assert (
+        "float8 matmuls in the output head's three matmuls only; the blocks' 14 linear layers stay "
+        "bf16 (a model 256 wide: float8 blocks pay from 4096; --fp8_layers all converts them)"
+    ) in line
 
 
 @needs_torchao
@@ -563,7 +592,7 @@ def train_args(corpus, run_name, extra=(), steps=STEPS):
         "1e-3",
         "--warmup_steps",
         2,
-        *extra,
+        *with_blocks(extra),
     ]
 
 

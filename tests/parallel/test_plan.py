@@ -220,11 +220,50 @@ def test_fp8_recipe_is_checked_for_training_and_dropped_for_generation(monkeypat
     assert plan.fp8 is None and plan.precision == "bf16" and plan.bf16  # generation runs in bf16
     checked = []
     monkeypatch.setattr(plan_module.fp8, "check_device", checked.append)
-    plan, _ = plan_for(monkeypatch, ["--precision", "fp8", "--fp8_recipe", "rowwise"])
+    rowwise = ["--precision", "fp8", "--fp8_recipe", "rowwise", "--fp8_layers", "all"]
+    plan, _ = plan_for(monkeypatch, rowwise)
     assert plan.fp8 == "rowwise" and plan.precision == "fp8" and checked == [torch.device("cpu")]
-    plan, _ = plan_for(monkeypatch, ["--precision", "fp8", "--sharding", "full-shard"], world=2)
+    plan, _ = plan_for(
+        monkeypatch,
+        ["--precision", "fp8", "--fp8_layers", "all", "--sharding", "full-shard"],
+        world=2,
+    )
     # float8 all-gathers are FSDP2's (torchao): not the one unit
-    assert plan.strategy == "fsdp-whole"
+    assert plan.strategy == "fsdp-whole" and plan.fp8_blocks and plan.fp8_all_gather
+
+
+WIDE = LlamaConfig(vocab_size=64, num_layers=1, num_heads=32, embed_size=4096)
+
+
+@pytest.mark.parametrize(
+    "layers,config,blocks",
+    [
+        ("auto", CONFIG, False),  # narrow: the head alone
+        ("auto", WIDE, True),  # choose.BLOCKS_MIN_WIDTH
+        ("all", CONFIG, True),
+        ("head", WIDE, False),
+    ],
+)
+def test_fp8_layers_puts_the_blocks_in_float8_where_asked_and_the_head_always(
+    monkeypatch, layers, config, blocks
+):
+    monkeypatch.setattr(plan_module.fp8, "check_device", lambda device: None)
+    argv = ["--precision", "fp8", "--fp8_layers", layers, "--sharding", "full-shard"]
+    plan, _ = plan_for(monkeypatch, argv, world=2, config=config)
+    assert plan.fp8_blocks == blocks and plan.fp8_head
+    # nothing to all-gather in float8 where the blocks stay bf16; the strategy is fp8's either way
+    assert plan.fp8_all_gather == blocks and plan.strategy in ("fsdp-whole", "fsdp-block")
+    assert choose.float8_blocks(layers, config.embed_size) == blocks
+
+
+def test_fp8_rowwise_with_no_float8_layer_is_one_line(monkeypatch):
+    """rowwise keeps the head bf16, so with the blocks bf16 too nothing would be float8."""
+    monkeypatch.setattr(plan_module.fp8, "check_device", lambda device: None)
+    for argv in (["--fp8_recipe", "rowwise"], ["--fp8_recipe", "rowwise", "--fp8_layers", "head"]):
+        with pytest.raises(ConfigError, match="makes no layer of this model float8: --fp8_layers"):
+            plan_for(monkeypatch, ["--precision", "fp8", *argv])
+    plan, _ = plan_for(monkeypatch, ["--precision", "fp8", "--fp8_recipe", "rowwise"], config=WIDE)
+    assert plan.fp8_blocks and not plan.fp8_head
 
 
 @pytest.mark.parametrize(
@@ -352,6 +391,7 @@ def test_what_the_plan_says_of_itself():
         and plain_plan(precision="float32").compute_dtype == torch.float32
     )
     assert plain_plan(fp8="tensorwise").fp8_all_gather
+    assert not plain_plan(fp8="tensorwise", fp8_blocks=False).fp8_all_gather  # the head alone
     assert not plain_plan(fp8="rowwise").fp8_all_gather and not plain_plan(fp8=None).fp8_all_gather
     for no in (
         dict(strategy="local"),

@@ -576,6 +576,29 @@ def test_only_compiled_tensorwise_fp8_saves_the_float8_inputs():
     assert e("bf16", True) == e("bf16", False)
 
 
+def test_fp8_plans_float8_blocks_only_where_fp8_layers_puts_them():
+    """GPT-2 124M (768 wide) under --fp8_layers auto: bf16 blocks, so bf16's memory plus only the
+    float8 head's (the logits' gradient in float8, both layouts, and the weight's transpose)."""
+    config = make_config("gpt", "gpt2", vocab_size=50304)
+    e = lambda precision, layers="auto": model_size.estimate(  # noqa: E731
+        "gpt",
+        config,
+        8,
+        "full-shard",
+        1,
+        None,
+        "none",
+        False,
+        precision,
+        compile=True,
+        fp8_layers=layers,
+    )["gpu"]
+    head = (2 * 8 * 1024 + config.embed_size) * config.vocab_size
+    assert e("fp8") == e("fp8", "head") == e("bf16") + head
+    # the blocks' float8 layers: the float8 copies while one runs, and 1-byte saved inputs
+    assert e("fp8", "all") != e("fp8")
+
+
 # benchmarks/results/RESULTS.md#hosts-and-saves: the rows "GPT-2 124M, batch 32 per GPU, bf16,
 # eager, 2 hosts x 2 GPUs, link 10 Gbit/s" and "the same at 1 Gbit/s" (4x H200 as two virtual hosts,
 # NCCL over TCP between them, benchmarks/multihost.py, which logs every step: --log_interval 1).
