@@ -900,6 +900,31 @@ def test_gpu_one_rank_fp8_close_to_bf16(gpu_work, extra):
     check_gpu_close_to_bf16(gpu_work, name, baseline="one_bf16")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a GPU of compute capability 8.9+ (H100)",
+)
+@needs_torchao
+def test_gpu_head_alone_in_float8_trains_close_to_bf16(tmp_path):
+    """--fp8_layers auto on a model narrower than 4096, on one GPU: the blocks stay bf16 and only
+    the output head's matmuls are float8, so the losses differ from bf16's (the vocabulary padded
+    to 128 rows: torch._scaled_mm takes multiples of 16) and stay close to them."""
+    from conftest import make_text
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(200_000))
+    printed = {}
+    for precision in ("bf16", "fp8"):
+        extra = ["--precision", precision, "--vocab_size", 128, "--batch_size", 16]
+        extra += ["--fp8_layers", "auto"] if precision == "fp8" else []
+        printed[precision] = launch(
+            gpu_args(corpus, f"head_{precision}", extra), ranks=1, cwd=tmp_path
+        ).stdout
+    assert "float8 matmuls in the output head's three matmuls only" in printed["fp8"]
+    check_gpu_close_to_bf16(corpus, "head_fp8", baseline="head_bf16")
+
+
 @needs_fp8_gpus
 def test_gpu_resume_switches_between_fp8_and_bf16_then_samples(gpu_work):
     """fp8 for half the bf16 run's steps, resumed in bf16 to its end, then in fp8 for half as many
