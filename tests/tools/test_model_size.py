@@ -555,21 +555,27 @@ def test_float8_inputs_are_the_distinct_inputs_of_the_float8_layers(model_type, 
     )
 
 
-def test_only_compiled_tensorwise_fp8_saves_the_float8_inputs():
-    config = make_config("llama", "llama3-8b", vocab_size=128256)
-    e = lambda precision, compile, recipe="tensorwise": model_size.estimate(  # noqa: E731
-        "llama",
+def full_shard_gpu(model_type, config, batch_size, world_size, precision, **options):
+    """estimate's GPU peak under full-shard, without recompute or offload."""
+    return model_size.estimate(
+        model_type,
         config,
-        2,
+        batch_size,
         "full-shard",
-        2,
+        world_size,
         None,
         "none",
         False,
         precision,
-        compile=compile,
-        fp8_recipe=recipe,
+        **options,
     )["gpu"]
+
+
+def test_only_compiled_tensorwise_fp8_saves_the_float8_inputs():
+    config = make_config("llama", "llama3-8b", vocab_size=128256)
+    e = lambda precision, compile, recipe="tensorwise": full_shard_gpu(  # noqa: E731
+        "llama", config, 2, 2, precision, compile=compile, fp8_recipe=recipe
+    )
     saved = 2 * 8192 * 32 * model_size.float8_inputs_per_token("llama", config)
     assert e("fp8", False) - e("fp8", True) == pytest.approx(saved, rel=1e-9)
     assert e("fp8", True, "rowwise") == e("fp8", False, "rowwise")
@@ -580,19 +586,9 @@ def test_fp8_plans_float8_blocks_only_where_fp8_layers_puts_them():
     """GPT-2 124M (768 wide) under --fp8_layers auto: bf16 blocks, so bf16's memory plus only the
     float8 head's (the logits' gradient in float8, both layouts, and the weight's transpose)."""
     config = make_config("gpt", "gpt2", vocab_size=50304)
-    e = lambda precision, layers="auto": model_size.estimate(  # noqa: E731
-        "gpt",
-        config,
-        8,
-        "full-shard",
-        1,
-        None,
-        "none",
-        False,
-        precision,
-        compile=True,
-        fp8_layers=layers,
-    )["gpu"]
+    e = lambda precision, layers="auto": full_shard_gpu(  # noqa: E731
+        "gpt", config, 8, 1, precision, compile=True, fp8_layers=layers
+    )
     head = (2 * 8 * 1024 + config.embed_size) * config.vocab_size
     assert e("fp8") == e("fp8", "head") == e("bf16") + head
     # the blocks' float8 layers: the float8 copies while one runs, and 1-byte saved inputs
