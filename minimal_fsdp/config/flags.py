@@ -200,8 +200,8 @@ class Config:
         "auto",
         "which layers --precision fp8 makes float8: the output head's matmuls always "
         "(tensorwise), and the blocks' linear layers with all, or with auto where the model is "
-        "at least 4096 wide (narrower ones measured slower in float8 than in bf16: "
-        "docs/performance.md); head: the head alone",
+        "at least 4096 wide (narrower ones measured slower in float8 than in bf16 at the same "
+        "batch: docs/performance.md); head: the head alone",
         FP8_LAYERS,
         "parallel",
     )

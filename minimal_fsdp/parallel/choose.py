@@ -10,8 +10,9 @@ MIN_FEATURES = 256
 # always the output head (tensorwise, CUDA). Measured on one H200 (benchmarks/results/RESULTS.md,
 # fp8-layers): GPT-2 124M (768 wide) and 355M (1024) are 5-6% slower than bf16 with their blocks in
 # float8 and 1-3% faster with the head alone; Llama 3 8B's shape (4096) is 1.2-1.3x faster with the
-# blocks. Between 1024 and 4096 nothing recent was measured (GPT-2 1.5B, 1600 wide, was 0.90x on 4
-# GPUs on 2026-11-27): auto keeps those in bf16, where they cannot be slower than bf16.
+# blocks. Between 1024 and 4096 nothing recent was measured (GPT-2 1.5B, 1600 wide, was 0.90-0.97x
+# at the same batch on 4 GPUs on 2026-11-27, 1.04x only at a batch bf16 could not fit): auto keeps
+# those in bf16, and --fp8_layers all is there where float8's memory saving is the point.
 BLOCKS_MIN_WIDTH = 4096
 # gpt.GPT multiplies slices of attn.qkv's weight with F.linear: a float8 layer there would never
 # run its forward.
