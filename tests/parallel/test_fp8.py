@@ -565,7 +565,7 @@ def test_planner_counts_float8_all_gathers_and_working_copies(capsys):
             "rowwise",
         ],
     )
-    assert "; fp8 (rowwise); fits" in capsys.readouterr().out
+    assert "; fp8 (rowwise, --fp8_layers auto); fits" in capsys.readouterr().out
 
 
 # ---- training on 2 CPU ranks, float8 emulated ----
