@@ -14,10 +14,15 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from minimal_fsdp.config.checks import WHOLE_RANGES
 from minimal_fsdp.config.choices import ConfigError
 from minimal_fsdp.files import read_json, shown, write_atomic
 
 SIDE_FILE_BYTES = 64 * 2**20  # tokenizer_config.json, config.json: a few KB (some carry templates)
+# The largest vocabulary a model takes (config/checks.py). A tokenizer.json whose ids go past it is
+# refused before the library writes it out: `tokenizers` (0.23) then counts every missing id up to
+# the largest, so one id of 2^31 - 1 asked for 8 GB and aborted the process.
+MAX_VOCAB = WHOLE_RANGES["vocab_size"][1]
 # End-of-text tokens to look for when no tokenizer_config.json or config.json names one.
 EOS_GUESSES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
@@ -99,6 +104,24 @@ def _write_json(directory, meta):
         json.dump(meta, f, ensure_ascii=False)
 
 
+def _largest_id(tok, where):
+    """The largest token id of a `tokenizers` Tokenizer; one line naming `where` if it holds no
+    tokens or an id past MAX_VOCAB (checked before the library writes it out)."""
+    largest = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    if not 0 <= largest < MAX_VOCAB:
+        problem = (
+            "it holds no tokens"
+            if largest < 0
+            else f"a token's id is {largest:,}, past {MAX_VOCAB - 1:,} (the largest vocabulary a "
+            "model takes)"
+        )
+        raise TokenizerError(
+            f"cannot read {where}: {problem}: the file is damaged; take it again from the model it "
+            "came with"
+        )
+    return largest
+
+
 def _digest(data):
     return hashlib.sha1(data if isinstance(data, bytes) else data.encode()).hexdigest()[:12]
 
@@ -120,19 +143,27 @@ class HFTokenizer:
         try:
             with _panic_text_held():
                 self.tok = Tokenizer.from_str(tokenizer_json)
+                largest = _largest_id(self.tok, "this Hugging Face tokenizer.json")
+                # A file's truncation and padding are for batches of model inputs; transformers
+                # applies them only when asked, and so does nothing here: a max_length of 512
+                # would cut every document to its first 512 tokens, padding would add pad ids to
+                # the data, and a padding length of 2^40 aborted the process as it allocated.
+                self.tok.no_truncation()
+                self.tok.no_padding()
                 # a model the library cannot run panics here, not at the prompt or mid-training
                 self.tok.encode(PROBE, add_special_tokens=False)
+                # canonical, so the same tokenizer always gets the same label
+                self.json = self.tok.to_str()
         except BaseException as e:  # noqa: BLE001 - parse errors (Exception) and panics alike
-            if isinstance(e, INTERRUPTS):
+            if isinstance(e, (*INTERRUPTS, TokenizerError)):
                 raise
             hint = _hint(e)
             raise TokenizerError(
                 f"cannot read this Hugging Face tokenizer.json "
                 f"({type(e).__name__}: {_first_line(e)}): {hint}"
             ) from None
-        self.json = self.tok.to_str()  # canonical, so the same tokenizer always gets the same label
         self.tok.encode_special_tokens = True
-        self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
+        self.vocab_size = largest + 1
         self.eos_token, self.bos_token = self._name(eos_token), self._name(bos_token)
         if self.eos_token is None and guess_eos:
             self.eos_token = next(
@@ -156,10 +187,7 @@ class HFTokenizer:
             return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts):
-        """[encode(text) for text in texts], in the library's threads; one at a time where the
-        tokenizer.json asks for padding, which a batch would add and one text alone would not."""
-        if self.tok.padding is not None:
-            return [self.encode(text) for text in texts]
+        """[encode(text) for text in texts], in the library's threads (no padding: __init__)."""
         with _one_line("encode a text"):
             encodings = self.tok.encode_batch(list(texts), add_special_tokens=False)
             return [encoding.ids for encoding in encodings]
@@ -197,6 +225,7 @@ def _byte_level_bpe(directory, eos, bos):
         ) from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    _largest_id(tok, f"{d}/vocab.json")
     vocab = tok.get_vocab()
     named = [t for t in (eos, bos, *EOS_GUESSES) if isinstance(t, str) and t in vocab]
     tok.add_special_tokens(list(dict.fromkeys(named)))  # marks them special; their ids stay
@@ -295,6 +324,12 @@ class TiktokenTokenizer(TiktokenCalls):
             )
         except ValueError as e:
             raise TokenizerError(f"tiktoken cannot build this tokenizer.model: {e}") from None
+        if self.enc.n_vocab > MAX_VOCAB:
+            raise TokenizerError(
+                f"cannot read tokenizer.model: a token's id is {self.enc.n_vocab - 1:,}, past "
+                f"{MAX_VOCAB - 1:,} (the largest vocabulary a model takes): the file is damaged; "
+                "take it again from the model it came with"
+            )
         self.vocab_size = self.enc.n_vocab
         self.eos_token = eos_token if eos_token in self.special_tokens else None
         self.bos_token = bos_token if bos_token in self.special_tokens else None

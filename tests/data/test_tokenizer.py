@@ -1,6 +1,11 @@
+import base64
 import json
+import os
 import pickle
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -233,6 +238,29 @@ def test_tokenizer_json(tmp_path, offline):
     assert_encodes_like(tok, auto_tokenizer(directory), tokenizer_dirs.MIXED)
     # a special token's text in the data is ordinary text, as gpt2's encode_ordinary reads it
     assert tok.eot_id not in tok.encode("a <|endoftext|> b")
+
+
+@pytest.mark.parametrize("asks", ["truncation", "fixed padding", "padding to a multiple"])
+def test_a_tokenizer_jsons_truncation_and_padding_are_not_applied(tmp_path, offline, asks):
+    """A tokenizer.json may carry settings for batches of model inputs (many carry a max_length of
+    512); transformers applies them only when asked, and so do we: the file's truncation had cut
+    every document to max_length tokens, and its padding added pad ids to the data."""
+    from tokenizers import Tokenizer
+
+    directory = tokenizer_dirs.write_tokenizer_json(tmp_path / "hf")
+    plain = load_tokenizer(directory)
+    asking = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    if asks == "truncation":
+        asking.enable_truncation(3)
+    elif asks == "fixed padding":
+        asking.enable_padding(length=64)
+    else:
+        asking.enable_padding(pad_to_multiple_of=64)
+    asking.save(str(directory / "tokenizer.json"))
+    tok = load_tokenizer(directory)
+    assert_encodes_like(tok, auto_tokenizer(directory), tokenizer_dirs.MIXED)
+    assert tok.encode_batch(tokenizer_dirs.MIXED) == plain.encode_batch(tokenizer_dirs.MIXED)
+    assert any(len(plain.encode(text)) > 3 for text in tokenizer_dirs.MIXED)
 
 
 def test_vocab_json_and_merges_txt(tmp_path, offline):
@@ -521,6 +549,81 @@ def test_what_the_library_writes_to_stderr_while_a_tokenizer_loads_is_passed_on(
     with tokenizer_files._panic_text_held():
         os.write(2, b"a warning from the library\n")
     assert capfd.readouterr().err == "a warning from the library\n"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+# A child that loads a tokenizer with 2 GiB more address space than its imports took: past that
+# the Rust library's allocations fail and abort the child, not this test process.
+LOAD_BOUNDED = """
+import resource, sys
+from minimal_fsdp.data.tokenizer import TokenizerError, load_tokenizer
+with open("/proc/self/status") as f:
+    size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (size + 2 * 2**30, resource.RLIM_INFINITY))
+try:
+    print("loaded", load_tokenizer(sys.argv[1]).vocab_size)
+except TokenizerError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("layout", ["tokenizer.json", "vocab.json + merges.txt", "tokenizer.model"])
+def test_a_token_id_past_the_largest_vocabulary_is_one_line(tmp_path, layout):
+    """An id of 2^31 - 1 in a tokenizer.json loaded, then made `tokenizers` ask for 8 GB as it
+    wrote the tokenizer out, and the process aborted (the fuzzer found it). Every directory
+    layout now refuses an id past config/checks.py's largest vocabulary, in one line, at load."""
+    big = 2**31 - 1
+    vocab = {"a": 0, "b": 1, "ab": big}
+    if layout == "tokenizer.json":
+        (tmp_path / "tokenizer.json").write_text(json.dumps(bpe_json(vocab=vocab)))
+    elif layout == "vocab.json + merges.txt":
+        (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+        (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    else:  # Llama 3's tiktoken ranks: the 256 bytes, then one merge
+        ranks = [(bytes([i]), i) for i in range(256)] + [(b"ab", big)]
+        lines = [f"{base64.b64encode(t).decode()} {rank}" for t, rank in ranks]
+        (tmp_path / "tokenizer.model").write_text("\n".join(lines) + "\n")
+    child = subprocess.run(
+        [sys.executable, "-c", LOAD_BOUNDED, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    out = child.stdout.strip()
+    assert "\n" not in out and "2,147,483,647, past 16,777,215" in out, out
+    assert layout.split()[0] in out, out  # names the file
+
+
+def test_a_huge_padding_length_in_a_tokenizer_json_is_not_allocated(tmp_path):
+    """Padding to 2^40 tokens, asked by the file, aborted the process at load as the library
+    allocated it (no truncation or padding is applied any more: the test above)."""
+    tj = bpe_json()
+    tj["padding"] = {
+        "strategy": {"Fixed": 2**40},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 0,
+        "pad_type_id": 0,
+        "pad_token": "a",
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    child = subprocess.run(
+        [sys.executable, "-c", LOAD_BOUNDED, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+    )
+    assert (child.returncode, child.stdout.strip()) == (0, "loaded 3"), child.stderr[-2000:]
+
+
+def test_a_tokenizer_json_without_tokens_is_one_line(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(bpe_json(vocab={}, merges=[])))
+    with pytest.raises(TokenizerError, match="tokenizer.json: it holds no tokens") as error:
+        load_tokenizer(tmp_path)  # was max() of an empty sequence: a traceback
+    assert "\n" not in str(error.value)
 
 
 def test_merges_txt_naming_tokens_the_vocabulary_lacks_is_one_line(tmp_path, offline):

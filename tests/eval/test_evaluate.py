@@ -583,7 +583,9 @@ def test_all_texts_encoded_at_once_as_one_at_a_time(tmp_path, monkeypatch):
     """encode_batch (the batch encoder of the library each of our tokenizers wraps, which the
     backend encodes a loglikelihood call's texts with) gives every text exactly as that tokenizer's
     encode does, for each kind, empty and whitespace-only texts too, and also where a tokenizer.json
-    asks a batch to be padded (a text alone is not)."""
+    asks for padding and truncation (neither is applied, as in transformers unless asked)."""
+    import tokenizers as tokenizers_lib
+
     from minimal_fsdp.data.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
     import tokenizer_dirs
@@ -596,8 +598,12 @@ def test_all_texts_encoded_at_once_as_one_at_a_time(tmp_path, monkeypatch):
         "<|endoftext|> x",
     ]
     tokenizer_dirs.stub_gpt2_encoding(monkeypatch)
-    padded = load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "padded"))
-    padded.tok.enable_padding()  # to the longest of a batch
+    padded_dir = tokenizer_dirs.write_tokenizer_json(tmp_path / "padded")
+    asking = tokenizers_lib.Tokenizer.from_file(str(padded_dir / "tokenizer.json"))
+    asking.enable_padding()  # to the longest of a batch
+    asking.enable_truncation(2)
+    asking.save(str(padded_dir / "tokenizer.json"))
+    padded = load_tokenizer(padded_dir)
     tokenizers = [
         load_tokenizer(tokenizer_dirs.write_tokenizer_json(tmp_path / "json")),
         padded,
@@ -616,6 +622,7 @@ def test_all_texts_encoded_at_once_as_one_at_a_time(tmp_path, monkeypatch):
     for tok in tokenizers:
         assert tok.encode_batch(texts) == [tok.encode(text) for text in texts], tok.kind
         assert tok.encode_batch([]) == []
+    assert padded.encode_batch(texts) == tokenizers[0].encode_batch(texts)
 
 
 # A few-shot multiple-choice task whose templates use a filter, a condition and a description.
