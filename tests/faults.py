@@ -42,6 +42,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# As minimal_fsdp.__main__ sets it for every command, before torch loads (torch reads it then; the
+# entry's own setting, after these imports, came too late): no c10d warning and C++ stack from a
+# rank still asking the store of a rank 0 that has ended (test_slurm's node-lost test).
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
