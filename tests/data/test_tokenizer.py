@@ -567,6 +567,17 @@ except TokenizerError as e:
 """
 
 
+def load_bounded(directory):
+    """LOAD_BOUNDED run on `directory`: the child's CompletedProcess (stdout: its one line)."""
+    return subprocess.run(
+        [sys.executable, "-c", LOAD_BOUNDED, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+    )
+
+
 @pytest.mark.parametrize("layout", ["tokenizer.json", "vocab.json + merges.txt", "tokenizer.model"])
 def test_a_token_id_past_the_largest_vocabulary_is_one_line(tmp_path, layout):
     """An id of 2^31 - 1 in a tokenizer.json loaded, then made `tokenizers` ask for 8 GB as it
@@ -583,13 +594,7 @@ def test_a_token_id_past_the_largest_vocabulary_is_one_line(tmp_path, layout):
         ranks = [(bytes([i]), i) for i in range(256)] + [(b"ab", big)]
         lines = [f"{base64.b64encode(t).decode()} {rank}" for t, rank in ranks]
         (tmp_path / "tokenizer.model").write_text("\n".join(lines) + "\n")
-    child = subprocess.run(
-        [sys.executable, "-c", LOAD_BOUNDED, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
-    )
+    child = load_bounded(tmp_path)
     assert child.returncode == 0, child.stderr[-2000:]
     out = child.stdout.strip()
     assert "\n" not in out and "2,147,483,647, past 16,777,215" in out, out
@@ -609,13 +614,7 @@ def test_a_huge_padding_length_in_a_tokenizer_json_is_not_allocated(tmp_path):
         "pad_token": "a",
     }
     (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
-    child = subprocess.run(
-        [sys.executable, "-c", LOAD_BOUNDED, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
-    )
+    child = load_bounded(tmp_path)
     assert (child.returncode, child.stdout.strip()) == (0, "loaded 3"), child.stderr[-2000:]
 
 
