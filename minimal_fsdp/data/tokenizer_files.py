@@ -20,7 +20,7 @@ from minimal_fsdp.files import read_json, shown, write_atomic
 
 SIDE_FILE_BYTES = 64 * 2**20  # tokenizer_config.json, config.json: a few KB (some carry templates)
 # The largest vocabulary a model takes (config/checks.py). A tokenizer.json whose ids go past it is
-# refused before the library writes it out: `tokenizers` (0.23) then counts every missing id up to
+# refused before the library writes it out: `tokenizers` (0.23) then lists every missing id up to
 # the largest, so one id of 2^31 - 1 asked for 8 GB and aborted the process.
 MAX_VOCAB = WHOLE_RANGES["vocab_size"][1]
 # End-of-text tokens to look for when no tokenizer_config.json or config.json names one.
@@ -104,10 +104,9 @@ def _write_json(directory, meta):
         json.dump(meta, f, ensure_ascii=False)
 
 
-def _largest_id(tok, where):
-    """The largest token id of a `tokenizers` Tokenizer; one line naming `where` if it holds no
-    tokens or an id past MAX_VOCAB (checked before the library writes it out)."""
-    largest = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+def _check_largest_id(largest, where):
+    """largest, the largest token id of the tokenizer in `where`; one line if it holds no tokens
+    (-1) or an id past MAX_VOCAB."""
     if not 0 <= largest < MAX_VOCAB:
         problem = (
             "it holds no tokens"
@@ -120,6 +119,12 @@ def _largest_id(tok, where):
             "came with"
         )
     return largest
+
+
+def _largest_id(tok, where):
+    """The largest token id of a `tokenizers` Tokenizer, checked (before the library writes it
+    out: MAX_VOCAB)."""
+    return _check_largest_id(max(tok.get_vocab(with_added_tokens=True).values(), default=-1), where)
 
 
 def _digest(data):
@@ -145,9 +150,9 @@ class HFTokenizer:
                 self.tok = Tokenizer.from_str(tokenizer_json)
                 largest = _largest_id(self.tok, "this Hugging Face tokenizer.json")
                 # A file's truncation and padding are for batches of model inputs; transformers
-                # applies them only when asked, and so does nothing here: a max_length of 512
-                # would cut every document to its first 512 tokens, padding would add pad ids to
-                # the data, and a padding length of 2^40 aborted the process as it allocated.
+                # applies them only when asked, and nothing here asks: a max_length of 512 would
+                # cut every document to its first 512 tokens, padding would add pad ids to the
+                # data, and a padding length of 2^40 aborted the process as it allocated.
                 self.tok.no_truncation()
                 self.tok.no_padding()
                 # a model the library cannot run panics here, not at the prompt or mid-training
@@ -324,13 +329,7 @@ class TiktokenTokenizer(TiktokenCalls):
             )
         except ValueError as e:
             raise TokenizerError(f"tiktoken cannot build this tokenizer.model: {e}") from None
-        if self.enc.n_vocab > MAX_VOCAB:
-            raise TokenizerError(
-                f"cannot read tokenizer.model: a token's id is {self.enc.n_vocab - 1:,}, past "
-                f"{MAX_VOCAB - 1:,} (the largest vocabulary a model takes): the file is damaged; "
-                "take it again from the model it came with"
-            )
-        self.vocab_size = self.enc.n_vocab
+        self.vocab_size = _check_largest_id(self.enc.n_vocab - 1, "tokenizer.model") + 1
         self.eos_token = eos_token if eos_token in self.special_tokens else None
         self.bos_token = bos_token if bos_token in self.special_tokens else None
         self.eot_id, self.bos_id = (
