@@ -5,7 +5,6 @@ import pickle
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,6 +19,7 @@ from minimal_fsdp.data.tokenizer import (
 )
 
 import tokenizer_dirs
+from conftest import ROOT
 from support import command
 
 
@@ -551,7 +551,6 @@ def test_what_the_library_writes_to_stderr_while_a_tokenizer_loads_is_passed_on(
     assert capfd.readouterr().err == "a warning from the library\n"
 
 
-ROOT = Path(__file__).resolve().parents[2]
 # A child that loads a tokenizer with 2 GiB more address space than its imports took: past that
 # the Rust library's allocations fail and abort the child, not this test process.
 LOAD_BOUNDED = """
@@ -603,7 +602,8 @@ def test_a_token_id_past_the_largest_vocabulary_is_one_line(tmp_path, layout):
 
 def test_a_huge_padding_length_in_a_tokenizer_json_is_not_allocated(tmp_path):
     """Padding to 2^40 tokens, asked by the file, aborted the process at load as the library
-    allocated it (no truncation or padding is applied any more: the test above)."""
+    allocated it (no padding is applied any more:
+    test_a_tokenizer_jsons_truncation_and_padding_are_not_applied)."""
     tj = bpe_json()
     tj["padding"] = {
         "strategy": {"Fixed": 2**40},
