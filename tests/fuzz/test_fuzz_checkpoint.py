@@ -111,6 +111,8 @@ def rng_edits(state):
 
 STEP = re.compile(r"(?:replicas\.\d+\.)?optim\.state\..+\.step")
 SETTING = re.compile(r"(?:replicas\.\d+\.)?optim\.param_groups\.\d+\.(\w+)")
+# an entry written as a raw pickle: not None, which a setting may be (fused and foreach)
+RAW = object()
 
 
 def optimizer_entries(genuine, kind):
@@ -132,7 +134,7 @@ def optimizer_edits(genuine, kind, raw):
     """The shards with one optimizer entry of `kind` replaced, its byte range and CRC-32 recomputed:
     a number drawn at and past every bound (saved as the entry was: a tensor of its dtype, a Python
     value), or (raw) the value as a raw pickle (what torch.load refuses with weights_only). Returns
-    (the edited files {name: bytes}, fqn, the value written or None for a raw pickle)."""
+    (the edited files {name: bytes}, fqn, the value written or RAW for a raw pickle)."""
     metadata, entries = optimizer_entries(genuine, kind)
     numbers = st.one_of(
         fuzzing.hostile_floats(),
@@ -162,7 +164,7 @@ def optimizer_edits(genuine, kind, raw):
         out = io.BytesIO()
         if raw:
             out.write(pickle.dumps(new, protocol=draw(st.integers(2, 5))))
-            value = None
+            value = RAW
         else:
             torch.save(new, out)
         return spliced(genuine, metadata, fqn, out.getvalue()), fqn, value
@@ -294,7 +296,7 @@ def check_optimizer(genuine, edit):
 
     def used(path):
         # one assertion per kind of entry: Hypothesis reports each that fails
-        if value is None:
+        if value is RAW:
             raise AssertionError(f"{fqn}, a raw pickle, passed every check")
         if STEP.fullmatch(fqn):
             assert step_fits(value, meta_step), f"{fqn} = {value!r} passed every check"
@@ -303,6 +305,17 @@ def check_optimizer(genuine, edit):
             assert setting_fits(field, value), f"{fqn} = {value!r} passed every check"
 
     check_checkpoint(genuine, None, files, used)
+
+
+def test_a_null_fused_setting_is_a_value_not_a_raw_pickle(genuine):
+    """Found by test_optimizer_numbers (2026-12-01): a param group's `fused` saved as None (AdamW's
+    own default, which verify rightly takes) was reported as a raw pickle passing every check,
+    because None also marked the raw pickles."""
+    metadata, _ = optimizer_entries(genuine, "settings")
+    out = io.BytesIO()
+    torch.save(None, out)
+    files = spliced(genuine, metadata, "optim.param_groups.0.fused", out.getvalue())
+    check_optimizer(genuine, (files, "optim.param_groups.0.fused", None))
 
 
 # steps and settings apart: the hunting profile reports one failure per test
