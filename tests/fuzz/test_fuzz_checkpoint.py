@@ -315,6 +315,9 @@ def test_a_null_fused_setting_is_a_value_not_a_raw_pickle(genuine):
     out = io.BytesIO()
     torch.save(None, out)
     files = spliced(genuine, metadata, "optim.param_groups.0.fused", out.getvalue())
+    verified = []
+    check_checkpoint(genuine, None, files, verified.append)  # appended only if verify passed
+    assert verified, "a fused of None (AdamW's default) was refused"
     check_optimizer(genuine, (files, "optim.param_groups.0.fused", None))
 
 
