@@ -121,7 +121,9 @@ def read_config(directory, seq_length=None, dropout=None):
     if model_type is None:
         *others, last = (f.HF_TYPE for f in FAMILIES.values())
         supported = f"{', '.join(others)} and {last}" if others else last
-        raise ConfigError(f"{where} is a {kind!r} model; supported are {supported}")
+        raise ConfigError(
+            f"{where} is a {escaped(repr(kind), 100)} model; supported are {supported}"
+        )
     family = FAMILIES[model_type]
 
     def field(name, kind="size", default=None, bound=None, within="", source=hf):
@@ -130,8 +132,10 @@ def read_config(directory, seq_length=None, dropout=None):
         return _field(source, where, name, kind, default, MODEL_BOUNDS.get(bound), within)
 
     def check(ok, what):
-        if not ok:
-            raise ConfigError(f"{where} uses {what}, which our model does not implement")
+        if not ok:  # what may quote config.json's value: escaped, cut short
+            raise ConfigError(
+                f"{where} uses {escaped(what, 300)}, which our model does not implement"
+            )
 
     fields = {ours: field(theirs, bound=ours) for ours, theirs in family.HF_SIZES.items()}
     embed, heads = fields["embed_size"], fields["num_heads"]

@@ -389,3 +389,46 @@ def test_sampling_past_a_context_of_one_position_keeps_one_token(one_rank_group)
     )
     text = generate(model, tk.CharTokenizer("abcdefgh"), "a", 3, temperature=0)
     assert len(text) == 4
+
+
+@pytest.mark.parametrize(
+    "model_type, field, value",
+    [
+        ("gpt2", "activation_function", "gelu\x86\x95\x1b[2J"),
+        ("llama", "hidden_act", "silu\x85\x00"),
+        ("llama", "hidden_act", ["relu"] * 5000),
+    ],
+)
+def test_a_config_json_activation_is_named_escaped_and_cut_short(
+    tmp_path, model_type, field, value
+):
+    """Found by test_hf_model_directory (2026-12-01): config.json's activation quoted raw in the
+    refusal, C1 control characters (\\x86) and all; a Llama's hidden_act, any JSON value, whole."""
+    from minimal_fsdp.hf.read import read_config
+
+    sizes = {
+        "gpt2": {"n_positions": 8, "n_embd": 8, "n_head": 2, "vocab_size": 16, "n_layer": 1},
+        "llama": {
+            "max_position_embeddings": 8,
+            "hidden_size": 8,
+            "num_attention_heads": 2,
+            "vocab_size": 16,
+            "num_hidden_layers": 1,
+            "intermediate_size": 16,
+        },
+    }[model_type]
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": model_type, **sizes, field: value})
+    )
+    line = refused(lambda: read_config(tmp_path), "activation", "does not implement")
+    assert len(line) < 600
+
+
+def test_a_config_json_model_type_of_any_size_is_one_short_line(tmp_path):
+    """Found beside the activation above: a model_type that is a long list was quoted whole, a
+    700-KB line."""
+    from minimal_fsdp.hf.read import read_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": ["gpt\x85"] * 100_000}))
+    line = refused(lambda: read_config(tmp_path), "supported are")
+    assert len(line) < 400
