@@ -291,10 +291,13 @@ def test_rng_file(genuine, data):
 
 
 def check_optimizer(genuine, edit):
+    """Whether every check passed the edited checkpoint (then what it holds must fit)."""
     files, fqn, value = edit
     meta_step = json.loads((genuine / "meta.json").read_text())["step"]
+    passed = []
 
     def used(path):
+        passed.append(path)
         # one assertion per kind of entry: Hypothesis reports each that fails
         if value is RAW:
             raise AssertionError(f"{fqn}, a raw pickle, passed every check")
@@ -305,6 +308,7 @@ def check_optimizer(genuine, edit):
             assert setting_fits(field, value), f"{fqn} = {value!r} passed every check"
 
     check_checkpoint(genuine, None, files, used)
+    return bool(passed)
 
 
 def test_a_null_fused_setting_is_a_value_not_a_raw_pickle(genuine):
@@ -315,10 +319,8 @@ def test_a_null_fused_setting_is_a_value_not_a_raw_pickle(genuine):
     out = io.BytesIO()
     torch.save(None, out)
     files = spliced(genuine, metadata, "optim.param_groups.0.fused", out.getvalue())
-    verified = []
-    check_checkpoint(genuine, None, files, verified.append)  # appended only if verify passed
-    assert verified, "a fused of None (AdamW's default) was refused"
-    check_optimizer(genuine, (files, "optim.param_groups.0.fused", None))
+    edit = (files, "optim.param_groups.0.fused", None)
+    assert check_optimizer(genuine, edit), "a fused of None (AdamW's default) was refused"
 
 
 # steps and settings apart: the hunting profile reports one failure per test
